@@ -1,0 +1,226 @@
+//! The one connection trait every transport implements, and the listener trait that yields
+//! connections after their transport handshake.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::time::Instant;
+
+use crate::error::TransportError;
+use crate::frame::Frame;
+use crate::protocol::{CloseCode, DEFAULT_MAX_FRAME_SIZE};
+
+/// Which transport carries a connection. For logs and metric labels only: code above the
+/// transport crate must not branch on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TransportKind {
+    /// Plain TCP with length-delimited frames.
+    Tcp,
+    /// TCP inside TLS.
+    Tls,
+    /// KCP over UDP, after the cookie exchange.
+    Kcp,
+    /// QUIC.
+    Quic,
+    /// WebSocket over plain TCP (ws).
+    Ws,
+    /// WebSocket over TLS (wss).
+    Wss,
+}
+
+impl TransportKind {
+    /// Every kind.
+    pub const ALL: [TransportKind; 6] = [
+        Self::Tcp,
+        Self::Tls,
+        Self::Kcp,
+        Self::Quic,
+        Self::Ws,
+        Self::Wss,
+    ];
+
+    /// Stable label (also the URL scheme of [`crate::endpoint::Endpoint`]).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+            Self::Tls => "tls",
+            Self::Kcp => "kcp",
+            Self::Quic => "quic",
+            Self::Ws => "ws",
+            Self::Wss => "wss",
+        }
+    }
+
+    /// Whether the transport runs over UDP (KCP, QUIC): what a client falls back from when
+    /// UDP is blocked.
+    pub fn is_udp(self) -> bool {
+        matches!(self, Self::Kcp | Self::Quic)
+    }
+}
+
+impl fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Process-unique connection id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConnId(pub u64);
+
+impl ConnId {
+    /// The next id of this process.
+    pub fn next() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Self(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+impl fmt::Display for ConnId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "c{}", self.0)
+    }
+}
+
+/// What is known about a connection without reading from it.
+#[derive(Debug, Clone)]
+pub struct ConnInfo {
+    /// Process-unique id.
+    pub id: ConnId,
+    /// The transport (labels only).
+    pub kind: TransportKind,
+    /// The remote address.
+    pub peer: SocketAddr,
+    /// The local address.
+    pub local: SocketAddr,
+}
+
+/// Per-connection limits shared by all transports.
+#[derive(Debug, Clone)]
+pub struct ConnConfig {
+    /// Largest frame accepted or sent (type byte to end).
+    pub max_frame_size: usize,
+    /// `recv` fails with [`TransportError::IdleTimeout`] after this long without receiving
+    /// anything (T5); the peer keeps the link alive with PING frames.
+    pub idle_timeout: Option<Duration>,
+    /// Deadline for the transport handshake (TLS, WebSocket upgrade, QUIC, KCP cookie).
+    pub handshake_timeout: Duration,
+}
+
+impl Default for ConnConfig {
+    fn default() -> Self {
+        Self {
+            max_frame_size: DEFAULT_MAX_FRAME_SIZE,
+            idle_timeout: Some(Duration::from_secs(30)),
+            handshake_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A framed, message-oriented connection: one trait for TCP, TLS, KCP, QUIC and WebSocket.
+///
+/// One task drives a connection: `recv` is cancel-safe (it can lose a `select!` race without
+/// losing data), `send` is not (drop it mid-way and the connection must be closed).
+#[async_trait]
+pub trait Connection: Send + 'static {
+    /// Id, kind and addresses.
+    fn info(&self) -> &ConnInfo;
+
+    /// Sends one frame. Its [`Frame::class`] picks the stream or priority where the
+    /// transport has several (QUIC: a stream per class, best-effort as datagrams).
+    async fn send(&mut self, frame: &Frame) -> Result<(), TransportError>;
+
+    /// Sends several frames, coalescing writes where the transport allows.
+    async fn send_batch(&mut self, frames: &[Frame]) -> Result<(), TransportError> {
+        for frame in frames {
+            self.send(frame).await?;
+        }
+        Ok(())
+    }
+
+    /// Receives the next frame. Cancel-safe. A CLOSE frame from the peer is returned as
+    /// `Err(ClosedByPeer { code })`; a malformed or oversized frame as `Err(Frame(..))`,
+    /// after which the connection is closed with that error's code.
+    async fn recv(&mut self) -> Result<Frame, TransportError>;
+
+    /// Sends a CLOSE frame with `code`, flushes what is queued (bounded by a short deadline)
+    /// and closes the transport. Idempotent.
+    async fn close(&mut self, code: CloseCode, message: &str);
+}
+
+/// A boxed connection, as listeners yield them.
+pub type BoxConnection = Box<dyn Connection>;
+
+/// A listener yields connections whose transport handshake is complete. Handshakes run
+/// concurrently in the background, each under `handshake_timeout`; failures are logged and
+/// counted there and never returned from `accept`.
+#[async_trait]
+pub trait Listener: Send + 'static {
+    /// The bound address (useful after binding port 0).
+    fn local_addr(&self) -> SocketAddr;
+
+    /// The transport (labels only).
+    fn kind(&self) -> TransportKind;
+
+    /// The next ready connection; `None` once the listener is shut down.
+    async fn accept(&mut self) -> Option<BoxConnection>;
+}
+
+/// A boxed listener.
+pub type BoxListener = Box<dyn Listener>;
+
+/// Tracks the idle deadline of a connection: `recv` implementations reset it on every
+/// received byte and race their read against [`IdleTimer::expired`].
+#[derive(Debug, Clone)]
+pub struct IdleTimer {
+    timeout: Option<Duration>,
+    last_rx: Instant,
+}
+
+impl IdleTimer {
+    /// Starts the timer now.
+    pub fn new(timeout: Option<Duration>) -> Self {
+        Self {
+            timeout,
+            last_rx: Instant::now(),
+        }
+    }
+
+    /// Something arrived.
+    pub fn touch(&mut self) {
+        self.last_rx = Instant::now();
+    }
+
+    /// Resolves when the idle deadline passes (never, without a timeout). Cancel-safe.
+    pub async fn expired(&self) -> TransportError {
+        match self.timeout {
+            Some(timeout) => {
+                tokio::time::sleep_until(self.last_rx + timeout).await;
+                TransportError::IdleTimeout(timeout)
+            }
+            None => std::future::pending().await,
+        }
+    }
+}
+
+/// Counters every transport keeps, for the edge's metrics.
+#[derive(Debug, Default)]
+pub struct ListenerStats {
+    /// Connections that completed the transport handshake.
+    pub accepted: AtomicU64,
+    /// Handshakes that failed or timed out.
+    pub handshake_failed: AtomicU64,
+    /// Connections closed because the peer sent an invalid frame.
+    pub bad_frames: AtomicU64,
+}
+
+impl ListenerStats {
+    /// Adds one to a counter.
+    pub fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,176 @@
+//! A [`Connection`] over any byte stream (TCP, TLS over TCP): varint length-delimited frames
+//! through [`StreamCodec`]. The read buffer grows only while a frame is arriving and is
+//! released when idle, so an idle connection costs little more than its socket.
+
+use async_trait::async_trait;
+use bytes::BytesMut;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::codec::StreamCodec;
+use crate::conn::{ConnConfig, ConnInfo, Connection, IdleTimer};
+use crate::error::TransportError;
+use crate::frame::Frame;
+use crate::protocol::CloseCode;
+
+/// Size of each read from the socket.
+const READ_CHUNK: usize = 4096;
+/// A read buffer larger than this is released once empty.
+const KEEP_READ_CAPACITY: usize = 16 * 1024;
+/// How long `close` waits for the CLOSE frame to be written.
+const CLOSE_FLUSH: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// A framed byte-stream connection.
+#[derive(Debug)]
+pub struct StreamConnection<S> {
+    io: S,
+    info: ConnInfo,
+    codec: StreamCodec,
+    read_buf: BytesMut,
+    write_buf: BytesMut,
+    idle: IdleTimer,
+    closed: bool,
+    eof: bool,
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> StreamConnection<S> {
+    /// Wraps an established stream.
+    pub fn new(io: S, info: ConnInfo, config: &ConnConfig) -> Self {
+        Self {
+            io,
+            info,
+            codec: StreamCodec::new(config.max_frame_size),
+            read_buf: BytesMut::new(),
+            write_buf: BytesMut::new(),
+            idle: IdleTimer::new(config.idle_timeout),
+            closed: false,
+            eof: false,
+        }
+    }
+
+    async fn write_out(&mut self) -> Result<(), TransportError> {
+        let result = self.io.write_all(&self.write_buf).await;
+        self.write_buf.clear();
+        if self.write_buf.capacity() > KEEP_READ_CAPACITY {
+            self.write_buf = BytesMut::new();
+        }
+        result?;
+        Ok(())
+    }
+
+    fn try_decode(&mut self) -> Result<Option<Frame>, TransportError> {
+        let frame = self.codec.decode(&mut self.read_buf)?;
+        if self.read_buf.is_empty() && self.read_buf.capacity() > KEEP_READ_CAPACITY {
+            self.read_buf = BytesMut::new();
+        }
+        Ok(frame)
+    }
+
+    /// Reads more bytes into the buffer; cancel-safe because `read_buf` only ever gains
+    /// bytes that were read.
+    async fn fill(&mut self) -> Result<(), TransportError> {
+        let need = self.codec.bytes_needed(&self.read_buf).max(READ_CHUNK);
+        self.read_buf.reserve(need);
+        let n = tokio::select! {
+            n = self.io.read_buf(&mut self.read_buf) => n?,
+            err = self.idle.expired() => return Err(err),
+        };
+        if n == 0 {
+            self.eof = true;
+            return Err(if self.read_buf.is_empty() {
+                TransportError::ClosedByPeer {
+                    code: CloseCode::Normal,
+                }
+            } else {
+                TransportError::Violation("stream ended inside a frame")
+            });
+        }
+        self.idle.touch();
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Connection for StreamConnection<S> {
+    fn info(&self) -> &ConnInfo {
+        &self.info
+    }
+
+    async fn send(&mut self, frame: &Frame) -> Result<(), TransportError> {
+        if self.closed {
+            return Err(TransportError::Closed);
+        }
+        self.codec
+            .check_len(frame)
+            .map_err(|_| TransportError::SendTooLarge {
+                len: frame.encoded_len(),
+                max: self.codec.max_frame_size(),
+            })?;
+        self.codec.encode(frame, &mut self.write_buf)?;
+        self.write_out().await
+    }
+
+    async fn send_batch(&mut self, frames: &[Frame]) -> Result<(), TransportError> {
+        if self.closed {
+            return Err(TransportError::Closed);
+        }
+        for frame in frames {
+            self.codec
+                .check_len(frame)
+                .map_err(|_| TransportError::SendTooLarge {
+                    len: frame.encoded_len(),
+                    max: self.codec.max_frame_size(),
+                })?;
+        }
+        for frame in frames {
+            self.codec.encode(frame, &mut self.write_buf)?;
+        }
+        self.write_out().await
+    }
+
+    async fn recv(&mut self) -> Result<Frame, TransportError> {
+        loop {
+            if self.closed {
+                return Err(TransportError::Closed);
+            }
+            if self.eof {
+                return Err(TransportError::ClosedByPeer {
+                    code: CloseCode::Normal,
+                });
+            }
+            match self.try_decode() {
+                Ok(Some(Frame::Close { code, .. })) => {
+                    self.eof = true;
+                    return Err(TransportError::ClosedByPeer { code });
+                }
+                Ok(Some(frame)) => return Ok(frame),
+                Ok(None) => self.fill().await?,
+                Err(e) => {
+                    let code = e.close_code();
+                    tracing::debug!(conn = %self.info.id, error = %e, "closing after invalid frame");
+                    self.close(code, "invalid frame").await;
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    async fn close(&mut self, code: CloseCode, message: &str) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        self.write_buf.clear();
+        let frame = Frame::Close {
+            code,
+            message: message.chars().take(200).collect(),
+        };
+        let _ = self.codec.encode(&frame, &mut self.write_buf);
+        let _ = tokio::time::timeout(CLOSE_FLUSH, async {
+            let _ = self.io.write_all(&self.write_buf).await;
+            let _ = self.io.shutdown().await;
+        })
+        .await;
+        self.write_buf = BytesMut::new();
+        self.read_buf = BytesMut::new();
+    }
+}
