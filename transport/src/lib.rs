@@ -33,6 +33,7 @@ pub mod stream;
 pub mod tcp;
 pub mod tls;
 pub mod varint;
+pub mod ws;
 
 pub use conn::{
     BoxConnection, BoxListener, ConnConfig, ConnId, ConnInfo, Connection, Listener, TransportKind,

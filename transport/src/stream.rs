@@ -143,7 +143,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Connection for StreamCo
                     return Err(TransportError::ClosedByPeer { code });
                 }
                 Ok(Some(frame)) => return Ok(frame),
-                Ok(None) => self.fill().await?,
+                Ok(None) => {
+                    if let Err(e) = self.fill().await {
+                        if matches!(e, TransportError::Violation(_)) {
+                            self.close(e.close_code(), "stream ended inside a frame")
+                                .await;
+                        }
+                        return Err(e);
+                    }
+                }
                 Err(e) => {
                     let code = e.close_code();
                     tracing::debug!(conn = %self.info.id, error = %e, "closing after invalid frame");

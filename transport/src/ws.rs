@@ -1,0 +1,475 @@
+//! WebSocket (ws and wss): one client-protocol frame per binary message. Text messages are a
+//! protocol violation. Buffers are sized for many idle connections (tungstenite's 128 KiB
+//! default read buffer would cost ~134 KiB per connection) and the message size limit is the
+//! frame size limit, so a 100 MiB declared message is refused from its header.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use futures_util::{SinkExt, StreamExt};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener as TokioTcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, Response};
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode as WsCloseCode;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
+use tokio_tungstenite::tungstenite::{Error as WsError, Message};
+use tokio_tungstenite::WebSocketStream;
+
+use crate::codec::{decode_message, encode_message};
+use crate::conn::{
+    BoxConnection, ConnConfig, ConnId, ConnInfo, Connection, IdleTimer, Listener, ListenerStats,
+    TransportKind,
+};
+use crate::error::{FrameError, TransportError};
+use crate::frame::Frame;
+use crate::protocol::{CloseCode, WS_SUBPROTOCOL};
+use crate::tls::{server_name, ClientTls, TlsIdentity};
+
+const ACCEPT_BACKLOG: usize = 1024;
+const READ_BUFFER: usize = 4 * 1024;
+const CLOSE_FLUSH: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// The tungstenite configuration for a given maximum frame size.
+pub fn ws_config(max_frame_size: usize) -> WebSocketConfig {
+    WebSocketConfig::default()
+        .read_buffer_size(READ_BUFFER)
+        // 0: every message is written through at once (no batching delay).
+        .write_buffer_size(0)
+        .max_write_buffer_size(max_frame_size.saturating_mul(4).max(64 * 1024))
+        .max_message_size(Some(max_frame_size))
+        .max_frame_size(Some(max_frame_size))
+}
+
+/// A WebSocket connection carrying frames in binary messages.
+pub struct WsConnection<S> {
+    ws: WebSocketStream<S>,
+    info: ConnInfo,
+    max_frame_size: usize,
+    idle: IdleTimer,
+    closed: bool,
+}
+
+impl<S> std::fmt::Debug for WsConnection<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WsConnection")
+            .field("info", &self.info)
+            .finish()
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> WsConnection<S> {
+    /// Wraps an upgraded WebSocket.
+    pub fn new(ws: WebSocketStream<S>, info: ConnInfo, config: &ConnConfig) -> Self {
+        Self {
+            ws,
+            info,
+            max_frame_size: config.max_frame_size,
+            idle: IdleTimer::new(config.idle_timeout),
+            closed: false,
+        }
+    }
+
+    fn encode(&self, frame: &Frame) -> Result<Message, TransportError> {
+        let mut out = bytes::BytesMut::with_capacity(frame.encoded_len());
+        encode_message(frame, self.max_frame_size, &mut out).map_err(|_| {
+            TransportError::SendTooLarge {
+                len: frame.encoded_len(),
+                max: self.max_frame_size,
+            }
+        })?;
+        Ok(Message::Binary(out.freeze()))
+    }
+
+    async fn fail(&mut self, err: TransportError, message: &str) -> TransportError {
+        tracing::debug!(conn = %self.info.id, error = %err, "closing websocket after bad input");
+        self.close(err.close_code(), message).await;
+        err
+    }
+}
+
+fn ws_err(e: WsError) -> TransportError {
+    match e {
+        WsError::Io(io) => TransportError::Io(io),
+        WsError::Capacity(_) => TransportError::Violation("websocket capacity exceeded"),
+        WsError::ConnectionClosed | WsError::AlreadyClosed => TransportError::ClosedByPeer {
+            code: CloseCode::Normal,
+        },
+        other => TransportError::Handshake(other.to_string()),
+    }
+}
+
+#[async_trait]
+impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Connection for WsConnection<S> {
+    fn info(&self) -> &ConnInfo {
+        &self.info
+    }
+
+    async fn send(&mut self, frame: &Frame) -> Result<(), TransportError> {
+        if self.closed {
+            return Err(TransportError::Closed);
+        }
+        let msg = self.encode(frame)?;
+        self.ws.send(msg).await.map_err(ws_err)
+    }
+
+    async fn send_batch(&mut self, frames: &[Frame]) -> Result<(), TransportError> {
+        if self.closed {
+            return Err(TransportError::Closed);
+        }
+        let msgs = frames
+            .iter()
+            .map(|f| self.encode(f))
+            .collect::<Result<Vec<_>, _>>()?;
+        for msg in msgs {
+            self.ws.feed(msg).await.map_err(ws_err)?;
+        }
+        self.ws.flush().await.map_err(ws_err)
+    }
+
+    async fn recv(&mut self) -> Result<Frame, TransportError> {
+        loop {
+            if self.closed {
+                return Err(TransportError::Closed);
+            }
+            let next = tokio::select! {
+                next = self.ws.next() => next,
+                err = self.idle.expired() => return Err(err),
+            };
+            self.idle.touch();
+            match next {
+                None => {
+                    return Err(TransportError::ClosedByPeer {
+                        code: CloseCode::Normal,
+                    })
+                }
+                Some(Ok(Message::Binary(bytes))) => {
+                    match decode_message(bytes, self.max_frame_size) {
+                        Ok(Frame::Close { code, .. }) => {
+                            self.closed = true;
+                            let _ = tokio::time::timeout(CLOSE_FLUSH, self.ws.close(None)).await;
+                            return Err(TransportError::ClosedByPeer { code });
+                        }
+                        Ok(frame) => return Ok(frame),
+                        Err(e) => return Err(self.fail(e.into(), "invalid frame").await),
+                    }
+                }
+                Some(Ok(Message::Text(_))) => {
+                    let err = TransportError::Violation("text message");
+                    self.close(CloseCode::TextMessage, "only binary messages carry frames")
+                        .await;
+                    return Err(err);
+                }
+                Some(Ok(Message::Close(_))) => {
+                    self.closed = true;
+                    return Err(TransportError::ClosedByPeer {
+                        code: CloseCode::Normal,
+                    });
+                }
+                // Pings are answered by tungstenite itself; pongs and raw frames carry nothing.
+                Some(Ok(_)) => continue,
+                Some(Err(WsError::Capacity(_))) => {
+                    let err = TransportError::Frame(FrameError::TooLarge {
+                        len: self.max_frame_size as u64 + 1,
+                        max: self.max_frame_size,
+                    });
+                    return Err(self
+                        .fail(err, "message exceeds the maximum frame size")
+                        .await);
+                }
+                Some(Err(WsError::Protocol(p))) => {
+                    tracing::debug!(conn = %self.info.id, error = %p, "websocket protocol error");
+                    let err = TransportError::Violation("websocket protocol error");
+                    return Err(self.fail(err, "websocket protocol error").await);
+                }
+                Some(Err(e)) => {
+                    self.closed = true;
+                    return Err(ws_err(e));
+                }
+            }
+        }
+    }
+
+    async fn close(&mut self, code: CloseCode, message: &str) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        let frame = Frame::Close {
+            code,
+            message: message.chars().take(200).collect(),
+        };
+        let ws_code = match code {
+            CloseCode::Normal => WsCloseCode::Normal,
+            CloseCode::GoingAway => WsCloseCode::Away,
+            CloseCode::TextMessage => WsCloseCode::Unsupported,
+            CloseCode::FrameTooLarge => WsCloseCode::Size,
+            CloseCode::ProtocolError => WsCloseCode::Protocol,
+            // 4000-4999 are for applications: 4000 + the waygate code's last three digits.
+            other => WsCloseCode::from(4000 + other.to_u16() % 1000),
+        };
+        let _ = tokio::time::timeout(CLOSE_FLUSH, async {
+            let _ = self.ws.send(Message::Binary(frame.to_bytes())).await;
+            let _ = self
+                .ws
+                .close(Some(CloseFrame {
+                    code: ws_code,
+                    reason: code.as_str().into(),
+                }))
+                .await;
+        })
+        .await;
+    }
+}
+
+/// A WebSocket (or wss) listener.
+pub struct WsListener {
+    local: SocketAddr,
+    kind: TransportKind,
+    ready: mpsc::Receiver<BoxConnection>,
+    stats: Arc<ListenerStats>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for WsListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WsListener")
+            .field("local", &self.local)
+            .field("kind", &self.kind)
+            .finish()
+    }
+}
+
+impl WsListener {
+    /// Binds `addr`; with `tls`, serves wss.
+    pub async fn bind(
+        addr: SocketAddr,
+        tls: Option<&TlsIdentity>,
+        config: ConnConfig,
+    ) -> Result<Self, TransportError> {
+        let listener = TokioTcpListener::bind(addr).await?;
+        let local = listener.local_addr()?;
+        let acceptor = tls
+            .map(|id| {
+                id.server_config(&[b"http/1.1"])
+                    .map(|c| TlsAcceptor::from(Arc::new(c)))
+            })
+            .transpose()?;
+        let kind = if acceptor.is_some() {
+            TransportKind::Wss
+        } else {
+            TransportKind::Ws
+        };
+        let (tx, ready) = mpsc::channel(ACCEPT_BACKLOG);
+        let stats = Arc::new(ListenerStats::default());
+        let task = tokio::spawn(ws_accept_loop(
+            listener,
+            local,
+            kind,
+            acceptor,
+            config,
+            tx,
+            stats.clone(),
+        ));
+        Ok(Self {
+            local,
+            kind,
+            ready,
+            stats,
+            task,
+        })
+    }
+
+    /// Counters of this listener.
+    pub fn stats(&self) -> Arc<ListenerStats> {
+        self.stats.clone()
+    }
+}
+
+impl Drop for WsListener {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+#[async_trait]
+impl Listener for WsListener {
+    fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    fn kind(&self) -> TransportKind {
+        self.kind
+    }
+
+    async fn accept(&mut self) -> Option<BoxConnection> {
+        self.ready.recv().await
+    }
+}
+
+/// Echoes our subprotocol when the client offers it.
+#[allow(clippy::result_large_err)]
+fn negotiate(request: &Request, mut response: Response) -> Result<Response, ErrorResponse> {
+    let offered = request
+        .headers()
+        .get_all("sec-websocket-protocol")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|p| p.trim() == WS_SUBPROTOCOL);
+    if offered {
+        if let Ok(value) = WS_SUBPROTOCOL.parse() {
+            response
+                .headers_mut()
+                .insert("sec-websocket-protocol", value);
+        }
+    }
+    Ok(response)
+}
+
+async fn upgrade<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
+    stream: S,
+    info: ConnInfo,
+    config: &ConnConfig,
+) -> Result<BoxConnection, TransportError> {
+    let ws = tokio_tungstenite::accept_hdr_async_with_config(
+        stream,
+        negotiate,
+        Some(ws_config(config.max_frame_size)),
+    )
+    .await
+    .map_err(|e| TransportError::Handshake(e.to_string()))?;
+    Ok(Box::new(WsConnection::new(ws, info, config)))
+}
+
+async fn ws_accept_loop(
+    listener: TokioTcpListener,
+    local: SocketAddr,
+    kind: TransportKind,
+    acceptor: Option<TlsAcceptor>,
+    config: ConnConfig,
+    tx: mpsc::Sender<BoxConnection>,
+    stats: Arc<ListenerStats>,
+) {
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(%local, error = %e, "websocket accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                continue;
+            }
+        };
+        if tx.is_closed() {
+            return;
+        }
+        let _ = stream.set_nodelay(true);
+        let info = ConnInfo {
+            id: ConnId::next(),
+            kind,
+            peer,
+            local,
+        };
+        let acceptor = acceptor.clone();
+        let config = config.clone();
+        let tx = tx.clone();
+        let stats = stats.clone();
+        tokio::spawn(async move {
+            let handshake = async {
+                match acceptor {
+                    None => upgrade(stream, info, &config).await,
+                    Some(acceptor) => {
+                        let tls = acceptor
+                            .accept(stream)
+                            .await
+                            .map_err(|e| TransportError::Handshake(e.to_string()))?;
+                        upgrade(tls, info, &config).await
+                    }
+                }
+            };
+            match tokio::time::timeout(config.handshake_timeout, handshake).await {
+                Ok(Ok(conn)) => {
+                    ListenerStats::bump(&stats.accepted);
+                    let _ = tx.send(conn).await;
+                }
+                Ok(Err(e)) => {
+                    ListenerStats::bump(&stats.handshake_failed);
+                    tracing::debug!(%peer, error = %e, "websocket handshake failed");
+                }
+                Err(_) => {
+                    ListenerStats::bump(&stats.handshake_failed);
+                    tracing::debug!(%peer, "websocket handshake timed out");
+                }
+            }
+        });
+    }
+}
+
+/// Connects to `ws://addr/` (or `wss://host:port/` with `tls`), offering the waygate
+/// subprotocol. `host` is the name sent in the Host header and verified by TLS.
+pub async fn connect_ws(
+    addr: SocketAddr,
+    host: &str,
+    path: &str,
+    tls: Option<&ClientTls>,
+    config: &ConnConfig,
+) -> Result<BoxConnection, TransportError> {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+
+    let scheme = if tls.is_some() { "wss" } else { "ws" };
+    let host_port = if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{}", addr.port())
+    } else {
+        format!("{host}:{}", addr.port())
+    };
+    let url = format!("{scheme}://{host_port}{path}");
+    let mut request = url
+        .as_str()
+        .into_client_request()
+        .map_err(|e| TransportError::Config(format!("websocket url {url}: {e}")))?;
+    if let Ok(v) = WS_SUBPROTOCOL.parse() {
+        request.headers_mut().insert("sec-websocket-protocol", v);
+    }
+    let cfg = Some(ws_config(config.max_frame_size));
+    let connect = async {
+        let tcp = TcpStream::connect(addr).await?;
+        let _ = tcp.set_nodelay(true);
+        let local = tcp.local_addr()?;
+        let kind = if tls.is_some() {
+            TransportKind::Wss
+        } else {
+            TransportKind::Ws
+        };
+        let info = ConnInfo {
+            id: ConnId::next(),
+            kind,
+            peer: addr,
+            local,
+        };
+        let conn: BoxConnection = match tls {
+            None => {
+                let (ws, _) = tokio_tungstenite::client_async_with_config(request, tcp, cfg)
+                    .await
+                    .map_err(|e| TransportError::Handshake(e.to_string()))?;
+                Box::new(WsConnection::new(ws, info, config))
+            }
+            Some(tls) => {
+                let connector = TlsConnector::from(Arc::new(tls.client_config(&[b"http/1.1"])?));
+                let stream = connector
+                    .connect(server_name(host)?, tcp)
+                    .await
+                    .map_err(|e| TransportError::Handshake(e.to_string()))?;
+                let (ws, _) = tokio_tungstenite::client_async_with_config(request, stream, cfg)
+                    .await
+                    .map_err(|e| TransportError::Handshake(e.to_string()))?;
+                Box::new(WsConnection::new(ws, info, config))
+            }
+        };
+        Ok::<_, TransportError>(conn)
+    };
+    tokio::time::timeout(config.handshake_timeout, connect)
+        .await
+        .map_err(|_| TransportError::HandshakeTimeout)?
+}

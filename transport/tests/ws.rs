@@ -1,0 +1,156 @@
+//! WebSocket (ws and wss) transport conformance over loopback.
+
+mod common;
+
+use std::net::SocketAddr;
+
+use futures_util::{SinkExt, StreamExt};
+use tokio_tungstenite::tungstenite::Message;
+use waygate_transport::conn::ConnConfig;
+use waygate_transport::tls::{ClientTls, TlsIdentity};
+use waygate_transport::ws::{connect_ws, WsListener};
+use waygate_transport::{CloseCode, Frame, Listener};
+
+const MAX: usize = 16 * 1024;
+
+fn config() -> ConnConfig {
+    ConnConfig {
+        max_frame_size: MAX,
+        ..ConnConfig::default()
+    }
+}
+
+async fn ws_echo() -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = WsListener::bind("127.0.0.1:0".parse().unwrap(), None, config())
+        .await
+        .unwrap();
+    let addr = listener.local_addr();
+    (addr, common::spawn_echo_server(Box::new(listener)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ws_100_connections_1000_frames_each() {
+    let (addr, _server) = ws_echo().await;
+    common::many_connections(
+        move || async move { connect_ws(addr, "127.0.0.1", "/", None, &config()).await },
+        100,
+        1000,
+        MAX,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wss_100_connections_1000_frames_each() {
+    let id = TlsIdentity::generate_dev(&[]).unwrap();
+    let listener = WsListener::bind("127.0.0.1:0".parse().unwrap(), Some(&id), config())
+        .await
+        .unwrap();
+    let addr = listener.local_addr();
+    let _server = common::spawn_echo_server(Box::new(listener));
+    let client = ClientTls::from_ca_pem(id.dev_ca_pem.as_deref().unwrap()).unwrap();
+    common::many_connections(
+        move || {
+            let client = client.clone();
+            async move { connect_ws(addr, "localhost", "/game", Some(&client), &config()).await }
+        },
+        100,
+        1000,
+        MAX,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn ws_max_frame_passes_and_max_plus_one_is_refused() {
+    let (addr, _server) = ws_echo().await;
+    let mut conn = connect_ws(addr, "127.0.0.1", "/", None, &config())
+        .await
+        .unwrap();
+    common::max_frame_checks(&mut conn, MAX).await;
+}
+
+/// Opens a raw tungstenite client, sends `msg`, and returns the waygate CLOSE code the
+/// server answered with (from the binary CLOSE frame it sends before the WebSocket close).
+async fn raw_send_and_read_close(addr: SocketAddr, msg: Message) -> Option<CloseCode> {
+    let (mut ws, _) = tokio_tungstenite::connect_async(format!("ws://{addr}/"))
+        .await
+        .unwrap();
+    let _ = ws.send(msg).await;
+    let mut code = None;
+    let _ = common::timeout(async {
+        while let Some(Ok(m)) = ws.next().await {
+            if let Message::Binary(b) = m {
+                if let Ok(Frame::Close { code: c, .. }) = Frame::decode(b) {
+                    code = Some(c);
+                }
+            }
+        }
+    })
+    .await;
+    code
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_closes_only_that_connection() {
+    let (addr, _server) = ws_echo().await;
+    let good = tokio::spawn(common::many_connections(
+        move || async move { connect_ws(addr, "127.0.0.1", "/", None, &config()).await },
+        99,
+        300,
+        MAX,
+    ));
+
+    assert_eq!(
+        raw_send_and_read_close(addr, Message::text("hello")).await,
+        Some(CloseCode::TextMessage)
+    );
+    assert_eq!(
+        raw_send_and_read_close(addr, Message::binary(vec![0x7f, 1, 2])).await,
+        Some(CloseCode::ProtocolError)
+    );
+    assert_eq!(
+        raw_send_and_read_close(addr, Message::binary(vec![0x04; MAX + 1])).await,
+        Some(CloseCode::FrameTooLarge)
+    );
+
+    // A WebSocket frame header declaring a 100 MiB binary message, and no body: refused
+    // from the header, before any allocation.
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let req = format!(
+            "GET / HTTP/1.1\r\nHost: {addr}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+             Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        );
+        sock.write_all(req.as_bytes()).await.unwrap();
+        let mut head = vec![0u8; 1024];
+        let n = common::timeout(sock.read(&mut head)).await.unwrap();
+        assert!(String::from_utf8_lossy(&head[..n]).starts_with("HTTP/1.1 101"));
+        // FIN + binary, MASK + 127 (64-bit length), length 100 MiB, mask key.
+        let mut hdr = vec![0x82, 0xFF];
+        hdr.extend_from_slice(&(100u64 * 1024 * 1024).to_be_bytes());
+        hdr.extend_from_slice(&[1, 2, 3, 4]);
+        sock.write_all(&hdr).await.unwrap();
+        let mut rest = Vec::new();
+        let _ = common::timeout(sock.read_to_end(&mut rest)).await;
+        // The server closed the connection (EOF reached within the timeout).
+    }
+
+    // A broken upgrade request.
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+        sock.write_all(b"\x16\x03\x01garbage\r\n\r\n")
+            .await
+            .unwrap();
+        let mut rest = Vec::new();
+        let _ = common::timeout(sock.read_to_end(&mut rest)).await;
+    }
+
+    common::timeout(async { good.await.expect("control group") }).await;
+    let mut conn = connect_ws(addr, "127.0.0.1", "/", None, &config())
+        .await
+        .unwrap();
+    common::exchange(&mut conn, 0, 10, MAX).await;
+}
