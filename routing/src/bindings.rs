@@ -82,6 +82,14 @@ impl Bindings {
         Some(b)
     }
 
+    /// The bindings of `key` as (requested service, binding).
+    pub fn of_key(&self, key: &str) -> impl Iterator<Item = (&str, &Binding)> {
+        self.by_key
+            .get(key)
+            .into_iter()
+            .flat_map(|per| per.iter().map(|(s, b)| (s.as_str(), b)))
+    }
+
     /// Removes every binding of `key` (the session ended and its linger expired); returns
     /// how many were removed.
     pub fn unbind_key(&mut self, key: &str) -> usize {

@@ -253,7 +253,29 @@ impl Router {
 
     /// Forgets every binding of `key` (its session is gone for good); returns how many.
     pub fn release_key(&mut self, key: &str) -> usize {
+        let instances: Vec<String> = self
+            .bindings
+            .of_key(key)
+            .map(|(_, b)| b.instance_id.clone())
+            .collect();
+        for i in &instances {
+            self.unplaced(i);
+        }
         self.bindings.unbind_key(key)
+    }
+
+    /// Forgets the binding of `key` for `service`.
+    pub fn release(&mut self, key: &str, service: &str) -> Option<Binding> {
+        let b = self.bindings.unbind(key, service)?;
+        self.unplaced(&b.instance_id);
+        Some(b)
+    }
+
+    /// A key left `instance`: the local count since its last load report goes down.
+    fn unplaced(&mut self, instance: &str) {
+        if let Some(l) = self.loads.get_mut(instance) {
+            l.placed_since = l.placed_since.saturating_sub(1);
+        }
     }
 
     /// Moves queued in the planner.
@@ -750,16 +772,16 @@ impl Router {
         };
         let Some(si) = serving else {
             // The serving service is gone: nothing can take the state over.
-            self.bindings.unbind(&p.key, &p.service);
+            self.release(&p.key, &p.service);
             return Carry::Done(Box::new(m));
         };
         if kind == KeyKind::Room && cause != MigrationCause::Reassigned {
             // A room cannot move: it is lost and must be rebuilt where it is next routed.
-            self.bindings.unbind(&p.key, &p.service);
+            self.release(&p.key, &p.service);
             return Carry::Done(Box::new(m));
         }
         // Choose without the old binding counting against capacity; keep it if nothing fits.
-        self.bindings.unbind(&p.key, &p.service);
+        self.release(&p.key, &p.service);
         match self.choose(si, &p.key) {
             Ok((idx, _)) => {
                 let inst = &table.services[si].instances[idx];
@@ -777,6 +799,10 @@ impl Router {
                 Carry::Done(Box::new(m))
             }
             Err(_) => {
+                self.loads
+                    .entry(b.instance_id.clone())
+                    .or_default()
+                    .placed_since += 1;
                 self.bindings.bind(&p.key, &p.service, b);
                 Carry::Blocked
             }

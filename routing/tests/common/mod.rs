@@ -13,8 +13,20 @@ pub fn inst(id: &str, weight: f64) -> InstanceSpec {
     }
 }
 
-pub fn service(name: &str, key: KeyKind, lo: u32, hi: u32, instances: Vec<InstanceSpec>) -> ServiceSpec {
-    ServiceSpec { name: name.into(), messages: vec![[lo, hi]], key, canary: None, instances }
+pub fn service(
+    name: &str,
+    key: KeyKind,
+    lo: u32,
+    hi: u32,
+    instances: Vec<InstanceSpec>,
+) -> ServiceSpec {
+    ServiceSpec {
+        name: name.into(),
+        messages: vec![[lo, hi]],
+        key,
+        canary: None,
+        instances,
+    }
 }
 
 /// Epoch `epoch`: "player" (ids 1000..=1999) on p1..p3, "room" (2000..=2999) on r1..r2.
@@ -27,7 +39,13 @@ pub fn base_table(epoch: u64) -> RouteTable {
         1999,
         vec![inst("p1", 1.0), inst("p2", 1.0), inst("p3", 1.0)],
     ));
-    t.services.push(service("room", KeyKind::Room, 2000, 2999, vec![inst("r1", 1.0), inst("r2", 1.0)]));
+    t.services.push(service(
+        "room",
+        KeyKind::Room,
+        2000,
+        2999,
+        vec![inst("r1", 1.0), inst("r2", 1.0)],
+    ));
     t
 }
 
