@@ -174,8 +174,6 @@ pub enum PollOutcome {
         /// Its revision.
         revision: u64,
     },
-    /// The file is still the invalid content already reported.
-    StillInvalid,
 }
 
 #[derive(Debug)]
@@ -233,7 +231,8 @@ impl FileRouteSource {
     }
 
     /// Checks the file once (synchronously) and publishes its table if it changed and is
-    /// valid and newer. An error leaves the last good table published.
+    /// valid and newer. An error leaves the last good table published; it is returned on
+    /// every poll while the file stays broken, but logged only when the content changes.
     pub fn poll_once(&self) -> Result<PollOutcome, RoutingError> {
         self.inner.poll_once()
     }
@@ -315,10 +314,6 @@ impl Inner {
         if Some(hash) == st.last_good_hash {
             st.status.last_success = Some(Instant::now());
             return Ok(PollOutcome::Unchanged);
-        }
-        if Some(hash) == st.last_bad_hash {
-            st.status.consecutive_errors = st.status.consecutive_errors.saturating_add(1);
-            return Ok(PollOutcome::StillInvalid);
         }
         let current = self.tx.borrow().table.clone();
         let parsed = RouteTable::from_slice(&bytes, self.format()).and_then(|t| match &current {
