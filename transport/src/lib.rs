@@ -28,6 +28,7 @@ pub mod conn;
 pub mod error;
 pub mod frame;
 pub mod protocol;
+pub mod quic;
 mod reader;
 pub mod stream;
 pub mod tcp;

@@ -3,6 +3,7 @@
 mod common;
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
 use tokio_tungstenite::tungstenite::Message;
@@ -16,6 +17,9 @@ const MAX: usize = 16 * 1024;
 fn config() -> ConnConfig {
     ConnConfig {
         max_frame_size: MAX,
+        // Generous: 100 simultaneous handshakes on a loaded 2-core machine can lose
+        // loopback UDP packets and wait out retransmission timers.
+        handshake_timeout: Duration::from_secs(60),
         ..ConnConfig::default()
     }
 }

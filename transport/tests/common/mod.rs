@@ -28,7 +28,12 @@ pub fn spawn_echo_server(mut listener: BoxListener) -> JoinHandle<()> {
                                 break;
                             }
                         }
-                        Err(_) => break,
+                        Err(e) => {
+                            if std::env::var_os("WAYGATE_TEST_DEBUG").is_some() {
+                                eprintln!("echo server: {} ended: {e}", conn.info().id);
+                            }
+                            break;
+                        }
                     }
                 }
             });

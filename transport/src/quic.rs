@@ -1,0 +1,580 @@
+//! QUIC (quinn): one connection per client, traffic classes on separate streams so a lost
+//! packet of one class never blocks another (T3).
+//!
+//! Stream layout (PROTOCOL.md §2.4): every stream starts with one stream-kind byte.
+//! - kind 0, the *control stream*: the first bidirectional stream, opened by the client at
+//!   connect; it carries every control frame and critical DATA, length-delimited.
+//! - kind 1, a unidirectional stream per direction for normal DATA, opened lazily.
+//! - kind 2, a unidirectional stream for best-effort DATA too large for a datagram.
+//! - best-effort DATA that fits travels as one QUIC datagram per frame, unframed.
+//!
+//! Nothing is delivered before the first control-stream frame, so a WELCOME always precedes
+//! the DATA that follows it even when they travel on different streams.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::BytesMut;
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use quinn::{RecvStream, SendStream, VarInt};
+use tokio::sync::mpsc;
+
+use crate::codec::{decode_message, StreamCodec};
+use crate::conn::{
+    BoxConnection, ConnConfig, ConnId, ConnInfo, Connection, IdleTimer, Listener, ListenerStats,
+    TransportKind,
+};
+use crate::error::TransportError;
+use crate::frame::Frame;
+use crate::protocol::{CloseCode, TrafficClass, QUIC_ALPN};
+use crate::tls::{ClientTls, TlsIdentity};
+
+/// Stream-kind byte of the control stream.
+pub const STREAM_CONTROL: u8 = 0;
+/// Stream-kind byte of the normal-class stream.
+pub const STREAM_NORMAL: u8 = 1;
+/// Stream-kind byte of the best-effort stream (frames too large for a datagram).
+pub const STREAM_BEST_EFFORT: u8 = 2;
+
+const ACCEPT_BACKLOG: usize = 1024;
+const RX_QUEUE: usize = 64;
+const CLOSE_FLUSH: Duration = Duration::from_millis(500);
+
+/// QUIC knobs sized for game sessions rather than bulk transfer (quinn's defaults allow
+/// megabytes per connection).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct QuicConfig {
+    /// Per-stream receive window, bytes.
+    pub stream_receive_window: u32,
+    /// Connection receive window, bytes.
+    pub receive_window: u32,
+    /// Connection send window, bytes.
+    pub send_window: u64,
+    /// Datagram receive and send buffers, bytes.
+    pub datagram_buffer: usize,
+    /// QUIC keep-alive interval, milliseconds (0 = off).
+    pub keep_alive_ms: u64,
+}
+
+impl Default for QuicConfig {
+    fn default() -> Self {
+        Self {
+            stream_receive_window: 64 * 1024,
+            receive_window: 256 * 1024,
+            send_window: 256 * 1024,
+            datagram_buffer: 64 * 1024,
+            keep_alive_ms: 5_000,
+        }
+    }
+}
+
+impl QuicConfig {
+    fn transport(&self, conn: &ConnConfig) -> Result<quinn::TransportConfig, TransportError> {
+        let mut t = quinn::TransportConfig::default();
+        t.stream_receive_window(VarInt::from_u32(
+            self.stream_receive_window.max(conn.max_frame_size as u32),
+        ))
+        .receive_window(VarInt::from_u32(
+            self.receive_window.max(conn.max_frame_size as u32 * 2),
+        ))
+        .send_window(self.send_window)
+        .datagram_receive_buffer_size(Some(self.datagram_buffer))
+        .datagram_send_buffer_size(self.datagram_buffer)
+        // The client opens one control stream; each side opens at most two uni streams.
+        .max_concurrent_bidi_streams(VarInt::from_u32(1))
+        .max_concurrent_uni_streams(VarInt::from_u32(4));
+        if self.keep_alive_ms > 0 {
+            t.keep_alive_interval(Some(Duration::from_millis(self.keep_alive_ms)));
+        }
+        if let Some(idle) = conn.idle_timeout {
+            let idle = quinn::IdleTimeout::try_from(idle)
+                .map_err(|e| TransportError::Config(format!("quic idle timeout: {e}")))?;
+            t.max_idle_timeout(Some(idle));
+        }
+        Ok(t)
+    }
+}
+
+/// A QUIC connection adapted to the [`Connection`] trait.
+pub struct QuicConnection {
+    conn: quinn::Connection,
+    info: ConnInfo,
+    control: SendStream,
+    normal: Option<SendStream>,
+    best_effort: Option<SendStream>,
+    rx: mpsc::Receiver<Result<Frame, TransportError>>,
+    reader: tokio::task::JoinHandle<()>,
+    codec: StreamCodec,
+    buf: BytesMut,
+    idle: IdleTimer,
+    closed: bool,
+}
+
+impl std::fmt::Debug for QuicConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QuicConnection")
+            .field("info", &self.info)
+            .finish()
+    }
+}
+
+fn quic_err(e: impl std::fmt::Display) -> TransportError {
+    TransportError::Io(std::io::Error::other(e.to_string()))
+}
+
+fn conn_err(e: quinn::ConnectionError) -> TransportError {
+    match e {
+        quinn::ConnectionError::ApplicationClosed(close) => TransportError::ClosedByPeer {
+            code: CloseCode::from_u16(
+                u16::try_from(close.error_code.into_inner()).unwrap_or(u16::MAX),
+            ),
+        },
+        quinn::ConnectionError::TimedOut => TransportError::IdleTimeout(Duration::ZERO),
+        quinn::ConnectionError::LocallyClosed => TransportError::Closed,
+        other => quic_err(other),
+    }
+}
+
+impl QuicConnection {
+    fn new(
+        conn: quinn::Connection,
+        info: ConnInfo,
+        control: (SendStream, RecvStream),
+        config: &ConnConfig,
+    ) -> Self {
+        let (tx, rx) = mpsc::channel(RX_QUEUE);
+        let reader = tokio::spawn(read_all(conn.clone(), control.1, config.max_frame_size, tx));
+        Self {
+            conn,
+            info,
+            control: control.0,
+            normal: None,
+            best_effort: None,
+            rx,
+            reader,
+            codec: StreamCodec::new(config.max_frame_size),
+            buf: BytesMut::new(),
+            idle: IdleTimer::new(config.idle_timeout),
+            closed: false,
+        }
+    }
+
+    async fn uni(&mut self, kind: u8) -> Result<&mut SendStream, TransportError> {
+        let slot = if kind == STREAM_NORMAL {
+            &mut self.normal
+        } else {
+            &mut self.best_effort
+        };
+        if slot.is_none() {
+            let mut s = self.conn.open_uni().await.map_err(conn_err)?;
+            s.write_all(&[kind]).await.map_err(quic_err)?;
+            *slot = Some(s);
+        }
+        slot.as_mut().ok_or(TransportError::Closed)
+    }
+
+    async fn write_framed(&mut self, frame: &Frame) -> Result<(), TransportError> {
+        self.buf.clear();
+        self.codec.encode(frame, &mut self.buf)?;
+        let bytes = self.buf.split().freeze();
+        let stream = match (frame.is_control(), frame.class()) {
+            (true, _) | (false, TrafficClass::Critical) => &mut self.control,
+            (false, TrafficClass::Normal) => self.uni(STREAM_NORMAL).await?,
+            (false, TrafficClass::BestEffort) => self.uni(STREAM_BEST_EFFORT).await?,
+        };
+        stream.write_chunk(bytes).await.map_err(quic_err)
+    }
+}
+
+impl Drop for QuicConnection {
+    fn drop(&mut self) {
+        self.reader.abort();
+        if !self.closed {
+            self.conn.close(
+                VarInt::from_u32(CloseCode::GoingAway.to_u16().into()),
+                b"dropped",
+            );
+        }
+    }
+}
+
+#[async_trait]
+impl Connection for QuicConnection {
+    fn info(&self) -> &ConnInfo {
+        &self.info
+    }
+
+    async fn send(&mut self, frame: &Frame) -> Result<(), TransportError> {
+        if self.closed {
+            return Err(TransportError::Closed);
+        }
+        let len = self
+            .codec
+            .check_len(frame)
+            .map_err(|_| TransportError::SendTooLarge {
+                len: frame.encoded_len(),
+                max: self.codec.max_frame_size(),
+            })?;
+        if frame.class() == TrafficClass::BestEffort && !frame.is_control() {
+            if let Some(max) = self.conn.max_datagram_size() {
+                if len <= max && self.conn.send_datagram(frame.to_bytes()).is_ok() {
+                    return Ok(());
+                }
+            }
+        }
+        self.write_framed(frame).await
+    }
+
+    async fn recv(&mut self) -> Result<Frame, TransportError> {
+        if self.closed {
+            return Err(TransportError::Closed);
+        }
+        let next = tokio::select! {
+            next = self.rx.recv() => next,
+            err = self.idle.expired() => return Err(err),
+        };
+        self.idle.touch();
+        match next {
+            Some(Ok(Frame::Close { code, .. })) => {
+                self.closed = true;
+                self.conn.close(VarInt::from_u32(code.to_u16().into()), b"");
+                Err(TransportError::ClosedByPeer { code })
+            }
+            Some(Ok(frame)) => Ok(frame),
+            Some(Err(e)) => {
+                if matches!(e, TransportError::Frame(_) | TransportError::Violation(_)) {
+                    tracing::debug!(conn = %self.info.id, error = %e, "closing quic connection after bad input");
+                    self.close(e.close_code(), "invalid frame").await;
+                } else {
+                    self.closed = true;
+                }
+                Err(e)
+            }
+            None => {
+                self.closed = true;
+                Err(self
+                    .conn
+                    .close_reason()
+                    .map(conn_err)
+                    .unwrap_or(TransportError::Closed))
+            }
+        }
+    }
+
+    async fn close(&mut self, code: CloseCode, message: &str) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        let frame = Frame::Close {
+            code,
+            message: message.chars().take(200).collect(),
+        };
+        let _ = tokio::time::timeout(CLOSE_FLUSH, async {
+            if self.write_framed(&frame).await.is_ok() {
+                let _ = self.control.finish();
+                let _ = self.control.stopped().await;
+            }
+        })
+        .await;
+        self.conn.close(
+            VarInt::from_u32(code.to_u16().into()),
+            code.as_str().as_bytes(),
+        );
+    }
+}
+
+/// Reads the control stream, then every uni stream and datagram, into `tx`. Nothing from
+/// other streams is forwarded before the control stream's first frame.
+async fn read_all(
+    conn: quinn::Connection,
+    control: RecvStream,
+    max_frame_size: usize,
+    tx: mpsc::Sender<Result<Frame, TransportError>>,
+) {
+    let (first_tx, first_rx) = tokio::sync::oneshot::channel();
+    let control_task = tokio::spawn(read_stream(
+        control,
+        max_frame_size,
+        tx.clone(),
+        Some(first_tx),
+    ));
+    if first_rx.await.is_err() {
+        let _ = control_task.await;
+        return;
+    }
+    let uni_conn = conn.clone();
+    let uni_tx = tx.clone();
+    let uni_task = tokio::spawn(async move {
+        let mut readers = Vec::new();
+        while let Ok(mut stream) = uni_conn.accept_uni().await {
+            let tx = uni_tx.clone();
+            readers.push(tokio::spawn(async move {
+                let mut kind = [0u8; 1];
+                match stream.read_exact(&mut kind).await {
+                    Ok(()) if kind[0] == STREAM_NORMAL || kind[0] == STREAM_BEST_EFFORT => {
+                        read_stream(stream, max_frame_size, tx, None).await;
+                    }
+                    Ok(()) => {
+                        let _ = tx
+                            .send(Err(TransportError::Violation("unknown quic stream kind")))
+                            .await;
+                    }
+                    Err(_) => {}
+                }
+            }));
+        }
+        for r in readers {
+            r.abort();
+        }
+    });
+    loop {
+        match conn.read_datagram().await {
+            Ok(bytes) => {
+                let item = decode_message(bytes, max_frame_size).map_err(TransportError::from);
+                let stop = item.is_err();
+                if tx.send(item).await.is_err() || stop {
+                    break;
+                }
+            }
+            Err(_) => break,
+        }
+    }
+    uni_task.abort();
+    control_task.abort();
+}
+
+async fn read_stream(
+    mut stream: RecvStream,
+    max_frame_size: usize,
+    tx: mpsc::Sender<Result<Frame, TransportError>>,
+    mut first: Option<tokio::sync::oneshot::Sender<()>>,
+) {
+    let codec = StreamCodec::new(max_frame_size);
+    let mut buf = BytesMut::new();
+    loop {
+        match codec.decode(&mut buf) {
+            Ok(Some(frame)) => {
+                if tx.send(Ok(frame)).await.is_err() {
+                    return;
+                }
+                if let Some(first) = first.take() {
+                    let _ = first.send(());
+                }
+                continue;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                let _ = tx.send(Err(e.into())).await;
+                return;
+            }
+        }
+        match stream.read_chunk(64 * 1024, true).await {
+            Ok(Some(chunk)) => buf.extend_from_slice(&chunk.bytes),
+            Ok(None) => {
+                if !buf.is_empty() {
+                    let _ = tx
+                        .send(Err(TransportError::Violation(
+                            "stream ended inside a frame",
+                        )))
+                        .await;
+                }
+                return;
+            }
+            Err(_) => return,
+        }
+    }
+}
+
+/// A QUIC listener.
+pub struct QuicListener {
+    endpoint: quinn::Endpoint,
+    local: SocketAddr,
+    ready: mpsc::Receiver<BoxConnection>,
+    stats: Arc<ListenerStats>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for QuicListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QuicListener")
+            .field("local", &self.local)
+            .finish()
+    }
+}
+
+impl QuicListener {
+    /// Binds a UDP socket at `addr` and serves QUIC with `tls`.
+    pub fn bind(
+        addr: SocketAddr,
+        tls: &TlsIdentity,
+        quic: &QuicConfig,
+        config: ConnConfig,
+    ) -> Result<Self, TransportError> {
+        let crypto = QuicServerConfig::try_from(tls.server_config(&[QUIC_ALPN])?)
+            .map_err(|e| TransportError::Config(format!("quic tls: {e}")))?;
+        let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+        server.transport_config(Arc::new(quic.transport(&config)?));
+        let endpoint = quinn::Endpoint::server(server, addr)?;
+        let local = endpoint.local_addr()?;
+        let (tx, ready) = mpsc::channel(ACCEPT_BACKLOG);
+        let stats = Arc::new(ListenerStats::default());
+        let task = tokio::spawn(quic_accept_loop(
+            endpoint.clone(),
+            local,
+            config,
+            tx,
+            stats.clone(),
+        ));
+        Ok(Self {
+            endpoint,
+            local,
+            ready,
+            stats,
+            task,
+        })
+    }
+
+    /// Counters of this listener.
+    pub fn stats(&self) -> Arc<ListenerStats> {
+        self.stats.clone()
+    }
+}
+
+impl Drop for QuicListener {
+    fn drop(&mut self) {
+        self.task.abort();
+        self.endpoint.close(
+            VarInt::from_u32(CloseCode::GoingAway.to_u16().into()),
+            b"listener closed",
+        );
+    }
+}
+
+async fn quic_accept_loop(
+    endpoint: quinn::Endpoint,
+    local: SocketAddr,
+    config: ConnConfig,
+    tx: mpsc::Sender<BoxConnection>,
+    stats: Arc<ListenerStats>,
+) {
+    while let Some(incoming) = endpoint.accept().await {
+        if tx.is_closed() {
+            incoming.refuse();
+            return;
+        }
+        let config = config.clone();
+        let tx = tx.clone();
+        let stats = stats.clone();
+        tokio::spawn(async move {
+            let peer = incoming.remote_address();
+            let handshake = async {
+                let conn = incoming
+                    .await
+                    .map_err(|e| TransportError::Handshake(e.to_string()))?;
+                let (send, mut recv) = conn.accept_bi().await.map_err(conn_err)?;
+                let mut kind = [0u8; 1];
+                recv.read_exact(&mut kind)
+                    .await
+                    .map_err(|e| TransportError::Handshake(e.to_string()))?;
+                if kind[0] != STREAM_CONTROL {
+                    conn.close(
+                        VarInt::from_u32(CloseCode::ProtocolError.to_u16().into()),
+                        b"first stream must be the control stream",
+                    );
+                    return Err(TransportError::Violation(
+                        "first stream is not the control stream",
+                    ));
+                }
+                let info = ConnInfo {
+                    id: ConnId::next(),
+                    kind: TransportKind::Quic,
+                    peer,
+                    local,
+                };
+                Ok(QuicConnection::new(conn, info, (send, recv), &config))
+            };
+            match tokio::time::timeout(config.handshake_timeout, handshake).await {
+                Ok(Ok(conn)) => {
+                    ListenerStats::bump(&stats.accepted);
+                    let _ = tx.send(Box::new(conn) as BoxConnection).await;
+                }
+                Ok(Err(e)) => {
+                    ListenerStats::bump(&stats.handshake_failed);
+                    tracing::debug!(%peer, error = %e, "quic handshake failed");
+                }
+                Err(_) => {
+                    ListenerStats::bump(&stats.handshake_failed);
+                    tracing::debug!(%peer, "quic handshake timed out");
+                }
+            }
+        });
+    }
+}
+
+#[async_trait]
+impl Listener for QuicListener {
+    fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    fn kind(&self) -> TransportKind {
+        TransportKind::Quic
+    }
+
+    async fn accept(&mut self) -> Option<BoxConnection> {
+        self.ready.recv().await
+    }
+}
+
+/// Connects to a QUIC listener at `addr`, verifying it as `host`, and opens the control
+/// stream. Each call uses its own UDP socket.
+pub async fn connect_quic(
+    addr: SocketAddr,
+    host: &str,
+    tls: &ClientTls,
+    quic: &QuicConfig,
+    config: &ConnConfig,
+) -> Result<BoxConnection, TransportError> {
+    let crypto = QuicClientConfig::try_from(tls.client_config(&[QUIC_ALPN])?)
+        .map_err(|e| TransportError::Config(format!("quic tls: {e}")))?;
+    let mut client = quinn::ClientConfig::new(Arc::new(crypto));
+    client.transport_config(Arc::new(quic.transport(config)?));
+    let bind: SocketAddr = if addr.is_ipv6() {
+        "[::]:0"
+    } else {
+        "0.0.0.0:0"
+    }
+    .parse()
+    .map_err(|_| TransportError::Config("bind address".into()))?;
+    let mut endpoint = quinn::Endpoint::client(bind)?;
+    endpoint.set_default_client_config(client);
+    let connect = async {
+        let conn = endpoint
+            .connect(addr, host)
+            .map_err(|e| TransportError::Handshake(e.to_string()))?
+            .await
+            .map_err(|e| TransportError::Handshake(e.to_string()))?;
+        let (mut send, recv) = conn.open_bi().await.map_err(conn_err)?;
+        send.write_all(&[STREAM_CONTROL]).await.map_err(quic_err)?;
+        Ok::<_, TransportError>((conn, send, recv))
+    };
+    let (conn, send, recv) = tokio::time::timeout(config.handshake_timeout, connect)
+        .await
+        .map_err(|_| TransportError::HandshakeTimeout)??;
+    let info = ConnInfo {
+        id: ConnId::next(),
+        kind: TransportKind::Quic,
+        peer: addr,
+        local: endpoint.local_addr()?,
+    };
+    Ok(Box::new(QuicConnection::new(
+        conn,
+        info,
+        (send, recv),
+        config,
+    )))
+}

@@ -1,0 +1,249 @@
+//! QUIC transport conformance over loopback.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use waygate_transport::conn::ConnConfig;
+use waygate_transport::frame::Data;
+use waygate_transport::quic::{connect_quic, QuicConfig, QuicListener};
+use waygate_transport::tls::{ClientTls, TlsIdentity};
+use waygate_transport::{BoxListener, CloseCode, Frame, Listener, TrafficClass, TransportError};
+
+const MAX: usize = 16 * 1024;
+
+fn config() -> ConnConfig {
+    ConnConfig {
+        max_frame_size: MAX,
+        // Generous: 100 simultaneous handshakes on a loaded 2-core machine can lose
+        // loopback UDP packets and wait out retransmission timers.
+        handshake_timeout: Duration::from_secs(60),
+        ..ConnConfig::default()
+    }
+}
+
+struct Server {
+    addr: SocketAddr,
+    client_tls: ClientTls,
+    _task: tokio::task::JoinHandle<()>,
+}
+
+fn quic_echo() -> Server {
+    let id = TlsIdentity::generate_dev(&[]).unwrap();
+    let listener = QuicListener::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        &id,
+        &QuicConfig::default(),
+        config(),
+    )
+    .unwrap();
+    let addr = listener.local_addr();
+    Server {
+        addr,
+        client_tls: ClientTls::from_ca_pem(id.dev_ca_pem.as_deref().unwrap()).unwrap(),
+        _task: common::spawn_echo_server(Box::new(listener)),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_100_connections_1000_frames_each() {
+    let server = quic_echo();
+    let (addr, tls) = (server.addr, server.client_tls.clone());
+    common::many_connections(
+        move || {
+            let tls = tls.clone();
+            async move {
+                connect_quic(addr, "localhost", &tls, &QuicConfig::default(), &config()).await
+            }
+        },
+        100,
+        1000,
+        MAX,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn quic_max_frame_passes_and_max_plus_one_is_refused() {
+    let server = quic_echo();
+    let mut conn = connect_quic(
+        server.addr,
+        "localhost",
+        &server.client_tls,
+        &QuicConfig::default(),
+        &config(),
+    )
+    .await
+    .unwrap();
+    common::max_frame_checks(&mut conn, MAX).await;
+}
+
+#[tokio::test]
+async fn best_effort_travels_as_datagrams_and_classes_do_not_block_each_other() {
+    let server = quic_echo();
+    let mut conn = connect_quic(
+        server.addr,
+        "localhost",
+        &server.client_tls,
+        &QuicConfig::default(),
+        &config(),
+    )
+    .await
+    .unwrap();
+    // Control frame first (the control stream opens the conversation).
+    conn.send(&Frame::Ping { timestamp: 1 }).await.unwrap();
+    assert_eq!(
+        common::timeout(conn.recv()).await.unwrap(),
+        Frame::Ping { timestamp: 1 }
+    );
+    let small = |i: u64, class| {
+        Frame::Data(Data {
+            class,
+            msg_id: 9,
+            seq: if class == TrafficClass::BestEffort {
+                0
+            } else {
+                i
+            },
+            ack: None,
+            payload: Bytes::from(vec![i as u8; 32]),
+        })
+    };
+    // Best-effort datagrams are unreliable by design; on loopback with a small burst they
+    // arrive, and a best-effort frame larger than a datagram uses its own stream.
+    let big = Frame::Data(Data {
+        class: TrafficClass::BestEffort,
+        msg_id: 10,
+        seq: 0,
+        ack: None,
+        payload: Bytes::from(vec![7u8; 8 * 1024]),
+    });
+    conn.send(&big).await.unwrap();
+    for i in 1..=20 {
+        conn.send(&small(i, TrafficClass::BestEffort))
+            .await
+            .unwrap();
+        conn.send(&small(i, TrafficClass::Normal)).await.unwrap();
+    }
+    let mut got_big = false;
+    let mut normal = 0;
+    let mut best_effort = 0;
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        while normal < 20 || !got_big || best_effort < 20 {
+            match conn.recv().await.unwrap() {
+                f if f == big => got_big = true,
+                Frame::Data(d) if d.class == TrafficClass::Normal => {
+                    normal += 1;
+                    assert_eq!(d.seq, normal, "normal class stays in order");
+                }
+                Frame::Data(d) if d.class == TrafficClass::BestEffort => best_effort += 1,
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    })
+    .await;
+    assert_eq!(normal, 20, "every normal frame arrives");
+    assert!(got_big, "oversized best-effort frame arrives on its stream");
+    assert!(best_effort > 0, "datagrams arrive on loopback");
+}
+
+#[tokio::test]
+async fn close_reaches_the_peer_with_its_code() {
+    let id = TlsIdentity::generate_dev(&[]).unwrap();
+    let listener = QuicListener::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        &id,
+        &QuicConfig::default(),
+        config(),
+    )
+    .unwrap();
+    let addr = listener.local_addr();
+    let mut listener: BoxListener = Box::new(listener);
+    let tls = ClientTls::from_ca_pem(id.dev_ca_pem.as_deref().unwrap()).unwrap();
+    let mut client = connect_quic(addr, "localhost", &tls, &QuicConfig::default(), &config())
+        .await
+        .unwrap();
+    client.send(&Frame::Ping { timestamp: 5 }).await.unwrap();
+    let mut server = common::timeout(listener.accept()).await.unwrap();
+    assert_eq!(
+        common::timeout(server.recv()).await.unwrap(),
+        Frame::Ping { timestamp: 5 }
+    );
+    server.close(CloseCode::Kicked, "second login").await;
+    match common::timeout(client.recv()).await {
+        Err(TransportError::ClosedByPeer { code }) => assert_eq!(code, CloseCode::Kicked),
+        other => panic!("expected CLOSE, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_closes_only_that_connection() {
+    let server = quic_echo();
+    let (addr, tls) = (server.addr, server.client_tls.clone());
+    let good_tls = tls.clone();
+    let good = tokio::spawn(common::many_connections(
+        move || {
+            let tls = good_tls.clone();
+            async move { connect_quic(addr, "localhost", &tls, &QuicConfig::default(), &config()).await }
+        },
+        99,
+        300,
+        MAX,
+    ));
+
+    // Random UDP datagrams at the QUIC port.
+    let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    for i in 0..200u32 {
+        let junk: Vec<u8> = (0..(i % 1300 + 1))
+            .map(|j| (j.wrapping_mul(2654435761).wrapping_add(i) >> 7) as u8)
+            .collect();
+        sock.send_to(&junk, addr).await.unwrap();
+    }
+
+    // A raw quinn client that sends an oversized frame and an unknown frame type on the
+    // control stream: each is closed with the protocol's code.
+    for (bytes, want) in [
+        (
+            {
+                let mut b = vec![waygate_transport::quic::STREAM_CONTROL];
+                waygate_transport::varint::put_varint(&mut b, 100 * 1024 * 1024);
+                b
+            },
+            CloseCode::FrameTooLarge,
+        ),
+        (
+            vec![waygate_transport::quic::STREAM_CONTROL, 2, 0x7f, 0],
+            CloseCode::ProtocolError,
+        ),
+    ] {
+        let code = raw_control_stream(addr, &tls, &bytes).await;
+        assert_eq!(code, Some(want));
+    }
+
+    common::timeout(async { good.await.expect("control group") }).await;
+}
+
+/// Opens a QUIC connection with plain quinn, writes `bytes` on a fresh bidi stream and
+/// returns the application close code the server closed with.
+async fn raw_control_stream(addr: SocketAddr, tls: &ClientTls, bytes: &[u8]) -> Option<CloseCode> {
+    use quinn::crypto::rustls::QuicClientConfig;
+    let crypto = QuicClientConfig::try_from(
+        tls.client_config(&[waygate_transport::protocol::QUIC_ALPN])
+            .unwrap(),
+    )
+    .unwrap();
+    let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    endpoint.set_default_client_config(quinn::ClientConfig::new(std::sync::Arc::new(crypto)));
+    let conn = endpoint.connect(addr, "localhost").unwrap().await.unwrap();
+    let (mut send, _recv) = conn.open_bi().await.unwrap();
+    send.write_all(bytes).await.unwrap();
+    let reason = common::timeout(conn.closed()).await;
+    match reason {
+        quinn::ConnectionError::ApplicationClosed(c) => {
+            Some(CloseCode::from_u16(c.error_code.into_inner() as u16))
+        }
+        _ => None,
+    }
+}
