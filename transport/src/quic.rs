@@ -331,16 +331,11 @@ async fn read_all(
             r.abort();
         }
     });
-    loop {
-        match conn.read_datagram().await {
-            Ok(bytes) => {
-                let item = decode_message(bytes, max_frame_size).map_err(TransportError::from);
-                let stop = item.is_err();
-                if tx.send(item).await.is_err() || stop {
-                    break;
-                }
-            }
-            Err(_) => break,
+    while let Ok(bytes) = conn.read_datagram().await {
+        let item = decode_message(bytes, max_frame_size).map_err(TransportError::from);
+        let stop = item.is_err();
+        if tx.send(item).await.is_err() || stop {
+            break;
         }
     }
     uni_task.abort();

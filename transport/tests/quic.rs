@@ -1,5 +1,7 @@
 //! QUIC transport conformance over loopback.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::net::SocketAddr;

@@ -1,5 +1,7 @@
 //! TCP and TLS transport conformance over loopback.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::net::SocketAddr;

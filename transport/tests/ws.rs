@@ -1,5 +1,7 @@
 //! WebSocket (ws and wss) transport conformance over loopback.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::net::SocketAddr;
