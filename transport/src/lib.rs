@@ -27,6 +27,7 @@ pub mod codec;
 pub mod conn;
 pub mod error;
 pub mod frame;
+pub mod listener;
 pub mod protocol;
 pub mod quic;
 mod reader;
@@ -41,4 +42,5 @@ pub use conn::{
 };
 pub use error::{FrameError, TransportError};
 pub use frame::Frame;
+pub use listener::TransportListener;
 pub use protocol::{CloseCode, TrafficClass};

@@ -23,11 +23,11 @@ use tokio::sync::mpsc;
 
 use crate::codec::{decode_message, StreamCodec};
 use crate::conn::{
-    BoxConnection, ConnConfig, ConnId, ConnInfo, Connection, IdleTimer, Listener, ListenerStats,
-    TransportKind,
+    BoxConnection, ConnConfig, ConnId, ConnInfo, Connection, IdleTimer, TransportKind,
 };
 use crate::error::TransportError;
 use crate::frame::Frame;
+use crate::listener::TransportListener;
 use crate::protocol::{CloseCode, TrafficClass, QUIC_ALPN};
 use crate::tls::{ClientTls, TlsIdentity};
 
@@ -38,7 +38,6 @@ pub const STREAM_NORMAL: u8 = 1;
 /// Stream-kind byte of the best-effort stream (frames too large for a datagram).
 pub const STREAM_BEST_EFFORT: u8 = 2;
 
-const ACCEPT_BACKLOG: usize = 1024;
 const RX_QUEUE: usize = 64;
 const CLOSE_FLUSH: Duration = Duration::from_millis(500);
 
@@ -384,145 +383,66 @@ async fn read_stream(
     }
 }
 
-/// A QUIC listener.
-pub struct QuicListener {
-    endpoint: quinn::Endpoint,
-    local: SocketAddr,
-    ready: mpsc::Receiver<BoxConnection>,
-    stats: Arc<ListenerStats>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl std::fmt::Debug for QuicListener {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("QuicListener")
-            .field("local", &self.local)
-            .finish()
-    }
-}
-
-impl QuicListener {
-    /// Binds a UDP socket at `addr` and serves QUIC with `tls`.
-    pub fn bind(
-        addr: SocketAddr,
-        tls: &TlsIdentity,
-        quic: &QuicConfig,
-        config: ConnConfig,
-    ) -> Result<Self, TransportError> {
-        let crypto = QuicServerConfig::try_from(tls.server_config(&[QUIC_ALPN])?)
-            .map_err(|e| TransportError::Config(format!("quic tls: {e}")))?;
-        let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-        server.transport_config(Arc::new(quic.transport(&config)?));
-        let endpoint = quinn::Endpoint::server(server, addr)?;
-        let local = endpoint.local_addr()?;
-        let (tx, ready) = mpsc::channel(ACCEPT_BACKLOG);
-        let stats = Arc::new(ListenerStats::default());
-        let task = tokio::spawn(quic_accept_loop(
-            endpoint.clone(),
-            local,
-            config,
-            tx,
-            stats.clone(),
-        ));
-        Ok(Self {
-            endpoint,
-            local,
-            ready,
-            stats,
-            task,
-        })
-    }
-
-    /// Counters of this listener.
-    pub fn stats(&self) -> Arc<ListenerStats> {
-        self.stats.clone()
-    }
-}
-
-impl Drop for QuicListener {
-    fn drop(&mut self) {
-        self.task.abort();
-        self.endpoint.close(
+/// Binds a UDP socket at `addr` and serves QUIC with `tls`.
+pub fn listen(
+    addr: SocketAddr,
+    tls: &TlsIdentity,
+    quic: &QuicConfig,
+    config: ConnConfig,
+) -> Result<TransportListener, TransportError> {
+    let crypto = QuicServerConfig::try_from(tls.server_config(&[QUIC_ALPN])?)
+        .map_err(|e| TransportError::Config(format!("quic tls: {e}")))?;
+    let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    server.transport_config(Arc::new(quic.transport(&config)?));
+    let endpoint = quinn::Endpoint::server(server, addr)?;
+    let local = endpoint.local_addr()?;
+    let accepting = endpoint.clone();
+    let listener =
+        TransportListener::start(local, TransportKind::Quic, move |handoff| async move {
+            while let Some(incoming) = accepting.accept().await {
+                if handoff.is_closed() {
+                    incoming.refuse();
+                    return;
+                }
+                let peer = incoming.remote_address();
+                let config = config.clone();
+                handoff.spawn_handshake(peer, config.handshake_timeout, async move {
+                    let conn = incoming
+                        .await
+                        .map_err(|e| TransportError::Handshake(e.to_string()))?;
+                    let (send, mut recv) = conn.accept_bi().await.map_err(conn_err)?;
+                    let mut kind = [0u8; 1];
+                    recv.read_exact(&mut kind)
+                        .await
+                        .map_err(|e| TransportError::Handshake(e.to_string()))?;
+                    if kind[0] != STREAM_CONTROL {
+                        conn.close(
+                            VarInt::from_u32(CloseCode::ProtocolError.to_u16().into()),
+                            b"first stream must be the control stream",
+                        );
+                        return Err(TransportError::Violation(
+                            "first stream is not the control stream",
+                        ));
+                    }
+                    let info = ConnInfo {
+                        id: ConnId::next(),
+                        kind: TransportKind::Quic,
+                        peer,
+                        local,
+                    };
+                    Ok(
+                        Box::new(QuicConnection::new(conn, info, (send, recv), &config))
+                            as BoxConnection,
+                    )
+                });
+            }
+        });
+    Ok(listener.with_on_drop(move || {
+        endpoint.close(
             VarInt::from_u32(CloseCode::GoingAway.to_u16().into()),
             b"listener closed",
         );
-    }
-}
-
-async fn quic_accept_loop(
-    endpoint: quinn::Endpoint,
-    local: SocketAddr,
-    config: ConnConfig,
-    tx: mpsc::Sender<BoxConnection>,
-    stats: Arc<ListenerStats>,
-) {
-    while let Some(incoming) = endpoint.accept().await {
-        if tx.is_closed() {
-            incoming.refuse();
-            return;
-        }
-        let config = config.clone();
-        let tx = tx.clone();
-        let stats = stats.clone();
-        tokio::spawn(async move {
-            let peer = incoming.remote_address();
-            let handshake = async {
-                let conn = incoming
-                    .await
-                    .map_err(|e| TransportError::Handshake(e.to_string()))?;
-                let (send, mut recv) = conn.accept_bi().await.map_err(conn_err)?;
-                let mut kind = [0u8; 1];
-                recv.read_exact(&mut kind)
-                    .await
-                    .map_err(|e| TransportError::Handshake(e.to_string()))?;
-                if kind[0] != STREAM_CONTROL {
-                    conn.close(
-                        VarInt::from_u32(CloseCode::ProtocolError.to_u16().into()),
-                        b"first stream must be the control stream",
-                    );
-                    return Err(TransportError::Violation(
-                        "first stream is not the control stream",
-                    ));
-                }
-                let info = ConnInfo {
-                    id: ConnId::next(),
-                    kind: TransportKind::Quic,
-                    peer,
-                    local,
-                };
-                Ok(QuicConnection::new(conn, info, (send, recv), &config))
-            };
-            match tokio::time::timeout(config.handshake_timeout, handshake).await {
-                Ok(Ok(conn)) => {
-                    ListenerStats::bump(&stats.accepted);
-                    let _ = tx.send(Box::new(conn) as BoxConnection).await;
-                }
-                Ok(Err(e)) => {
-                    ListenerStats::bump(&stats.handshake_failed);
-                    tracing::debug!(%peer, error = %e, "quic handshake failed");
-                }
-                Err(_) => {
-                    ListenerStats::bump(&stats.handshake_failed);
-                    tracing::debug!(%peer, "quic handshake timed out");
-                }
-            }
-        });
-    }
-}
-
-#[async_trait]
-impl Listener for QuicListener {
-    fn local_addr(&self) -> SocketAddr {
-        self.local
-    }
-
-    fn kind(&self) -> TransportKind {
-        TransportKind::Quic
-    }
-
-    async fn accept(&mut self) -> Option<BoxConnection> {
-        self.ready.recv().await
-    }
+    }))
 }
 
 /// Connects to a QUIC listener at `addr`, verifying it as `host`, and opens the control

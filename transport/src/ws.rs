@@ -10,7 +10,6 @@ use async_trait::async_trait;
 use futures_util::{SinkExt, StreamExt};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener as TokioTcpListener, TcpStream};
-use tokio::sync::mpsc;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, Response};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode as WsCloseCode;
@@ -20,15 +19,14 @@ use tokio_tungstenite::WebSocketStream;
 
 use crate::codec::{decode_message, encode_message};
 use crate::conn::{
-    BoxConnection, ConnConfig, ConnId, ConnInfo, Connection, IdleTimer, Listener, ListenerStats,
-    TransportKind,
+    BoxConnection, ConnConfig, ConnId, ConnInfo, Connection, IdleTimer, TransportKind,
 };
 use crate::error::{FrameError, TransportError};
 use crate::frame::Frame;
+use crate::listener::{accept_tcp, TransportListener};
 use crate::protocol::{CloseCode, WS_SUBPROTOCOL};
 use crate::tls::{server_name, ClientTls, TlsIdentity};
 
-const ACCEPT_BACKLOG: usize = 1024;
 const READ_BUFFER: usize = 4 * 1024;
 const CLOSE_FLUSH: std::time::Duration = std::time::Duration::from_millis(500);
 
@@ -224,89 +222,57 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Connection for WsConnec
     }
 }
 
-/// A WebSocket (or wss) listener.
-pub struct WsListener {
-    local: SocketAddr,
-    kind: TransportKind,
-    ready: mpsc::Receiver<BoxConnection>,
-    stats: Arc<ListenerStats>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl std::fmt::Debug for WsListener {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WsListener")
-            .field("local", &self.local)
-            .field("kind", &self.kind)
-            .finish()
-    }
-}
-
-impl WsListener {
-    /// Binds `addr`; with `tls`, serves wss.
-    pub async fn bind(
-        addr: SocketAddr,
-        tls: Option<&TlsIdentity>,
-        config: ConnConfig,
-    ) -> Result<Self, TransportError> {
-        let listener = TokioTcpListener::bind(addr).await?;
-        let local = listener.local_addr()?;
-        let acceptor = tls
-            .map(|id| {
-                id.server_config(&[b"http/1.1"])
-                    .map(|c| TlsAcceptor::from(Arc::new(c)))
-            })
-            .transpose()?;
-        let kind = if acceptor.is_some() {
-            TransportKind::Wss
-        } else {
-            TransportKind::Ws
-        };
-        let (tx, ready) = mpsc::channel(ACCEPT_BACKLOG);
-        let stats = Arc::new(ListenerStats::default());
-        let task = tokio::spawn(ws_accept_loop(
-            listener,
-            local,
-            kind,
-            acceptor,
-            config,
-            tx,
-            stats.clone(),
-        ));
-        Ok(Self {
-            local,
-            kind,
-            ready,
-            stats,
-            task,
+/// Binds a WebSocket listener at `addr`; with `tls`, serves wss.
+pub async fn listen(
+    addr: SocketAddr,
+    tls: Option<&TlsIdentity>,
+    config: ConnConfig,
+) -> Result<TransportListener, TransportError> {
+    let listener = TokioTcpListener::bind(addr).await?;
+    let local = listener.local_addr()?;
+    let acceptor = tls
+        .map(|id| {
+            id.server_config(&[b"http/1.1"])
+                .map(|c| TlsAcceptor::from(Arc::new(c)))
         })
-    }
-
-    /// Counters of this listener.
-    pub fn stats(&self) -> Arc<ListenerStats> {
-        self.stats.clone()
-    }
-}
-
-impl Drop for WsListener {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-#[async_trait]
-impl Listener for WsListener {
-    fn local_addr(&self) -> SocketAddr {
-        self.local
-    }
-
-    fn kind(&self) -> TransportKind {
-        self.kind
-    }
-
-    async fn accept(&mut self) -> Option<BoxConnection> {
-        self.ready.recv().await
-    }
+        .transpose()?;
+    let kind = if acceptor.is_some() {
+        TransportKind::Wss
+    } else {
+        TransportKind::Ws
+    };
+    Ok(TransportListener::start(
+        local,
+        kind,
+        move |handoff| async move {
+            loop {
+                let (stream, peer) = accept_tcp(&listener).await;
+                if handoff.is_closed() {
+                    return;
+                }
+                let info = ConnInfo {
+                    id: ConnId::next(),
+                    kind,
+                    peer,
+                    local,
+                };
+                let acceptor = acceptor.clone();
+                let config = config.clone();
+                handoff.spawn_handshake(peer, config.handshake_timeout, async move {
+                    match acceptor {
+                        None => upgrade(stream, info, &config).await,
+                        Some(acceptor) => {
+                            let tls = acceptor
+                                .accept(stream)
+                                .await
+                                .map_err(|e| TransportError::Handshake(e.to_string()))?;
+                            upgrade(tls, info, &config).await
+                        }
+                    }
+                });
+            }
+        },
+    ))
 }
 
 /// Echoes our subprotocol when the client offers it.
@@ -342,69 +308,6 @@ async fn upgrade<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     .await
     .map_err(|e| TransportError::Handshake(e.to_string()))?;
     Ok(Box::new(WsConnection::new(ws, info, config)))
-}
-
-async fn ws_accept_loop(
-    listener: TokioTcpListener,
-    local: SocketAddr,
-    kind: TransportKind,
-    acceptor: Option<TlsAcceptor>,
-    config: ConnConfig,
-    tx: mpsc::Sender<BoxConnection>,
-    stats: Arc<ListenerStats>,
-) {
-    loop {
-        let (stream, peer) = match listener.accept().await {
-            Ok(v) => v,
-            Err(e) => {
-                tracing::warn!(%local, error = %e, "websocket accept failed");
-                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-                continue;
-            }
-        };
-        if tx.is_closed() {
-            return;
-        }
-        let _ = stream.set_nodelay(true);
-        let info = ConnInfo {
-            id: ConnId::next(),
-            kind,
-            peer,
-            local,
-        };
-        let acceptor = acceptor.clone();
-        let config = config.clone();
-        let tx = tx.clone();
-        let stats = stats.clone();
-        tokio::spawn(async move {
-            let handshake = async {
-                match acceptor {
-                    None => upgrade(stream, info, &config).await,
-                    Some(acceptor) => {
-                        let tls = acceptor
-                            .accept(stream)
-                            .await
-                            .map_err(|e| TransportError::Handshake(e.to_string()))?;
-                        upgrade(tls, info, &config).await
-                    }
-                }
-            };
-            match tokio::time::timeout(config.handshake_timeout, handshake).await {
-                Ok(Ok(conn)) => {
-                    ListenerStats::bump(&stats.accepted);
-                    let _ = tx.send(conn).await;
-                }
-                Ok(Err(e)) => {
-                    ListenerStats::bump(&stats.handshake_failed);
-                    tracing::debug!(%peer, error = %e, "websocket handshake failed");
-                }
-                Err(_) => {
-                    ListenerStats::bump(&stats.handshake_failed);
-                    tracing::debug!(%peer, "websocket handshake timed out");
-                }
-            }
-        });
-    }
 }
 
 /// Connects to `ws://addr/` (or `wss://host:port/` with `tls`), offering the waygate

@@ -10,7 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use waygate_transport::conn::ConnConfig;
 use waygate_transport::frame::Data;
-use waygate_transport::quic::{connect_quic, QuicConfig, QuicListener};
+use waygate_transport::quic::{self, connect_quic, QuicConfig};
 use waygate_transport::tls::{ClientTls, TlsIdentity};
 use waygate_transport::{BoxListener, CloseCode, Frame, Listener, TrafficClass, TransportError};
 
@@ -34,7 +34,7 @@ struct Server {
 
 fn quic_echo() -> Server {
     let id = TlsIdentity::generate_dev(&[]).unwrap();
-    let listener = QuicListener::bind(
+    let listener = quic::listen(
         "127.0.0.1:0".parse().unwrap(),
         &id,
         &QuicConfig::default(),
@@ -154,7 +154,7 @@ async fn best_effort_travels_as_datagrams_and_classes_do_not_block_each_other() 
 #[tokio::test]
 async fn close_reaches_the_peer_with_its_code() {
     let id = TlsIdentity::generate_dev(&[]).unwrap();
-    let listener = QuicListener::bind(
+    let listener = quic::listen(
         "127.0.0.1:0".parse().unwrap(),
         &id,
         &QuicConfig::default(),

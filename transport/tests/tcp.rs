@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use waygate_transport::conn::ConnConfig;
-use waygate_transport::tcp::{connect_tcp, connect_tls, TcpListener};
+use waygate_transport::tcp::{self, connect_tcp, connect_tls};
 use waygate_transport::tls::{ClientTls, TlsIdentity};
 use waygate_transport::varint::put_varint;
 use waygate_transport::{BoxListener, CloseCode, Frame, Listener, TransportError};
@@ -27,7 +27,7 @@ fn config() -> ConnConfig {
 }
 
 async fn tcp_echo() -> (SocketAddr, tokio::task::JoinHandle<()>) {
-    let listener = TcpListener::bind("127.0.0.1:0".parse().unwrap(), None, config())
+    let listener = tcp::listen("127.0.0.1:0".parse().unwrap(), None, config())
         .await
         .unwrap();
     let addr = listener.local_addr();
@@ -52,7 +52,7 @@ async fn tcp_100_connections_1000_frames_each() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_100_connections_1000_frames_each() {
     let id = TlsIdentity::generate_dev(&[]).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0".parse().unwrap(), Some(&id), config())
+    let listener = tcp::listen("127.0.0.1:0".parse().unwrap(), Some(&id), config())
         .await
         .unwrap();
     let addr = listener.local_addr();
@@ -138,7 +138,7 @@ async fn bad_input_closes_only_that_connection() {
 
 #[tokio::test]
 async fn idle_timeout_fires_and_close_reaches_the_peer() {
-    let listener = TcpListener::bind(
+    let listener = tcp::listen(
         "127.0.0.1:0".parse().unwrap(),
         None,
         ConnConfig {
@@ -166,7 +166,7 @@ async fn idle_timeout_fires_and_close_reaches_the_peer() {
 #[tokio::test]
 async fn tls_handshake_with_garbage_is_dropped_and_counted() {
     let id = TlsIdentity::generate_dev(&[]).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0".parse().unwrap(), Some(&id), config())
+    let listener = tcp::listen("127.0.0.1:0".parse().unwrap(), Some(&id), config())
         .await
         .unwrap();
     let stats = listener.stats();

@@ -11,7 +11,7 @@ use futures_util::{SinkExt, StreamExt};
 use tokio_tungstenite::tungstenite::Message;
 use waygate_transport::conn::ConnConfig;
 use waygate_transport::tls::{ClientTls, TlsIdentity};
-use waygate_transport::ws::{connect_ws, WsListener};
+use waygate_transport::ws::{self, connect_ws};
 use waygate_transport::{CloseCode, Frame, Listener};
 
 const MAX: usize = 16 * 1024;
@@ -27,7 +27,7 @@ fn config() -> ConnConfig {
 }
 
 async fn ws_echo() -> (SocketAddr, tokio::task::JoinHandle<()>) {
-    let listener = WsListener::bind("127.0.0.1:0".parse().unwrap(), None, config())
+    let listener = ws::listen("127.0.0.1:0".parse().unwrap(), None, config())
         .await
         .unwrap();
     let addr = listener.local_addr();
@@ -49,7 +49,7 @@ async fn ws_100_connections_1000_frames_each() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wss_100_connections_1000_frames_each() {
     let id = TlsIdentity::generate_dev(&[]).unwrap();
-    let listener = WsListener::bind("127.0.0.1:0".parse().unwrap(), Some(&id), config())
+    let listener = ws::listen("127.0.0.1:0".parse().unwrap(), Some(&id), config())
         .await
         .unwrap();
     let addr = listener.local_addr();

@@ -1,0 +1,161 @@
+//! The listener shell every transport shares: a background accept task pushes connections
+//! whose transport handshake is complete into a bounded queue that `accept` drains.
+//! Handshakes run concurrently, each under its deadline; failures are logged and counted,
+//! never returned from `accept`.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::mpsc;
+
+use crate::conn::{BoxConnection, Listener, ListenerStats, TransportKind};
+use crate::error::TransportError;
+
+/// Ready connections waiting for `accept`.
+const ACCEPT_BACKLOG: usize = 1024;
+
+/// A bound listener of any transport.
+pub struct TransportListener {
+    local: SocketAddr,
+    kind: TransportKind,
+    ready: mpsc::Receiver<BoxConnection>,
+    stats: Arc<ListenerStats>,
+    task: tokio::task::JoinHandle<()>,
+    on_drop: Option<Box<dyn FnOnce() + Send>>,
+}
+
+impl std::fmt::Debug for TransportListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransportListener")
+            .field("local", &self.local)
+            .field("kind", &self.kind)
+            .finish()
+    }
+}
+
+/// What an accept task gets to hand connections over.
+#[derive(Clone)]
+pub(crate) struct Handoff {
+    tx: mpsc::Sender<BoxConnection>,
+    pub(crate) stats: Arc<ListenerStats>,
+    kind: TransportKind,
+}
+
+impl Handoff {
+    /// Whether the listener was dropped (the accept task should end).
+    pub(crate) fn is_closed(&self) -> bool {
+        self.tx.is_closed()
+    }
+
+    /// Hands over a connection that needed no handshake.
+    pub(crate) async fn ready(&self, conn: BoxConnection) -> bool {
+        ListenerStats::bump(&self.stats.accepted);
+        self.tx.send(conn).await.is_ok()
+    }
+
+    /// Runs `handshake` in its own task under `deadline`, then hands the connection over.
+    pub(crate) fn spawn_handshake<F>(&self, peer: SocketAddr, deadline: Duration, handshake: F)
+    where
+        F: Future<Output = Result<BoxConnection, TransportError>> + Send + 'static,
+    {
+        let this = self.clone();
+        tokio::spawn(async move {
+            match tokio::time::timeout(deadline, handshake).await {
+                Ok(Ok(conn)) => {
+                    this.ready(conn).await;
+                }
+                Ok(Err(e)) => {
+                    ListenerStats::bump(&this.stats.handshake_failed);
+                    tracing::debug!(%peer, kind = %this.kind, error = %e, "handshake failed");
+                }
+                Err(_) => {
+                    ListenerStats::bump(&this.stats.handshake_failed);
+                    tracing::debug!(%peer, kind = %this.kind, "handshake timed out");
+                }
+            }
+        });
+    }
+}
+
+impl TransportListener {
+    /// Starts the accept task built by `spawn` and returns the listener.
+    pub(crate) fn start<F, Fut>(local: SocketAddr, kind: TransportKind, spawn: F) -> Self
+    where
+        F: FnOnce(Handoff) -> Fut,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let (tx, ready) = mpsc::channel(ACCEPT_BACKLOG);
+        let stats = Arc::new(ListenerStats::default());
+        let handoff = Handoff {
+            tx,
+            stats: stats.clone(),
+            kind,
+        };
+        let task = tokio::spawn(spawn(handoff));
+        Self {
+            local,
+            kind,
+            ready,
+            stats,
+            task,
+            on_drop: None,
+        }
+    }
+
+    /// Runs `f` when the listener is dropped (e.g. to close a QUIC endpoint).
+    pub(crate) fn with_on_drop(mut self, f: impl FnOnce() + Send + 'static) -> Self {
+        self.on_drop = Some(Box::new(f));
+        self
+    }
+
+    /// Counters of this listener.
+    pub fn stats(&self) -> Arc<ListenerStats> {
+        self.stats.clone()
+    }
+}
+
+impl Drop for TransportListener {
+    fn drop(&mut self) {
+        self.task.abort();
+        if let Some(f) = self.on_drop.take() {
+            f();
+        }
+    }
+}
+
+#[async_trait]
+impl Listener for TransportListener {
+    fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    fn kind(&self) -> TransportKind {
+        self.kind
+    }
+
+    async fn accept(&mut self) -> Option<BoxConnection> {
+        self.ready.recv().await
+    }
+}
+
+/// Accepts the next TCP connection, backing off briefly on errors such as EMFILE instead of
+/// spinning, with TCP_NODELAY set.
+pub(crate) async fn accept_tcp(
+    listener: &tokio::net::TcpListener,
+) -> (tokio::net::TcpStream, SocketAddr) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                let _ = stream.set_nodelay(true);
+                return (stream, peer);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "tcp accept failed");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+}
