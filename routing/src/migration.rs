@@ -72,7 +72,8 @@ pub struct Migration {
     pub kind: KeyKind,
     /// The player / room / guild / order id.
     pub key: String,
-    /// The service the key is routed for.
+    /// The service serving the key: the target's service when `to` is set (a player whose
+    /// canary alternate was removed moves back to the main service), else the old one.
     pub service: String,
     /// Instance that held the key.
     pub from: String,

@@ -758,8 +758,14 @@ impl Router {
         let Some(cause) = binding_cause(&table, &|id: &str| down.contains(id), &p.key, &b) else {
             return Carry::Obsolete;
         };
-        let serving = c.by_name.get(&b.service).copied();
-        let kind = table.service(&b.service).map_or(KeyKind::Player, |s| s.key);
+        // Normally the key moves within the service serving it (keeping canary membership);
+        // if that service is gone (a canary alternate removed), within the requested one.
+        let serving = c
+            .by_name
+            .get(&b.service)
+            .or_else(|| c.by_name.get(&p.service))
+            .copied();
+        let kind = serving.map_or(KeyKind::Player, |si| table.services[si].key);
         let mut m = Migration {
             kind,
             key: p.key.clone(),
@@ -771,10 +777,11 @@ impl Router {
             epoch: table.epoch,
         };
         let Some(si) = serving else {
-            // The serving service is gone: nothing can take the state over.
+            // No service left for it: nothing can take the state over.
             self.release(&p.key, &p.service);
             return Carry::Done(Box::new(m));
         };
+        let canary = b.canary && table.services[si].name == b.service;
         if kind == KeyKind::Room && cause != MigrationCause::Reassigned {
             // A room cannot move: it is lost and must be rebuilt where it is next routed.
             self.release(&p.key, &p.service);
@@ -786,14 +793,15 @@ impl Router {
             Ok((idx, _)) => {
                 let inst = &table.services[si].instances[idx];
                 let d = RouteDecision {
-                    service: b.service.clone(),
+                    service: table.services[si].name.clone(),
                     instance_id: inst.id.clone(),
                     address: inst.address.clone(),
                     epoch: table.epoch,
                     reason: RouteReason::Hashed,
-                    canary: b.canary,
+                    canary,
                 };
                 self.bind(&p.key, &p.service, &d);
+                m.service = d.service;
                 m.to = Some(d.instance_id);
                 m.to_address = Some(d.address);
                 Carry::Done(Box::new(m))

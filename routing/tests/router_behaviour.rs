@@ -348,6 +348,57 @@ fn canary_share_within_tolerance_and_sticky() {
 }
 
 #[test]
+fn removing_the_canary_alternate_moves_its_players_back_explicitly() {
+    let t0 = Instant::now();
+    let mut t = base_table(1);
+    t.services.push(service(
+        "player-v2",
+        KeyKind::Player,
+        9000,
+        9000,
+        vec![inst("c1", 1.0)],
+    ));
+    t.services[0].canary = Some(Canary {
+        percent: 10.0,
+        service: "player-v2".into(),
+    });
+    let mut r = router(t, t0);
+    let ps = players(500);
+    let canaried: Vec<&String> = ps
+        .iter()
+        .filter(|p| {
+            r.route(1000, &RouteRequest::player(p))
+                .expect("route")
+                .canary
+        })
+        .collect();
+    assert!(!canaried.is_empty());
+    let report = r.apply_table(base_table(2), t0).expect("apply");
+    assert_eq!(report.queued_migrations, canaried.len());
+    let mut t = t0;
+    let mut n = 0;
+    while r.pending_migrations() > 0 {
+        t = r.poll_timeout(t).expect("pending");
+        while let Some(m) = r.poll_migration(t) {
+            assert_eq!(
+                (m.from.as_str(), m.cause, m.service.as_str()),
+                ("c1", MigrationCause::ServiceRemoved, "player")
+            );
+            assert!(m.to.is_some());
+            n += 1;
+        }
+    }
+    assert_eq!(n, canaried.len());
+    for p in canaried {
+        let d = r.route(1000, &RouteRequest::player(p)).expect("route");
+        assert_eq!(
+            (d.service.as_str(), d.canary, d.reason),
+            ("player", false, RouteReason::Bound)
+        );
+    }
+}
+
+#[test]
 fn capacity_cap_is_respected() {
     let t0 = Instant::now();
     let mut t = base_table(1);
