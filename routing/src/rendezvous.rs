@@ -6,8 +6,9 @@
 //!
 //! Exact rule (pinned by the golden vectors):
 //! 1. Candidates are grouped by weight (bit-identical `f64`). Within a group the score is a
-//!    strictly increasing function of `u`, so the group's winner is the largest `pair_hash`
-//!    (integer comparison, no floating point), ties to the smaller instance id.
+//!    strictly increasing function of `u`, so the group's winner is the largest `u`, compared
+//!    exactly as the integer `pair_hash >> 12` (no floating point), ties to the smaller
+//!    instance id.
 //! 2. Each group winner's score is computed with [`crate::hash::stable_ln`]; the largest score
 //!    wins, ties to the smaller instance id.
 //!
@@ -112,7 +113,8 @@ impl Rendezvous {
             let mut gbest: Option<(u64, usize)> = None;
             for &idx in &g.members {
                 let n = &self.nodes[idx];
-                let h = pair_hash(kh, n.hash);
+                // Only the 52 bits that make up `u` count, so equal `u` ties go to the id.
+                let h = pair_hash(kh, n.hash) >> 12;
                 let better = match gbest {
                     None => true,
                     Some((bh, bi)) => h > bh || (h == bh && n.id < self.nodes[bi].id),
@@ -122,7 +124,7 @@ impl Rendezvous {
                 }
             }
             let Some((h, idx)) = gbest else { continue };
-            let score = g.weight / -stable_ln(unit_interval(h));
+            let score = g.weight / -stable_ln(unit_interval(h << 12));
             let better = match best {
                 None => true,
                 Some((bs, bi)) => {
