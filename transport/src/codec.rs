@@ -3,7 +3,7 @@
 //! for a partial frame, and rejects an oversized length from the header alone, before any
 //! allocation for the body.
 
-use bytes::{Buf, BufMut, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use crate::error::FrameError;
 use crate::frame::Frame;
@@ -40,11 +40,7 @@ impl StreamCodec {
 
     /// Appends the length prefix and frame to `out`.
     pub fn encode(&self, frame: &Frame, out: &mut BytesMut) -> Result<(), FrameError> {
-        let len = self.check_len(frame)?;
-        out.reserve(varint_len(len as u64) + len);
-        put_varint(out, len as u64);
-        frame.encode(out);
-        Ok(())
+        self.encode_with(frame.encoded_len(), out, |out| frame.encode(out))
     }
 
     /// How many more bytes the buffer needs before the next frame can be decoded (a hint for
@@ -62,6 +58,16 @@ impl StreamCodec {
     /// if the length prefix or the frame is invalid (the connection must then be closed with
     /// the error's close code).
     pub fn decode(&self, buf: &mut BytesMut) -> Result<Option<Frame>, FrameError> {
+        match self.split(buf)? {
+            Some(body) => Frame::decode(body).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Takes one length-delimited body off the front of `buf` without parsing it:
+    /// `Ok(None)` if it is not complete yet. Shared by the client protocol and the backend
+    /// link protocol, which use the same framing.
+    pub fn split(&self, buf: &mut BytesMut) -> Result<Option<Bytes>, FrameError> {
         let (len, prefix) = match peek_varint(buf) {
             Ok(v) => v,
             Err(VarintError::Incomplete) => return Ok(None),
@@ -86,8 +92,29 @@ impl StreamCodec {
             return Ok(None);
         }
         buf.advance(prefix);
-        let body = buf.split_to(len).freeze();
-        Frame::decode(body).map(Some)
+        Ok(Some(buf.split_to(len).freeze()))
+    }
+
+    /// Appends a length prefix and `len` bytes written by `write` (which must write exactly
+    /// `len` bytes) to `out`, after checking the size.
+    pub fn encode_with(
+        &self,
+        len: usize,
+        out: &mut BytesMut,
+        write: impl FnOnce(&mut BytesMut),
+    ) -> Result<(), FrameError> {
+        if len > self.max_frame_size {
+            return Err(FrameError::TooLarge {
+                len: len as u64,
+                max: self.max_frame_size,
+            });
+        }
+        out.reserve(varint_len(len as u64) + len);
+        put_varint(out, len as u64);
+        let before = out.len();
+        write(out);
+        debug_assert_eq!(out.len() - before, len, "encoded length mismatch");
+        Ok(())
     }
 }
 
@@ -110,7 +137,7 @@ pub fn encode_message(
 }
 
 /// Decodes one frame carried as a whole message, after checking its size.
-pub fn decode_message(message: bytes::Bytes, max_frame_size: usize) -> Result<Frame, FrameError> {
+pub fn decode_message(message: Bytes, max_frame_size: usize) -> Result<Frame, FrameError> {
     if message.len() > max_frame_size {
         return Err(FrameError::TooLarge {
             len: message.len() as u64,

@@ -203,6 +203,8 @@ close_codes! {
     NoRoute = 404, "no_route";
     /// This edge is draining and accepts no new sessions.
     Draining = 405, "draining";
+    /// The route epoch of a forwarded message is older than the backend's (link only).
+    StaleEpoch = 406, "stale_epoch";
     /// An internal error on the server.
     Internal = 500, "internal";
 }

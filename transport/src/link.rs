@@ -1,0 +1,777 @@
+//! The backend link protocol (PROTOCOL.md §9): the frames an edge and a backend instance
+//! exchange over one multiplexed TCP (optionally TLS) link, and their byte layout. Framing is
+//! the same varint length prefix as the client protocol on byte streams
+//! ([`crate::codec::StreamCodec::split`]); type bytes start at 0x40 so a client frame sent to
+//! a backend port (or the reverse) is refused as an unknown type, never misread.
+//!
+//! Sessions are named on the link by a link-local `handle` (a varint chosen by the edge in
+//! SESSION_OPEN) instead of their 16-byte id, so a forwarded message costs a few bytes.
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+use crate::codec::StreamCodec;
+use crate::error::FrameError;
+use crate::frame::{SessionId, MAX_REASON_LEN};
+use crate::protocol::{CloseCode, TrafficClass, ID_LEN};
+use crate::reader::Reader;
+use crate::varint::{put_varint, varint_len};
+
+/// Link protocol version (LINK_HELLO / LINK_WELCOME).
+pub const LINK_VERSION: u8 = 1;
+/// Default maximum link frame size.
+pub const DEFAULT_MAX_LINK_FRAME: usize = 1024 * 1024;
+/// Longest id, service name, key or attribute on the link.
+pub const MAX_NAME_LEN: usize = 256;
+/// Most attributes in one SESSION_OPEN.
+pub const MAX_ATTRS: usize = 32;
+
+/// What a PIN frame pins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum PinKind {
+    /// A player id.
+    Player = 0,
+    /// A room id (or any other business key of a key-routed service).
+    Room = 1,
+}
+
+/// One frame of the backend link protocol.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LinkFrame {
+    /// 0x40 edge -> backend: first frame on a link.
+    Hello {
+        /// Link protocol version.
+        version: u8,
+        /// The edge's id.
+        edge_id: String,
+        /// The edge's current route epoch.
+        epoch: u64,
+    },
+    /// 0x41 backend -> edge: answer to HELLO.
+    Welcome {
+        /// Link protocol version.
+        version: u8,
+        /// The backend instance's id.
+        instance_id: String,
+        /// FORWARD frames the edge may send before it needs more credit.
+        credits: u32,
+        /// The backend expects a link PING at least this often.
+        heartbeat_ms: u32,
+    },
+    /// 0x42 edge -> backend: a session is bound to this instance.
+    SessionOpen {
+        /// Link-local handle for the session.
+        handle: u64,
+        /// The session's id.
+        session_id: SessionId,
+        /// The authenticated player.
+        player_id: String,
+        /// Fencing token of the player's ownership (grows on every takeover).
+        fencing: u64,
+        /// Free-form attributes (transport, client version, region...).
+        attrs: Vec<(String, String)>,
+    },
+    /// 0x43 edge -> backend: the session ended (expired, kicked, logged out).
+    SessionClose {
+        /// The session.
+        handle: u64,
+        /// Why.
+        code: CloseCode,
+    },
+    /// 0x44 edge -> backend: the client dropped; the session lingers (S5, S8 degrade).
+    SessionDetached {
+        /// The session.
+        handle: u64,
+        /// How long the edge keeps it before it expires.
+        linger_ms: u32,
+    },
+    /// 0x45 edge -> backend: the client came back.
+    SessionReattached {
+        /// The session.
+        handle: u64,
+        /// Whether the client lost downstream messages and must resync.
+        gap: bool,
+    },
+    /// 0x46 edge -> backend: one upstream message.
+    Forward {
+        /// The session.
+        handle: u64,
+        /// Client message id.
+        msg_id: u32,
+        /// The route epoch the edge used.
+        epoch: u64,
+        /// The client's seq (0 for best-effort).
+        client_seq: u64,
+        /// Traffic class.
+        class: TrafficClass,
+        /// The message body.
+        payload: Bytes,
+    },
+    /// 0x47 backend -> edge: one downstream message for a session.
+    Push {
+        /// The session.
+        handle: u64,
+        /// Message id for the client.
+        msg_id: u32,
+        /// Traffic class.
+        class: TrafficClass,
+        /// The message body.
+        payload: Bytes,
+    },
+    /// 0x48 backend -> edge: end this session (the client gets CLOSE with `code`).
+    Kick {
+        /// The session.
+        handle: u64,
+        /// Close code for the client.
+        code: CloseCode,
+        /// Human-readable detail.
+        message: String,
+    },
+    /// 0x49 backend -> edge: one forwarded message was refused (busy, stale epoch...).
+    Refuse {
+        /// The session.
+        handle: u64,
+        /// The refused message's id.
+        msg_id: u32,
+        /// The refused message's client seq.
+        client_seq: u64,
+        /// Why (`busy`, `stale_epoch`, ...).
+        code: CloseCode,
+        /// Wait before sending to this instance again; 0 = no hint.
+        retry_after_ms: u32,
+        /// The backend's route epoch (for `stale_epoch`: refresh to at least this).
+        epoch: u64,
+    },
+    /// 0x4A backend -> edge: route this session's messages for `service` by `key` (e.g.
+    /// the room the player joined).
+    Bind {
+        /// The session.
+        handle: u64,
+        /// The key-routed service.
+        service: String,
+        /// The business key.
+        key: String,
+    },
+    /// 0x4B backend -> edge: `key` lives on `instance_id` from now on (a room created here).
+    Pin {
+        /// Player or room.
+        kind: PinKind,
+        /// The key.
+        key: String,
+        /// The instance that holds it.
+        instance_id: String,
+    },
+    /// 0x4C either way: the receiver may send `credits` more FORWARD (edge) or PUSH
+    /// (backend) frames.
+    Credit {
+        /// Additional frames allowed.
+        credits: u32,
+    },
+    /// 0x4D either way: liveness probe.
+    Ping {
+        /// Echoed by PONG.
+        timestamp: u64,
+    },
+    /// 0x4E either way: answer to PING.
+    Pong {
+        /// The PING's value.
+        timestamp: u64,
+    },
+    /// 0x4F either way: the link ends.
+    Close {
+        /// Why.
+        code: CloseCode,
+        /// Human-readable detail.
+        message: String,
+    },
+}
+
+fn str_len(s: &str) -> usize {
+    varint_len(s.len() as u64) + s.len()
+}
+
+fn put_str(out: &mut impl BufMut, s: &str) {
+    put_varint(out, s.len() as u64);
+    out.put_slice(s.as_bytes());
+}
+
+fn get_str(r: &mut Reader, field: &'static str, max: usize) -> Result<String, FrameError> {
+    let bytes = r.bytes_with_len(field, max)?;
+    String::from_utf8(bytes.to_vec()).map_err(|_| FrameError::Malformed {
+        field,
+        what: "not UTF-8",
+    })
+}
+
+fn get_class(r: &mut Reader) -> Result<TrafficClass, FrameError> {
+    TrafficClass::from_bits(r.u8("class")?).ok_or(FrameError::Malformed {
+        field: "class",
+        what: "unknown traffic class",
+    })
+}
+
+impl LinkFrame {
+    fn type_byte(&self) -> u8 {
+        match self {
+            Self::Hello { .. } => 0x40,
+            Self::Welcome { .. } => 0x41,
+            Self::SessionOpen { .. } => 0x42,
+            Self::SessionClose { .. } => 0x43,
+            Self::SessionDetached { .. } => 0x44,
+            Self::SessionReattached { .. } => 0x45,
+            Self::Forward { .. } => 0x46,
+            Self::Push { .. } => 0x47,
+            Self::Kick { .. } => 0x48,
+            Self::Refuse { .. } => 0x49,
+            Self::Bind { .. } => 0x4A,
+            Self::Pin { .. } => 0x4B,
+            Self::Credit { .. } => 0x4C,
+            Self::Ping { .. } => 0x4D,
+            Self::Pong { .. } => 0x4E,
+            Self::Close { .. } => 0x4F,
+        }
+    }
+
+    /// Exact number of bytes [`LinkFrame::encode`] writes.
+    pub fn encoded_len(&self) -> usize {
+        1 + match self {
+            Self::Hello { edge_id, epoch, .. } => 1 + str_len(edge_id) + varint_len(*epoch),
+            Self::Welcome {
+                instance_id,
+                credits,
+                heartbeat_ms,
+                ..
+            } => {
+                1 + str_len(instance_id)
+                    + varint_len((*credits).into())
+                    + varint_len((*heartbeat_ms).into())
+            }
+            Self::SessionOpen {
+                handle,
+                player_id,
+                fencing,
+                attrs,
+                ..
+            } => {
+                varint_len(*handle)
+                    + ID_LEN
+                    + str_len(player_id)
+                    + varint_len(*fencing)
+                    + varint_len(attrs.len() as u64)
+                    + attrs
+                        .iter()
+                        .map(|(k, v)| str_len(k) + str_len(v))
+                        .sum::<usize>()
+            }
+            Self::SessionClose { handle, .. } => varint_len(*handle) + 2,
+            Self::SessionDetached { handle, linger_ms } => {
+                varint_len(*handle) + varint_len((*linger_ms).into())
+            }
+            Self::SessionReattached { handle, .. } => varint_len(*handle) + 1,
+            Self::Forward {
+                handle,
+                msg_id,
+                epoch,
+                client_seq,
+                payload,
+                ..
+            } => {
+                varint_len(*handle)
+                    + varint_len((*msg_id).into())
+                    + varint_len(*epoch)
+                    + varint_len(*client_seq)
+                    + 1
+                    + payload.len()
+            }
+            Self::Push {
+                handle,
+                msg_id,
+                payload,
+                ..
+            } => varint_len(*handle) + varint_len((*msg_id).into()) + 1 + payload.len(),
+            Self::Kick {
+                handle, message, ..
+            } => varint_len(*handle) + 2 + str_len(message),
+            Self::Refuse {
+                handle,
+                msg_id,
+                client_seq,
+                retry_after_ms,
+                epoch,
+                ..
+            } => {
+                varint_len(*handle)
+                    + varint_len((*msg_id).into())
+                    + varint_len(*client_seq)
+                    + 2
+                    + varint_len((*retry_after_ms).into())
+                    + varint_len(*epoch)
+            }
+            Self::Bind {
+                handle,
+                service,
+                key,
+            } => varint_len(*handle) + str_len(service) + str_len(key),
+            Self::Pin {
+                key, instance_id, ..
+            } => 1 + str_len(key) + str_len(instance_id),
+            Self::Credit { credits } => varint_len((*credits).into()),
+            Self::Ping { timestamp } | Self::Pong { timestamp } => varint_len(*timestamp),
+            Self::Close { message, .. } => 2 + str_len(message),
+        }
+    }
+
+    /// Appends the frame (type byte first, no length prefix).
+    pub fn encode(&self, out: &mut impl BufMut) {
+        out.put_u8(self.type_byte());
+        match self {
+            Self::Hello {
+                version,
+                edge_id,
+                epoch,
+            } => {
+                out.put_u8(*version);
+                put_str(out, edge_id);
+                put_varint(out, *epoch);
+            }
+            Self::Welcome {
+                version,
+                instance_id,
+                credits,
+                heartbeat_ms,
+            } => {
+                out.put_u8(*version);
+                put_str(out, instance_id);
+                put_varint(out, (*credits).into());
+                put_varint(out, (*heartbeat_ms).into());
+            }
+            Self::SessionOpen {
+                handle,
+                session_id,
+                player_id,
+                fencing,
+                attrs,
+            } => {
+                put_varint(out, *handle);
+                out.put_slice(session_id);
+                put_str(out, player_id);
+                put_varint(out, *fencing);
+                put_varint(out, attrs.len() as u64);
+                for (k, v) in attrs {
+                    put_str(out, k);
+                    put_str(out, v);
+                }
+            }
+            Self::SessionClose { handle, code } => {
+                put_varint(out, *handle);
+                out.put_u16(code.to_u16());
+            }
+            Self::SessionDetached { handle, linger_ms } => {
+                put_varint(out, *handle);
+                put_varint(out, (*linger_ms).into());
+            }
+            Self::SessionReattached { handle, gap } => {
+                put_varint(out, *handle);
+                out.put_u8(u8::from(*gap));
+            }
+            Self::Forward {
+                handle,
+                msg_id,
+                epoch,
+                client_seq,
+                class,
+                payload,
+            } => {
+                put_varint(out, *handle);
+                put_varint(out, (*msg_id).into());
+                put_varint(out, *epoch);
+                put_varint(out, *client_seq);
+                out.put_u8(*class as u8);
+                out.put_slice(payload);
+            }
+            Self::Push {
+                handle,
+                msg_id,
+                class,
+                payload,
+            } => {
+                put_varint(out, *handle);
+                put_varint(out, (*msg_id).into());
+                out.put_u8(*class as u8);
+                out.put_slice(payload);
+            }
+            Self::Kick {
+                handle,
+                code,
+                message,
+            } => {
+                put_varint(out, *handle);
+                out.put_u16(code.to_u16());
+                put_str(out, message);
+            }
+            Self::Refuse {
+                handle,
+                msg_id,
+                client_seq,
+                code,
+                retry_after_ms,
+                epoch,
+            } => {
+                put_varint(out, *handle);
+                put_varint(out, (*msg_id).into());
+                put_varint(out, *client_seq);
+                out.put_u16(code.to_u16());
+                put_varint(out, (*retry_after_ms).into());
+                put_varint(out, *epoch);
+            }
+            Self::Bind {
+                handle,
+                service,
+                key,
+            } => {
+                put_varint(out, *handle);
+                put_str(out, service);
+                put_str(out, key);
+            }
+            Self::Pin {
+                kind,
+                key,
+                instance_id,
+            } => {
+                out.put_u8(*kind as u8);
+                put_str(out, key);
+                put_str(out, instance_id);
+            }
+            Self::Credit { credits } => put_varint(out, (*credits).into()),
+            Self::Ping { timestamp } | Self::Pong { timestamp } => put_varint(out, *timestamp),
+            Self::Close { code, message } => {
+                out.put_u16(code.to_u16());
+                put_str(out, message);
+            }
+        }
+    }
+
+    /// Decodes one whole link frame. Never panics on any input.
+    pub fn decode(bytes: Bytes) -> Result<LinkFrame, FrameError> {
+        let mut r = Reader::new(bytes);
+        let t = r.u8("type").map_err(|_| FrameError::Empty)?;
+        Ok(match t {
+            0x40 => Self::Hello {
+                version: r.u8("version")?,
+                edge_id: get_str(&mut r, "edge_id", MAX_NAME_LEN)?,
+                epoch: r.varint("epoch")?,
+            },
+            0x41 => Self::Welcome {
+                version: r.u8("version")?,
+                instance_id: get_str(&mut r, "instance_id", MAX_NAME_LEN)?,
+                credits: r.varint_u32("credits")?,
+                heartbeat_ms: r.varint_u32("heartbeat_ms")?,
+            },
+            0x42 => {
+                let handle = r.varint("handle")?;
+                let session_id = r.array("session_id")?;
+                let player_id = get_str(&mut r, "player_id", MAX_NAME_LEN)?;
+                let fencing = r.varint("fencing")?;
+                let n = r.varint("attrs")?;
+                if n > MAX_ATTRS as u64 {
+                    return Err(FrameError::Malformed {
+                        field: "attrs",
+                        what: "too many attributes",
+                    });
+                }
+                let mut attrs = Vec::with_capacity(n as usize);
+                for _ in 0..n {
+                    let k = get_str(&mut r, "attr_key", MAX_NAME_LEN)?;
+                    let v = get_str(&mut r, "attr_value", MAX_NAME_LEN)?;
+                    attrs.push((k, v));
+                }
+                Self::SessionOpen {
+                    handle,
+                    session_id,
+                    player_id,
+                    fencing,
+                    attrs,
+                }
+            }
+            0x43 => Self::SessionClose {
+                handle: r.varint("handle")?,
+                code: CloseCode::from_u16(r.u16("code")?),
+            },
+            0x44 => Self::SessionDetached {
+                handle: r.varint("handle")?,
+                linger_ms: r.varint_u32("linger_ms")?,
+            },
+            0x45 => Self::SessionReattached {
+                handle: r.varint("handle")?,
+                gap: match r.u8("gap")? {
+                    0 => false,
+                    1 => true,
+                    _ => {
+                        return Err(FrameError::Malformed {
+                            field: "gap",
+                            what: "not 0 or 1",
+                        })
+                    }
+                },
+            },
+            0x46 => Self::Forward {
+                handle: r.varint("handle")?,
+                msg_id: r.varint_u32("msg_id")?,
+                epoch: r.varint("epoch")?,
+                client_seq: r.varint("client_seq")?,
+                class: get_class(&mut r)?,
+                payload: r.rest(),
+            },
+            0x47 => Self::Push {
+                handle: r.varint("handle")?,
+                msg_id: r.varint_u32("msg_id")?,
+                class: get_class(&mut r)?,
+                payload: r.rest(),
+            },
+            0x48 => Self::Kick {
+                handle: r.varint("handle")?,
+                code: CloseCode::from_u16(r.u16("code")?),
+                message: get_str(&mut r, "message", MAX_REASON_LEN)?,
+            },
+            0x49 => Self::Refuse {
+                handle: r.varint("handle")?,
+                msg_id: r.varint_u32("msg_id")?,
+                client_seq: r.varint("client_seq")?,
+                code: CloseCode::from_u16(r.u16("code")?),
+                retry_after_ms: r.varint_u32("retry_after_ms")?,
+                epoch: r.varint("epoch")?,
+            },
+            0x4A => Self::Bind {
+                handle: r.varint("handle")?,
+                service: get_str(&mut r, "service", MAX_NAME_LEN)?,
+                key: get_str(&mut r, "key", MAX_NAME_LEN)?,
+            },
+            0x4B => Self::Pin {
+                kind: match r.u8("kind")? {
+                    0 => PinKind::Player,
+                    1 => PinKind::Room,
+                    _ => {
+                        return Err(FrameError::Malformed {
+                            field: "kind",
+                            what: "unknown pin kind",
+                        })
+                    }
+                },
+                key: get_str(&mut r, "key", MAX_NAME_LEN)?,
+                instance_id: get_str(&mut r, "instance_id", MAX_NAME_LEN)?,
+            },
+            0x4C => Self::Credit {
+                credits: r.varint_u32("credits")?,
+            },
+            0x4D => Self::Ping {
+                timestamp: r.varint("timestamp")?,
+            },
+            0x4E => Self::Pong {
+                timestamp: r.varint("timestamp")?,
+            },
+            0x4F => Self::Close {
+                code: CloseCode::from_u16(r.u16("code")?),
+                message: get_str(&mut r, "message", MAX_REASON_LEN)?,
+            },
+            other => return Err(FrameError::UnknownType(other)),
+        })
+    }
+}
+
+/// Length-delimited link framing: the client protocol's stream framing with link frames.
+#[derive(Debug, Clone, Copy)]
+pub struct LinkCodec {
+    stream: StreamCodec,
+}
+
+impl LinkCodec {
+    /// A codec accepting link frames of up to `max_frame_size` bytes.
+    pub fn new(max_frame_size: usize) -> Self {
+        Self {
+            stream: StreamCodec::new(max_frame_size),
+        }
+    }
+
+    /// Appends the length prefix and frame to `out`.
+    pub fn encode(&self, frame: &LinkFrame, out: &mut BytesMut) -> Result<(), FrameError> {
+        self.stream
+            .encode_with(frame.encoded_len(), out, |out| frame.encode(out))
+    }
+
+    /// Takes one link frame off the front of `buf` (`Ok(None)` if incomplete).
+    pub fn decode(&self, buf: &mut BytesMut) -> Result<Option<LinkFrame>, FrameError> {
+        match self.stream.split(buf)? {
+            Some(body) => LinkFrame::decode(body).map(Some),
+            None => Ok(None),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frame::tests::arb_class;
+    use proptest::prelude::*;
+
+    fn name() -> impl Strategy<Value = String> {
+        "[a-z0-9:_-]{0,24}"
+    }
+
+    fn code() -> impl Strategy<Value = CloseCode> {
+        any::<u16>().prop_map(CloseCode::from_u16)
+    }
+
+    fn payload() -> impl Strategy<Value = Bytes> {
+        proptest::collection::vec(any::<u8>(), 0..200).prop_map(Bytes::from)
+    }
+
+    fn arb_link_frame() -> impl Strategy<Value = LinkFrame> {
+        prop_oneof![
+            (any::<u8>(), name(), any::<u64>()).prop_map(|(version, edge_id, epoch)| {
+                LinkFrame::Hello {
+                    version,
+                    edge_id,
+                    epoch,
+                }
+            }),
+            (any::<u8>(), name(), any::<u32>(), any::<u32>()).prop_map(
+                |(version, instance_id, credits, heartbeat_ms)| LinkFrame::Welcome {
+                    version,
+                    instance_id,
+                    credits,
+                    heartbeat_ms,
+                }
+            ),
+            (
+                any::<u64>(),
+                any::<[u8; 16]>(),
+                name(),
+                any::<u64>(),
+                proptest::collection::vec((name(), name()), 0..4)
+            )
+                .prop_map(|(handle, session_id, player_id, fencing, attrs)| {
+                    LinkFrame::SessionOpen {
+                        handle,
+                        session_id,
+                        player_id,
+                        fencing,
+                        attrs,
+                    }
+                }),
+            (any::<u64>(), code())
+                .prop_map(|(handle, code)| LinkFrame::SessionClose { handle, code }),
+            (any::<u64>(), any::<u32>())
+                .prop_map(|(handle, linger_ms)| LinkFrame::SessionDetached { handle, linger_ms }),
+            (any::<u64>(), any::<bool>())
+                .prop_map(|(handle, gap)| LinkFrame::SessionReattached { handle, gap }),
+            (
+                any::<u64>(),
+                any::<u32>(),
+                any::<u64>(),
+                any::<u64>(),
+                arb_class(),
+                payload()
+            )
+                .prop_map(|(handle, msg_id, epoch, client_seq, class, payload)| {
+                    LinkFrame::Forward {
+                        handle,
+                        msg_id,
+                        epoch,
+                        client_seq,
+                        class,
+                        payload,
+                    }
+                }),
+            (any::<u64>(), any::<u32>(), arb_class(), payload()).prop_map(
+                |(handle, msg_id, class, payload)| LinkFrame::Push {
+                    handle,
+                    msg_id,
+                    class,
+                    payload,
+                }
+            ),
+            (any::<u64>(), code(), name()).prop_map(|(handle, code, message)| LinkFrame::Kick {
+                handle,
+                code,
+                message,
+            }),
+            (
+                any::<u64>(),
+                any::<u32>(),
+                any::<u64>(),
+                code(),
+                any::<u32>(),
+                any::<u64>()
+            )
+                .prop_map(
+                    |(handle, msg_id, client_seq, code, retry_after_ms, epoch)| {
+                        LinkFrame::Refuse {
+                            handle,
+                            msg_id,
+                            client_seq,
+                            code,
+                            retry_after_ms,
+                            epoch,
+                        }
+                    }
+                ),
+            (any::<u64>(), name(), name()).prop_map(|(handle, service, key)| LinkFrame::Bind {
+                handle,
+                service,
+                key,
+            }),
+            (any::<bool>(), name(), name()).prop_map(|(room, key, instance_id)| LinkFrame::Pin {
+                kind: if room { PinKind::Room } else { PinKind::Player },
+                key,
+                instance_id,
+            }),
+            any::<u32>().prop_map(|credits| LinkFrame::Credit { credits }),
+            any::<u64>().prop_map(|timestamp| LinkFrame::Ping { timestamp }),
+            any::<u64>().prop_map(|timestamp| LinkFrame::Pong { timestamp }),
+            (code(), name()).prop_map(|(code, message)| LinkFrame::Close { code, message }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn round_trip(frames in proptest::collection::vec(arb_link_frame(), 1..6)) {
+            let codec = LinkCodec::new(DEFAULT_MAX_LINK_FRAME);
+            let mut buf = BytesMut::new();
+            for f in &frames {
+                codec.encode(f, &mut buf).expect("fits");
+            }
+            let mut got = Vec::new();
+            while let Some(f) = codec.decode(&mut buf).expect("valid") {
+                got.push(f);
+            }
+            prop_assert_eq!(got, frames);
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = LinkFrame::decode(Bytes::from(bytes.clone()));
+            let codec = LinkCodec::new(256);
+            let mut buf = BytesMut::from(&bytes[..]);
+            while let Ok(Some(_)) = codec.decode(&mut buf) {}
+        }
+    }
+
+    #[test]
+    fn client_frames_are_unknown_on_the_link() {
+        let ping = crate::Frame::Ping { timestamp: 1 }.to_bytes();
+        assert_eq!(LinkFrame::decode(ping), Err(FrameError::UnknownType(0x06)));
+    }
+
+    #[test]
+    fn forward_header_is_small() {
+        let f = LinkFrame::Forward {
+            handle: 1000,
+            msg_id: 1001,
+            epoch: 7,
+            client_seq: 5000,
+            class: TrafficClass::Normal,
+            payload: Bytes::from_static(&[0; 64]),
+        };
+        assert_eq!(f.encoded_len() - 64, 9);
+    }
+}
