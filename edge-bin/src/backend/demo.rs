@@ -1,0 +1,139 @@
+//! The demo game backend: two services on one instance, so routing correctness is visible
+//! in every reply.
+//!
+//! - **player** (msg ids 1000–1999, keyed by player id): `ECHO` (1000) is answered with
+//!   `ECHO_REPLY` (1001) whose payload is `"<instance>|<player>|"` followed by the request
+//!   payload; `JOIN_ROOM` (1100, payload = room id) binds the session's `room` service to that
+//!   room and answers `JOINED` (1101, payload = room id).
+//! - **room** (msg ids 2000–2999, keyed by room id): `ROOM_SAY` (2000, payload = text) appends
+//!   to the room's log and sends `ROOM_EVENT` (2001) to every member on this instance, with
+//!   payload `"<instance>|<room>|<n>|<player>|<text>"` where n is the room's message counter.
+//!   The first message of a session in a room makes it a member.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use waygate_transport::{CloseCode, TrafficClass};
+
+use super::{BackendSession, Incoming, Refusal, Service};
+
+/// Echo request (player service).
+pub const ECHO: u32 = 1000;
+/// Echo reply.
+pub const ECHO_REPLY: u32 = 1001;
+/// Join a room (player service); payload is the room id.
+pub const JOIN_ROOM: u32 = 1100;
+/// Room joined.
+pub const JOINED: u32 = 1101;
+/// Say something in the bound room (room service).
+pub const ROOM_SAY: u32 = 2000;
+/// Broadcast of a room message.
+pub const ROOM_EVENT: u32 = 2001;
+
+#[derive(Debug, Default)]
+struct Room {
+    counter: u64,
+    members: HashMap<[u8; 16], BackendSession>,
+}
+
+/// The demo service. Room state lives here, per instance.
+#[derive(Debug, Default)]
+pub struct DemoService {
+    rooms: Mutex<HashMap<String, Room>>,
+    room_of: Mutex<HashMap<[u8; 16], String>>,
+}
+
+impl DemoService {
+    /// A fresh demo service.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Number of messages said in `room` on this instance.
+    pub fn room_counter(&self, room: &str) -> u64 {
+        self.rooms
+            .lock()
+            .map(|r| r.get(room).map_or(0, |r| r.counter))
+            .unwrap_or(0)
+    }
+}
+
+const INTERNAL: Refusal = Refusal {
+    code: CloseCode::Internal,
+    retry_after_ms: 0,
+};
+
+#[async_trait]
+impl Service for DemoService {
+    async fn message(&self, session: &BackendSession, msg: Incoming) -> Result<(), Refusal> {
+        match msg.msg_id {
+            ECHO => {
+                let mut out =
+                    format!("{}|{}|", session.instance_id(), session.player_id()).into_bytes();
+                out.extend_from_slice(&msg.payload);
+                session
+                    .push(ECHO_REPLY, msg.class, Bytes::from(out))
+                    .await
+                    .map_err(|_| INTERNAL)
+            }
+            JOIN_ROOM => {
+                let room = String::from_utf8_lossy(&msg.payload).into_owned();
+                session.bind("room", &room).await.map_err(|_| INTERNAL)?;
+                session
+                    .push(JOINED, TrafficClass::Critical, msg.payload)
+                    .await
+                    .map_err(|_| INTERNAL)
+            }
+            ROOM_SAY => {
+                let sid = *session.session_id();
+                let room = {
+                    let map = self.room_of.lock().map_err(|_| INTERNAL)?;
+                    map.get(&sid).cloned()
+                };
+                // The edge routes by the bound room; the payload is "<room>|<text>".
+                let text = String::from_utf8_lossy(&msg.payload).into_owned();
+                let (room_id, said) = text.split_once('|').unwrap_or(("", text.as_str()));
+                let room_id = room.unwrap_or_else(|| room_id.to_string());
+                let (event, members) = {
+                    let mut rooms = self.rooms.lock().map_err(|_| INTERNAL)?;
+                    let r = rooms.entry(room_id.clone()).or_default();
+                    r.members.insert(sid, session.clone());
+                    r.counter += 1;
+                    let event = format!(
+                        "{}|{}|{}|{}|{}",
+                        session.instance_id(),
+                        room_id,
+                        r.counter,
+                        session.player_id(),
+                        said
+                    );
+                    (event, r.members.values().cloned().collect::<Vec<_>>())
+                };
+                if let Ok(mut map) = self.room_of.lock() {
+                    map.insert(sid, room_id);
+                }
+                let event = Bytes::from(event);
+                for m in members {
+                    let _ = m.push(ROOM_EVENT, msg.class, event.clone()).await;
+                }
+                Ok(())
+            }
+            _ => Err(Refusal {
+                code: CloseCode::NoRoute,
+                retry_after_ms: 0,
+            }),
+        }
+    }
+
+    async fn session_closed(&self, session: &BackendSession, _code: CloseCode) {
+        let sid = *session.session_id();
+        let room = self.room_of.lock().ok().and_then(|mut m| m.remove(&sid));
+        if let (Some(room), Ok(mut rooms)) = (room, self.rooms.lock()) {
+            if let Some(r) = rooms.get_mut(&room) {
+                r.members.remove(&sid);
+            }
+        }
+    }
+}

@@ -1,0 +1,465 @@
+//! The backend library: what a game server written in Rust uses to accept links from
+//! waygate edges and handle the sessions routed to it (PROTOCOL.md §9). Implement
+//! [`Service`], call [`serve`] (or [`Backend::bind`]), and push to sessions through
+//! [`BackendSession`].
+//!
+//! Ordering: the frames of one link are handled one at a time, in order, so the messages of
+//! one session reach [`Service::message`] in the order the client sent them. Flow control:
+//! FORWARD credit is returned only after `message` returns, so a backend that is slow to
+//! handle messages makes the edge answer `busy` for it instead of queueing (B4); pushes wait
+//! for PUSH credit from the edge.
+
+pub mod demo;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, Semaphore};
+use waygate_transport::frame::SessionId;
+use waygate_transport::link::{LinkFrame, PinKind, DEFAULT_MAX_LINK_FRAME, LINK_VERSION};
+use waygate_transport::{CloseCode, TrafficClass};
+
+use crate::link::io::spawn_link_io;
+
+/// Backend settings.
+#[derive(Debug, Clone)]
+pub struct BackendConfig {
+    /// This instance's id (must match the route table).
+    pub instance_id: String,
+    /// FORWARD frames an edge may have in flight to this instance.
+    pub forward_credits: u32,
+    /// Link heartbeat interval.
+    pub heartbeat: Duration,
+    /// Largest link frame accepted.
+    pub max_link_frame: usize,
+}
+
+impl BackendConfig {
+    /// Defaults for an instance named `instance_id`.
+    pub fn new(instance_id: impl Into<String>) -> Self {
+        Self {
+            instance_id: instance_id.into(),
+            forward_credits: 256,
+            heartbeat: Duration::from_secs(2),
+            max_link_frame: DEFAULT_MAX_LINK_FRAME,
+        }
+    }
+}
+
+/// One upstream message.
+#[derive(Debug, Clone)]
+pub struct Incoming {
+    /// The client's message id.
+    pub msg_id: u32,
+    /// The client's seq (0 for best-effort).
+    pub client_seq: u64,
+    /// Traffic class.
+    pub class: TrafficClass,
+    /// The route epoch the edge used.
+    pub epoch: u64,
+    /// The body.
+    pub payload: Bytes,
+}
+
+/// A refusal of one message, sent back to the client as ERROR.
+#[derive(Debug, Clone, Copy)]
+pub struct Refusal {
+    /// Why (`busy`, `unavailable`, `stale_epoch`...).
+    pub code: CloseCode,
+    /// Retry hint in milliseconds.
+    pub retry_after_ms: u32,
+}
+
+/// Errors of the backend library.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BackendError {
+    /// The link to the session's edge is gone.
+    #[error("link to the edge is closed")]
+    LinkClosed,
+    /// No PUSH credit from the edge within the wait.
+    #[error("edge granted no push credit in time")]
+    NoCredit,
+    /// Socket error.
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// The game logic of a backend instance.
+#[async_trait]
+pub trait Service: Send + Sync + 'static {
+    /// A session was routed here (SESSION_OPEN).
+    async fn session_open(&self, _session: &BackendSession) {}
+    /// One message of a session.
+    async fn message(&self, session: &BackendSession, msg: Incoming) -> Result<(), Refusal>;
+    /// The client dropped; the session lingers for `linger`.
+    async fn session_detached(&self, _session: &BackendSession, _linger: Duration) {}
+    /// The client came back (`gap`: it lost messages and must resync).
+    async fn session_reattached(&self, _session: &BackendSession, _gap: bool) {}
+    /// The session ended here.
+    async fn session_closed(&self, _session: &BackendSession, _code: CloseCode) {}
+}
+
+#[derive(Debug)]
+struct LinkSender {
+    tx: mpsc::Sender<LinkFrame>,
+    push_credit: Semaphore,
+    edge_id: String,
+}
+
+#[derive(Debug)]
+struct SessionInner {
+    handle: u64,
+    session_id: SessionId,
+    player_id: String,
+    fencing: u64,
+    attrs: Vec<(String, String)>,
+    instance_id: Arc<str>,
+    link: Arc<LinkSender>,
+}
+
+/// A session routed to this instance, as seen through one edge's link. Cheap to clone; keep
+/// clones (e.g. a room's members) to push to them later.
+#[derive(Debug, Clone)]
+pub struct BackendSession {
+    inner: Arc<SessionInner>,
+}
+
+/// How long a push waits for credit from the edge.
+const PUSH_CREDIT_WAIT: Duration = Duration::from_secs(5);
+
+impl BackendSession {
+    /// The session's id.
+    pub fn session_id(&self) -> &SessionId {
+        &self.inner.session_id
+    }
+
+    /// The player.
+    pub fn player_id(&self) -> &str {
+        &self.inner.player_id
+    }
+
+    /// The ownership fencing token (higher = newer owner).
+    pub fn fencing(&self) -> u64 {
+        self.inner.fencing
+    }
+
+    /// The edge this session is connected through.
+    pub fn edge_id(&self) -> &str {
+        &self.inner.link.edge_id
+    }
+
+    /// This instance's id.
+    pub fn instance_id(&self) -> &str {
+        &self.inner.instance_id
+    }
+
+    /// An attribute of SESSION_OPEN.
+    pub fn attr(&self, key: &str) -> Option<&str> {
+        self.inner
+            .attrs
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// Sends a message to the client, waiting (bounded) for PUSH credit.
+    pub async fn push(
+        &self,
+        msg_id: u32,
+        class: TrafficClass,
+        payload: Bytes,
+    ) -> Result<(), BackendError> {
+        let permit = tokio::time::timeout(PUSH_CREDIT_WAIT, self.inner.link.push_credit.acquire())
+            .await
+            .map_err(|_| BackendError::NoCredit)?
+            .map_err(|_| BackendError::LinkClosed)?;
+        permit.forget();
+        self.send(LinkFrame::Push {
+            handle: self.inner.handle,
+            msg_id,
+            class,
+            payload,
+        })
+        .await
+    }
+
+    /// Routes this session's messages for `service` by `key` from now on (e.g. a room).
+    pub async fn bind(&self, service: &str, key: &str) -> Result<(), BackendError> {
+        self.send(LinkFrame::Bind {
+            handle: self.inner.handle,
+            service: service.into(),
+            key: key.into(),
+        })
+        .await
+    }
+
+    /// Pins `key` to this instance (a room created here).
+    pub async fn pin(&self, kind: PinKind, key: &str) -> Result<(), BackendError> {
+        self.send(LinkFrame::Pin {
+            kind,
+            key: key.into(),
+            instance_id: self.inner.instance_id.to_string(),
+        })
+        .await
+    }
+
+    /// Ends the session; the client gets CLOSE with `code`.
+    pub async fn kick(&self, code: CloseCode, message: &str) -> Result<(), BackendError> {
+        self.send(LinkFrame::Kick {
+            handle: self.inner.handle,
+            code,
+            message: message.into(),
+        })
+        .await
+    }
+
+    async fn send(&self, frame: LinkFrame) -> Result<(), BackendError> {
+        self.inner
+            .link
+            .tx
+            .send(frame)
+            .await
+            .map_err(|_| BackendError::LinkClosed)
+    }
+}
+
+/// A running backend instance.
+#[derive(Debug)]
+pub struct Backend {
+    local: SocketAddr,
+    epoch: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Backend {
+    /// Binds `addr` and serves links with `service`.
+    pub async fn bind(
+        addr: SocketAddr,
+        config: BackendConfig,
+        service: Arc<dyn Service>,
+    ) -> Result<Self, BackendError> {
+        let listener = TcpListener::bind(addr).await?;
+        let local = listener.local_addr()?;
+        let epoch = Arc::new(AtomicU64::new(0));
+        let task = tokio::spawn(serve(listener, config, service, epoch.clone()));
+        Ok(Self { local, epoch, task })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// Sets the route epoch this instance knows: FORWARDs with an older epoch are refused
+    /// with `stale_epoch` (R5).
+    pub fn set_epoch(&self, epoch: u64) {
+        self.epoch.store(epoch, Ordering::Relaxed);
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Accepts links on `listener` forever.
+pub async fn serve(
+    listener: TcpListener,
+    config: BackendConfig,
+    service: Arc<dyn Service>,
+    epoch: Arc<AtomicU64>,
+) {
+    let instance: Arc<str> = config.instance_id.as_str().into();
+    // Dropping (aborting) `serve` aborts every link it runs.
+    let mut links = tokio::task::JoinSet::new();
+    loop {
+        while links.try_join_next().is_some() {}
+        let (stream, peer) = match listener.accept().await {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(error = %e, "backend accept failed");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let service = service.clone();
+        let config = config.clone();
+        let instance = instance.clone();
+        let epoch = epoch.clone();
+        links.spawn(async move {
+            if let Err(reason) = run_link(stream, &config, instance, service, epoch).await {
+                tracing::info!(%peer, reason, "backend link ended");
+            }
+        });
+    }
+}
+
+async fn run_link(
+    stream: tokio::net::TcpStream,
+    config: &BackendConfig,
+    instance: Arc<str>,
+    service: Arc<dyn Service>,
+    epoch: Arc<AtomicU64>,
+) -> Result<(), &'static str> {
+    let mut io = spawn_link_io(stream, config.max_link_frame, config.heartbeat);
+    let hello = tokio::time::timeout(Duration::from_secs(10), io.rx.recv())
+        .await
+        .map_err(|_| "no LINK_HELLO in time")?
+        .ok_or("link closed before LINK_HELLO")?;
+    let edge_id = match hello {
+        LinkFrame::Hello {
+            version, edge_id, ..
+        } if version == LINK_VERSION => edge_id,
+        LinkFrame::Hello { .. } => {
+            let _ = io
+                .tx
+                .send(LinkFrame::Close {
+                    code: CloseCode::UnsupportedVersion,
+                    message: format!("link version {LINK_VERSION} only"),
+                })
+                .await;
+            return Err("unsupported link version");
+        }
+        _ => return Err("first frame is not LINK_HELLO"),
+    };
+    tracing::info!(%edge_id, instance = %instance, "backend link up");
+    io.tx
+        .send(LinkFrame::Welcome {
+            version: LINK_VERSION,
+            instance_id: instance.to_string(),
+            credits: config.forward_credits,
+            heartbeat_ms: config.heartbeat.as_millis() as u32,
+        })
+        .await
+        .map_err(|_| "link closed")?;
+    let link = Arc::new(LinkSender {
+        tx: io.tx.clone(),
+        push_credit: Semaphore::new(0),
+        edge_id,
+    });
+    let mut sessions: HashMap<u64, BackendSession> = HashMap::new();
+    let return_every = (config.forward_credits / 4).max(1);
+    let mut consumed = 0u32;
+    let result = loop {
+        let Some(frame) = io.rx.recv().await else {
+            break Ok(());
+        };
+        match frame {
+            LinkFrame::SessionOpen {
+                handle,
+                session_id,
+                player_id,
+                fencing,
+                attrs,
+            } => {
+                let session = BackendSession {
+                    inner: Arc::new(SessionInner {
+                        handle,
+                        session_id,
+                        player_id,
+                        fencing,
+                        attrs,
+                        instance_id: instance.clone(),
+                        link: link.clone(),
+                    }),
+                };
+                service.session_open(&session).await;
+                if let Some(old) = sessions.insert(handle, session) {
+                    service.session_closed(&old, CloseCode::Normal).await;
+                }
+            }
+            LinkFrame::Forward {
+                handle,
+                msg_id,
+                epoch: msg_epoch,
+                client_seq,
+                class,
+                payload,
+            } => {
+                let refusal = match sessions.get(&handle) {
+                    None => Some(Refusal {
+                        code: CloseCode::Unavailable,
+                        retry_after_ms: 0,
+                    }),
+                    Some(_) if msg_epoch < epoch.load(Ordering::Relaxed) => Some(Refusal {
+                        code: CloseCode::StaleEpoch,
+                        retry_after_ms: 0,
+                    }),
+                    Some(session) => service
+                        .message(
+                            session,
+                            Incoming {
+                                msg_id,
+                                client_seq,
+                                class,
+                                epoch: msg_epoch,
+                                payload,
+                            },
+                        )
+                        .await
+                        .err(),
+                };
+                if let Some(r) = refusal {
+                    let _ = io
+                        .tx
+                        .send(LinkFrame::Refuse {
+                            handle,
+                            msg_id,
+                            client_seq,
+                            code: r.code,
+                            retry_after_ms: r.retry_after_ms,
+                            epoch: epoch.load(Ordering::Relaxed),
+                        })
+                        .await;
+                }
+                consumed += 1;
+                if consumed >= return_every {
+                    let _ = io.tx.send(LinkFrame::Credit { credits: consumed }).await;
+                    consumed = 0;
+                }
+            }
+            LinkFrame::SessionDetached { handle, linger_ms } => {
+                if let Some(s) = sessions.get(&handle) {
+                    service
+                        .session_detached(s, Duration::from_millis(linger_ms.into()))
+                        .await;
+                }
+            }
+            LinkFrame::SessionReattached { handle, gap } => {
+                if let Some(s) = sessions.get(&handle) {
+                    service.session_reattached(s, gap).await;
+                }
+            }
+            LinkFrame::SessionClose { handle, code } => {
+                if let Some(s) = sessions.remove(&handle) {
+                    service.session_closed(&s, code).await;
+                }
+            }
+            LinkFrame::Credit { credits } => link.push_credit.add_permits(credits as usize),
+            _ => {
+                let _ = io
+                    .tx
+                    .send(LinkFrame::Close {
+                        code: CloseCode::UnexpectedFrame,
+                        message: "frame not allowed from an edge".into(),
+                    })
+                    .await;
+                break Err("unexpected frame from edge");
+            }
+        }
+    };
+    link.push_credit.close();
+    for (_, s) in sessions.drain() {
+        service.session_closed(&s, CloseCode::GoingAway).await;
+    }
+    result
+}

@@ -1,0 +1,12 @@
+//! # waygate (the edge)
+//!
+//! Wires the crates into the edge: listeners from `waygate-transport`, sessions from
+//! `waygate-session`, routing from `waygate-routing`, the backend links, admin HTTP and
+//! metrics. Also home of the backend library ([`backend`]) that Rust game servers use to
+//! accept links from edges, and the demo backend built on it.
+//!
+//! `main.rs` is a thin shell over this library, so tests start the real edge in-process or
+//! as a process and read back its bound addresses.
+
+pub mod backend;
+pub mod link;

@@ -1,0 +1,509 @@
+//! The edge's side of a backend link: one [`LinkClient`] per backend address, which
+//! connects, says LINK_HELLO, keeps FORWARD credit, re-opens its sessions after a reconnect
+//! (exponential backoff with full jitter), and reports what the backend sends as
+//! [`LinkEvent`]s. `forward` never waits: without a link or credit it fails at once with
+//! `Unavailable` or `Busy`, so the caller can answer the client (B4).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use rand::RngExt;
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use waygate_transport::frame::SessionId;
+use waygate_transport::link::{LinkFrame, PinKind, DEFAULT_MAX_LINK_FRAME, LINK_VERSION};
+use waygate_transport::{CloseCode, TrafficClass};
+
+use super::io::spawn_link_io;
+
+/// Settings of the edge's links.
+#[derive(Debug, Clone)]
+pub struct LinkConfig {
+    /// This edge's id (LINK_HELLO).
+    pub edge_id: String,
+    /// PUSH frames a backend may have in flight to this edge.
+    pub push_credits: u32,
+    /// Heartbeat interval.
+    pub heartbeat: Duration,
+    /// Connect timeout.
+    pub connect_timeout: Duration,
+    /// Reconnect backoff: first delay and cap.
+    pub backoff_min: Duration,
+    /// Reconnect backoff cap.
+    pub backoff_max: Duration,
+    /// Retry-after hint given to clients when a backend has no credit.
+    pub busy_retry_after_ms: u32,
+}
+
+impl Default for LinkConfig {
+    fn default() -> Self {
+        Self {
+            edge_id: "edge".into(),
+            push_credits: 1024,
+            heartbeat: Duration::from_secs(2),
+            connect_timeout: Duration::from_secs(3),
+            backoff_min: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(5),
+            busy_retry_after_ms: 200,
+        }
+    }
+}
+
+/// What the edge needs to open a session on a link.
+#[derive(Debug, Clone)]
+pub struct SessionMeta {
+    /// Edge-wide session handle (also the link handle).
+    pub handle: u64,
+    /// The session's id.
+    pub session_id: SessionId,
+    /// The player.
+    pub player_id: String,
+    /// Ownership fencing token.
+    pub fencing: u64,
+    /// Attributes for the backend.
+    pub attrs: Vec<(String, String)>,
+}
+
+/// Something a backend sent, or a change of the link.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LinkEvent {
+    /// A message for a session.
+    Push {
+        /// The session.
+        handle: u64,
+        /// Message id.
+        msg_id: u32,
+        /// Class.
+        class: TrafficClass,
+        /// Body.
+        payload: Bytes,
+    },
+    /// The backend ends a session.
+    Kick {
+        /// The session.
+        handle: u64,
+        /// Code for the client.
+        code: CloseCode,
+        /// Detail.
+        message: String,
+    },
+    /// A forwarded message was refused.
+    Refuse {
+        /// The session.
+        handle: u64,
+        /// Refused message id.
+        msg_id: u32,
+        /// Its client seq.
+        client_seq: u64,
+        /// Why.
+        code: CloseCode,
+        /// Retry hint.
+        retry_after_ms: u32,
+        /// The backend's epoch.
+        epoch: u64,
+    },
+    /// Route a session's `service` by `key`.
+    Bind {
+        /// The session.
+        handle: u64,
+        /// Service.
+        service: String,
+        /// Key.
+        key: String,
+    },
+    /// Pin `key` to `instance_id`.
+    Pin {
+        /// Player or room.
+        kind: PinKind,
+        /// Key.
+        key: String,
+        /// Instance.
+        instance_id: String,
+    },
+    /// The link to `addr` is up (instance id from LINK_WELCOME).
+    Up {
+        /// Backend address.
+        addr: SocketAddr,
+        /// Its instance id.
+        instance_id: String,
+    },
+    /// The link to `addr` went down.
+    Down {
+        /// Backend address.
+        addr: SocketAddr,
+    },
+}
+
+/// Why a forward was not sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ForwardError {
+    /// No link to the backend right now.
+    #[error("backend unavailable")]
+    Unavailable,
+    /// The backend has no credit left (it is slow): retry after the hint.
+    #[error("backend busy")]
+    Busy {
+        /// Retry hint for the client.
+        retry_after_ms: u32,
+    },
+}
+
+#[derive(Debug)]
+struct Shared {
+    addr: SocketAddr,
+    config: LinkConfig,
+    tx: Mutex<Option<mpsc::Sender<LinkFrame>>>,
+    credit: AtomicU64,
+    up: AtomicBool,
+    /// Sessions opened on this link (re-opened after a reconnect).
+    open: Mutex<HashMap<u64, SessionMeta>>,
+    epoch: Arc<AtomicU64>,
+    events: mpsc::Sender<LinkEvent>,
+}
+
+/// The edge's link to one backend address.
+#[derive(Debug, Clone)]
+pub struct LinkClient {
+    shared: Arc<Shared>,
+}
+
+impl LinkClient {
+    /// Starts connecting to `addr` in the background. Events go to `events`; `epoch` is the
+    /// edge's current route epoch (sent in LINK_HELLO).
+    pub fn spawn(
+        addr: SocketAddr,
+        config: LinkConfig,
+        epoch: Arc<AtomicU64>,
+        events: mpsc::Sender<LinkEvent>,
+    ) -> (Self, tokio::task::JoinHandle<()>) {
+        let shared = Arc::new(Shared {
+            addr,
+            config,
+            tx: Mutex::new(None),
+            credit: AtomicU64::new(0),
+            up: AtomicBool::new(false),
+            open: Mutex::new(HashMap::new()),
+            epoch,
+            events,
+        });
+        let task = tokio::spawn(run(shared.clone()));
+        (Self { shared }, task)
+    }
+
+    /// The backend address.
+    pub fn addr(&self) -> SocketAddr {
+        self.shared.addr
+    }
+
+    /// Whether the link is up.
+    pub fn is_up(&self) -> bool {
+        self.shared.up.load(Ordering::Acquire)
+    }
+
+    /// FORWARD credit left.
+    pub fn credit(&self) -> u64 {
+        self.shared.credit.load(Ordering::Relaxed)
+    }
+
+    fn sender(&self) -> Option<mpsc::Sender<LinkFrame>> {
+        self.shared.tx.lock().ok().and_then(|g| g.clone())
+    }
+
+    fn take_credit(&self) -> bool {
+        self.shared
+            .credit
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |c| c.checked_sub(1))
+            .is_ok()
+    }
+
+    /// Sends SESSION_OPEN unless the session is already open on this link.
+    pub fn ensure_open(&self, meta: &SessionMeta) -> Result<(), ForwardError> {
+        let newly = match self.shared.open.lock() {
+            Ok(mut open) => open.insert(meta.handle, meta.clone()).is_none(),
+            Err(_) => return Err(ForwardError::Unavailable),
+        };
+        if newly {
+            let tx = self.sender().ok_or(ForwardError::Unavailable)?;
+            tx.try_send(open_frame(meta))
+                .map_err(|_| ForwardError::Busy {
+                    retry_after_ms: self.shared.config.busy_retry_after_ms,
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Forwards one upstream message. Never waits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        meta: &SessionMeta,
+        msg_id: u32,
+        epoch: u64,
+        client_seq: u64,
+        class: TrafficClass,
+        payload: Bytes,
+    ) -> Result<(), ForwardError> {
+        if !self.is_up() {
+            return Err(ForwardError::Unavailable);
+        }
+        let busy = ForwardError::Busy {
+            retry_after_ms: self.shared.config.busy_retry_after_ms,
+        };
+        if !self.take_credit() {
+            return Err(busy);
+        }
+        let result = self.ensure_open(meta).and_then(|()| {
+            let tx = self.sender().ok_or(ForwardError::Unavailable)?;
+            tx.try_send(LinkFrame::Forward {
+                handle: meta.handle,
+                msg_id,
+                epoch,
+                client_seq,
+                class,
+                payload,
+            })
+            .map_err(|_| busy)
+        });
+        if result.is_err() {
+            self.shared.credit.fetch_add(1, Ordering::AcqRel);
+        }
+        result
+    }
+
+    /// Sends a session lifecycle frame (DETACHED, REATTACHED, CLOSE) if the session is open
+    /// on this link; CLOSE also forgets it.
+    pub async fn session_event(&self, frame: LinkFrame) {
+        let handle = match &frame {
+            LinkFrame::SessionClose { handle, .. }
+            | LinkFrame::SessionDetached { handle, .. }
+            | LinkFrame::SessionReattached { handle, .. } => *handle,
+            _ => return,
+        };
+        let known = match self.shared.open.lock() {
+            Ok(mut open) => {
+                if matches!(frame, LinkFrame::SessionClose { .. }) {
+                    open.remove(&handle).is_some()
+                } else {
+                    open.contains_key(&handle)
+                }
+            }
+            Err(_) => false,
+        };
+        if known {
+            if let Some(tx) = self.sender() {
+                let _ = tx.send(frame).await;
+            }
+        }
+    }
+
+    /// Closes the link (LINK_CLOSE) and stops reconnecting.
+    pub async fn shutdown(&self) {
+        if let Some(tx) = self.sender() {
+            let _ = tx
+                .send(LinkFrame::Close {
+                    code: CloseCode::GoingAway,
+                    message: "edge shutting down".into(),
+                })
+                .await;
+        }
+    }
+}
+
+fn open_frame(meta: &SessionMeta) -> LinkFrame {
+    LinkFrame::SessionOpen {
+        handle: meta.handle,
+        session_id: meta.session_id,
+        player_id: meta.player_id.clone(),
+        fencing: meta.fencing,
+        attrs: meta.attrs.clone(),
+    }
+}
+
+async fn run(shared: Arc<Shared>) {
+    let mut failures = 0u32;
+    loop {
+        match connect_once(&shared).await {
+            Ok(()) => failures = 0,
+            Err(e) => {
+                failures = failures.saturating_add(1);
+                tracing::debug!(addr = %shared.addr, error = e, "backend link attempt failed");
+            }
+        }
+        shared.up.store(false, Ordering::Release);
+        shared.credit.store(0, Ordering::Release);
+        if let Ok(mut tx) = shared.tx.lock() {
+            *tx = None;
+        }
+        if shared
+            .events
+            .send(LinkEvent::Down { addr: shared.addr })
+            .await
+            .is_err()
+        {
+            return;
+        }
+        // Exponential backoff with full jitter.
+        let cap = shared
+            .config
+            .backoff_min
+            .saturating_mul(1u32 << failures.min(16))
+            .min(shared.config.backoff_max);
+        let delay = rand::rng().random_range(
+            shared.config.backoff_min.as_millis() as u64..=cap.as_millis().max(1) as u64,
+        );
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+    }
+}
+
+async fn connect_once(shared: &Arc<Shared>) -> Result<(), &'static str> {
+    let config = &shared.config;
+    let stream = tokio::time::timeout(config.connect_timeout, TcpStream::connect(shared.addr))
+        .await
+        .map_err(|_| "connect timed out")?
+        .map_err(|_| "connect failed")?;
+    let _ = stream.set_nodelay(true);
+    let mut io = spawn_link_io(stream, DEFAULT_MAX_LINK_FRAME, config.heartbeat);
+    io.tx
+        .send(LinkFrame::Hello {
+            version: LINK_VERSION,
+            edge_id: config.edge_id.clone(),
+            epoch: shared.epoch.load(Ordering::Relaxed),
+        })
+        .await
+        .map_err(|_| "link closed")?;
+    let welcome = tokio::time::timeout(config.connect_timeout, io.rx.recv())
+        .await
+        .map_err(|_| "no LINK_WELCOME in time")?
+        .ok_or("link closed before LINK_WELCOME")?;
+    let (instance_id, credits) = match welcome {
+        LinkFrame::Welcome {
+            version,
+            instance_id,
+            credits,
+            ..
+        } if version == LINK_VERSION => (instance_id, credits),
+        _ => return Err("unexpected answer to LINK_HELLO"),
+    };
+    io.tx
+        .send(LinkFrame::Credit {
+            credits: config.push_credits,
+        })
+        .await
+        .map_err(|_| "link closed")?;
+    // Re-open every session still bound here, before any new FORWARD.
+    let reopen: Vec<SessionMeta> = shared
+        .open
+        .lock()
+        .map(|o| o.values().cloned().collect())
+        .unwrap_or_default();
+    for meta in &reopen {
+        io.tx
+            .send(open_frame(meta))
+            .await
+            .map_err(|_| "link closed")?;
+    }
+    if let Ok(mut tx) = shared.tx.lock() {
+        *tx = Some(io.tx.clone());
+    }
+    shared.credit.store(credits.into(), Ordering::Release);
+    shared.up.store(true, Ordering::Release);
+    tracing::info!(addr = %shared.addr, %instance_id, "backend link up");
+    let _ = shared
+        .events
+        .send(LinkEvent::Up {
+            addr: shared.addr,
+            instance_id,
+        })
+        .await;
+
+    let return_every = (config.push_credits / 4).max(1);
+    let mut pushes = 0u32;
+    while let Some(frame) = io.rx.recv().await {
+        let event = match frame {
+            LinkFrame::Push {
+                handle,
+                msg_id,
+                class,
+                payload,
+            } => {
+                pushes += 1;
+                LinkEvent::Push {
+                    handle,
+                    msg_id,
+                    class,
+                    payload,
+                }
+            }
+            LinkFrame::Credit { credits } => {
+                shared.credit.fetch_add(credits.into(), Ordering::AcqRel);
+                continue;
+            }
+            LinkFrame::Kick {
+                handle,
+                code,
+                message,
+            } => LinkEvent::Kick {
+                handle,
+                code,
+                message,
+            },
+            LinkFrame::Refuse {
+                handle,
+                msg_id,
+                client_seq,
+                code,
+                retry_after_ms,
+                epoch,
+            } => LinkEvent::Refuse {
+                handle,
+                msg_id,
+                client_seq,
+                code,
+                retry_after_ms,
+                epoch,
+            },
+            LinkFrame::Bind {
+                handle,
+                service,
+                key,
+            } => LinkEvent::Bind {
+                handle,
+                service,
+                key,
+            },
+            LinkFrame::Pin {
+                kind,
+                key,
+                instance_id,
+            } => LinkEvent::Pin {
+                kind,
+                key,
+                instance_id,
+            },
+            other => {
+                tracing::warn!(addr = %shared.addr, frame = ?other, "unexpected frame from backend");
+                let _ = io
+                    .tx
+                    .send(LinkFrame::Close {
+                        code: CloseCode::UnexpectedFrame,
+                        message: "frame not allowed from a backend".into(),
+                    })
+                    .await;
+                return Err("unexpected frame from backend");
+            }
+        };
+        if shared.events.send(event).await.is_err() {
+            return Ok(());
+        }
+        if pushes >= return_every {
+            let _ = io.tx.send(LinkFrame::Credit { credits: pushes }).await;
+            pushes = 0;
+        }
+    }
+    tracing::warn!(addr = %shared.addr, "backend link down");
+    Ok(())
+}

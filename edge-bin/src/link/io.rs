@@ -1,0 +1,182 @@
+//! The I/O shell of one backend link, shared by both ends: a reader task and a writer task
+//! over a byte stream, moving [`LinkFrame`]s through bounded channels. It answers LINK_PING
+//! itself, sends LINK_PING when it has written nothing for the heartbeat interval, and ends
+//! the link after three intervals without receiving anything. Nothing else is decided here.
+
+use std::time::Duration;
+
+use bytes::BytesMut;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use waygate_transport::link::{LinkCodec, LinkFrame};
+use waygate_transport::CloseCode;
+
+/// Frames queued for writing before `send` waits.
+const WRITE_QUEUE: usize = 1024;
+/// Frames read but not yet taken by the owner before the reader stops reading.
+const READ_QUEUE: usize = 1024;
+
+/// The owner's side of a running link. Dropping it ends both tasks and closes the socket,
+/// even while clones of `tx` live elsewhere.
+#[derive(Debug)]
+pub struct LinkIo {
+    /// Frames to write (a LINK_CLOSE is written, then the link ends).
+    pub tx: mpsc::Sender<LinkFrame>,
+    /// Frames read (PING/PONG excluded). `None` once the link ended.
+    pub rx: mpsc::Receiver<LinkFrame>,
+    _alive: watch::Sender<()>,
+}
+
+/// Why a link ended, as seen by its reader.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkEnd {
+    /// The peer closed the stream or sent LINK_CLOSE with this code.
+    Closed(CloseCode),
+    /// Nothing arrived for three heartbeat intervals.
+    Dead,
+    /// The peer sent an invalid frame.
+    Invalid,
+}
+
+/// Starts the reader and writer tasks over `stream`.
+pub fn spawn_link_io<S>(stream: S, max_frame: usize, heartbeat: Duration) -> LinkIo
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let (read_half, write_half) = tokio::io::split(stream);
+    let (out_tx, out_rx) = mpsc::channel(WRITE_QUEUE);
+    let (in_tx, in_rx) = mpsc::channel(READ_QUEUE);
+    let codec = LinkCodec::new(max_frame);
+    let (alive, alive_rx) = watch::channel(());
+    tokio::spawn(write_loop(
+        write_half,
+        out_rx,
+        codec,
+        heartbeat,
+        alive_rx.clone(),
+    ));
+    tokio::spawn(read_loop(
+        read_half,
+        in_tx,
+        out_tx.downgrade(),
+        codec,
+        heartbeat,
+        alive_rx,
+    ));
+    LinkIo {
+        tx: out_tx,
+        rx: in_rx,
+        _alive: alive,
+    }
+}
+
+async fn write_loop<W: AsyncWrite + Unpin>(
+    mut w: W,
+    mut rx: mpsc::Receiver<LinkFrame>,
+    codec: LinkCodec,
+    heartbeat: Duration,
+    mut alive: watch::Receiver<()>,
+) {
+    let mut buf = BytesMut::new();
+    let mut ping = 0u64;
+    loop {
+        let first = tokio::select! {
+            next = tokio::time::timeout(heartbeat, rx.recv()) => match next {
+                Ok(Some(frame)) => frame,
+                Ok(None) => break,
+                Err(_) => {
+                    ping += 1;
+                    LinkFrame::Ping { timestamp: ping }
+                }
+            },
+            _ = alive.changed() => break,
+        };
+        let mut closing = matches!(first, LinkFrame::Close { .. });
+        if codec.encode(&first, &mut buf).is_err() {
+            tracing::warn!("link frame too large; dropped");
+        }
+        // Coalesce what is already queued into one write.
+        while buf.len() < 64 * 1024 && !closing {
+            match rx.try_recv() {
+                Ok(frame) => {
+                    closing = matches!(frame, LinkFrame::Close { .. });
+                    if codec.encode(&frame, &mut buf).is_err() {
+                        tracing::warn!("link frame too large; dropped");
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        if w.write_all(&buf).await.is_err() {
+            return;
+        }
+        buf.clear();
+        if closing {
+            break;
+        }
+    }
+    let _ = w.shutdown().await;
+}
+
+async fn read_loop<R: AsyncRead + Unpin>(
+    mut r: R,
+    tx: mpsc::Sender<LinkFrame>,
+    out: mpsc::WeakSender<LinkFrame>,
+    codec: LinkCodec,
+    heartbeat: Duration,
+    mut alive: watch::Receiver<()>,
+) -> LinkEnd {
+    let reply = |frame: LinkFrame| {
+        if let Some(out) = out.upgrade() {
+            let _ = out.try_send(frame);
+        }
+    };
+    let mut buf = BytesMut::with_capacity(8 * 1024);
+    let dead_after = heartbeat * 3;
+    let mut last_rx = Instant::now();
+    loop {
+        loop {
+            match codec.decode(&mut buf) {
+                Ok(Some(LinkFrame::Ping { timestamp })) => {
+                    reply(LinkFrame::Pong { timestamp });
+                }
+                Ok(Some(LinkFrame::Pong { .. })) => {}
+                Ok(Some(LinkFrame::Close { code, message })) => {
+                    tracing::debug!(%code, %message, "link closed by peer");
+                    return LinkEnd::Closed(code);
+                }
+                Ok(Some(frame)) => {
+                    tokio::select! {
+                        sent = tx.send(frame) => if sent.is_err() {
+                            return LinkEnd::Closed(CloseCode::Normal);
+                        },
+                        _ = alive.changed() => return LinkEnd::Closed(CloseCode::Normal),
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, "invalid frame on backend link");
+                    reply(LinkFrame::Close {
+                        code: e.close_code(),
+                        message: e.to_string(),
+                    });
+                    return LinkEnd::Invalid;
+                }
+            }
+        }
+        buf.reserve(8 * 1024);
+        let read = tokio::select! {
+            read = tokio::time::timeout_at(last_rx + dead_after, r.read_buf(&mut buf)) => read,
+            _ = alive.changed() => return LinkEnd::Closed(CloseCode::Normal),
+        };
+        match read {
+            Ok(Ok(0)) | Ok(Err(_)) => return LinkEnd::Closed(CloseCode::GoingAway),
+            Ok(Ok(_)) => last_rx = Instant::now(),
+            Err(_) => {
+                tracing::warn!("backend link dead: nothing received for three heartbeats");
+                return LinkEnd::Dead;
+            }
+        }
+    }
+}

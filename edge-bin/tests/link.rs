@@ -1,0 +1,214 @@
+//! The backend link end to end over loopback: edge-side `LinkClient` against the backend
+//! library.
+
+#![allow(clippy::unwrap_used)]
+
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::sync::mpsc;
+use waygate::backend::demo::{DemoService, ECHO, ECHO_REPLY};
+use waygate::backend::{Backend, BackendConfig, BackendSession, Incoming, Refusal, Service};
+use waygate::link::client::{ForwardError, LinkClient, LinkConfig, LinkEvent, SessionMeta};
+use waygate_transport::{CloseCode, TrafficClass};
+
+fn meta(handle: u64, player: &str) -> SessionMeta {
+    SessionMeta {
+        handle,
+        session_id: [handle as u8; 16],
+        player_id: player.into(),
+        fencing: 1,
+        attrs: vec![("transport".into(), "tcp".into())],
+    }
+}
+
+fn fast_config() -> LinkConfig {
+    LinkConfig {
+        edge_id: "edge-test".into(),
+        heartbeat: Duration::from_millis(200),
+        backoff_min: Duration::from_millis(20),
+        backoff_max: Duration::from_millis(200),
+        ..LinkConfig::default()
+    }
+}
+
+async fn next_event(rx: &mut mpsc::Receiver<LinkEvent>) -> LinkEvent {
+    tokio::time::timeout(Duration::from_secs(10), rx.recv())
+        .await
+        .expect("event in time")
+        .expect("events open")
+}
+
+async fn wait_up(rx: &mut mpsc::Receiver<LinkEvent>) -> String {
+    loop {
+        if let LinkEvent::Up { instance_id, .. } = next_event(rx).await {
+            return instance_id;
+        }
+    }
+}
+
+async fn demo_backend(addr: SocketAddr, id: &str) -> Backend {
+    Backend::bind(addr, BackendConfig::new(id), Arc::new(DemoService::new()))
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn echo_over_the_link_and_reconnect_reopens_sessions() {
+    let backend = demo_backend("127.0.0.1:0".parse().unwrap(), "b1").await;
+    let addr = backend.local_addr();
+    let (tx, mut rx) = mpsc::channel(64);
+    let (link, _task) = LinkClient::spawn(addr, fast_config(), Arc::new(AtomicU64::new(1)), tx);
+    assert_eq!(wait_up(&mut rx).await, "b1");
+
+    let m = meta(7, "alice");
+    link.forward(
+        &m,
+        ECHO,
+        1,
+        1,
+        TrafficClass::Normal,
+        Bytes::from_static(b"hi"),
+    )
+    .unwrap();
+    match next_event(&mut rx).await {
+        LinkEvent::Push {
+            handle,
+            msg_id,
+            payload,
+            ..
+        } => {
+            assert_eq!((handle, msg_id), (7, ECHO_REPLY));
+            assert_eq!(&payload[..], b"b1|alice|hi");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+
+    // The backend dies: the link goes down and forwards fail fast with Unavailable.
+    drop(backend);
+    loop {
+        if let LinkEvent::Down { .. } = next_event(&mut rx).await {
+            break;
+        }
+    }
+    assert_eq!(
+        link.forward(&m, ECHO, 1, 2, TrafficClass::Normal, Bytes::new()),
+        Err(ForwardError::Unavailable)
+    );
+
+    // It comes back on the same address: the link reconnects and re-opens the session, so a
+    // forward without a new open reaches it.
+    let backend = demo_backend(addr, "b1").await;
+    assert_eq!(wait_up(&mut rx).await, "b1");
+    link.forward(
+        &m,
+        ECHO,
+        1,
+        3,
+        TrafficClass::Normal,
+        Bytes::from_static(b"again"),
+    )
+    .unwrap();
+    match next_event(&mut rx).await {
+        LinkEvent::Push { payload, .. } => assert_eq!(&payload[..], b"b1|alice|again"),
+        other => panic!("unexpected {other:?}"),
+    }
+    drop(backend);
+}
+
+#[tokio::test]
+async fn stale_epoch_is_refused_with_the_backend_epoch() {
+    let backend = demo_backend("127.0.0.1:0".parse().unwrap(), "b1").await;
+    backend.set_epoch(5);
+    let (tx, mut rx) = mpsc::channel(64);
+    let (link, _task) = LinkClient::spawn(
+        backend.local_addr(),
+        fast_config(),
+        Arc::new(AtomicU64::new(4)),
+        tx,
+    );
+    wait_up(&mut rx).await;
+    link.forward(
+        &meta(1, "bob"),
+        ECHO,
+        4,
+        1,
+        TrafficClass::Critical,
+        Bytes::new(),
+    )
+    .unwrap();
+    match next_event(&mut rx).await {
+        LinkEvent::Refuse {
+            code,
+            epoch,
+            msg_id,
+            client_seq,
+            ..
+        } => {
+            assert_eq!(
+                (code, epoch, msg_id, client_seq),
+                (CloseCode::StaleEpoch, 5, ECHO, 1)
+            );
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+/// A service that never finishes handling a message until released.
+struct Stuck(tokio::sync::Semaphore);
+
+#[async_trait]
+impl Service for Stuck {
+    async fn message(&self, _s: &BackendSession, _m: Incoming) -> Result<(), Refusal> {
+        let _ = self.0.acquire().await;
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_backend_that_stops_handling_runs_out_of_credit_and_the_edge_answers_busy() {
+    let mut config = BackendConfig::new("slow");
+    config.forward_credits = 8;
+    let backend = Backend::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        config,
+        Arc::new(Stuck(tokio::sync::Semaphore::new(0))),
+    )
+    .await
+    .unwrap();
+    let (tx, mut rx) = mpsc::channel(64);
+    let (link, _task) = LinkClient::spawn(
+        backend.local_addr(),
+        fast_config(),
+        Arc::new(AtomicU64::new(0)),
+        tx,
+    );
+    wait_up(&mut rx).await;
+    let m = meta(3, "carol");
+    let mut sent = 0;
+    let mut busy = 0;
+    for seq in 1..=100 {
+        match link.forward(
+            &m,
+            1,
+            0,
+            seq,
+            TrafficClass::Normal,
+            Bytes::from_static(b"x"),
+        ) {
+            Ok(()) => sent += 1,
+            Err(ForwardError::Busy { retry_after_ms }) => {
+                assert!(retry_after_ms > 0);
+                busy += 1;
+            }
+            Err(e) => panic!("unexpected {e:?}"),
+        }
+    }
+    assert_eq!(sent, 8, "exactly the granted credit is used");
+    assert_eq!(busy, 92);
+    assert_eq!(link.credit(), 0);
+}
