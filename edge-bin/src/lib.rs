@@ -9,4 +9,5 @@
 //! as a process and read back its bound addresses.
 
 pub mod backend;
+pub mod config;
 pub mod link;

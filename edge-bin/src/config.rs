@@ -1,0 +1,287 @@
+//! The edge's configuration: serde structs whose `Default` values are the embedded
+//! defaults (loopback ports, generated dev certificate, in-memory stores, the built-in demo
+//! route table), loaded from TOML with unknown keys refused by name, then validated.
+//! `examples/edge.toml` documents every key.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// TOML syntax, a wrong type or an unknown key (the message names it).
+    #[error("invalid config {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// What was wrong, with the key.
+        message: String,
+    },
+    /// A value out of range or inconsistent with another.
+    #[error("invalid config value `{key}`: {message}")]
+    Invalid {
+        /// The key.
+        key: &'static str,
+        /// Why.
+        message: String,
+    },
+}
+
+fn addr(s: &str) -> SocketAddr {
+    s.parse().unwrap_or(SocketAddr::from(([127, 0, 0, 1], 0)))
+}
+
+/// One listener.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ListenerConfig {
+    /// Whether the listener runs.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// Address to bind (port 0 = any free port, reported at start).
+    pub addr: SocketAddr,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl ListenerConfig {
+    fn on(a: &str) -> Self {
+        Self {
+            enabled: true,
+            addr: addr(a),
+        }
+    }
+}
+
+/// The client listeners.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ListenersConfig {
+    /// Plain TCP.
+    pub tcp: ListenerConfig,
+    /// TCP inside TLS.
+    pub tls: ListenerConfig,
+    /// WebSocket (ws).
+    pub ws: ListenerConfig,
+    /// WebSocket over TLS (wss).
+    pub wss: ListenerConfig,
+    /// QUIC.
+    pub quic: ListenerConfig,
+    /// KCP over UDP.
+    pub kcp: ListenerConfig,
+}
+
+impl Default for ListenersConfig {
+    fn default() -> Self {
+        Self {
+            tcp: ListenerConfig::on("127.0.0.1:7000"),
+            tls: ListenerConfig::on("127.0.0.1:7001"),
+            ws: ListenerConfig::on("127.0.0.1:7080"),
+            wss: ListenerConfig::on("127.0.0.1:7443"),
+            quic: ListenerConfig::on("127.0.0.1:7444"),
+            kcp: ListenerConfig::on("127.0.0.1:7100"),
+        }
+    }
+}
+
+/// TLS certificate for tls, wss and QUIC.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct TlsConfig {
+    /// PEM certificate chain. Unset (with `key`): a development CA and certificate are
+    /// generated at start.
+    pub cert: Option<PathBuf>,
+    /// PEM private key.
+    pub key: Option<PathBuf>,
+    /// Extra names (DNS or IP) for the generated development certificate.
+    pub dev_names: Vec<String>,
+    /// Where to write the generated development CA's PEM for clients to trust.
+    pub dev_ca_out: Option<PathBuf>,
+}
+
+/// Limits shared by all transports.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct LimitsConfig {
+    /// Largest client frame, bytes.
+    pub max_frame_size: usize,
+    /// Close a connection after this long without receiving anything, ms.
+    pub idle_timeout_ms: u64,
+    /// Deadline for TLS, upgrade, QUIC and KCP handshakes, ms.
+    pub handshake_timeout_ms: u64,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        Self {
+            max_frame_size: waygate_transport::protocol::DEFAULT_MAX_FRAME_SIZE,
+            idle_timeout_ms: 30_000,
+            handshake_timeout_ms: 10_000,
+        }
+    }
+}
+
+/// Backend links.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct LinksConfig {
+    /// PUSH frames a backend may have in flight to this edge.
+    pub push_credits: u32,
+    /// Link heartbeat, ms.
+    pub heartbeat_ms: u64,
+    /// Retry-after given to clients when a backend is saturated, ms.
+    pub busy_retry_after_ms: u32,
+}
+
+impl Default for LinksConfig {
+    fn default() -> Self {
+        Self {
+            push_credits: 1024,
+            heartbeat_ms: 2_000,
+            busy_retry_after_ms: 200,
+        }
+    }
+}
+
+/// Admin HTTP (health, metrics, routes, sessions, drain, kick).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdminConfig {
+    /// Whether the admin server runs.
+    pub enabled: bool,
+    /// Address to bind.
+    pub addr: SocketAddr,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            addr: addr("127.0.0.1:9100"),
+        }
+    }
+}
+
+/// The whole edge configuration.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct EdgeConfig {
+    /// This edge's id (logs, backend links, ownership records).
+    pub edge_id: String,
+    /// Client listeners.
+    pub listeners: ListenersConfig,
+    /// TLS material.
+    pub tls: TlsConfig,
+    /// Transport limits.
+    pub limits: LimitsConfig,
+    /// Backend links.
+    pub links: LinksConfig,
+    /// Admin HTTP.
+    pub admin: AdminConfig,
+}
+
+impl Default for EdgeConfig {
+    fn default() -> Self {
+        Self {
+            edge_id: "edge-1".into(),
+            listeners: ListenersConfig::default(),
+            tls: TlsConfig::default(),
+            limits: LimitsConfig::default(),
+            links: LinksConfig::default(),
+            admin: AdminConfig::default(),
+        }
+    }
+}
+
+impl EdgeConfig {
+    /// Parses TOML text (unknown keys are errors naming the key) and validates it.
+    pub fn from_toml(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let config: Self = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Reads and parses a TOML file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_toml(&text, path)
+    }
+
+    /// Checks ranges and consistency.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.edge_id.is_empty() || self.edge_id.len() > 64 {
+            return Err(ConfigError::Invalid {
+                key: "edge_id",
+                message: "must be 1 to 64 bytes".into(),
+            });
+        }
+        if !(64..=16 * 1024 * 1024).contains(&self.limits.max_frame_size) {
+            return Err(ConfigError::Invalid {
+                key: "limits.max_frame_size",
+                message: "must be between 64 bytes and 16 MiB".into(),
+            });
+        }
+        if self.tls.cert.is_some() != self.tls.key.is_some() {
+            return Err(ConfigError::Invalid {
+                key: "tls.cert",
+                message: "tls.cert and tls.key go together".into(),
+            });
+        }
+        if self.links.push_credits == 0 {
+            return Err(ConfigError::Invalid {
+                key: "links.push_credits",
+                message: "must be at least 1".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_round_trip() {
+        let c = EdgeConfig::default();
+        c.validate().unwrap();
+        let text = toml::to_string(&c).unwrap();
+        assert_eq!(EdgeConfig::from_toml(&text, Path::new("x")).unwrap(), c);
+    }
+
+    #[test]
+    fn a_typo_names_the_key() {
+        let err = EdgeConfig::from_toml("[limits]\nmax_frame_sise = 10\n", Path::new("edge.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("max_frame_sise"), "{err}");
+        assert!(err.contains("edge.toml"), "{err}");
+    }
+
+    #[test]
+    fn out_of_range_values_are_refused() {
+        let err = EdgeConfig::from_toml("[limits]\nmax_frame_size = 1\n", Path::new("e"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("limits.max_frame_size"), "{err}");
+    }
+}
