@@ -536,7 +536,7 @@ impl Endpoint {
             Control::Reset { conv, code } => {
                 let key = SessionKey { addr: from, conv };
                 if self.sessions.contains_key(&key) {
-                    self.forget(key, CloseReason::Reset(code), None);
+                    self.peer_reset(now, key, code);
                 }
             }
             // Server-to-client packets sent to a server: ignored.
@@ -727,7 +727,7 @@ impl Endpoint {
             (Handshake::Done, Control::Reset { conv, code }) => {
                 let key = SessionKey { addr: from, conv };
                 if self.sessions.contains_key(&key) {
-                    self.forget(key, CloseReason::Reset(code), None);
+                    self.peer_reset(now, key, code);
                 }
             }
             _ => KcpStats::bump(&self.stats.malformed),
@@ -1151,6 +1151,32 @@ impl Endpoint {
             }
         }
         self.after(now, key);
+    }
+
+    /// The peer sent RESET: what the engine already received in order (and acknowledged, so
+    /// the peer counts it as delivered) still goes to the reader, ignoring the credit (bounded
+    /// by the receive window); then the session ends.
+    fn peer_reset(&mut self, now: Instant, key: SessionKey, code: CloseCode) {
+        let max = self.max_frame_size;
+        let _ = self.guarded(now, key, |s, events, _| {
+            if s.state != State::Open {
+                return;
+            }
+            while let Ok(size) = s.kcp.peeksize() {
+                if size > max {
+                    break;
+                }
+                let mut buf = vec![0u8; size];
+                match s.kcp.recv(&mut buf) {
+                    Ok(n) => {
+                        buf.truncate(n);
+                        events.push_back(Event::Message(key, Bytes::from(buf)));
+                    }
+                    Err(_) => break,
+                }
+            }
+        });
+        self.forget(key, CloseReason::Reset(code), None);
     }
 
     /// Forgets a session at once, sending RESET with `reset` if given.

@@ -1005,3 +1005,43 @@ proptest! {
         net.connect(1);
     }
 }
+
+#[test]
+fn a_reset_still_delivers_what_was_acknowledged_to_a_stalled_reader() {
+    let mut config = KcpConfig::normal();
+    config.inbound_queue_messages = 4;
+    let mut net = Net::new(config, conn_cfg());
+    net.add_client(KcpConfig::normal(), conn_cfg());
+    let (ckey, skey) = net.connect(0);
+    let now = net.now;
+    for i in 0..150 {
+        net.clients[0]
+            .1
+            .send(now, ckey, &frame_bytes(i, 1000))
+            .expect("send");
+    }
+    net.clients[0]
+        .1
+        .close(now, ckey, CloseCode::GoingAway, "bye", false);
+    // The server never reads; the client's linger ends with RESET.
+    net.run_until(|n| !n.server.has_session(skey) && !n.clients[0].1.has_session(ckey));
+    let got = net.server_messages(skey);
+    let mut expect: Vec<Bytes> = (0..150).map(|i| frame_bytes(i, 1000)).collect();
+    expect.push(
+        Frame::Close {
+            code: CloseCode::GoingAway,
+            message: "bye".into(),
+        }
+        .to_bytes(),
+    );
+    // The client could send only what the server's window took (credit 4 + 128 queued);
+    // every one of those (acknowledged, so "delivered" for the client) reaches the reader,
+    // past its credit, after the RESET.
+    assert_eq!(got.len(), 4 + 128);
+    let first_bad = got.iter().zip(&expect).position(|(a, b)| a != b);
+    assert_eq!(first_bad, None, "first differing message");
+    assert!(net.server_events.contains(&Event::Closed(
+        skey,
+        CloseReason::Reset(CloseCode::GoingAway)
+    )));
+}
