@@ -455,7 +455,7 @@ async fn kcp_hostile_datagrams_create_no_session_and_disturb_no_connection() {
         let _ = attacker.send(seg).await;
     }
     // 3. A valid-looking first segment for a conv nobody was given (no cookie).
-    let mut fresh = 0xC0FF_EEu32.to_le_bytes().to_vec();
+    let mut fresh = 0x00C0_FFEE_u32.to_le_bytes().to_vec();
     fresh.extend_from_slice(&spoofed[0][4..]);
     let _ = attacker.send(&fresh).await;
 
