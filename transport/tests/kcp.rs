@@ -3,6 +3,10 @@
 //! the documented cookie exchange by hand (what a client in another language does).
 //! Every loop is bounded in count and time; no test asserts a duration.
 
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,41 +15,41 @@ use bytes::Bytes;
 use tokio::net::UdpSocket;
 use waygate_transport::frame::Data;
 use waygate_transport::kcp::cookie::{Control, PADDED_LEN};
-use waygate_transport::kcp::{connect_kcp, KcpConfig, KcpListener, KcpStats};
+use waygate_transport::kcp::{self, connect_kcp, KcpConfig, KcpListener, KcpStats};
 use waygate_transport::{
-    BoxConnection, CloseCode, ConnConfig, Frame, Listener, TrafficClass, TransportError,
+    BoxListener, CloseCode, ConnConfig, Frame, Listener, TrafficClass, TransportError,
 };
 
 const MAX_FRAME: usize = 16 * 1024;
-const LIMIT: Duration = Duration::from_secs(120);
+const LIMIT: Duration = common::PHASE_LIMIT;
 
 fn conn_config() -> ConnConfig {
     ConnConfig {
         max_frame_size: MAX_FRAME,
         idle_timeout: Some(Duration::from_secs(30)),
-        handshake_timeout: Duration::from_secs(10),
+        // Generous: 100 simultaneous handshakes on a loaded 2-core machine can lose
+        // loopback UDP packets and wait out retransmission timers.
+        handshake_timeout: Duration::from_secs(60),
     }
 }
 
-async fn listener(kcp: KcpConfig) -> KcpListener {
-    KcpListener::bind("127.0.0.1:0".parse().expect("addr"), kcp, conn_config())
+async fn listener(config: KcpConfig) -> KcpListener {
+    kcp::listen("127.0.0.1:0".parse().unwrap(), &config, conn_config())
         .await
-        .expect("bind")
+        .unwrap()
 }
 
-/// Echoes every frame back until the connection ends.
-fn spawn_echo(mut listener: KcpListener) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        while let Some(mut conn) = listener.accept().await {
-            tokio::spawn(async move {
-                while let Ok(frame) = conn.recv().await {
-                    if conn.send(&frame).await.is_err() {
-                        break;
-                    }
-                }
-            });
-        }
-    })
+async fn connect(
+    addr: SocketAddr,
+    config: KcpConfig,
+    conn: ConnConfig,
+) -> Result<waygate_transport::BoxConnection, TransportError> {
+    connect_kcp(addr, &config, &conn).await
+}
+
+/// Echoes every frame back until the connection ends (the shared conformance server).
+fn spawn_echo(listener: KcpListener) -> tokio::task::JoinHandle<()> {
+    common::spawn_echo_server(Box::new(listener) as BoxListener)
 }
 
 fn data(seq: u64, payload_len: usize) -> Frame {
@@ -63,72 +67,36 @@ fn payload_for(frame_len: usize, seq: u64) -> usize {
     frame_len - data(seq, 0).encoded_len()
 }
 
-/// Mostly small, some medium, a few near the maximum.
-fn mixed_len(conn: usize, i: usize) -> usize {
-    let x = (conn as u64 * 1_000_003 + i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    let x = x ^ (x >> 29);
-    match x % 100 {
-        0 => payload_for(MAX_FRAME, i as u64),
-        1 => payload_for(MAX_FRAME, i as u64) - (x >> 8) as usize % 64,
-        2..=10 => 1 + (x >> 8) as usize % 4096,
-        _ => 1 + (x >> 8) as usize % 200,
-    }
-}
-
-async fn exchange(conn: &mut BoxConnection, n: usize, frames: usize) {
-    const WINDOW: usize = 16;
-    let (mut sent, mut received) = (0, 0);
-    while received < frames {
-        while sent < frames && sent - received < WINDOW {
-            let frame = data(sent as u64, mixed_len(n, sent));
-            conn.send(&frame)
-                .await
-                .unwrap_or_else(|e| panic!("conn {n} send {sent}: {e}"));
-            sent += 1;
-        }
-        let got = conn
-            .recv()
-            .await
-            .unwrap_or_else(|e| panic!("conn {n} recv {received}: {e}"));
-        assert_eq!(
-            got,
-            data(received as u64, mixed_len(n, received)),
-            "conn {n}"
-        );
-        received += 1;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kcp_hundred_connections_exchange_a_thousand_frames_each_in_order() {
+async fn kcp_100_connections_1000_frames_each() {
     let listener = listener(KcpConfig::fast()).await;
     let addr = listener.local_addr();
     let stats = listener.stats();
-    let server = spawn_echo(listener);
-    let mut tasks = Vec::new();
-    for n in 0..100 {
-        tasks.push(tokio::spawn(async move {
-            let mut conn = connect_kcp(addr, KcpConfig::fast(), conn_config())
-                .await
-                .unwrap_or_else(|e| panic!("connect {n}: {e}"));
-            exchange(&mut conn, n, 1000).await;
-            conn.close(CloseCode::Normal, "done").await;
-        }));
-    }
-    tokio::time::timeout(LIMIT, async {
-        for t in tasks {
-            t.await.expect("connection task");
-        }
-    })
-    .await
-    .expect("all connections done in time");
+    let _server = spawn_echo(listener);
+    common::many_connections(
+        move || async move { connect(addr, KcpConfig::fast(), conn_config()).await },
+        100,
+        1000,
+        MAX_FRAME,
+    )
+    .await;
     assert_eq!(KcpStats::get(&stats.sessions_opened), 100);
     assert_eq!(KcpStats::get(&stats.panics), 0);
-    server.abort();
 }
 
 #[tokio::test]
-async fn kcp_max_frame_passes_and_one_more_is_refused_locally_and_remotely() {
+async fn kcp_max_frame_passes_and_max_plus_one_is_refused() {
+    let listener = listener(KcpConfig::fast()).await;
+    let addr = listener.local_addr();
+    let _server = spawn_echo(listener);
+    let mut conn = connect(addr, KcpConfig::fast(), conn_config())
+        .await
+        .unwrap();
+    common::max_frame_checks(&mut conn, MAX_FRAME).await;
+}
+
+#[tokio::test]
+async fn kcp_oversized_frame_from_the_peer_closes_with_frame_too_large() {
     let mut listener = listener(KcpConfig::fast()).await;
     let addr = listener.local_addr();
     // A client allowed twice the server's maximum, to inject an oversized frame.
@@ -136,8 +104,7 @@ async fn kcp_max_frame_passes_and_one_more_is_refused_locally_and_remotely() {
         max_frame_size: 2 * MAX_FRAME,
         ..conn_config()
     };
-    let (server, client) =
-        tokio::join!(listener.accept(), connect_kcp(addr, KcpConfig::fast(), big));
+    let (server, client) = tokio::join!(listener.accept(), connect(addr, KcpConfig::fast(), big));
     let mut server = server.expect("accepted");
     let mut client = client.expect("connected");
     let exact = data(1, payload_for(MAX_FRAME, 1));
@@ -180,7 +147,7 @@ async fn kcp_close_flushes_queued_frames_and_the_close_frame() {
     let addr = listener.local_addr();
     let (server, client) = tokio::join!(
         listener.accept(),
-        connect_kcp(addr, KcpConfig::normal(), conn_config())
+        connect(addr, KcpConfig::normal(), conn_config())
     );
     let mut server = server.expect("accepted");
     let mut client = client.expect("connected");
@@ -210,7 +177,7 @@ async fn kcp_close_flushes_queued_frames_and_the_close_frame() {
     // And the other direction: a server-side close reaches the client.
     let (server2, client2) = tokio::join!(
         listener.accept(),
-        connect_kcp(addr, KcpConfig::normal(), conn_config())
+        connect(addr, KcpConfig::normal(), conn_config())
     );
     let mut server2 = server2.expect("accepted");
     let mut client2 = client2.expect("connected");
@@ -243,10 +210,10 @@ async fn kcp_busy_when_the_session_cap_is_reached() {
     let addr = listener.local_addr();
     let (_server, first) = tokio::join!(
         listener.accept(),
-        connect_kcp(addr, KcpConfig::fast(), conn_config())
+        connect(addr, KcpConfig::fast(), conn_config())
     );
     let _first = first.expect("first connects");
-    let second = connect_kcp(addr, KcpConfig::fast(), conn_config()).await;
+    let second = connect(addr, KcpConfig::fast(), conn_config()).await;
     assert!(
         matches!(
             second,
@@ -275,7 +242,7 @@ async fn kcp_idle_connections_are_closed_by_the_idle_timeout() {
     let addr = listener.local_addr();
     let (server, client) = tokio::join!(
         listener.accept(),
-        connect_kcp(addr, KcpConfig::fast(), conn_config())
+        connect(addr, KcpConfig::fast(), conn_config())
     );
     let mut server = server.expect("accepted");
     let mut client = client.expect("connected");
@@ -303,7 +270,7 @@ async fn kcp_idle_connections_are_closed_by_the_idle_timeout() {
 /// another language would be: HELLO, COOKIE, CONNECT, ACCEPT by hand, then ikcp segments.
 struct RawClient {
     socket: Arc<UdpSocket>,
-    kcp: kcp::Kcp<SocketOut>,
+    kcp: ::kcp::Kcp<SocketOut>,
     start: std::time::Instant,
 }
 
@@ -358,7 +325,7 @@ impl RawClient {
             Control::Accept { conv: cookie.conv }
         );
         let socket = Arc::new(socket);
-        let mut kcp = kcp::Kcp::new(cookie.conv, SocketOut(socket.clone()));
+        let mut kcp = ::kcp::Kcp::new(cookie.conv, SocketOut(socket.clone()));
         kcp.set_nodelay(true, 10, 2, true);
         kcp.set_wndsize(256, 256);
         kcp.set_mtu(1200).expect("mtu");
@@ -410,7 +377,7 @@ async fn kcp_hostile_datagrams_create_no_session_and_disturb_no_connection() {
     let server = spawn_echo(listener);
 
     // Two honest connections: a waygate client and a raw ikcp client.
-    let mut honest = connect_kcp(addr, KcpConfig::fast(), conn_config())
+    let mut honest = connect(addr, KcpConfig::fast(), conn_config())
         .await
         .expect("connect");
     let mut raw = RawClient::connect(addr).await;
@@ -480,7 +447,7 @@ async fn kcp_hostile_datagrams_create_no_session_and_disturb_no_connection() {
     assert_eq!(KcpStats::get(&stats.sessions), 2);
     assert!(KcpStats::get(&stats.foreign_segments) >= 50);
     assert_eq!(KcpStats::get(&stats.panics), 0);
-    exchange(&mut honest, 3, 200).await;
+    common::exchange(&mut honest, 3, 200, MAX_FRAME).await;
     for i in 2..20 {
         raw.send(&data(i, 500)).await;
         assert_eq!(Frame::decode(raw.recv().await), Ok(data(i, 500)));

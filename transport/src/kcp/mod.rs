@@ -10,7 +10,7 @@
 //! - `driver`: one tokio task per UDP socket owns the core; connections reach it through a
 //!   bounded command channel and per-session shared state.
 //! - this module: [`KcpConfig`] with the [`KcpConfig::fast`] / [`KcpConfig::normal`]
-//!   presets, [`KcpListener`], [`connect_kcp`] and [`KcpConnection`].
+//!   presets, [`KcpListener`] ([`listen`]), [`connect_kcp`] and [`KcpConnection`].
 //!
 //! After ACCEPT the session carries plain reference-ikcp segments with the assigned conv in
 //! message mode: one KCP message = one client-protocol frame, no length prefix. Any KCP
@@ -24,7 +24,7 @@
 //! let mut listener =
 //!     KcpListener::bind("127.0.0.1:0".parse().unwrap(), KcpConfig::fast(), ConnConfig::default())
 //!         .await?;
-//! let client = connect_kcp(listener.local_addr(), KcpConfig::fast(), ConnConfig::default());
+//! let client = connect_kcp(listener.local_addr(), &KcpConfig::fast(), &ConnConfig::default());
 //! let (server_side, client_side) = tokio::join!(listener.accept(), client);
 //! # let _ = (server_side, client_side?);
 //! # Ok(())
@@ -78,6 +78,16 @@ fn conn_params(kcp: &KcpConfig, conn: &ConnConfig) -> ConnParams {
         inbound_queue: kcp.inbound_queue_messages,
         close_wait: Duration::from_millis(kcp.linger_ms) + Duration::from_millis(500),
     }
+}
+
+/// Binds a KCP listener on `addr` (the same as [`KcpListener::bind`]; named like the other
+/// transports' `listen`).
+pub async fn listen(
+    addr: SocketAddr,
+    kcp: &KcpConfig,
+    conn: ConnConfig,
+) -> Result<KcpListener, TransportError> {
+    KcpListener::bind(addr, kcp.clone(), conn).await
 }
 
 /// A KCP listener: one UDP socket, one driver task, sessions after the cookie exchange.
@@ -152,7 +162,18 @@ impl Listener for KcpListener {
 /// Connects to a KCP listener: a UDP socket of its own, HELLO/COOKIE/CONNECT/ACCEPT with
 /// retransmission, all under `conn.handshake_timeout`. A BUSY answer fails with
 /// [`TransportError::Refused`] carrying the server's code and retry-after hint.
-pub async fn connect_kcp(
+///
+/// The configs are copied at once: the returned future borrows nothing.
+pub fn connect_kcp(
+    addr: SocketAddr,
+    kcp: &KcpConfig,
+    conn: &ConnConfig,
+) -> impl std::future::Future<Output = Result<BoxConnection, TransportError>> + Send + 'static {
+    let (kcp, conn) = (kcp.clone(), conn.clone());
+    async move { connect_owned(addr, kcp, conn).await }
+}
+
+async fn connect_owned(
     addr: SocketAddr,
     kcp: KcpConfig,
     conn: ConnConfig,
