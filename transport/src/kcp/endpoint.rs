@@ -730,6 +730,8 @@ impl Endpoint {
                     self.peer_reset(now, key, code);
                 }
             }
+            // Late duplicates of an exchange already done.
+            (Handshake::Done, Control::Accept { .. } | Control::Cookie(_)) => {}
             _ => KcpStats::bump(&self.stats.malformed),
         }
     }
