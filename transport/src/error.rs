@@ -79,6 +79,15 @@ pub enum TransportError {
     /// The handshake failed (TLS alert, bad upgrade request, refused cookie...).
     #[error("handshake failed: {0}")]
     Handshake(String),
+    /// The server refused the connection for now (KCP BUSY): over a cap or rate, or
+    /// draining. Retry after the hint.
+    #[error("refused by server: {code}, retry after {retry_after_ms} ms")]
+    Refused {
+        /// Why (usually `Overloaded`).
+        code: CloseCode,
+        /// The server's retry-after hint in ms (0 = none).
+        retry_after_ms: u32,
+    },
     /// The local caller tried to send a frame larger than the maximum frame size.
     #[error("local frame of {len} bytes exceeds the maximum of {max}")]
     SendTooLarge {
@@ -106,6 +115,7 @@ impl TransportError {
             Self::HandshakeTimeout => CloseCode::HandshakeTimeout,
             Self::Closed | Self::Io(_) => CloseCode::GoingAway,
             Self::Handshake(_) => CloseCode::ProtocolError,
+            Self::Refused { code, .. } => *code,
             Self::SendTooLarge { .. } | Self::Config(_) => CloseCode::Internal,
         }
     }

@@ -27,6 +27,7 @@ pub mod codec;
 pub mod conn;
 pub mod error;
 pub mod frame;
+pub mod kcp;
 pub mod link;
 pub mod listener;
 pub mod protocol;
