@@ -1,6 +1,6 @@
 //! The KCP control packets (HELLO, COOKIE, CONNECT, ACCEPT, BUSY, RESET) and the stateless
 //! cookie that lets the server keep no state for a peer until it proves it can receive at
-//! its claimed address (SPEC T4a; byte tables in KCP-PROTOCOL.md).
+//! its claimed address (SPEC T4a; byte tables in PROTOCOL.md §8).
 //!
 //! Every control packet starts with conv = 0 (4 zero bytes: server-assigned convs are never
 //! 0, so a control packet can never be mistaken for a KCP segment), the magic `WGKC`, a

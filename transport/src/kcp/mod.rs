@@ -3,7 +3,7 @@
 //!
 //! Layers, bottom up:
 //! - [`cookie`]: the control packets (HELLO, COOKIE, CONNECT, ACCEPT, BUSY, RESET) and the
-//!   HMAC cookie. Byte tables: `transport/KCP-PROTOCOL.md`.
+//!   HMAC cookie. Byte tables: PROTOCOL.md §8.
 //! - [`endpoint`]: the sans-IO core. Every session of one socket, the handshake (both
 //!   roles), one shared timer heap fed by the engine's `check()`, bounded queues, monotonic
 //!   time passed in, and `catch_unwind` around each session's engine calls.
