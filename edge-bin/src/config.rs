@@ -187,6 +187,10 @@ pub struct EdgeConfig {
     pub tls: TlsConfig,
     /// Transport limits.
     pub limits: LimitsConfig,
+    /// KCP engine parameters and endpoint limits (preset "fast" by default).
+    pub kcp: waygate_transport::kcp::KcpConfig,
+    /// QUIC windows and keep-alive.
+    pub quic: waygate_transport::quic::QuicConfig,
     /// Backend links.
     pub links: LinksConfig,
     /// Admin HTTP.
@@ -200,6 +204,8 @@ impl Default for EdgeConfig {
             listeners: ListenersConfig::default(),
             tls: TlsConfig::default(),
             limits: LimitsConfig::default(),
+            kcp: waygate_transport::kcp::KcpConfig::default(),
+            quic: waygate_transport::quic::QuicConfig::default(),
             links: LinksConfig::default(),
             admin: AdminConfig::default(),
         }
@@ -207,6 +213,17 @@ impl Default for EdgeConfig {
 }
 
 impl EdgeConfig {
+    /// Transport limits as the transports take them.
+    pub fn conn_config(&self) -> waygate_transport::ConnConfig {
+        waygate_transport::ConnConfig {
+            max_frame_size: self.limits.max_frame_size,
+            idle_timeout: Some(std::time::Duration::from_millis(
+                self.limits.idle_timeout_ms,
+            )),
+            handshake_timeout: std::time::Duration::from_millis(self.limits.handshake_timeout_ms),
+        }
+    }
+
     /// Parses TOML text (unknown keys are errors naming the key) and validates it.
     pub fn from_toml(text: &str, path: &Path) -> Result<Self, ConfigError> {
         let config: Self = toml::from_str(text).map_err(|e| ConfigError::Parse {
@@ -246,6 +263,12 @@ impl EdgeConfig {
                 message: "tls.cert and tls.key go together".into(),
             });
         }
+        self.kcp
+            .validate(self.limits.max_frame_size)
+            .map_err(|e| ConfigError::Invalid {
+                key: "kcp",
+                message: e.to_string(),
+            })?;
         if self.links.push_credits == 0 {
             return Err(ConfigError::Invalid {
                 key: "links.push_credits",

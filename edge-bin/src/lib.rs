@@ -11,3 +11,4 @@
 pub mod backend;
 pub mod config;
 pub mod link;
+pub mod listeners;

@@ -15,7 +15,9 @@ use crate::protocol::{CloseCode, DEFAULT_MAX_FRAME_SIZE};
 
 /// Which transport carries a connection. For logs and metric labels only: code above the
 /// transport crate must not branch on it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum TransportKind {
     /// Plain TCP with length-delimited frames.

@@ -43,7 +43,7 @@ const CLOSE_FLUSH: Duration = Duration::from_millis(500);
 
 /// QUIC knobs sized for game sessions rather than bulk transfer (quinn's defaults allow
 /// megabytes per connection).
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct QuicConfig {
     /// Per-stream receive window, bytes.

@@ -1,0 +1,89 @@
+//! Starts the client listeners an [`EdgeConfig`] enables, with the TLS identity from files
+//! or a generated development CA (T6). Every listener is a `BoxListener`: nothing after this
+//! point knows which transport a connection came from.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+use waygate_transport::tls::TlsIdentity;
+use waygate_transport::{kcp, quic, tcp, ws, BoxListener, TransportError, TransportKind};
+
+use crate::config::EdgeConfig;
+
+/// The bound listeners and what clients need to reach them.
+pub struct BoundListeners {
+    /// One per enabled transport.
+    pub listeners: Vec<BoxListener>,
+    /// Bound address per transport (port 0 in the config becomes the real port here).
+    pub addrs: BTreeMap<TransportKind, SocketAddr>,
+    /// The TLS identity in use (its `dev_ca_pem` is set when it was generated).
+    pub tls: TlsIdentity,
+}
+
+impl std::fmt::Debug for BoundListeners {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BoundListeners")
+            .field("addrs", &self.addrs)
+            .finish()
+    }
+}
+
+/// Loads or generates the TLS identity and writes the dev CA where configured.
+pub fn tls_identity(config: &EdgeConfig) -> Result<TlsIdentity, TransportError> {
+    let id = match (&config.tls.cert, &config.tls.key) {
+        (Some(cert), Some(key)) => TlsIdentity::from_pem_files(cert, key)?,
+        _ => TlsIdentity::generate_dev(&config.tls.dev_names)?,
+    };
+    if let (Some(path), Some(pem)) = (&config.tls.dev_ca_out, &id.dev_ca_pem) {
+        std::fs::write(path, pem).map_err(|e| {
+            TransportError::Config(format!("writing dev CA to {}: {e}", path.display()))
+        })?;
+    }
+    Ok(id)
+}
+
+/// Binds every enabled listener.
+pub async fn bind_all(config: &EdgeConfig) -> Result<BoundListeners, TransportError> {
+    let tls = tls_identity(config)?;
+    let conn = config.conn_config();
+    let l = &config.listeners;
+    let mut listeners: Vec<BoxListener> = Vec::new();
+    if l.tcp.enabled {
+        listeners.push(Box::new(tcp::listen(l.tcp.addr, None, conn.clone()).await?));
+    }
+    if l.tls.enabled {
+        listeners.push(Box::new(
+            tcp::listen(l.tls.addr, Some(&tls), conn.clone()).await?,
+        ));
+    }
+    if l.ws.enabled {
+        listeners.push(Box::new(ws::listen(l.ws.addr, None, conn.clone()).await?));
+    }
+    if l.wss.enabled {
+        listeners.push(Box::new(
+            ws::listen(l.wss.addr, Some(&tls), conn.clone()).await?,
+        ));
+    }
+    if l.quic.enabled {
+        listeners.push(Box::new(quic::listen(
+            l.quic.addr,
+            &tls,
+            &config.quic,
+            conn.clone(),
+        )?));
+    }
+    if l.kcp.enabled {
+        listeners.push(Box::new(
+            kcp::listen(l.kcp.addr, &config.kcp, conn.clone()).await?,
+        ));
+    }
+    let addrs = listeners
+        .iter()
+        .map(|l| (l.kind(), l.local_addr()))
+        .collect();
+    Ok(BoundListeners {
+        listeners,
+        addrs,
+        tls,
+    })
+}
