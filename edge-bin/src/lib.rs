@@ -8,6 +8,7 @@
 //! `main.rs` is a thin shell over this library, so tests start the real edge in-process or
 //! as a process and read back its bound addresses.
 
+pub mod admin;
 pub mod backend;
 pub mod config;
 pub mod link;
