@@ -441,6 +441,13 @@ def scripted_frames(max_frame: int) -> list[tuple[wp.Frame, bytes, bytes]]:
     out.append((ping, wp.encode_frame(ping) + b"\x01\x02future", wp.encode_frame(ping)))
     err = wp.Error(403, 1, 2, 3)
     out.append((err, wp.encode_frame(err) + b"\x00", wp.encode_frame(err)))
+    # §1.2: non-minimal varints are accepted (and never sent back).
+    ping0 = wp.Ping(0)
+    out.append((ping0, bytes([wp.PING, 0x80, 0x00]), wp.encode_frame(ping0)))
+    d = wp.Data(wp.NORMAL, 300, 5, None, b"non-minimal msg_id")
+    out.append((d, bytes([wp.DATA, wp.NORMAL, 0xAC, 0x82, 0x80, 0x00, 0x05]) + d.payload, wp.encode_frame(d)))
+    for frame, raw, _ in out[-2:]:
+        assert wp.decode_frame(raw) == frame
     return out
 
 

@@ -71,6 +71,7 @@ CLOSE_CODES = {
     403: "unavailable",
     404: "no_route",
     405: "draining",
+    406: "stale_epoch",
     500: "internal",
 }
 

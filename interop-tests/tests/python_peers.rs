@@ -9,10 +9,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use waygate_interop_tests::{python, run_peer, spawn_echo_server};
-use waygate_transport::quic::{QuicConfig, QuicListener};
-use waygate_transport::tcp::TcpListener;
+use waygate_transport::quic::{self, QuicConfig};
 use waygate_transport::tls::TlsIdentity;
-use waygate_transport::ws::WsListener;
+use waygate_transport::{tcp, ws};
 use waygate_transport::{BoxListener, ConnConfig};
 
 /// Upper bound for one peer run (it bounds each of its own waits at 10 s).
@@ -61,29 +60,20 @@ fn interop(kind: Kind) -> serde_json::Value {
         ca.write_all(identity.dev_ca_pem.as_deref().expect("dev CA").as_bytes())
             .expect("write CA");
         let listener: BoxListener = match kind {
-            Kind::Tcp => Box::new(
-                TcpListener::bind(loopback(), None, config)
-                    .await
-                    .expect("bind"),
-            ),
+            Kind::Tcp => Box::new(tcp::listen(loopback(), None, config).await.expect("bind")),
             Kind::Tls => Box::new(
-                TcpListener::bind(loopback(), Some(&identity), config)
+                tcp::listen(loopback(), Some(&identity), config)
                     .await
                     .expect("bind"),
             ),
-            Kind::Ws => Box::new(
-                WsListener::bind(loopback(), None, config)
-                    .await
-                    .expect("bind"),
-            ),
+            Kind::Ws => Box::new(ws::listen(loopback(), None, config).await.expect("bind")),
             Kind::Wss => Box::new(
-                WsListener::bind(loopback(), Some(&identity), config)
+                ws::listen(loopback(), Some(&identity), config)
                     .await
                     .expect("bind"),
             ),
             Kind::Quic => Box::new(
-                QuicListener::bind(loopback(), &identity, &QuicConfig::default(), config)
-                    .expect("bind"),
+                quic::listen(loopback(), &identity, &QuicConfig::default(), config).expect("bind"),
             ),
         };
         let addr = listener.local_addr();
