@@ -1,7 +1,7 @@
 """An independent waygate client, written from PROTOCOL.md, run against an *echo* server (every
 frame sent comes back on the same connection).
 
-    python waygate_peer.py --transport tcp|tls|ws|wss|quic --addr 127.0.0.1:PORT
+    python waygate_peer.py --transport tcp|tls|ws|wss|quic|kcp --addr 127.0.0.1:PORT
                            [--ca dev-ca.pem] [--server-name localhost] [--max-frame 65536]
     python waygate_peer.py --selftest
 
@@ -14,6 +14,10 @@ Per transport it
   3. on fresh connections, sends malformed input and checks the server answers CLOSE with
      protocol_error (100), frame_too_large (101) or text_message (106), then closes.
 
+  4. KCP only: the cookie exchange rules seen from outside (short HELLO ignored, 42-byte
+     COOKIE, forged CONNECT dropped, RESET(conv, 1) for a segment of no session).
+
+The KCP part follows transport/KCP-PROTOCOL.md, the text of PROTOCOL.md §8 awaiting its merge.
 It prints one JSON line with the results and exits 1 on any mismatch (2 on bad usage).
 """
 
@@ -346,6 +350,278 @@ class QuicLink:
         self.proto.transmit()
 
 
+class KcpLink:
+    """KCP over UDP (PROTOCOL.md §2.3 / §8, whose text is transport/KCP-PROTOCOL.md): the
+    cookie exchange (HELLO, COOKIE, CONNECT, ACCEPT), then reference ikcp (the C-ikcp `kcp`
+    package) in message mode, one frame per KCP message, preset "fast"."""
+
+    MAGIC = b"\x00\x00\x00\x00WGKC\x01"
+    HELLO, COOKIE, CONNECT, ACCEPT, BUSY, RESET = 1, 2, 3, 4, 5, 6
+    MTU = 1200
+    QUIET = 0.5  # after our RESET, how long the server must stay silent
+
+    def __init__(self, host: str, port: int, max_frame: int):
+        self.host, self.port, self.max = host, port, max_frame
+        self.transport: Any = None
+        self.control: asyncio.Queue = asyncio.Queue()  # control packets during the handshake
+        self.early: list[bytes] = []  # segments that arrived before the kcp object
+        self.pending: asyncio.Queue = asyncio.Queue()
+        self.kcp: Any = None
+        self.conv = 0
+        self.ticker: Optional[asyncio.Task] = None
+        self.reset_sent = False
+        self.ended = False
+        self.handshake: dict[str, Any] = {}
+
+    # -- UDP
+    async def open_socket(self) -> None:
+        link = self
+
+        class Proto(asyncio.DatagramProtocol):
+            def datagram_received(self, data: bytes, addr: Any) -> None:
+                link._on_datagram(data)
+
+            def error_received(self, exc: Exception) -> None:
+                link.pending.put_nowait(Received("closed", detail={"how": f"udp error: {exc}"}))
+
+        loop = asyncio.get_running_loop()
+        # A connected UDP socket: datagrams from any other address never arrive (§3.1 rule 7).
+        self.transport, _ = await loop.create_datagram_endpoint(Proto, remote_addr=(self.host, self.port))
+
+    def sendto(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.sendto(data)
+
+    def _on_datagram(self, data: bytes) -> None:
+        if len(data) < 4:
+            return
+        if data[:4] == b"\x00\x00\x00\x00":
+            if len(data) < 10 or data[:9] != self.MAGIC:
+                return  # other magic or version: ignored
+            if self.kcp is None:
+                self.control.put_nowait(data)
+            elif data[9] == self.RESET and len(data) >= 16 and int.from_bytes(data[10:14], "little") == self.conv:
+                self.ended = True
+                code = int.from_bytes(data[14:16], "little")
+                self._drain()
+                self.pending.put_nowait(Received("closed", detail={"how": "kcp reset", "code": code}))
+            return
+        if int.from_bytes(data[:4], "little") != self.conv or self.conv == 0:
+            return
+        if self.kcp is None:
+            self.early.append(data)
+            self.control.put_nowait(b"segment")
+            return
+        try:
+            self.kcp.receive(data)
+        except Exception as e:  # ikcp_input refused the datagram: the server sent garbage
+            self.pending.put_nowait(Received("error", detail={"error": f"ikcp_input refused a datagram: {e}"}))
+            return
+        self.kcp.flush()
+        self._drain()
+
+    def _drain(self) -> None:
+        if self.kcp is None:
+            return
+        while True:
+            msg = self.kcp.get_received()
+            if not msg:
+                return
+            self.pending.put_nowait(_decoded(bytes(msg), "message"))
+
+    # -- the cookie exchange (KCP-PROTOCOL.md §3.1, §7)
+    def control_packet(self, ptype: int, body: bytes, total: int) -> bytes:
+        pkt = self.MAGIC + bytes([ptype]) + body
+        return pkt + bytes(total - len(pkt))
+
+    async def request(self, packet: bytes, want: set[int], nonce: bytes, deadline: float) -> bytes:
+        """Sends `packet`, resending after 200, 400, 800, 1600, 1600... ms, until a control
+        packet of a type in `want` with our nonce (or, for ACCEPT, a segment) arrives."""
+        delay = 0.2
+        self.sendto(packet)
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                raise Mismatch("KCP handshake: no answer before the handshake timeout")
+            try:
+                data = await asyncio.wait_for(self.control.get(), min(delay, deadline - now))
+            except asyncio.TimeoutError:
+                self.sendto(packet)
+                self.handshake["resends"] = self.handshake.get("resends", 0) + 1
+                delay = min(delay * 2, 1.6)
+                continue
+            if data == b"segment":
+                if self.ACCEPT in want:
+                    return data
+                continue
+            ptype = data[9]
+            if ptype == self.BUSY and len(data) >= 24 and data[10:18] == nonce:
+                code = int.from_bytes(data[18:20], "little")
+                raise Mismatch(f"KCP handshake: BUSY code {code} retry after {int.from_bytes(data[20:24], 'little')} ms")
+            if ptype in want:
+                if ptype == self.COOKIE and len(data) >= 42 and data[10:18] == nonce:
+                    return data
+                if ptype == self.ACCEPT and len(data) >= 14:
+                    return data
+
+    async def connect(self) -> dict:
+        await self.open_socket()
+        deadline = time.monotonic() + OP_TIMEOUT
+        nonce = random.getrandbits(64).to_bytes(8, "little")
+        hello = self.control_packet(self.HELLO, nonce, 64)
+        cookie = await self.request(hello, {self.COOKIE}, nonce, deadline)
+        self.handshake["cookie_len"] = len(cookie)
+        while True:
+            kept = cookie[10:42]
+            self.conv = int.from_bytes(kept[8:12], "little")
+            connect = self.control_packet(self.CONNECT, kept, 64)
+            answer = await self.request(connect, {self.ACCEPT, self.COOKIE}, nonce, deadline)
+            if answer == b"segment":
+                self.handshake["established_by"] = "segment"
+                break
+            if answer[9] == self.COOKIE:  # a fresh cookie replaces ours (§3.1 rule 3)
+                cookie = answer
+                continue
+            if int.from_bytes(answer[10:14], "little") == self.conv:
+                self.handshake["established_by"] = "accept"
+                self.handshake["accept_len"] = len(answer)
+                break
+        if self.conv == 0:
+            raise Mismatch("KCP handshake: the server assigned conv 0")
+        import kcp as ikcp  # the C reference ikcp
+
+        # The binding takes conv as a C int: pass the same 32 bits as a signed value.
+        conv_arg = self.conv - (1 << 32) if self.conv >= (1 << 31) else self.conv
+        self.kcp = ikcp.KCP(
+            conv_arg,
+            max_transmission=self.MTU,
+            no_delay=True,
+            update_interval=10,
+            resend_count=2,
+            no_congestion_control=True,
+            send_window_size=256,
+            receive_window_size=256,
+        )
+        self.kcp.include_outbound_handler(lambda _k, data: self.sendto(bytes(data)))
+        self.kcp.update()  # ikcp_flush does nothing before the first ikcp_update
+        for seg in self.early:
+            self._on_datagram(seg)
+        self.early.clear()
+        self.ticker = asyncio.create_task(self._tick())
+        return {"conv": self.conv, **self.handshake}
+
+    async def _tick(self) -> None:
+        while not self.ended:
+            self.kcp.update()
+            self._drain()
+            await asyncio.sleep(0.01)
+
+    # -- frames
+    async def send(self, raw: bytes, cls: int) -> None:
+        self.kcp.enqueue(raw)
+        self.kcp.flush()
+        # Respect the send window rather than queueing without bound.
+        t0 = time.monotonic()
+        while self.kcp.get_outbound_packets() > 512 and time.monotonic() - t0 < OP_TIMEOUT:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0)
+
+    async def recv(self) -> Received:
+        if self.reset_sent and self.pending.empty():
+            try:
+                return await asyncio.wait_for(self.pending.get(), self.QUIET)
+            except asyncio.TimeoutError:
+                return Received("closed", detail={"how": "our reset; server quiet", "quiet_s": self.QUIET})
+        return await self.pending.get()
+
+    def reset_packet(self, code: int) -> bytes:
+        return self.MAGIC + bytes([self.RESET]) + self.conv.to_bytes(4, "little") + code.to_bytes(2, "little")
+
+    async def close_transport(self) -> None:
+        """KCP-PROTOCOL.md §6/§7 step 9: CLOSE was the last message; wait until it is acked
+        (or ~2 s), then RESET with the close code."""
+        t0 = time.monotonic()
+        while self.kcp.get_outbound_packets() > 0 and time.monotonic() - t0 < 2.0 and not self.ended:
+            await asyncio.sleep(0.01)
+        if not self.ended:
+            self.sendto(self.reset_packet(wp.NORMAL_CLOSE))
+            self.reset_sent = True
+
+    def abort(self) -> None:
+        self.ended = True
+        if self.ticker is not None:
+            self.ticker.cancel()
+        if self.transport is not None:
+            if self.kcp is not None and not self.reset_sent:
+                self.sendto(self.reset_packet(wp.GOING_AWAY))
+            self.transport.close()
+
+    async def inject(self, case: str) -> None:
+        if case == "oversized":
+            data = bytes([wp.DATA, wp.CRITICAL, 1, 1]) + b"\xab" * (self.max + 1 - 4)
+        else:
+            data = MALFORMED[case]
+        self.kcp.enqueue(data)
+        self.kcp.flush()
+
+
+async def kcp_endpoint_checks(args: argparse.Namespace) -> list[dict]:
+    """The endpoint's handshake rules (KCP-PROTOCOL.md §2, §3.2), seen from outside."""
+    host, _, port = args.addr.rpartition(":")
+    out: list[dict] = []
+
+    async def fresh() -> KcpLink:
+        link = KcpLink(host.strip("[]"), int(port), args.max_frame)
+        await link.open_socket()
+        return link
+
+    async def answer(link: KcpLink, timeout: float) -> Optional[bytes]:
+        try:
+            return await asyncio.wait_for(link.control.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
+
+    # A HELLO shorter than 64 bytes is ignored; a full one gets a COOKIE no larger than it.
+    link = await fresh()
+    try:
+        nonce = random.getrandbits(64).to_bytes(8, "little")
+        link.sendto(link.control_packet(KcpLink.HELLO, nonce, 63))
+        short = await answer(link, 0.5)
+        out.append({"check": "short HELLO ignored", "ok": short is None, "reply_len": len(short) if short else 0})
+        link.sendto(link.control_packet(KcpLink.HELLO, nonce, 64))
+        cookie = await answer(link, OP_TIMEOUT)
+        ok = cookie is not None and cookie[9] == KcpLink.COOKIE and len(cookie) == 42 and cookie[10:18] == nonce
+        out.append({"check": "HELLO answered by a 42-byte COOKIE", "ok": ok, "reply_len": len(cookie) if cookie else 0})
+        # A CONNECT with a forged MAC is dropped silently.
+        if cookie is not None:
+            forged = bytearray(cookie[10:42])
+            forged[-1] ^= 0xFF
+            link.sendto(link.control_packet(KcpLink.CONNECT, bytes(forged), 64))
+            reply = await answer(link, 0.5)
+            out.append({"check": "CONNECT with a bad MAC dropped", "ok": reply is None, "reply_len": len(reply) if reply else 0})
+    finally:
+        link.abort()
+
+    # A valid-looking segment for no session is answered RESET(conv, going_away), 16 bytes.
+    link = await fresh()
+    try:
+        conv = random.getrandbits(31) | 1
+        seg = conv.to_bytes(4, "little") + bytes([81, 0]) + (128).to_bytes(2, "little") + bytes(16)
+        link.sendto(seg)
+        reply = await answer(link, 1.0)
+        ok = (
+            reply is not None
+            and reply[9] == KcpLink.RESET
+            and len(reply) == 16
+            and int.from_bytes(reply[10:14], "little") == conv
+            and int.from_bytes(reply[14:16], "little") == wp.GOING_AWAY
+        )
+        out.append({"check": "segment of no session answered RESET(conv, 1)", "ok": ok, "reply": reply.hex() if reply else None})
+    finally:
+        link.abort()
+    return out
+
+
 def _decoded(raw: bytes, channel: str) -> Received:
     try:
         return Received("frame", channel=channel, raw=raw, frame=wp.decode_frame(raw))
@@ -380,6 +656,7 @@ CASES = {
     "ws": ["unknown_type", "reserved_data_flag", "truncated_close", "oversized", "text_message"],
     "wss": ["unknown_type", "oversized", "text_message"],
     "quic": ["unknown_type", "reserved_data_flag", "oversized", "unknown_stream_kind", "bad_datagram"],
+    "kcp": ["unknown_type", "reserved_data_flag", "data_class_3", "oversized"],
 }
 
 
@@ -483,6 +760,8 @@ def make_link(args: argparse.Namespace) -> Any:
         return WsLink(host, port, args.max_frame, ctx, args.server_name)
     if args.transport == "quic":
         return QuicLink(host, port, args.max_frame, args.ca, args.server_name)
+    if args.transport == "kcp":
+        return KcpLink(host, port, args.max_frame)
     raise SystemExit(f"unknown transport {args.transport}")
 
 
@@ -578,6 +857,8 @@ async def malformed_case(args: argparse.Namespace, case: str) -> dict:
         end = out["transport_end"]
         if args.transport in ("ws", "wss") and end.get("ws_code") != WS_STATUS[want]:
             raise Mismatch(f"{case}: WebSocket close status {end.get('ws_code')}, want {WS_STATUS[want]}")
+        if args.transport == "kcp" and end.get("how") == "kcp reset" and end.get("code") != want:
+            raise Mismatch(f"{case}: KCP RESET code {end.get('code')}, want {want}")
         if args.transport == "quic" and end.get("app_code") != want:
             raise Mismatch(f"{case}: QUIC application close code {end.get('app_code')}, want {want}")
         out["ok"] = True
@@ -608,6 +889,14 @@ async def run(args: argparse.Namespace) -> dict:
         except Exception as e:
             result["malformed"].append({"case": case, "ok": False})
             result["errors"].append(f"malformed {case}: {type(e).__name__}: {e}: {traceback.format_exc(limit=4)}")
+    if args.transport == "kcp":
+        try:
+            result["endpoint"] = await kcp_endpoint_checks(args)
+            for check in result["endpoint"]:
+                if not check["ok"]:
+                    result["errors"].append(f"kcp endpoint: {check}")
+        except Exception as e:
+            result["errors"].append(f"kcp endpoint: {type(e).__name__}: {e}: {traceback.format_exc(limit=4)}")
     result["ok"] = not result["errors"]
     return result
 

@@ -1,5 +1,6 @@
-//! Interop with an independent client: `python/waygate_peer.py`, written from PROTOCOL.md and
-//! built on Python's own socket/ssl, `websockets` and `aioquic`, runs against each waygate
+//! Interop with an independent client: `python/waygate_peer.py`, written from PROTOCOL.md (and
+//! transport/KCP-PROTOCOL.md for KCP) and built on Python's own socket/ssl, `websockets`,
+//! `aioquic` and the C reference ikcp (`kcp` on PyPI), runs against each waygate
 //! listener serving an echo server in this process. It checks every frame type and class
 //! round trip byte for byte (up to the max frame size), the CLOSE handshake, and that
 //! malformed input draws CLOSE with the right code. See the lib docs for the interpreter.
@@ -9,6 +10,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use waygate_interop_tests::{python, run_peer, spawn_echo_server};
+use waygate_transport::kcp::{self, KcpConfig};
 use waygate_transport::quic::{self, QuicConfig};
 use waygate_transport::tls::TlsIdentity;
 use waygate_transport::{tcp, ws};
@@ -24,6 +26,7 @@ enum Kind {
     Ws,
     Wss,
     Quic,
+    Kcp,
 }
 
 impl Kind {
@@ -34,6 +37,7 @@ impl Kind {
             Kind::Ws => "ws",
             Kind::Wss => "wss",
             Kind::Quic => "quic",
+            Kind::Kcp => "kcp",
         }
     }
 }
@@ -74,6 +78,11 @@ fn interop(kind: Kind) -> serde_json::Value {
             ),
             Kind::Quic => Box::new(
                 quic::listen(loopback(), &identity, &QuicConfig::default(), config).expect("bind"),
+            ),
+            Kind::Kcp => Box::new(
+                kcp::listen(loopback(), &KcpConfig::fast(), config)
+                    .await
+                    .expect("bind"),
             ),
         };
         let addr = listener.local_addr();
@@ -185,4 +194,16 @@ fn python_quic_peer() {
             "no echo came back on the {channel} channel: {result}"
         );
     }
+}
+
+#[test]
+fn python_kcp_peer() {
+    let result = interop(Kind::Kcp);
+    let connect = &result["connect"];
+    assert!(connect["conv"].as_u64().unwrap_or(0) > 0, "{result}");
+    // No amplification: COOKIE (42) and ACCEPT (14) are smaller than HELLO/CONNECT (64).
+    assert_eq!(connect["cookie_len"], 42, "{result}");
+    let endpoint = result["endpoint"].as_array().cloned().unwrap_or_default();
+    assert!(endpoint.len() >= 4, "endpoint checks missing: {result}");
+    assert!(endpoint.iter().all(|c| c["ok"] == true), "{result}");
 }
