@@ -17,7 +17,7 @@ Per transport it
   4. KCP only: the cookie exchange rules seen from outside (short HELLO ignored, 42-byte
      COOKIE, forged CONNECT dropped, RESET(conv, 1) for a segment of no session).
 
-The KCP part follows transport/KCP-PROTOCOL.md, the text of PROTOCOL.md §8 awaiting its merge.
+The KCP part follows PROTOCOL.md §8.
 It prints one JSON line with the results and exits 1 on any mismatch (2 on bad usage).
 """
 
@@ -351,7 +351,7 @@ class QuicLink:
 
 
 class KcpLink:
-    """KCP over UDP (PROTOCOL.md §2.3 / §8, whose text is transport/KCP-PROTOCOL.md): the
+    """KCP over UDP (PROTOCOL.md §2.3, §8): the
     cookie exchange (HELLO, COOKIE, CONNECT, ACCEPT), then reference ikcp (the C-ikcp `kcp`
     package) in message mode, one frame per KCP message, preset "fast"."""
 
@@ -385,7 +385,7 @@ class KcpLink:
                 link.pending.put_nowait(Received("closed", detail={"how": f"udp error: {exc}"}))
 
         loop = asyncio.get_running_loop()
-        # A connected UDP socket: datagrams from any other address never arrive (§3.1 rule 7).
+        # A connected UDP socket: datagrams from any other address never arrive (§8.3.1 rule 7).
         self.transport, _ = await loop.create_datagram_endpoint(Proto, remote_addr=(self.host, self.port))
 
     def sendto(self, data: bytes) -> None:
@@ -429,7 +429,7 @@ class KcpLink:
                 return
             self.pending.put_nowait(_decoded(bytes(msg), "message"))
 
-    # -- the cookie exchange (KCP-PROTOCOL.md §3.1, §7)
+    # -- the cookie exchange (PROTOCOL.md §8.3.1, §8.7)
     def control_packet(self, ptype: int, body: bytes, total: int) -> bytes:
         pkt = self.MAGIC + bytes([ptype]) + body
         return pkt + bytes(total - len(pkt))
@@ -479,7 +479,7 @@ class KcpLink:
             if answer == b"segment":
                 self.handshake["established_by"] = "segment"
                 break
-            if answer[9] == self.COOKIE:  # a fresh cookie replaces ours (§3.1 rule 3)
+            if answer[9] == self.COOKIE:  # a fresh cookie replaces ours (§8.3.1 rule 3)
                 cookie = answer
                 continue
             if int.from_bytes(answer[10:14], "little") == self.conv:
@@ -538,7 +538,7 @@ class KcpLink:
         return self.MAGIC + bytes([self.RESET]) + self.conv.to_bytes(4, "little") + code.to_bytes(2, "little")
 
     async def close_transport(self) -> None:
-        """KCP-PROTOCOL.md §6/§7 step 9: CLOSE was the last message; wait until it is acked
+        """PROTOCOL.md §8.6, §8.7 step 9: CLOSE was the last message; wait until it is acked
         (or ~2 s), then RESET with the close code."""
         t0 = time.monotonic()
         while self.kcp.get_outbound_packets() > 0 and time.monotonic() - t0 < 2.0 and not self.ended:
@@ -566,7 +566,7 @@ class KcpLink:
 
 
 async def kcp_endpoint_checks(args: argparse.Namespace) -> list[dict]:
-    """The endpoint's handshake rules (KCP-PROTOCOL.md §2, §3.2), seen from outside."""
+    """The endpoint's handshake rules (PROTOCOL.md §8.2, §8.3.2), seen from outside."""
     host, _, port = args.addr.rpartition(":")
     out: list[dict] = []
 

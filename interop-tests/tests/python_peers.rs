@@ -1,5 +1,5 @@
-//! Interop with an independent client: `python/waygate_peer.py`, written from PROTOCOL.md (and
-//! transport/KCP-PROTOCOL.md for KCP) and built on Python's own socket/ssl, `websockets`,
+//! Interop with an independent client: `python/waygate_peer.py`, written from PROTOCOL.md and
+//! built on Python's own socket/ssl, `websockets`,
 //! `aioquic` and the C reference ikcp (`kcp` on PyPI), runs against each waygate
 //! listener serving an echo server in this process. It checks every frame type and class
 //! round trip byte for byte (up to the max frame size), the CLOSE handshake, and that
