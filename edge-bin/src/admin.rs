@@ -105,7 +105,10 @@ async fn kick(State(api): State<Api>, Path(player): Path<String>) -> Response {
 }
 
 /// Serves the admin routes on `addr`; returns the bound address and the server task.
-pub async fn serve(addr: SocketAddr, api: Api) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+pub async fn serve(
+    addr: SocketAddr,
+    api: Api,
+) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
     let app = router(api);
