@@ -212,3 +212,54 @@ async fn a_backend_that_stops_handling_runs_out_of_credit_and_the_edge_answers_b
     assert_eq!(busy, 92);
     assert_eq!(link.credit(), 0);
 }
+
+#[tokio::test]
+async fn messages_in_flight_when_a_backend_dies_come_back_as_unavailable() {
+    let backend = Backend::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        BackendConfig::new("doomed"),
+        Arc::new(Stuck(tokio::sync::Semaphore::new(0))),
+    )
+    .await
+    .unwrap();
+    let (tx, mut rx) = mpsc::channel(64);
+    let (link, _task) = LinkClient::spawn(
+        backend.local_addr(),
+        fast_config(),
+        Arc::new(AtomicU64::new(0)),
+        tx,
+    );
+    wait_up(&mut rx).await;
+    let m = meta(9, "dave");
+    for seq in 1..=5 {
+        link.forward(
+            &m,
+            1,
+            0,
+            seq,
+            TrafficClass::Normal,
+            Bytes::from(vec![seq as u8]),
+        )
+        .unwrap();
+    }
+    drop(backend);
+    let mut lost = Vec::new();
+    while lost.len() < 5 {
+        if let LinkEvent::Refuse {
+            code,
+            client_seq,
+            message,
+            ..
+        } = next_event(&mut rx).await
+        {
+            assert_eq!(code, CloseCode::Unavailable);
+            assert_eq!(message.unwrap().payload[0], client_seq as u8);
+            lost.push(client_seq);
+        }
+    }
+    assert_eq!(
+        lost,
+        vec![1, 2, 3, 4, 5],
+        "every in-flight message is reported, in order"
+    );
+}

@@ -4,7 +4,7 @@
 //! [`LinkEvent`]s. `forward` never waits: without a link or credit it fails at once with
 //! `Unavailable` or `Busy`, so the caller can answer the client (B4).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -91,7 +91,9 @@ pub enum LinkEvent {
         /// Detail.
         message: String,
     },
-    /// A forwarded message was refused.
+    /// A forwarded message was refused by the backend, or lost with its link (then `code`
+    /// is `Unavailable`). The message comes back so it can be routed again (stale epoch)
+    /// or reported to the client, never dropped silently.
     Refuse {
         /// The session.
         handle: u64,
@@ -103,8 +105,11 @@ pub enum LinkEvent {
         code: CloseCode,
         /// Retry hint.
         retry_after_ms: u32,
-        /// The backend's epoch.
+        /// The backend's epoch (0 when the link was lost).
         epoch: u64,
+        /// The message, when the edge still held it (always, unless the backend refused a
+        /// message that was not in flight).
+        message: Option<InFlight>,
     },
     /// Route a session's `service` by `key`.
     Bind {
@@ -138,6 +143,22 @@ pub enum LinkEvent {
     },
 }
 
+/// A forwarded message the backend has not finished handling yet. At most the link's
+/// FORWARD credit of them are held per link.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InFlight {
+    /// The session.
+    pub handle: u64,
+    /// Message id.
+    pub msg_id: u32,
+    /// Client seq.
+    pub client_seq: u64,
+    /// Class.
+    pub class: TrafficClass,
+    /// Body.
+    pub payload: Bytes,
+}
+
 /// Why a forward was not sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum ForwardError {
@@ -158,6 +179,8 @@ struct Shared {
     config: LinkConfig,
     tx: Mutex<Option<mpsc::Sender<LinkFrame>>>,
     credit: AtomicU64,
+    /// Forwards sent and not yet covered by returned credit, oldest first.
+    inflight: Mutex<VecDeque<InFlight>>,
     up: AtomicBool,
     /// Sessions opened on this link (re-opened after a reconnect).
     open: Mutex<HashMap<u64, SessionMeta>>,
@@ -185,6 +208,7 @@ impl LinkClient {
             config,
             tx: Mutex::new(None),
             credit: AtomicU64::new(0),
+            inflight: Mutex::new(VecDeque::new()),
             up: AtomicBool::new(false),
             open: Mutex::new(HashMap::new()),
             epoch,
@@ -258,15 +282,30 @@ impl LinkClient {
         }
         let result = self.ensure_open(meta).and_then(|()| {
             let tx = self.sender().ok_or(ForwardError::Unavailable)?;
+            // The in-flight queue and the link's write queue must see forwards in the same
+            // order: hold the queue's lock across the (non-blocking) send.
+            let mut inflight = self
+                .shared
+                .inflight
+                .lock()
+                .map_err(|_| ForwardError::Unavailable)?;
             tx.try_send(LinkFrame::Forward {
                 handle: meta.handle,
                 msg_id,
                 epoch,
                 client_seq,
                 class,
-                payload,
+                payload: payload.clone(),
             })
-            .map_err(|_| busy)
+            .map_err(|_| busy)?;
+            inflight.push_back(InFlight {
+                handle: meta.handle,
+                msg_id,
+                client_seq,
+                class,
+                payload,
+            });
+            Ok(())
         });
         if result.is_err() {
             self.shared.credit.fetch_add(1, Ordering::AcqRel);
@@ -337,6 +376,26 @@ async fn run(shared: Arc<Shared>) {
         shared.credit.store(0, Ordering::Release);
         if let Ok(mut tx) = shared.tx.lock() {
             *tx = None;
+        }
+        // Whatever the backend had not finished is reported, never dropped silently.
+        let lost: Vec<InFlight> = shared
+            .inflight
+            .lock()
+            .map(|mut q| q.drain(..).collect())
+            .unwrap_or_default();
+        for m in lost {
+            let event = LinkEvent::Refuse {
+                handle: m.handle,
+                msg_id: m.msg_id,
+                client_seq: m.client_seq,
+                code: CloseCode::Unavailable,
+                retry_after_ms: 0,
+                epoch: 0,
+                message: Some(m),
+            };
+            if shared.events.send(event).await.is_err() {
+                return;
+            }
         }
         if shared
             .events
@@ -439,6 +498,10 @@ async fn connect_once(shared: &Arc<Shared>) -> Result<(), &'static str> {
                 }
             }
             LinkFrame::Credit { credits } => {
+                if let Ok(mut q) = shared.inflight.lock() {
+                    let n = (credits as usize).min(q.len());
+                    q.drain(..n);
+                }
                 shared.credit.fetch_add(credits.into(), Ordering::AcqRel);
                 continue;
             }
@@ -458,14 +521,24 @@ async fn connect_once(shared: &Arc<Shared>) -> Result<(), &'static str> {
                 code,
                 retry_after_ms,
                 epoch,
-            } => LinkEvent::Refuse {
-                handle,
-                msg_id,
-                client_seq,
-                code,
-                retry_after_ms,
-                epoch,
-            },
+            } => {
+                let message = shared.inflight.lock().ok().and_then(|q| {
+                    q.iter()
+                        .find(|m| {
+                            m.handle == handle && m.client_seq == client_seq && m.msg_id == msg_id
+                        })
+                        .cloned()
+                });
+                LinkEvent::Refuse {
+                    handle,
+                    msg_id,
+                    client_seq,
+                    code,
+                    retry_after_ms,
+                    epoch,
+                    message,
+                }
+            }
             LinkFrame::Bind {
                 handle,
                 service,
