@@ -13,3 +13,4 @@ pub mod backend;
 pub mod config;
 pub mod link;
 pub mod listeners;
+pub mod metrics;

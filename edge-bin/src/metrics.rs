@@ -1,0 +1,192 @@
+//! The edge's Prometheus metrics (O1), one registry per edge (no globals, so several edges
+//! can run in one test process). Library crates keep plain atomic counters; the edge exposes
+//! them here.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+/// Label: transport kind.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TransportLabel {
+    /// `tcp`, `tls`, `ws`, `wss`, `quic`, `kcp`.
+    pub transport: String,
+}
+
+/// Labels: service and instance.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteLabels {
+    /// Service name.
+    pub service: String,
+    /// Instance id.
+    pub instance: String,
+}
+
+/// Label: a close/error code.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CodeLabel {
+    /// Code label (`busy`, `unavailable`...).
+    pub code: String,
+}
+
+/// Label: traffic class.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ClassLabel {
+    /// `critical`, `normal`, `best_effort`.
+    pub class: String,
+}
+
+/// Label: backend address.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BackendLabel {
+    /// `host:port`.
+    pub backend: String,
+}
+
+/// Every metric of one edge.
+#[derive(Debug)]
+pub struct EdgeMetrics {
+    /// The registry (encode it for `/metrics`).
+    pub registry: Registry,
+    /// Connections that finished the transport handshake.
+    pub connections_accepted: Family<TransportLabel, Counter>,
+    /// Open client connections.
+    pub connections_open: Family<TransportLabel, Gauge>,
+    /// Time from transport accept to session established (WELCOME), seconds.
+    pub session_setup_seconds: Family<TransportLabel, Histogram>,
+    /// Upstream messages forwarded to a backend.
+    pub forwarded: Family<RouteLabels, Counter>,
+    /// Upstream messages answered with ERROR instead (busy, unavailable, no_route...).
+    pub upstream_refused: Family<CodeLabel, Counter>,
+    /// Downstream messages handed to sessions.
+    pub pushed: Family<ClassLabel, Counter>,
+    /// Downstream messages dropped (session gone or queue full).
+    pub push_dropped: Family<ClassLabel, Counter>,
+    /// Backend links up (1) or down (0).
+    pub backend_up: Family<BackendLabel, Gauge>,
+    /// Current route epoch.
+    pub route_epoch: Gauge,
+    /// Seconds since the route table was last loaded successfully.
+    pub route_staleness_seconds: Gauge<f64, AtomicU64>,
+    /// Messages re-routed after a backend reported a stale epoch.
+    pub stale_epoch_reroutes: Counter,
+    /// Players moved to another instance by migrations.
+    pub migrations: Counter,
+    /// 1 while the edge drains.
+    pub draining: Gauge,
+}
+
+impl Default for EdgeMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl EdgeMetrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("waygate");
+        let m = Self {
+            connections_accepted: Family::default(),
+            connections_open: Family::default(),
+            session_setup_seconds: Family::new_with_constructor(|| {
+                Histogram::new([
+                    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                ])
+            }),
+            forwarded: Family::default(),
+            upstream_refused: Family::default(),
+            pushed: Family::default(),
+            push_dropped: Family::default(),
+            backend_up: Family::default(),
+            route_epoch: Gauge::default(),
+            route_staleness_seconds: Gauge::default(),
+            stale_epoch_reroutes: Counter::default(),
+            migrations: Counter::default(),
+            draining: Gauge::default(),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "connections_accepted",
+            "Client connections that finished the transport handshake",
+            m.connections_accepted.clone(),
+        );
+        registry.register(
+            "connections_open",
+            "Open client connections",
+            m.connections_open.clone(),
+        );
+        registry.register(
+            "session_setup_seconds",
+            "Time from transport accept to session established",
+            m.session_setup_seconds.clone(),
+        );
+        registry.register(
+            "forwarded",
+            "Upstream messages forwarded to a backend",
+            m.forwarded.clone(),
+        );
+        registry.register(
+            "upstream_refused",
+            "Upstream messages answered with an ERROR frame",
+            m.upstream_refused.clone(),
+        );
+        registry.register(
+            "pushed",
+            "Downstream messages handed to sessions",
+            m.pushed.clone(),
+        );
+        registry.register(
+            "push_dropped",
+            "Downstream messages dropped",
+            m.push_dropped.clone(),
+        );
+        registry.register(
+            "backend_up",
+            "Backend links up (1) or down (0)",
+            m.backend_up.clone(),
+        );
+        registry.register(
+            "route_epoch",
+            "Current route table epoch",
+            m.route_epoch.clone(),
+        );
+        registry.register(
+            "route_staleness_seconds",
+            "Seconds since the route table was last loaded successfully",
+            m.route_staleness_seconds.clone(),
+        );
+        registry.register(
+            "stale_epoch_reroutes",
+            "Messages re-routed after a stale-epoch refusal",
+            m.stale_epoch_reroutes.clone(),
+        );
+        registry.register(
+            "migrations",
+            "Players moved to another instance",
+            m.migrations.clone(),
+        );
+        registry.register("draining", "1 while the edge drains", m.draining.clone());
+        Self { registry, ..m }
+    }
+
+    /// The Prometheus/OpenMetrics text of every metric.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+
+    /// Label helper.
+    pub fn transport(kind: waygate_transport::TransportKind) -> TransportLabel {
+        TransportLabel {
+            transport: kind.as_str().to_string(),
+        }
+    }
+}
