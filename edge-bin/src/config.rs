@@ -156,6 +156,128 @@ impl Default for LinksConfig {
     }
 }
 
+/// Session layer settings (S3–S5).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct SessionSettings {
+    /// How long a dropped session is kept for resume, seconds (S5).
+    pub linger_secs: u64,
+    /// PING interval advertised to clients, ms.
+    pub heartbeat_ms: u64,
+    /// Deadline from connection to WELCOME, ms.
+    pub hello_timeout_ms: u64,
+    /// Replay buffer: most unacknowledged downstream messages kept per session.
+    pub replay_max_messages: usize,
+    /// Replay buffer: most unacknowledged downstream bytes kept per session.
+    pub replay_max_bytes: usize,
+    /// Capacity of each session's downstream queue (messages).
+    pub outbound_capacity: usize,
+}
+
+impl Default for SessionSettings {
+    fn default() -> Self {
+        Self {
+            linger_secs: 15 * 60,
+            heartbeat_ms: 10_000,
+            hello_timeout_ms: 10_000,
+            replay_max_messages: 1024,
+            replay_max_bytes: 1024 * 1024,
+            outbound_capacity: 1024,
+        }
+    }
+}
+
+/// One HMAC key of the login service (S2).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AuthKey {
+    /// Key id carried in tokens (rotation: add the new id, then remove the old one).
+    pub id: u32,
+    /// The shared secret (UTF-8; use 32+ random bytes in production).
+    pub secret: String,
+}
+
+/// Token authentication (S2).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuthConfig {
+    /// Accepted keys. The embedded default is a development key: replace it.
+    pub keys: Vec<AuthKey>,
+    /// Accepted issuers; empty = any.
+    pub issuers: Vec<String>,
+    /// Clock-skew leeway for issued-at and expiry, seconds.
+    pub leeway_secs: u64,
+}
+
+/// The development key id and secret of the embedded default (`waygate token` uses them).
+pub const DEV_KEY_ID: u32 = 1;
+/// See [`DEV_KEY_ID`].
+pub const DEV_KEY_SECRET: &str = "waygate-development-key-change-me";
+
+impl Default for AuthConfig {
+    fn default() -> Self {
+        Self {
+            keys: vec![AuthKey {
+                id: DEV_KEY_ID,
+                secret: DEV_KEY_SECRET.into(),
+            }],
+            issuers: Vec::new(),
+            leeway_secs: 30,
+        }
+    }
+}
+
+/// Where the route table comes from (R9).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct RoutingConfig {
+    /// A TOML or JSON route table file, hot-reloaded. Unset: the built-in demo table
+    /// (player and room services on three local demo backends).
+    pub table: Option<PathBuf>,
+    /// Where the last good table is persisted (used at start if `table` is broken).
+    pub persist: Option<PathBuf>,
+    /// How often the table file is checked, ms.
+    pub poll_ms: u64,
+    /// Players per second released from removed or drained instances (R4).
+    pub migration_rate: f64,
+    /// Backend heartbeats missed before an instance counts as down (R7).
+    pub missed_heartbeats: u32,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        Self {
+            table: None,
+            persist: None,
+            poll_ms: 1_000,
+            migration_rate: 100.0,
+            missed_heartbeats: 3,
+        }
+    }
+}
+
+/// Drain (O4).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct DrainConfig {
+    /// Where MIGRATE sends clients (`tcp://host:port` ...); empty = any edge.
+    pub target: String,
+    /// Clients have this long to leave, ms; the edge exits at the latest then.
+    pub deadline_ms: u64,
+    /// Retry-after given to new connections while draining, ms.
+    pub retry_after_ms: u32,
+}
+
+impl Default for DrainConfig {
+    fn default() -> Self {
+        Self {
+            target: String::new(),
+            deadline_ms: 30_000,
+            retry_after_ms: 1_000,
+        }
+    }
+}
+
 /// Admin HTTP (health, metrics, routes, sessions, drain, kick).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -191,8 +313,16 @@ pub struct EdgeConfig {
     pub kcp: waygate_transport::kcp::KcpConfig,
     /// QUIC windows and keep-alive.
     pub quic: waygate_transport::quic::QuicConfig,
+    /// Session layer.
+    pub session: SessionSettings,
+    /// Token authentication.
+    pub auth: AuthConfig,
+    /// Route table source.
+    pub routing: RoutingConfig,
     /// Backend links.
     pub links: LinksConfig,
+    /// Drain behaviour.
+    pub drain: DrainConfig,
     /// Admin HTTP.
     pub admin: AdminConfig,
 }
@@ -206,7 +336,11 @@ impl Default for EdgeConfig {
             limits: LimitsConfig::default(),
             kcp: waygate_transport::kcp::KcpConfig::default(),
             quic: waygate_transport::quic::QuicConfig::default(),
+            session: SessionSettings::default(),
+            auth: AuthConfig::default(),
+            routing: RoutingConfig::default(),
             links: LinksConfig::default(),
+            drain: DrainConfig::default(),
             admin: AdminConfig::default(),
         }
     }
@@ -269,6 +403,24 @@ impl EdgeConfig {
                 key: "kcp",
                 message: e.to_string(),
             })?;
+        if self.auth.keys.is_empty() {
+            return Err(ConfigError::Invalid {
+                key: "auth.keys",
+                message: "at least one key is needed".into(),
+            });
+        }
+        if !(self.routing.migration_rate > 0.0 && self.routing.migration_rate.is_finite()) {
+            return Err(ConfigError::Invalid {
+                key: "routing.migration_rate",
+                message: "must be a positive number".into(),
+            });
+        }
+        if self.session.replay_max_messages == 0 || self.session.outbound_capacity == 0 {
+            return Err(ConfigError::Invalid {
+                key: "session.replay_max_messages",
+                message: "replay and outbound capacities must be at least 1".into(),
+            });
+        }
         if self.links.push_credits == 0 {
             return Err(ConfigError::Invalid {
                 key: "links.push_credits",
