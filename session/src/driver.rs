@@ -110,9 +110,16 @@ pub enum PushError {
     QueueFull,
 }
 
+/// A hand-over answer: on success the session's downstream channel moves with it, so a
+/// message pushed during the switch is not lost.
+struct HandOver {
+    outcome: TakeOutcome,
+    channel: Option<(mpsc::Sender<Downstream>, mpsc::Receiver<Downstream>)>,
+}
+
 enum Command {
     Kick(oneshot::Sender<Option<BTreeMap<String, String>>>),
-    HandOver(ResumeHash, oneshot::Sender<TakeOutcome>),
+    HandOver(ResumeHash, oneshot::Sender<HandOver>),
     Close(CloseCode),
     Bind(String, String),
     Migrate(String, Duration),
@@ -163,13 +170,9 @@ impl SessionRegistry {
         inner.sessions.insert(session_id, handle);
     }
 
-    fn remove_if(&self, session_id: &SessionId, task: u64) {
+    fn remove_if(&self, session_id: &SessionId, pred: impl Fn(&Handle) -> bool) {
         let mut inner = self.lock();
-        if inner
-            .sessions
-            .get(session_id)
-            .is_some_and(|h| h.task == task)
-        {
+        if inner.sessions.get(session_id).is_some_and(pred) {
             if let Some(h) = inner.sessions.remove(session_id) {
                 if inner.players.get(&h.player_id) == Some(session_id) {
                     inner.players.remove(&h.player_id);
@@ -262,7 +265,7 @@ impl SessionRegistry {
 
     /// Asks a local session to hand itself over to a resuming connection. `None` when the
     /// session is not held here (or did not answer in time).
-    async fn hand_over(&self, session_id: &SessionId, hash: ResumeHash) -> Option<TakeOutcome> {
+    async fn hand_over(&self, session_id: &SessionId, hash: ResumeHash) -> Option<HandOver> {
         let handle = self.handle(session_id)?;
         let (tx, rx) = oneshot::channel();
         handle
@@ -357,12 +360,21 @@ struct Task {
     registered: Option<SessionId>,
     commands_tx: mpsc::Sender<Command>,
     downstream_tx: mpsc::Sender<Downstream>,
+    downstream_rx: Option<mpsc::Receiver<Downstream>>,
+    adopted: Option<SessionId>,
+}
+
+enum Event {
+    Frame(Result<waygate_transport::Frame, CloseCode>),
+    Command(Command),
+    Downstream(Downstream),
+    Timer,
 }
 
 /// Runs one connection's session to its end; returns why it ended.
 pub async fn run_session(edge: Arc<EdgeSessions>, conn: BoxConnection) -> EndReason {
     let (commands_tx, mut commands) = mpsc::channel(8);
-    let (downstream_tx, mut downstream) = mpsc::channel(edge.outbound_capacity.max(1));
+    let (downstream_tx, downstream_rx) = mpsc::channel(edge.outbound_capacity.max(1));
     let machine = SessionMachine::new(edge.config.clone(), edge.counters.clone(), (edge.rng)());
     let mut t = Task {
         edge,
@@ -372,6 +384,8 @@ pub async fn run_session(edge: Arc<EdgeSessions>, conn: BoxConnection) -> EndRea
         registered: None,
         commands_tx,
         downstream_tx,
+        downstream_rx: Some(downstream_rx),
+        adopted: None,
     };
     let _ = t.machine.handle_link_up(now());
     loop {
@@ -387,37 +401,57 @@ pub async fn run_session(edge: Arc<EdgeSessions>, conn: BoxConnection) -> EndRea
             }
         };
         let registered = t.registered.is_some();
-        tokio::select! {
-            r = recv(&mut t.conn) => match r {
-                Ok(frame) => {
-                    if let Err(e) = t.machine.handle_frame(now(), frame) {
-                        tracing::debug!(error = %e, "session input refused");
-                    }
-                }
-                Err(code) => {
-                    t.conn = None;
-                    let _ = t.machine.handle_link_down(now(), code);
-                }
-            },
-            Some(cmd) = commands.recv() => t.command(cmd),
-            Some(msg) = downstream.recv(), if registered => {
-                if let Err(e) = t.machine.send_downstream(now(), msg.class, msg.msg_id, msg.payload) {
-                    tracing::debug!(error = %e, "downstream message refused");
+        let event = tokio::select! {
+            r = recv(&mut t.conn) => Event::Frame(r),
+            Some(cmd) = commands.recv() => Event::Command(cmd),
+            Some(msg) = recv_down(&mut t.downstream_rx), if registered => Event::Downstream(msg),
+            _ = sleep => Event::Timer,
+        };
+        match event {
+            Event::Frame(Ok(frame)) => {
+                if let Err(e) = t.machine.handle_frame(now(), frame) {
+                    tracing::debug!(error = %e, "session input refused");
                 }
             }
-            _ = sleep => t.machine.handle_timeout(now()),
+            Event::Frame(Err(code)) => {
+                t.conn = None;
+                let _ = t.machine.handle_link_down(now(), code);
+            }
+            Event::Command(cmd) => t.command(cmd),
+            Event::Downstream(msg) => t.downstream(msg),
+            Event::Timer => t.machine.handle_timeout(now()),
         }
     }
+    t.run_actions().await;
     if let Some(conn) = t.conn.as_mut() {
         conn.close(CloseCode::Normal, "").await;
     }
-    if let Some(id) = t.registered {
-        t.edge.registry.remove_if(&id, t.task);
+    let superseded = t.machine.end_reason() == Some(&EndReason::Superseded);
+    match (t.registered, t.adopted) {
+        // Superseded: the entry stays until the new connection registers, so pushes keep
+        // landing in the (handed-over) downstream channel meanwhile.
+        (Some(_), _) if superseded => {}
+        (Some(id), _) => t
+            .edge
+            .registry
+            .remove_if(&id, |h: &Handle| h.task == t.task),
+        // Adopted a channel but never got ACTIVE: drop the stale entry of the old task.
+        (None, Some(id)) => t.edge.registry.remove_if(&id, |h: &Handle| {
+            h.downstream.same_channel(&t.downstream_tx)
+        }),
+        (None, None) => {}
     }
     t.machine
         .end_reason()
         .cloned()
         .unwrap_or(EndReason::HandshakeFailed(CloseCode::Internal))
+}
+
+async fn recv_down(rx: &mut Option<mpsc::Receiver<Downstream>>) -> Option<Downstream> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
 }
 
 async fn recv(conn: &mut Option<BoxConnection>) -> Result<waygate_transport::Frame, CloseCode> {
@@ -435,11 +469,28 @@ impl Task {
                 let _ = reply.send(self.machine.kick(now).ok());
             }
             Command::HandOver(hash, reply) => {
+                // Everything already pushed enters the replay buffer before the snapshot.
+                if let Some(rx) = self.downstream_rx.as_mut() {
+                    let mut queued = Vec::new();
+                    while let Ok(msg) = rx.try_recv() {
+                        queued.push(msg);
+                    }
+                    for msg in queued {
+                        self.downstream(msg);
+                    }
+                }
                 let outcome = self
                     .machine
                     .hand_over(now, &hash)
                     .unwrap_or(TakeOutcome::NotFound);
-                let _ = reply.send(outcome);
+                let channel = match (&outcome, self.downstream_rx.take()) {
+                    (TakeOutcome::Taken(_), Some(rx)) => Some((self.downstream_tx.clone(), rx)),
+                    (_, rx) => {
+                        self.downstream_rx = rx;
+                        None
+                    }
+                };
+                let _ = reply.send(HandOver { outcome, channel });
             }
             Command::Close(code) => {
                 let _ = self.machine.close_session(now, code);
@@ -450,6 +501,15 @@ impl Task {
             Command::Migrate(target, deadline) => {
                 let _ = self.machine.migrate(&target, deadline);
             }
+        }
+    }
+
+    fn downstream(&mut self, msg: Downstream) {
+        if let Err(e) = self
+            .machine
+            .send_downstream(now(), msg.class, msg.msg_id, msg.payload)
+        {
+            tracing::debug!(error = %e, "downstream message refused");
         }
     }
 
@@ -491,12 +551,24 @@ impl Task {
             } => {
                 let local = edge.registry.hand_over(&session_id, resume_hash).await;
                 let result = match local {
-                    Some(TakeOutcome::Taken(s)) => {
+                    Some(HandOver {
+                        outcome: TakeOutcome::Taken(s),
+                        channel,
+                    }) => {
                         // The old task may have persisted it on detach: that copy is spent.
                         let _ = edge.snapshots.delete(&session_id, Some(s.fencing)).await;
+                        if let Some((tx, rx)) = channel {
+                            // Adopt the session's downstream channel (see `HandOver`).
+                            self.downstream_tx = tx;
+                            self.downstream_rx = Some(rx);
+                            self.adopted = Some(session_id);
+                        }
                         Ok(TakeOutcome::Taken(s))
                     }
-                    Some(TakeOutcome::Mismatch) => Ok(TakeOutcome::Mismatch),
+                    Some(HandOver {
+                        outcome: TakeOutcome::Mismatch,
+                        ..
+                    }) => Ok(TakeOutcome::Mismatch),
                     _ => edge.snapshots.take(&session_id, &resume_hash).await,
                 };
                 let _ = self.machine.handle_snapshot(now(), result);
