@@ -391,8 +391,9 @@ impl ClientSession {
                         self.on_ack(w.client_seq_ack);
                     }
                 }
-                self.down_ack.reset(self.down.cumulative());
                 self.state = ClientState::Active;
+                // Confirms the WELCOME (and so the new resume token) at once.
+                self.send_ack(now);
                 self.events.push_back(ClientEvent::Welcomed {
                     session_id: w.session_id,
                     outcome: w.outcome,

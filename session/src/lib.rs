@@ -41,6 +41,8 @@ pub mod replay;
 pub mod resume;
 pub mod rng;
 pub mod seq;
+#[doc(hidden)]
+pub mod sim;
 pub mod store;
 
 #[cfg(test)]

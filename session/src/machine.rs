@@ -290,6 +290,7 @@ pub struct SessionCore {
     player_id: Arc<str>,
     fencing: u64,
     resume_hash: ResumeHash,
+    prev_resume_hash: Option<ResumeHash>,
     bindings: BTreeMap<String, String>,
     replay: ReplayBuffer,
     upstream: RecvWindow,
@@ -303,6 +304,7 @@ impl SessionCore {
             player_id: self.player_id.to_string(),
             fencing: self.fencing,
             resume_hash: self.resume_hash,
+            prev_resume_hash: self.prev_resume_hash,
             bindings: self.bindings.clone(),
             replay: self.replay.clone(),
             upstream: self.upstream.clone(),
@@ -315,6 +317,7 @@ impl SessionCore {
             player_id: s.player_id.into(),
             fencing: s.fencing,
             resume_hash: s.resume_hash,
+            prev_resume_hash: s.prev_resume_hash,
             bindings: s.bindings,
             replay: s.replay,
             upstream: s.upstream,
@@ -681,6 +684,7 @@ impl SessionMachine {
             player_id: player_id.clone(),
             fencing: 0,
             resume_hash: hash,
+            prev_resume_hash: None,
             bindings: BTreeMap::new(),
             replay: ReplayBuffer::new(self.config.replay),
             upstream: RecvWindow::new(),
@@ -715,7 +719,7 @@ impl SessionMachine {
                     .as_ref()
                     .is_some_and(|a| a.claims.player_id != snapshot.player_id);
                 let wrong = snapshot.session_id != resume.session_id
-                    || !snapshot.resume_hash.matches(&resume.resume_token);
+                    || !snapshot.accepts(&ResumeHash::of(&resume.resume_token));
                 if foreign_player || wrong {
                     self.actions.push_back(Action::PutBack(snapshot));
                     "resume token belongs to another session or player"
@@ -728,8 +732,11 @@ impl SessionMachine {
                             "last_server_seq beyond what the server sent"
                         }
                         Ok(point) => {
+                            // Rotate. The presented token stays valid until the client
+                            // confirms the new one (any frame after WELCOME).
                             let (token, hash) = new_resume_token(self.rng.as_mut());
                             core.resume_hash = hash;
+                            core.prev_resume_hash = Some(ResumeHash::of(&resume.resume_token));
                             self.pending.resume_token = Some(token);
                             let outcome = if point.gap {
                                 WelcomeOutcome::RestoredWithGap
@@ -855,6 +862,10 @@ impl SessionMachine {
     }
 
     fn on_active_frame(&mut self, now: Instant, frame: Frame) -> Result<(), SessionError> {
+        // Any frame after WELCOME proves the client holds the new resume token.
+        if let Some(core) = self.core.as_mut() {
+            core.prev_resume_hash = None;
+        }
         match frame {
             Frame::Data(d) => {
                 if let Some(ack) = d.ack {
@@ -1118,6 +1129,8 @@ impl SessionMachine {
         let Some(core) = self.core.as_mut() else {
             return Err(self.misuse("migrate"));
         };
+        // MIGRATE may be lost: the current token stays valid for one more restore.
+        core.prev_resume_hash = Some(core.resume_hash);
         core.resume_hash = hash;
         self.actions.push_back(Action::Send(Frame::Migrate(Migrate {
             deadline_ms: duration_ms(deadline),
@@ -1164,10 +1177,10 @@ impl SessionMachine {
         let Some(core) = self.core.as_ref() else {
             return Ok(TakeOutcome::NotFound);
         };
-        if !core.resume_hash.ct_eq(resume_hash) {
+        let snapshot = core.snapshot();
+        if !snapshot.accepts(resume_hash) {
             return Ok(TakeOutcome::Mismatch);
         }
-        let snapshot = core.snapshot();
         if self.state == State::Active {
             self.actions.push_back(Action::Close {
                 code: CloseCode::GoingAway,

@@ -39,12 +39,26 @@ pub struct Snapshot {
     pub fencing: u64,
     /// SHA-256 of the current resume token.
     pub resume_hash: ResumeHash,
+    /// SHA-256 of the token the client presented on its last restore, while the client has
+    /// not yet confirmed receipt of its replacement (a lost WELCOME must not strand it).
+    #[serde(default)]
+    pub prev_resume_hash: Option<ResumeHash>,
     /// Backend bindings: service -> instance (S5).
     pub bindings: BTreeMap<String, String>,
     /// Unacked downstream messages and the downstream seq counter.
     pub replay: ReplayBuffer,
     /// Upstream client seqs received (dedup state).
     pub upstream: RecvWindow,
+}
+
+impl Snapshot {
+    /// Whether a presented token's hash may resume this snapshot: the current token, or the
+    /// previous one while its replacement is unconfirmed. Constant time in both compares.
+    pub fn accepts(&self, hash: &ResumeHash) -> bool {
+        let current = self.resume_hash.ct_eq(hash);
+        let prev = self.prev_resume_hash.is_some_and(|p| p.ct_eq(hash));
+        current | prev
+    }
 }
 
 /// A storage backend failed (remote store down, timeout, corrupt record).
@@ -80,7 +94,7 @@ pub trait SnapshotStore: Send + Sync + 'static {
     async fn put(&self, snapshot: &Snapshot, ttl: Duration) -> Result<(), StoreError>;
     /// Reads a snapshot without removing it.
     async fn get(&self, session_id: &SessionId) -> Result<Option<Snapshot>, StoreError>;
-    /// Atomically removes and returns the snapshot if its resume hash equals `resume_hash`.
+    /// Atomically removes and returns the snapshot if [`Snapshot::accepts`] `resume_hash`.
     async fn take(
         &self,
         session_id: &SessionId,
@@ -232,7 +246,7 @@ impl SnapshotStore for MemorySnapshotStore {
         let mut map = self.lock();
         let matches = match Self::live(&mut map, session_id, now) {
             None => return Ok(TakeOutcome::NotFound),
-            Some(s) => s.resume_hash.ct_eq(resume_hash),
+            Some(s) => s.accepts(resume_hash),
         };
         if !matches {
             return Ok(TakeOutcome::Mismatch);

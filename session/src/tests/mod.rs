@@ -696,3 +696,22 @@ fn best_effort_is_never_sequenced_or_replayed() {
     assert_eq!(p.edge.delivered.last().map(|u| u.seq), Some(0));
     assert_eq!(p.peers[c].client.unacked_len(), 0);
 }
+
+#[test]
+fn lost_welcome_keeps_the_presented_token_valid_until_confirmed() {
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "alice");
+    let sid = p.session(c);
+    p.cut(c);
+    p.connect(c);
+    // Deliver only the HELLO; the WELCOME is lost with the link.
+    p.step(c, 1);
+    p.cut(c);
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(welcomed(&p, c).last(), Some(&WelcomeOutcome::Restored));
+    assert_eq!(p.session(c), sid);
+    // Now confirmed (the client ACKed the WELCOME): the token used above is spent.
+    let stale = p.edge.machines[2].core().expect("core").id;
+    assert_eq!(stale, sid);
+}

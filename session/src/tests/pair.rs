@@ -136,7 +136,7 @@ impl Edge {
                         }
                         None => match self.store.get(&session_id) {
                             None => TakeOutcome::NotFound,
-                            Some(s) if s.resume_hash.ct_eq(&resume_hash) => self
+                            Some(s) if s.accepts(&resume_hash) => self
                                 .store
                                 .remove(&session_id)
                                 .map_or(TakeOutcome::NotFound, |s| TakeOutcome::Taken(Box::new(s))),
@@ -322,8 +322,10 @@ impl Pair {
             };
             moved += 1;
             if p.drop_next > 0 {
+                // Lost in flight. A reliable transport loses frames only when it dies, so
+                // the link is cut after the last of them (or when nothing else is queued).
                 p.drop_next -= 1;
-                if p.drop_next == 0 {
+                if p.drop_next == 0 || (p.to_server.is_empty() && p.to_client.is_empty()) {
                     self.cut(c);
                 }
                 continue;
@@ -331,6 +333,14 @@ impl Pair {
             if to_server {
                 if let Some(m) = self.peers[c].conn {
                     let _ = self.edge.machines[m].handle_frame(now, frame);
+                    // Like the driver: the machine's actions run before the next input.
+                    let mut out = VecDeque::new();
+                    let closed = self.edge.run(m, now, &mut out);
+                    let p = &mut self.peers[c];
+                    p.to_client.extend(out);
+                    if closed {
+                        p.conn = None;
+                    }
                 }
             } else {
                 let p = &mut self.peers[c];
