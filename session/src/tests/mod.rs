@@ -711,7 +711,9 @@ fn lost_welcome_keeps_the_presented_token_valid_until_confirmed() {
     p.drive(c);
     assert_eq!(welcomed(&p, c).last(), Some(&WelcomeOutcome::Restored));
     assert_eq!(p.session(c), sid);
-    // Now confirmed (the client ACKed the WELCOME): the token used above is spent.
-    let stale = p.edge.machines[2].core().expect("core").id;
-    assert_eq!(stale, sid);
+    assert_eq!(
+        p.edge.machines[1].end_reason(),
+        Some(&EndReason::Superseded)
+    );
+    assert_eq!(p.server(c).core().expect("core").id(), &sid);
 }
