@@ -415,7 +415,7 @@ impl HmacAuthenticator {
     pub fn verify(&self, token: &[u8], now_unix: u64) -> Result<AuthedPlayer, AuthError> {
         let player = verify_token(&self.keys, token, now_unix, self.leeway)?;
         if let Some(allowed) = &self.issuers {
-            if !allowed.iter().any(|i| *i == player.claims.issuer) {
+            if !allowed.contains(&player.claims.issuer) {
                 return Err(AuthError::Rejected(format!(
                     "issuer {:?} not allowed",
                     player.claims.issuer

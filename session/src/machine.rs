@@ -995,10 +995,10 @@ impl SessionMachine {
             State::Handshaking
             | State::Authenticating
             | State::Authenticated
-            | State::Restoring => {
-                if self.handshake_deadline.is_some_and(|d| now >= d) {
-                    self.abort_handshake(CloseCode::HandshakeTimeout, "handshake timed out");
-                }
+            | State::Restoring
+                if self.handshake_deadline.is_some_and(|d| now >= d) =>
+            {
+                self.abort_handshake(CloseCode::HandshakeTimeout, "handshake timed out");
             }
             State::Active => {
                 if self.up_ack.due(now, &self.config.ack) {
@@ -1011,20 +1011,18 @@ impl SessionMachine {
                     self.link_lost(now, CloseCode::IdleTimeout, "nothing received");
                 }
             }
-            State::Detached => {
-                if self.linger_deadline.is_some_and(|d| now >= d) {
-                    SessionCounters::bump(&self.counters.expired);
-                    if let Some(core) = &self.core {
-                        self.actions.push_back(Action::Ended(SessionEnd {
-                            session_id: core.id,
-                            player_id: core.player_id.clone(),
-                            fencing: core.fencing,
-                            bindings: core.bindings.clone(),
-                            reason: EndReason::LingerExpired,
-                        }));
-                    }
-                    self.end_with(State::Expired, EndReason::LingerExpired);
+            State::Detached if self.linger_deadline.is_some_and(|d| now >= d) => {
+                SessionCounters::bump(&self.counters.expired);
+                if let Some(core) = &self.core {
+                    self.actions.push_back(Action::Ended(SessionEnd {
+                        session_id: core.id,
+                        player_id: core.player_id.clone(),
+                        fencing: core.fencing,
+                        bindings: core.bindings.clone(),
+                        reason: EndReason::LingerExpired,
+                    }));
                 }
+                self.end_with(State::Expired, EndReason::LingerExpired);
             }
             _ => {}
         }

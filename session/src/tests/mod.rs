@@ -108,10 +108,12 @@ fn messages_flow_both_ways_and_acks_free_the_replay_buffer() {
 
 #[test]
 fn standalone_ack_after_n_messages_and_piggybacked_ack() {
-    let mut cfg = SessionConfig::default();
-    cfg.ack = AckPolicy {
-        delay: Duration::from_secs(5),
-        max_unacked: 4,
+    let cfg = SessionConfig {
+        ack: AckPolicy {
+            delay: Duration::from_secs(5),
+            max_unacked: 4,
+        },
+        ..SessionConfig::default()
     };
     let mut p = Pair::new(cfg);
     let c = login(&mut p, "alice");
@@ -133,9 +135,11 @@ fn standalone_ack_after_n_messages_and_piggybacked_ack() {
 
 #[test]
 fn ping_pong_and_idle_timeout_detaches() {
-    let mut cfg = SessionConfig::default();
-    cfg.idle_timeout = Duration::from_secs(3);
-    cfg.heartbeat_interval = Duration::ZERO; // client sends no pings
+    let cfg = SessionConfig {
+        idle_timeout: Duration::from_secs(3),
+        heartbeat_interval: Duration::ZERO, // client sends no pings
+        ..SessionConfig::default()
+    };
     let mut p = Pair::new(cfg);
     let c = login(&mut p, "alice");
     let m = p.peers[c].conn.expect("conn");
@@ -154,9 +158,11 @@ fn ping_pong_and_idle_timeout_detaches() {
 
 #[test]
 fn heartbeats_keep_an_idle_session_alive() {
-    let mut cfg = SessionConfig::default();
-    cfg.idle_timeout = Duration::from_secs(3);
-    cfg.heartbeat_interval = Duration::from_secs(1);
+    let cfg = SessionConfig {
+        idle_timeout: Duration::from_secs(3),
+        heartbeat_interval: Duration::from_secs(1),
+        ..SessionConfig::default()
+    };
     let mut p = Pair::new(cfg);
     let c = login(&mut p, "alice");
     p.advance(Duration::from_secs(60));
@@ -399,8 +405,10 @@ fn last_server_seq_beyond_sent_is_rejected_and_snapshot_kept() {
 
 #[test]
 fn linger_expiry_ends_the_session_and_resume_gets_a_new_one() {
-    let mut cfg = SessionConfig::default();
-    cfg.linger = Duration::from_secs(60);
+    let cfg = SessionConfig {
+        linger: Duration::from_secs(60),
+        ..SessionConfig::default()
+    };
     let mut p = Pair::new(cfg);
     let c = login(&mut p, "alice");
     let sid = p.session(c);
@@ -442,10 +450,12 @@ fn linger_expiry_ends_the_session_and_resume_gets_a_new_one() {
 
 #[test]
 fn replay_overflow_restores_with_gap() {
-    let mut cfg = SessionConfig::default();
-    cfg.replay = ReplayLimits {
-        max_messages: 4,
-        max_bytes: 1 << 20,
+    let cfg = SessionConfig {
+        replay: ReplayLimits {
+            max_messages: 4,
+            max_bytes: 1 << 20,
+        },
+        ..SessionConfig::default()
     };
     let mut p = Pair::new(cfg);
     let c = login(&mut p, "alice");

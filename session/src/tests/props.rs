@@ -54,8 +54,10 @@ proptest! {
     /// arrived exactly once, in order, in both directions, and no restore reported a gap.
     #[test]
     fn resume_after_any_drop_delivers_exactly_once_in_order(ops in proptest::collection::vec(op(), 1..60)) {
-        let mut cfg = SessionConfig::default();
-        cfg.replay = ReplayLimits { max_messages: 100_000, max_bytes: 1 << 30 };
+        let cfg = SessionConfig {
+            replay: ReplayLimits { max_messages: 100_000, max_bytes: 1 << 30 },
+            ..SessionConfig::default()
+        };
         let mut p = Pair::new(cfg);
         let c = p.add_client(token_for("p"));
         p.connect(c);
