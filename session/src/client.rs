@@ -142,6 +142,8 @@ pub struct ClientSession {
     unacked: VecDeque<Unacked>,
     heartbeat: Option<Duration>,
     last_tx: Option<Instant>,
+    /// Origin of PING timestamps (milliseconds since the first connect).
+    epoch: Option<Instant>,
     transmit: VecDeque<Frame>,
     events: VecDeque<ClientEvent>,
 }
@@ -160,6 +162,7 @@ impl ClientSession {
             unacked: VecDeque::new(),
             heartbeat: None,
             last_tx: None,
+            epoch: None,
             transmit: VecDeque::new(),
             events: VecDeque::new(),
         }
@@ -266,7 +269,8 @@ impl ClientSession {
         }
         if let (Some(h), Some(t)) = (self.heartbeat, self.last_tx) {
             if !h.is_zero() && now >= t + h {
-                let ts = u64::try_from(now.elapsed().as_millis()).unwrap_or(0);
+                let epoch = *self.epoch.get_or_insert(now);
+                let ts = u64::try_from(now.duration_since(epoch).as_millis()).unwrap_or(0);
                 self.push(now, Frame::Ping { timestamp: ts });
             }
         }

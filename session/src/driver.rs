@@ -228,7 +228,11 @@ impl SessionRegistry {
         let handle = self.handle(session_id)?;
         let (tx, rx) = oneshot::channel();
         handle.commands.send(Command::Kick(tx)).await.ok()?;
-        rx.await.ok().flatten()
+        tokio::time::timeout(HAND_OVER_TIMEOUT, rx)
+            .await
+            .ok()?
+            .ok()
+            .flatten()
     }
 
     /// Ends a session from the server side with `code`.
@@ -630,6 +634,14 @@ impl Task {
                     },
                 );
                 self.registered = Some(session_id);
+                // Two logins of one player racing between claim and registration: the
+                // one with the older fencing token yields.
+                if let Ok(Some(owner)) = edge.ownership.owner(&player_id).await {
+                    if owner.fencing > fencing {
+                        tracing::info!(player = %player_id, "lost a login race; kicked");
+                        let _ = self.machine.kick(now());
+                    }
+                }
                 edge.upstream
                     .session_event(SessionEvent::Established {
                         session_id,

@@ -331,3 +331,110 @@ impl OwnershipRegistry for MemoryOwnership {
         Ok(map.get(player_id).and_then(|(_, o)| o.clone()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replay::ReplayLimits;
+    use bytes::Bytes;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    use waygate_transport::TrafficClass;
+
+    fn snapshot(fencing: u64) -> Snapshot {
+        let mut replay = ReplayBuffer::new(ReplayLimits::default());
+        replay.push(TrafficClass::Critical, 5, Bytes::from_static(b"hi"));
+        Snapshot {
+            version: SNAPSHOT_VERSION,
+            session_id: [1; 16],
+            player_id: "p".into(),
+            fencing,
+            resume_hash: ResumeHash::of(&[2; 16]),
+            prev_resume_hash: Some(ResumeHash::of(&[3; 16])),
+            bindings: [("world".to_owned(), "w-1".to_owned())].into(),
+            replay,
+            upstream: RecvWindow::starting_at(4),
+        }
+    }
+
+    #[test]
+    fn snapshot_serde_round_trips() {
+        let s = snapshot(3);
+        let json = serde_json::to_string(&s).expect("ser");
+        let back: Snapshot = serde_json::from_str(&json).expect("de");
+        assert_eq!(back, s);
+    }
+
+    fn block_on<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("rt")
+            .block_on(f)
+    }
+
+    #[test]
+    fn memory_store_take_is_compare_and_delete_and_ttl_expires() {
+        let t0 = Instant::now();
+        let offset = Arc::new(AtomicU64::new(0));
+        let o = offset.clone();
+        let store = MemorySnapshotStore::with_clock(move || {
+            t0 + Duration::from_secs(o.load(Ordering::Relaxed))
+        });
+        block_on(async {
+            let s = snapshot(1);
+            store.put(&s, Duration::from_secs(10)).await.expect("put");
+            let wrong = ResumeHash::of(&[9; 16]);
+            assert_eq!(
+                store.take(&s.session_id, &wrong).await,
+                Ok(TakeOutcome::Mismatch)
+            );
+            assert!(
+                store.get(&s.session_id).await.expect("get").is_some(),
+                "untouched"
+            );
+            // The unconfirmed previous token is accepted too.
+            let prev = ResumeHash::of(&[3; 16]);
+            assert!(matches!(
+                store.take(&s.session_id, &prev).await,
+                Ok(TakeOutcome::Taken(_))
+            ));
+            assert_eq!(
+                store.take(&s.session_id, &prev).await,
+                Ok(TakeOutcome::NotFound)
+            );
+            // Fenced delete.
+            store.put(&s, Duration::from_secs(10)).await.expect("put");
+            assert_eq!(store.delete(&s.session_id, Some(2)).await, Ok(false));
+            assert_eq!(store.delete(&s.session_id, Some(1)).await, Ok(true));
+            // TTL.
+            store.put(&s, Duration::from_secs(10)).await.expect("put");
+            offset.store(11, Ordering::Relaxed);
+            assert_eq!(store.get(&s.session_id).await, Ok(None));
+            store.put(&s, Duration::from_secs(10)).await.expect("put");
+            offset.store(30, Ordering::Relaxed);
+            assert_eq!(store.purge_expired(), 1);
+            assert!(store.is_empty());
+        });
+    }
+
+    #[test]
+    fn ownership_fencing_only_grows_and_release_is_fenced() {
+        let reg = MemoryOwnership::new();
+        block_on(async {
+            let a = reg.claim("p", &[1; 16], "e1").await.expect("claim");
+            assert_eq!((a.fencing, a.previous.clone()), (1, None));
+            let b = reg.claim("p", &[2; 16], "e2").await.expect("claim");
+            assert_eq!(b.fencing, 2);
+            assert_eq!(b.previous.map(|o| o.session_id), Some([1; 16]));
+            assert_eq!(
+                reg.release("p", &[1; 16], 1).await,
+                Ok(false),
+                "stale owner"
+            );
+            assert_eq!(reg.release("p", &[2; 16], 2).await, Ok(true));
+            assert_eq!(reg.owner("p").await, Ok(None));
+            let c = reg.claim("p", &[3; 16], "e1").await.expect("claim");
+            assert_eq!(c.fencing, 3, "never goes back after a release");
+        });
+    }
+}
