@@ -16,6 +16,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
+use tracing::Instrument as _;
 use waygate_transport::frame::{SessionId, WelcomeOutcome};
 use waygate_transport::{BoxConnection, CloseCode, TrafficClass};
 
@@ -376,7 +377,21 @@ enum Event {
 }
 
 /// Runs one connection's session to its end; returns why it ended.
+///
+/// Runs inside a `session` span with the connection id, transport, and — once known — the
+/// session and player ids.
 pub async fn run_session(edge: Arc<EdgeSessions>, conn: BoxConnection) -> EndReason {
+    let span = tracing::info_span!(
+        "session",
+        conn = %conn.info().id,
+        transport = %conn.info().kind,
+        session = tracing::field::Empty,
+        player = tracing::field::Empty,
+    );
+    run_session_inner(edge, conn).instrument(span).await
+}
+
+async fn run_session_inner(edge: Arc<EdgeSessions>, conn: BoxConnection) -> EndReason {
     let (commands_tx, mut commands) = mpsc::channel(8);
     let (downstream_tx, downstream_rx) = mpsc::channel(edge.outbound_capacity.max(1));
     let machine = SessionMachine::new(edge.config.clone(), edge.counters.clone(), (edge.rng)());
@@ -634,6 +649,9 @@ impl Task {
                     },
                 );
                 self.registered = Some(session_id);
+                let span = tracing::Span::current();
+                span.record("session", tracing::field::display(hex_id(&session_id)));
+                span.record("player", tracing::field::display(&player_id));
                 // Two logins of one player racing between claim and registration: the
                 // one with the older fencing token yields.
                 if let Ok(Some(owner)) = edge.ownership.owner(&player_id).await {

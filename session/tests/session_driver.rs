@@ -313,3 +313,79 @@ async fn bad_token_over_the_driver_is_rejected_with_its_code() {
         EndReason::Rejected(CloseCode::AuthMalformed)
     );
 }
+
+/// S7: a session that drops on one edge resumes on another from the shared (warm) store;
+/// the old edge's lingering copy then expires without releasing the new owner's claim.
+#[tokio::test(start_paused = true)]
+async fn resume_on_another_edge_from_the_shared_store() {
+    let (edge1, sink1) = edge();
+    let (edge2, _sink2) = {
+        let registry = SessionRegistry::new();
+        let sink = Arc::new(EchoSink::new(registry.clone()));
+        let mut ring = KeyRing::new();
+        ring.insert(1, KEY);
+        let mut e = EdgeSessions::new(
+            "edge-2",
+            edge1.config.clone(),
+            Arc::new(HmacAuthenticator::new(ring)),
+            sink.clone(),
+        );
+        e.registry = registry;
+        e.unix_now = Arc::new(|| UNIX);
+        // The warm tier: both edges share the snapshot store and the ownership registry.
+        e.snapshots = edge1.snapshots.clone();
+        e.ownership = edge1.ownership.clone();
+        (Arc::new(e), sink)
+    };
+    let (server_end, mut conn) = mem_pair();
+    let task1 = edge1.spawn(Box::new(server_end));
+    let mut c = client();
+    let mut events = Vec::new();
+    c.connect(Instant::now()).expect("hello");
+    exchange(&mut c, &mut conn, &mut events, |e| !welcomes(e).is_empty()).await;
+    let sid = edge1.registry.session_of("p").expect("registered");
+    edge1
+        .registry
+        .push(
+            &sid,
+            Downstream {
+                class: TrafficClass::Normal,
+                msg_id: 1,
+                payload: Bytes::from_static(b"before"),
+            },
+        )
+        .expect("push");
+    tokio::task::yield_now().await;
+    drop(conn);
+    c.handle_link_down(Instant::now(), CloseCode::GoingAway);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let (server_end, mut conn2) = mem_pair();
+    let _task2 = edge2.spawn(Box::new(server_end));
+    c.connect(Instant::now()).expect("hello");
+    exchange(&mut c, &mut conn2, &mut events, |e| welcomes(e).len() == 2).await;
+    assert_eq!(welcomes(&events)[1], WelcomeOutcome::Restored);
+    let owner = edge2
+        .ownership
+        .owner("p")
+        .await
+        .expect("owner")
+        .expect("some");
+    assert_eq!((owner.edge.as_str(), owner.fencing), ("edge-2", 2));
+    // Edge 1's lingering copy expires; it must not release edge 2's ownership.
+    tokio::time::sleep(Duration::from_secs(61)).await;
+    assert_eq!(task1.await.expect("task"), EndReason::LingerExpired);
+    assert!(sink1.events().iter().any(|e| matches!(
+        e,
+        SessionEvent::Ended {
+            released: false,
+            ..
+        }
+    )));
+    let owner = edge2
+        .ownership
+        .owner("p")
+        .await
+        .expect("owner")
+        .expect("some");
+    assert_eq!(owner.edge, "edge-2");
+}
