@@ -30,6 +30,22 @@
 //! - [`driver`] — the tokio driver: one task per connection running a machine over a
 //!   `Box<dyn Connection>`, the [`driver::SessionRegistry`] and the [`driver::UpstreamSink`].
 //!
+//! - [`sim`] (hidden) — a deterministic single-machine simulation shared by the property
+//!   tests and the cargo-fuzz targets in `session/fuzz`.
+//!
+//! ## How the edge drives it
+//!
+//! Build one [`driver::EdgeSessions`] (config, authenticator, stores, registry, upstream
+//! sink), call [`driver::EdgeSessions::spawn`] for every connection a transport listener
+//! yields, and talk to sessions through [`driver::SessionRegistry`] (`push`,
+//! `push_to_player`, `kick`, `bind`, `migrate`, `close`). The router implements
+//! [`driver::UpstreamSink`]: it receives every delivered upstream message and the session
+//! lifecycle events (established, bound, ended — unbind only when `released`).
+//!
+//! Resume tokens are single use and rotate on every restore; the token a client presented
+//! stays valid until the client's first frame after WELCOME confirms it got the new one, so
+//! a WELCOME lost with the link cannot strand it.
+//!
 //! The byte-level protocol is in `SESSION-PROTOCOL.md` beside this crate.
 
 pub mod auth;
