@@ -1,0 +1,488 @@
+//! The client side of a session, sans-IO, for the SDK (and the tests' harness).
+//!
+//! It builds HELLO (auth token, plus the resume part once it has a session), tracks the
+//! server seqs it received (cumulative + dedup), acknowledges them (piggybacked on its own
+//! DATA, or a standalone ACK after a delay or N messages), keeps every sequenced message it
+//! sent until the server acks it, and after a restore resends those above WELCOME's
+//! `client_seq_ack`. It sends PING every heartbeat interval while idle.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use waygate_transport::frame::{
+    Data, ErrorReport, Hello, ResumeRequest, ResumeToken, SessionId, WelcomeOutcome,
+};
+use waygate_transport::protocol::{FrameType, PROTOCOL_VERSION};
+use waygate_transport::{CloseCode, Frame, TrafficClass};
+
+use crate::seq::{AckPolicy, AckState, Received, RecvWindow};
+
+/// Client settings.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// When to acknowledge downstream messages.
+    pub ack: AckPolicy,
+    /// Most unacked upstream messages kept for resending; beyond it `send` refuses.
+    pub max_unacked: usize,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        Self {
+            ack: AckPolicy::default(),
+            max_unacked: 4096,
+        }
+    }
+}
+
+/// Where the client is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientState {
+    /// Not connected (initially, and after a link drop: reconnect with `connect`).
+    Disconnected,
+    /// HELLO sent, waiting for WELCOME or REJECT.
+    Handshaking,
+    /// WELCOME received.
+    Active,
+    /// The server ended the session for good (kicked, expired); do not reconnect.
+    Closed,
+}
+
+/// Something the application should know.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClientEvent {
+    /// WELCOME: new session, restored, restored with gap (resync!), or restore failed.
+    Welcomed {
+        /// The session id.
+        session_id: SessionId,
+        /// How the HELLO was answered.
+        outcome: WelcomeOutcome,
+    },
+    /// A downstream message (each sequenced one exactly once).
+    Message {
+        /// Traffic class.
+        class: TrafficClass,
+        /// Application message id.
+        msg_id: u32,
+        /// Server seq (0 for best-effort).
+        seq: u64,
+        /// Body.
+        payload: Bytes,
+    },
+    /// The server refused the HELLO.
+    Rejected {
+        /// Why.
+        code: CloseCode,
+        /// Retry hint in milliseconds.
+        retry_after_ms: u32,
+    },
+    /// The link dropped (the session may still be resumed unless the code says otherwise).
+    Disconnected {
+        /// The close code (from the server, or the local transport error's code).
+        code: CloseCode,
+    },
+    /// The server asks the client to reconnect elsewhere and resume.
+    Migrate {
+        /// Target address, or empty for any edge.
+        target: String,
+        /// Deadline in milliseconds.
+        deadline_ms: u32,
+    },
+    /// One upstream message was not delivered.
+    Error(ErrorReport),
+}
+
+/// A client-side protocol violation or misuse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientError {
+    /// The server sent a frame not allowed in this state.
+    #[error("unexpected {frame:?} frame in state {state:?}")]
+    UnexpectedFrame {
+        /// State.
+        state: ClientState,
+        /// Frame type.
+        frame: FrameType,
+    },
+    /// A downstream seq of 0 or too far ahead.
+    #[error("server seq {0} out of window")]
+    SeqOutOfWindow(u64),
+    /// The unacked upstream buffer is full.
+    #[error("upstream send buffer full ({0} unacked messages)")]
+    SendBufferFull(usize),
+    /// The call is not valid in this state.
+    #[error("{input} is not valid in state {state:?}")]
+    InvalidState {
+        /// State.
+        state: ClientState,
+        /// The call.
+        input: &'static str,
+    },
+}
+
+#[derive(Debug, Clone)]
+struct Unacked {
+    seq: u64,
+    class: TrafficClass,
+    msg_id: u32,
+    payload: Bytes,
+}
+
+/// The client side of a session. See the module docs.
+#[derive(Debug)]
+pub struct ClientSession {
+    config: ClientConfig,
+    token: Bytes,
+    state: ClientState,
+    session: Option<(SessionId, ResumeToken)>,
+    down: RecvWindow,
+    down_ack: AckState,
+    next_up_seq: u64,
+    unacked: VecDeque<Unacked>,
+    heartbeat: Option<Duration>,
+    last_tx: Option<Instant>,
+    /// Origin of PING timestamps (milliseconds since the first connect).
+    epoch: Option<Instant>,
+    transmit: VecDeque<Frame>,
+    events: VecDeque<ClientEvent>,
+}
+
+impl ClientSession {
+    /// A client that logs in with `token` (from the login service).
+    pub fn new(token: Bytes, config: ClientConfig) -> Self {
+        Self {
+            config,
+            token,
+            state: ClientState::Disconnected,
+            session: None,
+            down: RecvWindow::new(),
+            down_ack: AckState::default(),
+            next_up_seq: 1,
+            unacked: VecDeque::new(),
+            heartbeat: None,
+            last_tx: None,
+            epoch: None,
+            transmit: VecDeque::new(),
+            events: VecDeque::new(),
+        }
+    }
+
+    /// Current state.
+    pub fn state(&self) -> ClientState {
+        self.state
+    }
+
+    /// The session id and current resume token, once welcomed.
+    pub fn session(&self) -> Option<(SessionId, ResumeToken)> {
+        self.session
+    }
+
+    /// Replaces the auth token (e.g. refreshed from the login service).
+    pub fn set_token(&mut self, token: Bytes) {
+        self.token = token;
+    }
+
+    /// Forgets the session: the next `connect` logs in fresh.
+    pub fn forget_session(&mut self) {
+        self.session = None;
+    }
+
+    /// Highest server seq received with nothing missing below it.
+    pub fn last_server_seq(&self) -> u64 {
+        self.down.cumulative()
+    }
+
+    /// Upstream messages sent but not yet acked by the server.
+    pub fn unacked_len(&self) -> usize {
+        self.unacked.len()
+    }
+
+    /// A new link is up: queues HELLO (with resume when there is a session).
+    pub fn connect(&mut self, now: Instant) -> Result<(), ClientError> {
+        if !matches!(self.state, ClientState::Disconnected) {
+            return Err(self.invalid("connect"));
+        }
+        let resume = self
+            .session
+            .map(|(session_id, resume_token)| ResumeRequest {
+                session_id,
+                resume_token,
+                last_server_seq: self.down.cumulative(),
+            });
+        self.push(
+            now,
+            Frame::Hello(Hello {
+                version: PROTOCOL_VERSION,
+                token: self.token.clone(),
+                resume,
+            }),
+        );
+        self.state = ClientState::Handshaking;
+        Ok(())
+    }
+
+    fn invalid(&self, input: &'static str) -> ClientError {
+        ClientError::InvalidState {
+            state: self.state,
+            input,
+        }
+    }
+
+    fn push(&mut self, now: Instant, frame: Frame) {
+        self.last_tx = Some(now);
+        self.transmit.push_back(frame);
+    }
+
+    /// The next frame to send.
+    pub fn poll_transmit(&mut self) -> Option<Frame> {
+        self.transmit.pop_front()
+    }
+
+    /// The next event for the application.
+    pub fn poll_event(&mut self) -> Option<ClientEvent> {
+        self.events.pop_front()
+    }
+
+    /// When `handle_timeout` must be called next.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        if self.state != ClientState::Active {
+            return None;
+        }
+        let ping = match (self.heartbeat, self.last_tx) {
+            (Some(h), Some(t)) if !h.is_zero() => Some(t + h),
+            _ => None,
+        };
+        match (ping, self.down_ack.deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Timers: delayed ack and heartbeat.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.state != ClientState::Active {
+            return;
+        }
+        if self.down_ack.due(now, &self.config.ack) {
+            self.send_ack(now);
+        }
+        if let (Some(h), Some(t)) = (self.heartbeat, self.last_tx) {
+            if !h.is_zero() && now >= t + h {
+                let epoch = *self.epoch.get_or_insert(now);
+                let ts = u64::try_from(now.duration_since(epoch).as_millis()).unwrap_or(0);
+                self.push(now, Frame::Ping { timestamp: ts });
+            }
+        }
+    }
+
+    fn send_ack(&mut self, now: Instant) {
+        let cum = self.down.cumulative();
+        self.down_ack.on_sent(cum);
+        self.push(now, Frame::Ack { ack: cum });
+    }
+
+    /// Sends an application message. Sequenced messages are kept until acked (and queued
+    /// for after the reconnect when not connected); best-effort is sent only when active.
+    /// Returns the client seq (0 for best-effort) or `None` when a best-effort message was
+    /// dropped.
+    pub fn send(
+        &mut self,
+        now: Instant,
+        class: TrafficClass,
+        msg_id: u32,
+        payload: Bytes,
+    ) -> Result<Option<u64>, ClientError> {
+        if self.state == ClientState::Closed {
+            return Err(self.invalid("send"));
+        }
+        let active = self.state == ClientState::Active;
+        if !class.is_sequenced() {
+            if !active {
+                return Ok(None);
+            }
+            let ack = self.piggyback();
+            self.push(
+                now,
+                Frame::Data(Data {
+                    class,
+                    msg_id,
+                    seq: 0,
+                    ack,
+                    payload,
+                }),
+            );
+            return Ok(Some(0));
+        }
+        if self.unacked.len() >= self.config.max_unacked {
+            return Err(ClientError::SendBufferFull(self.unacked.len()));
+        }
+        let seq = self.next_up_seq;
+        self.next_up_seq += 1;
+        self.unacked.push_back(Unacked {
+            seq,
+            class,
+            msg_id,
+            payload: payload.clone(),
+        });
+        if active {
+            let ack = self.piggyback();
+            self.push(
+                now,
+                Frame::Data(Data {
+                    class,
+                    msg_id,
+                    seq,
+                    ack,
+                    payload,
+                }),
+            );
+        }
+        Ok(Some(seq))
+    }
+
+    fn piggyback(&mut self) -> Option<u64> {
+        let cum = self.down.cumulative();
+        if self.down_ack.pending(cum) {
+            self.down_ack.piggyback(cum)
+        } else {
+            None
+        }
+    }
+
+    fn on_ack(&mut self, ack: u64) {
+        while self.unacked.front().is_some_and(|u| u.seq <= ack) {
+            self.unacked.pop_front();
+        }
+    }
+
+    /// The link dropped. The session is kept (reconnect with `connect`) unless `code` says
+    /// it is over (kicked, expired, resume rejected).
+    pub fn handle_link_down(&mut self, _now: Instant, code: CloseCode) {
+        if self.state == ClientState::Closed {
+            return;
+        }
+        self.state = match code {
+            CloseCode::Kicked | CloseCode::SessionExpired => {
+                self.session = None;
+                ClientState::Closed
+            }
+            _ => ClientState::Disconnected,
+        };
+        self.transmit.clear();
+        self.events.push_back(ClientEvent::Disconnected { code });
+    }
+
+    /// A frame arrived from the server.
+    pub fn handle_frame(&mut self, now: Instant, frame: Frame) -> Result<(), ClientError> {
+        let unexpected = |state, f: &Frame| ClientError::UnexpectedFrame {
+            state,
+            frame: f.frame_type(),
+        };
+        match (self.state, frame) {
+            (ClientState::Handshaking, Frame::Welcome(w)) => {
+                self.session = Some((w.session_id, w.resume_token));
+                self.heartbeat = Some(Duration::from_millis(w.heartbeat_interval_ms.into()));
+                match w.outcome {
+                    WelcomeOutcome::NewSession | WelcomeOutcome::RestoreFailedNewSession => {
+                        // A fresh session: seqs restart; old unsent messages are void.
+                        self.down = RecvWindow::new();
+                        self.next_up_seq = 1;
+                        self.unacked.clear();
+                    }
+                    WelcomeOutcome::Restored | WelcomeOutcome::RestoredWithGap => {
+                        self.down.skip_to(w.server_seq_base);
+                        self.on_ack(w.client_seq_ack);
+                    }
+                }
+                self.state = ClientState::Active;
+                // Confirms the WELCOME (and so the new resume token) at once.
+                self.send_ack(now);
+                self.events.push_back(ClientEvent::Welcomed {
+                    session_id: w.session_id,
+                    outcome: w.outcome,
+                });
+                let resend: Vec<Unacked> = self.unacked.iter().cloned().collect();
+                for u in resend {
+                    self.push(
+                        now,
+                        Frame::Data(Data {
+                            class: u.class,
+                            msg_id: u.msg_id,
+                            seq: u.seq,
+                            ack: None,
+                            payload: u.payload,
+                        }),
+                    );
+                }
+                Ok(())
+            }
+            (ClientState::Handshaking, Frame::Reject(r)) => {
+                if r.code == CloseCode::ResumeRejected {
+                    self.session = None;
+                }
+                self.state = ClientState::Disconnected;
+                self.transmit.clear();
+                self.events.push_back(ClientEvent::Rejected {
+                    code: r.code,
+                    retry_after_ms: r.retry_after_ms,
+                });
+                Ok(())
+            }
+            (ClientState::Active, Frame::Data(d)) => {
+                if let Some(ack) = d.ack {
+                    self.on_ack(ack);
+                }
+                if d.class.is_sequenced() {
+                    match self.down.receive(d.seq) {
+                        Received::OutOfWindow => return Err(ClientError::SeqOutOfWindow(d.seq)),
+                        Received::Duplicate => {
+                            if self.down_ack.on_receive(now, &self.config.ack) {
+                                self.send_ack(now);
+                            }
+                            return Ok(());
+                        }
+                        Received::New => {
+                            if self.down_ack.on_receive(now, &self.config.ack) {
+                                self.send_ack(now);
+                            }
+                        }
+                    }
+                }
+                self.events.push_back(ClientEvent::Message {
+                    class: d.class,
+                    msg_id: d.msg_id,
+                    seq: d.seq,
+                    payload: d.payload,
+                });
+                Ok(())
+            }
+            (ClientState::Active, Frame::Ack { ack }) => {
+                self.on_ack(ack);
+                Ok(())
+            }
+            (ClientState::Active | ClientState::Handshaking, Frame::Ping { timestamp }) => {
+                self.push(now, Frame::Pong { timestamp });
+                Ok(())
+            }
+            (ClientState::Active | ClientState::Handshaking, Frame::Pong { .. }) => Ok(()),
+            (ClientState::Active, Frame::Migrate(m)) => {
+                self.session = Some((m.session_id, m.resume_token));
+                self.events.push_back(ClientEvent::Migrate {
+                    target: m.target,
+                    deadline_ms: m.deadline_ms,
+                });
+                Ok(())
+            }
+            (ClientState::Active, Frame::Error(e)) => {
+                self.events.push_back(ClientEvent::Error(e));
+                Ok(())
+            }
+            (_, Frame::Close { code, .. }) => {
+                self.handle_link_down(now, code);
+                Ok(())
+            }
+            (state, f) => Err(unexpected(state, &f)),
+        }
+    }
+}

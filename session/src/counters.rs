@@ -1,0 +1,108 @@
+//! Counters of the session layer, exported by the edge as metrics (O1). Plain atomics; the
+//! edge reads them with [`SessionCounters::export`].
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::machine::State;
+
+const N: usize = State::ALL.len();
+
+macro_rules! named_counters {
+    ($( $(#[$doc:meta])* $name:ident ),* $(,)?) => {
+        /// Session-layer counters (one instance per edge, shared by every machine).
+        #[derive(Debug, Default)]
+        pub struct SessionCounters {
+            transitions: [[AtomicU64; N]; N],
+            $( $(#[$doc])* pub $name: AtomicU64, )*
+        }
+
+        impl SessionCounters {
+            /// Every counter as `(metric label, value)`: transitions as
+            /// `transition{from,to}` and the named counters by field name.
+            pub fn export(&self) -> Vec<(String, u64)> {
+                let mut out = Vec::new();
+                for from in State::ALL {
+                    for to in State::ALL {
+                        let v = self.transition_count(from, to);
+                        if v > 0 {
+                            out.push((format!("transition{{from=\"{}\",to=\"{}\"}}", from.as_str(), to.as_str()), v));
+                        }
+                    }
+                }
+                $( out.push((stringify!($name).to_owned(), self.$name.load(Ordering::Relaxed))); )*
+                out
+            }
+        }
+    };
+}
+
+named_counters! {
+    /// Fresh sessions (no resume asked).
+    new_sessions,
+    /// Restores without loss.
+    restored,
+    /// Restores where the replay buffer had overflowed.
+    restored_with_gap,
+    /// Resume asked, failed, and a new session was created from the auth token.
+    restore_failed_new_session,
+    /// HELLOs rejected for auth reasons.
+    rejected_auth,
+    /// HELLOs rejected because the resume token/session was not valid.
+    rejected_resume,
+    /// HELLOs rejected for other reasons (version, storage).
+    rejected_other,
+    /// Sessions kicked by a newer login.
+    kicked,
+    /// Sessions whose linger ran out.
+    expired,
+    /// Connections detached from a live session (link down).
+    detached,
+    /// Upstream messages delivered to the router.
+    upstream_delivered,
+    /// Upstream duplicates dropped (client resends).
+    upstream_duplicates,
+    /// Downstream messages sent live.
+    downstream_sent,
+    /// Downstream messages replayed after a restore.
+    replayed,
+    /// Downstream messages evicted from a full replay buffer.
+    replay_evicted,
+    /// Best-effort downstream messages dropped while detached.
+    best_effort_dropped,
+    /// Standalone ACK frames sent.
+    acks_sent,
+    /// Frames that violated the protocol.
+    protocol_errors,
+}
+
+impl SessionCounters {
+    /// A fresh set of counters.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Counts one transition.
+    pub(crate) fn transition(&self, from: State, to: State) {
+        self.transitions[from.index()][to.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many times `from -> to` happened.
+    pub fn transition_count(&self, from: State, to: State) -> u64 {
+        self.transitions[from.index()][to.index()].load(Ordering::Relaxed)
+    }
+
+    /// Adds one to a named counter.
+    pub(crate) fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Adds `n` to a named counter.
+    pub(crate) fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Reads a named counter.
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,785 @@
+//! The async driver (tokio): one thin task per connection runs a [`SessionMachine`] over a
+//! `Box<dyn Connection>`, plus the edge's [`SessionRegistry`] and the [`UpstreamSink`] the
+//! router will implement.
+//!
+//! The task selects over `conn.recv()` (cancel-safe), its bounded downstream channel, its
+//! command channel (kick, hand-over, close, bind, migrate) and the machine's timer, and
+//! carries out the machine's [`Action`]s. After the link drops it stays alive without a
+//! connection while the session lingers, buffering downstream messages for replay, until the
+//! session is resumed on another connection (hand-over), kicked, or expires.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::sync::{mpsc, oneshot};
+use tracing::Instrument as _;
+use waygate_transport::frame::{SessionId, WelcomeOutcome};
+use waygate_transport::{BoxConnection, CloseCode, TrafficClass};
+
+use crate::auth::Authenticator;
+use crate::counters::SessionCounters;
+use crate::machine::{Action, EndReason, SessionConfig, SessionEnd, SessionMachine, Upstream};
+use crate::resume::{hex_id, ResumeHash};
+use crate::rng::{SessionRng, SystemRng};
+use crate::store::{OwnershipRegistry, SnapshotStore, TakeOutcome};
+
+/// How long a new connection waits for a live local session to hand itself over.
+const HAND_OVER_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Why the router could not take an upstream message (answered with an ERROR frame).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("upstream message refused: {code}")]
+pub struct DeliverError {
+    /// ERROR frame code (Busy, Unavailable, NoRoute...).
+    pub code: CloseCode,
+    /// Retry hint in milliseconds.
+    pub retry_after_ms: u32,
+}
+
+/// Lifecycle news for the edge (router bindings, presence, metrics).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SessionEvent {
+    /// A session became ACTIVE on a connection.
+    Established {
+        /// Session.
+        session_id: SessionId,
+        /// Player.
+        player_id: Arc<str>,
+        /// Ownership fencing token.
+        fencing: u64,
+        /// How the HELLO was answered.
+        outcome: WelcomeOutcome,
+    },
+    /// The session holds these bindings (restored or taken over from a kicked session).
+    Bound {
+        /// Session.
+        session_id: SessionId,
+        /// service -> instance.
+        bindings: BTreeMap<String, String>,
+    },
+    /// The session ended for good; when `released`, unbind `bindings`.
+    Ended {
+        /// Session.
+        session_id: SessionId,
+        /// Player.
+        player_id: Arc<str>,
+        /// Bindings it held.
+        bindings: BTreeMap<String, String>,
+        /// Why.
+        reason: EndReason,
+        /// Whether this session still owned the player (false: a newer owner exists and the
+        /// bindings are not this session's to release).
+        released: bool,
+    },
+}
+
+/// Where delivered upstream messages go (the router implements it).
+#[async_trait]
+pub trait UpstreamSink: Send + Sync + 'static {
+    /// Routes one upstream message. Returning an error sends an ERROR frame to the client.
+    async fn deliver(&self, message: Upstream) -> Result<(), DeliverError>;
+
+    /// Session lifecycle news. Default: ignored.
+    async fn session_event(&self, _event: SessionEvent) {}
+}
+
+/// A downstream message for a session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Downstream {
+    /// Traffic class.
+    pub class: TrafficClass,
+    /// Application message id.
+    pub msg_id: u32,
+    /// Body.
+    pub payload: Bytes,
+}
+
+/// Why [`SessionRegistry::push`] failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PushError {
+    /// No live or lingering session with that id (or player) on this edge.
+    #[error("no such session on this edge")]
+    NotFound,
+    /// The session's bounded outbound queue is full.
+    #[error("session outbound queue full")]
+    QueueFull,
+}
+
+/// A hand-over answer: on success the session's downstream channel moves with it, so a
+/// message pushed during the switch is not lost.
+struct HandOver {
+    outcome: TakeOutcome,
+    channel: Option<(mpsc::Sender<Downstream>, mpsc::Receiver<Downstream>)>,
+}
+
+enum Command {
+    Kick(oneshot::Sender<Option<BTreeMap<String, String>>>),
+    HandOver(ResumeHash, oneshot::Sender<HandOver>),
+    Close(CloseCode),
+    Bind(String, String),
+    Migrate(String, Duration),
+}
+
+#[derive(Clone)]
+struct Handle {
+    task: u64,
+    player_id: Arc<str>,
+    commands: mpsc::Sender<Command>,
+    downstream: mpsc::Sender<Downstream>,
+}
+
+#[derive(Default)]
+struct RegistryInner {
+    sessions: HashMap<SessionId, Handle>,
+    players: HashMap<Arc<str>, SessionId>,
+}
+
+/// Live and lingering sessions of this edge, by session id and by player id. Cheap to clone.
+/// Never holds its lock across an await.
+#[derive(Clone, Default)]
+pub struct SessionRegistry {
+    inner: Arc<Mutex<RegistryInner>>,
+}
+
+impl std::fmt::Debug for SessionRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionRegistry")
+            .field("sessions", &self.len())
+            .finish()
+    }
+}
+
+impl SessionRegistry {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, RegistryInner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn insert(&self, session_id: SessionId, handle: Handle) {
+        let mut inner = self.lock();
+        inner.players.insert(handle.player_id.clone(), session_id);
+        inner.sessions.insert(session_id, handle);
+    }
+
+    fn remove_if(&self, session_id: &SessionId, pred: impl Fn(&Handle) -> bool) {
+        let mut inner = self.lock();
+        if inner.sessions.get(session_id).is_some_and(pred) {
+            if let Some(h) = inner.sessions.remove(session_id) {
+                if inner.players.get(&h.player_id) == Some(session_id) {
+                    inner.players.remove(&h.player_id);
+                }
+            }
+        }
+    }
+
+    fn handle(&self, session_id: &SessionId) -> Option<Handle> {
+        self.lock().sessions.get(session_id).cloned()
+    }
+
+    /// Sessions held (live or lingering).
+    pub fn len(&self) -> usize {
+        self.lock().sessions.len()
+    }
+
+    /// Whether no session is held.
+    pub fn is_empty(&self) -> bool {
+        self.lock().sessions.is_empty()
+    }
+
+    /// The session of a player on this edge.
+    pub fn session_of(&self, player_id: &str) -> Option<SessionId> {
+        self.lock().players.get(player_id).copied()
+    }
+
+    /// The player of a session on this edge.
+    pub fn player_of(&self, session_id: &SessionId) -> Option<Arc<str>> {
+        self.lock()
+            .sessions
+            .get(session_id)
+            .map(|h| h.player_id.clone())
+    }
+
+    /// Queues a downstream message for a session (never waits: a full queue is an error).
+    pub fn push(&self, session_id: &SessionId, message: Downstream) -> Result<(), PushError> {
+        let handle = self.handle(session_id).ok_or(PushError::NotFound)?;
+        handle.downstream.try_send(message).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => PushError::QueueFull,
+            mpsc::error::TrySendError::Closed(_) => PushError::NotFound,
+        })
+    }
+
+    /// Queues a downstream message for a player's session.
+    pub fn push_to_player(&self, player_id: &str, message: Downstream) -> Result<(), PushError> {
+        let session = self.session_of(player_id).ok_or(PushError::NotFound)?;
+        self.push(&session, message)
+    }
+
+    /// Kicks a session (KICKED); returns its bindings for the session taking over.
+    pub async fn kick(&self, session_id: &SessionId) -> Option<BTreeMap<String, String>> {
+        let handle = self.handle(session_id)?;
+        let (tx, rx) = oneshot::channel();
+        handle.commands.send(Command::Kick(tx)).await.ok()?;
+        tokio::time::timeout(HAND_OVER_TIMEOUT, rx)
+            .await
+            .ok()?
+            .ok()
+            .flatten()
+    }
+
+    /// Ends a session from the server side with `code`.
+    pub async fn close(&self, session_id: &SessionId, code: CloseCode) -> bool {
+        match self.handle(session_id) {
+            Some(h) => h.commands.send(Command::Close(code)).await.is_ok(),
+            None => false,
+        }
+    }
+
+    /// Records a backend binding for a session (kept across reconnects).
+    pub async fn bind(&self, session_id: &SessionId, service: &str, instance: &str) -> bool {
+        match self.handle(session_id) {
+            Some(h) => h
+                .commands
+                .send(Command::Bind(service.to_owned(), instance.to_owned()))
+                .await
+                .is_ok(),
+            None => false,
+        }
+    }
+
+    /// Soft-migrates a session (MIGRATE to `target`).
+    pub async fn migrate(&self, session_id: &SessionId, target: &str, deadline: Duration) -> bool {
+        match self.handle(session_id) {
+            Some(h) => h
+                .commands
+                .send(Command::Migrate(target.to_owned(), deadline))
+                .await
+                .is_ok(),
+            None => false,
+        }
+    }
+
+    /// Asks a local session to hand itself over to a resuming connection. `None` when the
+    /// session is not held here (or did not answer in time).
+    async fn hand_over(&self, session_id: &SessionId, hash: ResumeHash) -> Option<HandOver> {
+        let handle = self.handle(session_id)?;
+        let (tx, rx) = oneshot::channel();
+        handle
+            .commands
+            .send(Command::HandOver(hash, tx))
+            .await
+            .ok()?;
+        tokio::time::timeout(HAND_OVER_TIMEOUT, rx).await.ok()?.ok()
+    }
+}
+
+/// Everything a session task needs, shared by all sessions of an edge.
+pub struct EdgeSessions {
+    /// This edge's id (ownership records, presence).
+    pub edge_id: String,
+    /// Session-layer settings.
+    pub config: SessionConfig,
+    /// Token verification.
+    pub authenticator: Arc<dyn Authenticator>,
+    /// Lingering snapshots (hot or warm tier).
+    pub snapshots: Arc<dyn SnapshotStore>,
+    /// Single-login ownership.
+    pub ownership: Arc<dyn OwnershipRegistry>,
+    /// Sessions of this edge.
+    pub registry: SessionRegistry,
+    /// Where upstream messages and lifecycle events go.
+    pub upstream: Arc<dyn UpstreamSink>,
+    /// Metrics.
+    pub counters: Arc<SessionCounters>,
+    /// Capacity of each session's downstream channel.
+    pub outbound_capacity: usize,
+    /// RNG per session machine (default: the OS CSPRNG).
+    pub rng: Arc<dyn Fn() -> Box<dyn SessionRng> + Send + Sync>,
+    /// Unix seconds for token verification (default: the system clock).
+    pub unix_now: Arc<dyn Fn() -> u64 + Send + Sync>,
+}
+
+impl std::fmt::Debug for EdgeSessions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EdgeSessions")
+            .field("edge_id", &self.edge_id)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EdgeSessions {
+    /// Embedded defaults: in-memory stores, OS RNG, system clock.
+    pub fn new(
+        edge_id: impl Into<String>,
+        config: SessionConfig,
+        authenticator: Arc<dyn Authenticator>,
+        upstream: Arc<dyn UpstreamSink>,
+    ) -> Self {
+        Self {
+            edge_id: edge_id.into(),
+            config,
+            authenticator,
+            snapshots: Arc::new(crate::store::MemorySnapshotStore::new()),
+            ownership: Arc::new(crate::store::MemoryOwnership::new()),
+            registry: SessionRegistry::new(),
+            upstream,
+            counters: Arc::new(SessionCounters::new()),
+            outbound_capacity: 1024,
+            rng: Arc::new(|| Box::new(SystemRng::new())),
+            unix_now: Arc::new(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_secs())
+                    .unwrap_or(0)
+            }),
+        }
+    }
+
+    /// Spawns the task for one accepted connection.
+    pub fn spawn(self: &Arc<Self>, conn: BoxConnection) -> tokio::task::JoinHandle<EndReason> {
+        tokio::spawn(run_session(self.clone(), conn))
+    }
+}
+
+fn now() -> std::time::Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+static NEXT_TASK: AtomicU64 = AtomicU64::new(1);
+
+struct Task {
+    edge: Arc<EdgeSessions>,
+    machine: SessionMachine,
+    conn: Option<BoxConnection>,
+    task: u64,
+    registered: Option<SessionId>,
+    commands_tx: mpsc::Sender<Command>,
+    downstream_tx: mpsc::Sender<Downstream>,
+    downstream_rx: Option<mpsc::Receiver<Downstream>>,
+    adopted: Option<SessionId>,
+}
+
+enum Event {
+    Frame(Result<waygate_transport::Frame, CloseCode>),
+    Command(Command),
+    Downstream(Downstream),
+    Timer,
+}
+
+/// Runs one connection's session to its end; returns why it ended.
+///
+/// Runs inside a `session` span with the connection id, transport, and — once known — the
+/// session and player ids.
+pub async fn run_session(edge: Arc<EdgeSessions>, conn: BoxConnection) -> EndReason {
+    let span = tracing::info_span!(
+        "session",
+        conn = %conn.info().id,
+        transport = %conn.info().kind,
+        session = tracing::field::Empty,
+        player = tracing::field::Empty,
+    );
+    run_session_inner(edge, conn).instrument(span).await
+}
+
+async fn run_session_inner(edge: Arc<EdgeSessions>, conn: BoxConnection) -> EndReason {
+    let (commands_tx, mut commands) = mpsc::channel(8);
+    let (downstream_tx, downstream_rx) = mpsc::channel(edge.outbound_capacity.max(1));
+    let machine = SessionMachine::new(edge.config.clone(), edge.counters.clone(), (edge.rng)());
+    let mut t = Task {
+        edge,
+        machine,
+        conn: Some(conn),
+        task: NEXT_TASK.fetch_add(1, Ordering::Relaxed),
+        registered: None,
+        commands_tx,
+        downstream_tx,
+        downstream_rx: Some(downstream_rx),
+        adopted: None,
+    };
+    let _ = t.machine.handle_link_up(now());
+    loop {
+        t.run_actions().await;
+        if t.machine.state().is_terminal() {
+            break;
+        }
+        let deadline = t.machine.poll_timeout().map(tokio::time::Instant::from_std);
+        let sleep = async {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        let registered = t.registered.is_some();
+        let event = tokio::select! {
+            r = recv(&mut t.conn) => Event::Frame(r),
+            Some(cmd) = commands.recv() => Event::Command(cmd),
+            Some(msg) = recv_down(&mut t.downstream_rx), if registered => Event::Downstream(msg),
+            _ = sleep => Event::Timer,
+        };
+        match event {
+            Event::Frame(Ok(frame)) => {
+                if let Err(e) = t.machine.handle_frame(now(), frame) {
+                    tracing::debug!(error = %e, "session input refused");
+                }
+            }
+            Event::Frame(Err(code)) => {
+                t.conn = None;
+                let _ = t.machine.handle_link_down(now(), code);
+            }
+            Event::Command(cmd) => t.command(cmd),
+            Event::Downstream(msg) => t.downstream(msg),
+            Event::Timer => t.machine.handle_timeout(now()),
+        }
+    }
+    t.run_actions().await;
+    if let Some(conn) = t.conn.as_mut() {
+        conn.close(CloseCode::Normal, "").await;
+    }
+    let superseded = t.machine.end_reason() == Some(&EndReason::Superseded);
+    match (t.registered, t.adopted) {
+        // Superseded: the entry stays until the new connection registers, so pushes keep
+        // landing in the (handed-over) downstream channel meanwhile.
+        (Some(_), _) if superseded => {}
+        (Some(id), _) => t
+            .edge
+            .registry
+            .remove_if(&id, |h: &Handle| h.task == t.task),
+        // Adopted a channel but never got ACTIVE: drop the stale entry of the old task.
+        (None, Some(id)) => t.edge.registry.remove_if(&id, |h: &Handle| {
+            h.downstream.same_channel(&t.downstream_tx)
+        }),
+        (None, None) => {}
+    }
+    t.machine
+        .end_reason()
+        .cloned()
+        .unwrap_or(EndReason::HandshakeFailed(CloseCode::Internal))
+}
+
+async fn recv_down(rx: &mut Option<mpsc::Receiver<Downstream>>) -> Option<Downstream> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn recv(conn: &mut Option<BoxConnection>) -> Result<waygate_transport::Frame, CloseCode> {
+    match conn {
+        Some(c) => c.recv().await.map_err(|e| e.close_code()),
+        None => std::future::pending().await,
+    }
+}
+
+impl Task {
+    fn command(&mut self, cmd: Command) {
+        let now = now();
+        match cmd {
+            Command::Kick(reply) => {
+                let _ = reply.send(self.machine.kick(now).ok());
+            }
+            Command::HandOver(hash, reply) => {
+                // Everything already pushed enters the replay buffer before the snapshot.
+                if let Some(rx) = self.downstream_rx.as_mut() {
+                    let mut queued = Vec::new();
+                    while let Ok(msg) = rx.try_recv() {
+                        queued.push(msg);
+                    }
+                    for msg in queued {
+                        self.downstream(msg);
+                    }
+                }
+                let outcome = self
+                    .machine
+                    .hand_over(now, &hash)
+                    .unwrap_or(TakeOutcome::NotFound);
+                let channel = match (&outcome, self.downstream_rx.take()) {
+                    (TakeOutcome::Taken(_), Some(rx)) => Some((self.downstream_tx.clone(), rx)),
+                    (_, rx) => {
+                        self.downstream_rx = rx;
+                        None
+                    }
+                };
+                let _ = reply.send(HandOver { outcome, channel });
+            }
+            Command::Close(code) => {
+                let _ = self.machine.close_session(now, code);
+            }
+            Command::Bind(service, instance) => {
+                let _ = self.machine.bind(&service, &instance);
+            }
+            Command::Migrate(target, deadline) => {
+                let _ = self.machine.migrate(&target, deadline);
+            }
+        }
+    }
+
+    fn downstream(&mut self, msg: Downstream) {
+        if let Err(e) = self
+            .machine
+            .send_downstream(now(), msg.class, msg.msg_id, msg.payload)
+        {
+            tracing::debug!(error = %e, "downstream message refused");
+        }
+    }
+
+    async fn run_actions(&mut self) {
+        while let Some(action) = self.machine.poll_action() {
+            self.action(action).await;
+        }
+    }
+
+    async fn action(&mut self, action: Action) {
+        let edge = self.edge.clone();
+        match action {
+            Action::Send(frame) => {
+                if let Some(conn) = self.conn.as_mut() {
+                    if let Err(e) = conn.send(&frame).await {
+                        tracing::debug!(error = %e, "send failed");
+                        if e.is_fatal() {
+                            self.conn = None;
+                            let _ = self.machine.handle_link_down(now(), e.close_code());
+                        }
+                    }
+                }
+            }
+            Action::Close { code, message } => {
+                if let Some(mut conn) = self.conn.take() {
+                    conn.close(code, &message).await;
+                }
+            }
+            Action::Authenticate { token } => {
+                let result = edge
+                    .authenticator
+                    .authenticate(&token, (edge.unix_now)())
+                    .await;
+                let _ = self.machine.handle_auth_result(now(), result);
+            }
+            Action::TakeSnapshot {
+                session_id,
+                resume_hash,
+            } => {
+                let local = edge.registry.hand_over(&session_id, resume_hash).await;
+                let result = match local {
+                    Some(HandOver {
+                        outcome: TakeOutcome::Taken(s),
+                        channel,
+                    }) => {
+                        // The old task may have persisted it on detach: that copy is spent.
+                        let _ = edge.snapshots.delete(&session_id, Some(s.fencing)).await;
+                        if let Some((tx, rx)) = channel {
+                            // Adopt the session's downstream channel (see `HandOver`).
+                            self.downstream_tx = tx;
+                            self.downstream_rx = Some(rx);
+                            self.adopted = Some(session_id);
+                        }
+                        Ok(TakeOutcome::Taken(s))
+                    }
+                    Some(HandOver {
+                        outcome: TakeOutcome::Mismatch,
+                        ..
+                    }) => Ok(TakeOutcome::Mismatch),
+                    _ => edge.snapshots.take(&session_id, &resume_hash).await,
+                };
+                let _ = self.machine.handle_snapshot(now(), result);
+            }
+            Action::PutBack(snapshot) => {
+                if let Err(e) = edge.snapshots.put(&snapshot, edge.config.linger).await {
+                    tracing::warn!(error = %e, "could not put a snapshot back");
+                }
+            }
+            Action::Claim {
+                player_id,
+                session_id,
+            } => {
+                let result = match edge
+                    .ownership
+                    .claim(&player_id, &session_id, &edge.edge_id)
+                    .await
+                {
+                    Err(e) => Err(e),
+                    Ok(grant) => {
+                        let mut inherited = None;
+                        if let Some(prev) = grant.previous.as_ref() {
+                            if prev.session_id != session_id {
+                                inherited = edge.registry.kick(&prev.session_id).await;
+                                // A lingering snapshot of the kicked session must not be
+                                // resumable any more; its bindings pass to us.
+                                if let Ok(Some(s)) = edge.snapshots.get(&prev.session_id).await {
+                                    let _ = edge.snapshots.delete(&prev.session_id, None).await;
+                                    if inherited.is_none() {
+                                        inherited = Some(s.bindings);
+                                    }
+                                }
+                                tracing::info!(
+                                    player = %player_id,
+                                    kicked = %hex_id(&prev.session_id),
+                                    edge = %prev.edge,
+                                    "single login: previous session taken over"
+                                );
+                            }
+                        }
+                        Ok((grant, inherited))
+                    }
+                };
+                let _ = self.machine.handle_claimed(now(), result);
+            }
+            Action::Established {
+                session_id,
+                player_id,
+                fencing,
+                outcome,
+            } => {
+                edge.registry.insert(
+                    session_id,
+                    Handle {
+                        task: self.task,
+                        player_id: player_id.clone(),
+                        commands: self.commands_tx.clone(),
+                        downstream: self.downstream_tx.clone(),
+                    },
+                );
+                self.registered = Some(session_id);
+                let span = tracing::Span::current();
+                span.record("session", tracing::field::display(hex_id(&session_id)));
+                span.record("player", tracing::field::display(&player_id));
+                // Two logins of one player racing between claim and registration: the
+                // one with the older fencing token yields.
+                if let Ok(Some(owner)) = edge.ownership.owner(&player_id).await {
+                    if owner.fencing > fencing {
+                        tracing::info!(player = %player_id, "lost a login race; kicked");
+                        let _ = self.machine.kick(now());
+                    }
+                }
+                edge.upstream
+                    .session_event(SessionEvent::Established {
+                        session_id,
+                        player_id,
+                        fencing,
+                        outcome,
+                    })
+                    .await;
+            }
+            Action::Bind(bindings) => {
+                if let Some(session_id) = self.machine.session_id() {
+                    edge.upstream
+                        .session_event(SessionEvent::Bound {
+                            session_id,
+                            bindings,
+                        })
+                        .await;
+                }
+            }
+            Action::Deliver(message) => {
+                let (msg_id, seq) = (message.msg_id, message.seq);
+                if let Err(e) = edge.upstream.deliver(message).await {
+                    let _ = self
+                        .machine
+                        .report_error(e.code, msg_id, seq, e.retry_after_ms);
+                }
+            }
+            Action::Persist(snapshot) => {
+                if let Err(e) = edge.snapshots.put(&snapshot, edge.config.linger).await {
+                    tracing::warn!(error = %e, "could not persist a session snapshot");
+                }
+            }
+            Action::Ended(SessionEnd {
+                session_id,
+                player_id,
+                fencing,
+                bindings,
+                reason,
+            }) => {
+                let released = edge
+                    .ownership
+                    .release(&player_id, &session_id, fencing)
+                    .await
+                    .unwrap_or(false);
+                let _ = edge.snapshots.delete(&session_id, Some(fencing)).await;
+                edge.upstream
+                    .session_event(SessionEvent::Ended {
+                        session_id,
+                        player_id,
+                        bindings,
+                        reason,
+                        released,
+                    })
+                    .await;
+            }
+        }
+    }
+}
+
+/// An [`UpstreamSink`] for tests and demos: records every message and echoes it back to the
+/// sender's session with the same class and msg id.
+#[derive(Debug, Default)]
+pub struct EchoSink {
+    registry: SessionRegistry,
+    received: Mutex<Vec<Upstream>>,
+    events: Mutex<Vec<SessionEvent>>,
+}
+
+impl EchoSink {
+    /// An echo sink pushing replies through `registry`.
+    pub fn new(registry: SessionRegistry) -> Self {
+        Self {
+            registry,
+            received: Mutex::new(Vec::new()),
+            events: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Every message delivered so far.
+    pub fn received(&self) -> Vec<Upstream> {
+        self.received
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Every lifecycle event so far.
+    pub fn events(&self) -> Vec<SessionEvent> {
+        self.events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+#[async_trait]
+impl UpstreamSink for EchoSink {
+    async fn deliver(&self, message: Upstream) -> Result<(), DeliverError> {
+        let echo = Downstream {
+            class: message.class,
+            msg_id: message.msg_id,
+            payload: message.payload.clone(),
+        };
+        let session = message.session_id;
+        self.received
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(message);
+        self.registry
+            .push(&session, echo)
+            .map_err(|_| DeliverError {
+                code: CloseCode::Busy,
+                retry_after_ms: 100,
+            })
+    }
+
+    async fn session_event(&self, event: SessionEvent) {
+        self.events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(event);
+    }
+}

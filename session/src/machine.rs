@@ -1,0 +1,1220 @@
+//! The server side of one session, sans-IO (SPEC S1, S3–S6).
+//!
+//! One [`SessionMachine`] runs per *connection*. It starts DISCONNECTED, goes HANDSHAKING
+//! when the link is up, and after the HELLO either builds a fresh [`SessionCore`] or takes
+//! one over from a snapshot (restore). The core — ids, seqs, replay buffer, upstream dedup,
+//! bindings, fencing token — is what crosses connections: when the link drops the machine
+//! goes DETACHED and persists a [`Snapshot`]; a later connection's machine takes that
+//! snapshot (by resume-token hash) and the old machine ends as CLOSED (superseded) or, if
+//! nobody comes back within the linger time, EXPIRED.
+//!
+//! Shape (quinn-proto style): inputs are `handle_*(now, ..)` calls; outputs are drained with
+//! [`SessionMachine::poll_action`]; the next timer is [`SessionMachine::poll_timeout`].
+//! Work that needs I/O (verifying a token, taking a snapshot from the store, claiming
+//! ownership) is requested with an [`Action`] and its result fed back with
+//! `handle_auth_result`, `handle_snapshot` and `handle_claimed`.
+//!
+//! ```text
+//! DISCONNECTED -link up-> HANDSHAKING -HELLO(token)-> AUTHENTICATING -ok-> AUTHENTICATED
+//!                              |                            `-bad-> REJECTED -> CLOSED
+//!                              `-HELLO(resume only)-> RESTORING
+//! AUTHENTICATED -(HELLO had resume)-> RESTORING -taken-> (claim) -> ACTIVE [restored | gap]
+//!                                         `-failed, token ok-> AUTHENTICATED -> ACTIVE [restore failed, new]
+//!                                         `-failed, resume only-> REJECTED -> CLOSED
+//! AUTHENTICATED -(no resume)-> (claim) -> ACTIVE [new session]
+//! ACTIVE -link down / idle-> DETACHED -linger elapsed-> EXPIRED
+//! ACTIVE | DETACHED -kicked / resumed elsewhere / closed by server-> CLOSED
+//! ```
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use waygate_transport::frame::{
+    Data, ErrorReport, Hello, Migrate, Reject, ResumeRequest, SessionId, Welcome, WelcomeOutcome,
+};
+use waygate_transport::protocol::{FrameType, PROTOCOL_VERSION};
+use waygate_transport::{CloseCode, Frame, TrafficClass};
+
+use crate::auth::{AuthError, AuthedPlayer};
+use crate::counters::SessionCounters;
+use crate::replay::{AckBeyondSent, ReplayBuffer, ReplayLimits};
+use crate::resume::{hex_id, new_resume_token, new_session_id, ResumeHash};
+use crate::rng::SessionRng;
+use crate::seq::{AckPolicy, AckState, Received, RecvWindow};
+use crate::store::{ClaimGrant, Snapshot, StoreError, TakeOutcome, SNAPSHOT_VERSION};
+
+/// Session-layer settings of one edge.
+#[derive(Debug, Clone)]
+pub struct SessionConfig {
+    /// Time from link up to a finished handshake (WELCOME sent).
+    pub handshake_timeout: Duration,
+    /// Close the connection (and detach) after this long without receiving anything.
+    pub idle_timeout: Duration,
+    /// PING interval advertised to the client in WELCOME.
+    pub heartbeat_interval: Duration,
+    /// How long a detached session is kept for resume (S5).
+    pub linger: Duration,
+    /// Largest frame advertised in WELCOME.
+    pub max_frame_size: u32,
+    /// Replay buffer bounds.
+    pub replay: ReplayLimits,
+    /// When to acknowledge upstream messages.
+    pub ack: AckPolicy,
+}
+
+impl Default for SessionConfig {
+    fn default() -> Self {
+        Self {
+            handshake_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(30),
+            heartbeat_interval: Duration::from_secs(10),
+            linger: Duration::from_secs(15 * 60),
+            max_frame_size: waygate_transport::protocol::DEFAULT_MAX_FRAME_SIZE as u32,
+            replay: ReplayLimits::default(),
+            ack: AckPolicy::default(),
+        }
+    }
+}
+
+/// States of [`SessionMachine`] (S1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum State {
+    /// No link yet.
+    Disconnected,
+    /// Link up, waiting for HELLO.
+    Handshaking,
+    /// HELLO carried an auth token; waiting for the authenticator.
+    Authenticating,
+    /// The player is known; a fresh session is being established (ownership claim).
+    Authenticated,
+    /// The HELLO was refused (passes on to CLOSED at once).
+    Rejected,
+    /// Taking the snapshot of the session to resume, then claiming ownership.
+    Restoring,
+    /// WELCOME sent; messages flow.
+    Active,
+    /// The link dropped; the session lingers for resume.
+    Detached,
+    /// Ended; see [`SessionMachine::end_reason`].
+    Closed,
+    /// The linger time ran out.
+    Expired,
+}
+
+impl State {
+    /// Every state.
+    pub const ALL: [State; 10] = [
+        Self::Disconnected,
+        Self::Handshaking,
+        Self::Authenticating,
+        Self::Authenticated,
+        Self::Rejected,
+        Self::Restoring,
+        Self::Active,
+        Self::Detached,
+        Self::Closed,
+        Self::Expired,
+    ];
+
+    /// Stable label for logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Disconnected => "disconnected",
+            Self::Handshaking => "handshaking",
+            Self::Authenticating => "authenticating",
+            Self::Authenticated => "authenticated",
+            Self::Rejected => "rejected",
+            Self::Restoring => "restoring",
+            Self::Active => "active",
+            Self::Detached => "detached",
+            Self::Closed => "closed",
+            Self::Expired => "expired",
+        }
+    }
+
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Whether the machine will never do anything again.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Self::Closed | Self::Expired)
+    }
+}
+
+/// Why a machine ended (CLOSED or EXPIRED).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EndReason {
+    /// The HELLO was refused with this code.
+    Rejected(CloseCode),
+    /// The handshake did not complete (timeout, protocol error, link lost).
+    HandshakeFailed(CloseCode),
+    /// A newer login of the same player took over.
+    Kicked,
+    /// The session was resumed on another connection.
+    Superseded,
+    /// The edge ended the session (admin, shutdown, logout).
+    ClosedByServer(CloseCode),
+    /// Nobody resumed it within the linger time.
+    LingerExpired,
+}
+
+/// A delivered upstream message, for the router.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Upstream {
+    /// The session it came from.
+    pub session_id: SessionId,
+    /// Its player.
+    pub player_id: Arc<str>,
+    /// Traffic class.
+    pub class: TrafficClass,
+    /// Application message id (routing key for layer 1).
+    pub msg_id: u32,
+    /// Client seq (0 for best-effort).
+    pub seq: u64,
+    /// Body.
+    pub payload: Bytes,
+}
+
+/// A session that ended for good: release its ownership and bindings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionEnd {
+    /// The session.
+    pub session_id: SessionId,
+    /// Its player.
+    pub player_id: Arc<str>,
+    /// Its fencing token: release ownership / delete the snapshot only with it.
+    pub fencing: u64,
+    /// Bindings to unbind if the release succeeds.
+    pub bindings: BTreeMap<String, String>,
+    /// Why.
+    pub reason: EndReason,
+}
+
+/// What the driver must do next.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Action {
+    /// Send this frame on the connection.
+    Send(Frame),
+    /// Close the connection with this code (sends CLOSE). The session may live on.
+    Close {
+        /// Close code.
+        code: CloseCode,
+        /// Detail for the CLOSE frame.
+        message: String,
+    },
+    /// Verify this auth token, then call [`SessionMachine::handle_auth_result`].
+    Authenticate {
+        /// The HELLO's token.
+        token: Bytes,
+    },
+    /// Take the snapshot of `session_id` if its resume hash matches (from a live local
+    /// session via [`SessionMachine::hand_over`], else the store), then call
+    /// [`SessionMachine::handle_snapshot`].
+    TakeSnapshot {
+        /// The session to resume.
+        session_id: SessionId,
+        /// SHA-256 of the presented resume token.
+        resume_hash: ResumeHash,
+    },
+    /// A snapshot was taken but cannot be used here: put it back unchanged.
+    PutBack(Box<Snapshot>),
+    /// Claim ownership of the player for this session (kicking any previous owner and
+    /// collecting its bindings), then call [`SessionMachine::handle_claimed`].
+    Claim {
+        /// The player.
+        player_id: Arc<str>,
+        /// This session.
+        session_id: SessionId,
+    },
+    /// The session is ACTIVE on this connection: register it.
+    Established {
+        /// The session.
+        session_id: SessionId,
+        /// Its player.
+        player_id: Arc<str>,
+        /// Fencing token of this ownership.
+        fencing: u64,
+        /// How the HELLO was answered.
+        outcome: WelcomeOutcome,
+    },
+    /// The session holds these bindings now (restored or taken over): tell the router.
+    Bind(BTreeMap<String, String>),
+    /// Route an upstream message.
+    Deliver(Upstream),
+    /// Store this snapshot for the linger time (the link dropped).
+    Persist(Box<Snapshot>),
+    /// The session ended for good (linger expired, closed by the server).
+    Ended(SessionEnd),
+}
+
+/// An input that is not valid in the machine's state. Peer faults are also answered on the
+/// wire (REJECT/CLOSE) before being returned; local misuse changes nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SessionError {
+    /// The peer sent a frame not allowed in this state (peer's fault; connection closed).
+    #[error("unexpected {frame:?} frame in state {state:?}")]
+    UnexpectedFrame {
+        /// The state.
+        state: State,
+        /// The frame's type.
+        frame: FrameType,
+    },
+    /// The peer's HELLO carried an unsupported protocol version (peer's fault).
+    #[error("unsupported protocol version {0}")]
+    UnsupportedVersion(u8),
+    /// A sequenced DATA frame had seq 0 or one far beyond the window (peer's fault).
+    #[error("sequence number {0} out of window")]
+    SeqOutOfWindow(u64),
+    /// The peer acked a seq the server never sent (peer's fault).
+    #[error(transparent)]
+    AckBeyondSent(#[from] AckBeyondSent),
+    /// The caller fed an input the state does not expect (local misuse; nothing changed).
+    #[error("{input} is not valid in state {state:?}")]
+    InvalidTransition {
+        /// The state.
+        state: State,
+        /// The input.
+        input: &'static str,
+    },
+}
+
+/// The per-session state that survives connections (see the module docs).
+#[derive(Debug, Clone)]
+pub struct SessionCore {
+    id: SessionId,
+    player_id: Arc<str>,
+    fencing: u64,
+    resume_hash: ResumeHash,
+    prev_resume_hash: Option<ResumeHash>,
+    bindings: BTreeMap<String, String>,
+    replay: ReplayBuffer,
+    upstream: RecvWindow,
+}
+
+impl SessionCore {
+    fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            version: SNAPSHOT_VERSION,
+            session_id: self.id,
+            player_id: self.player_id.to_string(),
+            fencing: self.fencing,
+            resume_hash: self.resume_hash,
+            prev_resume_hash: self.prev_resume_hash,
+            bindings: self.bindings.clone(),
+            replay: self.replay.clone(),
+            upstream: self.upstream.clone(),
+        }
+    }
+
+    fn from_snapshot(s: Snapshot) -> Self {
+        Self {
+            id: s.session_id,
+            player_id: s.player_id.into(),
+            fencing: s.fencing,
+            resume_hash: s.resume_hash,
+            prev_resume_hash: s.prev_resume_hash,
+            bindings: s.bindings,
+            replay: s.replay,
+            upstream: s.upstream,
+        }
+    }
+
+    /// The session id.
+    pub fn id(&self) -> &SessionId {
+        &self.id
+    }
+
+    /// The replay buffer.
+    pub fn replay(&self) -> &ReplayBuffer {
+        &self.replay
+    }
+
+    /// Upstream receive window.
+    pub fn upstream(&self) -> &RecvWindow {
+        &self.upstream
+    }
+}
+
+/// What is being established between HELLO and WELCOME.
+#[derive(Debug, Clone, Default)]
+struct Pending {
+    resume: Option<ResumeRequest>,
+    authed: Option<AuthedPlayer>,
+    /// Restore point when a snapshot was taken.
+    restore: Option<(WelcomeOutcome, u64)>,
+    /// Set when a resume was asked and failed (answer is RestoreFailedNewSession).
+    restore_failed: bool,
+    /// A fresh resume token to send in WELCOME.
+    resume_token: Option<[u8; 16]>,
+    /// The snapshot as taken, to put back unchanged if the handshake fails after it.
+    taken: Option<Box<Snapshot>>,
+}
+
+/// The server side of one session on one connection. See the module docs.
+pub struct SessionMachine {
+    config: SessionConfig,
+    counters: Arc<SessionCounters>,
+    rng: Box<dyn SessionRng>,
+    state: State,
+    end: Option<EndReason>,
+    core: Option<SessionCore>,
+    pending: Pending,
+    handshake_deadline: Option<Instant>,
+    last_rx: Option<Instant>,
+    linger_deadline: Option<Instant>,
+    up_ack: AckState,
+    actions: VecDeque<Action>,
+}
+
+impl std::fmt::Debug for SessionMachine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionMachine")
+            .field("state", &self.state)
+            .field("session", &self.core.as_ref().map(|c| hex_id(&c.id)))
+            .field("end", &self.end)
+            .finish_non_exhaustive()
+    }
+}
+
+fn err_unexpected(state: State, frame: &Frame) -> SessionError {
+    SessionError::UnexpectedFrame {
+        state,
+        frame: frame.frame_type(),
+    }
+}
+
+impl SessionMachine {
+    /// A machine in DISCONNECTED.
+    pub fn new(
+        config: SessionConfig,
+        counters: Arc<SessionCounters>,
+        rng: Box<dyn SessionRng>,
+    ) -> Self {
+        Self {
+            config,
+            counters,
+            rng,
+            state: State::Disconnected,
+            end: None,
+            core: None,
+            pending: Pending::default(),
+            handshake_deadline: None,
+            last_rx: None,
+            linger_deadline: None,
+            up_ack: AckState::default(),
+            actions: VecDeque::new(),
+        }
+    }
+
+    /// Current state.
+    pub fn state(&self) -> State {
+        self.state
+    }
+
+    /// Why the machine ended (set in CLOSED and EXPIRED).
+    pub fn end_reason(&self) -> Option<&EndReason> {
+        self.end.as_ref()
+    }
+
+    /// The session core once established.
+    pub fn core(&self) -> Option<&SessionCore> {
+        self.core.as_ref()
+    }
+
+    /// The session id once known.
+    pub fn session_id(&self) -> Option<SessionId> {
+        self.core.as_ref().map(|c| c.id)
+    }
+
+    /// The player id once known.
+    pub fn player_id(&self) -> Option<Arc<str>> {
+        self.core.as_ref().map(|c| c.player_id.clone())
+    }
+
+    /// The fencing token of the current ownership (0 before the claim).
+    pub fn fencing(&self) -> u64 {
+        self.core.as_ref().map_or(0, |c| c.fencing)
+    }
+
+    /// The session's bindings.
+    pub fn bindings(&self) -> Option<&BTreeMap<String, String>> {
+        self.core.as_ref().map(|c| &c.bindings)
+    }
+
+    /// The config.
+    pub fn config(&self) -> &SessionConfig {
+        &self.config
+    }
+
+    /// The next action for the driver.
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// When [`SessionMachine::handle_timeout`] must be called next.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        match self.state {
+            State::Handshaking
+            | State::Authenticating
+            | State::Authenticated
+            | State::Restoring => self.handshake_deadline,
+            State::Active => {
+                let idle = self.last_rx.map(|t| t + self.config.idle_timeout);
+                match (idle, self.up_ack.deadline()) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                }
+            }
+            State::Detached => self.linger_deadline,
+            _ => None,
+        }
+    }
+
+    fn transition(&mut self, to: State) {
+        let from = self.state;
+        self.state = to;
+        self.counters.transition(from, to);
+        let session = self
+            .core
+            .as_ref()
+            .map(|c| hex_id(&c.id))
+            .unwrap_or_default();
+        let player = self
+            .core
+            .as_ref()
+            .map(|c| c.player_id.to_string())
+            .or_else(|| {
+                self.pending
+                    .authed
+                    .as_ref()
+                    .map(|a| a.claims.player_id.clone())
+            })
+            .unwrap_or_default();
+        tracing::info!(
+            session = %session,
+            player = %player,
+            from = from.as_str(),
+            to = to.as_str(),
+            "session transition"
+        );
+    }
+
+    fn end_with(&mut self, to: State, reason: EndReason) {
+        self.end = Some(reason);
+        self.transition(to);
+    }
+
+    /// The transport finished its handshake: DISCONNECTED -> HANDSHAKING.
+    pub fn handle_link_up(&mut self, now: Instant) -> Result<(), SessionError> {
+        if self.state != State::Disconnected {
+            return Err(self.misuse("link up"));
+        }
+        self.handshake_deadline = Some(now + self.config.handshake_timeout);
+        self.last_rx = Some(now);
+        self.transition(State::Handshaking);
+        Ok(())
+    }
+
+    fn misuse(&self, input: &'static str) -> SessionError {
+        SessionError::InvalidTransition {
+            state: self.state,
+            input,
+        }
+    }
+
+    fn reject(&mut self, code: CloseCode, message: String) {
+        match code {
+            CloseCode::AuthMalformed
+            | CloseCode::AuthBadSignature
+            | CloseCode::AuthExpired
+            | CloseCode::AuthUnknownKey
+            | CloseCode::AuthUnsupportedVersion
+            | CloseCode::AuthRejected => SessionCounters::bump(&self.counters.rejected_auth),
+            CloseCode::ResumeRejected => SessionCounters::bump(&self.counters.rejected_resume),
+            _ => SessionCounters::bump(&self.counters.rejected_other),
+        }
+        let retry_after_ms = if code == CloseCode::Unavailable {
+            1000
+        } else {
+            0
+        };
+        self.actions.push_back(Action::Send(Frame::Reject(Reject {
+            code,
+            retry_after_ms,
+            message: message.clone(),
+        })));
+        self.actions.push_back(Action::Close { code, message });
+        self.transition(State::Rejected);
+        self.end_with(State::Closed, EndReason::Rejected(code));
+    }
+
+    fn fail_handshake(&mut self, code: CloseCode, message: &str) {
+        self.actions.push_back(Action::Close {
+            code,
+            message: message.to_owned(),
+        });
+        self.end_with(State::Closed, EndReason::HandshakeFailed(code));
+    }
+
+    /// A frame arrived from the client.
+    pub fn handle_frame(&mut self, now: Instant, frame: Frame) -> Result<(), SessionError> {
+        if matches!(self.state, State::Disconnected | State::Detached) || self.state.is_terminal() {
+            return Err(self.misuse("frame"));
+        }
+        self.last_rx = Some(now);
+        if let Frame::Ping { timestamp } = frame {
+            self.actions
+                .push_back(Action::Send(Frame::Pong { timestamp }));
+            return Ok(());
+        }
+        match self.state {
+            State::Handshaking => match frame {
+                Frame::Hello(hello) => self.on_hello(hello),
+                other => {
+                    let e = err_unexpected(self.state, &other);
+                    SessionCounters::bump(&self.counters.protocol_errors);
+                    self.fail_handshake(CloseCode::UnexpectedFrame, "expected HELLO");
+                    Err(e)
+                }
+            },
+            State::Authenticating | State::Authenticated | State::Restoring => {
+                // The client must wait for WELCOME. PONGs are harmless.
+                if matches!(frame, Frame::Pong { .. }) {
+                    return Ok(());
+                }
+                let e = err_unexpected(self.state, &frame);
+                SessionCounters::bump(&self.counters.protocol_errors);
+                self.abort_handshake(CloseCode::UnexpectedFrame, "frame before WELCOME");
+                Err(e)
+            }
+            State::Active => self.on_active_frame(now, frame),
+            _ => Err(self.misuse("frame")),
+        }
+    }
+
+    /// Ends a handshake that may hold a taken snapshot (put it back first).
+    fn abort_handshake(&mut self, code: CloseCode, message: &str) {
+        self.put_back_taken();
+        self.fail_handshake(code, message);
+    }
+
+    /// Returns a snapshot taken for this handshake to the store, unchanged.
+    fn put_back_taken(&mut self) {
+        if let Some(taken) = self.pending.taken.take() {
+            self.core = None;
+            self.actions.push_back(Action::PutBack(taken));
+        }
+    }
+
+    fn on_hello(&mut self, hello: Hello) -> Result<(), SessionError> {
+        if hello.version != PROTOCOL_VERSION {
+            self.reject(
+                CloseCode::UnsupportedVersion,
+                format!("protocol version {} not supported", hello.version),
+            );
+            return Err(SessionError::UnsupportedVersion(hello.version));
+        }
+        self.pending.resume = hello.resume;
+        if !hello.token.is_empty() {
+            self.actions
+                .push_back(Action::Authenticate { token: hello.token });
+            self.transition(State::Authenticating);
+        } else if let Some(resume) = self.pending.resume.clone() {
+            // Resume-only HELLO: the resume token is the credential.
+            self.start_restore(&resume);
+        } else {
+            self.reject(
+                CloseCode::AuthMalformed,
+                "HELLO without token or resume".into(),
+            );
+        }
+        Ok(())
+    }
+
+    fn start_restore(&mut self, resume: &ResumeRequest) {
+        self.actions.push_back(Action::TakeSnapshot {
+            session_id: resume.session_id,
+            resume_hash: ResumeHash::of(&resume.resume_token),
+        });
+        self.transition(State::Restoring);
+    }
+
+    /// The authenticator answered (after [`Action::Authenticate`]).
+    pub fn handle_auth_result(
+        &mut self,
+        _now: Instant,
+        result: Result<AuthedPlayer, AuthError>,
+    ) -> Result<(), SessionError> {
+        if self.state != State::Authenticating {
+            return Err(self.misuse("auth result"));
+        }
+        match result {
+            Err(e) => {
+                tracing::info!(error = %e, "auth rejected");
+                self.reject(e.close_code(), e.to_string());
+            }
+            Ok(player) => {
+                self.pending.authed = Some(player);
+                self.transition(State::Authenticated);
+                if let Some(resume) = self.pending.resume.clone() {
+                    self.start_restore(&resume);
+                } else {
+                    self.new_core_and_claim();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn new_core_and_claim(&mut self) {
+        let Some(authed) = &self.pending.authed else {
+            return;
+        };
+        let player_id: Arc<str> = authed.claims.player_id.as_str().into();
+        let id = new_session_id(self.rng.as_mut());
+        let (token, hash) = new_resume_token(self.rng.as_mut());
+        self.pending.resume_token = Some(token);
+        self.core = Some(SessionCore {
+            id,
+            player_id: player_id.clone(),
+            fencing: 0,
+            resume_hash: hash,
+            prev_resume_hash: None,
+            bindings: BTreeMap::new(),
+            replay: ReplayBuffer::new(self.config.replay),
+            upstream: RecvWindow::new(),
+        });
+        self.actions.push_back(Action::Claim {
+            player_id,
+            session_id: id,
+        });
+    }
+
+    /// The snapshot lookup answered (after [`Action::TakeSnapshot`]).
+    pub fn handle_snapshot(
+        &mut self,
+        _now: Instant,
+        result: Result<TakeOutcome, StoreError>,
+    ) -> Result<(), SessionError> {
+        if self.state != State::Restoring || self.core.is_some() {
+            if let Ok(TakeOutcome::Taken(s)) = result {
+                // Never lose a taken snapshot, even on misuse.
+                self.actions.push_back(Action::PutBack(s));
+            }
+            return Err(self.misuse("snapshot"));
+        }
+        let Some(resume) = self.pending.resume.clone() else {
+            return Err(self.misuse("snapshot"));
+        };
+        let failure = match result {
+            Ok(TakeOutcome::Taken(snapshot)) => {
+                let foreign_player = self
+                    .pending
+                    .authed
+                    .as_ref()
+                    .is_some_and(|a| a.claims.player_id != snapshot.player_id);
+                let wrong = snapshot.session_id != resume.session_id
+                    || !snapshot.accepts(&ResumeHash::of(&resume.resume_token));
+                if foreign_player || wrong {
+                    self.actions.push_back(Action::PutBack(snapshot));
+                    "resume token belongs to another session or player"
+                } else {
+                    let original = snapshot.clone();
+                    let mut core = SessionCore::from_snapshot(*snapshot);
+                    match core.replay.restore_point(resume.last_server_seq) {
+                        Err(_) => {
+                            self.actions.push_back(Action::PutBack(original));
+                            "last_server_seq beyond what the server sent"
+                        }
+                        Ok(point) => {
+                            // Rotate. The presented token stays valid until the client
+                            // confirms the new one (any frame after WELCOME).
+                            let (token, hash) = new_resume_token(self.rng.as_mut());
+                            core.resume_hash = hash;
+                            core.prev_resume_hash = Some(ResumeHash::of(&resume.resume_token));
+                            self.pending.resume_token = Some(token);
+                            let outcome = if point.gap {
+                                WelcomeOutcome::RestoredWithGap
+                            } else {
+                                WelcomeOutcome::Restored
+                            };
+                            self.pending.restore = Some((outcome, point.base));
+                            self.pending.taken = Some(original);
+                            self.actions.push_back(Action::Claim {
+                                player_id: core.player_id.clone(),
+                                session_id: core.id,
+                            });
+                            self.core = Some(core);
+                            return Ok(());
+                        }
+                    }
+                }
+            }
+            Ok(TakeOutcome::Mismatch) => "resume token does not match",
+            Ok(TakeOutcome::NotFound) => "no such session (expired, used or unknown)",
+            Err(e) => {
+                tracing::warn!(error = %e, "snapshot store failed during restore");
+                if self.pending.authed.is_none() {
+                    self.reject(CloseCode::Unavailable, "session store unavailable".into());
+                    return Ok(());
+                }
+                "session store unavailable"
+            }
+        };
+        tracing::info!(session = %hex_id(&resume.session_id), why = failure, "restore failed");
+        if self.pending.authed.is_some() {
+            // Restore failed, but the HELLO's auth token is valid: a fresh session.
+            self.pending.restore_failed = true;
+            self.transition(State::Authenticated);
+            self.new_core_and_claim();
+        } else {
+            self.reject(CloseCode::ResumeRejected, failure.into());
+        }
+        Ok(())
+    }
+
+    /// Ownership was claimed (after [`Action::Claim`]); `inherited` are the bindings taken
+    /// over from a kicked previous session of the player.
+    pub fn handle_claimed(
+        &mut self,
+        now: Instant,
+        result: Result<(ClaimGrant, Option<BTreeMap<String, String>>), StoreError>,
+    ) -> Result<(), SessionError> {
+        let claiming = matches!(self.state, State::Authenticated | State::Restoring);
+        if !claiming || self.core.is_none() {
+            return Err(self.misuse("claim result"));
+        }
+        let (grant, inherited) = match result {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(error = %e, "ownership claim failed");
+                self.abort_handshake(CloseCode::Unavailable, "ownership registry unavailable");
+                return Ok(());
+            }
+        };
+        let outcome = match (self.pending.restore, self.pending.restore_failed) {
+            (Some((outcome, _)), _) => outcome,
+            (None, true) => WelcomeOutcome::RestoreFailedNewSession,
+            (None, false) => WelcomeOutcome::NewSession,
+        };
+        let base = self.pending.restore.map_or(0, |(_, b)| b);
+        let Some(core) = self.core.as_mut() else {
+            return Err(self.misuse("claim result"));
+        };
+        core.fencing = grant.fencing;
+        if let Some(inherited) = inherited {
+            for (service, instance) in inherited {
+                core.bindings.entry(service).or_insert(instance);
+            }
+        }
+        let cum = core.upstream.cumulative();
+        let welcome = Welcome {
+            session_id: core.id,
+            resume_token: self.pending.resume_token.unwrap_or_default(),
+            outcome,
+            heartbeat_interval_ms: duration_ms(self.config.heartbeat_interval),
+            idle_timeout_ms: duration_ms(self.config.idle_timeout),
+            max_frame_size: self.config.max_frame_size,
+            server_seq_base: base,
+            client_seq_ack: cum,
+        };
+        self.actions.push_back(Action::Established {
+            session_id: core.id,
+            player_id: core.player_id.clone(),
+            fencing: core.fencing,
+            outcome,
+        });
+        if !core.bindings.is_empty() {
+            self.actions.push_back(Action::Bind(core.bindings.clone()));
+        }
+        self.actions
+            .push_back(Action::Send(Frame::Welcome(welcome)));
+        let mut replayed = 0;
+        for e in core.replay.entries_after(base) {
+            self.actions.push_back(Action::Send(Frame::Data(Data {
+                class: e.class,
+                msg_id: e.msg_id,
+                seq: e.seq,
+                ack: None,
+                payload: e.payload.clone(),
+            })));
+            replayed += 1;
+        }
+        SessionCounters::add(&self.counters.replayed, replayed);
+        let counter = match outcome {
+            WelcomeOutcome::NewSession => &self.counters.new_sessions,
+            WelcomeOutcome::Restored => &self.counters.restored,
+            WelcomeOutcome::RestoredWithGap => &self.counters.restored_with_gap,
+            WelcomeOutcome::RestoreFailedNewSession => &self.counters.restore_failed_new_session,
+        };
+        SessionCounters::bump(counter);
+        self.up_ack.reset(cum);
+        self.handshake_deadline = None;
+        self.last_rx = Some(now);
+        self.pending = Pending::default();
+        self.transition(State::Active);
+        Ok(())
+    }
+
+    fn on_active_frame(&mut self, now: Instant, frame: Frame) -> Result<(), SessionError> {
+        // Any frame after WELCOME proves the client holds the new resume token.
+        if let Some(core) = self.core.as_mut() {
+            core.prev_resume_hash = None;
+        }
+        match frame {
+            Frame::Data(d) => {
+                if let Some(ack) = d.ack {
+                    self.on_ack(now, ack)?;
+                }
+                let Some(core) = self.core.as_mut() else {
+                    return Err(self.misuse("data"));
+                };
+                if d.class.is_sequenced() {
+                    match core.upstream.receive(d.seq) {
+                        Received::OutOfWindow => {
+                            SessionCounters::bump(&self.counters.protocol_errors);
+                            self.link_lost(now, CloseCode::ProtocolError, "seq out of window");
+                            return Err(SessionError::SeqOutOfWindow(d.seq));
+                        }
+                        Received::Duplicate => {
+                            SessionCounters::bump(&self.counters.upstream_duplicates);
+                            self.owe_ack(now);
+                            return Ok(());
+                        }
+                        Received::New => {}
+                    }
+                }
+                self.actions.push_back(Action::Deliver(Upstream {
+                    session_id: core.id,
+                    player_id: core.player_id.clone(),
+                    class: d.class,
+                    msg_id: d.msg_id,
+                    seq: d.seq,
+                    payload: d.payload,
+                }));
+                SessionCounters::bump(&self.counters.upstream_delivered);
+                if d.class.is_sequenced() {
+                    self.owe_ack(now);
+                }
+                Ok(())
+            }
+            Frame::Ack { ack } => self.on_ack(now, ack),
+            Frame::Pong { .. } => Ok(()),
+            Frame::Close { code, .. } => {
+                self.link_lost(now, code, "");
+                Ok(())
+            }
+            other => {
+                let e = err_unexpected(self.state, &other);
+                SessionCounters::bump(&self.counters.protocol_errors);
+                self.link_lost(now, CloseCode::UnexpectedFrame, "unexpected frame");
+                Err(e)
+            }
+        }
+    }
+
+    fn on_ack(&mut self, now: Instant, ack: u64) -> Result<(), SessionError> {
+        let Some(core) = self.core.as_mut() else {
+            return Err(self.misuse("ack"));
+        };
+        if let Err(e) = core.replay.ack(ack) {
+            SessionCounters::bump(&self.counters.protocol_errors);
+            self.link_lost(now, CloseCode::ProtocolError, "ack beyond sent");
+            return Err(e.into());
+        }
+        Ok(())
+    }
+
+    fn owe_ack(&mut self, now: Instant) {
+        if self.up_ack.on_receive(now, &self.config.ack) {
+            self.send_standalone_ack();
+        }
+    }
+
+    fn send_standalone_ack(&mut self) {
+        if let Some(core) = &self.core {
+            let cum = core.upstream.cumulative();
+            self.up_ack.on_sent(cum);
+            self.actions
+                .push_back(Action::Send(Frame::Ack { ack: cum }));
+            SessionCounters::bump(&self.counters.acks_sent);
+        }
+    }
+
+    /// Closes the connection (if `code` needs a CLOSE sent) and detaches.
+    fn link_lost(&mut self, now: Instant, code: CloseCode, message: &str) {
+        if !message.is_empty() {
+            self.actions.push_back(Action::Close {
+                code,
+                message: message.to_owned(),
+            });
+        }
+        self.detach(now, code);
+    }
+
+    fn detach(&mut self, now: Instant, code: CloseCode) {
+        if let Some(core) = &self.core {
+            tracing::info!(session = %hex_id(&core.id), reason = %code, "link down, session lingers");
+            self.actions
+                .push_back(Action::Persist(Box::new(core.snapshot())));
+        }
+        SessionCounters::bump(&self.counters.detached);
+        self.linger_deadline = Some(now + self.config.linger);
+        self.transition(State::Detached);
+    }
+
+    /// The connection is gone (peer closed, transport error, slow consumer). An ACTIVE
+    /// session detaches and lingers; a handshake in progress ends.
+    pub fn handle_link_down(&mut self, now: Instant, code: CloseCode) -> Result<(), SessionError> {
+        match self.state {
+            State::Active => {
+                self.detach(now, code);
+                Ok(())
+            }
+            State::Disconnected
+            | State::Handshaking
+            | State::Authenticating
+            | State::Authenticated
+            | State::Restoring => {
+                self.put_back_taken();
+                self.end_with(State::Closed, EndReason::HandshakeFailed(code));
+                Ok(())
+            }
+            _ => Err(self.misuse("link down")),
+        }
+    }
+
+    /// Timers: handshake deadline, idle timeout, delayed ack, linger.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        match self.state {
+            State::Handshaking
+            | State::Authenticating
+            | State::Authenticated
+            | State::Restoring
+                if self.handshake_deadline.is_some_and(|d| now >= d) =>
+            {
+                self.abort_handshake(CloseCode::HandshakeTimeout, "handshake timed out");
+            }
+            State::Active => {
+                if self.up_ack.due(now, &self.config.ack) {
+                    self.send_standalone_ack();
+                }
+                if self
+                    .last_rx
+                    .is_some_and(|t| now >= t + self.config.idle_timeout)
+                {
+                    self.link_lost(now, CloseCode::IdleTimeout, "nothing received");
+                }
+            }
+            State::Detached if self.linger_deadline.is_some_and(|d| now >= d) => {
+                SessionCounters::bump(&self.counters.expired);
+                if let Some(core) = &self.core {
+                    self.actions.push_back(Action::Ended(SessionEnd {
+                        session_id: core.id,
+                        player_id: core.player_id.clone(),
+                        fencing: core.fencing,
+                        bindings: core.bindings.clone(),
+                        reason: EndReason::LingerExpired,
+                    }));
+                }
+                self.end_with(State::Expired, EndReason::LingerExpired);
+            }
+            _ => {}
+        }
+    }
+
+    /// Queues a downstream message. Sequenced classes get the next seq and enter the replay
+    /// buffer (also while DETACHED, for replay after resume); best-effort is sent only when
+    /// ACTIVE and dropped otherwise. Returns the seq (0 for best-effort), or `None` when
+    /// dropped.
+    pub fn send_downstream(
+        &mut self,
+        _now: Instant,
+        class: TrafficClass,
+        msg_id: u32,
+        payload: Bytes,
+    ) -> Result<Option<u64>, SessionError> {
+        let active = match self.state {
+            State::Active => true,
+            State::Detached => false,
+            _ => return Err(self.misuse("downstream message")),
+        };
+        let Some(core) = self.core.as_mut() else {
+            return Err(self.misuse("downstream message"));
+        };
+        let ack = if active && self.up_ack.pending(core.upstream.cumulative()) {
+            self.up_ack.piggyback(core.upstream.cumulative())
+        } else {
+            None
+        };
+        if !class.is_sequenced() {
+            if !active {
+                SessionCounters::bump(&self.counters.best_effort_dropped);
+                return Ok(None);
+            }
+            self.actions.push_back(Action::Send(Frame::Data(Data {
+                class,
+                msg_id,
+                seq: 0,
+                ack,
+                payload,
+            })));
+            SessionCounters::bump(&self.counters.downstream_sent);
+            return Ok(Some(0));
+        }
+        let (seq, evicted) = core.replay.push(class, msg_id, payload.clone());
+        if evicted > 0 {
+            SessionCounters::add(&self.counters.replay_evicted, evicted as u64);
+        }
+        if active {
+            self.actions.push_back(Action::Send(Frame::Data(Data {
+                class,
+                msg_id,
+                seq,
+                ack,
+                payload,
+            })));
+            SessionCounters::bump(&self.counters.downstream_sent);
+        }
+        Ok(Some(seq))
+    }
+
+    /// Reports that one upstream message could not be delivered (ERROR frame).
+    pub fn report_error(
+        &mut self,
+        code: CloseCode,
+        msg_id: u32,
+        client_seq: u64,
+        retry_after_ms: u32,
+    ) -> Result<(), SessionError> {
+        if self.state != State::Active {
+            return Err(self.misuse("error report"));
+        }
+        self.actions
+            .push_back(Action::Send(Frame::Error(ErrorReport {
+                code,
+                msg_id,
+                client_seq,
+                retry_after_ms,
+            })));
+        Ok(())
+    }
+
+    /// Records a backend binding (service -> instance), kept across reconnects.
+    pub fn bind(&mut self, service: &str, instance: &str) -> Result<(), SessionError> {
+        match (self.state, self.core.as_mut()) {
+            (State::Active | State::Detached, Some(core)) => {
+                core.bindings
+                    .insert(service.to_owned(), instance.to_owned());
+                Ok(())
+            }
+            _ => Err(self.misuse("bind")),
+        }
+    }
+
+    /// Soft migration (S8): tells the client to reconnect to `target` within `deadline` and
+    /// resume with a fresh resume token (rotated now; the old one stops working).
+    pub fn migrate(&mut self, target: &str, deadline: Duration) -> Result<(), SessionError> {
+        if self.state != State::Active {
+            return Err(self.misuse("migrate"));
+        }
+        let (token, hash) = new_resume_token(self.rng.as_mut());
+        let Some(core) = self.core.as_mut() else {
+            return Err(self.misuse("migrate"));
+        };
+        // MIGRATE may be lost: the current token stays valid for one more restore.
+        core.prev_resume_hash = Some(core.resume_hash);
+        core.resume_hash = hash;
+        self.actions.push_back(Action::Send(Frame::Migrate(Migrate {
+            deadline_ms: duration_ms(deadline),
+            target: target.to_owned(),
+            session_id: core.id,
+            resume_token: token,
+        })));
+        Ok(())
+    }
+
+    /// A newer login of the same player took over (S6): the connection (if any) is closed
+    /// with KICKED and the machine ends. Returns the bindings for the new session.
+    pub fn kick(&mut self, _now: Instant) -> Result<BTreeMap<String, String>, SessionError> {
+        if !matches!(self.state, State::Active | State::Detached) {
+            return Err(self.misuse("kick"));
+        }
+        if self.state == State::Active {
+            self.actions.push_back(Action::Close {
+                code: CloseCode::Kicked,
+                message: "another login took over this player".into(),
+            });
+        }
+        SessionCounters::bump(&self.counters.kicked);
+        let bindings = self
+            .core
+            .as_mut()
+            .map(|c| std::mem::take(&mut c.bindings))
+            .unwrap_or_default();
+        self.end_with(State::Closed, EndReason::Kicked);
+        Ok(bindings)
+    }
+
+    /// Hands the session over to a new connection that presented `resume_hash` (the client
+    /// reconnected while this machine still holds the session). On a match the machine ends
+    /// as superseded and returns the snapshot; otherwise nothing changes.
+    pub fn hand_over(
+        &mut self,
+        _now: Instant,
+        resume_hash: &ResumeHash,
+    ) -> Result<TakeOutcome, SessionError> {
+        if !matches!(self.state, State::Active | State::Detached) {
+            return Ok(TakeOutcome::NotFound);
+        }
+        let Some(core) = self.core.as_ref() else {
+            return Ok(TakeOutcome::NotFound);
+        };
+        let snapshot = core.snapshot();
+        if !snapshot.accepts(resume_hash) {
+            return Ok(TakeOutcome::Mismatch);
+        }
+        if self.state == State::Active {
+            self.actions.push_back(Action::Close {
+                code: CloseCode::GoingAway,
+                message: "session resumed on another connection".into(),
+            });
+        }
+        self.end_with(State::Closed, EndReason::Superseded);
+        Ok(TakeOutcome::Taken(Box::new(snapshot)))
+    }
+
+    /// Ends the session for good from the server side (admin, logout, shutdown without
+    /// migration): closes the connection with `code` and releases the session.
+    pub fn close_session(&mut self, _now: Instant, code: CloseCode) -> Result<(), SessionError> {
+        if !matches!(self.state, State::Active | State::Detached) {
+            return Err(self.misuse("close session"));
+        }
+        if self.state == State::Active {
+            self.actions.push_back(Action::Close {
+                code,
+                message: "session closed by server".into(),
+            });
+        }
+        if let Some(core) = &self.core {
+            self.actions.push_back(Action::Ended(SessionEnd {
+                session_id: core.id,
+                player_id: core.player_id.clone(),
+                fencing: core.fencing,
+                bindings: core.bindings.clone(),
+                reason: EndReason::ClosedByServer(code),
+            }));
+        }
+        self.end_with(State::Closed, EndReason::ClosedByServer(code));
+        Ok(())
+    }
+}
+
+fn duration_ms(d: Duration) -> u32 {
+    u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
+}

@@ -1,0 +1,238 @@
+//! The downstream replay buffer (SPEC S4): sequenced server->client messages kept until the
+//! client's cumulative ack covers them, bounded by count and bytes. Overflow evicts the
+//! oldest entries and remembers how far it evicted, so a restore that would need them is
+//! reported as a gap instead of pretending nothing was lost.
+
+use std::collections::VecDeque;
+
+use bytes::Bytes;
+use waygate_transport::TrafficClass;
+
+/// Bounds of one session's replay buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ReplayLimits {
+    /// Most messages kept.
+    pub max_messages: usize,
+    /// Most payload bytes kept.
+    pub max_bytes: usize,
+}
+
+impl Default for ReplayLimits {
+    fn default() -> Self {
+        Self {
+            max_messages: 1024,
+            max_bytes: 1024 * 1024,
+        }
+    }
+}
+
+/// One sequenced downstream message.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ReplayEntry {
+    /// Its per-session seq.
+    pub seq: u64,
+    /// Critical or normal (best-effort is never buffered).
+    pub class: TrafficClass,
+    /// Application message id.
+    pub msg_id: u32,
+    /// Body.
+    pub payload: Bytes,
+}
+
+/// The client acked a seq the server never sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("ack {ack} is beyond the highest sent seq {highest}")]
+pub struct AckBeyondSent {
+    /// The ack received.
+    pub ack: u64,
+    /// The highest seq assigned so far.
+    pub highest: u64,
+}
+
+/// Where replay resumes after a restore.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RestorePoint {
+    /// WELCOME's `server_seq_base`: replay starts at `base + 1`.
+    pub base: u64,
+    /// Messages the client never received were evicted: it must resync.
+    pub gap: bool,
+}
+
+/// Sequenced downstream messages awaiting the client's ack.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ReplayBuffer {
+    limits: ReplayLimits,
+    entries: VecDeque<ReplayEntry>,
+    bytes: usize,
+    next_seq: u64,
+    acked: u64,
+    evicted_through: u64,
+}
+
+impl ReplayBuffer {
+    /// An empty buffer; the first seq assigned is 1.
+    pub fn new(limits: ReplayLimits) -> Self {
+        Self {
+            limits,
+            entries: VecDeque::new(),
+            bytes: 0,
+            next_seq: 1,
+            acked: 0,
+            evicted_through: 0,
+        }
+    }
+
+    /// Assigns the next seq to a message and keeps it. Returns the seq and how many older
+    /// unacked messages were evicted to stay within bounds.
+    pub fn push(&mut self, class: TrafficClass, msg_id: u32, payload: Bytes) -> (u64, usize) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.bytes += payload.len();
+        self.entries.push_back(ReplayEntry {
+            seq,
+            class,
+            msg_id,
+            payload,
+        });
+        let mut evicted = 0;
+        while self.entries.len() > self.limits.max_messages || self.bytes > self.limits.max_bytes {
+            let Some(old) = self.entries.pop_front() else {
+                break;
+            };
+            self.bytes -= old.payload.len();
+            self.evicted_through = self.evicted_through.max(old.seq);
+            evicted += 1;
+        }
+        (seq, evicted)
+    }
+
+    /// Applies a cumulative ack: frees every entry `<= ack`. Lower acks than before are
+    /// ignored; an ack beyond what was sent is an error (the buffer is unchanged).
+    pub fn ack(&mut self, ack: u64) -> Result<usize, AckBeyondSent> {
+        if ack > self.highest_sent() {
+            return Err(AckBeyondSent {
+                ack,
+                highest: self.highest_sent(),
+            });
+        }
+        if ack <= self.acked {
+            return Ok(0);
+        }
+        self.acked = ack;
+        let mut freed = 0;
+        while self.entries.front().is_some_and(|e| e.seq <= ack) {
+            if let Some(e) = self.entries.pop_front() {
+                self.bytes -= e.payload.len();
+                freed += 1;
+            }
+        }
+        Ok(freed)
+    }
+
+    /// Computes the restore point for a client whose last received seq is `client_last`
+    /// (also applied as an ack).
+    pub fn restore_point(&mut self, client_last: u64) -> Result<RestorePoint, AckBeyondSent> {
+        self.ack(client_last)?;
+        let client_last = client_last.max(self.acked);
+        Ok(if client_last < self.evicted_through {
+            RestorePoint {
+                base: self.evicted_through,
+                gap: true,
+            }
+        } else {
+            RestorePoint {
+                base: client_last,
+                gap: false,
+            }
+        })
+    }
+
+    /// Buffered entries with seq above `after`, in order (what a restore replays).
+    pub fn entries_after(&self, after: u64) -> impl Iterator<Item = &ReplayEntry> {
+        self.entries.iter().filter(move |e| e.seq > after)
+    }
+
+    /// Highest seq assigned so far (0 before the first).
+    pub fn highest_sent(&self) -> u64 {
+        self.next_seq - 1
+    }
+
+    /// Highest cumulative ack received.
+    pub fn acked(&self) -> u64 {
+        self.acked
+    }
+
+    /// Highest seq evicted before it was acked (0 = never overflowed).
+    pub fn evicted_through(&self) -> u64 {
+        self.evicted_through
+    }
+
+    /// Messages held.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Payload bytes held.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(n: usize) -> Bytes {
+        Bytes::from(vec![0u8; n])
+    }
+
+    #[test]
+    fn seqs_start_at_one_and_acks_free() {
+        let mut r = ReplayBuffer::new(ReplayLimits::default());
+        assert_eq!(r.push(TrafficClass::Normal, 1, p(3)).0, 1);
+        assert_eq!(r.push(TrafficClass::Critical, 1, p(3)).0, 2);
+        assert_eq!(r.push(TrafficClass::Normal, 1, p(3)).0, 3);
+        assert_eq!(r.bytes(), 9);
+        assert_eq!(r.ack(2), Ok(2));
+        assert_eq!(r.ack(1), Ok(0));
+        assert_eq!(r.len(), 1);
+        assert_eq!(r.ack(4), Err(AckBeyondSent { ack: 4, highest: 3 }));
+        assert_eq!(
+            r.entries_after(0).map(|e| e.seq).collect::<Vec<_>>(),
+            vec![3]
+        );
+    }
+
+    #[test]
+    fn overflow_by_count_and_bytes_marks_a_gap() {
+        let mut r = ReplayBuffer::new(ReplayLimits {
+            max_messages: 3,
+            max_bytes: 100,
+        });
+        for _ in 0..5 {
+            r.push(TrafficClass::Normal, 1, p(10));
+        }
+        assert_eq!(r.len(), 3);
+        assert_eq!(r.evicted_through(), 2);
+        assert_eq!(
+            r.clone().restore_point(1),
+            Ok(RestorePoint { base: 2, gap: true })
+        );
+        assert_eq!(
+            r.clone().restore_point(2),
+            Ok(RestorePoint {
+                base: 2,
+                gap: false
+            })
+        );
+        let (_, evicted) = r.push(TrafficClass::Normal, 1, p(95));
+        assert_eq!(evicted, 3, "bytes bound evicts until under 100");
+        assert_eq!(r.evicted_through(), 5);
+        assert!(r.restore_point(7).is_err());
+    }
+}

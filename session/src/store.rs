@@ -1,0 +1,440 @@
+//! Storage behind traits (SPEC S5, S6, S7): the session [`Snapshot`], the [`SnapshotStore`]
+//! that keeps it while a session lingers, and the [`OwnershipRegistry`] that enforces one
+//! live session per player with fencing tokens. Both traits are async and fallible because
+//! the warm tier is remote (Redis); the in-memory implementations are the embedded default
+//! (hot tier) and the reference semantics a remote backend must match:
+//!
+//! - `SnapshotStore::take` is an atomic compare-and-delete on the resume-token hash (Redis:
+//!   a Lua script), so a resume token works once even when two edges race.
+//! - `SnapshotStore::delete` with a fencing token deletes only that generation, so a stale
+//!   owner's linger expiry cannot delete a snapshot a newer owner wrote.
+//! - `OwnershipRegistry::claim` increments a per-player fencing counter that never goes
+//!   back (Redis: `INCR` on a key that outlives the session), and returns the previous owner
+//!   so the caller can kick it and take over its bindings.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use waygate_transport::frame::SessionId;
+
+use crate::replay::ReplayBuffer;
+use crate::resume::ResumeHash;
+use crate::seq::RecvWindow;
+
+/// Version of the serialized snapshot layout.
+pub const SNAPSHOT_VERSION: u32 = 1;
+
+/// Everything needed to restore a session on any edge: serde-serializable for the warm tier.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Snapshot {
+    /// [`SNAPSHOT_VERSION`] when written.
+    pub version: u32,
+    /// The session.
+    pub session_id: SessionId,
+    /// Its player.
+    pub player_id: String,
+    /// Ownership generation (S6); increases on every claim.
+    pub fencing: u64,
+    /// SHA-256 of the current resume token.
+    pub resume_hash: ResumeHash,
+    /// SHA-256 of the token the client presented on its last restore, while the client has
+    /// not yet confirmed receipt of its replacement (a lost WELCOME must not strand it).
+    #[serde(default)]
+    pub prev_resume_hash: Option<ResumeHash>,
+    /// Backend bindings: service -> instance (S5).
+    pub bindings: BTreeMap<String, String>,
+    /// Unacked downstream messages and the downstream seq counter.
+    pub replay: ReplayBuffer,
+    /// Upstream client seqs received (dedup state).
+    pub upstream: RecvWindow,
+}
+
+impl Snapshot {
+    /// Whether a presented token's hash may resume this snapshot: the current token, or the
+    /// previous one while its replacement is unconfirmed. Constant time in both compares.
+    pub fn accepts(&self, hash: &ResumeHash) -> bool {
+        let current = self.resume_hash.ct_eq(hash);
+        let prev = self.prev_resume_hash.is_some_and(|p| p.ct_eq(hash));
+        current | prev
+    }
+}
+
+/// A storage backend failed (remote store down, timeout, corrupt record).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The backend could not be reached or refused the operation.
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    /// The backend did not answer in time.
+    #[error("store timed out")]
+    Timeout,
+    /// A record did not deserialize.
+    #[error("corrupt record: {0}")]
+    Corrupt(String),
+}
+
+/// Result of [`SnapshotStore::take`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TakeOutcome {
+    /// The hash matched; the snapshot is removed from the store and returned.
+    Taken(Box<Snapshot>),
+    /// A snapshot exists but the presented token's hash does not match: nothing changed.
+    Mismatch,
+    /// No snapshot (never existed, expired, already taken or deleted).
+    NotFound,
+}
+
+/// Where lingering sessions live.
+#[async_trait]
+pub trait SnapshotStore: Send + Sync + 'static {
+    /// Writes (or overwrites) a snapshot that expires after `ttl`.
+    async fn put(&self, snapshot: &Snapshot, ttl: Duration) -> Result<(), StoreError>;
+    /// Reads a snapshot without removing it.
+    async fn get(&self, session_id: &SessionId) -> Result<Option<Snapshot>, StoreError>;
+    /// Atomically removes and returns the snapshot if [`Snapshot::accepts`] `resume_hash`.
+    async fn take(
+        &self,
+        session_id: &SessionId,
+        resume_hash: &ResumeHash,
+    ) -> Result<TakeOutcome, StoreError>;
+    /// Removes a snapshot; with `fencing`, only if the stored one has that fencing token.
+    /// Returns whether something was removed.
+    async fn delete(
+        &self,
+        session_id: &SessionId,
+        fencing: Option<u64>,
+    ) -> Result<bool, StoreError>;
+}
+
+/// The owner of a player.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Owner {
+    /// The owning session.
+    pub session_id: SessionId,
+    /// The edge holding it.
+    pub edge: String,
+    /// Its fencing token.
+    pub fencing: u64,
+}
+
+/// Result of [`OwnershipRegistry::claim`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimGrant {
+    /// The new fencing token (greater than every earlier one of this player).
+    pub fencing: u64,
+    /// Who owned the player before, if anyone (possibly this same session, on a restore).
+    pub previous: Option<Owner>,
+}
+
+/// One live session per player (S6).
+#[async_trait]
+pub trait OwnershipRegistry: Send + Sync + 'static {
+    /// Makes `session_id` on `edge` the owner of `player_id`, taking over from any previous
+    /// owner. Always succeeds unless the backend fails.
+    async fn claim(
+        &self,
+        player_id: &str,
+        session_id: &SessionId,
+        edge: &str,
+    ) -> Result<ClaimGrant, StoreError>;
+    /// Gives up ownership if `session_id` still owns the player with `fencing`. Returns
+    /// whether it did (false: someone newer owns it; the caller must not touch bindings).
+    async fn release(
+        &self,
+        player_id: &str,
+        session_id: &SessionId,
+        fencing: u64,
+    ) -> Result<bool, StoreError>;
+    /// The current owner.
+    async fn owner(&self, player_id: &str) -> Result<Option<Owner>, StoreError>;
+}
+
+type Clock = Box<dyn Fn() -> Instant + Send + Sync>;
+
+/// In-memory [`SnapshotStore`] (hot tier, embedded default). Expired entries are dropped on
+/// access and by [`MemorySnapshotStore::purge_expired`].
+pub struct MemorySnapshotStore {
+    map: Mutex<HashMap<SessionId, (Snapshot, Instant)>>,
+    clock: Clock,
+}
+
+impl std::fmt::Debug for MemorySnapshotStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemorySnapshotStore")
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for MemorySnapshotStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemorySnapshotStore {
+    /// A store on tokio's clock (virtual under paused test time).
+    pub fn new() -> Self {
+        Self::with_clock(|| tokio::time::Instant::now().into_std())
+    }
+
+    /// A store on a caller-supplied clock.
+    pub fn with_clock(clock: impl Fn() -> Instant + Send + Sync + 'static) -> Self {
+        Self {
+            map: Mutex::new(HashMap::new()),
+            clock: Box::new(clock),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<SessionId, (Snapshot, Instant)>> {
+        self.map.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Drops expired entries; returns how many.
+    pub fn purge_expired(&self) -> usize {
+        let now = (self.clock)();
+        let mut map = self.lock();
+        let before = map.len();
+        map.retain(|_, (_, exp)| *exp > now);
+        before - map.len()
+    }
+
+    /// Entries held (expired ones included until purged).
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
+    fn live<'a>(
+        map: &'a mut HashMap<SessionId, (Snapshot, Instant)>,
+        id: &SessionId,
+        now: Instant,
+    ) -> Option<&'a Snapshot> {
+        if map.get(id).is_some_and(|(_, exp)| *exp <= now) {
+            map.remove(id);
+        }
+        map.get(id).map(|(s, _)| s)
+    }
+}
+
+#[async_trait]
+impl SnapshotStore for MemorySnapshotStore {
+    async fn put(&self, snapshot: &Snapshot, ttl: Duration) -> Result<(), StoreError> {
+        let exp = (self.clock)() + ttl;
+        self.lock()
+            .insert(snapshot.session_id, (snapshot.clone(), exp));
+        Ok(())
+    }
+
+    async fn get(&self, session_id: &SessionId) -> Result<Option<Snapshot>, StoreError> {
+        let now = (self.clock)();
+        Ok(Self::live(&mut self.lock(), session_id, now).cloned())
+    }
+
+    async fn take(
+        &self,
+        session_id: &SessionId,
+        resume_hash: &ResumeHash,
+    ) -> Result<TakeOutcome, StoreError> {
+        let now = (self.clock)();
+        let mut map = self.lock();
+        let matches = match Self::live(&mut map, session_id, now) {
+            None => return Ok(TakeOutcome::NotFound),
+            Some(s) => s.accepts(resume_hash),
+        };
+        if !matches {
+            return Ok(TakeOutcome::Mismatch);
+        }
+        Ok(match map.remove(session_id) {
+            Some((s, _)) => TakeOutcome::Taken(Box::new(s)),
+            None => TakeOutcome::NotFound,
+        })
+    }
+
+    async fn delete(
+        &self,
+        session_id: &SessionId,
+        fencing: Option<u64>,
+    ) -> Result<bool, StoreError> {
+        let mut map = self.lock();
+        let hit = map
+            .get(session_id)
+            .is_some_and(|(s, _)| fencing.is_none_or(|f| s.fencing == f));
+        if hit {
+            map.remove(session_id);
+        }
+        Ok(hit)
+    }
+}
+
+/// In-memory [`OwnershipRegistry`] (embedded default, one edge).
+#[derive(Debug, Default)]
+pub struct MemoryOwnership {
+    inner: Mutex<HashMap<String, (u64, Option<Owner>)>>,
+}
+
+impl MemoryOwnership {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+#[async_trait]
+impl OwnershipRegistry for MemoryOwnership {
+    async fn claim(
+        &self,
+        player_id: &str,
+        session_id: &SessionId,
+        edge: &str,
+    ) -> Result<ClaimGrant, StoreError> {
+        let mut map = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = map.entry(player_id.to_owned()).or_insert((0, None));
+        entry.0 += 1;
+        let fencing = entry.0;
+        let previous = entry.1.replace(Owner {
+            session_id: *session_id,
+            edge: edge.to_owned(),
+            fencing,
+        });
+        Ok(ClaimGrant { fencing, previous })
+    }
+
+    async fn release(
+        &self,
+        player_id: &str,
+        session_id: &SessionId,
+        fencing: u64,
+    ) -> Result<bool, StoreError> {
+        let mut map = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(entry) = map.get_mut(player_id) else {
+            return Ok(false);
+        };
+        let owns = entry
+            .1
+            .as_ref()
+            .is_some_and(|o| o.session_id == *session_id && o.fencing == fencing);
+        if owns {
+            entry.1 = None; // the counter stays: fencing never goes back
+        }
+        Ok(owns)
+    }
+
+    async fn owner(&self, player_id: &str) -> Result<Option<Owner>, StoreError> {
+        let map = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(map.get(player_id).and_then(|(_, o)| o.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replay::ReplayLimits;
+    use bytes::Bytes;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    use waygate_transport::TrafficClass;
+
+    fn snapshot(fencing: u64) -> Snapshot {
+        let mut replay = ReplayBuffer::new(ReplayLimits::default());
+        replay.push(TrafficClass::Critical, 5, Bytes::from_static(b"hi"));
+        Snapshot {
+            version: SNAPSHOT_VERSION,
+            session_id: [1; 16],
+            player_id: "p".into(),
+            fencing,
+            resume_hash: ResumeHash::of(&[2; 16]),
+            prev_resume_hash: Some(ResumeHash::of(&[3; 16])),
+            bindings: [("world".to_owned(), "w-1".to_owned())].into(),
+            replay,
+            upstream: RecvWindow::starting_at(4),
+        }
+    }
+
+    #[test]
+    fn snapshot_serde_round_trips() {
+        let s = snapshot(3);
+        let json = serde_json::to_string(&s).expect("ser");
+        let back: Snapshot = serde_json::from_str(&json).expect("de");
+        assert_eq!(back, s);
+    }
+
+    fn block_on<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("rt")
+            .block_on(f)
+    }
+
+    #[test]
+    fn memory_store_take_is_compare_and_delete_and_ttl_expires() {
+        let t0 = Instant::now();
+        let offset = Arc::new(AtomicU64::new(0));
+        let o = offset.clone();
+        let store = MemorySnapshotStore::with_clock(move || {
+            t0 + Duration::from_secs(o.load(Ordering::Relaxed))
+        });
+        block_on(async {
+            let s = snapshot(1);
+            store.put(&s, Duration::from_secs(10)).await.expect("put");
+            let wrong = ResumeHash::of(&[9; 16]);
+            assert_eq!(
+                store.take(&s.session_id, &wrong).await,
+                Ok(TakeOutcome::Mismatch)
+            );
+            assert!(
+                store.get(&s.session_id).await.expect("get").is_some(),
+                "untouched"
+            );
+            // The unconfirmed previous token is accepted too.
+            let prev = ResumeHash::of(&[3; 16]);
+            assert!(matches!(
+                store.take(&s.session_id, &prev).await,
+                Ok(TakeOutcome::Taken(_))
+            ));
+            assert_eq!(
+                store.take(&s.session_id, &prev).await,
+                Ok(TakeOutcome::NotFound)
+            );
+            // Fenced delete.
+            store.put(&s, Duration::from_secs(10)).await.expect("put");
+            assert_eq!(store.delete(&s.session_id, Some(2)).await, Ok(false));
+            assert_eq!(store.delete(&s.session_id, Some(1)).await, Ok(true));
+            // TTL.
+            store.put(&s, Duration::from_secs(10)).await.expect("put");
+            offset.store(11, Ordering::Relaxed);
+            assert_eq!(store.get(&s.session_id).await, Ok(None));
+            store.put(&s, Duration::from_secs(10)).await.expect("put");
+            offset.store(30, Ordering::Relaxed);
+            assert_eq!(store.purge_expired(), 1);
+            assert!(store.is_empty());
+        });
+    }
+
+    #[test]
+    fn ownership_fencing_only_grows_and_release_is_fenced() {
+        let reg = MemoryOwnership::new();
+        block_on(async {
+            let a = reg.claim("p", &[1; 16], "e1").await.expect("claim");
+            assert_eq!((a.fencing, a.previous.clone()), (1, None));
+            let b = reg.claim("p", &[2; 16], "e2").await.expect("claim");
+            assert_eq!(b.fencing, 2);
+            assert_eq!(b.previous.map(|o| o.session_id), Some([1; 16]));
+            assert_eq!(
+                reg.release("p", &[1; 16], 1).await,
+                Ok(false),
+                "stale owner"
+            );
+            assert_eq!(reg.release("p", &[2; 16], 2).await, Ok(true));
+            assert_eq!(reg.owner("p").await, Ok(None));
+            let c = reg.claim("p", &[3; 16], "e1").await.expect("claim");
+            assert_eq!(c.fencing, 3, "never goes back after a release");
+        });
+    }
+}

@@ -1,0 +1,729 @@
+//! Deterministic tests of the session machine and its client counterpart on a virtual clock
+//! (see [`pair`]).
+
+mod pair;
+mod props;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use waygate_transport::frame::{Hello, ResumeRequest, WelcomeOutcome};
+use waygate_transport::protocol::PROTOCOL_VERSION;
+use waygate_transport::{CloseCode, Frame, TrafficClass};
+
+use crate::client::{ClientEvent, ClientState};
+use crate::machine::{Action, EndReason, SessionConfig, SessionError, State};
+use crate::replay::ReplayLimits;
+use crate::seq::AckPolicy;
+use pair::{token_for, Pair};
+
+fn welcomed(p: &Pair, c: usize) -> Vec<WelcomeOutcome> {
+    p.peers[c]
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            ClientEvent::Welcomed { outcome, .. } => Some(*outcome),
+            _ => None,
+        })
+        .collect()
+}
+
+fn rejected(p: &Pair, c: usize) -> Vec<CloseCode> {
+    p.peers[c]
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            ClientEvent::Rejected { code, .. } => Some(*code),
+            _ => None,
+        })
+        .collect()
+}
+
+fn login(p: &mut Pair, player: &str) -> usize {
+    let c = p.add_client(token_for(player));
+    p.connect(c);
+    p.drive(c);
+    c
+}
+
+fn send_up(p: &mut Pair, c: usize, n: usize, tag: &str) {
+    for i in 0..n {
+        let now = p.now;
+        p.peers[c]
+            .client
+            .send(
+                now,
+                TrafficClass::Normal,
+                1,
+                Bytes::from(format!("{tag}{i}")),
+            )
+            .expect("send");
+    }
+}
+
+#[test]
+fn new_session_walks_every_handshake_state_and_counts() {
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "alice");
+    assert_eq!(welcomed(&p, c), vec![WelcomeOutcome::NewSession]);
+    assert_eq!(p.server(c).state(), State::Active);
+    assert_eq!(p.server(c).fencing(), 1);
+    let k = &p.edge.counters;
+    for (from, to) in [
+        (State::Disconnected, State::Handshaking),
+        (State::Handshaking, State::Authenticating),
+        (State::Authenticating, State::Authenticated),
+        (State::Authenticated, State::Active),
+    ] {
+        assert_eq!(k.transition_count(from, to), 1, "{from:?} -> {to:?}");
+    }
+    assert_eq!(k.new_sessions.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert!(k
+        .export()
+        .iter()
+        .any(|(l, v)| l == "transition{from=\"authenticated\",to=\"active\"}" && *v == 1));
+}
+
+#[test]
+fn messages_flow_both_ways_and_acks_free_the_replay_buffer() {
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "alice");
+    let sid = p.session(c);
+    for i in 0..5u8 {
+        p.edge.push(&sid, p.now, TrafficClass::Normal, &[i]);
+    }
+    send_up(&mut p, c, 3, "u");
+    p.drive(c);
+    assert_eq!(p.received(c).len(), 5);
+    assert_eq!(p.edge.delivered.len(), 3);
+    assert_eq!(
+        p.edge.delivered.iter().map(|u| u.seq).collect::<Vec<_>>(),
+        vec![1, 2, 3]
+    );
+    // Acks are delayed (20 ms): after that both buffers are empty.
+    p.advance(Duration::from_millis(25));
+    assert_eq!(p.server(c).core().expect("core").replay().len(), 0);
+    assert_eq!(p.peers[c].client.unacked_len(), 0);
+}
+
+#[test]
+fn standalone_ack_after_n_messages_and_piggybacked_ack() {
+    let cfg = SessionConfig {
+        ack: AckPolicy {
+            delay: Duration::from_secs(5),
+            max_unacked: 4,
+        },
+        ..SessionConfig::default()
+    };
+    let mut p = Pair::new(cfg);
+    let c = login(&mut p, "alice");
+    send_up(&mut p, c, 4, "u");
+    p.drive(c);
+    assert_eq!(
+        p.peers[c].client.unacked_len(),
+        0,
+        "4th message triggers an ACK"
+    );
+    send_up(&mut p, c, 2, "v");
+    p.drive(c);
+    assert_eq!(p.peers[c].client.unacked_len(), 2);
+    let sid = p.session(c);
+    p.edge.push(&sid, p.now, TrafficClass::Normal, b"x");
+    p.drive(c);
+    assert_eq!(p.peers[c].client.unacked_len(), 0, "ack rode on DATA");
+}
+
+#[test]
+fn ping_pong_and_idle_timeout_detaches() {
+    let cfg = SessionConfig {
+        idle_timeout: Duration::from_secs(3),
+        heartbeat_interval: Duration::ZERO, // client sends no pings
+        ..SessionConfig::default()
+    };
+    let mut p = Pair::new(cfg);
+    let c = login(&mut p, "alice");
+    let m = p.peers[c].conn.expect("conn");
+    p.edge.machines[m]
+        .handle_frame(p.now, Frame::Ping { timestamp: 9 })
+        .expect("ping");
+    assert_eq!(
+        p.edge.machines[m].poll_action(),
+        Some(Action::Send(Frame::Pong { timestamp: 9 }))
+    );
+    p.advance(Duration::from_secs(4));
+    assert_eq!(p.edge.machines[m].state(), State::Detached);
+    assert!(p.edge.closes.contains(&(m, CloseCode::IdleTimeout)));
+    assert_eq!(p.peers[c].client.state(), ClientState::Disconnected);
+}
+
+#[test]
+fn heartbeats_keep_an_idle_session_alive() {
+    let cfg = SessionConfig {
+        idle_timeout: Duration::from_secs(3),
+        heartbeat_interval: Duration::from_secs(1),
+        ..SessionConfig::default()
+    };
+    let mut p = Pair::new(cfg);
+    let c = login(&mut p, "alice");
+    p.advance(Duration::from_secs(60));
+    assert_eq!(p.server(c).state(), State::Active);
+}
+
+#[test]
+fn handshake_timeout_closes() {
+    let mut p = Pair::new(SessionConfig::default());
+    let m = p.edge.new_machine(p.now);
+    assert_eq!(p.edge.machines[m].state(), State::Handshaking);
+    p.advance(Duration::from_secs(11));
+    assert_eq!(p.edge.machines[m].state(), State::Closed);
+    assert_eq!(
+        p.edge.machines[m].end_reason(),
+        Some(&EndReason::HandshakeFailed(CloseCode::HandshakeTimeout))
+    );
+}
+
+#[test]
+fn resume_after_cut_replays_missed_and_dedups_resent() {
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "alice");
+    let sid = p.session(c);
+    let first_token = p.peers[c].client.session().expect("s").1;
+    for i in 0..3u8 {
+        p.edge.push(&sid, p.now, TrafficClass::Critical, &[i]);
+    }
+    send_up(&mut p, c, 3, "a");
+    p.drive(c);
+    // 2 more each way are in flight when the link dies.
+    for i in 3..5u8 {
+        p.edge.push(&sid, p.now, TrafficClass::Normal, &[i]);
+    }
+    send_up(&mut p, c, 2, "b");
+    p.drop_next(c, 3);
+    p.drive(c);
+    assert_eq!(p.peers[c].conn, None);
+    assert_eq!(p.edge.machines[0].state(), State::Detached);
+    // Pushed while detached: buffered for replay.
+    p.edge.push(&sid, p.now, TrafficClass::Normal, &[5]);
+    p.edge.push(&sid, p.now, TrafficClass::BestEffort, &[99]);
+    p.advance(Duration::from_secs(60));
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(
+        welcomed(&p, c),
+        vec![WelcomeOutcome::NewSession, WelcomeOutcome::Restored]
+    );
+    assert_eq!(p.session(c), sid);
+    assert_ne!(
+        p.peers[c].client.session().expect("s").1,
+        first_token,
+        "rotated"
+    );
+    let got: Vec<u8> = p.received(c).iter().map(|(_, b)| b[0]).collect();
+    assert_eq!(
+        got,
+        vec![0, 1, 2, 3, 4, 5],
+        "exactly once, in order, no best-effort"
+    );
+    let up: Vec<Bytes> = p.edge.delivered.iter().map(|u| u.payload.clone()).collect();
+    assert_eq!(
+        up,
+        ["a0", "a1", "a2", "b0", "b1"]
+            .iter()
+            .map(|s| Bytes::from(*s))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        p.edge.machines[0].end_reason(),
+        Some(&EndReason::Superseded)
+    );
+    let k = &p.edge.counters;
+    assert_eq!(
+        k.transition_count(State::Handshaking, State::Authenticating),
+        2
+    );
+    assert_eq!(
+        k.transition_count(State::Authenticated, State::Restoring),
+        1
+    );
+    assert_eq!(k.transition_count(State::Restoring, State::Active), 1);
+    assert_eq!(k.transition_count(State::Active, State::Detached), 1);
+    assert_eq!(k.transition_count(State::Detached, State::Closed), 1);
+}
+
+#[test]
+fn resume_only_hello_restores_without_auth_token() {
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "alice");
+    p.cut(c);
+    p.peers[c].client.set_token(Bytes::new());
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(welcomed(&p, c).last(), Some(&WelcomeOutcome::Restored));
+    assert_eq!(
+        p.edge
+            .counters
+            .transition_count(State::Handshaking, State::Restoring),
+        1
+    );
+}
+
+/// Sends a raw HELLO on a fresh machine; returns the machine index and its frames.
+fn raw_hello(p: &mut Pair, token: Bytes, resume: Option<ResumeRequest>) -> (usize, Vec<Frame>) {
+    let m = p.edge.new_machine(p.now);
+    let _ = p.edge.machines[m].handle_frame(
+        p.now,
+        Frame::Hello(Hello {
+            version: PROTOCOL_VERSION,
+            token,
+            resume,
+        }),
+    );
+    let mut out = std::collections::VecDeque::new();
+    p.edge.run(m, p.now, &mut out);
+    (m, out.into_iter().collect())
+}
+
+fn reject_code(frames: &[Frame]) -> Option<CloseCode> {
+    frames.iter().find_map(|f| match f {
+        Frame::Reject(r) => Some(r.code),
+        _ => None,
+    })
+}
+
+fn welcome_outcome(frames: &[Frame]) -> Option<WelcomeOutcome> {
+    frames.iter().find_map(|f| match f {
+        Frame::Welcome(w) => Some(w.outcome),
+        _ => None,
+    })
+}
+
+#[test]
+fn replayed_resume_token_is_rejected_and_the_session_untouched() {
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "alice");
+    let (sid, old_token) = p.peers[c].client.session().expect("s");
+    p.cut(c);
+    p.connect(c);
+    p.drive(c); // restored: token rotated
+    p.cut(c);
+    let resume = ResumeRequest {
+        session_id: sid,
+        resume_token: old_token,
+        last_server_seq: 0,
+    };
+    // Resume-only with the spent token: REJECT ResumeRejected.
+    let (m, frames) = raw_hello(&mut p, Bytes::new(), Some(resume.clone()));
+    assert_eq!(reject_code(&frames), Some(CloseCode::ResumeRejected));
+    assert_eq!(p.edge.machines[m].state(), State::Closed);
+    assert_eq!(
+        p.edge.machines[m].end_reason(),
+        Some(&EndReason::Rejected(CloseCode::ResumeRejected))
+    );
+    // With a valid auth token: restore fails, new session (and the old one is kicked:
+    // single login) — but first check the real session is still resumable.
+    assert!(p.edge.store.contains_key(&sid));
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(welcomed(&p, c).last(), Some(&WelcomeOutcome::Restored));
+    p.cut(c);
+    let (_, frames) = raw_hello(&mut p, token_for("alice"), Some(resume));
+    assert_eq!(
+        welcome_outcome(&frames),
+        Some(WelcomeOutcome::RestoreFailedNewSession)
+    );
+    assert_eq!(
+        p.edge
+            .counters
+            .restore_failed_new_session
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+}
+
+#[test]
+fn token_of_another_session_is_rejected() {
+    let mut p = Pair::new(SessionConfig::default());
+    let a = login(&mut p, "alice");
+    let b = login(&mut p, "bob");
+    let (sid_a, _) = p.peers[a].client.session().expect("a");
+    let (_, tok_b) = p.peers[b].client.session().expect("b");
+    p.cut(a);
+    let resume = ResumeRequest {
+        session_id: sid_a,
+        resume_token: tok_b,
+        last_server_seq: 0,
+    };
+    let (_, frames) = raw_hello(&mut p, Bytes::new(), Some(resume));
+    assert_eq!(reject_code(&frames), Some(CloseCode::ResumeRejected));
+    // Bob's live session and Alice's lingering one are untouched.
+    assert_eq!(p.server(b).state(), State::Active);
+    p.connect(a);
+    p.drive(a);
+    assert_eq!(welcomed(&p, a).last(), Some(&WelcomeOutcome::Restored));
+    // Bob's token presented for Bob's session id but with Alice's auth token: foreign
+    // player; restore fails into a new session for Alice, Bob is untouched.
+    let (sid_b, tok_b) = p.peers[b].client.session().expect("b");
+    p.cut(b);
+    let (_, frames) = raw_hello(
+        &mut p,
+        token_for("alice"),
+        Some(ResumeRequest {
+            session_id: sid_b,
+            resume_token: tok_b,
+            last_server_seq: 0,
+        }),
+    );
+    assert_eq!(
+        welcome_outcome(&frames),
+        Some(WelcomeOutcome::RestoreFailedNewSession)
+    );
+    p.connect(b);
+    p.drive(b);
+    assert_eq!(welcomed(&p, b).last(), Some(&WelcomeOutcome::Restored));
+}
+
+#[test]
+fn last_server_seq_beyond_sent_is_rejected_and_snapshot_kept() {
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "alice");
+    let (sid, tok) = p.peers[c].client.session().expect("s");
+    p.cut(c);
+    let (_, frames) = raw_hello(
+        &mut p,
+        Bytes::new(),
+        Some(ResumeRequest {
+            session_id: sid,
+            resume_token: tok,
+            last_server_seq: 5,
+        }),
+    );
+    assert_eq!(reject_code(&frames), Some(CloseCode::ResumeRejected));
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(welcomed(&p, c).last(), Some(&WelcomeOutcome::Restored));
+}
+
+#[test]
+fn linger_expiry_ends_the_session_and_resume_gets_a_new_one() {
+    let cfg = SessionConfig {
+        linger: Duration::from_secs(60),
+        ..SessionConfig::default()
+    };
+    let mut p = Pair::new(cfg);
+    let c = login(&mut p, "alice");
+    let sid = p.session(c);
+    p.edge.machines[0].bind("world", "w-3").expect("bind");
+    p.cut(c);
+    p.advance(Duration::from_secs(59));
+    assert_eq!(p.edge.machines[0].state(), State::Detached);
+    p.advance(Duration::from_secs(2));
+    assert_eq!(p.edge.machines[0].state(), State::Expired);
+    assert_eq!(
+        p.edge.machines[0].end_reason(),
+        Some(&EndReason::LingerExpired)
+    );
+    assert_eq!(p.edge.ended.len(), 1);
+    assert_eq!(
+        p.edge.ended[0].bindings.get("world").map(String::as_str),
+        Some("w-3")
+    );
+    assert!(!p.edge.store.contains_key(&sid));
+    assert!(p.edge.owners["alice"].1.is_none(), "ownership released");
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(
+        welcomed(&p, c).last(),
+        Some(&WelcomeOutcome::RestoreFailedNewSession)
+    );
+    assert_ne!(p.session(c), sid);
+    // The same with a resume-only HELLO: REJECT.
+    let sid2 = p.session(c);
+    p.cut(c);
+    p.advance(Duration::from_secs(61));
+    p.peers[c].client.set_token(Bytes::new());
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(rejected(&p, c), vec![CloseCode::ResumeRejected]);
+    assert!(p.peers[c].client.session().is_none());
+    assert!(p.edge.holder(&sid2).is_none());
+}
+
+#[test]
+fn replay_overflow_restores_with_gap() {
+    let cfg = SessionConfig {
+        replay: ReplayLimits {
+            max_messages: 4,
+            max_bytes: 1 << 20,
+        },
+        ..SessionConfig::default()
+    };
+    let mut p = Pair::new(cfg);
+    let c = login(&mut p, "alice");
+    let sid = p.session(c);
+    p.edge.push(&sid, p.now, TrafficClass::Normal, b"1");
+    p.drive(c);
+    p.advance(Duration::from_millis(30)); // acked 1
+    p.cut(c);
+    for i in 2..=10u8 {
+        p.edge.push(&sid, p.now, TrafficClass::Normal, &[b'0' + i]);
+    }
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(
+        welcomed(&p, c).last(),
+        Some(&WelcomeOutcome::RestoredWithGap)
+    );
+    let seqs: Vec<u64> = p.received(c).iter().map(|(s, _)| *s).collect();
+    assert_eq!(seqs, vec![1, 7, 8, 9, 10], "2..=6 evicted; base = 6");
+    assert_eq!(p.peers[c].client.last_server_seq(), 10);
+    // Next restore without new loss is clean again.
+    p.cut(c);
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(welcomed(&p, c).last(), Some(&WelcomeOutcome::Restored));
+}
+
+#[test]
+fn second_login_kicks_the_first_and_takes_over_bindings() {
+    let mut p = Pair::new(SessionConfig::default());
+    let first = login(&mut p, "alice");
+    let sid1 = p.session(first);
+    let m1 = p.peers[first].conn.expect("conn");
+    p.edge.machines[m1].bind("world", "w-1").expect("bind");
+    p.edge.machines[m1].bind("guild", "g-2").expect("bind");
+    assert_eq!(p.server(first).fencing(), 1);
+    let second = login(&mut p, "alice");
+    p.drive_all();
+    assert_eq!(p.edge.machines[m1].state(), State::Closed);
+    assert_eq!(p.edge.machines[m1].end_reason(), Some(&EndReason::Kicked));
+    assert!(p.peers[first].events.contains(&ClientEvent::Disconnected {
+        code: CloseCode::Kicked
+    }));
+    assert_eq!(p.peers[first].client.state(), ClientState::Closed);
+    assert_ne!(p.session(second), sid1);
+    assert_eq!(
+        p.server(second).fencing(),
+        2,
+        "fencing increases on takeover"
+    );
+    assert_eq!(
+        p.bindings(second).get("world").map(String::as_str),
+        Some("w-1")
+    );
+    assert_eq!(p.bindings(second).len(), 2);
+    // A third login while the second lingers: kicks the lingering one too.
+    p.cut(second);
+    let third = login(&mut p, "alice");
+    assert_eq!(p.server(third).fencing(), 3);
+    assert_eq!(p.bindings(third).len(), 2);
+    assert!(
+        p.edge.store.is_empty(),
+        "kicked snapshot no longer resumable"
+    );
+    assert_eq!(
+        p.edge
+            .counters
+            .kicked
+            .load(std::sync::atomic::Ordering::Relaxed),
+        2
+    );
+}
+
+#[test]
+fn reconnect_before_the_server_noticed_hands_the_live_session_over() {
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "alice");
+    let sid = p.session(c);
+    let old = p.peers[c].conn.expect("conn");
+    p.edge.push(&sid, p.now, TrafficClass::Normal, b"x");
+    // The client's side of the link dies; the server's side is still ACTIVE.
+    p.peers[c].to_client.clear();
+    p.peers[c]
+        .client
+        .handle_link_down(p.now, CloseCode::GoingAway);
+    p.peers[c].conn = None;
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(welcomed(&p, c).last(), Some(&WelcomeOutcome::Restored));
+    assert_eq!(
+        p.edge.machines[old].end_reason(),
+        Some(&EndReason::Superseded)
+    );
+    assert_eq!(p.received(c).len(), 1);
+}
+
+#[test]
+fn auth_rejects_through_the_machine() {
+    let mut p = Pair::new(SessionConfig::default());
+    let good = token_for("alice");
+    let mut forged = good.to_vec();
+    forged[30] ^= 1;
+    let mut v9 = good.to_vec();
+    v9[0] = 9;
+    let cases = [
+        (Bytes::from_static(b"\x01junk"), CloseCode::AuthMalformed),
+        (Bytes::from(forged), CloseCode::AuthBadSignature),
+        (Bytes::from(v9), CloseCode::AuthUnsupportedVersion),
+    ];
+    for (token, code) in cases {
+        let (m, frames) = raw_hello(&mut p, token, None);
+        assert_eq!(reject_code(&frames), Some(code));
+        assert_eq!(p.edge.machines[m].state(), State::Closed);
+    }
+    p.edge.unix_now += 10_000;
+    let (_, frames) = raw_hello(&mut p, good.clone(), None);
+    assert_eq!(reject_code(&frames), Some(CloseCode::AuthExpired));
+    p.edge.unix_now -= 10_000;
+    p.edge.auth.keys_mut().remove(1);
+    let (_, frames) = raw_hello(&mut p, good, None);
+    assert_eq!(reject_code(&frames), Some(CloseCode::AuthUnknownKey));
+    let (_, frames) = raw_hello(&mut p, Bytes::new(), None);
+    assert_eq!(reject_code(&frames), Some(CloseCode::AuthMalformed));
+    let k = &p.edge.counters;
+    assert_eq!(
+        k.transition_count(State::Authenticating, State::Rejected),
+        5
+    );
+    assert_eq!(k.transition_count(State::Rejected, State::Closed), 6);
+}
+
+#[test]
+fn unsupported_protocol_version_and_unexpected_frames() {
+    let mut p = Pair::new(SessionConfig::default());
+    let m = p.edge.new_machine(p.now);
+    let r = p.edge.machines[m].handle_frame(
+        p.now,
+        Frame::Hello(Hello {
+            version: 99,
+            token: token_for("a"),
+            resume: None,
+        }),
+    );
+    assert_eq!(r, Err(SessionError::UnsupportedVersion(99)));
+    assert_eq!(
+        p.edge.machines[m].end_reason(),
+        Some(&EndReason::Rejected(CloseCode::UnsupportedVersion))
+    );
+    let m = p.edge.new_machine(p.now);
+    let r = p.edge.machines[m].handle_frame(p.now, Frame::Ack { ack: 1 });
+    assert!(matches!(r, Err(SessionError::UnexpectedFrame { .. })));
+    assert_eq!(p.edge.machines[m].state(), State::Closed);
+    // ACTIVE: a HELLO is unexpected -> connection closed, session detached.
+    let c = login(&mut p, "alice");
+    let m = p.peers[c].conn.expect("conn");
+    let r = p.edge.machines[m].handle_frame(
+        p.now,
+        Frame::Hello(Hello {
+            version: 1,
+            token: Bytes::new(),
+            resume: None,
+        }),
+    );
+    assert!(matches!(r, Err(SessionError::UnexpectedFrame { .. })));
+    assert_eq!(p.edge.machines[m].state(), State::Detached);
+    // An ack beyond what was sent is a protocol error.
+    let c = login(&mut p, "bob");
+    let m = p.peers[c].conn.expect("conn");
+    let r = p.edge.machines[m].handle_frame(p.now, Frame::Ack { ack: 3 });
+    assert!(matches!(r, Err(SessionError::AckBeyondSent(_))));
+    assert_eq!(p.edge.machines[m].state(), State::Detached);
+}
+
+#[test]
+fn invalid_local_inputs_are_typed_errors() {
+    let mut p = Pair::new(SessionConfig::default());
+    let m = p.edge.new_machine(p.now);
+    let mach = &mut p.edge.machines[m];
+    let now = p.now;
+    assert!(matches!(
+        mach.handle_link_up(now),
+        Err(SessionError::InvalidTransition { .. })
+    ));
+    assert!(mach
+        .handle_auth_result(now, Err(crate::AuthError::BadSignature))
+        .is_err());
+    assert!(mach
+        .handle_snapshot(now, Ok(crate::store::TakeOutcome::NotFound))
+        .is_err());
+    assert!(mach
+        .send_downstream(now, TrafficClass::Normal, 1, Bytes::new())
+        .is_err());
+    assert!(mach.kick(now).is_err());
+    assert!(mach.bind("a", "b").is_err());
+    assert!(mach.migrate("x", Duration::from_secs(1)).is_err());
+    assert!(mach.close_session(now, CloseCode::Normal).is_err());
+    assert_eq!(mach.state(), State::Handshaking, "nothing changed");
+}
+
+#[test]
+fn close_session_by_server_and_soft_migrate() {
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "alice");
+    let m = p.peers[c].conn.expect("conn");
+    p.edge.machines[m]
+        .migrate("ws://edge-2:7000", Duration::from_secs(5))
+        .expect("migrate");
+    p.drive(c);
+    assert!(p.peers[c].events.iter().any(|e| matches!(e,
+        ClientEvent::Migrate { target, .. } if target == "ws://edge-2:7000")));
+    // The client resumes with the token from MIGRATE.
+    p.cut(c);
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(welcomed(&p, c).last(), Some(&WelcomeOutcome::Restored));
+    let m = p.peers[c].conn.expect("conn");
+    p.edge.machines[m]
+        .close_session(p.now, CloseCode::GoingAway)
+        .expect("close");
+    p.drive(c);
+    assert_eq!(
+        p.edge.machines[m].end_reason(),
+        Some(&EndReason::ClosedByServer(CloseCode::GoingAway))
+    );
+    assert_eq!(p.edge.ended.len(), 1);
+}
+
+#[test]
+fn best_effort_is_never_sequenced_or_replayed() {
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "alice");
+    let sid = p.session(c);
+    assert_eq!(
+        p.edge.push(&sid, p.now, TrafficClass::BestEffort, b"pos"),
+        Some(0)
+    );
+    p.drive(c);
+    assert_eq!(p.server(c).core().expect("core").replay().len(), 0);
+    let now = p.now;
+    let r = p.peers[c].client.send(
+        now,
+        TrafficClass::BestEffort,
+        2,
+        Bytes::from_static(b"move"),
+    );
+    assert_eq!(r, Ok(Some(0)));
+    p.drive(c);
+    assert_eq!(p.edge.delivered.last().map(|u| u.seq), Some(0));
+    assert_eq!(p.peers[c].client.unacked_len(), 0);
+}
+
+#[test]
+fn lost_welcome_keeps_the_presented_token_valid_until_confirmed() {
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "alice");
+    let sid = p.session(c);
+    p.cut(c);
+    p.connect(c);
+    // Deliver only the HELLO; the WELCOME is lost with the link.
+    p.step(c, 1);
+    p.cut(c);
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(welcomed(&p, c).last(), Some(&WelcomeOutcome::Restored));
+    assert_eq!(p.session(c), sid);
+    assert_eq!(
+        p.edge.machines[1].end_reason(),
+        Some(&EndReason::Superseded)
+    );
+    assert_eq!(p.server(c).core().expect("core").id(), &sid);
+}

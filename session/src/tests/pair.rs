@@ -1,0 +1,450 @@
+//! A quinn-`Pair`-style harness: server machines (one per connection) and client
+//! counterparts on a virtual clock, joined by scripted in-memory links. It plays the
+//! driver's part synchronously: auth, an in-memory snapshot store, the ownership registry,
+//! kicks and hand-overs.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use waygate_transport::frame::SessionId;
+use waygate_transport::{CloseCode, Frame, TrafficClass};
+
+use crate::auth::{mint_token, HmacAuthenticator, KeyRing, TokenClaims};
+use crate::client::{ClientConfig, ClientEvent, ClientSession};
+use crate::counters::SessionCounters;
+use crate::machine::{Action, SessionConfig, SessionEnd, SessionMachine, State, Upstream};
+use crate::rng::SeededRng;
+use crate::store::{ClaimGrant, Owner, Snapshot, TakeOutcome};
+
+pub(crate) const KEY: &[u8] = b"test key: 32 bytes of secret....";
+pub(crate) const UNIX_NOW: u64 = 1_800_000_000;
+
+pub(crate) fn token_for(player: &str) -> Bytes {
+    mint_token(
+        1,
+        KEY,
+        &TokenClaims {
+            player_id: player.into(),
+            issuer: "test".into(),
+            issued_at: UNIX_NOW - 10,
+            expires_at: UNIX_NOW + 3600,
+            extensions: vec![],
+        },
+    )
+    .expect("mint")
+}
+
+/// The edge side: every server machine, the stores, and the log of side effects.
+pub(crate) struct Edge {
+    pub(crate) config: SessionConfig,
+    pub(crate) counters: Arc<SessionCounters>,
+    pub(crate) auth: HmacAuthenticator,
+    pub(crate) unix_now: u64,
+    pub(crate) machines: Vec<SessionMachine>,
+    /// Server machine -> frames it sent, not yet delivered.
+    pub(crate) store: HashMap<SessionId, Snapshot>,
+    pub(crate) owners: HashMap<String, (u64, Option<Owner>)>,
+    pub(crate) delivered: Vec<Upstream>,
+    pub(crate) ended: Vec<SessionEnd>,
+    pub(crate) closes: Vec<(usize, CloseCode)>,
+    seed: u64,
+}
+
+impl Edge {
+    pub(crate) fn new(config: SessionConfig) -> Self {
+        let mut ring = KeyRing::new();
+        ring.insert(1, KEY);
+        Self {
+            config,
+            counters: Arc::new(SessionCounters::new()),
+            auth: HmacAuthenticator::new(ring),
+            unix_now: UNIX_NOW,
+            machines: Vec::new(),
+            store: HashMap::new(),
+            owners: HashMap::new(),
+            delivered: Vec::new(),
+            ended: Vec::new(),
+            closes: Vec::new(),
+            seed: 1,
+        }
+    }
+
+    pub(crate) fn new_machine(&mut self, now: Instant) -> usize {
+        self.seed += 1;
+        let mut m = SessionMachine::new(
+            self.config.clone(),
+            self.counters.clone(),
+            Box::new(SeededRng::new(self.seed)),
+        );
+        m.handle_link_up(now).expect("link up");
+        self.machines.push(m);
+        self.machines.len() - 1
+    }
+
+    /// The machine currently holding a session (ACTIVE or DETACHED).
+    pub(crate) fn holder(&self, session: &SessionId) -> Option<usize> {
+        self.machines.iter().position(|m| {
+            matches!(m.state(), State::Active | State::Detached) && m.session_id() == Some(*session)
+        })
+    }
+
+    /// Runs machine `i`'s actions; frames for its connection go to `out`. Returns whether
+    /// the machine asked to close its connection.
+    pub(crate) fn run(&mut self, i: usize, now: Instant, out: &mut VecDeque<Frame>) -> bool {
+        let mut closed = false;
+        while let Some(action) = self.machines[i].poll_action() {
+            match action {
+                Action::Send(frame) => {
+                    if !closed {
+                        out.push_back(frame);
+                    }
+                }
+                Action::Close { code, .. } => {
+                    if !closed {
+                        out.push_back(Frame::Close {
+                            code,
+                            message: String::new(),
+                        });
+                    }
+                    self.closes.push((i, code));
+                    closed = true;
+                }
+                Action::Authenticate { token } => {
+                    let r = self.auth.verify(&token, self.unix_now);
+                    self.machines[i].handle_auth_result(now, r).expect("auth");
+                }
+                Action::TakeSnapshot {
+                    session_id,
+                    resume_hash,
+                } => {
+                    let local = self.machines.iter().position(|m| {
+                        matches!(m.state(), State::Active | State::Detached)
+                            && m.session_id() == Some(session_id)
+                    });
+                    let outcome = match local {
+                        Some(j) => {
+                            // Its own actions (CLOSE to its old link) run with its peer.
+                            let o = self.machines[j]
+                                .hand_over(now, &resume_hash)
+                                .expect("hand over");
+                            if matches!(o, TakeOutcome::Taken(_)) {
+                                self.store.remove(&session_id);
+                            }
+                            o
+                        }
+                        None => match self.store.get(&session_id) {
+                            None => TakeOutcome::NotFound,
+                            Some(s) if s.accepts(&resume_hash) => self
+                                .store
+                                .remove(&session_id)
+                                .map_or(TakeOutcome::NotFound, |s| TakeOutcome::Taken(Box::new(s))),
+                            Some(_) => TakeOutcome::Mismatch,
+                        },
+                    };
+                    self.machines[i]
+                        .handle_snapshot(now, Ok(outcome))
+                        .expect("snapshot");
+                }
+                Action::PutBack(s) | Action::Persist(s) => {
+                    self.store.insert(s.session_id, *s);
+                }
+                Action::Claim {
+                    player_id,
+                    session_id,
+                } => {
+                    let entry = self
+                        .owners
+                        .entry(player_id.to_string())
+                        .or_insert((0, None));
+                    entry.0 += 1;
+                    let fencing = entry.0;
+                    let previous = entry.1.replace(Owner {
+                        session_id,
+                        edge: "e1".into(),
+                        fencing,
+                    });
+                    let mut inherited = None;
+                    if let Some(prev) = &previous {
+                        if prev.session_id != session_id {
+                            if let Some(j) = self.holder(&prev.session_id) {
+                                inherited = self.machines[j].kick(now).ok();
+                            }
+                            if let Some(s) = self.store.remove(&prev.session_id) {
+                                inherited.get_or_insert(s.bindings);
+                            }
+                        }
+                    }
+                    self.machines[i]
+                        .handle_claimed(now, Ok((ClaimGrant { fencing, previous }, inherited)))
+                        .expect("claim");
+                }
+                Action::Established { .. } | Action::Bind(_) => {}
+                Action::Deliver(u) => self.delivered.push(u),
+                Action::Ended(end) => {
+                    if let Some(e) = self.owners.get_mut(end.player_id.as_ref()) {
+                        if e.1.as_ref().is_some_and(|o| {
+                            o.session_id == end.session_id && o.fencing == end.fencing
+                        }) {
+                            e.1 = None;
+                        }
+                    }
+                    if self
+                        .store
+                        .get(&end.session_id)
+                        .is_some_and(|s| s.fencing == end.fencing)
+                    {
+                        self.store.remove(&end.session_id);
+                    }
+                    self.ended.push(end);
+                }
+            }
+        }
+        closed
+    }
+
+    pub(crate) fn push(
+        &mut self,
+        session: &SessionId,
+        now: Instant,
+        class: TrafficClass,
+        payload: &[u8],
+    ) -> Option<u64> {
+        let i = self.holder(session)?;
+        self.machines[i]
+            .send_downstream(now, class, 7, Bytes::copy_from_slice(payload))
+            .expect("push")
+    }
+}
+
+/// One client and its current link to a server machine.
+pub(crate) struct Peer {
+    pub(crate) client: ClientSession,
+    /// Server machine of the current link.
+    pub(crate) conn: Option<usize>,
+    pub(crate) to_server: VecDeque<Frame>,
+    pub(crate) to_client: VecDeque<Frame>,
+    /// Drop the next N frames in each direction, then cut the link (they were in flight).
+    pub(crate) drop_next: usize,
+    pub(crate) events: Vec<ClientEvent>,
+}
+
+/// The harness: an edge, any number of clients, a virtual clock.
+pub(crate) struct Pair {
+    pub(crate) now: Instant,
+    pub(crate) edge: Edge,
+    pub(crate) peers: Vec<Peer>,
+}
+
+impl Pair {
+    pub(crate) fn new(config: SessionConfig) -> Self {
+        Self {
+            now: Instant::now(),
+            edge: Edge::new(config),
+            peers: Vec::new(),
+        }
+    }
+
+    pub(crate) fn add_client(&mut self, token: Bytes) -> usize {
+        self.peers.push(Peer {
+            client: ClientSession::new(token, ClientConfig::default()),
+            conn: None,
+            to_server: VecDeque::new(),
+            to_client: VecDeque::new(),
+            drop_next: 0,
+            events: Vec::new(),
+        });
+        self.peers.len() - 1
+    }
+
+    /// Opens a new link for client `c` and sends its HELLO (not yet delivered).
+    pub(crate) fn connect(&mut self, c: usize) {
+        let m = self.edge.new_machine(self.now);
+        let p = &mut self.peers[c];
+        p.conn = Some(m);
+        p.to_server.clear();
+        p.to_client.clear();
+        p.client.connect(self.now).expect("connect");
+    }
+
+    /// Cuts client `c`'s link: frames in flight are lost, both ends learn.
+    pub(crate) fn cut(&mut self, c: usize) {
+        let now = self.now;
+        let p = &mut self.peers[c];
+        p.to_server.clear();
+        p.to_client.clear();
+        if let Some(m) = p.conn.take() {
+            let _ = self.edge.machines[m].handle_link_down(now, CloseCode::GoingAway);
+            let mut sink = VecDeque::new();
+            self.edge.run(m, now, &mut sink);
+        }
+        p.client.handle_link_down(now, CloseCode::GoingAway);
+        p.drop_next = 0;
+    }
+
+    /// Drops the next `n` frames of client `c`'s link, then cuts it.
+    pub(crate) fn drop_next(&mut self, c: usize, n: usize) {
+        self.peers[c].drop_next = n;
+    }
+
+    /// Moves at most `budget` frames along client `c`'s link (both directions, alternating).
+    /// Returns how many moved.
+    pub(crate) fn step(&mut self, c: usize, budget: usize) -> usize {
+        let now = self.now;
+        let mut moved = 0;
+        while moved < budget {
+            // Collect outputs first.
+            let p = &mut self.peers[c];
+            while let Some(f) = p.client.poll_transmit() {
+                p.to_server.push_back(f);
+            }
+            if let Some(m) = p.conn {
+                let mut out = VecDeque::new();
+                let closed = self.edge.run(m, now, &mut out);
+                let p = &mut self.peers[c];
+                p.to_client.extend(out);
+                if closed {
+                    // The server closed: deliver what it sent (incl. CLOSE), then the link is gone.
+                    p.conn = None;
+                }
+            }
+            let p = &mut self.peers[c];
+            while let Some(e) = p.client.poll_event() {
+                p.events.push(e);
+            }
+            let Some((to_server, frame)) = (if let Some(f) = p.to_server.pop_front() {
+                Some((true, f))
+            } else {
+                p.to_client.pop_front().map(|f| (false, f))
+            }) else {
+                break;
+            };
+            moved += 1;
+            if p.drop_next > 0 {
+                // Lost in flight. A reliable transport loses frames only when it dies, so
+                // the link is cut after the last of them (or when nothing else is queued).
+                p.drop_next -= 1;
+                if p.drop_next == 0 || (p.to_server.is_empty() && p.to_client.is_empty()) {
+                    self.cut(c);
+                }
+                continue;
+            }
+            if to_server {
+                if let Some(m) = self.peers[c].conn {
+                    let _ = self.edge.machines[m].handle_frame(now, frame);
+                    // Like the driver: the machine's actions run before the next input.
+                    let mut out = VecDeque::new();
+                    let closed = self.edge.run(m, now, &mut out);
+                    let p = &mut self.peers[c];
+                    p.to_client.extend(out);
+                    if closed {
+                        p.conn = None;
+                    }
+                }
+            } else {
+                let p = &mut self.peers[c];
+                match frame {
+                    Frame::Close { code, .. } => {
+                        p.client.handle_link_down(now, code);
+                        p.to_client.clear();
+                        p.to_server.clear();
+                    }
+                    f => {
+                        let _ = p.client.handle_frame(now, f);
+                    }
+                }
+            }
+        }
+        let p = &mut self.peers[c];
+        while let Some(e) = p.client.poll_event() {
+            p.events.push(e);
+        }
+        moved
+    }
+
+    /// Runs client `c`'s link until nothing moves.
+    pub(crate) fn drive(&mut self, c: usize) {
+        while self.step(c, 64) > 0 {}
+    }
+
+    /// Runs every link until quiet.
+    pub(crate) fn drive_all(&mut self) {
+        loop {
+            let mut moved = 0;
+            for c in 0..self.peers.len() {
+                moved += self.step(c, 64);
+            }
+            if moved == 0 {
+                break;
+            }
+        }
+    }
+
+    /// Advances the virtual clock by `d`, firing every timer on the way (in order).
+    pub(crate) fn advance(&mut self, d: Duration) {
+        let end = self.now + d;
+        loop {
+            let next = self
+                .edge
+                .machines
+                .iter()
+                .filter_map(|m| m.poll_timeout())
+                .chain(self.peers.iter().filter_map(|p| p.client.poll_timeout()))
+                .filter(|t| *t <= end)
+                .min();
+            let Some(t) = next else { break };
+            self.now = t.max(self.now);
+            for i in 0..self.edge.machines.len() {
+                if self.edge.machines[i]
+                    .poll_timeout()
+                    .is_some_and(|d| d <= self.now)
+                {
+                    self.edge.machines[i].handle_timeout(self.now);
+                    if !self.peers.iter().any(|p| p.conn == Some(i)) {
+                        let mut sink = VecDeque::new();
+                        self.edge.run(i, self.now, &mut sink);
+                    }
+                }
+            }
+            for p in &mut self.peers {
+                if p.client.poll_timeout().is_some_and(|d| d <= self.now) {
+                    p.client.handle_timeout(self.now);
+                }
+            }
+            self.drive_all();
+        }
+        self.now = end;
+        self.drive_all();
+    }
+
+    pub(crate) fn session(&self, c: usize) -> SessionId {
+        self.peers[c].client.session().expect("session").0
+    }
+
+    pub(crate) fn server(&self, c: usize) -> &SessionMachine {
+        &self.edge.machines[self.peers[c].conn.expect("conn")]
+    }
+
+    /// Payloads of sequenced messages client `c` received, in order.
+    pub(crate) fn received(&self, c: usize) -> Vec<(u64, Bytes)> {
+        self.peers[c]
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                ClientEvent::Message { seq, payload, .. } if *seq > 0 => {
+                    Some((*seq, payload.clone()))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Bindings of the machine holding client `c`'s session.
+    pub(crate) fn bindings(&self, c: usize) -> BTreeMap<String, String> {
+        self.edge
+            .holder(&self.session(c))
+            .and_then(|i| self.edge.machines[i].bindings().cloned())
+            .unwrap_or_default()
+    }
+}

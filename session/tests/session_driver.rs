@@ -1,0 +1,391 @@
+//! The async driver over an in-memory connection, on tokio's paused clock: linger expiry
+//! releases ownership and bindings, a reconnect before the server noticed the drop hands the
+//! live session over without losing pushes, and registry pushes are typed.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::sync::mpsc;
+use waygate_session::auth::{mint_token, TokenClaims};
+use waygate_session::client::{ClientConfig, ClientEvent, ClientSession};
+use waygate_session::driver::{
+    Downstream, EchoSink, EdgeSessions, PushError, SessionEvent, SessionRegistry,
+};
+use waygate_session::machine::EndReason;
+use waygate_session::{HmacAuthenticator, KeyRing, SessionConfig};
+use waygate_transport::frame::WelcomeOutcome;
+use waygate_transport::{
+    CloseCode, ConnId, ConnInfo, Connection, Frame, TrafficClass, TransportError, TransportKind,
+};
+
+const KEY: &[u8] = b"driver test key: 32 bytes.......";
+const UNIX: u64 = 1_800_000_000;
+
+/// One end of an in-memory framed connection.
+struct MemConn {
+    info: ConnInfo,
+    tx: Option<mpsc::UnboundedSender<Frame>>,
+    rx: mpsc::UnboundedReceiver<Frame>,
+}
+
+fn mem_pair() -> (MemConn, MemConn) {
+    let (a_tx, b_rx) = mpsc::unbounded_channel();
+    let (b_tx, a_rx) = mpsc::unbounded_channel();
+    let addr: SocketAddr = "127.0.0.1:1".parse().expect("addr");
+    let info = |id| ConnInfo {
+        id,
+        kind: TransportKind::Tcp,
+        peer: addr,
+        local: addr,
+    };
+    (
+        MemConn {
+            info: info(ConnId::next()),
+            tx: Some(a_tx),
+            rx: a_rx,
+        },
+        MemConn {
+            info: info(ConnId::next()),
+            tx: Some(b_tx),
+            rx: b_rx,
+        },
+    )
+}
+
+#[async_trait]
+impl Connection for MemConn {
+    fn info(&self) -> &ConnInfo {
+        &self.info
+    }
+
+    async fn send(&mut self, frame: &Frame) -> Result<(), TransportError> {
+        match &self.tx {
+            Some(tx) => tx.send(frame.clone()).map_err(|_| TransportError::Closed),
+            None => Err(TransportError::Closed),
+        }
+    }
+
+    async fn recv(&mut self) -> Result<Frame, TransportError> {
+        match self.rx.recv().await {
+            Some(Frame::Close { code, .. }) => Err(TransportError::ClosedByPeer { code }),
+            Some(frame) => Ok(frame),
+            None => Err(TransportError::ClosedByPeer {
+                code: CloseCode::Normal,
+            }),
+        }
+    }
+
+    async fn close(&mut self, code: CloseCode, message: &str) {
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send(Frame::Close {
+                code,
+                message: message.to_owned(),
+            });
+        }
+    }
+}
+
+fn edge() -> (Arc<EdgeSessions>, Arc<EchoSink>) {
+    let registry = SessionRegistry::new();
+    let sink = Arc::new(EchoSink::new(registry.clone()));
+    let mut ring = KeyRing::new();
+    ring.insert(1, KEY);
+    let mut e = EdgeSessions::new(
+        "edge-t",
+        SessionConfig {
+            linger: Duration::from_secs(60),
+            ..SessionConfig::default()
+        },
+        Arc::new(HmacAuthenticator::new(ring)),
+        sink.clone(),
+    );
+    e.registry = registry;
+    e.unix_now = Arc::new(|| UNIX);
+    (Arc::new(e), sink)
+}
+
+fn client() -> ClientSession {
+    let token = mint_token(
+        1,
+        KEY,
+        &TokenClaims {
+            player_id: "p".into(),
+            issuer: "t".into(),
+            issued_at: UNIX,
+            expires_at: UNIX + 60,
+            extensions: vec![],
+        },
+    )
+    .expect("mint");
+    ClientSession::new(token, ClientConfig::default())
+}
+
+/// Sends what the client has, then reads frames until `want` events matched or 1 s passes.
+async fn exchange(
+    c: &mut ClientSession,
+    conn: &mut MemConn,
+    events: &mut Vec<ClientEvent>,
+    want: impl Fn(&[ClientEvent]) -> bool,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+    loop {
+        while let Some(f) = c.poll_transmit() {
+            let _ = conn.send(&f).await;
+        }
+        while let Some(e) = c.poll_event() {
+            events.push(e);
+        }
+        if want(events) || tokio::time::Instant::now() >= deadline {
+            return;
+        }
+        tokio::select! {
+            r = conn.recv() => match r {
+                Ok(f) => { let _ = c.handle_frame(Instant::now(), f); }
+                Err(e) => { c.handle_link_down(Instant::now(), e.close_code()); }
+            },
+            _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+        }
+    }
+}
+
+fn welcomes(events: &[ClientEvent]) -> Vec<WelcomeOutcome> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            ClientEvent::Welcomed { outcome, .. } => Some(*outcome),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn linger_expiry_releases_ownership_bindings_and_snapshot() {
+    let (edge, sink) = edge();
+    let (server_end, mut conn) = mem_pair();
+    let task = edge.spawn(Box::new(server_end));
+    let mut c = client();
+    let mut events = Vec::new();
+    c.connect(Instant::now()).expect("hello");
+    exchange(&mut c, &mut conn, &mut events, |e| !welcomes(e).is_empty()).await;
+    let sid = edge.registry.session_of("p").expect("registered");
+    assert!(edge.registry.bind(&sid, "world", "w-1").await);
+    drop(conn); // the link dies without a CLOSE
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        edge.snapshots.get(&sid).await.expect("store").is_some(),
+        "persisted"
+    );
+    assert_eq!(edge.registry.len(), 1, "lingering sessions stay registered");
+    // Pushed while lingering: buffered, not an error.
+    edge.registry
+        .push(
+            &sid,
+            Downstream {
+                class: TrafficClass::Normal,
+                msg_id: 1,
+                payload: Bytes::from_static(b"later"),
+            },
+        )
+        .expect("push");
+    tokio::time::sleep(Duration::from_secs(61)).await;
+    let reason = task.await.expect("task");
+    assert_eq!(reason, EndReason::LingerExpired);
+    assert!(edge.registry.is_empty());
+    assert!(edge.snapshots.get(&sid).await.expect("store").is_none());
+    assert!(edge.ownership.owner("p").await.expect("owner").is_none());
+    let ended = sink.events().into_iter().find_map(|e| match e {
+        SessionEvent::Ended {
+            released,
+            bindings,
+            reason,
+            ..
+        } => Some((released, bindings, reason)),
+        _ => None,
+    });
+    let (released, bindings, reason) = ended.expect("ended event");
+    assert!(released);
+    assert_eq!(bindings.get("world").map(String::as_str), Some("w-1"));
+    assert_eq!(reason, EndReason::LingerExpired);
+}
+
+#[tokio::test(start_paused = true)]
+async fn reconnect_before_the_drop_is_noticed_hands_over_without_loss() {
+    let (edge, _sink) = edge();
+    let (server_end, mut old_conn) = mem_pair();
+    let old_task = edge.spawn(Box::new(server_end));
+    let mut c = client();
+    let mut events = Vec::new();
+    c.connect(Instant::now()).expect("hello");
+    exchange(&mut c, &mut old_conn, &mut events, |e| {
+        !welcomes(e).is_empty()
+    })
+    .await;
+    let sid = edge.registry.session_of("p").expect("registered");
+    // The client's link dies, but the server side is still open (no EOF yet).
+    c.handle_link_down(Instant::now(), CloseCode::GoingAway);
+    let push = |n: u8| Downstream {
+        class: TrafficClass::Critical,
+        msg_id: 9,
+        payload: Bytes::from(vec![n]),
+    };
+    for n in 0..3 {
+        edge.registry.push(&sid, push(n)).expect("push");
+    }
+    let (server_end, mut new_conn) = mem_pair();
+    let _new_task = edge.spawn(Box::new(server_end));
+    c.connect(Instant::now()).expect("hello");
+    for n in 3..5 {
+        // Pushed while the hand-over may be in progress.
+        edge.registry.push(&sid, push(n)).expect("push");
+        tokio::task::yield_now().await;
+    }
+    exchange(&mut c, &mut new_conn, &mut events, |e| {
+        e.iter()
+            .filter(|e| matches!(e, ClientEvent::Message { .. }))
+            .count()
+            >= 5
+    })
+    .await;
+    assert_eq!(
+        welcomes(&events),
+        vec![WelcomeOutcome::NewSession, WelcomeOutcome::Restored]
+    );
+    let got: Vec<u8> = events
+        .iter()
+        .filter_map(|e| match e {
+            ClientEvent::Message { payload, .. } => Some(payload[0]),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(got, vec![0, 1, 2, 3, 4]);
+    assert_eq!(old_task.await.expect("task"), EndReason::Superseded);
+    // The old connection was told why.
+    let mut old_close = None;
+    while let Ok(r) = tokio::time::timeout(Duration::from_millis(10), old_conn.recv()).await {
+        if let Err(TransportError::ClosedByPeer { code }) = r {
+            old_close = Some(code);
+            break;
+        }
+    }
+    assert_eq!(old_close, Some(CloseCode::GoingAway));
+    assert_eq!(edge.registry.session_of("p"), Some(sid));
+}
+
+#[tokio::test(start_paused = true)]
+async fn registry_push_errors_are_typed() {
+    let (edge, _sink) = edge();
+    let nobody = Downstream {
+        class: TrafficClass::Normal,
+        msg_id: 1,
+        payload: Bytes::new(),
+    };
+    assert_eq!(
+        edge.registry.push_to_player("ghost", nobody.clone()),
+        Err(PushError::NotFound)
+    );
+    assert_eq!(
+        edge.registry.push(&[0; 16], nobody),
+        Err(PushError::NotFound)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn bad_token_over_the_driver_is_rejected_with_its_code() {
+    let (edge, _sink) = edge();
+    let (server_end, mut conn) = mem_pair();
+    let task = edge.spawn(Box::new(server_end));
+    let mut c = ClientSession::new(Bytes::from_static(b"\x01bad"), ClientConfig::default());
+    let mut events = Vec::new();
+    c.connect(Instant::now()).expect("hello");
+    exchange(&mut c, &mut conn, &mut events, |e| !e.is_empty()).await;
+    assert!(matches!(
+        events.first(),
+        Some(ClientEvent::Rejected {
+            code: CloseCode::AuthMalformed,
+            ..
+        })
+    ));
+    assert_eq!(
+        task.await.expect("task"),
+        EndReason::Rejected(CloseCode::AuthMalformed)
+    );
+}
+
+/// S7: a session that drops on one edge resumes on another from the shared (warm) store;
+/// the old edge's lingering copy then expires without releasing the new owner's claim.
+#[tokio::test(start_paused = true)]
+async fn resume_on_another_edge_from_the_shared_store() {
+    let (edge1, sink1) = edge();
+    let (edge2, _sink2) = {
+        let registry = SessionRegistry::new();
+        let sink = Arc::new(EchoSink::new(registry.clone()));
+        let mut ring = KeyRing::new();
+        ring.insert(1, KEY);
+        let mut e = EdgeSessions::new(
+            "edge-2",
+            edge1.config.clone(),
+            Arc::new(HmacAuthenticator::new(ring)),
+            sink.clone(),
+        );
+        e.registry = registry;
+        e.unix_now = Arc::new(|| UNIX);
+        // The warm tier: both edges share the snapshot store and the ownership registry.
+        e.snapshots = edge1.snapshots.clone();
+        e.ownership = edge1.ownership.clone();
+        (Arc::new(e), sink)
+    };
+    let (server_end, mut conn) = mem_pair();
+    let task1 = edge1.spawn(Box::new(server_end));
+    let mut c = client();
+    let mut events = Vec::new();
+    c.connect(Instant::now()).expect("hello");
+    exchange(&mut c, &mut conn, &mut events, |e| !welcomes(e).is_empty()).await;
+    let sid = edge1.registry.session_of("p").expect("registered");
+    edge1
+        .registry
+        .push(
+            &sid,
+            Downstream {
+                class: TrafficClass::Normal,
+                msg_id: 1,
+                payload: Bytes::from_static(b"before"),
+            },
+        )
+        .expect("push");
+    tokio::task::yield_now().await;
+    drop(conn);
+    c.handle_link_down(Instant::now(), CloseCode::GoingAway);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let (server_end, mut conn2) = mem_pair();
+    let _task2 = edge2.spawn(Box::new(server_end));
+    c.connect(Instant::now()).expect("hello");
+    exchange(&mut c, &mut conn2, &mut events, |e| welcomes(e).len() == 2).await;
+    assert_eq!(welcomes(&events)[1], WelcomeOutcome::Restored);
+    let owner = edge2
+        .ownership
+        .owner("p")
+        .await
+        .expect("owner")
+        .expect("some");
+    assert_eq!((owner.edge.as_str(), owner.fencing), ("edge-2", 2));
+    // Edge 1's lingering copy expires; it must not release edge 2's ownership.
+    tokio::time::sleep(Duration::from_secs(61)).await;
+    assert_eq!(task1.await.expect("task"), EndReason::LingerExpired);
+    assert!(sink1.events().iter().any(|e| matches!(
+        e,
+        SessionEvent::Ended {
+            released: false,
+            ..
+        }
+    )));
+    let owner = edge2
+        .ownership
+        .owner("p")
+        .await
+        .expect("owner")
+        .expect("some");
+    assert_eq!(owner.edge, "edge-2");
+}
