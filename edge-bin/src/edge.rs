@@ -128,7 +128,10 @@ impl Edge {
         let bound = bind_all(&config).await?;
         let mut router = Router::new(
             RouterConfig {
-                migration_rate: MigrationRate::per_second(config.routing.migration_rate),
+                migration_rate: MigrationRate {
+                    per_second: config.routing.migration_rate,
+                    burst: (config.routing.migration_rate.ceil() as u32).max(1),
+                },
                 health: Some(HealthConfig {
                     heartbeat_interval: Duration::from_millis(config.links.heartbeat_ms),
                     missed_heartbeats: config.routing.missed_heartbeats.max(1),
@@ -152,9 +155,13 @@ impl Edge {
                         router.apply_table((*table).clone(), now_std())?;
                     }
                     None => {
-                        return Err(EdgeError::Routing(source.refresh().await.err().unwrap_or(
-                            RoutingError::NoTable,
-                        )))
+                        return Err(EdgeError::Routing(
+                            source
+                                .refresh()
+                                .await
+                                .err()
+                                .unwrap_or(RoutingError::NoTable),
+                        ))
                     }
                 }
                 Some(source)
@@ -182,7 +189,10 @@ impl Edge {
             config,
         });
         shared.learn_instances();
-        shared.metrics.route_epoch.set(shared.epoch.load(Ordering::Relaxed) as i64);
+        shared
+            .metrics
+            .route_epoch
+            .set(shared.epoch.load(Ordering::Relaxed) as i64);
 
         let mut keys = KeyRing::new();
         for k in &shared.config.auth.keys {
@@ -191,7 +201,7 @@ impl Edge {
         let mut auth = HmacAuthenticator::new(keys)
             .with_leeway(Duration::from_secs(shared.config.auth.leeway_secs));
         if !shared.config.auth.issuers.is_empty() {
-            auth = auth.with_issuers(shared.config.auth.issuers.clone());
+            auth = auth.with_allowed_issuers(shared.config.auth.issuers.clone());
         }
         let s = &shared.config.session;
         let session_config = SessionConfig {
@@ -219,7 +229,10 @@ impl Edge {
         for listener in bound.listeners {
             tasks.push(tokio::spawn(accept_loop(shared.clone(), listener)));
         }
-        tasks.push(tokio::spawn(link_event_loop(Arc::downgrade(&shared), link_rx)));
+        tasks.push(tokio::spawn(link_event_loop(
+            Arc::downgrade(&shared),
+            link_rx,
+        )));
         tasks.push(tokio::spawn(route_loop(Arc::downgrade(&shared))));
         if let Some(source) = &shared.source {
             tasks.push(source.spawn());
@@ -275,11 +288,15 @@ impl Edge {
 impl Shared {
     fn edge_sessions(&self) -> &Arc<EdgeSessions> {
         // Set right after construction in `Edge::start`, before any task runs.
-        self.sessions.get().unwrap_or_else(|| unreachable!("sessions set at start"))
+        self.sessions
+            .get()
+            .unwrap_or_else(|| unreachable!("sessions set at start"))
     }
 
     fn learn_instances(&self) {
-        let Ok(router) = self.router.lock() else { return };
+        let Ok(router) = self.router.lock() else {
+            return;
+        };
         let Some(table) = router.table() else { return };
         if let Ok(mut map) = self.instance_addrs.lock() {
             for service in &table.services {
@@ -362,7 +379,10 @@ impl Shared {
             }
         };
         let decision = {
-            let mut router = self.router.lock().map_err(|_| refuse(CloseCode::Internal, 0))?;
+            let mut router = self
+                .router
+                .lock()
+                .map_err(|_| refuse(CloseCode::Internal, 0))?;
             let mut req = RouteRequest::player(&entry.meta.player_id);
             if let Some(table) = router.table().cloned() {
                 for (service, key) in &entry.keys {
@@ -380,7 +400,9 @@ impl Shared {
         };
         let decision = match decision {
             Ok(d) => d,
-            Err(RoutingError::NoServiceForMessage { .. }) => return Err(refuse(CloseCode::NoRoute, 0)),
+            Err(RoutingError::NoServiceForMessage { .. }) => {
+                return Err(refuse(CloseCode::NoRoute, 0))
+            }
             Err(e) => {
                 tracing::debug!(msg_id, error = %e, "no route");
                 return Err(refuse(CloseCode::Unavailable, 1000));
@@ -391,7 +413,14 @@ impl Shared {
             .parse()
             .map_err(|_| refuse(CloseCode::Unavailable, 1000))?;
         let link = self.link(addr);
-        match link.forward(&entry.meta, msg_id, decision.epoch, client_seq, class, payload) {
+        match link.forward(
+            &entry.meta,
+            msg_id,
+            decision.epoch,
+            client_seq,
+            class,
+            payload,
+        ) {
             Ok(()) => {
                 if let Ok(mut e) = self.entries.lock() {
                     if let Some(en) = e.by_id.get_mut(&entry.meta.session_id) {
@@ -408,7 +437,9 @@ impl Shared {
                 Ok(())
             }
             Err(ForwardError::Unavailable) => Err(refuse(CloseCode::Unavailable, 1000)),
-            Err(ForwardError::Busy { retry_after_ms }) => Err(refuse(CloseCode::Busy, retry_after_ms)),
+            Err(ForwardError::Busy { retry_after_ms }) => {
+                Err(refuse(CloseCode::Busy, retry_after_ms))
+            }
         }
     }
 
@@ -416,7 +447,14 @@ impl Shared {
         self.entries.lock().ok()?.by_handle.get(&handle).copied()
     }
 
-    async fn report_error(&self, session_id: &SessionId, code: CloseCode, msg_id: u32, client_seq: u64, retry_after_ms: u32) {
+    async fn report_error(
+        &self,
+        session_id: &SessionId,
+        code: CloseCode,
+        msg_id: u32,
+        client_seq: u64,
+        retry_after_ms: u32,
+    ) {
         let registry = &self.edge_sessions().registry;
         if !registry
             .report_error(session_id, code, msg_id, client_seq, retry_after_ms)
@@ -426,7 +464,12 @@ impl Shared {
         }
     }
 
-    async fn close_on_links(&self, entry: &SessionEntry, code: CloseCode, only: Option<SocketAddr>) {
+    async fn close_on_links(
+        &self,
+        entry: &SessionEntry,
+        code: CloseCode,
+        only: Option<SocketAddr>,
+    ) {
         let links: Vec<LinkClient> = match self.links.lock() {
             Ok(l) => entry
                 .links
@@ -447,7 +490,11 @@ impl Shared {
 
     async fn lifecycle_on_links(&self, entry: &SessionEntry, frame: LinkFrame) {
         let links: Vec<LinkClient> = match self.links.lock() {
-            Ok(l) => entry.links.iter().filter_map(|a| l.get(a).cloned()).collect(),
+            Ok(l) => entry
+                .links
+                .iter()
+                .filter_map(|a| l.get(a).cloned())
+                .collect(),
             Err(_) => Vec::new(),
         };
         for link in links {
@@ -467,11 +514,19 @@ impl UpstreamSink for EdgeUpstream {
             retry_after_ms: 0,
         })?;
         let entry = shared.entry(&message.session_id, &message.player_id);
-        shared.route_and_forward(&entry, message.msg_id, message.seq, message.class, message.payload)
+        shared.route_and_forward(
+            &entry,
+            message.msg_id,
+            message.seq,
+            message.class,
+            message.payload,
+        )
     }
 
     async fn session_event(&self, event: SessionEvent) {
-        let Some(shared) = self.0.upgrade() else { return };
+        let Some(shared) = self.0.upgrade() else {
+            return;
+        };
         match event {
             SessionEvent::Established {
                 session_id,
@@ -487,7 +542,10 @@ impl UpstreamSink for EdgeUpstream {
                     }
                 }
                 use waygate_transport::frame::WelcomeOutcome;
-                if matches!(outcome, WelcomeOutcome::Restored | WelcomeOutcome::RestoredWithGap) {
+                if matches!(
+                    outcome,
+                    WelcomeOutcome::Restored | WelcomeOutcome::RestoredWithGap
+                ) {
                     shared
                         .lifecycle_on_links(
                             &entry,
@@ -500,7 +558,11 @@ impl UpstreamSink for EdgeUpstream {
                 }
             }
             SessionEvent::Detached { session_id, linger } => {
-                let entry = shared.entries.lock().ok().and_then(|e| e.by_id.get(&session_id).cloned());
+                let entry = shared
+                    .entries
+                    .lock()
+                    .ok()
+                    .and_then(|e| e.by_id.get(&session_id).cloned());
                 if let Some(entry) = entry {
                     shared
                         .lifecycle_on_links(
@@ -549,13 +611,21 @@ async fn accept_loop(shared: Arc<Shared>, mut listener: BoxListener) {
     let kind = listener.kind();
     let label = EdgeMetrics::transport(kind);
     while let Some(mut conn) = listener.accept().await {
-        shared.metrics.connections_accepted.get_or_create(&label).inc();
+        shared
+            .metrics
+            .connections_accepted
+            .get_or_create(&label)
+            .inc();
         if shared.draining.load(Ordering::Acquire) {
             let retry = shared.config.drain.retry_after_ms;
             tokio::spawn(async move { refuse(&mut conn, CloseCode::Draining, retry).await });
             continue;
         }
-        let gauge = shared.metrics.connections_open.get_or_create(&label).clone();
+        let gauge = shared
+            .metrics
+            .connections_open
+            .get_or_create(&label)
+            .clone();
         gauge.inc();
         let task = shared.edge_sessions().spawn(conn);
         tokio::spawn(async move {
@@ -582,7 +652,9 @@ async fn refuse(conn: &mut BoxConnection, code: CloseCode, retry_after_ms: u32) 
 
 async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver<LinkEvent>) {
     while let Some(event) = rx.recv().await {
-        let Some(shared) = shared.upgrade() else { return };
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
         match event {
             LinkEvent::Push {
                 handle,
@@ -594,10 +666,14 @@ async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver<LinkEvent>
                     class: class.as_str().into(),
                 };
                 let pushed = shared.session_of_handle(handle).map(|sid| {
-                    shared
-                        .edge_sessions()
-                        .registry
-                        .push(&sid, Downstream { class, msg_id, payload })
+                    shared.edge_sessions().registry.push(
+                        &sid,
+                        Downstream {
+                            class,
+                            msg_id,
+                            payload,
+                        },
+                    )
                 });
                 match pushed {
                     Some(Ok(())) => shared.metrics.pushed.get_or_create(&label).inc(),
@@ -618,7 +694,9 @@ async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver<LinkEvent>
                 epoch,
                 message,
             } => {
-                let Some(sid) = shared.session_of_handle(handle) else { continue };
+                let Some(sid) = shared.session_of_handle(handle) else {
+                    continue;
+                };
                 if code == CloseCode::StaleEpoch {
                     if let (Some(m), Some(result)) = (message, reroute(&shared, sid, epoch).await) {
                         shared.metrics.stale_epoch_reroutes.inc();
@@ -657,7 +735,11 @@ async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver<LinkEvent>
                     }
                 }
             }
-            LinkEvent::Pin { kind, key, instance_id } => {
+            LinkEvent::Pin {
+                kind,
+                key,
+                instance_id,
+            } => {
                 tracing::info!(?kind, %key, %instance_id, "backend PIN received (dynamic pins are not applied yet; use table assignments)");
             }
             LinkEvent::Up { addr, .. } => {
@@ -684,7 +766,11 @@ async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver<LinkEvent>
 
 /// After a stale-epoch refusal: refresh the table (file source) if the backend is ahead,
 /// then hand back the session's entry for a second routing attempt.
-async fn reroute(shared: &Arc<Shared>, sid: SessionId, backend_epoch: u64) -> Option<Result<SessionEntry, DeliverError>> {
+async fn reroute(
+    shared: &Arc<Shared>,
+    sid: SessionId,
+    backend_epoch: u64,
+) -> Option<Result<SessionEntry, DeliverError>> {
     if shared.epoch.load(Ordering::Relaxed) < backend_epoch {
         if let Some(source) = &shared.source {
             let _ = source.refresh().await;
@@ -728,7 +814,9 @@ fn apply_latest(shared: &Shared) {
 async fn route_loop(shared: Weak<Shared>) {
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut watch = shared.upgrade().and_then(|s| s.source.as_ref().map(|src| src.watch()));
+    let mut watch = shared
+        .upgrade()
+        .and_then(|s| s.source.as_ref().map(|src| src.watch()));
     loop {
         match watch.as_mut() {
             Some(w) => {
@@ -741,7 +829,9 @@ async fn route_loop(shared: Weak<Shared>) {
                 tick.tick().await;
             }
         }
-        let Some(shared) = shared.upgrade() else { return };
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
         apply_latest(&shared);
         if let Some(source) = &shared.source {
             let staleness = source
@@ -762,7 +852,14 @@ async fn route_loop(shared: Weak<Shared>) {
             .lock()
             .map(|m| {
                 m.iter()
-                    .filter(|(_, a)| up.contains(a) || !shared.links.lock().map(|l| l.contains_key(a)).unwrap_or(false))
+                    .filter(|(_, a)| {
+                        up.contains(a)
+                            || !shared
+                                .links
+                                .lock()
+                                .map(|l| l.contains_key(a))
+                                .unwrap_or(false)
+                    })
                     .map(|(id, _)| id.clone())
                     .collect()
             })
@@ -781,21 +878,29 @@ async fn route_loop(shared: Weak<Shared>) {
         for m in moved {
             shared.metrics.migrations.inc();
             tracing::info!(key = %m.key, from = %m.from, to = ?m.to, "binding migrated");
-            let from_addr = shared.instance_addrs.lock().ok().and_then(|a| a.get(&m.from).copied());
+            let from_addr = shared
+                .instance_addrs
+                .lock()
+                .ok()
+                .and_then(|a| a.get(&m.from).copied());
             let entries: Vec<SessionEntry> = shared
                 .entries
                 .lock()
                 .map(|e| {
                     e.by_id
                         .values()
-                        .filter(|en| en.meta.player_id == m.key || en.keys.values().any(|k| k == &m.key))
+                        .filter(|en| {
+                            en.meta.player_id == m.key || en.keys.values().any(|k| k == &m.key)
+                        })
                         .cloned()
                         .collect()
                 })
                 .unwrap_or_default();
             if let Some(from) = from_addr {
                 for entry in entries {
-                    shared.close_on_links(&entry, CloseCode::GoingAway, Some(from)).await;
+                    shared
+                        .close_on_links(&entry, CloseCode::GoingAway, Some(from))
+                        .await;
                     if let Ok(mut e) = shared.entries.lock() {
                         if let Some(en) = e.by_id.get_mut(&entry.meta.session_id) {
                             en.links.remove(&from);
@@ -845,7 +950,10 @@ impl AdminApi for EdgeAdmin {
         let body = text.trim_end().trim_end_matches("# EOF").to_string();
         let mut extra = String::new();
         extra.push_str("# TYPE waygate_sessions_live gauge\n");
-        extra.push_str(&format!("waygate_sessions_live {}\n", s.edge_sessions().registry.len()));
+        extra.push_str(&format!(
+            "waygate_sessions_live {}\n",
+            s.edge_sessions().registry.len()
+        ));
         for (name, value) in s.edge_sessions().counters.export() {
             let (metric, labels) = match name.split_once('{') {
                 Some((m, rest)) => (m.to_string(), format!("{{{rest}")),
@@ -860,11 +968,10 @@ impl AdminApi for EdgeAdmin {
 
     fn routes(&self) -> Value {
         let s = &self.0;
-        let table = s
-            .router
-            .lock()
-            .ok()
-            .and_then(|r| r.table().map(|t| serde_json::to_value(t.as_ref()).unwrap_or(Value::Null)));
+        let table = s.router.lock().ok().and_then(|r| {
+            r.table()
+                .map(|t| serde_json::to_value(t.as_ref()).unwrap_or(Value::Null))
+        });
         let staleness = s
             .source
             .as_ref()
@@ -881,7 +988,11 @@ impl AdminApi for EdgeAdmin {
     async fn session(&self, player: &str) -> Option<Value> {
         let s = &self.0;
         let sid = s.edge_sessions().registry.session_of(player)?;
-        let entry = s.entries.lock().ok().and_then(|e| e.by_id.get(&sid).cloned());
+        let entry = s
+            .entries
+            .lock()
+            .ok()
+            .and_then(|e| e.by_id.get(&sid).cloned());
         Some(json!({
             "player_id": player,
             "session_id": waygate_session::resume::hex_id(&sid),
@@ -898,9 +1009,17 @@ impl AdminApi for EdgeAdmin {
         let deadline = Duration::from_millis(s.config.drain.deadline_ms);
         let mut migrated = 0usize;
         if !already {
-            let ids: Vec<SessionId> = s.entries.lock().map(|e| e.by_id.keys().copied().collect()).unwrap_or_default();
+            let ids: Vec<SessionId> = s
+                .entries
+                .lock()
+                .map(|e| e.by_id.keys().copied().collect())
+                .unwrap_or_default();
             for sid in ids {
-                if s.edge_sessions().registry.migrate(&sid, &s.config.drain.target, deadline).await {
+                if s.edge_sessions()
+                    .registry
+                    .migrate(&sid, &s.config.drain.target, deadline)
+                    .await
+                {
                     migrated += 1;
                 }
             }

@@ -1,7 +1,7 @@
 //! Player authentication (SPEC S2, S2a): the waygate auth token format, minting, verification
 //! with a key ring, and the pluggable [`Authenticator`] trait.
 //!
-//! # Token format, version 1 (byte-exact; SESSION-PROTOCOL.md §2)
+//! # Token format, version 1 (byte-exact; PROTOCOL.md §7.2)
 //!
 //! All integers big-endian. The token is opaque bytes inside HELLO; a login service hands it
 //! to the client over HTTPS, usually as unpadded base64url ([`token_to_base64url`]).
@@ -455,7 +455,7 @@ mod tests {
         HmacAuthenticator::new(ring).with_leeway(Duration::from_secs(30))
     }
 
-    /// The worked example of SESSION-PROTOCOL.md §2.3: pinned bytes, so a refactor cannot
+    /// The worked example of PROTOCOL.md §7.2.3: pinned bytes, so a refactor cannot
     /// silently change the format.
     #[test]
     fn golden_token_bytes() {

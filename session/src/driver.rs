@@ -55,6 +55,14 @@ pub enum SessionEvent {
         /// How the HELLO was answered.
         outcome: WelcomeOutcome,
     },
+    /// The client's link dropped; the session lingers for `linger` (the backend may keep
+    /// the character under server control meanwhile, S8 "degrade").
+    Detached {
+        /// Session.
+        session_id: SessionId,
+        /// How long it is kept for resume.
+        linger: Duration,
+    },
     /// The session holds these bindings (restored or taken over from a kicked session).
     Bound {
         /// Session.
@@ -124,6 +132,12 @@ enum Command {
     Close(CloseCode),
     Bind(String, String),
     Migrate(String, Duration),
+    ReportError {
+        code: CloseCode,
+        msg_id: u32,
+        client_seq: u64,
+        retry_after_ms: u32,
+    },
 }
 
 #[derive(Clone)]
@@ -250,6 +264,31 @@ impl SessionRegistry {
             Some(h) => h
                 .commands
                 .send(Command::Bind(service.to_owned(), instance.to_owned()))
+                .await
+                .is_ok(),
+            None => false,
+        }
+    }
+
+    /// Tells a session's client that one of its upstream messages could not be delivered
+    /// (an ERROR frame; e.g. a backend refused it after it was forwarded).
+    pub async fn report_error(
+        &self,
+        session_id: &SessionId,
+        code: CloseCode,
+        msg_id: u32,
+        client_seq: u64,
+        retry_after_ms: u32,
+    ) -> bool {
+        match self.handle(session_id) {
+            Some(h) => h
+                .commands
+                .send(Command::ReportError {
+                    code,
+                    msg_id,
+                    client_seq,
+                    retry_after_ms,
+                })
                 .await
                 .is_ok(),
             None => false,
@@ -520,6 +559,16 @@ impl Task {
             Command::Migrate(target, deadline) => {
                 let _ = self.machine.migrate(&target, deadline);
             }
+            Command::ReportError {
+                code,
+                msg_id,
+                client_seq,
+                retry_after_ms,
+            } => {
+                let _ = self
+                    .machine
+                    .report_error(code, msg_id, client_seq, retry_after_ms);
+            }
         }
     }
 
@@ -691,6 +740,12 @@ impl Task {
                 if let Err(e) = edge.snapshots.put(&snapshot, edge.config.linger).await {
                     tracing::warn!(error = %e, "could not persist a session snapshot");
                 }
+                edge.upstream
+                    .session_event(SessionEvent::Detached {
+                        session_id: snapshot.session_id,
+                        linger: edge.config.linger,
+                    })
+                    .await;
             }
             Action::Ended(SessionEnd {
                 session_id,

@@ -46,7 +46,7 @@
 //! stays valid until the client's first frame after WELCOME confirms it got the new one, so
 //! a WELCOME lost with the link cannot strand it.
 //!
-//! The byte-level protocol is in `SESSION-PROTOCOL.md` beside this crate.
+//! The byte-level protocol is PROTOCOL.md §7 (repository root).
 
 pub mod auth;
 pub mod client;

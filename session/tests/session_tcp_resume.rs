@@ -12,7 +12,7 @@ use waygate_session::client::{ClientConfig, ClientEvent, ClientSession, ClientSt
 use waygate_session::driver::{EchoSink, EdgeSessions, SessionRegistry};
 use waygate_session::{HmacAuthenticator, KeyRing, SessionConfig};
 use waygate_transport::frame::WelcomeOutcome;
-use waygate_transport::tcp::{connect_tcp, TcpListener};
+use waygate_transport::tcp::{self, connect_tcp};
 use waygate_transport::{BoxConnection, CloseCode, ConnConfig, Listener, TrafficClass};
 
 const KEY: &[u8] = b"tcp test key, 32 bytes, secret..";
@@ -40,7 +40,7 @@ fn token(player: &str) -> Bytes {
 }
 
 async fn start_edge() -> (SocketAddr, Arc<EdgeSessions>, Arc<EchoSink>) {
-    let listener = TcpListener::bind(
+    let listener = tcp::listen(
         "127.0.0.1:0".parse().expect("addr"),
         None,
         ConnConfig::default(),
