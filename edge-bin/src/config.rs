@@ -358,6 +358,23 @@ impl EdgeConfig {
         }
     }
 
+    /// Moves every listener and the admin server to port 0 on its configured IP (tests,
+    /// several edges on one host).
+    pub fn use_ephemeral_ports(&mut self) {
+        let l = &mut self.listeners;
+        for listener in [
+            &mut l.tcp,
+            &mut l.tls,
+            &mut l.ws,
+            &mut l.wss,
+            &mut l.quic,
+            &mut l.kcp,
+        ] {
+            listener.addr.set_port(0);
+        }
+        self.admin.addr.set_port(0);
+    }
+
     /// Parses TOML text (unknown keys are errors naming the key) and validates it.
     pub fn from_toml(text: &str, path: &Path) -> Result<Self, ConfigError> {
         let config: Self = toml::from_str(text).map_err(|e| ConfigError::Parse {

@@ -293,19 +293,27 @@ impl Shared {
             .unwrap_or_else(|| unreachable!("sessions set at start"))
     }
 
+    /// Records the instances of the current table and opens a link to every backend
+    /// address (an edge keeps one link per backend, up before the first message).
     fn learn_instances(&self) {
-        let Ok(router) = self.router.lock() else {
-            return;
+        let table = match self.router.lock() {
+            Ok(router) => router.table().cloned(),
+            Err(_) => None,
         };
-        let Some(table) = router.table() else { return };
+        let Some(table) = table else { return };
+        let mut addrs = Vec::new();
         if let Ok(mut map) = self.instance_addrs.lock() {
             for service in &table.services {
                 for i in &service.instances {
-                    if let Ok(addr) = i.address.parse() {
+                    if let Ok(addr) = i.address.parse::<SocketAddr>() {
                         map.insert(i.id.clone(), addr);
+                        addrs.push(addr);
                     }
                 }
             }
+        }
+        for addr in addrs {
+            self.link(addr);
         }
     }
 

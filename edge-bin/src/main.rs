@@ -15,6 +15,39 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run an edge: every listener, sessions, routing, backend links, admin HTTP. Without a
+    /// config file the embedded defaults apply (loopback ports, generated dev certificate,
+    /// the demo route table, in-memory stores).
+    Run {
+        /// Edge configuration (TOML; see examples/edge.toml).
+        #[arg(long)]
+        config: Option<std::path::PathBuf>,
+        /// Overrides `edge_id`.
+        #[arg(long)]
+        edge_id: Option<String>,
+        /// Overrides `tls.dev_ca_out`: where to write the generated development CA.
+        #[arg(long)]
+        dev_ca_out: Option<std::path::PathBuf>,
+        /// Bind every listener and the admin server on port 0 (any free port); the bound
+        /// addresses are printed as a JSON line starting with `{"event":"ready"`.
+        #[arg(long)]
+        ephemeral_ports: bool,
+    },
+    /// Mint a development auth token (base64url) with the configured (default: dev) key.
+    Token {
+        /// The player id.
+        #[arg(long)]
+        player: String,
+        /// Lifetime in seconds.
+        #[arg(long, default_value_t = 3600)]
+        ttl: u64,
+        /// Issuer claim.
+        #[arg(long, default_value = "waygate-dev")]
+        issuer: String,
+        /// Edge configuration whose first auth key signs the token.
+        #[arg(long)]
+        config: Option<std::path::PathBuf>,
+    },
     /// Run the demo game backend alone (player and room services).
     Backend {
         /// Address to listen on for edge links.
@@ -28,12 +61,20 @@ enum Command {
     Protocol,
 }
 
+fn load_config(path: Option<&std::path::Path>) -> Result<waygate::config::EdgeConfig, String> {
+    match path {
+        Some(p) => waygate::config::EdgeConfig::load(p).map_err(|e| e.to_string()),
+        None => Ok(waygate::config::EdgeConfig::default()),
+    }
+}
+
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_target(false)
+        .with_writer(std::io::stderr)
         .try_init();
 }
 
@@ -52,6 +93,77 @@ fn main() -> std::process::ExitCode {
     };
     let result: Result<(), String> = runtime.block_on(async move {
         match cli.command {
+            Command::Run {
+                config,
+                edge_id,
+                dev_ca_out,
+                ephemeral_ports,
+            } => {
+                let mut config = load_config(config.as_deref())?;
+                if let Some(id) = edge_id {
+                    config.edge_id = id;
+                }
+                if let Some(p) = dev_ca_out {
+                    config.tls.dev_ca_out = Some(p);
+                }
+                if ephemeral_ports {
+                    config.use_ephemeral_ports();
+                }
+                config.validate().map_err(|e| e.to_string())?;
+                let edge = waygate::edge::Edge::start(config)
+                    .await
+                    .map_err(|e| format!("edge failed to start: {e}"))?;
+                let listeners: std::collections::BTreeMap<String, String> = edge
+                    .addrs
+                    .iter()
+                    .map(|(k, a)| (k.as_str().to_string(), a.to_string()))
+                    .collect();
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "event": "ready",
+                        "listeners": listeners,
+                        "admin": edge.admin_addr.map(|a| a.to_string()),
+                    })
+                );
+                tokio::select! {
+                    r = tokio::signal::ctrl_c() => r.map_err(|e| e.to_string())?,
+                    () = async {
+                        loop {
+                            if edge.is_draining() {
+                                edge.drained().await;
+                                return;
+                            }
+                            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                        }
+                    } => tracing::info!("drained; exiting"),
+                }
+                Ok(())
+            }
+            Command::Token {
+                player,
+                ttl,
+                issuer,
+                config,
+            } => {
+                let config = load_config(config.as_deref())?;
+                let key = config.auth.keys.first().ok_or("no auth key configured")?;
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_secs())
+                    .unwrap_or(0);
+                let claims = waygate_session::auth::TokenClaims {
+                    player_id: player,
+                    issuer,
+                    issued_at: now,
+                    expires_at: now + ttl,
+                    extensions: Vec::new(),
+                };
+                let token = waygate_session::mint_token(key.id, key.secret.as_bytes(), &claims)
+                    .map_err(|e| e.to_string())?;
+                println!("{}", waygate_session::auth::token_to_base64url(&token));
+                Ok(())
+            }
             Command::Backend { addr, id } => {
                 let service = Arc::new(waygate::backend::demo::DemoService::new());
                 let backend = waygate::backend::Backend::bind(

@@ -129,6 +129,31 @@ struct Unacked {
     payload: Bytes,
 }
 
+/// Round-trip time statistics (C2), from the client's PINGs answered by PONG.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RttStats {
+    /// The latest sample.
+    pub latest: Option<std::time::Duration>,
+    /// Smoothed RTT (RFC 6298 weights: 7/8 old, 1/8 new).
+    pub smoothed: Option<std::time::Duration>,
+    /// The smallest sample seen.
+    pub min: Option<std::time::Duration>,
+    /// Number of samples.
+    pub samples: u64,
+}
+
+impl RttStats {
+    fn sample(&mut self, rtt: std::time::Duration) {
+        self.latest = Some(rtt);
+        self.min = Some(self.min.map_or(rtt, |m| m.min(rtt)));
+        self.smoothed = Some(match self.smoothed {
+            Some(s) => (s * 7 + rtt) / 8,
+            None => rtt,
+        });
+        self.samples += 1;
+    }
+}
+
 /// The client side of a session. See the module docs.
 #[derive(Debug)]
 pub struct ClientSession {
@@ -146,6 +171,7 @@ pub struct ClientSession {
     epoch: Option<Instant>,
     transmit: VecDeque<Frame>,
     events: VecDeque<ClientEvent>,
+    rtt: RttStats,
 }
 
 impl ClientSession {
@@ -165,7 +191,13 @@ impl ClientSession {
             epoch: None,
             transmit: VecDeque::new(),
             events: VecDeque::new(),
+            rtt: RttStats::default(),
         }
+    }
+
+    /// Round-trip statistics from PING/PONG.
+    pub fn rtt(&self) -> RttStats {
+        self.rtt
     }
 
     /// Current state.
@@ -381,11 +413,15 @@ impl ClientSession {
         };
         match (self.state, frame) {
             (ClientState::Handshaking, Frame::Welcome(w)) => {
+                let first = self.session.is_none() && self.down.cumulative() == 0;
                 self.session = Some((w.session_id, w.resume_token));
                 self.heartbeat = Some(Duration::from_millis(w.heartbeat_interval_ms.into()));
                 match w.outcome {
+                    // The very first session: messages queued before it (seqs from 1) go out.
+                    WelcomeOutcome::NewSession if first => {}
                     WelcomeOutcome::NewSession | WelcomeOutcome::RestoreFailedNewSession => {
-                        // A fresh session: seqs restart; old unsent messages are void.
+                        // A fresh session replacing an old one: seqs restart; the old
+                        // session's unsent messages are void (the application resyncs).
                         self.down = RecvWindow::new();
                         self.next_up_seq = 1;
                         self.unacked.clear();
@@ -465,7 +501,15 @@ impl ClientSession {
                 self.push(now, Frame::Pong { timestamp });
                 Ok(())
             }
-            (ClientState::Active | ClientState::Handshaking, Frame::Pong { .. }) => Ok(()),
+            (ClientState::Active | ClientState::Handshaking, Frame::Pong { timestamp }) => {
+                if let Some(epoch) = self.epoch {
+                    let sent = epoch + std::time::Duration::from_millis(timestamp);
+                    if now >= sent {
+                        self.rtt.sample(now - sent);
+                    }
+                }
+                Ok(())
+            }
             (ClientState::Active, Frame::Migrate(m)) => {
                 self.session = Some((m.session_id, m.resume_token));
                 self.events.push_back(ClientEvent::Migrate {

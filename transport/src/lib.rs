@@ -25,6 +25,7 @@
 
 pub mod codec;
 pub mod conn;
+pub mod endpoint;
 pub mod error;
 pub mod frame;
 pub mod kcp;

@@ -1,0 +1,487 @@
+//! The async client: one task drives a [`ClientSession`] over whichever connection is up.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use rand::RngExt;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::Instant;
+use waygate_session::client::{
+    ClientConfig, ClientError, ClientEvent, ClientSession, ClientState, RttStats,
+};
+use waygate_transport::endpoint::{connect, ConnectOptions, Endpoint};
+use waygate_transport::frame::{ErrorReport, SessionId, WelcomeOutcome};
+use waygate_transport::{BoxConnection, CloseCode, TrafficClass, TransportError};
+
+/// Client settings.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// Endpoints in order of preference (e.g. kcp, quic, tcp, ws): each connect attempt
+    /// starts at the first and falls back down the list (C1).
+    pub endpoints: Vec<Endpoint>,
+    /// Transport options (trusted CAs for tls/wss/quic, limits, QUIC and KCP settings).
+    pub connect: ConnectOptions,
+    /// Auth token from the login service.
+    pub token: Bytes,
+    /// Session-layer settings (ack policy, send buffer size).
+    pub session: ClientConfig,
+    /// How long a UDP endpoint (KCP, QUIC) may take to connect before the next endpoint is
+    /// tried.
+    pub udp_timeout: Duration,
+    /// First reconnect delay cap; doubles per failed round up to `backoff_max` (full jitter).
+    pub backoff_min: Duration,
+    /// Largest reconnect delay.
+    pub backoff_max: Duration,
+}
+
+impl ClientOptions {
+    /// Options with defaults for `endpoints` and `token`.
+    pub fn new(endpoints: Vec<Endpoint>, token: Bytes) -> Self {
+        Self {
+            endpoints,
+            connect: ConnectOptions::default(),
+            token,
+            session: ClientConfig::default(),
+            udp_timeout: Duration::from_secs(2),
+            backoff_min: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What the application sees (C3).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Event {
+    /// A session is up over `endpoint`: new, restored, restored with a gap (resync your
+    /// state), or a new session after a failed restore.
+    Connected {
+        /// The endpoint in use.
+        endpoint: String,
+        /// The session.
+        session_id: SessionId,
+        /// How it was established.
+        outcome: WelcomeOutcome,
+    },
+    /// A downstream message (each sequenced one exactly once, in order per class).
+    Message {
+        /// Class.
+        class: TrafficClass,
+        /// Message id.
+        msg_id: u32,
+        /// Server seq (0 for best-effort).
+        seq: u64,
+        /// Body.
+        payload: Bytes,
+    },
+    /// The link dropped; the client reconnects and resumes by itself.
+    Disconnected {
+        /// Why.
+        code: CloseCode,
+    },
+    /// The server refused a connect (e.g. overloaded): the next attempt waits at least
+    /// `retry_after_ms`.
+    Rejected {
+        /// Why.
+        code: CloseCode,
+        /// The server's hint.
+        retry_after_ms: u32,
+    },
+    /// The server asks us to move; the client reconnects to `target` and resumes.
+    Migrating {
+        /// Target endpoint (empty: the configured list).
+        target: String,
+    },
+    /// One upstream message was not delivered (busy, unavailable, no route...).
+    Error(ErrorReport),
+    /// Terminal: kicked by another login, session expired, or closed locally. No
+    /// reconnect follows.
+    Closed {
+        /// Why.
+        code: CloseCode,
+    },
+}
+
+/// SDK errors.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SdkError {
+    /// The session layer refused the call (e.g. the send buffer is full).
+    #[error("{0}")]
+    Session(#[from] ClientError),
+    /// The client task has ended (closed or kicked).
+    #[error("client is closed")]
+    Closed,
+}
+
+enum Cmd {
+    Send(
+        TrafficClass,
+        u32,
+        Bytes,
+        oneshot::Sender<Result<Option<u64>, ClientError>>,
+    ),
+    DropLink,
+    Prefer(usize),
+    Close,
+}
+
+/// Live numbers of a client.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClientStats {
+    /// RTT from PING/PONG.
+    pub rtt: RttStats,
+    /// Upstream messages not yet acked by the server.
+    pub unacked: usize,
+    /// Highest server seq received without a gap.
+    pub last_server_seq: u64,
+    /// Successful (re)connects.
+    pub connects: u64,
+}
+
+/// A running client. Dropping it closes the session.
+#[derive(Debug)]
+pub struct Client {
+    cmd: mpsc::Sender<Cmd>,
+    events: mpsc::Receiver<Event>,
+    stats: watch::Receiver<ClientStats>,
+}
+
+impl Client {
+    /// Starts the client task; it connects at once.
+    pub fn start(options: ClientOptions) -> Client {
+        let (cmd_tx, cmd_rx) = mpsc::channel(256);
+        let (ev_tx, ev_rx) = mpsc::channel(4096);
+        let (stats_tx, stats_rx) = watch::channel(ClientStats::default());
+        tokio::spawn(run(options, cmd_rx, ev_tx, stats_tx));
+        Client {
+            cmd: cmd_tx,
+            events: ev_rx,
+            stats: stats_rx,
+        }
+    }
+
+    /// Sends a message; returns its client seq (0 for best-effort) or `None` when a
+    /// best-effort message was dropped because no link is up. Sequenced messages are kept
+    /// until the server acks them and resent after a resume.
+    pub async fn send(
+        &self,
+        class: TrafficClass,
+        msg_id: u32,
+        payload: Bytes,
+    ) -> Result<Option<u64>, SdkError> {
+        let (tx, rx) = oneshot::channel();
+        self.cmd
+            .send(Cmd::Send(class, msg_id, payload, tx))
+            .await
+            .map_err(|_| SdkError::Closed)?;
+        Ok(rx.await.map_err(|_| SdkError::Closed)??)
+    }
+
+    /// The next event; `None` once the client task has ended.
+    pub async fn next_event(&mut self) -> Option<Event> {
+        self.events.recv().await
+    }
+
+    /// Live statistics.
+    pub fn stats(&self) -> ClientStats {
+        *self.stats.borrow()
+    }
+
+    /// Drops the current connection without a CLOSE, as a network failure would; the
+    /// client reconnects and resumes.
+    pub async fn drop_link(&self) {
+        let _ = self.cmd.send(Cmd::DropLink).await;
+    }
+
+    /// Makes endpoint `index` the first one tried on the next connect.
+    pub async fn prefer_endpoint(&self, index: usize) {
+        let _ = self.cmd.send(Cmd::Prefer(index)).await;
+    }
+
+    /// Closes the session (CLOSE normal) and ends the task.
+    pub async fn close(&self) {
+        let _ = self.cmd.send(Cmd::Close).await;
+    }
+}
+
+struct Driver {
+    options: ClientOptions,
+    session: ClientSession,
+    conn: Option<BoxConnection>,
+    endpoint: Option<String>,
+    preferred: usize,
+    migrate_to: Option<Endpoint>,
+    next_connect: Instant,
+    failures: u32,
+    events: mpsc::Sender<Event>,
+    stats: watch::Sender<ClientStats>,
+    connects: u64,
+    closed: bool,
+}
+
+async fn run(
+    options: ClientOptions,
+    mut cmds: mpsc::Receiver<Cmd>,
+    events: mpsc::Sender<Event>,
+    stats: watch::Sender<ClientStats>,
+) {
+    let session = ClientSession::new(options.token.clone(), options.session.clone());
+    let mut d = Driver {
+        options,
+        session,
+        conn: None,
+        endpoint: None,
+        preferred: 0,
+        migrate_to: None,
+        next_connect: Instant::now(),
+        failures: 0,
+        events,
+        stats,
+        connects: 0,
+        closed: false,
+    };
+    while !d.closed {
+        if d.conn.is_none() && Instant::now() >= d.next_connect {
+            d.try_connect().await;
+            d.flush().await;
+            d.drain_events().await;
+            continue;
+        }
+        let timer = {
+            let mut t = d.session.poll_timeout().map(Instant::from_std);
+            if d.conn.is_none() {
+                t = Some(t.map_or(d.next_connect, |x| x.min(d.next_connect)));
+            }
+            t
+        };
+        let sleep = async {
+            match timer {
+                Some(t) => tokio::time::sleep_until(t).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            frame = recv(&mut d.conn) => {
+                let now = Instant::now().into_std();
+                match frame {
+                    Ok(frame) => {
+                        if let Err(e) = d.session.handle_frame(now, frame) {
+                            tracing::debug!(error = %e, "frame refused by the client session");
+                        }
+                    }
+                    Err(e) => d.link_down(e.close_code()),
+                }
+            }
+            cmd = cmds.recv() => match cmd {
+                Some(Cmd::Send(class, msg_id, payload, reply)) => {
+                    let r = d.session.send(Instant::now().into_std(), class, msg_id, payload);
+                    let _ = reply.send(r);
+                }
+                Some(Cmd::DropLink) => {
+                    if d.conn.take().is_some() {
+                        d.session.handle_link_down(Instant::now().into_std(), CloseCode::GoingAway);
+                        d.next_connect = Instant::now();
+                    }
+                }
+                Some(Cmd::Prefer(i)) => d.preferred = i.min(d.options.endpoints.len().saturating_sub(1)),
+                Some(Cmd::Close) | None => {
+                    if let Some(mut c) = d.conn.take() {
+                        c.close(CloseCode::Normal, "client closed").await;
+                    }
+                    let _ = d.events.send(Event::Closed { code: CloseCode::Normal }).await;
+                    return;
+                }
+            },
+            () = sleep => d.session.handle_timeout(Instant::now().into_std()),
+        }
+        d.flush().await;
+        d.drain_events().await;
+    }
+}
+
+async fn recv(
+    conn: &mut Option<BoxConnection>,
+) -> Result<waygate_transport::Frame, TransportError> {
+    match conn {
+        Some(c) => c.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+impl Driver {
+    fn order(&self) -> Vec<Endpoint> {
+        let mut list = Vec::new();
+        if let Some(target) = &self.migrate_to {
+            list.push(target.clone());
+        }
+        let n = self.options.endpoints.len();
+        for i in 0..n {
+            list.push(self.options.endpoints[(self.preferred + i) % n].clone());
+        }
+        list
+    }
+
+    async fn try_connect(&mut self) {
+        for endpoint in self.order() {
+            let limit = if endpoint.kind.is_udp() {
+                self.options.udp_timeout
+            } else {
+                self.options.connect.conn.handshake_timeout
+            };
+            match tokio::time::timeout(limit, connect(&endpoint, &self.options.connect)).await {
+                Ok(Ok(conn)) => {
+                    self.conn = Some(conn);
+                    self.endpoint = Some(endpoint.to_string());
+                    self.migrate_to = None;
+                    let _ = self.session.connect(Instant::now().into_std());
+                    return;
+                }
+                Ok(Err(TransportError::Refused {
+                    code,
+                    retry_after_ms,
+                })) => {
+                    self.refused(code, retry_after_ms).await;
+                    return;
+                }
+                Ok(Err(e)) => {
+                    tracing::debug!(%endpoint, error = %e, "connect failed; trying the next endpoint")
+                }
+                Err(_) => tracing::debug!(%endpoint, "connect timed out; trying the next endpoint"),
+            }
+        }
+        self.failures = self.failures.saturating_add(1);
+        self.schedule_backoff(0);
+    }
+
+    fn schedule_backoff(&mut self, at_least_ms: u32) {
+        let cap = self
+            .options
+            .backoff_min
+            .saturating_mul(1u32 << self.failures.min(16))
+            .min(self.options.backoff_max);
+        let jitter = rand::rng().random_range(0..=cap.as_millis() as u64);
+        let delay = Duration::from_millis(jitter.max(u64::from(at_least_ms)));
+        self.next_connect = Instant::now() + delay;
+    }
+
+    async fn refused(&mut self, code: CloseCode, retry_after_ms: u32) {
+        self.failures = self.failures.saturating_add(1);
+        self.schedule_backoff(retry_after_ms);
+        let _ = self
+            .events
+            .send(Event::Rejected {
+                code,
+                retry_after_ms,
+            })
+            .await;
+    }
+
+    fn link_down(&mut self, code: CloseCode) {
+        self.conn = None;
+        self.session
+            .handle_link_down(Instant::now().into_std(), code);
+        // The first reconnect is immediate; repeated failures back off.
+        self.next_connect = Instant::now();
+    }
+
+    async fn flush(&mut self) {
+        let Some(conn) = self.conn.as_mut() else {
+            while self.session.poll_transmit().is_some() {}
+            return;
+        };
+        let mut frames = Vec::new();
+        while let Some(f) = self.session.poll_transmit() {
+            frames.push(f);
+        }
+        if frames.is_empty() {
+            return;
+        }
+        if let Err(e) = conn.send_batch(&frames).await {
+            self.link_down(e.close_code());
+        }
+    }
+
+    async fn drain_events(&mut self) {
+        while let Some(ev) = self.session.poll_event() {
+            let event = match ev {
+                ClientEvent::Welcomed {
+                    session_id,
+                    outcome,
+                } => {
+                    self.failures = 0;
+                    self.connects += 1;
+                    Event::Connected {
+                        endpoint: self.endpoint.clone().unwrap_or_default(),
+                        session_id,
+                        outcome,
+                    }
+                }
+                ClientEvent::Message {
+                    class,
+                    msg_id,
+                    seq,
+                    payload,
+                } => Event::Message {
+                    class,
+                    msg_id,
+                    seq,
+                    payload,
+                },
+                ClientEvent::Rejected {
+                    code,
+                    retry_after_ms,
+                } => {
+                    self.conn = None;
+                    self.failures = self.failures.saturating_add(1);
+                    self.schedule_backoff(retry_after_ms);
+                    if matches!(
+                        code,
+                        CloseCode::AuthMalformed
+                            | CloseCode::AuthBadSignature
+                            | CloseCode::AuthExpired
+                            | CloseCode::AuthUnknownKey
+                            | CloseCode::AuthUnsupportedVersion
+                            | CloseCode::AuthRejected
+                            | CloseCode::UnsupportedVersion
+                    ) {
+                        self.closed = true;
+                        Event::Closed { code }
+                    } else {
+                        Event::Rejected {
+                            code,
+                            retry_after_ms,
+                        }
+                    }
+                }
+                ClientEvent::Disconnected { code } => {
+                    self.conn = None;
+                    if self.session.state() == ClientState::Closed {
+                        self.closed = true;
+                        Event::Closed { code }
+                    } else {
+                        Event::Disconnected { code }
+                    }
+                }
+                ClientEvent::Migrate { target, .. } => {
+                    self.migrate_to = Endpoint::parse(&target).ok();
+                    if let Some(mut c) = self.conn.take() {
+                        c.close(CloseCode::GoingAway, "migrating").await;
+                        self.session
+                            .handle_link_down(Instant::now().into_std(), CloseCode::GoingAway);
+                    }
+                    self.next_connect = Instant::now();
+                    Event::Migrating { target }
+                }
+                ClientEvent::Error(report) => Event::Error(report),
+            };
+            let _ = self.events.send(event).await;
+        }
+        let _ = self.stats.send(ClientStats {
+            rtt: self.session.rtt(),
+            unacked: self.session.unacked_len(),
+            last_server_seq: self.session.last_server_seq(),
+            connects: self.connects,
+        });
+    }
+}
