@@ -1,6 +1,8 @@
 //! Admin HTTP (O3) on its own port: `/healthz`, `/readyz`, `/metrics` (Prometheus text),
-//! `/routes`, `/sessions/{player}`, `POST /drain`, `POST /kick/{player}`. The handlers
-//! talk to the edge only through [`AdminApi`], so the router is tested without sockets.
+//! `/routes`, `/sessions/{player}`, `POST /drain`, `POST /kick/{player}`, and
+//! `POST /drop/{player}` (drops the connection while the session lingers: a chaos drill).
+//! The handlers talk to the edge only through [`AdminApi`], so the router is tested without
+//! sockets.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -30,6 +32,9 @@ pub trait AdminApi: Send + Sync + 'static {
     async fn drain(&self) -> Value;
     /// Kicks `player`'s session; whether one was found.
     async fn kick(&self, player: &str) -> bool;
+    /// Drops `player`'s connection without ending the session (it lingers; the client
+    /// resumes). A chaos/test drill; whether a session was found.
+    async fn drop_link(&self, player: &str) -> bool;
 }
 
 type Api = Arc<dyn AdminApi>;
@@ -44,6 +49,7 @@ pub fn router(api: Api) -> Router {
         .route("/sessions/{player}", get(session))
         .route("/drain", post(drain))
         .route("/kick/{player}", post(kick))
+        .route("/drop/{player}", post(drop_link))
         .with_state(api)
 }
 
@@ -95,6 +101,18 @@ async fn drain(State(api): State<Api>) -> Json<Value> {
 async fn kick(State(api): State<Api>, Path(player): Path<String>) -> Response {
     if api.kick(&player).await {
         Json(json!({"kicked": player})).into_response()
+    } else {
+        (
+            StatusCode::NOT_FOUND,
+            Json(json!({"error": "no session for this player on this edge"})),
+        )
+            .into_response()
+    }
+}
+
+async fn drop_link(State(api): State<Api>, Path(player): Path<String>) -> Response {
+    if api.drop_link(&player).await {
+        Json(json!({"dropped": player})).into_response()
     } else {
         (
             StatusCode::NOT_FOUND,

@@ -1042,6 +1042,14 @@ impl AdminApi for EdgeAdmin {
         })
     }
 
+    async fn drop_link(&self, player: &str) -> bool {
+        let registry = &self.0.edge_sessions().registry;
+        match registry.session_of(player) {
+            Some(sid) => registry.drop_link(&sid).await,
+            None => false,
+        }
+    }
+
     async fn kick(&self, player: &str) -> bool {
         let registry = &self.0.edge_sessions().registry;
         match registry.session_of(player) {

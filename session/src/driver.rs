@@ -132,6 +132,7 @@ enum Command {
     Close(CloseCode),
     Bind(String, String),
     Migrate(String, Duration),
+    DropLink,
     ReportError {
         code: CloseCode,
         msg_id: u32,
@@ -266,6 +267,15 @@ impl SessionRegistry {
                 .send(Command::Bind(service.to_owned(), instance.to_owned()))
                 .await
                 .is_ok(),
+            None => false,
+        }
+    }
+
+    /// Drops a session's connection without a CLOSE (as a network failure would); the
+    /// session lingers and the client resumes. For tests and chaos drills.
+    pub async fn drop_link(&self, session_id: &SessionId) -> bool {
+        match self.handle(session_id) {
+            Some(h) => h.commands.send(Command::DropLink).await.is_ok(),
             None => false,
         }
     }
@@ -558,6 +568,11 @@ impl Task {
             }
             Command::Migrate(target, deadline) => {
                 let _ = self.machine.migrate(&target, deadline);
+            }
+            Command::DropLink => {
+                if self.conn.take().is_some() {
+                    let _ = self.machine.handle_link_down(now, CloseCode::GoingAway);
+                }
             }
             Command::ReportError {
                 code,
