@@ -11,6 +11,7 @@
 pub mod admin;
 pub mod backend;
 pub mod config;
+pub mod demo;
 pub mod edge;
 pub mod link;
 pub mod listeners;

@@ -57,8 +57,36 @@ enum Command {
         #[arg(long, default_value = "b1")]
         id: String,
     },
+    /// The main job for a newcomer: an edge, 3 demo backends and simulated clients on every
+    /// transport, through a reconnect wave, a second-login kick and a backend drain. Exits
+    /// non-zero if any message was lost or duplicated.
+    Demo {
+        /// Simulated clients.
+        #[arg(long, default_value_t = 300)]
+        clients: usize,
+        /// How long clients send, e.g. `20s`, `1m`.
+        #[arg(long, default_value = "20s", value_parser = parse_duration)]
+        duration: std::time::Duration,
+        /// Print the final report as JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Print the client protocol version and the close-code table.
     Protocol,
+}
+
+fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let (num, unit) = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .map_or((s, "s"), |i| (&s[..i], &s[i..]));
+    let n: f64 = num.parse().map_err(|_| format!("invalid duration `{s}`"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "s" | "" => n,
+        "m" => n * 60.0,
+        _ => return Err(format!("invalid duration unit in `{s}` (ms, s, m)")),
+    };
+    Ok(std::time::Duration::from_secs_f64(secs))
 }
 
 fn load_config(path: Option<&std::path::Path>) -> Result<waygate::config::EdgeConfig, String> {
@@ -176,6 +204,32 @@ fn main() -> std::process::ExitCode {
                 println!("backend {id} listening on {}", backend.local_addr());
                 tokio::signal::ctrl_c().await.map_err(|e| e.to_string())?;
                 Ok(())
+            }
+            Command::Demo {
+                clients,
+                duration,
+                json,
+            } => {
+                let report = waygate::demo::run(waygate::demo::DemoOptions {
+                    clients,
+                    duration,
+                    progress: !json,
+                    ..waygate::demo::DemoOptions::default()
+                })
+                .await?;
+                if json {
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?
+                    );
+                } else {
+                    print!("{}", report.table());
+                }
+                if report.ok() {
+                    Ok(())
+                } else {
+                    Err("messages were lost or duplicated".into())
+                }
             }
             Command::Protocol => {
                 println!(

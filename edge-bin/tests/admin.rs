@@ -1,7 +1,12 @@
 //! Admin HTTP: routes tested without sockets (tower `oneshot`) against a real in-process
 //! edge, and once over HTTP; `/metrics` parsed by a Prometheus text parser.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs, unreachable_pub)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    missing_docs,
+    unreachable_pub
+)]
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
@@ -18,7 +23,13 @@ async fn edge() -> Edge {
 
 async fn call(app: axum::Router, method: &str, uri: &str) -> (StatusCode, String) {
     let resp = app
-        .oneshot(Request::builder().method(method).uri(uri).body(Body::empty()).unwrap())
+        .oneshot(
+            Request::builder()
+                .method(method)
+                .uri(uri)
+                .body(Body::empty())
+                .unwrap(),
+        )
         .await
         .unwrap();
     let status = resp.status();
@@ -97,5 +108,8 @@ async fn admin_over_http() {
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
     let body = resp.split("\r\n\r\n").nth(1).unwrap();
     let scrape = parse_metrics(body);
-    assert!(scrape.samples.iter().any(|s| s.metric == "waygate_route_epoch"));
+    assert!(scrape
+        .samples
+        .iter()
+        .any(|s| s.metric == "waygate_route_epoch"));
 }

@@ -1,0 +1,591 @@
+//! `waygate demo`: the main job for a newcomer. One process starts three demo backends, an
+//! edge with every listener and a few hundred simulated clients spread over TCP, TLS,
+//! WebSocket (ws, wss), QUIC and KCP. The clients log in, echo through the player service
+//! and talk in rooms; midway they go through a reconnect wave (sockets killed on both sides,
+//! some resuming over another transport), a second login that kicks a session, and a
+//! backend drain that migrates players. Every echo is counted: the run fails (exit code 1)
+//! if any reply is lost or duplicated.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::Serialize;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use waygate_client::{Client, ClientOptions, Event};
+use waygate_session::auth::TokenClaims;
+use waygate_transport::endpoint::{ConnectOptions, Endpoint};
+use waygate_transport::frame::WelcomeOutcome;
+use waygate_transport::tls::ClientTls;
+use waygate_transport::{CloseCode, TrafficClass, TransportKind};
+
+use crate::backend::demo::{
+    DemoService, ECHO, ECHO_REPLY, JOINED, JOIN_ROOM, ROOM_EVENT, ROOM_SAY,
+};
+use crate::backend::{Backend, BackendConfig};
+use crate::config::{EdgeConfig, DEV_KEY_ID, DEV_KEY_SECRET};
+use crate::edge::Edge;
+
+/// Demo settings.
+#[derive(Debug, Clone)]
+pub struct DemoOptions {
+    /// Simulated clients.
+    pub clients: usize,
+    /// How long clients send.
+    pub duration: Duration,
+    /// Echo interval per client.
+    pub interval: Duration,
+    /// Print progress lines to stderr.
+    pub progress: bool,
+}
+
+impl Default for DemoOptions {
+    fn default() -> Self {
+        Self {
+            clients: 300,
+            duration: Duration::from_secs(20),
+            interval: Duration::from_millis(200),
+            progress: true,
+        }
+    }
+}
+
+/// Per-transport results.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct TransportRow {
+    /// Sessions started on this transport.
+    pub sessions: u64,
+    /// Echo requests sent.
+    pub sent: u64,
+    /// Echo replies received (each counted once).
+    pub received: u64,
+    /// Requests whose reply never came.
+    pub lost: u64,
+    /// Replies received more than once.
+    pub duplicated: u64,
+    /// Requests explicitly refused with an ERROR frame (never silent).
+    pub refused: u64,
+    /// Successful resumes (restored / restored with gap).
+    pub restores: u64,
+    /// Resumes that reported a gap.
+    pub gaps: u64,
+    /// Round trip p50, microseconds.
+    pub rtt_p50_us: u64,
+    /// Round trip p99, microseconds.
+    pub rtt_p99_us: u64,
+}
+
+/// The demo's outcome.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct DemoReport {
+    /// Rows per starting transport.
+    pub transports: BTreeMap<String, TransportRow>,
+    /// Sessions kicked by a second login (expected: 1).
+    pub kicked: u64,
+    /// Sessions resumed over another transport than they started on.
+    pub switched_transport: u64,
+    /// Echo replies from the remaining backends after the drain started.
+    pub migrated_replies_from_other_backends: u64,
+    /// Echo replies still coming from the drained backend more than 1 s after the drain
+    /// started (expected: 0; bindings move at the configured migration rate).
+    pub replies_from_drained_backend_after_1s: u64,
+    /// Room broadcasts received.
+    pub room_events: u64,
+    /// Totals.
+    pub total: TransportRow,
+}
+
+impl DemoReport {
+    /// Whether nothing was lost or duplicated.
+    pub fn ok(&self) -> bool {
+        self.total.lost == 0
+            && self.total.duplicated == 0
+            && self.total.sent > 0
+            && self.replies_from_drained_backend_after_1s == 0
+    }
+
+    /// The human table.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        out.push_str(&format!(
+            "{:<10} {:>8} {:>9} {:>9} {:>6} {:>6} {:>7} {:>8} {:>5} {:>10} {:>10}\n",
+            "transport",
+            "sessions",
+            "sent",
+            "received",
+            "lost",
+            "dup",
+            "refused",
+            "restores",
+            "gaps",
+            "p50 (ms)",
+            "p99 (ms)"
+        ));
+        let row = |name: &str, r: &TransportRow| {
+            format!(
+                "{:<10} {:>8} {:>9} {:>9} {:>6} {:>6} {:>7} {:>8} {:>5} {:>10.2} {:>10.2}\n",
+                name,
+                r.sessions,
+                r.sent,
+                r.received,
+                r.lost,
+                r.duplicated,
+                r.refused,
+                r.restores,
+                r.gaps,
+                r.rtt_p50_us as f64 / 1000.0,
+                r.rtt_p99_us as f64 / 1000.0
+            )
+        };
+        for (name, r) in &self.transports {
+            out.push_str(&row(name, r));
+        }
+        out.push_str(&row("total", &self.total));
+        out.push_str(&format!(
+            "kicked by second login: {}   resumed over another transport: {}   room events: {}\n\
+             drain of b3: replies from other backends {}, from b3 more than 1 s later {}\n",
+            self.kicked,
+            self.switched_transport,
+            self.room_events,
+            self.migrated_replies_from_other_backends,
+            self.replies_from_drained_backend_after_1s
+        ));
+        out
+    }
+}
+
+enum Cmd {
+    /// Drop the link (client side); resume over endpoint `prefer` if set.
+    Drop { prefer: Option<usize> },
+    /// Stop sending and report once every reply arrived.
+    Quiesce(oneshot::Sender<()>),
+    /// Stop sending; wait for outstanding replies; finish.
+    Stop,
+}
+
+#[derive(Debug, Default)]
+struct ClientResult {
+    kind: Option<TransportKind>,
+    sent: u64,
+    received: u64,
+    lost: u64,
+    duplicated: u64,
+    refused: u64,
+    restores: u64,
+    gaps: u64,
+    kicked: bool,
+    switched: bool,
+    room_events: u64,
+    after_drain_other_backend: u64,
+    late_from_drained: u64,
+    rtts: Vec<u32>,
+}
+
+fn token(player: &str) -> Bytes {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    waygate_session::mint_token(
+        DEV_KEY_ID,
+        DEV_KEY_SECRET.as_bytes(),
+        &TokenClaims {
+            player_id: player.into(),
+            issuer: "waygate-demo".into(),
+            issued_at: now,
+            expires_at: now + 3600,
+            extensions: Vec::new(),
+        },
+    )
+    .unwrap_or_default()
+}
+
+fn table_text(addrs: &[SocketAddr], epoch: u64, draining: Option<usize>) -> String {
+    let mut t = format!("epoch = {epoch}\nupdated_at = 0\n");
+    for (service, prefix, range) in [
+        ("player", "p", "[[1000, 1999]]"),
+        ("room", "r", "[[2000, 2999]]"),
+    ] {
+        t.push_str(&format!(
+            "[[services]]\nname = \"{service}\"\nmessages = {range}\nkey = \"{service}\"\n"
+        ));
+        for (i, a) in addrs.iter().enumerate() {
+            let state = if draining == Some(i) && service == "player" {
+                "draining"
+            } else {
+                "active"
+            };
+            t.push_str(&format!(
+                "  [[services.instances]]\n  id = \"{prefix}{}\"\n  address = \"{a}\"\n  state = \"{state}\"\n",
+                i + 1
+            ));
+        }
+    }
+    t
+}
+
+const KINDS: [TransportKind; 6] = [
+    TransportKind::Tcp,
+    TransportKind::Tls,
+    TransportKind::Ws,
+    TransportKind::Wss,
+    TransportKind::Quic,
+    TransportKind::Kcp,
+];
+
+/// Runs the demo; returns its report.
+pub async fn run(options: DemoOptions) -> Result<DemoReport, String> {
+    let mut backends = Vec::new();
+    for i in 1..=3 {
+        let b = Backend::bind(
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+            BackendConfig::new(format!("b{i}")),
+            Arc::new(DemoService::new()),
+        )
+        .await
+        .map_err(|e| format!("demo backend: {e}"))?;
+        backends.push(b);
+    }
+    let addrs: Vec<SocketAddr> = backends.iter().map(|b| b.local_addr()).collect();
+    let dir = std::env::temp_dir().join(format!("waygate-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let routes = dir.join("routes.toml");
+    std::fs::write(&routes, table_text(&addrs, 1, None)).map_err(|e| e.to_string())?;
+
+    let mut config = EdgeConfig::default();
+    config.use_ephemeral_ports();
+    config.routing.table = Some(routes.clone());
+    config.routing.poll_ms = 200;
+    config.routing.migration_rate = 200.0;
+    let edge = Edge::start(config)
+        .await
+        .map_err(|e| format!("edge: {e}"))?;
+    let tls = ClientTls::from_ca_pem(edge.dev_ca_pem.as_deref().unwrap_or_default())
+        .map_err(|e| e.to_string())?;
+    let endpoints: Vec<Endpoint> = KINDS
+        .iter()
+        .map(|k| {
+            let mut e = Endpoint::new(*k, edge.addrs[k]);
+            e.host = "localhost".into();
+            e
+        })
+        .collect();
+    let drained_backend = "b3".to_string();
+    let drain_at: Arc<std::sync::OnceLock<Instant>> = Arc::new(std::sync::OnceLock::new());
+
+    let start = Instant::now();
+    let mut cmds = Vec::new();
+    let mut tasks = Vec::new();
+    let spawn_client =
+        |i: usize,
+         player: String,
+         kind_index: usize,
+         cmds: &mut Vec<mpsc::Sender<Cmd>>,
+         tasks: &mut Vec<tokio::task::JoinHandle<ClientResult>>| {
+            // Each client prefers its own transport and can fall back to the others.
+            let mut list = endpoints.clone();
+            list.rotate_left(kind_index);
+            let mut opts = ClientOptions::new(list, token(&player));
+            opts.connect = ConnectOptions {
+                tls: Some(tls.clone()),
+                ..ConnectOptions::default()
+            };
+            let (tx, rx) = mpsc::channel(8);
+            cmds.push(tx);
+            tasks.push(tokio::spawn(client_task(
+                i,
+                player,
+                KINDS[kind_index],
+                opts,
+                options.interval,
+                rx,
+                drained_backend.clone(),
+                drain_at.clone(),
+            )));
+        };
+    for i in 0..options.clients {
+        spawn_client(
+            i,
+            format!("demo-player-{i}"),
+            i % KINDS.len(),
+            &mut cmds,
+            &mut tasks,
+        );
+    }
+
+    let d = options.duration;
+    let progress = |phase: &str| {
+        if options.progress {
+            eprintln!(
+                "[{:>5.1}s] {phase}: {} live sessions",
+                start.elapsed().as_secs_f64(),
+                edge.registry().len()
+            );
+        }
+    };
+    progress("clients started");
+    let mut next_progress = Instant::now() + Duration::from_secs(2);
+    let mut phase = 0;
+    while start.elapsed() < d {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let t = start.elapsed();
+        if phase == 0 && t >= d * 3 / 10 {
+            phase = 1;
+            // Reconnect wave: a third of the clients lose their socket (client side), every
+            // other one of those resumes over another transport; some are dropped by the
+            // server instead.
+            let mut dropped = 0;
+            for (i, c) in cmds.iter().enumerate() {
+                // Every transport gets its share: clients i, i+1, .. i+5 use the six kinds.
+                let round = i / KINDS.len();
+                if round % 3 == 0 {
+                    let prefer = if round % 2 == 0 { Some(1) } else { None };
+                    let _ = c.send(Cmd::Drop { prefer }).await;
+                    dropped += 1;
+                }
+            }
+            let admin = edge.admin();
+            for i in (1..options.clients).step_by(7) {
+                if admin.drop_link(&format!("demo-player-{i}")).await {
+                    dropped += 1;
+                }
+            }
+            progress(&format!("reconnect wave: {dropped} sockets killed"));
+        }
+        if phase == 1 && t >= d / 2 {
+            phase = 2;
+            // Second login: another device of player 0 logs in and kicks the first.
+            if let Some(first) = cmds.first() {
+                let (tx, rx) = oneshot::channel();
+                let _ = first.send(Cmd::Quiesce(tx)).await;
+                let _ = tokio::time::timeout(Duration::from_secs(10), rx).await;
+            }
+            spawn_client(
+                options.clients,
+                "demo-player-0".into(),
+                2,
+                &mut cmds,
+                &mut tasks,
+            );
+            progress("second login of demo-player-0");
+        }
+        if phase == 2 && t >= d * 7 / 10 {
+            phase = 3;
+            std::fs::write(&routes, table_text(&addrs, 2, Some(2))).map_err(|e| e.to_string())?;
+            let _ = drain_at.set(Instant::now());
+            progress("backend b3 draining: its players migrate");
+        }
+        if options.progress && Instant::now() >= next_progress {
+            next_progress += Duration::from_secs(2);
+            progress("running");
+        }
+    }
+    for c in &cmds {
+        let _ = c.send(Cmd::Stop).await;
+    }
+    progress("stopping; waiting for outstanding replies");
+    let mut report = DemoReport::default();
+    let mut all_rtts: HashMap<TransportKind, Vec<u32>> = HashMap::new();
+    for t in tasks {
+        let r = t.await.map_err(|e| format!("client task: {e}"))?;
+        let Some(kind) = r.kind else { continue };
+        let row = report
+            .transports
+            .entry(kind.as_str().to_string())
+            .or_default();
+        row.sessions += 1;
+        row.sent += r.sent;
+        row.received += r.received;
+        row.lost += r.lost;
+        row.duplicated += r.duplicated;
+        row.refused += r.refused;
+        row.restores += r.restores;
+        row.gaps += r.gaps;
+        report.kicked += u64::from(r.kicked);
+        report.switched_transport += u64::from(r.switched);
+        report.room_events += r.room_events;
+        report.migrated_replies_from_other_backends += r.after_drain_other_backend;
+        report.replies_from_drained_backend_after_1s += r.late_from_drained;
+        all_rtts.entry(kind).or_default().extend(r.rtts);
+    }
+    let mut total_rtts = Vec::new();
+    for (kind, mut rtts) in all_rtts {
+        rtts.sort_unstable();
+        if let Some(row) = report.transports.get_mut(kind.as_str()) {
+            row.rtt_p50_us = percentile(&rtts, 50.0);
+            row.rtt_p99_us = percentile(&rtts, 99.0);
+        }
+        total_rtts.extend(rtts);
+    }
+    total_rtts.sort_unstable();
+    let mut total = TransportRow::default();
+    for r in report.transports.values() {
+        total.sessions += r.sessions;
+        total.sent += r.sent;
+        total.received += r.received;
+        total.lost += r.lost;
+        total.duplicated += r.duplicated;
+        total.refused += r.refused;
+        total.restores += r.restores;
+        total.gaps += r.gaps;
+    }
+    total.rtt_p50_us = percentile(&total_rtts, 50.0);
+    total.rtt_p99_us = percentile(&total_rtts, 99.0);
+    report.total = total;
+    let _ = std::fs::remove_dir_all(&dir);
+    drop(edge);
+    drop(backends);
+    Ok(report)
+}
+
+fn percentile(sorted: &[u32], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let idx = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    u64::from(sorted[idx.min(sorted.len() - 1)])
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn client_task(
+    index: usize,
+    player: String,
+    kind: TransportKind,
+    options: ClientOptions,
+    interval: Duration,
+    mut cmds: mpsc::Receiver<Cmd>,
+    drained_backend: String,
+    drain_at: Arc<std::sync::OnceLock<Instant>>,
+) -> ClientResult {
+    let mut r = ClientResult {
+        kind: Some(kind),
+        ..ClientResult::default()
+    };
+    let first_endpoint = options
+        .endpoints
+        .first()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    let mut client = Client::start(options);
+    let room = format!("room-{}", index % 10);
+    let _ = client
+        .send(TrafficClass::Critical, JOIN_ROOM, Bytes::from(room.clone()))
+        .await;
+    let mut pending: HashMap<u64, Instant> = HashMap::new();
+    let mut by_seq: HashMap<u64, u64> = HashMap::new();
+    let mut seen: HashSet<u64> = HashSet::new();
+    let mut next_n = 0u64;
+    // Spread the clients' send times over the interval.
+    let offset = interval.mul_f64((index % 97) as f64 / 97.0);
+    let mut ticker = tokio::time::interval_at(Instant::now() + offset, interval);
+    let mut sending = true;
+    let mut quiesce: Option<oneshot::Sender<()>> = None;
+    let mut stop_deadline: Option<Instant> = None;
+    let mut joined = false;
+    loop {
+        if !sending && pending.is_empty() {
+            if let Some(q) = quiesce.take() {
+                let _ = q.send(());
+            }
+            if stop_deadline.is_some() {
+                break;
+            }
+        }
+        let deadline = stop_deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+        tokio::select! {
+            _ = ticker.tick(), if sending => {
+                let n = next_n;
+                next_n += 1;
+                if let Ok(Some(seq)) = client.send(TrafficClass::Normal, ECHO, Bytes::from(n.to_string())).await {
+                    pending.insert(n, Instant::now());
+                    by_seq.insert(seq, n);
+                    r.sent += 1;
+                }
+                if joined && n % 10 == 5 {
+                    let _ = client.send(TrafficClass::Normal, ROOM_SAY, Bytes::from(format!("{room}|hello {n}"))).await;
+                }
+            }
+            cmd = cmds.recv() => match cmd {
+                Some(Cmd::Drop { prefer }) => {
+                    if let Some(p) = prefer {
+                        client.prefer_endpoint(p).await;
+                    }
+                    client.drop_link().await;
+                }
+                Some(Cmd::Quiesce(tx)) => {
+                    sending = false;
+                    quiesce = Some(tx);
+                }
+                Some(Cmd::Stop) | None => {
+                    sending = false;
+                    stop_deadline = Some(Instant::now() + Duration::from_secs(15));
+                }
+            },
+            ev = client.next_event() => match ev {
+                Some(Event::Message { msg_id: ECHO_REPLY, payload, .. }) => {
+                    let text = String::from_utf8_lossy(&payload);
+                    let mut parts = text.rsplitn(2, '|');
+                    let n: Option<u64> = parts.next().and_then(|s| s.parse().ok());
+                    let backend = text.split('|').next().unwrap_or_default();
+                    if let Some(n) = n {
+                        if let Some(t0) = pending.remove(&n) {
+                            r.received += 1;
+                            seen.insert(n);
+                            r.rtts.push(u32::try_from(t0.elapsed().as_micros()).unwrap_or(u32::MAX));
+                            if let Some(at) = drain_at.get() {
+                                if backend != drained_backend {
+                                    r.after_drain_other_backend += 1;
+                                } else if at.elapsed() > Duration::from_secs(1) {
+                                    r.late_from_drained += 1;
+                                }
+                            }
+                        } else if seen.contains(&n) {
+                            r.duplicated += 1;
+                        }
+                    }
+                }
+                Some(Event::Message { msg_id: JOINED, .. }) => joined = true,
+                Some(Event::Message { msg_id: ROOM_EVENT, .. }) => r.room_events += 1,
+                Some(Event::Message { .. }) | Some(Event::Disconnected { .. }) | Some(Event::Rejected { .. }) | Some(Event::Migrating { .. }) => {}
+                Some(Event::Connected { outcome, endpoint, .. }) => {
+                    if matches!(outcome, WelcomeOutcome::Restored | WelcomeOutcome::RestoredWithGap) {
+                        r.restores += 1;
+                        if endpoint != first_endpoint {
+                            r.switched = true;
+                        }
+                    }
+                    if outcome == WelcomeOutcome::RestoredWithGap {
+                        r.gaps += 1;
+                    }
+                }
+                Some(Event::Error(report)) => {
+                    // The message was refused (e.g. a backend unavailable): it will not be
+                    // answered; it is neither lost nor duplicated.
+                    tracing::debug!(player = %player, ?report, "echo refused");
+                    if report.msg_id == ECHO {
+                        if let Some(n) = by_seq.remove(&report.client_seq) {
+                            if pending.remove(&n).is_some() {
+                                r.refused += 1;
+                            }
+                        }
+                    }
+                }
+                Some(Event::Closed { code }) => {
+                    if code == CloseCode::Kicked {
+                        r.kicked = true;
+                    }
+                    break;
+                }
+                Some(_) => {}
+                None => break,
+            },
+            () = tokio::time::sleep_until(deadline), if stop_deadline.is_some() => break,
+        }
+    }
+    r.lost = pending.len() as u64;
+    client.close().await;
+    r
+}

@@ -1,0 +1,40 @@
+//! A short `waygate demo` run as a test: every transport, a reconnect wave, a second-login
+//! kick and a backend drain, with nothing lost or duplicated.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    missing_docs,
+    unreachable_pub
+)]
+
+use std::time::Duration;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_demo_loses_and_duplicates_nothing() {
+    let report = waygate::demo::run(waygate::demo::DemoOptions {
+        clients: 36,
+        duration: Duration::from_secs(6),
+        interval: Duration::from_millis(100),
+        progress: false,
+    })
+    .await
+    .unwrap();
+    println!("{}", report.table());
+    assert!(report.ok(), "{}", report.table());
+    assert_eq!(report.transports.len(), 6, "every transport ran");
+    assert!(
+        report.total.restores > 0,
+        "the reconnect wave resumed sessions"
+    );
+    assert!(
+        report.switched_transport > 0,
+        "some resumed over another transport"
+    );
+    assert_eq!(report.kicked, 1, "the second login kicked the first");
+    assert!(
+        report.migrated_replies_from_other_backends > 0,
+        "after the drain, replies come from the remaining backends"
+    );
+    assert!(report.room_events > 0);
+}
