@@ -56,6 +56,10 @@ enum Command {
         /// Instance id (must match the route table).
         #[arg(long, default_value = "b1")]
         id: String,
+        /// Route epoch this backend knows: forwards with an older epoch are refused with
+        /// `stale_epoch` (R5).
+        #[arg(long, default_value_t = 0)]
+        epoch: u64,
     },
     /// The main job for a newcomer: an edge, 3 demo backends and simulated clients on every
     /// transport, through a reconnect wave, a second-login kick and a backend drain. Exits
@@ -192,7 +196,7 @@ fn main() -> std::process::ExitCode {
                 println!("{}", waygate_session::auth::token_to_base64url(&token));
                 Ok(())
             }
-            Command::Backend { addr, id } => {
+            Command::Backend { addr, id, epoch } => {
                 let service = Arc::new(waygate::backend::demo::DemoService::new());
                 let backend = waygate::backend::Backend::bind(
                     addr,
@@ -201,7 +205,11 @@ fn main() -> std::process::ExitCode {
                 )
                 .await
                 .map_err(|e| format!("backend {id} on {addr}: {e}"))?;
-                println!("backend {id} listening on {}", backend.local_addr());
+                backend.set_epoch(epoch);
+                println!(
+                    "{}",
+                    serde_json::json!({"event": "ready", "backend": backend.local_addr().to_string(), "id": id})
+                );
                 tokio::signal::ctrl_c().await.map_err(|e| e.to_string())?;
                 Ok(())
             }

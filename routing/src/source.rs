@@ -243,7 +243,8 @@ impl FileRouteSource {
         let weak: Weak<Inner> = Arc::downgrade(&self.inner);
         let every = self.inner.cfg.poll_interval.max(Duration::from_millis(1));
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every);
+            // `open` has just read the file: the first poll is one interval later.
+            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
