@@ -477,3 +477,17 @@ mod tests {
         assert!(err.contains("limits.max_frame_size"), "{err}");
     }
 }
+
+#[cfg(test)]
+mod example_file {
+    use super::*;
+
+    /// The documented example must parse, validate and equal the embedded defaults, so it
+    /// can never drift from the code.
+    #[test]
+    fn examples_edge_toml_is_the_defaults() {
+        let path = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/edge.toml"));
+        let config = EdgeConfig::load(path).expect("examples/edge.toml loads");
+        assert_eq!(config, EdgeConfig::default());
+    }
+}
