@@ -486,7 +486,10 @@ mod example_file {
     /// can never drift from the code.
     #[test]
     fn examples_edge_toml_is_the_defaults() {
-        let path = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/edge.toml"));
+        let path = Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../examples/edge.toml"
+        ));
         let config = EdgeConfig::load(path).expect("examples/edge.toml loads");
         assert_eq!(config, EdgeConfig::default());
     }

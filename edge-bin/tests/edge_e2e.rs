@@ -224,3 +224,75 @@ async fn every_transport_reaches_the_instance_of_its_player_and_room() {
         }
     }
 }
+
+/// S4/S4a over real sockets: a stream of echoes while the socket is killed mid-stream and
+/// the session resumes over another transport (KCP -> WebSocket, QUIC -> TCP, ...); every
+/// request reaches the backend exactly once and every reply arrives exactly once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_over_another_transport_loses_and_duplicates_nothing() {
+    let c = cluster().await;
+    for (from, to) in [
+        (TransportKind::Kcp, TransportKind::Ws),
+        (TransportKind::Quic, TransportKind::Tcp),
+        (TransportKind::Wss, TransportKind::Kcp),
+        (TransportKind::Tls, TransportKind::Quic),
+    ] {
+        let player = format!("switcher-{from}-{to}");
+        let mut client = c.client(&[from, to], &player);
+        let total = 150u64;
+        let mut got = Vec::new();
+        let mut restored = 0;
+        let mut sent = 0u64;
+        while got.len() < total as usize {
+            if sent < total {
+                client
+                    .send(TrafficClass::Normal, ECHO, Bytes::from(sent.to_string()))
+                    .await
+                    .unwrap();
+                sent += 1;
+                if sent == 50 || sent == 100 {
+                    // Kill the socket mid-stream (no CLOSE) and resume over the other one.
+                    let other = if sent == 50 { 1 } else { 0 };
+                    client.prefer_endpoint(other).await;
+                    client.drop_link().await;
+                }
+            }
+            let ev = tokio::time::timeout(
+                Duration::from_millis(if sent < total { 1 } else { 20_000 }),
+                client.next_event(),
+            )
+            .await;
+            match ev {
+                Ok(Some(Event::Message {
+                    msg_id: ECHO_REPLY,
+                    payload,
+                    ..
+                })) => {
+                    let text = String::from_utf8(payload.to_vec()).unwrap();
+                    got.push(text.rsplit('|').next().unwrap().parse::<u64>().unwrap());
+                }
+                Ok(Some(Event::Connected { outcome, .. })) => {
+                    if outcome == waygate_transport::frame::WelcomeOutcome::Restored {
+                        restored += 1;
+                    }
+                }
+                Ok(Some(Event::Closed { code })) => panic!("closed: {code}"),
+                Ok(Some(Event::Error(e))) => panic!("error: {e:?}"),
+                Ok(Some(_)) => {}
+                Ok(None) => panic!("client ended"),
+                Err(_) => assert!(
+                    sent < total,
+                    "{from}->{to}: replies stopped after {}",
+                    got.len()
+                ),
+            }
+        }
+        assert_eq!(
+            got,
+            (0..total).collect::<Vec<_>>(),
+            "{from}->{to}: exactly once, in order"
+        );
+        assert_eq!(restored, 2, "{from}->{to}: two resumes");
+        client.close().await;
+    }
+}
