@@ -35,4 +35,4 @@ if [ -f "$req" ]; then
 fi
 
 # --- Rust tests --------------------------------------------------------------------------
-cargo test --workspace --locked "$@"
+cargo test --workspace --locked --no-fail-fast "$@"

@@ -224,7 +224,8 @@ async fn bad_input_closes_only_that_connection() {
         assert_eq!(code, Some(want));
     }
 
-    common::timeout(async { good.await.expect("control group") }).await;
+    // `many_connections` bounds itself (PHASE_LIMIT); no tighter limit on a loaded machine.
+    good.await.expect("control group");
 }
 
 /// Opens a QUIC connection with plain quinn, writes `bytes` on a fresh bidi stream and

@@ -130,7 +130,8 @@ async fn bad_input_closes_only_that_connection() {
     // A truncated frame followed by EOF.
     let _ = send_raw_and_read_close(addr, &[0x10, 0x04, 0x01]).await;
 
-    common::timeout(async { good.await.expect("control group") }).await;
+    // `many_connections` bounds itself (PHASE_LIMIT); no tighter limit on a loaded machine.
+    good.await.expect("control group");
     // The listener still accepts.
     let mut conn = connect_tcp(addr, &config()).await.unwrap();
     common::exchange(&mut conn, 0, 10, MAX).await;

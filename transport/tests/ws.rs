@@ -154,7 +154,8 @@ async fn bad_input_closes_only_that_connection() {
         let _ = common::timeout(sock.read_to_end(&mut rest)).await;
     }
 
-    common::timeout(async { good.await.expect("control group") }).await;
+    // `many_connections` bounds itself (PHASE_LIMIT); no tighter limit on a loaded machine.
+    good.await.expect("control group");
     let mut conn = connect_ws(addr, "127.0.0.1", "/", None, &config())
         .await
         .unwrap();
