@@ -225,6 +225,26 @@ impl Edge {
         edge_sessions.outbound_capacity = s.outbound_capacity;
         let _ = shared.sessions.set(Arc::new(edge_sessions));
 
+        // Give the backend links a moment to come up before the first client arrives (an
+        // edge that accepted players before its links were up would answer UNAVAILABLE).
+        let links_up = tokio::time::timeout(Duration::from_secs(3), async {
+            loop {
+                let all_up = shared
+                    .links
+                    .lock()
+                    .map(|l| l.values().all(LinkClient::is_up))
+                    .unwrap_or(true);
+                if all_up {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        if links_up.is_err() {
+            tracing::warn!("starting with some backend links still down");
+        }
+
         let mut tasks = Vec::new();
         for listener in bound.listeners {
             tasks.push(tokio::spawn(accept_loop(shared.clone(), listener)));
