@@ -292,6 +292,9 @@ pub unsafe extern "C" fn waygate_client_wait_event(
 /// Returns `WAYGATE_BUFFER_FULL` when too many are unacked, `WAYGATE_DROPPED` for a
 /// best-effort message while no link is up, `WAYGATE_CLOSED` after the end.
 ///
+/// It waits until the client thread has taken the message: microseconds, except during a
+/// connect attempt, which it waits out (at most the handshake or UDP timeout per endpoint).
+///
 /// # Safety
 ///
 /// `client` is NULL or a live handle used by no other thread during the call; `payload` is

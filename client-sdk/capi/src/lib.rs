@@ -47,8 +47,10 @@
 //! from one place in their loop (a future sans-IO backend would need it). Calls from C
 //! never run protocol logic on the caller's thread; `waygate_client_send`,
 //! `waygate_client_drop_link` and `waygate_client_close` hand a command to the worker and
-//! wait for it to be accepted (microseconds; while a connect attempt is in progress, up to
-//! that attempt's timeout — see the crate README).
+//! wait for it to be accepted: microseconds, except while a connect attempt is in
+//! progress, when the SDK's task takes commands only after the attempt ends (at most
+//! `handshake_timeout_ms`, or `udp_timeout_ms` for kcp/quic, per endpoint tried). A
+//! non-blocking `try_send` in the Rust SDK would remove that wait.
 //!
 //! ## Panics
 //!

@@ -11,17 +11,13 @@
     unreachable_pub
 )]
 
-use std::net::SocketAddr;
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use waygate::backend::demo::DemoService;
-use waygate::backend::{Backend, BackendConfig};
-use waygate::config::{EdgeConfig, DEV_KEY_ID, DEV_KEY_SECRET};
-use waygate::edge::Edge;
-use waygate_session::auth::{token_to_base64url, TokenClaims};
+use common::{cluster, token};
 use waygate_transport::TransportKind;
 
 /// How long one run of the C program may take.
@@ -58,25 +54,38 @@ fn staticlib() -> PathBuf {
         .clone()
 }
 
-fn compile_echo(out_dir: &Path) -> PathBuf {
+/// Compiles echo.c: statically linked against the staticlib, or (`dynamic`) against the
+/// cdylib next to it, found at run time through an rpath.
+fn compile_echo(out_dir: &Path, dynamic: bool) -> PathBuf {
     let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
     let lib = staticlib();
-    let exe = out_dir.join("echo");
+    let exe = out_dir.join(if dynamic { "echo-dyn" } else { "echo" });
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let output = Command::new(&cc)
-        .args([
-            "-std=c11",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            "-pedantic",
-            "-O1",
-        ])
-        .arg("-I")
-        .arg(crate_dir.join("include"))
-        .arg(crate_dir.join("examples/echo.c"))
-        .arg(&lib)
-        .args(NATIVE_LIBS)
+    let mut cmd = Command::new(&cc);
+    cmd.args([
+        "-std=c11",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        "-pedantic",
+        "-O1",
+    ])
+    .arg("-I")
+    .arg(crate_dir.join("include"))
+    .arg(crate_dir.join("examples/echo.c"));
+    if dynamic {
+        let dir = lib.parent().unwrap();
+        assert!(
+            dir.join("libwaygate_client_capi.so").exists(),
+            "no cdylib in {dir:?}"
+        );
+        cmd.arg(format!("-L{}", dir.display()))
+            .arg(format!("-Wl,-rpath,{}", dir.display()))
+            .arg("-lwaygate_client_capi");
+    } else {
+        cmd.arg(&lib).args(NATIVE_LIBS);
+    }
+    let output = cmd
         .arg("-o")
         .arg(&exe)
         .output()
@@ -88,61 +97,6 @@ fn compile_echo(out_dir: &Path) -> PathBuf {
         String::from_utf8_lossy(&output.stderr)
     );
     exe
-}
-
-struct Cluster {
-    edge: Edge,
-    _backend: Backend,
-    ca_file: PathBuf,
-}
-
-async fn cluster(dir: &Path) -> Cluster {
-    let backend = Backend::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        BackendConfig::new("b1"),
-        Arc::new(DemoService::new()),
-    )
-    .await
-    .unwrap();
-    let addr: SocketAddr = backend.local_addr();
-    let table = format!(
-        "epoch = 1\nupdated_at = 0\n\
-         [[services]]\nname = \"player\"\nmessages = [[1000, 1999]]\nkey = \"player\"\n\
-         \x20 [[services.instances]]\n  id = \"p1\"\n  address = \"{addr}\"\n"
-    );
-    let path = dir.join("routes.toml");
-    std::fs::write(&path, table).unwrap();
-    let mut config = EdgeConfig::default();
-    config.use_ephemeral_ports();
-    config.routing.table = Some(path);
-    let edge = Edge::start(config).await.unwrap();
-    let ca_file = dir.join("dev-ca.pem");
-    std::fs::write(&ca_file, edge.dev_ca_pem.as_deref().unwrap()).unwrap();
-    Cluster {
-        edge,
-        _backend: backend,
-        ca_file,
-    }
-}
-
-fn token(player: &str) -> String {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    let token = waygate_session::mint_token(
-        DEV_KEY_ID,
-        DEV_KEY_SECRET.as_bytes(),
-        &TokenClaims {
-            player_id: player.into(),
-            issuer: "c-example-test".into(),
-            issued_at: now,
-            expires_at: now + 3600,
-            extensions: Vec::new(),
-        },
-    )
-    .unwrap();
-    token_to_base64url(&token)
 }
 
 /// Runs the program with a time limit (killed past it); returns (success, stdout, stderr).
@@ -179,7 +133,8 @@ fn run(exe: &Path, args: &[String], dir: &Path, name: &str) -> (bool, String, St
 #[test]
 fn c_echo_example_resumes_without_loss_on_every_transport() {
     let dir = tempfile::tempdir().unwrap();
-    let exe = compile_echo(dir.path());
+    let exe = compile_echo(dir.path(), false);
+    let exe_dyn = compile_echo(dir.path(), true);
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -229,8 +184,23 @@ fn c_echo_example_resumes_without_loss_on_every_transport() {
         );
     }
 
-    // A bad token ends the client with a clear event, and the program reports it.
+    // The same program linked against the cdylib.
     let tcp = c.edge.addrs[&TransportKind::Tcp];
+    let args = vec![
+        format!("tcp://{tcp}"),
+        token("c-player-dyn"),
+        "c-player-dyn".into(),
+        "-".into(),
+        "10".into(),
+    ];
+    let (ok, stdout, stderr) = run(&exe_dyn, &args, dir.path(), "dynamic");
+    assert!(
+        ok,
+        "echo-dyn failed\n--- stdout\n{stdout}--- stderr\n{stderr}"
+    );
+    assert!(stdout.contains("echo: OK: 10 replies"), "{stdout}");
+
+    // A bad token ends the client with a clear event, and the program reports it.
     let args = vec![
         format!("tcp://{tcp}"),
         "AAAA".into(),
