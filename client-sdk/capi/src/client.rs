@@ -1,0 +1,617 @@
+//! The client handle and its functions.
+
+use std::ffi::CString;
+use std::future::Future;
+use std::pin::pin;
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use ::waygate_client::{Client, ClientOptions, Event, SdkError};
+use bytes::Bytes;
+use tokio::runtime::Runtime;
+use waygate_session::client::ClientError;
+use waygate_transport::TrafficClass;
+
+use crate::error::set_last_error;
+use crate::event::{flatten, waygate_event};
+use crate::options::{to_client_options, waygate_options};
+use crate::result::waygate_result;
+use crate::result::waygate_result::*;
+
+/// How long `waygate_client_free` waits for the CLOSE to go out and the worker to stop.
+const FREE_GRACE: Duration = Duration::from_secs(1);
+
+/// An opaque client handle: created by `waygate_client_new`, released by
+/// `waygate_client_free`. Use it from one thread at a time.
+pub struct waygate_client {
+    rt: Runtime,
+    /// Options until `waygate_client_connect` starts the client.
+    pending: Option<ClientOptions>,
+    client: Option<Client>,
+    /// The last polled event: its payload is what `waygate_event.payload` points into.
+    current: Option<Event>,
+    /// What `waygate_event.text` points to.
+    text: CString,
+    /// The client task has ended (its event stream is exhausted), or it was closed before
+    /// it was ever connected.
+    ended: bool,
+}
+
+/// Live numbers of a client (all 0 before the first connect).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct waygate_stats {
+    /// Latest PING/PONG round-trip time in microseconds (0: no sample yet).
+    pub rtt_latest_us: u64,
+    /// Smoothed round-trip time in microseconds (RFC 6298 weights).
+    pub rtt_smoothed_us: u64,
+    /// Smallest round-trip time seen, in microseconds.
+    pub rtt_min_us: u64,
+    /// Number of round-trip samples.
+    pub rtt_samples: u64,
+    /// Sent messages not yet acked by the server.
+    pub unacked: u64,
+    /// Highest server seq received without a gap.
+    pub last_server_seq: u64,
+    /// Successful connects and resumes.
+    pub connects: u64,
+}
+
+impl waygate_client {
+    fn new(options: ClientOptions) -> Result<Self, String> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("waygate-client")
+            .enable_all()
+            .build()
+            .map_err(|e| format!("cannot start the client thread: {e}"))?;
+        Ok(Self {
+            rt,
+            pending: Some(options),
+            client: None,
+            current: None,
+            text: CString::default(),
+            ended: false,
+        })
+    }
+
+    /// The running client, or the code to return when there is none.
+    fn running(&mut self) -> Result<&mut Client, waygate_result> {
+        match (&mut self.client, self.ended) {
+            (_, true) => {
+                set_last_error("the client is closed");
+                Err(WAYGATE_CLOSED)
+            }
+            (Some(c), false) => Ok(c),
+            (None, false) => {
+                set_last_error("call waygate_client_connect first");
+                Err(WAYGATE_INVALID_STATE)
+            }
+        }
+    }
+
+    /// Takes events until one is ready (`Ok`), none is (`NO_EVENT`), or the stream ended
+    /// (`CLOSED`). `wait` bounds how long to block (`None`: do not block).
+    fn next(&mut self, wait: Option<Duration>) -> Result<waygate_event, waygate_result> {
+        self.current = None;
+        loop {
+            self.running()?;
+            let rt = &self.rt;
+            let Some(client) = self.client.as_mut() else {
+                return Err(WAYGATE_INVALID_STATE);
+            };
+            let polled = match wait {
+                None => poll_once(client.next_event()),
+                Some(d) => match rt
+                    .block_on(async { tokio::time::timeout(d, client.next_event()).await })
+                {
+                    Ok(ev) => Poll::Ready(ev),
+                    Err(_) => Poll::Pending,
+                },
+            };
+            match polled {
+                Poll::Pending => return Err(WAYGATE_NO_EVENT),
+                Poll::Ready(None) => {
+                    self.ended = true;
+                    return Err(WAYGATE_CLOSED);
+                }
+                Poll::Ready(Some(event)) => {
+                    let Some((mut flat, text)) = flatten(&event) else {
+                        continue;
+                    };
+                    self.text = CString::new(text.replace('\0', " ")).unwrap_or_default();
+                    flat.text = self.text.as_ptr();
+                    // Moving `event` does not move the bytes its payload points to.
+                    self.current = Some(event);
+                    return Ok(flat);
+                }
+            }
+        }
+    }
+}
+
+/// Polls a future once without blocking or registering interest (the event channel is
+/// cancel-safe: a dropped `recv` loses nothing).
+fn poll_once<F: Future>(f: F) -> Poll<F::Output> {
+    let mut cx = Context::from_waker(Waker::noop());
+    pin!(f).poll(&mut cx)
+}
+
+/// Borrows the handle behind `client`.
+///
+/// # Safety
+///
+/// `client` is a non-NULL handle from `waygate_client_new`, not freed, not in use on
+/// another thread.
+unsafe fn handle<'a>(client: *mut waygate_client) -> &'a mut waygate_client {
+    // SAFETY: the caller's promise above: a live, exclusively used Box allocation.
+    unsafe { &mut *client }
+}
+
+/// Creates a client from `options` (which are copied). It does not connect yet: call
+/// `waygate_client_connect`. Returns NULL when an option is invalid or the client thread
+/// cannot start; `waygate_last_error()` says why.
+///
+/// # Safety
+///
+/// `options` is NULL or points to a `waygate_options` initialised by `waygate_options_init`
+/// whose pointers are NULL or valid as documented there.
+#[no_mangle]
+pub unsafe extern "C" fn waygate_client_new(
+    options: *const waygate_options,
+) -> *mut waygate_client {
+    ffi_body!(std::ptr::null_mut() => {
+        non_null!(options, std::ptr::null_mut());
+        // SAFETY: not NULL; the caller promises an initialised struct with valid pointers.
+        let converted = unsafe { to_client_options(&*options) };
+        match converted.and_then(waygate_client::new) {
+            Ok(client) => Box::into_raw(Box::new(client)),
+            Err(e) => {
+                set_last_error(e);
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
+/// Starts connecting (in the background: `WAYGATE_EVENT_CONNECTED` tells when the session is
+/// up). From now on the client reconnects and resumes by itself until it is closed or
+/// kicked. `WAYGATE_INVALID_STATE` when called twice.
+///
+/// # Safety
+///
+/// `client` is NULL or a live handle used by no other thread during the call.
+#[no_mangle]
+pub unsafe extern "C" fn waygate_client_connect(client: *mut waygate_client) -> waygate_result {
+    ffi_body!(WAYGATE_PANIC => {
+        non_null!(client, WAYGATE_INVALID_ARGUMENT);
+        // SAFETY: not NULL; the caller promises a live handle used only by this thread.
+        let h = unsafe { handle(client) };
+        if h.ended {
+            set_last_error("the client is closed");
+            return WAYGATE_CLOSED;
+        }
+        let Some(options) = h.pending.take() else {
+            set_last_error("waygate_client_connect was already called");
+            return WAYGATE_INVALID_STATE;
+        };
+        let _guard = h.rt.enter();
+        h.client = Some(Client::start(options));
+        WAYGATE_OK
+    })
+}
+
+/// Lets the client advance its timers to `now_ms` (any monotonic clock in milliseconds).
+///
+/// This implementation runs the protocol on its own thread, so `tick` only validates the
+/// handle: calling it is optional, and cheap. It returns `WAYGATE_CLOSED` once the client
+/// has ended, else `WAYGATE_OK`.
+///
+/// # Safety
+///
+/// `client` is NULL or a live handle used by no other thread during the call.
+#[no_mangle]
+pub unsafe extern "C" fn waygate_client_tick(
+    client: *mut waygate_client,
+    now_ms: u64,
+) -> waygate_result {
+    ffi_body!(WAYGATE_PANIC => {
+        non_null!(client, WAYGATE_INVALID_ARGUMENT);
+        let _ = now_ms;
+        // SAFETY: not NULL; the caller promises a live handle used only by this thread.
+        let h = unsafe { handle(client) };
+        if h.ended { WAYGATE_CLOSED } else { WAYGATE_OK }
+    })
+}
+
+fn write_event(
+    out: *mut waygate_event,
+    next: Result<waygate_event, waygate_result>,
+) -> waygate_result {
+    let (event, code) = match next {
+        Ok(e) => (e, WAYGATE_OK),
+        Err(code) => (waygate_event::none(), code),
+    };
+    // SAFETY: the callers checked `out` for NULL, and their caller promises it is writable
+    // for one struct; `write` does not read the (possibly uninitialised) old value.
+    unsafe { out.write(event) };
+    code
+}
+
+/// Takes the next event without blocking: `WAYGATE_OK` with `*out` filled, or
+/// `WAYGATE_NO_EVENT` (none ready; `out->kind` is `WAYGATE_EVENT_NONE`), or
+/// `WAYGATE_CLOSED` once the client has ended and every event was taken.
+///
+/// The previous event's `payload` and `text` become invalid with this call.
+///
+/// # Safety
+///
+/// `client` is NULL or a live handle used by no other thread during the call; `out` is NULL
+/// or writable for one `waygate_event`.
+#[no_mangle]
+pub unsafe extern "C" fn waygate_client_poll_event(
+    client: *mut waygate_client,
+    out: *mut waygate_event,
+) -> waygate_result {
+    ffi_body!(WAYGATE_PANIC => {
+        non_null!(client, WAYGATE_INVALID_ARGUMENT);
+        non_null!(out, WAYGATE_INVALID_ARGUMENT);
+        // SAFETY: not NULL; the caller promises a live handle used only by this thread.
+        let h = unsafe { handle(client) };
+        write_event(out, h.next(None))
+    })
+}
+
+/// Like `waygate_client_poll_event`, but blocks the calling thread up to `timeout_ms`
+/// milliseconds for an event (for tools and tests; a game loop polls instead).
+///
+/// # Safety
+///
+/// As `waygate_client_poll_event`; and the calling thread is not running a tokio runtime.
+#[no_mangle]
+pub unsafe extern "C" fn waygate_client_wait_event(
+    client: *mut waygate_client,
+    timeout_ms: u32,
+    out: *mut waygate_event,
+) -> waygate_result {
+    ffi_body!(WAYGATE_PANIC => {
+        non_null!(client, WAYGATE_INVALID_ARGUMENT);
+        non_null!(out, WAYGATE_INVALID_ARGUMENT);
+        // SAFETY: not NULL; the caller promises a live handle used only by this thread.
+        let h = unsafe { handle(client) };
+        write_event(out, h.next(Some(Duration::from_millis(u64::from(timeout_ms)))))
+    })
+}
+
+/// Sends a message of `traffic_class` (`WAYGATE_CLASS_*`) with id `msg_id` and `len` bytes
+/// at `payload` (copied; NULL allowed when `len` is 0). On `WAYGATE_OK`, `*seq_out` (if
+/// not NULL) is the message's client seq (0 for best-effort).
+///
+/// Sequenced messages (critical, normal) sent while disconnected are kept and go out after
+/// the resume; they are kept until the server acks them, so none is lost or duplicated.
+/// Returns `WAYGATE_BUFFER_FULL` when too many are unacked, `WAYGATE_DROPPED` for a
+/// best-effort message while no link is up, `WAYGATE_CLOSED` after the end.
+///
+/// It waits until the client thread has taken the message: microseconds, except during a
+/// connect attempt, which it waits out (at most the handshake or UDP timeout per endpoint).
+///
+/// # Safety
+///
+/// `client` is NULL or a live handle used by no other thread during the call; `payload` is
+/// NULL or readable for `len` bytes; `seq_out` is NULL or writable; the calling thread is
+/// not running a tokio runtime.
+#[no_mangle]
+pub unsafe extern "C" fn waygate_client_send(
+    client: *mut waygate_client,
+    traffic_class: u8,
+    msg_id: u32,
+    payload: *const u8,
+    len: usize,
+    seq_out: *mut u64,
+) -> waygate_result {
+    ffi_body!(WAYGATE_PANIC => {
+        non_null!(client, WAYGATE_INVALID_ARGUMENT);
+        if payload.is_null() && len != 0 {
+            set_last_error("`payload` is NULL but `len` is not 0");
+            return WAYGATE_INVALID_ARGUMENT;
+        }
+        let Some(class) = TrafficClass::from_bits(traffic_class) else {
+            set_last_error(format!("unknown traffic class {traffic_class}"));
+            return WAYGATE_INVALID_ARGUMENT;
+        };
+        let body = if len == 0 {
+            Bytes::new()
+        } else {
+            // SAFETY: not NULL; the caller promises `len` readable bytes, copied at once.
+            Bytes::copy_from_slice(unsafe { std::slice::from_raw_parts(payload, len) })
+        };
+        // SAFETY: not NULL; the caller promises a live handle used only by this thread.
+        let h = unsafe { handle(client) };
+        if let Err(code) = h.running() {
+            return code;
+        }
+        let rt = &h.rt;
+        let Some(client) = h.client.as_mut() else {
+            return WAYGATE_INVALID_STATE;
+        };
+        match rt.block_on(client.send(class, msg_id, body)) {
+            Ok(Some(seq)) => {
+                if !seq_out.is_null() {
+                    // SAFETY: not NULL; the caller promises it is writable.
+                    unsafe { seq_out.write(seq) };
+                }
+                WAYGATE_OK
+            }
+            Ok(None) => {
+                set_last_error("best-effort message dropped: no link is up");
+                WAYGATE_DROPPED
+            }
+            Err(e) => {
+                set_last_error(e.to_string());
+                match e {
+                    SdkError::Session(ClientError::SendBufferFull(_)) => WAYGATE_BUFFER_FULL,
+                    SdkError::Closed | SdkError::Session(ClientError::InvalidState { .. }) => {
+                        WAYGATE_CLOSED
+                    }
+                    _ => WAYGATE_INVALID_STATE,
+                }
+            }
+        }
+    })
+}
+
+/// Drops the current link without a CLOSE, as a network failure would (a test drill): the
+/// client reconnects at once and resumes, losing nothing. `WAYGATE_OK` also when no link
+/// is up.
+///
+/// # Safety
+///
+/// `client` is NULL or a live handle used by no other thread during the call; the calling
+/// thread is not running a tokio runtime.
+#[no_mangle]
+pub unsafe extern "C" fn waygate_client_drop_link(client: *mut waygate_client) -> waygate_result {
+    ffi_body!(WAYGATE_PANIC => {
+        non_null!(client, WAYGATE_INVALID_ARGUMENT);
+        // SAFETY: not NULL; the caller promises a live handle used only by this thread.
+        let h = unsafe { handle(client) };
+        if let Err(code) = h.running() {
+            return code;
+        }
+        if let Some(c) = h.client.as_ref() {
+            h.rt.block_on(c.drop_link());
+        }
+        WAYGATE_OK
+    })
+}
+
+/// Closes the session (CLOSE normal): a `WAYGATE_EVENT_CLOSED` event follows, then polls
+/// return `WAYGATE_CLOSED`. Closing a client that never connected ends it at once. Closing
+/// twice is fine.
+///
+/// # Safety
+///
+/// `client` is NULL or a live handle used by no other thread during the call; the calling
+/// thread is not running a tokio runtime.
+#[no_mangle]
+pub unsafe extern "C" fn waygate_client_close(client: *mut waygate_client) -> waygate_result {
+    ffi_body!(WAYGATE_PANIC => {
+        non_null!(client, WAYGATE_INVALID_ARGUMENT);
+        // SAFETY: not NULL; the caller promises a live handle used only by this thread.
+        let h = unsafe { handle(client) };
+        match h.client.as_ref() {
+            Some(c) if !h.ended => h.rt.block_on(c.close()),
+            Some(_) => {}
+            None => {
+                h.pending = None;
+                h.ended = true;
+            }
+        }
+        WAYGATE_OK
+    })
+}
+
+/// Fills `*out` with live statistics.
+///
+/// # Safety
+///
+/// `client` is NULL or a live handle used by no other thread during the call; `out` is NULL
+/// or writable for one `waygate_stats`.
+#[no_mangle]
+pub unsafe extern "C" fn waygate_client_stats(
+    client: *mut waygate_client,
+    out: *mut waygate_stats,
+) -> waygate_result {
+    ffi_body!(WAYGATE_PANIC => {
+        non_null!(client, WAYGATE_INVALID_ARGUMENT);
+        non_null!(out, WAYGATE_INVALID_ARGUMENT);
+        // SAFETY: not NULL; the caller promises a live handle used only by this thread.
+        let h = unsafe { handle(client) };
+        let stats = match &h.client {
+            Some(c) => {
+                let s = c.stats();
+                let us = |d: Option<Duration>| d.map_or(0, |d| d.as_micros() as u64);
+                waygate_stats {
+                    rtt_latest_us: us(s.rtt.latest),
+                    rtt_smoothed_us: us(s.rtt.smoothed),
+                    rtt_min_us: us(s.rtt.min),
+                    rtt_samples: s.rtt.samples,
+                    unacked: s.unacked as u64,
+                    last_server_seq: s.last_server_seq,
+                    connects: s.connects,
+                }
+            }
+            None => waygate_stats::default(),
+        };
+        // SAFETY: not NULL; the caller promises it is writable for one struct.
+        unsafe { out.write(stats) };
+        WAYGATE_OK
+    })
+}
+
+/// Releases the handle: closes the session if it is still open (waiting up to one second
+/// for the CLOSE to go out), stops the client thread and frees everything, including the
+/// last event's payload and text. NULL is ignored. The handle must not be used afterwards.
+///
+/// # Safety
+///
+/// `client` is NULL or a live handle from `waygate_client_new` that no other thread uses
+/// and that is not used again; the calling thread is not running a tokio runtime.
+#[no_mangle]
+pub unsafe extern "C" fn waygate_client_free(client: *mut waygate_client) {
+    ffi_body!(() => {
+        non_null!(client);
+        // SAFETY: not NULL; the caller promises a live handle from `Box::into_raw` in
+        // `waygate_client_new` that is never used again, so we own it from here.
+        let h = unsafe { Box::from_raw(client) };
+        let waygate_client { rt, client, .. } = *h;
+        if let Some(mut c) = client {
+            rt.block_on(async {
+                c.close().await;
+                let drain = async { while c.next_event().await.is_some() {} };
+                let _ = tokio::time::timeout(FREE_GRACE, drain).await;
+            });
+        }
+        rt.shutdown_timeout(FREE_GRACE);
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::waygate_event_kind;
+
+    fn new_client() -> *mut waygate_client {
+        let token = b"not a real token";
+        let mut o = std::mem::MaybeUninit::uninit();
+        // SAFETY: `o` is writable; init fills every field.
+        let mut o = unsafe {
+            crate::waygate_options_init(o.as_mut_ptr());
+            o.assume_init()
+        };
+        // Port 9 (discard) on loopback: nothing listens, connects are refused.
+        o.endpoints = c"tcp://127.0.0.1:9".as_ptr();
+        o.token = token.as_ptr();
+        o.token_len = token.len();
+        // SAFETY: valid options.
+        let c = unsafe { waygate_client_new(&o) };
+        assert!(!c.is_null());
+        c
+    }
+
+    #[test]
+    fn null_handles_and_outputs_are_refused() {
+        let mut ev = waygate_event::none();
+        // SAFETY: NULL pointers are the point of this test; `ev` is writable.
+        unsafe {
+            assert!(waygate_client_new(std::ptr::null()).is_null());
+            assert_eq!(
+                waygate_client_connect(std::ptr::null_mut()),
+                WAYGATE_INVALID_ARGUMENT
+            );
+            assert_eq!(
+                waygate_client_tick(std::ptr::null_mut(), 1),
+                WAYGATE_INVALID_ARGUMENT
+            );
+            assert_eq!(
+                waygate_client_poll_event(std::ptr::null_mut(), &mut ev),
+                WAYGATE_INVALID_ARGUMENT
+            );
+            assert_eq!(
+                waygate_client_send(
+                    std::ptr::null_mut(),
+                    1,
+                    1,
+                    std::ptr::null(),
+                    0,
+                    std::ptr::null_mut()
+                ),
+                WAYGATE_INVALID_ARGUMENT
+            );
+            assert_eq!(
+                waygate_client_close(std::ptr::null_mut()),
+                WAYGATE_INVALID_ARGUMENT
+            );
+            waygate_client_free(std::ptr::null_mut());
+        }
+        let c = new_client();
+        // SAFETY: `c` is live; NULL `out` is refused before use.
+        unsafe {
+            assert_eq!(
+                waygate_client_poll_event(c, std::ptr::null_mut()),
+                WAYGATE_INVALID_ARGUMENT
+            );
+            assert_eq!(
+                waygate_client_send(c, 1, 1, std::ptr::null(), 3, std::ptr::null_mut()),
+                WAYGATE_INVALID_ARGUMENT
+            );
+            assert_eq!(
+                waygate_client_send(c, 7, 1, std::ptr::null(), 0, std::ptr::null_mut()),
+                WAYGATE_INVALID_ARGUMENT
+            );
+            waygate_client_free(c);
+        }
+    }
+
+    #[test]
+    fn lifecycle_states_without_a_server() {
+        let c = new_client();
+        let mut ev = waygate_event::none();
+        let mut seq = 0u64;
+        // SAFETY: `c` is live until freed at the end; `ev` and `seq` are writable.
+        unsafe {
+            assert_eq!(waygate_client_poll_event(c, &mut ev), WAYGATE_INVALID_STATE);
+            assert_eq!(
+                waygate_client_send(c, 1, 1000, b"x".as_ptr(), 1, &mut seq),
+                WAYGATE_INVALID_STATE
+            );
+            assert_eq!(waygate_client_connect(c), WAYGATE_OK);
+            assert_eq!(waygate_client_connect(c), WAYGATE_INVALID_STATE);
+            assert_eq!(waygate_client_tick(c, 5), WAYGATE_OK);
+            // Nothing listens: the message is buffered for the resume, with seq 1.
+            assert_eq!(
+                waygate_client_send(c, 1, 1000, b"x".as_ptr(), 1, &mut seq),
+                WAYGATE_OK
+            );
+            assert_eq!(seq, 1);
+            assert_eq!(
+                waygate_client_send(c, 2, 1000, b"x".as_ptr(), 1, &mut seq),
+                WAYGATE_DROPPED
+            );
+            assert_eq!(waygate_client_close(c), WAYGATE_OK);
+            let mut kinds = Vec::new();
+            loop {
+                match waygate_client_wait_event(c, 5000, &mut ev) {
+                    WAYGATE_OK => kinds.push(ev.kind),
+                    WAYGATE_CLOSED => break,
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+            assert_eq!(
+                kinds.last(),
+                Some(&waygate_event_kind::WAYGATE_EVENT_CLOSED)
+            );
+            assert_eq!(ev.kind, waygate_event_kind::WAYGATE_EVENT_NONE);
+            assert_eq!(waygate_client_poll_event(c, &mut ev), WAYGATE_CLOSED);
+            assert_eq!(waygate_client_tick(c, 6), WAYGATE_CLOSED);
+            assert_eq!(
+                waygate_client_send(c, 1, 1000, b"x".as_ptr(), 1, &mut seq),
+                WAYGATE_CLOSED
+            );
+            assert_eq!(waygate_client_close(c), WAYGATE_OK);
+            waygate_client_free(c);
+        }
+    }
+
+    #[test]
+    fn close_before_connect_ends_the_client() {
+        let c = new_client();
+        let mut ev = waygate_event::none();
+        // SAFETY: `c` is live until freed; `ev` is writable.
+        unsafe {
+            assert_eq!(waygate_client_close(c), WAYGATE_OK);
+            assert_eq!(waygate_client_connect(c), WAYGATE_CLOSED);
+            assert_eq!(waygate_client_poll_event(c, &mut ev), WAYGATE_CLOSED);
+            waygate_client_free(c);
+        }
+    }
+}

@@ -1,0 +1,254 @@
+//! Events as one flat C struct.
+
+use std::ffi::{c_char, c_int};
+
+use waygate_client::Event;
+use waygate_transport::frame::WelcomeOutcome;
+use waygate_transport::CloseCode;
+
+/// What happened. Which `waygate_event` fields are set depends on the kind.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum waygate_event_kind {
+    /// No event (written when a poll returns `WAYGATE_NO_EVENT` or fails).
+    WAYGATE_EVENT_NONE = 0,
+    /// A fresh session is up. `text`: the endpoint URL; `session_id`.
+    WAYGATE_EVENT_CONNECTED = 1,
+    /// The session was resumed after a drop; missed messages follow, nothing lost.
+    /// `text`: the endpoint URL; `session_id`.
+    WAYGATE_EVENT_RESTORED = 2,
+    /// Resumed, but some downstream messages were lost: resync your game state.
+    /// `text`: the endpoint URL; `session_id`.
+    WAYGATE_EVENT_RESTORED_WITH_GAP = 3,
+    /// The resume failed and a new session started: resync your game state.
+    /// `text`: the endpoint URL; `session_id`.
+    WAYGATE_EVENT_NEW_SESSION = 4,
+    /// A message from the server. `traffic_class`, `msg_id`, `seq` (0 for best-effort),
+    /// `payload` and `payload_len`. Each sequenced message arrives once, in order.
+    WAYGATE_EVENT_MESSAGE = 5,
+    /// The link dropped; the client reconnects and resumes by itself. `code`, `text`: the
+    /// close code and its name.
+    WAYGATE_EVENT_DISCONNECTED = 6,
+    /// The server refused a connect (e.g. overloaded); the next attempt waits at least
+    /// `retry_after_ms`. `code`, `text`.
+    WAYGATE_EVENT_REJECTED = 7,
+    /// The server moves this client to another edge; it reconnects and resumes by itself.
+    /// `text`: the target endpoint URL ("" means the configured list).
+    WAYGATE_EVENT_MIGRATING = 8,
+    /// One sent message was not delivered (busy, unavailable, no route...). `code`,
+    /// `text`, `msg_id`, `seq` (the client seq of that message), `retry_after_ms`.
+    WAYGATE_EVENT_ERROR = 9,
+    /// Terminal: another login of the same player took over. `code`, `text`. No
+    /// reconnect follows; the next poll returns `WAYGATE_CLOSED`.
+    WAYGATE_EVENT_KICKED = 10,
+    /// Terminal: closed locally, session expired, or the token was refused. `code`,
+    /// `text`. No reconnect follows; the next poll returns `WAYGATE_CLOSED`.
+    WAYGATE_EVENT_CLOSED = 11,
+}
+
+/// One event. Pointers in it (`payload`, `text`) stay valid until the next poll or wait on
+/// the same handle, or `waygate_client_free`: copy what you keep.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct waygate_event {
+    /// What happened.
+    pub kind: waygate_event_kind,
+    /// `WAYGATE_CLASS_*` of a message.
+    pub traffic_class: u8,
+    /// Close or error code (PROTOCOL.md close-code table), else 0.
+    pub code: u16,
+    /// Message id of a message or of an undelivered message, else 0.
+    pub msg_id: u32,
+    /// Retry hint in milliseconds (rejected, error), else 0.
+    pub retry_after_ms: u32,
+    /// Server seq of a message (0 for best-effort); client seq of an undelivered message.
+    pub seq: u64,
+    /// Message body (NULL when empty).
+    pub payload: *const u8,
+    /// Message body length.
+    pub payload_len: usize,
+    /// NUL-terminated text: endpoint URL, migration target or code name ("" if none).
+    /// Never NULL.
+    pub text: *const c_char,
+    /// Session id (connected, restored, restored-with-gap, new-session), else zeros.
+    pub session_id: [u8; 16],
+}
+
+impl waygate_event {
+    /// The empty event (kind NONE, empty text).
+    pub(crate) fn none() -> Self {
+        Self {
+            kind: waygate_event_kind::WAYGATE_EVENT_NONE,
+            traffic_class: 0,
+            code: 0,
+            msg_id: 0,
+            retry_after_ms: 0,
+            seq: 0,
+            payload: std::ptr::null(),
+            payload_len: 0,
+            text: c"".as_ptr(),
+            session_id: [0; 16],
+        }
+    }
+}
+
+/// Converts an SDK event into the flat struct and the text it points to (the caller keeps
+/// both the event, whose payload the struct points into, and the text alive). `None` for an
+/// event this version does not know (skipped).
+pub(crate) fn flatten(event: &Event) -> Option<(waygate_event, String)> {
+    use waygate_event_kind as K;
+    let mut e = waygate_event::none();
+    let text = match event {
+        Event::Connected {
+            endpoint,
+            session_id,
+            outcome,
+        } => {
+            e.kind = match outcome {
+                WelcomeOutcome::NewSession => K::WAYGATE_EVENT_CONNECTED,
+                WelcomeOutcome::Restored => K::WAYGATE_EVENT_RESTORED,
+                WelcomeOutcome::RestoredWithGap => K::WAYGATE_EVENT_RESTORED_WITH_GAP,
+                WelcomeOutcome::RestoreFailedNewSession => K::WAYGATE_EVENT_NEW_SESSION,
+            };
+            let n = session_id.len().min(e.session_id.len());
+            e.session_id[..n].copy_from_slice(&session_id[..n]);
+            endpoint.clone()
+        }
+        Event::Message {
+            class,
+            msg_id,
+            seq,
+            payload,
+        } => {
+            e.kind = K::WAYGATE_EVENT_MESSAGE;
+            e.traffic_class = *class as u8;
+            e.msg_id = *msg_id;
+            e.seq = *seq;
+            if !payload.is_empty() {
+                e.payload = payload.as_ptr();
+                e.payload_len = payload.len();
+            }
+            String::new()
+        }
+        Event::Disconnected { code } => {
+            e.kind = K::WAYGATE_EVENT_DISCONNECTED;
+            code_text(&mut e, *code)
+        }
+        Event::Rejected {
+            code,
+            retry_after_ms,
+        } => {
+            e.kind = K::WAYGATE_EVENT_REJECTED;
+            e.retry_after_ms = *retry_after_ms;
+            code_text(&mut e, *code)
+        }
+        Event::Migrating { target } => {
+            e.kind = K::WAYGATE_EVENT_MIGRATING;
+            target.clone()
+        }
+        Event::Error(report) => {
+            e.kind = K::WAYGATE_EVENT_ERROR;
+            e.msg_id = report.msg_id;
+            e.seq = report.client_seq;
+            e.retry_after_ms = report.retry_after_ms;
+            code_text(&mut e, report.code)
+        }
+        Event::Closed { code } => {
+            e.kind = if *code == CloseCode::Kicked {
+                K::WAYGATE_EVENT_KICKED
+            } else {
+                K::WAYGATE_EVENT_CLOSED
+            };
+            code_text(&mut e, *code)
+        }
+        _ => return None,
+    };
+    Some((e, text))
+}
+
+fn code_text(e: &mut waygate_event, code: CloseCode) -> String {
+    e.code = code.to_u16();
+    code.as_str().to_owned()
+}
+
+/// A static name for an event kind ("message", "restored", ...; "unknown" for a value that
+/// is not a `waygate_event_kind`). Never NULL.
+#[no_mangle]
+pub extern "C" fn waygate_event_kind_str(kind: c_int) -> *const c_char {
+    ffi_body!(c"".as_ptr() => {
+        let s = match kind {
+            0 => c"none",
+            1 => c"connected",
+            2 => c"restored",
+            3 => c"restored_with_gap",
+            4 => c"new_session",
+            5 => c"message",
+            6 => c"disconnected",
+            7 => c"rejected",
+            8 => c"migrating",
+            9 => c"error",
+            10 => c"kicked",
+            11 => c"closed",
+            _ => c"unknown",
+        };
+        s.as_ptr()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use std::ffi::CStr;
+    use waygate_transport::TrafficClass;
+
+    #[test]
+    fn events_flatten_with_their_fields() {
+        let payload = Bytes::from_static(b"hello");
+        let (e, text) = flatten(&Event::Message {
+            class: TrafficClass::BestEffort,
+            msg_id: 1001,
+            seq: 0,
+            payload: payload.clone(),
+        })
+        .unwrap();
+        assert_eq!(e.kind, waygate_event_kind::WAYGATE_EVENT_MESSAGE);
+        assert_eq!(e.traffic_class, crate::WAYGATE_CLASS_BEST_EFFORT);
+        assert_eq!((e.msg_id, e.payload_len), (1001, 5));
+        assert_eq!(e.payload, payload.as_ptr());
+        assert_eq!(text, "");
+
+        let (e, text) = flatten(&Event::Closed {
+            code: CloseCode::Kicked,
+        })
+        .unwrap();
+        assert_eq!(e.kind, waygate_event_kind::WAYGATE_EVENT_KICKED);
+        assert_eq!((e.code, text.as_str()), (301, "kicked"));
+
+        let (e, text) = flatten(&Event::Connected {
+            endpoint: "tcp://127.0.0.1:7000".into(),
+            session_id: [7; 16],
+            outcome: WelcomeOutcome::RestoredWithGap,
+        })
+        .unwrap();
+        assert_eq!(e.kind, waygate_event_kind::WAYGATE_EVENT_RESTORED_WITH_GAP);
+        assert_eq!(e.session_id, [7; 16]);
+        assert_eq!(text, "tcp://127.0.0.1:7000");
+    }
+
+    #[test]
+    fn kind_names_match_the_enum() {
+        for (kind, name) in [
+            (waygate_event_kind::WAYGATE_EVENT_NONE, "none"),
+            (
+                waygate_event_kind::WAYGATE_EVENT_RESTORED_WITH_GAP,
+                "restored_with_gap",
+            ),
+            (waygate_event_kind::WAYGATE_EVENT_CLOSED, "closed"),
+        ] {
+            // SAFETY: waygate_event_kind_str returns a static NUL-terminated string.
+            let s = unsafe { CStr::from_ptr(waygate_event_kind_str(kind as c_int)) };
+            assert_eq!(s.to_str().unwrap(), name);
+        }
+    }
+}

@@ -1,0 +1,185 @@
+//! The C functions called from Rust against an in-process edge: an echo round trip with
+//! the payload pointer, stats, a kick by a second login (terminal event, then
+//! `WAYGATE_CLOSED` everywhere), and a local close.
+
+#![allow(unsafe_code)] // It calls the C functions; every block has a `// SAFETY:` comment.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    missing_docs,
+    unreachable_pub
+)]
+
+mod common;
+
+use std::ffi::CStr;
+use std::mem::MaybeUninit;
+use std::time::{Duration, Instant};
+
+use common::{cluster, token_bytes};
+use waygate_client_capi::waygate_event_kind::*;
+use waygate_client_capi::waygate_result::*;
+use waygate_client_capi::*;
+use waygate_transport::TransportKind;
+
+/// A handle, freed on drop (also when an assertion fails).
+struct Handle(*mut waygate_client);
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // SAFETY: the handle is live and used by this thread only; it is not used again.
+        unsafe { waygate_client_free(self.0) };
+    }
+}
+
+fn new_client(endpoint: &str, token: &[u8]) -> Handle {
+    let endpoints = std::ffi::CString::new(endpoint).unwrap();
+    let mut o = MaybeUninit::uninit();
+    // SAFETY: `o` is writable; init fills every field; the pointers set below outlive
+    // `waygate_client_new`, which copies them.
+    let client = unsafe {
+        waygate_options_init(o.as_mut_ptr());
+        let mut o = o.assume_init();
+        o.endpoints = endpoints.as_ptr();
+        o.token = token.as_ptr();
+        o.token_len = token.len();
+        waygate_client_new(&o)
+    };
+    assert!(!client.is_null());
+    Handle(client)
+}
+
+/// An owned copy of an event.
+#[derive(Debug)]
+struct Ev {
+    kind: waygate_event_kind,
+    code: u16,
+    msg_id: u32,
+    seq: u64,
+    payload: Vec<u8>,
+    text: String,
+}
+
+/// Waits up to 10 s for the next event; `Err` carries the result code when none came.
+fn next(h: &Handle) -> Result<Ev, waygate_result> {
+    let mut ev = MaybeUninit::<waygate_event>::uninit();
+    // SAFETY: live handle, writable `ev`.
+    let r = unsafe { waygate_client_wait_event(h.0, 10_000, ev.as_mut_ptr()) };
+    // SAFETY: the call always writes `ev`.
+    let ev = unsafe { ev.assume_init() };
+    if r != WAYGATE_OK {
+        assert_eq!(ev.kind, WAYGATE_EVENT_NONE);
+        return Err(r);
+    }
+    let payload = if ev.payload.is_null() {
+        Vec::new()
+    } else {
+        // SAFETY: valid until the next poll on this handle; copied now.
+        unsafe { std::slice::from_raw_parts(ev.payload, ev.payload_len) }.to_vec()
+    };
+    // SAFETY: `text` is never NULL and valid until the next poll.
+    let text = unsafe { CStr::from_ptr(ev.text) }
+        .to_string_lossy()
+        .into_owned();
+    Ok(Ev {
+        kind: ev.kind,
+        code: ev.code,
+        msg_id: ev.msg_id,
+        seq: ev.seq,
+        payload,
+        text,
+    })
+}
+
+fn wait_for(h: &Handle, kind: waygate_event_kind) -> Ev {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        match next(h) {
+            Ok(ev) if ev.kind == kind => return ev,
+            Ok(_) => {}
+            Err(WAYGATE_NO_EVENT) => {}
+            Err(other) => panic!("waiting for {kind:?}: {other:?}"),
+        }
+    }
+    panic!("no {kind:?} in time");
+}
+
+fn send(h: &Handle, msg_id: u32, body: &[u8]) -> Result<u64, waygate_result> {
+    let mut seq = 0;
+    // SAFETY: live handle; `body` readable for its length; `seq` writable.
+    let r = unsafe {
+        waygate_client_send(
+            h.0,
+            WAYGATE_CLASS_NORMAL,
+            msg_id,
+            body.as_ptr(),
+            body.len(),
+            &mut seq,
+        )
+    };
+    if r == WAYGATE_OK {
+        Ok(seq)
+    } else {
+        Err(r)
+    }
+}
+
+#[test]
+fn echo_kick_and_close_through_the_c_functions() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let c = rt.block_on(cluster(dir.path()));
+    let endpoint = format!("tcp://{}", c.edge.addrs[&TransportKind::Tcp]);
+
+    let first = new_client(&endpoint, &token_bytes("ffi-player"));
+    // SAFETY: live handle.
+    assert_eq!(unsafe { waygate_client_connect(first.0) }, WAYGATE_OK);
+    let connected = wait_for(&first, WAYGATE_EVENT_CONNECTED);
+    assert_eq!(connected.text, endpoint);
+    assert_eq!(send(&first, 1000, b"hello"), Ok(1));
+    let reply = wait_for(&first, WAYGATE_EVENT_MESSAGE);
+    assert_eq!(reply.msg_id, 1001);
+    assert_eq!(reply.seq, 1);
+    assert_eq!(reply.payload, b"b1|ffi-player|hello");
+    let mut stats = MaybeUninit::uninit();
+    // SAFETY: live handle, writable `stats`.
+    assert_eq!(
+        unsafe { waygate_client_stats(first.0, stats.as_mut_ptr()) },
+        WAYGATE_OK
+    );
+    // SAFETY: written by the call above.
+    let stats = unsafe { stats.assume_init() };
+    assert_eq!(stats.connects, 1);
+    assert_eq!(stats.last_server_seq, 1);
+
+    // A second login of the same player takes over: the first gets a terminal KICKED.
+    let second = new_client(&endpoint, &token_bytes("ffi-player"));
+    // SAFETY: live handle.
+    assert_eq!(unsafe { waygate_client_connect(second.0) }, WAYGATE_OK);
+    wait_for(&second, WAYGATE_EVENT_CONNECTED);
+    let kicked = wait_for(&first, WAYGATE_EVENT_KICKED);
+    assert_eq!((kicked.code, kicked.text.as_str()), (301, "kicked"));
+    assert_eq!(next(&first).unwrap_err(), WAYGATE_CLOSED);
+    assert_eq!(send(&first, 1000, b"late"), Err(WAYGATE_CLOSED));
+    // SAFETY: live handle.
+    assert_eq!(unsafe { waygate_client_tick(first.0, 0) }, WAYGATE_CLOSED);
+
+    // The second session works, then closes locally.
+    assert_eq!(send(&second, 1000, b"again"), Ok(1));
+    assert_eq!(
+        wait_for(&second, WAYGATE_EVENT_MESSAGE).payload,
+        b"b1|ffi-player|again"
+    );
+    // SAFETY: live handle.
+    assert_eq!(unsafe { waygate_client_close(second.0) }, WAYGATE_OK);
+    let closed = wait_for(&second, WAYGATE_EVENT_CLOSED);
+    assert_eq!(closed.text, "normal");
+    assert_eq!(next(&second).unwrap_err(), WAYGATE_CLOSED);
+    drop((first, second));
+    drop(c);
+    rt.shutdown_timeout(Duration::from_secs(1));
+}
