@@ -241,16 +241,18 @@ async fn run(
         connects: 0,
         closed: false,
     };
+    let mut connecting: Option<Connecting> = None;
     while !d.closed {
-        if d.conn.is_none() && Instant::now() >= d.next_connect {
-            d.try_connect().await;
-            d.flush().await;
-            d.drain_events().await;
-            continue;
+        if d.conn.is_none() && connecting.is_none() && Instant::now() >= d.next_connect {
+            connecting = Some(Box::pin(connect_round(
+                d.order(),
+                d.options.connect.clone(),
+                d.options.udp_timeout,
+            )));
         }
         let timer = {
             let mut t = d.session.poll_timeout().map(Instant::from_std);
-            if d.conn.is_none() {
+            if d.conn.is_none() && connecting.is_none() {
                 t = Some(t.map_or(d.next_connect, |x| x.min(d.next_connect)));
             }
             t
@@ -262,6 +264,10 @@ async fn run(
             }
         };
         tokio::select! {
+            outcome = async { connecting.as_mut().map_or_else(|| unreachable!(), |c| c.as_mut()).await }, if connecting.is_some() => {
+                connecting = None;
+                d.connected(outcome).await;
+            }
             frame = recv(&mut d.conn) => {
                 let now = Instant::now().into_std();
                 match frame {
@@ -300,6 +306,42 @@ async fn run(
     }
 }
 
+enum ConnectOutcome {
+    Up(BoxConnection, String),
+    Refused(CloseCode, u32),
+    Failed,
+}
+
+type Connecting = std::pin::Pin<Box<dyn std::future::Future<Output = ConnectOutcome> + Send>>;
+
+/// One connect round: each endpoint in order, UDP ones with the shorter timeout, until one
+/// answers (C1). Runs beside the command loop, so `send` never waits for a connect.
+async fn connect_round(
+    list: Vec<Endpoint>,
+    options: ConnectOptions,
+    udp_timeout: Duration,
+) -> ConnectOutcome {
+    for endpoint in list {
+        let limit = if endpoint.kind.is_udp() {
+            udp_timeout
+        } else {
+            options.conn.handshake_timeout
+        };
+        match tokio::time::timeout(limit, connect(&endpoint, &options)).await {
+            Ok(Ok(conn)) => return ConnectOutcome::Up(conn, endpoint.to_string()),
+            Ok(Err(TransportError::Refused {
+                code,
+                retry_after_ms,
+            })) => return ConnectOutcome::Refused(code, retry_after_ms),
+            Ok(Err(e)) => {
+                tracing::debug!(%endpoint, error = %e, "connect failed; trying the next endpoint")
+            }
+            Err(_) => tracing::debug!(%endpoint, "connect timed out; trying the next endpoint"),
+        }
+    }
+    ConnectOutcome::Failed
+}
+
 async fn recv(
     conn: &mut Option<BoxConnection>,
 ) -> Result<waygate_transport::Frame, TransportError> {
@@ -322,36 +364,23 @@ impl Driver {
         list
     }
 
-    async fn try_connect(&mut self) {
-        for endpoint in self.order() {
-            let limit = if endpoint.kind.is_udp() {
-                self.options.udp_timeout
-            } else {
-                self.options.connect.conn.handshake_timeout
-            };
-            match tokio::time::timeout(limit, connect(&endpoint, &self.options.connect)).await {
-                Ok(Ok(conn)) => {
-                    self.conn = Some(conn);
-                    self.endpoint = Some(endpoint.to_string());
-                    self.migrate_to = None;
-                    let _ = self.session.connect(Instant::now().into_std());
-                    return;
-                }
-                Ok(Err(TransportError::Refused {
-                    code,
-                    retry_after_ms,
-                })) => {
-                    self.refused(code, retry_after_ms).await;
-                    return;
-                }
-                Ok(Err(e)) => {
-                    tracing::debug!(%endpoint, error = %e, "connect failed; trying the next endpoint")
-                }
-                Err(_) => tracing::debug!(%endpoint, "connect timed out; trying the next endpoint"),
+    /// Applies the outcome of one connect round.
+    async fn connected(&mut self, outcome: ConnectOutcome) {
+        match outcome {
+            ConnectOutcome::Up(conn, endpoint) => {
+                self.conn = Some(conn);
+                self.endpoint = Some(endpoint);
+                self.migrate_to = None;
+                let _ = self.session.connect(Instant::now().into_std());
+            }
+            ConnectOutcome::Refused(code, retry_after_ms) => {
+                self.refused(code, retry_after_ms).await
+            }
+            ConnectOutcome::Failed => {
+                self.failures = self.failures.saturating_add(1);
+                self.schedule_backoff(0);
             }
         }
-        self.failures = self.failures.saturating_add(1);
-        self.schedule_backoff(0);
     }
 
     fn schedule_backoff(&mut self, at_least_ms: u32) {
@@ -402,15 +431,31 @@ impl Driver {
         }
     }
 
+    fn publish_stats(&self) {
+        let _ = self.stats.send(ClientStats {
+            rtt: self.session.rtt(),
+            unacked: self.session.unacked_len(),
+            last_server_seq: self.session.last_server_seq(),
+            connects: self.connects,
+        });
+    }
+
     async fn drain_events(&mut self) {
-        while let Some(ev) = self.session.poll_event() {
+        // Stats first: an application that reads them after an event sees at least the
+        // state that produced the event.
+        let pending: Vec<ClientEvent> = std::iter::from_fn(|| self.session.poll_event()).collect();
+        self.connects += pending
+            .iter()
+            .filter(|e| matches!(e, ClientEvent::Welcomed { .. }))
+            .count() as u64;
+        self.publish_stats();
+        for ev in pending {
             let event = match ev {
                 ClientEvent::Welcomed {
                     session_id,
                     outcome,
                 } => {
                     self.failures = 0;
-                    self.connects += 1;
                     Event::Connected {
                         endpoint: self.endpoint.clone().unwrap_or_default(),
                         session_id,
@@ -477,11 +522,6 @@ impl Driver {
             };
             let _ = self.events.send(event).await;
         }
-        let _ = self.stats.send(ClientStats {
-            rtt: self.session.rtt(),
-            unacked: self.session.unacked_len(),
-            last_server_seq: self.session.last_server_seq(),
-            connects: self.connects,
-        });
+        self.publish_stats();
     }
 }
