@@ -6,7 +6,8 @@
 //! lingers) and the client resumes. Then it kicks the player (`POST /kick/{player}`): the
 //! client must stop for good. Asserted on the client side: every reply and push exactly once
 //! and in order, server seqs 1..N without a hole or a repeat, one new session then restores
-//! only, no reconnect after the kick, an RTT sample from PING/PONG.
+//! only, no reconnect after the kick, an RTT sample from PING/PONG. Finally the demo page
+//! (`client-sdk/js/demo/`) is clicked through: connect, echo, join a room, say something.
 //!
 //! A second test runs the package's node unit tests (`node --test test/`: codec against the
 //! PROTOCOL.md examples, and the client state machine over a scripted WebSocket).
@@ -387,7 +388,7 @@ key = "room"
     }
 }
 
-fn token(player: &str) -> String {
+fn mint_token(player: &str) -> String {
     let out = run_blocking(
         Command::new(waygate_bin()).args(["token", "--player", player]),
         Duration::from_secs(30),
@@ -409,7 +410,9 @@ async fn chromium_client_resumes_after_server_side_drops_with_nothing_lost() {
     prepare_js();
     let system = start_system().await;
     let player = format!("js-{:08x}", rand::random::<u32>());
-    let token = token(&player);
+    let token = mint_token(&player);
+    let demo_player = format!("{player}-demo");
+    let demo_token = mint_token(&demo_player);
 
     let mut driver = Proc::spawn(
         "node browser-test/run.mjs",
@@ -418,6 +421,7 @@ async fn chromium_client_resumes_after_server_side_drops_with_nothing_lost() {
             .arg("browser-test/run.mjs")
             .args(["--ws", &format!("ws://{}/", system.ws)])
             .args(["--token", &token, "--player", &player])
+            .args(["--demo-token", &demo_token])
             .args(["--echo-count", &ECHOES.to_string()])
             .args(["--say-count", &SAYS.to_string()])
             .args(["--interval-ms", "20", "--timeout-ms", "90000"])
@@ -471,7 +475,7 @@ async fn chromium_client_resumes_after_server_side_drops_with_nothing_lost() {
     );
     // Print the record without the long arrays.
     let mut summary = result.clone();
-    for k in ["echoReceived", "roomReceived", "serverSeqs", "log"] {
+    for k in ["echoReceived", "roomReceived", "serverSeqs", "log", "demo"] {
         summary.as_object_mut().map(|o| o.remove(k));
     }
     eprintln!("browser_sdk: dropped at {dropped_at:?} replies; {summary}");
@@ -544,6 +548,20 @@ async fn chromium_client_resumes_after_server_side_drops_with_nothing_lost() {
         result["rtt"]["samples"].as_u64().unwrap_or(0) >= 1,
         "no RTT sample from PING/PONG: {result}"
     );
+
+    // The demo page: connect, echo, join a room, say something.
+    let demo = result["demo"].as_str().unwrap_or_default();
+    for needle in [
+        "connected to",
+        &format!("<- ECHO_REPLY #1: b1|{demo_player}|hello"),
+        "<- JOINED #2: lobby",
+        &format!("<- ROOM_EVENT #3: b1|lobby|1|{demo_player}|hi all"),
+    ] {
+        assert!(
+            demo.contains(needle),
+            "demo page log lacks {needle:?}:\n{demo}"
+        );
+    }
 }
 
 #[test]

@@ -143,7 +143,30 @@ async function main() {
   }
   await sleep(1500); // A reconnect loop would show up as more connects.
   const result = await page.evaluate(() => window.scenarioResult());
-  out({ event: "result", ok: pageErrors.length === 0, pageErrors, ...result });
+
+  // The demo page, clicked through like a person would (with its own player's token).
+  let demo = null;
+  if (args["demo-token"]) {
+    const dp = await context.newPage();
+    dp.on("pageerror", (e) => pageErrors.push(`demo: ${e}`));
+    await dp.goto(`http://127.0.0.1:${port}/demo/index.html`);
+    await dp.fill("#url", cfg.url);
+    await dp.fill("#token", args["demo-token"]);
+    await dp.click("#connect");
+    const seen = async (needle) => {
+      await dp.waitForFunction((n) => document.getElementById("log").textContent.includes(n), needle, { timeout: 10_000 });
+    };
+    await seen("connected to");
+    await dp.click("#send-echo");
+    await seen("<- ECHO_REPLY");
+    await dp.click("#join");
+    await seen("<- JOINED");
+    await dp.click("#send-say");
+    await seen("<- ROOM_EVENT");
+    demo = await dp.evaluate(() => document.getElementById("log").textContent);
+    await dp.close();
+  }
+  out({ event: "result", ok: pageErrors.length === 0, pageErrors, demo, ...result });
   await cleanup();
   process.exit(0);
 }
