@@ -7,7 +7,9 @@ cd "$(dirname "$0")/.."
 root=$(pwd)
 
 # --- system packages -------------------------------------------------------------------
-apt_packages=(ca-certificates)
+# chromium: the JS SDK's browser test (interop-tests/tests/browser_sdk.rs) drives Debian's
+# /usr/bin/chromium through playwright-core; no tool ever downloads its own browser.
+apt_packages=(ca-certificates chromium)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -32,6 +34,22 @@ if [ -f "$req" ]; then
     echo "$want" > "$stamp"
   fi
   export WAYGATE_PYTHON="$venv/bin/python"
+fi
+
+# --- JS SDK dev dependencies (typescript, playwright-core) from package-lock.json ----------
+js="$root/client-sdk/js"
+if [ -f "$js/package-lock.json" ]; then
+  if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+    echo "node and npm are required for the JS SDK tests (Node.js 20+)" >&2
+    exit 1
+  fi
+  stamp="$js/node_modules/.package-lock.sha256"
+  want=$(sha256sum "$js/package-lock.json" | cut -d' ' -f1)
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    echo "installing the JS SDK's npm dev dependencies"
+    (cd "$js" && npm ci --no-audit --no-fund)
+    echo "$want" > "$stamp"
+  fi
 fi
 
 # --- Rust tests --------------------------------------------------------------------------

@@ -1,0 +1,155 @@
+// The in-page half of the Chromium test: drives a WaygateClient against a real edge and
+// records what it receives, so the driver (run.mjs) and the Rust test can check
+// 0 lost / 0 duplicated / in order across server-side drops.
+import { WaygateClient } from "../dist/index.js";
+
+const ECHO = 1000;
+const ECHO_REPLY = 1001;
+const JOIN_ROOM = 1100;
+const JOINED = 1101;
+const ROOM_SAY = 2000;
+const ROOM_EVENT = 2001;
+
+const decoder = new TextDecoder();
+const s = {
+  started: false,
+  joined: false,
+  sentEcho: 0,
+  sentSay: 0,
+  echo: [], // indexes from ECHO_REPLY payloads, in arrival order
+  echoBadPayload: [],
+  room: [], // room counters n from ROOM_EVENT, in arrival order
+  roomBadPayload: [],
+  serverSeqs: [], // seqs of sequenced messages, in arrival order
+  events: { connected: 0, newSession: 0, restored: 0, restoredWithGap: 0, disconnectedActive: 0, disconnected: 0, kicked: 0, closed: 0, migrating: 0 },
+  errors: [],
+  resent: 0,
+  log: [],
+  closedAt: null,
+  connectsAtClose: null,
+};
+let client = null;
+
+function log(line) {
+  s.log.push(`${Math.round(performance.now())} ${line}`);
+  if (s.log.length > 200) s.log.shift();
+}
+
+window.startScenario = (cfg) => {
+  if (s.started) throw new Error("already started");
+  s.started = true;
+  const { url, token, player, room, echoCount, sayCount, intervalMs } = cfg;
+  client = new WaygateClient({ urls: [url], token, backoffMinMs: 50, backoffMaxMs: 1000 });
+  window.client = client;
+  client.on("connected", (e) => {
+    s.events.connected++;
+    log(`connected ${e.outcome} ${e.sessionId}`);
+  });
+  client.on("newSession", () => s.events.newSession++);
+  client.on("restored", (e) => {
+    s.events.restored++;
+    s.resent += e.resent;
+  });
+  client.on("restoredWithGap", () => s.events.restoredWithGap++);
+  client.on("disconnected", (e) => {
+    s.events.disconnected++;
+    if (e.wasActive) s.events.disconnectedActive++;
+    log(`disconnected ${e.label} ${e.reason} reconnect=${e.willReconnect} in ${e.retryInMs}`);
+  });
+  client.on("kicked", (e) => {
+    s.events.kicked++;
+    log(`kicked ${e.code} ${e.message}`);
+  });
+  client.on("closed", (e) => {
+    s.events.closed++;
+    s.closedAt = performance.now();
+    s.connectsAtClose = client.stats().connects;
+    log(`closed ${e.label} ${e.reason}`);
+  });
+  client.on("migrating", () => s.events.migrating++);
+  client.on("error", (e) => {
+    s.errors.push({ ...e, clientSeq: e.clientSeq === undefined ? undefined : String(e.clientSeq) });
+    log(`error ${JSON.stringify({ ...e, clientSeq: String(e.clientSeq) })}`);
+  });
+  client.on("message", (m) => {
+    if (m.seq !== 0n) s.serverSeqs.push(Number(m.seq));
+    const text = decoder.decode(m.payload);
+    if (m.msgId === ECHO_REPLY) {
+      // "<backend id>|<player>|echo-<i>"
+      const parts = text.split("|");
+      const i = parts[2]?.startsWith("echo-") ? Number(parts[2].slice(5)) : NaN;
+      if (parts[1] !== player || !Number.isInteger(i)) s.echoBadPayload.push(text);
+      else s.echo.push(i);
+    } else if (m.msgId === ROOM_EVENT) {
+      // "<instance>|<room>|<n>|<player>|say-<k>"
+      const parts = text.split("|");
+      const n = Number(parts[2]);
+      if (parts[1] !== room || parts[3] !== player || parts[4] !== `say-${n - 1}`) s.roomBadPayload.push(text);
+      else s.room.push(n);
+    } else if (m.msgId === JOINED) {
+      if (!s.joined) {
+        s.joined = true;
+        log("joined");
+        startStream();
+      }
+    }
+  });
+
+  function startStream() {
+    const timer = setInterval(() => {
+      if (s.sentEcho >= echoCount && s.sentSay >= sayCount) {
+        clearInterval(timer);
+        return;
+      }
+      if (s.sentEcho < echoCount) {
+        client.send(ECHO, `echo-${s.sentEcho}`, "normal");
+        s.sentEcho++;
+      }
+      if (s.sentSay < sayCount && s.sentEcho % 2 === 0) {
+        client.send(ROOM_SAY, `${room}|say-${s.sentSay}`, "critical");
+        s.sentSay++;
+      }
+    }, intervalMs);
+  }
+
+  client.connect();
+  client.send(JOIN_ROOM, room, "critical");
+};
+
+window.scenarioState = () => {
+  const st = client ? client.stats() : null;
+  return {
+    joined: s.joined,
+    sentEcho: s.sentEcho,
+    sentSay: s.sentSay,
+    echo: s.echo.length,
+    room: s.room.length,
+    events: { ...s.events },
+    state: st ? st.state : "none",
+    unacked: st ? st.unacked : 0,
+    lastServerSeq: st ? Number(st.lastServerSeq) : 0,
+    rttSamples: st ? st.rtt.samples : 0,
+  };
+};
+
+window.scenarioResult = () => {
+  const st = client.stats();
+  return {
+    ...window.scenarioState(),
+    echoReceived: s.echo,
+    roomReceived: s.room,
+    serverSeqs: s.serverSeqs,
+    echoBadPayload: s.echoBadPayload,
+    roomBadPayload: s.roomBadPayload,
+    errors: s.errors,
+    resent: s.resent,
+    rtt: st.rtt,
+    connects: st.connects,
+    connectsAtClose: s.connectsAtClose,
+    msSinceClosed: s.closedAt === null ? null : performance.now() - s.closedAt,
+    log: s.log,
+  };
+};
+
+document.getElementById("log").textContent = "ready";
+window.scenarioReady = true;

@@ -1,0 +1,832 @@
+// The waygate session client over WebSocket (PROTOCOL.md §2.2, §5, §7): HELLO with token
+// and/or resume part, WELCOME outcomes, client seqs from 1 kept until acked and resent
+// after a restore, cumulative acks (piggybacked, or ACK after a delay / every N messages),
+// de-duplication of server seqs, PING/PONG heartbeats with RTT, reconnect with exponential
+// backoff and full jitter, REJECT retry-after, MIGRATE, and terminal kicked/expired.
+
+import {
+  CloseCode,
+  DEFAULT_MAX_FRAME_SIZE,
+  type Frame,
+  type Id,
+  PROTOCOL_VERSION,
+  ProtocolError,
+  SUBPROTOCOL,
+  type TrafficClass,
+  WelcomeOutcome,
+  base64UrlDecode,
+  codeClass,
+  codeLabel,
+  decodeFrame,
+  encodeFrame,
+  isSequenced,
+  toHex,
+} from "./codec.js";
+
+/** Seqs above the cumulative a receiver accepts (§7.4.1); further ahead is protocol_error. */
+export const RECV_WINDOW = 4096n;
+
+/** The subset of the WHATWG WebSocket the client uses (browsers' global by default). */
+export interface WebSocketLike {
+  binaryType: string;
+  readonly readyState: number;
+  onopen: ((ev: unknown) => void) | null;
+  onmessage: ((ev: { data: unknown }) => void) | null;
+  onclose: ((ev: { code: number; reason: string; wasClean?: boolean }) => void) | null;
+  onerror: ((ev: unknown) => void) | null;
+  send(data: Uint8Array): void;
+  close(code?: number, reason?: string): void;
+}
+export type WebSocketConstructor = new (url: string, protocols?: string | string[]) => WebSocketLike;
+
+const WS_OPEN = 1;
+
+/** Client settings. Only `urls` and `token` are required. */
+export interface ClientOptions {
+  /** Edge WebSocket URLs (`ws://` / `wss://`), tried in order; a failed attempt moves on. */
+  urls: string | string[];
+  /** Auth token from the login service: raw bytes, or its base64url text. May be empty when only resuming. */
+  token: Uint8Array | string;
+  /** First reconnect delay cap, ms; doubles per failed attempt (full jitter). Default 100. */
+  backoffMinMs?: number;
+  /** Largest reconnect delay cap, ms. Default 5000. */
+  backoffMaxMs?: number;
+  /** Time from opening the socket to WELCOME before the attempt fails, ms. Default 10000. */
+  handshakeTimeoutMs?: number;
+  /** A standalone ACK is sent this long after the first unacknowledged message, ms. Default 20. */
+  ackDelayMs?: number;
+  /** ...or at once when this many messages are unacknowledged. Default 16. */
+  ackEvery?: number;
+  /** Most unacked sequenced upstream messages kept for resending; beyond it `send` throws. Default 4096. */
+  maxUnacked?: number;
+  /** Offer the `waygate.v1` subprotocol (§2.2). Default true. */
+  offerSubprotocol?: boolean;
+  /** WebSocket implementation (tests, node); default `globalThis.WebSocket`. */
+  WebSocket?: WebSocketConstructor;
+  /** Random source in [0, 1) for the jitter (tests). Default Math.random. */
+  random?: () => number;
+}
+
+/** How the HELLO was answered. */
+export type Outcome = "new" | "restored" | "restoredWithGap" | "restoreFailed";
+const OUTCOMES: Outcome[] = ["new", "restored", "restoredWithGap", "restoreFailed"];
+
+/** A downstream application message. */
+export interface Message {
+  msgId: number;
+  cls: TrafficClass;
+  /** Server seq (0n for best-effort). */
+  seq: bigint;
+  payload: Uint8Array;
+}
+
+/** Payloads of every event. */
+export interface ClientEvents {
+  /** WELCOME received (any outcome); followed by one of newSession / restored / restoredWithGap. */
+  connected: { url: string; sessionId: string; outcome: Outcome };
+  /** A fresh session: both seq spaces restart at 1. `restoreFailed`: a resume was refused and replaced by a new session (resync!). */
+  newSession: { sessionId: string; restoreFailed: boolean; discarded: number };
+  /** The session resumed with nothing lost. */
+  restored: { sessionId: string; resent: number };
+  /** The session resumed, but downstream messages up to `serverSeqBase` were evicted: resync your state. */
+  restoredWithGap: { sessionId: string; serverSeqBase: bigint; resent: number };
+  /** A link ended (or an attempt failed). `code` is the close code when known. */
+  disconnected: {
+    code: number | null;
+    label: string;
+    reason: string;
+    /** Whether the link had been welcomed. */
+    wasActive: boolean;
+    willReconnect: boolean;
+    /** Delay before the next attempt, ms (when reconnecting). */
+    retryInMs: number;
+  };
+  /** Another login of the same player took over: terminal, no reconnect. */
+  kicked: { code: number; message: string };
+  /** The server asks to move: the client reconnects (to `target` when it is a ws/wss URL) and resumes. */
+  migrating: { target: string; deadlineMs: number };
+  /** A downstream message; each sequenced one exactly once, in seq order. */
+  message: Message;
+  /** Something went wrong; see `kind`. The client keeps going unless a `closed` event follows. */
+  error:
+    | { kind: "undelivered"; code: number; label: string; msgId: number; clientSeq: bigint; retryAfterMs: number }
+    | { kind: "rejected"; code: number; label: string; retryAfterMs: number; message: string }
+    | { kind: "protocol"; code: number; message: string };
+  /** The client stopped for good (kicked, session expired, auth refused, or `close()`). */
+  closed: { code: number; label: string; reason: string };
+}
+export type EventName = keyof ClientEvents;
+type Listener<K extends EventName> = (ev: ClientEvents[K]) => void;
+
+export type ClientState = "idle" | "connecting" | "handshaking" | "active" | "waiting" | "closed";
+
+/** Round-trip statistics from the client's PINGs. */
+export interface RttStats {
+  latestMs: number | null;
+  /** RFC 6298 weights: 7/8 old, 1/8 new. */
+  smoothedMs: number | null;
+  minMs: number | null;
+  samples: number;
+}
+
+export interface ClientStats {
+  state: ClientState;
+  rtt: RttStats;
+  /** Sequenced upstream messages not yet acked by the server. */
+  unacked: number;
+  /** Highest server seq received with nothing missing below it. */
+  lastServerSeq: bigint;
+  /** WELCOMEs received. */
+  connects: number;
+  /** Current session id (hex), if any. */
+  sessionId: string | null;
+}
+
+/** `send` refused: the unacked buffer is full, the frame too large, or the client closed. */
+export class SendError extends Error {
+  constructor(message: string) {
+    super(message);
+    this.name = "SendError";
+  }
+}
+
+interface Unacked {
+  seq: bigint;
+  cls: TrafficClass;
+  msgId: number;
+  payload: Uint8Array;
+}
+
+interface Session {
+  id: Id;
+  token: Id;
+}
+
+// Codes after which the client must not reconnect on its own.
+const TERMINAL_REJECTS = new Set<number>([
+  CloseCode.auth_malformed,
+  CloseCode.auth_bad_signature,
+  CloseCode.auth_expired,
+  CloseCode.auth_unknown_key,
+  CloseCode.auth_unsupported_version,
+  CloseCode.auth_rejected,
+  CloseCode.unsupported_version,
+]);
+
+const encoder = new TextEncoder();
+
+/** The WebSocket status of a close the server started (§2.2), mapped back to a close code. */
+function codeFromWsStatus(status: number): number | null {
+  switch (status) {
+    case 1000:
+      return CloseCode.normal;
+    case 1001:
+      return CloseCode.going_away;
+    case 1002:
+      return CloseCode.protocol_error;
+    case 1003:
+      return CloseCode.text_message;
+    case 1009:
+      return CloseCode.frame_too_large;
+  }
+  if (status >= 4000 && status < 5000) return status - 4000;
+  return null;
+}
+
+/**
+ * A waygate session over WebSocket. Create it, subscribe with `on`, call `connect()`, then
+ * `send()`; it reconnects and resumes by itself until `close()` or a terminal event.
+ */
+export class WaygateClient {
+  private readonly urls: string[];
+  private token: Uint8Array;
+  private readonly opts: Required<Omit<ClientOptions, "urls" | "token" | "WebSocket">>;
+  private readonly WS: WebSocketConstructor;
+  private readonly listeners = new Map<EventName, Set<Listener<EventName>>>();
+
+  private _state: ClientState = "idle";
+  private ws: WebSocketLike | null = null;
+  /** Bumped for every socket: events of older sockets are ignored. */
+  private gen = 0;
+  private url = "";
+  private urlIndex = 0;
+  private migrateTo: string | null = null;
+  private failures = 0;
+  private connects = 0;
+  /** The auth token expired: resume with the resume part alone (§7.1.1). */
+  private resumeOnly = false;
+
+  private session: Session | null = null;
+  private heartbeatMs = 10_000;
+  private idleTimeoutMs = 30_000;
+  private maxFrameSize = DEFAULT_MAX_FRAME_SIZE;
+
+  // Downstream: cumulative C and the seqs received above it (§7.4.1); ack state (§7.4.2).
+  private cum = 0n;
+  private above = new Set<bigint>();
+  private ackSent = 0n;
+  private ackOwed = false;
+  private unackedDown = 0;
+  private ackTimer: ReturnType<typeof setTimeout> | null = null;
+
+  // Upstream: next seq and everything sent but not acked.
+  private nextSeq = 1n;
+  private unacked: Unacked[] = [];
+
+  private lastTx = 0;
+  private lastRx = 0;
+  private ticker: ReturnType<typeof setInterval> | null = null;
+  private handshakeTimer: ReturnType<typeof setTimeout> | null = null;
+  private reconnectTimer: ReturnType<typeof setTimeout> | null = null;
+  private readonly epoch = now();
+  private readonly rtt: RttStats = { latestMs: null, smoothedMs: null, minMs: null, samples: 0 };
+
+  constructor(options: ClientOptions) {
+    this.urls = Array.isArray(options.urls) ? [...options.urls] : [options.urls];
+    if (this.urls.length === 0) throw new TypeError("at least one URL is required");
+    for (const u of this.urls) {
+      if (!/^wss?:\/\//i.test(u)) throw new TypeError(`not a ws:// or wss:// URL: ${u}`);
+    }
+    this.token = typeof options.token === "string" ? base64UrlDecode(options.token) : options.token;
+    const WS = options.WebSocket ?? (globalThis as { WebSocket?: WebSocketConstructor }).WebSocket;
+    if (!WS) throw new TypeError("no WebSocket implementation: pass options.WebSocket");
+    this.WS = WS;
+    this.opts = {
+      backoffMinMs: options.backoffMinMs ?? 100,
+      backoffMaxMs: options.backoffMaxMs ?? 5000,
+      handshakeTimeoutMs: options.handshakeTimeoutMs ?? 10_000,
+      ackDelayMs: options.ackDelayMs ?? 20,
+      ackEvery: options.ackEvery ?? 16,
+      maxUnacked: options.maxUnacked ?? 4096,
+      offerSubprotocol: options.offerSubprotocol ?? true,
+      random: options.random ?? Math.random,
+    };
+  }
+
+  // -------------------------------------------------------------------------------------
+  // Public API
+
+  /** Current state. */
+  get state(): ClientState {
+    return this._state;
+  }
+
+  /** Subscribes to an event; returns a function that unsubscribes. */
+  on<K extends EventName>(event: K, fn: Listener<K>): () => void {
+    let set = this.listeners.get(event);
+    if (!set) this.listeners.set(event, (set = new Set()));
+    set.add(fn as Listener<EventName>);
+    return () => this.off(event, fn);
+  }
+
+  off<K extends EventName>(event: K, fn: Listener<K>): void {
+    this.listeners.get(event)?.delete(fn as Listener<EventName>);
+  }
+
+  /** Starts connecting (no-op unless idle). */
+  connect(): void {
+    if (this._state !== "idle") return;
+    this.openSocket();
+  }
+
+  /** Replaces the auth token (e.g. refreshed from the login service). */
+  setToken(token: Uint8Array | string): void {
+    this.token = typeof token === "string" ? base64UrlDecode(token) : token;
+    this.resumeOnly = false;
+  }
+
+  /**
+   * Sends an application message (`payload`: bytes, or a string sent as UTF-8).
+   * Sequenced classes (critical, normal) are kept until the server acks them and are
+   * queued while disconnected; returns their client seq. Best-effort is sent only while
+   * connected and returns 0n, or null when it was dropped. Throws {@link SendError} when
+   * the unacked buffer is full, the frame would exceed the max frame size, or the client is closed.
+   */
+  send(msgId: number, payload: Uint8Array | ArrayBuffer | string, cls: TrafficClass = "normal"): bigint | null {
+    if (this._state === "closed") throw new SendError("the client is closed");
+    if (!Number.isInteger(msgId) || msgId < 0 || msgId >= 2 ** 32) throw new RangeError(`msg_id must be a u32: ${msgId}`);
+    const bytes =
+      typeof payload === "string" ? encoder.encode(payload) : payload instanceof Uint8Array ? payload : new Uint8Array(payload);
+    // Worst case header: type, flags, msg_id (5), seq (10), ack (10).
+    if (bytes.length + 27 > this.maxFrameSize) {
+      const exact = encodeFrame({ type: "data", cls, msgId, seq: this.nextSeq, ack: this.cum, payload: bytes }).length;
+      if (exact > this.maxFrameSize) throw new SendError(`frame of ${exact} bytes above the max frame size ${this.maxFrameSize}`);
+    }
+    const active = this._state === "active";
+    if (!isSequenced(cls)) {
+      if (!active) return null;
+      this.sendData({ cls, msgId, seq: 0n, payload: bytes }, true);
+      return 0n;
+    }
+    if (this.unacked.length >= this.opts.maxUnacked) {
+      throw new SendError(`upstream send buffer full (${this.unacked.length} unacked messages)`);
+    }
+    const seq = this.nextSeq++;
+    const m: Unacked = { seq, cls, msgId, payload: bytes };
+    this.unacked.push(m);
+    if (active) this.sendData(m, true);
+    return seq;
+  }
+
+  /** Statistics: RTT, unacked count, last server seq, connects. */
+  stats(): ClientStats {
+    return {
+      state: this._state,
+      rtt: { ...this.rtt },
+      unacked: this.unacked.length,
+      lastServerSeq: this.cum,
+      connects: this.connects,
+      sessionId: this.session ? toHex(this.session.id) : null,
+    };
+  }
+
+  /**
+   * Closes for good: sends CLOSE(normal) and closes the socket. The session lingers on the
+   * server until its linger time runs out (v1 has no logout, §7.5).
+   */
+  close(reason = "client closed"): void {
+    if (this._state === "closed") return;
+    const ws = this.ws;
+    if (ws && ws.readyState === WS_OPEN) {
+      this.transmit({ type: "close", code: CloseCode.normal, message: reason.slice(0, 200) });
+    }
+    this.dropSocket(1000, "closed");
+    this.terminate(CloseCode.normal, reason);
+  }
+
+  /** Test hook: drops the socket as a network failure would (no CLOSE); the client resumes. */
+  dropLink(): void {
+    if (this.ws) this.linkLost(null, "dropped locally");
+  }
+
+  // -------------------------------------------------------------------------------------
+  // Events
+
+  private emit<K extends EventName>(event: K, payload: ClientEvents[K]): void {
+    const set = this.listeners.get(event);
+    if (!set) return;
+    for (const fn of [...set]) {
+      try {
+        (fn as Listener<K>)(payload);
+      } catch (e) {
+        // A listener's bug must not break the session machine; surface it asynchronously.
+        setTimeout(() => {
+          throw e;
+        }, 0);
+      }
+    }
+  }
+
+  // -------------------------------------------------------------------------------------
+  // Connection lifecycle
+
+  private openSocket(): void {
+    this.clearReconnect();
+    const url = this.migrateTo ?? this.urls[this.urlIndex % this.urls.length];
+    this.url = url;
+    const gen = ++this.gen;
+    this._state = "connecting";
+    let ws: WebSocketLike;
+    try {
+      ws = this.opts.offerSubprotocol ? new this.WS(url, [SUBPROTOCOL]) : new this.WS(url);
+    } catch (e) {
+      // A malformed URL or a blocked port throws synchronously in browsers.
+      this.ws = null;
+      queueMicrotask(() => {
+        if (gen === this.gen) this.attemptFailed(null, `cannot open ${url}: ${String(e)}`, 0);
+      });
+      return;
+    }
+    ws.binaryType = "arraybuffer";
+    this.ws = ws;
+    this.handshakeTimer = setTimeout(() => {
+      if (gen !== this.gen) return;
+      this.failLink(CloseCode.handshake_timeout, "no WELCOME within the handshake timeout");
+    }, this.opts.handshakeTimeoutMs);
+    ws.onopen = () => {
+      if (gen !== this.gen) return;
+      this._state = "handshaking";
+      this.lastRx = now();
+      const resume = this.session
+        ? { sessionId: this.session.id, resumeToken: this.session.token, lastServerSeq: this.cum }
+        : null;
+      this.transmit({
+        type: "hello",
+        version: PROTOCOL_VERSION,
+        token: this.resumeOnly && resume ? new Uint8Array(0) : this.token,
+        resume,
+      });
+    };
+    ws.onmessage = (ev) => {
+      if (gen !== this.gen) return;
+      this.onData(ev.data);
+    };
+    ws.onerror = () => {
+      // Always followed by onclose.
+    };
+    ws.onclose = (ev) => {
+      if (gen !== this.gen) return;
+      this.linkLost(codeFromWsStatus(ev.code), `websocket closed (status ${ev.code}${ev.reason ? `: ${ev.reason}` : ""})`);
+    };
+  }
+
+  /** Forgets the current socket (its later events are ignored) and closes it. */
+  private dropSocket(status: number, reason: string): void {
+    this.gen++;
+    const ws = this.ws;
+    this.ws = null;
+    this.stopTimers();
+    if (ws) {
+      ws.onopen = ws.onmessage = ws.onclose = ws.onerror = null;
+      try {
+        ws.close(status, reason);
+      } catch {
+        // Already closing.
+      }
+    }
+  }
+
+  private stopTimers(): void {
+    if (this.ticker !== null) clearInterval(this.ticker);
+    if (this.handshakeTimer !== null) clearTimeout(this.handshakeTimer);
+    if (this.ackTimer !== null) clearTimeout(this.ackTimer);
+    this.ticker = this.handshakeTimer = this.ackTimer = null;
+  }
+
+  private clearReconnect(): void {
+    if (this.reconnectTimer !== null) clearTimeout(this.reconnectTimer);
+    this.reconnectTimer = null;
+  }
+
+  /** The link ended without a terminal code: reconnect (at once after an active link). */
+  private linkLost(code: number | null, reason: string): void {
+    const wasActive = this._state === "active";
+    this.dropSocket(1000, "link lost");
+    if (code === CloseCode.kicked || code === CloseCode.session_expired) {
+      this.endSession(code, reason);
+      return;
+    }
+    if (wasActive) {
+      // The first reconnect after a working link is immediate; failures then back off.
+      this.failures = 0;
+      this.scheduleReconnect(0, { code, reason, wasActive: true });
+    } else {
+      this.attemptFailed(code, reason, 0);
+    }
+  }
+
+  /** Ends the link with our own CLOSE(code), then reconnects. */
+  private failLink(code: number, reason: string): void {
+    const wasActive = this._state === "active";
+    if (this.ws && this.ws.readyState === WS_OPEN) this.transmit({ type: "close", code, message: reason.slice(0, 200) });
+    this.dropSocket(code < 1000 ? 4000 + code : 1000, reason.slice(0, 100));
+    if (wasActive) {
+      this.failures = 0;
+      this.scheduleReconnect(0, { code, reason, wasActive: true });
+    } else {
+      this.attemptFailed(code, reason, 0);
+    }
+  }
+
+  /** An attempt failed before WELCOME: next URL, exponential backoff, at least `retryAfterMs`. */
+  private attemptFailed(code: number | null, reason: string, retryAfterMs: number): void {
+    this.dropSocket(1000, "attempt failed");
+    if (this.migrateTo !== null) {
+      this.migrateTo = null; // The migrate target failed: back to our own list.
+    } else {
+      this.urlIndex = (this.urlIndex + 1) % this.urls.length;
+    }
+    this.failures++;
+    const cap = Math.min(this.opts.backoffMaxMs, this.opts.backoffMinMs * 2 ** Math.min(this.failures, 16));
+    const jitter = Math.floor(this.opts.random() * (cap + 1));
+    this.scheduleReconnect(Math.max(jitter, retryAfterMs), { code, reason, wasActive: false });
+  }
+
+  private scheduleReconnect(delayMs: number, why: { code: number | null; reason: string; wasActive: boolean }): void {
+    this._state = "waiting";
+    this.emit("disconnected", {
+      code: why.code,
+      label: why.code === null ? "transport" : codeLabel(why.code),
+      reason: why.reason,
+      wasActive: why.wasActive,
+      willReconnect: true,
+      retryInMs: delayMs,
+    });
+    if (this._state !== "waiting") return; // A listener closed the client.
+    this.clearReconnect();
+    this.reconnectTimer = setTimeout(() => {
+      this.reconnectTimer = null;
+      if (this._state === "waiting") this.openSocket();
+    }, delayMs);
+  }
+
+  /** The session is over (kicked, expired): terminal. */
+  private endSession(code: number, message: string): void {
+    this.session = null;
+    const wasActive = this._state === "active" || this._state === "handshaking";
+    this.dropSocket(1000, "session ended");
+    this.emit("disconnected", {
+      code,
+      label: codeLabel(code),
+      reason: message,
+      wasActive,
+      willReconnect: false,
+      retryInMs: 0,
+    });
+    if (code === CloseCode.kicked) this.emit("kicked", { code, message });
+    this.terminate(code, message);
+  }
+
+  private terminate(code: number, reason: string): void {
+    if (this._state === "closed") return;
+    this.clearReconnect();
+    this.stopTimers();
+    this._state = "closed";
+    this.emit("closed", { code, label: codeLabel(code), reason });
+  }
+
+  // -------------------------------------------------------------------------------------
+  // Sending
+
+  private transmit(f: Frame): void {
+    const ws = this.ws;
+    if (!ws || ws.readyState !== WS_OPEN) return;
+    ws.send(encodeFrame(f));
+    this.lastTx = now();
+  }
+
+  private sendData(m: { cls: TrafficClass; msgId: number; seq: bigint; payload: Uint8Array }, piggyback: boolean): void {
+    let ack: bigint | null = null;
+    if (piggyback && (this.ackOwed || this.cum > this.ackSent)) {
+      ack = this.cum;
+      this.noteAckSent();
+    }
+    this.transmit({ type: "data", cls: m.cls, msgId: m.msgId, seq: m.seq, ack, payload: m.payload });
+  }
+
+  private sendAck(): void {
+    this.noteAckSent();
+    this.transmit({ type: "ack", ack: this.cum });
+  }
+
+  private noteAckSent(): void {
+    this.ackSent = this.cum;
+    this.ackOwed = false;
+    this.unackedDown = 0;
+    if (this.ackTimer !== null) clearTimeout(this.ackTimer);
+    this.ackTimer = null;
+  }
+
+  /** A sequenced message (new or duplicate) arrived: an ack is owed (§7.4.2). */
+  private owe(): void {
+    this.ackOwed = true;
+    this.unackedDown++;
+    if (this.unackedDown >= this.opts.ackEvery) {
+      this.sendAck();
+    } else if (this.ackTimer === null) {
+      const gen = this.gen;
+      this.ackTimer = setTimeout(() => {
+        this.ackTimer = null;
+        if (gen === this.gen && this._state === "active" && this.ackOwed) this.sendAck();
+      }, this.opts.ackDelayMs);
+    }
+  }
+
+  private onUpstreamAck(ack: bigint): void {
+    if (ack > this.nextSeq - 1n) throw new ProtocolError(`ack ${ack} above the highest seq sent (${this.nextSeq - 1n})`);
+    while (this.unacked.length > 0 && this.unacked[0].seq <= ack) this.unacked.shift();
+  }
+
+  // -------------------------------------------------------------------------------------
+  // Receiving
+
+  private onData(data: unknown): void {
+    if (!(data instanceof ArrayBuffer)) {
+      const code = typeof data === "string" ? CloseCode.text_message : CloseCode.protocol_error;
+      this.violation(new ProtocolError("text WebSocket message", code));
+      return;
+    }
+    this.lastRx = now();
+    let frame: Frame;
+    try {
+      frame = decodeFrame(data, Math.max(this.maxFrameSize, DEFAULT_MAX_FRAME_SIZE));
+    } catch (e) {
+      this.violation(e);
+      return;
+    }
+    try {
+      this.onFrame(frame);
+    } catch (e) {
+      this.violation(e);
+    }
+  }
+
+  private violation(e: unknown): void {
+    const code = e instanceof ProtocolError ? e.code : CloseCode.protocol_error;
+    const message = e instanceof Error ? e.message : String(e);
+    this.emit("error", { kind: "protocol", code, message });
+    if (this._state !== "closed") this.failLink(code, message);
+  }
+
+  private onFrame(f: Frame): void {
+    const state = this._state;
+    if (f.type === "close") {
+      this.onClose(f.code, f.message);
+      return;
+    }
+    if (f.type === "ping") {
+      this.transmit({ type: "pong", timestamp: f.timestamp });
+      return;
+    }
+    if (f.type === "pong") {
+      this.onPong(f.timestamp);
+      return;
+    }
+    if (state === "handshaking") {
+      if (f.type === "welcome") return this.onWelcome(f);
+      if (f.type === "reject") return this.onReject(f.code, f.retryAfterMs, f.message);
+    } else if (state === "active") {
+      switch (f.type) {
+        case "data":
+          return this.onDownData(f);
+        case "ack":
+          return this.onUpstreamAck(f.ack);
+        case "migrate":
+          return this.onMigrate(f.target, f.deadlineMs, f.sessionId, f.resumeToken);
+        case "error":
+          this.emit("error", {
+            kind: "undelivered",
+            code: f.code,
+            label: codeLabel(f.code),
+            msgId: f.msgId,
+            clientSeq: f.clientSeq,
+            retryAfterMs: f.retryAfterMs,
+          });
+          return;
+      }
+    }
+    throw new ProtocolError(`unexpected ${f.type.toUpperCase()} frame in state ${state}`, CloseCode.unexpected_frame);
+  }
+
+  private onWelcome(w: Extract<Frame, { type: "welcome" }>): void {
+    const first = this.session === null && this.cum === 0n && this.connects === 0;
+    this.session = { id: w.sessionId, token: w.resumeToken };
+    this.heartbeatMs = w.heartbeatIntervalMs;
+    this.idleTimeoutMs = w.idleTimeoutMs;
+    this.maxFrameSize = w.maxFrameSize > 0 ? w.maxFrameSize : DEFAULT_MAX_FRAME_SIZE;
+    let discarded = 0;
+    const restored = w.outcome === WelcomeOutcome.Restored || w.outcome === WelcomeOutcome.RestoredWithGap;
+    if (restored) {
+      // §7.4.4: continue after server_seq_base; drop what the server already has.
+      this.skipTo(w.serverSeqBase);
+      this.onUpstreamAck(w.clientSeqAck);
+    } else if (!first) {
+      // A fresh session replacing an old one: both seq spaces restart at 1 and the old
+      // session's unacked messages are void (the application resyncs).
+      discarded = this.unacked.length;
+      this.cum = 0n;
+      this.above.clear();
+      this.ackSent = 0n;
+      this.nextSeq = 1n;
+      this.unacked = [];
+    }
+    this._state = "active";
+    this.failures = 0;
+    this.connects++;
+    this.migrateTo = null;
+    if (this.handshakeTimer !== null) clearTimeout(this.handshakeTimer);
+    this.handshakeTimer = null;
+    // §7.3.3: a frame right after WELCOME confirms the new resume token.
+    this.sendAck();
+    const resent = this.unacked.length;
+    for (const m of this.unacked) this.sendData(m, false);
+    this.startTicker();
+
+    const sessionId = toHex(w.sessionId);
+    const outcome = OUTCOMES[w.outcome];
+    this.emit("connected", { url: this.url, sessionId, outcome });
+    switch (w.outcome) {
+      case WelcomeOutcome.NewSession:
+      case WelcomeOutcome.RestoreFailedNewSession:
+        this.emit("newSession", { sessionId, restoreFailed: w.outcome === WelcomeOutcome.RestoreFailedNewSession, discarded });
+        break;
+      case WelcomeOutcome.Restored:
+        this.emit("restored", { sessionId, resent });
+        break;
+      case WelcomeOutcome.RestoredWithGap:
+        this.emit("restoredWithGap", { sessionId, serverSeqBase: w.serverSeqBase, resent });
+        break;
+    }
+  }
+
+  private skipTo(base: bigint): void {
+    if (base <= this.cum) return;
+    this.cum = base;
+    for (const s of [...this.above]) if (s <= base) this.above.delete(s);
+    while (this.above.delete(this.cum + 1n)) this.cum++;
+  }
+
+  private onReject(code: number, retryAfterMs: number, message: string): void {
+    this.emit("error", { kind: "rejected", code, label: codeLabel(code), retryAfterMs, message });
+    if (code === CloseCode.auth_expired && this.session !== null && !this.resumeOnly) {
+      // §7.1.1: a client whose token has expired resumes with the resume part alone.
+      this.resumeOnly = true;
+      this.attemptFailed(code, `rejected: ${message || codeLabel(code)}`, retryAfterMs);
+      return;
+    }
+    if (code === CloseCode.resume_rejected) {
+      this.session = null;
+      if (this.resumeOnly || this.token.length === 0) {
+        // Nothing left to log in with: the application must supply a new token.
+        this.dropSocket(1000, "rejected");
+        this.terminate(code, message || "resume rejected and no valid auth token");
+        return;
+      }
+    }
+    if (TERMINAL_REJECTS.has(code) || codeClass(code) === "auth") {
+      this.dropSocket(1000, "rejected");
+      this.terminate(code, message || codeLabel(code));
+      return;
+    }
+    this.attemptFailed(code, `rejected: ${message || codeLabel(code)}`, retryAfterMs);
+  }
+
+  private onClose(code: number, message: string): void {
+    if (code === CloseCode.kicked || code === CloseCode.session_expired) {
+      this.endSession(code, message || codeLabel(code));
+      return;
+    }
+    if (code === CloseCode.resume_rejected) this.session = null;
+    // §3.8: stop sending and close our side without answering CLOSE.
+    this.linkLost(code, `closed by the server: ${codeLabel(code)}${message ? ` (${message})` : ""}`);
+  }
+
+  private onDownData(d: Extract<Frame, { type: "data" }>): void {
+    if (d.ack !== null) this.onUpstreamAck(d.ack);
+    if (isSequenced(d.cls)) {
+      const seq = d.seq;
+      if (seq === 0n || seq > this.cum + RECV_WINDOW) throw new ProtocolError(`server seq ${seq} out of window (cumulative ${this.cum})`);
+      if (seq <= this.cum || this.above.has(seq)) {
+        this.owe(); // A duplicate is dropped but still owes an ack.
+        return;
+      }
+      if (seq === this.cum + 1n) {
+        this.cum = seq;
+        while (this.above.delete(this.cum + 1n)) this.cum++;
+      } else {
+        this.above.add(seq);
+      }
+      this.owe();
+    }
+    this.emit("message", { msgId: d.msgId, cls: d.cls, seq: d.seq, payload: d.payload });
+  }
+
+  private onMigrate(target: string, deadlineMs: number, sessionId: Id, resumeToken: Id): void {
+    this.session = { id: sessionId, token: resumeToken };
+    // A browser can only follow ws/wss targets; any other (or empty) target means "any
+    // edge from our own list".
+    this.migrateTo = /^wss?:\/\//i.test(target) ? target : null;
+    this.emit("migrating", { target, deadlineMs });
+    if (this._state !== "active") return;
+    this.transmit({ type: "close", code: CloseCode.going_away, message: "migrating" });
+    this.dropSocket(1000, "migrating");
+    this.failures = 0;
+    this.scheduleReconnect(0, { code: CloseCode.going_away, reason: `migrating to ${target || "any edge"}`, wasActive: true });
+  }
+
+  private onPong(timestamp: bigint): void {
+    const sent = Number(timestamp);
+    const t = now() - this.epoch;
+    if (!Number.isFinite(sent) || sent > t) return;
+    const rtt = t - sent;
+    const r = this.rtt;
+    r.latestMs = rtt;
+    r.minMs = r.minMs === null ? rtt : Math.min(r.minMs, rtt);
+    r.smoothedMs = r.smoothedMs === null ? rtt : (r.smoothedMs * 7 + rtt) / 8;
+    r.samples++;
+  }
+
+  // -------------------------------------------------------------------------------------
+  // Timers: heartbeat and dead-link detection
+
+  private startTicker(): void {
+    if (this.ticker !== null) clearInterval(this.ticker);
+    const period = Math.max(50, Math.min(1000, Math.floor((this.heartbeatMs || 1000) / 4)));
+    const gen = this.gen;
+    this.ticker = setInterval(() => {
+      if (gen !== this.gen || this._state !== "active") return;
+      const t = now();
+      if (this.idleTimeoutMs > 0 && t - this.lastRx > this.idleTimeoutMs) {
+        this.failLink(CloseCode.idle_timeout, "nothing received within the idle timeout");
+        return;
+      }
+      if (this.heartbeatMs > 0 && t - this.lastTx >= this.heartbeatMs) {
+        this.transmit({ type: "ping", timestamp: BigInt(Math.floor(t - this.epoch)) });
+      }
+    }, period);
+  }
+}
+
+function now(): number {
+  return typeof performance !== "undefined" ? performance.now() : Date.now();
+}

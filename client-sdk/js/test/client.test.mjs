@@ -1,0 +1,436 @@
+// The session machine of WaygateClient against a scripted WebSocket (node --test): each
+// test plays the server's part frame by frame, per PROTOCOL.md §7.
+import { test } from "node:test";
+import assert from "node:assert/strict";
+import { CloseCode, WaygateClient, decodeFrame, encodeFrame } from "../dist/index.js";
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+const id = (n) => new Uint8Array(16).fill(n);
+const text = (b) => new TextDecoder().decode(b);
+
+/** A WebSocket class whose instances the test drives as the server. */
+function scriptedWebSocket() {
+  class FakeWS {
+    static all = [];
+    constructor(url, protocols) {
+      this.url = url;
+      this.protocols = protocols;
+      this.readyState = 0;
+      this.binaryType = "blob";
+      this.sent = [];
+      this.closed = null;
+      this.onopen = this.onmessage = this.onclose = this.onerror = null;
+      FakeWS.all.push(this);
+    }
+    send(bytes) {
+      assert.equal(this.readyState, 1, "send on a socket that is not open");
+      this.sent.push(decodeFrame(bytes));
+    }
+    close(code, reason) {
+      this.closed = { code, reason };
+      this.readyState = 3;
+    }
+    // --- the server's side
+    open() {
+      this.readyState = 1;
+      this.onopen?.({});
+    }
+    deliver(frame) {
+      const b = encodeFrame(frame);
+      this.onmessage?.({ data: b.buffer.slice(b.byteOffset, b.byteOffset + b.length) });
+    }
+    drop(code = 1006) {
+      this.readyState = 3;
+      this.onclose?.({ code, reason: "" });
+    }
+    take() {
+      const s = this.sent;
+      this.sent = [];
+      return s;
+    }
+  }
+  return FakeWS;
+}
+
+function welcome(outcome, opts = {}) {
+  return {
+    type: "welcome",
+    sessionId: opts.sessionId ?? id(1),
+    resumeToken: opts.resumeToken ?? id(2),
+    outcome,
+    heartbeatIntervalMs: opts.heartbeatIntervalMs ?? 10_000,
+    idleTimeoutMs: opts.idleTimeoutMs ?? 30_000,
+    maxFrameSize: opts.maxFrameSize ?? 65_536,
+    serverSeqBase: opts.serverSeqBase ?? 0n,
+    clientSeqAck: opts.clientSeqAck ?? 0n,
+  };
+}
+
+const data = (seq, msgId = 7, payload = `m${seq}`, cls = "normal", ack = null) => ({
+  type: "data",
+  cls,
+  msgId,
+  seq: BigInt(seq),
+  ack,
+  payload: new TextEncoder().encode(payload),
+});
+
+/** A client plus a record of its events. */
+function setup(options = {}) {
+  const WS = scriptedWebSocket();
+  const client = new WaygateClient({
+    urls: ["ws://edge-a/", "ws://edge-b/"],
+    token: new Uint8Array([0xaa, 0xbb]),
+    WebSocket: WS,
+    random: () => 0,
+    backoffMinMs: 1,
+    backoffMaxMs: 8,
+    ...options,
+  });
+  const events = [];
+  for (const name of ["connected", "newSession", "restored", "restoredWithGap", "disconnected", "kicked", "migrating", "message", "error", "closed"]) {
+    client.on(name, (e) => events.push({ name, ...e }));
+  }
+  const named = (n) => events.filter((e) => e.name === n);
+  return { client, WS, events, named };
+}
+
+/** Connects and answers HELLO with WELCOME(outcome). */
+async function connect(ctx, outcome = 0, opts = {}) {
+  ctx.client.connect();
+  const ws = ctx.WS.all.at(-1);
+  ws.open();
+  const hello = ws.take();
+  ws.deliver(welcome(outcome, opts));
+  return { ws, hello };
+}
+
+test("HELLO, WELCOME new session, queued messages get seqs from 1, ACK confirms at once", async () => {
+  const ctx = setup();
+  assert.equal(ctx.client.send(1000, "early-1"), 1n);
+  assert.equal(ctx.client.send(1000, "early-2", "critical"), 2n);
+  assert.equal(ctx.client.send(1000, "dropped", "bestEffort"), null, "best-effort is not queued");
+  const { ws, hello } = await connect(ctx);
+  assert.deepEqual(ws.protocols, ["waygate.v1"]);
+  assert.equal(ws.binaryType, "arraybuffer");
+  assert.equal(hello.length, 1);
+  assert.deepEqual(hello[0], { type: "hello", version: 1, token: new Uint8Array([0xaa, 0xbb]), resume: null });
+  const after = ws.take();
+  assert.deepEqual(after[0], { type: "ack", ack: 0n }, "§7.3.3: a frame right after WELCOME");
+  assert.deepEqual(
+    after.slice(1).map((f) => [f.seq, f.cls, text(f.payload)]),
+    [
+      [1n, "normal", "early-1"],
+      [2n, "critical", "early-2"],
+    ],
+  );
+  assert.deepEqual(ctx.named("connected").map((e) => e.outcome), ["new"]);
+  assert.equal(ctx.named("newSession").length, 1);
+  assert.equal(ctx.client.state, "active");
+  assert.equal(ctx.client.send(1000, "now", "bestEffort"), 0n);
+  assert.equal(ws.take()[0].seq, 0n);
+  ctx.client.close();
+});
+
+test("resume after a drop: resume part, unacked above client_seq_ack resent with original seqs", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx);
+  ws.take();
+  for (let i = 1; i <= 4; i++) ctx.client.send(1000, `up-${i}`);
+  ws.deliver({ type: "ack", ack: 1n });
+  ws.deliver(data(1));
+  ws.deliver(data(2));
+  assert.equal(ctx.client.stats().unacked, 3);
+  ws.drop();
+  assert.equal(ctx.named("disconnected")[0].wasActive, true);
+  await sleep(5);
+  const ws2 = ctx.WS.all.at(-1);
+  assert.notEqual(ws2, ws, "reconnected");
+  ctx.client.send(1000, "up-5"); // queued while reconnecting
+  ws2.open();
+  const [hello] = ws2.take();
+  assert.deepEqual(hello.resume, { sessionId: id(1), resumeToken: id(2), lastServerSeq: 2n });
+  assert.deepEqual(hello.token, new Uint8Array([0xaa, 0xbb]), "SHOULD send both token and resume part");
+  ws2.deliver(welcome(1, { resumeToken: id(3), serverSeqBase: 2n, clientSeqAck: 3n }));
+  const sent = ws2.take();
+  assert.deepEqual(sent[0], { type: "ack", ack: 2n });
+  assert.deepEqual(
+    sent.slice(1).map((f) => [f.seq, text(f.payload)]),
+    [
+      [4n, "up-4"],
+      [5n, "up-5"],
+    ],
+  );
+  assert.equal(ctx.named("restored")[0].resent, 2);
+  ws2.deliver(data(2)); // replayed duplicate: dropped
+  ws2.deliver(data(3));
+  assert.deepEqual(ctx.named("message").map((m) => m.seq), [1n, 2n, 3n]);
+  // The next resume presents the new token.
+  ws2.drop();
+  await sleep(5);
+  const ws3 = ctx.WS.all.at(-1);
+  ws3.open();
+  assert.deepEqual(ws3.take()[0].resume.resumeToken, id(3));
+  ctx.client.close();
+});
+
+test("dedup, out-of-order window and the ack policy (delay, every N, duplicates owe an ack)", async () => {
+  const ctx = setup({ ackDelayMs: 15, ackEvery: 4 });
+  const { ws } = await connect(ctx);
+  ws.take();
+  ws.deliver(data(2)); // arrives before 1 (another class on QUIC would do that)
+  ws.deliver(data(1));
+  ws.deliver(data(2));
+  assert.deepEqual(ctx.named("message").map((m) => m.seq), [2n, 1n]);
+  assert.equal(ctx.client.stats().lastServerSeq, 2n);
+  assert.deepEqual(ws.take(), [], "ack delayed");
+  await sleep(40);
+  assert.deepEqual(ws.take(), [{ type: "ack", ack: 2n }]);
+  ws.deliver(data(2)); // a duplicate alone still owes an ack
+  await sleep(40);
+  assert.deepEqual(ws.take(), [{ type: "ack", ack: 2n }]);
+  for (let s = 3; s <= 6; s++) ws.deliver(data(s));
+  assert.deepEqual(ws.take(), [{ type: "ack", ack: 6n }], "4 unacked: at once");
+  ws.deliver(data(7));
+  ctx.client.send(1000, "x");
+  const [d] = ws.take();
+  assert.equal(d.ack, 7n, "piggybacked on DATA");
+  await sleep(40);
+  assert.deepEqual(ws.take(), [], "nothing owed after the piggyback");
+  ctx.client.close();
+});
+
+test("restored with gap: resync event, cumulative jumps to server_seq_base", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx);
+  ws.deliver(data(1));
+  ws.drop();
+  await sleep(5);
+  const ws2 = ctx.WS.all.at(-1);
+  ws2.open();
+  ws2.deliver(welcome(2, { serverSeqBase: 10n }));
+  assert.equal(ctx.named("restoredWithGap")[0].serverSeqBase, 10n);
+  ws2.deliver(data(5));
+  ws2.deliver(data(11));
+  assert.deepEqual(ctx.named("message").map((m) => m.seq), [1n, 11n]);
+  ctx.client.close();
+});
+
+test("restore failed: new session, both seq spaces restart, old unacked discarded", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx);
+  ws.deliver(data(1));
+  ctx.client.send(1000, "lost-1");
+  ctx.client.send(1000, "lost-2");
+  ws.drop();
+  await sleep(5);
+  const ws2 = ctx.WS.all.at(-1);
+  ws2.open();
+  ws2.take();
+  ws2.deliver(welcome(3, { sessionId: id(9) }));
+  assert.deepEqual(ws2.take(), [{ type: "ack", ack: 0n }]);
+  assert.deepEqual(ctx.named("newSession").at(-1), { name: "newSession", sessionId: "09".repeat(16), restoreFailed: true, discarded: 2 });
+  assert.equal(ctx.client.send(1000, "fresh"), 1n);
+  ws2.deliver(data(1));
+  assert.equal(ctx.named("message").length, 2, "server seq 1 of the new session is new");
+  ctx.client.close();
+});
+
+test("REJECT retry-after is honoured; the next attempt goes to the next URL", async () => {
+  const ctx = setup();
+  ctx.client.connect();
+  const ws = ctx.WS.all.at(-1);
+  ws.open();
+  ws.deliver({ type: "reject", code: CloseCode.overloaded, retryAfterMs: 120, message: "full" });
+  ws.deliver({ type: "close", code: CloseCode.overloaded, message: "" }); // ignored: already handled
+  assert.equal(ctx.named("error")[0].kind, "rejected");
+  const d = ctx.named("disconnected");
+  assert.equal(d.length, 1);
+  assert.equal(d[0].retryInMs, 120);
+  await sleep(80);
+  assert.equal(ctx.WS.all.length, 1, "no reconnect before retry-after");
+  await sleep(80);
+  assert.equal(ctx.WS.all.length, 2);
+  assert.equal(ctx.WS.all[1].url, "ws://edge-b/");
+  ctx.client.close();
+});
+
+test("exponential backoff with full jitter: caps double up to the maximum", async () => {
+  const ctx = setup({ random: () => 0.999999, backoffMinMs: 2, backoffMaxMs: 16 });
+  ctx.client.connect();
+  for (let i = 0; i < 5; i++) {
+    const ws = ctx.WS.all.at(-1);
+    ws.drop(); // fails before opening
+    await sleep(30);
+  }
+  assert.deepEqual(ctx.named("disconnected").map((e) => e.retryInMs), [4, 8, 16, 16, 16]);
+  assert.ok(ctx.named("disconnected").every((e) => !e.wasActive && e.willReconnect));
+  assert.deepEqual(ctx.WS.all.slice(0, 3).map((w) => w.url), ["ws://edge-a/", "ws://edge-b/", "ws://edge-a/"]);
+  ctx.client.close();
+});
+
+test("kicked: terminal, no reconnect, send refused", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx);
+  ws.deliver({ type: "close", code: CloseCode.kicked, message: "another login" });
+  assert.deepEqual(ctx.named("kicked"), [{ name: "kicked", code: 301, message: "another login" }]);
+  assert.equal(ctx.named("closed")[0].label, "kicked");
+  assert.equal(ctx.named("disconnected")[0].willReconnect, false);
+  await sleep(30);
+  assert.equal(ctx.WS.all.length, 1);
+  assert.equal(ctx.client.state, "closed");
+  assert.throws(() => ctx.client.send(1000, "x"), /closed/);
+});
+
+test("kicked as a WebSocket status 4301 without CLOSE frame is terminal too", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx);
+  ws.drop(4301);
+  assert.equal(ctx.named("kicked").length, 1);
+  await sleep(20);
+  assert.equal(ctx.WS.all.length, 1);
+});
+
+test("MIGRATE: CLOSE going_away, reconnect to the target with the new resume token", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx);
+  ws.take();
+  ws.deliver(data(1));
+  ws.deliver({ type: "migrate", deadlineMs: 5000, target: "ws://edge-c:7080/", sessionId: id(1), resumeToken: id(7) });
+  assert.deepEqual(ctx.named("migrating"), [{ name: "migrating", target: "ws://edge-c:7080/", deadlineMs: 5000 }]);
+  assert.deepEqual(ws.take().at(-1), { type: "close", code: CloseCode.going_away, message: "migrating" });
+  await sleep(5);
+  const ws2 = ctx.WS.all.at(-1);
+  assert.equal(ws2.url, "ws://edge-c:7080/");
+  ws2.open();
+  const [hello] = ws2.take();
+  assert.deepEqual(hello.resume, { sessionId: id(1), resumeToken: id(7), lastServerSeq: 1n });
+  ws2.deliver(welcome(1, { serverSeqBase: 1n }));
+  assert.equal(ctx.named("restored").length, 1);
+  // A non-ws target (e.g. quic://) means "any edge from our own list".
+  ws2.deliver({ type: "migrate", deadlineMs: 5000, target: "quic://edge-d:7444", sessionId: id(1), resumeToken: id(8) });
+  await sleep(5);
+  assert.match(ctx.WS.all.at(-1).url, /^ws:\/\/edge-[ab]\/$/);
+  ctx.client.close();
+});
+
+test("expired auth token: resume with the resume part alone; resume_rejected then ends", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx);
+  ws.drop();
+  await sleep(5);
+  let w = ctx.WS.all.at(-1);
+  w.open();
+  w.take();
+  w.deliver({ type: "reject", code: CloseCode.auth_expired, retryAfterMs: 0, message: "" });
+  await sleep(10);
+  w = ctx.WS.all.at(-1);
+  w.open();
+  const [hello] = w.take();
+  assert.equal(hello.token.length, 0);
+  assert.deepEqual(hello.resume.sessionId, id(1));
+  w.deliver({ type: "reject", code: CloseCode.resume_rejected, retryAfterMs: 0, message: "" });
+  assert.equal(ctx.client.state, "closed");
+  assert.equal(ctx.named("closed")[0].code, CloseCode.resume_rejected);
+});
+
+test("auth failures without a session are terminal", async () => {
+  const ctx = setup();
+  ctx.client.connect();
+  const ws = ctx.WS.all.at(-1);
+  ws.open();
+  ws.deliver({ type: "reject", code: CloseCode.auth_bad_signature, retryAfterMs: 0, message: "bad" });
+  await sleep(20);
+  assert.equal(ctx.client.state, "closed");
+  assert.equal(ctx.WS.all.length, 1);
+});
+
+test("protocol violations close with the right code and reconnect", async () => {
+  const ctx = setup();
+  let { ws } = await connect(ctx);
+  ws.take();
+  ws.deliver(data(0)); // seq 0 on sequenced DATA
+  let sent = ws.take();
+  assert.deepEqual(sent.at(-1).code, CloseCode.protocol_error);
+  assert.equal(ws.closed.code, 4100);
+  await sleep(5);
+  ws = ctx.WS.all.at(-1);
+  ws.open();
+  ws.take();
+  ws.deliver(welcome(1));
+  ws.take();
+  ws.deliver(data(4097)); // beyond the 4096 window
+  assert.equal(ws.take().at(-1).code, CloseCode.protocol_error);
+  await sleep(5);
+  ws = ctx.WS.all.at(-1);
+  ws.open();
+  ws.deliver(data(1)); // DATA before WELCOME
+  assert.equal(ws.take().at(-1).code, CloseCode.unexpected_frame);
+  await sleep(5);
+  ws = ctx.WS.all.at(-1);
+  ws.open();
+  ws.deliver(welcome(1));
+  ws.take();
+  ws.onmessage({ data: "text" });
+  assert.equal(ws.take().at(-1).code, CloseCode.text_message);
+  await sleep(5);
+  ws = ctx.WS.all.at(-1);
+  ws.open();
+  ws.deliver(welcome(1));
+  ws.take();
+  ws.deliver({ type: "ack", ack: 99n }); // above anything sent
+  assert.equal(ws.take().at(-1).code, CloseCode.protocol_error);
+  assert.ok(ctx.named("error").filter((e) => e.kind === "protocol").length >= 5);
+  assert.notEqual(ctx.client.state, "closed");
+  ctx.client.close();
+});
+
+test("PING answered with PONG; idle heartbeat PING; PONG gives an RTT sample", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx, 0, { heartbeatIntervalMs: 60 });
+  ws.take();
+  ws.deliver({ type: "ping", timestamp: 12345678901234n });
+  assert.deepEqual(ws.take(), [{ type: "pong", timestamp: 12345678901234n }]);
+  await sleep(150);
+  const pings = ws.take().filter((f) => f.type === "ping");
+  assert.ok(pings.length >= 1, "a PING after the heartbeat interval");
+  ws.deliver({ type: "pong", timestamp: pings[0].timestamp });
+  const rtt = ctx.client.stats().rtt;
+  assert.equal(rtt.samples, 1);
+  assert.ok(rtt.latestMs >= 0 && rtt.latestMs < 1000);
+  ctx.client.close();
+});
+
+test("nothing received within idle_timeout: the client gives up on the link and resumes", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx, 0, { heartbeatIntervalMs: 1000, idleTimeoutMs: 80 });
+  await sleep(400);
+  assert.ok(ctx.WS.all.length >= 2, "reconnected");
+  assert.equal(ctx.named("disconnected")[0].code, CloseCode.idle_timeout);
+  assert.equal(ws.closed.code, 4103);
+  ctx.client.close();
+});
+
+test("ERROR frames are reported, the connection stays", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx);
+  ctx.client.send(1000, "x");
+  ws.deliver({ type: "error", code: CloseCode.busy, msgId: 1000, clientSeq: 1n, retryAfterMs: 200 });
+  assert.deepEqual(ctx.named("error")[0], { name: "error", kind: "undelivered", code: 402, label: "busy", msgId: 1000, clientSeq: 1n, retryAfterMs: 200 });
+  assert.equal(ctx.client.state, "active");
+  ctx.client.close();
+});
+
+test("send limits: unacked buffer and max frame size", async () => {
+  const ctx = setup({ maxUnacked: 2 });
+  const { ws } = await connect(ctx, 0, { maxFrameSize: 100 });
+  ctx.client.send(1, "a");
+  ctx.client.send(1, "b");
+  assert.throws(() => ctx.client.send(1, "c"), /buffer full/);
+  ws.deliver({ type: "ack", ack: 2n });
+  ctx.client.send(1, new Uint8Array(90));
+  assert.throws(() => ctx.client.send(1, new Uint8Array(100), "bestEffort"), /max frame size/);
+  ctx.client.close();
+  const closes = ws.take().filter((f) => f.type === "close");
+  assert.deepEqual(closes, [{ type: "close", code: 0, message: "client closed" }]);
+});
