@@ -15,23 +15,38 @@ pub struct Rate {
 }
 
 impl Rate {
-    /// `tokens` every `per`. A zero `per` is taken as 1 ns; `per` beyond ~584 years saturates.
+    /// `tokens` every `per`, kept in lowest terms (so equal rates compare equal). A zero
+    /// `per` is taken as 1 ns; `per` beyond ~584 years saturates.
     pub fn new(tokens: u64, per: Duration) -> Self {
         let period_ns = u64::try_from(per.as_nanos()).unwrap_or(u64::MAX).max(1);
-        Self { tokens, period_ns }
+        Self::reduced(tokens.into(), period_ns.into())
     }
 
     /// `tokens` per second.
     pub fn per_second(tokens: u64) -> Self {
-        Self {
-            tokens,
-            period_ns: 1_000_000_000,
-        }
+        Self::new(tokens, Duration::from_secs(1))
     }
 
     /// A rate that never refills (the bucket only ever holds its initial burst).
     pub fn never() -> Self {
         Self::per_second(0)
+    }
+
+    fn reduced(mut t: u128, mut p: u128) -> Self {
+        let g = gcd(t, p);
+        if g > 1 {
+            t /= g;
+            p /= g;
+        }
+        while t > u128::from(u64::MAX) || p > u128::from(u64::MAX) {
+            // Only reached for absurd inputs; halving both keeps the ratio within 1 part in 2^63.
+            t = (t / 2).max(1);
+            p = (p / 2).max(1);
+        }
+        Self {
+            tokens: t as u64,
+            period_ns: p as u64,
+        }
     }
 
     /// Tokens added per period.
@@ -47,26 +62,10 @@ impl Rate {
     /// This rate scaled by `num / den` (for example the governor's push-rate factor),
     /// exactly: the period is stretched instead of rounding the token count.
     pub fn scaled(self, num: u64, den: u64) -> Self {
-        if num == 0 {
-            return Self::never();
-        }
-        // tokens/period * num/den == (tokens*num) / (period*den); reduce to fit in u64.
-        let mut t = u128::from(self.tokens) * u128::from(num);
-        let mut p = u128::from(self.period_ns) * u128::from(den.max(1));
-        let g = gcd(t, p);
-        if g > 1 {
-            t /= g;
-            p /= g;
-        }
-        while t > u128::from(u64::MAX) || p > u128::from(u64::MAX) {
-            // Only reached for absurd inputs; halving both keeps the ratio within 1 part in 2^63.
-            t = (t / 2).max(1);
-            p = (p / 2).max(1);
-        }
-        Self {
-            tokens: t as u64,
-            period_ns: p as u64,
-        }
+        Self::reduced(
+            u128::from(self.tokens) * u128::from(num),
+            u128::from(self.period_ns) * u128::from(den.max(1)),
+        )
     }
 }
 
@@ -352,6 +351,9 @@ mod tests {
         let mut b = TokenBucket::new_empty(r, 10, t0);
         assert_eq!(b.available(t0 + 2 * S), 3);
         assert_eq!(Rate::per_second(3).scaled(0, 2), Rate::never());
+        assert_eq!(Rate::per_second(100).scaled(1, 2), Rate::per_second(50));
+        assert_eq!(Rate::new(2, 2 * S), Rate::per_second(1));
+        assert_eq!(Rate::per_second(1).period(), S);
     }
 
     /// The reference: GCRA (theoretical arrival time), an independent formulation of the same

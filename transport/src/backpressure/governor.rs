@@ -6,6 +6,8 @@
 
 use std::time::{Duration, Instant};
 
+use super::bucket::Rate;
+
 /// An overload level. Levels are cumulative: each does what the ones below do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 #[repr(u8)]
@@ -295,6 +297,19 @@ impl OverloadGovernor {
             self.config.slow_push_factor
         } else {
             1.0
+        }
+    }
+
+    /// `base` scaled by [`push_rate_factor`](Self::push_rate_factor) (to per-mille
+    /// precision), for re-configuring a push-rate [`TokenBucket`](super::TokenBucket).
+    pub fn push_rate(&self, base: Rate) -> Rate {
+        let permille = (self.push_rate_factor() * 1000.0)
+            .round()
+            .clamp(1.0, 1000.0) as u64;
+        if permille == 1000 {
+            base
+        } else {
+            base.scaled(permille, 1000)
         }
     }
 

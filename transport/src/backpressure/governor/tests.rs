@@ -37,6 +37,7 @@ fn rises_at_once_and_falls_after_dwell_below_exit() {
     assert_eq!(g.observe(t0 + S, q(350)), RefuseConnections);
     assert_eq!(g.refuse_new_connections(), Some(2 * S));
     assert_eq!(g.push_rate_factor(), 0.5);
+    assert_eq!(g.push_rate(Rate::per_second(100)), Rate::per_second(50));
     // Below enter(3) but above exit(3) = 270: stays, whatever the time.
     assert_eq!(g.observe(t0 + 100 * S, q(280)), RefuseConnections);
     // Below exit: falls only once 5 s have passed since the level was entered.
@@ -48,6 +49,7 @@ fn rises_at_once_and_falls_after_dwell_below_exit() {
     assert_eq!(g.observe(t0 + 102 * S, q(0)), SlowPushes, "dwell at 2");
     assert_eq!(g.observe(t0 + 106 * S, q(0)), Normal);
     assert!(!g.shed_best_effort());
+    assert_eq!(g.push_rate(Rate::per_second(100)), Rate::per_second(100));
     let s = g.stats();
     assert_eq!(s.entered, [1, 1, 1, 1]);
     assert_eq!(s.changes, 4);
