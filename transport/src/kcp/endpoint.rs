@@ -36,6 +36,7 @@ use rand::RngExt;
 
 use super::config::{KcpConfig, KCP_OVERHEAD};
 use super::cookie::{is_control, Control, Cookie, CookieError, CookieKey};
+use crate::backpressure::{Rate, TokenBucket};
 use crate::conn::ConnConfig;
 use crate::error::TransportError;
 use crate::frame::Frame;
@@ -211,38 +212,6 @@ impl KcpStats {
     }
 }
 
-/// A token bucket (replies per second, with a burst).
-#[derive(Debug)]
-struct TokenBucket {
-    rate: f64,
-    burst: f64,
-    tokens: f64,
-    last: Instant,
-}
-
-impl TokenBucket {
-    fn new(rate: u32, burst: u32, now: Instant) -> Self {
-        Self {
-            rate: rate.into(),
-            burst: burst.into(),
-            tokens: burst.into(),
-            last: now,
-        }
-    }
-
-    fn take(&mut self, now: Instant) -> bool {
-        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
-        self.last = self.last.max(now);
-        self.tokens = (self.tokens + elapsed * self.rate).min(self.burst);
-        if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
-            true
-        } else {
-            false
-        }
-    }
-}
-
 type OutQueue = Arc<Mutex<VecDeque<Transmit>>>;
 
 fn push_out(queue: &OutQueue, transmit: Transmit) {
@@ -409,10 +378,14 @@ impl Endpoint {
             timers: BinaryHeap::new(),
             out: Arc::new(Mutex::new(VecDeque::new())),
             events: VecDeque::new(),
-            cookie_bucket: TokenBucket::new(config.cookie_rate_per_sec, config.cookie_burst, now),
+            cookie_bucket: TokenBucket::new(
+                Rate::per_second(config.cookie_rate_per_sec.into()),
+                config.cookie_burst.into(),
+                now,
+            ),
             reject_bucket: TokenBucket::new(
-                config.reject_rate_per_sec,
-                config.reject_rate_per_sec.max(1),
+                Rate::per_second(config.reject_rate_per_sec.into()),
+                config.reject_rate_per_sec.max(1).into(),
                 now,
             ),
             accepting: true,
@@ -469,7 +442,7 @@ impl Endpoint {
 
     /// Sends a BUSY or RESET if the reject bucket allows.
     fn send_reject(&mut self, now: Instant, dest: SocketAddr, packet: Control) {
-        if self.reject_bucket.take(now) {
+        if self.reject_bucket.try_take(now, 1).is_ok() {
             match packet {
                 Control::Busy { .. } => KcpStats::bump(&self.stats.busy_sent),
                 _ => KcpStats::bump(&self.stats.resets_sent),
@@ -570,7 +543,7 @@ impl Endpoint {
     }
 
     fn send_cookie(&mut self, now: Instant, to: SocketAddr, client_nonce: u64) {
-        if !self.cookie_bucket.take(now) {
+        if self.cookie_bucket.try_take(now, 1).is_err() {
             // Over the cookie rate: say so (rate-limited too), never amplify.
             KcpStats::bump(&self.stats.rate_limited);
             self.busy(now, to, client_nonce);

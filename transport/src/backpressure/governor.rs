@@ -1,0 +1,382 @@
+//! [`OverloadGovernor`] (SPEC B5): global overload levels 0..=3 from total queued bytes,
+//! session count and process memory, with per-level enter/exit thresholds (hysteresis) and a
+//! minimum dwell before falling. Level 1 sheds best-effort, level 2 also slows non-critical
+//! pushes, level 3 also refuses new connections. Plus the default session cap (B5): half the
+//! file-descriptor soft limit, read by a separate non-sans-IO helper.
+
+use std::time::{Duration, Instant};
+
+use super::bucket::Rate;
+
+/// An overload level. Levels are cumulative: each does what the ones below do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[repr(u8)]
+pub enum OverloadLevel {
+    /// Normal operation.
+    #[default]
+    Normal = 0,
+    /// Shed best-effort traffic.
+    ShedBestEffort = 1,
+    /// Also slow non-critical pushes.
+    SlowPushes = 2,
+    /// Also refuse new connections.
+    RefuseConnections = 3,
+}
+
+impl OverloadLevel {
+    /// All levels, lowest first.
+    pub const ALL: [OverloadLevel; 4] = [
+        Self::Normal,
+        Self::ShedBestEffort,
+        Self::SlowPushes,
+        Self::RefuseConnections,
+    ];
+
+    /// The numeric level (the metric value).
+    pub fn as_u8(self) -> u8 {
+        self as u8
+    }
+
+    /// Stable label for logs and /healthz.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Normal => "normal",
+            Self::ShedBestEffort => "shed_best_effort",
+            Self::SlowPushes => "slow_pushes",
+            Self::RefuseConnections => "refuse_connections",
+        }
+    }
+}
+
+/// Enter/exit thresholds of one input for one level: the level is entered when the input is
+/// `>= enter` and left only once it is `< exit` (with `exit <= enter`). `u64::MAX` as
+/// `enter` disables the input for that level.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Threshold {
+    /// Enter at or above.
+    pub enter: u64,
+    /// Leave below.
+    pub exit: u64,
+}
+
+impl Threshold {
+    /// Never triggers.
+    pub const DISABLED: Threshold = Threshold {
+        enter: u64::MAX,
+        exit: u64::MAX,
+    };
+
+    /// Enter at `enter`, leave below `exit`.
+    pub fn new(enter: u64, exit: u64) -> Self {
+        Self { enter, exit }
+    }
+}
+
+/// Thresholds of one level (any input at or above its `enter` raises the level).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LevelThresholds {
+    /// Total bytes queued in outbound queues.
+    pub queued_bytes: Threshold,
+    /// Sessions on the edge.
+    pub sessions: Threshold,
+    /// Process resident memory, bytes.
+    pub memory_bytes: Threshold,
+}
+
+impl LevelThresholds {
+    /// No input triggers this level.
+    pub const DISABLED: LevelThresholds = LevelThresholds {
+        queued_bytes: Threshold::DISABLED,
+        sessions: Threshold::DISABLED,
+        memory_bytes: Threshold::DISABLED,
+    };
+
+    fn pairs(&self, inputs: &OverloadInputs) -> [(u64, Threshold); 3] {
+        [
+            (inputs.queued_bytes, self.queued_bytes),
+            (inputs.sessions, self.sessions),
+            (inputs.memory_bytes, self.memory_bytes),
+        ]
+    }
+
+    fn entered(&self, inputs: &OverloadInputs) -> bool {
+        self.pairs(inputs)
+            .iter()
+            .any(|&(v, t)| t.enter != u64::MAX && v >= t.enter)
+    }
+
+    fn held(&self, inputs: &OverloadInputs) -> bool {
+        self.pairs(inputs)
+            .iter()
+            .any(|&(v, t)| t.enter != u64::MAX && v >= t.exit)
+    }
+}
+
+/// Configuration of the [`OverloadGovernor`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GovernorConfig {
+    /// Thresholds for levels 1, 2 and 3 (index 0 is level 1).
+    pub levels: [LevelThresholds; 3],
+    /// Least time at a level before falling (rising is immediate).
+    pub min_dwell: Duration,
+    /// Factor applied to non-critical push rates at level >= 2, in (0, 1].
+    pub slow_push_factor: f64,
+    /// Retry-after hint for connections refused at level 3.
+    pub refuse_retry_after: Duration,
+}
+
+impl Default for GovernorConfig {
+    fn default() -> Self {
+        Self::for_limits(default_session_cap(), 1024 * 1024 * 1024)
+    }
+}
+
+impl GovernorConfig {
+    /// Thresholds derived from a session cap and a memory budget: sessions at 70/85/95 % of
+    /// the cap, memory at 60/75/90 % of the budget, queued bytes at 15/25/35 % of the budget;
+    /// each exits 10 points lower.
+    pub fn for_limits(session_cap: u64, memory_budget: u64) -> Self {
+        let pct = |total: u64, p: u64| (u128::from(total) * u128::from(p) / 100) as u64;
+        let t =
+            |total: u64, p: u64| Threshold::new(pct(total, p), pct(total, p.saturating_sub(10)));
+        let level = |s: u64, m: u64, q: u64| LevelThresholds {
+            queued_bytes: t(memory_budget, q),
+            sessions: t(session_cap, s),
+            memory_bytes: t(memory_budget, m),
+        };
+        Self {
+            levels: [level(70, 60, 15), level(85, 75, 25), level(95, 90, 35)],
+            min_dwell: Duration::from_secs(5),
+            slow_push_factor: 0.5,
+            refuse_retry_after: Duration::from_secs(5),
+        }
+    }
+
+    /// Checks exit <= enter and that each level's enter is not below the previous level's.
+    pub fn validate(&self) -> Result<(), String> {
+        for (i, l) in self.levels.iter().enumerate() {
+            for (name, t) in [
+                ("queued_bytes", l.queued_bytes),
+                ("sessions", l.sessions),
+                ("memory_bytes", l.memory_bytes),
+            ] {
+                if t.exit > t.enter {
+                    return Err(format!("governor: level {} {name}: exit > enter", i + 1));
+                }
+            }
+        }
+        for w in self.levels.windows(2) {
+            let (a, b) = (&w[0], &w[1]);
+            if b.queued_bytes.enter < a.queued_bytes.enter
+                || b.sessions.enter < a.sessions.enter
+                || b.memory_bytes.enter < a.memory_bytes.enter
+            {
+                return Err("governor: thresholds must not decrease with the level".into());
+            }
+        }
+        if !(self.slow_push_factor > 0.0 && self.slow_push_factor <= 1.0) {
+            return Err("governor: slow_push_factor must be in (0, 1]".into());
+        }
+        Ok(())
+    }
+}
+
+/// One observation of the governor's inputs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OverloadInputs {
+    /// Total bytes queued in outbound queues.
+    pub queued_bytes: u64,
+    /// Sessions on the edge.
+    pub sessions: u64,
+    /// Process resident memory, bytes (0 if unknown).
+    pub memory_bytes: u64,
+}
+
+/// Counters of the [`OverloadGovernor`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GovernorStats {
+    /// Times each level was entered (index = level).
+    pub entered: [u64; 4],
+    /// Level changes, up or down.
+    pub changes: u64,
+    /// Falls held back by the dwell time.
+    pub falls_deferred: u64,
+}
+
+/// The global overload governor (sans-IO; observe it from a periodic tick).
+#[derive(Debug, Clone)]
+pub struct OverloadGovernor {
+    config: GovernorConfig,
+    level: OverloadLevel,
+    since: Instant,
+    last_inputs: OverloadInputs,
+    stats: GovernorStats,
+}
+
+impl OverloadGovernor {
+    /// A governor at level 0 at `now`.
+    pub fn new(config: GovernorConfig, now: Instant) -> Self {
+        Self {
+            config,
+            level: OverloadLevel::Normal,
+            since: now,
+            last_inputs: OverloadInputs::default(),
+            stats: GovernorStats::default(),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &GovernorConfig {
+        &self.config
+    }
+
+    /// Feeds the current inputs and returns the (possibly new) level. Rises at once to the
+    /// highest level whose `enter` any input reaches; falls only after `min_dwell` at the
+    /// current level, to the highest level still held (some input `>= exit`).
+    pub fn observe(&mut self, now: Instant, inputs: OverloadInputs) -> OverloadLevel {
+        self.last_inputs = inputs;
+        let entered = (1..=3)
+            .rev()
+            .find(|&l| self.config.levels[l - 1].entered(&inputs))
+            .unwrap_or(0);
+        let held = (1..=3)
+            .rev()
+            .find(|&l| self.config.levels[l - 1].held(&inputs))
+            .unwrap_or(0);
+        let current = self.level as usize;
+        let target = if entered > current {
+            entered
+        } else if held < current {
+            if now.saturating_duration_since(self.since) >= self.config.min_dwell {
+                held.max(entered)
+            } else {
+                self.stats.falls_deferred += 1;
+                current
+            }
+        } else {
+            current
+        };
+        if target != current {
+            self.level = OverloadLevel::ALL[target];
+            self.since = now;
+            self.stats.changes += 1;
+            self.stats.entered[target] += 1;
+        }
+        self.level
+    }
+
+    /// The current level.
+    pub fn level(&self) -> OverloadLevel {
+        self.level
+    }
+
+    /// When the current level was entered.
+    pub fn since(&self) -> Instant {
+        self.since
+    }
+
+    /// The inputs last observed.
+    pub fn last_inputs(&self) -> OverloadInputs {
+        self.last_inputs
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> GovernorStats {
+        self.stats
+    }
+
+    /// Level >= 1: do not queue best-effort (and shed what is queued).
+    pub fn shed_best_effort(&self) -> bool {
+        self.level >= OverloadLevel::ShedBestEffort
+    }
+
+    /// The factor for non-critical push rates: 1.0 below level 2, else the configured
+    /// `slow_push_factor` (e.g. 0.5). Critical pushes are never slowed.
+    pub fn push_rate_factor(&self) -> f64 {
+        if self.level >= OverloadLevel::SlowPushes {
+            self.config.slow_push_factor
+        } else {
+            1.0
+        }
+    }
+
+    /// `base` scaled by [`push_rate_factor`](Self::push_rate_factor) (to per-mille
+    /// precision), for re-configuring a push-rate [`TokenBucket`](super::TokenBucket).
+    pub fn push_rate(&self, base: Rate) -> Rate {
+        let permille = (self.push_rate_factor() * 1000.0)
+            .round()
+            .clamp(1.0, 1000.0) as u64;
+        if permille == 1000 {
+            base
+        } else {
+            base.scaled(permille, 1000)
+        }
+    }
+
+    /// Level 3: refuse new connections with OVERLOADED and this retry-after.
+    pub fn refuse_new_connections(&self) -> Option<Duration> {
+        (self.level >= OverloadLevel::RefuseConnections).then_some(self.config.refuse_retry_after)
+    }
+}
+
+// ---- the B5 session cap; not sans-IO (reads /proc) ----
+
+/// Session cap when the file-descriptor limit cannot be read: half of the common default
+/// soft limit of 1024.
+pub const FALLBACK_SESSION_CAP: u64 = 512;
+
+/// The fd count assumed when the soft limit is "unlimited" (Linux's default `nr_open`).
+pub const UNLIMITED_FDS_ASSUMED: u64 = 1_048_576;
+
+/// The "Max open files" soft limit from the text of `/proc/self/limits`; `Some(None)` when
+/// it says "unlimited", `None` when the line is missing or malformed.
+pub fn parse_fd_soft_limit(limits: &str) -> Option<Option<u64>> {
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    let soft = line
+        .strip_prefix("Max open files")?
+        .split_whitespace()
+        .next()?;
+    if soft == "unlimited" {
+        return Some(None);
+    }
+    soft.parse().ok().map(Some)
+}
+
+/// The B5 default session cap for a soft fd limit: half of it (the rest is headroom for
+/// bursts, backend links and files), at least 1.
+pub fn session_cap_for_fd_limit(soft_limit: Option<u64>) -> u64 {
+    (soft_limit.unwrap_or(UNLIMITED_FDS_ASSUMED) / 2).max(1)
+}
+
+/// The process's file-descriptor soft limit, read from `/proc/self/limits` (Linux); `None`
+/// if unknown. Blocking file I/O: call at start-up, not on a hot path.
+pub fn fd_soft_limit() -> Option<Option<u64>> {
+    let text = std::fs::read_to_string("/proc/self/limits").ok()?;
+    parse_fd_soft_limit(&text)
+}
+
+/// The B5 default session cap: half the fd soft limit, or [`FALLBACK_SESSION_CAP`] when
+/// it cannot be read. Reads `/proc`: call at start-up.
+pub fn default_session_cap() -> u64 {
+    fd_soft_limit().map_or(FALLBACK_SESSION_CAP, session_cap_for_fd_limit)
+}
+
+/// Resident memory in bytes from the text of `/proc/self/status` (`VmRSS: <n> kB`).
+pub fn parse_rss_bytes(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let mut parts = line.strip_prefix("VmRSS:")?.split_whitespace();
+    let n: u64 = parts.next()?.parse().ok()?;
+    match parts.next() {
+        Some("kB") | None => n.checked_mul(1024),
+        _ => None,
+    }
+}
+
+/// The process's resident memory in bytes (Linux `/proc/self/status`); `None` elsewhere.
+/// Blocking file I/O (small, in-memory procfs): call from a periodic tick.
+pub fn process_rss_bytes() -> Option<u64> {
+    parse_rss_bytes(&std::fs::read_to_string("/proc/self/status").ok()?)
+}
+
+#[cfg(test)]
+mod tests;

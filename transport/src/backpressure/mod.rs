@@ -1,0 +1,45 @@
+//! Backpressure stages (SPEC B1–B3, B5) as sans-IO types: each is a plain struct that never
+//! reads a clock (time comes in as [`std::time::Instant`]), never does I/O, holds bounded
+//! state, and answers with a typed outcome. The edge drives them from its async tasks.
+//!
+//! | Stage | SPEC | Owner (one per) | Call | Outcome |
+//! |---|---|---|---|---|
+//! | [`TokenBucket`] | — | anything | `try_take(now, n)` | `Ok` / [`RetryAfter`] |
+//! | [`AdmissionControl`] | B1 | listener / accept loop | `admit(now, ip)` | [`Admission`] |
+//! | [`InboundLimiter`] | B2 | connection reader | `check(now, len)` | [`InboundVerdict`] |
+//! | [`OutboundQueue`] | B3 | session writer | `push(class, item, len, key)` / `pop()` | [`PushOutcome`] |
+//! | [`OverloadGovernor`] | B5 | edge (periodic tick) | `observe(now, inputs)` | [`OverloadLevel`] |
+//!
+//! B4 (backend link credits) lives with the links.
+//!
+//! ```
+//! use std::time::{Duration, Instant};
+//! use waygate_transport::backpressure::{OutboundConfig, OutboundQueue, PushOutcome};
+//! use waygate_transport::TrafficClass;
+//!
+//! let mut q = OutboundQueue::new(OutboundConfig::default());
+//! assert_eq!(q.push(TrafficClass::BestEffort, "pos", 16, Some(7)), PushOutcome::Queued);
+//! assert_eq!(q.push(TrafficClass::BestEffort, "pos'", 16, Some(7)), PushOutcome::Coalesced);
+//! assert_eq!(q.push(TrafficClass::Critical, "trade", 64, None), PushOutcome::Queued);
+//! assert_eq!(q.pop().unwrap().item, "trade");
+//! assert_eq!(q.pop().unwrap().item, "pos'");
+//! ```
+
+mod admission;
+mod bucket;
+mod governor;
+mod inbound;
+mod outbound;
+
+pub use admission::{
+    Admission, AdmissionConfig, AdmissionControl, AdmissionStats, HandshakePermit, Phase,
+    PhaseDeadlines, RefuseReason,
+};
+pub use bucket::{Rate, RetryAfter, TokenBucket};
+pub use governor::{
+    default_session_cap, fd_soft_limit, parse_fd_soft_limit, parse_rss_bytes, process_rss_bytes,
+    session_cap_for_fd_limit, GovernorConfig, GovernorStats, LevelThresholds, OverloadGovernor,
+    OverloadInputs, OverloadLevel, Threshold, FALLBACK_SESSION_CAP, UNLIMITED_FDS_ASSUMED,
+};
+pub use inbound::{InboundLimiter, InboundLimits, InboundStats, InboundVerdict};
+pub use outbound::{ClassStats, OutboundConfig, OutboundQueue, OutboundStats, Popped, PushOutcome};
