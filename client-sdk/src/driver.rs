@@ -407,11 +407,19 @@ impl Driver {
     }
 
     fn link_down(&mut self, code: CloseCode) {
+        let welcomed = self.session.state() == ClientState::Active;
         self.conn = None;
         self.session
             .handle_link_down(Instant::now().into_std(), code);
-        // The first reconnect is immediate; repeated failures back off.
-        self.next_connect = Instant::now();
+        if welcomed {
+            // A session that was up reconnects at once (resume quickly).
+            self.next_connect = Instant::now();
+        } else {
+            // Dropped before WELCOME: a failure like a refused connect, so a server that
+            // accepts and closes cannot make the client spin (full-jitter backoff).
+            self.failures = self.failures.saturating_add(1);
+            self.schedule_backoff(0);
+        }
     }
 
     async fn flush(&mut self) {

@@ -9,6 +9,8 @@
     clippy::expect_used
 )]
 
+pub mod cluster;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;

@@ -1,0 +1,265 @@
+//! The Rust client SDK against a real edge (C1–C3): random socket kills on every transport
+//! lose and duplicate nothing; UDP blocked falls back to TCP/WS; retry-after is honoured;
+//! kicked is terminal; reconnects of many clients are spread by full jitter.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    missing_docs,
+    unreachable_pub
+)]
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::cluster::*;
+use common::token;
+use rand::{RngExt, SeedableRng};
+use tokio::io::AsyncWriteExt;
+use waygate::backend::demo::{ECHO, ECHO_REPLY};
+use waygate_client::{Client, ClientOptions, Event};
+use waygate_transport::endpoint::{ConnectOptions, Endpoint};
+use waygate_transport::frame::Reject;
+use waygate_transport::{CloseCode, Frame, TrafficClass, TransportKind};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_socket_kills_on_every_transport_lose_and_duplicate_nothing() {
+    let c = cluster().await;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x5eed);
+    for kind in TransportKind::ALL {
+        let player = format!("chaos-{kind}");
+        let mut client = c.client(&[kind], &player);
+        let total = 120u64;
+        let kills: Vec<u64> = (0..3).map(|_| rng.random_range(1..total)).collect();
+        let mut got = Vec::new();
+        let mut sent = 0;
+        while got.len() < total as usize {
+            if sent < total {
+                client
+                    .send(TrafficClass::Normal, ECHO, Bytes::from(sent.to_string()))
+                    .await
+                    .unwrap();
+                sent += 1;
+                if kills.contains(&sent) {
+                    client.drop_link().await;
+                }
+            }
+            let wait = if sent < total { 1 } else { 20_000 };
+            match tokio::time::timeout(Duration::from_millis(wait), client.next_event()).await {
+                Ok(Some(Event::Message {
+                    msg_id: ECHO_REPLY,
+                    payload,
+                    ..
+                })) => {
+                    let text = String::from_utf8(payload.to_vec()).unwrap();
+                    got.push(text.rsplit('|').next().unwrap().parse::<u64>().unwrap());
+                }
+                Ok(Some(Event::Closed { code })) => panic!("{kind}: closed {code}"),
+                Ok(Some(Event::Error(e))) => panic!("{kind}: {e:?}"),
+                Ok(Some(_)) => {}
+                Ok(None) => panic!("{kind}: client ended"),
+                Err(_) => assert!(sent < total, "{kind}: replies stopped at {}", got.len()),
+            }
+        }
+        assert_eq!(
+            got,
+            (0..total).collect::<Vec<_>>(),
+            "{kind}: kills at {kills:?}"
+        );
+        client.close().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn udp_blocked_falls_back_to_tcp_then_websocket() {
+    let c = cluster().await;
+    // KCP: a UDP port that swallows every datagram (packets dropped). QUIC: a closed port.
+    let sink = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let closed = tokio::net::UdpSocket::bind("127.0.0.1:0")
+        .await
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let endpoints = vec![
+        Endpoint::new(TransportKind::Kcp, sink.local_addr().unwrap()),
+        {
+            let mut e = Endpoint::new(TransportKind::Quic, closed);
+            e.host = "localhost".into();
+            e
+        },
+        c.endpoint(TransportKind::Tcp),
+        c.endpoint(TransportKind::Ws),
+    ];
+    let mut options = ClientOptions::new(endpoints, token("fallback-player"));
+    options.connect = ConnectOptions {
+        tls: Some(c.tls.clone()),
+        ..ConnectOptions::default()
+    };
+    options.udp_timeout = Duration::from_millis(400);
+    let mut client = Client::start(options);
+    let ev = tokio::time::timeout(Duration::from_secs(20), client.next_event())
+        .await
+        .unwrap()
+        .unwrap();
+    match ev {
+        Event::Connected { endpoint, .. } => assert!(endpoint.starts_with("tcp://"), "{endpoint}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(echo_ok(&mut client).await);
+}
+
+async fn echo_ok(client: &mut Client) -> bool {
+    client
+        .send(TrafficClass::Normal, ECHO, Bytes::from_static(b"x"))
+        .await
+        .unwrap();
+    next_message(client, ECHO_REPLY).await.ends_with(b"x")
+}
+
+/// A fake edge that answers every HELLO with REJECT overloaded + retry-after, recording when
+/// each connection arrived.
+async fn rejecting_server(
+    retry_after_ms: u32,
+) -> (
+    std::net::SocketAddr,
+    tokio::sync::mpsc::UnboundedReceiver<tokio::time::Instant>,
+) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            let _ = tx.send(tokio::time::Instant::now());
+            let mut out = bytes::BytesMut::new();
+            waygate_transport::codec::StreamCodec::new(65536)
+                .encode(
+                    &Frame::Reject(Reject {
+                        code: CloseCode::Overloaded,
+                        retry_after_ms,
+                        message: "busy".into(),
+                    }),
+                    &mut out,
+                )
+                .unwrap();
+            let _ = sock.write_all(&out).await;
+            let _ = sock.shutdown().await;
+        }
+    });
+    (addr, rx)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_is_honoured() {
+    let (addr, mut arrivals) = rejecting_server(700).await;
+    let mut client = Client::start(ClientOptions::new(
+        vec![Endpoint::new(TransportKind::Tcp, addr)],
+        token("patient"),
+    ));
+    let first = arrivals.recv().await.unwrap();
+    let ev = tokio::time::timeout(Duration::from_secs(5), client.next_event())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        ev,
+        Event::Rejected {
+            code: CloseCode::Overloaded,
+            retry_after_ms: 700
+        }
+    );
+    let second = tokio::time::timeout(Duration::from_secs(10), arrivals.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        second.duration_since(first) >= Duration::from_millis(700),
+        "reconnected after {:?}, before the 700 ms retry-after",
+        second.duration_since(first)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kicked_is_terminal_without_a_reconnect_loop() {
+    let c = cluster().await;
+    let mut first = c.client(&[TransportKind::Tcp], "twice");
+    assert!(echo_ok(&mut first).await);
+    let mut second = c.client(&[TransportKind::Ws], "twice");
+    assert!(echo_ok(&mut second).await);
+    let ev = loop {
+        match tokio::time::timeout(Duration::from_secs(10), first.next_event())
+            .await
+            .unwrap()
+        {
+            Some(Event::Closed { code }) => break code,
+            Some(_) => {}
+            None => panic!("ended without Closed"),
+        }
+    };
+    assert_eq!(ev, CloseCode::Kicked);
+    // The client task ends: no reconnect.
+    let end = tokio::time::timeout(Duration::from_secs(5), first.next_event())
+        .await
+        .unwrap();
+    assert_eq!(end, None);
+    assert!(echo_ok(&mut second).await, "the new login keeps working");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_jitter_spreads_the_reconnects_of_200_clients() {
+    // A server that accepts and immediately closes: every attempt fails before WELCOME.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            let Ok((sock, peer)) = listener.accept().await else {
+                return;
+            };
+            let _ = tx.send((peer.port(), tokio::time::Instant::now()));
+            drop(sock);
+        }
+    });
+    let start = tokio::time::Instant::now();
+    let mut clients = Vec::new();
+    for i in 0..200 {
+        let mut o = ClientOptions::new(
+            vec![Endpoint::new(TransportKind::Tcp, addr)],
+            token(&format!("j{i}")),
+        );
+        o.backoff_min = Duration::from_millis(200);
+        o.backoff_max = Duration::from_millis(400);
+        clients.push(Client::start(o));
+    }
+    // Collect arrivals for 1.2 s; the first wave arrives at once, retries are spread.
+    let mut times = Vec::new();
+    let deadline = start + Duration::from_millis(1200);
+    while let Ok(Some((_, t))) = tokio::time::timeout_at(deadline, rx.recv()).await {
+        times.push(t.duration_since(start));
+    }
+    drop(clients);
+    let retries: Vec<Duration> = times
+        .into_iter()
+        .filter(|t| *t > Duration::from_millis(150))
+        .collect();
+    assert!(
+        retries.len() >= 200,
+        "clients retried ({} retries)",
+        retries.len()
+    );
+    // Buckets of 100 ms between 150 ms and 1150 ms: with full jitter no bucket holds most of
+    // the retries and most buckets hold some.
+    let mut buckets = [0usize; 10];
+    for t in &retries {
+        let i = ((t.as_millis() as usize).saturating_sub(150) / 100).min(9);
+        buckets[i] += 1;
+    }
+    let max = *buckets.iter().max().unwrap();
+    let busy = buckets.iter().filter(|b| **b >= 10).count();
+    assert!(max * 2 < retries.len(), "retries bunched: {buckets:?}");
+    assert!(busy >= 6, "retries not spread: {buckets:?}");
+}
