@@ -307,11 +307,12 @@ async fn start_system() -> System {
         "waygate backend",
         tokio::process::Command::new(bin).args(["backend", "--addr", "127.0.0.1:0", "--id", "b1"]),
     );
-    // "backend b1 listening on 127.0.0.1:PORT"
+    // {"event":"ready","backend":"127.0.0.1:PORT","id":"b1"}
     let line = backend.line(deadline).await;
-    let backend_addr = line
-        .rsplit(' ')
-        .next()
+    let ready: serde_json::Value =
+        serde_json::from_str(&line).unwrap_or_else(|_| panic!("unexpected backend line: {line}"));
+    let backend_addr = ready["backend"]
+        .as_str()
         .filter(|a| a.starts_with("127.0.0.1:"))
         .unwrap_or_else(|| panic!("unexpected backend line: {line}"))
         .to_string();

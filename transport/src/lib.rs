@@ -38,6 +38,7 @@ mod reader;
 pub mod stream;
 pub mod tcp;
 pub mod tls;
+pub mod udp;
 pub mod varint;
 pub mod ws;
 

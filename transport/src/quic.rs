@@ -394,7 +394,13 @@ pub fn listen(
         .map_err(|e| TransportError::Config(format!("quic tls: {e}")))?;
     let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     server.transport_config(Arc::new(quic.transport(&config)?));
-    let endpoint = quinn::Endpoint::server(server, addr)?;
+    let socket = crate::udp::bind_udp(addr)?;
+    let endpoint = quinn::Endpoint::new(
+        quinn::EndpointConfig::default(),
+        Some(server),
+        socket,
+        Arc::new(quinn::TokioRuntime),
+    )?;
     let local = endpoint.local_addr()?;
     let accepting = endpoint.clone();
     let listener =

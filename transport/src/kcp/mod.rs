@@ -119,7 +119,7 @@ impl KcpListener {
         let params = conn_params(&kcp, &conn);
         let ep = Endpoint::server(kcp, &conn, Instant::now(), fresh_rng())?;
         let stats = ep.stats();
-        let socket = Arc::new(UdpSocket::bind(addr).await?);
+        let socket = Arc::new(UdpSocket::from_std(crate::udp::bind_udp(addr)?)?);
         let local = socket.local_addr()?;
         let (accept_tx, ready) = mpsc::channel(ACCEPT_BACKLOG);
         let driver = Driver::new(
