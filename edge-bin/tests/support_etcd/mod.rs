@@ -28,7 +28,11 @@ fn find_etcd() -> PathBuf {
     if let Some(p) = std::env::var_os("WAYGATE_ETCD_BIN") {
         return PathBuf::from(p);
     }
-    for dir in std::env::var("PATH").unwrap_or_default().split(':').chain(["/usr/bin", "/usr/local/bin"]) {
+    for dir in std::env::var("PATH")
+        .unwrap_or_default()
+        .split(':')
+        .chain(["/usr/bin", "/usr/local/bin"])
+    {
         let p = PathBuf::from(dir).join("etcd");
         if p.is_file() {
             return p;
@@ -78,8 +82,18 @@ impl EtcdServer {
             .args(["--name", "t"])
             .arg("--data-dir")
             .arg(self.dir.path().join("data"))
-            .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
-            .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
+            .args([
+                "--listen-client-urls",
+                &client,
+                "--advertise-client-urls",
+                &client,
+            ])
+            .args([
+                "--listen-peer-urls",
+                &peer,
+                "--initial-advertise-peer-urls",
+                &peer,
+            ])
             .args(["--initial-cluster", &format!("t={peer}")])
             .args(["--log-level", "warn", "--logger", "zap"])
             .stdin(Stdio::null())
@@ -99,8 +113,7 @@ impl EtcdServer {
             return false;
         };
         let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
-        if s
-            .write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        if s.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
             .is_err()
         {
             return false;
@@ -115,7 +128,8 @@ impl EtcdServer {
         while !self.healthy() {
             if let Some(c) = self.child.as_mut() {
                 if let Ok(Some(status)) = c.try_wait() {
-                    let log = std::fs::read_to_string(self.dir.path().join("etcd.log")).unwrap_or_default();
+                    let log = std::fs::read_to_string(self.dir.path().join("etcd.log"))
+                        .unwrap_or_default();
                     panic!("etcd exited at start ({status}); log:\n{log}");
                 }
             }
