@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use support_etcd::EtcdServer;
 use tokio::sync::watch;
 use waygate::cluster::etcd::{
-    least_loaded_edge, list_edges, pick_least_loaded, EdgeInfo, EtcdRegistry, Load,
+    least_loaded_edge, list_edges, login_router, pick_least_loaded, EdgeInfo, EtcdRegistry, Load,
 };
 use waygate_routing::source::InstanceRegistry;
 use waygate_routing::{InstanceSpec, InstanceState, LoadReport};
@@ -126,6 +126,26 @@ async fn login_picks_the_least_loaded_enabled_edge_under_its_cap() {
         .expect("reporter ends after revoke")
         .unwrap();
     assert_eq!(least_loaded_edge(&client, PREFIX).await.unwrap(), None);
+    assert_eq!(http_get_edge(&client).await.0, 503);
+}
+
+async fn http_get_edge(client: &etcd_client::Client) -> (u16, Vec<u8>) {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    let app = login_router(client.clone(), PREFIX.into());
+    let req = axum::http::Request::get("/edge")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let resp = app.oneshot(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .unwrap()
+        .to_bytes()
+        .to_vec();
+    (status, body)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -544,3 +544,48 @@ fn composer_damps_removals_and_epochs_only_grow() {
         .instance("x2")
         .is_none());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_revoke_disables_at_once_then_removes_after_the_window() {
+    let etcd = EtcdServer::start();
+    let c = client(&etcd).await;
+    put(&c, "table", BASE).await;
+    let src = EtcdRouteSource::open(cfg(&etcd, Duration::from_secs(2)))
+        .await
+        .unwrap();
+    let _task = src.spawn();
+    let mut rx = src.watch();
+    let reg = EtcdRegistry::new(c.clone(), PREFIX);
+    let lease = reg
+        .register_instance("game", &inst("g7", 7007), Duration::from_secs(10))
+        .await
+        .unwrap();
+    wait_for(&mut rx, Duration::from_secs(5), "g7 joins", |u| {
+        has(u, "g7")
+    })
+    .await;
+    reg.revoke_lease(lease).await.unwrap();
+    let t0 = Instant::now();
+    wait_for(
+        &mut rx,
+        Duration::from_secs(1),
+        "g7 disabled at once",
+        |u| {
+            u.table
+                .as_ref()
+                .unwrap()
+                .instance("g7")
+                .is_some_and(|(_, i)| i.state == InstanceState::Disabled)
+        },
+    )
+    .await;
+    wait_for(&mut rx, Duration::from_secs(5), "g7 removed", |u| {
+        !has(u, "g7")
+    })
+    .await;
+    assert!(
+        t0.elapsed() >= Duration::from_millis(1700),
+        "{:?}",
+        t0.elapsed()
+    );
+}

@@ -260,6 +260,34 @@ impl std::fmt::Debug for Etcd {
     }
 }
 
+/// A tiny HTTP endpoint for a login service (SPEC R10): `GET /edge` answers the
+/// least-loaded edge as [`EdgeInfo`] JSON, `503` with `Retry-After: 1` when no edge qualifies
+/// or etcd is unreachable. Serve it with `axum::serve`.
+pub fn login_router(client: Client, prefix: String) -> axum::Router {
+    use axum::extract::State;
+    use axum::http::{header, StatusCode};
+    use axum::response::{IntoResponse, Response};
+
+    async fn pick(State(s): State<Arc<(Etcd, String)>>) -> Response {
+        let unavailable = |msg: String| {
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                [(header::RETRY_AFTER, "1")],
+                axum::Json(serde_json::json!({ "error": msg })),
+            )
+                .into_response()
+        };
+        match least_loaded_edge(&s.0 .0, &s.1).await {
+            Ok(Some(e)) => axum::Json(e).into_response(),
+            Ok(None) => unavailable("no edge is enabled and under its cap".into()),
+            Err(e) => unavailable(e.to_string()),
+        }
+    }
+    axum::Router::new()
+        .route("/edge", axum::routing::get(pick))
+        .with_state(Arc::new((Etcd(client), prefix)))
+}
+
 // ---- keys ---------------------------------------------------------------------------------
 
 #[derive(Debug, Clone)]
@@ -1335,13 +1363,34 @@ impl EtcdRegistry {
         })
     }
 
-    /// Removes registration `lease` (revokes its current etcd lease: its key goes at once).
+    /// Removes registration `lease`: marks it `disabled` (no new players from now on), then
+    /// revokes its current etcd lease, which deletes the key at once.
     pub async fn revoke_lease(&self, lease: LeaseId) -> Result<(), EtcdError> {
         let reg = self
             .regs()
             .remove(&lease.0)
             .ok_or(EtcdError::NotRegistered(lease.0))?;
         let mut c = self.client.0.clone();
+        // Disabled first, so edges stop placing players on it at once; the key itself then
+        // goes with the lease (and leaves their tables after the damping window).
+        let mut record = reg.record.clone();
+        match &mut record {
+            Record::Instance(r) => r.state = InstanceState::Disabled,
+            Record::Edge(e) => e.state = InstanceState::Disabled,
+        }
+        let disabled = timed(
+            self.timeout,
+            "put",
+            c.put(
+                reg.key.as_str(),
+                record.encode()?,
+                Some(PutOptions::new().with_lease(reg.lease)),
+            ),
+        )
+        .await;
+        if let Err(e) = disabled {
+            tracing::debug!(key = %reg.key, error = %e, "could not mark the registration disabled");
+        }
         timed(self.timeout, "lease revoke", c.lease_revoke(reg.lease)).await?;
         tracing::info!(key = %reg.key, "registration revoked");
         Ok(())
