@@ -9,7 +9,9 @@ root=$(pwd)
 # --- system packages -------------------------------------------------------------------
 # chromium: the JS SDK's browser test (interop-tests/tests/browser_sdk.rs) drives Debian's
 # /usr/bin/chromium through playwright-core; no tool ever downloads its own browser.
-apt_packages=(ca-certificates chromium)
+# etcd-server, protobuf-compiler, libprotobuf-dev: the etcd control plane and its tests
+# (etcd-client's build needs protoc and the descriptor protos).
+apt_packages=(ca-certificates chromium etcd-server etcd-client protobuf-compiler libprotobuf-dev)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
