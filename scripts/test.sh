@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 root=$(pwd)
 
 # --- system packages -------------------------------------------------------------------
-apt_packages=(ca-certificates)
+apt_packages=(ca-certificates redis-server redis-tools)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
