@@ -866,6 +866,9 @@ where
     }
 }
 
+/// Messages for one edge, each with its player.
+type PushBatch = Vec<(String, PushMessage)>;
+
 type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Vec<DeliveryResult>>>>>;
 
 struct ReplyListener {
@@ -1141,8 +1144,7 @@ impl RedisPresence {
         let players: Vec<&str> = items.iter().map(|(p, _)| p.as_str()).collect();
         let where_ = self.lookup_many(&players).await?;
         let mut results = vec![DeliveryResult::Offline; items.len()];
-        let mut per_edge: HashMap<String, (Vec<usize>, Vec<(String, PushMessage)>)> =
-            HashMap::new();
+        let mut per_edge: HashMap<String, (Vec<usize>, PushBatch)> = HashMap::new();
         for (i, (item, presence)) in items.into_iter().zip(where_).enumerate() {
             if let Some(p) = presence {
                 let e = per_edge.entry(p.edge).or_default();
