@@ -213,6 +213,56 @@ async fn owner_record_expires_after_the_linger_ttl_but_fencing_keeps_growing() {
 }
 
 #[tokio::test]
+async fn a_live_owner_record_stays_and_a_detached_one_expires_with_its_snapshot() {
+    let server = RedisServer::start();
+    let s = stores(&server).await;
+    let live = s
+        .ownership
+        .claim("live", &[1; 16], "e1")
+        .await
+        .expect("claim");
+    let gone = s
+        .ownership
+        .claim("gone", &[2; 16], "e1")
+        .await
+        .expect("claim");
+    // "gone" detaches: its snapshot is written with the linger time.
+    s.snapshots
+        .put(
+            &snapshot(2, "gone", gone.fencing),
+            Duration::from_millis(200),
+        )
+        .await
+        .expect("put");
+    // A stale snapshot of "live" (older token) neither writes nor shortens the record.
+    assert!(s
+        .snapshots
+        .put(
+            &snapshot(1, "live", live.fencing - 1),
+            Duration::from_millis(200)
+        )
+        .await
+        .is_err());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(s.ownership.owner("gone").await, Ok(None), "lingered out");
+    assert_eq!(s.snapshots.get(&[2; 16]).await, Ok(None));
+    let owner = s
+        .ownership
+        .owner("live")
+        .await
+        .expect("owner")
+        .expect("live record stays");
+    assert_eq!(owner.fencing, live.fencing);
+    // A restore claims again: the record is a live one again.
+    let again = s
+        .ownership
+        .claim("gone", &[2; 16], "e2")
+        .await
+        .expect("claim");
+    assert!(again.fencing > gone.fencing);
+}
+
+#[tokio::test]
 async fn a_stale_owner_is_fenced_out_of_writes_releases_and_deletes() {
     let server = RedisServer::start();
     let edge_a = stores(&server).await;

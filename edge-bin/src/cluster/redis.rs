@@ -1,8 +1,8 @@
 //! Redis behind the session layer's store traits (SPEC S5-S7) and cross-edge presence (F4).
 //!
 //! - [`RedisOwnership`] implements [`OwnershipRegistry`]: one owner per player, fencing
-//!   tokens from a per-player counter that only grows, owner records that expire after the
-//!   linger time, release only by the current owner, and a kick published on the previous
+//!   tokens from a per-player counter that only grows, owner records that expire with the
+//!   session's snapshot once it is detached (linger), release only by the current owner, and a kick published on the previous
 //!   owner's per-edge channel when another edge takes over ([`RedisOwnership::subscribe_kicks`]).
 //! - [`RedisSnapshotStore`] implements [`SnapshotStore`] (the warm tier): snapshots expire
 //!   after the linger time; `take` is one Lua script (compare the resume-token hash, delete),
@@ -14,12 +14,46 @@
 //! [`RedisError`] (converted to [`StoreError`] for the session layer) instead of hanging
 //! when Redis is down; the connection reconnects by itself (redis' `ConnectionManager`).
 //!
+//! # Wiring an edge
+//!
+//! ```ignore
+//! let redis = RedisStores::connect_with(RedisConfig {
+//!     ..RedisConfig::new(url) // owner records of detached sessions expire with the linger
+
+//! })
+//! .await?; // or RedisStores::lazy(cfg)? to start while Redis is down
+//! edge_sessions.snapshots = redis.snapshots.clone();
+//! edge_sessions.ownership = redis.ownership.clone();
+//! // Takeovers on other edges kick our sessions:
+//! let mut kicks = redis.ownership.subscribe_kicks(&edge_id);
+//! let registry = edge_sessions.registry.clone();
+//! tokio::spawn(async move {
+//!     while let Some(k) = kicks.recv().await {
+//!         registry.kick(&k.session_id).await;
+//!     }
+//! });
+//! // Pushes from other edges:
+//! let reg = edge_sessions.registry.clone();
+//! let _server = redis.presence.serve_pushes(&edge_id, move |player: &str, m: PushMessage| {
+//!     match reg.push_to_player(player, m.into()) {
+//!         Ok(()) => DeliveryResult::Delivered,
+//!         Err(PushError::QueueFull) => DeliveryResult::QueueFull,
+//!         Err(_) => DeliveryResult::Offline,
+//!     }
+//! }); // keep `_server` alive
+//! // On SessionEvent::Established: presence.set(player, session, edge);
+//! // on Ended: presence.remove(player, session).
+//! // Every owner_ttl/3 (and right after Redis recovers), for each live session:
+//! //   ownership.reassert(player, session, edge, fencing) -> Superseded => registry.kick
+//! //   presence.set_many(edge, live) (presence_ttl/3)
+//! ```
+//!
 //! # Keys (prefix `waygate` by default)
 //!
 //! | key | type | content | expiry |
 //! |---|---|---|---|
 //! | `P:fence:<player>` | string | fencing counter | [`RedisConfig::fence_ttl`] |
-//! | `P:owner:<player>` | string | `<fencing> <session hex> <edge>` | owner TTL (linger) |
+//! | `P:owner:<player>` | string | `<fencing> <session hex> <edge>` | live: owner TTL; detached: linger |
 //! | `P:snap:<session hex>` | hash | `f` fencing, `h`/`p` resume hashes (hex), `d` JSON | linger |
 //! | `P:presence:<player>` | string | `<session hex> <edge>` | presence TTL |
 //!
@@ -59,8 +93,10 @@ pub struct RedisConfig {
     pub prefix: String,
     /// Bound on every call (connect, command, script); exceeded -> [`RedisError::Timeout`].
     pub op_timeout: Duration,
-    /// How long an owner record lives without a refresh (the linger time, SPEC S5). Live
-    /// sessions keep theirs with [`RedisOwnership::reassert`].
+    /// Expiry of a live session's owner record (set by claim and reassert): a safety net
+    /// for an edge that died without releasing. A detached session's record expires with
+    /// its snapshot instead: [`SnapshotStore::put`] (called on detach with the linger time,
+    /// SPEC S5) sets the owner record's expiry to the snapshot's TTL.
     pub owner_ttl: Duration,
     /// Expiry of the per-player fencing counter (refreshed on every claim and reassert);
     /// `None` keeps counters forever. Tokens grow even across expiry (see the module docs).
@@ -72,14 +108,14 @@ pub struct RedisConfig {
 }
 
 impl RedisConfig {
-    /// Defaults for `url`: prefix `waygate`, 500 ms per call, 15 min owner TTL, 30 day
-    /// counters, 60 s presence, 1 s push wait.
+    /// Defaults for `url`: prefix `waygate`, 500 ms per call, 24 h live owner records
+    /// (linger-long once detached), 30 day counters, 60 s presence, 1 s push wait.
     pub fn new(url: impl Into<String>) -> Self {
         Self {
             url: url.into(),
             prefix: "waygate".into(),
             op_timeout: Duration::from_millis(500),
-            owner_ttl: Duration::from_secs(15 * 60),
+            owner_ttl: Duration::from_secs(24 * 3600),
             fence_ttl: Some(Duration::from_secs(30 * 24 * 3600)),
             presence_ttl: Duration::from_secs(60),
             push_timeout: Duration::from_secs(1),
@@ -275,8 +311,10 @@ redis.call('SET', KEYS[2], ARGV[3] .. ' ' .. ARGV[1] .. ' ' .. ARGV[2], 'PX', AR
 return {1, false}
 "#;
 
-/// KEYS: fence, snap. ARGV: fencing, ttl ms, hash hex, prev hash hex or '', json.
-/// Returns 1 (written) or 0 (fenced: the player or the stored snapshot is newer).
+/// KEYS: fence, snap, owner. ARGV: fencing, ttl ms, hash hex, prev hash hex or '', json,
+/// "<fencing> <session hex> ". Returns 1 (written) or 0 (fenced: the player or the stored
+/// snapshot is newer). A written snapshot's session, if it owns the player, gets its owner
+/// record's expiry set to the snapshot's (the linger time starts now).
 const PUT_LUA: &str = r#"
 local f = tonumber(ARGV[1])
 local c = redis.call('GET', KEYS[1])
@@ -286,6 +324,10 @@ if sf and tonumber(sf) > f then return 0 end
 redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[2], 'f', ARGV[1], 'h', ARGV[3], 'p', ARGV[4], 'd', ARGV[5])
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
+local cur = redis.call('GET', KEYS[3])
+if cur and string.sub(cur, 1, #ARGV[6]) == ARGV[6] then
+  redis.call('PEXPIRE', KEYS[3], ARGV[2])
+end
 return 1
 "#;
 
@@ -439,11 +481,11 @@ impl RedisOwnership {
     }
 
     /// Makes `session_id` on `edge` the owner again if nobody newer claimed the player,
-    /// refreshing the owner record's TTL. Call it for every live session every
-    /// `owner_ttl / 3` or so (the refresh) and at once after Redis comes back (it restores
-    /// records Redis lost and raises the counter to at least `fencing`). On
-    /// [`Reassert::Superseded`] kick the local session: this also catches kicks missed
-    /// while the kick subscription was down.
+    /// refreshing the owner record's TTL to [`RedisConfig::owner_ttl`]. Call it for every
+    /// live (attached, not lingering) session at once after Redis comes back (it restores
+    /// records Redis lost and raises the counter to at least `fencing`) and periodically
+    /// (e.g. every 30 s, well under `owner_ttl`). On [`Reassert::Superseded`] kick the
+    /// local session: this also catches kicks missed while the kick subscription was down.
     pub async fn reassert(
         &self,
         player_id: &str,
@@ -672,6 +714,7 @@ impl RedisSnapshotStore {
         let mut inv = scripts()[0].prepare_invoke();
         inv.key(c.key("fence", &snapshot.player_id))
             .key(c.key("snap", &hex_id(&snapshot.session_id)))
+            .key(c.key("owner", &snapshot.player_id))
             .arg(snapshot.fencing)
             .arg(ms(ttl))
             .arg(hex_id(&snapshot.resume_hash.0))
@@ -680,7 +723,12 @@ impl RedisSnapshotStore {
                     .prev_resume_hash
                     .map_or(String::new(), |h| hex_id(&h.0)),
             )
-            .arg(json);
+            .arg(json)
+            .arg(format!(
+                "{} {} ",
+                snapshot.fencing,
+                hex_id(&snapshot.session_id)
+            ));
         let n: u8 = c
             .run(|mut m| async move { inv.invoke_async(&mut m).await })
             .await?;
