@@ -11,7 +11,8 @@ root=$(pwd)
 # /usr/bin/chromium through playwright-core; no tool ever downloads its own browser.
 # etcd-server, protobuf-compiler, libprotobuf-dev: the etcd control plane and its tests
 # (etcd-client's build needs protoc and the descriptor protos).
-apt_packages=(ca-certificates chromium etcd-server etcd-client protobuf-compiler libprotobuf-dev)
+# redis-server: session ownership, warm snapshots and presence tests.
+apt_packages=(ca-certificates chromium etcd-server etcd-client protobuf-compiler libprotobuf-dev redis-server redis-tools)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -1,0 +1,455 @@
+//! The session driver (`EdgeSessions`) on the Redis stores, with real time and a real
+//! redis-server 7: a client resumes on another edge from the warm tier, the old edge's
+//! lingering copy is kicked across edges (kick subscription wired to `SessionRegistry::kick`),
+//! and with Redis down a new login ends with UNAVAILABLE within 1 s while a live session is
+//! untouched.
+
+mod support_redis;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use support_redis::RedisServer;
+use tokio::sync::mpsc;
+use waygate::cluster::redis::RedisStores;
+use waygate_session::auth::{mint_token, TokenClaims};
+use waygate_session::client::{ClientConfig, ClientEvent, ClientSession};
+use waygate_session::driver::{Downstream, EchoSink, EdgeSessions, SessionRegistry};
+use waygate_session::machine::EndReason;
+use waygate_session::store::{OwnershipRegistry as _, SnapshotStore as _};
+use waygate_session::{HmacAuthenticator, KeyRing, SessionConfig};
+use waygate_transport::frame::WelcomeOutcome;
+use waygate_transport::{
+    CloseCode, ConnId, ConnInfo, Connection, Frame, TrafficClass, TransportError, TransportKind,
+};
+
+const KEY: &[u8] = b"driver test key: 32 bytes.......";
+
+fn unix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+struct MemConn {
+    info: ConnInfo,
+    tx: Option<mpsc::UnboundedSender<Frame>>,
+    rx: mpsc::UnboundedReceiver<Frame>,
+}
+
+fn mem_pair() -> (MemConn, MemConn) {
+    let (a_tx, b_rx) = mpsc::unbounded_channel();
+    let (b_tx, a_rx) = mpsc::unbounded_channel();
+    let addr: SocketAddr = "127.0.0.1:1".parse().expect("addr");
+    let info = |id| ConnInfo {
+        id,
+        kind: TransportKind::Tcp,
+        peer: addr,
+        local: addr,
+    };
+    (
+        MemConn {
+            info: info(ConnId::next()),
+            tx: Some(a_tx),
+            rx: a_rx,
+        },
+        MemConn {
+            info: info(ConnId::next()),
+            tx: Some(b_tx),
+            rx: b_rx,
+        },
+    )
+}
+
+#[async_trait]
+impl Connection for MemConn {
+    fn info(&self) -> &ConnInfo {
+        &self.info
+    }
+
+    async fn send(&mut self, frame: &Frame) -> Result<(), TransportError> {
+        match &self.tx {
+            Some(tx) => tx.send(frame.clone()).map_err(|_| TransportError::Closed),
+            None => Err(TransportError::Closed),
+        }
+    }
+
+    async fn recv(&mut self) -> Result<Frame, TransportError> {
+        match self.rx.recv().await {
+            Some(Frame::Close { code, .. }) => Err(TransportError::ClosedByPeer { code }),
+            Some(frame) => Ok(frame),
+            None => Err(TransportError::ClosedByPeer {
+                code: CloseCode::Normal,
+            }),
+        }
+    }
+
+    async fn close(&mut self, code: CloseCode, message: &str) {
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send(Frame::Close {
+                code,
+                message: message.to_owned(),
+            });
+        }
+    }
+}
+
+/// An edge whose session layer runs on the Redis stores, with the kick subscription wired
+/// to its registry (what the lead wires in edge.rs).
+fn edge(id: &str, stores: &RedisStores) -> Arc<EdgeSessions> {
+    let registry = SessionRegistry::new();
+    let sink = Arc::new(EchoSink::new(registry.clone()));
+    let mut ring = KeyRing::new();
+    ring.insert(1, KEY);
+    let mut e = EdgeSessions::new(
+        id,
+        SessionConfig {
+            linger: Duration::from_secs(30),
+            ..SessionConfig::default()
+        },
+        Arc::new(HmacAuthenticator::new(ring)),
+        sink,
+    );
+    e.registry = registry.clone();
+    e.snapshots = stores.snapshots.clone();
+    e.ownership = stores.ownership.clone();
+    let mut kicks = stores.ownership.subscribe_kicks(id);
+    tokio::spawn(async move {
+        while let Some(k) = kicks.recv().await {
+            registry.kick(&k.session_id).await;
+        }
+    });
+    Arc::new(e)
+}
+
+fn client(player: &str) -> ClientSession {
+    let now = unix();
+    let token = mint_token(
+        1,
+        KEY,
+        &TokenClaims {
+            player_id: player.into(),
+            issuer: "t".into(),
+            issued_at: now,
+            expires_at: now + 600,
+            extensions: vec![],
+        },
+    )
+    .expect("mint");
+    ClientSession::new(token, ClientConfig::default())
+}
+
+async fn exchange(
+    c: &mut ClientSession,
+    conn: &mut MemConn,
+    events: &mut Vec<ClientEvent>,
+    within: Duration,
+    want: impl Fn(&[ClientEvent]) -> bool,
+) {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        while let Some(f) = c.poll_transmit() {
+            let _ = conn.send(&f).await;
+        }
+        while let Some(e) = c.poll_event() {
+            events.push(e);
+        }
+        if want(events) || tokio::time::Instant::now() >= deadline {
+            return;
+        }
+        tokio::select! {
+            r = conn.recv() => match r {
+                Ok(f) => { let _ = c.handle_frame(Instant::now(), f); }
+                Err(e) => { c.handle_link_down(Instant::now(), e.close_code()); }
+            },
+            _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+        }
+    }
+}
+
+fn welcomes(events: &[ClientEvent]) -> Vec<WelcomeOutcome> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            ClientEvent::Welcomed { outcome, .. } => Some(*outcome),
+            _ => None,
+        })
+        .collect()
+}
+
+fn payloads(events: &[ClientEvent]) -> Vec<Bytes> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            ClientEvent::Message { payload, .. } => Some(payload.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_on_another_edge_from_redis_and_the_old_copy_is_kicked() {
+    let server = RedisServer::start();
+    let s1 = RedisStores::connect(&server.url()).await.expect("connect");
+    let s2 = RedisStores::connect(&server.url()).await.expect("connect");
+    let edge1 = edge("edge-1", &s1);
+    let edge2 = edge("edge-2", &s2);
+    tokio::time::sleep(Duration::from_millis(200)).await; // kick subscriptions up
+
+    let (server_end, mut conn) = mem_pair();
+    let task1 = edge1.spawn(Box::new(server_end));
+    let mut c = client("p");
+    let mut events = Vec::new();
+    c.connect(Instant::now()).expect("hello");
+    exchange(
+        &mut c,
+        &mut conn,
+        &mut events,
+        Duration::from_secs(2),
+        |e| !welcomes(e).is_empty(),
+    )
+    .await;
+    assert_eq!(welcomes(&events), vec![WelcomeOutcome::NewSession]);
+    let sid = edge1.registry.session_of("p").expect("registered");
+    let first = s1.ownership.owner("p").await.expect("owner").expect("some");
+    assert_eq!((first.session_id, first.edge.as_str()), (sid, "edge-1"));
+    // A message the client never receives: the link drops first.
+    drop(conn);
+    c.handle_link_down(Instant::now(), CloseCode::GoingAway);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    edge1
+        .registry
+        .push(
+            &sid,
+            Downstream {
+                class: TrafficClass::Normal,
+                msg_id: 1,
+                payload: Bytes::from_static(b"while away"),
+            },
+        )
+        .expect("push");
+    // The detached session's snapshot reaches Redis (written on detach, then updated).
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while s2.snapshots.get(&sid).await.expect("get").is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "snapshot not persisted on detach"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Resume on edge 2 from the warm tier.
+    let (server_end, mut conn2) = mem_pair();
+    let _task2 = edge2.spawn(Box::new(server_end));
+    c.connect(Instant::now()).expect("hello");
+    exchange(
+        &mut c,
+        &mut conn2,
+        &mut events,
+        Duration::from_secs(2),
+        |e| welcomes(e).len() == 2,
+    )
+    .await;
+    let outcome = welcomes(&events)[1];
+    assert!(
+        matches!(
+            outcome,
+            WelcomeOutcome::Restored | WelcomeOutcome::RestoredWithGap
+        ),
+        "{outcome:?}"
+    );
+    let owner = s2.ownership.owner("p").await.expect("owner").expect("some");
+    assert_eq!((owner.session_id, owner.edge.as_str()), (sid, "edge-2"));
+    assert!(owner.fencing > first.fencing);
+    // The snapshot was taken (single use).
+    assert_eq!(s1.snapshots.get(&sid).await, Ok(None));
+    // Edge 1's lingering copy is kicked across edges at once, not after the 30 s linger,
+    // and it does not release edge 2's ownership.
+    let end = tokio::time::timeout(Duration::from_secs(3), task1)
+        .await
+        .expect("old copy kicked within 3 s")
+        .expect("join");
+    assert_eq!(end, EndReason::Kicked);
+    assert_eq!(edge1.registry.session_of("p"), None);
+    let owner = s1.ownership.owner("p").await.expect("owner").expect("some");
+    assert_eq!(owner.edge, "edge-2");
+    // The session works on edge 2.
+    edge2
+        .registry
+        .push(
+            &sid,
+            Downstream {
+                class: TrafficClass::Normal,
+                msg_id: 2,
+                payload: Bytes::from_static(b"on edge 2"),
+            },
+        )
+        .expect("push");
+    exchange(
+        &mut c,
+        &mut conn2,
+        &mut events,
+        Duration::from_secs(2),
+        |e| payloads(e).contains(&Bytes::from_static(b"on edge 2")),
+    )
+    .await;
+    assert!(payloads(&events).contains(&Bytes::from_static(b"on edge 2")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_login_on_another_edge_kicks_the_first() {
+    let server = RedisServer::start();
+    let s1 = RedisStores::connect(&server.url()).await.expect("connect");
+    let s2 = RedisStores::connect(&server.url()).await.expect("connect");
+    let edge1 = edge("edge-1", &s1);
+    let edge2 = edge("edge-2", &s2);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (a_end, mut a_conn) = mem_pair();
+    let task1 = edge1.spawn(Box::new(a_end));
+    let mut a = client("p");
+    let mut a_events = Vec::new();
+    a.connect(Instant::now()).expect("hello");
+    exchange(
+        &mut a,
+        &mut a_conn,
+        &mut a_events,
+        Duration::from_secs(2),
+        |e| !welcomes(e).is_empty(),
+    )
+    .await;
+    let (b_end, mut b_conn) = mem_pair();
+    let _task2 = edge2.spawn(Box::new(b_end));
+    let mut b = client("p");
+    let mut b_events = Vec::new();
+    b.connect(Instant::now()).expect("hello");
+    exchange(
+        &mut b,
+        &mut b_conn,
+        &mut b_events,
+        Duration::from_secs(2),
+        |e| !welcomes(e).is_empty(),
+    )
+    .await;
+    assert_eq!(welcomes(&b_events), vec![WelcomeOutcome::NewSession]);
+    exchange(
+        &mut a,
+        &mut a_conn,
+        &mut a_events,
+        Duration::from_secs(3),
+        |e| {
+            e.iter()
+                .any(|x| matches!(x, ClientEvent::Disconnected { .. }))
+        },
+    )
+    .await;
+    assert!(
+        a_events.iter().any(|x| matches!(
+            x,
+            ClientEvent::Disconnected {
+                code: CloseCode::Kicked
+            }
+        )),
+        "{a_events:?}"
+    );
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(2), task1)
+            .await
+            .expect("ended")
+            .expect("join"),
+        EndReason::Kicked
+    );
+    assert_eq!(
+        s1.ownership
+            .owner("p")
+            .await
+            .expect("owner")
+            .map(|o| o.edge),
+        Some("edge-2".into())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_new_logins_end_unavailable_within_a_second_live_sessions_stay() {
+    let mut server = RedisServer::start();
+    let s1 = RedisStores::connect(&server.url()).await.expect("connect");
+    let edge1 = edge("edge-1", &s1);
+    let (a_end, mut a_conn) = mem_pair();
+    let _live = edge1.spawn(Box::new(a_end));
+    let mut a = client("alive");
+    let mut a_events = Vec::new();
+    a.connect(Instant::now()).expect("hello");
+    exchange(
+        &mut a,
+        &mut a_conn,
+        &mut a_events,
+        Duration::from_secs(2),
+        |e| !welcomes(e).is_empty(),
+    )
+    .await;
+    let live_sid = edge1.registry.session_of("alive").expect("live");
+
+    server.stop();
+    let (b_end, mut b_conn) = mem_pair();
+    let _task = edge1.spawn(Box::new(b_end));
+    let mut b = client("newcomer");
+    let mut b_events = Vec::new();
+    let t = Instant::now();
+    b.connect(Instant::now()).expect("hello");
+    exchange(
+        &mut b,
+        &mut b_conn,
+        &mut b_events,
+        Duration::from_secs(3),
+        |e| {
+            e.iter().any(|x| {
+                matches!(
+                    x,
+                    ClientEvent::Rejected { .. } | ClientEvent::Disconnected { .. }
+                )
+            })
+        },
+    )
+    .await;
+    let took = t.elapsed();
+    let refused = b_events.iter().find_map(|x| match x {
+        ClientEvent::Rejected {
+            code,
+            retry_after_ms,
+        } => Some((*code, Some(*retry_after_ms))),
+        ClientEvent::Disconnected { code } => Some((*code, None)),
+        _ => None,
+    });
+    let (code, retry_after) = refused.unwrap_or_else(|| panic!("no answer: {b_events:?}"));
+    assert_eq!(code, CloseCode::Unavailable, "{b_events:?}");
+    assert!(took < Duration::from_secs(1), "answered after {took:?}");
+    eprintln!("login with Redis down: {code:?}, retry-after {retry_after:?}, after {took:?}");
+
+    // The live session is untouched: messages still flow both ways.
+    edge1
+        .registry
+        .push(
+            &live_sid,
+            Downstream {
+                class: TrafficClass::Normal,
+                msg_id: 5,
+                payload: Bytes::from_static(b"still here"),
+            },
+        )
+        .expect("push");
+    exchange(
+        &mut a,
+        &mut a_conn,
+        &mut a_events,
+        Duration::from_secs(2),
+        |e| payloads(e).contains(&Bytes::from_static(b"still here")),
+    )
+    .await;
+    assert!(payloads(&a_events).contains(&Bytes::from_static(b"still here")));
+    assert!(!a_events
+        .iter()
+        .any(|x| matches!(x, ClientEvent::Disconnected { .. })));
+}

@@ -1,0 +1,537 @@
+//! The Redis snapshot store and ownership registry against a real redis-server 7: the
+//! in-memory implementations' behaviour (the same generic checks run on both), fencing
+//! under takeover, single-use resume tokens under a race of two edges, and one owner per
+//! player when two edges log the same player in at once (1,000 trials).
+
+mod support_redis;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use support_redis::RedisServer;
+use waygate::cluster::redis::{KickNotice, Reassert, RedisConfig, RedisStores};
+use waygate_session::replay::{ReplayBuffer, ReplayLimits};
+use waygate_session::resume::ResumeHash;
+use waygate_session::seq::RecvWindow;
+use waygate_session::store::{
+    MemoryOwnership, MemorySnapshotStore, OwnershipRegistry, Snapshot, SnapshotStore, StoreError,
+    TakeOutcome, SNAPSHOT_VERSION,
+};
+use waygate_transport::TrafficClass;
+
+fn snapshot(session: u8, player: &str, fencing: u64) -> Snapshot {
+    let mut replay = ReplayBuffer::new(ReplayLimits::default());
+    replay.push(TrafficClass::Critical, 5, Bytes::from_static(b"hi"));
+    replay.push(TrafficClass::Normal, 6, Bytes::from_static(b"\x00\xff"));
+    Snapshot {
+        version: SNAPSHOT_VERSION,
+        session_id: [session; 16],
+        player_id: player.into(),
+        fencing,
+        resume_hash: ResumeHash::of(&[2; 16]),
+        prev_resume_hash: Some(ResumeHash::of(&[3; 16])),
+        bindings: BTreeMap::from([
+            ("world".to_owned(), "w-1".to_owned()),
+            ("chat".to_owned(), "c-2".to_owned()),
+        ]),
+        replay,
+        upstream: RecvWindow::starting_at(4),
+    }
+}
+
+/// The in-memory store's behavioural test (store.rs), minus its virtual clock.
+async fn snapshot_store_semantics(store: &dyn SnapshotStore) {
+    let s = snapshot(1, "p", 1);
+    store.put(&s, Duration::from_secs(10)).await.expect("put");
+    assert_eq!(
+        store.get(&s.session_id).await,
+        Ok(Some(s.clone())),
+        "round trip"
+    );
+    let wrong = ResumeHash::of(&[9; 16]);
+    assert_eq!(
+        store.take(&s.session_id, &wrong).await,
+        Ok(TakeOutcome::Mismatch)
+    );
+    assert!(
+        store.get(&s.session_id).await.expect("get").is_some(),
+        "untouched"
+    );
+    // The unconfirmed previous token is accepted too.
+    let prev = ResumeHash::of(&[3; 16]);
+    assert_eq!(
+        store.take(&s.session_id, &prev).await,
+        Ok(TakeOutcome::Taken(Box::new(s.clone())))
+    );
+    assert_eq!(
+        store.take(&s.session_id, &prev).await,
+        Ok(TakeOutcome::NotFound)
+    );
+    assert_eq!(store.get(&s.session_id).await, Ok(None));
+    // The current token.
+    store.put(&s, Duration::from_secs(10)).await.expect("put");
+    let cur = ResumeHash::of(&[2; 16]);
+    assert!(matches!(
+        store.take(&s.session_id, &cur).await,
+        Ok(TakeOutcome::Taken(_))
+    ));
+    // No previous token: only the current one.
+    let mut no_prev = s.clone();
+    no_prev.prev_resume_hash = None;
+    store
+        .put(&no_prev, Duration::from_secs(10))
+        .await
+        .expect("put");
+    assert_eq!(
+        store.take(&s.session_id, &prev).await,
+        Ok(TakeOutcome::Mismatch)
+    );
+    assert_eq!(store.delete(&s.session_id, None).await, Ok(true));
+    assert_eq!(store.delete(&s.session_id, None).await, Ok(false));
+    // Fenced delete.
+    store.put(&s, Duration::from_secs(10)).await.expect("put");
+    assert_eq!(store.delete(&s.session_id, Some(2)).await, Ok(false));
+    assert_eq!(store.delete(&s.session_id, Some(1)).await, Ok(true));
+    assert_eq!(store.delete(&s.session_id, Some(1)).await, Ok(false));
+    // Overwrite.
+    let mut s2 = s.clone();
+    s2.bindings.insert("guild".into(), "g-1".into());
+    store.put(&s, Duration::from_secs(10)).await.expect("put");
+    store.put(&s2, Duration::from_secs(10)).await.expect("put");
+    assert_eq!(store.get(&s.session_id).await, Ok(Some(s2)));
+    // TTL (real time).
+    let s3 = snapshot(3, "q", 1);
+    store
+        .put(&s3, Duration::from_millis(150))
+        .await
+        .expect("put");
+    assert!(store.get(&s3.session_id).await.expect("get").is_some());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(store.get(&s3.session_id).await, Ok(None), "expired");
+    assert_eq!(
+        store.take(&s3.session_id, &cur).await,
+        Ok(TakeOutcome::NotFound)
+    );
+}
+
+/// The in-memory registry's behavioural test (store.rs); tokens compared by order only.
+async fn ownership_semantics(reg: &dyn OwnershipRegistry) {
+    assert_eq!(reg.owner("p").await, Ok(None));
+    let a = reg.claim("p", &[1; 16], "e1").await.expect("claim");
+    assert_eq!(a.previous, None);
+    let owner = reg.owner("p").await.expect("owner").expect("some");
+    assert_eq!(
+        (owner.session_id, owner.edge.as_str(), owner.fencing),
+        ([1; 16], "e1", a.fencing)
+    );
+    let b = reg.claim("p", &[2; 16], "e2").await.expect("claim");
+    assert!(b.fencing > a.fencing);
+    let prev = b.previous.clone().expect("previous");
+    assert_eq!(
+        (prev.session_id, prev.edge.as_str(), prev.fencing),
+        ([1; 16], "e1", a.fencing)
+    );
+    assert_eq!(
+        reg.release("p", &[1; 16], a.fencing).await,
+        Ok(false),
+        "stale owner"
+    );
+    assert_eq!(
+        reg.release("p", &[2; 16], a.fencing).await,
+        Ok(false),
+        "wrong token"
+    );
+    assert_eq!(
+        reg.release("p", &[1; 16], b.fencing).await,
+        Ok(false),
+        "wrong session"
+    );
+    assert_eq!(reg.release("p", &[2; 16], b.fencing).await, Ok(true));
+    assert_eq!(
+        reg.release("p", &[2; 16], b.fencing).await,
+        Ok(false),
+        "once"
+    );
+    assert_eq!(reg.owner("p").await, Ok(None));
+    let c = reg.claim("p", &[3; 16], "e1").await.expect("claim");
+    assert!(c.fencing > b.fencing, "never goes back after a release");
+    assert_eq!(c.previous, None);
+    // Re-claim by the same session (a restore): previous is itself.
+    let d = reg.claim("p", &[3; 16], "e2").await.expect("claim");
+    assert!(d.fencing > c.fencing);
+    assert_eq!(d.previous.map(|o| o.session_id), Some([3; 16]));
+    // Players are independent.
+    let other = reg.claim("other", &[4; 16], "e1").await.expect("claim");
+    assert_eq!(other.previous, None);
+    assert_eq!(
+        reg.owner("p").await.expect("owner").map(|o| o.session_id),
+        Some([3; 16])
+    );
+}
+
+async fn stores(server: &RedisServer) -> RedisStores {
+    RedisStores::connect(&server.url()).await.expect("connect")
+}
+
+#[tokio::test]
+async fn snapshot_store_behaves_like_the_memory_store() {
+    snapshot_store_semantics(&MemorySnapshotStore::new()).await;
+    let server = RedisServer::start();
+    let s = stores(&server).await;
+    snapshot_store_semantics(s.snapshots.as_ref()).await;
+}
+
+#[tokio::test]
+async fn ownership_behaves_like_the_memory_registry() {
+    ownership_semantics(&MemoryOwnership::new()).await;
+    let server = RedisServer::start();
+    let s = stores(&server).await;
+    ownership_semantics(s.ownership.as_ref()).await;
+}
+
+#[tokio::test]
+async fn owner_record_expires_after_the_linger_ttl_but_fencing_keeps_growing() {
+    let server = RedisServer::start();
+    let mut cfg = RedisConfig::new(server.url());
+    cfg.owner_ttl = Duration::from_millis(200);
+    cfg.fence_ttl = Some(Duration::from_millis(200));
+    let s = RedisStores::connect_with(cfg).await.expect("connect");
+    let a = s.ownership.claim("p", &[1; 16], "e1").await.expect("claim");
+    assert!(s.ownership.owner("p").await.expect("owner").is_some());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(
+        s.ownership.owner("p").await,
+        Ok(None),
+        "owner record expired"
+    );
+    // The counter expired too; the next token is still larger (seeded from the clock).
+    let b = s.ownership.claim("p", &[2; 16], "e1").await.expect("claim");
+    assert_eq!(b.previous, None);
+    assert!(b.fencing > a.fencing);
+}
+
+#[tokio::test]
+async fn a_live_owner_record_stays_and_a_detached_one_expires_with_its_snapshot() {
+    let server = RedisServer::start();
+    let s = stores(&server).await;
+    let live = s
+        .ownership
+        .claim("live", &[1; 16], "e1")
+        .await
+        .expect("claim");
+    let gone = s
+        .ownership
+        .claim("gone", &[2; 16], "e1")
+        .await
+        .expect("claim");
+    // "gone" detaches: its snapshot is written with the linger time.
+    s.snapshots
+        .put(
+            &snapshot(2, "gone", gone.fencing),
+            Duration::from_millis(200),
+        )
+        .await
+        .expect("put");
+    // A stale snapshot of "live" (older token) neither writes nor shortens the record.
+    assert!(s
+        .snapshots
+        .put(
+            &snapshot(1, "live", live.fencing - 1),
+            Duration::from_millis(200)
+        )
+        .await
+        .is_err());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(s.ownership.owner("gone").await, Ok(None), "lingered out");
+    assert_eq!(s.snapshots.get(&[2; 16]).await, Ok(None));
+    let owner = s
+        .ownership
+        .owner("live")
+        .await
+        .expect("owner")
+        .expect("live record stays");
+    assert_eq!(owner.fencing, live.fencing);
+    // A restore claims again: the record is a live one again.
+    let again = s
+        .ownership
+        .claim("gone", &[2; 16], "e2")
+        .await
+        .expect("claim");
+    assert!(again.fencing > gone.fencing);
+}
+
+#[tokio::test]
+async fn a_stale_owner_is_fenced_out_of_writes_releases_and_deletes() {
+    let server = RedisServer::start();
+    let edge_a = stores(&server).await;
+    let edge_b = stores(&server).await;
+    let sid = [7u8; 16];
+    // Edge A owns the session and persists it on detach.
+    let a = edge_a
+        .ownership
+        .claim("p", &sid, "ea")
+        .await
+        .expect("claim");
+    let mut snap = snapshot(7, "p", a.fencing);
+    edge_a
+        .snapshots
+        .put(&snap, Duration::from_secs(60))
+        .await
+        .expect("put");
+    // The client resumes on edge B: take, claim, persist with the new token.
+    let taken = edge_b
+        .snapshots
+        .take(&sid, &ResumeHash::of(&[2; 16]))
+        .await
+        .expect("take");
+    assert!(matches!(taken, TakeOutcome::Taken(_)));
+    let b = edge_b
+        .ownership
+        .claim("p", &sid, "eb")
+        .await
+        .expect("claim");
+    assert!(b.fencing > a.fencing);
+    snap.fencing = b.fencing;
+    snap.resume_hash = ResumeHash::of(&[5; 16]);
+    edge_b
+        .snapshots
+        .put(&snap, Duration::from_secs(60))
+        .await
+        .expect("put");
+    // Edge A wakes up (e.g. after SIGSTOP) and writes with its old token: refused.
+    let mut stale = snapshot(7, "p", a.fencing);
+    stale.bindings.insert("world".into(), "stale".into());
+    let err = edge_a
+        .snapshots
+        .put(&stale, Duration::from_secs(60))
+        .await
+        .expect_err("fenced");
+    assert!(
+        matches!(err, StoreError::Unavailable(ref m) if m.contains("fenced")),
+        "{err:?}"
+    );
+    assert_eq!(
+        edge_a.snapshots.delete(&sid, Some(a.fencing)).await,
+        Ok(false)
+    );
+    assert_eq!(
+        edge_a.ownership.release("p", &sid, a.fencing).await,
+        Ok(false)
+    );
+    assert_eq!(
+        edge_a.ownership.reassert("p", &sid, "ea", a.fencing).await,
+        Ok(Reassert::Superseded(Some(waygate_session::store::Owner {
+            session_id: sid,
+            edge: "eb".into(),
+            fencing: b.fencing,
+        })))
+    );
+    // A different, stale session of the player is fenced too.
+    let other = snapshot(8, "p", a.fencing);
+    assert!(edge_a
+        .snapshots
+        .put(&other, Duration::from_secs(60))
+        .await
+        .is_err());
+    // Edge B's state is intact.
+    assert_eq!(edge_b.snapshots.get(&sid).await, Ok(Some(snap.clone())));
+    assert_eq!(
+        edge_b
+            .ownership
+            .owner("p")
+            .await
+            .expect("owner")
+            .map(|o| o.edge),
+        Some("eb".into())
+    );
+    assert_eq!(
+        edge_b.ownership.reassert("p", &sid, "eb", b.fencing).await,
+        Ok(Reassert::Owner)
+    );
+    assert_eq!(
+        edge_b.snapshots.delete(&sid, Some(b.fencing)).await,
+        Ok(true)
+    );
+    assert_eq!(
+        edge_b.ownership.release("p", &sid, b.fencing).await,
+        Ok(true)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn take_is_single_use_under_a_race_of_two_edges() {
+    let server = RedisServer::start();
+    let edge_a = Arc::new(stores(&server).await);
+    let edge_b = Arc::new(stores(&server).await);
+    let hash = ResumeHash::of(&[2; 16]);
+    for trial in 0..300u32 {
+        let sid = [(trial % 251) as u8; 16];
+        let mut s = snapshot(0, &format!("p{trial}"), 1);
+        s.session_id = sid;
+        edge_a
+            .snapshots
+            .put(&s, Duration::from_secs(60))
+            .await
+            .expect("put");
+        let (a, b) = (edge_a.clone(), edge_b.clone());
+        let ta = tokio::spawn(async move { a.snapshots.take(&sid, &hash).await });
+        let tb = tokio::spawn(async move { b.snapshots.take(&sid, &hash).await });
+        let ra = ta.await.expect("join").expect("take a");
+        let rb = tb.await.expect("join").expect("take b");
+        let taken = [&ra, &rb]
+            .iter()
+            .filter(|r| matches!(r, TakeOutcome::Taken(_)))
+            .count();
+        assert_eq!(taken, 1, "trial {trial}: {ra:?} / {rb:?}");
+        assert!(
+            matches!(ra, TakeOutcome::NotFound) || matches!(rb, TakeOutcome::NotFound),
+            "the loser sees NotFound"
+        );
+    }
+}
+
+async fn next_kick(rx: &mut tokio::sync::mpsc::Receiver<KickNotice>) -> KickNotice {
+    tokio::time::timeout(Duration::from_secs(2), rx.recv())
+        .await
+        .expect("kick within 2 s")
+        .expect("subscription open")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_edges_logging_in_the_same_player_1000_times_yield_one_owner_each_time() {
+    let server = RedisServer::start();
+    let edge_a = Arc::new(stores(&server).await);
+    let edge_b = Arc::new(stores(&server).await);
+    let (mut kicks_a, mut up_a) = edge_a.ownership.subscribe_kicks_with_status("ea");
+    let (mut kicks_b, mut up_b) = edge_b.ownership.subscribe_kicks_with_status("eb");
+    for up in [&mut up_a, &mut up_b] {
+        tokio::time::timeout(Duration::from_secs(5), up.wait_for(|u| *u))
+            .await
+            .expect("subscribed")
+            .expect("watch");
+    }
+    let mut last = 0u64;
+    let (mut wins_a, mut wins_b) = (0, 0);
+    for trial in 0..1000u32 {
+        let sa = [
+            (trial % 200) as u8,
+            0xa,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            1,
+        ];
+        let sb = [
+            (trial % 200) as u8,
+            0xb,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            2,
+        ];
+        let (a, b) = (edge_a.clone(), edge_b.clone());
+        let ta = tokio::spawn(async move { a.ownership.claim("p", &sa, "ea").await });
+        let tb = tokio::spawn(async move { b.ownership.claim("p", &sb, "eb").await });
+        let ga = ta.await.expect("join").expect("claim a");
+        let gb = tb.await.expect("join").expect("claim b");
+        assert_ne!(ga.fencing, gb.fencing);
+        assert!(
+            ga.fencing.min(gb.fencing) > last,
+            "fencing strictly increasing"
+        );
+        last = ga.fencing.max(gb.fencing);
+        // The later claim took over from the earlier; the earlier saw nobody.
+        let (winner, loser_sid, loser_fencing, loser_kicks, win_edge) = if gb.fencing > ga.fencing {
+            wins_b += 1;
+            assert_eq!(ga.previous, None, "trial {trial}");
+            assert_eq!(gb.previous.as_ref().map(|o| o.session_id), Some(sa));
+            (sb, sa, ga.fencing, &mut kicks_a, "eb")
+        } else {
+            wins_a += 1;
+            assert_eq!(gb.previous, None, "trial {trial}");
+            assert_eq!(ga.previous.as_ref().map(|o| o.session_id), Some(sb));
+            (sa, sb, gb.fencing, &mut kicks_b, "ea")
+        };
+        let owner = edge_a
+            .ownership
+            .owner("p")
+            .await
+            .expect("owner")
+            .expect("some");
+        assert_eq!(
+            (owner.session_id, owner.fencing),
+            (winner, last),
+            "trial {trial}"
+        );
+        // The loser's edge is told to kick exactly the loser.
+        let k = next_kick(loser_kicks).await;
+        assert_eq!(
+            (
+                k.player_id.as_str(),
+                k.session_id,
+                k.fencing,
+                k.new_fencing,
+                k.by_edge.as_str()
+            ),
+            ("p", loser_sid, loser_fencing, last, win_edge),
+            "trial {trial}"
+        );
+        // The loser cannot release; the winner logs out.
+        assert_eq!(
+            edge_a
+                .ownership
+                .release("p", &loser_sid, loser_fencing)
+                .await,
+            Ok(false)
+        );
+        assert_eq!(edge_b.ownership.release("p", &winner, last).await, Ok(true));
+    }
+    // No stray kicks.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(kicks_a.try_recv().is_err() && kicks_b.try_recv().is_err());
+    assert_eq!(wins_a + wins_b, 1000);
+    eprintln!("winners: edge a {wins_a}, edge b {wins_b}");
+}
+
+#[tokio::test]
+async fn no_kick_is_published_for_a_takeover_on_the_same_edge() {
+    let server = RedisServer::start();
+    let s = stores(&server).await;
+    let (mut kicks, mut up) = s.ownership.subscribe_kicks_with_status("e1");
+    tokio::time::timeout(Duration::from_secs(5), up.wait_for(|u| *u))
+        .await
+        .expect("subscribed")
+        .expect("watch");
+    s.ownership.claim("p", &[1; 16], "e1").await.expect("claim");
+    s.ownership.claim("p", &[2; 16], "e1").await.expect("claim");
+    // The driver kicks same-edge sessions itself; another edge's claim publishes.
+    let c = s.ownership.claim("p", &[3; 16], "e2").await.expect("claim");
+    let k = next_kick(&mut kicks).await;
+    assert_eq!((k.session_id, k.new_fencing), ([2; 16], c.fencing));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(kicks.try_recv().is_err());
+    // Edge ids with spaces cannot be stored.
+    assert!(s.ownership.claim("p", &[4; 16], "bad edge").await.is_err());
+}

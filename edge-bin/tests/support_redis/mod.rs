@@ -1,0 +1,128 @@
+//! Test harness: a real `redis-server` on a free loopback port, killed on drop, able to stop
+//! and restart on the same port. Fails (never skips) when the binary is missing.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::io::{Read as _, Write as _};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A running (or stopped) redis-server owned by a test.
+pub struct RedisServer {
+    port: u16,
+    child: Option<Child>,
+}
+
+fn binary() -> String {
+    std::env::var("WAYGATE_REDIS_SERVER").unwrap_or_else(|_| "redis-server".into())
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+fn ping(port: u16) -> bool {
+    let Ok(mut s) =
+        TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200))
+    else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+    if s.write_all(b"PING\r\n").is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 7];
+    s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
+}
+
+impl RedisServer {
+    /// Starts redis-server on a free port and waits until it answers PING.
+    pub fn start() -> Self {
+        for _ in 0..5 {
+            let mut s = Self {
+                port: free_port(),
+                child: None,
+            };
+            if s.try_start() {
+                return s;
+            }
+        }
+        panic!("redis-server did not start on any of 5 free ports");
+    }
+
+    fn try_start(&mut self) -> bool {
+        let child = Command::new(binary())
+            .args(["--port", &self.port.to_string()])
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(["--daemonize", "no", "--logfile", ""])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        let mut child = match child {
+            Ok(c) => c,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!(
+                "redis-server not found ({}): install it (Debian: apt-get install \
+                 redis-server redis-tools; scripts/test.sh does) or set WAYGATE_REDIS_SERVER",
+                binary()
+            ),
+            Err(e) => panic!("could not run redis-server: {e}"),
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                return false; // exited: port taken?
+            }
+            if ping(self.port) {
+                self.child = Some(child);
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        false
+    }
+
+    /// The port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `redis://127.0.0.1:PORT/`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// Kills the server (SIGKILL, as a crash) and waits for it to exit. Data is lost.
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts the server again on the same port (empty: no persistence).
+    pub fn restart(&mut self) {
+        self.stop();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.try_start() {
+            assert!(
+                Instant::now() < deadline,
+                "redis-server did not restart on port {}",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
