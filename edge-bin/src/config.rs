@@ -278,6 +278,62 @@ impl Default for DrainConfig {
     }
 }
 
+/// Backpressure stages (SPEC B1–B5).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct BackpressureConfig {
+    /// New connections per second accepted by the whole edge (B1).
+    pub accept_per_sec: u64,
+    /// Burst of the edge's accept bucket.
+    pub accept_burst: u64,
+    /// New connections per second per source address (IPv6: per /64).
+    pub accept_per_source_per_sec: u64,
+    /// Burst of each source's bucket.
+    pub accept_per_source_burst: u64,
+    /// Most connections in their transport handshake at once.
+    pub max_handshakes: u64,
+    /// Upstream messages per second per connection (B2).
+    pub inbound_msgs_per_sec: u64,
+    /// Burst of the message bucket.
+    pub inbound_msg_burst: u64,
+    /// Upstream bytes per second per connection.
+    pub inbound_bytes_per_sec: u64,
+    /// Burst of the byte bucket.
+    pub inbound_byte_burst: u64,
+    /// Dropped messages tolerated (as a burst) before a flooding client is disconnected.
+    pub inbound_strikes: u32,
+    /// Window over which strikes are forgiven, ms.
+    pub inbound_strike_window_ms: u64,
+    /// A downstream frame not written within this time closes the client as SLOW_CONSUMER
+    /// (the session lingers for resume), ms (B3).
+    pub send_deadline_ms: u64,
+    /// Hard cap on sessions (B5); 0 = half the process's file-descriptor limit.
+    pub max_sessions: u64,
+    /// Memory budget for the overload levels, MiB (B5); 0 = no memory signal.
+    pub memory_budget_mb: u64,
+}
+
+impl Default for BackpressureConfig {
+    fn default() -> Self {
+        Self {
+            accept_per_sec: 2_000,
+            accept_burst: 500,
+            accept_per_source_per_sec: 200,
+            accept_per_source_burst: 400,
+            max_handshakes: 4_096,
+            inbound_msgs_per_sec: 100,
+            inbound_msg_burst: 200,
+            inbound_bytes_per_sec: 256 * 1024,
+            inbound_byte_burst: 512 * 1024,
+            inbound_strikes: 50,
+            inbound_strike_window_ms: 10_000,
+            send_deadline_ms: 5_000,
+            max_sessions: 0,
+            memory_budget_mb: 0,
+        }
+    }
+}
+
 /// Admin HTTP (health, metrics, routes, sessions, drain, kick).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -323,6 +379,8 @@ pub struct EdgeConfig {
     pub links: LinksConfig,
     /// Drain behaviour.
     pub drain: DrainConfig,
+    /// Backpressure stages.
+    pub backpressure: BackpressureConfig,
     /// Admin HTTP.
     pub admin: AdminConfig,
 }
@@ -341,6 +399,7 @@ impl Default for EdgeConfig {
             routing: RoutingConfig::default(),
             links: LinksConfig::default(),
             drain: DrainConfig::default(),
+            backpressure: BackpressureConfig::default(),
             admin: AdminConfig::default(),
         }
     }
@@ -355,6 +414,7 @@ impl EdgeConfig {
                 self.limits.idle_timeout_ms,
             )),
             handshake_timeout: std::time::Duration::from_millis(self.limits.handshake_timeout_ms),
+            ..Default::default()
         }
     }
 
@@ -436,6 +496,26 @@ impl EdgeConfig {
             return Err(ConfigError::Invalid {
                 key: "session.replay_max_messages",
                 message: "replay and outbound capacities must be at least 1".into(),
+            });
+        }
+        let b = &self.backpressure;
+        if b.accept_per_sec == 0
+            || b.accept_burst == 0
+            || b.accept_per_source_per_sec == 0
+            || b.accept_per_source_burst == 0
+            || b.inbound_msgs_per_sec == 0
+            || b.inbound_bytes_per_sec == 0
+            || b.max_handshakes == 0
+        {
+            return Err(ConfigError::Invalid {
+                key: "backpressure",
+                message: "rates, bursts and max_handshakes must be at least 1".into(),
+            });
+        }
+        if (b.inbound_byte_burst as usize) < self.limits.max_frame_size {
+            return Err(ConfigError::Invalid {
+                key: "backpressure.inbound_byte_burst",
+                message: "must be at least limits.max_frame_size (one largest frame)".into(),
             });
         }
         if self.links.push_credits == 0 {

@@ -39,6 +39,8 @@ use crate::config::EdgeConfig;
 use crate::link::client::{ForwardError, InFlight, LinkClient, LinkConfig, LinkEvent, SessionMeta};
 use crate::listeners::bind_all;
 use crate::metrics::{BackendLabel, ClassLabel, CodeLabel, EdgeMetrics, RouteLabels};
+use crate::overload::{inbound_limits, EdgeAdmission, Governor};
+use waygate_transport::listener::AdmissionGate;
 
 /// The built-in demo route table.
 pub const DEFAULT_ROUTES: &str = include_str!("default_routes.toml");
@@ -90,6 +92,10 @@ struct Shared {
     addrs: BTreeMap<TransportKind, SocketAddr>,
     /// Instance id -> address, from every table seen (to find the link of a moved binding).
     instance_addrs: Mutex<HashMap<String, SocketAddr>>,
+    /// Admission control of every listener (B1).
+    admission: Arc<EdgeAdmission>,
+    /// Overload levels (B5).
+    governor: Arc<Governor>,
 }
 
 /// A running edge.
@@ -125,7 +131,12 @@ fn now_std() -> std::time::Instant {
 impl Edge {
     /// Starts an edge with `config`.
     pub async fn start(config: EdgeConfig) -> Result<Edge, EdgeError> {
-        let bound = bind_all(&config).await?;
+        let admission = Arc::new(EdgeAdmission::new(
+            &config.backpressure,
+            Duration::from_millis(config.limits.handshake_timeout_ms),
+        ));
+        let governor = Arc::new(Governor::new(&config.backpressure));
+        let bound = bind_all(&config, Some(admission.clone() as Arc<dyn AdmissionGate>)).await?;
         let mut router = Router::new(
             RouterConfig {
                 migration_rate: MigrationRate {
@@ -186,6 +197,8 @@ impl Edge {
             started: Instant::now(),
             addrs: bound.addrs.clone(),
             instance_addrs: Mutex::new(HashMap::new()),
+            admission,
+            governor,
             config,
         });
         shared.learn_instances();
@@ -223,6 +236,9 @@ impl Edge {
             Arc::new(EdgeUpstream(Arc::downgrade(&shared))),
         );
         edge_sessions.outbound_capacity = s.outbound_capacity;
+        edge_sessions.inbound = Some(inbound_limits(&shared.config.backpressure));
+        edge_sessions.send_deadline =
+            Duration::from_millis(shared.config.backpressure.send_deadline_ms);
         let _ = shared.sessions.set(Arc::new(edge_sessions));
 
         // Give the backend links a moment to come up before the first client arrives (an
@@ -254,6 +270,7 @@ impl Edge {
             link_rx,
         )));
         tasks.push(tokio::spawn(route_loop(Arc::downgrade(&shared))));
+        tasks.push(tokio::spawn(overload_loop(Arc::downgrade(&shared))));
         if let Some(source) = &shared.source {
             tasks.push(source.spawn());
         }
@@ -693,6 +710,12 @@ async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver<LinkEvent>
                 let label = ClassLabel {
                     class: class.as_str().into(),
                 };
+                if class == waygate_transport::TrafficClass::BestEffort
+                    && shared.governor.shed_best_effort.load(Ordering::Acquire)
+                {
+                    shared.metrics.overload_shed.inc();
+                    continue;
+                }
                 let pushed = shared.session_of_handle(handle).map(|sid| {
                     shared.edge_sessions().registry.push(
                         &sid,
@@ -940,6 +963,35 @@ async fn route_loop(shared: Weak<Shared>) {
     }
 }
 
+/// Feeds the overload governor (B5) and applies its decisions: level 1 sheds best-effort
+/// pushes, level 3 makes admission refuse every new connection with a retry-after.
+async fn overload_loop(shared: Weak<Shared>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut sweeps = 0u32;
+    loop {
+        tick.tick().await;
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        let sessions = shared.edge_sessions().registry.len() as u64;
+        let memory = waygate_transport::backpressure::process_rss_bytes().unwrap_or(0);
+        let refuse = shared.governor.observe(sessions, memory);
+        shared.admission.refuse_all(refuse);
+        let level = shared.governor.level.load(Ordering::Acquire);
+        shared.metrics.overload_level.set(i64::from(level));
+        let refused = shared.admission.refused.load(Ordering::Relaxed);
+        let counted = shared.metrics.admission_refused.get();
+        if refused > counted {
+            shared.metrics.admission_refused.inc_by(refused - counted);
+        }
+        sweeps += 1;
+        if sweeps % 50 == 0 {
+            shared.admission.sweep();
+        }
+    }
+}
+
 /// The admin API over a running edge.
 struct EdgeAdmin(Arc<Shared>);
 
@@ -954,6 +1006,8 @@ impl AdminApi for EdgeAdmin {
             "sessions": s.edge_sessions().registry.len(),
             "draining": s.draining.load(Ordering::Acquire),
             "route_epoch": s.epoch.load(Ordering::Relaxed),
+            "overload_level": s.governor.level.load(Ordering::Acquire),
+            "session_cap": s.governor.session_cap,
             "listeners": s.addrs.iter().map(|(k, a)| (k.as_str().to_string(), a.to_string())).collect::<BTreeMap<_, _>>(),
         })
     }

@@ -17,3 +17,4 @@ pub mod edge;
 pub mod link;
 pub mod listeners;
 pub mod metrics;
+pub mod overload;

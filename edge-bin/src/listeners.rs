@@ -42,10 +42,14 @@ pub fn tls_identity(config: &EdgeConfig) -> Result<TlsIdentity, TransportError> 
     Ok(id)
 }
 
-/// Binds every enabled listener.
-pub async fn bind_all(config: &EdgeConfig) -> Result<BoundListeners, TransportError> {
+/// Binds every enabled listener; each asks `admission` (if any) before any handshake work.
+pub async fn bind_all(
+    config: &EdgeConfig,
+    admission: Option<std::sync::Arc<dyn waygate_transport::listener::AdmissionGate>>,
+) -> Result<BoundListeners, TransportError> {
     let tls = tls_identity(config)?;
-    let conn = config.conn_config();
+    let mut conn = config.conn_config();
+    conn.admission = admission;
     let l = &config.listeners;
     let mut listeners: Vec<BoxListener> = Vec::new();
     if l.tcp.enabled {

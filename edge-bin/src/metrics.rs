@@ -78,6 +78,12 @@ pub struct EdgeMetrics {
     pub migrations: Counter,
     /// 1 while the edge drains.
     pub draining: Gauge,
+    /// Overload level 0..=3 (B5).
+    pub overload_level: Gauge,
+    /// Connections refused by admission control (B1).
+    pub admission_refused: Counter,
+    /// Best-effort pushes shed at overload level 1+ (B5).
+    pub overload_shed: Counter,
 }
 
 impl Default for EdgeMetrics {
@@ -108,6 +114,9 @@ impl EdgeMetrics {
             stale_epoch_reroutes: Counter::default(),
             migrations: Counter::default(),
             draining: Gauge::default(),
+            overload_level: Gauge::default(),
+            admission_refused: Counter::default(),
+            overload_shed: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -171,6 +180,21 @@ impl EdgeMetrics {
             m.migrations.clone(),
         );
         registry.register("draining", "1 while the edge drains", m.draining.clone());
+        registry.register(
+            "overload_level",
+            "Overload level 0..=3",
+            m.overload_level.clone(),
+        );
+        registry.register(
+            "admission_refused",
+            "Connections refused by admission control",
+            m.admission_refused.clone(),
+        );
+        registry.register(
+            "overload_shed",
+            "Best-effort pushes shed under overload",
+            m.overload_shed.clone(),
+        );
         Self { registry, ..m }
     }
 

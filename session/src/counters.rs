@@ -73,6 +73,14 @@ named_counters! {
     acks_sent,
     /// Frames that violated the protocol.
     protocol_errors,
+    /// Upstream DATA frames dropped by the per-connection inbound limiter (B2).
+    inbound_dropped,
+    /// Connections closed for flooding (RATE_LIMITED, B2).
+    rate_limited,
+    /// Connections closed because the client did not read in time (SLOW_CONSUMER, B3).
+    slow_consumer,
+    /// Best-effort downstream messages shed while a session's queue was congested (B3).
+    best_effort_shed,
 }
 
 impl SessionCounters {

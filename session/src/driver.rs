@@ -117,6 +117,9 @@ pub enum PushError {
     /// The session's bounded outbound queue is full.
     #[error("session outbound queue full")]
     QueueFull,
+    /// A best-effort message shed because the session's queue is congested (B3).
+    #[error("best-effort message shed (queue congested)")]
+    Shed,
 }
 
 /// A hand-over answer: on success the session's downstream channel moves with it, so a
@@ -227,6 +230,13 @@ impl SessionRegistry {
     /// Queues a downstream message for a session (never waits: a full queue is an error).
     pub fn push(&self, session_id: &SessionId, message: Downstream) -> Result<(), PushError> {
         let handle = self.handle(session_id).ok_or(PushError::NotFound)?;
+        // Best-effort goes first when the queue is congested (above 3/4 full), so the room
+        // left is kept for sequenced messages (B3).
+        if message.class == TrafficClass::BestEffort
+            && handle.downstream.capacity() * 4 < handle.downstream.max_capacity()
+        {
+            return Err(PushError::Shed);
+        }
         handle.downstream.try_send(message).map_err(|e| match e {
             mpsc::error::TrySendError::Full(_) => PushError::QueueFull,
             mpsc::error::TrySendError::Closed(_) => PushError::NotFound,
@@ -351,6 +361,11 @@ pub struct EdgeSessions {
     pub counters: Arc<SessionCounters>,
     /// Capacity of each session's downstream channel.
     pub outbound_capacity: usize,
+    /// Per-connection inbound rate limits (B2); `None`: unlimited.
+    pub inbound: Option<waygate_transport::backpressure::InboundLimits>,
+    /// A frame that cannot be written within this time closes the connection as
+    /// SLOW_CONSUMER (B3); the session lingers with everything in its replay buffer.
+    pub send_deadline: Duration,
     /// RNG per session machine (default: the OS CSPRNG).
     pub rng: Arc<dyn Fn() -> Box<dyn SessionRng> + Send + Sync>,
     /// Unix seconds for token verification (default: the system clock).
@@ -384,6 +399,8 @@ impl EdgeSessions {
             upstream,
             counters: Arc::new(SessionCounters::new()),
             outbound_capacity: 1024,
+            inbound: None,
+            send_deadline: Duration::from_secs(5),
             rng: Arc::new(|| Box::new(SystemRng::new())),
             unix_now: Arc::new(|| {
                 std::time::SystemTime::now()
@@ -416,6 +433,7 @@ struct Task {
     downstream_tx: mpsc::Sender<Downstream>,
     downstream_rx: Option<mpsc::Receiver<Downstream>>,
     adopted: Option<SessionId>,
+    inbound: Option<waygate_transport::backpressure::InboundLimiter>,
 }
 
 enum Event {
@@ -454,7 +472,13 @@ async fn run_session_inner(edge: Arc<EdgeSessions>, conn: BoxConnection) -> EndR
         downstream_tx,
         downstream_rx: Some(downstream_rx),
         adopted: None,
+        inbound: None,
     };
+    t.inbound = t
+        .edge
+        .inbound
+        .clone()
+        .map(|limits| waygate_transport::backpressure::InboundLimiter::new(limits, now()));
     let _ = t.machine.handle_link_up(now());
     loop {
         t.run_actions().await;
@@ -477,6 +501,27 @@ async fn run_session_inner(edge: Arc<EdgeSessions>, conn: BoxConnection) -> EndR
         };
         match event {
             Event::Frame(Ok(frame)) => {
+                if let (Some(limiter), waygate_transport::Frame::Data(_)) =
+                    (t.inbound.as_mut(), &frame)
+                {
+                    use waygate_transport::backpressure::InboundVerdict;
+                    match limiter.check(now(), frame.encoded_len()) {
+                        InboundVerdict::Accept => {}
+                        InboundVerdict::Drop => {
+                            SessionCounters::bump(&t.edge.counters.inbound_dropped);
+                            continue;
+                        }
+                        InboundVerdict::Disconnect { code } => {
+                            SessionCounters::bump(&t.edge.counters.rate_limited);
+                            tracing::info!("closing a flooding connection");
+                            if let Some(mut conn) = t.conn.take() {
+                                conn.close(code, "rate limited").await;
+                            }
+                            let _ = t.machine.handle_link_down(now(), code);
+                            continue;
+                        }
+                    }
+                }
                 if let Err(e) = t.machine.handle_frame(now(), frame) {
                     tracing::debug!(error = %e, "session input refused");
                 }
@@ -607,11 +652,26 @@ impl Task {
         match action {
             Action::Send(frame) => {
                 if let Some(conn) = self.conn.as_mut() {
-                    if let Err(e) = conn.send(&frame).await {
-                        tracing::debug!(error = %e, "send failed");
-                        if e.is_fatal() {
-                            self.conn = None;
-                            let _ = self.machine.handle_link_down(now(), e.close_code());
+                    match tokio::time::timeout(edge.send_deadline, conn.send(&frame)).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => {
+                            tracing::debug!(error = %e, "send failed");
+                            if e.is_fatal() {
+                                self.conn = None;
+                                let _ = self.machine.handle_link_down(now(), e.close_code());
+                            }
+                        }
+                        Err(_) => {
+                            // The client does not read: close it as a slow consumer; the
+                            // session lingers with its replay buffer for the resume (B3).
+                            SessionCounters::bump(&edge.counters.slow_consumer);
+                            tracing::info!("closing a slow consumer");
+                            if let Some(mut conn) = self.conn.take() {
+                                conn.close(CloseCode::SlowConsumer, "too slow").await;
+                            }
+                            let _ = self
+                                .machine
+                                .handle_link_down(now(), CloseCode::SlowConsumer);
                         }
                     }
                 }

@@ -111,6 +111,8 @@ pub struct ConnConfig {
     pub idle_timeout: Option<Duration>,
     /// Deadline for the transport handshake (TLS, WebSocket upgrade, QUIC, KCP cookie).
     pub handshake_timeout: Duration,
+    /// Admission control for listeners (B1); `None` admits everything.
+    pub admission: Option<std::sync::Arc<dyn crate::listener::AdmissionGate>>,
 }
 
 impl Default for ConnConfig {
@@ -119,6 +121,7 @@ impl Default for ConnConfig {
             max_frame_size: DEFAULT_MAX_FRAME_SIZE,
             idle_timeout: Some(Duration::from_secs(30)),
             handshake_timeout: Duration::from_secs(10),
+            admission: None,
         }
     }
 }
@@ -218,6 +221,8 @@ pub struct ListenerStats {
     pub handshake_failed: AtomicU64,
     /// Connections closed because the peer sent an invalid frame.
     pub bad_frames: AtomicU64,
+    /// Connections refused by admission control (B1).
+    pub refused: AtomicU64,
 }
 
 impl ListenerStats {

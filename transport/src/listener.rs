@@ -13,6 +13,7 @@ use tokio::sync::mpsc;
 
 use crate::conn::{BoxConnection, Listener, ListenerStats, TransportKind};
 use crate::error::TransportError;
+use crate::protocol::CloseCode;
 
 /// Ready connections waiting for `accept`.
 const ACCEPT_BACKLOG: usize = 1024;
@@ -156,6 +157,61 @@ pub(crate) async fn accept_tcp(
                 tracing::warn!(error = %e, "tcp accept failed");
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
+        }
+    }
+}
+
+/// What an [`AdmissionGate`] decided for one new connection.
+#[derive(Debug)]
+pub enum Admit {
+    /// Go ahead; the permit (if any) is held until the transport handshake ends.
+    Go(Option<crate::backpressure::HandshakePermit>),
+    /// Refuse with `code` and a retry-after hint: TCP gets a REJECT frame, WebSocket an HTTP
+    /// 503 with `Retry-After`, QUIC a CONNECTION_REFUSED; TLS and wss cannot answer before
+    /// their handshake and are closed at once (counted).
+    Refuse {
+        /// The code (`overloaded`, `draining`).
+        code: CloseCode,
+        /// Milliseconds the client should wait.
+        retry_after_ms: u32,
+    },
+}
+
+/// Decides, before any expensive work (TLS, upgrade, QUIC handshake), whether a new
+/// connection may proceed (SPEC B1). The edge implements it over
+/// [`crate::backpressure::AdmissionControl`] and its overload level.
+pub trait AdmissionGate: Send + Sync + std::fmt::Debug + 'static {
+    /// Called once per accepted socket / QUIC `Incoming`, with the peer address.
+    fn admit(&self, peer: SocketAddr) -> Admit;
+}
+
+/// A REJECT frame with its stream length prefix, for refusing plain TCP connections.
+pub(crate) fn reject_bytes(code: CloseCode, retry_after_ms: u32) -> bytes::BytesMut {
+    let mut out = bytes::BytesMut::new();
+    let frame = crate::Frame::Reject(crate::frame::Reject {
+        code,
+        retry_after_ms,
+        message: code.as_str().into(),
+    });
+    let _ = crate::codec::StreamCodec::new(crate::protocol::DEFAULT_MAX_FRAME_SIZE)
+        .encode(&frame, &mut out);
+    out
+}
+
+/// Asks the configured gate (if any) about `peer`, counting refusals.
+pub(crate) fn admit(
+    gate: Option<&Arc<dyn AdmissionGate>>,
+    peer: SocketAddr,
+    stats: &ListenerStats,
+) -> Admit {
+    match gate {
+        None => Admit::Go(None),
+        Some(g) => {
+            let verdict = g.admit(peer);
+            if matches!(verdict, Admit::Refuse { .. }) {
+                ListenerStats::bump(&stats.refused);
+            }
+            verdict
         }
     }
 }

@@ -27,7 +27,7 @@ use crate::conn::{
 };
 use crate::error::TransportError;
 use crate::frame::Frame;
-use crate::listener::TransportListener;
+use crate::listener::{admit, Admit, TransportListener};
 use crate::protocol::{CloseCode, TrafficClass, QUIC_ALPN};
 use crate::tls::{ClientTls, TlsIdentity};
 
@@ -411,8 +411,17 @@ pub fn listen(
                     return;
                 }
                 let peer = incoming.remote_address();
+                let permit = match admit(config.admission.as_ref(), peer, &handoff.stats) {
+                    Admit::Go(permit) => permit,
+                    Admit::Refuse { .. } => {
+                        // An explicit CONNECTION_REFUSED, before any handshake work.
+                        incoming.refuse();
+                        continue;
+                    }
+                };
                 let config = config.clone();
                 handoff.spawn_handshake(peer, config.handshake_timeout, async move {
+                    let _permit = permit;
                     let conn = incoming
                         .await
                         .map_err(|e| TransportError::Handshake(e.to_string()))?;

@@ -9,7 +9,7 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use crate::conn::{BoxConnection, ConnConfig, ConnId, ConnInfo, TransportKind};
 use crate::error::TransportError;
-use crate::listener::{accept_tcp, TransportListener};
+use crate::listener::{accept_tcp, admit, reject_bytes, Admit, TransportListener};
 use crate::stream::StreamConnection;
 use crate::tls::{server_name, ClientTls, TlsIdentity};
 
@@ -41,6 +41,20 @@ pub async fn listen(
                 if handoff.is_closed() {
                     return;
                 }
+                let permit = match admit(config.admission.as_ref(), peer, &handoff.stats) {
+                    Admit::Go(permit) => permit,
+                    Admit::Refuse {
+                        code,
+                        retry_after_ms,
+                    } => {
+                        // Plain TCP can answer at once (never a silent drop); TLS cannot
+                        // before its handshake, so it is closed (counted).
+                        if acceptor.is_none() {
+                            let _ = stream.try_write(&reject_bytes(code, retry_after_ms));
+                        }
+                        continue;
+                    }
+                };
                 let info = ConnInfo {
                     id: ConnId::next(),
                     kind,
@@ -60,6 +74,7 @@ pub async fn listen(
                         let acceptor = acceptor.clone();
                         let config = config.clone();
                         handoff.spawn_handshake(peer, config.handshake_timeout, async move {
+                            let _permit = permit;
                             let tls = acceptor
                                 .accept(stream)
                                 .await

@@ -23,7 +23,7 @@ use crate::conn::{
 };
 use crate::error::{FrameError, TransportError};
 use crate::frame::Frame;
-use crate::listener::{accept_tcp, TransportListener};
+use crate::listener::{accept_tcp, admit, Admit, TransportListener};
 use crate::protocol::{CloseCode, WS_SUBPROTOCOL};
 use crate::tls::{server_name, ClientTls, TlsIdentity};
 
@@ -250,6 +250,21 @@ pub async fn listen(
                 if handoff.is_closed() {
                     return;
                 }
+                let permit = match admit(config.admission.as_ref(), peer, &handoff.stats) {
+                    Admit::Go(permit) => permit,
+                    Admit::Refuse { retry_after_ms, .. } => {
+                        // ws answers with HTTP 503 before the upgrade; wss cannot answer
+                        // before TLS and is closed (counted).
+                        if acceptor.is_none() {
+                            let secs = retry_after_ms.div_ceil(1000).max(1);
+                            let resp = format!(
+                                "HTTP/1.1 503 Service Unavailable\r\nRetry-After: {secs}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                            );
+                            let _ = stream.try_write(resp.as_bytes());
+                        }
+                        continue;
+                    }
+                };
                 let info = ConnInfo {
                     id: ConnId::next(),
                     kind,
@@ -259,6 +274,7 @@ pub async fn listen(
                 let acceptor = acceptor.clone();
                 let config = config.clone();
                 handoff.spawn_handshake(peer, config.handshake_timeout, async move {
+                    let _permit = permit;
                     match acceptor {
                         None => upgrade(stream, info, &config).await,
                         Some(acceptor) => {

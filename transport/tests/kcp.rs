@@ -31,6 +31,7 @@ fn conn_config() -> ConnConfig {
         // Generous: 100 simultaneous handshakes on a loaded 2-core machine can lose
         // loopback UDP packets and wait out retransmission timers.
         handshake_timeout: Duration::from_secs(60),
+        ..Default::default()
     }
 }
 

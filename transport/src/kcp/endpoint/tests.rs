@@ -26,6 +26,7 @@ fn conn_cfg() -> ConnConfig {
         max_frame_size: MAX_FRAME,
         idle_timeout: Some(IDLE),
         handshake_timeout: Duration::from_secs(10),
+        ..Default::default()
     }
 }
 
