@@ -477,7 +477,6 @@ async fn run_session_inner(edge: Arc<EdgeSessions>, conn: BoxConnection) -> EndR
     t.inbound = t
         .edge
         .inbound
-        .clone()
         .map(|limits| waygate_transport::backpressure::InboundLimiter::new(limits, now()));
     let _ = t.machine.handle_link_up(now());
     loop {

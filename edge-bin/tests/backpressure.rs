@@ -1,0 +1,380 @@
+//! Backpressure over real sockets (B1–B5), each with a control group that must lose
+//! nothing: an accept storm gets explicit OVERLOADED answers; a flooding client is throttled
+//! then closed; a client that stops reading is closed as a slow consumer; overload levels
+//! rise with load and refuse new connections at the session cap.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    missing_docs,
+    unreachable_pub
+)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use waygate::backend::demo::{DemoService, ECHO, ECHO_REPLY};
+use waygate::backend::{Backend, BackendConfig};
+use waygate::config::EdgeConfig;
+use waygate::edge::Edge;
+use waygate_client::{Client, ClientOptions, Event};
+use waygate_transport::codec::StreamCodec;
+use waygate_transport::endpoint::Endpoint;
+use waygate_transport::frame::{Data, Hello};
+use waygate_transport::protocol::PROTOCOL_VERSION;
+use waygate_transport::{CloseCode, Frame, TrafficClass, TransportKind};
+
+async fn edge_with(tune: impl FnOnce(&mut EdgeConfig)) -> (Edge, Backend, tempfile::TempDir) {
+    let backend = Backend::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        BackendConfig::new("b1"),
+        Arc::new(DemoService::new()),
+    )
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let routes = dir.path().join("routes.toml");
+    std::fs::write(&routes, common::table(&[backend.local_addr()], 1, None)).unwrap();
+    let mut config = EdgeConfig::default();
+    config.use_ephemeral_ports();
+    config.routing.table = Some(routes);
+    tune(&mut config);
+    (Edge::start(config).await.unwrap(), backend, dir)
+}
+
+fn client(edge: &Edge, kind: TransportKind, player: &str) -> Client {
+    Client::start(ClientOptions::new(
+        vec![Endpoint::new(kind, edge.addrs[&kind])],
+        common::token(player),
+    ))
+}
+
+/// A control client: echoes `n` messages one after another; returns how many came back.
+async fn control_echoes(mut c: Client, n: u64) -> u64 {
+    let mut got = 0;
+    for i in 0..n {
+        c.send(TrafficClass::Normal, ECHO, Bytes::from(i.to_string()))
+            .await
+            .unwrap();
+        loop {
+            match tokio::time::timeout(Duration::from_secs(20), c.next_event()).await {
+                Ok(Some(Event::Message {
+                    msg_id: ECHO_REPLY, ..
+                })) => {
+                    got += 1;
+                    break;
+                }
+                Ok(Some(Event::Closed { .. })) | Ok(None) | Err(_) => return got,
+                Ok(Some(_)) => {}
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    got
+}
+
+/// Connects raw TCP, sends HELLO; returns the first frame the edge answers with.
+async fn raw_hello(addr: SocketAddr, player: &str) -> Option<Frame> {
+    let mut sock = tokio::net::TcpStream::connect(addr).await.ok()?;
+    let codec = StreamCodec::new(65536);
+    let mut out = BytesMut::new();
+    codec
+        .encode(
+            &Frame::Hello(Hello {
+                version: PROTOCOL_VERSION,
+                token: common::token(player),
+                resume: None,
+            }),
+            &mut out,
+        )
+        .unwrap();
+    let _ = sock.write_all(&out).await;
+    let mut buf = BytesMut::new();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if let Ok(Some(f)) = codec.decode(&mut buf) {
+                return Some(f);
+            }
+            if sock.read_buf(&mut buf).await.ok()? == 0 {
+                return codec.decode(&mut buf).ok().flatten();
+            }
+        }
+    })
+    .await
+    .ok()
+    .flatten()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accept_storm_gets_explicit_overloaded_and_admitted_ones_complete() {
+    let (edge, _b, _d) = edge_with(|c| {
+        c.backpressure.accept_per_sec = 20;
+        c.backpressure.accept_burst = 10;
+    })
+    .await;
+    let control = tokio::spawn(control_echoes(
+        client(&edge, TransportKind::Tcp, "control"),
+        30,
+    ));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // TCP: every attempt gets an answer: WELCOME or REJECT overloaded with retry-after.
+    let tcp = edge.addrs[&TransportKind::Tcp];
+    let mut storm = Vec::new();
+    for i in 0..150 {
+        let player = format!("storm-{i}");
+        storm.push(tokio::spawn(async move { raw_hello(tcp, &player).await }));
+    }
+    let (mut welcomed, mut refused) = (0, 0);
+    for t in storm {
+        match t.await.unwrap() {
+            Some(Frame::Welcome(_)) => welcomed += 1,
+            Some(Frame::Reject(r)) => {
+                assert_eq!(r.code, CloseCode::Overloaded);
+                assert!(r.retry_after_ms > 0);
+                refused += 1;
+            }
+            other => panic!("no explicit answer: {other:?}"),
+        }
+    }
+    assert!(
+        refused > 0 && welcomed > 0,
+        "welcomed {welcomed}, refused {refused}"
+    );
+
+    // WebSocket: HTTP 503 with Retry-After before the upgrade.
+    let ws = edge.addrs[&TransportKind::Ws];
+    let mut got_503 = false;
+    for _ in 0..60 {
+        let mut sock = tokio::net::TcpStream::connect(ws).await.unwrap();
+        sock.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").await.unwrap();
+        let mut head = vec![0u8; 256];
+        let n = tokio::time::timeout(Duration::from_secs(10), sock.read(&mut head))
+            .await
+            .unwrap()
+            .unwrap_or(0);
+        let text = String::from_utf8_lossy(&head[..n]).to_string();
+        if text.starts_with("HTTP/1.1 503") {
+            assert!(text.contains("Retry-After:"), "{text}");
+            got_503 = true;
+            break;
+        }
+    }
+    assert!(got_503, "the WebSocket storm was refused with 503");
+
+    // QUIC: CONNECTION_REFUSED before any handshake work.
+    let tls = waygate_transport::tls::ClientTls::from_ca_pem(edge.dev_ca_pem.as_deref().unwrap())
+        .unwrap();
+    let mut quic_refused = false;
+    for _ in 0..60 {
+        let r = waygate_transport::quic::connect_quic(
+            edge.addrs[&TransportKind::Quic],
+            "localhost",
+            &tls,
+            &Default::default(),
+            &Default::default(),
+        )
+        .await;
+        if let Err(e) = r {
+            assert!(e.to_string().to_lowercase().contains("refused"), "{e}");
+            quic_refused = true;
+            break;
+        }
+    }
+    assert!(quic_refused, "the QUIC storm was refused");
+    assert_eq!(control.await.unwrap(), 30, "control group lost nothing");
+    let metrics = edge.admin().metrics_text();
+    assert!(
+        metrics.contains("waygate_admission_refused_total"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_client_is_throttled_then_closed_and_others_are_unaffected() {
+    let (edge, _b, _d) = edge_with(|c| {
+        c.backpressure.inbound_msgs_per_sec = 50;
+        c.backpressure.inbound_msg_burst = 50;
+        c.backpressure.inbound_strikes = 20;
+    })
+    .await;
+    let control = tokio::spawn(control_echoes(
+        client(&edge, TransportKind::Ws, "polite"),
+        40,
+    ));
+
+    // The flooder: HELLO, then 2,000 DATA frames as fast as the socket takes them (10x+).
+    let tcp = edge.addrs[&TransportKind::Tcp];
+    let mut sock = tokio::net::TcpStream::connect(tcp).await.unwrap();
+    let codec = StreamCodec::new(65536);
+    let mut out = BytesMut::new();
+    codec
+        .encode(
+            &Frame::Hello(Hello {
+                version: PROTOCOL_VERSION,
+                token: common::token("flooder"),
+                resume: None,
+            }),
+            &mut out,
+        )
+        .unwrap();
+    for seq in 1..=2000u64 {
+        codec
+            .encode(
+                &Frame::Data(Data {
+                    class: TrafficClass::Normal,
+                    msg_id: ECHO,
+                    seq,
+                    ack: None,
+                    payload: Bytes::from_static(b"x"),
+                }),
+                &mut out,
+            )
+            .unwrap();
+    }
+    let _ = sock.write_all(&out).await;
+    // Read until the edge closes us; the last frame is CLOSE rate_limited.
+    let mut buf = BytesMut::new();
+    let mut close = None;
+    let _ = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            while let Ok(Some(f)) = codec.decode(&mut buf) {
+                if let Frame::Close { code, .. } = f {
+                    close = Some(code);
+                }
+            }
+            match sock.read_buf(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert_eq!(close, Some(CloseCode::RateLimited));
+    assert_eq!(control.await.unwrap(), 40, "control group lost nothing");
+    let metrics = edge.admin().metrics_text();
+    let dropped = metric(&metrics, "waygate_session_inbound_dropped_total");
+    assert!(dropped > 0.0, "excess was dropped and counted");
+    assert!(metric(&metrics, "waygate_session_rate_limited_total") >= 1.0);
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_is_closed_as_slow_consumer_and_its_session_lingers() {
+    let (edge, _b, _d) = edge_with(|c| {
+        c.backpressure.send_deadline_ms = 300;
+        c.backpressure.inbound_msgs_per_sec = 10_000;
+        c.backpressure.inbound_msg_burst = 10_000;
+        c.backpressure.inbound_bytes_per_sec = 1 << 30;
+        c.backpressure.inbound_byte_burst = 1 << 30;
+    })
+    .await;
+    let control = tokio::spawn(control_echoes(
+        client(&edge, TransportKind::Tcp, "reader"),
+        30,
+    ));
+    // The slow client asks for many large echoes and never reads its socket (a small
+    // receive buffer makes the stall quick).
+    let tcp = edge.addrs[&TransportKind::Tcp];
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut sock = socket.connect(tcp).await.unwrap();
+    let codec = StreamCodec::new(65536);
+    let mut out = BytesMut::new();
+    codec
+        .encode(
+            &Frame::Hello(Hello {
+                version: PROTOCOL_VERSION,
+                token: common::token("sleepy"),
+                resume: None,
+            }),
+            &mut out,
+        )
+        .unwrap();
+    let big = Bytes::from(vec![b'z'; 32 * 1024]);
+    for seq in 1..=400u64 {
+        codec
+            .encode(
+                &Frame::Data(Data {
+                    class: TrafficClass::Normal,
+                    msg_id: ECHO,
+                    seq,
+                    ack: None,
+                    payload: big.clone(),
+                }),
+                &mut out,
+            )
+            .unwrap();
+    }
+    let writer = tokio::spawn(async move {
+        let _ = sock.write_all(&out).await;
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        drop(sock);
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let metrics = edge.admin().metrics_text();
+        if metric(&metrics, "waygate_session_slow_consumer_total") >= 1.0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "slow consumer never closed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    writer.abort();
+    assert_eq!(control.await.unwrap(), 30, "control group lost nothing");
+    // The session lingers (kept for resume).
+    assert!(edge.registry().session_of("sleepy").is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_level_rises_at_the_session_cap_and_refuses_new_connections() {
+    let (edge, _b, _d) = edge_with(|c| {
+        c.backpressure.max_sessions = 10;
+    })
+    .await;
+    let mut clients = Vec::new();
+    for i in 0..10 {
+        let mut c = client(&edge, TransportKind::Tcp, &format!("cap-{i}"));
+        loop {
+            if let Some(Event::Connected { .. }) = c.next_event().await {
+                break;
+            }
+        }
+        clients.push(c);
+    }
+    // The governor ticks every 200 ms.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if edge.admin().health()["overload_level"] == 3 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "level did not rise");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    match raw_hello(edge.addrs[&TransportKind::Tcp], "one-too-many").await {
+        Some(Frame::Reject(r)) => {
+            assert_eq!(r.code, CloseCode::Overloaded);
+            assert!(r.retry_after_ms > 0);
+        }
+        other => panic!("expected REJECT overloaded, got {other:?}"),
+    }
+    assert!(edge
+        .admin()
+        .metrics_text()
+        .contains("waygate_overload_level 3"));
+}
