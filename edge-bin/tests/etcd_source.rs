@@ -225,11 +225,19 @@ async fn registration_joins_at_once_expiry_is_damped_and_only_its_keys_move() {
     let after = u.table.unwrap();
     assert!(after.epoch > before_cap.epoch);
     // Every table published between the join and the removal held g3.
-    let tables = seen.lock().unwrap().clone();
-    let removal = tables
-        .iter()
-        .position(|t| t.instance("g3").is_none())
-        .unwrap();
+    // The collector task may record the last table a moment after the waiter saw it.
+    let until = tokio::time::Instant::now() + Duration::from_secs(10);
+    let (tables, removal) = loop {
+        let tables = seen.lock().unwrap().clone();
+        if let Some(i) = tables.iter().position(|t| t.instance("g3").is_none()) {
+            break (tables, i);
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "the collector never saw g3 removed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     assert_eq!(
         removal,
         tables.len() - 1,
