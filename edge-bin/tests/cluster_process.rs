@@ -92,12 +92,13 @@ impl World {
     }
 
     async fn client(&self, player: &str, prefer: usize) -> Client {
-        let mut o = ClientOptions::new(self.endpoints(), token(player));
+        // The preferred edge first (the first connect happens before any command).
+        let mut endpoints = self.endpoints();
+        endpoints.rotate_left(prefer);
+        let mut o = ClientOptions::new(endpoints, token(player));
         o.backoff_min = Duration::from_millis(50);
         o.backoff_max = Duration::from_millis(1000);
-        let c = Client::start(o);
-        c.prefer_endpoint(prefer).await;
-        c
+        Client::start(o)
     }
 }
 
@@ -114,12 +115,13 @@ struct Stats {
 
 impl Stats {
     fn lost(&self) -> u64 {
-        (0..self.sent)
-            .filter(|n| !self.got.contains_key(n))
-            .count() as u64
+        (0..self.sent).filter(|n| !self.got.contains_key(n)).count() as u64
     }
     fn duplicated(&self) -> u64 {
-        self.got.values().map(|c| u64::from(c.saturating_sub(1))).sum()
+        self.got
+            .values()
+            .map(|c| u64::from(c.saturating_sub(1)))
+            .sum()
     }
 }
 
@@ -142,7 +144,11 @@ async fn drive(mut client: Client, period: Duration, mut stop: watch::Receiver<b
             }
         }
         let now = tokio::time::Instant::now();
-        let due: Vec<u64> = retry.iter().filter(|(t, _)| *t <= now).map(|(_, n)| *n).collect();
+        let due: Vec<u64> = retry
+            .iter()
+            .filter(|(t, _)| *t <= now)
+            .map(|(_, n)| *n)
+            .collect();
         retry.retain(|(t, _)| *t > now);
         for n in due {
             if let Ok(Some(seq)) = client
@@ -252,7 +258,10 @@ fn report(what: &str, results: &[(String, Stats)], moved_from: &str) -> (u64, u6
         for (o, _) in s.connects.iter().skip(1) {
             *outcomes.entry(format!("{o:?}")).or_default() += 1;
         }
-        if s.connects.last().is_some_and(|(_, e)| !e.contains(moved_from)) {
+        if s.connects
+            .last()
+            .is_some_and(|(_, e)| !e.contains(moved_from))
+        {
             moved += 1;
         }
     }
@@ -266,10 +275,12 @@ fn report(what: &str, results: &[(String, Stats)], moved_from: &str) -> (u64, u6
         .iter()
         .filter(|(_, s)| {
             s.connects.len() < 2
-                || s.connects
-                    .iter()
-                    .skip(1)
-                    .any(|(o, _)| !matches!(o, WelcomeOutcome::Restored | WelcomeOutcome::RestoredWithGap))
+                || s.connects.iter().skip(1).any(|(o, _)| {
+                    !matches!(
+                        o,
+                        WelcomeOutcome::Restored | WelcomeOutcome::RestoredWithGap
+                    )
+                })
         })
         .count() as u64;
     (lost, dup, gaps, not_restored)
@@ -320,7 +331,9 @@ async fn kill_9_of_an_edge_every_session_restores_elsewhere() {
     assert_eq!(dup, 0, "nothing is delivered twice");
     // Design target 0; what the dead edge had accepted but not made durable is reported
     // (ARCHITECTURE.md "Many edges"): bounded by the sessions with a request in flight.
-    eprintln!("kill -9: accepted-but-not-durable (missing replies) {lost}, restored-with-gap {gaps}");
+    eprintln!(
+        "kill -9: accepted-but-not-durable (missing replies) {lost}, restored-with-gap {gaps}"
+    );
     assert!(
         lost + gaps <= (SESSIONS / 10) as u64,
         "lost {lost} gaps {gaps}"
