@@ -1077,6 +1077,18 @@ impl AdminApi for EdgeAdmin {
             "waygate_sessions_live {}\n",
             s.edge_sessions().registry.len()
         ));
+        if let Some(wt) = &s.edge_sessions().write_through {
+            extra.push_str("# TYPE waygate_write_through_writes counter\n");
+            extra.push_str(&format!(
+                "waygate_write_through_writes_total {}\n",
+                wt.writes.load(Ordering::Relaxed)
+            ));
+            extra.push_str("# TYPE waygate_write_through_failures counter\n");
+            extra.push_str(&format!(
+                "waygate_write_through_failures_total {}\n",
+                wt.failures.load(Ordering::Relaxed)
+            ));
+        }
         for (name, value) in s.edge_sessions().counters.export() {
             let (metric, labels) = match name.split_once('{') {
                 Some((m, rest)) => (m.to_string(), format!("{{{rest}")),

@@ -324,6 +324,20 @@ async fn kill_9_of_an_edge_every_session_restores_elsewhere() {
     tokio::time::sleep(Duration::from_secs(5)).await;
     let results = f.finish().await;
     let (lost, dup, gaps, not_restored) = report("kill -9", &results, &a);
+    let mut writes = 0u64;
+    for e in &w.edges[1..] {
+        let (_, m) = http(e.admin(), "GET", "/metrics").await;
+        writes += m
+            .lines()
+            .find_map(|l| l.strip_prefix("waygate_write_through_writes_total "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    let sent: u64 = results.iter().map(|(_, s)| s.sent).sum();
+    eprintln!(
+        "kill -9: write-through cost on the surviving edges: {writes} snapshot writes \
+         (whole run: {sent} echoes, most on the killed edge before the kill)"
+    );
     for (p, s) in &results {
         assert!(s.closed.is_none(), "{p} closed: {s:?}");
     }
