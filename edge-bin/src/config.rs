@@ -353,6 +353,57 @@ impl Default for AdminConfig {
     }
 }
 
+/// Several edges (issue 9): etcd as the control plane, Redis for ownership, warm snapshots
+/// and presence. Both empty: one edge with the file/embedded table and in-memory stores.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// etcd client URLs (`http://host:2379`); empty: the route table comes from
+    /// `routing.table` (or the embedded default). `routing.persist` keeps the last good table.
+    pub etcd_endpoints: Vec<String>,
+    /// etcd key prefix (tables, instances, switches, edges).
+    pub etcd_prefix: String,
+    /// How long a vanished registration stays in the table (flap damping, R7), ms.
+    pub damping_ms: u64,
+    /// Lease TTL of this edge's registration, ms.
+    pub lease_ttl_ms: u64,
+    /// How often this edge reports its load (and renews its lease), ms.
+    pub report_ms: u64,
+    /// Address clients use to reach this edge (`tcp://host:port`); registered in etcd and
+    /// used as the MIGRATE target by other edges. Empty: the bound TCP listener.
+    pub advertise: String,
+    /// `redis://host:port/db`; empty: in-memory stores (one edge).
+    pub redis_url: String,
+    /// Redis key and channel prefix.
+    pub redis_prefix: String,
+    /// Write every session's snapshot through to Redis before the client sees new state
+    /// (durability against kill -9; see ARCHITECTURE.md). Only with `redis_url`.
+    pub write_through: bool,
+    /// Hard migration on drain: upstream is held this long before MIGRATE so replies in
+    /// flight land (and become durable) here first, ms.
+    pub quiesce_ms: u64,
+    /// Ownership and presence re-assert sweep, ms (also right after Redis recovers).
+    pub reassert_ms: u64,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        Self {
+            etcd_endpoints: Vec::new(),
+            etcd_prefix: "/waygate".into(),
+            damping_ms: 10_000,
+            lease_ttl_ms: 6_000,
+            report_ms: 2_000,
+            advertise: String::new(),
+            redis_url: String::new(),
+            redis_prefix: "waygate".into(),
+            write_through: true,
+            quiesce_ms: 300,
+            reassert_ms: 30_000,
+        }
+    }
+}
+
 /// The whole edge configuration.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -383,6 +434,8 @@ pub struct EdgeConfig {
     pub backpressure: BackpressureConfig,
     /// Admin HTTP.
     pub admin: AdminConfig,
+    /// Several edges: etcd and Redis.
+    pub cluster: ClusterConfig,
 }
 
 impl Default for EdgeConfig {
@@ -401,6 +454,7 @@ impl Default for EdgeConfig {
             drain: DrainConfig::default(),
             backpressure: BackpressureConfig::default(),
             admin: AdminConfig::default(),
+            cluster: ClusterConfig::default(),
         }
     }
 }
@@ -521,6 +575,18 @@ impl EdgeConfig {
         if self.links.push_credits == 0 {
             return Err(ConfigError::Invalid {
                 key: "links.push_credits",
+                message: "must be at least 1".into(),
+            });
+        }
+        if self.cluster.report_ms == 0 || self.cluster.lease_ttl_ms <= self.cluster.report_ms {
+            return Err(ConfigError::Invalid {
+                key: "cluster.lease_ttl_ms",
+                message: "must be longer than cluster.report_ms (> 0)".into(),
+            });
+        }
+        if self.cluster.reassert_ms == 0 {
+            return Err(ConfigError::Invalid {
+                key: "cluster.reassert_ms",
                 message: "must be at least 1".into(),
             });
         }

@@ -26,7 +26,8 @@ use waygate_routing::{
     RoutingError,
 };
 use waygate_session::driver::{
-    DeliverError, Downstream, EdgeSessions, SessionEvent, SessionRegistry, UpstreamSink,
+    DeliverError, Downstream, EdgeSessions, PushError, SessionEvent, SessionRegistry, UpstreamSink,
+    WriteThrough,
 };
 use waygate_session::machine::{SessionConfig, Upstream};
 use waygate_session::{HmacAuthenticator, KeyRing};
@@ -35,6 +36,8 @@ use waygate_transport::link::LinkFrame;
 use waygate_transport::{BoxConnection, BoxListener, CloseCode, Frame, TransportKind};
 
 use crate::admin::AdminApi;
+use crate::cluster::etcd::{EdgeInfo, EtcdRegistry, EtcdRouteSource, Load};
+use crate::cluster::redis::{DeliveryResult, PushMessage, Reassert, RedisConfig, RedisStores};
 use crate::config::EdgeConfig;
 use crate::link::client::{ForwardError, InFlight, LinkClient, LinkConfig, LinkEvent, SessionMeta};
 use crate::listeners::bind_all;
@@ -58,6 +61,9 @@ pub enum EdgeError {
     /// Admin server or other I/O.
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
+    /// etcd or Redis settings unusable.
+    #[error("cluster: {0}")]
+    Cluster(String),
 }
 
 /// Per-session state the edge keeps beside the session layer.
@@ -82,7 +88,15 @@ struct Shared {
     metrics: EdgeMetrics,
     sessions: OnceLock<Arc<EdgeSessions>>,
     router: Mutex<Router>,
-    source: Option<Arc<FileRouteSource>>,
+    source: Option<Arc<dyn RouteSource>>,
+    /// Where the table comes from: "etcd", "file" or "embedded".
+    source_kind: &'static str,
+    /// The etcd source (load reports, registered edges), when configured.
+    etcd: Option<Arc<EtcdRouteSource>>,
+    /// This edge's etcd registration (revoked on drain).
+    etcd_registry: Option<Arc<EtcdRegistry>>,
+    /// Redis stores, when configured.
+    redis: Option<RedisStores>,
     epoch: Arc<AtomicU64>,
     links: Mutex<HashMap<SocketAddr, LinkClient>>,
     link_events: mpsc::Sender<LinkEvent>,
@@ -152,7 +166,39 @@ impl Edge {
             },
             now_std(),
         );
-        let source = match &config.routing.table {
+        let mut etcd: Option<Arc<EtcdRouteSource>> = None;
+        let mut tasks = Vec::new();
+        let mut source_kind = "embedded";
+        let source: Option<Arc<dyn RouteSource>> = match &config.routing.table {
+            _ if !config.cluster.etcd_endpoints.is_empty() => {
+                let c = &config.cluster;
+                let src = EtcdRouteSource::connect(
+                    c.etcd_endpoints.clone(),
+                    c.etcd_prefix.clone(),
+                    config.routing.persist.clone(),
+                    Duration::from_millis(c.damping_ms),
+                )
+                .await
+                .map_err(|e| EdgeError::Cluster(e.to_string()))?;
+                // The first table: listed at open, or persisted; give a slow etcd a moment.
+                let mut w = src.watch();
+                let first =
+                    tokio::time::timeout(Duration::from_secs(5), w.wait_for(|u| u.table.is_some()))
+                        .await
+                        .ok()
+                        .and_then(Result::ok)
+                        .and_then(|u| u.table.clone());
+                match first {
+                    Some(table) => {
+                        router.apply_table((*table).clone(), now_std())?;
+                    }
+                    None => return Err(EdgeError::Routing(RoutingError::NoTable)),
+                }
+                source_kind = "etcd";
+                tasks.push(src.spawn());
+                etcd = Some(src.clone());
+                Some(src)
+            }
             Some(path) => {
                 let mut cfg = FileSourceConfig::new(path.clone())
                     .poll_every(Duration::from_millis(config.routing.poll_ms.max(10)));
@@ -160,6 +206,7 @@ impl Edge {
                     cfg = cfg.persist_to(p.clone());
                 }
                 let source = Arc::new(FileRouteSource::open(cfg));
+                source_kind = "file";
                 let update = source.watch().borrow().clone();
                 match update.table {
                     Some(table) => {
@@ -175,6 +222,7 @@ impl Edge {
                         ))
                     }
                 }
+                tasks.push(source.spawn());
                 Some(source)
             }
             None => {
@@ -182,6 +230,23 @@ impl Edge {
                 None
             }
         };
+        let redis = if config.cluster.redis_url.is_empty() {
+            None
+        } else {
+            // Lazy: an edge may start while Redis is down (logins get UNAVAILABLE until
+            // it is back; live sessions are unaffected).
+            let rc = RedisConfig {
+                prefix: config.cluster.redis_prefix.clone(),
+                ..RedisConfig::new(config.cluster.redis_url.clone())
+            };
+            Some(RedisStores::lazy(rc).map_err(|e| EdgeError::Cluster(e.to_string()))?)
+        };
+        let etcd_registry = etcd.as_ref().map(|src| {
+            Arc::new(EtcdRegistry::new(
+                src.client().clone(),
+                &config.cluster.etcd_prefix,
+            ))
+        });
         let epoch = Arc::new(AtomicU64::new(router.epoch().unwrap_or(0)));
         let (link_tx, link_rx) = mpsc::channel(4096);
         let shared = Arc::new(Shared {
@@ -189,6 +254,10 @@ impl Edge {
             sessions: OnceLock::new(),
             router: Mutex::new(router),
             source,
+            source_kind,
+            etcd,
+            etcd_registry,
+            redis,
             epoch,
             links: Mutex::new(HashMap::new()),
             link_events: link_tx,
@@ -239,6 +308,14 @@ impl Edge {
         edge_sessions.inbound = Some(inbound_limits(&shared.config.backpressure));
         edge_sessions.send_deadline =
             Duration::from_millis(shared.config.backpressure.send_deadline_ms);
+        if let Some(r) = &shared.redis {
+            edge_sessions.snapshots = r.snapshots.clone();
+            edge_sessions.ownership = r.ownership.clone();
+            if shared.config.cluster.write_through {
+                edge_sessions.write_through =
+                    Some(Arc::new(WriteThrough::new(Duration::from_secs(1))));
+            }
+        }
         let _ = shared.sessions.set(Arc::new(edge_sessions));
 
         // Give the backend links a moment to come up before the first client arrives (an
@@ -261,7 +338,7 @@ impl Edge {
             tracing::warn!("starting with some backend links still down");
         }
 
-        let mut tasks = Vec::new();
+        tasks.extend(start_cluster_tasks(&shared).await);
         for listener in bound.listeners {
             tasks.push(tokio::spawn(accept_loop(shared.clone(), listener)));
         }
@@ -271,9 +348,6 @@ impl Edge {
         )));
         tasks.push(tokio::spawn(route_loop(Arc::downgrade(&shared))));
         tasks.push(tokio::spawn(overload_loop(Arc::downgrade(&shared))));
-        if let Some(source) = &shared.source {
-            tasks.push(source.spawn());
-        }
         let admin_addr = if shared.config.admin.enabled {
             let api: Arc<dyn AdminApi> = Arc::new(EdgeAdmin(shared.clone()));
             let (addr, task) = crate::admin::serve(shared.config.admin.addr, api).await?;
@@ -295,6 +369,11 @@ impl Edge {
     /// The admin API of this edge (for in-process use and tests).
     pub fn admin(&self) -> Arc<dyn AdminApi> {
         Arc::new(EdgeAdmin(self.shared.clone()))
+    }
+
+    /// This edge's id.
+    pub fn edge_id(&self) -> &str {
+        &self.shared.config.edge_id
     }
 
     /// The session registry.
@@ -579,6 +658,15 @@ impl UpstreamSink for EdgeUpstream {
                 fencing,
                 outcome,
             } => {
+                if let Some(r) = &shared.redis {
+                    let (presence, edge) = (r.presence.clone(), shared.config.edge_id.clone());
+                    let player = player_id.to_string();
+                    tokio::spawn(async move {
+                        if let Err(e) = presence.set(&player, &session_id, &edge).await {
+                            tracing::debug!(error = %e, "presence not recorded");
+                        }
+                    });
+                }
                 let mut entry = shared.entry(&session_id, &player_id);
                 if let Ok(mut e) = shared.entries.lock() {
                     if let Some(en) = e.by_id.get_mut(&session_id) {
@@ -640,6 +728,13 @@ impl UpstreamSink for EdgeUpstream {
                         _ => CloseCode::Normal,
                     };
                     shared.close_on_links(&entry, code, None).await;
+                }
+                if let Some(r) = &shared.redis {
+                    let presence = r.presence.clone();
+                    let player = player_id.to_string();
+                    tokio::spawn(async move {
+                        let _ = presence.remove(&player, &session_id).await;
+                    });
                 }
                 if released {
                     if let Ok(mut router) = shared.router.lock() {
@@ -1036,6 +1131,18 @@ impl AdminApi for EdgeAdmin {
             "waygate_sessions_live {}\n",
             s.edge_sessions().registry.len()
         ));
+        if let Some(wt) = &s.edge_sessions().write_through {
+            extra.push_str("# TYPE waygate_write_through_writes counter\n");
+            extra.push_str(&format!(
+                "waygate_write_through_writes_total {}\n",
+                wt.writes.load(Ordering::Relaxed)
+            ));
+            extra.push_str("# TYPE waygate_write_through_failures counter\n");
+            extra.push_str(&format!(
+                "waygate_write_through_failures_total {}\n",
+                wt.failures.load(Ordering::Relaxed)
+            ));
+        }
         for (name, value) in s.edge_sessions().counters.export() {
             let (metric, labels) = match name.split_once('{') {
                 Some((m, rest)) => (m.to_string(), format!("{{{rest}")),
@@ -1061,7 +1168,7 @@ impl AdminApi for EdgeAdmin {
             .map(|d| d.as_secs_f64());
         json!({
             "epoch": s.epoch.load(Ordering::Relaxed),
-            "source": if s.source.is_some() { "file" } else { "embedded" },
+            "source": s.source_kind,
             "staleness_secs": staleness,
             "table": table,
         })
@@ -1090,18 +1197,28 @@ impl AdminApi for EdgeAdmin {
         let already = s.draining.swap(true, Ordering::AcqRel);
         let deadline = Duration::from_millis(s.config.drain.deadline_ms);
         let mut migrated = 0usize;
+        let mut target = s.config.drain.target.clone();
         if !already {
-            let ids: Vec<SessionId> = s
-                .entries
-                .lock()
-                .map(|e| e.by_id.keys().copied().collect())
-                .unwrap_or_default();
+            // No new players from etcd's least-loaded pick any more.
+            if let Some(reg) = &s.etcd_registry {
+                if let Err(e) = reg.shutdown().await {
+                    tracing::warn!(error = %e, "etcd registration not revoked");
+                }
+            }
+            target = s.drain_target();
+            let registry = s.edge_sessions().registry.clone();
+            let ids = registry.session_ids();
+            if s.redis.is_some() {
+                // Hard migration (S8): hold upstream, let replies in flight land here and be
+                // written through, then MIGRATE (its rotated token is written first), so
+                // the client restores on the target from the warm tier with nothing lost.
+                for sid in &ids {
+                    registry.quiesce(sid).await;
+                }
+                tokio::time::sleep(Duration::from_millis(s.config.cluster.quiesce_ms)).await;
+            }
             for sid in ids {
-                if s.edge_sessions()
-                    .registry
-                    .migrate(&sid, &s.config.drain.target, deadline)
-                    .await
-                {
+                if registry.migrate(&sid, &target, deadline).await {
                     migrated += 1;
                 }
             }
@@ -1111,6 +1228,7 @@ impl AdminApi for EdgeAdmin {
             "draining": true,
             "already_draining": already,
             "migrated": migrated,
+            "target": target,
             "sessions": s.edge_sessions().registry.len(),
             "deadline_ms": s.config.drain.deadline_ms,
         })
@@ -1131,4 +1249,234 @@ impl AdminApi for EdgeAdmin {
             None => false,
         }
     }
+}
+
+// ---- many edges: etcd registration and load feed, Redis kicks, pushes, re-assert -------
+
+impl Shared {
+    /// The address clients use to reach this edge (etcd registration, MIGRATE target).
+    fn advertise(&self) -> String {
+        if !self.config.cluster.advertise.is_empty() {
+            return self.config.cluster.advertise.clone();
+        }
+        self.addrs
+            .get(&TransportKind::Tcp)
+            .or_else(|| self.addrs.values().next())
+            .map(|a| {
+                let kind = self
+                    .addrs
+                    .iter()
+                    .find(|(_, x)| *x == a)
+                    .map_or("tcp", |(k, _)| k.as_str());
+                format!("{kind}://{a}")
+            })
+            .unwrap_or_default()
+    }
+
+    /// Live sessions with their ownership: (player, session, fencing).
+    fn owned_sessions(&self) -> Vec<(String, SessionId, u64)> {
+        self.entries
+            .lock()
+            .map(|e| {
+                e.by_id
+                    .values()
+                    .filter(|en| en.meta.fencing > 0)
+                    .map(|en| {
+                        (
+                            en.meta.player_id.clone(),
+                            en.meta.session_id,
+                            en.meta.fencing,
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Where a drained edge sends its clients: the configured target, else the least-loaded
+    /// other active edge registered in etcd.
+    fn drain_target(&self) -> String {
+        if !self.config.drain.target.is_empty() {
+            return self.config.drain.target.clone();
+        }
+        let Some(etcd) = &self.etcd else {
+            return String::new();
+        };
+        let others: Vec<EdgeInfo> = etcd
+            .edges()
+            .into_iter()
+            .filter(|e| e.id != self.config.edge_id)
+            .collect();
+        crate::cluster::etcd::pick_least_loaded(&others)
+            .map(|e| e.address.clone())
+            .unwrap_or_default()
+    }
+}
+
+/// Starts the etcd registration and load feed and the Redis tasks (kicks from other edges,
+/// cross-edge pushes, the ownership/presence re-assert sweep). Returns their handles.
+async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task::JoinHandle<()>> {
+    let mut tasks = Vec::new();
+    let c = &shared.config.cluster;
+    let edge_id = shared.config.edge_id.clone();
+    if let Some(etcd) = &shared.etcd {
+        // Load reports of backend instances -> the router's least-loaded policy (R10).
+        let mut loads = etcd.loads();
+        let weak = Arc::downgrade(shared);
+        tasks.push(tokio::spawn(async move {
+            loop {
+                {
+                    let Some(shared) = weak.upgrade() else { return };
+                    let map = loads.borrow_and_update().clone();
+                    let locked = shared.router.lock();
+                    if let Ok(mut router) = locked {
+                        for (id, l) in map.iter() {
+                            router.report_load(
+                                id,
+                                waygate_routing::LoadReport { players: l.players },
+                            );
+                        }
+                    };
+                }
+                if loads.changed().await.is_err() {
+                    return;
+                }
+            }
+        }));
+    }
+    if let Some(reg) = &shared.etcd_registry {
+        let info = EdgeInfo {
+            id: edge_id.clone(),
+            address: shared.advertise(),
+            state: waygate_routing::InstanceState::Active,
+            capacity: None,
+            sessions: 0,
+            msg_rate: 0.0,
+        };
+        let every = Duration::from_millis(c.report_ms);
+        match reg
+            .register_edge(&info, Duration::from_millis(c.lease_ttl_ms))
+            .await
+        {
+            Ok(lease) => {
+                let (load_tx, load_rx) = tokio::sync::watch::channel(Load::default());
+                tasks.push(reg.spawn_reporter(lease, every, load_rx));
+                let weak = Arc::downgrade(shared);
+                tasks.push(tokio::spawn(async move {
+                    let mut tick = tokio::time::interval(every);
+                    loop {
+                        tick.tick().await;
+                        let Some(shared) = weak.upgrade() else { return };
+                        let players = u32::try_from(shared.edge_sessions().registry.len())
+                            .unwrap_or(u32::MAX);
+                        let _ = load_tx.send(Load {
+                            players,
+                            msg_rate: 0.0,
+                        });
+                    }
+                }));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "edge not registered in etcd (logins will not pick it)")
+            }
+        }
+    }
+    let Some(redis) = shared.redis.clone() else {
+        return tasks;
+    };
+    // Takeovers on other edges kick our (older) sessions.
+    let mut kicks = redis.ownership.subscribe_kicks(&edge_id);
+    let weak = Arc::downgrade(shared);
+    tasks.push(tokio::spawn(async move {
+        while let Some(k) = kicks.recv().await {
+            let Some(shared) = weak.upgrade() else { return };
+            let local = shared
+                .entries
+                .lock()
+                .ok()
+                .and_then(|e| e.by_id.get(&k.session_id).map(|en| en.meta.fencing));
+            // Kick only a copy that is not newer than the one taken over.
+            if local.is_none_or(|f| f <= k.fencing) {
+                let registry = shared.edge_sessions().registry.clone();
+                tokio::spawn(async move { registry.kick(&k.session_id).await });
+            }
+        }
+    }));
+    // Pushes from other edges (F4).
+    let registry = shared.edge_sessions().registry.clone();
+    let server = redis
+        .presence
+        .serve_pushes(&edge_id, move |player: &str, m: PushMessage| match registry
+            .push_to_player(player, m.into())
+        {
+            Ok(()) => DeliveryResult::Delivered,
+            Err(PushError::QueueFull) => DeliveryResult::QueueFull,
+            Err(_) => DeliveryResult::Offline,
+        });
+    tasks.push(tokio::spawn(async move {
+        let _server = server;
+        std::future::pending::<()>().await;
+    }));
+    // Re-assert ownership and presence every `reassert_ms`, and at once after Redis was
+    // unreachable (it may have lost records; kicks published meanwhile were missed).
+    let weak = Arc::downgrade(shared);
+    let every = Duration::from_millis(c.reassert_ms);
+    tasks.push(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_sweep = Instant::now();
+        let mut was_down = false;
+        loop {
+            tick.tick().await;
+            let Some(shared) = weak.upgrade() else { return };
+            let probe = redis.presence.lookup(&edge_id).await;
+            if probe.is_err() {
+                if !was_down {
+                    tracing::warn!("redis unreachable; ownership re-assert after it recovers");
+                }
+                was_down = true;
+                continue;
+            }
+            if !was_down && last_sweep.elapsed() < every {
+                continue;
+            }
+            let live = shared.owned_sessions();
+            let mut superseded = 0usize;
+            let mut ok = true;
+            for (player, sid, fencing) in &live {
+                match redis
+                    .ownership
+                    .reassert(player, sid, &edge_id, *fencing)
+                    .await
+                {
+                    Ok(Reassert::Owner) => {}
+                    Ok(Reassert::Superseded(_)) => {
+                        superseded += 1;
+                        let registry = shared.edge_sessions().registry.clone();
+                        let sid = *sid;
+                        tokio::spawn(async move { registry.kick(&sid).await });
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "re-assert failed");
+                        ok = false;
+                        break;
+                    }
+                }
+            }
+            let entries: Vec<(String, SessionId)> =
+                live.into_iter().map(|(p, s, _)| (p, s)).collect();
+            if ok && redis.presence.set_many(&edge_id, &entries).await.is_ok() {
+                if was_down {
+                    tracing::info!(
+                        sessions = entries.len(),
+                        superseded,
+                        "redis back; ownership re-asserted"
+                    );
+                }
+                was_down = false;
+                last_sweep = Instant::now();
+            }
+        }
+    }));
+    tasks
 }

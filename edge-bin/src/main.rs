@@ -32,6 +32,14 @@ enum Command {
         /// addresses are printed as a JSON line starting with `{"event":"ready"`.
         #[arg(long)]
         ephemeral_ports: bool,
+        /// etcd endpoints, comma-separated (`http://10.0.0.1:2379,...`): route table, edge
+        /// registration and load reports from etcd (`cluster.etcd_endpoints`).
+        #[arg(long, value_delimiter = ',')]
+        etcd: Vec<String>,
+        /// Redis URL (`redis://host:port/db`): ownership, warm snapshots and presence shared
+        /// by every edge (`cluster.redis_url`).
+        #[arg(long)]
+        redis: Option<String>,
     },
     /// Mint a development auth token (base64url) with the configured (default: dev) key.
     Token {
@@ -130,6 +138,8 @@ fn main() -> std::process::ExitCode {
                 edge_id,
                 dev_ca_out,
                 ephemeral_ports,
+                etcd,
+                redis,
             } => {
                 let mut config = load_config(config.as_deref())?;
                 if let Some(id) = edge_id {
@@ -140,6 +150,12 @@ fn main() -> std::process::ExitCode {
                 }
                 if ephemeral_ports {
                     config.use_ephemeral_ports();
+                }
+                if !etcd.is_empty() {
+                    config.cluster.etcd_endpoints = etcd;
+                }
+                if let Some(url) = redis {
+                    config.cluster.redis_url = url;
                 }
                 config.validate().map_err(|e| e.to_string())?;
                 let edge = waygate::edge::Edge::start(config)
@@ -156,6 +172,7 @@ fn main() -> std::process::ExitCode {
                         "event": "ready",
                         "listeners": listeners,
                         "admin": edge.admin_addr.map(|a| a.to_string()),
+                        "edge_id": edge.edge_id(),
                     })
                 );
                 tokio::select! {

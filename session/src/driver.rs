@@ -25,7 +25,7 @@ use crate::counters::SessionCounters;
 use crate::machine::{Action, EndReason, SessionConfig, SessionEnd, SessionMachine, Upstream};
 use crate::resume::{hex_id, ResumeHash};
 use crate::rng::{SessionRng, SystemRng};
-use crate::store::{OwnershipRegistry, SnapshotStore, TakeOutcome};
+use crate::store::{OwnershipRegistry, Snapshot, SnapshotStore, TakeOutcome};
 
 /// How long a new connection waits for a live local session to hand itself over.
 const HAND_OVER_TIMEOUT: Duration = Duration::from_secs(2);
@@ -135,6 +135,7 @@ enum Command {
     Close(CloseCode),
     Bind(String, String),
     Migrate(String, Duration),
+    Quiesce,
     DropLink,
     ReportError {
         code: CloseCode,
@@ -327,6 +328,20 @@ impl SessionRegistry {
         }
     }
 
+    /// Hard migration, step 1 (S8): the session stops taking upstream DATA (the client
+    /// keeps it unacked and resends it where it moves) while downstream still flows.
+    pub async fn quiesce(&self, session_id: &SessionId) -> bool {
+        match self.handle(session_id) {
+            Some(h) => h.commands.send(Command::Quiesce).await.is_ok(),
+            None => false,
+        }
+    }
+
+    /// Every session id held (live or lingering).
+    pub fn session_ids(&self) -> Vec<SessionId> {
+        self.lock().sessions.keys().copied().collect()
+    }
+
     /// Asks a local session to hand itself over to a resuming connection. `None` when the
     /// session is not held here (or did not answer in time).
     async fn hand_over(&self, session_id: &SessionId, hash: ResumeHash) -> Option<HandOver> {
@@ -370,6 +385,58 @@ pub struct EdgeSessions {
     pub rng: Arc<dyn Fn() -> Box<dyn SessionRng> + Send + Sync>,
     /// Unix seconds for token verification (default: the system clock).
     pub unix_now: Arc<dyn Fn() -> u64 + Send + Sync>,
+    /// Write-through to the warm tier (kill -9 durability, see [`WriteThrough`]); `None`
+    /// (default): snapshots are written on detach only.
+    pub write_through: Option<Arc<WriteThrough>>,
+}
+
+/// Durable before visible: with a shared snapshot store, every batch of actions that
+/// shows the client new state (DATA with a seq, ACK, WELCOME, MIGRATE) is preceded by one
+/// write of the session's snapshot, so a client can never hold a sequence number, an ack
+/// or a resume token the warm tier does not know; after the edge dies it restores on any
+/// edge. A failed write does not hold the session back: writes pause for
+/// [`WriteThrough::pause`] (store down) and traffic flows undurably meanwhile (counted).
+#[derive(Debug)]
+pub struct WriteThrough {
+    /// How long writes pause after a failure.
+    pub pause: Duration,
+    paused_until: Mutex<Option<std::time::Instant>>,
+    /// Snapshots written.
+    pub writes: AtomicU64,
+    /// Writes that failed (or were skipped while paused).
+    pub failures: AtomicU64,
+}
+
+impl WriteThrough {
+    /// Write-through pausing `pause` after a failure.
+    pub fn new(pause: Duration) -> Self {
+        Self {
+            pause,
+            paused_until: Mutex::new(None),
+            writes: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+        }
+    }
+
+    fn paused(&self) -> bool {
+        let p = self.paused_until.lock().unwrap_or_else(|e| e.into_inner());
+        p.is_some_and(|t| now() < t)
+    }
+
+    fn failed(&self) {
+        self.failures.fetch_add(1, Ordering::Relaxed);
+        *self.paused_until.lock().unwrap_or_else(|e| e.into_inner()) = Some(now() + self.pause);
+    }
+}
+
+/// Whether the client sees state from this action (see [`WriteThrough`]).
+fn visible(action: &Action) -> bool {
+    use waygate_transport::Frame;
+    match action {
+        Action::Send(Frame::Data(d)) => d.seq > 0 || d.ack.is_some(),
+        Action::Send(Frame::Ack { .. } | Frame::Welcome(_) | Frame::Migrate(_)) => true,
+        _ => false,
+    }
 }
 
 impl std::fmt::Debug for EdgeSessions {
@@ -408,6 +475,7 @@ impl EdgeSessions {
                     .map(|d| d.as_secs())
                     .unwrap_or(0)
             }),
+            write_through: None,
         }
     }
 
@@ -434,6 +502,8 @@ struct Task {
     downstream_rx: Option<mpsc::Receiver<Downstream>>,
     adopted: Option<SessionId>,
     inbound: Option<waygate_transport::backpressure::InboundLimiter>,
+    /// Last snapshot written by write-through (skip identical writes).
+    durable: Option<Snapshot>,
 }
 
 enum Event {
@@ -473,6 +543,7 @@ async fn run_session_inner(edge: Arc<EdgeSessions>, conn: BoxConnection) -> EndR
         downstream_rx: Some(downstream_rx),
         adopted: None,
         inbound: None,
+        durable: None,
     };
     t.inbound = t
         .edge
@@ -613,6 +684,9 @@ impl Task {
             Command::Migrate(target, deadline) => {
                 let _ = self.machine.migrate(&target, deadline);
             }
+            Command::Quiesce => {
+                let _ = self.machine.quiesce();
+            }
             Command::DropLink => {
                 if self.conn.take().is_some() {
                     let _ = self.machine.handle_link_down(now, CloseCode::GoingAway);
@@ -641,8 +715,55 @@ impl Task {
     }
 
     async fn run_actions(&mut self) {
-        while let Some(action) = self.machine.poll_action() {
-            self.action(action).await;
+        if self.edge.write_through.is_none() {
+            while let Some(action) = self.machine.poll_action() {
+                self.action(action).await;
+            }
+            return;
+        }
+        loop {
+            let batch: Vec<Action> = std::iter::from_fn(|| self.machine.poll_action()).collect();
+            if batch.is_empty() {
+                return;
+            }
+            if batch.iter().any(visible) {
+                self.write_through().await;
+            }
+            for action in batch {
+                self.action(action).await;
+            }
+        }
+    }
+
+    /// Writes the session's snapshot to the store unless identical to the last one written.
+    async fn write_through(&mut self) {
+        let Some(wt) = self.edge.write_through.clone() else {
+            return;
+        };
+        let Some(snapshot) = self.machine.checkpoint() else {
+            return;
+        };
+        if self.durable.as_ref() == Some(&snapshot) {
+            return;
+        }
+        if wt.paused() {
+            wt.failures.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        match self
+            .edge
+            .snapshots
+            .put(&snapshot, self.edge.config.linger)
+            .await
+        {
+            Ok(()) => {
+                wt.writes.fetch_add(1, Ordering::Relaxed);
+                self.durable = Some(snapshot);
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "write-through failed; writes paused");
+                wt.failed();
+            }
         }
     }
 
@@ -811,8 +932,12 @@ impl Task {
                 }
             }
             Action::Persist(snapshot) => {
-                if let Err(e) = edge.snapshots.put(&snapshot, edge.config.linger).await {
-                    tracing::warn!(error = %e, "could not persist a session snapshot");
+                // Already written through unchanged: writing again could re-create a copy
+                // another edge has taken meanwhile (a migrated client restores at once).
+                if self.durable.as_ref() != Some(&*snapshot) {
+                    if let Err(e) = edge.snapshots.put(&snapshot, edge.config.linger).await {
+                        tracing::warn!(error = %e, "could not persist a session snapshot");
+                    }
                 }
                 edge.upstream
                     .session_event(SessionEvent::Detached {

@@ -369,6 +369,8 @@ pub struct SessionMachine {
     linger_deadline: Option<Instant>,
     up_ack: AckState,
     actions: VecDeque<Action>,
+    /// Set by [`SessionMachine::quiesce`]: sequenced upstream DATA is no longer taken.
+    quiesced: bool,
 }
 
 impl std::fmt::Debug for SessionMachine {
@@ -408,6 +410,7 @@ impl SessionMachine {
             linger_deadline: None,
             up_ack: AckState::default(),
             actions: VecDeque::new(),
+            quiesced: false,
         }
     }
 
@@ -792,8 +795,15 @@ impl SessionMachine {
         let (grant, inherited) = match result {
             Ok(v) => v,
             Err(e) => {
+                // The store is down (or timed out): answer at once with REJECT unavailable
+                // and a retry-after hint, so clients back off instead of hanging or
+                // retrying at once; a taken snapshot goes back for a later restore.
                 tracing::warn!(error = %e, "ownership claim failed");
-                self.abort_handshake(CloseCode::Unavailable, "ownership registry unavailable");
+                self.put_back_taken();
+                self.reject(
+                    CloseCode::Unavailable,
+                    "ownership registry unavailable".into(),
+                );
                 return Ok(());
             }
         };
@@ -874,6 +884,12 @@ impl SessionMachine {
                 let Some(core) = self.core.as_mut() else {
                     return Err(self.misuse("data"));
                 };
+                if self.quiesced {
+                    // Hard migration in progress: neither received nor acked, so the
+                    // client keeps it and resends it to the edge it moves to.
+                    SessionCounters::bump(&self.counters.upstream_duplicates);
+                    return Ok(());
+                }
                 if d.class.is_sequenced() {
                     match core.upstream.receive(d.seq) {
                         Received::OutOfWindow => {
@@ -1137,6 +1153,26 @@ impl SessionMachine {
             resume_token: token,
         })));
         Ok(())
+    }
+
+    /// Hard migration, step 1 (S8): stop taking upstream DATA (neither delivered nor acked,
+    /// so the client resends it after it moved), while downstream still flows. Replies
+    /// to what was already delivered can land here and become durable before MIGRATE.
+    pub fn quiesce(&mut self) -> Result<(), SessionError> {
+        if !matches!(self.state, State::Active | State::Detached) {
+            return Err(self.misuse("quiesce"));
+        }
+        self.quiesced = true;
+        Ok(())
+    }
+
+    /// The session's current snapshot (ACTIVE or DETACHED), e.g. to write it through to the
+    /// warm tier before the client sees state that depends on it.
+    pub fn checkpoint(&self) -> Option<Snapshot> {
+        match self.state {
+            State::Active | State::Detached => self.core.as_ref().map(SessionCore::snapshot),
+            _ => None,
+        }
     }
 
     /// A newer login of the same player took over (S6): the connection (if any) is closed

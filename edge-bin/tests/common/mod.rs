@@ -145,6 +145,45 @@ impl EdgeProc {
         }
     }
 
+    /// Starts `waygate run --etcd .. --redis ..` as edge `edge_id` (the table comes from
+    /// etcd), with `extra_toml` appended to the config and `extra_args` on the command line.
+    pub async fn start_cluster(
+        edge_id: &str,
+        etcd: &str,
+        redis: &str,
+        extra_toml: &str,
+        extra_args: &[&str],
+    ) -> EdgeProc {
+        let dir = tempfile::tempdir().unwrap();
+        let routes = dir.path().join("routes.toml");
+        let ca = dir.path().join("ca.pem");
+        let config = dir.path().join("edge.toml");
+        std::fs::write(
+            &config,
+            format!("edge_id = \"{edge_id}\"\n[tls]\ndev_ca_out = {ca:?}\n{extra_toml}\n"),
+        )
+        .unwrap();
+        let mut args = vec![
+            "run",
+            "--config",
+            config.to_str().unwrap(),
+            "--ephemeral-ports",
+            "--etcd",
+            etcd,
+            "--redis",
+            redis,
+        ];
+        args.extend_from_slice(extra_args);
+        let proc = Proc::spawn(&args).await;
+        let tls = ClientTls::from_ca_file(&ca).unwrap();
+        EdgeProc {
+            proc,
+            dir,
+            routes,
+            tls,
+        }
+    }
+
     pub fn addr(&self, kind: TransportKind) -> SocketAddr {
         self.proc.ready["listeners"][kind.as_str()]
             .as_str()

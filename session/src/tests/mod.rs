@@ -727,3 +727,92 @@ fn lost_welcome_keeps_the_presented_token_valid_until_confirmed() {
     );
     assert_eq!(p.server(c).core().expect("core").id(), &sid);
 }
+
+/// Drives one machine by hand up to its ownership claim (the store will fail it).
+fn machine_at_claim(p: &mut Pair, resume: Option<ResumeRequest>) -> usize {
+    let m = p.edge.new_machine(p.now);
+    let now = p.now;
+    let mach = &mut p.edge.machines[m];
+    mach.handle_frame(
+        now,
+        Frame::Hello(Hello {
+            version: PROTOCOL_VERSION,
+            token: token_for("carol"),
+            resume,
+        }),
+    )
+    .expect("hello");
+    let Some(Action::Authenticate { token }) = mach.poll_action() else {
+        panic!("authenticate expected")
+    };
+    let authed = p.edge.auth.verify(&token, pair::UNIX_NOW);
+    mach.handle_auth_result(now, authed).expect("auth");
+    m
+}
+
+#[test]
+fn ownership_store_down_rejects_unavailable_with_retry_after_and_puts_the_snapshot_back() {
+    let mut p = Pair::new(SessionConfig::default());
+    // A new login: REJECT unavailable with a retry-after, never a bare CLOSE.
+    let m = machine_at_claim(&mut p, None);
+    let mach = &mut p.edge.machines[m];
+    assert!(matches!(mach.poll_action(), Some(Action::Claim { .. })));
+    mach.handle_claimed(p.now, Err(crate::store::StoreError::Timeout))
+        .expect("claim result");
+    let actions: Vec<Action> = std::iter::from_fn(|| mach.poll_action()).collect();
+    let reject = actions.iter().find_map(|a| match a {
+        Action::Send(Frame::Reject(r)) => Some(r.clone()),
+        _ => None,
+    });
+    let reject = reject.unwrap_or_else(|| panic!("REJECT expected: {actions:?}"));
+    assert_eq!(reject.code, CloseCode::Unavailable);
+    assert!(reject.retry_after_ms > 0, "{reject:?}");
+    assert_eq!(
+        mach.end_reason(),
+        Some(&EndReason::Rejected(CloseCode::Unavailable))
+    );
+
+    // A restore whose claim fails: the taken snapshot goes back to the store unchanged.
+    let c = login(&mut p, "carol");
+    let sid = p.session(c);
+    p.cut(c);
+    p.drive_all();
+    let snapshot = p
+        .edge
+        .store
+        .get(&sid)
+        .cloned()
+        .expect("persisted on detach");
+    let (session_id, resume_token) = p.peers[c].client.session().expect("resume token");
+    let resume = ResumeRequest {
+        session_id,
+        resume_token,
+        last_server_seq: p.peers[c].client.last_server_seq(),
+    };
+    let m = machine_at_claim(&mut p, Some(resume));
+    let now = p.now;
+    let mach = &mut p.edge.machines[m];
+    let Some(Action::TakeSnapshot { .. }) = mach.poll_action() else {
+        panic!("take expected")
+    };
+    mach.handle_snapshot(
+        now,
+        Ok(crate::store::TakeOutcome::Taken(Box::new(snapshot.clone()))),
+    )
+    .expect("snapshot");
+    assert!(matches!(mach.poll_action(), Some(Action::Claim { .. })));
+    mach.handle_claimed(
+        now,
+        Err(crate::store::StoreError::Unavailable("down".into())),
+    )
+    .expect("claim result");
+    let actions: Vec<Action> = std::iter::from_fn(|| mach.poll_action()).collect();
+    assert!(
+        actions
+            .iter()
+            .any(|a| matches!(a, Action::PutBack(s) if **s == snapshot)),
+        "{actions:?}"
+    );
+    assert!(actions.iter().any(|a| matches!(a,
+        Action::Send(Frame::Reject(r)) if r.code == CloseCode::Unavailable && r.retry_after_ms > 0)));
+}
