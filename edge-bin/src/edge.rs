@@ -657,7 +657,14 @@ impl UpstreamSink for EdgeUpstream {
                 player_id,
                 fencing,
                 outcome,
+                transport,
+                setup,
             } => {
+                shared
+                    .metrics
+                    .session_setup_seconds
+                    .get_or_create(&EdgeMetrics::transport(transport))
+                    .observe(setup.as_secs_f64());
                 if let Some(r) = &shared.redis {
                     let (presence, edge) = (r.presence.clone(), shared.config.edge_id.clone());
                     let player = player_id.to_string();

@@ -70,6 +70,16 @@ async fn every_transport_reaches_the_instance_of_its_player_and_room() {
             client.close().await;
         }
     }
+    // Phase timing (O1): session setup per transport is observed.
+    let metrics = c.edge.admin().metrics_text();
+    for kind in kinds {
+        assert!(
+            metrics.contains(&format!(
+                "waygate_session_setup_seconds_count{{transport=\"{kind}\"}} 4"
+            )),
+            "{kind}: {metrics}"
+        );
+    }
 }
 
 /// S4/S4a over real sockets: a stream of echoes while the socket is killed mid-stream and

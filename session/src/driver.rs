@@ -54,6 +54,11 @@ pub enum SessionEvent {
         fencing: u64,
         /// How the HELLO was answered.
         outcome: WelcomeOutcome,
+        /// The transport (a metric label only).
+        transport: waygate_transport::TransportKind,
+        /// Time from the connection's hand-over by the listener to ACTIVE (HELLO, auth,
+        /// restore): the session-setup phase timing (O1).
+        setup: Duration,
     },
     /// The client's link dropped; the session lingers for `linger` (the backend may keep
     /// the character under server control meanwhile, S8 "degrade").
@@ -502,6 +507,8 @@ struct Task {
     downstream_rx: Option<mpsc::Receiver<Downstream>>,
     adopted: Option<SessionId>,
     inbound: Option<waygate_transport::backpressure::InboundLimiter>,
+    transport: waygate_transport::TransportKind,
+    started: tokio::time::Instant,
     /// Last snapshot written by write-through (skip identical writes).
     durable: Option<Snapshot>,
 }
@@ -529,6 +536,7 @@ pub async fn run_session(edge: Arc<EdgeSessions>, conn: BoxConnection) -> EndRea
 }
 
 async fn run_session_inner(edge: Arc<EdgeSessions>, conn: BoxConnection) -> EndReason {
+    let conn_kind = conn.info().kind;
     let (commands_tx, mut commands) = mpsc::channel(8);
     let (downstream_tx, downstream_rx) = mpsc::channel(edge.outbound_capacity.max(1));
     let machine = SessionMachine::new(edge.config.clone(), edge.counters.clone(), (edge.rng)());
@@ -543,6 +551,8 @@ async fn run_session_inner(edge: Arc<EdgeSessions>, conn: BoxConnection) -> EndR
         downstream_rx: Some(downstream_rx),
         adopted: None,
         inbound: None,
+        transport: conn_kind,
+        started: tokio::time::Instant::now(),
         durable: None,
     };
     t.inbound = t
@@ -910,6 +920,8 @@ impl Task {
                         player_id,
                         fencing,
                         outcome,
+                        transport: self.transport,
+                        setup: self.started.elapsed(),
                     })
                     .await;
             }
