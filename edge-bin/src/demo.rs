@@ -145,7 +145,7 @@ impl DemoReport {
         }
         out.push_str(&row("total", &self.total));
         out.push_str(&format!(
-            "kicked by second login: {}   resumed over another transport: {}   room events: {}\n\
+            "kicked by second login: {}   resumed on another endpoint (transport or edge): {}   room events: {}\n\
              drain of b3: replies from other backends {}, from b3 more than 1 s later {}\n",
             self.kicked,
             self.switched_transport,
@@ -588,4 +588,242 @@ async fn client_task(
     r.lost = pending.len() as u64;
     client.close().await;
     r
+}
+
+/// `waygate demo --edges N`: N edge *processes* sharing a Redis (started here; needs
+/// `redis-server` on the PATH) for session ownership and warm snapshots, three demo
+/// backends, and clients spread over the edges and transports. Midway edge 0 is killed
+/// with SIGKILL: its clients resume on the other edges from Redis. Every echo is counted.
+/// `waygate_exe` is the `waygate` binary to start the edges with.
+pub async fn run_cluster(
+    options: DemoOptions,
+    edges: usize,
+    waygate_exe: &std::path::Path,
+) -> Result<DemoReport, String> {
+    use tokio::io::AsyncBufReadExt;
+
+    let edges = edges.max(2);
+    let dir = std::env::temp_dir().join(format!("waygate-demo-cluster-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let redis_port = free_port()?;
+    let _redis = tokio::process::Command::new("redis-server")
+        .args(["--port", &redis_port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .stdout(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| format!("`waygate demo --edges` needs redis-server on the PATH (apt install redis-server): {e}"))?;
+    let ping_deadline = Instant::now() + Duration::from_secs(10);
+    while !redis_ping(redis_port).await {
+        if Instant::now() > ping_deadline {
+            return Err("redis-server did not answer PING".into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let mut backends = Vec::new();
+    for i in 1..=3 {
+        backends.push(
+            Backend::bind(
+                SocketAddr::from(([127, 0, 0, 1], 0)),
+                BackendConfig::new(format!("b{i}")),
+                Arc::new(DemoService::new()),
+            )
+            .await
+            .map_err(|e| format!("demo backend: {e}"))?,
+        );
+    }
+    let addrs: Vec<SocketAddr> = backends.iter().map(|b| b.local_addr()).collect();
+    let routes = dir.join("routes.toml");
+    std::fs::write(&routes, table_text(&addrs, 1, None)).map_err(|e| e.to_string())?;
+
+    let exe = waygate_exe.to_path_buf();
+    let mut procs = Vec::new();
+    let mut edge_addrs: Vec<BTreeMap<String, SocketAddr>> = Vec::new();
+    let mut ca_bundle = String::new();
+    for i in 0..edges {
+        let ca = dir.join(format!("ca-{i}.pem"));
+        let config = dir.join(format!("edge-{i}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "edge_id = \"edge-{i}\"\n[tls]\ndev_ca_out = {ca:?}\n[routing]\ntable = {routes:?}\n[session]\nheartbeat_ms = 1000\n[cluster]\nredis_url = \"redis://127.0.0.1:{redis_port}/\"\n"
+            ),
+        )
+        .map_err(|e| e.to_string())?;
+        let mut child = tokio::process::Command::new(&exe)
+            .args([
+                "run",
+                "--config",
+                &config.to_string_lossy(),
+                "--ephemeral-ports",
+            ])
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("starting edge {i}: {e}"))?;
+        let stdout = child.stdout.take().ok_or("edge stdout")?;
+        let mut lines = tokio::io::BufReader::new(stdout).lines();
+        let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+            .await
+            .map_err(|_| format!("edge {i} did not start"))?
+            .map_err(|e| e.to_string())?
+            .ok_or(format!("edge {i} exited"))?;
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let ready: serde_json::Value =
+            serde_json::from_str(&line).map_err(|e| format!("edge {i}: {e}: {line}"))?;
+        let mut map = BTreeMap::new();
+        if let Some(l) = ready["listeners"].as_object() {
+            for (k, v) in l {
+                if let Some(a) = v.as_str().and_then(|a| a.parse().ok()) {
+                    map.insert(k.clone(), a);
+                }
+            }
+        }
+        edge_addrs.push(map);
+        ca_bundle.push_str(&std::fs::read_to_string(&ca).map_err(|e| e.to_string())?);
+        procs.push(child);
+    }
+    let tls = ClientTls::from_ca_pem(&ca_bundle).map_err(|e| e.to_string())?;
+    if options.progress {
+        eprintln!(
+            "{edges} edges sharing Redis on 127.0.0.1:{redis_port}; {} clients",
+            options.clients
+        );
+    }
+
+    let start = Instant::now();
+    let never_drained: Arc<std::sync::OnceLock<Instant>> = Arc::new(std::sync::OnceLock::new());
+    let mut cmds = Vec::new();
+    let mut tasks = Vec::new();
+    for i in 0..options.clients {
+        let home = i % edges;
+        let kind = KINDS[(i / edges) % KINDS.len()];
+        // The client's own transport on its home edge first, then on the other edges.
+        let list: Vec<Endpoint> = (0..edges)
+            .map(|k| {
+                let e = &edge_addrs[(home + k) % edges];
+                let mut ep = Endpoint::new(kind, e[kind.as_str()]);
+                ep.host = "localhost".into();
+                ep
+            })
+            .collect();
+        let player = format!("cluster-player-{i}");
+        let mut opts = ClientOptions::new(list, token(&player));
+        // Edges here ask for a PING every second: a link silent for 3 s is dead, so UDP
+        // clients (no RST when an edge dies) notice a killed edge quickly.
+        opts.connect = ConnectOptions {
+            tls: Some(tls.clone()),
+            conn: waygate_transport::ConnConfig {
+                idle_timeout: Some(Duration::from_secs(3)),
+                ..Default::default()
+            },
+            ..ConnectOptions::default()
+        };
+        let (tx, rx) = mpsc::channel(8);
+        cmds.push(tx);
+        tasks.push(tokio::spawn(client_task(
+            i,
+            player,
+            kind,
+            opts,
+            options.interval,
+            rx,
+            String::new(),
+            never_drained.clone(),
+        )));
+    }
+    let mut killed = false;
+    while start.elapsed() < options.duration {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if !killed && start.elapsed() >= options.duration * 4 / 10 {
+            killed = true;
+            if let Some(p) = procs.first_mut() {
+                let _ = p.start_kill();
+            }
+            if options.progress {
+                eprintln!(
+                    "[{:>5.1}s] edge-0 killed (SIGKILL): its clients resume on the others",
+                    start.elapsed().as_secs_f64()
+                );
+            }
+        }
+    }
+    for c in &cmds {
+        let _ = c.send(Cmd::Stop).await;
+    }
+    if options.progress {
+        eprintln!(
+            "[{:>5.1}s] stopping; waiting for outstanding replies",
+            start.elapsed().as_secs_f64()
+        );
+    }
+    let mut report = DemoReport::default();
+    let mut rtts: Vec<u32> = Vec::new();
+    let mut by_kind: HashMap<TransportKind, Vec<u32>> = HashMap::new();
+    for t in tasks {
+        let r = t.await.map_err(|e| format!("client task: {e}"))?;
+        let Some(kind) = r.kind else { continue };
+        let row = report
+            .transports
+            .entry(kind.as_str().to_string())
+            .or_default();
+        row.sessions += 1;
+        row.sent += r.sent;
+        row.received += r.received;
+        row.lost += r.lost;
+        row.duplicated += r.duplicated;
+        row.refused += r.refused;
+        row.restores += r.restores;
+        row.gaps += r.gaps;
+        report.switched_transport += u64::from(r.switched);
+        report.kicked += u64::from(r.kicked);
+        report.room_events += r.room_events;
+        rtts.extend(r.rtts.iter().copied());
+        by_kind.entry(kind).or_default().extend(r.rtts);
+    }
+    for (kind, mut v) in by_kind {
+        v.sort_unstable();
+        if let Some(row) = report.transports.get_mut(kind.as_str()) {
+            row.rtt_p50_us = percentile(&v, 50.0);
+            row.rtt_p99_us = percentile(&v, 99.0);
+        }
+    }
+    rtts.sort_unstable();
+    let mut total = TransportRow::default();
+    for r in report.transports.values() {
+        total.sessions += r.sessions;
+        total.sent += r.sent;
+        total.received += r.received;
+        total.lost += r.lost;
+        total.duplicated += r.duplicated;
+        total.refused += r.refused;
+        total.restores += r.restores;
+        total.gaps += r.gaps;
+    }
+    total.rtt_p50_us = percentile(&rtts, 50.0);
+    total.rtt_p99_us = percentile(&rtts, 99.0);
+    report.total = total;
+    drop(procs);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(report)
+}
+
+fn free_port() -> Result<u16, String> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| e.to_string())
+}
+
+async fn redis_ping(port: u16) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+        return false;
+    };
+    if s.write_all(b"PING\r\n").await.is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 16];
+    matches!(tokio::time::timeout(Duration::from_secs(1), s.read(&mut buf)).await, Ok(Ok(n)) if buf[..n].starts_with(b"+PONG"))
 }

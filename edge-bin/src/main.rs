@@ -82,6 +82,10 @@ enum Command {
         /// Print the final report as JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Run N edge processes sharing a Redis (needs redis-server on the PATH); edge 0 is
+        /// killed with SIGKILL midway and its clients resume on the others.
+        #[arg(long, default_value_t = 1)]
+        edges: usize,
     },
     /// Print the client protocol version and the close-code table.
     Protocol,
@@ -234,14 +238,20 @@ fn main() -> std::process::ExitCode {
                 clients,
                 duration,
                 json,
+                edges,
             } => {
-                let report = waygate::demo::run(waygate::demo::DemoOptions {
+                let options = waygate::demo::DemoOptions {
                     clients,
                     duration,
                     progress: !json,
                     ..waygate::demo::DemoOptions::default()
-                })
-                .await?;
+                };
+                let report = if edges > 1 {
+                    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+                    waygate::demo::run_cluster(options, edges, &exe).await?
+                } else {
+                    waygate::demo::run(options).await?
+                };
                 if json {
                     println!(
                         "{}",
