@@ -273,10 +273,19 @@ impl Service for BenchService {
 
 /// Runs the bench backend at `addr` until interrupted; prints
 /// `{"event":"ready","backend":ADDR}`.
-pub async fn run_backend(addr: SocketAddr, push_rate: f64, payload: usize) -> Result<(), String> {
+pub async fn run_backend(
+    addr: SocketAddr,
+    push_rate: f64,
+    payload: usize,
+    forward_credits: Option<u32>,
+) -> Result<(), String> {
+    let mut config = BackendConfig::new("b1");
+    if let Some(c) = forward_credits {
+        config.forward_credits = c;
+    }
     let backend = Backend::bind(
         addr,
-        BackendConfig::new("b1"),
+        config,
         Arc::new(BenchService::new(push_rate, payload)),
     )
     .await

@@ -126,6 +126,8 @@ pub struct LoadResult {
     pub duplicated: u64,
     /// Messages refused by the server (ERROR frames).
     pub refused: u64,
+    /// Refusals by close code.
+    pub refused_by_code: std::collections::BTreeMap<String, u64>,
 }
 
 /// Latency percentiles in microseconds.
@@ -198,7 +200,8 @@ struct Hists {
 
 fn hist() -> Histogram<u64> {
     // 1 us .. 10 min, 3 significant digits; `saturating_record` clamps outliers.
-    Histogram::new_with_bounds(1, 600_000_000, 3).unwrap_or_else(|_| Histogram::new(3).unwrap_or_else(|_| unreachable!("valid sigfig")))
+    Histogram::new_with_bounds(1, 600_000_000, 3)
+        .unwrap_or_else(|_| Histogram::new(3).unwrap_or_else(|_| unreachable!("valid sigfig")))
 }
 
 struct Ctx {
@@ -210,6 +213,7 @@ struct Ctx {
     c: Counters,
     h: Mutex<Hists>,
     gate: Semaphore,
+    codes: Mutex<std::collections::BTreeMap<String, u64>>,
 }
 
 impl Ctx {
@@ -227,6 +231,13 @@ impl Ctx {
             },
         )
         .unwrap_or_default()
+    }
+
+    fn refused(&self, code: CloseCode) {
+        inc(&self.c.refused);
+        if let Ok(mut c) = self.codes.lock() {
+            *c.entry(code.as_str().to_string()).or_default() += 1;
+        }
     }
 
     fn record(&self, f: impl FnOnce(&mut Hists)) {
@@ -305,6 +316,7 @@ pub async fn run(spec: LoadSpec) -> LoadResult {
             replayed: hist(),
         }),
         gate: Semaphore::new(concurrency),
+        codes: Mutex::new(std::collections::BTreeMap::new()),
         spec,
     });
     let spec = &ctx.spec;
@@ -394,6 +406,9 @@ pub async fn run(spec: LoadSpec) -> LoadResult {
     result.lost = get(&ctx.c.lost);
     result.duplicated = get(&ctx.c.duplicated);
     result.refused = get(&ctx.c.refused);
+    if let Ok(c) = ctx.codes.lock() {
+        result.refused_by_code = c.clone();
+    }
     if let Ok(h) = ctx.h.lock() {
         result.rtt_us = Percentiles::of(&h.rtt);
         result.push_us = Percentiles::of(&h.push);
@@ -464,10 +479,7 @@ async fn lean_session(ctx: Arc<Ctx>, idx: usize) {
             return;
         }
     };
-    ctx.record(|h| {
-        h.setup
-            .saturating_record(t0.elapsed().as_micros() as u64)
-    });
+    ctx.record(|h| h.setup.saturating_record(t0.elapsed().as_micros() as u64));
     inc(&ctx.c.connected);
     let mut phase_rx = ctx.phase.clone();
     let period = (spec.rate > 0.0).then(|| Duration::from_secs_f64(1.0 / spec.rate));
@@ -504,20 +516,21 @@ async fn lean_session(ctx: Arc<Ctx>, idx: usize) {
                         }
                     }
                 }
-                ClientEvent::Error(_) => {
-                    inc(&ctx.c.refused);
+                ClientEvent::Error(e) => {
+                    ctx.refused(e.code);
                     outstanding = false;
                 }
                 _ => {}
             }
         }
-        if closed_loop && sending(phase) && !outstanding {
-            if cs
+        if closed_loop
+            && sending(phase)
+            && !outstanding
+            && cs
                 .send(now(), TrafficClass::Normal, ECHO, ctx.echo_payload())
                 .is_ok()
-            {
-                outstanding = true;
-            }
+        {
+            outstanding = true;
         }
         if flush(&mut conn, &mut cs).await.is_err() {
             break;
@@ -590,10 +603,7 @@ async fn sdk_session(ctx: Arc<Ctx>, idx: usize) {
         inc(&ctx.c.connect_failed);
         return;
     }
-    ctx.record(|h| {
-        h.setup
-            .saturating_record(t0.elapsed().as_micros() as u64)
-    });
+    ctx.record(|h| h.setup.saturating_record(t0.elapsed().as_micros() as u64));
     inc(&ctx.c.connected);
     let mut phase_rx = ctx.phase.clone();
     let period = (spec.rate > 0.0).then(|| Duration::from_secs_f64(1.0 / spec.rate));
@@ -632,7 +642,7 @@ async fn sdk_session(ctx: Arc<Ctx>, idx: usize) {
                         outstanding = false;
                     }
                 }
-                Some(Event::Error(_)) => { inc(&ctx.c.refused); outstanding = false; }
+                Some(Event::Error(e)) => { ctx.refused(e.code); outstanding = false; }
                 Some(Event::Closed { .. }) | None => break,
                 Some(_) => {}
             }

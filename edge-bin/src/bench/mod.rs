@@ -143,9 +143,11 @@ pub struct BenchArgs {
     /// Repetitions (each runs every target once, interleaved) [default: 1].
     #[arg(long)]
     pub reps: Option<usize>,
-    /// Start fresh target processes for every run (RSS baselines).
+    /// Keep the target processes across runs and repetitions instead of starting fresh ones
+    /// for every run. Sessions a client closes linger on the edge (PROTOCOL.md §7.5, 15 min),
+    /// so reused edges carry every earlier run's sessions.
     #[arg(long)]
-    pub fresh: bool,
+    pub reuse: bool,
     /// Do not pin processes to CPUs.
     #[arg(long)]
     pub no_pin: bool,
@@ -168,6 +170,10 @@ pub struct BenchArgs {
     /// Also write the JSON report to this file.
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Bench backend: FORWARD credits it grants the edge (the backend library's default is
+    /// 256).
+    #[arg(long)]
+    pub forward_credits: Option<u32>,
     /// Child roles: address to listen on.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: SocketAddr,
@@ -218,7 +224,7 @@ fn plans(a: &BenchArgs) -> Vec<Plan> {
         duration_s: a.duration.map_or(duration, |d| d.as_secs_f64()),
         warmup_s: a.warmup.map_or(1.0, |d| d.as_secs_f64()),
         reps: a.reps.unwrap_or(reps),
-        fresh: a.fresh,
+        fresh: !a.reuse,
         busy_loops: a.busy_loops,
     };
     use Target::{Direct, Edge, Haproxy};
@@ -392,6 +398,7 @@ struct Env {
     dir: PathBuf,
     pin: bool,
     seq: std::cell::Cell<u32>,
+    forward_credits: Option<u32>,
 }
 
 impl Env {
@@ -442,7 +449,11 @@ impl Env {
 
     fn edge(&self, plan: &Plan) -> Result<(Vec<Proc>, Sut), String> {
         let n = self.next();
-        let args = self.child_args("backend", plan, &[]);
+        let extra: Vec<String> = self
+            .forward_credits
+            .map(|c| vec!["--forward-credits".to_string(), c.to_string()])
+            .unwrap_or_default();
+        let args = self.child_args("backend", plan, &extra);
         let (backend, ready) = procs::spawn_ready(
             "backend",
             procs::pinned(self.cpu(0), &self.exe, &args),
@@ -560,8 +571,13 @@ pub async fn run(args: BenchArgs) -> Result<(), String> {
             return echo::run_echo(args.push_rate.unwrap_or(0.0), args.payload, ca_out).await;
         }
         Role::Backend => {
-            return echo::run_backend(args.listen, args.push_rate.unwrap_or(0.0), args.payload)
-                .await
+            return echo::run_backend(
+                args.listen,
+                args.push_rate.unwrap_or(0.0),
+                args.payload,
+                args.forward_credits,
+            )
+            .await
         }
         Role::Driver => {}
     }
@@ -573,6 +589,7 @@ pub async fn run(args: BenchArgs) -> Result<(), String> {
         dir: dir.clone(),
         pin: !args.no_pin,
         seq: std::cell::Cell::new(0),
+        forward_credits: args.forward_credits,
     };
     if env.pin {
         // The load generator (all its threads) on CPU 0, beside the backends.
@@ -694,7 +711,7 @@ pub async fn run(args: BenchArgs) -> Result<(), String> {
 
 fn brief(r: &LoadResult) -> String {
     format!(
-        "conn {}/{} msgs/s {:.0} rtt p50 {} p99 {} us, push p99 {} us, sut {:.2} us/msg ({:.1}% core), client {:.2} us/msg, rss {:?} KiB ({:.2} KiB/session), setups/s {:.0}, us/session {:.0}, restore p99 {} ms (restored {}, failed {}), lost {} dup {} refused {}",
+        "conn {}/{} msgs/s {:.0} rtt p50 {} p99 {} us, push p99 {} us, sut {:.2} us/msg ({:.1}% core), client {:.2} us/msg, rss {:?} KiB ({:.2} KiB/session), setups/s {:.0}, us/session {:.0}, restore p99 {} ms (restored {}, failed {}), lost {} dup {} refused {} {:?}",
         r.connected,
         r.connected + r.connect_failed,
         r.msgs_per_s,
@@ -714,6 +731,7 @@ fn brief(r: &LoadResult) -> String {
         r.lost,
         r.duplicated,
         r.refused,
+        r.refused_by_code,
     )
 }
 
@@ -858,9 +876,7 @@ fn summarize(runs: &[Run]) -> Vec<Row> {
             setups_per_s: med(&|r| r.setups_per_s),
             sut_cpu_us_per_session: med(&|r| r.sut_cpu_us_per_session),
             restore_p99_ms: med(&|r| lat(r.restore_us.n, r.restore_us.p99).map(|v| v / 1000.0)),
-            replayed_p99_ms: med(&|r| {
-                lat(r.replayed_us.n, r.replayed_us.p99).map(|v| v / 1000.0)
-            }),
+            replayed_p99_ms: med(&|r| lat(r.replayed_us.n, r.replayed_us.p99).map(|v| v / 1000.0)),
             restore_failed: sum(&|r| r.restore_failed),
             lost: sum(&|r| r.lost),
             duplicated: sum(&|r| r.duplicated),
