@@ -493,6 +493,11 @@ async fn lean_session(ctx: Arc<Ctx>, idx: usize) {
     let closed_loop = spec.mode == Mode::Echo && period.is_none();
     let mut outstanding = false;
     let mut next_push = 1u64;
+    if matches!(spec.mode, Mode::Idle | Mode::Restore) {
+        // One message opens the session on the backend (the edge opens it on the first
+        // forward), so the backend knows it and can push to it.
+        let _ = cs.send(now(), TrafficClass::Normal, ECHO, ctx.echo_payload());
+    }
     let mut awaiting_replay: Option<Instant> = None;
     loop {
         let phase = *phase_rx.borrow_and_update();

@@ -747,7 +747,7 @@ fn machine() -> serde_json::Value {
             .to_string()
     };
     serde_json::json!({
-        "nproc": sh("nproc"),
+        "nproc": sh("nproc --all"),
         "cpu": sh("lscpu | grep 'Model name' | sed 's/.*: *//'"),
         "kernel": sh("uname -r"),
         "loadavg": procs::loadavg(),
