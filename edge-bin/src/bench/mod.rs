@@ -828,10 +828,10 @@ fn compare(runs: &[&Run], refs: &[&Run]) -> Option<Compare> {
     Some(Compare {
         msgs_per_s_ratio: m(&|a, b| Some(a.msgs_per_s / nz(b.msgs_per_s)?)),
         added_p50_us: m(&|a, b| {
-            (a.rtt_us.n > 0 && b.rtt_us.n > 0).then(|| a.rtt_us.p50 as f64 - b.rtt_us.p50 as f64)
+            (a.rtt_us.n > 0 && b.rtt_us.n > 0).then_some(a.rtt_us.p50 as f64 - b.rtt_us.p50 as f64)
         }),
         added_p99_us: m(&|a, b| {
-            (a.rtt_us.n > 0 && b.rtt_us.n > 0).then(|| a.rtt_us.p99 as f64 - b.rtt_us.p99 as f64)
+            (a.rtt_us.n > 0 && b.rtt_us.n > 0).then_some(a.rtt_us.p99 as f64 - b.rtt_us.p99 as f64)
         }),
         cpu_per_msg_ratio: m(&|a, b| Some(a.sut_cpu_us_per_msg? / nz(b.sut_cpu_us_per_msg?)?)),
         cpu_tax_us_per_msg: m(&|a, b| Some(a.sut_cpu_us_per_msg? - b.sut_cpu_us_per_msg?)),
