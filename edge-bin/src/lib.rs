@@ -10,6 +10,7 @@
 
 pub mod admin;
 pub mod backend;
+pub mod bench;
 pub mod cluster;
 pub mod config;
 pub mod demo;

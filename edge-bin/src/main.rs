@@ -89,6 +89,9 @@ enum Command {
     },
     /// Print the client protocol version and the close-code table.
     Protocol,
+    /// Load generator and benchmark driver: edge vs direct echo vs HAProxy, interleaved,
+    /// with medians and ratios (BENCHMARKS.md).
+    Bench(Box<waygate::bench::BenchArgs>),
 }
 
 fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
@@ -266,6 +269,7 @@ fn main() -> std::process::ExitCode {
                     Err("messages were lost or duplicated".into())
                 }
             }
+            Command::Bench(args) => waygate::bench::run(*args).await,
             Command::Protocol => {
                 println!(
                     "waygate client protocol v{}",

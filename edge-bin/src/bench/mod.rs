@@ -1,0 +1,951 @@
+//! `waygate bench`: the load generator and benchmark driver (issue 8).
+//!
+//! The driver starts the processes under test as children, pinned as the issue found
+//! necessary on a 2-vCPU machine: the process under test (the edge, the direct echo server,
+//! or HAProxy) on CPU 1; the load generator and what sits behind the process under test (the
+//! edge's backend, HAProxy's echo server) on CPU 0. It then runs the same load against every
+//! target, interleaved (A B A B ...), for every repetition, and reports medians and ratios
+//! measured in the same run. The primary efficiency figure is the CPU of the process under
+//! test per message, from `/proc/PID/stat` before and after the measurement window.
+//!
+//! Roles (`--role`): `driver` (default), `echo` (the direct echo server on every transport)
+//! and `backend` (the bench backend behind the edge); the driver starts the latter two as
+//! `waygate bench --role ...` children. See BENCHMARKS.md for the method and the workloads.
+
+pub mod echo;
+pub mod load;
+pub mod procs;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Serialize;
+use waygate_transport::endpoint::{ConnectOptions, Endpoint};
+use waygate_transport::tls::ClientTls;
+use waygate_transport::TransportKind;
+
+use load::{ClientImpl, LoadResult, LoadSpec, Mode};
+use procs::Proc;
+
+/// What this process does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Role {
+    /// Start the targets, run the load, report.
+    Driver,
+    /// The direct echo server (client protocol on every transport).
+    Echo,
+    /// The bench backend (behind the edge).
+    Backend,
+}
+
+/// A process under test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Target {
+    /// The waygate edge in front of the bench backend.
+    Edge,
+    /// The direct echo server (the floor).
+    Direct,
+    /// HAProxy `mode tcp` in front of the TCP echo server (TCP only).
+    Haproxy,
+}
+
+impl Target {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Edge => "edge",
+            Self::Direct => "direct",
+            Self::Haproxy => "haproxy",
+        }
+    }
+}
+
+/// Preset workloads of issue 8.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Workload {
+    /// One connection ping-pong per transport: added p50/p99 over direct.
+    W1,
+    /// 1,000 sessions x 20 msg/s x 64 B per transport: edge CPU/msg, tax, p99.
+    W2,
+    /// W2's push variant: the backend pushes 20 msg/s to every session.
+    W2push,
+    /// 50 sessions closed loop over TCP: msgs/s vs direct and HAProxy.
+    W3,
+    /// 5,000 and 10,000 idle sessions per transport: RSS per session.
+    W4,
+    /// 10,000 idle sessions with heartbeats: idle CPU.
+    W5,
+    /// Connection setup rate including auth, per transport.
+    W6,
+    /// Drop 1,000 connections at once: time to restore, loss, duplicates.
+    W7,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let (num, unit) = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .map_or((s, "s"), |i| (&s[..i], &s[i..]));
+    let n: f64 = num.parse().map_err(|_| format!("invalid duration `{s}`"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "s" | "" => n,
+        "m" => n * 60.0,
+        _ => return Err(format!("invalid duration unit in `{s}` (ms, s, m)")),
+    };
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// `waygate bench` options. Options left unset take the workload's preset (or the default
+/// shown).
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// driver (default), or a child role started by the driver.
+    #[arg(long, value_enum, default_value = "driver")]
+    pub role: Role,
+    /// A preset workload of issue 8 (w1..w7, w2push).
+    #[arg(long, value_enum)]
+    pub workload: Option<Workload>,
+    /// Targets, interleaved in this order each repetition [default: edge,direct].
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub targets: Option<Vec<Target>>,
+    /// Transports: tcp, tls, ws, wss, quic, kcp [default: tcp].
+    #[arg(long, value_delimiter = ',')]
+    pub transports: Option<Vec<String>>,
+    /// Sessions [default: 1].
+    #[arg(long)]
+    pub sessions: Option<usize>,
+    /// ECHO messages per second per session; 0 = closed loop [default: 0].
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Payload bytes of ECHO and pushes.
+    #[arg(long, default_value_t = 64)]
+    pub payload: usize,
+    /// Pushes per second per session from the backend (or the direct server) [default: 0].
+    #[arg(long)]
+    pub push_rate: Option<f64>,
+    /// Measurement window [default: 5s].
+    #[arg(long, value_parser = parse_duration)]
+    pub duration: Option<Duration>,
+    /// Warm-up before the window [default: 1s].
+    #[arg(long, value_parser = parse_duration)]
+    pub warmup: Option<Duration>,
+    /// What sessions do [default: echo].
+    #[arg(long, value_enum)]
+    pub mode: Option<Mode>,
+    /// Client implementation.
+    #[arg(long, value_enum, default_value = "lean")]
+    pub client: ClientImpl,
+    /// Connects in flight at once.
+    #[arg(long, default_value_t = 64)]
+    pub concurrency: usize,
+    /// Repetitions (each runs every target once, interleaved) [default: 1].
+    #[arg(long)]
+    pub reps: Option<usize>,
+    /// Keep the target processes across runs and repetitions instead of starting fresh ones
+    /// for every run. Sessions a client closes linger on the edge (PROTOCOL.md §7.5, 15 min),
+    /// so reused edges carry every earlier run's sessions.
+    #[arg(long)]
+    pub reuse: bool,
+    /// Do not pin processes to CPUs.
+    #[arg(long)]
+    pub no_pin: bool,
+    /// Run a SCHED_IDLE busy loop on each CPU (latency runs; default for W1, W2).
+    #[arg(long)]
+    pub busy_loops: bool,
+    /// Use an edge already running at this URL (e.g. tcp://127.0.0.1:7000) instead of a
+    /// child; only the edge target runs.
+    #[arg(long)]
+    pub edge: Option<String>,
+    /// Pid of the edge given with --edge (for CPU and RSS).
+    #[arg(long)]
+    pub edge_pid: Option<u32>,
+    /// CA PEM to trust for tls/wss/quic with --edge.
+    #[arg(long)]
+    pub ca: Option<PathBuf>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Also write the JSON report to this file.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Bench backend: FORWARD credits it grants the edge (the backend library's default is
+    /// 256).
+    #[arg(long)]
+    pub forward_credits: Option<u32>,
+    /// Child roles: address to listen on.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// Echo role: where to write the generated CA.
+    #[arg(long)]
+    pub ca_out: Option<PathBuf>,
+}
+
+/// One planned series: a load shape over some transports and targets.
+#[derive(Debug, Clone, Serialize)]
+struct Plan {
+    label: String,
+    transports: Vec<String>,
+    targets: Vec<Target>,
+    sessions: usize,
+    rate: f64,
+    push_rate: f64,
+    payload: usize,
+    mode: Mode,
+    duration_s: f64,
+    warmup_s: f64,
+    reps: usize,
+    fresh: bool,
+    busy_loops: bool,
+}
+
+const ALL: [&str; 6] = ["tcp", "tls", "ws", "wss", "quic", "kcp"];
+
+fn plans(a: &BenchArgs) -> Vec<Plan> {
+    let all = || ALL.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let base = |label: &str,
+                transports: Vec<String>,
+                targets: Vec<Target>,
+                sessions: usize,
+                rate: f64,
+                push: f64,
+                mode: Mode,
+                duration: f64,
+                reps: usize| Plan {
+        label: label.into(),
+        transports: a.transports.clone().unwrap_or(transports),
+        targets: a.targets.clone().unwrap_or(targets),
+        sessions: a.sessions.unwrap_or(sessions),
+        rate: a.rate.unwrap_or(rate),
+        push_rate: a.push_rate.unwrap_or(push),
+        payload: a.payload,
+        mode: a.mode.unwrap_or(mode),
+        duration_s: a.duration.map_or(duration, |d| d.as_secs_f64()),
+        warmup_s: a.warmup.map_or(1.0, |d| d.as_secs_f64()),
+        reps: a.reps.unwrap_or(reps),
+        fresh: !a.reuse,
+        busy_loops: a.busy_loops,
+    };
+    use Target::{Direct, Edge, Haproxy};
+    match a.workload {
+        None => vec![base(
+            "custom",
+            vec!["tcp".into()],
+            vec![Edge, Direct],
+            1,
+            0.0,
+            0.0,
+            Mode::Echo,
+            5.0,
+            1,
+        )],
+        Some(Workload::W1) => vec![Plan {
+            busy_loops: true,
+            ..base(
+                "w1",
+                all(),
+                vec![Edge, Direct, Haproxy],
+                1,
+                0.0,
+                0.0,
+                Mode::Echo,
+                3.0,
+                5,
+            )
+        }],
+        Some(Workload::W2) => vec![Plan {
+            busy_loops: true,
+            ..base(
+                "w2",
+                all(),
+                vec![Edge, Direct, Haproxy],
+                1000,
+                20.0,
+                0.0,
+                Mode::Echo,
+                5.0,
+                5,
+            )
+        }],
+        Some(Workload::W2push) => vec![Plan {
+            busy_loops: true,
+            ..base(
+                "w2push",
+                all(),
+                vec![Edge, Direct],
+                1000,
+                0.0,
+                20.0,
+                Mode::Idle,
+                5.0,
+                5,
+            )
+        }],
+        Some(Workload::W3) => vec![base(
+            "w3",
+            vec!["tcp".into()],
+            vec![Edge, Direct, Haproxy],
+            50,
+            0.0,
+            0.0,
+            Mode::Echo,
+            5.0,
+            5,
+        )],
+        Some(Workload::W4) => [5000usize, 10_000]
+            .into_iter()
+            .map(|n| Plan {
+                fresh: true,
+                ..base(
+                    &format!("w4-{n}"),
+                    all(),
+                    vec![Edge, Direct],
+                    n,
+                    0.0,
+                    0.0,
+                    Mode::Idle,
+                    10.0,
+                    1,
+                )
+            })
+            .collect(),
+        Some(Workload::W5) => vec![Plan {
+            fresh: true,
+            ..base(
+                "w5",
+                all(),
+                vec![Edge],
+                10_000,
+                0.0,
+                0.0,
+                Mode::Idle,
+                20.0,
+                1,
+            )
+        }],
+        Some(Workload::W6) => vec![base(
+            "w6",
+            all(),
+            vec![Edge, Direct],
+            3000,
+            0.0,
+            0.0,
+            Mode::Connect,
+            0.0,
+            3,
+        )],
+        Some(Workload::W7) => vec![Plan {
+            fresh: true,
+            warmup_s: a.warmup.map_or(2.0, |d| d.as_secs_f64()),
+            ..base(
+                "w7",
+                all(),
+                vec![Edge],
+                1000,
+                0.0,
+                10.0,
+                Mode::Restore,
+                5.0,
+                3,
+            )
+        }],
+    }
+}
+
+/// One measured run.
+#[derive(Debug, Clone, Serialize)]
+struct Run {
+    plan: String,
+    transport: String,
+    target: Target,
+    rep: usize,
+    load_avg: String,
+    result: LoadResult,
+}
+
+/// The processes of the targets for one plan.
+struct Targets {
+    _procs: Vec<Proc>,
+    suts: BTreeMap<Target, Sut>,
+}
+
+#[derive(Debug, Clone)]
+struct Sut {
+    pid: Option<u32>,
+    addrs: BTreeMap<String, SocketAddr>,
+    tls: Option<ClientTls>,
+}
+
+fn listeners_of(v: &serde_json::Value) -> BTreeMap<String, SocketAddr> {
+    v.get("listeners")
+        .and_then(|l| l.as_object())
+        .map(|m| {
+            m.iter()
+                .filter_map(|(k, a)| Some((k.clone(), a.as_str()?.parse().ok()?)))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn ca(path: &Path) -> Option<ClientTls> {
+    let pem = std::fs::read_to_string(path).ok()?;
+    ClientTls::from_ca_pem(&pem).ok()
+}
+
+struct Env {
+    exe: PathBuf,
+    dir: PathBuf,
+    pin: bool,
+    seq: std::cell::Cell<u32>,
+    forward_credits: Option<u32>,
+}
+
+impl Env {
+    fn cpu(&self, c: usize) -> Option<usize> {
+        self.pin.then_some(c)
+    }
+
+    fn next(&self) -> u32 {
+        let n = self.seq.get() + 1;
+        self.seq.set(n);
+        n
+    }
+
+    fn child_args(&self, role: &str, plan: &Plan, extra: &[String]) -> Vec<String> {
+        let mut v = vec![
+            "bench".to_string(),
+            "--role".into(),
+            role.into(),
+            "--push-rate".into(),
+            plan.push_rate.to_string(),
+            "--payload".into(),
+            plan.payload.to_string(),
+        ];
+        v.extend_from_slice(extra);
+        v
+    }
+
+    fn echo(&self, plan: &Plan, cpu: usize) -> Result<(Proc, Sut), String> {
+        let n = self.next();
+        let ca_path = self.dir.join(format!("echo{n}-ca.pem"));
+        let args = self.child_args(
+            "echo",
+            plan,
+            &["--ca-out".into(), ca_path.display().to_string()],
+        );
+        let (p, ready) = procs::spawn_ready(
+            "echo",
+            procs::pinned(self.cpu(cpu), &self.exe, &args),
+            &self.dir.join(format!("echo{n}.log")),
+        )?;
+        let sut = Sut {
+            pid: Some(p.pid()),
+            addrs: listeners_of(&ready),
+            tls: ca(&ca_path),
+        };
+        Ok((p, sut))
+    }
+
+    fn edge(&self, plan: &Plan) -> Result<(Vec<Proc>, Sut), String> {
+        let n = self.next();
+        let extra: Vec<String> = self
+            .forward_credits
+            .map(|c| vec!["--forward-credits".to_string(), c.to_string()])
+            .unwrap_or_default();
+        let args = self.child_args("backend", plan, &extra);
+        let (backend, ready) = procs::spawn_ready(
+            "backend",
+            procs::pinned(self.cpu(0), &self.exe, &args),
+            &self.dir.join(format!("backend{n}.log")),
+        )?;
+        let baddr = ready
+            .get("backend")
+            .and_then(|b| b.as_str())
+            .ok_or("backend ready line without address")?
+            .to_string();
+        let routes = self.dir.join(format!("routes{n}.toml"));
+        std::fs::write(
+            &routes,
+            format!(
+                "epoch = 1\nupdated_at = 0\n[[services]]\nname = \"player\"\nmessages = [[1000, 1999]]\nkey = \"player\"\n  [[services.instances]]\n  id = \"b1\"\n  address = \"{baddr}\"\n"
+            ),
+        )
+        .map_err(|e| e.to_string())?;
+        let ca_path = self.dir.join(format!("edge{n}-ca.pem"));
+        let config = self.dir.join(format!("edge{n}.toml"));
+        // Only what the bench needs differs from the defaults: the route table, where the
+        // dev CA goes, KCP's session cap raised to the W4/W5 session counts, and the
+        // admission and inbound limits opened up (every bench client comes from one source
+        // address and closed-loop sessions send far above a game client's rate: the bench
+        // measures the data path, not the limiters).
+        std::fs::write(
+            &config,
+            format!(
+                "edge_id = \"bench-edge\"\n[routing]\ntable = \"{}\"\n[tls]\ndev_ca_out = \"{}\"\n[kcp]\nmax_sessions = 20000\n\
+                 [backpressure]\naccept_per_sec = 1000000\naccept_burst = 100000\naccept_per_source_per_sec = 1000000\n\
+                 accept_per_source_burst = 100000\nmax_handshakes = 100000\ninbound_msgs_per_sec = 10000000\n\
+                 inbound_msg_burst = 10000000\ninbound_bytes_per_sec = 10000000000\ninbound_byte_burst = 10000000000\nmax_sessions = 1000000\n",
+                routes.display(),
+                ca_path.display()
+            ),
+        )
+        .map_err(|e| e.to_string())?;
+        let args = vec![
+            "run".to_string(),
+            "--config".into(),
+            config.display().to_string(),
+            "--ephemeral-ports".into(),
+        ];
+        let (edge, ready) = procs::spawn_ready(
+            "edge",
+            procs::pinned(self.cpu(1), &self.exe, &args),
+            &self.dir.join(format!("edge{n}.log")),
+        )?;
+        let sut = Sut {
+            pid: Some(edge.pid()),
+            addrs: listeners_of(&ready),
+            tls: ca(&ca_path),
+        };
+        Ok((vec![backend, edge], sut))
+    }
+
+    fn haproxy(&self, plan: &Plan) -> Result<(Vec<Proc>, Sut), String> {
+        let (echo, esut) = self.echo(plan, 0)?;
+        let tcp = *esut.addrs.get("tcp").ok_or("echo without tcp")?;
+        let port = procs::free_port()?;
+        let h = procs::haproxy(self.cpu(1), port, tcp, &self.dir)?;
+        let sut = Sut {
+            pid: Some(h.pid()),
+            addrs: BTreeMap::from([("tcp".to_string(), SocketAddr::from(([127, 0, 0, 1], port)))]),
+            tls: None,
+        };
+        Ok((vec![echo, h], sut))
+    }
+
+    fn start(&self, plan: &Plan, args: &BenchArgs) -> Result<Targets, String> {
+        let mut procs_ = Vec::new();
+        let mut suts = BTreeMap::new();
+        if let Some(url) = &args.edge {
+            let e = Endpoint::parse(url).map_err(|e| e.to_string())?;
+            suts.insert(
+                Target::Edge,
+                Sut {
+                    pid: args.edge_pid,
+                    addrs: BTreeMap::from([(e.kind.as_str().to_string(), e.addr)]),
+                    tls: args.ca.as_deref().and_then(ca),
+                },
+            );
+            return Ok(Targets {
+                _procs: procs_,
+                suts,
+            });
+        }
+        for t in &plan.targets {
+            let (p, s) = match t {
+                Target::Edge => self.edge(plan)?,
+                Target::Direct => {
+                    let (p, s) = self.echo(plan, 1)?;
+                    (vec![p], s)
+                }
+                Target::Haproxy => self.haproxy(plan)?,
+            };
+            procs_.extend(p);
+            suts.insert(*t, s);
+        }
+        // Let links come up and start-up work settle.
+        std::thread::sleep(Duration::from_millis(500));
+        Ok(Targets {
+            _procs: procs_,
+            suts,
+        })
+    }
+}
+
+fn kind(s: &str) -> Option<TransportKind> {
+    TransportKind::ALL.into_iter().find(|k| k.as_str() == s)
+}
+
+/// Runs `waygate bench` with `args`.
+pub async fn run(args: BenchArgs) -> Result<(), String> {
+    match args.role {
+        Role::Echo => {
+            let ca_out = args
+                .ca_out
+                .clone()
+                .unwrap_or_else(|| std::env::temp_dir().join("waygate-bench-echo-ca.pem"));
+            return echo::run_echo(args.push_rate.unwrap_or(0.0), args.payload, ca_out).await;
+        }
+        Role::Backend => {
+            return echo::run_backend(
+                args.listen,
+                args.push_rate.unwrap_or(0.0),
+                args.payload,
+                args.forward_credits,
+            )
+            .await
+        }
+        Role::Driver => {}
+    }
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let dir = std::env::temp_dir().join(format!("waygate-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let env = Env {
+        exe,
+        dir: dir.clone(),
+        pin: !args.no_pin,
+        seq: std::cell::Cell::new(0),
+        forward_credits: args.forward_credits,
+    };
+    if env.pin {
+        // The load generator (all its threads) on CPU 0, beside the backends.
+        let _ = std::process::Command::new("taskset")
+            .args(["-a", "-p", "-c", "0", &std::process::id().to_string()])
+            .stdout(std::process::Stdio::null())
+            .status();
+    }
+    let mut runs: Vec<Run> = Vec::new();
+    let plans = plans(&args);
+    for plan in &plans {
+        let _busy: Vec<Proc> = if plan.busy_loops {
+            [0, 1]
+                .into_iter()
+                .map(|c| procs::busy_loop(c, &dir))
+                .collect::<Result<_, _>>()?
+        } else {
+            Vec::new()
+        };
+        let mut shared: Option<Targets> = None;
+        for rep in 0..plan.reps {
+            for transport in &plan.transports {
+                let Some(k) = kind(transport) else {
+                    return Err(format!("unknown transport `{transport}`"));
+                };
+                for target in &plan.targets {
+                    if *target == Target::Haproxy && k != TransportKind::Tcp {
+                        continue;
+                    }
+                    let single_plan = Plan {
+                        targets: vec![*target],
+                        ..plan.clone()
+                    };
+                    let mut fresh_targets = None;
+                    let targets = if plan.fresh {
+                        fresh_targets = Some(env.start(&single_plan, &args)?);
+                        fresh_targets.as_ref()
+                    } else {
+                        if shared.is_none() {
+                            shared = Some(env.start(plan, &args)?);
+                        }
+                        shared.as_ref()
+                    };
+                    let Some(sut) = targets.and_then(|t| t.suts.get(target)).cloned() else {
+                        continue;
+                    };
+                    let Some(addr) = sut.addrs.get(transport.as_str()).copied() else {
+                        continue;
+                    };
+                    let mut endpoint = Endpoint::new(k, addr);
+                    endpoint.host = "localhost".into();
+                    let spec = LoadSpec {
+                        endpoint,
+                        connect: ConnectOptions {
+                            tls: sut.tls.clone(),
+                            ..ConnectOptions::default()
+                        },
+                        sessions: plan.sessions,
+                        rate: plan.rate,
+                        payload: plan.payload,
+                        warmup: Duration::from_secs_f64(plan.warmup_s),
+                        duration: Duration::from_secs_f64(plan.duration_s),
+                        mode: plan.mode,
+                        client: args.client,
+                        concurrency: args.concurrency,
+                        player_prefix: format!(
+                            "bench-{}-{}-{transport}-{}-{rep}",
+                            std::process::id(),
+                            plan.label,
+                            target.as_str()
+                        ),
+                        sut_pid: sut.pid,
+                    };
+                    let load_avg = procs::loadavg();
+                    let result = load::run(spec).await;
+                    if !args.json {
+                        eprintln!(
+                            "[{} rep {rep} {transport} {}] {}",
+                            plan.label,
+                            target.as_str(),
+                            brief(&result)
+                        );
+                    }
+                    runs.push(Run {
+                        plan: plan.label.clone(),
+                        transport: transport.clone(),
+                        target: *target,
+                        rep,
+                        load_avg,
+                        result,
+                    });
+                    drop(fresh_targets);
+                    if args.edge.is_some() {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    let summary = summarize(&runs);
+    let report = serde_json::json!({
+        "machine": machine(),
+        "plans": plans,
+        "summary": summary,
+        "runs": runs,
+    });
+    let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+    if let Some(out) = &args.out {
+        std::fs::write(out, &text).map_err(|e| e.to_string())?;
+    }
+    if args.json {
+        println!("{text}");
+    } else {
+        print!("{}", table(&summary));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+fn brief(r: &LoadResult) -> String {
+    format!(
+        "conn {}/{} msgs/s {:.0} rtt p50 {} p99 {} us, push p99 {} us, sut {:.2} us/msg ({:.1}% core), client {:.2} us/msg, rss {:?} KiB ({:.2} KiB/session), setups/s {:.0}, us/session {:.0}, restore p99 {} ms (restored {}, failed {}), lost {} dup {} refused {} {:?}",
+        r.connected,
+        r.connected + r.connect_failed,
+        r.msgs_per_s,
+        r.rtt_us.p50,
+        r.rtt_us.p99,
+        r.push_us.p99,
+        r.sut_cpu_us_per_msg.unwrap_or(f64::NAN),
+        r.sut_cpu_pct.unwrap_or(f64::NAN),
+        r.client_cpu_us_per_msg.unwrap_or(f64::NAN),
+        r.sut_rss_kib,
+        r.rss_per_session_kib.unwrap_or(f64::NAN),
+        r.setups_per_s.unwrap_or(f64::NAN),
+        r.sut_cpu_us_per_session.unwrap_or(f64::NAN),
+        r.restore_us.p99 / 1000,
+        r.restored,
+        r.restore_failed,
+        r.lost,
+        r.duplicated,
+        r.refused,
+        r.refused_by_code,
+    )
+}
+
+fn machine() -> serde_json::Value {
+    let sh = |c: &str| {
+        std::process::Command::new("sh")
+            .args(["-c", c])
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    };
+    serde_json::json!({
+        "nproc": sh("nproc --all"),
+        "cpu": sh("lscpu | grep 'Model name' | sed 's/.*: *//'"),
+        "kernel": sh("uname -r"),
+        "loadavg": procs::loadavg(),
+    })
+}
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    v.retain(|x| x.is_finite());
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    })
+}
+
+/// Medians per (plan, transport, target) and per-repetition ratios against the references.
+#[derive(Debug, Clone, Serialize)]
+struct Row {
+    plan: String,
+    transport: String,
+    target: Target,
+    reps: usize,
+    msgs_per_s: Option<f64>,
+    rtt_p50_us: Option<f64>,
+    rtt_p99_us: Option<f64>,
+    rtt_p999_us: Option<f64>,
+    push_p99_us: Option<f64>,
+    sut_cpu_us_per_msg: Option<f64>,
+    sut_cpu_pct: Option<f64>,
+    client_cpu_us_per_msg: Option<f64>,
+    rss_per_session_kib: Option<f64>,
+    setups_per_s: Option<f64>,
+    sut_cpu_us_per_session: Option<f64>,
+    restore_p99_ms: Option<f64>,
+    replayed_p99_ms: Option<f64>,
+    restore_failed: u64,
+    lost: u64,
+    duplicated: u64,
+    refused: u64,
+    connect_failed: u64,
+    /// Median over repetitions of (this - direct) and (this / direct), same repetition.
+    vs_direct: Option<Compare>,
+    /// The same against HAProxy.
+    vs_haproxy: Option<Compare>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Compare {
+    msgs_per_s_ratio: Option<f64>,
+    added_p50_us: Option<f64>,
+    added_p99_us: Option<f64>,
+    cpu_per_msg_ratio: Option<f64>,
+    cpu_tax_us_per_msg: Option<f64>,
+    setups_ratio: Option<f64>,
+}
+
+fn compare(runs: &[&Run], refs: &[&Run]) -> Option<Compare> {
+    let pairs: Vec<(&LoadResult, &LoadResult)> = runs
+        .iter()
+        .filter_map(|r| {
+            refs.iter()
+                .find(|x| x.rep == r.rep)
+                .map(|x| (&r.result, &x.result))
+        })
+        .collect();
+    if pairs.is_empty() {
+        return None;
+    }
+    let m = |f: &dyn Fn(&LoadResult, &LoadResult) -> Option<f64>| {
+        median(pairs.iter().filter_map(|(a, b)| f(a, b)).collect())
+    };
+    let nz = |x: f64| (x > 0.0).then_some(x);
+    Some(Compare {
+        msgs_per_s_ratio: m(&|a, b| Some(a.msgs_per_s / nz(b.msgs_per_s)?)),
+        added_p50_us: m(&|a, b| {
+            (a.rtt_us.n > 0 && b.rtt_us.n > 0).then_some(a.rtt_us.p50 as f64 - b.rtt_us.p50 as f64)
+        }),
+        added_p99_us: m(&|a, b| {
+            (a.rtt_us.n > 0 && b.rtt_us.n > 0).then_some(a.rtt_us.p99 as f64 - b.rtt_us.p99 as f64)
+        }),
+        cpu_per_msg_ratio: m(&|a, b| Some(a.sut_cpu_us_per_msg? / nz(b.sut_cpu_us_per_msg?)?)),
+        cpu_tax_us_per_msg: m(&|a, b| Some(a.sut_cpu_us_per_msg? - b.sut_cpu_us_per_msg?)),
+        setups_ratio: m(&|a, b| Some(a.setups_per_s? / nz(b.setups_per_s?)?)),
+    })
+}
+
+fn summarize(runs: &[Run]) -> Vec<Row> {
+    let mut keys: Vec<(String, String, Target)> = runs
+        .iter()
+        .map(|r| (r.plan.clone(), r.transport.clone(), r.target))
+        .collect();
+    keys.dedup();
+    keys.sort();
+    keys.dedup();
+    let mut rows = Vec::new();
+    for (plan, transport, target) in keys {
+        let sel = |t: Target| -> Vec<&Run> {
+            runs.iter()
+                .filter(|r| r.plan == plan && r.transport == transport && r.target == t)
+                .collect()
+        };
+        let mine = sel(target);
+        let med = |f: &dyn Fn(&LoadResult) -> Option<f64>| {
+            median(mine.iter().filter_map(|r| f(&r.result)).collect())
+        };
+        let lat = |n: u64, v: u64| (n > 0).then_some(v as f64);
+        let sum = |f: &dyn Fn(&LoadResult) -> u64| mine.iter().map(|r| f(&r.result)).sum();
+        let direct = sel(Target::Direct);
+        let haproxy = sel(Target::Haproxy);
+        rows.push(Row {
+            reps: mine.len(),
+            msgs_per_s: med(&|r| (r.msgs_per_s > 0.0).then_some(r.msgs_per_s)),
+            rtt_p50_us: med(&|r| lat(r.rtt_us.n, r.rtt_us.p50)),
+            rtt_p99_us: med(&|r| lat(r.rtt_us.n, r.rtt_us.p99)),
+            rtt_p999_us: med(&|r| lat(r.rtt_us.n, r.rtt_us.p999)),
+            push_p99_us: med(&|r| lat(r.push_us.n, r.push_us.p99)),
+            sut_cpu_us_per_msg: med(&|r| r.sut_cpu_us_per_msg),
+            sut_cpu_pct: med(&|r| r.sut_cpu_pct),
+            client_cpu_us_per_msg: med(&|r| r.client_cpu_us_per_msg),
+            rss_per_session_kib: med(&|r| r.rss_per_session_kib),
+            setups_per_s: med(&|r| r.setups_per_s),
+            sut_cpu_us_per_session: med(&|r| r.sut_cpu_us_per_session),
+            restore_p99_ms: med(&|r| lat(r.restore_us.n, r.restore_us.p99).map(|v| v / 1000.0)),
+            replayed_p99_ms: med(&|r| lat(r.replayed_us.n, r.replayed_us.p99).map(|v| v / 1000.0)),
+            restore_failed: sum(&|r| r.restore_failed),
+            lost: sum(&|r| r.lost),
+            duplicated: sum(&|r| r.duplicated),
+            refused: sum(&|r| r.refused),
+            connect_failed: sum(&|r| r.connect_failed),
+            vs_direct: (target != Target::Direct)
+                .then(|| compare(&mine, &direct))
+                .flatten(),
+            vs_haproxy: (target != Target::Haproxy)
+                .then(|| compare(&mine, &haproxy))
+                .flatten(),
+            plan,
+            transport,
+            target,
+        });
+    }
+    rows
+}
+
+fn f(v: Option<f64>, prec: usize) -> String {
+    v.map_or("-".into(), |x| format!("{x:.prec$}"))
+}
+
+fn table(rows: &[Row]) -> String {
+    let mut out = format!(
+        "{:<8} {:<5} {:<8} {:>4} {:>9} {:>7} {:>7} {:>8} {:>8} {:>8} {:>7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>6}\n",
+        "plan", "tr", "target", "reps", "msgs/s", "p50us", "p99us", "p999us", "push99", "sut us/m", "core%",
+        "cli us", "KiB/ses", "setup/s", "us/setup", "restore99", "lost"
+    );
+    for r in rows {
+        out.push_str(&format!(
+            "{:<8} {:<5} {:<8} {:>4} {:>9} {:>7} {:>7} {:>8} {:>8} {:>8} {:>7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>6}\n",
+            r.plan,
+            r.transport,
+            r.target.as_str(),
+            r.reps,
+            f(r.msgs_per_s, 0),
+            f(r.rtt_p50_us, 0),
+            f(r.rtt_p99_us, 0),
+            f(r.rtt_p999_us, 0),
+            f(r.push_p99_us, 0),
+            f(r.sut_cpu_us_per_msg, 2),
+            f(r.sut_cpu_pct, 1),
+            f(r.client_cpu_us_per_msg, 2),
+            f(r.rss_per_session_kib, 2),
+            f(r.setups_per_s, 0),
+            f(r.sut_cpu_us_per_session, 0),
+            f(r.restore_p99_ms, 1),
+            r.lost + r.duplicated,
+        ));
+        for (name, c) in [("direct", &r.vs_direct), ("haproxy", &r.vs_haproxy)] {
+            if let Some(c) = c {
+                out.push_str(&format!(
+                    "    vs {name:<7} msgs/s x{}  added p50 {} us  p99 {} us  cpu/msg x{}  tax {} us/msg  setups x{}\n",
+                    f(c.msgs_per_s_ratio, 2),
+                    f(c.added_p50_us, 0),
+                    f(c.added_p99_us, 0),
+                    f(c.cpu_per_msg_ratio, 2),
+                    f(c.cpu_tax_us_per_msg, 2),
+                    f(c.setups_ratio, 2),
+                ));
+            }
+        }
+    }
+    out
+}
