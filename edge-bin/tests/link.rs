@@ -263,3 +263,65 @@ async fn messages_in_flight_when_a_backend_dies_come_back_as_unavailable() {
         "every in-flight message is reported, in order"
     );
 }
+
+/// Found by the benchmarks: a backend granting more FORWARD credit than its reader queue
+/// while waiting for PUSH credit used to deadlock (the edge's CREDIT frame stuck behind
+/// FORWARDs nobody read). The reader now applies CREDIT itself and holds a full credit's
+/// worth of FORWARDs, so every reply arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn big_forward_credit_and_small_push_credit_do_not_deadlock() {
+    let mut config = BackendConfig::new("b1");
+    config.forward_credits = 4096;
+    let backend = Backend::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        config,
+        Arc::new(DemoService::new()),
+    )
+    .await
+    .unwrap();
+    let (tx, mut rx) = mpsc::channel(8192);
+    let link_config = LinkConfig {
+        push_credits: 16,
+        ..fast_config()
+    };
+    let (link, _task) = LinkClient::spawn(
+        backend.local_addr(),
+        link_config,
+        Arc::new(AtomicU64::new(1)),
+        tx,
+    );
+    wait_up(&mut rx).await;
+    let m = meta(5, "many");
+    let total = 3000u64;
+    let mut sent = 0u64;
+    let mut replies = 0u64;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while replies < total {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "stalled: {replies}/{total} replies, {sent} sent"
+        );
+        while sent < total {
+            match link.forward(
+                &m,
+                ECHO,
+                1,
+                sent + 1,
+                TrafficClass::Normal,
+                Bytes::from_static(b"q"),
+            ) {
+                Ok(()) => sent += 1,
+                Err(ForwardError::Busy { .. }) => break,
+                Err(e) => panic!("{e:?}"),
+            }
+        }
+        match tokio::time::timeout(Duration::from_millis(50), rx.recv()).await {
+            Ok(Some(LinkEvent::Push {
+                msg_id: ECHO_REPLY, ..
+            })) => replies += 1,
+            Ok(Some(LinkEvent::Refuse { code, .. })) => panic!("refused: {code}"),
+            Ok(Some(_)) | Err(_) => {}
+            Ok(None) => panic!("events closed"),
+        }
+    }
+}

@@ -109,7 +109,7 @@ pub trait Service: Send + Sync + 'static {
 #[derive(Debug)]
 struct LinkSender {
     tx: mpsc::Sender<LinkFrame>,
-    push_credit: Semaphore,
+    push_credit: Arc<Semaphore>,
     edge_id: String,
 }
 
@@ -310,7 +310,20 @@ async fn run_link(
     service: Arc<dyn Service>,
     epoch: Arc<AtomicU64>,
 ) -> Result<(), &'static str> {
-    let mut io = spawn_link_io(stream, config.max_link_frame, config.heartbeat);
+    // PUSH credit from the edge is applied by the link's reader itself, so a message handler
+    // waiting for push credit never blocks the credit it waits for; and the reader's queue
+    // holds every FORWARD the edge may have in flight (its credit), so it never stops reading.
+    let push_credit = Arc::new(Semaphore::new(0));
+    let credit_sink = push_credit.clone();
+    let mut io = spawn_link_io(
+        stream,
+        config.max_link_frame,
+        config.heartbeat,
+        crate::link::io::LinkIoOptions {
+            read_queue: config.forward_credits as usize + 1024,
+            on_credit: Some(Arc::new(move |n| credit_sink.add_permits(n as usize))),
+        },
+    );
     let hello = tokio::time::timeout(Duration::from_secs(10), io.rx.recv())
         .await
         .map_err(|_| "no LINK_HELLO in time")?
@@ -343,7 +356,7 @@ async fn run_link(
         .map_err(|_| "link closed")?;
     let link = Arc::new(LinkSender {
         tx: io.tx.clone(),
-        push_credit: Semaphore::new(0),
+        push_credit,
         edge_id,
     });
     let mut sessions: HashMap<u64, BackendSession> = HashMap::new();

@@ -425,7 +425,16 @@ async fn connect_once(shared: &Arc<Shared>) -> Result<(), &'static str> {
         .map_err(|_| "connect timed out")?
         .map_err(|_| "connect failed")?;
     let _ = stream.set_nodelay(true);
-    let mut io = spawn_link_io(stream, DEFAULT_MAX_LINK_FRAME, config.heartbeat);
+    // The reader's queue holds every PUSH the backend may have in flight (our credit).
+    let mut io = spawn_link_io(
+        stream,
+        DEFAULT_MAX_LINK_FRAME,
+        config.heartbeat,
+        super::io::LinkIoOptions {
+            read_queue: config.push_credits as usize + 1024,
+            on_credit: None,
+        },
+    );
     io.tx
         .send(LinkFrame::Hello {
             version: LINK_VERSION,

@@ -14,8 +14,35 @@ use waygate_transport::CloseCode;
 
 /// Frames queued for writing before `send` waits.
 const WRITE_QUEUE: usize = 1024;
-/// Frames read but not yet taken by the owner before the reader stops reading.
+/// Frames read but not yet taken by the owner before the reader stops reading (plus the
+/// owner's message credit, see [`LinkIoOptions::read_queue`]).
 const READ_QUEUE: usize = 1024;
+
+/// A handler for CREDIT frames, called by the reader itself.
+pub type OnCredit = std::sync::Arc<dyn Fn(u32) + Send + Sync>;
+
+/// Options of [`spawn_link_io`].
+#[derive(Clone, Default)]
+pub struct LinkIoOptions {
+    /// Frames the reader may queue for the owner. Must be at least the message credit the
+    /// owner grants the peer plus room for control frames, so the reader never stops
+    /// reading while the peer is within its credit (otherwise a CREDIT frame behind those
+    /// messages could never be read: a credit deadlock). 0 = a default of 1024.
+    pub read_queue: usize,
+    /// Handles CREDIT frames at once in the reader instead of queueing them behind
+    /// messages, so an owner busy handling a message (e.g. waiting for credit itself) still
+    /// receives the credit it waits for.
+    pub on_credit: Option<OnCredit>,
+}
+
+impl std::fmt::Debug for LinkIoOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LinkIoOptions")
+            .field("read_queue", &self.read_queue)
+            .field("on_credit", &self.on_credit.is_some())
+            .finish()
+    }
+}
 
 /// The owner's side of a running link. Dropping it ends both tasks and closes the socket,
 /// even while clones of `tx` live elsewhere.
@@ -40,13 +67,23 @@ pub enum LinkEnd {
 }
 
 /// Starts the reader and writer tasks over `stream`.
-pub fn spawn_link_io<S>(stream: S, max_frame: usize, heartbeat: Duration) -> LinkIo
+pub fn spawn_link_io<S>(
+    stream: S,
+    max_frame: usize,
+    heartbeat: Duration,
+    options: LinkIoOptions,
+) -> LinkIo
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
     let (read_half, write_half) = tokio::io::split(stream);
     let (out_tx, out_rx) = mpsc::channel(WRITE_QUEUE);
-    let (in_tx, in_rx) = mpsc::channel(READ_QUEUE);
+    let read_queue = if options.read_queue == 0 {
+        READ_QUEUE
+    } else {
+        options.read_queue
+    };
+    let (in_tx, in_rx) = mpsc::channel(read_queue);
     let codec = LinkCodec::new(max_frame);
     let (alive, alive_rx) = watch::channel(());
     tokio::spawn(write_loop(
@@ -63,6 +100,7 @@ where
         codec,
         heartbeat,
         alive_rx,
+        options.on_credit,
     ));
     LinkIo {
         tx: out_tx,
@@ -126,6 +164,7 @@ async fn read_loop<R: AsyncRead + Unpin>(
     codec: LinkCodec,
     heartbeat: Duration,
     mut alive: watch::Receiver<()>,
+    on_credit: Option<OnCredit>,
 ) -> LinkEnd {
     let reply = |frame: LinkFrame| {
         if let Some(out) = out.upgrade() {
@@ -142,6 +181,11 @@ async fn read_loop<R: AsyncRead + Unpin>(
                     reply(LinkFrame::Pong { timestamp });
                 }
                 Ok(Some(LinkFrame::Pong { .. })) => {}
+                Ok(Some(LinkFrame::Credit { credits })) if on_credit.is_some() => {
+                    if let Some(f) = &on_credit {
+                        f(credits);
+                    }
+                }
                 Ok(Some(LinkFrame::Close { code, message })) => {
                     tracing::debug!(%code, %message, "link closed by peer");
                     return LinkEnd::Closed(code);
