@@ -142,6 +142,23 @@ impl Listener for TransportListener {
     }
 }
 
+/// Listen backlog of TCP listeners: a reconnect storm (every client of a dead edge at
+/// once) must not overflow the accept queue, or each overflowed SYN waits out the kernel's
+/// 1 s retransmission (the kernel caps it at `net.core.somaxconn`).
+pub const TCP_BACKLOG: u32 = 4096;
+
+/// Binds a TCP listener with [`TCP_BACKLOG`] and SO_REUSEADDR (restarts on the same port).
+pub(crate) fn bind_tcp(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(TCP_BACKLOG)
+}
+
 /// Accepts the next TCP connection, backing off briefly on errors such as EMFILE instead of
 /// spinning, with TCP_NODELAY set.
 pub(crate) async fn accept_tcp(

@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use tokio::net::{TcpListener as TokioTcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use crate::conn::{BoxConnection, ConnConfig, ConnId, ConnInfo, TransportKind};
@@ -19,7 +19,7 @@ pub async fn listen(
     tls: Option<&TlsIdentity>,
     config: ConnConfig,
 ) -> Result<TransportListener, TransportError> {
-    let listener = TokioTcpListener::bind(addr).await?;
+    let listener = crate::listener::bind_tcp(addr)?;
     let local = listener.local_addr()?;
     let acceptor = tls
         .map(|id| {

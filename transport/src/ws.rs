@@ -9,7 +9,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use futures_util::{SinkExt, StreamExt};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::{TcpListener as TokioTcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, Response};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode as WsCloseCode;
@@ -228,7 +228,7 @@ pub async fn listen(
     tls: Option<&TlsIdentity>,
     config: ConnConfig,
 ) -> Result<TransportListener, TransportError> {
-    let listener = TokioTcpListener::bind(addr).await?;
+    let listener = crate::listener::bind_tcp(addr)?;
     let local = listener.local_addr()?;
     let acceptor = tls
         .map(|id| {
