@@ -387,8 +387,18 @@ pub async fn run(options: DemoOptions) -> Result<DemoReport, String> {
         let _ = c.send(Cmd::Stop).await;
     }
     progress("stopping; waiting for outstanding replies");
+    let report = collect(tasks).await?;
+    let _ = std::fs::remove_dir_all(&dir);
+    drop(edge);
+    drop(backends);
+    Ok(report)
+}
+
+/// Waits for every client task and adds their results up, per starting transport and in
+/// total, with round-trip percentiles.
+async fn collect(tasks: Vec<tokio::task::JoinHandle<ClientResult>>) -> Result<DemoReport, String> {
     let mut report = DemoReport::default();
-    let mut all_rtts: HashMap<TransportKind, Vec<u32>> = HashMap::new();
+    let mut by_kind: HashMap<TransportKind, Vec<u32>> = HashMap::new();
     for t in tasks {
         let r = t.await.map_err(|e| format!("client task: {e}"))?;
         let Some(kind) = r.kind else { continue };
@@ -409,18 +419,18 @@ pub async fn run(options: DemoOptions) -> Result<DemoReport, String> {
         report.room_events += r.room_events;
         report.migrated_replies_from_other_backends += r.after_drain_other_backend;
         report.replies_from_drained_backend_after_1s += r.late_from_drained;
-        all_rtts.entry(kind).or_default().extend(r.rtts);
+        by_kind.entry(kind).or_default().extend(r.rtts);
     }
-    let mut total_rtts = Vec::new();
-    for (kind, mut rtts) in all_rtts {
+    let mut all = Vec::new();
+    for (kind, mut rtts) in by_kind {
         rtts.sort_unstable();
         if let Some(row) = report.transports.get_mut(kind.as_str()) {
             row.rtt_p50_us = percentile(&rtts, 50.0);
             row.rtt_p99_us = percentile(&rtts, 99.0);
         }
-        total_rtts.extend(rtts);
+        all.extend(rtts);
     }
-    total_rtts.sort_unstable();
+    all.sort_unstable();
     let mut total = TransportRow::default();
     for r in report.transports.values() {
         total.sessions += r.sessions;
@@ -432,12 +442,9 @@ pub async fn run(options: DemoOptions) -> Result<DemoReport, String> {
         total.restores += r.restores;
         total.gaps += r.gaps;
     }
-    total.rtt_p50_us = percentile(&total_rtts, 50.0);
-    total.rtt_p99_us = percentile(&total_rtts, 99.0);
+    total.rtt_p50_us = percentile(&all, 50.0);
+    total.rtt_p99_us = percentile(&all, 99.0);
     report.total = total;
-    let _ = std::fs::remove_dir_all(&dir);
-    drop(edge);
-    drop(backends);
     Ok(report)
 }
 
@@ -758,52 +765,7 @@ pub async fn run_cluster(
             start.elapsed().as_secs_f64()
         );
     }
-    let mut report = DemoReport::default();
-    let mut rtts: Vec<u32> = Vec::new();
-    let mut by_kind: HashMap<TransportKind, Vec<u32>> = HashMap::new();
-    for t in tasks {
-        let r = t.await.map_err(|e| format!("client task: {e}"))?;
-        let Some(kind) = r.kind else { continue };
-        let row = report
-            .transports
-            .entry(kind.as_str().to_string())
-            .or_default();
-        row.sessions += 1;
-        row.sent += r.sent;
-        row.received += r.received;
-        row.lost += r.lost;
-        row.duplicated += r.duplicated;
-        row.refused += r.refused;
-        row.restores += r.restores;
-        row.gaps += r.gaps;
-        report.switched_transport += u64::from(r.switched);
-        report.kicked += u64::from(r.kicked);
-        report.room_events += r.room_events;
-        rtts.extend(r.rtts.iter().copied());
-        by_kind.entry(kind).or_default().extend(r.rtts);
-    }
-    for (kind, mut v) in by_kind {
-        v.sort_unstable();
-        if let Some(row) = report.transports.get_mut(kind.as_str()) {
-            row.rtt_p50_us = percentile(&v, 50.0);
-            row.rtt_p99_us = percentile(&v, 99.0);
-        }
-    }
-    rtts.sort_unstable();
-    let mut total = TransportRow::default();
-    for r in report.transports.values() {
-        total.sessions += r.sessions;
-        total.sent += r.sent;
-        total.received += r.received;
-        total.lost += r.lost;
-        total.duplicated += r.duplicated;
-        total.refused += r.refused;
-        total.restores += r.restores;
-        total.gaps += r.gaps;
-    }
-    total.rtt_p50_us = percentile(&rtts, 50.0);
-    total.rtt_p99_us = percentile(&rtts, 99.0);
-    report.total = total;
+    let report = collect(tasks).await?;
     drop(procs);
     let _ = std::fs::remove_dir_all(&dir);
     Ok(report)
