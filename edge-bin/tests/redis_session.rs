@@ -6,14 +6,11 @@
 
 mod support_redis;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use support_redis::RedisServer;
-use tokio::sync::mpsc;
 use waygate::cluster::redis::RedisStores;
 use waygate_session::auth::{mint_token, TokenClaims};
 use waygate_session::client::{ClientConfig, ClientEvent, ClientSession};
@@ -22,9 +19,8 @@ use waygate_session::machine::EndReason;
 use waygate_session::store::{OwnershipRegistry as _, SnapshotStore as _};
 use waygate_session::{HmacAuthenticator, KeyRing, SessionConfig};
 use waygate_transport::frame::WelcomeOutcome;
-use waygate_transport::{
-    CloseCode, ConnId, ConnInfo, Connection, Frame, TrafficClass, TransportError, TransportKind,
-};
+use waygate_transport::mem::{mem_pair, MemConnection as MemConn};
+use waygate_transport::{CloseCode, Connection, TrafficClass};
 
 const KEY: &[u8] = b"driver test key: 32 bytes.......";
 
@@ -33,69 +29,6 @@ fn unix() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
-}
-
-struct MemConn {
-    info: ConnInfo,
-    tx: Option<mpsc::UnboundedSender<Frame>>,
-    rx: mpsc::UnboundedReceiver<Frame>,
-}
-
-fn mem_pair() -> (MemConn, MemConn) {
-    let (a_tx, b_rx) = mpsc::unbounded_channel();
-    let (b_tx, a_rx) = mpsc::unbounded_channel();
-    let addr: SocketAddr = "127.0.0.1:1".parse().expect("addr");
-    let info = |id| ConnInfo {
-        id,
-        kind: TransportKind::Tcp,
-        peer: addr,
-        local: addr,
-    };
-    (
-        MemConn {
-            info: info(ConnId::next()),
-            tx: Some(a_tx),
-            rx: a_rx,
-        },
-        MemConn {
-            info: info(ConnId::next()),
-            tx: Some(b_tx),
-            rx: b_rx,
-        },
-    )
-}
-
-#[async_trait]
-impl Connection for MemConn {
-    fn info(&self) -> &ConnInfo {
-        &self.info
-    }
-
-    async fn send(&mut self, frame: &Frame) -> Result<(), TransportError> {
-        match &self.tx {
-            Some(tx) => tx.send(frame.clone()).map_err(|_| TransportError::Closed),
-            None => Err(TransportError::Closed),
-        }
-    }
-
-    async fn recv(&mut self) -> Result<Frame, TransportError> {
-        match self.rx.recv().await {
-            Some(Frame::Close { code, .. }) => Err(TransportError::ClosedByPeer { code }),
-            Some(frame) => Ok(frame),
-            None => Err(TransportError::ClosedByPeer {
-                code: CloseCode::Normal,
-            }),
-        }
-    }
-
-    async fn close(&mut self, code: CloseCode, message: &str) {
-        if let Some(tx) = self.tx.take() {
-            let _ = tx.send(Frame::Close {
-                code,
-                message: message.to_owned(),
-            });
-        }
-    }
 }
 
 /// An edge whose session layer runs on the Redis stores, with the kick subscription wired

@@ -2,13 +2,10 @@
 //! releases ownership and bindings, a reconnect before the server noticed the drop hands the
 //! live session over without losing pushes, and registry pushes are typed.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use bytes::Bytes;
-use tokio::sync::mpsc;
 use waygate_session::auth::{mint_token, TokenClaims};
 use waygate_session::client::{ClientConfig, ClientEvent, ClientSession};
 use waygate_session::driver::{
@@ -17,76 +14,11 @@ use waygate_session::driver::{
 use waygate_session::machine::EndReason;
 use waygate_session::{HmacAuthenticator, KeyRing, SessionConfig};
 use waygate_transport::frame::WelcomeOutcome;
-use waygate_transport::{
-    CloseCode, ConnId, ConnInfo, Connection, Frame, TrafficClass, TransportError, TransportKind,
-};
+use waygate_transport::mem::{mem_pair, MemConnection as MemConn};
+use waygate_transport::{CloseCode, Connection, TrafficClass, TransportError};
 
 const KEY: &[u8] = b"driver test key: 32 bytes.......";
 const UNIX: u64 = 1_800_000_000;
-
-/// One end of an in-memory framed connection.
-struct MemConn {
-    info: ConnInfo,
-    tx: Option<mpsc::UnboundedSender<Frame>>,
-    rx: mpsc::UnboundedReceiver<Frame>,
-}
-
-fn mem_pair() -> (MemConn, MemConn) {
-    let (a_tx, b_rx) = mpsc::unbounded_channel();
-    let (b_tx, a_rx) = mpsc::unbounded_channel();
-    let addr: SocketAddr = "127.0.0.1:1".parse().expect("addr");
-    let info = |id| ConnInfo {
-        id,
-        kind: TransportKind::Tcp,
-        peer: addr,
-        local: addr,
-    };
-    (
-        MemConn {
-            info: info(ConnId::next()),
-            tx: Some(a_tx),
-            rx: a_rx,
-        },
-        MemConn {
-            info: info(ConnId::next()),
-            tx: Some(b_tx),
-            rx: b_rx,
-        },
-    )
-}
-
-#[async_trait]
-impl Connection for MemConn {
-    fn info(&self) -> &ConnInfo {
-        &self.info
-    }
-
-    async fn send(&mut self, frame: &Frame) -> Result<(), TransportError> {
-        match &self.tx {
-            Some(tx) => tx.send(frame.clone()).map_err(|_| TransportError::Closed),
-            None => Err(TransportError::Closed),
-        }
-    }
-
-    async fn recv(&mut self) -> Result<Frame, TransportError> {
-        match self.rx.recv().await {
-            Some(Frame::Close { code, .. }) => Err(TransportError::ClosedByPeer { code }),
-            Some(frame) => Ok(frame),
-            None => Err(TransportError::ClosedByPeer {
-                code: CloseCode::Normal,
-            }),
-        }
-    }
-
-    async fn close(&mut self, code: CloseCode, message: &str) {
-        if let Some(tx) = self.tx.take() {
-            let _ = tx.send(Frame::Close {
-                code,
-                message: message.to_owned(),
-            });
-        }
-    }
-}
 
 fn edge() -> (Arc<EdgeSessions>, Arc<EchoSink>) {
     let registry = SessionRegistry::new();

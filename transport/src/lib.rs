@@ -32,6 +32,7 @@ pub mod frame;
 pub mod kcp;
 pub mod link;
 pub mod listener;
+pub mod mem;
 pub mod protocol;
 pub mod quic;
 mod reader;
