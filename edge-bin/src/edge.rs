@@ -66,14 +66,16 @@ pub enum EdgeError {
     Cluster(String),
 }
 
-/// Per-session state the edge keeps beside the session layer.
+/// Per-session state the edge keeps beside the session layer. Cloned for every upstream
+/// message (the lock is not held while routing), so its parts are shared: a clone is three
+/// reference counts, and writers copy on write (`Arc::make_mut`).
 #[derive(Debug, Clone)]
 struct SessionEntry {
-    meta: SessionMeta,
+    meta: Arc<SessionMeta>,
     /// service -> business key, set by backends with BIND.
-    keys: HashMap<String, String>,
+    keys: Arc<HashMap<String, String>>,
     /// Backend addresses this session was opened on.
-    links: HashSet<SocketAddr>,
+    links: Arc<HashSet<SocketAddr>>,
 }
 
 #[derive(Debug, Default)]
@@ -466,15 +468,15 @@ impl Shared {
         e.next_handle += 1;
         let handle = e.next_handle;
         let entry = SessionEntry {
-            meta: SessionMeta {
+            meta: Arc::new(SessionMeta {
                 handle,
                 session_id: *session_id,
                 player_id: player.to_string(),
                 fencing: 0,
                 attrs: vec![("edge".into(), self.config.edge_id.clone())],
-            },
-            keys: HashMap::new(),
-            links: HashSet::new(),
+            }),
+            keys: Arc::new(HashMap::new()),
+            links: Arc::new(HashSet::new()),
         };
         e.by_handle.insert(handle, *session_id);
         e.by_id.insert(*session_id, entry.clone());
@@ -509,7 +511,7 @@ impl Shared {
                 .map_err(|_| refuse(CloseCode::Internal, 0))?;
             let mut req = RouteRequest::player(&entry.meta.player_id);
             if let Some(table) = router.table().cloned() {
-                for (service, key) in &entry.keys {
+                for (service, key) in entry.keys.iter() {
                     if let Some(spec) = table.services.iter().find(|s| &s.name == service) {
                         req = match spec.key {
                             KeyKind::Room => req.room(key),
@@ -548,7 +550,7 @@ impl Shared {
             Ok(()) => {
                 if let Ok(mut e) = self.entries.lock() {
                     if let Some(en) = e.by_id.get_mut(&entry.meta.session_id) {
-                        en.links.insert(addr);
+                        Arc::make_mut(&mut en.links).insert(addr);
                     }
                 }
                 self.metrics
@@ -677,7 +679,7 @@ impl UpstreamSink for EdgeUpstream {
                 let mut entry = shared.entry(&session_id, &player_id);
                 if let Ok(mut e) = shared.entries.lock() {
                     if let Some(en) = e.by_id.get_mut(&session_id) {
-                        en.meta.fencing = fencing;
+                        Arc::make_mut(&mut en.meta).fencing = fencing;
                         entry = en.clone();
                     }
                 }
@@ -883,7 +885,7 @@ async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver<LinkEvent>
                 if let Ok(mut e) = shared.entries.lock() {
                     if let Some(sid) = e.by_handle.get(&handle).copied() {
                         if let Some(entry) = e.by_id.get_mut(&sid) {
-                            entry.keys.insert(service, key);
+                            Arc::make_mut(&mut entry.keys).insert(service, key);
                         }
                     }
                 }
@@ -1056,7 +1058,7 @@ async fn route_loop(shared: Weak<Shared>) {
                         .await;
                     if let Ok(mut e) = shared.entries.lock() {
                         if let Some(en) = e.by_id.get_mut(&entry.meta.session_id) {
-                            en.links.remove(&from);
+                            Arc::make_mut(&mut en.links).remove(&from);
                         }
                     }
                 }
@@ -1194,7 +1196,7 @@ impl AdminApi for EdgeAdmin {
             "session_id": waygate_session::resume::hex_id(&sid),
             "handle": entry.as_ref().map(|e| e.meta.handle),
             "fencing": entry.as_ref().map(|e| e.meta.fencing),
-            "keys": entry.as_ref().map(|e| e.keys.clone()),
+            "keys": entry.as_ref().map(|e| (*e.keys).clone()),
             "backends": entry.as_ref().map(|e| e.links.iter().map(|a| a.to_string()).collect::<Vec<_>>()),
         }))
     }
