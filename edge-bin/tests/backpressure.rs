@@ -54,23 +54,37 @@ fn client(edge: &Edge, kind: TransportKind, player: &str) -> Client {
     ))
 }
 
-/// A control client: echoes `n` messages one after another; returns how many came back.
+/// A control client: echoes `n` messages one after another; returns how many came back. A
+/// message the edge explicitly refuses (ERROR busy/unavailable while a heavy neighbour
+/// saturates the shared backend, B4) is sent again after the hint, as a game would: that is
+/// backpressure, not loss. Silence is loss.
 async fn control_echoes(mut c: Client, n: u64) -> u64 {
     let mut got = 0;
     for i in 0..n {
-        c.send(TrafficClass::Normal, ECHO, Bytes::from(i.to_string()))
-            .await
-            .unwrap();
-        loop {
-            match tokio::time::timeout(Duration::from_secs(20), c.next_event()).await {
-                Ok(Some(Event::Message {
-                    msg_id: ECHO_REPLY, ..
-                })) => {
-                    got += 1;
-                    break;
+        'attempt: loop {
+            c.send(TrafficClass::Normal, ECHO, Bytes::from(i.to_string()))
+                .await
+                .unwrap();
+            loop {
+                match tokio::time::timeout(Duration::from_secs(20), c.next_event()).await {
+                    Ok(Some(Event::Message {
+                        msg_id: ECHO_REPLY, ..
+                    })) => {
+                        got += 1;
+                        break 'attempt;
+                    }
+                    Ok(Some(Event::Error(e))) => {
+                        assert!(
+                            matches!(e.code, CloseCode::Busy | CloseCode::Unavailable),
+                            "{e:?}"
+                        );
+                        let wait = u64::from(e.retry_after_ms).max(10);
+                        tokio::time::sleep(Duration::from_millis(wait)).await;
+                        continue 'attempt;
+                    }
+                    Ok(Some(Event::Closed { .. })) | Ok(None) | Err(_) => return got,
+                    Ok(Some(_)) => {}
                 }
-                Ok(Some(Event::Closed { .. })) | Ok(None) | Err(_) => return got,
-                Ok(Some(_)) => {}
             }
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
