@@ -115,9 +115,9 @@ fn load_config(path: Option<&std::path::Path>) -> Result<waygate::config::EdgeCo
     }
 }
 
-fn init_tracing() {
+fn init_tracing(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_target(false)
@@ -127,7 +127,12 @@ fn init_tracing() {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    init_tracing();
+    // The demo prints its own progress; its edges log warnings only (RUST_LOG overrides).
+    init_tracing(if matches!(cli.command, Command::Demo { .. }) {
+        "warn"
+    } else {
+        "info"
+    });
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

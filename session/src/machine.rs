@@ -498,13 +498,28 @@ impl SessionMachine {
                     .map(|a| a.claims.player_id.clone())
             })
             .unwrap_or_default();
-        tracing::info!(
-            session = %session,
-            player = %player,
-            from = from.as_str(),
-            to = to.as_str(),
-            "session transition"
-        );
+        // O2: reconnects, rejections, drops and expiries always at info; the normal path
+        // (handshake -> active) at debug, so a login storm does not flood the log.
+        if matches!(
+            to,
+            State::Restoring | State::Rejected | State::Detached | State::Expired
+        ) {
+            tracing::info!(
+                session = %session,
+                player = %player,
+                from = from.as_str(),
+                to = to.as_str(),
+                "session transition"
+            );
+        } else {
+            tracing::debug!(
+                session = %session,
+                player = %player,
+                from = from.as_str(),
+                to = to.as_str(),
+                "session transition"
+            );
+        }
     }
 
     fn end_with(&mut self, to: State, reason: EndReason) {
