@@ -20,7 +20,7 @@ use waygate_session::store::{OwnershipRegistry as _, SnapshotStore as _};
 use waygate_session::{HmacAuthenticator, KeyRing, SessionConfig};
 use waygate_transport::frame::WelcomeOutcome;
 use waygate_transport::mem::{mem_pair, MemConnection as MemConn};
-use waygate_transport::{CloseCode, Connection, TrafficClass};
+use waygate_transport::{CloseCode, TrafficClass};
 
 const KEY: &[u8] = b"driver test key: 32 bytes.......";
 
@@ -83,36 +83,10 @@ async fn exchange(
     within: Duration,
     want: impl Fn(&[ClientEvent]) -> bool,
 ) {
-    let deadline = tokio::time::Instant::now() + within;
-    loop {
-        while let Some(f) = c.poll_transmit() {
-            let _ = conn.send(&f).await;
-        }
-        while let Some(e) = c.poll_event() {
-            events.push(e);
-        }
-        if want(events) || tokio::time::Instant::now() >= deadline {
-            return;
-        }
-        tokio::select! {
-            r = conn.recv() => match r {
-                Ok(f) => { let _ = c.handle_frame(Instant::now(), f); }
-                Err(e) => { c.handle_link_down(Instant::now(), e.close_code()); }
-            },
-            _ = tokio::time::sleep(Duration::from_millis(10)) => {}
-        }
-    }
+    waygate_session::testkit::drive_client(c, conn, events, within, want).await;
 }
 
-fn welcomes(events: &[ClientEvent]) -> Vec<WelcomeOutcome> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            ClientEvent::Welcomed { outcome, .. } => Some(*outcome),
-            _ => None,
-        })
-        .collect()
-}
+use waygate_session::testkit::welcomes;
 
 fn payloads(events: &[ClientEvent]) -> Vec<Bytes> {
     events

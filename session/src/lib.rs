@@ -60,6 +60,8 @@ pub mod seq;
 #[doc(hidden)]
 pub mod sim;
 pub mod store;
+#[doc(hidden)]
+pub mod testkit;
 
 #[cfg(test)]
 mod tests;

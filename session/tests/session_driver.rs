@@ -55,43 +55,16 @@ fn client() -> ClientSession {
     ClientSession::new(token, ClientConfig::default())
 }
 
-/// Sends what the client has, then reads frames until `want` events matched or 1 s passes.
 async fn exchange(
     c: &mut ClientSession,
     conn: &mut MemConn,
     events: &mut Vec<ClientEvent>,
     want: impl Fn(&[ClientEvent]) -> bool,
 ) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
-    loop {
-        while let Some(f) = c.poll_transmit() {
-            let _ = conn.send(&f).await;
-        }
-        while let Some(e) = c.poll_event() {
-            events.push(e);
-        }
-        if want(events) || tokio::time::Instant::now() >= deadline {
-            return;
-        }
-        tokio::select! {
-            r = conn.recv() => match r {
-                Ok(f) => { let _ = c.handle_frame(Instant::now(), f); }
-                Err(e) => { c.handle_link_down(Instant::now(), e.close_code()); }
-            },
-            _ = tokio::time::sleep(Duration::from_millis(10)) => {}
-        }
-    }
+    waygate_session::testkit::drive_client(c, conn, events, Duration::from_secs(1), want).await;
 }
 
-fn welcomes(events: &[ClientEvent]) -> Vec<WelcomeOutcome> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            ClientEvent::Welcomed { outcome, .. } => Some(*outcome),
-            _ => None,
-        })
-        .collect()
-}
+use waygate_session::testkit::welcomes;
 
 #[tokio::test(start_paused = true)]
 async fn linger_expiry_releases_ownership_bindings_and_snapshot() {
