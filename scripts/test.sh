@@ -9,10 +9,10 @@ root=$(pwd)
 # --- system packages -------------------------------------------------------------------
 # chromium: the JS SDK's browser test (interop-tests/tests/browser_sdk.rs) drives Debian's
 # /usr/bin/chromium through playwright-core; no tool ever downloads its own browser.
-# etcd-server, protobuf-compiler, libprotobuf-dev: the etcd control plane and its tests
-# (etcd-client's build needs protoc and the descriptor protos).
+# etcd-server, etcd-client: the etcd control plane and its tests (the build itself needs no
+# protoc: the etcd gRPC code is committed, edge-bin/vendor/etcd-client/VENDORED.md).
 # redis-server: session ownership, warm snapshots and presence tests.
-apt_packages=(ca-certificates chromium etcd-server etcd-client protobuf-compiler libprotobuf-dev redis-server redis-tools)
+apt_packages=(ca-certificates chromium etcd-server etcd-client redis-server redis-tools)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -54,6 +54,14 @@ if [ -f "$js/package-lock.json" ]; then
     echo "$want" > "$stamp"
   fi
 fi
+
+# --- the README's first command builds on a bare machine ---------------------------------
+# Only the Rust toolchain and a C compiler: no protoc, no apt package. A build script that
+# looked for protoc would fail here (PROTOC names a path that does not exist). On a fresh
+# clone the target directory is empty, so every build script runs; the dependencies built
+# here are the ones `cargo test` reuses below.
+echo "checking that the edge builds without protoc"
+PROTOC=/nonexistent/protoc cargo build --locked -p waygate
 
 # --- Rust tests --------------------------------------------------------------------------
 cargo test --workspace --locked --no-fail-fast "$@"
