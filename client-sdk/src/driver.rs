@@ -6,11 +6,11 @@ use bytes::Bytes;
 use rand::RngExt;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
+use waygate_protocol::frame::{ErrorReport, SessionId, WelcomeOutcome};
 use waygate_session::client::{
     ClientConfig, ClientError, ClientEvent, ClientSession, ClientState, RttStats,
 };
 use waygate_transport::endpoint::{connect, ConnectOptions, Endpoint};
-use waygate_transport::frame::{ErrorReport, SessionId, WelcomeOutcome};
 use waygate_transport::{BoxConnection, CloseCode, TrafficClass, TransportError};
 
 /// Client settings.

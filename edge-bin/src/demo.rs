@@ -16,18 +16,18 @@ use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use waygate_client::{Client, ClientOptions, Event};
+use waygate_protocol::frame::WelcomeOutcome;
 use waygate_session::auth::TokenClaims;
 use waygate_transport::endpoint::{ConnectOptions, Endpoint};
-use waygate_transport::frame::WelcomeOutcome;
 use waygate_transport::tls::ClientTls;
 use waygate_transport::{CloseCode, TrafficClass, TransportKind};
 
-use crate::backend::demo::{
+use waygate_backend::demo::{
     DemoService, ECHO, ECHO_REPLY, JOINED, JOIN_ROOM, ROOM_EVENT, ROOM_SAY,
 };
-use crate::backend::{Backend, BackendConfig};
-use crate::config::{EdgeConfig, DEV_KEY_ID, DEV_KEY_SECRET};
-use crate::edge::Edge;
+use waygate_backend::{Backend, BackendConfig};
+use waygate_edge::config::{EdgeConfig, DEV_KEY_ID, DEV_KEY_SECRET};
+use waygate_edge::edge::Edge;
 
 /// Demo settings.
 #[derive(Debug, Clone)]

@@ -1,21 +1,10 @@
-//! # waygate (the edge)
+//! # waygate (the binary's library)
 //!
-//! Wires the crates into the edge: listeners from `waygate-transport`, sessions from
-//! `waygate-session`, routing from `waygate-routing`, the backend links, admin HTTP and
-//! metrics. Also home of the backend library ([`backend`]) that Rust game servers use to
-//! accept links from edges, and the demo backend built on it.
-//!
-//! `main.rs` is a thin shell over this library, so tests start the real edge in-process or
-//! as a process and read back its bound addresses.
+//! What the `waygate` command runs besides the edge itself: the newcomer's [`demo`] (an edge,
+//! demo backends and simulated clients on every transport) and the load generator and
+//! benchmark driver [`bench`]. Both drive real clients through the client SDK, which is why
+//! they live here and not in the edge library (`waygate-edge`, which never depends on the
+//! client SDK). `main.rs` is the CLI over `waygate-edge`, `waygate-backend` and these.
 
-pub mod admin;
-pub mod backend;
 pub mod bench;
-pub mod cluster;
-pub mod config;
 pub mod demo;
-pub mod edge;
-pub mod link;
-pub mod listeners;
-pub mod metrics;
-pub mod overload;

@@ -108,10 +108,10 @@ fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     Ok(std::time::Duration::from_secs_f64(secs))
 }
 
-fn load_config(path: Option<&std::path::Path>) -> Result<waygate::config::EdgeConfig, String> {
+fn load_config(path: Option<&std::path::Path>) -> Result<waygate_edge::config::EdgeConfig, String> {
     match path {
-        Some(p) => waygate::config::EdgeConfig::load(p).map_err(|e| e.to_string()),
-        None => Ok(waygate::config::EdgeConfig::default()),
+        Some(p) => waygate_edge::config::EdgeConfig::load(p).map_err(|e| e.to_string()),
+        None => Ok(waygate_edge::config::EdgeConfig::default()),
     }
 }
 
@@ -170,7 +170,7 @@ fn main() -> std::process::ExitCode {
                     config.cluster.redis_url = url;
                 }
                 config.validate().map_err(|e| e.to_string())?;
-                let edge = waygate::edge::Edge::start(config)
+                let edge = waygate_edge::edge::Edge::start(config)
                     .await
                     .map_err(|e| format!("edge failed to start: {e}"))?;
                 let listeners: std::collections::BTreeMap<String, String> = edge
@@ -226,10 +226,10 @@ fn main() -> std::process::ExitCode {
                 Ok(())
             }
             Command::Backend { addr, id, epoch } => {
-                let service = Arc::new(waygate::backend::demo::DemoService::new());
-                let backend = waygate::backend::Backend::bind(
+                let service = Arc::new(waygate_backend::demo::DemoService::new());
+                let backend = waygate_backend::Backend::bind(
                     addr,
-                    waygate::backend::BackendConfig::new(id.clone()),
+                    waygate_backend::BackendConfig::new(id.clone()),
                     service,
                 )
                 .await
@@ -278,9 +278,9 @@ fn main() -> std::process::ExitCode {
             Command::Protocol => {
                 println!(
                     "waygate client protocol v{}",
-                    waygate_transport::protocol::PROTOCOL_VERSION
+                    waygate_protocol::wire::PROTOCOL_VERSION
                 );
-                for code in waygate_transport::protocol::CloseCode::KNOWN {
+                for code in waygate_protocol::wire::CloseCode::KNOWN {
                     println!("{:>5}  {}", code.to_u16(), code.as_str());
                 }
                 Ok(())

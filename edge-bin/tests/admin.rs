@@ -12,8 +12,8 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
-use waygate::config::EdgeConfig;
-use waygate::edge::Edge;
+use waygate_edge::config::EdgeConfig;
+use waygate_edge::edge::Edge;
 
 async fn edge() -> Edge {
     let mut config = EdgeConfig::default();
@@ -45,7 +45,7 @@ fn parse_metrics(text: &str) -> prometheus_parse::Scrape {
 #[tokio::test]
 async fn admin_routes_without_sockets() {
     let edge = edge().await;
-    let app = waygate::admin::router(edge.admin());
+    let app = waygate_edge::admin::router(edge.admin());
 
     let (status, body) = call(app.clone(), "GET", "/healthz").await;
     assert_eq!(status, StatusCode::OK);

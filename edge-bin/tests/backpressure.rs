@@ -18,15 +18,15 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use waygate::backend::demo::{DemoService, ECHO, ECHO_REPLY};
-use waygate::backend::{Backend, BackendConfig};
-use waygate::config::EdgeConfig;
-use waygate::edge::Edge;
+use waygate_backend::demo::{DemoService, ECHO, ECHO_REPLY};
+use waygate_backend::{Backend, BackendConfig};
 use waygate_client::{Client, ClientOptions, Event};
-use waygate_transport::codec::StreamCodec;
+use waygate_edge::config::EdgeConfig;
+use waygate_edge::edge::Edge;
+use waygate_protocol::codec::StreamCodec;
+use waygate_protocol::frame::{Data, Hello};
+use waygate_protocol::wire::PROTOCOL_VERSION;
 use waygate_transport::endpoint::Endpoint;
-use waygate_transport::frame::{Data, Hello};
-use waygate_transport::protocol::PROTOCOL_VERSION;
 use waygate_transport::{CloseCode, Frame, TrafficClass, TransportKind};
 
 async fn edge_with(tune: impl FnOnce(&mut EdgeConfig)) -> (Edge, Backend, tempfile::TempDir) {

@@ -24,10 +24,10 @@ use common::*;
 use support_etcd::EtcdServer;
 use support_redis::RedisServer;
 use tokio::sync::watch;
-use waygate::backend::demo::{ECHO, ECHO_REPLY};
+use waygate_backend::demo::{ECHO, ECHO_REPLY};
 use waygate_client::{Client, ClientOptions, Event};
+use waygate_protocol::frame::WelcomeOutcome;
 use waygate_transport::endpoint::Endpoint;
-use waygate_transport::frame::WelcomeOutcome;
 use waygate_transport::{CloseCode, TrafficClass, TransportKind};
 
 const PREFIX: &str = "/waygate";

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::cluster::*;
-use waygate::backend::demo::{ECHO, ECHO_REPLY, JOINED, JOIN_ROOM, ROOM_EVENT, ROOM_SAY};
+use waygate_backend::demo::{ECHO, ECHO_REPLY, JOINED, JOIN_ROOM, ROOM_EVENT, ROOM_SAY};
 use waygate_client::Event;
 use waygate_transport::{TrafficClass, TransportKind};
 
@@ -129,7 +129,7 @@ async fn resume_over_another_transport_loses_and_duplicates_nothing() {
                     got.push(text.rsplit('|').next().unwrap().parse::<u64>().unwrap());
                 }
                 Ok(Some(Event::Connected { outcome, .. })) => {
-                    if outcome == waygate_transport::frame::WelcomeOutcome::Restored {
+                    if outcome == waygate_protocol::frame::WelcomeOutcome::Restored {
                         restored += 1;
                     }
                 }

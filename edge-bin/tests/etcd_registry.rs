@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use support_etcd::EtcdServer;
 use tokio::sync::watch;
-use waygate::cluster::etcd::{
+use waygate_edge::cluster::etcd::{
     least_loaded_edge, list_edges, login_router, pick_least_loaded, EdgeInfo, EtcdRegistry, Load,
 };
 use waygate_routing::source::InstanceRegistry;

@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use etcd_client::{Client, CompactionOptions, GetOptions};
 use support_etcd::EtcdServer;
 use tokio::sync::watch;
-use waygate::cluster::etcd::{Composer, EtcdRegistry, EtcdRouteSource, EtcdSourceConfig, Load};
+use waygate_edge::cluster::etcd::{
+    Composer, EtcdRegistry, EtcdRouteSource, EtcdSourceConfig, Load,
+};
 use waygate_routing::source::{RouteSource, SourceUpdate, TableOrigin};
 use waygate_routing::{
     InstanceSpec, InstanceState, RouteRequest, RouteTable, Router, RouterConfig,

@@ -11,9 +11,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::sync::mpsc;
-use waygate::backend::demo::{DemoService, ECHO, ECHO_REPLY};
-use waygate::backend::{Backend, BackendConfig, BackendSession, Incoming, Refusal, Service};
-use waygate::link::client::{ForwardError, LinkClient, LinkConfig, LinkEvent, SessionMeta};
+use waygate_backend::demo::{DemoService, ECHO, ECHO_REPLY};
+use waygate_backend::{Backend, BackendConfig, BackendSession, Incoming, Refusal, Service};
+use waygate_edge::link::{ForwardError, LinkClient, LinkConfig, LinkEvent, SessionMeta};
 use waygate_transport::{CloseCode, TrafficClass};
 
 fn meta(handle: u64, player: &str) -> SessionMeta {

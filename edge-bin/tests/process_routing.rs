@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use waygate::backend::demo::{JOINED, JOIN_ROOM, ROOM_EVENT, ROOM_SAY};
+use waygate_backend::demo::{JOINED, JOIN_ROOM, ROOM_EVENT, ROOM_SAY};
 use waygate_client::Event;
 use waygate_routing::{RouteRequest, RouteTable, Router, RouterConfig};
 use waygate_transport::{TrafficClass, TransportKind};

@@ -7,7 +7,9 @@ mod support_redis;
 use std::time::{Duration, Instant};
 
 use support_redis::RedisServer;
-use waygate::cluster::redis::{DeliveryResult, PushMessage, Reassert, RedisError, RedisStores};
+use waygate_edge::cluster::redis::{
+    DeliveryResult, PushMessage, Reassert, RedisError, RedisStores,
+};
 use waygate_session::resume::ResumeHash;
 use waygate_session::store::{OwnershipRegistry, SnapshotStore, StoreError};
 use waygate_transport::TrafficClass;
@@ -197,7 +199,8 @@ async fn connect_fails_fast_when_redis_is_not_there_and_lazy_stores_start_anyway
         .expect_err("nothing listening");
     assert!(t.elapsed() < FAST, "{e:?} after {:?}", t.elapsed());
     // An edge can start without Redis and serve once it appears.
-    let lazy = RedisStores::lazy(waygate::cluster::redis::RedisConfig::new(url)).expect("lazy");
+    let lazy =
+        RedisStores::lazy(waygate_edge::cluster::redis::RedisConfig::new(url)).expect("lazy");
     assert!(lazy.ownership.owner("p").await.is_err());
     server.restart();
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use support_redis::RedisServer;
-use waygate::cluster::redis::{DeliveryResult, Presence, PushMessage, RedisConfig, RedisStores};
+use waygate_edge::cluster::redis::{
+    DeliveryResult, Presence, PushMessage, RedisConfig, RedisStores,
+};
 use waygate_transport::TrafficClass;
 
 fn msg(i: u32) -> PushMessage {

@@ -11,14 +11,14 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use support_redis::RedisServer;
-use waygate::cluster::redis::RedisStores;
+use waygate_edge::cluster::redis::RedisStores;
+use waygate_protocol::frame::WelcomeOutcome;
 use waygate_session::auth::{mint_token, TokenClaims};
 use waygate_session::client::{ClientConfig, ClientEvent, ClientSession};
 use waygate_session::driver::{Downstream, EchoSink, EdgeSessions, SessionRegistry};
 use waygate_session::machine::EndReason;
 use waygate_session::store::{OwnershipRegistry as _, SnapshotStore as _};
 use waygate_session::{HmacAuthenticator, KeyRing, SessionConfig};
-use waygate_transport::frame::WelcomeOutcome;
 use waygate_transport::mem::{mem_pair, MemConnection as MemConn};
 use waygate_transport::{CloseCode, TrafficClass};
 

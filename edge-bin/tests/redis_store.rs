@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use support_redis::RedisServer;
-use waygate::cluster::redis::{KickNotice, Reassert, RedisConfig, RedisStores};
+use waygate_edge::cluster::redis::{KickNotice, Reassert, RedisConfig, RedisStores};
 use waygate_session::replay::{ReplayBuffer, ReplayLimits};
 use waygate_session::resume::ResumeHash;
 use waygate_session::seq::RecvWindow;

@@ -18,10 +18,10 @@ use common::cluster::*;
 use common::token;
 use rand::{RngExt, SeedableRng};
 use tokio::io::AsyncWriteExt;
-use waygate::backend::demo::{ECHO, ECHO_REPLY};
+use waygate_backend::demo::{ECHO, ECHO_REPLY};
 use waygate_client::{Client, ClientOptions, Event};
+use waygate_protocol::frame::Reject;
 use waygate_transport::endpoint::{ConnectOptions, Endpoint};
-use waygate_transport::frame::Reject;
 use waygate_transport::{CloseCode, Frame, TrafficClass, TransportKind};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -136,7 +136,7 @@ async fn rejecting_server(
             };
             let _ = tx.send(tokio::time::Instant::now());
             let mut out = bytes::BytesMut::new();
-            waygate_transport::codec::StreamCodec::new(65536)
+            waygate_protocol::codec::StreamCodec::new(65536)
                 .encode(
                     &Frame::Reject(Reject {
                         code: CloseCode::Overloaded,

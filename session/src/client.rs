@@ -10,10 +10,10 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use waygate_transport::frame::{
+use waygate_protocol::frame::{
     Data, ErrorReport, Hello, ResumeRequest, ResumeToken, SessionId, WelcomeOutcome,
 };
-use waygate_transport::protocol::{FrameType, PROTOCOL_VERSION};
+use waygate_protocol::wire::{FrameType, PROTOCOL_VERSION};
 use waygate_transport::{CloseCode, Frame, TrafficClass};
 
 use crate::seq::{AckPolicy, AckState, Received, RecvWindow};

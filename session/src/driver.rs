@@ -17,7 +17,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument as _;
-use waygate_transport::frame::{SessionId, WelcomeOutcome};
+use waygate_protocol::frame::{SessionId, WelcomeOutcome};
 use waygate_transport::{BoxConnection, CloseCode, TrafficClass};
 
 use crate::auth::Authenticator;

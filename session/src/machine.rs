@@ -31,10 +31,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use waygate_transport::frame::{
+use waygate_protocol::frame::{
     Data, ErrorReport, Hello, Migrate, Reject, ResumeRequest, SessionId, Welcome, WelcomeOutcome,
 };
-use waygate_transport::protocol::{FrameType, PROTOCOL_VERSION};
+use waygate_protocol::wire::{FrameType, PROTOCOL_VERSION};
 use waygate_transport::{CloseCode, Frame, TrafficClass};
 
 use crate::auth::{AuthError, AuthedPlayer};
@@ -71,7 +71,7 @@ impl Default for SessionConfig {
             idle_timeout: Duration::from_secs(30),
             heartbeat_interval: Duration::from_secs(10),
             linger: Duration::from_secs(15 * 60),
-            max_frame_size: waygate_transport::protocol::DEFAULT_MAX_FRAME_SIZE as u32,
+            max_frame_size: waygate_protocol::wire::DEFAULT_MAX_FRAME_SIZE as u32,
             replay: ReplayLimits::default(),
             ack: AckPolicy::default(),
         }

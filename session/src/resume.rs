@@ -2,8 +2,8 @@
 //! every successful restore, stored only as SHA-256 hashes and compared in constant time.
 
 use ring::digest;
-use waygate_transport::frame::{ResumeToken, SessionId};
-use waygate_transport::protocol::ID_LEN;
+use waygate_protocol::frame::{ResumeToken, SessionId};
+use waygate_protocol::wire::ID_LEN;
 
 use crate::rng::SessionRng;
 

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use waygate_transport::frame::{Data, Hello, ResumeRequest, SessionId};
-use waygate_transport::protocol::PROTOCOL_VERSION;
+use waygate_protocol::frame::{Data, Hello, ResumeRequest, SessionId};
+use waygate_protocol::wire::PROTOCOL_VERSION;
 use waygate_transport::{CloseCode, Frame, TrafficClass};
 
 use crate::auth::{mint_token, HmacAuthenticator, KeyRing, TokenClaims};

@@ -17,7 +17,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use waygate_transport::frame::SessionId;
+use waygate_protocol::frame::SessionId;
 
 use crate::replay::ReplayBuffer;
 use crate::resume::ResumeHash;

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use waygate_transport::frame::WelcomeOutcome;
+use waygate_protocol::frame::WelcomeOutcome;
 use waygate_transport::Connection;
 
 use crate::client::{ClientEvent, ClientSession};

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use waygate_protocol::frame::WelcomeOutcome;
 use waygate_session::auth::{mint_token, TokenClaims};
 use waygate_session::client::{ClientConfig, ClientEvent, ClientSession};
 use waygate_session::driver::{
@@ -13,7 +14,6 @@ use waygate_session::driver::{
 };
 use waygate_session::machine::EndReason;
 use waygate_session::{HmacAuthenticator, KeyRing, SessionConfig};
-use waygate_transport::frame::WelcomeOutcome;
 use waygate_transport::mem::{mem_pair, MemConnection as MemConn};
 use waygate_transport::{CloseCode, Connection, TrafficClass, TransportError};
 

@@ -7,11 +7,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use waygate_protocol::frame::WelcomeOutcome;
 use waygate_session::auth::{mint_token, TokenClaims};
 use waygate_session::client::{ClientConfig, ClientEvent, ClientSession, ClientState};
 use waygate_session::driver::{EchoSink, EdgeSessions, SessionRegistry};
 use waygate_session::{HmacAuthenticator, KeyRing, SessionConfig};
-use waygate_transport::frame::WelcomeOutcome;
 use waygate_transport::tcp::{self, connect_tcp};
 use waygate_transport::{BoxConnection, CloseCode, ConnConfig, Listener, TrafficClass};
 

@@ -10,8 +10,8 @@ use async_trait::async_trait;
 use tokio::time::Instant;
 
 use crate::error::TransportError;
-use crate::frame::Frame;
-use crate::protocol::{CloseCode, DEFAULT_MAX_FRAME_SIZE};
+use waygate_protocol::frame::Frame;
+use waygate_protocol::wire::{CloseCode, DEFAULT_MAX_FRAME_SIZE};
 
 /// Which transport carries a connection. For logs and metric labels only: code above the
 /// transport crate must not branch on it.

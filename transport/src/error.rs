@@ -1,54 +1,11 @@
 //! The transport crate's errors, grouped by who is at fault (rustls' habit): the peer sent
 //! something malformed, the peer or network went away, or the local caller misused the API.
-//! Every error maps to one wire [`CloseCode`].
+//! Every error maps to one wire [`CloseCode`]. Decoding errors ([`FrameError`]) belong to the
+//! protocol crate.
 
 use std::io;
 
-use crate::protocol::CloseCode;
-
-/// A frame that could not be decoded or encoded.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum FrameError {
-    /// The frame ended before the named field.
-    #[error("frame truncated in field `{field}`")]
-    Truncated {
-        /// The field being read.
-        field: &'static str,
-    },
-    /// A field held a value the protocol does not allow.
-    #[error("malformed field `{field}`: {what}")]
-    Malformed {
-        /// The field being read.
-        field: &'static str,
-        /// What was wrong with it.
-        what: &'static str,
-    },
-    /// The frame type byte is not one this version knows.
-    #[error("unknown frame type 0x{0:02x}")]
-    UnknownType(u8),
-    /// A frame (declared or actual) longer than the maximum frame size.
-    #[error("frame of {len} bytes exceeds the maximum of {max}")]
-    TooLarge {
-        /// The declared or actual length.
-        len: u64,
-        /// The configured maximum.
-        max: usize,
-    },
-    /// A zero-length frame.
-    #[error("empty frame")]
-    Empty,
-}
-
-impl FrameError {
-    /// The code a connection closes with when it receives this.
-    pub fn close_code(&self) -> CloseCode {
-        match self {
-            Self::TooLarge { .. } => CloseCode::FrameTooLarge,
-            _ => CloseCode::ProtocolError,
-        }
-    }
-}
+use waygate_protocol::{CloseCode, FrameError};
 
 /// An error on one connection, listener or endpoint. Never affects another connection.
 #[derive(Debug, thiserror::Error)]

@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 
 use crate::conn::{BoxConnection, Listener, ListenerStats, TransportKind};
 use crate::error::TransportError;
-use crate::protocol::CloseCode;
+use waygate_protocol::wire::CloseCode;
 
 /// Ready connections waiting for `accept`.
 const ACCEPT_BACKLOG: usize = 1024;
@@ -205,13 +205,14 @@ pub trait AdmissionGate: Send + Sync + std::fmt::Debug + 'static {
 /// A REJECT frame with its stream length prefix, for refusing plain TCP connections.
 pub(crate) fn reject_bytes(code: CloseCode, retry_after_ms: u32) -> bytes::BytesMut {
     let mut out = bytes::BytesMut::new();
-    let frame = crate::Frame::Reject(crate::frame::Reject {
+    let frame = crate::Frame::Reject(waygate_protocol::frame::Reject {
         code,
         retry_after_ms,
         message: code.as_str().into(),
     });
-    let _ = crate::codec::StreamCodec::new(crate::protocol::DEFAULT_MAX_FRAME_SIZE)
-        .encode(&frame, &mut out);
+    let _ =
+        waygate_protocol::codec::StreamCodec::new(waygate_protocol::wire::DEFAULT_MAX_FRAME_SIZE)
+            .encode(&frame, &mut out);
     out
 }
 

@@ -9,8 +9,8 @@ use tokio::sync::mpsc;
 
 use crate::conn::{ConnId, ConnInfo, Connection, TransportKind};
 use crate::error::TransportError;
-use crate::frame::Frame;
-use crate::protocol::CloseCode;
+use waygate_protocol::frame::Frame;
+use waygate_protocol::wire::CloseCode;
 
 /// Frames in flight per direction before `send` waits.
 const CAPACITY: usize = 1024;

@@ -21,15 +21,15 @@ use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{RecvStream, SendStream, VarInt};
 use tokio::sync::mpsc;
 
-use crate::codec::{decode_message, StreamCodec};
 use crate::conn::{
     BoxConnection, ConnConfig, ConnId, ConnInfo, Connection, IdleTimer, TransportKind,
 };
 use crate::error::TransportError;
-use crate::frame::Frame;
 use crate::listener::{admit, Admit, TransportListener};
-use crate::protocol::{CloseCode, TrafficClass, QUIC_ALPN};
 use crate::tls::{ClientTls, TlsIdentity};
+use waygate_protocol::codec::{decode_message, StreamCodec};
+use waygate_protocol::frame::Frame;
+use waygate_protocol::wire::{CloseCode, TrafficClass, QUIC_ALPN};
 
 /// Stream-kind byte of the control stream.
 pub const STREAM_CONTROL: u8 = 0;

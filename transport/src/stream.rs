@@ -6,11 +6,11 @@ use async_trait::async_trait;
 use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::codec::StreamCodec;
 use crate::conn::{ConnConfig, ConnInfo, Connection, IdleTimer};
 use crate::error::TransportError;
-use crate::frame::Frame;
-use crate::protocol::CloseCode;
+use waygate_protocol::codec::StreamCodec;
+use waygate_protocol::frame::Frame;
+use waygate_protocol::wire::CloseCode;
 
 /// Size of each read from the socket.
 const READ_CHUNK: usize = 4096;

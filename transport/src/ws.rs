@@ -17,15 +17,16 @@ use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use tokio_tungstenite::WebSocketStream;
 
-use crate::codec::{decode_message, encode_message};
 use crate::conn::{
     BoxConnection, ConnConfig, ConnId, ConnInfo, Connection, IdleTimer, TransportKind,
 };
-use crate::error::{FrameError, TransportError};
-use crate::frame::Frame;
+use crate::error::TransportError;
 use crate::listener::{accept_tcp, admit, Admit, TransportListener};
-use crate::protocol::{CloseCode, WS_SUBPROTOCOL};
 use crate::tls::{server_name, ClientTls, TlsIdentity};
+use waygate_protocol::codec::{decode_message, encode_message};
+use waygate_protocol::frame::Frame;
+use waygate_protocol::wire::{CloseCode, WS_SUBPROTOCOL};
+use waygate_protocol::FrameError;
 
 const READ_BUFFER: usize = 4 * 1024;
 const CLOSE_FLUSH: std::time::Duration = std::time::Duration::from_millis(500);

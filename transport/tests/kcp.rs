@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::net::UdpSocket;
-use waygate_transport::frame::Data;
+use waygate_protocol::frame::Data;
 use waygate_transport::kcp::cookie::{Control, PADDED_LEN};
 use waygate_transport::kcp::{self, connect_kcp, KcpConfig, KcpListener, KcpStats};
 use waygate_transport::{

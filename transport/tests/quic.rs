@@ -8,8 +8,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
+use waygate_protocol::frame::Data;
 use waygate_transport::conn::ConnConfig;
-use waygate_transport::frame::Data;
 use waygate_transport::quic::{self, connect_quic, QuicConfig};
 use waygate_transport::tls::{ClientTls, TlsIdentity};
 use waygate_transport::{BoxListener, CloseCode, Frame, Listener, TrafficClass, TransportError};
@@ -212,7 +212,7 @@ async fn bad_input_closes_only_that_connection() {
         (
             {
                 let mut b = vec![waygate_transport::quic::STREAM_CONTROL];
-                waygate_transport::varint::put_varint(&mut b, 100 * 1024 * 1024);
+                waygate_protocol::varint::put_varint(&mut b, 100 * 1024 * 1024);
                 b
             },
             CloseCode::FrameTooLarge,
@@ -235,7 +235,7 @@ async fn bad_input_closes_only_that_connection() {
 async fn raw_control_stream(addr: SocketAddr, tls: &ClientTls, bytes: &[u8]) -> Option<CloseCode> {
     use quinn::crypto::rustls::QuicClientConfig;
     let crypto = QuicClientConfig::try_from(
-        tls.client_config(&[waygate_transport::protocol::QUIC_ALPN])
+        tls.client_config(&[waygate_protocol::wire::QUIC_ALPN])
             .unwrap(),
     )
     .unwrap();

@@ -8,10 +8,10 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use waygate_protocol::varint::put_varint;
 use waygate_transport::conn::ConnConfig;
 use waygate_transport::tcp::{self, connect_tcp, connect_tls};
 use waygate_transport::tls::{ClientTls, TlsIdentity};
-use waygate_transport::varint::put_varint;
 use waygate_transport::{BoxListener, CloseCode, Frame, Listener, TransportError};
 
 const MAX: usize = 16 * 1024;
@@ -85,7 +85,7 @@ async fn send_raw_and_read_close(addr: SocketAddr, bytes: &[u8]) -> Option<Close
     let mut buf = Vec::new();
     let _ = common::timeout(sock.read_to_end(&mut buf)).await;
     let mut bytes = bytes::BytesMut::from(&buf[..]);
-    match waygate_transport::codec::StreamCodec::new(MAX).decode(&mut bytes) {
+    match waygate_protocol::codec::StreamCodec::new(MAX).decode(&mut bytes) {
         Ok(Some(Frame::Close { code, .. })) => Some(code),
         _ => None,
     }

@@ -3,7 +3,7 @@
 use std::ffi::{c_char, c_int};
 
 use waygate_client::Event;
-use waygate_transport::frame::WelcomeOutcome;
+use waygate_protocol::frame::WelcomeOutcome;
 use waygate_transport::CloseCode;
 
 /// What happened. Which `waygate_event` fields are set depends on the kind.

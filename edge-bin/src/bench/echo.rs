@@ -18,14 +18,14 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::{BufMut, Bytes, BytesMut};
+use waygate_protocol::frame::{Data, Welcome, WelcomeOutcome};
 use waygate_session::auth::KeyRing;
 use waygate_session::HmacAuthenticator;
-use waygate_transport::frame::{Data, Welcome, WelcomeOutcome};
 use waygate_transport::{BoxConnection, CloseCode, Frame, TrafficClass};
 
-use crate::backend::demo::{ECHO, ECHO_REPLY};
-use crate::backend::{Backend, BackendConfig, BackendSession, Incoming, Refusal, Service};
-use crate::config::{EdgeConfig, DEV_KEY_ID, DEV_KEY_SECRET};
+use waygate_backend::demo::{ECHO, ECHO_REPLY};
+use waygate_backend::{Backend, BackendConfig, BackendSession, Incoming, Refusal, Service};
+use waygate_edge::config::{EdgeConfig, DEV_KEY_ID, DEV_KEY_SECRET};
 
 /// Message id of bench pushes (backend -> client).
 pub const PUSH: u32 = 1002;
@@ -66,7 +66,7 @@ pub async fn run_echo(push_rate: f64, payload: usize, ca_out: PathBuf) -> Result
     config.admin.enabled = false;
     config.tls.dev_ca_out = Some(ca_out);
     config.kcp.max_sessions = 20_000;
-    let bound = crate::listeners::bind_all(&config, None)
+    let bound = waygate_edge::listeners::bind_all(&config, None)
         .await
         .map_err(|e| e.to_string())?;
     let mut keys = KeyRing::new();

@@ -12,15 +12,15 @@ use hdrhistogram::Histogram;
 use tokio::sync::{watch, Semaphore};
 use tokio::time::Instant;
 use waygate_client::{Client, ClientOptions, Event};
+use waygate_protocol::frame::WelcomeOutcome;
 use waygate_session::auth::TokenClaims;
 use waygate_session::client::{ClientConfig, ClientEvent, ClientSession};
 use waygate_transport::endpoint::{connect, ConnectOptions, Endpoint};
-use waygate_transport::frame::WelcomeOutcome;
 use waygate_transport::{BoxConnection, CloseCode, TrafficClass};
 
 use super::echo::{parse_push, unix_nanos, PUSH};
-use crate::backend::demo::{ECHO, ECHO_REPLY};
-use crate::config::{DEV_KEY_ID, DEV_KEY_SECRET};
+use waygate_backend::demo::{ECHO, ECHO_REPLY};
+use waygate_edge::config::{DEV_KEY_ID, DEV_KEY_SECRET};
 
 /// What the sessions do once connected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]

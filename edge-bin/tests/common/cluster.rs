@@ -14,11 +14,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use waygate::backend::demo::DemoService;
-use waygate::backend::{Backend, BackendConfig};
-use waygate::config::EdgeConfig;
-use waygate::edge::Edge;
+use waygate_backend::demo::DemoService;
+use waygate_backend::{Backend, BackendConfig};
 use waygate_client::{Client, ClientOptions, Event};
+use waygate_edge::config::EdgeConfig;
+use waygate_edge::edge::Edge;
 use waygate_routing::{RouteRequest, RouteTable, Router, RouterConfig};
 use waygate_transport::endpoint::{ConnectOptions, Endpoint};
 use waygate_transport::tls::ClientTls;

@@ -19,8 +19,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
-use waygate::config::{DEV_KEY_ID, DEV_KEY_SECRET};
 use waygate_client::{Client, ClientOptions, Event};
+use waygate_edge::config::{DEV_KEY_ID, DEV_KEY_SECRET};
 use waygate_session::auth::TokenClaims;
 use waygate_transport::endpoint::{ConnectOptions, Endpoint};
 use waygate_transport::tls::ClientTls;
@@ -280,7 +280,7 @@ pub async fn wait_for(
 
 /// Sends ECHO and returns the backend id of the reply, or the ERROR code.
 pub async fn echo(client: &mut Client, tag: &str) -> Result<String, waygate_transport::CloseCode> {
-    use waygate::backend::demo::{ECHO, ECHO_REPLY};
+    use waygate_backend::demo::{ECHO, ECHO_REPLY};
     let seq = client
         .send(
             waygate_transport::TrafficClass::Normal,

@@ -7,8 +7,8 @@ mod props;
 use std::time::Duration;
 
 use bytes::Bytes;
-use waygate_transport::frame::{Hello, ResumeRequest, WelcomeOutcome};
-use waygate_transport::protocol::PROTOCOL_VERSION;
+use waygate_protocol::frame::{Hello, ResumeRequest, WelcomeOutcome};
+use waygate_protocol::wire::PROTOCOL_VERSION;
 use waygate_transport::{CloseCode, Frame, TrafficClass};
 
 use crate::client::{ClientEvent, ClientState};

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use waygate_transport::frame::SessionId;
+use waygate_protocol::frame::SessionId;
 use waygate_transport::{CloseCode, Frame, TrafficClass};
 
 use crate::auth::{mint_token, HmacAuthenticator, KeyRing, TokenClaims};

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::bucket::{Rate, TokenBucket};
-use crate::protocol::CloseCode;
+use waygate_protocol::wire::CloseCode;
 
 /// Absolute deadlines for the phases of a handshake, each counted **from the accept**
 /// (not from the end of the previous phase), so a peer dribbling bytes cannot stretch the

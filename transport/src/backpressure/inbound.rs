@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use super::bucket::{Rate, TokenBucket};
-use crate::protocol::CloseCode;
+use waygate_protocol::wire::CloseCode;
 
 /// Configuration of an [`InboundLimiter`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

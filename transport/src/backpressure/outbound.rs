@@ -6,7 +6,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use crate::protocol::TrafficClass;
+use waygate_protocol::wire::TrafficClass;
 
 /// Configuration of an [`OutboundQueue`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

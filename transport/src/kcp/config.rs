@@ -172,7 +172,7 @@ impl KcpConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::DEFAULT_MAX_FRAME_SIZE;
+    use waygate_protocol::wire::DEFAULT_MAX_FRAME_SIZE;
 
     #[test]
     fn presets_are_valid_and_differ() {

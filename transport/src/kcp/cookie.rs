@@ -12,7 +12,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use ring::hmac;
 
-use crate::protocol::CloseCode;
+use waygate_protocol::wire::CloseCode;
 
 /// Magic after the zero conv of every control packet.
 pub const MAGIC: [u8; 4] = *b"WGKC";

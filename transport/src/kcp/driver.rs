@@ -17,7 +17,7 @@ use super::endpoint::{CloseReason, Endpoint, Event, SessionKey};
 use super::KcpConnection;
 use crate::conn::{BoxConnection, ConnId, ConnInfo, TransportKind};
 use crate::error::TransportError;
-use crate::protocol::CloseCode;
+use waygate_protocol::wire::CloseCode;
 
 /// Largest datagram read from the socket.
 const RECV_BUF: usize = 64 * 1024;

@@ -39,8 +39,8 @@ use super::cookie::{is_control, Control, Cookie, CookieError, CookieKey};
 use crate::backpressure::{Rate, TokenBucket};
 use crate::conn::ConnConfig;
 use crate::error::TransportError;
-use crate::frame::Frame;
-use crate::protocol::CloseCode;
+use waygate_protocol::frame::Frame;
+use waygate_protocol::wire::CloseCode;
 
 /// A session's identity: the peer's address and the conv.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -91,7 +91,7 @@ impl CloseReason {
             Self::Local | Self::Shutdown => TransportError::Closed,
             Self::Reset(code) => TransportError::ClosedByPeer { code },
             Self::IdleTimeout(d) => TransportError::IdleTimeout(d),
-            Self::FrameTooLarge { len, max } => crate::error::FrameError::TooLarge {
+            Self::FrameTooLarge { len, max } => waygate_protocol::FrameError::TooLarge {
                 len: len as u64,
                 max,
             }

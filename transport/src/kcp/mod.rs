@@ -51,13 +51,13 @@ use tokio::sync::{mpsc, oneshot};
 pub use config::{KcpConfig, KcpPreset};
 pub use endpoint::KcpStats;
 
-use crate::codec::{decode_message, encode_message};
 use crate::conn::{BoxConnection, ConnConfig, ConnInfo, Connection, Listener, TransportKind};
 use crate::error::TransportError;
-use crate::frame::Frame;
-use crate::protocol::CloseCode;
 use driver::{Channels, Cmd, ConnParams, Driver, Role, Shared};
 use endpoint::Endpoint;
+use waygate_protocol::codec::{decode_message, encode_message};
+use waygate_protocol::frame::Frame;
+use waygate_protocol::wire::CloseCode;
 
 /// Ready connections waiting for `accept`.
 const ACCEPT_BACKLOG: usize = 1024;

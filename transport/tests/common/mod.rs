@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::task::JoinHandle;
-use waygate_transport::frame::Data;
+use waygate_protocol::frame::Data;
 use waygate_transport::{BoxConnection, BoxListener, Frame, TrafficClass, TransportError};
 
 /// Upper bound for any single test phase.

@@ -6,10 +6,10 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use waygate::backend::demo::DemoService;
-use waygate::backend::{Backend, BackendConfig};
-use waygate::config::{EdgeConfig, DEV_KEY_ID, DEV_KEY_SECRET};
-use waygate::edge::Edge;
+use waygate_backend::demo::DemoService;
+use waygate_backend::{Backend, BackendConfig};
+use waygate_edge::config::{EdgeConfig, DEV_KEY_ID, DEV_KEY_SECRET};
+use waygate_edge::edge::Edge;
 use waygate_session::auth::{token_to_base64url, TokenClaims};
 
 /// An edge (every listener on an ephemeral loopback port) routing the demo player service

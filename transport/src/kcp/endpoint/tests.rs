@@ -2,11 +2,11 @@
 //! (quinn-proto's `Pair` habit). No sockets, no sleeps; every loop is bounded.
 
 use super::*;
-use crate::frame::Data;
 use crate::kcp::cookie;
-use crate::protocol::TrafficClass;
 use proptest::prelude::*;
 use rand::SeedableRng;
+use waygate_protocol::frame::Data;
+use waygate_protocol::wire::TrafficClass;
 
 const SERVER: &str = "10.0.0.1:9000";
 const LATENCY: Duration = Duration::from_millis(5);

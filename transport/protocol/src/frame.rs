@@ -6,9 +6,9 @@
 use bytes::{BufMut, Bytes, BytesMut};
 
 use crate::error::FrameError;
-use crate::protocol::{CloseCode, FrameType, TrafficClass, ID_LEN};
 use crate::reader::Reader;
 use crate::varint::{put_varint, varint_len};
+use crate::wire::{CloseCode, FrameType, TrafficClass, ID_LEN};
 
 /// Longest human-readable message in REJECT and CLOSE.
 pub const MAX_REASON_LEN: usize = 1024;

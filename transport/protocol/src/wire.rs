@@ -231,7 +231,7 @@ mod tests {
 
     #[test]
     fn protocol_md_lists_every_code() {
-        let doc = include_str!("../../PROTOCOL.md");
+        let doc = include_str!("../../../PROTOCOL.md");
         for code in CloseCode::KNOWN {
             let row = format!("| {} | `{}` |", code.to_u16(), code.as_str());
             assert!(doc.contains(&row), "PROTOCOL.md lacks the row `{row}`");

@@ -1,4 +1,6 @@
-//! The backend library: what a game server written in Rust uses to accept links from
+//! # waygate-backend
+//!
+//! The backend SDK: what a game server written in Rust uses to accept links from
 //! waygate edges and handle the sessions routed to it (PROTOCOL.md §9). Implement
 //! [`Service`], call [`serve`] (or [`Backend::bind`]), and push to sessions through
 //! [`BackendSession`].
@@ -8,6 +10,12 @@
 //! FORWARD credit is returned only after `message` returns, so a backend that is slow to
 //! handle messages makes the edge answer `busy` for it instead of queueing (B4); pushes wait
 //! for PUSH credit from the edge.
+//!
+//! What it must never do: pull in the edge or its dependencies. A game server depends on
+//! this crate alone; its tree holds the protocol crate, the link I/O shell and tokio, never
+//! etcd, Redis, axum, clap, quinn, tungstenite, kcp, the client SDK or the edge (checked by
+//! `interop-tests/tests/dependency_rules.rs`). `examples/score_server.rs` is a complete
+//! game server on it; [`demo`] is the demo game the `waygate backend` command runs.
 
 pub mod demo;
 
@@ -21,11 +29,11 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, Semaphore};
-use waygate_transport::frame::SessionId;
-use waygate_transport::link::{LinkFrame, PinKind, DEFAULT_MAX_LINK_FRAME, LINK_VERSION};
-use waygate_transport::{CloseCode, TrafficClass};
+use waygate_protocol::frame::SessionId;
+use waygate_protocol::link::{LinkFrame, PinKind, DEFAULT_MAX_LINK_FRAME, LINK_VERSION};
+use waygate_protocol::{CloseCode, TrafficClass};
 
-use crate::link::io::spawn_link_io;
+use waygate_link::spawn_link_io;
 
 /// Backend settings.
 #[derive(Debug, Clone)]
@@ -319,7 +327,7 @@ async fn run_link(
         stream,
         config.max_link_frame,
         config.heartbeat,
-        crate::link::io::LinkIoOptions {
+        waygate_link::LinkIoOptions {
             read_queue: config.forward_credits as usize + 1024,
             on_credit: Some(Arc::new(move |n| credit_sink.add_permits(n as usize))),
         },

@@ -127,7 +127,7 @@ pub struct LimitsConfig {
 impl Default for LimitsConfig {
     fn default() -> Self {
         Self {
-            max_frame_size: waygate_transport::protocol::DEFAULT_MAX_FRAME_SIZE,
+            max_frame_size: waygate_protocol::wire::DEFAULT_MAX_FRAME_SIZE,
             idle_timeout_ms: 30_000,
             handshake_timeout_ms: 10_000,
         }
@@ -634,7 +634,7 @@ mod example_file {
     fn examples_edge_toml_is_the_defaults() {
         let path = Path::new(concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../examples/edge.toml"
+            "/../../examples/edge.toml"
         ));
         let config = EdgeConfig::load(path).expect("examples/edge.toml loads");
         assert_eq!(config, EdgeConfig::default());

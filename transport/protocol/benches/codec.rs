@@ -4,9 +4,9 @@
 use bytes::{Bytes, BytesMut};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use std::hint::black_box;
-use waygate_transport::codec::StreamCodec;
-use waygate_transport::frame::Data;
-use waygate_transport::{Frame, TrafficClass};
+use waygate_protocol::codec::StreamCodec;
+use waygate_protocol::frame::Data;
+use waygate_protocol::{Frame, TrafficClass};
 
 fn data(payload: usize) -> Frame {
     Frame::Data(Data {

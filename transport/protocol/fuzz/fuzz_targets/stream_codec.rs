@@ -4,8 +4,8 @@
 
 use bytes::BytesMut;
 use libfuzzer_sys::fuzz_target;
-use waygate_transport::codec::{decode_message, StreamCodec};
-use waygate_transport::Frame;
+use waygate_protocol::codec::{decode_message, StreamCodec};
+use waygate_protocol::Frame;
 
 fuzz_target!(|data: &[u8]| {
     let codec = StreamCodec::new(4096);

@@ -152,7 +152,7 @@ mod tests {
     use super::*;
     use crate::frame::tests::arb_frame;
     use crate::frame::Data;
-    use crate::protocol::TrafficClass;
+    use crate::wire::TrafficClass;
     use bytes::Bytes;
     use proptest::prelude::*;
 

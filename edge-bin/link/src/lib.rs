@@ -2,6 +2,13 @@
 //! over a byte stream, moving [`LinkFrame`]s through bounded channels. It answers LINK_PING
 //! itself, sends LINK_PING when it has written nothing for the heartbeat interval, and ends
 //! the link after three intervals without receiving anything. Nothing else is decided here.
+//!
+//! # waygate-link
+//!
+//! Owns only that shell (PROTOCOL.md §9): the edge's `LinkClient` (crate `waygate-edge`) and
+//! the backend SDK (crate `waygate-backend`) both run their links on it. What it must never
+//! do: interpret frames beyond LINK_PING/LINK_PONG, know sessions or routes, or depend on the
+//! edge (a game server's dependency tree contains it).
 
 use std::time::Duration;
 
@@ -9,8 +16,8 @@ use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
-use waygate_transport::link::{LinkCodec, LinkFrame};
-use waygate_transport::CloseCode;
+use waygate_protocol::link::{LinkCodec, LinkFrame};
+use waygate_protocol::CloseCode;
 
 /// Frames queued for writing before `send` waits.
 const WRITE_QUEUE: usize = 1024;

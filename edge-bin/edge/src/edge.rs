@@ -20,6 +20,8 @@ use async_trait::async_trait;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
+use waygate_protocol::frame::{Reject, SessionId};
+use waygate_protocol::link::LinkFrame;
 use waygate_routing::source::{FileRouteSource, FileSourceConfig, RouteSource};
 use waygate_routing::{
     HealthConfig, KeyKind, MigrationRate, RouteRequest, RouteTable, Router, RouterConfig,
@@ -31,15 +33,13 @@ use waygate_session::driver::{
 };
 use waygate_session::machine::{SessionConfig, Upstream};
 use waygate_session::{HmacAuthenticator, KeyRing};
-use waygate_transport::frame::{Reject, SessionId};
-use waygate_transport::link::LinkFrame;
 use waygate_transport::{BoxConnection, BoxListener, CloseCode, Frame, TransportKind};
 
 use crate::admin::AdminApi;
 use crate::cluster::etcd::{EdgeInfo, EtcdRegistry, EtcdRouteSource, Load};
 use crate::cluster::redis::{DeliveryResult, PushMessage, Reassert, RedisConfig, RedisStores};
 use crate::config::EdgeConfig;
-use crate::link::client::{ForwardError, InFlight, LinkClient, LinkConfig, LinkEvent, SessionMeta};
+use crate::link::{ForwardError, InFlight, LinkClient, LinkConfig, LinkEvent, SessionMeta};
 use crate::listeners::bind_all;
 use crate::metrics::{BackendLabel, ClassLabel, CodeLabel, EdgeMetrics, RouteLabels};
 use crate::overload::{inbound_limits, EdgeAdmission, Governor};
@@ -683,7 +683,7 @@ impl UpstreamSink for EdgeUpstream {
                         entry = en.clone();
                     }
                 }
-                use waygate_transport::frame::WelcomeOutcome;
+                use waygate_protocol::frame::WelcomeOutcome;
                 if matches!(
                     outcome,
                     WelcomeOutcome::Restored | WelcomeOutcome::RestoredWithGap

@@ -12,9 +12,9 @@ use bytes::{BufMut, Bytes, BytesMut};
 use crate::codec::StreamCodec;
 use crate::error::FrameError;
 use crate::frame::{SessionId, MAX_REASON_LEN};
-use crate::protocol::{CloseCode, TrafficClass, ID_LEN};
 use crate::reader::Reader;
 use crate::varint::{put_varint, varint_len};
+use crate::wire::{CloseCode, TrafficClass, ID_LEN};
 
 /// Link protocol version (LINK_HELLO / LINK_WELCOME).
 pub const LINK_VERSION: u8 = 1;

@@ -15,7 +15,7 @@ use std::sync::Mutex;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use waygate_transport::{CloseCode, TrafficClass};
+use waygate_protocol::{CloseCode, TrafficClass};
 
 use super::{BackendSession, Incoming, Refusal, Service};
 

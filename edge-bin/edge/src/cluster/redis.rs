@@ -76,12 +76,12 @@ use futures_util::StreamExt as _;
 use redis::aio::ConnectionManager;
 use redis::{AsyncCommands as _, Script};
 use tokio::sync::{mpsc, oneshot, watch};
+use waygate_protocol::frame::SessionId;
 use waygate_session::driver::Downstream;
 use waygate_session::resume::{hex_id, ResumeHash};
 use waygate_session::store::{
     ClaimGrant, Owner, OwnershipRegistry, Snapshot, SnapshotStore, StoreError, TakeOutcome,
 };
-use waygate_transport::frame::SessionId;
 use waygate_transport::TrafficClass;
 
 /// Settings of the Redis backends.

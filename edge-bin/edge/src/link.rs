@@ -14,11 +14,11 @@ use bytes::Bytes;
 use rand::RngExt;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
-use waygate_transport::frame::SessionId;
-use waygate_transport::link::{LinkFrame, PinKind, DEFAULT_MAX_LINK_FRAME, LINK_VERSION};
+use waygate_protocol::frame::SessionId;
+use waygate_protocol::link::{LinkFrame, PinKind, DEFAULT_MAX_LINK_FRAME, LINK_VERSION};
 use waygate_transport::{CloseCode, TrafficClass};
 
-use super::io::spawn_link_io;
+use waygate_link::spawn_link_io;
 
 /// Settings of the edge's links.
 #[derive(Debug, Clone)]
@@ -430,7 +430,7 @@ async fn connect_once(shared: &Arc<Shared>) -> Result<(), &'static str> {
         stream,
         DEFAULT_MAX_LINK_FRAME,
         config.heartbeat,
-        super::io::LinkIoOptions {
+        waygate_link::LinkIoOptions {
             read_queue: config.push_credits as usize + 1024,
             on_credit: None,
         },

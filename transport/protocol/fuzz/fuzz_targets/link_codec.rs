@@ -3,7 +3,7 @@
 
 use bytes::BytesMut;
 use libfuzzer_sys::fuzz_target;
-use waygate_transport::link::{LinkCodec, LinkFrame};
+use waygate_protocol::link::{LinkCodec, LinkFrame};
 
 fuzz_target!(|data: &[u8]| {
     let codec = LinkCodec::new(64 * 1024);
