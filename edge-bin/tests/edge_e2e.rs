@@ -80,6 +80,28 @@ async fn every_transport_reaches_the_instance_of_its_player_and_room() {
             "{kind}: {metrics}"
         );
     }
+    // Strict exposition (regression: the session counters were hand-formatted beside the
+    // registry, with one `# TYPE waygate_session_transition` line per label pair, which
+    // strict OpenMetrics parsers reject): one TYPE line per family, and the transitions
+    // these sessions made are in it.
+    let mut families = std::collections::HashSet::new();
+    for line in metrics.lines().filter(|l| l.starts_with("# TYPE ")) {
+        let name = line
+            .split_whitespace()
+            .nth(2)
+            .unwrap_or_default()
+            .to_string();
+        assert!(
+            families.insert(name.clone()),
+            "second TYPE line for {name}:\n{metrics}"
+        );
+    }
+    assert!(families.contains("waygate_session_transition"), "{metrics}");
+    assert!(
+        metrics.contains("waygate_session_transition_total{from=\"authenticated\",to=\"active\"}"),
+        "{metrics}"
+    );
+    assert_eq!(metrics.matches("# EOF").count(), 1, "{metrics}");
 }
 
 /// S4/S4a over real sockets: a stream of echoes while the socket is killed mid-stream and

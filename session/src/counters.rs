@@ -8,28 +8,43 @@ use crate::machine::State;
 const N: usize = State::ALL.len();
 
 macro_rules! named_counters {
-    ($( $(#[$doc:meta])* $name:ident ),* $(,)?) => {
+    ($( $(#[doc = $doc:literal])* $name:ident ),* $(,)?) => {
         /// Session-layer counters (one instance per edge, shared by every machine).
         #[derive(Debug, Default)]
         pub struct SessionCounters {
             transitions: [[AtomicU64; N]; N],
-            $( $(#[$doc])* pub $name: AtomicU64, )*
+            $( $(#[doc = $doc])* pub $name: AtomicU64, )*
         }
 
         impl SessionCounters {
+            /// The named counters as `(field name, help, value)`, in declaration order.
+            pub fn named(&self) -> Vec<(&'static str, &'static str, u64)> {
+                vec![$( (stringify!($name), concat!($($doc),*).trim_ascii(), self.$name.load(Ordering::Relaxed)), )*]
+            }
+
             /// Every counter as `(metric label, value)`: transitions as
             /// `transition{from,to}` and the named counters by field name.
             pub fn export(&self) -> Vec<(String, u64)> {
+                let mut out: Vec<(String, u64)> = self
+                    .transitions()
+                    .into_iter()
+                    .map(|(from, to, v)| (format!("transition{{from=\"{}\",to=\"{}\"}}", from.as_str(), to.as_str()), v))
+                    .collect();
+                out.extend(self.named().into_iter().map(|(name, _, v)| (name.to_owned(), v)));
+                out
+            }
+
+            /// Every state transition that happened at least once, as `(from, to, count)`.
+            pub fn transitions(&self) -> Vec<(State, State, u64)> {
                 let mut out = Vec::new();
                 for from in State::ALL {
                     for to in State::ALL {
                         let v = self.transition_count(from, to);
                         if v > 0 {
-                            out.push((format!("transition{{from=\"{}\",to=\"{}\"}}", from.as_str(), to.as_str()), v));
+                            out.push((from, to, v));
                         }
                     }
                 }
-                $( out.push((stringify!($name).to_owned(), self.$name.load(Ordering::Relaxed))); )*
                 out
             }
         }

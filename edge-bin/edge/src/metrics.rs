@@ -1,14 +1,22 @@
 //! The edge's Prometheus metrics (O1), one registry per edge (no globals, so several edges
 //! can run in one test process). Library crates keep plain atomic counters; the edge exposes
-//! them here.
+//! them here, read at scrape time by a collector registered in the same registry, so
+//! `/metrics` is one registry's exposition (one `# TYPE` line per family).
 
-use prometheus_client::encoding::EncodeLabelSet;
+use std::sync::{Arc, OnceLock};
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use std::sync::atomic::AtomicU64;
+use waygate_session::driver::EdgeSessions;
 
 /// Label: transport kind.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -92,8 +100,78 @@ impl Default for EdgeMetrics {
     }
 }
 
+/// The session layer of an edge as the metrics see it: set once, when the edge has built it.
+pub type SessionLayer = Arc<OnceLock<Arc<EdgeSessions>>>;
+
+/// Reads the session layer's counters at scrape time: `sessions_live`, the write-through
+/// counters, `session_transition{from,to}` and every named session counter
+/// (`session_<name>_total`).
+#[derive(Debug)]
+struct SessionLayerCollector(SessionLayer);
+
+impl Collector for SessionLayerCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let Some(s) = self.0.get() else {
+            return Ok(());
+        };
+        let live = ConstGauge::new(i64::try_from(s.registry.len()).unwrap_or(i64::MAX));
+        live.encode(encoder.encode_descriptor(
+            "sessions_live",
+            "Sessions held by this edge, attached or lingering",
+            None,
+            live.metric_type(),
+        )?)?;
+        if let Some(wt) = &s.write_through {
+            use std::sync::atomic::Ordering::Relaxed;
+            for (name, help, value) in [
+                (
+                    "write_through_writes",
+                    "Snapshot writes made before the client saw new state",
+                    wt.writes.load(Relaxed),
+                ),
+                (
+                    "write_through_failures",
+                    "Snapshot writes that failed (writes pause, then retry)",
+                    wt.failures.load(Relaxed),
+                ),
+            ] {
+                let c = ConstCounter::new(value);
+                c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
+            }
+        }
+        let transitions = s.counters.transitions();
+        if !transitions.is_empty() {
+            let mut family = encoder.encode_descriptor(
+                "session_transition",
+                "Session state machine transitions",
+                None,
+                MetricType::Counter,
+            )?;
+            for (from, to, value) in transitions {
+                let labels = vec![("from", from.as_str()), ("to", to.as_str())];
+                ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        for (name, help, value) in s.counters.named() {
+            let full = format!("session_{name}");
+            let c = ConstCounter::new(value);
+            c.encode(encoder.encode_descriptor(&full, help, None, c.metric_type())?)?;
+        }
+        Ok(())
+    }
+}
+
 impl EdgeMetrics {
-    /// Creates and registers every metric.
+    /// Creates and registers every metric; the session layer's counters are read from
+    /// `sessions` once it is set.
+    pub fn with_session_layer(sessions: SessionLayer) -> Self {
+        let mut m = Self::new();
+        m.registry
+            .register_collector(Box::new(SessionLayerCollector(sessions)));
+        m
+    }
+
+    /// Creates and registers every metric of the edge itself.
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("waygate");
         let m = Self {

@@ -1,0 +1,222 @@
+//! Many edges: the etcd registration and load feed, kicks from other edges over Redis,
+//! cross-edge pushes, and the ownership/presence re-assert sweep.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+use waygate_protocol::frame::SessionId;
+use waygate_session::driver::PushError;
+use waygate_transport::TransportKind;
+
+use super::Shared;
+use crate::cluster::etcd::{EdgeInfo, Load};
+use crate::cluster::redis::{DeliveryResult, PushMessage, Reassert};
+
+impl Shared {
+    /// The address clients use to reach this edge (etcd registration, MIGRATE target).
+    pub(super) fn advertise(&self) -> String {
+        if !self.config.cluster.advertise.is_empty() {
+            return self.config.cluster.advertise.clone();
+        }
+        self.addrs
+            .get(&TransportKind::Tcp)
+            .or_else(|| self.addrs.values().next())
+            .map(|a| {
+                let kind = self
+                    .addrs
+                    .iter()
+                    .find(|(_, x)| *x == a)
+                    .map_or("tcp", |(k, _)| k.as_str());
+                format!("{kind}://{a}")
+            })
+            .unwrap_or_default()
+    }
+
+    /// Where a drained edge sends its clients: the configured target, else the least-loaded
+    /// other active edge registered in etcd.
+    pub(super) fn drain_target(&self) -> String {
+        if !self.config.drain.target.is_empty() {
+            return self.config.drain.target.clone();
+        }
+        let Some(etcd) = &self.etcd else {
+            return String::new();
+        };
+        let others: Vec<EdgeInfo> = etcd
+            .edges()
+            .into_iter()
+            .filter(|e| e.id != self.config.edge_id)
+            .collect();
+        crate::cluster::etcd::pick_least_loaded(&others)
+            .map(|e| e.address.clone())
+            .unwrap_or_default()
+    }
+}
+
+/// Starts the etcd registration and load feed and the Redis tasks (kicks from other edges,
+/// cross-edge pushes, the ownership/presence re-assert sweep). Returns their handles.
+pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task::JoinHandle<()>> {
+    let mut tasks = Vec::new();
+    let c = &shared.config.cluster;
+    let edge_id = shared.config.edge_id.clone();
+    if let Some(etcd) = &shared.etcd {
+        // Load reports of backend instances -> the router's least-loaded policy (R10).
+        let mut loads = etcd.loads();
+        let weak = Arc::downgrade(shared);
+        tasks.push(tokio::spawn(async move {
+            loop {
+                {
+                    let Some(shared) = weak.upgrade() else { return };
+                    let map = loads.borrow_and_update().clone();
+                    let locked = shared.router.lock();
+                    if let Ok(mut router) = locked {
+                        for (id, l) in map.iter() {
+                            router.report_load(
+                                id,
+                                waygate_routing::LoadReport { players: l.players },
+                            );
+                        }
+                    };
+                }
+                if loads.changed().await.is_err() {
+                    return;
+                }
+            }
+        }));
+    }
+    if let Some(reg) = &shared.etcd_registry {
+        let info = EdgeInfo {
+            id: edge_id.clone(),
+            address: shared.advertise(),
+            state: waygate_routing::InstanceState::Active,
+            capacity: None,
+            sessions: 0,
+            msg_rate: 0.0,
+        };
+        let every = Duration::from_millis(c.report_ms);
+        match reg
+            .register_edge(&info, Duration::from_millis(c.lease_ttl_ms))
+            .await
+        {
+            Ok(lease) => {
+                let (load_tx, load_rx) = tokio::sync::watch::channel(Load::default());
+                tasks.push(reg.spawn_reporter(lease, every, load_rx));
+                let weak = Arc::downgrade(shared);
+                tasks.push(tokio::spawn(async move {
+                    let mut tick = tokio::time::interval(every);
+                    loop {
+                        tick.tick().await;
+                        let Some(shared) = weak.upgrade() else { return };
+                        let players = u32::try_from(shared.edge_sessions().registry.len())
+                            .unwrap_or(u32::MAX);
+                        let _ = load_tx.send(Load {
+                            players,
+                            msg_rate: 0.0,
+                        });
+                    }
+                }));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "edge not registered in etcd (logins will not pick it)")
+            }
+        }
+    }
+    let Some(redis) = shared.redis.clone() else {
+        return tasks;
+    };
+    // Takeovers on other edges kick our (older) sessions.
+    let mut kicks = redis.ownership.subscribe_kicks(&edge_id);
+    let weak = Arc::downgrade(shared);
+    tasks.push(tokio::spawn(async move {
+        while let Some(k) = kicks.recv().await {
+            let Some(shared) = weak.upgrade() else { return };
+            let local = shared
+                .entries
+                .lock()
+                .ok()
+                .and_then(|e| e.by_id.get(&k.session_id).map(|en| en.meta.fencing));
+            // Kick only a copy that is not newer than the one taken over.
+            if local.is_none_or(|f| f <= k.fencing) {
+                let registry = shared.edge_sessions().registry.clone();
+                tokio::spawn(async move { registry.kick(&k.session_id).await });
+            }
+        }
+    }));
+    // Pushes from other edges (F4).
+    let registry = shared.edge_sessions().registry.clone();
+    let server = redis
+        .presence
+        .serve_pushes(&edge_id, move |player: &str, m: PushMessage| match registry
+            .push_to_player(player, m.into())
+        {
+            Ok(()) => DeliveryResult::Delivered,
+            Err(PushError::QueueFull) => DeliveryResult::QueueFull,
+            Err(_) => DeliveryResult::Offline,
+        });
+    tasks.push(tokio::spawn(async move {
+        let _server = server;
+        std::future::pending::<()>().await;
+    }));
+    // Re-assert ownership and presence every `reassert_ms`, and at once after Redis was
+    // unreachable (it may have lost records; kicks published meanwhile were missed).
+    let weak = Arc::downgrade(shared);
+    let every = Duration::from_millis(c.reassert_ms);
+    tasks.push(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_sweep = Instant::now();
+        let mut was_down = false;
+        loop {
+            tick.tick().await;
+            let Some(shared) = weak.upgrade() else { return };
+            let probe = redis.presence.lookup(&edge_id).await;
+            if probe.is_err() {
+                if !was_down {
+                    tracing::warn!("redis unreachable; ownership re-assert after it recovers");
+                }
+                was_down = true;
+                continue;
+            }
+            if !was_down && last_sweep.elapsed() < every {
+                continue;
+            }
+            let live = shared.owned_sessions();
+            let mut superseded = 0usize;
+            let mut ok = true;
+            for (player, sid, fencing) in &live {
+                match redis
+                    .ownership
+                    .reassert(player, sid, &edge_id, *fencing)
+                    .await
+                {
+                    Ok(Reassert::Owner) => {}
+                    Ok(Reassert::Superseded(_)) => {
+                        superseded += 1;
+                        let registry = shared.edge_sessions().registry.clone();
+                        let sid = *sid;
+                        tokio::spawn(async move { registry.kick(&sid).await });
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "re-assert failed");
+                        ok = false;
+                        break;
+                    }
+                }
+            }
+            let entries: Vec<(String, SessionId)> =
+                live.into_iter().map(|(p, s, _)| (p, s)).collect();
+            if ok && redis.presence.set_many(&edge_id, &entries).await.is_ok() {
+                if was_down {
+                    tracing::info!(
+                        sessions = entries.len(),
+                        superseded,
+                        "redis back; ownership re-asserted"
+                    );
+                }
+                was_down = false;
+                last_sweep = Instant::now();
+            }
+        }
+    }));
+    tasks
+}

@@ -1,0 +1,36 @@
+//! The overload loop: feeds the governor (B5) and applies its level to admission.
+
+use std::sync::atomic::Ordering;
+use std::sync::Weak;
+use std::time::Duration;
+
+use super::Shared;
+
+/// Feeds the overload governor (B5) and applies its decisions: level 1 sheds best-effort
+/// pushes, level 3 makes admission refuse every new connection with a retry-after.
+pub(super) async fn overload_loop(shared: Weak<Shared>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut sweeps = 0u32;
+    loop {
+        tick.tick().await;
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        let sessions = shared.edge_sessions().registry.len() as u64;
+        let memory = waygate_transport::backpressure::process_rss_bytes().unwrap_or(0);
+        let refuse = shared.governor.observe(sessions, memory);
+        shared.admission.refuse_all(refuse);
+        let level = shared.governor.level.load(Ordering::Acquire);
+        shared.metrics.overload_level.set(i64::from(level));
+        let refused = shared.admission.refused.load(Ordering::Relaxed);
+        let counted = shared.metrics.admission_refused.get();
+        if refused > counted {
+            shared.metrics.admission_refused.inc_by(refused - counted);
+        }
+        sweeps += 1;
+        if sweeps % 50 == 0 {
+            shared.admission.sweep();
+        }
+    }
+}

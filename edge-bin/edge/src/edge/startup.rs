@@ -1,0 +1,257 @@
+//! `Edge::start`: binds the listeners, loads the route table (etcd, file or embedded),
+//! connects the cluster stores, builds the session layer and spawns every task of the edge.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use waygate_routing::source::{FileRouteSource, FileSourceConfig, RouteSource};
+use waygate_routing::{
+    HealthConfig, MigrationRate, RouteTable, Router, RouterConfig, RoutingError,
+};
+use waygate_session::driver::{EdgeSessions, WriteThrough};
+use waygate_session::machine::SessionConfig;
+use waygate_session::{HmacAuthenticator, KeyRing};
+
+use super::{
+    accept_loop, link_event_loop, now_std, overload_loop, route_loop, start_cluster_tasks, Edge,
+    EdgeAdmin, EdgeError, EdgeUpstream, Sessions, Shared, DEFAULT_ROUTES,
+};
+use crate::admin::AdminApi;
+use crate::cluster::etcd::{EtcdRegistry, EtcdRouteSource};
+use crate::cluster::redis::{RedisConfig, RedisStores};
+use crate::config::EdgeConfig;
+use crate::link::LinkClient;
+use crate::listeners::bind_all;
+use crate::metrics::EdgeMetrics;
+use crate::overload::{inbound_limits, EdgeAdmission, Governor};
+use waygate_transport::listener::AdmissionGate;
+
+impl Edge {
+    /// Starts an edge with `config`.
+    pub async fn start(config: EdgeConfig) -> Result<Edge, EdgeError> {
+        let admission = Arc::new(EdgeAdmission::new(
+            &config.backpressure,
+            Duration::from_millis(config.limits.handshake_timeout_ms),
+        ));
+        let governor = Arc::new(Governor::new(&config.backpressure));
+        let bound = bind_all(&config, Some(admission.clone() as Arc<dyn AdmissionGate>)).await?;
+        let mut router = Router::new(
+            RouterConfig {
+                migration_rate: MigrationRate {
+                    per_second: config.routing.migration_rate,
+                    burst: (config.routing.migration_rate.ceil() as u32).max(1),
+                },
+                health: Some(HealthConfig {
+                    heartbeat_interval: Duration::from_millis(config.links.heartbeat_ms),
+                    missed_heartbeats: config.routing.missed_heartbeats.max(1),
+                    min_rebuild_interval: Duration::from_millis(config.links.heartbeat_ms),
+                }),
+                ..RouterConfig::default()
+            },
+            now_std(),
+        );
+        let mut etcd: Option<Arc<EtcdRouteSource>> = None;
+        let mut tasks = Vec::new();
+        let mut source_kind = "embedded";
+        let source: Option<Arc<dyn RouteSource>> = match &config.routing.table {
+            _ if !config.cluster.etcd_endpoints.is_empty() => {
+                let c = &config.cluster;
+                let src = EtcdRouteSource::connect(
+                    c.etcd_endpoints.clone(),
+                    c.etcd_prefix.clone(),
+                    config.routing.persist.clone(),
+                    Duration::from_millis(c.damping_ms),
+                )
+                .await
+                .map_err(|e| EdgeError::Cluster(e.to_string()))?;
+                // The first table: listed at open, or persisted; give a slow etcd a moment.
+                let mut w = src.watch();
+                let first =
+                    tokio::time::timeout(Duration::from_secs(5), w.wait_for(|u| u.table.is_some()))
+                        .await
+                        .ok()
+                        .and_then(Result::ok)
+                        .and_then(|u| u.table.clone());
+                match first {
+                    Some(table) => {
+                        router.apply_table((*table).clone(), now_std())?;
+                    }
+                    None => return Err(EdgeError::Routing(RoutingError::NoTable)),
+                }
+                source_kind = "etcd";
+                tasks.push(src.spawn());
+                etcd = Some(src.clone());
+                Some(src)
+            }
+            Some(path) => {
+                let mut cfg = FileSourceConfig::new(path.clone())
+                    .poll_every(Duration::from_millis(config.routing.poll_ms.max(10)));
+                if let Some(p) = &config.routing.persist {
+                    cfg = cfg.persist_to(p.clone());
+                }
+                let source = Arc::new(FileRouteSource::open(cfg));
+                source_kind = "file";
+                let update = source.watch().borrow().clone();
+                match update.table {
+                    Some(table) => {
+                        router.apply_table((*table).clone(), now_std())?;
+                    }
+                    None => {
+                        return Err(EdgeError::Routing(
+                            source
+                                .refresh()
+                                .await
+                                .err()
+                                .unwrap_or(RoutingError::NoTable),
+                        ))
+                    }
+                }
+                tasks.push(source.spawn());
+                Some(source)
+            }
+            None => {
+                router.apply_table(RouteTable::from_toml_str(DEFAULT_ROUTES)?, now_std())?;
+                None
+            }
+        };
+        let redis = if config.cluster.redis_url.is_empty() {
+            None
+        } else {
+            // Lazy: an edge may start while Redis is down (logins get UNAVAILABLE until
+            // it is back; live sessions are unaffected).
+            let rc = RedisConfig {
+                prefix: config.cluster.redis_prefix.clone(),
+                ..RedisConfig::new(config.cluster.redis_url.clone())
+            };
+            Some(RedisStores::lazy(rc).map_err(|e| EdgeError::Cluster(e.to_string()))?)
+        };
+        let etcd_registry = etcd.as_ref().map(|src| {
+            Arc::new(EtcdRegistry::new(
+                src.client().clone(),
+                &config.cluster.etcd_prefix,
+            ))
+        });
+        let epoch = Arc::new(AtomicU64::new(router.epoch().unwrap_or(0)));
+        let (link_tx, link_rx) = mpsc::channel(4096);
+        let sessions = crate::metrics::SessionLayer::default();
+        let shared = Arc::new(Shared {
+            metrics: EdgeMetrics::with_session_layer(sessions.clone()),
+            sessions,
+            router: Mutex::new(router),
+            source,
+            source_kind,
+            etcd,
+            etcd_registry,
+            redis,
+            epoch,
+            links: Mutex::new(HashMap::new()),
+            link_events: link_tx,
+            entries: Mutex::new(Sessions::default()),
+            draining: AtomicBool::new(false),
+            started: Instant::now(),
+            addrs: bound.addrs.clone(),
+            instance_addrs: Mutex::new(HashMap::new()),
+            admission,
+            governor,
+            config,
+        });
+        shared.learn_instances();
+        shared
+            .metrics
+            .route_epoch
+            .set(shared.epoch.load(Ordering::Relaxed) as i64);
+
+        let mut keys = KeyRing::new();
+        for k in &shared.config.auth.keys {
+            keys.insert(k.id, k.secret.as_bytes());
+        }
+        let mut auth = HmacAuthenticator::new(keys)
+            .with_leeway(Duration::from_secs(shared.config.auth.leeway_secs));
+        if !shared.config.auth.issuers.is_empty() {
+            auth = auth.with_allowed_issuers(shared.config.auth.issuers.clone());
+        }
+        let s = &shared.config.session;
+        let session_config = SessionConfig {
+            handshake_timeout: Duration::from_millis(s.hello_timeout_ms),
+            idle_timeout: Duration::from_millis(shared.config.limits.idle_timeout_ms),
+            heartbeat_interval: Duration::from_millis(s.heartbeat_ms),
+            linger: Duration::from_secs(s.linger_secs),
+            max_frame_size: shared.config.limits.max_frame_size as u32,
+            replay: waygate_session::replay::ReplayLimits {
+                max_messages: s.replay_max_messages,
+                max_bytes: s.replay_max_bytes,
+            },
+            ..SessionConfig::default()
+        };
+        let mut edge_sessions = EdgeSessions::new(
+            shared.config.edge_id.clone(),
+            session_config,
+            Arc::new(auth),
+            Arc::new(EdgeUpstream(Arc::downgrade(&shared))),
+        );
+        edge_sessions.outbound_capacity = s.outbound_capacity;
+        edge_sessions.inbound = Some(inbound_limits(&shared.config.backpressure));
+        edge_sessions.send_deadline =
+            Duration::from_millis(shared.config.backpressure.send_deadline_ms);
+        if let Some(r) = &shared.redis {
+            edge_sessions.snapshots = r.snapshots.clone();
+            edge_sessions.ownership = r.ownership.clone();
+            if shared.config.cluster.write_through {
+                edge_sessions.write_through =
+                    Some(Arc::new(WriteThrough::new(Duration::from_secs(1))));
+            }
+        }
+        let _ = shared.sessions.set(Arc::new(edge_sessions));
+
+        // Give the backend links a moment to come up before the first client arrives (an
+        // edge that accepted players before its links were up would answer UNAVAILABLE).
+        let links_up = tokio::time::timeout(Duration::from_secs(3), async {
+            loop {
+                let all_up = shared
+                    .links
+                    .lock()
+                    .map(|l| l.values().all(LinkClient::is_up))
+                    .unwrap_or(true);
+                if all_up {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        if links_up.is_err() {
+            tracing::warn!("starting with some backend links still down");
+        }
+
+        tasks.extend(start_cluster_tasks(&shared).await);
+        for listener in bound.listeners {
+            tasks.push(tokio::spawn(accept_loop(shared.clone(), listener)));
+        }
+        tasks.push(tokio::spawn(link_event_loop(
+            Arc::downgrade(&shared),
+            link_rx,
+        )));
+        tasks.push(tokio::spawn(route_loop(Arc::downgrade(&shared))));
+        tasks.push(tokio::spawn(overload_loop(Arc::downgrade(&shared))));
+        let admin_addr = if shared.config.admin.enabled {
+            let api: Arc<dyn AdminApi> = Arc::new(EdgeAdmin(shared.clone()));
+            let (addr, task) = crate::admin::serve(shared.config.admin.addr, api).await?;
+            tasks.push(task);
+            Some(addr)
+        } else {
+            None
+        };
+        tracing::info!(edge = %shared.config.edge_id, addrs = ?bound.addrs, admin = ?admin_addr, "edge started");
+        Ok(Edge {
+            addrs: bound.addrs,
+            admin_addr,
+            dev_ca_pem: bound.tls.dev_ca_pem.clone(),
+            shared,
+            tasks,
+        })
+    }
+}

@@ -1,0 +1,270 @@
+//! Client -> backend: the session layer hands each upstream message to `EdgeUpstream`, which
+//! routes it (service, then instance) and forwards it on that instance's link without
+//! waiting; session lifecycle events go to the links the session was opened on.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Weak};
+
+use async_trait::async_trait;
+use waygate_protocol::link::LinkFrame;
+use waygate_routing::{KeyKind, RouteRequest, RoutingError};
+use waygate_session::driver::{DeliverError, SessionEvent, UpstreamSink};
+use waygate_session::machine::Upstream;
+use waygate_transport::CloseCode;
+
+use super::{SessionEntry, Shared};
+use crate::link::{ForwardError, LinkClient};
+use crate::metrics::{CodeLabel, EdgeMetrics, RouteLabels};
+
+impl Shared {
+    /// Routes and forwards one upstream message.
+    pub(super) fn route_and_forward(
+        &self,
+        entry: &SessionEntry,
+        msg_id: u32,
+        client_seq: u64,
+        class: waygate_transport::TrafficClass,
+        payload: bytes::Bytes,
+    ) -> Result<(), DeliverError> {
+        let refuse = |code: CloseCode, retry_after_ms: u32| {
+            self.metrics
+                .upstream_refused
+                .get_or_create(&CodeLabel {
+                    code: code.as_str().into(),
+                })
+                .inc();
+            DeliverError {
+                code,
+                retry_after_ms,
+            }
+        };
+        let decision = {
+            let mut router = self
+                .router
+                .lock()
+                .map_err(|_| refuse(CloseCode::Internal, 0))?;
+            let mut req = RouteRequest::player(&entry.meta.player_id);
+            if let Some(table) = router.table().cloned() {
+                for (service, key) in entry.keys.iter() {
+                    if let Some(spec) = table.services.iter().find(|s| &s.name == service) {
+                        req = match spec.key {
+                            KeyKind::Room => req.room(key),
+                            KeyKind::Guild => req.guild(key),
+                            KeyKind::Order => req.order(key),
+                            _ => req,
+                        };
+                    }
+                }
+            }
+            router.route(msg_id, &req)
+        };
+        let decision = match decision {
+            Ok(d) => d,
+            Err(RoutingError::NoServiceForMessage { .. }) => {
+                return Err(refuse(CloseCode::NoRoute, 0))
+            }
+            Err(e) => {
+                tracing::debug!(msg_id, error = %e, "no route");
+                return Err(refuse(CloseCode::Unavailable, 1000));
+            }
+        };
+        let addr: SocketAddr = decision
+            .address
+            .parse()
+            .map_err(|_| refuse(CloseCode::Unavailable, 1000))?;
+        let link = self.link(addr);
+        match link.forward(
+            &entry.meta,
+            msg_id,
+            decision.epoch,
+            client_seq,
+            class,
+            payload,
+        ) {
+            Ok(()) => {
+                if let Ok(mut e) = self.entries.lock() {
+                    if let Some(en) = e.by_id.get_mut(&entry.meta.session_id) {
+                        Arc::make_mut(&mut en.links).insert(addr);
+                    }
+                }
+                self.metrics
+                    .forwarded
+                    .get_or_create(&RouteLabels {
+                        service: decision.service,
+                        instance: decision.instance_id,
+                    })
+                    .inc();
+                Ok(())
+            }
+            Err(ForwardError::Unavailable) => Err(refuse(CloseCode::Unavailable, 1000)),
+            Err(ForwardError::Busy { retry_after_ms }) => {
+                Err(refuse(CloseCode::Busy, retry_after_ms))
+            }
+        }
+    }
+
+    pub(super) async fn close_on_links(
+        &self,
+        entry: &SessionEntry,
+        code: CloseCode,
+        only: Option<SocketAddr>,
+    ) {
+        let links: Vec<LinkClient> = match self.links.lock() {
+            Ok(l) => entry
+                .links
+                .iter()
+                .filter(|a| only.is_none_or(|o| o == **a))
+                .filter_map(|a| l.get(a).cloned())
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        for link in links {
+            link.session_event(LinkFrame::SessionClose {
+                handle: entry.meta.handle,
+                code,
+            })
+            .await;
+        }
+    }
+
+    pub(super) async fn lifecycle_on_links(&self, entry: &SessionEntry, frame: LinkFrame) {
+        let links: Vec<LinkClient> = match self.links.lock() {
+            Ok(l) => entry
+                .links
+                .iter()
+                .filter_map(|a| l.get(a).cloned())
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        for link in links {
+            link.session_event(frame.clone()).await;
+        }
+    }
+}
+
+/// The session layer's view of the edge.
+pub(super) struct EdgeUpstream(pub(super) Weak<Shared>);
+
+#[async_trait]
+impl UpstreamSink for EdgeUpstream {
+    async fn deliver(&self, message: Upstream) -> Result<(), DeliverError> {
+        let shared = self.0.upgrade().ok_or(DeliverError {
+            code: CloseCode::GoingAway,
+            retry_after_ms: 0,
+        })?;
+        let entry = shared.entry(&message.session_id, &message.player_id);
+        shared.route_and_forward(
+            &entry,
+            message.msg_id,
+            message.seq,
+            message.class,
+            message.payload,
+        )
+    }
+
+    async fn session_event(&self, event: SessionEvent) {
+        let Some(shared) = self.0.upgrade() else {
+            return;
+        };
+        match event {
+            SessionEvent::Established {
+                session_id,
+                player_id,
+                fencing,
+                outcome,
+                transport,
+                setup,
+            } => {
+                shared
+                    .metrics
+                    .session_setup_seconds
+                    .get_or_create(&EdgeMetrics::transport(transport))
+                    .observe(setup.as_secs_f64());
+                if let Some(r) = &shared.redis {
+                    let (presence, edge) = (r.presence.clone(), shared.config.edge_id.clone());
+                    let player = player_id.to_string();
+                    tokio::spawn(async move {
+                        if let Err(e) = presence.set(&player, &session_id, &edge).await {
+                            tracing::debug!(error = %e, "presence not recorded");
+                        }
+                    });
+                }
+                let mut entry = shared.entry(&session_id, &player_id);
+                if let Ok(mut e) = shared.entries.lock() {
+                    if let Some(en) = e.by_id.get_mut(&session_id) {
+                        Arc::make_mut(&mut en.meta).fencing = fencing;
+                        entry = en.clone();
+                    }
+                }
+                use waygate_protocol::frame::WelcomeOutcome;
+                if matches!(
+                    outcome,
+                    WelcomeOutcome::Restored | WelcomeOutcome::RestoredWithGap
+                ) {
+                    shared
+                        .lifecycle_on_links(
+                            &entry,
+                            LinkFrame::SessionReattached {
+                                handle: entry.meta.handle,
+                                gap: outcome == WelcomeOutcome::RestoredWithGap,
+                            },
+                        )
+                        .await;
+                }
+            }
+            SessionEvent::Detached { session_id, linger } => {
+                let entry = shared
+                    .entries
+                    .lock()
+                    .ok()
+                    .and_then(|e| e.by_id.get(&session_id).cloned());
+                if let Some(entry) = entry {
+                    shared
+                        .lifecycle_on_links(
+                            &entry,
+                            LinkFrame::SessionDetached {
+                                handle: entry.meta.handle,
+                                linger_ms: u32::try_from(linger.as_millis()).unwrap_or(u32::MAX),
+                            },
+                        )
+                        .await;
+                }
+            }
+            SessionEvent::Ended {
+                session_id,
+                player_id,
+                reason,
+                released,
+                ..
+            } => {
+                let entry = shared.entries.lock().ok().and_then(|mut e| {
+                    let entry = e.by_id.remove(&session_id)?;
+                    e.by_handle.remove(&entry.meta.handle);
+                    Some(entry)
+                });
+                if let Some(entry) = entry {
+                    let code = match reason {
+                        waygate_session::EndReason::Kicked => CloseCode::Kicked,
+                        waygate_session::EndReason::LingerExpired => CloseCode::SessionExpired,
+                        waygate_session::EndReason::ClosedByServer(c) => c,
+                        _ => CloseCode::Normal,
+                    };
+                    shared.close_on_links(&entry, code, None).await;
+                }
+                if let Some(r) = &shared.redis {
+                    let presence = r.presence.clone();
+                    let player = player_id.to_string();
+                    tokio::spawn(async move {
+                        let _ = presence.remove(&player, &session_id).await;
+                    });
+                }
+                if released {
+                    if let Ok(mut router) = shared.router.lock() {
+                        router.release_key(&player_id);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
