@@ -14,6 +14,7 @@ use tokio::sync::mpsc;
 use waygate_backend::demo::{DemoService, ECHO, ECHO_REPLY};
 use waygate_backend::{Backend, BackendConfig, BackendSession, Incoming, Refusal, Service};
 use waygate_edge::link::{ForwardError, LinkClient, LinkConfig, LinkEvent, SessionMeta};
+use waygate_protocol::link::LinkFrame;
 use waygate_transport::{CloseCode, TrafficClass};
 
 fn meta(handle: u64, player: &str) -> SessionMeta {
@@ -76,12 +77,12 @@ async fn echo_over_the_link_and_reconnect_reopens_sessions() {
     )
     .unwrap();
     match next_event(&mut rx).await {
-        LinkEvent::Push {
+        LinkEvent::Backend(LinkFrame::Push {
             handle,
             msg_id,
             payload,
             ..
-        } => {
+        }) => {
             assert_eq!((handle, msg_id), (7, ECHO_REPLY));
             assert_eq!(&payload[..], b"b1|alice|hi");
         }
@@ -114,7 +115,9 @@ async fn echo_over_the_link_and_reconnect_reopens_sessions() {
     )
     .unwrap();
     match next_event(&mut rx).await {
-        LinkEvent::Push { payload, .. } => assert_eq!(&payload[..], b"b1|alice|again"),
+        LinkEvent::Backend(LinkFrame::Push { payload, .. }) => {
+            assert_eq!(&payload[..], b"b1|alice|again")
+        }
         other => panic!("unexpected {other:?}"),
     }
     drop(backend);
@@ -316,9 +319,9 @@ async fn big_forward_credit_and_small_push_credit_do_not_deadlock() {
             }
         }
         match tokio::time::timeout(Duration::from_millis(50), rx.recv()).await {
-            Ok(Some(LinkEvent::Push {
+            Ok(Some(LinkEvent::Backend(LinkFrame::Push {
                 msg_id: ECHO_REPLY, ..
-            })) => replies += 1,
+            }))) => replies += 1,
             Ok(Some(LinkEvent::Refuse { code, .. })) => panic!("refused: {code}"),
             Ok(Some(_)) | Err(_) => {}
             Ok(None) => panic!("events closed"),

@@ -41,19 +41,34 @@ struct Rule {
 
 const EDGE_CRATES: &[&str] = &["waygate-edge", "waygate"];
 
+/// Everything above the transport: what the protocol and transport crates never reach.
+const ABOVE_TRANSPORT: &[&str] = &[
+    "waygate-session",
+    "waygate-routing",
+    "waygate-link",
+    "waygate-backend",
+    "waygate-edge",
+    "waygate",
+];
+
+/// What a client build never contains.
+const NOT_IN_CLIENTS: &[&str] = &[
+    "waygate-edge",
+    "waygate",
+    "waygate-backend",
+    "waygate-routing",
+    "waygate-link",
+];
+
 const RULES: &[Rule] = &[
     Rule {
         package: "waygate-protocol",
-        forbidden: &[
-            "tokio",
-            "waygate-transport",
-            "waygate-session",
-            "waygate-routing",
-            "waygate-link",
-            "waygate-backend",
-            "waygate-edge",
-            "waygate",
-        ],
+        forbidden: &["tokio", "waygate-transport"],
+        why: "the protocol crate is bytes on the wire: no runtime, no higher layer",
+    },
+    Rule {
+        package: "waygate-protocol",
+        forbidden: ABOVE_TRANSPORT,
         why: "the protocol crate is bytes on the wire: no runtime, no higher layer",
     },
     Rule {
@@ -72,14 +87,7 @@ const RULES: &[Rule] = &[
     },
     Rule {
         package: "waygate-transport",
-        forbidden: &[
-            "waygate-session",
-            "waygate-routing",
-            "waygate-link",
-            "waygate-backend",
-            "waygate-edge",
-            "waygate",
-        ],
+        forbidden: ABOVE_TRANSPORT,
         why: "transport owns sockets; it never knows sessions, routes or backends",
     },
     Rule {
@@ -103,24 +111,12 @@ const RULES: &[Rule] = &[
     },
     Rule {
         package: "waygate-client",
-        forbidden: &[
-            "waygate-edge",
-            "waygate",
-            "waygate-backend",
-            "waygate-routing",
-            "waygate-link",
-        ],
+        forbidden: NOT_IN_CLIENTS,
         why: "the client SDK never depends on the edge or routing",
     },
     Rule {
         package: "waygate-client-capi",
-        forbidden: &[
-            "waygate-edge",
-            "waygate",
-            "waygate-backend",
-            "waygate-routing",
-            "waygate-link",
-        ],
+        forbidden: NOT_IN_CLIENTS,
         why: "the C ABI is the client SDK: no edge, no routing",
     },
     Rule {

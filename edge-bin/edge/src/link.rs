@@ -15,7 +15,7 @@ use rand::RngExt;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use waygate_protocol::frame::SessionId;
-use waygate_protocol::link::{LinkFrame, PinKind, DEFAULT_MAX_LINK_FRAME, LINK_VERSION};
+use waygate_protocol::link::{LinkFrame, DEFAULT_MAX_LINK_FRAME, LINK_VERSION};
 use waygate_transport::{CloseCode, TrafficClass};
 
 use waygate_link::spawn_link_io;
@@ -71,26 +71,10 @@ pub struct SessionMeta {
 /// Something a backend sent, or a change of the link.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LinkEvent {
-    /// A message for a session.
-    Push {
-        /// The session.
-        handle: u64,
-        /// Message id.
-        msg_id: u32,
-        /// Class.
-        class: TrafficClass,
-        /// Body.
-        payload: Bytes,
-    },
-    /// The backend ends a session.
-    Kick {
-        /// The session.
-        handle: u64,
-        /// Code for the client.
-        code: CloseCode,
-        /// Detail.
-        message: String,
-    },
+    /// A frame the backend sent for the edge to carry out, as it arrived: PUSH (a message
+    /// for a session), KICK (end a session), BIND (route a session's service by a key) or
+    /// PIN (pin a key to an instance). Credits and refusals are handled by the link itself.
+    Backend(LinkFrame),
     /// A forwarded message was refused by the backend, or lost with its link (then `code`
     /// is `Unavailable`). The message comes back so it can be routed again (stale epoch)
     /// or reported to the client, never dropped silently.
@@ -110,24 +94,6 @@ pub enum LinkEvent {
         /// The message, when the edge still held it (always, unless the backend refused a
         /// message that was not in flight).
         message: Option<InFlight>,
-    },
-    /// Route a session's `service` by `key`.
-    Bind {
-        /// The session.
-        handle: u64,
-        /// Service.
-        service: String,
-        /// Key.
-        key: String,
-    },
-    /// Pin `key` to `instance_id`.
-    Pin {
-        /// Player or room.
-        kind: PinKind,
-        /// Key.
-        key: String,
-        /// Instance.
-        instance_id: String,
     },
     /// The link to `addr` is up (instance id from LINK_WELCOME).
     Up {
@@ -492,19 +458,9 @@ async fn connect_once(shared: &Arc<Shared>) -> Result<(), &'static str> {
     let mut pushes = 0u32;
     while let Some(frame) = io.rx.recv().await {
         let event = match frame {
-            LinkFrame::Push {
-                handle,
-                msg_id,
-                class,
-                payload,
-            } => {
+            LinkFrame::Push { .. } => {
                 pushes += 1;
-                LinkEvent::Push {
-                    handle,
-                    msg_id,
-                    class,
-                    payload,
-                }
+                LinkEvent::Backend(frame)
             }
             LinkFrame::Credit { credits } => {
                 if let Ok(mut q) = shared.inflight.lock() {
@@ -514,15 +470,9 @@ async fn connect_once(shared: &Arc<Shared>) -> Result<(), &'static str> {
                 shared.credit.fetch_add(credits.into(), Ordering::AcqRel);
                 continue;
             }
-            LinkFrame::Kick {
-                handle,
-                code,
-                message,
-            } => LinkEvent::Kick {
-                handle,
-                code,
-                message,
-            },
+            LinkFrame::Kick { .. } | LinkFrame::Bind { .. } | LinkFrame::Pin { .. } => {
+                LinkEvent::Backend(frame)
+            }
             LinkFrame::Refuse {
                 handle,
                 msg_id,
@@ -548,24 +498,6 @@ async fn connect_once(shared: &Arc<Shared>) -> Result<(), &'static str> {
                     message,
                 }
             }
-            LinkFrame::Bind {
-                handle,
-                service,
-                key,
-            } => LinkEvent::Bind {
-                handle,
-                service,
-                key,
-            },
-            LinkFrame::Pin {
-                kind,
-                key,
-                instance_id,
-            } => LinkEvent::Pin {
-                kind,
-                key,
-                instance_id,
-            },
             other => {
                 tracing::warn!(addr = %shared.addr, frame = ?other, "unexpected frame from backend");
                 let _ = io

@@ -6,6 +6,7 @@ use std::sync::{Arc, Weak};
 
 use tokio::sync::mpsc;
 use waygate_protocol::frame::SessionId;
+use waygate_protocol::link::LinkFrame;
 use waygate_session::driver::{DeliverError, Downstream};
 use waygate_transport::CloseCode;
 
@@ -38,12 +39,12 @@ pub(super) async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver
             return;
         };
         match event {
-            LinkEvent::Push {
+            LinkEvent::Backend(LinkFrame::Push {
                 handle,
                 msg_id,
                 class,
                 payload,
-            } => {
+            }) => {
                 let label = ClassLabel {
                     class: class.as_str().into(),
                 };
@@ -68,7 +69,7 @@ pub(super) async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver
                     _ => shared.metrics.push_dropped.get_or_create(&label).inc(),
                 };
             }
-            LinkEvent::Kick { handle, code, .. } => {
+            LinkEvent::Backend(LinkFrame::Kick { handle, code, .. }) => {
                 if let Some(sid) = shared.session_of_handle(handle) {
                     shared.edge_sessions().registry.close(&sid, code).await;
                 }
@@ -110,11 +111,11 @@ pub(super) async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver
                     .report_error(&sid, code, msg_id, client_seq, retry_after_ms)
                     .await;
             }
-            LinkEvent::Bind {
+            LinkEvent::Backend(LinkFrame::Bind {
                 handle,
                 service,
                 key,
-            } => {
+            }) => {
                 if let Ok(mut e) = shared.entries.lock() {
                     if let Some(sid) = e.by_handle.get(&handle).copied() {
                         if let Some(entry) = e.by_id.get_mut(&sid) {
@@ -123,12 +124,16 @@ pub(super) async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver
                     }
                 }
             }
-            LinkEvent::Pin {
+            LinkEvent::Backend(LinkFrame::Pin {
                 kind,
                 key,
                 instance_id,
-            } => {
+            }) => {
                 tracing::info!(?kind, %key, %instance_id, "backend PIN received (dynamic pins are not applied yet; use table assignments)");
+            }
+            LinkEvent::Backend(other) => {
+                // The link passes only the four frames above (it closes on anything else).
+                tracing::warn!(frame = ?other, "backend frame not handled by the edge");
             }
             LinkEvent::Up { addr, .. } => {
                 shared
