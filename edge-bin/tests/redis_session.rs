@@ -13,16 +13,14 @@ use bytes::Bytes;
 use support_redis::RedisServer;
 use waygate_edge::cluster::redis::RedisStores;
 use waygate_protocol::frame::WelcomeOutcome;
-use waygate_session::auth::{mint_token, TokenClaims};
-use waygate_session::client::{ClientConfig, ClientEvent, ClientSession};
-use waygate_session::driver::{Downstream, EchoSink, EdgeSessions, SessionRegistry};
+use waygate_session::client::{ClientEvent, ClientSession};
+use waygate_session::driver::{Downstream, EdgeSessions};
 use waygate_session::machine::EndReason;
 use waygate_session::store::{OwnershipRegistry as _, SnapshotStore as _};
-use waygate_session::{HmacAuthenticator, KeyRing, SessionConfig};
+use waygate_session::testkit::{echo_edge, test_client};
+use waygate_session::SessionConfig;
 use waygate_transport::mem::{mem_pair, MemConnection as MemConn};
 use waygate_transport::{CloseCode, TrafficClass};
-
-const KEY: &[u8] = b"driver test key: 32 bytes.......";
 
 fn unix() -> u64 {
     std::time::SystemTime::now()
@@ -34,22 +32,14 @@ fn unix() -> u64 {
 /// An edge whose session layer runs on the Redis stores, with the kick subscription wired
 /// to its registry (what the lead wires in edge.rs).
 fn edge(id: &str, stores: &RedisStores) -> Arc<EdgeSessions> {
-    let registry = SessionRegistry::new();
-    let sink = Arc::new(EchoSink::new(registry.clone()));
-    let mut ring = KeyRing::new();
-    ring.insert(1, KEY);
-    let mut e = EdgeSessions::new(
-        id,
-        SessionConfig {
-            linger: Duration::from_secs(30),
-            ..SessionConfig::default()
-        },
-        Arc::new(HmacAuthenticator::new(ring)),
-        sink,
-    );
-    e.registry = registry.clone();
+    let config = SessionConfig {
+        linger: Duration::from_secs(30),
+        ..SessionConfig::default()
+    };
+    let (mut e, _sink) = echo_edge(id, config);
     e.snapshots = stores.snapshots.clone();
     e.ownership = stores.ownership.clone();
+    let registry = e.registry.clone();
     let mut kicks = stores.ownership.subscribe_kicks(id);
     tokio::spawn(async move {
         while let Some(k) = kicks.recv().await {
@@ -60,20 +50,7 @@ fn edge(id: &str, stores: &RedisStores) -> Arc<EdgeSessions> {
 }
 
 fn client(player: &str) -> ClientSession {
-    let now = unix();
-    let token = mint_token(
-        1,
-        KEY,
-        &TokenClaims {
-            player_id: player.into(),
-            issuer: "t".into(),
-            issued_at: now,
-            expires_at: now + 600,
-            extensions: vec![],
-        },
-    )
-    .expect("mint");
-    ClientSession::new(token, ClientConfig::default())
+    test_client(player, unix(), 600)
 }
 
 async fn exchange(

@@ -5,171 +5,19 @@
 
 mod support_redis;
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use support_redis::RedisServer;
 use waygate_edge::cluster::redis::{KickNotice, Reassert, RedisConfig, RedisStores};
-use waygate_session::replay::{ReplayBuffer, ReplayLimits};
 use waygate_session::resume::ResumeHash;
-use waygate_session::seq::RecvWindow;
 use waygate_session::store::{
-    MemoryOwnership, MemorySnapshotStore, OwnershipRegistry, Snapshot, SnapshotStore, StoreError,
-    TakeOutcome, SNAPSHOT_VERSION,
+    MemoryOwnership, MemorySnapshotStore, OwnershipRegistry, SnapshotStore, StoreError, TakeOutcome,
 };
-use waygate_transport::TrafficClass;
 
-fn snapshot(session: u8, player: &str, fencing: u64) -> Snapshot {
-    let mut replay = ReplayBuffer::new(ReplayLimits::default());
-    replay.push(TrafficClass::Critical, 5, Bytes::from_static(b"hi"));
-    replay.push(TrafficClass::Normal, 6, Bytes::from_static(b"\x00\xff"));
-    Snapshot {
-        version: SNAPSHOT_VERSION,
-        session_id: [session; 16],
-        player_id: player.into(),
-        fencing,
-        resume_hash: ResumeHash::of(&[2; 16]),
-        prev_resume_hash: Some(ResumeHash::of(&[3; 16])),
-        bindings: BTreeMap::from([
-            ("world".to_owned(), "w-1".to_owned()),
-            ("chat".to_owned(), "c-2".to_owned()),
-        ]),
-        replay,
-        upstream: RecvWindow::starting_at(4),
-    }
-}
-
-/// The in-memory store's behavioural test (store.rs), minus its virtual clock.
-async fn snapshot_store_semantics(store: &dyn SnapshotStore) {
-    let s = snapshot(1, "p", 1);
-    store.put(&s, Duration::from_secs(10)).await.expect("put");
-    assert_eq!(
-        store.get(&s.session_id).await,
-        Ok(Some(s.clone())),
-        "round trip"
-    );
-    let wrong = ResumeHash::of(&[9; 16]);
-    assert_eq!(
-        store.take(&s.session_id, &wrong).await,
-        Ok(TakeOutcome::Mismatch)
-    );
-    assert!(
-        store.get(&s.session_id).await.expect("get").is_some(),
-        "untouched"
-    );
-    // The unconfirmed previous token is accepted too.
-    let prev = ResumeHash::of(&[3; 16]);
-    assert_eq!(
-        store.take(&s.session_id, &prev).await,
-        Ok(TakeOutcome::Taken(Box::new(s.clone())))
-    );
-    assert_eq!(
-        store.take(&s.session_id, &prev).await,
-        Ok(TakeOutcome::NotFound)
-    );
-    assert_eq!(store.get(&s.session_id).await, Ok(None));
-    // The current token.
-    store.put(&s, Duration::from_secs(10)).await.expect("put");
-    let cur = ResumeHash::of(&[2; 16]);
-    assert!(matches!(
-        store.take(&s.session_id, &cur).await,
-        Ok(TakeOutcome::Taken(_))
-    ));
-    // No previous token: only the current one.
-    let mut no_prev = s.clone();
-    no_prev.prev_resume_hash = None;
-    store
-        .put(&no_prev, Duration::from_secs(10))
-        .await
-        .expect("put");
-    assert_eq!(
-        store.take(&s.session_id, &prev).await,
-        Ok(TakeOutcome::Mismatch)
-    );
-    assert_eq!(store.delete(&s.session_id, None).await, Ok(true));
-    assert_eq!(store.delete(&s.session_id, None).await, Ok(false));
-    // Fenced delete.
-    store.put(&s, Duration::from_secs(10)).await.expect("put");
-    assert_eq!(store.delete(&s.session_id, Some(2)).await, Ok(false));
-    assert_eq!(store.delete(&s.session_id, Some(1)).await, Ok(true));
-    assert_eq!(store.delete(&s.session_id, Some(1)).await, Ok(false));
-    // Overwrite.
-    let mut s2 = s.clone();
-    s2.bindings.insert("guild".into(), "g-1".into());
-    store.put(&s, Duration::from_secs(10)).await.expect("put");
-    store.put(&s2, Duration::from_secs(10)).await.expect("put");
-    assert_eq!(store.get(&s.session_id).await, Ok(Some(s2)));
-    // TTL (real time).
-    let s3 = snapshot(3, "q", 1);
-    store
-        .put(&s3, Duration::from_millis(150))
-        .await
-        .expect("put");
-    assert!(store.get(&s3.session_id).await.expect("get").is_some());
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    assert_eq!(store.get(&s3.session_id).await, Ok(None), "expired");
-    assert_eq!(
-        store.take(&s3.session_id, &cur).await,
-        Ok(TakeOutcome::NotFound)
-    );
-}
-
-/// The in-memory registry's behavioural test (store.rs); tokens compared by order only.
-async fn ownership_semantics(reg: &dyn OwnershipRegistry) {
-    assert_eq!(reg.owner("p").await, Ok(None));
-    let a = reg.claim("p", &[1; 16], "e1").await.expect("claim");
-    assert_eq!(a.previous, None);
-    let owner = reg.owner("p").await.expect("owner").expect("some");
-    assert_eq!(
-        (owner.session_id, owner.edge.as_str(), owner.fencing),
-        ([1; 16], "e1", a.fencing)
-    );
-    let b = reg.claim("p", &[2; 16], "e2").await.expect("claim");
-    assert!(b.fencing > a.fencing);
-    let prev = b.previous.clone().expect("previous");
-    assert_eq!(
-        (prev.session_id, prev.edge.as_str(), prev.fencing),
-        ([1; 16], "e1", a.fencing)
-    );
-    assert_eq!(
-        reg.release("p", &[1; 16], a.fencing).await,
-        Ok(false),
-        "stale owner"
-    );
-    assert_eq!(
-        reg.release("p", &[2; 16], a.fencing).await,
-        Ok(false),
-        "wrong token"
-    );
-    assert_eq!(
-        reg.release("p", &[1; 16], b.fencing).await,
-        Ok(false),
-        "wrong session"
-    );
-    assert_eq!(reg.release("p", &[2; 16], b.fencing).await, Ok(true));
-    assert_eq!(
-        reg.release("p", &[2; 16], b.fencing).await,
-        Ok(false),
-        "once"
-    );
-    assert_eq!(reg.owner("p").await, Ok(None));
-    let c = reg.claim("p", &[3; 16], "e1").await.expect("claim");
-    assert!(c.fencing > b.fencing, "never goes back after a release");
-    assert_eq!(c.previous, None);
-    // Re-claim by the same session (a restore): previous is itself.
-    let d = reg.claim("p", &[3; 16], "e2").await.expect("claim");
-    assert!(d.fencing > c.fencing);
-    assert_eq!(d.previous.map(|o| o.session_id), Some([3; 16]));
-    // Players are independent.
-    let other = reg.claim("other", &[4; 16], "e1").await.expect("claim");
-    assert_eq!(other.previous, None);
-    assert_eq!(
-        reg.owner("p").await.expect("owner").map(|o| o.session_id),
-        Some([3; 16])
-    );
-}
+use waygate_session::testkit::store_contract::{
+    ownership_semantics, snapshot, snapshot_store_semantics,
+};
 
 async fn stores(server: &RedisServer) -> RedisStores {
     RedisStores::connect(&server.url()).await.expect("connect")

@@ -210,6 +210,14 @@ impl SessionRegistry {
         self.lock().sessions.get(session_id).cloned()
     }
 
+    /// Sends `command` to a session's task; false when the session is not held here.
+    async fn command(&self, session_id: &SessionId, command: Command) -> bool {
+        match self.handle(session_id) {
+            Some(h) => h.commands.send(command).await.is_ok(),
+            None => false,
+        }
+    }
+
     /// Sessions held (live or lingering).
     pub fn len(&self) -> usize {
         self.lock().sessions.len()
@@ -269,31 +277,19 @@ impl SessionRegistry {
 
     /// Ends a session from the server side with `code`.
     pub async fn close(&self, session_id: &SessionId, code: CloseCode) -> bool {
-        match self.handle(session_id) {
-            Some(h) => h.commands.send(Command::Close(code)).await.is_ok(),
-            None => false,
-        }
+        self.command(session_id, Command::Close(code)).await
     }
 
     /// Records a backend binding for a session (kept across reconnects).
     pub async fn bind(&self, session_id: &SessionId, service: &str, instance: &str) -> bool {
-        match self.handle(session_id) {
-            Some(h) => h
-                .commands
-                .send(Command::Bind(service.to_owned(), instance.to_owned()))
-                .await
-                .is_ok(),
-            None => false,
-        }
+        let bind = Command::Bind(service.to_owned(), instance.to_owned());
+        self.command(session_id, bind).await
     }
 
     /// Drops a session's connection without a CLOSE (as a network failure would); the
     /// session lingers and the client resumes. For tests and chaos drills.
     pub async fn drop_link(&self, session_id: &SessionId) -> bool {
-        match self.handle(session_id) {
-            Some(h) => h.commands.send(Command::DropLink).await.is_ok(),
-            None => false,
-        }
+        self.command(session_id, Command::DropLink).await
     }
 
     /// Tells a session's client that one of its upstream messages could not be delivered
@@ -306,40 +302,25 @@ impl SessionRegistry {
         client_seq: u64,
         retry_after_ms: u32,
     ) -> bool {
-        match self.handle(session_id) {
-            Some(h) => h
-                .commands
-                .send(Command::ReportError {
-                    code,
-                    msg_id,
-                    client_seq,
-                    retry_after_ms,
-                })
-                .await
-                .is_ok(),
-            None => false,
-        }
+        let report = Command::ReportError {
+            code,
+            msg_id,
+            client_seq,
+            retry_after_ms,
+        };
+        self.command(session_id, report).await
     }
 
     /// Soft-migrates a session (MIGRATE to `target`).
     pub async fn migrate(&self, session_id: &SessionId, target: &str, deadline: Duration) -> bool {
-        match self.handle(session_id) {
-            Some(h) => h
-                .commands
-                .send(Command::Migrate(target.to_owned(), deadline))
-                .await
-                .is_ok(),
-            None => false,
-        }
+        let migrate = Command::Migrate(target.to_owned(), deadline);
+        self.command(session_id, migrate).await
     }
 
     /// Hard migration, step 1 (S8): the session stops taking upstream DATA (the client
     /// keeps it unacked and resends it where it moves) while downstream still flows.
     pub async fn quiesce(&self, session_id: &SessionId) -> bool {
-        match self.handle(session_id) {
-            Some(h) => h.commands.send(Command::Quiesce).await.is_ok(),
-            None => false,
-        }
+        self.command(session_id, Command::Quiesce).await
     }
 
     /// Every session id held (live or lingering).
@@ -982,70 +963,5 @@ impl Task {
                     .await;
             }
         }
-    }
-}
-
-/// An [`UpstreamSink`] for tests and demos: records every message and echoes it back to the
-/// sender's session with the same class and msg id.
-#[derive(Debug, Default)]
-pub struct EchoSink {
-    registry: SessionRegistry,
-    received: Mutex<Vec<Upstream>>,
-    events: Mutex<Vec<SessionEvent>>,
-}
-
-impl EchoSink {
-    /// An echo sink pushing replies through `registry`.
-    pub fn new(registry: SessionRegistry) -> Self {
-        Self {
-            registry,
-            received: Mutex::new(Vec::new()),
-            events: Mutex::new(Vec::new()),
-        }
-    }
-
-    /// Every message delivered so far.
-    pub fn received(&self) -> Vec<Upstream> {
-        self.received
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    /// Every lifecycle event so far.
-    pub fn events(&self) -> Vec<SessionEvent> {
-        self.events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-}
-
-#[async_trait]
-impl UpstreamSink for EchoSink {
-    async fn deliver(&self, message: Upstream) -> Result<(), DeliverError> {
-        let echo = Downstream {
-            class: message.class,
-            msg_id: message.msg_id,
-            payload: message.payload.clone(),
-        };
-        let session = message.session_id;
-        self.received
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(message);
-        self.registry
-            .push(&session, echo)
-            .map_err(|_| DeliverError {
-                code: CloseCode::Busy,
-                retry_after_ms: 100,
-            })
-    }
-
-    async fn session_event(&self, event: SessionEvent) {
-        self.events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(event);
     }
 }

@@ -60,7 +60,7 @@ pub mod seq;
 #[doc(hidden)]
 pub mod sim;
 pub mod store;
-#[doc(hidden)]
+#[cfg(any(test, feature = "testkit"))]
 pub mod testkit;
 
 #[cfg(test)]

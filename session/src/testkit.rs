@@ -1,13 +1,30 @@
 //! Test support shared by this crate's tests and the edge's: drive a sans-IO
 //! [`ClientSession`] over a real [`Connection`] until a condition on the collected events
-//! holds or a bound passes. Not part of the stable API.
+//! holds or a bound passes; [`EchoSink`], an upstream that echoes every message back.
+//! Compiled only for tests (`features = ["testkit"]` in a dev-dependency); never in a
+//! production build.
 
 use std::time::{Duration, Instant};
 
 use waygate_protocol::frame::WelcomeOutcome;
 use waygate_transport::Connection;
 
-use crate::client::{ClientEvent, ClientSession};
+use std::sync::Mutex;
+
+use async_trait::async_trait;
+use waygate_protocol::CloseCode;
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use crate::auth::{mint_token, HmacAuthenticator, KeyRing, TokenClaims};
+use crate::client::{ClientConfig, ClientEvent, ClientSession};
+use crate::driver::{
+    DeliverError, Downstream, EdgeSessions, SessionEvent, SessionRegistry, UpstreamSink,
+};
+use crate::machine::SessionConfig;
+use crate::machine::Upstream;
 
 /// Sends what `client` has to send, feeds it what `conn` receives and appends its events to
 /// `events`, until `want(events)` or `within` passes.
@@ -48,4 +65,281 @@ pub fn welcomes(events: &[ClientEvent]) -> Vec<WelcomeOutcome> {
             _ => None,
         })
         .collect()
+}
+
+/// The HMAC key (key id 1) of the test edges built by [`echo_edge`] and the tokens of
+/// [`test_token`].
+pub const TEST_KEY: &[u8] = b"driver test key: 32 bytes.......";
+
+/// A session layer named `edge_id` whose upstream is an [`EchoSink`] on its own registry,
+/// verifying tokens of [`TEST_KEY`] with `config`. Stores are the in-memory defaults; set
+/// them (and `unix_now`) before wrapping it in an `Arc`.
+pub fn echo_edge(edge_id: &str, config: SessionConfig) -> (EdgeSessions, Arc<EchoSink>) {
+    let registry = SessionRegistry::new();
+    let sink = Arc::new(EchoSink::new(registry.clone()));
+    let mut ring = KeyRing::new();
+    ring.insert(1, TEST_KEY);
+    let mut edge = EdgeSessions::new(
+        edge_id,
+        config,
+        Arc::new(HmacAuthenticator::new(ring)),
+        sink.clone(),
+    );
+    edge.registry = registry;
+    (edge, sink)
+}
+
+/// An auth token for `player` signed with [`TEST_KEY`], issued at `issued_at` (unix
+/// seconds) and valid for `ttl_secs`.
+pub fn test_token(player: &str, issued_at: u64, ttl_secs: u64) -> Bytes {
+    let claims = TokenClaims {
+        player_id: player.into(),
+        issuer: "t".into(),
+        issued_at,
+        expires_at: issued_at + ttl_secs,
+        extensions: vec![],
+    };
+    mint_token(1, TEST_KEY, &claims).unwrap_or_default()
+}
+
+/// A client session with a [`test_token`] and the default client settings.
+pub fn test_client(player: &str, issued_at: u64, ttl_secs: u64) -> ClientSession {
+    ClientSession::new(
+        test_token(player, issued_at, ttl_secs),
+        ClientConfig::default(),
+    )
+}
+
+/// An [`UpstreamSink`] for tests: records every message and echoes it back to the
+/// sender's session with the same class and msg id.
+#[derive(Debug, Default)]
+pub struct EchoSink {
+    registry: SessionRegistry,
+    received: Mutex<Vec<Upstream>>,
+    events: Mutex<Vec<SessionEvent>>,
+}
+
+impl EchoSink {
+    /// An echo sink pushing replies through `registry`.
+    pub fn new(registry: SessionRegistry) -> Self {
+        Self {
+            registry,
+            received: Mutex::new(Vec::new()),
+            events: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Every message delivered so far.
+    pub fn received(&self) -> Vec<Upstream> {
+        self.received
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Every lifecycle event so far.
+    pub fn events(&self) -> Vec<SessionEvent> {
+        self.events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+#[async_trait]
+impl UpstreamSink for EchoSink {
+    async fn deliver(&self, message: Upstream) -> Result<(), DeliverError> {
+        let echo = Downstream {
+            class: message.class,
+            msg_id: message.msg_id,
+            payload: message.payload.clone(),
+        };
+        let session = message.session_id;
+        self.received
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(message);
+        self.registry
+            .push(&session, echo)
+            .map_err(|_| DeliverError {
+                code: CloseCode::Busy,
+                retry_after_ms: 100,
+            })
+    }
+
+    async fn session_event(&self, event: SessionEvent) {
+        self.events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(event);
+    }
+}
+
+/// The store contract: one behavioural suite that every [`SnapshotStore`] and
+/// [`OwnershipRegistry`] implementation must pass (the in-memory ones in this crate's tests,
+/// Redis in the edge's).
+pub mod store_contract {
+    use std::collections::BTreeMap;
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use waygate_protocol::TrafficClass;
+
+    use crate::replay::{ReplayBuffer, ReplayLimits};
+    use crate::resume::ResumeHash;
+    use crate::seq::RecvWindow;
+    use crate::store::{OwnershipRegistry, Snapshot, SnapshotStore, TakeOutcome, SNAPSHOT_VERSION};
+
+    /// A snapshot with a replay buffer, a previous token and bindings.
+    pub fn snapshot(session: u8, player: &str, fencing: u64) -> Snapshot {
+        let mut replay = ReplayBuffer::new(ReplayLimits::default());
+        replay.push(TrafficClass::Critical, 5, Bytes::from_static(b"hi"));
+        replay.push(TrafficClass::Normal, 6, Bytes::from_static(b"\x00\xff"));
+        Snapshot {
+            version: SNAPSHOT_VERSION,
+            session_id: [session; 16],
+            player_id: player.into(),
+            fencing,
+            resume_hash: ResumeHash::of(&[2; 16]),
+            prev_resume_hash: Some(ResumeHash::of(&[3; 16])),
+            bindings: BTreeMap::from([
+                ("world".to_owned(), "w-1".to_owned()),
+                ("chat".to_owned(), "c-2".to_owned()),
+            ]),
+            replay,
+            upstream: RecvWindow::starting_at(4),
+        }
+    }
+
+    /// What every [`SnapshotStore`] does: round trip, compare-and-delete `take` with the current
+    /// or the unconfirmed previous token, fenced delete, overwrite, TTL (real time).
+    pub async fn snapshot_store_semantics(store: &dyn SnapshotStore) {
+        let s = snapshot(1, "p", 1);
+        store.put(&s, Duration::from_secs(10)).await.expect("put");
+        assert_eq!(
+            store.get(&s.session_id).await,
+            Ok(Some(s.clone())),
+            "round trip"
+        );
+        let wrong = ResumeHash::of(&[9; 16]);
+        assert_eq!(
+            store.take(&s.session_id, &wrong).await,
+            Ok(TakeOutcome::Mismatch)
+        );
+        assert!(
+            store.get(&s.session_id).await.expect("get").is_some(),
+            "untouched"
+        );
+        // The unconfirmed previous token is accepted too.
+        let prev = ResumeHash::of(&[3; 16]);
+        assert_eq!(
+            store.take(&s.session_id, &prev).await,
+            Ok(TakeOutcome::Taken(Box::new(s.clone())))
+        );
+        assert_eq!(
+            store.take(&s.session_id, &prev).await,
+            Ok(TakeOutcome::NotFound)
+        );
+        assert_eq!(store.get(&s.session_id).await, Ok(None));
+        // The current token.
+        store.put(&s, Duration::from_secs(10)).await.expect("put");
+        let cur = ResumeHash::of(&[2; 16]);
+        assert!(matches!(
+            store.take(&s.session_id, &cur).await,
+            Ok(TakeOutcome::Taken(_))
+        ));
+        // No previous token: only the current one.
+        let mut no_prev = s.clone();
+        no_prev.prev_resume_hash = None;
+        store
+            .put(&no_prev, Duration::from_secs(10))
+            .await
+            .expect("put");
+        assert_eq!(
+            store.take(&s.session_id, &prev).await,
+            Ok(TakeOutcome::Mismatch)
+        );
+        assert_eq!(store.delete(&s.session_id, None).await, Ok(true));
+        assert_eq!(store.delete(&s.session_id, None).await, Ok(false));
+        // Fenced delete.
+        store.put(&s, Duration::from_secs(10)).await.expect("put");
+        assert_eq!(store.delete(&s.session_id, Some(2)).await, Ok(false));
+        assert_eq!(store.delete(&s.session_id, Some(1)).await, Ok(true));
+        assert_eq!(store.delete(&s.session_id, Some(1)).await, Ok(false));
+        // Overwrite.
+        let mut s2 = s.clone();
+        s2.bindings.insert("guild".into(), "g-1".into());
+        store.put(&s, Duration::from_secs(10)).await.expect("put");
+        store.put(&s2, Duration::from_secs(10)).await.expect("put");
+        assert_eq!(store.get(&s.session_id).await, Ok(Some(s2)));
+        // TTL (real time).
+        let s3 = snapshot(3, "q", 1);
+        store
+            .put(&s3, Duration::from_millis(150))
+            .await
+            .expect("put");
+        assert!(store.get(&s3.session_id).await.expect("get").is_some());
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert_eq!(store.get(&s3.session_id).await, Ok(None), "expired");
+        assert_eq!(
+            store.take(&s3.session_id, &cur).await,
+            Ok(TakeOutcome::NotFound)
+        );
+    }
+
+    /// What every [`OwnershipRegistry`] does: claims with growing fencing tokens, the previous
+    /// owner reported, fenced release, independence of players (tokens compared by order only).
+    pub async fn ownership_semantics(reg: &dyn OwnershipRegistry) {
+        assert_eq!(reg.owner("p").await, Ok(None));
+        let a = reg.claim("p", &[1; 16], "e1").await.expect("claim");
+        assert_eq!(a.previous, None);
+        let owner = reg.owner("p").await.expect("owner").expect("some");
+        assert_eq!(
+            (owner.session_id, owner.edge.as_str(), owner.fencing),
+            ([1; 16], "e1", a.fencing)
+        );
+        let b = reg.claim("p", &[2; 16], "e2").await.expect("claim");
+        assert!(b.fencing > a.fencing);
+        let prev = b.previous.clone().expect("previous");
+        assert_eq!(
+            (prev.session_id, prev.edge.as_str(), prev.fencing),
+            ([1; 16], "e1", a.fencing)
+        );
+        assert_eq!(
+            reg.release("p", &[1; 16], a.fencing).await,
+            Ok(false),
+            "stale owner"
+        );
+        assert_eq!(
+            reg.release("p", &[2; 16], a.fencing).await,
+            Ok(false),
+            "wrong token"
+        );
+        assert_eq!(
+            reg.release("p", &[1; 16], b.fencing).await,
+            Ok(false),
+            "wrong session"
+        );
+        assert_eq!(reg.release("p", &[2; 16], b.fencing).await, Ok(true));
+        assert_eq!(
+            reg.release("p", &[2; 16], b.fencing).await,
+            Ok(false),
+            "once"
+        );
+        assert_eq!(reg.owner("p").await, Ok(None));
+        let c = reg.claim("p", &[3; 16], "e1").await.expect("claim");
+        assert!(c.fencing > b.fencing, "never goes back after a release");
+        assert_eq!(c.previous, None);
+        // Re-claim by the same session (a restore): previous is itself.
+        let d = reg.claim("p", &[3; 16], "e2").await.expect("claim");
+        assert!(d.fencing > c.fencing);
+        assert_eq!(d.previous.map(|o| o.session_id), Some([3; 16]));
+        // Players are independent.
+        let other = reg.claim("other", &[4; 16], "e1").await.expect("claim");
+        assert_eq!(other.previous, None);
+        assert_eq!(
+            reg.owner("p").await.expect("owner").map(|o| o.session_id),
+            Some([3; 16])
+        );
+    }
 }

@@ -7,52 +7,28 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use waygate_protocol::frame::WelcomeOutcome;
-use waygate_session::auth::{mint_token, TokenClaims};
 use waygate_session::client::{ClientConfig, ClientEvent, ClientSession};
-use waygate_session::driver::{
-    Downstream, EchoSink, EdgeSessions, PushError, SessionEvent, SessionRegistry,
-};
+use waygate_session::driver::{Downstream, EdgeSessions, PushError, SessionEvent};
 use waygate_session::machine::EndReason;
-use waygate_session::{HmacAuthenticator, KeyRing, SessionConfig};
+use waygate_session::testkit::{echo_edge, test_client, EchoSink};
+use waygate_session::SessionConfig;
 use waygate_transport::mem::{mem_pair, MemConnection as MemConn};
 use waygate_transport::{CloseCode, Connection, TrafficClass, TransportError};
 
-const KEY: &[u8] = b"driver test key: 32 bytes.......";
 const UNIX: u64 = 1_800_000_000;
 
 fn edge() -> (Arc<EdgeSessions>, Arc<EchoSink>) {
-    let registry = SessionRegistry::new();
-    let sink = Arc::new(EchoSink::new(registry.clone()));
-    let mut ring = KeyRing::new();
-    ring.insert(1, KEY);
-    let mut e = EdgeSessions::new(
-        "edge-t",
-        SessionConfig {
-            linger: Duration::from_secs(60),
-            ..SessionConfig::default()
-        },
-        Arc::new(HmacAuthenticator::new(ring)),
-        sink.clone(),
-    );
-    e.registry = registry;
+    let config = SessionConfig {
+        linger: Duration::from_secs(60),
+        ..SessionConfig::default()
+    };
+    let (mut e, sink) = echo_edge("edge-t", config);
     e.unix_now = Arc::new(|| UNIX);
     (Arc::new(e), sink)
 }
 
 fn client() -> ClientSession {
-    let token = mint_token(
-        1,
-        KEY,
-        &TokenClaims {
-            player_id: "p".into(),
-            issuer: "t".into(),
-            issued_at: UNIX,
-            expires_at: UNIX + 60,
-            extensions: vec![],
-        },
-    )
-    .expect("mint");
-    ClientSession::new(token, ClientConfig::default())
+    test_client("p", UNIX, 60)
 }
 
 async fn exchange(
@@ -225,17 +201,7 @@ async fn bad_token_over_the_driver_is_rejected_with_its_code() {
 async fn resume_on_another_edge_from_the_shared_store() {
     let (edge1, sink1) = edge();
     let (edge2, _sink2) = {
-        let registry = SessionRegistry::new();
-        let sink = Arc::new(EchoSink::new(registry.clone()));
-        let mut ring = KeyRing::new();
-        ring.insert(1, KEY);
-        let mut e = EdgeSessions::new(
-            "edge-2",
-            edge1.config.clone(),
-            Arc::new(HmacAuthenticator::new(ring)),
-            sink.clone(),
-        );
-        e.registry = registry;
+        let (mut e, sink) = echo_edge("edge-2", edge1.config.clone());
         e.unix_now = Arc::new(|| UNIX);
         // The warm tier: both edges share the snapshot store and the ownership registry.
         e.snapshots = edge1.snapshots.clone();

@@ -8,14 +8,12 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use waygate_protocol::frame::WelcomeOutcome;
-use waygate_session::auth::{mint_token, TokenClaims};
 use waygate_session::client::{ClientConfig, ClientEvent, ClientSession, ClientState};
-use waygate_session::driver::{EchoSink, EdgeSessions, SessionRegistry};
-use waygate_session::{HmacAuthenticator, KeyRing, SessionConfig};
+use waygate_session::driver::EdgeSessions;
+use waygate_session::testkit::{echo_edge, test_token, EchoSink};
+use waygate_session::SessionConfig;
 use waygate_transport::tcp::{self, connect_tcp};
 use waygate_transport::{BoxConnection, CloseCode, ConnConfig, Listener, TrafficClass};
-
-const KEY: &[u8] = b"tcp test key, 32 bytes, secret..";
 
 fn unix_now() -> u64 {
     std::time::SystemTime::now()
@@ -25,18 +23,7 @@ fn unix_now() -> u64 {
 }
 
 fn token(player: &str) -> Bytes {
-    mint_token(
-        1,
-        KEY,
-        &TokenClaims {
-            player_id: player.into(),
-            issuer: "test".into(),
-            issued_at: unix_now(),
-            expires_at: unix_now() + 600,
-            extensions: vec![],
-        },
-    )
-    .expect("mint")
+    test_token(player, unix_now(), 600)
 }
 
 async fn start_edge() -> (SocketAddr, Arc<EdgeSessions>, Arc<EchoSink>) {
@@ -48,17 +35,7 @@ async fn start_edge() -> (SocketAddr, Arc<EdgeSessions>, Arc<EchoSink>) {
     .await
     .expect("bind");
     let addr = listener.local_addr();
-    let registry = SessionRegistry::new();
-    let sink = Arc::new(EchoSink::new(registry.clone()));
-    let mut ring = KeyRing::new();
-    ring.insert(1, KEY);
-    let mut edge = EdgeSessions::new(
-        "edge-1",
-        SessionConfig::default(),
-        Arc::new(HmacAuthenticator::new(ring)),
-        sink.clone(),
-    );
-    edge.registry = registry;
+    let (edge, sink) = echo_edge("edge-1", SessionConfig::default());
     let edge = Arc::new(edge);
     let accept_edge = edge.clone();
     tokio::spawn(async move {
