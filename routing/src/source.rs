@@ -478,3 +478,66 @@ fn persist(path: &Path, table: &RouteTable) -> Result<(), RoutingError> {
     std::fs::write(&tmp, json).map_err(io_err(&tmp))?;
     std::fs::rename(&tmp, path).map_err(io_err(path))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(epoch: u64) -> RouteTable {
+        let mut t = RouteTable::from_toml_str(
+            r#"
+            epoch = 1
+            [[services]]
+            name = "player"
+            messages = [[1000, 1999]]
+            key = "player"
+            instances = [{ id = "p1", address = "10.0.0.1:7000" }]
+            "#,
+        )
+        .expect("table");
+        t.epoch = epoch;
+        t
+    }
+
+    #[test]
+    fn last_good_table_persists_restores_and_confirms() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("last-good.json");
+        assert!(LastGoodTable::new(None).load().is_none());
+
+        let a = LastGoodTable::new(Some(path.clone()));
+        let rx = a.subscribe();
+        assert!(matches!(a.load(), Some(Err(RoutingError::Io { .. }))));
+        let mut st = SourceStatus::empty();
+        a.apply(&mut st, table(3), 7);
+        assert_eq!(
+            (st.revision, st.epoch, st.origin),
+            (7, Some(3), TableOrigin::Source)
+        );
+        assert_eq!(
+            (rx.borrow().revision, rx.borrow().origin),
+            (7, TableOrigin::Source)
+        );
+        assert!(!path.with_extension("json.tmp").exists());
+
+        // A restart: the persisted copy is the same table, as JSON.
+        let b = LastGoodTable::new(Some(path.clone()));
+        let persisted = b.load().expect("configured").expect("usable");
+        assert_eq!(persisted, table(3));
+        let mut st = SourceStatus::empty();
+        b.restore(&mut st, persisted, 1);
+        assert_eq!(b.current().origin, TableOrigin::Persisted);
+        assert_eq!(st.origin, TableOrigin::Persisted);
+        b.confirm_source(&mut st);
+        let u = b.current();
+        assert_eq!(
+            (u.revision, u.origin, st.origin),
+            (1, TableOrigin::Source, TableOrigin::Source)
+        );
+        assert_eq!(b.table().map(|t| t.epoch), Some(3));
+
+        // A broken copy is reported, not served.
+        std::fs::write(&path, b"{").expect("write");
+        assert!(matches!(b.load(), Some(Err(RoutingError::Json(_)))));
+    }
+}
