@@ -10,6 +10,9 @@
 //! restart works while the file is broken. An etcd source fits the same trait: `revision`
 //! becomes the etcd mod revision to resume the watch from, and instances register and report
 //! load through [`InstanceRegistry`] with leases.
+//!
+//! [`LastGoodTable`] is what every source shares: the watch channel holding the last good
+//! table and its persisted JSON copy (load at start, persist on every new table).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
@@ -186,7 +189,7 @@ struct State {
 #[derive(Debug)]
 struct Inner {
     cfg: FileSourceConfig,
-    tx: watch::Sender<SourceUpdate>,
+    last_good: LastGoodTable,
     state: Mutex<State>,
 }
 
@@ -209,14 +212,10 @@ impl FileRouteSource {
     /// good table (if any) is published instead and the error is kept in the status.
     #[must_use]
     pub fn open(cfg: FileSourceConfig) -> Self {
-        let (tx, _) = watch::channel(SourceUpdate {
-            table: None,
-            revision: 0,
-            origin: TableOrigin::None,
-        });
+        let last_good = LastGoodTable::new(cfg.persist_path.clone());
         let inner = Arc::new(Inner {
             cfg,
-            tx,
+            last_good,
             state: Mutex::new(State {
                 status: SourceStatus::empty(),
                 last_good_hash: None,
@@ -264,12 +263,12 @@ impl FileRouteSource {
 #[async_trait]
 impl RouteSource for FileRouteSource {
     fn watch(&self) -> watch::Receiver<SourceUpdate> {
-        self.inner.tx.subscribe()
+        self.inner.last_good.subscribe()
     }
 
     async fn refresh(&self) -> Result<SourceUpdate, RoutingError> {
         self.inner.poll_once()?;
-        Ok(self.inner.tx.borrow().clone())
+        Ok(self.inner.last_good.current())
     }
 
     fn status(&self) -> SourceStatus {
@@ -316,7 +315,7 @@ impl Inner {
             st.status.last_success = Some(Instant::now());
             return Ok(PollOutcome::Unchanged);
         }
-        let current = self.tx.borrow().table.clone();
+        let current = self.last_good.table();
         let parsed = RouteTable::from_slice(&bytes, self.format()).and_then(|t| match &current {
             Some(c) if **c == t => Ok(None),
             Some(c) if t.epoch <= c.epoch => Err(RoutingError::StaleEpoch {
@@ -338,55 +337,136 @@ impl Inner {
         st.status.consecutive_errors = 0;
         let Some(table) = table else {
             // Same table as the persisted one we started from: it now comes from the source.
-            st.status.origin = TableOrigin::Source;
-            self.tx.send_modify(|u| u.origin = TableOrigin::Source);
+            self.last_good.confirm_source(&mut st.status);
             return Ok(PollOutcome::Unchanged);
         };
-        if let Some(p) = &self.cfg.persist_path {
-            if let Err(e) = persist(p, &table) {
-                tracing::warn!(path = %p.display(), error = %e, "could not persist the last good route table");
-            }
-        }
         let epoch = table.epoch;
         let revision = st.status.revision + 1;
-        st.status.revision = revision;
-        st.status.epoch = Some(epoch);
-        st.status.origin = TableOrigin::Source;
-        self.tx.send_replace(SourceUpdate {
-            table: Some(Arc::new(table)),
-            revision,
-            origin: TableOrigin::Source,
-        });
+        self.last_good.apply(&mut st.status, table, revision);
         tracing::info!(path = %path.display(), epoch, revision, "route table loaded");
         Ok(PollOutcome::Updated { epoch, revision })
     }
 
     fn load_persisted(&self) {
-        let Some(p) = &self.cfg.persist_path else {
+        let (Some(p), Some(loaded)) = (self.last_good.persist_path(), self.last_good.load()) else {
             return;
         };
-        let loaded = std::fs::read(p)
-            .map_err(io_err(p))
-            .and_then(|b| RouteTable::from_slice(&b, TableFormat::Json));
         match loaded {
             Ok(t) => {
                 let mut st = self.lock();
                 let epoch = t.epoch;
-                st.status.revision += 1;
-                st.status.epoch = Some(epoch);
-                st.status.origin = TableOrigin::Persisted;
-                let revision = st.status.revision;
-                self.tx.send_replace(SourceUpdate {
-                    table: Some(Arc::new(t)),
-                    revision,
-                    origin: TableOrigin::Persisted,
-                });
+                let revision = st.status.revision + 1;
+                self.last_good.restore(&mut st.status, t, revision);
                 tracing::warn!(path = %p.display(), epoch, "serving the persisted last good route table");
             }
             Err(e) => {
                 tracing::warn!(path = %p.display(), error = %e, "no usable persisted route table")
             }
         }
+    }
+}
+
+/// The last good table of a [`RouteSource`]: the `watch` channel that publishes it, and its
+/// JSON copy on disk (when a persist path is set) so a restart works while the control plane
+/// is broken or unreachable.
+///
+/// A source checks a new table first (parse, validate, epoch) and hands only a good one to
+/// [`LastGoodTable::apply`]; on any error it leaves this alone, so the last good table stays
+/// published (and persisted) and is never retracted. Shared by [`FileRouteSource`] and the
+/// etcd source of the edge.
+#[derive(Debug)]
+pub struct LastGoodTable {
+    tx: watch::Sender<SourceUpdate>,
+    persist_path: Option<PathBuf>,
+}
+
+impl LastGoodTable {
+    /// Nothing published yet (origin [`TableOrigin::None`], revision 0); new tables are
+    /// persisted to `persist_path` as JSON when it is set.
+    #[must_use]
+    pub fn new(persist_path: Option<PathBuf>) -> Self {
+        let (tx, _) = watch::channel(SourceUpdate {
+            table: None,
+            revision: 0,
+            origin: TableOrigin::None,
+        });
+        Self { tx, persist_path }
+    }
+
+    /// Where the last good table is persisted, if anywhere.
+    #[must_use]
+    pub fn persist_path(&self) -> Option<&Path> {
+        self.persist_path.as_deref()
+    }
+
+    /// A receiver of every update (for [`RouteSource::watch`]).
+    #[must_use]
+    pub fn subscribe(&self) -> watch::Receiver<SourceUpdate> {
+        self.tx.subscribe()
+    }
+
+    /// The update in force.
+    #[must_use]
+    pub fn current(&self) -> SourceUpdate {
+        self.tx.borrow().clone()
+    }
+
+    /// The table in force, if any.
+    #[must_use]
+    pub fn table(&self) -> Option<Arc<RouteTable>> {
+        self.tx.borrow().table.clone()
+    }
+
+    /// Reads the persisted table back (JSON, validated): `None` when there is no persist
+    /// path, else the table or why it is unusable (missing or unreadable file, invalid
+    /// table).
+    #[must_use]
+    pub fn load(&self) -> Option<Result<RouteTable, RoutingError>> {
+        let p = self.persist_path.as_deref()?;
+        Some(
+            std::fs::read(p)
+                .map_err(io_err(p))
+                .and_then(|b| RouteTable::from_slice(&b, TableFormat::Json)),
+        )
+    }
+
+    /// Publishes `table`, read back with [`LastGoodTable::load`], as `revision` with origin
+    /// [`TableOrigin::Persisted`] and records it in `status`.
+    pub fn restore(&self, status: &mut SourceStatus, table: RouteTable, revision: u64) {
+        status.revision = revision;
+        status.epoch = Some(table.epoch);
+        status.origin = TableOrigin::Persisted;
+        self.tx.send_replace(SourceUpdate {
+            table: Some(Arc::new(table)),
+            revision,
+            origin: TableOrigin::Persisted,
+        });
+    }
+
+    /// A new good table from the source: persists it (a failure is logged and the table is
+    /// published all the same), publishes it as `revision` with origin
+    /// [`TableOrigin::Source`] and records it in `status`.
+    pub fn apply(&self, status: &mut SourceStatus, table: RouteTable, revision: u64) {
+        if let Some(p) = &self.persist_path {
+            if let Err(e) = persist(p, &table) {
+                tracing::warn!(path = %p.display(), error = %e, "could not persist the last good route table");
+            }
+        }
+        status.revision = revision;
+        status.epoch = Some(table.epoch);
+        status.origin = TableOrigin::Source;
+        self.tx.send_replace(SourceUpdate {
+            table: Some(Arc::new(table)),
+            revision,
+            origin: TableOrigin::Source,
+        });
+    }
+
+    /// The source holds the table already published (the persisted one it started from): it
+    /// now comes from the source. Nothing else changes (same table, same revision).
+    pub fn confirm_source(&self, status: &mut SourceStatus) {
+        status.origin = TableOrigin::Source;
+        self.tx.send_modify(|u| u.origin = TableOrigin::Source);
     }
 }
 
@@ -397,4 +477,67 @@ fn persist(path: &Path, table: &RouteTable) -> Result<(), RoutingError> {
     let tmp = path.with_extension("json.tmp");
     std::fs::write(&tmp, json).map_err(io_err(&tmp))?;
     std::fs::rename(&tmp, path).map_err(io_err(path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(epoch: u64) -> RouteTable {
+        let mut t = RouteTable::from_toml_str(
+            r#"
+            epoch = 1
+            [[services]]
+            name = "player"
+            messages = [[1000, 1999]]
+            key = "player"
+            instances = [{ id = "p1", address = "10.0.0.1:7000" }]
+            "#,
+        )
+        .expect("table");
+        t.epoch = epoch;
+        t
+    }
+
+    #[test]
+    fn last_good_table_persists_restores_and_confirms() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("last-good.json");
+        assert!(LastGoodTable::new(None).load().is_none());
+
+        let a = LastGoodTable::new(Some(path.clone()));
+        let rx = a.subscribe();
+        assert!(matches!(a.load(), Some(Err(RoutingError::Io { .. }))));
+        let mut st = SourceStatus::empty();
+        a.apply(&mut st, table(3), 7);
+        assert_eq!(
+            (st.revision, st.epoch, st.origin),
+            (7, Some(3), TableOrigin::Source)
+        );
+        assert_eq!(
+            (rx.borrow().revision, rx.borrow().origin),
+            (7, TableOrigin::Source)
+        );
+        assert!(!path.with_extension("json.tmp").exists());
+
+        // A restart: the persisted copy is the same table, as JSON.
+        let b = LastGoodTable::new(Some(path.clone()));
+        let persisted = b.load().expect("configured").expect("usable");
+        assert_eq!(persisted, table(3));
+        let mut st = SourceStatus::empty();
+        b.restore(&mut st, persisted, 1);
+        assert_eq!(b.current().origin, TableOrigin::Persisted);
+        assert_eq!(st.origin, TableOrigin::Persisted);
+        b.confirm_source(&mut st);
+        let u = b.current();
+        assert_eq!(
+            (u.revision, u.origin, st.origin),
+            (1, TableOrigin::Source, TableOrigin::Source)
+        );
+        assert_eq!(b.table().map(|t| t.epoch), Some(3));
+
+        // A broken copy is reported, not served.
+        std::fs::write(&path, b"{").expect("write");
+        assert!(matches!(b.load(), Some(Err(RoutingError::Json(_)))));
+    }
 }

@@ -140,7 +140,7 @@ pub enum ForwardError {
 }
 
 #[derive(Debug)]
-struct Shared {
+struct LinkShared {
     addr: SocketAddr,
     config: LinkConfig,
     tx: Mutex<Option<mpsc::Sender<LinkFrame>>>,
@@ -157,7 +157,7 @@ struct Shared {
 /// The edge's link to one backend address.
 #[derive(Debug, Clone)]
 pub struct LinkClient {
-    shared: Arc<Shared>,
+    shared: Arc<LinkShared>,
 }
 
 impl LinkClient {
@@ -169,7 +169,7 @@ impl LinkClient {
         epoch: Arc<AtomicU64>,
         events: mpsc::Sender<LinkEvent>,
     ) -> (Self, tokio::task::JoinHandle<()>) {
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(LinkShared {
             addr,
             config,
             tx: Mutex::new(None),
@@ -328,7 +328,7 @@ fn open_frame(meta: &SessionMeta) -> LinkFrame {
     }
 }
 
-async fn run(shared: Arc<Shared>) {
+async fn run(shared: Arc<LinkShared>) {
     let mut failures = 0u32;
     loop {
         match connect_once(&shared).await {
@@ -384,7 +384,7 @@ async fn run(shared: Arc<Shared>) {
     }
 }
 
-async fn connect_once(shared: &Arc<Shared>) -> Result<(), &'static str> {
+async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
     let config = &shared.config;
     let stream = tokio::time::timeout(config.connect_timeout, TcpStream::connect(shared.addr))
         .await

@@ -1,172 +1,29 @@
-//! etcd as the control plane (SPEC R6, R7, R9, R10): a [`RouteSource`] that composes the
-//! route table from etcd, an [`InstanceRegistry`] with leases and load reports, and the
-//! least-loaded edge pick a login service uses.
-//!
-//! # Key layout (etcd v3, all values UTF-8)
-//!
-//! Everything lives under one prefix `P` (e.g. `/waygate`, no trailing slash):
-//!
-//! | key | value | lease | written by |
-//! |---|---|---|---|
-//! | `P/table` | the base [`RouteTable`], TOML or JSON (JSON if it starts with `{`) | none | operator |
-//! | `P/instances/<service>/<instance id>` | [`InstanceRecord`] JSON | yes | the backend instance ([`EtcdRegistry`]) |
-//! | `P/switches/<instance id>` | [`Switch`] JSON | none | operator |
-//! | `P/edges/<edge id>` | [`EdgeInfo`] JSON | yes | the edge ([`EtcdRegistry::register_edge`]) |
-//!
-//! Example values:
-//!
-//! ```text
-//! P/instances/game/g7  {"address":"10.0.0.7:7000","weight":1.0,"state":"active",
-//!                       "capacity":5000,"load":{"players":1234,"msg_rate":810.5}}
-//! P/switches/g3        {"state":"disabled"}          (also "capacity": n, "weight": w)
-//! P/edges/edge-2       {"id":"edge-2","address":"203.0.113.2:443","state":"active",
-//!                       "capacity":20000,"sessions":4120,"msg_rate":0.0}
-//! ```
-//!
-//! # The effective table
-//!
-//! The published table is the base table plus the registered instances: a registration for a
-//! service the base table defines joins that service at once (or overrides the base entry
-//! with the same id), then every switch overrides state, capacity or weight of its instance
-//! (base or registered). A registration of an unknown service, or whose id another service
-//! already uses, or with an invalid address or weight, is ignored (logged).
-//!
-//! A registration that disappears (lease expired after missed keep-alives, or revoked) stays
-//! in the table for the damping window (SPEC R7; K missed reports = K x report interval), so
-//! a flapping instance does not churn routes; if it registers again within the window
-//! nothing changes. Load reports alone never produce a new table: they are published on
-//! [`EtcdRouteSource::loads`] for the router's least-loaded policy (SPEC R10).
-//!
-//! Epochs: every published table gets `epoch = max(previous epoch + 1, etcd revision,
-//! base epoch)`, so edges that saw the same etcd history publish the same epochs, and epochs
-//! only grow (also across restarts: the persisted table's epoch is the floor). The
-//! [`SourceUpdate::revision`] equals the epoch.
-//!
-//! # Watch and failures
-//!
-//! The source lists the prefix once, then watches it from revision + 1. A watch that fails
-//! (etcd down, connection lost, no answer to a progress request within the request timeout)
-//! is re-created with exponential backoff from the last revision seen; if etcd has compacted
-//! that revision the source lists the prefix again ("re-list") and continues from there.
-//! Until then the last good table stays published (and persisted as JSON when configured);
-//! the source never publishes an empty table because etcd is unreachable, and
-//! [`SourceStatus::staleness`] is the time since etcd last answered (a watch event, a
-//! progress notification or a list).
+//! Route tables from etcd (SPEC R6, R7, R9): [`EtcdRouteSource`] lists the prefix, watches
+//! it with resume and re-lists after a compaction; the sans-IO [`Composer`] turns what it
+//! read (base table, registrations, [`Switch`] overrides) into the effective table, with
+//! damped removal of vanished registrations. The last good table is published and
+//! persisted through the routing crate's [`LastGoodTable`] (as the file source does).
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
-use etcd_client::{
-    Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions, WatchStream,
-};
+use etcd_client::{Client, EventType, GetOptions, WatchOptions, WatchStream};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use waygate_routing::source::{
-    InstanceRegistry, LeaseId, RouteSource, SourceStatus, SourceUpdate, TableOrigin,
+    LastGoodTable, RouteSource, SourceStatus, SourceUpdate, TableOrigin,
 };
-use waygate_routing::{
-    InstanceSpec, InstanceState, LoadReport, RouteTable, RoutingError, TableFormat,
+use waygate_routing::{InstanceState, RouteTable, RoutingError, TableFormat};
+
+use super::{
+    connect_options, timed, EdgeInfo, Etcd, EtcdError, EtcdKey, InstanceRecord, Keys, Load,
 };
-
-/// Errors of the etcd control plane.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum EtcdError {
-    /// The etcd client reported an error (transport, gRPC status, lease not found, ...).
-    #[error("etcd: {0}")]
-    Etcd(#[from] etcd_client::Error),
-    /// etcd did not answer within the request timeout.
-    #[error("etcd did not answer within {0:?} ({1})")]
-    Timeout(Duration, &'static str),
-    /// A setting is unusable.
-    #[error("invalid etcd configuration: {0}")]
-    Config(String),
-    /// A record could not be encoded.
-    #[error("record could not be encoded: {0}")]
-    Json(#[from] serde_json::Error),
-    /// The lease is not (or no longer) registered with this registry.
-    #[error("lease {0} is not registered here")]
-    NotRegistered(i64),
-    /// The watch was cancelled by etcd for another reason than compaction.
-    #[error("watch cancelled by etcd: {0}")]
-    WatchCancelled(String),
-}
-
-impl EtcdError {
-    /// As the routing crate's error (for the [`RouteSource`] / [`InstanceRegistry`] traits):
-    /// an I/O error on the etcd key concerned.
-    #[must_use]
-    pub fn into_routing(self, key: &str) -> RoutingError {
-        RoutingError::Io {
-            path: PathBuf::from(format!("etcd:{key}")),
-            source: std::io::Error::other(self.to_string()),
-        }
-    }
-}
 
 // ---- records ------------------------------------------------------------------------------
-
-/// Load reported by an instance or an edge (SPEC R10).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-pub struct Load {
-    /// Players (sessions) held.
-    #[serde(default)]
-    pub players: u32,
-    /// Messages per second handled (informational).
-    #[serde(default)]
-    pub msg_rate: f64,
-}
-
-/// What a backend instance registers under `P/instances/<service>/<id>`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct InstanceRecord {
-    /// `host:port` of its backend link listener.
-    pub address: String,
-    /// Relative share of new keys.
-    #[serde(default = "one")]
-    pub weight: f64,
-    /// Administrative state (a [`Switch`] overrides it).
-    #[serde(default)]
-    pub state: InstanceState,
-    /// Player cap (a [`Switch`] overrides it).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub capacity: Option<u32>,
-    /// Last load report.
-    #[serde(default)]
-    pub load: Load,
-}
-
-fn one() -> f64 {
-    1.0
-}
-
-impl InstanceRecord {
-    /// The record of `spec` with no load yet.
-    #[must_use]
-    pub fn from_spec(spec: &InstanceSpec) -> Self {
-        Self {
-            address: spec.address.clone(),
-            weight: spec.weight,
-            state: spec.state,
-            capacity: spec.capacity,
-            load: Load::default(),
-        }
-    }
-
-    fn to_spec(&self, id: &str) -> InstanceSpec {
-        InstanceSpec {
-            id: id.to_owned(),
-            address: self.address.clone(),
-            weight: self.weight,
-            state: self.state,
-            capacity: self.capacity,
-        }
-    }
-}
 
 /// Operator overrides for one instance under `P/switches/<instance id>` (SPEC R6).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -181,173 +38,6 @@ pub struct Switch {
     /// Forces the weight (0 takes no new keys).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight: Option<f64>,
-}
-
-/// An edge as registered under `P/edges/<edge id>` (login -> least-loaded edge, SPEC R10).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct EdgeInfo {
-    /// Edge id (the key's last segment is authoritative when reading).
-    #[serde(default)]
-    pub id: String,
-    /// Public address clients connect to.
-    pub address: String,
-    /// `active` takes new players; `draining` / `disabled` take none.
-    #[serde(default)]
-    pub state: InstanceState,
-    /// Session cap; at the cap the edge gets no new players.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub capacity: Option<u32>,
-    /// Live sessions (last report).
-    #[serde(default)]
-    pub sessions: u32,
-    /// Messages per second (last report, informational).
-    #[serde(default)]
-    pub msg_rate: f64,
-}
-
-/// The least-loaded edge that takes new players: active, under its cap, fewest sessions
-/// (ties by id). `None`: no edge qualifies.
-#[must_use]
-pub fn pick_least_loaded(edges: &[EdgeInfo]) -> Option<&EdgeInfo> {
-    edges
-        .iter()
-        .filter(|e| e.state == InstanceState::Active && e.capacity.is_none_or(|c| e.sessions < c))
-        .min_by(|a, b| a.sessions.cmp(&b.sessions).then_with(|| a.id.cmp(&b.id)))
-}
-
-/// Every edge registered under `prefix`.
-pub async fn list_edges(client: &Client, prefix: &str) -> Result<Vec<EdgeInfo>, EtcdError> {
-    let keys = Keys::new(prefix);
-    let mut c = client.clone();
-    let resp = c
-        .get(keys.edges.as_str(), Some(GetOptions::new().with_prefix()))
-        .await?;
-    let mut edges = Vec::new();
-    for kv in resp.kvs() {
-        let Some(id) = kv.key().strip_prefix(keys.edges.as_bytes()) else {
-            continue;
-        };
-        match serde_json::from_slice::<EdgeInfo>(kv.value()) {
-            Ok(mut e) => {
-                e.id = String::from_utf8_lossy(id).into_owned();
-                edges.push(e);
-            }
-            Err(e) => {
-                tracing::warn!(key = %String::from_utf8_lossy(kv.key()), error = %e, "ignoring unreadable edge record")
-            }
-        }
-    }
-    Ok(edges)
-}
-
-/// The edge a login service should send a new client to (see [`pick_least_loaded`]).
-/// `Ok(None)`: no edge is registered, enabled and under its cap.
-pub async fn least_loaded_edge(
-    client: &Client,
-    prefix: &str,
-) -> Result<Option<EdgeInfo>, EtcdError> {
-    let edges = list_edges(client, prefix).await?;
-    Ok(pick_least_loaded(&edges).cloned())
-}
-
-/// The etcd client with a `Debug` impl (the client has none).
-#[derive(Clone)]
-struct Etcd(Client);
-
-impl std::fmt::Debug for Etcd {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("etcd_client::Client")
-    }
-}
-
-/// A tiny HTTP endpoint for a login service (SPEC R10): `GET /edge` answers the
-/// least-loaded edge as [`EdgeInfo`] JSON, `503` with `Retry-After: 1` when no edge qualifies
-/// or etcd is unreachable. Serve it with `axum::serve`.
-pub fn login_router(client: Client, prefix: String) -> axum::Router {
-    use axum::extract::State;
-    use axum::http::{header, StatusCode};
-    use axum::response::{IntoResponse, Response};
-
-    async fn pick(State(s): State<Arc<(Etcd, String)>>) -> Response {
-        let unavailable = |msg: String| {
-            (
-                StatusCode::SERVICE_UNAVAILABLE,
-                [(header::RETRY_AFTER, "1")],
-                axum::Json(serde_json::json!({ "error": msg })),
-            )
-                .into_response()
-        };
-        match least_loaded_edge(&s.0 .0, &s.1).await {
-            Ok(Some(e)) => axum::Json(e).into_response(),
-            Ok(None) => unavailable("no edge is enabled and under its cap".into()),
-            Err(e) => unavailable(e.to_string()),
-        }
-    }
-    axum::Router::new()
-        .route("/edge", axum::routing::get(pick))
-        .with_state(Arc::new((Etcd(client), prefix)))
-}
-
-// ---- keys ---------------------------------------------------------------------------------
-
-#[derive(Debug, Clone)]
-struct Keys {
-    /// `P/`
-    root: String,
-    table: String,
-    instances: String,
-    switches: String,
-    edges: String,
-}
-
-impl Keys {
-    fn new(prefix: &str) -> Self {
-        let p = prefix.trim_end_matches('/');
-        Self {
-            root: format!("{p}/"),
-            table: format!("{p}/table"),
-            instances: format!("{p}/instances/"),
-            switches: format!("{p}/switches/"),
-            edges: format!("{p}/edges/"),
-        }
-    }
-}
-
-enum KeyKind<'a> {
-    Table,
-    Instance { service: &'a str, id: &'a str },
-    Switch(&'a str),
-    Edge(&'a str),
-    Other,
-}
-
-impl Keys {
-    fn classify<'a>(&self, key: &'a str) -> KeyKind<'a> {
-        if key == self.table {
-            KeyKind::Table
-        } else if let Some(rest) = key.strip_prefix(&self.instances) {
-            match rest.split_once('/') {
-                Some((service, id)) if !service.is_empty() && !id.is_empty() => {
-                    KeyKind::Instance { service, id }
-                }
-                _ => KeyKind::Other,
-            }
-        } else if let Some(id) = key.strip_prefix(&self.switches) {
-            if id.is_empty() {
-                KeyKind::Other
-            } else {
-                KeyKind::Switch(id)
-            }
-        } else if let Some(id) = key.strip_prefix(&self.edges) {
-            if id.is_empty() {
-                KeyKind::Other
-            } else {
-                KeyKind::Edge(id)
-            }
-        } else {
-            KeyKind::Other
-        }
-    }
 }
 
 // ---- the sans-IO composer -----------------------------------------------------------------
@@ -451,7 +141,7 @@ impl Composer {
             return;
         };
         match self.keys.classify(key) {
-            KeyKind::Table => {
+            EtcdKey::Table => {
                 let format = match value.iter().find(|b| !b.is_ascii_whitespace()) {
                     Some(b'{') => TableFormat::Json,
                     _ => TableFormat::Toml,
@@ -467,7 +157,7 @@ impl Composer {
                     }
                 }
             }
-            KeyKind::Instance { service, id } => {
+            EtcdKey::Instance { service, id } => {
                 match serde_json::from_slice::<InstanceRecord>(value) {
                     Ok(r) => {
                         let k = (service.to_owned(), id.to_owned());
@@ -480,20 +170,20 @@ impl Composer {
                     }
                 }
             }
-            KeyKind::Switch(id) => match serde_json::from_slice::<Switch>(value) {
+            EtcdKey::Switch(id) => match serde_json::from_slice::<Switch>(value) {
                 Ok(s) => {
                     self.switches.insert(id.to_owned(), s);
                 }
                 Err(e) => tracing::warn!(key, error = %e, "ignoring unreadable switch"),
             },
-            KeyKind::Edge(id) => match serde_json::from_slice::<EdgeInfo>(value) {
+            EtcdKey::Edge(id) => match serde_json::from_slice::<EdgeInfo>(value) {
                 Ok(mut e) => {
                     e.id = id.to_owned();
                     self.edges.insert(id.to_owned(), e);
                 }
                 Err(e) => tracing::warn!(key, error = %e, "ignoring unreadable edge record"),
             },
-            KeyKind::Other => {}
+            EtcdKey::Other => {}
         }
         let _ = now;
     }
@@ -505,11 +195,11 @@ impl Composer {
             return;
         };
         match self.keys.classify(key) {
-            KeyKind::Table => {
+            EtcdKey::Table => {
                 tracing::warn!(key, "etcd route table deleted; keeping the last good one");
                 self.base_error = Some(format!("{key} was deleted"));
             }
-            KeyKind::Instance { service, id } => {
+            EtcdKey::Instance { service, id } => {
                 let k = (service.to_owned(), id.to_owned());
                 if let Some(r) = self.instances.remove(&k) {
                     tracing::info!(service, instance = id, damping = ?self.damping, "instance registration gone; removal damped");
@@ -517,13 +207,13 @@ impl Composer {
                     self.loads_changed = true;
                 }
             }
-            KeyKind::Switch(id) => {
+            EtcdKey::Switch(id) => {
                 self.switches.remove(id);
             }
-            KeyKind::Edge(id) => {
+            EtcdKey::Edge(id) => {
                 self.edges.remove(id);
             }
-            KeyKind::Other => {}
+            EtcdKey::Other => {}
         }
     }
 
@@ -702,7 +392,7 @@ struct SrcInner {
     cfg: EtcdSourceConfig,
     keys: Keys,
     client: Etcd,
-    tx: watch::Sender<SourceUpdate>,
+    last_good: LastGoodTable,
     loads: watch::Sender<Arc<BTreeMap<String, Load>>>,
     state: Mutex<SrcState>,
     relists: AtomicU64,
@@ -726,24 +416,6 @@ pub struct EtcdSourceStats {
     pub compactions: u64,
     /// Watches that failed (connection lost, timeout) and were re-created.
     pub watch_failures: u64,
-}
-
-fn connect_options(cfg: &EtcdSourceConfig) -> ConnectOptions {
-    ConnectOptions::new()
-        .with_connect_timeout(cfg.request_timeout)
-        .with_keep_alive(cfg.request_timeout, cfg.request_timeout)
-        .with_keep_alive_while_idle(true)
-}
-
-async fn timed<T>(
-    d: Duration,
-    what: &'static str,
-    f: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
-) -> Result<T, EtcdError> {
-    match tokio::time::timeout(d, f).await {
-        Ok(r) => r.map_err(EtcdError::from),
-        Err(_) => Err(EtcdError::Timeout(d, what)),
-    }
 }
 
 impl EtcdRouteSource {
@@ -776,11 +448,7 @@ impl EtcdRouteSource {
             )));
         }
         let client = Client::connect(&cfg.endpoints, Some(connect_options(&cfg))).await?;
-        let (tx, _) = watch::channel(SourceUpdate {
-            table: None,
-            revision: 0,
-            origin: TableOrigin::None,
-        });
+        let last_good = LastGoodTable::new(cfg.persist_path.clone());
         let (loads, _) = watch::channel(Arc::new(BTreeMap::new()));
         let status = SourceStatus {
             revision: 0,
@@ -799,7 +467,7 @@ impl EtcdRouteSource {
             }),
             cfg,
             client: Etcd(client),
-            tx,
+            last_good,
             loads,
             relists: AtomicU64::new(0),
             compactions: AtomicU64::new(0),
@@ -832,7 +500,8 @@ impl EtcdRouteSource {
         self.inner.lock().composer.edges()
     }
 
-    /// The etcd client (shared; cheap to clone), e.g. for an [`EtcdRegistry`].
+    /// The etcd client (shared; cheap to clone), e.g. for an
+    /// [`EtcdRegistry`](super::EtcdRegistry).
     #[must_use]
     pub fn client(&self) -> &Client {
         &self.inner.client.0
@@ -858,7 +527,7 @@ impl EtcdRouteSource {
 #[async_trait]
 impl RouteSource for EtcdRouteSource {
     fn watch(&self) -> watch::Receiver<SourceUpdate> {
-        self.inner.tx.subscribe()
+        self.inner.last_good.subscribe()
     }
 
     async fn refresh(&self) -> Result<SourceUpdate, RoutingError> {
@@ -866,7 +535,7 @@ impl RouteSource for EtcdRouteSource {
             .relist()
             .await
             .map_err(|e| e.into_routing(&self.inner.keys.root))?;
-        Ok(self.inner.tx.borrow().clone())
+        Ok(self.inner.last_good.current())
     }
 
     fn status(&self) -> SourceStatus {
@@ -880,25 +549,15 @@ impl SrcInner {
     }
 
     fn load_persisted(&self) {
-        let Some(p) = &self.cfg.persist_path else {
+        let (Some(p), Some(loaded)) = (self.last_good.persist_path(), self.last_good.load()) else {
             return;
         };
-        let loaded = std::fs::read(p)
-            .map_err(|e| e.to_string())
-            .and_then(|b| RouteTable::from_slice(&b, TableFormat::Json).map_err(|e| e.to_string()));
         match loaded {
             Ok(t) => {
                 let mut st = self.lock();
                 let epoch = t.epoch;
                 st.composer.set_published(t.clone());
-                st.status.revision = epoch;
-                st.status.epoch = Some(epoch);
-                st.status.origin = TableOrigin::Persisted;
-                self.tx.send_replace(SourceUpdate {
-                    table: Some(Arc::new(t)),
-                    revision: epoch,
-                    origin: TableOrigin::Persisted,
-                });
+                self.last_good.restore(&mut st.status, t, epoch);
                 tracing::warn!(path = %p.display(), epoch, "serving the persisted last good route table until etcd answers");
             }
             Err(e) => {
@@ -930,8 +589,7 @@ impl SrcInner {
                 if st.status.origin == TableOrigin::Persisted && st.composer.base_error().is_none()
                 {
                     // The persisted table is what etcd holds: it now comes from the source.
-                    st.status.origin = TableOrigin::Source;
-                    self.tx.send_modify(|u| u.origin = TableOrigin::Source);
+                    self.last_good.confirm_source(&mut st.status);
                 }
                 return;
             }
@@ -942,25 +600,13 @@ impl SrcInner {
                 return;
             }
         };
-        if let Some(p) = &self.cfg.persist_path {
-            if let Err(e) = persist(p, &table) {
-                tracing::warn!(path = %p.display(), error = %e, "could not persist the last good route table");
-            }
-        }
         let epoch = table.epoch;
-        st.status.revision = epoch;
-        st.status.epoch = Some(epoch);
-        st.status.origin = TableOrigin::Source;
+        self.last_good.apply(&mut st.status, table, epoch);
         tracing::info!(
             epoch,
             etcd_revision = st.composer.revision(),
             "route table from etcd published"
         );
-        self.tx.send_replace(SourceUpdate {
-            table: Some(Arc::new(table)),
-            revision: epoch,
-            origin: TableOrigin::Source,
-        });
     }
 
     async fn relist(&self) -> Result<(), EtcdError> {
@@ -1123,336 +769,5 @@ async fn watch_loop(weak: Weak<SrcInner>) {
                 tokio::time::sleep(b.mul_f64(jitter)).await;
             }
         }
-    }
-}
-
-/// Writes `table` as JSON next to `path` and renames it into place.
-fn persist(path: &Path, table: &RouteTable) -> Result<(), std::io::Error> {
-    let json = table.to_json_string().map_err(std::io::Error::other)?;
-    let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, json)?;
-    std::fs::rename(&tmp, path)
-}
-
-// ---- the registry -------------------------------------------------------------------------
-
-#[derive(Debug, Clone)]
-enum Record {
-    Instance(InstanceRecord),
-    Edge(EdgeInfo),
-}
-
-impl Record {
-    fn set_load(&mut self, load: Load) {
-        match self {
-            Self::Instance(r) => r.load = load,
-            Self::Edge(e) => {
-                e.sessions = load.players;
-                e.msg_rate = load.msg_rate;
-            }
-        }
-    }
-
-    fn load(&self) -> Load {
-        match self {
-            Self::Instance(r) => r.load,
-            Self::Edge(e) => Load {
-                players: e.sessions,
-                msg_rate: e.msg_rate,
-            },
-        }
-    }
-
-    fn encode(&self) -> Result<Vec<u8>, EtcdError> {
-        Ok(match self {
-            Self::Instance(r) => serde_json::to_vec(r)?,
-            Self::Edge(e) => serde_json::to_vec(e)?,
-        })
-    }
-}
-
-#[derive(Debug, Clone)]
-struct Registration {
-    key: String,
-    record: Record,
-    ttl: i64,
-    /// The etcd lease currently holding the key (changes when a lost lease is replaced).
-    lease: i64,
-}
-
-/// Registers backend instances and edges in etcd with leases and reports their load
-/// (SPEC R9, R10). A registration is identified by the [`LeaseId`] `register` returned, even
-/// after a lost lease (etcd restarted without it, or a partition longer than the TTL) was
-/// replaced by a new one on the next report.
-#[derive(Debug)]
-pub struct EtcdRegistry {
-    client: Etcd,
-    keys: Keys,
-    timeout: Duration,
-    regs: Mutex<BTreeMap<i64, Registration>>,
-}
-
-fn ttl_secs(ttl: Duration) -> i64 {
-    i64::try_from(ttl.as_millis().div_ceil(1000))
-        .unwrap_or(i64::MAX)
-        .max(1)
-}
-
-impl EtcdRegistry {
-    /// A registry writing under `prefix` with `client`.
-    #[must_use]
-    pub fn new(client: Client, prefix: &str) -> Self {
-        Self {
-            client: Etcd(client),
-            keys: Keys::new(prefix),
-            timeout: Duration::from_secs(2),
-            regs: Mutex::new(BTreeMap::new()),
-        }
-    }
-
-    /// Connects to `endpoints` (lazily: etcd may be down) and writes under `prefix`.
-    pub async fn connect(endpoints: &[String], prefix: &str) -> Result<Self, EtcdError> {
-        let cfg = EtcdSourceConfig::new(endpoints.to_vec(), prefix);
-        let client = Client::connect(endpoints, Some(connect_options(&cfg))).await?;
-        Ok(Self::new(client, prefix))
-    }
-
-    /// The etcd client.
-    #[must_use]
-    pub fn client(&self) -> &Client {
-        &self.client.0
-    }
-
-    fn regs(&self) -> std::sync::MutexGuard<'_, BTreeMap<i64, Registration>> {
-        self.regs.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    async fn grant_and_put(&self, key: &str, record: &Record, ttl: i64) -> Result<i64, EtcdError> {
-        let mut c = self.client.0.clone();
-        let lease = timed(self.timeout, "lease grant", c.lease_grant(ttl, None))
-            .await?
-            .id();
-        let value = record.encode()?;
-        timed(
-            self.timeout,
-            "put",
-            c.put(key, value, Some(PutOptions::new().with_lease(lease))),
-        )
-        .await?;
-        Ok(lease)
-    }
-
-    async fn add(&self, key: String, record: Record, ttl: Duration) -> Result<LeaseId, EtcdError> {
-        let ttl = ttl_secs(ttl);
-        let lease = self.grant_and_put(&key, &record, ttl).await?;
-        tracing::info!(key, lease, ttl, "registered in etcd");
-        self.regs().insert(
-            lease,
-            Registration {
-                key,
-                record,
-                ttl,
-                lease,
-            },
-        );
-        Ok(LeaseId(lease))
-    }
-
-    /// Registers edge `edge.id` under `P/edges/<id>` with a lease of `ttl`.
-    pub async fn register_edge(
-        &self,
-        edge: &EdgeInfo,
-        ttl: Duration,
-    ) -> Result<LeaseId, EtcdError> {
-        if edge.id.is_empty() || edge.id.contains('/') {
-            return Err(EtcdError::Config(format!("invalid edge id {:?}", edge.id)));
-        }
-        let key = format!("{}{}", self.keys.edges, edge.id);
-        self.add(key, Record::Edge(edge.clone()), ttl).await
-    }
-
-    /// Registers `instance` of `service` under `P/instances/<service>/<id>`.
-    pub async fn register_instance(
-        &self,
-        service: &str,
-        instance: &InstanceSpec,
-        ttl: Duration,
-    ) -> Result<LeaseId, EtcdError> {
-        if service.is_empty() || service.contains('/') || instance.id.is_empty() {
-            return Err(EtcdError::Config(format!(
-                "invalid service {service:?} or instance id {:?}",
-                instance.id
-            )));
-        }
-        let key = format!("{}{}/{}", self.keys.instances, service, instance.id);
-        self.add(
-            key,
-            Record::Instance(InstanceRecord::from_spec(instance)),
-            ttl,
-        )
-        .await
-    }
-
-    /// Renews the lease of registration `lease` and writes `load` into its record. A lease
-    /// etcd no longer knows is replaced by a new one (same key).
-    pub async fn report(&self, lease: LeaseId, load: Load) -> Result<(), EtcdError> {
-        let reg = {
-            let mut regs = self.regs();
-            let r = regs
-                .get_mut(&lease.0)
-                .ok_or(EtcdError::NotRegistered(lease.0))?;
-            r.record.set_load(load);
-            r.clone()
-        };
-        let mut c = self.client.0.clone();
-        let renewed = timed(
-            self.timeout,
-            "lease keep-alive",
-            c.lease_keep_alive(reg.lease),
-        )
-        .await;
-        let current = match renewed {
-            Ok(_) => {
-                let value = reg.record.encode()?;
-                timed(
-                    self.timeout,
-                    "put",
-                    c.put(
-                        reg.key.as_str(),
-                        value,
-                        Some(PutOptions::new().with_lease(reg.lease)),
-                    ),
-                )
-                .await?;
-                reg.lease
-            }
-            Err(EtcdError::Etcd(etcd_client::Error::LeaseKeepAliveError(msg))) => {
-                tracing::warn!(key = %reg.key, lease = reg.lease, msg, "lease lost; registering again");
-                self.grant_and_put(&reg.key, &reg.record, reg.ttl).await?
-            }
-            Err(e) => return Err(e),
-        };
-        if let Some(r) = self.regs().get_mut(&lease.0) {
-            r.lease = current;
-        }
-        Ok(())
-    }
-
-    /// Reports `load` of registration `lease` every `every` (renewing the lease) until the
-    /// registration is revoked or the registry dropped. `load` is read at each report.
-    pub fn spawn_reporter(
-        self: &Arc<Self>,
-        lease: LeaseId,
-        every: Duration,
-        load: watch::Receiver<Load>,
-    ) -> tokio::task::JoinHandle<()> {
-        let weak = Arc::downgrade(self);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every.max(Duration::from_millis(10)));
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                let Some(reg) = weak.upgrade() else { return };
-                let l = *load.borrow();
-                match reg.report(lease, l).await {
-                    Ok(()) => {}
-                    Err(EtcdError::NotRegistered(_)) => return,
-                    Err(e) => tracing::warn!(lease = lease.0, error = %e, "load report failed"),
-                }
-            }
-        })
-    }
-
-    /// Removes registration `lease`: marks it `disabled` (no new players from now on), then
-    /// revokes its current etcd lease, which deletes the key at once.
-    pub async fn revoke_lease(&self, lease: LeaseId) -> Result<(), EtcdError> {
-        let reg = self
-            .regs()
-            .remove(&lease.0)
-            .ok_or(EtcdError::NotRegistered(lease.0))?;
-        let mut c = self.client.0.clone();
-        // Disabled first, so edges stop placing players on it at once; the key itself then
-        // goes with the lease (and leaves their tables after the damping window).
-        let mut record = reg.record.clone();
-        match &mut record {
-            Record::Instance(r) => r.state = InstanceState::Disabled,
-            Record::Edge(e) => e.state = InstanceState::Disabled,
-        }
-        let disabled = timed(
-            self.timeout,
-            "put",
-            c.put(
-                reg.key.as_str(),
-                record.encode()?,
-                Some(PutOptions::new().with_lease(reg.lease)),
-            ),
-        )
-        .await;
-        if let Err(e) = disabled {
-            tracing::debug!(key = %reg.key, error = %e, "could not mark the registration disabled");
-        }
-        timed(self.timeout, "lease revoke", c.lease_revoke(reg.lease)).await?;
-        tracing::info!(key = %reg.key, "registration revoked");
-        Ok(())
-    }
-
-    /// Revokes every registration (graceful shutdown); returns the first error.
-    pub async fn shutdown(&self) -> Result<(), EtcdError> {
-        let ids: Vec<i64> = self.regs().keys().copied().collect();
-        let mut first = Ok(());
-        for id in ids {
-            if let Err(e) = self.revoke_lease(LeaseId(id)).await {
-                if first.is_ok() {
-                    first = Err(e);
-                }
-            }
-        }
-        first
-    }
-
-    fn key_of(&self, lease: LeaseId) -> String {
-        self.regs()
-            .get(&lease.0)
-            .map_or_else(|| self.keys.root.clone(), |r| r.key.clone())
-    }
-}
-
-#[async_trait]
-impl InstanceRegistry for EtcdRegistry {
-    async fn register(
-        &self,
-        service: &str,
-        instance: &InstanceSpec,
-        ttl: Duration,
-    ) -> Result<LeaseId, RoutingError> {
-        self.register_instance(service, instance, ttl)
-            .await
-            .map_err(|e| {
-                e.into_routing(&format!("{}{service}/{}", self.keys.instances, instance.id))
-            })
-    }
-
-    async fn keep_alive(&self, lease: LeaseId, load: LoadReport) -> Result<(), RoutingError> {
-        let key = self.key_of(lease);
-        let msg_rate = self
-            .regs()
-            .get(&lease.0)
-            .map_or(0.0, |r| r.record.load().msg_rate);
-        self.report(
-            lease,
-            Load {
-                players: load.players,
-                msg_rate,
-            },
-        )
-        .await
-        .map_err(|e| e.into_routing(&key))
-    }
-
-    async fn revoke(&self, lease: LeaseId) -> Result<(), RoutingError> {
-        let key = self.key_of(lease);
-        self.revoke_lease(lease)
-            .await
-            .map_err(|e| e.into_routing(&key))
     }
 }

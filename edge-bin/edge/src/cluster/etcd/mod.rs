@@ -1,0 +1,222 @@
+//! etcd as the control plane (SPEC R6, R7, R9, R10): a [`RouteSource`] that composes the
+//! route table from etcd, an [`InstanceRegistry`] with leases and load reports, and the
+//! least-loaded edge pick a login service uses.
+//!
+//! # Key layout (etcd v3, all values UTF-8)
+//!
+//! Everything lives under one prefix `P` (e.g. `/waygate`, no trailing slash):
+//!
+//! | key | value | lease | written by |
+//! |---|---|---|---|
+//! | `P/table` | the base [`RouteTable`], TOML or JSON (JSON if it starts with `{`) | none | operator |
+//! | `P/instances/<service>/<instance id>` | [`InstanceRecord`] JSON | yes | the backend instance ([`EtcdRegistry`]) |
+//! | `P/switches/<instance id>` | [`Switch`] JSON | none | operator |
+//! | `P/edges/<edge id>` | [`EdgeInfo`] JSON | yes | the edge ([`EtcdRegistry::register_edge`]) |
+//!
+//! Example values:
+//!
+//! ```text
+//! P/instances/game/g7  {"address":"10.0.0.7:7000","weight":1.0,"state":"active",
+//!                       "capacity":5000,"load":{"players":1234,"msg_rate":810.5}}
+//! P/switches/g3        {"state":"disabled"}          (also "capacity": n, "weight": w)
+//! P/edges/edge-2       {"id":"edge-2","address":"203.0.113.2:443","state":"active",
+//!                       "capacity":20000,"sessions":4120,"msg_rate":0.0}
+//! ```
+//!
+//! # The effective table
+//!
+//! The published table is the base table plus the registered instances: a registration for a
+//! service the base table defines joins that service at once (or overrides the base entry
+//! with the same id), then every switch overrides state, capacity or weight of its instance
+//! (base or registered). A registration of an unknown service, or whose id another service
+//! already uses, or with an invalid address or weight, is ignored (logged).
+//!
+//! A registration that disappears (lease expired after missed keep-alives, or revoked) stays
+//! in the table for the damping window (SPEC R7; K missed reports = K x report interval), so
+//! a flapping instance does not churn routes; if it registers again within the window
+//! nothing changes. Load reports alone never produce a new table: they are published on
+//! [`EtcdRouteSource::loads`] for the router's least-loaded policy (SPEC R10).
+//!
+//! Epochs: every published table gets `epoch = max(previous epoch + 1, etcd revision,
+//! base epoch)`, so edges that saw the same etcd history publish the same epochs, and epochs
+//! only grow (also across restarts: the persisted table's epoch is the floor). The
+//! [`SourceUpdate::revision`] equals the epoch.
+//!
+//! # Watch and failures
+//!
+//! The source lists the prefix once, then watches it from revision + 1. A watch that fails
+//! (etcd down, connection lost, no answer to a progress request within the request timeout)
+//! is re-created with exponential backoff from the last revision seen; if etcd has compacted
+//! that revision the source lists the prefix again ("re-list") and continues from there.
+//! Until then the last good table stays published (and persisted as JSON when configured);
+//! the source never publishes an empty table because etcd is unreachable, and
+//! [`SourceStatus::staleness`] is the time since etcd last answered (a watch event, a
+//! progress notification or a list).
+//!
+//! # Where things are
+//!
+//! - `route_source`: [`EtcdRouteSource`] (watch, re-list, persisted last good table) and
+//!   the sans-IO [`Composer`] that turns the keys into a [`RouteTable`] ([`Switch`] overrides
+//!   included).
+//! - `registry`: [`EtcdRegistry`], registrations under a lease and load reports, with the
+//!   records it writes ([`InstanceRecord`], [`EdgeInfo`], [`Load`]).
+//! - `login`: the least-loaded edge a login service sends a new client to
+//!   ([`pick_least_loaded`], [`list_edges`], [`least_loaded_edge`], [`login_router`]).
+//! - this file: the error type, the key layout and the client helpers they share.
+//!
+//! [`RouteTable`]: waygate_routing::RouteTable
+//! [`RouteSource`]: waygate_routing::source::RouteSource
+//! [`InstanceRegistry`]: waygate_routing::source::InstanceRegistry
+//! [`SourceUpdate::revision`]: waygate_routing::source::SourceUpdate::revision
+//! [`SourceStatus::staleness`]: waygate_routing::source::SourceStatus::staleness
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use etcd_client::{Client, ConnectOptions};
+use waygate_routing::RoutingError;
+
+mod login;
+mod registry;
+mod route_source;
+
+pub use login::{least_loaded_edge, list_edges, login_router, pick_least_loaded};
+pub use registry::{EdgeInfo, EtcdRegistry, InstanceRecord, Load};
+pub use route_source::{Composer, EtcdRouteSource, EtcdSourceConfig, EtcdSourceStats, Switch};
+
+/// Errors of the etcd control plane.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EtcdError {
+    /// The etcd client reported an error (transport, gRPC status, lease not found, ...).
+    #[error("etcd: {0}")]
+    Etcd(#[from] etcd_client::Error),
+    /// etcd did not answer within the request timeout.
+    #[error("etcd did not answer within {0:?} ({1})")]
+    Timeout(Duration, &'static str),
+    /// A setting is unusable.
+    #[error("invalid etcd configuration: {0}")]
+    Config(String),
+    /// A record could not be encoded.
+    #[error("record could not be encoded: {0}")]
+    Json(#[from] serde_json::Error),
+    /// The lease is not (or no longer) registered with this registry.
+    #[error("lease {0} is not registered here")]
+    NotRegistered(i64),
+    /// The watch was cancelled by etcd for another reason than compaction.
+    #[error("watch cancelled by etcd: {0}")]
+    WatchCancelled(String),
+}
+
+impl EtcdError {
+    /// As the routing crate's error (for the [`RouteSource`] / [`InstanceRegistry`] traits):
+    /// an I/O error on the etcd key concerned.
+    ///
+    /// [`RouteSource`]: waygate_routing::source::RouteSource
+    /// [`InstanceRegistry`]: waygate_routing::source::InstanceRegistry
+    #[must_use]
+    pub fn into_routing(self, key: &str) -> RoutingError {
+        RoutingError::Io {
+            path: PathBuf::from(format!("etcd:{key}")),
+            source: std::io::Error::other(self.to_string()),
+        }
+    }
+}
+
+// ---- the client -------------------------------------------------------------------------
+
+/// The etcd client with a `Debug` impl (the client has none).
+#[derive(Clone)]
+struct Etcd(Client);
+
+impl std::fmt::Debug for Etcd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("etcd_client::Client")
+    }
+}
+
+/// Client options of the source and the registry: connect timeout and keep-alive from the
+/// request timeout.
+fn connect_options(cfg: &EtcdSourceConfig) -> ConnectOptions {
+    ConnectOptions::new()
+        .with_connect_timeout(cfg.request_timeout)
+        .with_keep_alive(cfg.request_timeout, cfg.request_timeout)
+        .with_keep_alive_while_idle(true)
+}
+
+/// `f` bounded by `d` ([`EtcdError::Timeout`] naming `what` when exceeded).
+async fn timed<T>(
+    d: Duration,
+    what: &'static str,
+    f: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, EtcdError> {
+    match tokio::time::timeout(d, f).await {
+        Ok(r) => r.map_err(EtcdError::from),
+        Err(_) => Err(EtcdError::Timeout(d, what)),
+    }
+}
+
+// ---- keys ---------------------------------------------------------------------------------
+
+/// The key names under one prefix (see the key layout above).
+#[derive(Debug, Clone)]
+struct Keys {
+    /// `P/`
+    root: String,
+    table: String,
+    instances: String,
+    switches: String,
+    edges: String,
+}
+
+impl Keys {
+    fn new(prefix: &str) -> Self {
+        let p = prefix.trim_end_matches('/');
+        Self {
+            root: format!("{p}/"),
+            table: format!("{p}/table"),
+            instances: format!("{p}/instances/"),
+            switches: format!("{p}/switches/"),
+            edges: format!("{p}/edges/"),
+        }
+    }
+}
+
+/// What a key under the prefix is, by the key layout ([`Keys::classify`]).
+enum EtcdKey<'a> {
+    Table,
+    Instance { service: &'a str, id: &'a str },
+    Switch(&'a str),
+    Edge(&'a str),
+    Other,
+}
+
+impl Keys {
+    /// Which kind of key `key` is (and its service / instance / edge ids).
+    fn classify<'a>(&self, key: &'a str) -> EtcdKey<'a> {
+        if key == self.table {
+            EtcdKey::Table
+        } else if let Some(rest) = key.strip_prefix(&self.instances) {
+            match rest.split_once('/') {
+                Some((service, id)) if !service.is_empty() && !id.is_empty() => {
+                    EtcdKey::Instance { service, id }
+                }
+                _ => EtcdKey::Other,
+            }
+        } else if let Some(id) = key.strip_prefix(&self.switches) {
+            if id.is_empty() {
+                EtcdKey::Other
+            } else {
+                EtcdKey::Switch(id)
+            }
+        } else if let Some(id) = key.strip_prefix(&self.edges) {
+            if id.is_empty() {
+                EtcdKey::Other
+            } else {
+                EtcdKey::Edge(id)
+            }
+        } else {
+            EtcdKey::Other
+        }
+    }
+}

@@ -1,0 +1,219 @@
+//! Redis behind the session layer's store traits (SPEC S5-S7) and cross-edge presence (F4).
+//!
+//! - [`RedisOwnership`] implements [`OwnershipRegistry`]: one owner per player, fencing
+//!   tokens from a per-player counter that only grows, owner records that expire with the
+//!   session's snapshot once it is detached (linger), release only by the current owner, and
+//!   a kick published on the previous owner's per-edge channel when another edge takes over
+//!   ([`RedisOwnership::subscribe_kicks`]).
+//! - [`RedisSnapshotStore`] implements [`SnapshotStore`] (the warm tier): snapshots expire
+//!   after the linger time; `take` is one Lua script (compare the resume-token hash, delete),
+//!   so a resume token works once across all edges; writes and deletes are fenced.
+//! - [`RedisPresence`]: player -> (edge, session) with a TTL, and batched cross-edge push
+//!   with a per-message [`DeliveryResult`] over Redis pub/sub (request + correlated reply).
+//!
+//! Every call is bounded by [`RedisConfig::op_timeout`] and fails with a typed
+//! [`RedisError`] (converted to [`StoreError`] for the session layer) instead of hanging
+//! when Redis is down; the connection reconnects by itself (redis' `ConnectionManager`).
+//!
+//! # Wiring an edge
+//!
+//! ```ignore
+//! let redis = RedisStores::connect_with(RedisConfig {
+//!     ..RedisConfig::new(url) // owner records of detached sessions expire with the linger
+//! })
+//! .await?; // or RedisStores::lazy(cfg)? to start while Redis is down
+//! edge_sessions.snapshots = redis.snapshots.clone();
+//! edge_sessions.ownership = redis.ownership.clone();
+//! // Takeovers on other edges kick our sessions:
+//! let mut kicks = redis.ownership.subscribe_kicks(&edge_id);
+//! let registry = edge_sessions.registry.clone();
+//! tokio::spawn(async move {
+//!     while let Some(k) = kicks.recv().await {
+//!         registry.kick(&k.session_id).await;
+//!     }
+//! });
+//! // Pushes from other edges:
+//! let reg = edge_sessions.registry.clone();
+//! let _server = redis.presence.serve_pushes(&edge_id, move |player: &str, m: PushMessage| {
+//!     match reg.push_to_player(player, m.into()) {
+//!         Ok(()) => DeliveryResult::Delivered,
+//!         Err(PushError::QueueFull) => DeliveryResult::QueueFull,
+//!         Err(_) => DeliveryResult::Offline,
+//!     }
+//! }); // keep `_server` alive
+//! // On SessionEvent::Established: presence.set(player, session, edge);
+//! // on Ended: presence.remove(player, session).
+//! // Every owner_ttl/3 (and right after Redis recovers), for each live session:
+//! //   ownership.reassert(player, session, edge, fencing) -> Superseded => registry.kick
+//! //   presence.set_many(edge, live) (presence_ttl/3)
+//! ```
+//!
+//! # Keys (prefix `waygate` by default)
+//!
+//! | key | type | content | expiry |
+//! |---|---|---|---|
+//! | `P:fence:<player>` | string | fencing counter | [`RedisConfig::fence_ttl`] |
+//! | `P:owner:<player>` | string | `<fencing> <session hex> <edge>` | live: owner TTL; detached: linger |
+//! | `P:snap:<session hex>` | hash | `f` fencing, `h`/`p` resume hashes (hex), `d` JSON | linger |
+//! | `P:presence:<player>` | string | `<session hex> <edge>` | presence TTL |
+//!
+//! Channels: `P:edge:<edge>:kick`, `P:edge:<edge>:push`, `P:reply:<random>`.
+//!
+//! Fencing counters start from Redis' clock in microseconds (`TIME`) when the counter key is
+//! missing and then `INCR`, so tokens keep growing even after the counter expires or Redis
+//! loses its data (a restart without persistence): a token issued later is always larger.
+//! Single Redis primary (or Sentinel); scripts touch keys of one player and one session,
+//! which Redis Cluster would need hash tags for (not supported here).
+//!
+//! # Where things are
+//!
+//! - `conn`: the shared connection (`ConnectionManager`, per-call bound, key and channel
+//!   names) and the pub/sub subscription loop every listener uses.
+//! - `ownership`: owner records, fencing, claim / release / reassert scripts, kicks
+//!   ([`RedisOwnership`], [`Reassert`], [`KickNotice`]).
+//! - `snapshots`: the warm snapshot store ([`RedisSnapshotStore`]).
+//! - `presence`: presence records ([`RedisPresence`], [`Presence`]).
+//! - `push`: cross-edge push over pub/sub ([`PushMessage`], [`DeliveryResult`],
+//!   [`PushHandler`], [`PushServer`]).
+//! - this file: [`RedisConfig`], [`RedisError`] and [`RedisStores`], the three backends on
+//!   one connection.
+//!
+//! [`OwnershipRegistry`]: waygate_session::store::OwnershipRegistry
+//! [`SnapshotStore`]: waygate_session::store::SnapshotStore
+//! [`StoreError`]: waygate_session::store::StoreError
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use waygate_session::store::StoreError;
+
+mod conn;
+mod ownership;
+mod presence;
+mod push;
+mod snapshots;
+
+use conn::Conn;
+pub use ownership::{KickNotice, Reassert, RedisOwnership};
+pub use presence::{Presence, RedisPresence};
+pub use push::{DeliveryResult, PushHandler, PushMessage, PushServer};
+pub use snapshots::RedisSnapshotStore;
+
+/// Settings of the Redis backends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisConfig {
+    /// `redis://host:port/db` (or `rediss://`).
+    pub url: String,
+    /// Key and channel prefix (several deployments can share one Redis).
+    pub prefix: String,
+    /// Bound on every call (connect, command, script); exceeded -> [`RedisError::Timeout`].
+    pub op_timeout: Duration,
+    /// Expiry of a live session's owner record (set by claim and reassert): a safety net
+    /// for an edge that died without releasing. A detached session's record expires with
+    /// its snapshot instead: [`SnapshotStore::put`] (called on detach with the linger time,
+    /// SPEC S5) sets the owner record's expiry to the snapshot's TTL.
+    ///
+    /// [`SnapshotStore::put`]: waygate_session::store::SnapshotStore::put
+    pub owner_ttl: Duration,
+    /// Expiry of the per-player fencing counter (refreshed on every claim and reassert);
+    /// `None` keeps counters forever. Tokens grow even across expiry (see the module docs).
+    pub fence_ttl: Option<Duration>,
+    /// How long a presence record lives without a refresh.
+    pub presence_ttl: Duration,
+    /// How long [`RedisPresence::push_batch`] waits for the target edge's answer.
+    pub push_timeout: Duration,
+}
+
+impl RedisConfig {
+    /// Defaults for `url`: prefix `waygate`, 500 ms per call, 24 h live owner records
+    /// (linger-long once detached), 30 day counters, 60 s presence, 1 s push wait.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            prefix: "waygate".into(),
+            op_timeout: Duration::from_millis(500),
+            owner_ttl: Duration::from_secs(24 * 3600),
+            fence_ttl: Some(Duration::from_secs(30 * 24 * 3600)),
+            presence_ttl: Duration::from_secs(60),
+            push_timeout: Duration::from_secs(1),
+        }
+    }
+}
+
+/// A Redis call failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RedisError {
+    /// No answer within [`RedisConfig::op_timeout`].
+    #[error("redis timed out")]
+    Timeout,
+    /// Connection refused or dropped, or Redis answered with an error.
+    #[error("redis unavailable: {0}")]
+    Unavailable(String),
+    /// A stored record did not parse.
+    #[error("corrupt redis record: {0}")]
+    Corrupt(String),
+    /// A caller-supplied value cannot be stored (e.g. an edge id with a newline).
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+    /// A write carried a fencing token older than the player's current one.
+    #[error("fenced: a newer owner exists")]
+    Fenced,
+}
+
+impl From<redis::RedisError> for RedisError {
+    fn from(e: redis::RedisError) -> Self {
+        if e.is_timeout() {
+            Self::Timeout
+        } else {
+            Self::Unavailable(e.to_string())
+        }
+    }
+}
+
+impl From<RedisError> for StoreError {
+    fn from(e: RedisError) -> Self {
+        match e {
+            RedisError::Timeout => StoreError::Timeout,
+            RedisError::Corrupt(m) => StoreError::Corrupt(m),
+            other => StoreError::Unavailable(other.to_string()),
+        }
+    }
+}
+
+/// The three Redis backends of one edge, sharing one connection.
+#[derive(Debug, Clone)]
+pub struct RedisStores {
+    /// Warm-tier snapshots: `EdgeSessions::snapshots`.
+    pub snapshots: Arc<RedisSnapshotStore>,
+    /// Single-login ownership: `EdgeSessions::ownership`.
+    pub ownership: Arc<RedisOwnership>,
+    /// Presence and cross-edge push.
+    pub presence: Arc<RedisPresence>,
+}
+
+impl RedisStores {
+    /// Connects with [`RedisConfig::new`] defaults and checks that Redis answers (PING within
+    /// the op timeout).
+    pub async fn connect(url: &str) -> Result<Self, RedisError> {
+        Self::connect_with(RedisConfig::new(url)).await
+    }
+
+    /// Connects with `config` and checks that Redis answers.
+    pub async fn connect_with(config: RedisConfig) -> Result<Self, RedisError> {
+        let stores = Self::lazy(config)?;
+        stores.ownership.conn.ping().await?;
+        Ok(stores)
+    }
+
+    /// Builds the backends without contacting Redis (the first call connects; an edge can
+    /// start while Redis is down and serve logins once it is back). Needs a tokio runtime.
+    pub fn lazy(config: RedisConfig) -> Result<Self, RedisError> {
+        let conn = Conn::new(config)?;
+        Ok(Self {
+            snapshots: Arc::new(RedisSnapshotStore::from_conn(conn.clone())),
+            ownership: Arc::new(RedisOwnership::from_conn(conn.clone())),
+            presence: Arc::new(RedisPresence::from_conn(conn)),
+        })
+    }
+}

@@ -1,0 +1,192 @@
+//! The warm tier of session snapshots (SPEC S5, S7): [`RedisSnapshotStore`] writes fenced
+//! snapshots that expire after the linger time (and makes a detached owner record expire
+//! with them), and takes a snapshot at most once across all edges (compare the resume-token
+//! hash and delete in one script).
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::{AsyncCommands as _, Script};
+use waygate_protocol::frame::SessionId;
+use waygate_session::resume::{hex_id, ResumeHash};
+use waygate_session::store::{Snapshot, SnapshotStore, StoreError, TakeOutcome};
+
+use super::conn::{ms, Conn};
+use super::{RedisConfig, RedisError};
+
+/// KEYS: fence, snap, owner. ARGV: fencing, ttl ms, hash hex, prev hash hex or '', json,
+/// "<fencing> <session hex> ". Returns 1 (written) or 0 (fenced: the player or the stored
+/// snapshot is newer). A written snapshot's session, if it owns the player, gets its owner
+/// record's expiry set to the snapshot's (the linger time starts now).
+const PUT_LUA: &str = r#"
+local f = tonumber(ARGV[1])
+local c = redis.call('GET', KEYS[1])
+if c and tonumber(c) > f then return 0 end
+local sf = redis.call('HGET', KEYS[2], 'f')
+if sf and tonumber(sf) > f then return 0 end
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], 'f', ARGV[1], 'h', ARGV[3], 'p', ARGV[4], 'd', ARGV[5])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+local cur = redis.call('GET', KEYS[3])
+if cur and string.sub(cur, 1, #ARGV[6]) == ARGV[6] then
+  redis.call('PEXPIRE', KEYS[3], ARGV[2])
+end
+return 1
+"#;
+
+/// KEYS: snap. ARGV: hash hex. Returns {0} not found, {2} mismatch, {1, json} taken.
+const TAKE_LUA: &str = r#"
+local v = redis.call('HMGET', KEYS[1], 'h', 'p', 'd')
+if not v[3] then return {0, false} end
+if v[1] == ARGV[1] or (v[2] and v[2] ~= '' and v[2] == ARGV[1]) then
+  redis.call('DEL', KEYS[1])
+  return {1, v[3]}
+end
+return {2, false}
+"#;
+
+/// KEYS: snap. ARGV: fencing or ''. Returns 1 if deleted.
+const DELETE_LUA: &str = r#"
+if ARGV[1] == '' then return redis.call('DEL', KEYS[1]) end
+if redis.call('HGET', KEYS[1], 'f') == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"#;
+
+/// Redis [`SnapshotStore`] (warm tier, SPEC S7).
+///
+/// `put` is fenced too: a snapshot whose fencing token is older than the player's counter
+/// (or than the stored snapshot's) is refused with [`StoreError::Unavailable`] ("fenced"),
+/// so a stale owner cannot overwrite what a newer one wrote.
+#[derive(Debug)]
+pub struct RedisSnapshotStore {
+    conn: Conn,
+}
+
+/// The snapshot scripts (hashed once; loaded into Redis on first use).
+struct Scripts {
+    put: Script,
+    take: Script,
+    delete: Script,
+}
+
+fn scripts() -> &'static Scripts {
+    static S: std::sync::OnceLock<Scripts> = std::sync::OnceLock::new();
+    S.get_or_init(|| Scripts {
+        put: Script::new(PUT_LUA),
+        take: Script::new(TAKE_LUA),
+        delete: Script::new(DELETE_LUA),
+    })
+}
+
+impl RedisSnapshotStore {
+    pub(super) fn from_conn(conn: Conn) -> Self {
+        Self { conn }
+    }
+
+    /// A store alone (see [`RedisStores`](super::RedisStores) for all three sharing a connection).
+    pub fn lazy(config: RedisConfig) -> Result<Self, RedisError> {
+        Ok(Self {
+            conn: Conn::new(config)?,
+        })
+    }
+
+    /// Writes `snapshot` unless it is fenced; see [`SnapshotStore::put`].
+    pub async fn put_fenced(&self, snapshot: &Snapshot, ttl: Duration) -> Result<(), RedisError> {
+        let c = &self.conn;
+        let json = serde_json::to_string(snapshot)
+            .map_err(|e| RedisError::Invalid(format!("snapshot: {e}")))?;
+        let mut inv = scripts().put.prepare_invoke();
+        inv.key(c.key("fence", &snapshot.player_id))
+            .key(c.key("snap", &hex_id(&snapshot.session_id)))
+            .key(c.key("owner", &snapshot.player_id))
+            .arg(snapshot.fencing)
+            .arg(ms(ttl))
+            .arg(hex_id(&snapshot.resume_hash.0))
+            .arg(
+                snapshot
+                    .prev_resume_hash
+                    .map_or(String::new(), |h| hex_id(&h.0)),
+            )
+            .arg(json)
+            .arg(format!(
+                "{} {} ",
+                snapshot.fencing,
+                hex_id(&snapshot.session_id)
+            ));
+        let n: u8 = c
+            .run(|mut m| async move { inv.invoke_async(&mut m).await })
+            .await?;
+        if n == 1 {
+            Ok(())
+        } else {
+            Err(RedisError::Fenced)
+        }
+    }
+
+    fn decode(session_id: &SessionId, json: &str) -> Result<Snapshot, RedisError> {
+        let s: Snapshot = serde_json::from_str(json)
+            .map_err(|e| RedisError::Corrupt(format!("snapshot {}: {e}", hex_id(session_id))))?;
+        if s.session_id != *session_id {
+            return Err(RedisError::Corrupt(format!(
+                "snapshot under {} holds {}",
+                hex_id(session_id),
+                hex_id(&s.session_id)
+            )));
+        }
+        Ok(s)
+    }
+}
+
+#[async_trait]
+impl SnapshotStore for RedisSnapshotStore {
+    async fn put(&self, snapshot: &Snapshot, ttl: Duration) -> Result<(), StoreError> {
+        Ok(self.put_fenced(snapshot, ttl).await?)
+    }
+
+    async fn get(&self, session_id: &SessionId) -> Result<Option<Snapshot>, StoreError> {
+        let key = self.conn.key("snap", &hex_id(session_id));
+        let json: Option<String> = self
+            .conn
+            .run(|mut m| async move { m.hget(key, "d").await })
+            .await?;
+        Ok(json.map(|j| Self::decode(session_id, &j)).transpose()?)
+    }
+
+    async fn take(
+        &self,
+        session_id: &SessionId,
+        resume_hash: &ResumeHash,
+    ) -> Result<TakeOutcome, StoreError> {
+        let c = &self.conn;
+        let mut inv = scripts().take.prepare_invoke();
+        inv.key(c.key("snap", &hex_id(session_id)))
+            .arg(hex_id(&resume_hash.0));
+        let (code, json): (u8, Option<String>) = c
+            .run(|mut m| async move { inv.invoke_async(&mut m).await })
+            .await?;
+        match (code, json) {
+            (1, Some(j)) => Ok(TakeOutcome::Taken(Box::new(Self::decode(session_id, &j)?))),
+            (2, _) => Ok(TakeOutcome::Mismatch),
+            (0, _) => Ok(TakeOutcome::NotFound),
+            (other, _) => Err(RedisError::Corrupt(format!("take answered {other}")).into()),
+        }
+    }
+
+    async fn delete(
+        &self,
+        session_id: &SessionId,
+        fencing: Option<u64>,
+    ) -> Result<bool, StoreError> {
+        let c = &self.conn;
+        let mut inv = scripts().delete.prepare_invoke();
+        inv.key(c.key("snap", &hex_id(session_id)))
+            .arg(fencing.map_or(String::new(), |f| f.to_string()));
+        let n: u8 = c
+            .run(|mut m| async move { inv.invoke_async(&mut m).await })
+            .await?;
+        Ok(n == 1)
+    }
+}
