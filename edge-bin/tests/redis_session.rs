@@ -1,4 +1,4 @@
-//! The session driver (`EdgeSessions`) on the Redis stores, with real time and a real
+//! The session driver (`SessionLayer`) on the Redis stores, with real time and a real
 //! redis-server 7: a client resumes on another edge from the warm tier, the old edge's
 //! lingering copy is kicked across edges (kick subscription wired to `SessionRegistry::kick`),
 //! and with Redis down a new login ends with UNAVAILABLE within 1 s while a live session is
@@ -14,7 +14,7 @@ use support_redis::RedisServer;
 use waygate_edge::cluster::redis::RedisStores;
 use waygate_protocol::frame::WelcomeOutcome;
 use waygate_session::client::{ClientEvent, ClientSession};
-use waygate_session::driver::{Downstream, EdgeSessions};
+use waygate_session::driver::{Downstream, SessionLayer};
 use waygate_session::machine::EndReason;
 use waygate_session::store::{OwnershipRegistry as _, SnapshotStore as _};
 use waygate_session::testkit::{echo_edge, test_client};
@@ -31,7 +31,7 @@ fn unix() -> u64 {
 
 /// An edge whose session layer runs on the Redis stores, with the kick subscription wired
 /// to its registry (what the lead wires in edge.rs).
-fn edge(id: &str, stores: &RedisStores) -> Arc<EdgeSessions> {
+fn edge(id: &str, stores: &RedisStores) -> Arc<SessionLayer> {
     let config = SessionConfig {
         linger: Duration::from_secs(30),
         ..SessionConfig::default()

@@ -342,8 +342,10 @@ impl SessionRegistry {
     }
 }
 
-/// Everything a session task needs, shared by all sessions of an edge.
-pub struct EdgeSessions {
+/// The session layer of one process: everything a session task needs (settings, auth,
+/// stores, the registry, the upstream sink, counters), shared by all its sessions; `spawn`
+/// runs one task per connection.
+pub struct SessionLayer {
     /// This edge's id (ownership records, presence).
     pub edge_id: String,
     /// Session-layer settings.
@@ -425,16 +427,16 @@ fn visible(action: &Action) -> bool {
     }
 }
 
-impl std::fmt::Debug for EdgeSessions {
+impl std::fmt::Debug for SessionLayer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EdgeSessions")
+        f.debug_struct("SessionLayer")
             .field("edge_id", &self.edge_id)
             .field("config", &self.config)
             .finish_non_exhaustive()
     }
 }
 
-impl EdgeSessions {
+impl SessionLayer {
     /// Embedded defaults: in-memory stores, OS RNG, system clock.
     pub fn new(
         edge_id: impl Into<String>,
@@ -478,7 +480,7 @@ fn now() -> std::time::Instant {
 static NEXT_TASK: AtomicU64 = AtomicU64::new(1);
 
 struct Task {
-    edge: Arc<EdgeSessions>,
+    edge: Arc<SessionLayer>,
     machine: SessionMachine,
     conn: Option<BoxConnection>,
     task: u64,
@@ -505,7 +507,7 @@ enum Event {
 ///
 /// Runs inside a `session` span with the connection id, transport, and — once known — the
 /// session and player ids.
-pub async fn run_session(edge: Arc<EdgeSessions>, conn: BoxConnection) -> EndReason {
+pub async fn run_session(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndReason {
     let span = tracing::info_span!(
         "session",
         conn = %conn.info().id,
@@ -516,7 +518,7 @@ pub async fn run_session(edge: Arc<EdgeSessions>, conn: BoxConnection) -> EndRea
     run_session_inner(edge, conn).instrument(span).await
 }
 
-async fn run_session_inner(edge: Arc<EdgeSessions>, conn: BoxConnection) -> EndReason {
+async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndReason {
     let conn_kind = conn.info().kind;
     let (commands_tx, mut commands) = mpsc::channel(8);
     let (downstream_tx, downstream_rx) = mpsc::channel(edge.outbound_capacity.max(1));

@@ -35,8 +35,8 @@
 //!
 //! ## How the edge drives it
 //!
-//! Build one [`driver::EdgeSessions`] (config, authenticator, stores, registry, upstream
-//! sink), call [`driver::EdgeSessions::spawn`] for every connection a transport listener
+//! Build one [`driver::SessionLayer`] (config, authenticator, stores, registry, upstream
+//! sink), call [`driver::SessionLayer::spawn`] for every connection a transport listener
 //! yields, and talk to sessions through [`driver::SessionRegistry`] (`push`,
 //! `push_to_player`, `kick`, `bind`, `migrate`, `close`). The router implements
 //! [`driver::UpstreamSink`]: it receives every delivered upstream message and the session

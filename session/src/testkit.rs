@@ -21,7 +21,7 @@ use bytes::Bytes;
 use crate::auth::{mint_token, HmacAuthenticator, KeyRing, TokenClaims};
 use crate::client::{ClientConfig, ClientEvent, ClientSession};
 use crate::driver::{
-    DeliverError, Downstream, EdgeSessions, SessionEvent, SessionRegistry, UpstreamSink,
+    DeliverError, Downstream, SessionEvent, SessionLayer, SessionRegistry, UpstreamSink,
 };
 use crate::machine::SessionConfig;
 use crate::machine::Upstream;
@@ -74,12 +74,12 @@ pub const TEST_KEY: &[u8] = b"driver test key: 32 bytes.......";
 /// A session layer named `edge_id` whose upstream is an [`EchoSink`] on its own registry,
 /// verifying tokens of [`TEST_KEY`] with `config`. Stores are the in-memory defaults; set
 /// them (and `unix_now`) before wrapping it in an `Arc`.
-pub fn echo_edge(edge_id: &str, config: SessionConfig) -> (EdgeSessions, Arc<EchoSink>) {
+pub fn echo_edge(edge_id: &str, config: SessionConfig) -> (SessionLayer, Arc<EchoSink>) {
     let registry = SessionRegistry::new();
     let sink = Arc::new(EchoSink::new(registry.clone()));
     let mut ring = KeyRing::new();
     ring.insert(1, TEST_KEY);
-    let mut edge = EdgeSessions::new(
+    let mut edge = SessionLayer::new(
         edge_id,
         config,
         Arc::new(HmacAuthenticator::new(ring)),

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use waygate_protocol::frame::WelcomeOutcome;
 use waygate_session::client::{ClientConfig, ClientEvent, ClientSession};
-use waygate_session::driver::{Downstream, EdgeSessions, PushError, SessionEvent};
+use waygate_session::driver::{Downstream, PushError, SessionEvent, SessionLayer};
 use waygate_session::machine::EndReason;
 use waygate_session::testkit::{echo_edge, test_client, EchoSink};
 use waygate_session::SessionConfig;
@@ -17,7 +17,7 @@ use waygate_transport::{CloseCode, Connection, TrafficClass, TransportError};
 
 const UNIX: u64 = 1_800_000_000;
 
-fn edge() -> (Arc<EdgeSessions>, Arc<EchoSink>) {
+fn edge() -> (Arc<SessionLayer>, Arc<EchoSink>) {
     let config = SessionConfig {
         linger: Duration::from_secs(60),
         ..SessionConfig::default()

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use waygate_protocol::frame::WelcomeOutcome;
 use waygate_session::client::{ClientConfig, ClientEvent, ClientSession, ClientState};
-use waygate_session::driver::EdgeSessions;
+use waygate_session::driver::SessionLayer;
 use waygate_session::testkit::{echo_edge, test_token, EchoSink};
 use waygate_session::SessionConfig;
 use waygate_transport::tcp::{self, connect_tcp};
@@ -26,7 +26,7 @@ fn token(player: &str) -> Bytes {
     test_token(player, unix_now(), 600)
 }
 
-async fn start_edge() -> (SocketAddr, Arc<EdgeSessions>, Arc<EchoSink>) {
+async fn start_edge() -> (SocketAddr, Arc<SessionLayer>, Arc<EchoSink>) {
     let listener = tcp::listen(
         "127.0.0.1:0".parse().expect("addr"),
         None,

@@ -16,7 +16,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use std::sync::atomic::AtomicU64;
-use waygate_session::driver::EdgeSessions;
+use waygate_session::driver::SessionLayer;
 
 /// Label: transport kind.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -101,13 +101,13 @@ impl Default for EdgeMetrics {
 }
 
 /// The session layer of an edge as the metrics see it: set once, when the edge has built it.
-pub type SessionLayer = Arc<OnceLock<Arc<EdgeSessions>>>;
+pub type SessionLayerSlot = Arc<OnceLock<Arc<SessionLayer>>>;
 
 /// Reads the session layer's counters at scrape time: `sessions_live`, the write-through
 /// counters, `session_transition{from,to}` and every named session counter
 /// (`session_<name>_total`).
 #[derive(Debug)]
-struct SessionLayerCollector(SessionLayer);
+struct SessionLayerCollector(SessionLayerSlot);
 
 impl Collector for SessionLayerCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
@@ -164,7 +164,7 @@ impl Collector for SessionLayerCollector {
 impl EdgeMetrics {
     /// Creates and registers every metric; the session layer's counters are read from
     /// `sessions` once it is set.
-    pub fn with_session_layer(sessions: SessionLayer) -> Self {
+    pub fn with_session_layer(sessions: SessionLayerSlot) -> Self {
         let mut m = Self::new();
         m.registry
             .register_collector(Box::new(SessionLayerCollector(sessions)));

@@ -30,7 +30,7 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, mut listener: BoxListener) 
             .get_or_create(&label)
             .clone();
         gauge.inc();
-        let task = shared.edge_sessions().spawn(conn);
+        let task = shared.session_layer().spawn(conn);
         tokio::spawn(async move {
             let _ = task.await;
             gauge.dec();

@@ -23,7 +23,7 @@ impl AdminApi for EdgeAdmin {
             "status": "ok",
             "edge_id": s.config.edge_id,
             "uptime_secs": s.started.elapsed().as_secs(),
-            "sessions": s.edge_sessions().registry.len(),
+            "sessions": s.session_layer().registry.len(),
             "draining": s.draining.load(Ordering::Acquire),
             "route_epoch": s.epoch.load(Ordering::Relaxed),
             "overload_level": s.governor.level.load(Ordering::Acquire),
@@ -71,7 +71,7 @@ impl AdminApi for EdgeAdmin {
 
     async fn session(&self, player: &str) -> Option<Value> {
         let s = &self.0;
-        let sid = s.edge_sessions().registry.session_of(player)?;
+        let sid = s.session_layer().registry.session_of(player)?;
         let entry = s
             .entries
             .lock()
@@ -101,7 +101,7 @@ impl AdminApi for EdgeAdmin {
                 }
             }
             target = s.drain_target();
-            let registry = s.edge_sessions().registry.clone();
+            let registry = s.session_layer().registry.clone();
             let ids = registry.session_ids();
             if s.redis.is_some() {
                 // Hard migration (S8): hold upstream, let replies in flight land here and be
@@ -124,13 +124,13 @@ impl AdminApi for EdgeAdmin {
             "already_draining": already,
             "migrated": migrated,
             "target": target,
-            "sessions": s.edge_sessions().registry.len(),
+            "sessions": s.session_layer().registry.len(),
             "deadline_ms": s.config.drain.deadline_ms,
         })
     }
 
     async fn drop_link(&self, player: &str) -> bool {
-        let registry = &self.0.edge_sessions().registry;
+        let registry = &self.0.session_layer().registry;
         match registry.session_of(player) {
             Some(sid) => registry.drop_link(&sid).await,
             None => false,
@@ -138,7 +138,7 @@ impl AdminApi for EdgeAdmin {
     }
 
     async fn kick(&self, player: &str) -> bool {
-        let registry = &self.0.edge_sessions().registry;
+        let registry = &self.0.session_layer().registry;
         match registry.session_of(player) {
             Some(sid) => registry.close(&sid, CloseCode::Kicked).await,
             None => false,

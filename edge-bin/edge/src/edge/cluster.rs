@@ -107,7 +107,7 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
                     loop {
                         tick.tick().await;
                         let Some(shared) = weak.upgrade() else { return };
-                        let players = u32::try_from(shared.edge_sessions().registry.len())
+                        let players = u32::try_from(shared.session_layer().registry.len())
                             .unwrap_or(u32::MAX);
                         let _ = load_tx.send(Load {
                             players,
@@ -137,13 +137,13 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
                 .and_then(|e| e.by_id.get(&k.session_id).map(|en| en.meta.fencing));
             // Kick only a copy that is not newer than the one taken over.
             if local.is_none_or(|f| f <= k.fencing) {
-                let registry = shared.edge_sessions().registry.clone();
+                let registry = shared.session_layer().registry.clone();
                 tokio::spawn(async move { registry.kick(&k.session_id).await });
             }
         }
     }));
     // Pushes from other edges (F4).
-    let registry = shared.edge_sessions().registry.clone();
+    let registry = shared.session_layer().registry.clone();
     let server = redis
         .presence
         .serve_pushes(&edge_id, move |player: &str, m: PushMessage| match registry
@@ -192,7 +192,7 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
                     Ok(Reassert::Owner) => {}
                     Ok(Reassert::Superseded(_)) => {
                         superseded += 1;
-                        let registry = shared.edge_sessions().registry.clone();
+                        let registry = shared.session_layer().registry.clone();
                         let sid = *sid;
                         tokio::spawn(async move { registry.kick(&sid).await });
                     }

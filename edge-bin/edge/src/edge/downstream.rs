@@ -23,7 +23,7 @@ impl Shared {
         client_seq: u64,
         retry_after_ms: u32,
     ) {
-        let registry = &self.edge_sessions().registry;
+        let registry = &self.session_layer().registry;
         if !registry
             .report_error(session_id, code, msg_id, client_seq, retry_after_ms)
             .await
@@ -55,7 +55,7 @@ pub(super) async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver
                     continue;
                 }
                 let pushed = shared.session_of_handle(handle).map(|sid| {
-                    shared.edge_sessions().registry.push(
+                    shared.session_layer().registry.push(
                         &sid,
                         Downstream {
                             class,
@@ -71,7 +71,7 @@ pub(super) async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver
             }
             LinkEvent::Backend(LinkFrame::Kick { handle, code, .. }) => {
                 if let Some(sid) = shared.session_of_handle(handle) {
-                    shared.edge_sessions().registry.close(&sid, code).await;
+                    shared.session_layer().registry.close(&sid, code).await;
                 }
             }
             LinkEvent::Refuse {

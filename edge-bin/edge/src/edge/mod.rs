@@ -31,7 +31,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use waygate_routing::source::RouteSource;
 use waygate_routing::{Router, RoutingError};
-use waygate_session::driver::{EdgeSessions, SessionRegistry};
+use waygate_session::driver::{SessionLayer, SessionRegistry};
 use waygate_transport::TransportKind;
 
 use crate::admin::AdminApi;
@@ -86,7 +86,7 @@ pub enum EdgeError {
 struct Shared {
     config: EdgeConfig,
     metrics: EdgeMetrics,
-    sessions: crate::metrics::SessionLayer,
+    sessions: crate::metrics::SessionLayerSlot,
     router: Mutex<Router>,
     source: Option<Arc<dyn RouteSource>>,
     /// Where the table comes from: "etcd", "file" or "embedded".
@@ -155,7 +155,7 @@ impl Edge {
 
     /// The session registry.
     pub fn registry(&self) -> SessionRegistry {
-        self.shared.edge_sessions().registry.clone()
+        self.shared.session_layer().registry.clone()
     }
 
     /// Whether a drain was started.
@@ -179,7 +179,7 @@ impl Edge {
 }
 
 impl Shared {
-    pub(super) fn edge_sessions(&self) -> &Arc<EdgeSessions> {
+    pub(super) fn session_layer(&self) -> &Arc<SessionLayer> {
         // Set right after construction in `Edge::start`, before any task runs.
         self.sessions
             .get()

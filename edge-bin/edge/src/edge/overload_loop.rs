@@ -17,7 +17,7 @@ pub(super) async fn overload_loop(shared: Weak<Shared>) {
         let Some(shared) = shared.upgrade() else {
             return;
         };
-        let sessions = shared.edge_sessions().registry.len() as u64;
+        let sessions = shared.session_layer().registry.len() as u64;
         let memory = waygate_transport::backpressure::process_rss_bytes().unwrap_or(0);
         let refuse = shared.governor.observe(sessions, memory);
         shared.admission.refuse_all(refuse);

@@ -12,7 +12,7 @@ use waygate_routing::source::{FileRouteSource, FileSourceConfig, RouteSource};
 use waygate_routing::{
     HealthConfig, MigrationRate, RouteTable, Router, RouterConfig, RoutingError,
 };
-use waygate_session::driver::{EdgeSessions, WriteThrough};
+use waygate_session::driver::{SessionLayer, WriteThrough};
 use waygate_session::machine::SessionConfig;
 use waygate_session::{HmacAuthenticator, KeyRing};
 
@@ -137,7 +137,7 @@ impl Edge {
         });
         let epoch = Arc::new(AtomicU64::new(router.epoch().unwrap_or(0)));
         let (link_tx, link_rx) = mpsc::channel(4096);
-        let sessions = crate::metrics::SessionLayer::default();
+        let sessions = crate::metrics::SessionLayerSlot::default();
         let shared = Arc::new(Shared {
             metrics: EdgeMetrics::with_session_layer(sessions.clone()),
             sessions,
@@ -187,25 +187,25 @@ impl Edge {
             },
             ..SessionConfig::default()
         };
-        let mut edge_sessions = EdgeSessions::new(
+        let mut session_layer = SessionLayer::new(
             shared.config.edge_id.clone(),
             session_config,
             Arc::new(auth),
             Arc::new(EdgeUpstream(Arc::downgrade(&shared))),
         );
-        edge_sessions.outbound_capacity = s.outbound_capacity;
-        edge_sessions.inbound = Some(inbound_limits(&shared.config.backpressure));
-        edge_sessions.send_deadline =
+        session_layer.outbound_capacity = s.outbound_capacity;
+        session_layer.inbound = Some(inbound_limits(&shared.config.backpressure));
+        session_layer.send_deadline =
             Duration::from_millis(shared.config.backpressure.send_deadline_ms);
         if let Some(r) = &shared.redis {
-            edge_sessions.snapshots = r.snapshots.clone();
-            edge_sessions.ownership = r.ownership.clone();
+            session_layer.snapshots = r.snapshots.clone();
+            session_layer.ownership = r.ownership.clone();
             if shared.config.cluster.write_through {
-                edge_sessions.write_through =
+                session_layer.write_through =
                     Some(Arc::new(WriteThrough::new(Duration::from_secs(1))));
             }
         }
-        let _ = shared.sessions.set(Arc::new(edge_sessions));
+        let _ = shared.sessions.set(Arc::new(session_layer));
 
         // Give the backend links a moment to come up before the first client arrives (an
         // edge that accepted players before its links were up would answer UNAVAILABLE).

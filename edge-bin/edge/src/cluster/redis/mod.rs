@@ -22,18 +22,18 @@
 //!     ..RedisConfig::new(url) // owner records of detached sessions expire with the linger
 //! })
 //! .await?; // or RedisStores::lazy(cfg)? to start while Redis is down
-//! edge_sessions.snapshots = redis.snapshots.clone();
-//! edge_sessions.ownership = redis.ownership.clone();
+//! session_layer.snapshots = redis.snapshots.clone();
+//! session_layer.ownership = redis.ownership.clone();
 //! // Takeovers on other edges kick our sessions:
 //! let mut kicks = redis.ownership.subscribe_kicks(&edge_id);
-//! let registry = edge_sessions.registry.clone();
+//! let registry = session_layer.registry.clone();
 //! tokio::spawn(async move {
 //!     while let Some(k) = kicks.recv().await {
 //!         registry.kick(&k.session_id).await;
 //!     }
 //! });
 //! // Pushes from other edges:
-//! let reg = edge_sessions.registry.clone();
+//! let reg = session_layer.registry.clone();
 //! let _server = redis.presence.serve_pushes(&edge_id, move |player: &str, m: PushMessage| {
 //!     match reg.push_to_player(player, m.into()) {
 //!         Ok(()) => DeliveryResult::Delivered,
@@ -184,9 +184,9 @@ impl From<RedisError> for StoreError {
 /// The three Redis backends of one edge, sharing one connection.
 #[derive(Debug, Clone)]
 pub struct RedisStores {
-    /// Warm-tier snapshots: `EdgeSessions::snapshots`.
+    /// Warm-tier snapshots: `SessionLayer::snapshots`.
     pub snapshots: Arc<RedisSnapshotStore>,
-    /// Single-login ownership: `EdgeSessions::ownership`.
+    /// Single-login ownership: `SessionLayer::ownership`.
     pub ownership: Arc<RedisOwnership>,
     /// Presence and cross-edge push.
     pub presence: Arc<RedisPresence>,
