@@ -3,7 +3,9 @@
 //! is added, directly or through another crate:
 //!
 //! - the protocol crate's tree has no tokio (bytes on the wire, no runtime);
-//! - routing depends on no workspace crate;
+//! - routing depends on no workspace crate but the sans-IO leaf `waygate-backpressure` (the
+//!   one token bucket of the workspace, which paces migrations);
+//! - the protocol and backpressure crates' trees have no tokio;
 //! - transport and protocol never depend on session, routing, the link, the backend SDK or
 //!   the edge;
 //! - the backend SDK's tree holds none of etcd-client, redis, axum, clap, quinn,
@@ -74,7 +76,6 @@ const RULES: &[Rule] = &[
     Rule {
         package: "waygate-routing",
         forbidden: &[
-            "waygate-protocol",
             "waygate-transport",
             "waygate-session",
             "waygate-link",
@@ -83,7 +84,17 @@ const RULES: &[Rule] = &[
             "waygate",
             "waygate-client",
         ],
-        why: "routing is a pure core that depends on no workspace crate",
+        why: "routing is a pure core: no workspace crate but the sans-IO backpressure leaf",
+    },
+    Rule {
+        package: "waygate-backpressure",
+        forbidden: &["tokio", "waygate-transport"],
+        why: "backpressure stages are sans-IO leaves every layer may use",
+    },
+    Rule {
+        package: "waygate-backpressure",
+        forbidden: ABOVE_TRANSPORT,
+        why: "backpressure stages are sans-IO leaves every layer may use",
     },
     Rule {
         package: "waygate-transport",

@@ -68,7 +68,6 @@ pub use error::RoutingError;
 pub use health::{HealthConfig, HealthTracker, HealthView};
 pub use migration::{
     rebalance, Migration, MigrationCause, MigrationPlanner, MigrationRate, PendingMigration,
-    TokenBucket,
 };
 pub use rendezvous::Rendezvous;
 pub use router::{

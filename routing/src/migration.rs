@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::table::{InstanceState, KeyKind, RouteTable, ServiceSpec};
 use crate::Rendezvous;
+use waygate_backpressure::{Rate, TokenBucket};
 
 /// Why something has to move.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -252,71 +253,6 @@ pub struct PendingMigration {
     pub cause: MigrationCause,
 }
 
-/// Token bucket on an injected clock.
-#[derive(Debug, Clone)]
-pub struct TokenBucket {
-    rate_per_sec: f64,
-    burst: f64,
-    tokens: f64,
-    last: Instant,
-}
-
-impl TokenBucket {
-    /// A full bucket of `burst` tokens refilled at `rate_per_sec` (<= 0 or NaN: never refills).
-    #[must_use]
-    pub fn new(rate_per_sec: f64, burst: u32, now: Instant) -> Self {
-        let rate_per_sec = if rate_per_sec.is_nan() || rate_per_sec < 0.0 {
-            0.0
-        } else {
-            rate_per_sec
-        };
-        let burst = f64::from(burst.max(1));
-        Self {
-            rate_per_sec,
-            burst,
-            tokens: burst,
-            last: now,
-        }
-    }
-
-    fn refill(&mut self, now: Instant) {
-        let dt = now.saturating_duration_since(self.last).as_secs_f64();
-        self.last = self.last.max(now);
-        self.tokens = (self.tokens + dt * self.rate_per_sec).min(self.burst);
-    }
-
-    /// Takes one token if available at `now`.
-    pub fn try_take(&mut self, now: Instant) -> bool {
-        self.refill(now);
-        if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
-            true
-        } else {
-            false
-        }
-    }
-
-    /// Returns a token taken by mistake.
-    pub fn refund(&mut self) {
-        self.tokens = (self.tokens + 1.0).min(self.burst);
-    }
-
-    /// When the next token is available (now if one is), `None` if it never will be.
-    #[must_use]
-    pub fn next_token_at(&self, now: Instant) -> Option<Instant> {
-        let dt = now.saturating_duration_since(self.last).as_secs_f64();
-        let tokens = (self.tokens + dt * self.rate_per_sec).min(self.burst);
-        if tokens >= 1.0 {
-            return Some(now);
-        }
-        if self.rate_per_sec <= 0.0 {
-            return None;
-        }
-        let wait = (1.0 - tokens) / self.rate_per_sec;
-        Some(now + Duration::from_secs_f64(wait.min(1e9)))
-    }
-}
-
 /// Rate settings of the [`MigrationPlanner`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MigrationRate {
@@ -324,6 +260,21 @@ pub struct MigrationRate {
     pub per_second: f64,
     /// Releases allowed at once after a quiet period.
     pub burst: u32,
+}
+
+impl MigrationRate {
+    /// The exact bucket that paces releases: `per_second` kept to the millisecond (a
+    /// negative or NaN rate never refills), `burst` at least 1.
+    fn bucket(self, now: Instant) -> TokenBucket {
+        let rate = if self.per_second.is_finite() && self.per_second > 0.0 {
+            // Tokens per 1,000 s: exact for any rate given to the millisecond.
+            let per_kilosecond = (self.per_second * 1000.0).round().min(u64::MAX as f64) as u64;
+            Rate::new(per_kilosecond, Duration::from_secs(1000))
+        } else {
+            Rate::never()
+        };
+        TokenBucket::new(rate, u64::from(self.burst.max(1)), now)
+    }
 }
 
 impl Default for MigrationRate {
@@ -354,7 +305,7 @@ impl MigrationPlanner {
             urgent: VecDeque::new(),
             gentle: VecDeque::new(),
             queued: HashSet::new(),
-            bucket: TokenBucket::new(rate.per_second, rate.burst, now),
+            bucket: rate.bucket(now),
         }
     }
 
@@ -388,7 +339,7 @@ impl MigrationPlanner {
 
     /// Releases the next move if the rate allows at `now`.
     pub fn poll(&mut self, now: Instant) -> Option<PendingMigration> {
-        if self.is_empty() || !self.bucket.try_take(now) {
+        if self.is_empty() || self.bucket.try_take(now, 1).is_err() {
             return None;
         }
         let m = self
@@ -401,14 +352,14 @@ impl MigrationPlanner {
 
     /// Returns the token of a released move that turned out to be unnecessary.
     pub fn refund(&mut self) {
-        self.bucket.refund();
+        self.bucket.refund(1);
     }
 
     /// Puts a released move back at the head of its queue and refunds its token (the caller
     /// could not carry it out, e.g. no instance can take the key yet).
     pub fn requeue_front(&mut self, m: PendingMigration) {
         if self.queued.insert((m.key.clone(), m.service.clone())) {
-            self.bucket.refund();
+            self.bucket.refund(1);
             if m.cause.is_urgent() {
                 self.urgent.push_front(m);
             } else {
@@ -423,7 +374,12 @@ impl MigrationPlanner {
         if self.is_empty() {
             None
         } else {
-            self.bucket.next_token_at(now)
+            // `check` refills a copy; the planner's own bucket is untouched.
+            match self.bucket.clone().check(now, 1) {
+                Ok(()) => Some(now),
+                Err(wait) if wait.is_never() => None,
+                Err(wait) => Some(now + wait.0),
+            }
         }
     }
 

@@ -365,7 +365,7 @@ pub struct SessionLayer {
     /// Capacity of each session's downstream channel.
     pub outbound_capacity: usize,
     /// Per-connection inbound rate limits (B2); `None`: unlimited.
-    pub inbound: Option<waygate_transport::backpressure::InboundLimits>,
+    pub inbound: Option<waygate_backpressure::InboundLimits>,
     /// A frame that cannot be written within this time closes the connection as
     /// SLOW_CONSUMER (B3); the session lingers with everything in its replay buffer.
     pub send_deadline: Duration,
@@ -489,7 +489,7 @@ struct Task {
     downstream_tx: mpsc::Sender<Downstream>,
     downstream_rx: Option<mpsc::Receiver<Downstream>>,
     adopted: Option<SessionId>,
-    inbound: Option<waygate_transport::backpressure::InboundLimiter>,
+    inbound: Option<waygate_backpressure::InboundLimiter>,
     transport: waygate_transport::TransportKind,
     started: tokio::time::Instant,
     /// Last snapshot written by write-through (skip identical writes).
@@ -541,7 +541,7 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
     t.inbound = t
         .edge
         .inbound
-        .map(|limits| waygate_transport::backpressure::InboundLimiter::new(limits, now()));
+        .map(|limits| waygate_backpressure::InboundLimiter::new(limits, now()));
     let _ = t.machine.handle_link_up(now());
     loop {
         t.run_actions().await;
@@ -567,7 +567,7 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
                 if let (Some(limiter), waygate_transport::Frame::Data(_)) =
                     (t.inbound.as_mut(), &frame)
                 {
-                    use waygate_transport::backpressure::InboundVerdict;
+                    use waygate_backpressure::InboundVerdict;
                     match limiter.check(now(), frame.encoded_len()) {
                         InboundVerdict::Accept => {}
                         InboundVerdict::Drop => {

@@ -16,7 +16,6 @@
 //! The KCP endpoint's core ([`kcp`]) is a plain state machine driven by one socket task, the
 //! model for every owner of many connections in the workspace.
 
-pub mod backpressure;
 pub mod conn;
 pub mod endpoint;
 pub mod error;

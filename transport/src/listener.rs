@@ -182,7 +182,7 @@ pub(crate) async fn accept_tcp(
 #[derive(Debug)]
 pub enum Admit {
     /// Go ahead; the permit (if any) is held until the transport handshake ends.
-    Go(Option<crate::backpressure::HandshakePermit>),
+    Go(Option<waygate_backpressure::HandshakePermit>),
     /// Refuse with `code` and a retry-after hint: TCP gets a REJECT frame, WebSocket an HTTP
     /// 503 with `Retry-After`, QUIC a CONNECTION_REFUSED; TLS and wss cannot answer before
     /// their handshake and are closed at once (counted).
@@ -196,7 +196,7 @@ pub enum Admit {
 
 /// Decides, before any expensive work (TLS, upgrade, QUIC handshake), whether a new
 /// connection may proceed (SPEC B1). The edge implements it over
-/// [`crate::backpressure::AdmissionControl`] and its overload level.
+/// [`waygate_backpressure::AdmissionControl`] and its overload level.
 pub trait AdmissionGate: Send + Sync + std::fmt::Debug + 'static {
     /// Called once per accepted socket / QUIC `Incoming`, with the peer address.
     fn admit(&self, peer: SocketAddr) -> Admit;

@@ -1,13 +1,13 @@
 //! The edge's backpressure shell (SPEC B1, B5): the admission gate every listener asks
 //! before any expensive work, and the overload governor fed from a periodic tick. The
-//! decisions themselves are the sans-IO stages of `waygate_transport::backpressure`.
+//! decisions themselves are the sans-IO stages of `waygate_backpressure`.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use waygate_transport::backpressure::{
+use waygate_backpressure::{
     Admission, AdmissionConfig, AdmissionControl, GovernorConfig, InboundLimits, OverloadGovernor,
     OverloadInputs, PhaseDeadlines, Rate,
 };
@@ -126,7 +126,7 @@ impl Governor {
     /// From the edge's settings.
     pub fn new(config: &BackpressureConfig) -> Self {
         let session_cap = if config.max_sessions == 0 {
-            waygate_transport::backpressure::default_session_cap()
+            waygate_backpressure::default_session_cap()
         } else {
             config.max_sessions
         };

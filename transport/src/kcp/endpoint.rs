@@ -36,9 +36,9 @@ use rand::RngExt;
 
 use super::config::{KcpConfig, KCP_OVERHEAD};
 use super::cookie::{is_control, Control, Cookie, CookieError, CookieKey};
-use crate::backpressure::{Rate, TokenBucket};
 use crate::conn::ConnConfig;
 use crate::error::TransportError;
+use waygate_backpressure::{Rate, TokenBucket};
 use waygate_protocol::frame::Frame;
 use waygate_protocol::wire::CloseCode;
 

@@ -18,7 +18,7 @@ pub(super) async fn overload_loop(shared: Weak<Shared>) {
             return;
         };
         let sessions = shared.session_layer().registry.len() as u64;
-        let memory = waygate_transport::backpressure::process_rss_bytes().unwrap_or(0);
+        let memory = waygate_backpressure::process_rss_bytes().unwrap_or(0);
         let refuse = shared.governor.observe(sessions, memory);
         shared.admission.refuse_all(refuse);
         let level = shared.governor.level.load(Ordering::Acquire);

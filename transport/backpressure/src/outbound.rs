@@ -1,6 +1,6 @@
 //! [`OutboundQueue`] (SPEC B3): a per-session outbound queue bounded by message count and
 //! bytes, with three classes. Critical is never dropped (when it cannot be queued the session
-//! must close as [`CloseCode::SlowConsumer`](crate::CloseCode::SlowConsumer) and is kept for
+//! must close as [`CloseCode::SlowConsumer`](waygate_protocol::CloseCode::SlowConsumer) and is kept for
 //! resume), normal is refused when full, best-effort is dropped first and may coalesce
 //! newest-wins by a caller-given key.
 
@@ -85,7 +85,7 @@ pub enum PushOutcome<T> {
         item: T,
     },
     /// A critical message could not be queued: close the session as
-    /// [`CloseCode::SlowConsumer`](crate::CloseCode::SlowConsumer) and keep it (with this
+    /// [`CloseCode::SlowConsumer`](waygate_protocol::CloseCode::SlowConsumer) and keep it (with this
     /// item and the queued sequenced messages) for resume.
     SlowConsumer {
         /// The message, handed back.

@@ -1,3 +1,5 @@
+//! # waygate-backpressure
+//!
 //! Backpressure stages (SPEC B1–B3, B5) as sans-IO types: each is a plain struct that never
 //! reads a clock (time comes in as [`std::time::Instant`]), never does I/O, holds bounded
 //! state, and answers with a typed outcome. The edge drives them from its async tasks.
@@ -12,10 +14,16 @@
 //!
 //! B4 (backend link credits) lives with the links.
 //!
+//! A leaf crate (it depends on the protocol crate's codes and classes only) because every
+//! layer uses a stage: the listeners admission, the KCP endpoint the cookie bucket, the
+//! session layer the inbound limiter and outbound queue, the edge the governor, and routing
+//! the [`TokenBucket`] that paces migrations: one token bucket for the whole workspace. What
+//! it must never do: read a clock, do I/O, or depend on a runtime or a higher layer.
+//!
 //! ```
 //! use std::time::{Duration, Instant};
-//! use waygate_transport::backpressure::{OutboundConfig, OutboundQueue, PushOutcome};
-//! use waygate_transport::TrafficClass;
+//! use waygate_backpressure::{OutboundConfig, OutboundQueue, PushOutcome};
+//! use waygate_protocol::TrafficClass;
 //!
 //! let mut q = OutboundQueue::new(OutboundConfig::default());
 //! assert_eq!(q.push(TrafficClass::BestEffort, "pos", 16, Some(7)), PushOutcome::Queued);

@@ -5,11 +5,11 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use std::hint::black_box;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
-use waygate_transport::backpressure::{
+use waygate_backpressure::{
     Admission, AdmissionConfig, AdmissionControl, GovernorConfig, InboundLimiter, InboundLimits,
     OutboundConfig, OutboundQueue, OverloadGovernor, OverloadInputs, Rate, TokenBucket,
 };
-use waygate_transport::TrafficClass;
+use waygate_protocol::TrafficClass;
 
 const STEP: Duration = Duration::from_micros(1);
 
