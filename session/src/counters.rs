@@ -88,9 +88,10 @@ named_counters! {
     acks_sent,
     /// Frames that violated the protocol.
     protocol_errors,
-    /// Upstream DATA frames dropped by the per-connection inbound limiter (B2).
-    inbound_dropped,
-    /// Connections closed for flooding (RATE_LIMITED, B2).
+    /// Frames held back by the per-connection inbound limiter: the connection was not read
+    /// until tokens returned (B2; nothing is dropped).
+    inbound_paused,
+    /// Connections closed with RATE_LIMITED: a frame larger than the inbound byte burst (B2).
     rate_limited,
     /// Connections closed because the client did not read in time (SLOW_CONSUMER, B3).
     slow_consumer,

@@ -22,8 +22,10 @@ use waygate_transport::{BoxConnection, CloseCode, TrafficClass};
 
 use crate::auth::Authenticator;
 use crate::counters::SessionCounters;
-use crate::machine::{Action, EndReason, SessionConfig, SessionEnd, SessionMachine, Upstream};
-use crate::resume::{hex_id, ResumeHash};
+use crate::machine::{
+    Action, EndReason, ResumeAttempt, SessionConfig, SessionEnd, SessionMachine, Upstream,
+};
+use crate::resume::hex_id;
 use crate::rng::{SessionRng, SystemRng};
 use crate::store::{OwnershipRegistry, Snapshot, SnapshotStore, TakeOutcome};
 
@@ -136,7 +138,7 @@ struct HandOver {
 
 enum Command {
     Kick(oneshot::Sender<Option<BTreeMap<String, String>>>),
-    HandOver(ResumeHash, oneshot::Sender<HandOver>),
+    HandOver(ResumeAttempt, oneshot::Sender<HandOver>),
     Close(CloseCode),
     Bind(String, String),
     Migrate(String, Duration),
@@ -330,12 +332,12 @@ impl SessionRegistry {
 
     /// Asks a local session to hand itself over to a resuming connection. `None` when the
     /// session is not held here (or did not answer in time).
-    async fn hand_over(&self, session_id: &SessionId, hash: ResumeHash) -> Option<HandOver> {
+    async fn hand_over(&self, session_id: &SessionId, attempt: ResumeAttempt) -> Option<HandOver> {
         let handle = self.handle(session_id)?;
         let (tx, rx) = oneshot::channel();
         handle
             .commands
-            .send(Command::HandOver(hash, tx))
+            .send(Command::HandOver(attempt, tx))
             .await
             .ok()?;
         tokio::time::timeout(HAND_OVER_TIMEOUT, rx).await.ok()?.ok()
@@ -490,6 +492,9 @@ struct Task {
     downstream_rx: Option<mpsc::Receiver<Downstream>>,
     adopted: Option<SessionId>,
     inbound: Option<waygate_backpressure::InboundLimiter>,
+    /// A frame over the inbound limit, held until the instant its tokens return; the
+    /// connection is not read meanwhile, so nothing later overtakes it (B2).
+    held: Option<(waygate_transport::Frame, tokio::time::Instant)>,
     transport: waygate_transport::TransportKind,
     started: tokio::time::Instant,
     /// Last snapshot written by write-through (skip identical writes).
@@ -498,6 +503,8 @@ struct Task {
 
 enum Event {
     Frame(Result<waygate_transport::Frame, CloseCode>),
+    /// The held frame's tokens are back.
+    Release,
     Command(Command),
     Downstream(Downstream),
     Timer,
@@ -534,6 +541,7 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
         downstream_rx: Some(downstream_rx),
         adopted: None,
         inbound: None,
+        held: None,
         transport: conn_kind,
         started: tokio::time::Instant::now(),
         durable: None,
@@ -556,37 +564,28 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
             }
         };
         let registered = t.registered.is_some();
+        if t.conn.is_none() {
+            t.held = None;
+        }
+        let held_until = t.held.as_ref().map(|(_, at)| *at);
+        let release = async {
+            match held_until {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
         let event = tokio::select! {
-            r = recv(&mut t.conn) => Event::Frame(r),
+            r = recv(&mut t.conn), if held_until.is_none() => Event::Frame(r),
+            _ = release => Event::Release,
             Some(cmd) = commands.recv() => Event::Command(cmd),
             Some(msg) = recv_down(&mut t.downstream_rx), if registered => Event::Downstream(msg),
             _ = sleep => Event::Timer,
         };
         match event {
-            Event::Frame(Ok(frame)) => {
-                if let (Some(limiter), waygate_transport::Frame::Data(_)) =
-                    (t.inbound.as_mut(), &frame)
-                {
-                    use waygate_backpressure::InboundVerdict;
-                    match limiter.check(now(), frame.encoded_len()) {
-                        InboundVerdict::Accept => {}
-                        InboundVerdict::Drop => {
-                            SessionCounters::bump(&t.edge.counters.inbound_dropped);
-                            continue;
-                        }
-                        InboundVerdict::Disconnect { code } => {
-                            SessionCounters::bump(&t.edge.counters.rate_limited);
-                            tracing::info!("closing a flooding connection");
-                            if let Some(mut conn) = t.conn.take() {
-                                conn.close(code, "rate limited").await;
-                            }
-                            let _ = t.machine.handle_link_down(now(), code);
-                            continue;
-                        }
-                    }
-                }
-                if let Err(e) = t.machine.handle_frame(now(), frame) {
-                    tracing::debug!(error = %e, "session input refused");
+            Event::Frame(Ok(frame)) => t.inbound_frame(frame).await,
+            Event::Release => {
+                if let Some((frame, _)) = t.held.take() {
+                    t.inbound_frame(frame).await;
                 }
             }
             Event::Frame(Err(code)) => {
@@ -638,13 +637,46 @@ async fn recv(conn: &mut Option<BoxConnection>) -> Result<waygate_transport::Fra
 }
 
 impl Task {
+    /// One frame read from the connection: through the inbound limiter (B2), then to the
+    /// machine. Over the limit the frame is held and the connection is not read until its
+    /// tokens return, so the client is slowed by its transport's flow control and nothing
+    /// is dropped or reordered; only a frame that can never pass (larger than the byte
+    /// burst, which config validation rules out) closes the connection as `rate_limited`.
+    async fn inbound_frame(&mut self, frame: waygate_transport::Frame) {
+        if let Some(limiter) = self.inbound.as_mut() {
+            use waygate_backpressure::InboundVerdict;
+            let now_t = tokio::time::Instant::now();
+            match limiter.check(now_t.into_std(), frame.encoded_len()) {
+                InboundVerdict::Accept => {}
+                InboundVerdict::Wait(wait) if wait.is_never() => {
+                    SessionCounters::bump(&self.edge.counters.rate_limited);
+                    tracing::info!("closing a connection whose frame exceeds the byte burst");
+                    if let Some(mut conn) = self.conn.take() {
+                        conn.close(CloseCode::RateLimited, "frame over the inbound byte burst")
+                            .await;
+                    }
+                    let _ = self.machine.handle_link_down(now(), CloseCode::RateLimited);
+                    return;
+                }
+                InboundVerdict::Wait(wait) => {
+                    SessionCounters::bump(&self.edge.counters.inbound_paused);
+                    self.held = Some((frame, now_t + wait.0));
+                    return;
+                }
+            }
+        }
+        if let Err(e) = self.machine.handle_frame(now(), frame) {
+            tracing::debug!(error = %e, "session input refused");
+        }
+    }
+
     fn command(&mut self, cmd: Command) {
         let now = now();
         match cmd {
             Command::Kick(reply) => {
                 let _ = reply.send(self.machine.kick(now).ok());
             }
-            Command::HandOver(hash, reply) => {
+            Command::HandOver(attempt, reply) => {
                 // Everything already pushed enters the replay buffer before the snapshot.
                 if let Some(rx) = self.downstream_rx.as_mut() {
                     let mut queued = Vec::new();
@@ -657,7 +689,7 @@ impl Task {
                 }
                 let outcome = self
                     .machine
-                    .hand_over(now, &hash)
+                    .hand_over(now, &attempt)
                     .unwrap_or(TakeOutcome::NotFound);
                 let channel = match (&outcome, self.downstream_rx.take()) {
                     (TakeOutcome::Taken(_), Some(rx)) => Some((self.downstream_tx.clone(), rx)),
@@ -803,9 +835,10 @@ impl Task {
             }
             Action::TakeSnapshot {
                 session_id,
-                resume_hash,
+                attempt,
             } => {
-                let local = edge.registry.hand_over(&session_id, resume_hash).await;
+                let resume_hash = attempt.resume_hash;
+                let local = edge.registry.hand_over(&session_id, attempt).await;
                 let result = match local {
                     Some(HandOver {
                         outcome: TakeOutcome::Taken(s),

@@ -69,6 +69,8 @@ mod tests;
 pub use auth::{mint_token, AuthError, AuthedPlayer, Authenticator, HmacAuthenticator, KeyRing};
 pub use client::ClientSession;
 pub use counters::SessionCounters;
-pub use machine::{Action, EndReason, SessionConfig, SessionError, SessionMachine, State};
+pub use machine::{
+    Action, EndReason, ResumeAttempt, SessionConfig, SessionError, SessionMachine, State,
+};
 pub use rng::{SeededRng, SessionRng, SystemRng};
 pub use store::{MemoryOwnership, MemorySnapshotStore, OwnershipRegistry, Snapshot, SnapshotStore};

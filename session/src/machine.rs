@@ -193,6 +193,31 @@ pub struct SessionEnd {
     pub reason: EndReason,
 }
 
+/// What a resuming connection presents: the hash of its resume token, the last server seq
+/// it received, and the player of its auth token when the HELLO carried one. A live local
+/// holder of the session checks all of it in [`SessionMachine::hand_over`] before it lets
+/// go, so a resume that would fail leaves the session untouched (PROTOCOL.md §7.1.1).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResumeAttempt {
+    /// SHA-256 of the presented resume token.
+    pub resume_hash: ResumeHash,
+    /// The highest server seq the client says it received.
+    pub last_server_seq: u64,
+    /// The player of the HELLO's valid auth token (`None`: a resume-only HELLO).
+    pub player_id: Option<Arc<str>>,
+}
+
+impl ResumeAttempt {
+    /// An attempt that presents only a resume token, having received nothing.
+    pub fn token_only(resume_hash: ResumeHash) -> Self {
+        Self {
+            resume_hash,
+            last_server_seq: 0,
+            player_id: None,
+        }
+    }
+}
+
 /// What the driver must do next.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
@@ -217,8 +242,9 @@ pub enum Action {
     TakeSnapshot {
         /// The session to resume.
         session_id: SessionId,
-        /// SHA-256 of the presented resume token.
-        resume_hash: ResumeHash,
+        /// What the resuming connection presents (checked by a live local holder before it
+        /// lets go).
+        attempt: ResumeAttempt,
     },
     /// A snapshot was taken but cannot be used here: put it back unchanged.
     PutBack(Box<Snapshot>),
@@ -655,9 +681,18 @@ impl SessionMachine {
     }
 
     fn start_restore(&mut self, resume: &ResumeRequest) {
+        let player_id = self
+            .pending
+            .authed
+            .as_ref()
+            .map(|a| Arc::<str>::from(a.claims.player_id.as_str()));
         self.actions.push_back(Action::TakeSnapshot {
             session_id: resume.session_id,
-            resume_hash: ResumeHash::of(&resume.resume_token),
+            attempt: ResumeAttempt {
+                resume_hash: ResumeHash::of(&resume.resume_token),
+                last_server_seq: resume.last_server_seq,
+                player_id,
+            },
         });
         self.transition(State::Restoring);
     }
@@ -1212,13 +1247,17 @@ impl SessionMachine {
         Ok(bindings)
     }
 
-    /// Hands the session over to a new connection that presented `resume_hash` (the client
-    /// reconnected while this machine still holds the session). On a match the machine ends
-    /// as superseded and returns the snapshot; otherwise nothing changes.
+    /// A resuming connection asks for this live (ACTIVE or DETACHED) session. The attempt
+    /// is checked here first — resume token (current or unconfirmed previous), the player of
+    /// its auth token if any, and a last received seq no higher than what was sent — so a
+    /// resume that would fail answers `Mismatch` and leaves this session as it was (its
+    /// connection, its queue, its ownership). Otherwise the session ends here as
+    /// `Superseded` (closing its connection, if any, with `going_away`) and its snapshot is
+    /// handed to the new connection.
     pub fn hand_over(
         &mut self,
         _now: Instant,
-        resume_hash: &ResumeHash,
+        attempt: &ResumeAttempt,
     ) -> Result<TakeOutcome, SessionError> {
         if !matches!(self.state, State::Active | State::Detached) {
             return Ok(TakeOutcome::NotFound);
@@ -1226,10 +1265,19 @@ impl SessionMachine {
         let Some(core) = self.core.as_ref() else {
             return Ok(TakeOutcome::NotFound);
         };
-        let snapshot = core.snapshot();
-        if !snapshot.accepts(resume_hash) {
+        let token_ok = core.resume_hash.ct_eq(&attempt.resume_hash)
+            | core
+                .prev_resume_hash
+                .is_some_and(|p| p.ct_eq(&attempt.resume_hash));
+        let player_ok = attempt
+            .player_id
+            .as_deref()
+            .is_none_or(|p| p == &*core.player_id);
+        let seq_ok = attempt.last_server_seq <= core.replay.highest_sent();
+        if !(token_ok && player_ok && seq_ok) {
             return Ok(TakeOutcome::Mismatch);
         }
+        let snapshot = core.snapshot();
         if self.state == State::Active {
             self.actions.push_back(Action::Close {
                 code: CloseCode::GoingAway,

@@ -15,7 +15,7 @@ use waygate_transport::{CloseCode, Frame, TrafficClass};
 
 use crate::auth::{mint_token, HmacAuthenticator, KeyRing, TokenClaims};
 use crate::counters::SessionCounters;
-use crate::machine::{Action, SessionConfig, SessionMachine, State};
+use crate::machine::{Action, ResumeAttempt, SessionConfig, SessionMachine, State};
 use crate::replay::{ReplayBuffer, ReplayLimits};
 use crate::resume::ResumeHash;
 use crate::rng::SeededRng;
@@ -190,8 +190,9 @@ impl Env {
                 }
                 Action::TakeSnapshot {
                     session_id,
-                    resume_hash,
+                    attempt,
                 } => {
+                    let resume_hash = attempt.resume_hash;
                     let outcome = match self.store.get(&session_id) {
                         None => TakeOutcome::NotFound,
                         Some(s) if s.accepts(&resume_hash) => self
@@ -360,7 +361,9 @@ pub fn run(ops: &[SimOp]) -> SimOutcome {
             SimOp::HandOver(right) => {
                 // The right token is only known to the harness for the lingering session.
                 let token = if *right { LINGERING_TOKEN } else { [5; 16] };
-                if let Ok(TakeOutcome::Taken(s)) = m.hand_over(now, &ResumeHash::of(&token)) {
+                if let Ok(TakeOutcome::Taken(s)) =
+                    m.hand_over(now, &ResumeAttempt::token_only(ResumeHash::of(&token)))
+                {
                     env.store.insert(s.session_id, *s);
                 }
             }

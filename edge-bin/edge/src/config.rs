@@ -292,7 +292,8 @@ pub struct BackpressureConfig {
     pub accept_per_source_burst: u64,
     /// Most connections in their transport handshake at once.
     pub max_handshakes: u64,
-    /// Upstream messages per second per connection (B2).
+    /// Frames per second read from one connection (B2). Over it the edge stops reading the
+    /// connection until tokens return (the client is slowed, nothing is dropped).
     pub inbound_msgs_per_sec: u64,
     /// Burst of the message bucket.
     pub inbound_msg_burst: u64,
@@ -300,10 +301,6 @@ pub struct BackpressureConfig {
     pub inbound_bytes_per_sec: u64,
     /// Burst of the byte bucket.
     pub inbound_byte_burst: u64,
-    /// Dropped messages tolerated (as a burst) before a flooding client is disconnected.
-    pub inbound_strikes: u32,
-    /// Window over which strikes are forgiven, ms.
-    pub inbound_strike_window_ms: u64,
     /// A downstream frame not written within this time closes the client as SLOW_CONSUMER
     /// (the session lingers for resume), ms (B3).
     pub send_deadline_ms: u64,
@@ -325,8 +322,6 @@ impl Default for BackpressureConfig {
             inbound_msg_burst: 200,
             inbound_bytes_per_sec: 256 * 1024,
             inbound_byte_burst: 512 * 1024,
-            inbound_strikes: 50,
-            inbound_strike_window_ms: 10_000,
             send_deadline_ms: 5_000,
             max_sessions: 0,
             memory_budget_mb: 0,

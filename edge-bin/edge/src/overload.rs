@@ -105,8 +105,6 @@ pub fn inbound_limits(config: &BackpressureConfig) -> InboundLimits {
         message_burst: config.inbound_msg_burst.max(1),
         bytes_per_sec: config.inbound_bytes_per_sec,
         byte_burst: config.inbound_byte_burst.max(1),
-        strikes: config.inbound_strikes.max(1),
-        strike_window: Duration::from_millis(config.inbound_strike_window_ms.max(1)),
     }
 }
 

@@ -403,6 +403,45 @@ fn last_server_seq_beyond_sent_is_rejected_and_snapshot_kept() {
     assert_eq!(welcomed(&p, c).last(), Some(&WelcomeOutcome::Restored));
 }
 
+/// A resume of a *live* session that would fail (here: a last received seq beyond what was
+/// sent) is refused by the holder before it lets go: without an auth token it is REJECT 300
+/// and the live session keeps its connection; with a valid one it is a new session that
+/// takes the player over by a kick (so the old one ends and leaves nothing behind), never a
+/// silent supersede (regression: the old entry leaked for good, one per such HELLO).
+#[test]
+fn a_failing_resume_of_a_live_session_leaves_it_untouched_or_kicks_it() {
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "alice");
+    let sid = p.session(c);
+    let live = p.peers[c].conn.expect("conn");
+    let (_, tok) = p.peers[c].client.session().expect("s");
+    let beyond = ResumeRequest {
+        session_id: sid,
+        resume_token: tok,
+        last_server_seq: 5,
+    };
+    let (_, frames) = raw_hello(&mut p, Bytes::new(), Some(beyond.clone()));
+    assert_eq!(reject_code(&frames), Some(CloseCode::ResumeRejected));
+    assert_eq!(p.edge.machines[live].state(), State::Active, "untouched");
+    p.edge
+        .push(&sid, p.now, TrafficClass::Normal, b"still here");
+    p.drive(c);
+    assert_eq!(p.received(c).len(), 1, "its connection still delivers");
+
+    let (m, frames) = raw_hello(&mut p, token_for("alice"), Some(beyond));
+    assert_eq!(
+        welcome_outcome(&frames),
+        Some(WelcomeOutcome::RestoreFailedNewSession)
+    );
+    assert_eq!(p.edge.machines[m].state(), State::Active);
+    assert_ne!(p.edge.machines[m].session_id(), Some(sid));
+    assert_eq!(
+        p.edge.machines[live].end_reason(),
+        Some(&EndReason::Kicked),
+        "the old session ends by a kick, not a silent supersede"
+    );
+}
+
 #[test]
 fn linger_expiry_ends_the_session_and_resume_gets_a_new_one() {
     let cfg = SessionConfig {

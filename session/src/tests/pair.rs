@@ -117,8 +117,9 @@ impl Edge {
                 }
                 Action::TakeSnapshot {
                     session_id,
-                    resume_hash,
+                    attempt,
                 } => {
+                    let resume_hash = attempt.resume_hash;
                     let local = self.machines.iter().position(|m| {
                         matches!(m.state(), State::Active | State::Detached)
                             && m.session_id() == Some(session_id)
@@ -127,7 +128,7 @@ impl Edge {
                         Some(j) => {
                             // Its own actions (CLOSE to its old link) run with its peer.
                             let o = self.machines[j]
-                                .hand_over(now, &resume_hash)
+                                .hand_over(now, &attempt)
                                 .expect("hand over");
                             if matches!(o, TakeOutcome::Taken(_)) {
                                 self.store.remove(&session_id);

@@ -20,8 +20,6 @@ fn limits() -> InboundLimits {
         message_burst: 10_000_000,
         bytes_per_sec: 1 << 40,
         byte_burst: 1 << 40,
-        strikes: 50,
-        strike_window: Duration::from_secs(10),
     }
 }
 

@@ -1,29 +1,25 @@
 //! [`InboundLimiter`] (SPEC B2): per-connection inbound rate, messages/s and bytes/s.
-//! Excess messages are dropped and counted; a connection that keeps flooding is disconnected
-//! with [`CloseCode::RateLimited`]. One limiter per connection: others never see it.
+//! A frame over a limit is not dropped: the connection's reader holds it and stops reading
+//! until the limiter's wait has passed, then checks it again (PROTOCOL.md §10). The client
+//! is slowed by its transport's own flow control (TCP window, QUIC stream credit, KCP
+//! window); nothing it sent is lost and nothing later overtakes it. One limiter per
+//! connection: others never see it.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use super::bucket::{Rate, TokenBucket};
-use waygate_protocol::wire::CloseCode;
+use super::bucket::{Rate, RetryAfter, TokenBucket};
 
 /// Configuration of an [`InboundLimiter`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InboundLimits {
-    /// Messages per second.
+    /// Frames per second.
     pub messages_per_sec: u64,
-    /// Message burst.
+    /// Frame burst.
     pub message_burst: u64,
-    /// Bytes per second (payload as the caller measures it).
+    /// Bytes per second (frames as the caller measures them).
     pub bytes_per_sec: u64,
-    /// Byte burst; must be at least the largest message, or that message is always dropped.
+    /// Byte burst; must be at least the largest frame, or that frame could never pass.
     pub byte_burst: u64,
-    /// Drops tolerated within `strike_window` before the connection is closed.
-    pub strikes: u32,
-    /// The window over which `strikes` drops are tolerated: strikes form a bucket of
-    /// `strikes` refilling `strikes` per window, so a burst of more than `strikes` drops, or
-    /// a sustained drop rate above `strikes / strike_window`, disconnects.
-    pub strike_window: Duration,
 }
 
 impl Default for InboundLimits {
@@ -33,8 +29,6 @@ impl Default for InboundLimits {
             message_burst: 200,
             bytes_per_sec: 256 * 1024,
             byte_burst: 512 * 1024,
-            strikes: 50,
-            strike_window: Duration::from_secs(10),
         }
     }
 }
@@ -50,39 +44,31 @@ impl InboundLimits {
                 "inbound: bytes_per_sec must be > 0 and byte_burst >= the max frame size ({max_message_len})"
             ));
         }
-        if self.strike_window.is_zero() {
-            return Err("inbound: strike_window must be > 0".into());
-        }
         Ok(())
     }
 }
 
-/// The verdict on one inbound message.
+/// The verdict on one inbound frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[must_use]
 pub enum InboundVerdict {
-    /// Within the limits: process it.
+    /// Within the limits: process it now (its tokens are taken).
     Accept,
-    /// Over a limit: discard it (counted; a strike).
-    Drop,
-    /// Too many strikes: close the connection with `code` (sticky: every later call says so).
-    Disconnect {
-        /// Always [`CloseCode::RateLimited`].
-        code: CloseCode,
-    },
+    /// Over a limit: hold it, read nothing else, and check it again after the wait (no
+    /// tokens taken). [`RetryAfter::NEVER`] only for a frame larger than the byte burst,
+    /// which [`InboundLimits::validate`] rules out.
+    Wait(RetryAfter),
 }
 
 /// Counters of an [`InboundLimiter`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct InboundStats {
-    /// Messages accepted.
+    /// Frames accepted.
     pub accepted_messages: u64,
     /// Bytes accepted.
     pub accepted_bytes: u64,
-    /// Messages dropped.
-    pub dropped_messages: u64,
-    /// Bytes dropped.
-    pub dropped_bytes: u64,
+    /// Times the reader was told to wait.
+    pub waits: u64,
 }
 
 /// Per-connection inbound rate limiter (sans-IO; the connection's reader owns it).
@@ -90,15 +76,12 @@ pub struct InboundStats {
 pub struct InboundLimiter {
     messages: TokenBucket,
     bytes: TokenBucket,
-    strikes: TokenBucket,
-    disconnected: bool,
     stats: InboundStats,
 }
 
 impl InboundLimiter {
     /// A limiter with full buckets at `now`.
     pub fn new(limits: InboundLimits, now: Instant) -> Self {
-        let strikes = u64::from(limits.strikes);
         Self {
             messages: TokenBucket::new(
                 Rate::per_second(limits.messages_per_sec),
@@ -110,54 +93,39 @@ impl InboundLimiter {
                 limits.byte_burst,
                 now,
             ),
-            strikes: TokenBucket::new(Rate::new(strikes, limits.strike_window), strikes, now),
-            disconnected: false,
             stats: InboundStats::default(),
         }
     }
 
-    /// Decides on one message of `len` bytes received at `now`. A message passes only if
-    /// both buckets hold enough; a dropped message takes no tokens.
+    /// Decides on one frame of `len` bytes received at `now`. It passes only if both
+    /// buckets hold enough, and then takes from both; otherwise the wait is the longer of
+    /// the two buckets' exact waits, and nothing is taken.
     pub fn check(&mut self, now: Instant, len: usize) -> InboundVerdict {
-        if self.disconnected {
-            return Self::disconnect();
-        }
         let len = len as u64;
-        if self.messages.check(now, 1).is_ok() && self.bytes.check(now, len).is_ok() {
-            self.messages.take_checked(1);
-            self.bytes.take_checked(len);
-            self.stats.accepted_messages += 1;
-            self.stats.accepted_bytes += len;
-            return InboundVerdict::Accept;
+        let messages = self.messages.check(now, 1);
+        let bytes = self.bytes.check(now, len);
+        match (messages, bytes) {
+            (Ok(()), Ok(())) => {
+                self.messages.take_checked(1);
+                self.bytes.take_checked(len);
+                self.stats.accepted_messages += 1;
+                self.stats.accepted_bytes += len;
+                InboundVerdict::Accept
+            }
+            (m, b) => {
+                self.stats.waits += 1;
+                let wait = m
+                    .err()
+                    .max(b.err())
+                    .unwrap_or(RetryAfter(std::time::Duration::ZERO));
+                InboundVerdict::Wait(wait)
+            }
         }
-        self.stats.dropped_messages += 1;
-        self.stats.dropped_bytes += len;
-        if self.strikes.try_take(now, 1).is_err() {
-            self.disconnected = true;
-            return Self::disconnect();
-        }
-        InboundVerdict::Drop
-    }
-
-    fn disconnect() -> InboundVerdict {
-        InboundVerdict::Disconnect {
-            code: CloseCode::RateLimited,
-        }
-    }
-
-    /// Whether the limiter has decided to disconnect.
-    pub fn is_disconnected(&self) -> bool {
-        self.disconnected
     }
 
     /// The counters.
     pub fn stats(&self) -> InboundStats {
         self.stats
-    }
-
-    /// Strikes left at `now` before a disconnect.
-    pub fn strikes_left(&mut self, now: Instant) -> u64 {
-        self.strikes.available(now)
     }
 }
 
@@ -165,6 +133,7 @@ impl InboundLimiter {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::time::Duration;
 
     const MS: Duration = Duration::from_millis(1);
 
@@ -174,81 +143,55 @@ mod tests {
             message_burst: 5,
             bytes_per_sec: 1_000,
             byte_burst: 1_000,
-            strikes: 3,
-            strike_window: Duration::from_secs(1),
         }
     }
 
     #[test]
-    fn message_rate_drops_excess_and_counts() {
+    fn message_rate_makes_the_excess_wait_exactly_and_counts() {
         let t0 = Instant::now();
         let mut l = InboundLimiter::new(limits(), t0);
         for _ in 0..5 {
             assert_eq!(l.check(t0, 10), InboundVerdict::Accept);
         }
-        assert_eq!(l.check(t0, 10), InboundVerdict::Drop);
-        // 100 ms later one more token exists.
+        // One token every 100 ms: the sixth frame waits exactly that long.
+        assert_eq!(l.check(t0, 10), InboundVerdict::Wait(RetryAfter(100 * MS)));
+        assert_eq!(
+            l.check(t0 + 40 * MS, 10),
+            InboundVerdict::Wait(RetryAfter(60 * MS))
+        );
         assert_eq!(l.check(t0 + 100 * MS, 10), InboundVerdict::Accept);
         let s = l.stats();
-        assert_eq!((s.accepted_messages, s.dropped_messages), (6, 1));
-        assert_eq!((s.accepted_bytes, s.dropped_bytes), (60, 10));
+        assert_eq!((s.accepted_messages, s.waits), (6, 2));
+        assert_eq!(s.accepted_bytes, 60);
     }
 
     #[test]
-    fn byte_rate_drops_large_messages_without_taking_message_tokens() {
+    fn byte_rate_waits_without_taking_message_tokens() {
         let t0 = Instant::now();
         let mut l = InboundLimiter::new(limits(), t0);
         assert_eq!(l.check(t0, 900), InboundVerdict::Accept);
-        assert_eq!(l.check(t0, 200), InboundVerdict::Drop);
-        // Small messages still pass: the drop took no message token.
+        // 100 bytes left: 200 need 100 more, at 1,000/s.
+        assert_eq!(l.check(t0, 200), InboundVerdict::Wait(RetryAfter(100 * MS)));
+        // Small frames still pass: the wait took no message token.
         for _ in 0..4 {
             assert_eq!(l.check(t0, 25), InboundVerdict::Accept);
         }
-        // Larger than the byte burst: never passes.
+        // Larger than the byte burst: never passes (validate() rules it out).
         assert_eq!(
             l.check(t0 + Duration::from_secs(60), 1_001),
-            InboundVerdict::Drop
+            InboundVerdict::Wait(RetryAfter::NEVER)
         );
     }
 
     #[test]
-    fn repeated_violation_disconnects_and_stays_disconnected() {
+    fn the_longer_of_the_two_waits_wins() {
         let t0 = Instant::now();
         let mut l = InboundLimiter::new(limits(), t0);
         for _ in 0..5 {
-            assert_eq!(l.check(t0, 1), InboundVerdict::Accept);
+            assert_eq!(l.check(t0, 200), InboundVerdict::Accept);
         }
-        for _ in 0..3 {
-            assert_eq!(l.check(t0, 1), InboundVerdict::Drop);
-        }
-        let d = InboundVerdict::Disconnect {
-            code: CloseCode::RateLimited,
-        };
-        assert_eq!(l.check(t0, 1), d);
-        assert!(l.is_disconnected());
-        assert_eq!(l.check(t0 + Duration::from_secs(100), 1), d);
-    }
-
-    #[test]
-    fn occasional_violations_are_forgiven() {
-        let t0 = Instant::now();
-        let mut l = InboundLimiter::new(limits(), t0);
-        let mut now = t0;
-        // Burst over the limit by 2 every second, for a minute: 2 strikes per 1 s window,
-        // below the 3 tolerated.
-        for _ in 0..60 {
-            for _ in 0..7 {
-                let v = l.check(now, 1);
-                assert_ne!(
-                    v,
-                    InboundVerdict::Disconnect {
-                        code: CloseCode::RateLimited
-                    }
-                );
-            }
-            now += Duration::from_secs(1);
-        }
-        assert_eq!(l.stats().dropped_messages, 120);
+        // Messages: 100 ms; bytes: 200 bytes at 1,000/s = 200 ms.
+        assert_eq!(l.check(t0, 200), InboundVerdict::Wait(RetryAfter(200 * MS)));
     }
 
     #[test]
@@ -258,27 +201,34 @@ mod tests {
     }
 
     proptest! {
-        /// A client at 10x its allowed rate is throttled to the rate, then disconnected
-        /// quickly; a client within the rate never loses a message.
+        /// A reader that always waits as told, whatever the client sends, lets through
+        /// every frame in order at no more than the burst plus the rate; a client within the
+        /// rate never waits.
         #[test]
-        fn flooder_is_disconnected_and_a_polite_client_is_not(gap_us in 100_000u64..1_000_000) {
+        fn a_reader_that_waits_as_told_admits_everything_at_the_rate(
+            n in 1usize..400,
+            gap_us in 100_000u64..1_000_000,
+        ) {
             let t0 = Instant::now();
             let mut flood = InboundLimiter::new(limits(), t0);
-            let mut polite = InboundLimiter::new(limits(), t0);
             let mut now = t0;
-            let mut flood_end = None;
-            for i in 0..2_000u32 {
-                // 100 msgs/s against a limit of 10.
-                now = t0 + Duration::from_millis(10) * i;
-                if let InboundVerdict::Disconnect { .. } = flood.check(now, 10) {
-                    flood_end = Some(now);
-                    break;
+            for _ in 0..n {
+                loop {
+                    match flood.check(now, 10) {
+                        InboundVerdict::Accept => break,
+                        InboundVerdict::Wait(w) => {
+                            prop_assert!(!w.is_never());
+                            now += w.0;
+                        }
+                    }
                 }
             }
-            let end = flood_end.expect("flooder disconnected");
-            prop_assert!(end - t0 < Duration::from_secs(1));
-            prop_assert!(flood.stats().accepted_messages <= 5 + 1);
-            let _ = now;
+            prop_assert_eq!(flood.stats().accepted_messages, n as u64);
+            // n frames took at least (n - burst) / rate, never less.
+            let floor = Duration::from_millis(100) * (n.saturating_sub(5) as u32);
+            prop_assert!(now - t0 >= floor);
+            prop_assert!(now - t0 <= floor + MS);
+            let mut polite = InboundLimiter::new(limits(), t0);
             let mut t = t0;
             for _ in 0..500 {
                 prop_assert_eq!(polite.check(t, 100), InboundVerdict::Accept);

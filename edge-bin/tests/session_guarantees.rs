@@ -1,0 +1,173 @@
+//! Delivery guarantees of the session layer over real sockets, one regression test per
+//! defect found from outside (a client written from PROTOCOL.md alone): every transport
+//! where the defect applies, a real in-process edge with three demo backends.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    missing_docs,
+    unreachable_pub
+)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::cluster::{cluster, Cluster};
+use waygate_protocol::frame::{Hello, ResumeRequest, Welcome, WelcomeOutcome};
+use waygate_protocol::wire::PROTOCOL_VERSION;
+use waygate_transport::endpoint::{connect, ConnectOptions};
+use waygate_transport::{BoxConnection, Frame, TransportKind};
+
+async fn open(c: &Cluster, kind: TransportKind) -> BoxConnection {
+    let options = ConnectOptions {
+        tls: Some(c.tls.clone()),
+        ..ConnectOptions::default()
+    };
+    connect(&c.endpoint(kind), &options).await.unwrap()
+}
+
+/// Sends HELLO and returns the WELCOME (panics on REJECT, CLOSE or silence).
+async fn hello(conn: &mut BoxConnection, player: &str, resume: Option<ResumeRequest>) -> Welcome {
+    conn.send(&Frame::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        token: common::token(player),
+        resume,
+    }))
+    .await
+    .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match conn.recv().await {
+                Ok(Frame::Welcome(w)) => return w,
+                Ok(Frame::Ping { .. } | Frame::Pong { .. } | Frame::Ack { .. }) => {}
+                other => panic!("expected WELCOME, got {other:?}"),
+            }
+        }
+    })
+    .await
+    .expect("WELCOME in time")
+}
+
+/// Polls `cond` every 20 ms until it holds or `limit` passes; returns whether it held.
+async fn settle(limit: Duration, cond: impl Fn() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    while tokio::time::Instant::now() < deadline {
+        if cond() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cond()
+}
+
+/// Defect 1 (session-host issue): a HELLO with a valid auth token plus the player's *current*
+/// session id and resume token and a last received seq beyond what the server sent is
+/// answered with outcome 3 (a new session that takes the player over), and must leave no
+/// entry of the old session behind. Before the fix every such HELLO added one live entry
+/// for good (500 of them took `waygate_sessions_live` from 71 to 571 and filled the cap).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_resume_of_the_current_session_leaves_no_entry_behind() {
+    let c = cluster().await;
+    let registry = c.edge.registry();
+    for kind in TransportKind::ALL {
+        let player = format!("leak-{kind}");
+        let before = registry.len();
+        let mut first = open(&c, kind).await;
+        let mut w = hello(&mut first, &player, None).await;
+        assert_eq!(w.outcome, WelcomeOutcome::NewSession, "{kind}");
+        let mut live = vec![first];
+        for attempt in 0..12 {
+            let mut conn = open(&c, kind).await;
+            let resume = ResumeRequest {
+                session_id: w.session_id,
+                resume_token: w.resume_token,
+                last_server_seq: 1_000_000,
+            };
+            w = hello(&mut conn, &player, Some(resume)).await;
+            assert_eq!(
+                w.outcome,
+                WelcomeOutcome::RestoreFailedNewSession,
+                "{kind}: attempt {attempt}"
+            );
+            live.push(conn);
+        }
+        // One session for this player, whatever happened to the taken-over ones.
+        let settled = settle(Duration::from_secs(10), || registry.len() == before + 1).await;
+        assert!(
+            settled,
+            "{kind}: {} sessions held, expected {}",
+            registry.len(),
+            before + 1
+        );
+        assert_eq!(registry.session_of(&player), Some(w.session_id), "{kind}");
+        let metrics = c.edge.admin().metrics_text();
+        let live_gauge = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("waygate_sessions_live "))
+            .and_then(|v| v.trim().parse::<usize>().ok());
+        assert_eq!(live_gauge, Some(before + 1), "{kind}: {metrics}");
+        drop(live);
+    }
+}
+
+/// Defect 2 (session-host issue): messages over the inbound rate limit (default 100/s,
+/// burst 200, PROTOCOL.md §10) were dropped silently and counted, and a later seq then
+/// reached the backend ahead of them. Now the edge stops reading the connection until
+/// tokens return: 205 DATA sent back to back and one more after them all reach the backend
+/// exactly once and in order, with no ERROR and no CLOSE.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_over_the_inbound_limit_is_slowed_never_dropped_or_reordered() {
+    use bytes::Bytes;
+    use waygate_backend::demo::{ECHO, ECHO_REPLY};
+    use waygate_protocol::frame::Data;
+    use waygate_transport::TrafficClass;
+
+    let c = cluster().await;
+    for kind in TransportKind::ALL {
+        let player = format!("burst-{kind}");
+        let mut conn = open(&c, kind).await;
+        hello(&mut conn, &player, None).await;
+        let data = |seq: u64| {
+            Frame::Data(Data {
+                class: TrafficClass::Normal,
+                msg_id: ECHO,
+                seq,
+                ack: None,
+                payload: Bytes::from(seq.to_string()),
+            })
+        };
+        for seq in 1..=205u64 {
+            conn.send(&data(seq)).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        conn.send(&data(206)).await.unwrap();
+        let mut got = Vec::new();
+        let outcome = tokio::time::timeout(Duration::from_secs(30), async {
+            while got.len() < 206 {
+                match conn.recv().await {
+                    Ok(Frame::Data(d)) if d.msg_id == ECHO_REPLY => {
+                        let text = String::from_utf8(d.payload.to_vec()).unwrap();
+                        let seq: u64 = text.rsplit('|').next().unwrap().parse().unwrap();
+                        got.push(seq);
+                    }
+                    Ok(Frame::Error(e)) => return Err(format!("ERROR {e:?}")),
+                    Ok(Frame::Close { code, .. }) => return Err(format!("CLOSE {code}")),
+                    Ok(_) => {}
+                    Err(e) => return Err(format!("connection: {e}")),
+                }
+            }
+            Ok(())
+        })
+        .await;
+        assert_eq!(
+            outcome.ok(),
+            Some(Ok(())),
+            "{kind}: got {} replies",
+            got.len()
+        );
+        let want: Vec<u64> = (1..=206).collect();
+        assert_eq!(got, want, "{kind}: every message once, in order");
+        conn.close(waygate_transport::CloseCode::Normal, "").await;
+    }
+}
