@@ -171,3 +171,41 @@ async fn a_burst_over_the_inbound_limit_is_slowed_never_dropped_or_reordered() {
         conn.close(waygate_transport::CloseCode::Normal, "").await;
     }
 }
+
+/// Reads one sample from the edge's `/metrics` text (`name` with its labels, exactly).
+fn sample(c: &Cluster, name: &str) -> Option<f64> {
+    let text = c.edge.admin().metrics_text();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// Defect 8 (session-host issue): `waygate_connections_open` counted a lingering session as
+/// an open connection until its linger ended. It now falls when the connection goes, and
+/// the session shows in `waygate_sessions_lingering` instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_open_counts_connections_and_lingering_sessions_apart() {
+    let c = cluster().await;
+    let registry = c.edge.registry();
+    for kind in TransportKind::ALL {
+        let open_gauge = format!("waygate_connections_open{{transport=\"{kind}\"}}");
+        let mut conn = open(&c, kind).await;
+        let w = hello(&mut conn, &format!("gauge-{kind}"), None).await;
+        assert_eq!(sample(&c, &open_gauge), Some(1.0), "{kind}");
+        let lingering_before = sample(&c, "waygate_sessions_lingering").unwrap_or(0.0);
+        // The network drops the connection (no CLOSE): the session lingers.
+        assert!(registry.drop_link(&w.session_id).await);
+        let apart = settle(Duration::from_secs(10), || {
+            sample(&c, &open_gauge) == Some(0.0)
+                && sample(&c, "waygate_sessions_lingering") == Some(lingering_before + 1.0)
+        })
+        .await;
+        assert!(
+            apart,
+            "{kind}: open {:?}, lingering {:?}",
+            sample(&c, &open_gauge),
+            sample(&c, "waygate_sessions_lingering")
+        );
+        assert!(registry.session_of(&format!("gauge-{kind}")).is_some());
+        drop(conn);
+    }
+}

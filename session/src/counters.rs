@@ -115,6 +115,19 @@ impl SessionCounters {
         self.transitions[from.index()][to.index()].load(Ordering::Relaxed)
     }
 
+    /// Sessions in DETACHED right now (entered minus left, from the transition counts).
+    pub fn detached_now(&self) -> u64 {
+        let entered: u64 = State::ALL
+            .iter()
+            .map(|&from| self.transition_count(from, State::Detached))
+            .sum();
+        let left: u64 = State::ALL
+            .iter()
+            .map(|&to| self.transition_count(State::Detached, to))
+            .sum();
+        entered.saturating_sub(left)
+    }
+
     /// Adds one to a named counter.
     pub(crate) fn bump(counter: &AtomicU64) {
         counter.fetch_add(1, Ordering::Relaxed);

@@ -121,6 +121,14 @@ impl Collector for SessionLayerCollector {
             None,
             live.metric_type(),
         )?)?;
+        let lingering =
+            ConstGauge::new(i64::try_from(s.counters.detached_now()).unwrap_or(i64::MAX));
+        lingering.encode(encoder.encode_descriptor(
+            "sessions_lingering",
+            "Sessions held without a connection, waiting for their client to resume",
+            None,
+            lingering.metric_type(),
+        )?)?;
         if let Some(wt) = &s.write_through {
             use std::sync::atomic::Ordering::Relaxed;
             for (name, help, value) in [

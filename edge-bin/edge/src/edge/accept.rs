@@ -4,8 +4,12 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_trait::async_trait;
+use prometheus_client::metrics::gauge::Gauge;
 use waygate_protocol::frame::Reject;
-use waygate_transport::{BoxConnection, BoxListener, CloseCode, Frame};
+use waygate_transport::{
+    BoxConnection, BoxListener, CloseCode, ConnInfo, Connection, Frame, TransportError,
+};
 
 use super::Shared;
 use crate::metrics::EdgeMetrics;
@@ -30,11 +34,46 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, mut listener: BoxListener) 
             .get_or_create(&label)
             .clone();
         gauge.inc();
-        let task = shared.session_layer().spawn(conn);
-        tokio::spawn(async move {
-            let _ = task.await;
-            gauge.dec();
-        });
+        // The gauge falls when the connection goes, not when its session ends: a session
+        // may linger long after (its own gauge is `sessions_lingering`).
+        let _task = shared
+            .session_layer()
+            .spawn(Box::new(CountedConnection { inner: conn, gauge }));
+    }
+}
+
+/// A client connection that keeps the `connections_open` gauge: one up while it exists.
+struct CountedConnection {
+    inner: BoxConnection,
+    gauge: Gauge,
+}
+
+impl Drop for CountedConnection {
+    fn drop(&mut self) {
+        self.gauge.dec();
+    }
+}
+
+#[async_trait]
+impl Connection for CountedConnection {
+    fn info(&self) -> &ConnInfo {
+        self.inner.info()
+    }
+
+    async fn send(&mut self, frame: &Frame) -> Result<(), TransportError> {
+        self.inner.send(frame).await
+    }
+
+    async fn send_batch(&mut self, frames: &[Frame]) -> Result<(), TransportError> {
+        self.inner.send_batch(frames).await
+    }
+
+    async fn recv(&mut self) -> Result<Frame, TransportError> {
+        self.inner.recv().await
+    }
+
+    async fn close(&mut self, code: CloseCode, message: &str) {
+        self.inner.close(code, message).await;
     }
 }
 
