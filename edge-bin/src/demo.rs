@@ -204,37 +204,16 @@ fn token(player: &str) -> Bytes {
 }
 
 fn table_text(addrs: &[SocketAddr], epoch: u64, draining: Option<usize>) -> String {
-    let mut t = format!("epoch = {epoch}\nupdated_at = 0\n");
-    for (service, prefix, range) in [
-        ("player", "p", "[[1000, 1999]]"),
-        ("room", "r", "[[2000, 2999]]"),
-    ] {
-        t.push_str(&format!(
-            "[[services]]\nname = \"{service}\"\nmessages = {range}\nkey = \"{service}\"\n"
-        ));
-        for (i, a) in addrs.iter().enumerate() {
-            let state = if draining == Some(i) && service == "player" {
-                "draining"
-            } else {
-                "active"
-            };
-            t.push_str(&format!(
-                "  [[services.instances]]\n  id = \"{prefix}{}\"\n  address = \"{a}\"\n  state = \"{state}\"\n",
-                i + 1
-            ));
-        }
-    }
-    t
+    waygate_backend::demo::route_table(addrs, epoch, |i| {
+        Some(if draining == Some(i) {
+            "draining"
+        } else {
+            "active"
+        })
+    })
 }
 
-const KINDS: [TransportKind; 6] = [
-    TransportKind::Tcp,
-    TransportKind::Tls,
-    TransportKind::Ws,
-    TransportKind::Wss,
-    TransportKind::Quic,
-    TransportKind::Kcp,
-];
+const KINDS: [TransportKind; 6] = TransportKind::ALL;
 
 /// Runs the demo; returns its report.
 pub async fn run(options: DemoOptions) -> Result<DemoReport, String> {

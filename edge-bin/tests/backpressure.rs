@@ -92,21 +92,35 @@ async fn control_echoes(mut c: Client, n: u64) -> u64 {
     got
 }
 
+/// The bytes a raw TCP client sends: HELLO for `player`, then one ECHO DATA per
+/// `(seq, payload)`, normal class.
+fn hello_then_echoes(player: &str, echoes: impl IntoIterator<Item = (u64, Bytes)>) -> BytesMut {
+    let codec = StreamCodec::new(65536);
+    let mut out = BytesMut::new();
+    let hello = Frame::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        token: common::token(player),
+        resume: None,
+    });
+    codec.encode(&hello, &mut out).unwrap();
+    for (seq, payload) in echoes {
+        let data = Frame::Data(Data {
+            class: TrafficClass::Normal,
+            msg_id: ECHO,
+            seq,
+            ack: None,
+            payload,
+        });
+        codec.encode(&data, &mut out).unwrap();
+    }
+    out
+}
+
 /// Connects raw TCP, sends HELLO; returns the first frame the edge answers with.
 async fn raw_hello(addr: SocketAddr, player: &str) -> Option<Frame> {
     let mut sock = tokio::net::TcpStream::connect(addr).await.ok()?;
     let codec = StreamCodec::new(65536);
-    let mut out = BytesMut::new();
-    codec
-        .encode(
-            &Frame::Hello(Hello {
-                version: PROTOCOL_VERSION,
-                token: common::token(player),
-                resume: None,
-            }),
-            &mut out,
-        )
-        .unwrap();
+    let out = hello_then_echoes(player, []);
     let _ = sock.write_all(&out).await;
     let mut buf = BytesMut::new();
     tokio::time::timeout(Duration::from_secs(10), async {
@@ -230,32 +244,11 @@ async fn a_flooding_client_is_slowed_to_its_rate_and_others_are_unaffected() {
     let tcp = edge.addrs[&TransportKind::Tcp];
     let mut sock = tokio::net::TcpStream::connect(tcp).await.unwrap();
     let codec = StreamCodec::new(65536);
-    let mut out = BytesMut::new();
-    codec
-        .encode(
-            &Frame::Hello(Hello {
-                version: PROTOCOL_VERSION,
-                token: common::token("flooder"),
-                resume: None,
-            }),
-            &mut out,
-        )
-        .unwrap();
     const N: u64 = 300;
-    for seq in 1..=N {
-        codec
-            .encode(
-                &Frame::Data(Data {
-                    class: TrafficClass::Normal,
-                    msg_id: ECHO,
-                    seq,
-                    ack: None,
-                    payload: Bytes::from(seq.to_string()),
-                }),
-                &mut out,
-            )
-            .unwrap();
-    }
+    let out = hello_then_echoes(
+        "flooder",
+        (1..=N).map(|seq| (seq, Bytes::from(seq.to_string()))),
+    );
     let _ = sock.write_all(&out).await;
     // Every reply, in order; no ERROR, no CLOSE.
     let mut buf = BytesMut::new();
@@ -319,33 +312,8 @@ async fn a_client_that_stops_reading_is_closed_as_slow_consumer_and_its_session_
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
     socket.set_recv_buffer_size(4096).unwrap();
     let mut sock = socket.connect(tcp).await.unwrap();
-    let codec = StreamCodec::new(65536);
-    let mut out = BytesMut::new();
-    codec
-        .encode(
-            &Frame::Hello(Hello {
-                version: PROTOCOL_VERSION,
-                token: common::token("sleepy"),
-                resume: None,
-            }),
-            &mut out,
-        )
-        .unwrap();
     let big = Bytes::from(vec![b'z'; 32 * 1024]);
-    for seq in 1..=400u64 {
-        codec
-            .encode(
-                &Frame::Data(Data {
-                    class: TrafficClass::Normal,
-                    msg_id: ECHO,
-                    seq,
-                    ack: None,
-                    payload: big.clone(),
-                }),
-                &mut out,
-            )
-            .unwrap();
-    }
+    let out = hello_then_echoes("sleepy", (1..=400u64).map(|seq| (seq, big.clone())));
     let writer = tokio::spawn(async move {
         let _ = sock.write_all(&out).await;
         tokio::time::sleep(Duration::from_secs(30)).await;

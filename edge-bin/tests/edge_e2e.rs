@@ -22,14 +22,7 @@ use waygate_transport::{TrafficClass, TransportKind};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_transport_reaches_the_instance_of_its_player_and_room() {
     let c = cluster().await;
-    let kinds = [
-        TransportKind::Tcp,
-        TransportKind::Tls,
-        TransportKind::Ws,
-        TransportKind::Wss,
-        TransportKind::Quic,
-        TransportKind::Kcp,
-    ];
+    let kinds = TransportKind::ALL;
     for kind in kinds {
         for n in 0..4 {
             let player = format!("{kind}-player-{n}");

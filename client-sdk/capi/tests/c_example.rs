@@ -143,14 +143,7 @@ fn c_echo_example_resumes_without_loss_on_every_transport() {
         .unwrap();
     let c = rt.block_on(cluster(dir.path()));
 
-    for kind in [
-        TransportKind::Tcp,
-        TransportKind::Tls,
-        TransportKind::Ws,
-        TransportKind::Wss,
-        TransportKind::Quic,
-        TransportKind::Kcp,
-    ] {
+    for kind in TransportKind::ALL {
         let addr = c.edge.addrs[&kind];
         let host = if matches!(
             kind,

@@ -137,3 +137,37 @@ impl Service for DemoService {
         }
     }
 }
+
+/// The demo game's route table (TOML, `examples/routes.toml` format) over the backend
+/// addresses `addrs`: service `player` (messages 1000-1999, by player) with instances
+/// `p1..`, and service `room` (2000-2999, by room) with instances `r1..`, one of each per
+/// address. `player_state(i)` gives the state of the i-th player instance (`Some("active")`,
+/// `Some("draining")`, ...) or leaves it out (`None`); room instances are always active.
+pub fn route_table(
+    addrs: &[std::net::SocketAddr],
+    epoch: u64,
+    player_state: impl Fn(usize) -> Option<&'static str>,
+) -> String {
+    let mut t = format!("epoch = {epoch}\nupdated_at = 0\n");
+    for (service, prefix, range) in [
+        ("player", "p", "[[1000, 1999]]"),
+        ("room", "r", "[[2000, 2999]]"),
+    ] {
+        t.push_str(&format!(
+            "[[services]]\nname = \"{service}\"\nmessages = {range}\nkey = \"{service}\"\n"
+        ));
+        for (i, a) in addrs.iter().enumerate() {
+            let state = if service == "player" {
+                player_state(i)
+            } else {
+                Some("active")
+            };
+            let Some(state) = state else { continue };
+            t.push_str(&format!(
+                "  [[services.instances]]\n  id = \"{prefix}{}\"\n  address = \"{a}\"\n  state = \"{state}\"\n",
+                i + 1
+            ));
+        }
+    }
+    t
+}

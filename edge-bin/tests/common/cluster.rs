@@ -37,22 +37,7 @@ pub struct Cluster {
 }
 
 fn table_text(addrs: &[SocketAddr]) -> String {
-    let mut t = String::from("epoch = 1\nupdated_at = 0\n");
-    for (service, prefix, range) in [
-        ("player", "p", "[[1000, 1999]]"),
-        ("room", "r", "[[2000, 2999]]"),
-    ] {
-        t.push_str(&format!(
-            "[[services]]\nname = \"{service}\"\nmessages = {range}\nkey = \"{service}\"\n"
-        ));
-        for (i, a) in addrs.iter().enumerate() {
-            t.push_str(&format!(
-                "  [[services.instances]]\n  id = \"{prefix}{}\"\n  address = \"{a}\"\n",
-                i + 1
-            ));
-        }
-    }
-    t
+    waygate_backend::demo::route_table(addrs, 1, |_| Some("active"))
 }
 
 pub async fn cluster() -> Cluster {

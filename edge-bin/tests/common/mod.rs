@@ -81,25 +81,7 @@ pub async fn backend(id: &str, extra: &[&str]) -> (Proc, SocketAddr) {
 /// A route table: services player (1000-1999) and room (2000-2999) over `addrs`, skipping
 /// `removed` (index) for the player service.
 pub fn table(addrs: &[SocketAddr], epoch: u64, removed: Option<usize>) -> String {
-    let mut t = format!("epoch = {epoch}\nupdated_at = 0\n");
-    for (service, prefix, range) in [
-        ("player", "p", "[[1000, 1999]]"),
-        ("room", "r", "[[2000, 2999]]"),
-    ] {
-        t.push_str(&format!(
-            "[[services]]\nname = \"{service}\"\nmessages = {range}\nkey = \"{service}\"\n"
-        ));
-        for (i, a) in addrs.iter().enumerate() {
-            if removed == Some(i) && service == "player" {
-                continue;
-            }
-            t.push_str(&format!(
-                "  [[services.instances]]\n  id = \"{prefix}{}\"\n  address = \"{a}\"\n",
-                i + 1
-            ));
-        }
-    }
-    t
+    waygate_backend::demo::route_table(addrs, epoch, |i| (removed != Some(i)).then_some("active"))
 }
 
 pub struct EdgeProc {
