@@ -1,4 +1,4 @@
-//! The tokio driver: one task per UDP socket owns the sans-IO [`Endpoint`] and moves bytes
+//! The tokio driver: one task per UDP socket owns the sans-IO [`KcpEndpoint`] and moves bytes
 //! between it, the socket and the connections. Connections talk to it through one bounded
 //! command channel (send, close) and an "attention" list (credit returned, dropped), and it
 //! talks to them through per-session shared state (a bounded inbox, flags, notifiers).
@@ -13,7 +13,7 @@ use bytes::Bytes;
 use tokio::net::UdpSocket;
 use tokio::sync::{mpsc, oneshot, Notify};
 
-use super::endpoint::{CloseReason, Endpoint, Event, SessionKey};
+use super::endpoint::{CloseReason, KcpEndpoint, KcpEvent, SessionKey};
 use super::KcpConnection;
 use crate::conn::{BoxConnection, ConnId, ConnInfo, TransportKind};
 use crate::error::TransportError;
@@ -29,7 +29,7 @@ const RECV_BATCH: usize = 64;
 pub(crate) enum Cmd {
     /// Queue one encoded frame.
     Send { key: SessionKey, data: Bytes },
-    /// Close the session (see [`Endpoint::close`]).
+    /// Close the session (see [`KcpEndpoint::close`]).
     Close {
         key: SessionKey,
         code: CloseCode,
@@ -166,7 +166,7 @@ pub(crate) struct ConnParams {
 pub(crate) struct Driver {
     socket: Arc<UdpSocket>,
     local: SocketAddr,
-    ep: Endpoint,
+    ep: KcpEndpoint,
     role: Role,
     cmd_tx: mpsc::Sender<Cmd>,
     cmd_rx: mpsc::Receiver<Cmd>,
@@ -180,7 +180,7 @@ impl Driver {
     pub(crate) fn new(
         socket: Arc<UdpSocket>,
         local: SocketAddr,
-        ep: Endpoint,
+        ep: KcpEndpoint,
         role: Role,
         channels: Channels,
         params: ConnParams,
@@ -353,14 +353,14 @@ impl Driver {
     fn process_events(&mut self, now: Instant) {
         while let Some(event) = self.ep.poll_event() {
             match event {
-                Event::Connected(key) => self.on_connected(now, key),
-                Event::Message(key, bytes) => {
+                KcpEvent::Connected(key) => self.on_connected(now, key),
+                KcpEvent::Message(key, bytes) => {
                     if let Some(shared) = self.sessions.get(&key) {
                         shared.inbox().messages.push_back(bytes);
                         shared.readable.notify_one();
                     }
                 }
-                Event::Writable(key) => {
+                KcpEvent::Writable(key) => {
                     if let Some(shared) = self.sessions.get(&key) {
                         shared
                             .send_blocked
@@ -368,12 +368,12 @@ impl Driver {
                         shared.writable.notify_one();
                     }
                 }
-                Event::Closed(key, reason) => {
+                KcpEvent::Closed(key, reason) => {
                     if let Some(shared) = self.sessions.get(&key) {
                         shared.set_end(reason);
                     }
                 }
-                Event::Released(key) => {
+                KcpEvent::Released(key) => {
                     if let Some(shared) = self.sessions.remove(&key) {
                         shared.set_end(CloseReason::Local);
                         shared.released.store(true, Ordering::SeqCst);
@@ -383,7 +383,7 @@ impl Driver {
                         self.done = true;
                     }
                 }
-                Event::HandshakeFailed(e) => {
+                KcpEvent::HandshakeFailed(e) => {
                     if let Role::Client { ready } = &mut self.role {
                         if let Some(tx) = ready.take() {
                             let _ = tx.send(Err(e.to_error()));

@@ -1,8 +1,8 @@
 //! The sans-IO KCP endpoint: every session of one UDP socket, the cookie handshake, one
 //! shared timer, backpressure and panic isolation. No tokio, no sockets, no clock: time comes
-//! in as an `Instant`, datagrams come in through [`Endpoint::handle_datagram`] and leave
-//! through [`Endpoint::poll_transmit`]; what the application must learn comes out of
-//! [`Endpoint::poll_event`] (quinn-proto's shape).
+//! in as an `Instant`, datagrams come in through [`KcpEndpoint::handle_datagram`] and leave
+//! through [`KcpEndpoint::poll_transmit`]; what the application must learn comes out of
+//! [`KcpEndpoint::poll_event`] (quinn-proto's shape).
 //!
 //! Architecture invariants (SPEC T4a):
 //! - Sessions are keyed by (peer address, conv). A segment whose conv is known but whose
@@ -137,7 +137,7 @@ impl HandshakeError {
 
 /// What the endpoint tells its driver.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Event {
+pub enum KcpEvent {
     /// A session exists (server: a valid CONNECT; client: the handshake completed).
     Connected(SessionKey),
     /// One whole message (one frame) for the session's reader.
@@ -290,7 +290,7 @@ struct Pump {
 }
 
 /// The sans-IO endpoint (server or client role). See the module docs.
-pub struct Endpoint {
+pub struct KcpEndpoint {
     config: KcpConfig,
     max_frame_size: usize,
     idle_timeout: Option<Duration>,
@@ -301,7 +301,7 @@ pub struct Endpoint {
     convs: HashMap<u32, SocketAddr>,
     timers: BinaryHeap<Reverse<(Instant, SessionKey)>>,
     out: OutQueue,
-    events: VecDeque<Event>,
+    events: VecDeque<KcpEvent>,
     cookie_bucket: TokenBucket,
     reject_bucket: TokenBucket,
     accepting: bool,
@@ -311,16 +311,16 @@ pub struct Endpoint {
     inject_panic: Option<SessionKey>,
 }
 
-impl std::fmt::Debug for Endpoint {
+impl std::fmt::Debug for KcpEndpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Endpoint")
+        f.debug_struct("KcpEndpoint")
             .field("sessions", &self.sessions.len())
             .field("client", &self.client)
             .finish()
     }
 }
 
-impl Endpoint {
+impl KcpEndpoint {
     /// A server endpoint. `rng` supplies convs and the cookie secret.
     pub fn server(
         config: KcpConfig,
@@ -462,11 +462,11 @@ impl Endpoint {
     }
 
     /// The next event for the driver.
-    pub fn poll_event(&mut self) -> Option<Event> {
+    pub fn poll_event(&mut self) -> Option<KcpEvent> {
         self.events.pop_front()
     }
 
-    /// When [`Endpoint::handle_timeout`] must be called next (`None`: nothing scheduled).
+    /// When [`KcpEndpoint::handle_timeout`] must be called next (`None`: nothing scheduled).
     pub fn poll_timeout(&self) -> Option<Instant> {
         let session = self.timers.peek().map(|Reverse((t, _))| *t);
         let handshake = self.client.as_ref().and_then(|c| match c.state {
@@ -634,7 +634,7 @@ impl Endpoint {
         self.convs.insert(key.conv, key.addr);
         KcpStats::bump(&self.stats.sessions_opened);
         self.stats.sessions.fetch_add(1, Ordering::Relaxed);
-        self.events.push_back(Event::Connected(key));
+        self.events.push_back(KcpEvent::Connected(key));
         self.reschedule(now, key);
     }
 
@@ -692,7 +692,7 @@ impl Endpoint {
             ) if client_nonce == nonce => {
                 client.state = Handshake::Done;
                 self.events
-                    .push_back(Event::HandshakeFailed(HandshakeError::Refused {
+                    .push_back(KcpEvent::HandshakeFailed(HandshakeError::Refused {
                         code,
                         retry_after_ms,
                     }));
@@ -769,7 +769,7 @@ impl Endpoint {
         &mut self,
         now: Instant,
         key: SessionKey,
-        f: impl FnOnce(&mut Session, &mut VecDeque<Event>, &KcpStats) -> R,
+        f: impl FnOnce(&mut Session, &mut VecDeque<KcpEvent>, &KcpStats) -> R,
     ) -> Option<R> {
         #[cfg(test)]
         let inject = self.inject_panic.take_if(|k| *k == key).is_some();
@@ -844,7 +844,7 @@ impl Endpoint {
                         if !closing {
                             buf.truncate(n);
                             s.credit -= 1;
-                            events.push_back(Event::Message(key, Bytes::from(buf)));
+                            events.push_back(KcpEvent::Message(key, Bytes::from(buf)));
                         }
                     }
                     Err(_) => break,
@@ -877,7 +877,7 @@ impl Endpoint {
         let waiting = s.kcp.wait_snd();
         if s.send_blocked && waiting < cap {
             s.send_blocked = false;
-            self.events.push_back(Event::Writable(key));
+            self.events.push_back(KcpEvent::Writable(key));
         }
         if s.kcp.is_dead_link() {
             self.forget(key, CloseReason::Unreachable, Some(CloseCode::GoingAway));
@@ -966,7 +966,7 @@ impl Endpoint {
             _ if now >= client.deadline => {
                 client.state = Handshake::Done;
                 self.events
-                    .push_back(Event::HandshakeFailed(HandshakeError::TimedOut));
+                    .push_back(KcpEvent::HandshakeFailed(HandshakeError::TimedOut));
                 return;
             }
             _ if now < client.next_resend => return,
@@ -1113,7 +1113,7 @@ impl Endpoint {
         };
         if !s.ended {
             s.ended = true;
-            self.events.push_back(Event::Closed(key, reason));
+            self.events.push_back(KcpEvent::Closed(key, reason));
         }
         if let Some(frame) = frame {
             let sent = self.guarded(now, key, |s, _, _| {
@@ -1145,7 +1145,7 @@ impl Endpoint {
                 match s.kcp.recv(&mut buf) {
                     Ok(n) => {
                         buf.truncate(n);
-                        events.push_back(Event::Message(key, Bytes::from(buf)));
+                        events.push_back(KcpEvent::Message(key, Bytes::from(buf)));
                     }
                     Err(_) => break,
                 }
@@ -1173,9 +1173,9 @@ impl Endpoint {
             );
         }
         if !s.ended {
-            self.events.push_back(Event::Closed(key, reason));
+            self.events.push_back(KcpEvent::Closed(key, reason));
         }
-        self.events.push_back(Event::Released(key));
+        self.events.push_back(KcpEvent::Released(key));
         KcpStats::bump(&self.stats.sessions_closed);
         self.stats.sessions.fetch_sub(1, Ordering::Relaxed);
         // Keep `s` (and its engine buffers) alive until here only.

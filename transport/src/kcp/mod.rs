@@ -54,7 +54,7 @@ pub use endpoint::KcpStats;
 use crate::conn::{BoxConnection, ConnConfig, ConnInfo, Connection, Listener, TransportKind};
 use crate::error::TransportError;
 use driver::{Channels, Cmd, ConnParams, Driver, Role, Shared};
-use endpoint::Endpoint;
+use endpoint::KcpEndpoint;
 use waygate_protocol::codec::{decode_message, encode_message};
 use waygate_protocol::frame::Frame;
 use waygate_protocol::wire::CloseCode;
@@ -117,7 +117,7 @@ impl KcpListener {
         conn: ConnConfig,
     ) -> Result<Self, TransportError> {
         let params = conn_params(&kcp, &conn);
-        let ep = Endpoint::server(kcp, &conn, Instant::now(), fresh_rng())?;
+        let ep = KcpEndpoint::server(kcp, &conn, Instant::now(), fresh_rng())?;
         let stats = ep.stats();
         let socket = Arc::new(UdpSocket::from_std(crate::udp::bind_udp(addr)?)?);
         let local = socket.local_addr()?;
@@ -179,7 +179,7 @@ async fn connect_owned(
     conn: ConnConfig,
 ) -> Result<BoxConnection, TransportError> {
     let params = conn_params(&kcp, &conn);
-    let ep = Endpoint::client(kcp, &conn, Instant::now(), fresh_rng(), addr)?;
+    let ep = KcpEndpoint::client(kcp, &conn, Instant::now(), fresh_rng(), addr)?;
     let bind: SocketAddr = if addr.is_ipv4() {
         (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
     } else {

@@ -52,10 +52,10 @@ struct Packet {
 struct Net {
     now: Instant,
     server_addr: SocketAddr,
-    server: Endpoint,
-    clients: Vec<(SocketAddr, Endpoint)>,
-    server_events: Vec<Event>,
-    client_events: Vec<Vec<Event>>,
+    server: KcpEndpoint,
+    clients: Vec<(SocketAddr, KcpEndpoint)>,
+    server_events: Vec<KcpEvent>,
+    client_events: Vec<Vec<KcpEvent>>,
     in_flight: Vec<Packet>,
     loss: f64,
     rng: StdRng,
@@ -69,7 +69,7 @@ impl Net {
     fn new(config: KcpConfig, conn: ConnConfig) -> Self {
         let now = Instant::now();
         let server =
-            Endpoint::server(config, &conn, now, StdRng::seed_from_u64(1)).expect("server");
+            KcpEndpoint::server(config, &conn, now, StdRng::seed_from_u64(1)).expect("server");
         Self {
             now,
             server_addr: addr(SERVER),
@@ -87,7 +87,7 @@ impl Net {
 
     fn add_client(&mut self, config: KcpConfig, conn: ConnConfig) -> usize {
         let n = self.clients.len();
-        let ep = Endpoint::client(
+        let ep = KcpEndpoint::client(
             config,
             &conn,
             self.now,
@@ -224,7 +224,7 @@ impl Net {
 
     fn client_key(&self, n: usize) -> Option<SessionKey> {
         self.client_events[n].iter().find_map(|e| match e {
-            Event::Connected(k) => Some(*k),
+            KcpEvent::Connected(k) => Some(*k),
             _ => None,
         })
     }
@@ -232,7 +232,7 @@ impl Net {
     fn server_key_for(&self, n: usize) -> Option<SessionKey> {
         let a = self.clients[n].0;
         self.server_events.iter().find_map(|e| match e {
-            Event::Connected(k) if k.addr == a => Some(*k),
+            KcpEvent::Connected(k) if k.addr == a => Some(*k),
             _ => None,
         })
     }
@@ -245,11 +245,11 @@ impl Net {
         )
     }
 
-    fn messages(events: &[Event], key: SessionKey) -> Vec<Bytes> {
+    fn messages(events: &[KcpEvent], key: SessionKey) -> Vec<Bytes> {
         events
             .iter()
             .filter_map(|e| match e {
-                Event::Message(k, m) if *k == key => Some(m.clone()),
+                KcpEvent::Message(k, m) if *k == key => Some(m.clone()),
                 _ => None,
             })
             .collect()
@@ -451,7 +451,7 @@ fn bad_mac_expired_cookie_and_wrong_address_create_no_session() {
     assert!(net
         .server_events
         .iter()
-        .all(|e| matches!(e, Event::Connected(k) if k.addr == a)));
+        .all(|e| matches!(e, KcpEvent::Connected(k) if k.addr == a)));
 }
 
 #[test]
@@ -510,7 +510,7 @@ fn session_cap_answers_busy_and_the_client_reports_it() {
     net.run_until(|n| !n.client_events[1].is_empty());
     assert!(matches!(
         net.client_events[1][0],
-        Event::HandshakeFailed(HandshakeError::Refused {
+        KcpEvent::HandshakeFailed(HandshakeError::Refused {
             code: CloseCode::Overloaded,
             retry_after_ms: 1000
         })
@@ -526,7 +526,7 @@ fn handshake_times_out_without_a_server() {
     net.run_until(|n| !n.client_events[0].is_empty());
     assert_eq!(
         net.client_events[0],
-        vec![Event::HandshakeFailed(HandshakeError::TimedOut)]
+        vec![KcpEvent::HandshakeFailed(HandshakeError::TimedOut)]
     );
     assert!(net.now >= net.clients[0].1.epoch + Duration::from_secs(10));
     assert_eq!(net.clients[0].1.poll_timeout(), None);
@@ -587,7 +587,7 @@ fn known_conv_from_another_address_is_dropped_and_the_session_is_undisturbed() {
     assert!(net
         .server_events
         .iter()
-        .all(|e| !matches!(e, Event::Closed(..))));
+        .all(|e| !matches!(e, KcpEvent::Closed(..))));
 }
 
 #[test]
@@ -635,11 +635,14 @@ fn a_panic_in_one_session_closes_only_that_session() {
     assert_eq!(KcpStats::get(&net.server.stats().panics), 1);
     assert!(net
         .server_events
-        .contains(&Event::Closed(s0, CloseReason::Failed)));
-    assert!(net.server_events.contains(&Event::Released(s0)));
+        .contains(&KcpEvent::Closed(s0, CloseReason::Failed)));
+    assert!(net.server_events.contains(&KcpEvent::Released(s0)));
     // The client of the failed session learns through RESET.
     net.run_until(|n| {
-        n.client_events[0].contains(&Event::Closed(c0, CloseReason::Reset(CloseCode::Internal)))
+        n.client_events[0].contains(&KcpEvent::Closed(
+            c0,
+            CloseReason::Reset(CloseCode::Internal),
+        ))
     });
     // The other session is untouched and keeps working.
     assert!(net.server.has_session(s1));
@@ -649,7 +652,7 @@ fn a_panic_in_one_session_closes_only_that_session() {
     assert!(!net
         .server_events
         .iter()
-        .any(|e| matches!(e, Event::Closed(k, _) if *k == s1)));
+        .any(|e| matches!(e, KcpEvent::Closed(k, _) if *k == s1)));
 }
 
 #[test]
@@ -765,7 +768,7 @@ fn idle_timeout_closes_the_session_then_resets_it() {
     net.run_until(|n| !n.server.has_session(skey) && !n.clients[0].1.has_session(ckey));
     assert!(net
         .server_events
-        .contains(&Event::Closed(skey, CloseReason::IdleTimeout(IDLE))));
+        .contains(&KcpEvent::Closed(skey, CloseReason::IdleTimeout(IDLE))));
     assert_eq!(KcpStats::get(&net.server.stats().idle_timeouts), 1);
     assert_eq!(net.server.session_count(), 0);
     assert_eq!(net.server.poll_timeout(), None);
@@ -839,7 +842,7 @@ fn send_waits_when_the_send_queue_is_full_and_resumes_on_acks() {
     assert!(!net.clients[0].1.can_send(ckey));
     assert!((512..=600).contains(&sent), "sent {sent} before blocking");
     net.blackhole = false;
-    net.run_until(|n| n.client_events[0].contains(&Event::Writable(ckey)));
+    net.run_until(|n| n.client_events[0].contains(&KcpEvent::Writable(ckey)));
     assert!(net.clients[0].1.can_send(ckey));
     net.run_until(|n| {
         let now = n.now;
@@ -875,10 +878,11 @@ fn close_flushes_the_close_frame_then_resets() {
         })
     );
     // The client's RESET ended the server side.
-    assert!(net
-        .server_events
-        .contains(&Event::Closed(skey, CloseReason::Reset(CloseCode::Normal))));
-    assert!(net.client_events[0].contains(&Event::Released(ckey)));
+    assert!(net.server_events.contains(&KcpEvent::Closed(
+        skey,
+        CloseReason::Reset(CloseCode::Normal)
+    )));
+    assert!(net.client_events[0].contains(&KcpEvent::Released(ckey)));
 }
 
 #[test]
@@ -909,7 +913,7 @@ fn an_oversized_message_closes_with_frame_too_large() {
         .send(now, ckey, &vec![7u8; MAX_FRAME + 1])
         .expect("send");
     net.run_until(|n| !n.server.has_session(skey));
-    assert!(net.server_events.contains(&Event::Closed(
+    assert!(net.server_events.contains(&KcpEvent::Closed(
         skey,
         CloseReason::FrameTooLarge {
             len: MAX_FRAME + 1,
@@ -1041,7 +1045,7 @@ fn a_reset_still_delivers_what_was_acknowledged_to_a_stalled_reader() {
     assert_eq!(got.len(), 4 + 128);
     let first_bad = got.iter().zip(&expect).position(|(a, b)| a != b);
     assert_eq!(first_bad, None, "first differing message");
-    assert!(net.server_events.contains(&Event::Closed(
+    assert!(net.server_events.contains(&KcpEvent::Closed(
         skey,
         CloseReason::Reset(CloseCode::GoingAway)
     )));
