@@ -457,3 +457,97 @@ async fn etcd_down_drops_no_session_logins_still_routed_staleness_rises() {
     assert_eq!(lost, 0);
     assert_eq!(dup, 0);
 }
+
+/// Waits for the next room event (or an ERROR) of `client`; panics after `limit`.
+async fn next_room_event(client: &mut Client, limit: Duration) -> Result<String, CloseCode> {
+    use waygate_backend::demo::ROOM_EVENT;
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let ev = tokio::time::timeout_at(deadline, client.next_event())
+            .await
+            .expect("room event in time")
+            .expect("client running");
+        match ev {
+            Event::Message {
+                msg_id: ROOM_EVENT,
+                payload,
+                ..
+            } => return Ok(String::from_utf8(payload.to_vec()).unwrap()),
+            Event::Error(e) => return Err(e.code),
+            _ => {}
+        }
+    }
+}
+
+/// Routing state travels with the session (session-host issue, defect 6): a player joins a
+/// room on edge A (the room backend BINDs the room key), edge A is killed with SIGKILL, the
+/// player resumes on edge B and, without joining again, its room messages reach the same
+/// room instance (before: ERROR `unavailable`, the key lived only in edge A's memory).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_room_joined_on_a_killed_edge_is_reached_from_the_edge_that_resumes() {
+    use waygate_backend::demo::{JOINED, JOIN_ROOM, ROOM_SAY};
+    let mut w = world(2).await;
+    let mut client = w.client("roamer", 0).await;
+    wait_for(&mut client, Duration::from_secs(20), |e| {
+        matches!(e, Event::Connected { .. })
+    })
+    .await;
+    client
+        .send(
+            TrafficClass::Critical,
+            JOIN_ROOM,
+            Bytes::from_static(b"harbour"),
+        )
+        .await
+        .unwrap();
+    wait_for(&mut client, Duration::from_secs(20), |e| {
+        matches!(e, Event::Message { msg_id: JOINED, .. })
+    })
+    .await;
+    client
+        .send(
+            TrafficClass::Critical,
+            ROOM_SAY,
+            Bytes::from_static(b"harbour|before"),
+        )
+        .await
+        .unwrap();
+    let before = next_room_event(&mut client, Duration::from_secs(20))
+        .await
+        .expect("room event on edge A");
+    let instance = before.split('|').next().unwrap().to_string();
+    assert!(
+        before.starts_with(&format!("{instance}|harbour|1|roamer|before")),
+        "{before}"
+    );
+
+    w.edges[0].proc.kill9();
+    let restored = wait_for(&mut client, Duration::from_secs(30), |e| {
+        matches!(e, Event::Connected { .. })
+    })
+    .await;
+    assert!(
+        matches!(
+            restored,
+            Event::Connected {
+                outcome: WelcomeOutcome::Restored,
+                ..
+            }
+        ),
+        "{restored:?}"
+    );
+    client
+        .send(
+            TrafficClass::Critical,
+            ROOM_SAY,
+            Bytes::from_static(b"harbour|after"),
+        )
+        .await
+        .unwrap();
+    let after = next_room_event(&mut client, Duration::from_secs(20)).await;
+    assert_eq!(
+        after,
+        Ok(format!("{instance}|harbour|2|roamer|after")),
+        "the same room instance, its state intact"
+    );
+}

@@ -77,6 +77,13 @@ pub enum SessionEvent {
         /// service -> instance.
         bindings: BTreeMap<String, String>,
     },
+    /// The session holds these routing keys (restored with it): service -> business key.
+    RoutingKeys {
+        /// Session.
+        session_id: SessionId,
+        /// service -> key (e.g. `room` -> the room joined).
+        keys: BTreeMap<String, String>,
+    },
     /// The session ended for good; when `released`, unbind `bindings`.
     Ended {
         /// Session.
@@ -114,6 +121,15 @@ pub struct Downstream {
     pub payload: Bytes,
 }
 
+/// What travels down a session's queue, in the order its link delivered it: messages, and
+/// the routing keys backends bind between them (so a key bound before a push is in the
+/// session's snapshot before that push is shown to the client).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum DownstreamItem {
+    Message(Downstream),
+    RoutingKey { service: String, key: String },
+}
+
 /// Why [`SessionRegistry::push`] failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -133,7 +149,7 @@ pub enum PushError {
 /// message pushed during the switch is not lost.
 struct HandOver {
     outcome: TakeOutcome,
-    channel: Option<(mpsc::Sender<Downstream>, mpsc::Receiver<Downstream>)>,
+    channel: Option<(mpsc::Sender<DownstreamItem>, mpsc::Receiver<DownstreamItem>)>,
 }
 
 enum Command {
@@ -157,7 +173,7 @@ struct Handle {
     task: u64,
     player_id: Arc<str>,
     commands: mpsc::Sender<Command>,
-    downstream: mpsc::Sender<Downstream>,
+    downstream: mpsc::Sender<DownstreamItem>,
 }
 
 #[derive(Default)]
@@ -179,6 +195,14 @@ impl std::fmt::Debug for SessionRegistry {
             .field("sessions", &self.len())
             .finish()
     }
+}
+
+/// Queues an item on a session's downstream channel without waiting.
+fn try_queue(handle: &Handle, item: DownstreamItem) -> Result<(), PushError> {
+    handle.downstream.try_send(item).map_err(|e| match e {
+        mpsc::error::TrySendError::Full(_) => PushError::QueueFull,
+        mpsc::error::TrySendError::Closed(_) => PushError::NotFound,
+    })
 }
 
 impl SessionRegistry {
@@ -253,10 +277,24 @@ impl SessionRegistry {
         {
             return Err(PushError::Shed);
         }
-        handle.downstream.try_send(message).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => PushError::QueueFull,
-            mpsc::error::TrySendError::Closed(_) => PushError::NotFound,
-        })
+        try_queue(&handle, DownstreamItem::Message(message))
+    }
+
+    /// Records a routing key a backend bound for a session (service -> business key, e.g.
+    /// the room joined), in order with the session's pushes; it travels in the session's
+    /// snapshot, so a restore on any edge routes by it. Never waits.
+    pub fn bind_key(
+        &self,
+        session_id: &SessionId,
+        service: &str,
+        key: &str,
+    ) -> Result<(), PushError> {
+        let handle = self.handle(session_id).ok_or(PushError::NotFound)?;
+        let item = DownstreamItem::RoutingKey {
+            service: service.to_owned(),
+            key: key.to_owned(),
+        };
+        try_queue(&handle, item)
     }
 
     /// Queues a downstream message for a player's session.
@@ -488,8 +526,8 @@ struct Task {
     task: u64,
     registered: Option<SessionId>,
     commands_tx: mpsc::Sender<Command>,
-    downstream_tx: mpsc::Sender<Downstream>,
-    downstream_rx: Option<mpsc::Receiver<Downstream>>,
+    downstream_tx: mpsc::Sender<DownstreamItem>,
+    downstream_rx: Option<mpsc::Receiver<DownstreamItem>>,
     adopted: Option<SessionId>,
     inbound: Option<waygate_backpressure::InboundLimiter>,
     /// A frame over the inbound limit, held until the instant its tokens return; the
@@ -506,7 +544,7 @@ enum Event {
     /// The held frame's tokens are back.
     Release,
     Command(Command),
-    Downstream(Downstream),
+    Downstream(DownstreamItem),
     Timer,
 }
 
@@ -622,7 +660,7 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
         .unwrap_or(EndReason::HandshakeFailed(CloseCode::Internal))
 }
 
-async fn recv_down(rx: &mut Option<mpsc::Receiver<Downstream>>) -> Option<Downstream> {
+async fn recv_down(rx: &mut Option<mpsc::Receiver<DownstreamItem>>) -> Option<DownstreamItem> {
     match rx {
         Some(rx) => rx.recv().await,
         None => std::future::pending().await,
@@ -730,12 +768,16 @@ impl Task {
         }
     }
 
-    fn downstream(&mut self, msg: Downstream) {
-        if let Err(e) = self
-            .machine
-            .send_downstream(now(), msg.class, msg.msg_id, msg.payload)
-        {
-            tracing::debug!(error = %e, "downstream message refused");
+    fn downstream(&mut self, item: DownstreamItem) {
+        let refused = match item {
+            DownstreamItem::Message(msg) => self
+                .machine
+                .send_downstream(now(), msg.class, msg.msg_id, msg.payload)
+                .map(|_| ()),
+            DownstreamItem::RoutingKey { service, key } => self.machine.bind_key(&service, &key),
+        };
+        if let Err(e) = refused {
+            tracing::debug!(error = %e, "downstream item refused");
         }
     }
 
@@ -940,6 +982,13 @@ impl Task {
                         setup: self.started.elapsed(),
                     })
                     .await;
+            }
+            Action::RoutingKeys(keys) => {
+                if let Some(session_id) = self.machine.session_id() {
+                    edge.upstream
+                        .session_event(SessionEvent::RoutingKeys { session_id, keys })
+                        .await;
+                }
             }
             Action::Bind(bindings) => {
                 if let Some(session_id) = self.machine.session_id() {

@@ -269,6 +269,9 @@ pub enum Action {
     },
     /// The session holds these bindings now (restored or taken over): tell the router.
     Bind(BTreeMap<String, String>),
+    /// The session holds these routing keys now (restored with it): route its messages
+    /// by them (service -> business key, from backends' BIND).
+    RoutingKeys(BTreeMap<String, String>),
     /// Route an upstream message.
     Deliver(Upstream),
     /// Store this snapshot for the linger time (the link dropped).
@@ -318,6 +321,8 @@ pub struct SessionCore {
     resume_hash: ResumeHash,
     prev_resume_hash: Option<ResumeHash>,
     bindings: BTreeMap<String, String>,
+    /// Routing keys bound by backends (service -> business key).
+    keys: BTreeMap<String, String>,
     replay: ReplayBuffer,
     upstream: RecvWindow,
 }
@@ -334,6 +339,7 @@ impl SessionCore {
             bindings: self.bindings.clone(),
             replay: self.replay.clone(),
             upstream: self.upstream.clone(),
+            keys: self.keys.clone(),
         }
     }
 
@@ -347,6 +353,7 @@ impl SessionCore {
             bindings: s.bindings,
             replay: s.replay,
             upstream: s.upstream,
+            keys: s.keys,
         }
     }
 
@@ -741,6 +748,7 @@ impl SessionMachine {
             bindings: BTreeMap::new(),
             replay: ReplayBuffer::new(self.config.replay),
             upstream: RecvWindow::new(),
+            keys: BTreeMap::new(),
         });
         self.actions.push_back(Action::Claim {
             player_id,
@@ -891,6 +899,10 @@ impl SessionMachine {
         });
         if !core.bindings.is_empty() {
             self.actions.push_back(Action::Bind(core.bindings.clone()));
+        }
+        if !core.keys.is_empty() {
+            self.actions
+                .push_back(Action::RoutingKeys(core.keys.clone()));
         }
         self.actions
             .push_back(Action::Send(Frame::Welcome(welcome)));
@@ -1169,6 +1181,18 @@ impl SessionMachine {
                 retry_after_ms,
             })));
         Ok(())
+    }
+
+    /// Records a routing key a backend bound (service -> business key, e.g. the room the
+    /// player joined), kept across reconnects and edges (it is in the snapshot).
+    pub fn bind_key(&mut self, service: &str, key: &str) -> Result<(), SessionError> {
+        match (self.state, self.core.as_mut()) {
+            (State::Active | State::Detached, Some(core)) => {
+                core.keys.insert(service.to_owned(), key.to_owned());
+                Ok(())
+            }
+            _ => Err(self.misuse("bind key")),
+        }
     }
 
     /// Records a backend binding (service -> instance), kept across reconnects.

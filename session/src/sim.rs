@@ -252,6 +252,7 @@ pub fn run(ops: &[SimOp]) -> SimOutcome {
             bindings: BTreeMap::new(),
             replay,
             upstream: RecvWindow::new(),
+            keys: BTreeMap::new(),
         },
     );
     let start = Instant::now();

@@ -45,6 +45,10 @@ pub struct Snapshot {
     pub prev_resume_hash: Option<ResumeHash>,
     /// Backend bindings: service -> instance (S5).
     pub bindings: BTreeMap<String, String>,
+    /// Routing keys backends bound with BIND: service -> business key (the room a player
+    /// joined, R3). They travel with the session, so a restore on any edge routes the same.
+    #[serde(default)]
+    pub keys: BTreeMap<String, String>,
     /// Unacked downstream messages and the downstream seq counter.
     pub replay: ReplayBuffer,
     /// Upstream client seqs received (dedup state).
@@ -354,6 +358,7 @@ mod tests {
             bindings: [("world".to_owned(), "w-1".to_owned())].into(),
             replay,
             upstream: RecvWindow::starting_at(4),
+            keys: BTreeMap::new(),
         }
     }
 

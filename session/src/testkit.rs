@@ -208,6 +208,7 @@ pub mod store_contract {
             ]),
             replay,
             upstream: RecvWindow::starting_at(4),
+            keys: BTreeMap::from([("room".to_owned(), "lobby".to_owned())]),
         }
     }
 

@@ -12,9 +12,10 @@ use waygate_protocol::wire::PROTOCOL_VERSION;
 use waygate_transport::{CloseCode, Frame, TrafficClass};
 
 use crate::client::{ClientEvent, ClientState};
-use crate::machine::{Action, EndReason, SessionConfig, SessionError, State};
+use crate::machine::{Action, EndReason, SessionConfig, SessionError, SessionMachine, State};
 use crate::replay::ReplayLimits;
 use crate::seq::AckPolicy;
+use crate::store::TakeOutcome;
 use pair::{token_for, Pair};
 
 fn welcomed(p: &Pair, c: usize) -> Vec<WelcomeOutcome> {
@@ -439,6 +440,72 @@ fn a_failing_resume_of_a_live_session_leaves_it_untouched_or_kicks_it() {
         p.edge.machines[live].end_reason(),
         Some(&EndReason::Kicked),
         "the old session ends by a kick, not a silent supersede"
+    );
+}
+
+/// Routing keys a backend bound (BIND) are part of the session: in its snapshot, and
+/// announced (`RoutingKeys`) when a restore re-establishes it, wherever that happens.
+#[test]
+fn routing_keys_travel_with_the_session() {
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "alice");
+    let m = p.peers[c].conn.expect("conn");
+    p.edge.machines[m]
+        .bind_key("room", "harbour")
+        .expect("bind key");
+    let snap = p.server(c).checkpoint().expect("snapshot");
+    assert_eq!(snap.keys.get("room").map(String::as_str), Some("harbour"));
+    // A new machine restoring from that snapshot announces the keys before WELCOME.
+    let (sid, tok) = p.peers[c].client.session().expect("s");
+    let mut fresh = SessionMachine::new(
+        SessionConfig::default(),
+        std::sync::Arc::new(crate::SessionCounters::new()),
+        Box::new(crate::SeededRng::new(7)),
+    );
+    fresh.handle_link_up(p.now).expect("up");
+    fresh
+        .handle_frame(
+            p.now,
+            Frame::Hello(Hello {
+                version: PROTOCOL_VERSION,
+                token: Bytes::new(),
+                resume: Some(ResumeRequest {
+                    session_id: sid,
+                    resume_token: tok,
+                    last_server_seq: 0,
+                }),
+            }),
+        )
+        .expect("hello");
+    let Some(Action::TakeSnapshot { .. }) = fresh.poll_action() else {
+        panic!("expected TakeSnapshot");
+    };
+    fresh
+        .handle_snapshot(p.now, Ok(TakeOutcome::Taken(Box::new(snap))))
+        .expect("snapshot");
+    let Some(Action::Claim { .. }) = fresh.poll_action() else {
+        panic!("expected Claim");
+    };
+    fresh
+        .handle_claimed(
+            p.now,
+            Ok((
+                crate::store::ClaimGrant {
+                    fencing: 2,
+                    previous: None,
+                },
+                None,
+            )),
+        )
+        .expect("claimed");
+    let actions: Vec<Action> = std::iter::from_fn(|| fresh.poll_action()).collect();
+    let keys = actions.iter().find_map(|a| match a {
+        Action::RoutingKeys(k) => Some(k.clone()),
+        _ => None,
+    });
+    assert_eq!(
+        keys.and_then(|k| k.get("room").cloned()).as_deref(),
+        Some("harbour")
     );
 }
 

@@ -181,7 +181,7 @@ impl Edge {
                         .handle_claimed(now, Ok((ClaimGrant { fencing, previous }, inherited)))
                         .expect("claim");
                 }
-                Action::Established { .. } | Action::Bind(_) => {}
+                Action::Established { .. } | Action::Bind(_) | Action::RoutingKeys(_) => {}
                 Action::Deliver(u) => self.delivered.push(u),
                 Action::Ended(end) => {
                     if let Some(e) = self.owners.get_mut(end.player_id.as_ref()) {

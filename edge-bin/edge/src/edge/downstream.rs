@@ -116,11 +116,21 @@ pub(super) async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver
                 service,
                 key,
             }) => {
+                let Some(sid) = shared.session_of_handle(handle) else {
+                    continue;
+                };
+                // In order with the session's pushes, into its snapshot: the key travels
+                // with the session to whichever edge restores it.
+                if let Err(e) = shared
+                    .session_layer()
+                    .registry
+                    .bind_key(&sid, &service, &key)
+                {
+                    tracing::warn!(%service, error = %e, "routing key not recorded in the session");
+                }
                 if let Ok(mut e) = shared.entries.lock() {
-                    if let Some(sid) = e.by_handle.get(&handle).copied() {
-                        if let Some(entry) = e.by_id.get_mut(&sid) {
-                            Arc::make_mut(&mut entry.keys).insert(service, key);
-                        }
+                    if let Some(entry) = e.by_id.get_mut(&sid) {
+                        Arc::make_mut(&mut entry.keys).insert(service, key);
                     }
                 }
             }

@@ -212,6 +212,14 @@ impl UpstreamSink for EdgeUpstream {
                         .await;
                 }
             }
+            SessionEvent::RoutingKeys { session_id, keys } => {
+                // A restored session's keys (BIND from backends, possibly on another edge).
+                if let Ok(mut e) = shared.entries.lock() {
+                    if let Some(entry) = e.by_id.get_mut(&session_id) {
+                        Arc::make_mut(&mut entry.keys).extend(keys);
+                    }
+                }
+            }
             SessionEvent::Detached { session_id, linger } => {
                 let entry = shared
                     .entries
