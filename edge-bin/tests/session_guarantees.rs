@@ -209,3 +209,169 @@ async fn connections_open_counts_connections_and_lingering_sessions_apart() {
         drop(conn);
     }
 }
+
+/// An edge with one demo backend and `tune`d settings (the cluster harness uses defaults).
+async fn tuned_edge(
+    tune: impl FnOnce(&mut waygate_edge::config::EdgeConfig),
+) -> (
+    waygate_edge::edge::Edge,
+    waygate_backend::Backend,
+    tempfile::TempDir,
+) {
+    let backend = waygate_backend::Backend::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        waygate_backend::BackendConfig::new("b1"),
+        std::sync::Arc::new(waygate_backend::demo::DemoService::new()),
+    )
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let routes = dir.path().join("routes.toml");
+    std::fs::write(&routes, common::table(&[backend.local_addr()], 1, None)).unwrap();
+    let mut config = waygate_edge::config::EdgeConfig::default();
+    config.use_ephemeral_ports();
+    config.routing.table = Some(routes);
+    tune(&mut config);
+    let edge = waygate_edge::edge::Edge::start(config).await.unwrap();
+    (edge, backend, dir)
+}
+
+/// Defect 3 (session-host issue): backend pushes into a full session queue were dropped and
+/// only counted (no seq, no gap). A client that stops reading while its echoes pour in now
+/// either gets every reply exactly once after it resumes, or is told explicitly that it
+/// lost some: WELCOME `RestoredWithGap`. Never a `Restored` with replies missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_session_queue_never_loses_a_reply_silently() {
+    use bytes::{Bytes, BytesMut};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use waygate_backend::demo::{ECHO, ECHO_REPLY};
+    use waygate_protocol::codec::StreamCodec;
+    use waygate_protocol::frame::Data;
+    use waygate_transport::TrafficClass;
+
+    let (edge, _backend, _dir) = tuned_edge(|c| {
+        c.session.outbound_capacity = 8;
+        c.session.replay_max_bytes = 64 << 20;
+        c.session.replay_max_messages = 4096;
+        c.backpressure.send_deadline_ms = 300;
+        c.backpressure.inbound_msgs_per_sec = 100_000;
+        c.backpressure.inbound_msg_burst = 100_000;
+        c.backpressure.inbound_bytes_per_sec = 1 << 30;
+        c.backpressure.inbound_byte_burst = 1 << 30;
+    })
+    .await;
+    let tcp = edge.addrs[&TransportKind::Tcp];
+    let codec = StreamCodec::new(1 << 20);
+    // A client that asks for 300 large echoes and then stops reading.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut sock = socket.connect(tcp).await.unwrap();
+    let mut out = BytesMut::new();
+    let hello = Frame::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        token: common::token("stuck"),
+        resume: None,
+    });
+    codec.encode(&hello, &mut out).unwrap();
+    sock.write_all(&out).await.unwrap();
+    let mut buf = BytesMut::new();
+    let welcome = loop {
+        if let Some(Frame::Welcome(w)) = codec.decode(&mut buf).unwrap() {
+            break w;
+        }
+        assert!(sock.read_buf(&mut buf).await.unwrap() > 0, "WELCOME");
+    };
+    const N: u64 = 300;
+    let big = Bytes::from(vec![b'z'; 16 * 1024]);
+    let mut out = BytesMut::new();
+    for seq in 1..=N {
+        let mut payload = BytesMut::from(format!("{seq:05}").as_bytes());
+        payload.extend_from_slice(&big);
+        let data = Frame::Data(Data {
+            class: TrafficClass::Normal,
+            msg_id: ECHO,
+            seq,
+            ack: None,
+            payload: payload.freeze(),
+        });
+        codec.encode(&data, &mut out).unwrap();
+    }
+    let writer = tokio::spawn(async move {
+        let _ = sock.write_all(&out).await;
+        tokio::time::sleep(Duration::from_secs(15)).await;
+        drop(sock);
+    });
+    // Until every request has reached the backend (or the edge closed the client), and the
+    // replies have had time to come back (queued, written, or refused by a full queue).
+    let forwarded = settle(Duration::from_secs(30), || {
+        let text = edge.admin().metrics_text();
+        let sum: f64 = text
+            .lines()
+            .filter(|l| l.starts_with("waygate_forwarded_total"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        let lingering = text
+            .lines()
+            .find_map(|l| l.strip_prefix("waygate_sessions_lingering "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0);
+        sum >= N as f64 || lingering >= 1.0
+    })
+    .await;
+    assert!(
+        forwarded,
+        "every echo reached the backend, or the client was closed"
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    writer.abort();
+
+    // Resume on a fresh connection, having received nothing after WELCOME.
+    let mut sock = tokio::net::TcpStream::connect(tcp).await.unwrap();
+    let mut out = BytesMut::new();
+    let resume = Frame::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        token: Bytes::new(),
+        resume: Some(ResumeRequest {
+            session_id: welcome.session_id,
+            resume_token: welcome.resume_token,
+            last_server_seq: 0,
+        }),
+    });
+    codec.encode(&resume, &mut out).unwrap();
+    sock.write_all(&out).await.unwrap();
+    let mut buf = BytesMut::new();
+    let mut outcome = None;
+    let mut replies = std::collections::BTreeMap::<u64, u32>::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            while let Ok(Some(f)) = codec.decode(&mut buf) {
+                match f {
+                    Frame::Welcome(w) => outcome = Some(w.outcome),
+                    Frame::Data(d) if d.msg_id == ECHO_REPLY => {
+                        let text = &d.payload[d.payload.len() - big.len() - 5..][..5];
+                        let n: u64 = std::str::from_utf8(text).unwrap().parse().unwrap();
+                        *replies.entry(n).or_default() += 1;
+                    }
+                    _ => {}
+                }
+            }
+            if replies.len() as u64 == N {
+                return;
+            }
+            match tokio::time::timeout(Duration::from_secs(2), sock.read_buf(&mut buf)).await {
+                Ok(Ok(n)) if n > 0 => {}
+                _ => return,
+            }
+        }
+    })
+    .await;
+    let outcome = outcome.expect("WELCOME after the resume");
+    assert!(replies.values().all(|&c| c == 1), "no duplicates");
+    match outcome {
+        WelcomeOutcome::Restored => {
+            assert_eq!(replies.len() as u64, N, "Restored must mean nothing lost")
+        }
+        WelcomeOutcome::RestoredWithGap => {}
+        other => panic!("unexpected outcome {other:?}"),
+    }
+}

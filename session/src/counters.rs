@@ -97,6 +97,9 @@ named_counters! {
     slow_consumer,
     /// Best-effort downstream messages shed while a session's queue was congested (B3).
     best_effort_shed,
+    /// Sequenced downstream messages a full session queue refused: declared lost in the
+    /// session (slow_consumer close, RestoredWithGap on resume), never dropped silently (B3).
+    downstream_overflowed,
 }
 
 impl SessionCounters {

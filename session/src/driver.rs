@@ -149,7 +149,7 @@ pub enum PushError {
 /// message pushed during the switch is not lost.
 struct HandOver {
     outcome: TakeOutcome,
-    channel: Option<(mpsc::Sender<DownstreamItem>, mpsc::Receiver<DownstreamItem>)>,
+    channel: Option<(DownstreamTx, mpsc::Receiver<DownstreamItem>)>,
 }
 
 enum Command {
@@ -173,7 +173,18 @@ struct Handle {
     task: u64,
     player_id: Arc<str>,
     commands: mpsc::Sender<Command>,
-    downstream: mpsc::Sender<DownstreamItem>,
+    downstream: DownstreamTx,
+}
+
+/// A session's downstream queue as pushers see it: the bounded channel, and how many
+/// sequenced messages it refused because it was full. Those are never dropped silently:
+/// the session's task declares them lost in its replay buffer and closes the connection as
+/// `slow_consumer`, so the client's resume reports `RestoredWithGap` (B3). Moves with the
+/// channel on a hand-over.
+#[derive(Clone)]
+struct DownstreamTx {
+    tx: mpsc::Sender<DownstreamItem>,
+    overflowed: Arc<AtomicU64>,
 }
 
 #[derive(Default)]
@@ -199,8 +210,17 @@ impl std::fmt::Debug for SessionRegistry {
 
 /// Queues an item on a session's downstream channel without waiting.
 fn try_queue(handle: &Handle, item: DownstreamItem) -> Result<(), PushError> {
-    handle.downstream.try_send(item).map_err(|e| match e {
-        mpsc::error::TrySendError::Full(_) => PushError::QueueFull,
+    let sequenced = match &item {
+        DownstreamItem::Message(m) => m.class != TrafficClass::BestEffort,
+        DownstreamItem::RoutingKey { .. } => true,
+    };
+    handle.downstream.tx.try_send(item).map_err(|e| match e {
+        mpsc::error::TrySendError::Full(_) => {
+            if sequenced {
+                handle.downstream.overflowed.fetch_add(1, Ordering::AcqRel);
+            }
+            PushError::QueueFull
+        }
         mpsc::error::TrySendError::Closed(_) => PushError::NotFound,
     })
 }
@@ -273,7 +293,7 @@ impl SessionRegistry {
         // Best-effort goes first when the queue is congested (above 3/4 full), so the room
         // left is kept for sequenced messages (B3).
         if message.class == TrafficClass::BestEffort
-            && handle.downstream.capacity() * 4 < handle.downstream.max_capacity()
+            && handle.downstream.tx.capacity() * 4 < handle.downstream.tx.max_capacity()
         {
             return Err(PushError::Shed);
         }
@@ -526,7 +546,7 @@ struct Task {
     task: u64,
     registered: Option<SessionId>,
     commands_tx: mpsc::Sender<Command>,
-    downstream_tx: mpsc::Sender<DownstreamItem>,
+    downstream_tx: DownstreamTx,
     downstream_rx: Option<mpsc::Receiver<DownstreamItem>>,
     adopted: Option<SessionId>,
     inbound: Option<waygate_backpressure::InboundLimiter>,
@@ -575,7 +595,10 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
         task: NEXT_TASK.fetch_add(1, Ordering::Relaxed),
         registered: None,
         commands_tx,
-        downstream_tx,
+        downstream_tx: DownstreamTx {
+            tx: downstream_tx,
+            overflowed: Arc::new(AtomicU64::new(0)),
+        },
         downstream_rx: Some(downstream_rx),
         adopted: None,
         inbound: None,
@@ -602,6 +625,9 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
             }
         };
         let registered = t.registered.is_some();
+        if registered {
+            t.take_overflow();
+        }
         if t.conn.is_none() {
             t.held = None;
         }
@@ -650,7 +676,7 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
             .remove_if(&id, |h: &Handle| h.task == t.task),
         // Adopted a channel but never got ACTIVE: drop the stale entry of the old task.
         (None, Some(id)) => t.edge.registry.remove_if(&id, |h: &Handle| {
-            h.downstream.same_channel(&t.downstream_tx)
+            h.downstream.tx.same_channel(&t.downstream_tx.tx)
         }),
         (None, None) => {}
     }
@@ -705,6 +731,33 @@ impl Task {
         }
         if let Err(e) = self.machine.handle_frame(now(), frame) {
             tracing::debug!(error = %e, "session input refused");
+        }
+    }
+
+    /// Sequenced messages the queue refused while it was full: everything still queued goes
+    /// into the machine first (it was pushed before them), then the machine declares them
+    /// lost — the connection closes as `slow_consumer` and the resume reports the gap.
+    fn take_overflow(&mut self) {
+        let lost = self.downstream_tx.overflowed.swap(0, Ordering::AcqRel);
+        if lost == 0 {
+            return;
+        }
+        if let Some(rx) = self.downstream_rx.as_mut() {
+            let mut queued = Vec::new();
+            while let Ok(item) = rx.try_recv() {
+                queued.push(item);
+            }
+            for item in queued {
+                self.downstream(item);
+            }
+        }
+        SessionCounters::add(&self.edge.counters.downstream_overflowed, lost);
+        tracing::info!(
+            lost,
+            "session queue overflowed: closing as a slow consumer with a gap"
+        );
+        if let Err(e) = self.machine.lose_downstream(now(), lost) {
+            tracing::debug!(error = %e, "overflow on an ended session");
         }
     }
 

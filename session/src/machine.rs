@@ -1183,6 +1183,30 @@ impl SessionMachine {
         Ok(())
     }
 
+    /// `count` sequenced downstream messages for this session could not be queued (its
+    /// queue was full: the client does not keep up). They are never dropped silently: the
+    /// replay buffer declares them lost (a gap the next resume reports as
+    /// `RestoredWithGap`), and a live connection is closed as `slow_consumer` before any
+    /// later message could arrive with a seq jump. The session lingers.
+    pub fn lose_downstream(&mut self, now: Instant, count: u64) -> Result<(), SessionError> {
+        let state = self.state;
+        let Some(core) = self.core.as_mut() else {
+            return Err(self.misuse("lose downstream"));
+        };
+        match state {
+            State::Active | State::Detached => {
+                core.replay.declare_lost(count);
+                SessionCounters::add(&self.counters.replay_evicted, count);
+                if state == State::Active {
+                    SessionCounters::bump(&self.counters.slow_consumer);
+                    self.link_lost(now, CloseCode::SlowConsumer, "downstream queue overflow");
+                }
+                Ok(())
+            }
+            _ => Err(self.misuse("lose downstream")),
+        }
+    }
+
     /// Records a routing key a backend bound (service -> business key, e.g. the room the
     /// player joined), kept across reconnects and edges (it is in the snapshot).
     pub fn bind_key(&mut self, service: &str, key: &str) -> Result<(), SessionError> {

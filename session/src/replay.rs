@@ -106,6 +106,19 @@ impl ReplayBuffer {
         (seq, evicted)
     }
 
+    /// Declares `count` messages that never got here lost: they take the next seqs, and
+    /// everything unacknowledged is dropped with them (`evicted_through` = the last of
+    /// them), so any restore from below that seq reports a gap.
+    pub fn declare_lost(&mut self, count: u64) {
+        if count == 0 {
+            return;
+        }
+        self.next_seq += count;
+        self.evicted_through = self.next_seq - 1;
+        self.entries.clear();
+        self.bytes = 0;
+    }
+
     /// Applies a cumulative ack: frees every entry `<= ack`. Lower acks than before are
     /// ignored; an ack beyond what was sent is an error (the buffer is unchanged).
     pub fn ack(&mut self, ack: u64) -> Result<usize, AckBeyondSent> {
@@ -189,6 +202,30 @@ mod tests {
 
     fn p(n: usize) -> Bytes {
         Bytes::from(vec![0u8; n])
+    }
+
+    /// Messages that never reached the buffer take seqs and make every restore from below
+    /// them a gap; later messages continue after them.
+    #[test]
+    fn declared_losses_take_seqs_and_report_a_gap() {
+        let mut r = ReplayBuffer::new(ReplayLimits::default());
+        r.push(TrafficClass::Normal, 1, p(3));
+        r.push(TrafficClass::Normal, 1, p(3));
+        r.declare_lost(3);
+        assert_eq!(r.highest_sent(), 5);
+        assert_eq!(r.entries_after(0).count(), 0);
+        assert_eq!(r.push(TrafficClass::Normal, 1, p(3)).0, 6);
+        let point = r.restore_point(1).expect("within sent");
+        assert!(point.gap);
+        assert_eq!(point.base, 5);
+        assert_eq!(
+            r.entries_after(point.base)
+                .map(|e| e.seq)
+                .collect::<Vec<_>>(),
+            [6]
+        );
+        r.declare_lost(0);
+        assert_eq!(r.highest_sent(), 6, "nothing lost, nothing changes");
     }
 
     #[test]

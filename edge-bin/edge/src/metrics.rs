@@ -72,7 +72,8 @@ pub struct EdgeMetrics {
     pub upstream_refused: Family<CodeLabel, Counter>,
     /// Downstream messages handed to sessions.
     pub pushed: Family<ClassLabel, Counter>,
-    /// Downstream messages dropped (session gone or queue full).
+    /// Downstream messages not queued: session gone, best-effort shed, or a full queue (a
+    /// sequenced one is then declared lost in the session: slow_consumer close, gap on resume).
     pub push_dropped: Family<ClassLabel, Counter>,
     /// Backend links up (1) or down (0).
     pub backend_up: Family<BackendLabel, Gauge>,
@@ -237,7 +238,7 @@ impl EdgeMetrics {
         );
         registry.register(
             "push_dropped",
-            "Downstream messages dropped",
+            "Downstream messages not queued (session gone, best-effort shed, or a full queue: the session then reports the gap)",
             m.push_dropped.clone(),
         );
         registry.register(
