@@ -218,10 +218,26 @@ async fn tuned_edge(
     waygate_backend::Backend,
     tempfile::TempDir,
 ) {
+    edge_over(
+        std::sync::Arc::new(waygate_backend::demo::DemoService::new()),
+        tune,
+    )
+    .await
+}
+
+/// An edge whose one backend (both demo services' instance) runs `service`.
+async fn edge_over(
+    service: std::sync::Arc<dyn waygate_backend::Service>,
+    tune: impl FnOnce(&mut waygate_edge::config::EdgeConfig),
+) -> (
+    waygate_edge::edge::Edge,
+    waygate_backend::Backend,
+    tempfile::TempDir,
+) {
     let backend = waygate_backend::Backend::bind(
         "127.0.0.1:0".parse().unwrap(),
         waygate_backend::BackendConfig::new("b1"),
-        std::sync::Arc::new(waygate_backend::demo::DemoService::new()),
+        service,
     )
     .await
     .unwrap();
@@ -374,4 +390,96 @@ async fn a_full_session_queue_never_loses_a_reply_silently() {
         WelcomeOutcome::RestoredWithGap => {}
         other => panic!("unexpected outcome {other:?}"),
     }
+}
+
+/// A backend that takes half a second over every message and then refuses it as `busy`.
+struct SlowRefuser;
+
+#[async_trait::async_trait]
+impl waygate_backend::Service for SlowRefuser {
+    async fn message(
+        &self,
+        _session: &waygate_backend::BackendSession,
+        _msg: waygate_backend::Incoming,
+    ) -> Result<(), waygate_backend::Refusal> {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        Err(waygate_backend::Refusal {
+            code: waygate_transport::CloseCode::Busy,
+            retry_after_ms: 250,
+        })
+    }
+}
+
+/// Defect 4 (session-host issue): an ERROR for a message the backend refused while the
+/// client was away was discarded, though the message had been accepted: the client never
+/// learned. It now waits in the session (and its snapshot) and follows the WELCOME of the
+/// resume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_that_arrives_while_the_client_is_away_follows_its_resume() {
+    use bytes::Bytes;
+    use waygate_protocol::frame::Data;
+    use waygate_transport::{CloseCode, TrafficClass};
+
+    let (edge, _backend, _dir) = edge_over(std::sync::Arc::new(SlowRefuser), |_| {}).await;
+    let endpoint = waygate_transport::endpoint::Endpoint::new(
+        TransportKind::Tcp,
+        edge.addrs[&TransportKind::Tcp],
+    );
+    let options = ConnectOptions::default();
+    let mut conn = connect(&endpoint, &options).await.unwrap();
+    let w = hello(&mut conn, "away", None).await;
+    conn.send(&Frame::Data(Data {
+        class: TrafficClass::Normal,
+        msg_id: 1000,
+        seq: 1,
+        ack: None,
+        payload: Bytes::from_static(b"refuse me"),
+    }))
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The network drops the client before the backend answers (no CLOSE).
+    drop(conn);
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let mut conn = connect(&endpoint, &options).await.unwrap();
+    conn.send(&Frame::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        token: bytes::Bytes::new(),
+        resume: Some(ResumeRequest {
+            session_id: w.session_id,
+            resume_token: w.resume_token,
+            last_server_seq: 0,
+        }),
+    }))
+    .await
+    .unwrap();
+    let mut frames = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        while let Ok(f) = conn.recv().await {
+            let done = matches!(f, Frame::Error(_));
+            frames.push(f);
+            if done {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(
+        matches!(frames.first(), Some(Frame::Welcome(w)) if w.outcome == WelcomeOutcome::Restored),
+        "{frames:?}"
+    );
+    let error = frames.iter().find_map(|f| match f {
+        Frame::Error(e) => Some(e.clone()),
+        _ => None,
+    });
+    let error = error.expect("the refusal reaches the client after its resume");
+    assert_eq!(
+        (
+            error.code,
+            error.msg_id,
+            error.client_seq,
+            error.retry_after_ms
+        ),
+        (CloseCode::Busy, 1000, 1, 250)
+    );
 }

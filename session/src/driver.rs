@@ -17,7 +17,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument as _;
-use waygate_protocol::frame::{SessionId, WelcomeOutcome};
+use waygate_protocol::frame::{ErrorReport, SessionId, WelcomeOutcome};
 use waygate_transport::{BoxConnection, CloseCode, TrafficClass};
 
 use crate::auth::Authenticator;
@@ -128,6 +128,7 @@ pub struct Downstream {
 enum DownstreamItem {
     Message(Downstream),
     RoutingKey { service: String, key: String },
+    Error(ErrorReport),
 }
 
 /// Why [`SessionRegistry::push`] failed.
@@ -160,12 +161,6 @@ enum Command {
     Migrate(String, Duration),
     Quiesce,
     DropLink,
-    ReportError {
-        code: CloseCode,
-        msg_id: u32,
-        client_seq: u64,
-        retry_after_ms: u32,
-    },
 }
 
 #[derive(Clone)]
@@ -212,7 +207,7 @@ impl std::fmt::Debug for SessionRegistry {
 fn try_queue(handle: &Handle, item: DownstreamItem) -> Result<(), PushError> {
     let sequenced = match &item {
         DownstreamItem::Message(m) => m.class != TrafficClass::BestEffort,
-        DownstreamItem::RoutingKey { .. } => true,
+        DownstreamItem::RoutingKey { .. } | DownstreamItem::Error(_) => true,
     };
     handle.downstream.tx.try_send(item).map_err(|e| match e {
         mpsc::error::TrySendError::Full(_) => {
@@ -353,22 +348,44 @@ impl SessionRegistry {
     }
 
     /// Tells a session's client that one of its upstream messages could not be delivered
-    /// (an ERROR frame; e.g. a backend refused it after it was forwarded).
-    pub async fn report_error(
+    /// (an ERROR frame; e.g. a backend refused it after it was forwarded), in order with the
+    /// session's pushes. Never waits. A detached session keeps it for its resume; a full
+    /// queue counts it as lost, so the session closes with a gap (see [`PushError`]).
+    pub fn report_error(
         &self,
         session_id: &SessionId,
         code: CloseCode,
         msg_id: u32,
         client_seq: u64,
         retry_after_ms: u32,
-    ) -> bool {
-        let report = Command::ReportError {
+    ) -> Result<(), PushError> {
+        let handle = self.handle(session_id).ok_or(PushError::NotFound)?;
+        let report = ErrorReport {
             code,
             msg_id,
             client_seq,
             retry_after_ms,
         };
-        self.command(session_id, report).await
+        try_queue(&handle, DownstreamItem::Error(report))
+    }
+
+    /// Ends a session from the server side with `code` without waiting: the command is
+    /// queued at once, or (its command queue full) handed to a task that waits for room.
+    /// False when the session is not held here.
+    pub fn close_soon(&self, session_id: &SessionId, code: CloseCode) -> bool {
+        let Some(handle) = self.handle(session_id) else {
+            return false;
+        };
+        match handle.commands.try_send(Command::Close(code)) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Full(cmd)) => {
+                tokio::spawn(async move {
+                    let _ = handle.commands.send(cmd).await;
+                });
+                true
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+        }
     }
 
     /// Soft-migrates a session (MIGRATE to `target`).
@@ -808,16 +825,6 @@ impl Task {
                     let _ = self.machine.handle_link_down(now, CloseCode::GoingAway);
                 }
             }
-            Command::ReportError {
-                code,
-                msg_id,
-                client_seq,
-                retry_after_ms,
-            } => {
-                let _ = self
-                    .machine
-                    .report_error(code, msg_id, client_seq, retry_after_ms);
-            }
         }
     }
 
@@ -828,6 +835,10 @@ impl Task {
                 .send_downstream(now(), msg.class, msg.msg_id, msg.payload)
                 .map(|_| ()),
             DownstreamItem::RoutingKey { service, key } => self.machine.bind_key(&service, &key),
+            DownstreamItem::Error(e) => {
+                self.machine
+                    .report_error(e.code, e.msg_id, e.client_seq, e.retry_after_ms)
+            }
         };
         if let Err(e) = refused {
             tracing::debug!(error = %e, "downstream item refused");

@@ -43,7 +43,11 @@ use crate::replay::{AckBeyondSent, ReplayBuffer, ReplayLimits};
 use crate::resume::{hex_id, new_resume_token, new_session_id, ResumeHash};
 use crate::rng::SessionRng;
 use crate::seq::{AckPolicy, AckState, Received, RecvWindow};
-use crate::store::{ClaimGrant, Snapshot, StoreError, TakeOutcome, SNAPSHOT_VERSION};
+use crate::store::{ClaimGrant, PendingError, Snapshot, StoreError, TakeOutcome, SNAPSHOT_VERSION};
+
+/// ERROR answers a detached session keeps for its client (see
+/// [`SessionMachine::report_error`]).
+pub const MAX_PENDING_ERRORS: usize = 256;
 
 /// Session-layer settings of one edge.
 #[derive(Debug, Clone)]
@@ -323,6 +327,8 @@ pub struct SessionCore {
     bindings: BTreeMap<String, String>,
     /// Routing keys bound by backends (service -> business key).
     keys: BTreeMap<String, String>,
+    /// ERROR answers waiting for the client (it was away when they came).
+    pending_errors: Vec<PendingError>,
     replay: ReplayBuffer,
     upstream: RecvWindow,
 }
@@ -340,6 +346,7 @@ impl SessionCore {
             replay: self.replay.clone(),
             upstream: self.upstream.clone(),
             keys: self.keys.clone(),
+            pending_errors: self.pending_errors.clone(),
         }
     }
 
@@ -354,6 +361,7 @@ impl SessionCore {
             replay: s.replay,
             upstream: s.upstream,
             keys: s.keys,
+            pending_errors: s.pending_errors,
         }
     }
 
@@ -749,6 +757,7 @@ impl SessionMachine {
             replay: ReplayBuffer::new(self.config.replay),
             upstream: RecvWindow::new(),
             keys: BTreeMap::new(),
+            pending_errors: Vec::new(),
         });
         self.actions.push_back(Action::Claim {
             player_id,
@@ -918,6 +927,15 @@ impl SessionMachine {
             replayed += 1;
         }
         SessionCounters::add(&self.counters.replayed, replayed);
+        for e in std::mem::take(&mut core.pending_errors) {
+            self.actions
+                .push_back(Action::Send(Frame::Error(ErrorReport {
+                    code: CloseCode::from_u16(e.code),
+                    msg_id: e.msg_id,
+                    client_seq: e.client_seq,
+                    retry_after_ms: e.retry_after_ms,
+                })));
+        }
         let counter = match outcome {
             WelcomeOutcome::NewSession => &self.counters.new_sessions,
             WelcomeOutcome::Restored => &self.counters.restored,
@@ -1162,7 +1180,12 @@ impl SessionMachine {
         Ok(Some(seq))
     }
 
-    /// Reports that one upstream message could not be delivered (ERROR frame).
+    /// Tells the client that one of its upstream messages could not be delivered (an ERROR
+    /// frame: a backend refused it after it was acked, or its link died). While the session
+    /// is detached the answer waits in the session (and its snapshot, so on any edge) and
+    /// is sent right after the WELCOME of its resume: an acked message never goes
+    /// unanswered. At most [`MAX_PENDING_ERRORS`] wait; past that the oldest waiting answer
+    /// is replaced by a declared gap (the resume reports `RestoredWithGap`).
     pub fn report_error(
         &mut self,
         code: CloseCode,
@@ -1170,17 +1193,32 @@ impl SessionMachine {
         client_seq: u64,
         retry_after_ms: u32,
     ) -> Result<(), SessionError> {
-        if self.state != State::Active {
-            return Err(self.misuse("error report"));
+        let report = ErrorReport {
+            code,
+            msg_id,
+            client_seq,
+            retry_after_ms,
+        };
+        match (self.state, self.core.as_mut()) {
+            (State::Active, _) => {
+                self.actions.push_back(Action::Send(Frame::Error(report)));
+                Ok(())
+            }
+            (State::Detached, Some(core)) => {
+                if core.pending_errors.len() >= MAX_PENDING_ERRORS {
+                    core.pending_errors.remove(0);
+                    core.replay.declare_lost(1);
+                }
+                core.pending_errors.push(PendingError {
+                    code: code.to_u16(),
+                    msg_id,
+                    client_seq,
+                    retry_after_ms,
+                });
+                Ok(())
+            }
+            _ => Err(self.misuse("error report")),
         }
-        self.actions
-            .push_back(Action::Send(Frame::Error(ErrorReport {
-                code,
-                msg_id,
-                client_seq,
-                retry_after_ms,
-            })));
-        Ok(())
     }
 
     /// `count` sequenced downstream messages for this session could not be queued (its

@@ -49,10 +49,27 @@ pub struct Snapshot {
     /// joined, R3). They travel with the session, so a restore on any edge routes the same.
     #[serde(default)]
     pub keys: BTreeMap<String, String>,
+    /// ERROR answers for the client's messages that arrived while it was away, sent right
+    /// after WELCOME on its resume (so an acked message never goes unanswered).
+    #[serde(default)]
+    pub pending_errors: Vec<PendingError>,
     /// Unacked downstream messages and the downstream seq counter.
     pub replay: ReplayBuffer,
     /// Upstream client seqs received (dedup state).
     pub upstream: RecvWindow,
+}
+
+/// An ERROR frame (PROTOCOL.md §3.9) waiting for the client to come back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PendingError {
+    /// The close/error code (§4), as its number.
+    pub code: u16,
+    /// The refused message's id.
+    pub msg_id: u32,
+    /// The refused message's client seq.
+    pub client_seq: u64,
+    /// Retry hint, ms.
+    pub retry_after_ms: u32,
 }
 
 impl Snapshot {
@@ -359,6 +376,7 @@ mod tests {
             replay,
             upstream: RecvWindow::starting_at(4),
             keys: BTreeMap::new(),
+            pending_errors: Vec::new(),
         }
     }
 

@@ -209,6 +209,12 @@ pub mod store_contract {
             replay,
             upstream: RecvWindow::starting_at(4),
             keys: BTreeMap::from([("room".to_owned(), "lobby".to_owned())]),
+            pending_errors: vec![crate::store::PendingError {
+                code: 402,
+                msg_id: 7,
+                client_seq: 3,
+                retry_after_ms: 200,
+            }],
         }
     }
 

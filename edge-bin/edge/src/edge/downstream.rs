@@ -15,7 +15,9 @@ use crate::link::{InFlight, LinkEvent};
 use crate::metrics::{BackendLabel, ClassLabel};
 
 impl Shared {
-    pub(super) async fn report_error(
+    /// Answers a client's refused message with ERROR, in order with its pushes, never
+    /// waiting (a full queue makes the session report a gap; see `registry.report_error`).
+    pub(super) fn report_error(
         &self,
         session_id: &SessionId,
         code: CloseCode,
@@ -24,11 +26,9 @@ impl Shared {
         retry_after_ms: u32,
     ) {
         let registry = &self.session_layer().registry;
-        if !registry
-            .report_error(session_id, code, msg_id, client_seq, retry_after_ms)
-            .await
+        if let Err(e) = registry.report_error(session_id, code, msg_id, client_seq, retry_after_ms)
         {
-            tracing::debug!(%code, msg_id, "refusal for a session that is gone");
+            tracing::debug!(%code, msg_id, error = %e, "refusal not queued for its session");
         }
     }
 }
@@ -71,7 +71,7 @@ pub(super) async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver
             }
             LinkEvent::Backend(LinkFrame::Kick { handle, code, .. }) => {
                 if let Some(sid) = shared.session_of_handle(handle) {
-                    shared.session_layer().registry.close(&sid, code).await;
+                    shared.session_layer().registry.close_soon(&sid, code);
                 }
             }
             LinkEvent::Refuse {
@@ -100,16 +100,12 @@ pub(super) async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver
                             shared.route_and_forward(&entry, msg_id, client_seq, class, payload)
                         });
                         if let Err(e) = outcome {
-                            shared
-                                .report_error(&sid, e.code, msg_id, client_seq, e.retry_after_ms)
-                                .await;
+                            shared.report_error(&sid, e.code, msg_id, client_seq, e.retry_after_ms);
                         }
                         continue;
                     }
                 }
-                shared
-                    .report_error(&sid, code, msg_id, client_seq, retry_after_ms)
-                    .await;
+                shared.report_error(&sid, code, msg_id, client_seq, retry_after_ms);
             }
             LinkEvent::Backend(LinkFrame::Bind {
                 handle,
