@@ -40,6 +40,17 @@ enum Command {
         /// by every edge (`cluster.redis_url`).
         #[arg(long)]
         redis: Option<String>,
+        /// Accept the public development key although a listener is beyond loopback
+        /// (`auth.insecure_dev_key`). Only on a closed test network.
+        #[arg(long)]
+        insecure_dev_key: bool,
+    },
+    /// Print a new random auth key as an `[[auth.keys]]` entry for the edge configuration
+    /// (and for the login service that mints tokens with it).
+    Keygen {
+        /// The key id (tokens name it; use a new id for each rotation).
+        #[arg(long, default_value_t = 2)]
+        id: u32,
     },
     /// Mint a development auth token (base64url) with the configured (default: dev) key.
     Token {
@@ -152,8 +163,14 @@ fn main() -> std::process::ExitCode {
                 ephemeral_ports,
                 etcd,
                 redis,
+                insecure_dev_key,
             } => {
-                let mut config = load_config(config.as_deref())?;
+                let mut config = match config.as_deref() {
+                    Some(p) => waygate_edge::config::EdgeConfig::load_unvalidated(p)
+                        .map_err(|e| e.to_string())?,
+                    None => waygate_edge::config::EdgeConfig::default(),
+                };
+                config.auth.insecure_dev_key |= insecure_dev_key;
                 if let Some(id) = edge_id {
                     config.edge_id = id;
                 }
@@ -199,6 +216,13 @@ fn main() -> std::process::ExitCode {
                         }
                     } => tracing::info!("drained; exiting"),
                 }
+                Ok(())
+            }
+            Command::Keygen { id } => {
+                let mut secret = [0u8; 32];
+                rand::fill(&mut secret);
+                let hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
+                println!("[[auth.keys]]\nid = {id}\nsecret = \"{hex}\"");
                 Ok(())
             }
             Command::Token {

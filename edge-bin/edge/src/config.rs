@@ -207,6 +207,17 @@ pub struct AuthConfig {
     pub issuers: Vec<String>,
     /// Clock-skew leeway for issued-at and expiry, seconds.
     pub leeway_secs: u64,
+    /// Accept the public development key although a client listener is not on loopback.
+    /// Only for a closed test network: anyone who reads the repository can mint tokens for
+    /// any player with it. Default false: such an edge refuses to start.
+    pub insecure_dev_key: bool,
+}
+
+impl AuthConfig {
+    /// Whether a configured key is the public development key.
+    pub fn uses_dev_key(&self) -> bool {
+        self.keys.iter().any(|k| k.secret == DEV_KEY_SECRET)
+    }
 }
 
 /// The development key id and secret of the embedded default (`waygate token` uses them).
@@ -223,6 +234,7 @@ impl Default for AuthConfig {
             }],
             issuers: Vec::new(),
             leeway_secs: 30,
+            insecure_dev_key: false,
         }
     }
 }
@@ -486,12 +498,27 @@ impl EdgeConfig {
 
     /// Parses TOML text (unknown keys are errors naming the key) and validates it.
     pub fn from_toml(text: &str, path: &Path) -> Result<Self, ConfigError> {
-        let config: Self = toml::from_str(text).map_err(|e| ConfigError::Parse {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
+        let config = Self::parse_toml(text, path)?;
         config.validate()?;
         Ok(config)
+    }
+
+    /// Parses without [`EdgeConfig::validate`] (for a caller that applies overrides, e.g.
+    /// command-line flags, and validates after them). Unknown keys are still refused.
+    pub fn parse_toml(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Reads and parses a TOML file without validating it (see [`EdgeConfig::parse_toml`]).
+    pub fn load_unvalidated(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::parse_toml(&text, path)
     }
 
     /// Reads and parses a TOML file.
@@ -501,6 +528,22 @@ impl EdgeConfig {
             source,
         })?;
         Self::from_toml(&text, path)
+    }
+
+    /// The first enabled client listener bound beyond loopback, as `kind (addr)`.
+    pub fn exposed_listener(&self) -> Option<String> {
+        let l = &self.listeners;
+        [
+            ("tcp", &l.tcp),
+            ("tls", &l.tls),
+            ("ws", &l.ws),
+            ("wss", &l.wss),
+            ("quic", &l.quic),
+            ("kcp", &l.kcp),
+        ]
+        .into_iter()
+        .find(|(_, c)| c.enabled && !c.addr.ip().is_loopback())
+        .map(|(kind, c)| format!("{kind} ({})", c.addr))
     }
 
     /// Checks ranges and consistency.
@@ -534,6 +577,20 @@ impl EdgeConfig {
                 key: "auth.keys",
                 message: "at least one key is needed".into(),
             });
+        }
+        if self.auth.uses_dev_key() && !self.auth.insecure_dev_key {
+            if let Some(exposed) = self.exposed_listener() {
+                return Err(ConfigError::Invalid {
+                    key: "auth.keys",
+                    message: format!(
+                        "the development key is public (it is printed in examples/edge.toml: \
+                         anyone can mint a token for any player with it) and the {exposed} \
+                         listener is not on loopback. Set your own key: `waygate keygen` \
+                         prints an [[auth.keys]] entry to put in the config. Only on a closed \
+                         test network: auth.insecure_dev_key = true (or --insecure-dev-key)"
+                    ),
+                });
+            }
         }
         if !(self.routing.migration_rate > 0.0 && self.routing.migration_rate.is_finite()) {
             return Err(ConfigError::Invalid {
@@ -592,6 +649,33 @@ impl EdgeConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The public development key works on loopback only; beyond it the edge refuses to
+    /// start and says how to set a key, unless the operator explicitly asks for it.
+    #[test]
+    fn the_dev_key_is_refused_beyond_loopback() {
+        let mut c = EdgeConfig::default();
+        assert!(c.auth.uses_dev_key());
+        c.validate().expect("loopback: fine");
+        c.listeners.ws.addr = "0.0.0.0:7080".parse().unwrap();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("auth.keys"), "{err}");
+        assert!(err.contains("ws (0.0.0.0:7080)"), "{err}");
+        assert!(err.contains("waygate keygen"), "{err}");
+        // A disabled listener does not count; an enabled one on a public address does.
+        c.listeners.ws.enabled = false;
+        c.validate().expect("nothing exposed");
+        c.listeners.kcp.addr = "[::]:7100".parse().unwrap();
+        assert!(c.validate().is_err());
+        c.auth.insecure_dev_key = true;
+        c.validate().expect("explicitly insecure");
+        c.auth.insecure_dev_key = false;
+        c.auth.keys = vec![AuthKey {
+            id: 2,
+            secret: "0123456789abcdef0123456789abcdef".into(),
+        }];
+        c.validate().expect("own key");
+    }
 
     #[test]
     fn defaults_are_valid_and_round_trip() {

@@ -80,6 +80,10 @@ pub enum EdgeError {
     /// etcd or Redis settings unusable.
     #[error("cluster: {0}")]
     Cluster(String),
+    /// The configuration is inconsistent or unsafe (e.g. the public development key on a
+    /// listener beyond loopback).
+    #[error("{0}")]
+    Config(#[from] crate::config::ConfigError),
 }
 
 /// Everything the edge's tasks share; each concern adds its methods in its own file.

@@ -33,6 +33,15 @@ use waygate_transport::listener::AdmissionGate;
 impl Edge {
     /// Starts an edge with `config`.
     pub async fn start(config: EdgeConfig) -> Result<Edge, EdgeError> {
+        // Checked here too, not only when a file is loaded: an edge built in code must not
+        // start with the public development key beyond loopback either.
+        config.validate()?;
+        if config.auth.uses_dev_key() {
+            tracing::warn!(
+                "auth uses the public development key: fine on loopback, never beyond it \
+                 (`waygate keygen` prints a key of your own)"
+            );
+        }
         let admission = Arc::new(EdgeAdmission::new(
             &config.backpressure,
             Duration::from_millis(config.limits.handshake_timeout_ms),

@@ -1,0 +1,120 @@
+//! Secure by default (hardening issue, item 1): the public development key works on loopback
+//! only. An edge with it and a client listener beyond loopback refuses to start and says how
+//! to set a key; `waygate keygen` prints one, and an edge with its own key refuses tokens
+//! signed with the development key. The real `waygate` binary, real sockets on loopback.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    missing_docs,
+    unreachable_pub
+)]
+
+mod common;
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use common::{EdgeProc, BIN};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use waygate_protocol::codec::StreamCodec;
+use waygate_protocol::frame::Hello;
+use waygate_protocol::wire::PROTOCOL_VERSION;
+use waygate_transport::{CloseCode, Frame, TransportKind};
+
+async fn output(args: &[&str]) -> std::process::Output {
+    let child = tokio::process::Command::new(BIN)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(30), child.wait_with_output())
+        .await
+        .expect("the command ends by itself")
+        .unwrap()
+}
+
+/// HELLO with `token` on raw TCP; the first frame the edge answers with.
+async fn hello(addr: std::net::SocketAddr, token: Bytes) -> Frame {
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let codec = StreamCodec::new(65536);
+    let mut out = BytesMut::new();
+    let hello = Frame::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        token,
+        resume: None,
+    });
+    codec.encode(&hello, &mut out).unwrap();
+    sock.write_all(&out).await.unwrap();
+    let mut buf = BytesMut::new();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if let Some(f) = codec.decode(&mut buf).unwrap() {
+                return f;
+            }
+            assert!(sock.read_buf(&mut buf).await.unwrap() > 0, "answer");
+        }
+    })
+    .await
+    .expect("an answer in time")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dev_key_beyond_loopback_refuses_to_start_and_says_how_to_fix_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("edge.toml");
+    // Nothing is bound: the refusal comes before any listener.
+    std::fs::write(&config, "[listeners.tcp]\naddr = \"0.0.0.0:0\"\n").unwrap();
+    let out = output(&["run", "--config", config.to_str().unwrap()]).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("auth.keys"), "{stderr}");
+    assert!(stderr.contains("tcp (0.0.0.0:0)"), "{stderr}");
+    assert!(stderr.contains("waygate keygen"), "{stderr}");
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("\"ready\""),
+        "never ready"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edge_with_its_own_key_refuses_dev_key_tokens_and_accepts_its_own() {
+    let keygen = output(&["keygen", "--id", "7"]).await;
+    assert!(keygen.status.success());
+    let key_toml = String::from_utf8(keygen.stdout).unwrap();
+    assert!(
+        key_toml.starts_with("[[auth.keys]]\nid = 7\nsecret = \""),
+        "{key_toml}"
+    );
+    let secret = key_toml.split('"').nth(1).unwrap();
+    assert_eq!(secret.len(), 64, "32 random bytes, hex");
+
+    let (_b, backend) = common::backend("b1", &[]).await;
+    let table = common::table(&[backend], 1, None);
+    let edge = EdgeProc::start(&table, &format!("[auth]\n{key_toml}")).await;
+    let tcp = edge.addr(TransportKind::Tcp);
+
+    // A token signed with the public development key: refused.
+    match hello(tcp, common::token("mallory")).await {
+        Frame::Reject(r) => assert_eq!(r.code, CloseCode::AuthUnknownKey, "{r:?}"),
+        other => panic!("dev-key token not refused: {other:?}"),
+    }
+    // A token from the operator's key (what the login service mints): welcome.
+    let config = edge.dir.path().join("edge.toml");
+    let minted = output(&[
+        "token",
+        "--player",
+        "alice",
+        "--config",
+        config.to_str().unwrap(),
+    ])
+    .await;
+    assert!(minted.status.success());
+    let token = String::from_utf8(minted.stdout).unwrap();
+    let raw = waygate_session::auth::token_from_base64url(token.trim()).unwrap();
+    assert!(matches!(hello(tcp, raw).await, Frame::Welcome(_)));
+}
