@@ -12,7 +12,9 @@ root=$(pwd)
 # etcd-server, etcd-client: the etcd control plane and its tests (the build itself needs no
 # protoc: the etcd gRPC code is committed, edge-bin/vendor/etcd-client/VENDORED.md).
 # redis-server: session ownership, warm snapshots and presence tests.
-apt_packages=(ca-certificates chromium etcd-server etcd-client redis-server redis-tools)
+# prometheus: promtool checks the edge's /metrics, and a real Prometheus server scrapes an
+# edge (edge-bin/tests/prometheus.rs).
+apt_packages=(ca-certificates chromium etcd-server etcd-client redis-server redis-tools prometheus)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

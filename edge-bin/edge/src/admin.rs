@@ -1,4 +1,5 @@
-//! Admin HTTP (O3) on its own port: `/healthz`, `/readyz`, `/metrics` (Prometheus text),
+//! Admin HTTP (O3) on its own port: `/healthz`, `/readyz`, `/metrics` (OpenMetrics to a
+//! scraper that asks for it, as Prometheus does; the Prometheus text format 0.0.4 otherwise),
 //! `/routes`, `/sessions/{player}`, `POST /drain`, `POST /kick/{player}`, and
 //! `POST /drop/{player}` (drops the connection while the session lingers: a chaos drill).
 //! The handlers talk to the edge only through [`AdminApi`], so the router is tested without
@@ -9,7 +10,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use axum::extract::{Path, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -68,15 +69,21 @@ async fn ready(State(api): State<Api>) -> Response {
     }
 }
 
-async fn metrics(State(api): State<Api>) -> Response {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        api.metrics_text(),
-    )
-        .into_response()
+async fn metrics(State(api): State<Api>, headers: HeaderMap) -> Response {
+    let openmetrics = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("application/openmetrics-text"));
+    let text = api.metrics_text();
+    if openmetrics {
+        let kind = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+        ([(header::CONTENT_TYPE, kind)], text).into_response()
+    } else {
+        let kind = "text/plain; version=0.0.4; charset=utf-8";
+        let body = crate::metrics::openmetrics_to_prometheus_text(&text);
+        ([(header::CONTENT_TYPE, kind)], body).into_response()
+    }
 }
 
 async fn routes(State(api): State<Api>) -> Json<Value> {

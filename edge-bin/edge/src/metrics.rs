@@ -301,3 +301,85 @@ impl EdgeMetrics {
         }
     }
 }
+
+/// The same exposition in the Prometheus text format 0.0.4, for scrapers and tools that do
+/// not ask for OpenMetrics (`promtool check metrics`, `curl`): a counter family is named with
+/// its `_total` suffix in `# HELP` and `# TYPE` (OpenMetrics names the family without it),
+/// `# UNIT` and `# EOF` go, `unknown` becomes `untyped`. Samples are unchanged.
+pub fn openmetrics_to_prometheus_text(openmetrics: &str) -> String {
+    let mut counters = std::collections::HashSet::new();
+    for line in openmetrics.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            if let Some(name) = rest.strip_suffix(" counter") {
+                counters.insert(name.to_owned());
+            }
+        }
+    }
+    let mut out = String::with_capacity(openmetrics.len() + 16 * counters.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| line.strip_prefix(p).map(|rest| (p, rest)));
+        match meta {
+            Some((prefix, rest)) => {
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                let suffix = if counters.contains(name) {
+                    "_total"
+                } else {
+                    ""
+                };
+                let tail = if prefix == "# TYPE " && tail == "unknown" {
+                    "untyped"
+                } else {
+                    tail
+                };
+                out.push_str(prefix);
+                out.push_str(name);
+                out.push_str(suffix);
+                if !tail.is_empty() {
+                    out.push(' ');
+                    out.push_str(tail);
+                }
+            }
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prometheus_text_names_counters_with_total_and_drops_openmetrics_only_lines() {
+        let om = "# HELP a_requests Requests.\n# TYPE a_requests counter\n\
+                  a_requests_total{x=\"1\"} 3\n# HELP b_live Live.\n# TYPE b_live gauge\n\
+                  # UNIT b_live seconds\nb_live 2\n# TYPE c unknown\nc 1\n# EOF\n";
+        assert_eq!(
+            openmetrics_to_prometheus_text(om),
+            "# HELP a_requests_total Requests.\n# TYPE a_requests_total counter\n\
+             a_requests_total{x=\"1\"} 3\n# HELP b_live Live.\n# TYPE b_live gauge\n\
+             b_live 2\n# TYPE c untyped\nc 1\n"
+        );
+    }
+
+    #[test]
+    fn an_edge_registry_translates_with_one_type_line_per_family() {
+        let m = EdgeMetrics::new();
+        m.migrations.inc();
+        let text = openmetrics_to_prometheus_text(&m.encode());
+        assert!(
+            text.contains("# TYPE waygate_migrations_total counter\nwaygate_migrations_total 1\n"),
+            "{text}"
+        );
+        assert!(!text.contains("# EOF"));
+        let types = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
+        let helps = text.lines().filter(|l| l.starts_with("# HELP ")).count();
+        assert_eq!(types, helps);
+    }
+}
