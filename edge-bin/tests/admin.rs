@@ -12,6 +12,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
+use waygate_edge::admin::AdminAccess;
 use waygate_edge::config::EdgeConfig;
 use waygate_edge::edge::Edge;
 
@@ -22,14 +23,27 @@ async fn edge() -> Edge {
 }
 
 async fn call(app: axum::Router, method: &str, uri: &str) -> (StatusCode, String) {
+    call_with(
+        app,
+        method,
+        uri,
+        &[("host", "127.0.0.1:9100"), ("x-waygate-admin", "1")],
+    )
+    .await
+}
+
+async fn call_with(
+    app: axum::Router,
+    method: &str,
+    uri: &str,
+    headers: &[(&str, &str)],
+) -> (StatusCode, String) {
+    let mut request = Request::builder().method(method).uri(uri);
+    for (k, v) in headers {
+        request = request.header(*k, *v);
+    }
     let resp = app
-        .oneshot(
-            Request::builder()
-                .method(method)
-                .uri(uri)
-                .body(Body::empty())
-                .unwrap(),
-        )
+        .oneshot(request.body(Body::empty()).unwrap())
         .await
         .unwrap();
     let status = resp.status();
@@ -45,7 +59,7 @@ fn parse_metrics(text: &str) -> prometheus_parse::Scrape {
 #[tokio::test]
 async fn admin_routes_without_sockets() {
     let edge = edge().await;
-    let app = waygate_edge::admin::router(edge.admin());
+    let app = waygate_edge::admin::router(edge.admin(), AdminAccess::default());
 
     let (status, body) = call(app.clone(), "GET", "/healthz").await;
     assert_eq!(status, StatusCode::OK);
@@ -100,7 +114,7 @@ async fn admin_over_http() {
     // A minimal HTTP/1.1 GET over a raw socket (no HTTP client dependency needed).
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
-    sock.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    sock.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
         .await
         .unwrap();
     let mut resp = String::new();
@@ -112,4 +126,105 @@ async fn admin_over_http() {
         .samples
         .iter()
         .any(|s| s.metric == "waygate_route_epoch"));
+}
+
+/// Admin access (O3): a foreign Host is refused (DNS rebinding), a mutation without the
+/// admin header is refused (a cross-site form cannot set it), and with a token every
+/// mutation needs it — and reads too when asked.
+#[tokio::test]
+async fn admin_mutations_need_the_header_or_the_token_and_a_known_host() {
+    let edge = edge().await;
+    let open = waygate_edge::admin::router(edge.admin(), AdminAccess::default());
+    let local = ("host", "127.0.0.1:9100");
+    let (status, _) = call_with(
+        open.clone(),
+        "GET",
+        "/healthz",
+        &[("host", "evil.example:9100")],
+    )
+    .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "foreign Host");
+    let (status, _) = call_with(open.clone(), "GET", "/healthz", &[]).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "no Host");
+    let (status, _) = call_with(open.clone(), "GET", "/healthz", &[("host", "[::1]:9100")]).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _) = call_with(open.clone(), "POST", "/kick/nobody", &[local]).await;
+    assert_eq!(
+        status,
+        StatusCode::FORBIDDEN,
+        "a form POST without the header"
+    );
+    let (status, _) = call_with(open.clone(), "POST", "/drain", &[local]).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    assert!(!edge.is_draining(), "nothing happened");
+
+    let token = "s3cret-admin-token-0123456789";
+    let guarded = waygate_edge::admin::router(
+        edge.admin(),
+        AdminAccess {
+            token: Some(token.into()),
+            protect_reads: true,
+            allowed_hosts: vec!["edge-1.internal".into()],
+        },
+    );
+    let bearer = format!("Bearer {token}");
+    let (status, _) = call_with(
+        guarded.clone(),
+        "POST",
+        "/kick/nobody",
+        &[local, ("x-waygate-admin", "1")],
+    )
+    .await;
+    assert_eq!(
+        status,
+        StatusCode::UNAUTHORIZED,
+        "the header is not enough with a token"
+    );
+    let (status, _) = call_with(
+        guarded.clone(),
+        "POST",
+        "/kick/nobody",
+        &[local, ("authorization", "Bearer wrong-token-0000000000000")],
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let (status, _) = call_with(
+        guarded.clone(),
+        "GET",
+        "/metrics",
+        &[("host", "edge-1.internal")],
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "reads protected");
+    let (status, _) = call_with(
+        guarded.clone(),
+        "GET",
+        "/metrics",
+        &[("host", "edge-1.internal"), ("authorization", &bearer)],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _) = call_with(
+        guarded,
+        "POST",
+        "/kick/nobody",
+        &[local, ("authorization", &bearer)],
+    )
+    .await;
+    assert_eq!(
+        status,
+        StatusCode::NOT_FOUND,
+        "authorized: the kick ran (no such player)"
+    );
+}
+
+/// An admin server beyond loopback without a token refuses to start.
+#[tokio::test]
+async fn an_admin_server_beyond_loopback_needs_a_token() {
+    let mut config = EdgeConfig::default();
+    config.use_ephemeral_ports();
+    config.admin.addr = "0.0.0.0:0".parse().unwrap();
+    let err = Edge::start(config).await.unwrap_err().to_string();
+    assert!(err.contains("admin.addr"), "{err}");
+    assert!(err.contains("WAYGATE_ADMIN_TOKEN"), "{err}");
 }

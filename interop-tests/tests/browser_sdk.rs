@@ -271,7 +271,7 @@ async fn admin_post(admin: &str, path: &str) -> (u16, String) {
     let io = async {
         let mut s = tokio::net::TcpStream::connect(admin).await?;
         let req = format!(
-            "POST {path} HTTP/1.1\r\nHost: {admin}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            "POST {path} HTTP/1.1\r\nHost: {admin}\r\nX-Waygate-Admin: test\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
         );
         s.write_all(req.as_bytes()).await?;
         let mut resp = Vec::new();

@@ -4,6 +4,14 @@
 //! `POST /drop/{player}` (drops the connection while the session lingers: a chaos drill).
 //! The handlers talk to the edge only through [`AdminApi`], so the router is tested without
 //! sockets.
+//!
+//! Access ([`AdminAccess`], O3): every request must name an allowed `Host` (loopback names,
+//! the bound address, `admin.allowed_hosts`), so a DNS-rebinding page cannot reach it. With
+//! an admin token (`admin.token_file` or `WAYGATE_ADMIN_TOKEN`), the mutating endpoints need
+//! `Authorization: Bearer <token>` (and reads too with `admin.protect_reads`). Without one
+//! the admin server may only listen on loopback, and mutations need the header
+//! `X-Waygate-Admin` (any value): a cross-site form or image cannot set it. Refusals: 403
+//! for a foreign Host or a missing header, 401 for a missing or wrong token.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -40,13 +48,105 @@ pub trait AdminApi: Send + Sync + 'static {
 
 type Api = Arc<dyn AdminApi>;
 
-/// The admin routes over `api`.
-pub fn router(api: Api) -> Router {
+/// Who may use the admin server (see the module docs).
+#[derive(Debug, Clone, Default)]
+pub struct AdminAccess {
+    /// The bearer token; `None`: loopback only, mutations need `X-Waygate-Admin`.
+    pub token: Option<String>,
+    /// Whether reads need the token too.
+    pub protect_reads: bool,
+    /// Host names or addresses (without port) accepted besides the loopback ones.
+    pub allowed_hosts: Vec<String>,
+}
+
+impl AdminAccess {
+    fn host_allowed(&self, host: &str) -> bool {
+        let name = match host.rsplit_once(':') {
+            // `[::1]:9100`, `127.0.0.1:9100`, `name:9100`; a bare IPv6 literal has no brackets.
+            Some((h, port)) if port.bytes().all(|b| b.is_ascii_digit()) && !h.ends_with(':') => h,
+            _ => host,
+        };
+        let name = name.trim_start_matches('[').trim_end_matches(']');
+        matches!(name, "localhost" | "127.0.0.1" | "::1")
+            || self
+                .allowed_hosts
+                .iter()
+                .any(|h| h.eq_ignore_ascii_case(name))
+    }
+
+    fn token_ok(&self, headers: &HeaderMap) -> bool {
+        let Some(token) = &self.token else {
+            return false;
+        };
+        let presented = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        // Constant time in the token's content.
+        let (a, b) = (presented.as_bytes(), token.as_bytes());
+        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    }
+
+    /// The refusal for a request, if any.
+    fn check(
+        &self,
+        method: &axum::http::Method,
+        headers: &HeaderMap,
+    ) -> Option<(StatusCode, &'static str)> {
+        let host = headers
+            .get(header::HOST)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        if !self.host_allowed(host) {
+            return Some((
+                StatusCode::FORBIDDEN,
+                "host not allowed (admin.allowed_hosts)",
+            ));
+        }
+        let mutating = method != axum::http::Method::GET && method != axum::http::Method::HEAD;
+        match &self.token {
+            Some(_) if (mutating || self.protect_reads) && !self.token_ok(headers) => Some((
+                StatusCode::UNAUTHORIZED,
+                "admin token required (Authorization: Bearer)",
+            )),
+            None if mutating && !headers.contains_key("x-waygate-admin") => Some((
+                StatusCode::FORBIDDEN,
+                "mutating admin requests need the X-Waygate-Admin header",
+            )),
+            _ => None,
+        }
+    }
+}
+
+async fn guard(
+    State(access): State<Arc<AdminAccess>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match access.check(request.method(), request.headers()) {
+        Some((status, why)) => {
+            tracing::info!(path = %request.uri().path(), %status, why, "admin request refused");
+            (status, Json(json!({"error": why}))).into_response()
+        }
+        None => next.run(request).await,
+    }
+}
+
+/// The admin routes over `api`, behind `access`.
+pub fn router(api: Api, access: AdminAccess) -> Router {
+    routes(api).layer(axum::middleware::from_fn_with_state(
+        Arc::new(access),
+        guard,
+    ))
+}
+
+fn routes(api: Api) -> Router {
     Router::new()
         .route("/healthz", get(health))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics))
-        .route("/routes", get(routes))
+        .route("/routes", get(route_table))
         .route("/sessions/{player}", get(session))
         .route("/drain", post(drain))
         .route("/kick/{player}", post(kick))
@@ -86,7 +186,7 @@ async fn metrics(State(api): State<Api>, headers: HeaderMap) -> Response {
     }
 }
 
-async fn routes(State(api): State<Api>) -> Json<Value> {
+async fn route_table(State(api): State<Api>) -> Json<Value> {
     Json(api.routes())
 }
 
@@ -133,10 +233,14 @@ async fn drop_link(State(api): State<Api>, Path(player): Path<String>) -> Respon
 pub async fn serve(
     addr: SocketAddr,
     api: Api,
+    mut access: AdminAccess,
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
-    let app = router(api);
+    if !local.ip().is_unspecified() {
+        access.allowed_hosts.push(local.ip().to_string());
+    }
+    let app = router(api, access);
     let task = tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
             tracing::warn!(error = %e, "admin server stopped");

@@ -349,6 +349,15 @@ pub struct AdminConfig {
     pub enabled: bool,
     /// Address to bind.
     pub addr: SocketAddr,
+    /// A file holding the admin bearer token (its first line). Also from the environment
+    /// variable `WAYGATE_ADMIN_TOKEN`. Without a token the admin server may only listen on
+    /// loopback.
+    pub token_file: Option<PathBuf>,
+    /// Whether reads (`/metrics`, `/routes`, `/sessions`...) need the token too.
+    pub protect_reads: bool,
+    /// Host names accepted in requests besides the loopback ones and the bound address
+    /// (DNS-rebinding defence), e.g. the name Prometheus scrapes the edge by.
+    pub allowed_hosts: Vec<String>,
 }
 
 impl Default for AdminConfig {
@@ -356,7 +365,36 @@ impl Default for AdminConfig {
         Self {
             enabled: true,
             addr: addr("127.0.0.1:9100"),
+            token_file: None,
+            protect_reads: false,
+            allowed_hosts: Vec::new(),
         }
+    }
+}
+
+impl AdminConfig {
+    /// The admin token: `WAYGATE_ADMIN_TOKEN`, else the first line of `token_file`.
+    pub fn token(&self) -> Result<Option<String>, ConfigError> {
+        if let Ok(t) = std::env::var("WAYGATE_ADMIN_TOKEN") {
+            if !t.trim().is_empty() {
+                return Ok(Some(t.trim().to_owned()));
+            }
+        }
+        let Some(path) = &self.token_file else {
+            return Ok(None);
+        };
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.clone(),
+            source,
+        })?;
+        let token = text.lines().next().unwrap_or("").trim().to_owned();
+        if token.len() < 16 {
+            return Err(ConfigError::Invalid {
+                key: "admin.token_file",
+                message: "the token must be at least 16 characters".into(),
+            });
+        }
+        Ok(Some(token))
     }
 }
 
@@ -576,6 +614,20 @@ impl EdgeConfig {
             return Err(ConfigError::Invalid {
                 key: "auth.keys",
                 message: "at least one key is needed".into(),
+            });
+        }
+        if self.admin.enabled
+            && !self.admin.addr.ip().is_loopback()
+            && self.admin.token_file.is_none()
+            && std::env::var("WAYGATE_ADMIN_TOKEN").map_or(true, |t| t.trim().is_empty())
+        {
+            return Err(ConfigError::Invalid {
+                key: "admin.addr",
+                message: format!(
+                    "the admin server (drain, kick) would listen on {} without a token: set \
+                     admin.token_file or WAYGATE_ADMIN_TOKEN, or bind it to loopback",
+                    self.admin.addr
+                ),
             });
         }
         if self.auth.uses_dev_key() && !self.auth.insecure_dev_key {

@@ -228,7 +228,7 @@ pub async fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
     sock.write_all(
-        format!("{method} {path} HTTP/1.1\r\nHost: admin\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").as_bytes(),
+        format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nX-Waygate-Admin: test\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").as_bytes(),
     )
     .await
     .unwrap();

@@ -37,10 +37,17 @@ impl Edge {
         // start with the public development key beyond loopback either.
         config.validate()?;
         if config.auth.uses_dev_key() {
-            tracing::warn!(
-                "auth uses the public development key: fine on loopback, never beyond it \
-                 (`waygate keygen` prints a key of your own)"
-            );
+            if config.exposed_listener().is_some() {
+                tracing::warn!(
+                    "auth uses the PUBLIC development key on a listener beyond loopback \
+                     (auth.insecure_dev_key): anyone can mint tokens"
+                );
+            } else {
+                tracing::info!(
+                    "auth uses the public development key (loopback only; `waygate keygen` \
+                     prints a key of your own)"
+                );
+            }
         }
         let admission = Arc::new(EdgeAdmission::new(
             &config.backpressure,
@@ -248,7 +255,23 @@ impl Edge {
         tasks.push(tokio::spawn(overload_loop(Arc::downgrade(&shared))));
         let admin_addr = if shared.config.admin.enabled {
             let api: Arc<dyn AdminApi> = Arc::new(EdgeAdmin(shared.clone()));
-            let (addr, task) = crate::admin::serve(shared.config.admin.addr, api).await?;
+            let a = &shared.config.admin;
+            let access = crate::admin::AdminAccess {
+                token: a.token()?,
+                protect_reads: a.protect_reads,
+                allowed_hosts: a.allowed_hosts.clone(),
+            };
+            if access.token.is_none() && !a.addr.ip().is_loopback() {
+                return Err(EdgeError::Config(crate::config::ConfigError::Invalid {
+                    key: "admin.addr",
+                    message: format!(
+                        "the admin server would listen on {} without a token: set \
+                         admin.token_file or WAYGATE_ADMIN_TOKEN, or bind it to loopback",
+                        a.addr
+                    ),
+                }));
+            }
+            let (addr, task) = crate::admin::serve(a.addr, api, access).await?;
             tasks.push(task);
             Some(addr)
         } else {
