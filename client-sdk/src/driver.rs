@@ -299,7 +299,22 @@ async fn run(
                     return;
                 }
             },
-            () = sleep => d.session.handle_timeout(Instant::now().into_std()),
+            () = sleep => {
+                d.session.handle_timeout(Instant::now().into_std());
+                // The liveness rule found the link dead (nothing heard while waiting for an
+                // answer): drop it and resume at once, as for any lost link.
+                if d.conn.is_some() && d.session.state() == ClientState::Disconnected {
+                    d.conn = None;
+                    d.next_connect = Instant::now();
+                    // The endpoint that went silent is tried last: a dead edge or a blocked
+                    // UDP path would only cost the next attempt its timeout.
+                    let n = d.options.endpoints.len();
+                    let current = d.endpoint.as_deref();
+                    if let Some(i) = d.options.endpoints.iter().position(|e| Some(e.to_string().as_str()) == current) {
+                        d.preferred = (i + 1) % n.max(1);
+                    }
+                }
+            }
         }
         d.flush().await;
         d.drain_events().await;

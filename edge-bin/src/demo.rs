@@ -76,6 +76,11 @@ pub struct TransportRow {
     pub rtt_p50_us: u64,
     /// Round trip p99, microseconds.
     pub rtt_p99_us: u64,
+    /// Time to restore, p50, ms: from the last reply before the link was lost (so link-loss
+    /// detection is included) to the WELCOME of the restore.
+    pub restore_p50_ms: u64,
+    /// Time to restore, p99, ms.
+    pub restore_p99_ms: u64,
 }
 
 /// The demo's outcome.
@@ -99,6 +104,36 @@ pub struct DemoReport {
 }
 
 impl DemoReport {
+    /// One line: PASS or FAIL, and why.
+    pub fn verdict(&self) -> String {
+        let t = &self.total;
+        let mut why = Vec::new();
+        if t.sent == 0 {
+            why.push("no message was sent".to_string());
+        }
+        if t.lost > 0 {
+            why.push(format!("{} replies lost", t.lost));
+        }
+        if t.duplicated > 0 {
+            why.push(format!("{} replies duplicated", t.duplicated));
+        }
+        if self.replies_from_drained_backend_after_1s > 0 {
+            why.push(format!(
+                "{} replies from the drained backend more than 1 s after its drain",
+                self.replies_from_drained_backend_after_1s
+            ));
+        }
+        if why.is_empty() {
+            format!(
+                "PASS: {} sessions, {} messages, 0 lost, 0 duplicated, {} refused explicitly, \
+                 {} restores (p99 {} ms), {} with a reported gap",
+                t.sessions, t.sent, t.refused, t.restores, t.restore_p99_ms, t.gaps
+            )
+        } else {
+            format!("FAIL: {}", why.join(", "))
+        }
+    }
+
     /// Whether nothing was lost or duplicated.
     pub fn ok(&self) -> bool {
         self.total.lost == 0
@@ -111,7 +146,7 @@ impl DemoReport {
     pub fn table(&self) -> String {
         let mut out = String::new();
         out.push_str(&format!(
-            "{:<10} {:>8} {:>9} {:>9} {:>6} {:>6} {:>7} {:>8} {:>5} {:>10} {:>10}\n",
+            "{:<10} {:>8} {:>9} {:>9} {:>6} {:>6} {:>7} {:>8} {:>5} {:>10} {:>10} {:>13}\n",
             "transport",
             "sessions",
             "sent",
@@ -122,11 +157,12 @@ impl DemoReport {
             "restores",
             "gaps",
             "p50 (ms)",
-            "p99 (ms)"
+            "p99 (ms)",
+            "restore p99"
         ));
         let row = |name: &str, r: &TransportRow| {
             format!(
-                "{:<10} {:>8} {:>9} {:>9} {:>6} {:>6} {:>7} {:>8} {:>5} {:>10.2} {:>10.2}\n",
+                "{:<10} {:>8} {:>9} {:>9} {:>6} {:>6} {:>7} {:>8} {:>5} {:>10.2} {:>10.2} {:>10} ms\n",
                 name,
                 r.sessions,
                 r.sent,
@@ -137,7 +173,8 @@ impl DemoReport {
                 r.restores,
                 r.gaps,
                 r.rtt_p50_us as f64 / 1000.0,
-                r.rtt_p99_us as f64 / 1000.0
+                r.rtt_p99_us as f64 / 1000.0,
+                r.restore_p99_ms
             )
         };
         for (name, r) in &self.transports {
@@ -153,6 +190,8 @@ impl DemoReport {
             self.migrated_replies_from_other_backends,
             self.replies_from_drained_backend_after_1s
         ));
+        out.push_str(&self.verdict());
+        out.push('\n');
         out
     }
 }
@@ -182,6 +221,8 @@ struct ClientResult {
     after_drain_other_backend: u64,
     late_from_drained: u64,
     rtts: Vec<u32>,
+    /// Times to restore, ms (see `TransportRow::restore_p99_ms`).
+    restore_ms: Vec<u32>,
 }
 
 fn token(player: &str) -> Bytes {
@@ -378,6 +419,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoReport, String> {
 async fn collect(tasks: Vec<tokio::task::JoinHandle<ClientResult>>) -> Result<DemoReport, String> {
     let mut report = DemoReport::default();
     let mut by_kind: HashMap<TransportKind, Vec<u32>> = HashMap::new();
+    let mut restores_by_kind: HashMap<TransportKind, Vec<u32>> = HashMap::new();
     for t in tasks {
         let r = t.await.map_err(|e| format!("client task: {e}"))?;
         let Some(kind) = r.kind else { continue };
@@ -399,7 +441,21 @@ async fn collect(tasks: Vec<tokio::task::JoinHandle<ClientResult>>) -> Result<De
         report.migrated_replies_from_other_backends += r.after_drain_other_backend;
         report.replies_from_drained_backend_after_1s += r.late_from_drained;
         by_kind.entry(kind).or_default().extend(r.rtts);
+        restores_by_kind
+            .entry(kind)
+            .or_default()
+            .extend(r.restore_ms);
     }
+    let mut all_restores = Vec::new();
+    for (kind, mut ms) in restores_by_kind {
+        ms.sort_unstable();
+        if let Some(row) = report.transports.get_mut(kind.as_str()) {
+            row.restore_p50_ms = percentile(&ms, 50.0);
+            row.restore_p99_ms = percentile(&ms, 99.0);
+        }
+        all_restores.extend(ms);
+    }
+    all_restores.sort_unstable();
     let mut all = Vec::new();
     for (kind, mut rtts) in by_kind {
         rtts.sort_unstable();
@@ -423,6 +479,8 @@ async fn collect(tasks: Vec<tokio::task::JoinHandle<ClientResult>>) -> Result<De
     }
     total.rtt_p50_us = percentile(&all, 50.0);
     total.rtt_p99_us = percentile(&all, 99.0);
+    total.restore_p50_ms = percentile(&all_restores, 50.0);
+    total.restore_p99_ms = percentile(&all_restores, 99.0);
     report.total = total;
     Ok(report)
 }
@@ -471,6 +529,8 @@ async fn client_task(
     let mut quiesce: Option<oneshot::Sender<()>> = None;
     let mut stop_deadline: Option<Instant> = None;
     let mut joined = false;
+    // The last reply before a link loss: the restore time starts there.
+    let mut last_reply = Instant::now();
     loop {
         if !sending && pending.is_empty() {
             if let Some(q) = quiesce.take() {
@@ -517,6 +577,7 @@ async fn client_task(
                     let n: Option<u64> = parts.next().and_then(|s| s.parse().ok());
                     let backend = text.split('|').next().unwrap_or_default();
                     if let Some(n) = n {
+                        last_reply = Instant::now();
                         if let Some(t0) = pending.remove(&n) {
                             r.received += 1;
                             seen.insert(n);
@@ -539,6 +600,7 @@ async fn client_task(
                 Some(Event::Connected { outcome, endpoint, .. }) => {
                     if matches!(outcome, WelcomeOutcome::Restored | WelcomeOutcome::RestoredWithGap) {
                         r.restores += 1;
+                        r.restore_ms.push(u32::try_from(last_reply.elapsed().as_millis()).unwrap_or(u32::MAX));
                         if endpoint != first_endpoint {
                             r.switched = true;
                         }

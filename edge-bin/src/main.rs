@@ -289,13 +289,14 @@ fn main() -> std::process::ExitCode {
                         "{}",
                         serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?
                     );
+                    eprintln!("{}", report.verdict());
                 } else {
                     print!("{}", report.table());
                 }
                 if report.ok() {
                     Ok(())
                 } else {
-                    Err("messages were lost or duplicated".into())
+                    Err(report.verdict())
                 }
             }
             Command::Bench(args) => waygate::bench::run(*args).await,

@@ -25,6 +25,11 @@ pub struct ClientConfig {
     pub ack: AckPolicy,
     /// Most unacked upstream messages kept for resending; beyond it `send` refuses.
     pub max_unacked: usize,
+    /// A connection is dead when something has been outstanding this long with no frame
+    /// received: a sequenced message (the edge acks within its ack delay, 20 ms by default)
+    /// or a PING (answered at once). Then the session drops the link and resumes
+    /// (PROTOCOL.md §7.5). Zero: only the transport's own errors end a connection.
+    pub liveness: Duration,
 }
 
 impl Default for ClientConfig {
@@ -32,6 +37,7 @@ impl Default for ClientConfig {
         Self {
             ack: AckPolicy::default(),
             max_unacked: 4096,
+            liveness: Duration::from_secs(1),
         }
     }
 }
@@ -167,6 +173,8 @@ pub struct ClientSession {
     unacked: VecDeque<Unacked>,
     heartbeat: Option<Duration>,
     last_tx: Option<Instant>,
+    /// Since when something has been outstanding with no frame received (liveness).
+    waiting_since: Option<Instant>,
     /// Origin of PING timestamps (milliseconds since the first connect).
     epoch: Option<Instant>,
     transmit: VecDeque<Frame>,
@@ -188,6 +196,7 @@ impl ClientSession {
             unacked: VecDeque::new(),
             heartbeat: None,
             last_tx: None,
+            waiting_since: None,
             epoch: None,
             transmit: VecDeque::new(),
             events: VecDeque::new(),
@@ -263,7 +272,23 @@ impl ClientSession {
 
     fn push(&mut self, now: Instant, frame: Frame) {
         self.last_tx = Some(now);
+        let expects_answer = match &frame {
+            Frame::Data(d) => d.seq > 0,
+            Frame::Ping { .. } => true,
+            _ => false,
+        };
+        if expects_answer && self.state == ClientState::Active && self.waiting_since.is_none() {
+            self.waiting_since = Some(now);
+        }
         self.transmit.push_back(frame);
+    }
+
+    /// When the liveness rule declares the link dead (`None`: nothing outstanding).
+    fn dead_at(&self) -> Option<Instant> {
+        if self.state != ClientState::Active || self.config.liveness.is_zero() {
+            return None;
+        }
+        self.waiting_since.map(|t| t + self.config.liveness)
     }
 
     /// The next frame to send.
@@ -285,15 +310,20 @@ impl ClientSession {
             (Some(h), Some(t)) if !h.is_zero() => Some(t + h),
             _ => None,
         };
-        match (ping, self.down_ack.deadline()) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [ping, self.down_ack.deadline(), self.dead_at()]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
-    /// Timers: delayed ack and heartbeat.
+    /// Timers: delayed ack, heartbeat, and liveness (a dead link goes down here: the
+    /// session turns `Disconnected` with `idle_timeout`; drop the connection and resume).
     pub fn handle_timeout(&mut self, now: Instant) {
         if self.state != ClientState::Active {
+            return;
+        }
+        if self.dead_at().is_some_and(|t| now >= t) {
+            self.handle_link_down(now, CloseCode::IdleTimeout);
             return;
         }
         if self.down_ack.due(now, &self.config.ack) {
@@ -402,11 +432,20 @@ impl ClientSession {
             _ => ClientState::Disconnected,
         };
         self.transmit.clear();
+        self.waiting_since = None;
         self.events.push_back(ClientEvent::Disconnected { code });
     }
 
     /// A frame arrived from the server.
     pub fn handle_frame(&mut self, now: Instant, frame: Frame) -> Result<(), ClientError> {
+        let r = self.on_frame(now, frame);
+        // Any frame proves the link alive; what is still unacked is outstanding from now.
+        self.waiting_since =
+            (self.state == ClientState::Active && !self.unacked.is_empty()).then_some(now);
+        r
+    }
+
+    fn on_frame(&mut self, now: Instant, frame: Frame) -> Result<(), ClientError> {
         let unexpected = |state, f: &Frame| ClientError::UnexpectedFrame {
             state,
             frame: f.frame_type(),

@@ -157,6 +157,56 @@ fn ping_pong_and_idle_timeout_detaches() {
     assert_eq!(p.peers[c].client.state(), ClientState::Disconnected);
 }
 
+/// The client's liveness rule (PROTOCOL.md §7.5): something outstanding for 1 s with no
+/// frame received means a dead link (an edge killed without a word, a UDP path gone): the
+/// client goes Disconnected at once instead of waiting for an idle timeout. Any frame in
+/// time keeps it up.
+#[test]
+fn a_client_declares_a_silent_link_dead_after_its_liveness_timeout() {
+    use crate::client::{ClientConfig, ClientSession};
+    use waygate_protocol::frame::Welcome;
+    let t0 = std::time::Instant::now();
+    let welcome = Frame::Welcome(Welcome {
+        session_id: [1; 16],
+        resume_token: [2; 16],
+        outcome: WelcomeOutcome::NewSession,
+        heartbeat_interval_ms: 10_000,
+        idle_timeout_ms: 30_000,
+        max_frame_size: 65_536,
+        server_seq_base: 0,
+        client_seq_ack: 0,
+    });
+    let mut client = ClientSession::new(token_for("alice"), ClientConfig::default());
+    client.connect(t0).expect("connect");
+    client.handle_frame(t0, welcome).expect("welcome");
+    while client.poll_transmit().is_some() {}
+    let sent = t0 + Duration::from_millis(100);
+    client
+        .send(sent, TrafficClass::Normal, 7, Bytes::from_static(b"x"))
+        .expect("send");
+    assert_eq!(client.poll_timeout(), Some(sent + Duration::from_secs(1)));
+    // An ACK in time: alive, nothing outstanding any more.
+    client
+        .handle_frame(sent + Duration::from_millis(30), Frame::Ack { ack: 1 })
+        .expect("ack");
+    client.handle_timeout(sent + Duration::from_secs(1));
+    assert_eq!(client.state(), ClientState::Active);
+    // Another message, then silence: dead at exactly one second.
+    let later = t0 + Duration::from_secs(2);
+    client
+        .send(later, TrafficClass::Normal, 7, Bytes::from_static(b"y"))
+        .expect("send");
+    client.handle_timeout(later + Duration::from_millis(999));
+    assert_eq!(client.state(), ClientState::Active);
+    client.handle_timeout(later + Duration::from_secs(1));
+    assert_eq!(client.state(), ClientState::Disconnected);
+    let events: Vec<ClientEvent> = std::iter::from_fn(|| client.poll_event()).collect();
+    assert!(events.contains(&ClientEvent::Disconnected {
+        code: CloseCode::IdleTimeout
+    }));
+    assert_eq!(client.unacked_len(), 1, "kept for the resume");
+}
+
 #[test]
 fn heartbeats_keep_an_idle_session_alive() {
     let cfg = SessionConfig {
