@@ -551,3 +551,36 @@ async fn a_room_joined_on_a_killed_edge_is_reached_from_the_edge_that_resumes() 
         "the same room instance, its state intact"
     );
 }
+
+/// The edge's load report in etcd carries its real message rate (newcomer issue, item 3:
+/// it was a hard-coded 0.0), beside its live sessions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_edge_reports_its_real_message_rate_to_etcd() {
+    let w = world(1).await;
+    let mut client = w.client("busy-bee", 0).await;
+    wait_for(&mut client, Duration::from_secs(20), |e| {
+        matches!(e, Event::Connected { .. })
+    })
+    .await;
+    let etcd = etcd_client::Client::connect(w.etcd.endpoints(), None)
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let mut n = 0;
+    let reported = loop {
+        echo(&mut client, &format!("m{n}")).await.unwrap();
+        n += 1;
+        let edges = waygate_edge::cluster::etcd::list_edges(&etcd, PREFIX)
+            .await
+            .unwrap();
+        if let Some(e) = edges.iter().find(|e| e.msg_rate > 0.0) {
+            break Some(e.clone());
+        }
+        if tokio::time::Instant::now() > deadline {
+            break None;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let edge = reported.expect("a load report with a message rate above 0");
+    assert_eq!(edge.sessions, 1, "{edge:?}");
+}

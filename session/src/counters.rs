@@ -118,6 +118,12 @@ impl SessionCounters {
         self.transitions[from.index()][to.index()].load(Ordering::Relaxed)
     }
 
+    /// Messages through the session layer so far: upstream delivered plus downstream sent
+    /// (the load an edge reports).
+    pub fn messages(&self) -> u64 {
+        Self::get(&self.upstream_delivered).saturating_add(Self::get(&self.downstream_sent))
+    }
+
     /// Sessions in DETACHED right now (entered minus left, from the transition counts).
     pub fn detached_now(&self) -> u64 {
         let entered: u64 = State::ALL
