@@ -93,6 +93,8 @@ pub struct EdgeMetrics {
     pub admission_refused: Counter,
     /// Best-effort pushes shed at overload level 1+ (B5).
     pub overload_shed: Counter,
+    /// Accept loops restarted after a panic, per transport.
+    pub accept_loop_restarts: Family<TransportLabel, Counter>,
 }
 
 impl Default for EdgeMetrics {
@@ -204,6 +206,7 @@ impl EdgeMetrics {
             overload_level: Gauge::default(),
             admission_refused: Counter::default(),
             overload_shed: Counter::default(),
+            accept_loop_restarts: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -276,6 +279,11 @@ impl EdgeMetrics {
             "admission_refused",
             "Connections refused by admission control",
             m.admission_refused.clone(),
+        );
+        registry.register(
+            "accept_loop_restarts",
+            "Accept loops restarted after a panic",
+            m.accept_loop_restarts.clone(),
         );
         registry.register(
             "overload_shed",

@@ -14,10 +14,45 @@ use waygate_transport::{
 use super::Shared;
 use crate::metrics::EdgeMetrics;
 
+/// Runs a listener's accept loop under supervision: a panic inside it (a bug) is caught,
+/// logged and counted (`waygate_accept_loop_restarts_total`), and the loop starts again on
+/// the same listener, so one bad moment never silently takes a transport down.
 pub(super) async fn accept_loop(shared: Arc<Shared>, mut listener: BoxListener) {
+    use futures_util::FutureExt as _;
+    let kind = listener.kind();
+    loop {
+        let run = std::panic::AssertUnwindSafe(accept_connections(&shared, &mut listener));
+        match run.catch_unwind().await {
+            Ok(()) => return, // the listener shut down
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                shared
+                    .metrics
+                    .accept_loop_restarts
+                    .get_or_create(&EdgeMetrics::transport(kind))
+                    .inc();
+                tracing::error!(transport = %kind, panic = %what, "accept loop panicked; restarted");
+            }
+        }
+    }
+}
+
+async fn accept_connections(shared: &Arc<Shared>, listener: &mut BoxListener) {
     let kind = listener.kind();
     let label = EdgeMetrics::transport(kind);
     while let Some(mut conn) = listener.accept().await {
+        if shared
+            .chaos_accept_panic
+            .swap(false, std::sync::atomic::Ordering::AcqRel)
+        {
+            // A drill (`Edge::chaos_panic_next_accept`): exactly the kind of bug supervision
+            // exists for. The connection is dropped with the panic.
+            panic!("chaos drill: accept loop panic");
+        }
         shared
             .metrics
             .connections_accepted

@@ -114,6 +114,8 @@ struct Shared {
     admission: Arc<EdgeAdmission>,
     /// Overload levels (B5).
     governor: Arc<Governor>,
+    /// Chaos drill: the next accepted connection panics its accept loop (supervision test).
+    chaos_accept_panic: AtomicBool,
 }
 
 /// A running edge.
@@ -160,6 +162,14 @@ impl Edge {
     /// The session registry.
     pub fn registry(&self) -> SessionRegistry {
         self.shared.session_layer().registry.clone()
+    }
+
+    /// Chaos drill: the next connection any listener accepts panics that listener's accept
+    /// loop (the connection is lost), to show the loop is supervised and restarted.
+    pub fn chaos_panic_next_accept(&self) {
+        self.shared
+            .chaos_accept_panic
+            .store(true, Ordering::Release);
     }
 
     /// Whether a drain was started.

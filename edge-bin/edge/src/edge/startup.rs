@@ -173,6 +173,7 @@ impl Edge {
             instance_addrs: Mutex::new(HashMap::new()),
             admission,
             governor,
+            chaos_accept_panic: AtomicBool::new(false),
             config,
         });
         shared.learn_instances();
