@@ -45,6 +45,17 @@ enum Command {
         #[arg(long)]
         insecure_dev_key: bool,
     },
+    /// Ask a running edge to drain (`POST /drain` on its admin server): every client is sent
+    /// MIGRATE to another edge, new ones are refused, and the edge exits when empty or at
+    /// the drain deadline. For systemd's ExecStop and Kubernetes' preStop.
+    Drain {
+        /// The edge's admin address.
+        #[arg(long, default_value = "127.0.0.1:9100")]
+        admin: SocketAddr,
+        /// The admin token file (`admin.token_file`), when the edge has one.
+        #[arg(long)]
+        token_file: Option<std::path::PathBuf>,
+    },
     /// Print a new random auth key as an `[[auth.keys]]` entry for the edge configuration
     /// (and for the login service that mints tokens with it).
     Keygen {
@@ -218,6 +229,27 @@ fn main() -> std::process::ExitCode {
                 }
                 Ok(())
             }
+            Command::Drain { admin, token_file } => {
+                let token = match token_file {
+                    Some(p) => Some(
+                        std::fs::read_to_string(&p)
+                            .map_err(|e| format!("{}: {e}", p.display()))?
+                            .lines()
+                            .next()
+                            .unwrap_or("")
+                            .trim()
+                            .to_owned(),
+                    ),
+                    None => std::env::var("WAYGATE_ADMIN_TOKEN").ok(),
+                };
+                let (status, body) = admin_post(admin, "/drain", token.as_deref()).await?;
+                println!("{body}");
+                if status == 200 {
+                    Ok(())
+                } else {
+                    Err(format!("drain refused: HTTP {status}"))
+                }
+            }
             Command::Keygen { id } => {
                 let mut secret = [0u8; 32];
                 rand::fill(&mut secret);
@@ -319,4 +351,42 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// One `POST` to an edge's admin server (HTTP/1.1 over TCP; no HTTP client needed): the
+/// status and the body.
+async fn admin_post(
+    admin: SocketAddr,
+    path: &str,
+    token: Option<&str>,
+) -> Result<(u16, String), String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let io = async {
+        let mut sock = tokio::net::TcpStream::connect(admin).await?;
+        let auth = token
+            .filter(|t| !t.is_empty())
+            .map(|t| format!("Authorization: Bearer {t}\r\n"))
+            .unwrap_or_default();
+        let request = format!(
+            "POST {path} HTTP/1.1\r\nHost: {admin}\r\nX-Waygate-Admin: cli\r\n{auth}\
+             Content-Length: 0\r\nConnection: close\r\n\r\n"
+        );
+        sock.write_all(request.as_bytes()).await?;
+        let mut response = String::new();
+        sock.read_to_string(&mut response).await?;
+        Ok::<_, std::io::Error>(response)
+    };
+    let response = tokio::time::timeout(std::time::Duration::from_secs(30), io)
+        .await
+        .map_err(|_| format!("{admin}: no answer in 30 s"))?
+        .map_err(|e| format!("{admin}: {e}"))?;
+    let status = response
+        .get(9..12)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Ok((status, body))
 }

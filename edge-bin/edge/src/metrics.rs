@@ -77,6 +77,8 @@ pub struct EdgeMetrics {
     pub push_dropped: Family<ClassLabel, Counter>,
     /// Backend links up (1) or down (0).
     pub backend_up: Family<BackendLabel, Gauge>,
+    /// FORWARD credit left on each backend link (0: the edge answers `busy`, B4).
+    pub link_forward_credits: Family<BackendLabel, Gauge>,
     /// Current route epoch.
     pub route_epoch: Gauge,
     /// Seconds since the route table was last loaded successfully.
@@ -132,18 +134,22 @@ impl Collector for SessionLayerCollector {
             None,
             lingering.metric_type(),
         )?)?;
-        if let Some(wt) = &s.write_through {
+        {
+            // Always exported (0 without write-through), so dashboards and alerts find them.
             use std::sync::atomic::Ordering::Relaxed;
+            let (writes, failures) = s.write_through.as_ref().map_or((0, 0), |wt| {
+                (wt.writes.load(Relaxed), wt.failures.load(Relaxed))
+            });
             for (name, help, value) in [
                 (
                     "write_through_writes",
                     "Snapshot writes made before the client saw new state",
-                    wt.writes.load(Relaxed),
+                    writes,
                 ),
                 (
                     "write_through_failures",
                     "Snapshot writes that failed (writes pause, then retry)",
-                    wt.failures.load(Relaxed),
+                    failures,
                 ),
             ] {
                 let c = ConstCounter::new(value);
@@ -198,6 +204,7 @@ impl EdgeMetrics {
             pushed: Family::default(),
             push_dropped: Family::default(),
             backend_up: Family::default(),
+            link_forward_credits: Family::default(),
             route_epoch: Gauge::default(),
             route_staleness_seconds: Gauge::default(),
             stale_epoch_reroutes: Counter::default(),
@@ -250,6 +257,11 @@ impl EdgeMetrics {
             m.backend_up.clone(),
         );
         registry.register(
+            "link_forward_credits",
+            "FORWARD credit left on each backend link (0: new messages get busy)",
+            m.link_forward_credits.clone(),
+        );
+        registry.register(
             "route_epoch",
             "Current route table epoch",
             m.route_epoch.clone(),
@@ -300,6 +312,40 @@ impl EdgeMetrics {
             out.clear();
         }
         out
+    }
+
+    /// Creates the series a dashboard or an alert expects from the start (at 0), so the
+    /// first increment is seen by `rate()`: per bound transport, per traffic class, per
+    /// refusal code.
+    pub fn preset(&self, transports: impl IntoIterator<Item = waygate_transport::TransportKind>) {
+        for kind in transports {
+            let label = Self::transport(kind);
+            let _ = self.connections_accepted.get_or_create(&label);
+            let _ = self.connections_open.get_or_create(&label);
+            let _ = self.accept_loop_restarts.get_or_create(&label);
+        }
+        for class in [
+            waygate_transport::TrafficClass::Critical,
+            waygate_transport::TrafficClass::Normal,
+            waygate_transport::TrafficClass::BestEffort,
+        ] {
+            let label = ClassLabel {
+                class: class.as_str().into(),
+            };
+            let _ = self.pushed.get_or_create(&label);
+            let _ = self.push_dropped.get_or_create(&label);
+        }
+        for code in [
+            waygate_transport::CloseCode::Busy,
+            waygate_transport::CloseCode::Unavailable,
+            waygate_transport::CloseCode::NoRoute,
+            waygate_transport::CloseCode::Internal,
+        ] {
+            let label = CodeLabel {
+                code: code.as_str().into(),
+            };
+            let _ = self.upstream_refused.get_or_create(&label);
+        }
     }
 
     /// Label helper.

@@ -63,6 +63,20 @@ pub(super) async fn route_loop(shared: Weak<Shared>) {
                 .map_or(f64::INFINITY, |d| d.as_secs_f64());
             shared.metrics.route_staleness_seconds.set(staleness);
         }
+        // Link credits (B4) as the operator sees them.
+        if let Ok(links) = shared.links.lock() {
+            for link in links.values() {
+                let label = crate::metrics::BackendLabel {
+                    backend: link.addr().to_string(),
+                };
+                let credit = i64::try_from(link.credit()).unwrap_or(i64::MAX);
+                shared
+                    .metrics
+                    .link_forward_credits
+                    .get_or_create(&label)
+                    .set(credit);
+            }
+        }
         // Health: an instance whose link is up is alive; the router declares the others
         // down after K missed heartbeats and migrates their players (R7).
         let up: Vec<SocketAddr> = shared

@@ -176,6 +176,7 @@ impl Edge {
             chaos_accept_panic: AtomicBool::new(false),
             config,
         });
+        shared.metrics.preset(shared.addrs.keys().copied());
         shared.learn_instances();
         shared
             .metrics
