@@ -59,6 +59,12 @@ export interface ClientOptions {
   ackEvery?: number;
   /** Most unacked sequenced upstream messages kept for resending; beyond it `send` throws. Default 4096. */
   maxUnacked?: number;
+  /**
+   * A connection is dead when a sequenced message or a PING has been outstanding this long
+   * with no frame received (PROTOCOL.md §7.5): the client drops it and resumes. Default 1000;
+   * 0 turns the rule off.
+   */
+  livenessMs?: number;
   /** Offer the `waygate.v1` subprotocol (§2.2). Default true. */
   offerSubprotocol?: boolean;
   /** WebSocket implementation (tests, node); default `globalThis.WebSocket`. */
@@ -235,6 +241,8 @@ export class WaygateClient {
 
   private lastTx = 0;
   private lastRx = 0;
+  /** Since when something has been outstanding with no frame received (liveness). */
+  private waitingSince: number | null = null;
   private ticker: ReturnType<typeof setInterval> | null = null;
   private handshakeTimer: ReturnType<typeof setTimeout> | null = null;
   private reconnectTimer: ReturnType<typeof setTimeout> | null = null;
@@ -258,6 +266,7 @@ export class WaygateClient {
       ackDelayMs: options.ackDelayMs ?? 20,
       ackEvery: options.ackEvery ?? 16,
       maxUnacked: options.maxUnacked ?? 4096,
+      livenessMs: options.livenessMs ?? 1000,
       offerSubprotocol: options.offerSubprotocol ?? true,
       random: options.random ?? Math.random,
     };
@@ -432,6 +441,7 @@ export class WaygateClient {
 
   /** Forgets the current socket (its later events are ignored) and closes it. */
   private dropSocket(status: number, reason: string): void {
+    this.waitingSince = null;
     this.gen++;
     const ws = this.ws;
     this.ws = null;
@@ -553,6 +563,10 @@ export class WaygateClient {
     if (!ws || ws.readyState !== WS_OPEN) return;
     ws.send(encodeFrame(f));
     this.lastTx = now();
+    const expectsAnswer = (f.type === "data" && f.seq > 0n) || f.type === "ping";
+    if (expectsAnswer && this._state === "active" && this.waitingSince === null) {
+      this.waitingSince = this.lastTx;
+    }
   }
 
   private sendData(m: { cls: TrafficClass; msgId: number; seq: bigint; payload: Uint8Array }, piggyback: boolean): void {
@@ -619,6 +633,8 @@ export class WaygateClient {
     } catch (e) {
       this.violation(e);
     }
+    // Any frame proves the link alive; what is still unacked is outstanding from now.
+    this.waitingSince = this._state === "active" && this.unacked.length > 0 ? now() : null;
   }
 
   private violation(e: unknown): void {
@@ -811,13 +827,26 @@ export class WaygateClient {
 
   private startTicker(): void {
     if (this.ticker !== null) clearInterval(this.ticker);
-    const period = Math.max(50, Math.min(1000, Math.floor((this.heartbeatMs || 1000) / 4)));
+    const liveness = this.opts.livenessMs > 0 ? this.opts.livenessMs : 1000;
+    const period = Math.max(
+      20,
+      Math.min(1000, Math.floor((this.heartbeatMs || 1000) / 4), Math.floor(liveness / 4)),
+    );
     const gen = this.gen;
     this.ticker = setInterval(() => {
       if (gen !== this.gen || this._state !== "active") return;
       const t = now();
       if (this.idleTimeoutMs > 0 && t - this.lastRx > this.idleTimeoutMs) {
         this.failLink(CloseCode.idle_timeout, "nothing received within the idle timeout");
+        return;
+      }
+      if (
+        this.opts.livenessMs > 0 &&
+        this.waitingSince !== null &&
+        t - this.waitingSince >= this.opts.livenessMs
+      ) {
+        this.waitingSince = null;
+        this.failLink(CloseCode.idle_timeout, "no answer within the liveness timeout");
         return;
       }
       if (this.heartbeatMs > 0 && t - this.lastTx >= this.heartbeatMs) {

@@ -434,3 +434,27 @@ test("send limits: unacked buffer and max frame size", async () => {
   const closes = ws.take().filter((f) => f.type === "close");
   assert.deepEqual(closes, [{ type: "close", code: 0, message: "client closed" }]);
 });
+
+test("liveness: a sequenced message unanswered for livenessMs means a dead link; the client resumes", async () => {
+  const ctx = setup({ livenessMs: 120 });
+  const { ws } = await connect(ctx, 0, { heartbeatIntervalMs: 10_000, idleTimeoutMs: 30_000 });
+  ctx.client.send(1000, "hello");
+  // The server never answers: no ACK, nothing at all.
+  await sleep(400);
+  assert.ok(ctx.WS.all.length >= 2, "reconnected");
+  assert.equal(ctx.named("disconnected")[0].code, CloseCode.idle_timeout);
+  assert.equal(ws.closed.code, 4103);
+  ctx.client.close();
+});
+
+test("liveness: an ACK in time keeps the link", async () => {
+  const ctx = setup({ livenessMs: 150 });
+  const { ws } = await connect(ctx, 0, { heartbeatIntervalMs: 10_000, idleTimeoutMs: 30_000 });
+  ctx.client.send(1000, "hello");
+  await sleep(30);
+  ws.deliver({ type: "ack", ack: 1n });
+  await sleep(300);
+  assert.equal(ctx.WS.all.length, 1, "still the first connection");
+  assert.equal(ctx.named("disconnected").length, 0);
+  ctx.client.close();
+});
