@@ -197,10 +197,48 @@ pub struct AuthKey {
     pub secret: String,
 }
 
+/// Which tokens the edge accepts.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum AuthKind {
+    /// waygate's own HMAC tokens (PROTOCOL.md 7.2), keys in `auth.keys`.
+    #[default]
+    Hmac,
+    /// JWTs (HS256, RS256, EdDSA, ...) verified with the keys of `auth.jwt.jwks_file`.
+    Jwt,
+}
+
+/// JWT verification (`auth.kind = "jwt"`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct JwtConfig {
+    /// The JWKS file with the verification keys; re-read when it changes (key rotation
+    /// without a restart).
+    pub jwks_file: Option<PathBuf>,
+    /// Accepted `aud` values; empty = tokens must carry none.
+    pub audiences: Vec<String>,
+    /// The claim holding the player id.
+    pub player_claim: String,
+}
+
+impl Default for JwtConfig {
+    fn default() -> Self {
+        Self {
+            jwks_file: None,
+            audiences: Vec::new(),
+            player_claim: "sub".into(),
+        }
+    }
+}
+
 /// Token authentication (S2).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct AuthConfig {
+    /// `hmac` (waygate tokens, `keys`) or `jwt` (`jwt.jwks_file`).
+    pub kind: AuthKind,
+    /// JWT settings (with `issuers` and `leeway_secs`).
+    pub jwt: JwtConfig,
     /// Accepted keys. The embedded default is a development key: replace it.
     pub keys: Vec<AuthKey>,
     /// Accepted issuers; empty = any.
@@ -216,7 +254,7 @@ pub struct AuthConfig {
 impl AuthConfig {
     /// Whether a configured key is the public development key.
     pub fn uses_dev_key(&self) -> bool {
-        self.keys.iter().any(|k| k.secret == DEV_KEY_SECRET)
+        self.kind == AuthKind::Hmac && self.keys.iter().any(|k| k.secret == DEV_KEY_SECRET)
     }
 }
 
@@ -228,6 +266,8 @@ pub const DEV_KEY_SECRET: &str = "waygate-development-key-change-me";
 impl Default for AuthConfig {
     fn default() -> Self {
         Self {
+            kind: AuthKind::Hmac,
+            jwt: JwtConfig::default(),
             keys: vec![AuthKey {
                 id: DEV_KEY_ID,
                 secret: DEV_KEY_SECRET.into(),
@@ -610,10 +650,16 @@ impl EdgeConfig {
                 key: "kcp",
                 message: e.to_string(),
             })?;
-        if self.auth.keys.is_empty() {
+        if self.auth.kind == AuthKind::Hmac && self.auth.keys.is_empty() {
             return Err(ConfigError::Invalid {
                 key: "auth.keys",
                 message: "at least one key is needed".into(),
+            });
+        }
+        if self.auth.kind == AuthKind::Jwt && self.auth.jwt.jwks_file.is_none() {
+            return Err(ConfigError::Invalid {
+                key: "auth.jwt.jwks_file",
+                message: "auth.kind = \"jwt\" needs a JWKS file".into(),
             });
         }
         if self.admin.enabled

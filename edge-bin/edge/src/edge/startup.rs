@@ -183,15 +183,37 @@ impl Edge {
             .route_epoch
             .set(shared.epoch.load(Ordering::Relaxed) as i64);
 
-        let mut keys = KeyRing::new();
-        for k in &shared.config.auth.keys {
-            keys.insert(k.id, k.secret.as_bytes());
-        }
-        let mut auth = HmacAuthenticator::new(keys)
-            .with_leeway(Duration::from_secs(shared.config.auth.leeway_secs));
-        if !shared.config.auth.issuers.is_empty() {
-            auth = auth.with_allowed_issuers(shared.config.auth.issuers.clone());
-        }
+        let a = &shared.config.auth;
+        let auth: Arc<dyn waygate_session::Authenticator> = match a.kind {
+            crate::config::AuthKind::Hmac => {
+                let mut keys = KeyRing::new();
+                for k in &a.keys {
+                    keys.insert(k.id, k.secret.as_bytes());
+                }
+                let mut hmac =
+                    HmacAuthenticator::new(keys).with_leeway(Duration::from_secs(a.leeway_secs));
+                if !a.issuers.is_empty() {
+                    hmac = hmac.with_allowed_issuers(a.issuers.clone());
+                }
+                Arc::new(hmac)
+            }
+            crate::config::AuthKind::Jwt => {
+                let settings = crate::auth::JwtSettings {
+                    jwks_file: a.jwt.jwks_file.clone().unwrap_or_default(),
+                    issuers: a.issuers.clone(),
+                    audiences: a.jwt.audiences.clone(),
+                    player_claim: a.jwt.player_claim.clone(),
+                    leeway: Duration::from_secs(a.leeway_secs),
+                };
+                let jwt = crate::auth::JwtAuthenticator::new(settings).map_err(|e| {
+                    EdgeError::Config(crate::config::ConfigError::Invalid {
+                        key: "auth.jwt.jwks_file",
+                        message: e.to_string(),
+                    })
+                })?;
+                Arc::new(jwt)
+            }
+        };
         let s = &shared.config.session;
         let session_config = SessionConfig {
             handshake_timeout: Duration::from_millis(s.hello_timeout_ms),
@@ -208,7 +230,7 @@ impl Edge {
         let mut session_layer = SessionLayer::new(
             shared.config.edge_id.clone(),
             session_config,
-            Arc::new(auth),
+            auth,
             Arc::new(EdgeUpstream(Arc::downgrade(&shared))),
         );
         session_layer.outbound_capacity = s.outbound_capacity;
