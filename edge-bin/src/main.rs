@@ -90,6 +90,33 @@ enum Command {
         /// `stale_epoch` (R5).
         #[arg(long, default_value_t = 0)]
         epoch: u64,
+        /// etcd endpoints, comma-separated: register this instance under a lease for each of
+        /// `--services` and report its load (sessions, messages/s) for the least-loaded
+        /// policy (R10). Without them nothing is registered.
+        #[arg(long, value_delimiter = ',')]
+        etcd: Vec<String>,
+        /// The etcd key prefix (the edges' `cluster.etcd_prefix`).
+        #[arg(long, default_value = "/waygate")]
+        etcd_prefix: String,
+        /// Services this instance serves (the demo game: player and room).
+        #[arg(long, value_delimiter = ',', default_value = "player,room")]
+        services: Vec<String>,
+        /// The address edges reach it at (default: the bound address).
+        #[arg(long)]
+        advertise: Option<String>,
+    },
+    /// For a login service: answer `GET /edge` with the least-loaded enabled edge under its
+    /// cap, from the edges' registrations in etcd (503 + Retry-After when none qualifies).
+    Login {
+        /// etcd endpoints, comma-separated.
+        #[arg(long, value_delimiter = ',', required = true)]
+        etcd: Vec<String>,
+        /// The etcd key prefix (the edges' `cluster.etcd_prefix`).
+        #[arg(long, default_value = "/waygate")]
+        etcd_prefix: String,
+        /// Address to serve on.
+        #[arg(long, default_value = "127.0.0.1:9200")]
+        addr: SocketAddr,
     },
     /// The main job for a newcomer: an edge, 3 demo backends and simulated clients on every
     /// transport, through a reconnect wave, a second-login kick and a backend drain. Exits
@@ -281,7 +308,31 @@ fn main() -> std::process::ExitCode {
                 println!("{}", waygate_session::auth::token_to_base64url(&token));
                 Ok(())
             }
-            Command::Backend { addr, id, epoch } => {
+            Command::Login {
+                etcd,
+                etcd_prefix,
+                addr,
+            } => {
+                let client = etcd_client::Client::connect(&etcd, None)
+                    .await
+                    .map_err(|e| format!("etcd {etcd:?}: {e}"))?;
+                let app = waygate_edge::cluster::etcd::login_router(client, etcd_prefix);
+                let listener = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .map_err(|e| format!("{addr}: {e}"))?;
+                let local = listener.local_addr().map_err(|e| e.to_string())?;
+                println!("{}", serde_json::json!({"event": "ready", "login": local.to_string()}));
+                axum::serve(listener, app).await.map_err(|e| e.to_string())
+            }
+            Command::Backend {
+                addr,
+                id,
+                epoch,
+                etcd,
+                etcd_prefix,
+                services,
+                advertise,
+            } => {
                 let service = Arc::new(waygate_backend::demo::DemoService::new());
                 let backend = waygate_backend::Backend::bind(
                     addr,
@@ -291,6 +342,12 @@ fn main() -> std::process::ExitCode {
                 .await
                 .map_err(|e| format!("backend {id} on {addr}: {e}"))?;
                 backend.set_epoch(epoch);
+                let backend = Arc::new(backend);
+                if !etcd.is_empty() {
+                    let address = advertise.unwrap_or_else(|| backend.local_addr().to_string());
+                    register_backend(&backend, &id, &address, &etcd, &etcd_prefix, &services)
+                        .await?;
+                }
                 println!(
                     "{}",
                     serde_json::json!({"event": "ready", "backend": backend.local_addr().to_string(), "id": id})
@@ -389,4 +446,53 @@ async fn admin_post(
         .map(|(_, b)| b.to_owned())
         .unwrap_or_default();
     Ok((status, body))
+}
+
+/// Registers a backend instance in etcd under a lease for each service and keeps its load
+/// report fresh (sessions, messages/s; R10). The leases die with the process.
+async fn register_backend(
+    backend: &Arc<waygate_backend::Backend>,
+    id: &str,
+    address: &str,
+    etcd: &[String],
+    prefix: &str,
+    services: &[String],
+) -> Result<(), String> {
+    use waygate_edge::cluster::etcd::{EtcdRegistry, Load};
+    let registry = Arc::new(
+        EtcdRegistry::connect(etcd, prefix)
+            .await
+            .map_err(|e| format!("etcd {etcd:?}: {e}"))?,
+    );
+    let spec = waygate_routing::InstanceSpec {
+        id: id.to_owned(),
+        address: address.to_owned(),
+        weight: 1.0,
+        state: waygate_routing::InstanceState::Active,
+        capacity: None,
+    };
+    let every = std::time::Duration::from_secs(1);
+    let (load_tx, load_rx) = tokio::sync::watch::channel(Load::default());
+    for service in services {
+        let lease = registry
+            .register_instance(service, &spec, std::time::Duration::from_secs(3))
+            .await
+            .map_err(|e| format!("registering {id} for {service}: {e}"))?;
+        let _reporter = registry.spawn_reporter(lease, every, load_rx.clone());
+    }
+    let weak = Arc::downgrade(backend);
+    tokio::spawn(async move {
+        let mut meter = waygate_edge::cluster::RateMeter::default();
+        let mut tick = tokio::time::interval(every);
+        loop {
+            tick.tick().await;
+            let Some(b) = weak.upgrade() else { return };
+            let load = b.load();
+            let msg_rate = meter.observe(tokio::time::Instant::now(), load.messages());
+            let players = u32::try_from(load.sessions()).unwrap_or(u32::MAX);
+            let _ = load_tx.send(Load { players, msg_rate });
+        }
+    });
+    tracing::info!(%id, %address, ?services, "registered in etcd");
+    Ok(())
 }

@@ -328,3 +328,43 @@ async fn big_forward_credit_and_small_push_credit_do_not_deadlock() {
         }
     }
 }
+
+/// The backend SDK counts its load (what `waygate backend --etcd` reports): sessions open
+/// over the link and messages handled; a closed link takes its sessions off.
+#[tokio::test]
+async fn the_backend_counts_its_sessions_and_messages() {
+    let backend = demo_backend("127.0.0.1:0".parse().unwrap(), "b1").await;
+    let (tx, mut rx) = mpsc::channel(64);
+    let (link, task) = LinkClient::spawn(
+        backend.local_addr(),
+        fast_config(),
+        Arc::new(AtomicU64::new(1)),
+        tx,
+    );
+    wait_up(&mut rx).await;
+    for (handle, player) in [(1, "ann"), (2, "ben")] {
+        let m = meta(handle, player);
+        link.forward(
+            &m,
+            ECHO,
+            1,
+            1,
+            TrafficClass::Normal,
+            Bytes::from_static(b"x"),
+        )
+        .unwrap();
+        let _ = next_event(&mut rx).await; // the echo
+    }
+    assert_eq!(backend.load().sessions(), 2);
+    assert_eq!(backend.load().messages(), 2);
+    task.abort();
+    drop(link);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while backend.load().sessions() != 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "sessions outlived their link"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

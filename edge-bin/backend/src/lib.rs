@@ -238,11 +238,32 @@ impl BackendSession {
     }
 }
 
+/// The load of a running instance, as its links see it: what it reports to the control
+/// plane (`waygate backend --etcd`) for the least-loaded policy (SPEC R10).
+#[derive(Debug, Default)]
+pub struct BackendLoad {
+    sessions: AtomicU64,
+    messages: AtomicU64,
+}
+
+impl BackendLoad {
+    /// Sessions open on this instance, over every edge's link.
+    pub fn sessions(&self) -> u64 {
+        self.sessions.load(Ordering::Relaxed)
+    }
+
+    /// Messages handled so far (each FORWARD once, refused or not).
+    pub fn messages(&self) -> u64 {
+        self.messages.load(Ordering::Relaxed)
+    }
+}
+
 /// A running backend instance.
 #[derive(Debug)]
 pub struct Backend {
     local: SocketAddr,
     epoch: Arc<AtomicU64>,
+    load: Arc<BackendLoad>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -256,8 +277,25 @@ impl Backend {
         let listener = TcpListener::bind(addr).await?;
         let local = listener.local_addr()?;
         let epoch = Arc::new(AtomicU64::new(0));
-        let task = tokio::spawn(serve(listener, config, service, epoch.clone()));
-        Ok(Self { local, epoch, task })
+        let load = Arc::new(BackendLoad::default());
+        let task = tokio::spawn(serve(
+            listener,
+            config,
+            service,
+            epoch.clone(),
+            load.clone(),
+        ));
+        Ok(Self {
+            local,
+            epoch,
+            load,
+            task,
+        })
+    }
+
+    /// This instance's load (sessions open, messages handled).
+    pub fn load(&self) -> &BackendLoad {
+        &self.load
     }
 
     /// The bound address.
@@ -278,12 +316,13 @@ impl Drop for Backend {
     }
 }
 
-/// Accepts links on `listener` forever.
+/// Accepts links on `listener` forever, counting the instance's load into `load`.
 pub async fn serve(
     listener: TcpListener,
     config: BackendConfig,
     service: Arc<dyn Service>,
     epoch: Arc<AtomicU64>,
+    load: Arc<BackendLoad>,
 ) {
     let instance: Arc<str> = config.instance_id.as_str().into();
     // Dropping (aborting) `serve` aborts every link it runs.
@@ -303,8 +342,9 @@ pub async fn serve(
         let config = config.clone();
         let instance = instance.clone();
         let epoch = epoch.clone();
+        let load = load.clone();
         links.spawn(async move {
-            if let Err(reason) = run_link(stream, &config, instance, service, epoch).await {
+            if let Err(reason) = run_link(stream, &config, instance, service, epoch, load).await {
                 tracing::info!(%peer, reason, "backend link ended");
             }
         });
@@ -317,6 +357,7 @@ async fn run_link(
     instance: Arc<str>,
     service: Arc<dyn Service>,
     epoch: Arc<AtomicU64>,
+    load: Arc<BackendLoad>,
 ) -> Result<(), &'static str> {
     // PUSH credit from the edge is applied by the link's reader itself, so a message handler
     // waiting for push credit never blocks the credit it waits for; and the reader's queue
@@ -394,8 +435,11 @@ async fn run_link(
                     }),
                 };
                 service.session_open(&session).await;
-                if let Some(old) = sessions.insert(handle, session) {
-                    service.session_closed(&old, CloseCode::Normal).await;
+                match sessions.insert(handle, session) {
+                    Some(old) => service.session_closed(&old, CloseCode::Normal).await,
+                    None => {
+                        load.sessions.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
             }
             LinkFrame::Forward {
@@ -442,6 +486,7 @@ async fn run_link(
                         })
                         .await;
                 }
+                load.messages.fetch_add(1, Ordering::Relaxed);
                 consumed += 1;
                 if consumed >= return_every {
                     let _ = io.tx.send(LinkFrame::Credit { credits: consumed }).await;
@@ -462,6 +507,7 @@ async fn run_link(
             }
             LinkFrame::SessionClose { handle, code } => {
                 if let Some(s) = sessions.remove(&handle) {
+                    load.sessions.fetch_sub(1, Ordering::Relaxed);
                     service.session_closed(&s, code).await;
                 }
             }
@@ -479,6 +525,8 @@ async fn run_link(
         }
     };
     link.push_credit.close();
+    load.sessions
+        .fetch_sub(sessions.len() as u64, Ordering::Relaxed);
     for (_, s) in sessions.drain() {
         service.session_closed(&s, CloseCode::GoingAway).await;
     }

@@ -3,3 +3,52 @@
 
 pub mod etcd;
 pub mod redis;
+
+use tokio::time::Instant;
+
+/// Messages per second from a growing total sampled now and then (sans-IO: the time comes
+/// in). The first sample gives 0; a total that went down (a restart) counts from there.
+#[derive(Debug, Default)]
+pub struct RateMeter {
+    last: Option<(Instant, u64)>,
+}
+
+impl RateMeter {
+    /// The rate since the previous sample (0 for the first).
+    pub fn observe(&mut self, now: Instant, total: u64) -> f64 {
+        let rate = match self.last {
+            Some((then, before)) if now > then => {
+                total.saturating_sub(before) as f64 / now.duration_since(then).as_secs_f64()
+            }
+            _ => 0.0,
+        };
+        self.last = Some((now, total));
+        rate
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RateMeter;
+    use std::time::Duration;
+    use tokio::time::Instant;
+
+    #[test]
+    fn the_rate_is_the_growth_over_the_time_between_samples() {
+        let t0 = Instant::now();
+        let mut m = RateMeter::default();
+        assert_eq!(m.observe(t0, 100), 0.0);
+        assert_eq!(m.observe(t0 + Duration::from_millis(500), 400), 600.0);
+        assert_eq!(
+            m.observe(t0 + Duration::from_millis(500), 900),
+            0.0,
+            "no time passed"
+        );
+        assert_eq!(
+            m.observe(t0 + Duration::from_secs(2), 50),
+            0.0,
+            "a reset counts from there"
+        );
+        assert_eq!(m.observe(t0 + Duration::from_secs(4), 250), 100.0);
+    }
+}

@@ -104,7 +104,7 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
                 let weak = Arc::downgrade(shared);
                 tasks.push(tokio::spawn(async move {
                     let mut tick = tokio::time::interval(every);
-                    let mut meter = RateMeter::default();
+                    let mut meter = crate::cluster::RateMeter::default();
                     loop {
                         tick.tick().await;
                         let Some(shared) = weak.upgrade() else { return };
@@ -218,50 +218,4 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
         }
     }));
     tasks
-}
-
-/// Messages per second from a growing total sampled now and then (sans-IO: the time comes
-/// in). The first sample gives 0; a total that went down (a restart) counts from there.
-#[derive(Debug, Default)]
-struct RateMeter {
-    last: Option<(Instant, u64)>,
-}
-
-impl RateMeter {
-    fn observe(&mut self, now: Instant, total: u64) -> f64 {
-        let rate = match self.last {
-            Some((then, before)) if now > then => {
-                total.saturating_sub(before) as f64 / now.duration_since(then).as_secs_f64()
-            }
-            _ => 0.0,
-        };
-        self.last = Some((now, total));
-        rate
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::RateMeter;
-    use std::time::Duration;
-    use tokio::time::Instant;
-
-    #[test]
-    fn the_rate_is_the_growth_over_the_time_between_samples() {
-        let t0 = Instant::now();
-        let mut m = RateMeter::default();
-        assert_eq!(m.observe(t0, 100), 0.0);
-        assert_eq!(m.observe(t0 + Duration::from_millis(500), 400), 600.0);
-        assert_eq!(
-            m.observe(t0 + Duration::from_millis(500), 900),
-            0.0,
-            "no time passed"
-        );
-        assert_eq!(
-            m.observe(t0 + Duration::from_secs(2), 50),
-            0.0,
-            "a reset counts from there"
-        );
-        assert_eq!(m.observe(t0 + Duration::from_secs(4), 250), 100.0);
-    }
 }
