@@ -9,6 +9,10 @@ use clap::{Parser, Subcommand};
 #[derive(Debug, Parser)]
 #[command(name = "waygate", version, about)]
 struct Cli {
+    /// Log lines as text or JSON (RUST_LOG filters them; debug events of sessions outside
+    /// `session.trace_sample_rate` are dropped).
+    #[arg(long, global = true, value_enum, default_value_t = waygate::logging::LogFormat::Text)]
+    log_format: waygate::logging::LogFormat,
     #[command(subcommand)]
     command: Command,
 }
@@ -164,24 +168,15 @@ fn load_config(path: Option<&std::path::Path>) -> Result<waygate_edge::config::E
     }
 }
 
-fn init_tracing(default: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_target(false)
-        .with_writer(std::io::stderr)
-        .try_init();
-}
-
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     // The demo prints its own progress; its edges log warnings only (RUST_LOG overrides).
-    init_tracing(if matches!(cli.command, Command::Demo { .. }) {
+    let default = if matches!(cli.command, Command::Demo { .. }) {
         "warn"
     } else {
         "info"
-    });
+    };
+    waygate::logging::init(default, cli.log_format, std::io::stderr);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -453,6 +453,11 @@ pub struct SessionLayer {
     /// Write-through to the warm tier (kill -9 durability, see [`WriteThrough`]); `None`
     /// (default): snapshots are written on detach only.
     pub write_through: Option<Arc<WriteThrough>>,
+    /// Share of sessions traced at debug level (their span's `sampled` field; the binary's
+    /// log filter drops debug and trace events of unsampled sessions). Default 1.0.
+    pub trace_sample_rate: f64,
+    /// Connections seen, for the sampling decision (an even spread, no RNG).
+    traced: AtomicU64,
 }
 
 /// Durable before visible: with a shared snapshot store, every batch of actions that
@@ -541,7 +546,20 @@ impl SessionLayer {
                     .unwrap_or(0)
             }),
             write_through: None,
+            trace_sample_rate: 1.0,
+            traced: AtomicU64::new(0),
         }
+    }
+
+    /// Whether the next session is traced at debug level: an even spread at
+    /// `trace_sample_rate` (Fibonacci hashing of a counter).
+    fn sample_next(&self) -> bool {
+        if self.trace_sample_rate >= 1.0 {
+            return true;
+        }
+        let n = self.traced.fetch_add(1, Ordering::Relaxed);
+        let spread = n.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 11;
+        (spread as f64) < self.trace_sample_rate * (1u64 << 53) as f64
     }
 
     /// Spawns the task for one accepted connection.
@@ -594,6 +612,7 @@ pub async fn run_session(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndRea
         "session",
         conn = %conn.info().id,
         transport = %conn.info().kind,
+        sampled = edge.sample_next(),
         session = tracing::field::Empty,
         player = tracing::field::Empty,
     );
@@ -1110,6 +1129,27 @@ impl Task {
                     })
                     .await;
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `trace_sample_rate` picks an even share of sessions (deterministically, no RNG).
+    #[test]
+    fn trace_sampling_picks_its_share_of_sessions() {
+        let (mut layer, _) = crate::testkit::echo_edge("e", SessionConfig::default());
+        assert!((0..100).all(|_| layer.sample_next()), "1.0: every session");
+        for rate in [0.0, 0.01, 0.25, 0.5] {
+            layer.trace_sample_rate = rate;
+            let picked = (0..100_000).filter(|_| layer.sample_next()).count() as f64;
+            let want = rate * 100_000.0;
+            assert!(
+                (picked - want).abs() <= 100_000.0 * 0.005,
+                "rate {rate}: {picked}"
+            );
         }
     }
 }

@@ -172,6 +172,9 @@ pub struct SessionSettings {
     pub replay_max_bytes: usize,
     /// Capacity of each session's downstream queue (messages).
     pub outbound_capacity: usize,
+    /// Share of sessions whose debug and trace events are logged (0.0 to 1.0; a session's
+    /// info, warnings and errors always are), O2.
+    pub trace_sample_rate: f64,
 }
 
 impl Default for SessionSettings {
@@ -183,6 +186,7 @@ impl Default for SessionSettings {
             replay_max_messages: 1024,
             replay_max_bytes: 1024 * 1024,
             outbound_capacity: 1024,
+            trace_sample_rate: 1.0,
         }
     }
 }
@@ -694,6 +698,12 @@ impl EdgeConfig {
             return Err(ConfigError::Invalid {
                 key: "routing.migration_rate",
                 message: "must be a positive number".into(),
+            });
+        }
+        if !(0.0..=1.0).contains(&self.session.trace_sample_rate) {
+            return Err(ConfigError::Invalid {
+                key: "session.trace_sample_rate",
+                message: "must be between 0.0 and 1.0".into(),
             });
         }
         if self.session.replay_max_messages == 0 || self.session.outbound_capacity == 0 {

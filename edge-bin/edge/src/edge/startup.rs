@@ -234,6 +234,7 @@ impl Edge {
             Arc::new(EdgeUpstream(Arc::downgrade(&shared))),
         );
         session_layer.outbound_capacity = s.outbound_capacity;
+        session_layer.trace_sample_rate = s.trace_sample_rate;
         session_layer.inbound = Some(inbound_limits(&shared.config.backpressure));
         session_layer.send_deadline =
             Duration::from_millis(shared.config.backpressure.send_deadline_ms);
