@@ -151,4 +151,16 @@ async fn a_real_prometheus_scrapes_the_edge_and_answers_promql() {
     assert_eq!(first_value(&sessions), Some(6.0), "{sessions}");
     let restored = query(prom, "sum(waygate_session_restored_total)").await;
     assert_eq!(first_value(&restored), Some(1.0), "{restored}");
+    // Route-plane gauges (O1): every session is open on a backend instance; no move queued.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let per_backend = query(prom, "sum(waygate_backend_sessions)").await;
+        if first_value(&per_backend) == Some(6.0) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{per_backend}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let pending = query(prom, "sum(waygate_migrations_pending)").await;
+    assert_eq!(first_value(&pending), Some(0.0), "{pending}");
 }

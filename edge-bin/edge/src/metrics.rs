@@ -97,6 +97,12 @@ pub struct EdgeMetrics {
     pub overload_shed: Counter,
     /// Accept loops restarted after a panic, per transport.
     pub accept_loop_restarts: Family<TransportLabel, Counter>,
+    /// Sessions of this edge opened on each backend instance (by link address).
+    pub backend_sessions: Family<BackendLabel, Gauge>,
+    /// Binding moves queued and not yet carried out (R4).
+    pub migrations_pending: Gauge,
+    /// Share of this edge's bound keys the last table change queued for a move.
+    pub route_keys_moved_ratio: Gauge<f64, AtomicU64>,
 }
 
 impl Default for EdgeMetrics {
@@ -214,6 +220,9 @@ impl EdgeMetrics {
             admission_refused: Counter::default(),
             overload_shed: Counter::default(),
             accept_loop_restarts: Family::default(),
+            backend_sessions: Family::default(),
+            migrations_pending: Gauge::default(),
+            route_keys_moved_ratio: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -291,6 +300,21 @@ impl EdgeMetrics {
             "admission_refused",
             "Connections refused by admission control",
             m.admission_refused.clone(),
+        );
+        registry.register(
+            "backend_sessions",
+            "Sessions of this edge opened on each backend instance",
+            m.backend_sessions.clone(),
+        );
+        registry.register(
+            "migrations_pending",
+            "Binding moves queued and not yet carried out",
+            m.migrations_pending.clone(),
+        );
+        registry.register(
+            "route_keys_moved_ratio",
+            "Share of bound keys the last route table change queued for a move",
+            m.route_keys_moved_ratio.clone(),
         );
         registry.register(
             "accept_loop_restarts",

@@ -28,6 +28,13 @@ pub(super) fn apply_latest(shared: &Shared) {
             shared.epoch.store(table.epoch, Ordering::Release);
             shared.metrics.route_epoch.set(table.epoch as i64);
             shared.learn_instances();
+            let bound = shared
+                .router
+                .lock()
+                .map(|r| r.bindings().len())
+                .unwrap_or(0);
+            let moved = report.queued_migrations as f64 / bound.max(1) as f64;
+            shared.metrics.route_keys_moved_ratio.set(moved.min(1.0));
             tracing::info!(epoch = table.epoch, ?report, "route table applied");
         }
         Err(e) => tracing::warn!(error = %e, "route table refused"),
@@ -36,6 +43,7 @@ pub(super) fn apply_latest(shared: &Shared) {
 
 pub(super) async fn route_loop(shared: Weak<Shared>) {
     let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut ticks = 0u64;
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut watch = shared
         .upgrade()
@@ -62,6 +70,10 @@ pub(super) async fn route_loop(shared: Weak<Shared>) {
                 .staleness(now_std())
                 .map_or(f64::INFINITY, |d| d.as_secs_f64());
             shared.metrics.route_staleness_seconds.set(staleness);
+        }
+        ticks += 1;
+        if ticks % 10 == 1 {
+            shared.publish_backend_sessions();
         }
         // Link credits (B4) as the operator sees them.
         if let Ok(links) = shared.links.lock() {
@@ -145,6 +157,38 @@ pub(super) async fn route_loop(shared: Weak<Shared>) {
                     }
                 }
             }
+        }
+    }
+}
+
+impl Shared {
+    /// Gauges of the route plane (O1), once a second: sessions per backend instance (from
+    /// the session table) and binding moves in flight.
+    fn publish_backend_sessions(&self) {
+        let mut per_backend: std::collections::HashMap<SocketAddr, i64> =
+            std::collections::HashMap::new();
+        if let Ok(e) = self.entries.lock() {
+            for entry in e.by_id.values() {
+                for addr in entry.links.iter() {
+                    *per_backend.entry(*addr).or_default() += 1;
+                }
+            }
+        }
+        let known: Vec<SocketAddr> = self
+            .links
+            .lock()
+            .map(|l| l.keys().copied().collect())
+            .unwrap_or_default();
+        for addr in known {
+            let label = crate::metrics::BackendLabel {
+                backend: addr.to_string(),
+            };
+            let n = per_backend.get(&addr).copied().unwrap_or(0);
+            self.metrics.backend_sessions.get_or_create(&label).set(n);
+        }
+        if let Ok(router) = self.router.lock() {
+            let pending = i64::try_from(router.pending_migrations()).unwrap_or(i64::MAX);
+            self.metrics.migrations_pending.set(pending);
         }
     }
 }
