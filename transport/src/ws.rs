@@ -178,6 +178,18 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Connection for WsConnec
                         .fail(err, "message exceeds the maximum frame size")
                         .await);
                 }
+                Some(Err(WsError::Utf8(_))) => {
+                    // A text message that is not even UTF-8: WebSocket's own answer is 1007
+                    // (RFC 6455 7.4.1), after the waygate CLOSE for a text message.
+                    let err = TransportError::Violation("text message with invalid UTF-8");
+                    self.close_as(
+                        CloseCode::TextMessage,
+                        WsCloseCode::Invalid,
+                        "invalid UTF-8 in a text message",
+                    )
+                    .await;
+                    return Err(err);
+                }
                 Some(Err(WsError::Protocol(p))) => {
                     tracing::debug!(conn = %self.info.id, error = %p, "websocket protocol error");
                     let err = TransportError::Violation("websocket protocol error");
@@ -192,14 +204,6 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Connection for WsConnec
     }
 
     async fn close(&mut self, code: CloseCode, message: &str) {
-        if self.closed {
-            return;
-        }
-        self.closed = true;
-        let frame = Frame::Close {
-            code,
-            message: message.chars().take(200).collect(),
-        };
         let ws_code = match code {
             CloseCode::Normal => WsCloseCode::Normal,
             CloseCode::GoingAway => WsCloseCode::Away,
@@ -208,6 +212,21 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Connection for WsConnec
             CloseCode::ProtocolError => WsCloseCode::Protocol,
             // 4000-4999 are for applications: 4000 + the waygate code's last three digits.
             other => WsCloseCode::from(4000 + other.to_u16() % 1000),
+        };
+        self.close_as(code, ws_code, message).await;
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> WsConnection<S> {
+    /// Sends the waygate CLOSE with `code`, then the WebSocket close with `ws_code`.
+    async fn close_as(&mut self, code: CloseCode, ws_code: WsCloseCode, message: &str) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        let frame = Frame::Close {
+            code,
+            message: message.chars().take(200).collect(),
         };
         let _ = tokio::time::timeout(CLOSE_FLUSH, async {
             let _ = self.ws.send(Message::Binary(frame.to_bytes())).await;

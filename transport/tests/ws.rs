@@ -143,6 +143,45 @@ async fn bad_input_closes_only_that_connection() {
         // The server closed the connection (EOF reached within the timeout).
     }
 
+    // A text message that is not UTF-8: the WebSocket close says 1007 (RFC 6455 7.4.1).
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let req = format!(
+            "GET / HTTP/1.1\r\nHost: {addr}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+             Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        );
+        sock.write_all(req.as_bytes()).await.unwrap();
+        let mut head = vec![0u8; 1024];
+        let n = common::timeout(sock.read(&mut head)).await.unwrap();
+        assert!(String::from_utf8_lossy(&head[..n]).starts_with("HTTP/1.1 101"));
+        // FIN + text, MASK + length 2, mask key 0, payload C3 28 (an invalid UTF-8 pair).
+        sock.write_all(&[0x81, 0x82, 0, 0, 0, 0, 0xC3, 0x28])
+            .await
+            .unwrap();
+        let mut rest = Vec::new();
+        let _ = common::timeout(sock.read_to_end(&mut rest)).await;
+        // Walk the server's (unmasked) frames to its close frame.
+        let mut status = None;
+        let mut i = 0;
+        while i + 2 <= rest.len() {
+            let (opcode, len) = (rest[i] & 0x0f, usize::from(rest[i + 1] & 0x7f));
+            let (start, len) = match len {
+                126 if i + 4 <= rest.len() => (
+                    i + 4,
+                    usize::from(u16::from_be_bytes([rest[i + 2], rest[i + 3]])),
+                ),
+                126 | 127 => break,
+                n => (i + 2, n),
+            };
+            if opcode == 0x8 && len >= 2 && start + 2 <= rest.len() {
+                status = Some(u16::from_be_bytes([rest[start], rest[start + 1]]));
+            }
+            i = start + len;
+        }
+        assert_eq!(status, Some(1007), "server frames: {rest:?}");
+    }
+
     // A broken upgrade request.
     {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
