@@ -113,6 +113,10 @@ pub struct ConnConfig {
     pub handshake_timeout: Duration,
     /// Admission control for listeners (B1); `None` admits everything.
     pub admission: Option<std::sync::Arc<dyn crate::listener::AdmissionGate>>,
+    /// WebSocket listeners: the `Origin` values a browser's upgrade may carry (exact,
+    /// case-insensitive); a request without `Origin` (a native client) is always accepted.
+    /// Empty: any origin.
+    pub allowed_origins: std::sync::Arc<[String]>,
 }
 
 impl Default for ConnConfig {
@@ -122,6 +126,7 @@ impl Default for ConnConfig {
             idle_timeout: Some(Duration::from_secs(30)),
             handshake_timeout: Duration::from_secs(10),
             admission: None,
+            allowed_origins: std::sync::Arc::new([]),
         }
     }
 }

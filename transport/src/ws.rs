@@ -311,6 +311,25 @@ pub async fn listen(
     ))
 }
 
+/// Refuses (HTTP 403) an upgrade whose `Origin` is not allowed (a page on another site);
+/// no `Origin` (a native client) or an empty list passes.
+#[allow(clippy::result_large_err)]
+fn check_origin(allowed: &[String], request: &Request) -> Result<(), ErrorResponse> {
+    if allowed.is_empty() {
+        return Ok(());
+    }
+    let Some(origin) = request.headers().get("origin") else {
+        return Ok(());
+    };
+    let origin = origin.to_str().unwrap_or("");
+    if allowed.iter().any(|a| a.eq_ignore_ascii_case(origin)) {
+        return Ok(());
+    }
+    let mut refusal = ErrorResponse::new(Some("origin not allowed".into()));
+    *refusal.status_mut() = tokio_tungstenite::tungstenite::http::StatusCode::FORBIDDEN;
+    Err(refusal)
+}
+
 /// Echoes our subprotocol when the client offers it.
 #[allow(clippy::result_large_err)]
 fn negotiate(request: &Request, mut response: Response) -> Result<Response, ErrorResponse> {
@@ -336,9 +355,14 @@ async fn upgrade<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     info: ConnInfo,
     config: &ConnConfig,
 ) -> Result<BoxConnection, TransportError> {
+    let origins = config.allowed_origins.clone();
+    let callback = move |request: &Request, response: Response| {
+        check_origin(&origins, request)?;
+        negotiate(request, response)
+    };
     let ws = tokio_tungstenite::accept_hdr_async_with_config(
         stream,
-        negotiate,
+        callback,
         Some(ws_config(config.max_frame_size)),
     )
     .await

@@ -200,3 +200,31 @@ async fn bad_input_closes_only_that_connection() {
         .unwrap();
     common::exchange(&mut conn, 0, 10, MAX).await;
 }
+
+/// Origin allow-list (hardening issue, item 9): a browser page from another site cannot
+/// open a session; the listed origin and native clients (no Origin) can.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_origin_is_refused_at_the_upgrade() {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let mut cfg = config();
+    cfg.allowed_origins = vec!["https://play.example.com".to_string()].into();
+    let listener = ws::listen("127.0.0.1:0".parse().unwrap(), None, cfg)
+        .await
+        .unwrap();
+    let addr = listener.local_addr();
+    let _server = common::spawn_echo_server(Box::new(listener));
+    let attempt = |origin: Option<&'static str>| async move {
+        let mut request = format!("ws://{addr}/").into_client_request().unwrap();
+        if let Some(o) = origin {
+            request.headers_mut().insert("origin", o.parse().unwrap());
+        }
+        match tokio_tungstenite::connect_async(request).await {
+            Ok(_) => Ok(()),
+            Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => Err(resp.status().as_u16()),
+            Err(e) => panic!("{e}"),
+        }
+    };
+    assert_eq!(attempt(Some("https://evil.example")).await, Err(403));
+    assert_eq!(attempt(Some("https://PLAY.example.com")).await, Ok(()));
+    assert_eq!(attempt(None).await, Ok(()), "native clients send no Origin");
+}

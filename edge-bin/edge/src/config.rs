@@ -82,6 +82,10 @@ pub struct ListenersConfig {
     pub quic: ListenerConfig,
     /// KCP over UDP.
     pub kcp: ListenerConfig,
+    /// ws and wss: the `Origin` values a browser's upgrade may carry, e.g.
+    /// `["https://play.example.com"]` (exact, case-insensitive; HTTP 403 otherwise). A
+    /// request without `Origin` (a native client) is always accepted. Empty: any origin.
+    pub ws_allowed_origins: Vec<String>,
 }
 
 impl Default for ListenersConfig {
@@ -93,6 +97,7 @@ impl Default for ListenersConfig {
             wss: ListenerConfig::on("127.0.0.1:7443"),
             quic: ListenerConfig::on("127.0.0.1:7444"),
             kcp: ListenerConfig::on("127.0.0.1:7100"),
+            ws_allowed_origins: Vec::new(),
         }
     }
 }
@@ -557,6 +562,7 @@ impl EdgeConfig {
                 self.limits.idle_timeout_ms,
             )),
             handshake_timeout: std::time::Duration::from_millis(self.limits.handshake_timeout_ms),
+            allowed_origins: self.listeners.ws_allowed_origins.clone().into(),
             ..Default::default()
         }
     }
