@@ -356,6 +356,8 @@ async fn upgrade<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     config: &ConnConfig,
 ) -> Result<BoxConnection, TransportError> {
     let origins = config.allowed_origins.clone();
+    // tungstenite's callback type fixes the error type (an HTTP response).
+    #[allow(clippy::result_large_err)]
     let callback = move |request: &Request, response: Response| {
         check_origin(&origins, request)?;
         negotiate(request, response)
