@@ -13,13 +13,12 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use waygate_backend::demo::{DemoService, ECHO, ECHO_REPLY};
-use waygate_backend::{Backend, BackendConfig};
+use waygate_backend::demo::{ECHO, ECHO_REPLY};
+use waygate_backend::Backend;
 use waygate_client::{Client, ClientOptions, Event};
 use waygate_edge::config::EdgeConfig;
 use waygate_edge::edge::Edge;
@@ -30,21 +29,7 @@ use waygate_transport::endpoint::Endpoint;
 use waygate_transport::{CloseCode, Frame, TrafficClass, TransportKind};
 
 async fn edge_with(tune: impl FnOnce(&mut EdgeConfig)) -> (Edge, Backend, tempfile::TempDir) {
-    let backend = Backend::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        BackendConfig::new("b1"),
-        Arc::new(DemoService::new()),
-    )
-    .await
-    .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let routes = dir.path().join("routes.toml");
-    std::fs::write(&routes, common::table(&[backend.local_addr()], 1, None)).unwrap();
-    let mut config = EdgeConfig::default();
-    config.use_ephemeral_ports();
-    config.routing.table = Some(routes);
-    tune(&mut config);
-    (Edge::start(config).await.unwrap(), backend, dir)
+    common::demo_edge(tune).await
 }
 
 fn client(edge: &Edge, kind: TransportKind, player: &str) -> Client {

@@ -12,21 +12,13 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine as _;
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use ring::signature::{Ed25519KeyPair, KeyPair};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use waygate_backend::demo::DemoService;
-use waygate_backend::{Backend, BackendConfig};
-use waygate_edge::config::{AuthKind, EdgeConfig};
-use waygate_edge::edge::Edge;
-use waygate_protocol::codec::StreamCodec;
-use waygate_protocol::frame::Hello;
-use waygate_protocol::wire::PROTOCOL_VERSION;
+use waygate_edge::config::AuthKind;
 use waygate_transport::{CloseCode, Frame, TransportKind};
 
 fn b64(bytes: &[u8]) -> String {
@@ -90,31 +82,6 @@ fn hs_token(kid: &str, claims: &serde_json::Value) -> Bytes {
     Bytes::from(t)
 }
 
-/// HELLO with `token` on raw TCP; the first frame the edge answers with.
-async fn hello(addr: std::net::SocketAddr, token: Bytes) -> Frame {
-    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let codec = StreamCodec::new(65536);
-    let mut out = BytesMut::new();
-    let hello = Frame::Hello(Hello {
-        version: PROTOCOL_VERSION,
-        token,
-        resume: None,
-    });
-    codec.encode(&hello, &mut out).unwrap();
-    sock.write_all(&out).await.unwrap();
-    let mut buf = BytesMut::new();
-    tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            if let Some(f) = codec.decode(&mut buf).unwrap() {
-                return f;
-            }
-            assert!(sock.read_buf(&mut buf).await.unwrap() > 0, "answer");
-        }
-    })
-    .await
-    .expect("an answer in time")
-}
-
 fn reject_code(f: &Frame) -> Option<CloseCode> {
     match f {
         Frame::Reject(r) => Some(r.code),
@@ -124,45 +91,35 @@ fn reject_code(f: &Frame) -> Option<CloseCode> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_edge_verifies_jwts_from_a_jwks_file_and_follows_its_rotation() {
-    let backend = Backend::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        BackendConfig::new("b1"),
-        Arc::new(DemoService::new()),
-    )
-    .await
-    .unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let routes = dir.path().join("routes.toml");
-    std::fs::write(&routes, common::table(&[backend.local_addr()], 1, None)).unwrap();
     let ed1 = ed_key();
     let jwks_path = dir.path().join("jwks.json");
     std::fs::write(&jwks_path, jwks(&[("ed1", &ed1)], true)).unwrap();
-    let mut config = EdgeConfig::default();
-    config.use_ephemeral_ports();
-    config.routing.table = Some(routes);
-    config.auth.kind = AuthKind::Jwt;
-    config.auth.jwt.jwks_file = Some(jwks_path.clone());
-    config.auth.jwt.audiences = vec!["waygate".into()];
-    config.auth.issuers = vec!["login.example".into()];
-    config.auth.leeway_secs = 5;
-    let edge = Edge::start(config).await.unwrap();
+    let (edge, _backend, _routes) = common::demo_edge(|config| {
+        config.auth.kind = AuthKind::Jwt;
+        config.auth.jwt.jwks_file = Some(jwks_path.clone());
+        config.auth.jwt.audiences = vec!["waygate".into()];
+        config.auth.issuers = vec!["login.example".into()];
+        config.auth.leeway_secs = 5;
+    })
+    .await;
     let tcp = edge.addrs[&TransportKind::Tcp];
     let registry = edge.registry();
     let later = now() + 600;
 
     // EdDSA and HS256 tokens from the JWKS: welcome, as the `sub` player.
-    let f = hello(
+    let f = common::raw_hello(
         tcp,
         ed_token("ed1", &ed1, &claims("jwt-alice", "waygate", later)),
     )
     .await;
     assert!(matches!(f, Frame::Welcome(_)), "{f:?}");
     assert!(registry.session_of("jwt-alice").is_some());
-    let f = hello(tcp, hs_token("hs1", &claims("jwt-bob", "waygate", later))).await;
+    let f = common::raw_hello(tcp, hs_token("hs1", &claims("jwt-bob", "waygate", later))).await;
     assert!(matches!(f, Frame::Welcome(_)), "{f:?}");
     // Checked: audience, issuer, expiry (on the edge's clock, with the leeway), signature,
     // and the key decides the algorithm (an HS256 token naming the EdDSA key is refused).
-    let f = hello(
+    let f = common::raw_hello(
         tcp,
         ed_token("ed1", &ed1, &claims("p", "someone-else", later)),
     )
@@ -170,24 +127,24 @@ async fn an_edge_verifies_jwts_from_a_jwks_file_and_follows_its_rotation() {
     assert_eq!(reject_code(&f), Some(CloseCode::AuthRejected), "{f:?}");
     let mut wrong_iss = claims("p", "waygate", later);
     wrong_iss["iss"] = "mallory".into();
-    let f = hello(tcp, ed_token("ed1", &ed1, &wrong_iss)).await;
+    let f = common::raw_hello(tcp, ed_token("ed1", &ed1, &wrong_iss)).await;
     assert_eq!(reject_code(&f), Some(CloseCode::AuthRejected), "{f:?}");
-    let f = hello(
+    let f = common::raw_hello(
         tcp,
         ed_token("ed1", &ed1, &claims("p", "waygate", now() - 60)),
     )
     .await;
     assert_eq!(reject_code(&f), Some(CloseCode::AuthExpired), "{f:?}");
     let forged = ed_key();
-    let f = hello(
+    let f = common::raw_hello(
         tcp,
         ed_token("ed1", &forged, &claims("p", "waygate", later)),
     )
     .await;
     assert_eq!(reject_code(&f), Some(CloseCode::AuthBadSignature), "{f:?}");
-    let f = hello(tcp, hs_token("ed1", &claims("p", "waygate", later))).await;
+    let f = common::raw_hello(tcp, hs_token("ed1", &claims("p", "waygate", later))).await;
     assert_eq!(reject_code(&f), Some(CloseCode::AuthBadSignature), "{f:?}");
-    let f = hello(tcp, Bytes::from_static(b"not a jwt")).await;
+    let f = common::raw_hello(tcp, Bytes::from_static(b"not a jwt")).await;
     assert_eq!(reject_code(&f), Some(CloseCode::AuthMalformed), "{f:?}");
 
     // Rotation: the file now holds ed2 only; no restart.
@@ -195,7 +152,7 @@ async fn an_edge_verifies_jwts_from_a_jwks_file_and_follows_its_rotation() {
     std::fs::write(&jwks_path, jwks(&[("ed2", &ed2)], false)).unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let f = hello(
+        let f = common::raw_hello(
             tcp,
             ed_token("ed2", &ed2, &claims("jwt-carol", "waygate", later)),
         )
@@ -209,7 +166,7 @@ async fn an_edge_verifies_jwts_from_a_jwks_file_and_follows_its_rotation() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let f = hello(tcp, ed_token("ed1", &ed1, &claims("p", "waygate", later))).await;
+    let f = common::raw_hello(tcp, ed_token("ed1", &ed1, &claims("p", "waygate", later))).await;
     assert_eq!(
         reject_code(&f),
         Some(CloseCode::AuthUnknownKey),

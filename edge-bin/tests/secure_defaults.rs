@@ -15,12 +15,7 @@ mod common;
 use std::process::Stdio;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
 use common::{EdgeProc, BIN};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use waygate_protocol::codec::StreamCodec;
-use waygate_protocol::frame::Hello;
-use waygate_protocol::wire::PROTOCOL_VERSION;
 use waygate_transport::{CloseCode, Frame, TransportKind};
 
 async fn output(args: &[&str]) -> std::process::Output {
@@ -36,31 +31,6 @@ async fn output(args: &[&str]) -> std::process::Output {
         .await
         .expect("the command ends by itself")
         .unwrap()
-}
-
-/// HELLO with `token` on raw TCP; the first frame the edge answers with.
-async fn hello(addr: std::net::SocketAddr, token: Bytes) -> Frame {
-    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let codec = StreamCodec::new(65536);
-    let mut out = BytesMut::new();
-    let hello = Frame::Hello(Hello {
-        version: PROTOCOL_VERSION,
-        token,
-        resume: None,
-    });
-    codec.encode(&hello, &mut out).unwrap();
-    sock.write_all(&out).await.unwrap();
-    let mut buf = BytesMut::new();
-    tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            if let Some(f) = codec.decode(&mut buf).unwrap() {
-                return f;
-            }
-            assert!(sock.read_buf(&mut buf).await.unwrap() > 0, "answer");
-        }
-    })
-    .await
-    .expect("an answer in time")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -99,7 +69,7 @@ async fn an_edge_with_its_own_key_refuses_dev_key_tokens_and_accepts_its_own() {
     let tcp = edge.addr(TransportKind::Tcp);
 
     // A token signed with the public development key: refused.
-    match hello(tcp, common::token("mallory")).await {
+    match common::raw_hello(tcp, common::token("mallory")).await {
         Frame::Reject(r) => assert_eq!(r.code, CloseCode::AuthUnknownKey, "{r:?}"),
         other => panic!("dev-key token not refused: {other:?}"),
     }
@@ -116,5 +86,8 @@ async fn an_edge_with_its_own_key_refuses_dev_key_tokens_and_accepts_its_own() {
     assert!(minted.status.success());
     let token = String::from_utf8(minted.stdout).unwrap();
     let raw = waygate_session::auth::token_from_base64url(token.trim()).unwrap();
-    assert!(matches!(hello(tcp, raw).await, Frame::Welcome(_)));
+    assert!(matches!(
+        common::raw_hello(tcp, raw).await,
+        Frame::Welcome(_)
+    ));
 }

@@ -210,48 +210,6 @@ async fn connections_open_counts_connections_and_lingering_sessions_apart() {
     }
 }
 
-/// An edge with one demo backend and `tune`d settings (the cluster harness uses defaults).
-async fn tuned_edge(
-    tune: impl FnOnce(&mut waygate_edge::config::EdgeConfig),
-) -> (
-    waygate_edge::edge::Edge,
-    waygate_backend::Backend,
-    tempfile::TempDir,
-) {
-    edge_over(
-        std::sync::Arc::new(waygate_backend::demo::DemoService::new()),
-        tune,
-    )
-    .await
-}
-
-/// An edge whose one backend (both demo services' instance) runs `service`.
-async fn edge_over(
-    service: std::sync::Arc<dyn waygate_backend::Service>,
-    tune: impl FnOnce(&mut waygate_edge::config::EdgeConfig),
-) -> (
-    waygate_edge::edge::Edge,
-    waygate_backend::Backend,
-    tempfile::TempDir,
-) {
-    let backend = waygate_backend::Backend::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        waygate_backend::BackendConfig::new("b1"),
-        service,
-    )
-    .await
-    .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let routes = dir.path().join("routes.toml");
-    std::fs::write(&routes, common::table(&[backend.local_addr()], 1, None)).unwrap();
-    let mut config = waygate_edge::config::EdgeConfig::default();
-    config.use_ephemeral_ports();
-    config.routing.table = Some(routes);
-    tune(&mut config);
-    let edge = waygate_edge::edge::Edge::start(config).await.unwrap();
-    (edge, backend, dir)
-}
-
 /// Defect 3 (session-host issue): backend pushes into a full session queue were dropped and
 /// only counted (no seq, no gap). A client that stops reading while its echoes pour in now
 /// either gets every reply exactly once after it resumes, or is told explicitly that it
@@ -265,7 +223,7 @@ async fn a_full_session_queue_never_loses_a_reply_silently() {
     use waygate_protocol::frame::Data;
     use waygate_transport::TrafficClass;
 
-    let (edge, _backend, _dir) = tuned_edge(|c| {
+    let (edge, _backend, _dir) = common::demo_edge(|c| {
         c.session.outbound_capacity = 8;
         c.session.replay_max_bytes = 64 << 20;
         c.session.replay_max_messages = 4096;
@@ -420,7 +378,7 @@ async fn a_refusal_that_arrives_while_the_client_is_away_follows_its_resume() {
     use waygate_protocol::frame::Data;
     use waygate_transport::{CloseCode, TrafficClass};
 
-    let (edge, _backend, _dir) = edge_over(std::sync::Arc::new(SlowRefuser), |_| {}).await;
+    let (edge, _backend, _dir) = common::edge_over(std::sync::Arc::new(SlowRefuser), |_| {}).await;
     let endpoint = waygate_transport::endpoint::Endpoint::new(
         TransportKind::Tcp,
         edge.addrs[&TransportKind::Tcp],

@@ -97,6 +97,21 @@ async fn raw_send_and_read_close(addr: SocketAddr, msg: Message) -> Option<Close
     code
 }
 
+/// A raw TCP connection upgraded to WebSocket by hand (no client library in the way).
+async fn raw_upgrade(addr: SocketAddr) -> tokio::net::TcpStream {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "GET / HTTP/1.1\r\nHost: {addr}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+         Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    );
+    sock.write_all(req.as_bytes()).await.unwrap();
+    let mut head = vec![0u8; 1024];
+    let n = common::timeout(sock.read(&mut head)).await.unwrap();
+    assert!(String::from_utf8_lossy(&head[..n]).starts_with("HTTP/1.1 101"));
+    sock
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_closes_only_that_connection() {
     let (addr, _server) = ws_echo().await;
@@ -124,15 +139,7 @@ async fn bad_input_closes_only_that_connection() {
     // from the header, before any allocation.
     {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let req = format!(
-            "GET / HTTP/1.1\r\nHost: {addr}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
-             Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
-        );
-        sock.write_all(req.as_bytes()).await.unwrap();
-        let mut head = vec![0u8; 1024];
-        let n = common::timeout(sock.read(&mut head)).await.unwrap();
-        assert!(String::from_utf8_lossy(&head[..n]).starts_with("HTTP/1.1 101"));
+        let mut sock = raw_upgrade(addr).await;
         // FIN + binary, MASK + 127 (64-bit length), length 100 MiB, mask key.
         let mut hdr = vec![0x82, 0xFF];
         hdr.extend_from_slice(&(100u64 * 1024 * 1024).to_be_bytes());
@@ -146,15 +153,7 @@ async fn bad_input_closes_only_that_connection() {
     // A text message that is not UTF-8: the WebSocket close says 1007 (RFC 6455 7.4.1).
     {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let req = format!(
-            "GET / HTTP/1.1\r\nHost: {addr}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
-             Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
-        );
-        sock.write_all(req.as_bytes()).await.unwrap();
-        let mut head = vec![0u8; 1024];
-        let n = common::timeout(sock.read(&mut head)).await.unwrap();
-        assert!(String::from_utf8_lossy(&head[..n]).starts_with("HTTP/1.1 101"));
+        let mut sock = raw_upgrade(addr).await;
         // FIN + text, MASK + length 2, mask key 0, payload C3 28 (an invalid UTF-8 pair).
         sock.write_all(&[0x81, 0x82, 0, 0, 0, 0, 0xC3, 0x28])
             .await

@@ -289,3 +289,74 @@ pub async fn echo(client: &mut Client, tag: &str) -> Result<String, waygate_tran
         _ => unreachable!(),
     }
 }
+
+/// An in-process edge with one backend running `service` (the demo route table over it)
+/// and `tune`d settings; keep the directory alive as long as the edge.
+pub async fn edge_over(
+    service: std::sync::Arc<dyn waygate_backend::Service>,
+    tune: impl FnOnce(&mut waygate_edge::config::EdgeConfig),
+) -> (
+    waygate_edge::edge::Edge,
+    waygate_backend::Backend,
+    tempfile::TempDir,
+) {
+    let backend = waygate_backend::Backend::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        waygate_backend::BackendConfig::new("b1"),
+        service,
+    )
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let routes = dir.path().join("routes.toml");
+    std::fs::write(&routes, table(&[backend.local_addr()], 1, None)).unwrap();
+    let mut config = waygate_edge::config::EdgeConfig::default();
+    config.use_ephemeral_ports();
+    config.routing.table = Some(routes);
+    tune(&mut config);
+    let edge = waygate_edge::edge::Edge::start(config).await.unwrap();
+    (edge, backend, dir)
+}
+
+/// As [`edge_over`] with the demo game.
+pub async fn demo_edge(
+    tune: impl FnOnce(&mut waygate_edge::config::EdgeConfig),
+) -> (
+    waygate_edge::edge::Edge,
+    waygate_backend::Backend,
+    tempfile::TempDir,
+) {
+    edge_over(
+        std::sync::Arc::new(waygate_backend::demo::DemoService::new()),
+        tune,
+    )
+    .await
+}
+
+/// Raw TCP: HELLO with `token` (no resume); the first frame the edge answers with.
+pub async fn raw_hello(addr: SocketAddr, token: Bytes) -> waygate_transport::Frame {
+    use bytes::BytesMut;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use waygate_protocol::codec::StreamCodec;
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let codec = StreamCodec::new(65536);
+    let mut out = BytesMut::new();
+    let hello = waygate_transport::Frame::Hello(waygate_protocol::frame::Hello {
+        version: waygate_protocol::wire::PROTOCOL_VERSION,
+        token,
+        resume: None,
+    });
+    codec.encode(&hello, &mut out).unwrap();
+    sock.write_all(&out).await.unwrap();
+    let mut buf = BytesMut::new();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if let Some(f) = codec.decode(&mut buf).unwrap() {
+                return f;
+            }
+            assert!(sock.read_buf(&mut buf).await.unwrap() > 0, "an answer");
+        }
+    })
+    .await
+    .expect("an answer in time")
+}
