@@ -47,6 +47,16 @@ async fn a_busy_edge_passes_promtool_check_metrics() {
     let (status, body) = common::http(admin, "GET", "/metrics").await;
     assert_eq!(status, 200);
     assert!(body.contains("waygate_session_transition_total{"), "{body}");
+    // Listener statistics (O1): TLS handshakes and the KCP endpoint's cookie exchange.
+    assert!(
+        body.contains("waygate_listener_handshake_failed_total{transport=\"tls\"} "),
+        "{body}"
+    );
+    let cookies = body
+        .lines()
+        .find_map(|l| l.strip_prefix("waygate_kcp_cookies_sent_total "))
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    assert!(cookies >= Some(1), "the KCP client got a cookie: {body}");
     let mut promtool = tokio::process::Command::new("promtool")
         .args(["check", "metrics"])
         .stdin(Stdio::piped())

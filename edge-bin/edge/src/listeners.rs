@@ -18,6 +18,13 @@ pub struct BoundListeners {
     pub addrs: BTreeMap<TransportKind, SocketAddr>,
     /// The TLS identity in use (its `dev_ca_pem` is set when it was generated).
     pub tls: TlsIdentity,
+    /// Counters of every listener (handshakes failed, bad frames, refusals), for metrics.
+    pub stats: Vec<(
+        TransportKind,
+        std::sync::Arc<waygate_transport::conn::ListenerStats>,
+    )>,
+    /// The KCP endpoint's counters (cookies, bad MACs, BUSY, RESETs...), when KCP is on.
+    pub kcp_stats: Option<std::sync::Arc<waygate_transport::kcp::KcpStats>>,
 }
 
 impl std::fmt::Debug for BoundListeners {
@@ -52,34 +59,44 @@ pub async fn bind_all(
     conn.admission = admission;
     let l = &config.listeners;
     let mut listeners: Vec<BoxListener> = Vec::new();
+    let mut stats = Vec::new();
+    let mut kcp_stats = None;
+    let mut add = |l: waygate_transport::TransportListener, listeners: &mut Vec<BoxListener>| {
+        stats.push((waygate_transport::Listener::kind(&l), l.stats()));
+        listeners.push(Box::new(l));
+    };
     if l.tcp.enabled {
-        listeners.push(Box::new(tcp::listen(l.tcp.addr, None, conn.clone()).await?));
+        add(
+            tcp::listen(l.tcp.addr, None, conn.clone()).await?,
+            &mut listeners,
+        );
     }
     if l.tls.enabled {
-        listeners.push(Box::new(
+        add(
             tcp::listen(l.tls.addr, Some(&tls), conn.clone()).await?,
-        ));
+            &mut listeners,
+        );
     }
     if l.ws.enabled {
-        listeners.push(Box::new(ws::listen(l.ws.addr, None, conn.clone()).await?));
+        add(
+            ws::listen(l.ws.addr, None, conn.clone()).await?,
+            &mut listeners,
+        );
     }
     if l.wss.enabled {
-        listeners.push(Box::new(
+        add(
             ws::listen(l.wss.addr, Some(&tls), conn.clone()).await?,
-        ));
+            &mut listeners,
+        );
     }
     if l.quic.enabled {
-        listeners.push(Box::new(quic::listen(
-            l.quic.addr,
-            &tls,
-            &config.quic,
-            conn.clone(),
-        )?));
+        let q = quic::listen(l.quic.addr, &tls, &config.quic, conn.clone())?;
+        add(q, &mut listeners);
     }
     if l.kcp.enabled {
-        listeners.push(Box::new(
-            kcp::listen(l.kcp.addr, &config.kcp, conn.clone()).await?,
-        ));
+        let k = kcp::listen(l.kcp.addr, &config.kcp, conn.clone()).await?;
+        kcp_stats = Some(k.stats());
+        listeners.push(Box::new(k));
     }
     let addrs = listeners
         .iter()
@@ -89,5 +106,7 @@ pub async fn bind_all(
         listeners,
         addrs,
         tls,
+        stats,
+        kcp_stats,
     })
 }

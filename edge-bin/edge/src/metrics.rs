@@ -184,7 +184,101 @@ impl Collector for SessionLayerCollector {
     }
 }
 
+/// Reads the listeners' own counters at scrape time: per transport, handshakes that failed
+/// or timed out (TLS, WebSocket upgrade, QUIC), connections closed for a bad frame, and
+/// admission refusals; and the KCP endpoint's counters.
+#[derive(Debug)]
+pub struct ListenerCollector {
+    /// Per listener.
+    pub listeners: Vec<(
+        waygate_transport::TransportKind,
+        Arc<waygate_transport::conn::ListenerStats>,
+    )>,
+    /// The KCP endpoint, when KCP is on.
+    pub kcp: Option<Arc<waygate_transport::kcp::KcpStats>>,
+}
+
+impl Collector for ListenerCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        use std::sync::atomic::Ordering::Relaxed;
+        type Read = fn(&waygate_transport::conn::ListenerStats) -> u64;
+        let families: [(&str, &str, Read); 3] = [
+            (
+                "listener_handshake_failed",
+                "Transport handshakes that failed or timed out (TLS, WebSocket upgrade, QUIC)",
+                |s| s.handshake_failed.load(Relaxed),
+            ),
+            (
+                "listener_bad_frames",
+                "Connections closed because the peer sent an invalid frame",
+                |s| s.bad_frames.load(Relaxed),
+            ),
+            (
+                "listener_refused",
+                "Connections a listener refused by admission control",
+                |s| s.refused.load(Relaxed),
+            ),
+        ];
+        for (name, help, read) in families {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for (kind, stats) in &self.listeners {
+                let label = EdgeMetrics::transport(*kind);
+                ConstCounter::new(read(stats)).encode(family.encode_family(&label)?)?;
+            }
+        }
+        if let Some(k) = &self.kcp {
+            let sessions =
+                ConstGauge::new(i64::try_from(k.sessions.load(Relaxed)).unwrap_or(i64::MAX));
+            sessions.encode(encoder.encode_descriptor(
+                "kcp_sessions",
+                "KCP sessions held by the endpoint",
+                None,
+                sessions.metric_type(),
+            )?)?;
+            for (name, help, value) in [
+                (
+                    "kcp_cookies_sent",
+                    "KCP COOKIE replies sent",
+                    &k.cookies_sent,
+                ),
+                (
+                    "kcp_bad_macs",
+                    "KCP CONNECTs with a cookie whose MAC failed",
+                    &k.bad_macs,
+                ),
+                (
+                    "kcp_expired_cookies",
+                    "KCP CONNECTs with an expired cookie",
+                    &k.expired_cookies,
+                ),
+                ("kcp_busy_sent", "KCP BUSY replies sent", &k.busy_sent),
+                (
+                    "kcp_rate_limited",
+                    "KCP handshake packets over the reply rate",
+                    &k.rate_limited,
+                ),
+                ("kcp_malformed", "Malformed KCP datagrams", &k.malformed),
+                ("kcp_resets_sent", "KCP RESETs sent", &k.resets_sent),
+                (
+                    "kcp_panics",
+                    "KCP sessions ended by a caught panic",
+                    &k.panics,
+                ),
+            ] {
+                let c = ConstCounter::new(value.load(Relaxed));
+                c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 impl EdgeMetrics {
+    /// Adds the listeners' counters to the registry (see [`ListenerCollector`]).
+    pub fn register_listeners(&mut self, collector: ListenerCollector) {
+        self.registry.register_collector(Box::new(collector));
+    }
+
     /// Creates and registers every metric; the session layer's counters are read from
     /// `sessions` once it is set.
     pub fn with_session_layer(sessions: SessionLayerSlot) -> Self {

@@ -154,8 +154,13 @@ impl Edge {
         let epoch = Arc::new(AtomicU64::new(router.epoch().unwrap_or(0)));
         let (link_tx, link_rx) = mpsc::channel(4096);
         let sessions = crate::metrics::SessionLayerSlot::default();
+        let mut metrics = EdgeMetrics::with_session_layer(sessions.clone());
+        metrics.register_listeners(crate::metrics::ListenerCollector {
+            listeners: bound.stats.clone(),
+            kcp: bound.kcp_stats.clone(),
+        });
         let shared = Arc::new(Shared {
-            metrics: EdgeMetrics::with_session_layer(sessions.clone()),
+            metrics,
             sessions,
             router: Mutex::new(router),
             source,
