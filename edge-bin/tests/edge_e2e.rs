@@ -73,6 +73,15 @@ async fn every_transport_reaches_the_instance_of_its_player_and_room() {
             "{kind}: {metrics}"
         );
     }
+    // The setup's phases (O1), observed for every session: HELLO, auth, restore, claim.
+    for kind in kinds {
+        for phase in ["hello", "auth", "restore", "claim"] {
+            let count = format!(
+                "waygate_session_phase_seconds_count{{transport=\"{kind}\",phase=\"{phase}\"}} 4"
+            );
+            assert!(metrics.contains(&count), "{count}: {metrics}");
+        }
+    }
     // Strict exposition (regression: the session counters were hand-formatted beside the
     // registry, with one `# TYPE waygate_session_transition` line per label pair, which
     // strict OpenMetrics parsers reject): one TYPE line per family, and the transitions

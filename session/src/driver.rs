@@ -61,6 +61,8 @@ pub enum SessionEvent {
         /// Time from the connection's hand-over by the listener to ACTIVE (HELLO, auth,
         /// restore): the session-setup phase timing (O1).
         setup: Duration,
+        /// Where that time went, phase by phase.
+        phases: SetupPhases,
     },
     /// The client's link dropped; the session lingers for `linger` (the backend may keep
     /// the character under server control meanwhile, S8 "degrade").
@@ -98,6 +100,21 @@ pub enum SessionEvent {
         /// bindings are not this session's to release).
         released: bool,
     },
+}
+
+/// The phases of a session's setup (O1), each measured by the driver: the wait for the
+/// client's HELLO, the authenticator, the snapshot lookup of a restore (local hand-over or
+/// the shared store), and the ownership claim (with the kick of a previous owner).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SetupPhases {
+    /// From the listener's hand-over to the first frame (HELLO).
+    pub hello: Duration,
+    /// Token verification.
+    pub auth: Duration,
+    /// Taking the snapshot of the session to restore (zero for a new session).
+    pub restore: Duration,
+    /// Claiming the player (and kicking a previous owner).
+    pub claim: Duration,
 }
 
 /// Where delivered upstream messages go (the router implements it).
@@ -592,6 +609,10 @@ struct Task {
     started: tokio::time::Instant,
     /// Last snapshot written by write-through (skip identical writes).
     durable: Option<Snapshot>,
+    /// Setup phase timings, reported with `Established`.
+    phases: SetupPhases,
+    /// Whether the first frame arrived (the HELLO phase ends there).
+    heard: bool,
 }
 
 enum Event {
@@ -642,6 +663,8 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
         transport: conn_kind,
         started: tokio::time::Instant::now(),
         durable: None,
+        phases: SetupPhases::default(),
+        heard: false,
     };
     t.inbound = t
         .edge
@@ -743,6 +766,10 @@ impl Task {
     /// is dropped or reordered; only a frame that can never pass (larger than the byte
     /// burst, which config validation rules out) closes the connection as `rate_limited`.
     async fn inbound_frame(&mut self, frame: waygate_transport::Frame) {
+        if !self.heard {
+            self.heard = true;
+            self.phases.hello = self.started.elapsed();
+        }
         if let Some(limiter) = self.inbound.as_mut() {
             use waygate_backpressure::InboundVerdict;
             let now_t = tokio::time::Instant::now();
@@ -952,16 +979,19 @@ impl Task {
                 }
             }
             Action::Authenticate { token } => {
+                let t0 = tokio::time::Instant::now();
                 let result = edge
                     .authenticator
                     .authenticate(&token, (edge.unix_now)())
                     .await;
+                self.phases.auth += t0.elapsed();
                 let _ = self.machine.handle_auth_result(now(), result);
             }
             Action::TakeSnapshot {
                 session_id,
                 attempt,
             } => {
+                let t0 = tokio::time::Instant::now();
                 let resume_hash = attempt.resume_hash;
                 let local = edge.registry.hand_over(&session_id, attempt).await;
                 let result = match local {
@@ -985,6 +1015,7 @@ impl Task {
                     }) => Ok(TakeOutcome::Mismatch),
                     _ => edge.snapshots.take(&session_id, &resume_hash).await,
                 };
+                self.phases.restore += t0.elapsed();
                 let _ = self.machine.handle_snapshot(now(), result);
             }
             Action::PutBack(snapshot) => {
@@ -996,6 +1027,7 @@ impl Task {
                 player_id,
                 session_id,
             } => {
+                let t0 = tokio::time::Instant::now();
                 let result = match edge
                     .ownership
                     .claim(&player_id, &session_id, &edge.edge_id)
@@ -1026,6 +1058,7 @@ impl Task {
                         Ok((grant, inherited))
                     }
                 };
+                self.phases.claim += t0.elapsed();
                 let _ = self.machine.handle_claimed(now(), result);
             }
             Action::Established {
@@ -1063,6 +1096,7 @@ impl Task {
                         outcome,
                         transport: self.transport,
                         setup: self.started.elapsed(),
+                        phases: self.phases,
                     })
                     .await;
             }

@@ -25,6 +25,15 @@ pub struct TransportLabel {
     pub transport: String,
 }
 
+/// Labels: transport and setup phase.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabels {
+    /// `tcp`, `tls`, `ws`, `wss`, `quic`, `kcp`.
+    pub transport: String,
+    /// `hello`, `auth`, `restore`, `claim`.
+    pub phase: String,
+}
+
 /// Labels: service and instance.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RouteLabels {
@@ -66,6 +75,8 @@ pub struct EdgeMetrics {
     pub connections_open: Family<TransportLabel, Gauge>,
     /// Time from transport accept to session established (WELCOME), seconds.
     pub session_setup_seconds: Family<TransportLabel, Histogram>,
+    /// The phases of that setup: waiting for HELLO, auth, restore, claim.
+    pub session_phase_seconds: Family<PhaseLabels, Histogram>,
     /// Upstream messages forwarded to a backend.
     pub forwarded: Family<RouteLabels, Counter>,
     /// Upstream messages answered with ERROR instead (busy, unavailable, no_route...).
@@ -294,6 +305,11 @@ impl EdgeMetrics {
         let m = Self {
             connections_accepted: Family::default(),
             connections_open: Family::default(),
+            session_phase_seconds: Family::new_with_constructor(|| {
+                Histogram::new([
+                    0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                ])
+            }),
             session_setup_seconds: Family::new_with_constructor(|| {
                 Histogram::new([
                     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -328,6 +344,11 @@ impl EdgeMetrics {
             "connections_open",
             "Open client connections",
             m.connections_open.clone(),
+        );
+        registry.register(
+            "session_phase_seconds",
+            "Session setup by phase: waiting for HELLO, auth, restore, ownership claim",
+            m.session_phase_seconds.clone(),
         );
         registry.register(
             "session_setup_seconds",

@@ -174,12 +174,30 @@ impl UpstreamSink for EdgeUpstream {
                 outcome,
                 transport,
                 setup,
+                phases,
+                ..
             } => {
                 shared
                     .metrics
                     .session_setup_seconds
                     .get_or_create(&EdgeMetrics::transport(transport))
                     .observe(setup.as_secs_f64());
+                for (phase, took) in [
+                    ("hello", phases.hello),
+                    ("auth", phases.auth),
+                    ("restore", phases.restore),
+                    ("claim", phases.claim),
+                ] {
+                    let labels = crate::metrics::PhaseLabels {
+                        transport: transport.as_str().into(),
+                        phase: phase.into(),
+                    };
+                    shared
+                        .metrics
+                        .session_phase_seconds
+                        .get_or_create(&labels)
+                        .observe(took.as_secs_f64());
+                }
                 if let Some(r) = &shared.redis {
                     let (presence, edge) = (r.presence.clone(), shared.config.edge_id.clone());
                     let player = player_id.to_string();
