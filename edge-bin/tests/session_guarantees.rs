@@ -160,10 +160,16 @@ async fn a_burst_over_the_inbound_limit_is_slowed_never_dropped_or_reordered() {
             Ok(())
         })
         .await;
+        let missing: Vec<u64> = (1..=206).filter(|n| !got.contains(n)).collect();
+        let metrics = c.edge.admin().metrics_text();
+        let paused = metrics
+            .lines()
+            .find(|l| l.starts_with("waygate_session_inbound_paused_total"))
+            .unwrap_or("");
         assert_eq!(
             outcome.ok(),
             Some(Ok(())),
-            "{kind}: got {} replies",
+            "{kind}: got {} replies, missing {missing:?}; {paused}",
             got.len()
         );
         let want: Vec<u64> = (1..=206).collect();
