@@ -48,7 +48,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> StreamConnection<S> {
     }
 
     async fn write_out(&mut self) -> Result<(), TransportError> {
-        let result = self.io.write_all(&self.write_buf).await;
+        // Flush too: TLS accepts plaintext into its session buffer even when the socket
+        // would block (a peer that stopped reading), and only a flush guarantees the records
+        // leave. Without it the last frame before a pause could wait for a later write
+        // forever (seen: a TLS client's final DATA never reached a paused edge).
+        let result = async {
+            self.io.write_all(&self.write_buf).await?;
+            self.io.flush().await
+        }
+        .await;
         self.write_buf.clear();
         if self.write_buf.capacity() > KEEP_READ_CAPACITY {
             self.write_buf = BytesMut::new();
