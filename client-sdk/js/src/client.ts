@@ -846,6 +846,8 @@ export class WaygateClient {
         t - this.waitingSince >= this.opts.livenessMs
       ) {
         this.waitingSince = null;
+        // The URL that went silent is tried last (a dead edge, a black-holed path).
+        this.urlIndex = (this.urlIndex + 1) % this.urls.length;
         this.failLink(CloseCode.idle_timeout, "no answer within the liveness timeout");
         return;
       }

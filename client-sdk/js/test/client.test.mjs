@@ -444,6 +444,7 @@ test("liveness: a sequenced message unanswered for livenessMs means a dead link;
   assert.ok(ctx.WS.all.length >= 2, "reconnected");
   assert.equal(ctx.named("disconnected")[0].code, CloseCode.idle_timeout);
   assert.equal(ws.closed.code, 4103);
+  assert.equal(ctx.WS.all[1].url, "ws://edge-b/", "the silent URL is tried last");
   ctx.client.close();
 });
 
