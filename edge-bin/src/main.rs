@@ -477,17 +477,13 @@ async fn register_backend(
         let _reporter = registry.spawn_reporter(lease, every, load_rx.clone());
     }
     let weak = Arc::downgrade(backend);
-    tokio::spawn(async move {
-        let mut meter = waygate_edge::cluster::RateMeter::default();
-        let mut tick = tokio::time::interval(every);
-        loop {
-            tick.tick().await;
-            let Some(b) = weak.upgrade() else { return };
-            let load = b.load();
-            let msg_rate = meter.observe(tokio::time::Instant::now(), load.messages());
-            let players = u32::try_from(load.sessions()).unwrap_or(u32::MAX);
-            let _ = load_tx.send(Load { players, msg_rate });
-        }
+    waygate_edge::cluster::spawn_load_meter(every, load_tx, move || {
+        let backend = weak.upgrade()?;
+        let load = backend.load();
+        Some((
+            usize::try_from(load.sessions()).unwrap_or(usize::MAX),
+            load.messages(),
+        ))
     });
     tracing::info!(%id, %address, ?services, "registered in etcd");
     Ok(())

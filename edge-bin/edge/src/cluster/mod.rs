@@ -4,7 +4,36 @@
 pub mod etcd;
 pub mod redis;
 
+use std::time::Duration;
+
+use tokio::sync::watch;
 use tokio::time::Instant;
+
+/// Samples the load of this process every `every` and publishes it on `load` (what
+/// [`etcd::EtcdRegistry::spawn_reporter`] reads). `sample` returns the players now hosted
+/// and the growing message total, or `None` once its owner is gone; the task also ends when
+/// every reporter has stopped reading.
+pub fn spawn_load_meter(
+    every: Duration,
+    load: watch::Sender<etcd::Load>,
+    mut sample: impl FnMut() -> Option<(usize, u64)> + Send + 'static,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        let mut meter = RateMeter::default();
+        loop {
+            tick.tick().await;
+            let Some((players, messages)) = sample() else {
+                return;
+            };
+            let msg_rate = meter.observe(Instant::now(), messages);
+            let players = u32::try_from(players).unwrap_or(u32::MAX);
+            if load.send(etcd::Load { players, msg_rate }).is_err() {
+                return;
+            }
+        }
+    })
+}
 
 /// Messages per second from a growing total sampled now and then (sans-IO: the time comes
 /// in). The first sample gives 0; a total that went down (a restart) counts from there.

@@ -102,18 +102,15 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
                 let (load_tx, load_rx) = tokio::sync::watch::channel(Load::default());
                 tasks.push(reg.spawn_reporter(lease, every, load_rx));
                 let weak = Arc::downgrade(shared);
-                tasks.push(tokio::spawn(async move {
-                    let mut tick = tokio::time::interval(every);
-                    let mut meter = crate::cluster::RateMeter::default();
-                    loop {
-                        tick.tick().await;
-                        let Some(shared) = weak.upgrade() else { return };
+                tasks.push(crate::cluster::spawn_load_meter(
+                    every,
+                    load_tx,
+                    move || {
+                        let shared = weak.upgrade()?;
                         let layer = shared.session_layer();
-                        let players = u32::try_from(layer.registry.len()).unwrap_or(u32::MAX);
-                        let msg_rate = meter.observe(Instant::now(), layer.counters.messages());
-                        let _ = load_tx.send(Load { players, msg_rate });
-                    }
-                }));
+                        Some((layer.registry.len(), layer.counters.messages()))
+                    },
+                ));
             }
             Err(e) => {
                 tracing::warn!(error = %e, "edge not registered in etcd (logins will not pick it)")

@@ -196,28 +196,7 @@ impl RedisOwnership {
     /// notices published while the subscription is down are lost; the periodic
     /// [`RedisOwnership::reassert`] sweep catches those.
     pub fn subscribe_kicks(&self, edge_id: &str) -> mpsc::Receiver<KickNotice> {
-        let (tx, rx) = mpsc::channel(4096);
-        let channel = self.conn.edge_channel(edge_id, "kick");
-        let conn = self.conn.clone();
-        tokio::spawn(async move {
-            let sink = tx.clone();
-            let run = subscribe_loop(conn, channel, None, move |msg| {
-                let tx = sink.clone();
-                async move {
-                    match KickNotice::parse(msg.get_payload_bytes()) {
-                        Some(k) => {
-                            let _ = tx.send(k).await;
-                        }
-                        None => tracing::warn!("malformed kick notice ignored"),
-                    }
-                }
-            });
-            tokio::select! {
-                _ = run => {}
-                _ = tx.closed() => {}
-            }
-        });
-        rx
+        self.subscribe_kicks_with_status(edge_id).0
     }
 
     /// Like [`subscribe_kicks`](Self::subscribe_kicks), but also reports (through
@@ -235,8 +214,13 @@ impl RedisOwnership {
             let run = subscribe_loop(conn, channel, Some(up_tx), move |msg| {
                 let tx = sink.clone();
                 async move {
-                    if let Some(k) = KickNotice::parse(msg.get_payload_bytes()) {
-                        let _ = tx.send(k).await;
+                    // A full channel waits (the notices are not dropped); a closed one
+                    // means the subscriber is gone and `tx.closed()` below ends the task.
+                    match KickNotice::parse(msg.get_payload_bytes()) {
+                        Some(k) => {
+                            let _ = tx.send(k).await;
+                        }
+                        None => tracing::warn!("malformed kick notice ignored"),
                     }
                 }
             });

@@ -197,6 +197,8 @@ impl RedisPresence {
                                 .lock()
                                 .unwrap_or_else(|e| e.into_inner())
                                 .remove(&reply.id);
+                            // A send fails only when the requester stopped waiting: it has
+                            // already returned its own timeout error to its caller.
                             if let Some(tx) = tx {
                                 let _ = tx.send(reply.results);
                             }
