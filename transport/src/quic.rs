@@ -268,10 +268,7 @@ impl Connection for QuicConnection {
             return;
         }
         self.closed = true;
-        let frame = Frame::Close {
-            code,
-            message: message.chars().take(200).collect(),
-        };
+        let frame = Frame::close(code, message);
         let _ = tokio::time::timeout(CLOSE_FLUSH, async {
             if self.write_framed(&frame).await.is_ok() {
                 let _ = self.control.finish();

@@ -176,10 +176,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Connection for StreamCo
         }
         self.closed = true;
         self.write_buf.clear();
-        let frame = Frame::Close {
-            code,
-            message: message.chars().take(200).collect(),
-        };
+        let frame = Frame::close(code, message);
         let _ = self.codec.encode(&frame, &mut self.write_buf);
         let _ = tokio::time::timeout(CLOSE_FLUSH, async {
             let _ = self.io.write_all(&self.write_buf).await;

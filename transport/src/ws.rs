@@ -224,10 +224,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> WsConnection<S> {
             return;
         }
         self.closed = true;
-        let frame = Frame::Close {
-            code,
-            message: message.chars().take(200).collect(),
-        };
+        let frame = Frame::close(code, message);
         let _ = tokio::time::timeout(CLOSE_FLUSH, async {
             let _ = self.ws.send(Message::Binary(frame.to_bytes())).await;
             let _ = self

@@ -186,7 +186,19 @@ const DATA_CLASS_MASK: u8 = 0b0000_0011;
 const DATA_HAS_ACK: u8 = 0b0000_0100;
 const DATA_RESERVED: u8 = !(DATA_CLASS_MASK | DATA_HAS_ACK);
 
+/// The longest CLOSE message the edge itself writes, in characters (PROTOCOL.md limits
+/// table: "the edge's own messages are at most 200 characters").
+pub const CLOSE_MESSAGE_MAX_CHARS: usize = 200;
+
 impl Frame {
+    /// A CLOSE frame with `message` cut to [`CLOSE_MESSAGE_MAX_CHARS`] characters.
+    pub fn close(code: CloseCode, message: &str) -> Self {
+        Self::Close {
+            code,
+            message: message.chars().take(CLOSE_MESSAGE_MAX_CHARS).collect(),
+        }
+    }
+
     /// The frame's type.
     pub fn frame_type(&self) -> FrameType {
         match self {
@@ -559,6 +571,19 @@ pub(crate) mod tests {
                 })
             ),
         ]
+    }
+
+    #[test]
+    fn the_edges_close_message_is_cut_to_200_characters_not_bytes() {
+        let long = "\u{e9}".repeat(300);
+        let Frame::Close { code, message } = Frame::close(CloseCode::Kicked, &long) else {
+            panic!("not a CLOSE");
+        };
+        assert_eq!(code, CloseCode::Kicked);
+        assert_eq!(message.chars().count(), 200);
+        assert_eq!(message.len(), 400);
+        let short = Frame::close(CloseCode::Kicked, "bye");
+        assert!(matches!(short, Frame::Close { message, .. } if message == "bye"));
     }
 
     #[test]

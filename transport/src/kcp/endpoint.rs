@@ -1083,11 +1083,7 @@ impl KcpEndpoint {
         message: &str,
         reason: CloseReason,
     ) {
-        let frame = Frame::Close {
-            code,
-            message: message.chars().take(200).collect(),
-        }
-        .to_bytes();
+        let frame = Frame::close(code, message).to_bytes();
         self.begin_close_inner(now, key, code, Some(frame), reason);
     }
 

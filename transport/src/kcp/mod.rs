@@ -359,7 +359,7 @@ impl Connection for KcpConnection {
         let cmd = Cmd::Close {
             key: self.shared.key,
             code,
-            message: message.chars().take(200).collect(),
+            message: message.to_owned(),
             quiet: self.peer_close.is_some(),
         };
         let shared = self.shared.clone();
