@@ -34,7 +34,7 @@ async fn busy(c: &Cluster) -> Vec<waygate_client::Client> {
     }
     let registry = c.edge.registry();
     let sid = registry.session_of("prom-tcp").unwrap();
-    assert!(registry.drop_link(&sid).await);
+    assert!(registry.drop_link(&sid));
     common::echo(&mut clients[0], "after-drop").await.unwrap();
     clients
 }

@@ -43,7 +43,7 @@ fn edge(id: &str, stores: &RedisStores) -> Arc<SessionLayer> {
     let mut kicks = stores.ownership.subscribe_kicks(id);
     tokio::spawn(async move {
         while let Some(k) = kicks.recv().await {
-            registry.kick(&k.session_id).await;
+            registry.kick(&k.session_id);
         }
     });
     Arc::new(e)

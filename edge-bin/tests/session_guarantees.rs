@@ -199,7 +199,7 @@ async fn connections_open_counts_connections_and_lingering_sessions_apart() {
         assert_eq!(sample(&c, &open_gauge), Some(1.0), "{kind}");
         let lingering_before = sample(&c, "waygate_sessions_lingering").unwrap_or(0.0);
         // The network drops the connection (no CLOSE): the session lingers.
-        assert!(registry.drop_link(&w.session_id).await);
+        assert!(registry.drop_link(&w.session_id));
         let apart = settle(Duration::from_secs(10), || {
             sample(&c, &open_gauge) == Some(0.0)
                 && sample(&c, "waygate_sessions_lingering") == Some(lingering_before + 1.0)

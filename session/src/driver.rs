@@ -14,23 +14,21 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use bytes::Bytes;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::Notify;
 use tracing::Instrument as _;
 use waygate_protocol::frame::{ErrorReport, SessionId, WelcomeOutcome};
-use waygate_transport::{BoxConnection, CloseCode, TrafficClass};
+use waygate_transport::{BoxConnection, CloseCode};
 
 use crate::auth::Authenticator;
 use crate::counters::SessionCounters;
-use crate::machine::{
-    Action, EndReason, ResumeAttempt, SessionConfig, SessionEnd, SessionMachine, Upstream,
+use crate::host::{
+    apply_work, Answer, Command as HostCommand, ConnId, EstablishOutcome, HandOverStart, Reply,
+    SessionHost, Work,
 };
+use crate::machine::{Action, EndReason, SessionConfig, SessionEnd, SessionMachine, Upstream};
 use crate::resume::hex_id;
 use crate::rng::{SessionRng, SystemRng};
 use crate::store::{OwnershipRegistry, Snapshot, SnapshotStore, TakeOutcome};
-
-/// How long a new connection waits for a live local session to hand itself over.
-const HAND_OVER_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Why the router could not take an upstream message (answered with an ERROR frame).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -127,89 +125,26 @@ pub trait UpstreamSink: Send + Sync + 'static {
     async fn session_event(&self, _event: SessionEvent) {}
 }
 
-/// A downstream message for a session.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Downstream {
-    /// Traffic class.
-    pub class: TrafficClass,
-    /// Application message id.
-    pub msg_id: u32,
-    /// Body.
-    pub payload: Bytes,
-}
+pub use crate::host::{Downstream, PushError};
 
-/// What travels down a session's queue, in the order its link delivered it: messages, and
-/// the routing keys backends bind between them (so a key bound before a push is in the
-/// session's snapshot before that push is shown to the client).
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum DownstreamItem {
-    Message(Downstream),
-    RoutingKey { service: String, key: String },
-    Error(ErrorReport),
-}
-
-/// Why [`SessionRegistry::push`] failed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum PushError {
-    /// No live or lingering session with that id (or player) on this edge.
-    #[error("no such session on this edge")]
-    NotFound,
-    /// The session's bounded outbound queue is full.
-    #[error("session outbound queue full")]
-    QueueFull,
-    /// A best-effort message shed because the session's queue is congested (B3).
-    #[error("best-effort message shed (queue congested)")]
-    Shed,
-}
-
-/// A hand-over answer: on success the session's downstream channel moves with it, so a
-/// message pushed during the switch is not lost.
-struct HandOver {
-    outcome: TakeOutcome,
-    channel: Option<(DownstreamTx, mpsc::Receiver<DownstreamItem>)>,
-}
-
-enum Command {
-    Kick(oneshot::Sender<Option<BTreeMap<String, String>>>),
-    HandOver(ResumeAttempt, oneshot::Sender<HandOver>),
-    Close(CloseCode),
-    Bind(String, String),
-    Migrate(String, Duration),
-    Quiesce,
-    DropLink,
-}
-
-#[derive(Clone)]
-struct Handle {
-    task: u64,
-    player_id: Arc<str>,
-    commands: mpsc::Sender<Command>,
-    downstream: DownstreamTx,
-}
-
-/// A session's downstream queue as pushers see it: the bounded channel, and how many
-/// sequenced messages it refused because it was full. Those are never dropped silently:
-/// the session's task declares them lost in its replay buffer and closes the connection as
-/// `slow_consumer`, so the client's resume reports `RestoredWithGap` (B3). Moves with the
-/// channel on a hand-over.
-#[derive(Clone)]
-struct DownstreamTx {
-    tx: mpsc::Sender<DownstreamItem>,
-    overflowed: Arc<AtomicU64>,
-}
-
-#[derive(Default)]
 struct RegistryInner {
-    sessions: HashMap<SessionId, Handle>,
-    players: HashMap<Arc<str>, SessionId>,
+    host: SessionHost,
+    /// Each connection task's wake-up (the host names connections, the driver wakes them).
+    wakers: HashMap<ConnId, Arc<Notify>>,
 }
 
-/// Live and lingering sessions of this edge, by session id and by player id. Cheap to clone.
-/// Never holds its lock across an await.
-#[derive(Clone, Default)]
+/// The edge's [`SessionHost`] behind one mutex (never held across an await), with the
+/// connection tasks' wake-ups: every call runs the host, then wakes the connections it
+/// names. Cheap to clone.
+#[derive(Clone)]
 pub struct SessionRegistry {
     inner: Arc<Mutex<RegistryInner>>,
+}
+
+impl Default for SessionRegistry {
+    fn default() -> Self {
+        Self::with_outbound(SessionHost::outbound_for_capacity(1024))
+    }
 }
 
 impl std::fmt::Debug for SessionRegistry {
@@ -220,96 +155,87 @@ impl std::fmt::Debug for SessionRegistry {
     }
 }
 
-/// Queues an item on a session's downstream channel without waiting.
-fn try_queue(handle: &Handle, item: DownstreamItem) -> Result<(), PushError> {
-    let sequenced = match &item {
-        DownstreamItem::Message(m) => m.class != TrafficClass::BestEffort,
-        DownstreamItem::RoutingKey { .. } | DownstreamItem::Error(_) => true,
-    };
-    handle.downstream.tx.try_send(item).map_err(|e| match e {
-        mpsc::error::TrySendError::Full(_) => {
-            if sequenced {
-                handle.downstream.overflowed.fetch_add(1, Ordering::AcqRel);
-            }
-            PushError::QueueFull
-        }
-        mpsc::error::TrySendError::Closed(_) => PushError::NotFound,
-    })
-}
-
 impl SessionRegistry {
-    /// An empty registry.
+    /// An empty registry with 1,024-message outbound queues.
     pub fn new() -> Self {
         Self::default()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, RegistryInner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    /// An empty registry whose sessions' outbound queues have `outbound` bounds.
+    pub fn with_outbound(outbound: waygate_backpressure::OutboundConfig) -> Self {
+        Self {
+            inner: Arc::new(Mutex::new(RegistryInner {
+                host: SessionHost::new(outbound),
+                wakers: HashMap::new(),
+            })),
+        }
     }
 
-    fn insert(&self, session_id: SessionId, handle: Handle) {
-        let mut inner = self.lock();
-        inner.players.insert(handle.player_id.clone(), session_id);
-        inner.sessions.insert(session_id, handle);
-    }
-
-    fn remove_if(&self, session_id: &SessionId, pred: impl Fn(&Handle) -> bool) {
-        let mut inner = self.lock();
-        if inner.sessions.get(session_id).is_some_and(pred) {
-            if let Some(h) = inner.sessions.remove(session_id) {
-                if inner.players.get(&h.player_id) == Some(session_id) {
-                    inner.players.remove(&h.player_id);
-                }
+    /// Runs `f` on the host, then wakes every connection it named.
+    fn host<R>(&self, f: impl FnOnce(&mut SessionHost) -> R) -> R {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let RegistryInner { host, wakers } = &mut *inner;
+        let r = f(host);
+        while let Some(conn) = host.poll_wake() {
+            if let Some(w) = wakers.get(&conn) {
+                w.notify_one();
             }
         }
+        r
     }
 
-    fn handle(&self, session_id: &SessionId) -> Option<Handle> {
-        self.lock().sessions.get(session_id).cloned()
+    fn open(&self, conn: ConnId) -> Arc<Notify> {
+        let notify = Arc::new(Notify::new());
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        inner.wakers.insert(conn, notify.clone());
+        inner.host.open(conn);
+        notify
     }
 
-    /// Sends `command` to a session's task; false when the session is not held here.
-    async fn command(&self, session_id: &SessionId, command: Command) -> bool {
-        match self.handle(session_id) {
-            Some(h) => h.commands.send(command).await.is_ok(),
-            None => false,
-        }
+    fn close_conn(&self, conn: ConnId) {
+        self.host(|h| h.close(conn));
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        inner.wakers.remove(&conn);
     }
 
     /// Sessions held (live or lingering).
     pub fn len(&self) -> usize {
-        self.lock().sessions.len()
+        self.host(|h| h.len())
     }
 
     /// Whether no session is held.
     pub fn is_empty(&self) -> bool {
-        self.lock().sessions.is_empty()
+        self.host(|h| h.is_empty())
     }
 
     /// The session of a player on this edge.
     pub fn session_of(&self, player_id: &str) -> Option<SessionId> {
-        self.lock().players.get(player_id).copied()
+        self.host(|h| h.session_of(player_id))
     }
 
     /// The player of a session on this edge.
     pub fn player_of(&self, session_id: &SessionId) -> Option<Arc<str>> {
-        self.lock()
-            .sessions
-            .get(session_id)
-            .map(|h| h.player_id.clone())
+        self.host(|h| h.player_of(session_id))
     }
 
-    /// Queues a downstream message for a session (never waits: a full queue is an error).
+    /// Every session id held (live or lingering).
+    pub fn session_ids(&self) -> Vec<SessionId> {
+        self.host(|h| h.session_ids())
+    }
+
+    /// The host's counters.
+    pub fn stats(&self) -> crate::host::HostStats {
+        self.host(|h| h.stats())
+    }
+
+    /// Queues a downstream message for a session (never waits; see [`PushError`]).
     pub fn push(&self, session_id: &SessionId, message: Downstream) -> Result<(), PushError> {
-        let handle = self.handle(session_id).ok_or(PushError::NotFound)?;
-        // Best-effort goes first when the queue is congested (above 3/4 full), so the room
-        // left is kept for sequenced messages (B3).
-        if message.class == TrafficClass::BestEffort
-            && handle.downstream.tx.capacity() * 4 < handle.downstream.tx.max_capacity()
-        {
-            return Err(PushError::Shed);
-        }
-        try_queue(&handle, DownstreamItem::Message(message))
+        self.host(|h| h.push(session_id, message))
+    }
+
+    /// Queues a downstream message for a player's session.
+    pub fn push_to_player(&self, player_id: &str, message: Downstream) -> Result<(), PushError> {
+        self.host(|h| h.push_to_player(player_id, message))
     }
 
     /// Records a routing key a backend bound for a session (service -> business key, e.g.
@@ -321,47 +247,7 @@ impl SessionRegistry {
         service: &str,
         key: &str,
     ) -> Result<(), PushError> {
-        let handle = self.handle(session_id).ok_or(PushError::NotFound)?;
-        let item = DownstreamItem::RoutingKey {
-            service: service.to_owned(),
-            key: key.to_owned(),
-        };
-        try_queue(&handle, item)
-    }
-
-    /// Queues a downstream message for a player's session.
-    pub fn push_to_player(&self, player_id: &str, message: Downstream) -> Result<(), PushError> {
-        let session = self.session_of(player_id).ok_or(PushError::NotFound)?;
-        self.push(&session, message)
-    }
-
-    /// Kicks a session (KICKED); returns its bindings for the session taking over.
-    pub async fn kick(&self, session_id: &SessionId) -> Option<BTreeMap<String, String>> {
-        let handle = self.handle(session_id)?;
-        let (tx, rx) = oneshot::channel();
-        handle.commands.send(Command::Kick(tx)).await.ok()?;
-        tokio::time::timeout(HAND_OVER_TIMEOUT, rx)
-            .await
-            .ok()?
-            .ok()
-            .flatten()
-    }
-
-    /// Ends a session from the server side with `code`.
-    pub async fn close(&self, session_id: &SessionId, code: CloseCode) -> bool {
-        self.command(session_id, Command::Close(code)).await
-    }
-
-    /// Records a backend binding for a session (kept across reconnects).
-    pub async fn bind(&self, session_id: &SessionId, service: &str, instance: &str) -> bool {
-        let bind = Command::Bind(service.to_owned(), instance.to_owned());
-        self.command(session_id, bind).await
-    }
-
-    /// Drops a session's connection without a CLOSE (as a network failure would); the
-    /// session lingers and the client resumes. For tests and chaos drills.
-    pub async fn drop_link(&self, session_id: &SessionId) -> bool {
-        self.command(session_id, Command::DropLink).await
+        self.host(|h| h.bind_key(session_id, service, key))
     }
 
     /// Tells a session's client that one of its upstream messages could not be delivered
@@ -376,63 +262,60 @@ impl SessionRegistry {
         client_seq: u64,
         retry_after_ms: u32,
     ) -> Result<(), PushError> {
-        let handle = self.handle(session_id).ok_or(PushError::NotFound)?;
         let report = ErrorReport {
             code,
             msg_id,
             client_seq,
             retry_after_ms,
         };
-        try_queue(&handle, DownstreamItem::Error(report))
+        self.host(|h| h.report_error(session_id, report))
     }
 
-    /// Ends a session from the server side with `code` without waiting: the command is
-    /// queued at once, or (its command queue full) handed to a task that waits for room.
-    /// False when the session is not held here.
-    pub fn close_soon(&self, session_id: &SessionId, code: CloseCode) -> bool {
-        let Some(handle) = self.handle(session_id) else {
-            return false;
-        };
-        match handle.commands.try_send(Command::Close(code)) {
+    /// Kicks a session held here (KICKED; e.g. a newer login on another edge). Never waits.
+    pub fn kick(&self, session_id: &SessionId) -> bool {
+        self.host(|h| h.kick(session_id))
+    }
+
+    fn command(&self, session_id: &SessionId, command: HostCommand) -> bool {
+        match self.host(|h| h.command(session_id, command)) {
             Ok(()) => true,
-            Err(mpsc::error::TrySendError::Full(cmd)) => {
-                tokio::spawn(async move {
-                    let _ = handle.commands.send(cmd).await;
-                });
-                true
+            Err(e) => {
+                tracing::debug!(error = %e, "session command not queued");
+                false
             }
-            Err(mpsc::error::TrySendError::Closed(_)) => false,
         }
     }
 
+    /// Ends a session from the server side with `code`. Never waits; false when the
+    /// session is not held here (or its mailbox is full).
+    pub fn close(&self, session_id: &SessionId, code: CloseCode) -> bool {
+        self.command(session_id, HostCommand::Close(code))
+    }
+
+    /// Records a backend binding for a session (kept across reconnects).
+    pub fn bind(&self, session_id: &SessionId, service: &str, instance: &str) -> bool {
+        let bind = HostCommand::Bind(service.to_owned(), instance.to_owned());
+        self.command(session_id, bind)
+    }
+
+    /// Drops a session's connection without a CLOSE (as a network failure would); the
+    /// session lingers and the client resumes. For tests and chaos drills.
+    pub fn drop_link(&self, session_id: &SessionId) -> bool {
+        self.command(session_id, HostCommand::DropLink)
+    }
+
     /// Soft-migrates a session (MIGRATE to `target`).
-    pub async fn migrate(&self, session_id: &SessionId, target: &str, deadline: Duration) -> bool {
-        let migrate = Command::Migrate(target.to_owned(), deadline);
-        self.command(session_id, migrate).await
+    pub fn migrate(&self, session_id: &SessionId, target: &str, deadline: Duration) -> bool {
+        self.command(
+            session_id,
+            HostCommand::Migrate(target.to_owned(), deadline),
+        )
     }
 
     /// Hard migration, step 1 (S8): the session stops taking upstream DATA (the client
     /// keeps it unacked and resends it where it moves) while downstream still flows.
-    pub async fn quiesce(&self, session_id: &SessionId) -> bool {
-        self.command(session_id, Command::Quiesce).await
-    }
-
-    /// Every session id held (live or lingering).
-    pub fn session_ids(&self) -> Vec<SessionId> {
-        self.lock().sessions.keys().copied().collect()
-    }
-
-    /// Asks a local session to hand itself over to a resuming connection. `None` when the
-    /// session is not held here (or did not answer in time).
-    async fn hand_over(&self, session_id: &SessionId, attempt: ResumeAttempt) -> Option<HandOver> {
-        let handle = self.handle(session_id)?;
-        let (tx, rx) = oneshot::channel();
-        handle
-            .commands
-            .send(Command::HandOver(attempt, tx))
-            .await
-            .ok()?;
-        tokio::time::timeout(HAND_OVER_TIMEOUT, rx).await.ok()?.ok()
+    pub fn quiesce(&self, session_id: &SessionId) -> bool {
+        self.command(session_id, HostCommand::Quiesce)
     }
 }
 
@@ -456,8 +339,6 @@ pub struct SessionLayer {
     pub upstream: Arc<dyn UpstreamSink>,
     /// Metrics.
     pub counters: Arc<SessionCounters>,
-    /// Capacity of each session's downstream channel.
-    pub outbound_capacity: usize,
     /// Per-connection inbound rate limits (B2); `None`: unlimited.
     pub inbound: Option<waygate_backpressure::InboundLimits>,
     /// A frame that cannot be written within this time closes the connection as
@@ -552,7 +433,6 @@ impl SessionLayer {
             registry: SessionRegistry::new(),
             upstream,
             counters: Arc::new(SessionCounters::new()),
-            outbound_capacity: 1024,
             inbound: None,
             send_deadline: Duration::from_secs(5),
             rng: Arc::new(|| Box::new(SystemRng::new())),
@@ -595,12 +475,12 @@ struct Task {
     edge: Arc<SessionLayer>,
     machine: SessionMachine,
     conn: Option<BoxConnection>,
-    task: u64,
-    registered: Option<SessionId>,
-    commands_tx: mpsc::Sender<Command>,
-    downstream_tx: DownstreamTx,
-    downstream_rx: Option<mpsc::Receiver<DownstreamItem>>,
-    adopted: Option<SessionId>,
+    /// This connection as the host names it.
+    id: ConnId,
+    /// Woken by the host when there is work for this connection.
+    wake: Arc<Notify>,
+    /// Work taken from the host and not yet done (taken while waiting for an answer).
+    backlog: Work,
     inbound: Option<waygate_backpressure::InboundLimiter>,
     /// A frame over the inbound limit, held until the instant its tokens return; the
     /// connection is not read meanwhile, so nothing later overtakes it (B2).
@@ -613,14 +493,17 @@ struct Task {
     phases: SetupPhases,
     /// Whether the first frame arrived (the HELLO phase ends there).
     heard: bool,
+    /// A snapshot this connection handed over after its requester gave up: back to the
+    /// store, so a later resume finds it.
+    orphaned: Option<Box<Snapshot>>,
 }
 
 enum Event {
     Frame(Result<waygate_transport::Frame, CloseCode>),
     /// The held frame's tokens are back.
     Release,
-    Command(Command),
-    Downstream(DownstreamItem),
+    /// The host has work for this connection.
+    Work,
     Timer,
 }
 
@@ -642,22 +525,16 @@ pub async fn run_session(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndRea
 
 async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndReason {
     let conn_kind = conn.info().kind;
-    let (commands_tx, mut commands) = mpsc::channel(8);
-    let (downstream_tx, downstream_rx) = mpsc::channel(edge.outbound_capacity.max(1));
     let machine = SessionMachine::new(edge.config.clone(), edge.counters.clone(), (edge.rng)());
+    let id = NEXT_TASK.fetch_add(1, Ordering::Relaxed);
+    let wake = edge.registry.open(id);
     let mut t = Task {
         edge,
         machine,
         conn: Some(conn),
-        task: NEXT_TASK.fetch_add(1, Ordering::Relaxed),
-        registered: None,
-        commands_tx,
-        downstream_tx: DownstreamTx {
-            tx: downstream_tx,
-            overflowed: Arc::new(AtomicU64::new(0)),
-        },
-        downstream_rx: Some(downstream_rx),
-        adopted: None,
+        id,
+        wake,
+        backlog: Work::default(),
         inbound: None,
         held: None,
         transport: conn_kind,
@@ -665,6 +542,7 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
         durable: None,
         phases: SetupPhases::default(),
         heard: false,
+        orphaned: None,
     };
     t.inbound = t
         .edge
@@ -673,6 +551,10 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
     let _ = t.machine.handle_link_up(now());
     loop {
         t.run_actions().await;
+        if !t.backlog.is_empty() {
+            t.do_work();
+            continue;
+        }
         if t.machine.state().is_terminal() {
             break;
         }
@@ -683,10 +565,6 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
                 None => std::future::pending().await,
             }
         };
-        let registered = t.registered.is_some();
-        if registered {
-            t.take_overflow();
-        }
         if t.conn.is_none() {
             t.held = None;
         }
@@ -697,11 +575,11 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
                 None => std::future::pending().await,
             }
         };
+        let wake = t.wake.clone();
         let event = tokio::select! {
             r = recv(&mut t.conn), if held_until.is_none() => Event::Frame(r),
             _ = release => Event::Release,
-            Some(cmd) = commands.recv() => Event::Command(cmd),
-            Some(msg) = recv_down(&mut t.downstream_rx), if registered => Event::Downstream(msg),
+            _ = wake.notified() => Event::Work,
             _ = sleep => Event::Timer,
         };
         match event {
@@ -715,8 +593,13 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
                 t.conn = None;
                 let _ = t.machine.handle_link_down(now(), code);
             }
-            Event::Command(cmd) => t.command(cmd),
-            Event::Downstream(msg) => t.downstream(msg),
+            Event::Work => {
+                let registry = t.edge.registry.clone();
+                let mut work = Work::default();
+                registry.host(|h| h.take_work_into(t.id, &mut work));
+                t.stash(work);
+                t.do_work();
+            }
             Event::Timer => t.machine.handle_timeout(now()),
         }
     }
@@ -724,32 +607,13 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
     if let Some(conn) = t.conn.as_mut() {
         conn.close(CloseCode::Normal, "").await;
     }
-    let superseded = t.machine.end_reason() == Some(&EndReason::Superseded);
-    match (t.registered, t.adopted) {
-        // Superseded: the entry stays until the new connection registers, so pushes keep
-        // landing in the (handed-over) downstream channel meanwhile.
-        (Some(_), _) if superseded => {}
-        (Some(id), _) => t
-            .edge
-            .registry
-            .remove_if(&id, |h: &Handle| h.task == t.task),
-        // Adopted a channel but never got ACTIVE: drop the stale entry of the old task.
-        (None, Some(id)) => t.edge.registry.remove_if(&id, |h: &Handle| {
-            h.downstream.tx.same_channel(&t.downstream_tx.tx)
-        }),
-        (None, None) => {}
-    }
+    // Whatever this connection still holds ends with it; a session it handed over is the
+    // new holder's already.
+    t.edge.registry.close_conn(t.id);
     t.machine
         .end_reason()
         .cloned()
         .unwrap_or(EndReason::HandshakeFailed(CloseCode::Internal))
-}
-
-async fn recv_down(rx: &mut Option<mpsc::Receiver<DownstreamItem>>) -> Option<DownstreamItem> {
-    match rx {
-        Some(rx) => rx.recv().await,
-        None => std::future::pending().await,
-    }
 }
 
 async fn recv(conn: &mut Option<BoxConnection>) -> Result<waygate_transport::Frame, CloseCode> {
@@ -797,101 +661,81 @@ impl Task {
         }
     }
 
-    /// Sequenced messages the queue refused while it was full: everything still queued goes
-    /// into the machine first (it was pushed before them), then the machine declares them
-    /// lost — the connection closes as `slow_consumer` and the resume reports the gap.
-    fn take_overflow(&mut self) {
-        let lost = self.downstream_tx.overflowed.swap(0, Ordering::AcqRel);
-        if lost == 0 {
-            return;
-        }
-        if let Some(rx) = self.downstream_rx.as_mut() {
-            let mut queued = Vec::new();
-            while let Ok(item) = rx.try_recv() {
-                queued.push(item);
-            }
-            for item in queued {
-                self.downstream(item);
-            }
-        }
-        SessionCounters::add(&self.edge.counters.downstream_overflowed, lost);
-        tracing::info!(
+    /// Adds work taken from the host to the backlog (the answer is the caller's).
+    fn stash(&mut self, work: Work) -> Option<Answer> {
+        let Work {
+            commands,
+            items,
             lost,
-            "session queue overflowed: closing as a slow consumer with a gap"
-        );
-        if let Err(e) = self.machine.lose_downstream(now(), lost) {
-            tracing::debug!(error = %e, "overflow on an ended session");
-        }
+            answer,
+        } = work;
+        self.backlog.items.extend(items);
+        self.backlog.lost += lost;
+        self.backlog.commands.extend(commands);
+        answer
     }
 
-    fn command(&mut self, cmd: Command) {
-        let now = now();
-        match cmd {
-            Command::Kick(reply) => {
-                let _ = reply.send(self.machine.kick(now).ok());
-            }
-            Command::HandOver(attempt, reply) => {
-                // Everything already pushed enters the replay buffer before the snapshot.
-                if let Some(rx) = self.downstream_rx.as_mut() {
-                    let mut queued = Vec::new();
-                    while let Ok(msg) = rx.try_recv() {
-                        queued.push(msg);
-                    }
-                    for msg in queued {
-                        self.downstream(msg);
-                    }
-                }
-                let outcome = self
-                    .machine
-                    .hand_over(now, &attempt)
-                    .unwrap_or(TakeOutcome::NotFound);
-                let channel = match (&outcome, self.downstream_rx.take()) {
-                    (TakeOutcome::Taken(_), Some(rx)) => Some((self.downstream_tx.clone(), rx)),
-                    (_, rx) => {
-                        self.downstream_rx = rx;
-                        None
-                    }
-                };
-                let _ = reply.send(HandOver { outcome, channel });
-            }
-            Command::Close(code) => {
-                let _ = self.machine.close_session(now, code);
-            }
-            Command::Bind(service, instance) => {
-                let _ = self.machine.bind(&service, &instance);
-            }
-            Command::Migrate(target, deadline) => {
-                let _ = self.machine.migrate(&target, deadline);
-            }
-            Command::Quiesce => {
-                let _ = self.machine.quiesce();
-            }
-            Command::DropLink => {
+    /// Does the backlog ([`apply_work`]: items, then losses, then commands) and feeds the
+    /// machine's replies back to the host.
+    fn do_work(&mut self) {
+        let mut work = std::mem::take(&mut self.backlog);
+        let mut replies = Vec::new();
+        let lost = apply_work(&mut self.machine, &mut work, now(), &mut replies);
+        if lost > 0 {
+            SessionCounters::add(&self.edge.counters.downstream_overflowed, lost);
+            tracing::info!(
+                lost,
+                "session queue overflowed: closing as a slow consumer with a gap"
+            );
+        }
+        for reply in replies {
+            if reply == Reply::DropLink {
                 if self.conn.take().is_some() {
-                    let _ = self.machine.handle_link_down(now, CloseCode::GoingAway);
+                    let _ = self.machine.handle_link_down(now(), CloseCode::GoingAway);
                 }
+                continue;
+            }
+            let registry = self.edge.registry.clone();
+            if let Some(snapshot) = registry.host(|h| h.reply(self.id, reply)) {
+                // The resume gave up waiting: the session lives on in the store.
+                self.orphaned = Some(snapshot);
             }
         }
+        self.backlog = work;
     }
 
-    fn downstream(&mut self, item: DownstreamItem) {
-        let refused = match item {
-            DownstreamItem::Message(msg) => self
-                .machine
-                .send_downstream(now(), msg.class, msg.msg_id, msg.payload)
-                .map(|_| ()),
-            DownstreamItem::RoutingKey { service, key } => self.machine.bind_key(&service, &key),
-            DownstreamItem::Error(e) => {
-                self.machine
-                    .report_error(e.code, e.msg_id, e.client_seq, e.retry_after_ms)
+    /// Waits for the answer to this connection's request (the host answers it or times it
+    /// out); work arriving meanwhile goes to the backlog.
+    async fn answer(&mut self) -> Option<Answer> {
+        let registry = self.edge.registry.clone();
+        loop {
+            let mut work = Work::default();
+            registry.host(|h| h.take_work_into(self.id, &mut work));
+            if let Some(answer) = self.stash(work) {
+                return Some(answer);
             }
-        };
-        if let Err(e) = refused {
-            tracing::debug!(error = %e, "downstream item refused");
+            let deadline = registry.host(|h| h.waiting_deadline(self.id))?;
+            let deadline = tokio::time::Instant::from_std(deadline);
+            tokio::select! {
+                _ = self.wake.notified() => {}
+                _ = tokio::time::sleep_until(deadline) => {
+                    registry.host(|h| h.handle_timeout(now()));
+                }
+            }
         }
     }
 
     async fn run_actions(&mut self) {
+        if let Some(snapshot) = self.orphaned.take() {
+            if let Err(e) = self
+                .edge
+                .snapshots
+                .put(&snapshot, self.edge.config.linger)
+                .await
+            {
+                tracing::warn!(error = %e, "could not store a session nobody resumed");
+            }
+        }
         if self.edge.write_through.is_none() {
             while let Some(action) = self.machine.poll_action() {
                 self.action(action).await;
@@ -993,26 +837,31 @@ impl Task {
             } => {
                 let t0 = tokio::time::Instant::now();
                 let resume_hash = attempt.resume_hash;
-                let local = edge.registry.hand_over(&session_id, attempt).await;
+                let start = edge
+                    .registry
+                    .host(|h| h.request_hand_over(self.id, session_id, attempt, now()));
+                let start_ended = start == HandOverStart::Ended;
+                let local = match start {
+                    HandOverStart::NotLocal => None,
+                    HandOverStart::Ended => {
+                        // Taken over: a copy its old task may have stored is not resumable.
+                        let _ = edge.snapshots.delete(&session_id, None).await;
+                        Some(TakeOutcome::NotFound)
+                    }
+                    HandOverStart::Done(outcome) => Some(outcome),
+                    HandOverStart::Pending => match self.answer().await {
+                        Some(Answer::HandOver(outcome)) => outcome,
+                        _ => None,
+                    },
+                };
                 let result = match local {
-                    Some(HandOver {
-                        outcome: TakeOutcome::Taken(s),
-                        channel,
-                    }) => {
+                    Some(TakeOutcome::Taken(s)) => {
                         // The old task may have persisted it on detach: that copy is spent.
                         let _ = edge.snapshots.delete(&session_id, Some(s.fencing)).await;
-                        if let Some((tx, rx)) = channel {
-                            // Adopt the session's downstream channel (see `HandOver`).
-                            self.downstream_tx = tx;
-                            self.downstream_rx = Some(rx);
-                            self.adopted = Some(session_id);
-                        }
                         Ok(TakeOutcome::Taken(s))
                     }
-                    Some(HandOver {
-                        outcome: TakeOutcome::Mismatch,
-                        ..
-                    }) => Ok(TakeOutcome::Mismatch),
+                    Some(TakeOutcome::Mismatch) => Ok(TakeOutcome::Mismatch),
+                    Some(TakeOutcome::NotFound) if start_ended => Ok(TakeOutcome::NotFound),
                     _ => edge.snapshots.take(&session_id, &resume_hash).await,
                 };
                 self.phases.restore += t0.elapsed();
@@ -1035,25 +884,30 @@ impl Task {
                 {
                     Err(e) => Err(e),
                     Ok(grant) => {
+                        let plan = edge.registry.host(|h| {
+                            h.take_over(self.id, session_id, grant.previous.as_ref(), now())
+                        });
                         let mut inherited = None;
-                        if let Some(prev) = grant.previous.as_ref() {
-                            if prev.session_id != session_id {
-                                inherited = edge.registry.kick(&prev.session_id).await;
-                                // A lingering snapshot of the kicked session must not be
-                                // resumable any more; its bindings pass to us.
-                                if let Ok(Some(s)) = edge.snapshots.get(&prev.session_id).await {
-                                    let _ = edge.snapshots.delete(&prev.session_id, None).await;
-                                    if inherited.is_none() {
-                                        inherited = Some(s.bindings);
-                                    }
-                                }
-                                tracing::info!(
-                                    player = %player_id,
-                                    kicked = %hex_id(&prev.session_id),
-                                    edge = %prev.edge,
-                                    "single login: previous session taken over"
-                                );
+                        if plan.kick_pending {
+                            if let Some(Answer::Kicked(bindings)) = self.answer().await {
+                                inherited = bindings;
                             }
+                        }
+                        if let Some(prev) = plan.previous {
+                            // A lingering snapshot of the kicked session must not be
+                            // resumable any more; its bindings pass to us.
+                            if let Ok(Some(s)) = edge.snapshots.get(&prev).await {
+                                let _ = edge.snapshots.delete(&prev, None).await;
+                                if inherited.is_none() {
+                                    inherited = Some(s.bindings);
+                                }
+                            }
+                            tracing::info!(
+                                player = %player_id,
+                                kicked = %hex_id(&prev),
+                                edge = ?grant.previous.as_ref().map(|p| &p.edge),
+                                "single login: previous session taken over"
+                            );
                         }
                         Ok((grant, inherited))
                     }
@@ -1067,23 +921,21 @@ impl Task {
                 fencing,
                 outcome,
             } => {
-                edge.registry.insert(
-                    session_id,
-                    Handle {
-                        task: self.task,
-                        player_id: player_id.clone(),
-                        commands: self.commands_tx.clone(),
-                        downstream: self.downstream_tx.clone(),
-                    },
-                );
-                self.registered = Some(session_id);
+                let outcome_here = edge
+                    .registry
+                    .host(|h| h.established(self.id, session_id, player_id.clone(), fencing));
+                if outcome_here == EstablishOutcome::LostRace {
+                    tracing::info!(player = %player_id, "a newer local login holds the player; kicked");
+                    let _ = self.machine.kick(now());
+                }
                 let span = tracing::Span::current();
                 span.record("session", tracing::field::display(hex_id(&session_id)));
                 span.record("player", tracing::field::display(&player_id));
                 // Two logins of one player racing between claim and registration: the
                 // one with the older fencing token yields.
+                let registered = outcome_here == EstablishOutcome::Registered;
                 if let Ok(Some(owner)) = edge.ownership.owner(&player_id).await {
-                    if owner.fencing > fencing {
+                    if registered && owner.fencing > fencing {
                         tracing::info!(player = %player_id, "lost a login race; kicked");
                         let _ = self.machine.kick(now());
                     }

@@ -52,6 +52,7 @@ pub mod auth;
 pub mod client;
 pub mod counters;
 pub mod driver;
+pub mod host;
 pub mod machine;
 pub mod replay;
 pub mod resume;

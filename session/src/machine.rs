@@ -1329,6 +1329,18 @@ impl SessionMachine {
             .as_mut()
             .map(|c| std::mem::take(&mut c.bindings))
             .unwrap_or_default();
+        // Ended: its ownership is not released (a newer owner holds the player; the fencing
+        // token tells), a copy of it in the store is deleted (it must not be resumable), and
+        // the router and backends learn it is gone. Its bindings pass to the new session.
+        if let Some(core) = &self.core {
+            self.actions.push_back(Action::Ended(SessionEnd {
+                session_id: core.id,
+                player_id: core.player_id.clone(),
+                fencing: core.fencing,
+                bindings: BTreeMap::new(),
+                reason: EndReason::Kicked,
+            }));
+        }
         self.end_with(State::Closed, EndReason::Kicked);
         Ok(bindings)
     }

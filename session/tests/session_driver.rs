@@ -52,7 +52,7 @@ async fn linger_expiry_releases_ownership_bindings_and_snapshot() {
     c.connect(Instant::now()).expect("hello");
     exchange(&mut c, &mut conn, &mut events, |e| !welcomes(e).is_empty()).await;
     let sid = edge.registry.session_of("p").expect("registered");
-    assert!(edge.registry.bind(&sid, "world", "w-1").await);
+    assert!(edge.registry.bind(&sid, "world", "w-1"));
     drop(conn); // the link dies without a CLOSE
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(

@@ -230,7 +230,7 @@ async fn second_login_over_tcp_kicks_the_first() {
         .pump(Duration::from_secs(5), |c| !c.welcomes.is_empty())
         .await;
     let sid1 = edge.registry.session_of("bob").expect("registered");
-    assert!(edge.registry.bind(&sid1, "world", "w-9").await);
+    assert!(edge.registry.bind(&sid1, "world", "w-9"));
     let mut second = TestClient::new(addr, "bob");
     second.connect().await;
     second

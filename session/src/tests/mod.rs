@@ -1,6 +1,7 @@
 //! Deterministic tests of the session machine and its client counterpart on a virtual clock
 //! (see [`pair`]).
 
+mod host_props;
 mod pair;
 mod props;
 

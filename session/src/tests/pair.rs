@@ -1,9 +1,9 @@
 //! A quinn-`Pair`-style harness: server machines (one per connection) and client
 //! counterparts on a virtual clock, joined by scripted in-memory links. It plays the
-//! driver's part synchronously: auth, an in-memory snapshot store, the ownership registry,
-//! kicks and hand-overs.
+//! driver's part synchronously — auth, an in-memory snapshot store, the ownership registry —
+//! around the real [`SessionHost`], which decides kicks, hand-overs and takeovers.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -14,6 +14,9 @@ use waygate_transport::{CloseCode, Frame, TrafficClass};
 use crate::auth::{mint_token, HmacAuthenticator, KeyRing, TokenClaims};
 use crate::client::{ClientConfig, ClientEvent, ClientSession};
 use crate::counters::SessionCounters;
+use crate::host::{
+    apply_work, Answer, ConnId, Downstream, EstablishOutcome, HandOverStart, Reply, SessionHost,
+};
 use crate::machine::{Action, SessionConfig, SessionEnd, SessionMachine, State, Upstream};
 use crate::rng::SeededRng;
 use crate::store::{ClaimGrant, Owner, Snapshot, TakeOutcome};
@@ -36,14 +39,25 @@ pub(crate) fn token_for(player: &str) -> Bytes {
     .expect("mint")
 }
 
-/// The edge side: every server machine, the stores, and the log of side effects.
+/// The edge side: every server machine (one per connection), the real [`SessionHost`]
+/// holding the cross-session rules, the stores, and the log of side effects.
 pub(crate) struct Edge {
     pub(crate) config: SessionConfig,
     pub(crate) counters: Arc<SessionCounters>,
     pub(crate) auth: HmacAuthenticator,
     pub(crate) unix_now: u64,
     pub(crate) machines: Vec<SessionMachine>,
-    /// Server machine -> frames it sent, not yet delivered.
+    pub(crate) host: SessionHost,
+    /// Connections whose driver is stuck (their host work waits until released).
+    pub(crate) stalled: HashSet<usize>,
+    /// Connections the host was told are gone.
+    closed: HashSet<usize>,
+    /// Connections with a client link (the others' actions run as soon as they appear).
+    pub(crate) linked: HashSet<usize>,
+    /// Stalled connections woken meanwhile.
+    stalled_wakes: HashSet<usize>,
+    /// Answers to requests, by the connection that asked.
+    answers: HashMap<usize, Answer>,
     pub(crate) store: HashMap<SessionId, Snapshot>,
     pub(crate) owners: HashMap<String, (u64, Option<Owner>)>,
     pub(crate) delivered: Vec<Upstream>,
@@ -53,7 +67,7 @@ pub(crate) struct Edge {
 }
 
 impl Edge {
-    pub(crate) fn new(config: SessionConfig) -> Self {
+    pub(crate) fn with_outbound(config: SessionConfig, capacity: usize) -> Self {
         let mut ring = KeyRing::new();
         ring.insert(1, KEY);
         Self {
@@ -62,6 +76,12 @@ impl Edge {
             auth: HmacAuthenticator::new(ring),
             unix_now: UNIX_NOW,
             machines: Vec::new(),
+            host: SessionHost::new(SessionHost::outbound_for_capacity(capacity)),
+            stalled: HashSet::new(),
+            closed: HashSet::new(),
+            stalled_wakes: HashSet::new(),
+            linked: HashSet::new(),
+            answers: HashMap::new(),
             store: HashMap::new(),
             owners: HashMap::new(),
             delivered: Vec::new(),
@@ -80,14 +100,92 @@ impl Edge {
         );
         m.handle_link_up(now).expect("link up");
         self.machines.push(m);
-        self.machines.len() - 1
+        let i = self.machines.len() - 1;
+        self.host.open(i as ConnId);
+        i
     }
 
-    /// The machine currently holding a session (ACTIVE or DETACHED).
+    /// The machine the host says holds a session.
     pub(crate) fn holder(&self, session: &SessionId) -> Option<usize> {
-        self.machines.iter().position(|m| {
-            matches!(m.state(), State::Active | State::Detached) && m.session_id() == Some(*session)
-        })
+        let i = self.host.holder_of(session)? as usize;
+        matches!(self.machines[i].state(), State::Active | State::Detached).then_some(i)
+    }
+
+    /// Does the host's work for every woken connection that is not stalled (as each
+    /// connection's driver would), feeding the machines' replies back; tells the host about
+    /// connections whose machine ended.
+    pub(crate) fn serve(&mut self, now: Instant) {
+        loop {
+            let mut progressed = false;
+            let mut woken = Vec::new();
+            while let Some(c) = self.host.poll_wake() {
+                woken.push(c as usize);
+            }
+            for j in woken {
+                if self.stalled.contains(&j) {
+                    // Its driver is stuck: the work stays in the host for later.
+                    self.stalled_wakes.insert(j);
+                    continue;
+                }
+                progressed = true;
+                self.work(j, now);
+            }
+            for j in 0..self.machines.len() {
+                if self.machines[j].state().is_terminal() && self.closed.insert(j) {
+                    self.host.close(j as ConnId);
+                    progressed = true;
+                }
+            }
+            if !progressed {
+                break;
+            }
+        }
+        self.host.check_invariants().expect("host invariants");
+    }
+
+    fn work(&mut self, j: usize, now: Instant) {
+        let mut work = self.host.take_work(j as ConnId);
+        let mut replies = Vec::new();
+        apply_work(&mut self.machines[j], &mut work, now, &mut replies);
+        for reply in replies {
+            if reply == Reply::DropLink {
+                let _ = self.machines[j].handle_link_down(now, CloseCode::GoingAway);
+                continue;
+            }
+            if let Some(s) = self.host.reply(j as ConnId, reply) {
+                self.store.insert(s.session_id, *s);
+            }
+        }
+        if let Some(answer) = work.answer {
+            self.answers.insert(j, answer);
+        }
+        if !self.linked.contains(&j) {
+            // No link: like its driver, it carries out what the work caused right away.
+            let mut sink = VecDeque::new();
+            self.run(j, now, &mut sink);
+        }
+    }
+
+    /// Un-sticks connection `j`: its waiting work is done now.
+    pub(crate) fn release(&mut self, j: usize, now: Instant) {
+        self.stalled.remove(&j);
+        if self.stalled_wakes.remove(&j) {
+            self.work(j, now);
+        }
+        self.serve(now);
+    }
+
+    /// The answer to connection `i`'s request: served at once, or — its holder stuck —
+    /// after the host's deadline.
+    fn answer(&mut self, i: usize, now: Instant) -> Option<Answer> {
+        self.serve(now);
+        if let Some(a) = self.answers.remove(&i) {
+            return Some(a);
+        }
+        let deadline = self.host.waiting_deadline(i as ConnId)?;
+        self.host.handle_timeout(deadline);
+        self.serve(now);
+        self.answers.remove(&i)
     }
 
     /// Runs machine `i`'s actions; frames for its connection go to `out`. Returns whether
@@ -120,22 +218,30 @@ impl Edge {
                     attempt,
                 } => {
                     let resume_hash = attempt.resume_hash;
-                    let local = self.machines.iter().position(|m| {
-                        matches!(m.state(), State::Active | State::Detached)
-                            && m.session_id() == Some(session_id)
-                    });
-                    let outcome = match local {
-                        Some(j) => {
-                            // Its own actions (CLOSE to its old link) run with its peer.
-                            let o = self.machines[j]
-                                .hand_over(now, &attempt)
-                                .expect("hand over");
-                            if matches!(o, TakeOutcome::Taken(_)) {
-                                self.store.remove(&session_id);
-                            }
-                            o
+                    let start = self
+                        .host
+                        .request_hand_over(i as ConnId, session_id, attempt, now);
+                    let ended = start == HandOverStart::Ended;
+                    let local = match start {
+                        HandOverStart::NotLocal => None,
+                        HandOverStart::Ended => {
+                            self.store.remove(&session_id);
+                            Some(TakeOutcome::NotFound)
                         }
-                        None => match self.store.get(&session_id) {
+                        HandOverStart::Done(o) => Some(o),
+                        HandOverStart::Pending => match self.answer(i, now) {
+                            Some(Answer::HandOver(o)) => o,
+                            _ => None,
+                        },
+                    };
+                    let outcome = match local {
+                        Some(TakeOutcome::Taken(s)) => {
+                            self.store.remove(&session_id);
+                            TakeOutcome::Taken(s)
+                        }
+                        Some(TakeOutcome::Mismatch) => TakeOutcome::Mismatch,
+                        Some(TakeOutcome::NotFound) if ended => TakeOutcome::NotFound,
+                        _ => match self.store.get(&session_id) {
                             None => TakeOutcome::NotFound,
                             Some(s) if s.accepts(&resume_hash) => self
                                 .store
@@ -166,22 +272,38 @@ impl Edge {
                         edge: "e1".into(),
                         fencing,
                     });
+                    let plan = self
+                        .host
+                        .take_over(i as ConnId, session_id, previous.as_ref(), now);
                     let mut inherited = None;
-                    if let Some(prev) = &previous {
-                        if prev.session_id != session_id {
-                            if let Some(j) = self.holder(&prev.session_id) {
-                                inherited = self.machines[j].kick(now).ok();
-                            }
-                            if let Some(s) = self.store.remove(&prev.session_id) {
-                                inherited.get_or_insert(s.bindings);
-                            }
+                    if plan.kick_pending {
+                        if let Some(Answer::Kicked(b)) = self.answer(i, now) {
+                            inherited = b;
+                        }
+                    }
+                    if let Some(prev) = plan.previous {
+                        if let Some(s) = self.store.remove(&prev) {
+                            inherited.get_or_insert(s.bindings);
                         }
                     }
                     self.machines[i]
                         .handle_claimed(now, Ok((ClaimGrant { fencing, previous }, inherited)))
                         .expect("claim");
                 }
-                Action::Established { .. } | Action::Bind(_) | Action::RoutingKeys(_) => {}
+                Action::Established {
+                    session_id,
+                    player_id,
+                    fencing,
+                    ..
+                } => {
+                    let outcome =
+                        self.host
+                            .established(i as ConnId, session_id, player_id, fencing);
+                    if outcome == EstablishOutcome::LostRace {
+                        let _ = self.machines[i].kick(now);
+                    }
+                }
+                Action::Bind(_) | Action::RoutingKeys(_) => {}
                 Action::Deliver(u) => self.delivered.push(u),
                 Action::Ended(end) => {
                     if let Some(e) = self.owners.get_mut(end.player_id.as_ref()) {
@@ -202,9 +324,31 @@ impl Edge {
                 }
             }
         }
+        self.serve(now);
         closed
     }
 
+    /// A backend push through the host; whether the host accepted it (its holder may be
+    /// stuck: then it waits in the host's queue).
+    pub(crate) fn push_any(
+        &mut self,
+        session: &SessionId,
+        now: Instant,
+        class: TrafficClass,
+        payload: &[u8],
+    ) -> bool {
+        let message = Downstream {
+            class,
+            msg_id: 7,
+            payload: Bytes::copy_from_slice(payload),
+        };
+        let accepted = self.host.push(session, message).is_ok();
+        self.serve(now);
+        accepted
+    }
+
+    /// A backend push through the host; returns the seq it got (0: best-effort), or `None`
+    /// when the host refused it or the holder is stuck.
     pub(crate) fn push(
         &mut self,
         session: &SessionId,
@@ -212,10 +356,21 @@ impl Edge {
         class: TrafficClass,
         payload: &[u8],
     ) -> Option<u64> {
-        let i = self.holder(session)?;
-        self.machines[i]
-            .send_downstream(now, class, 7, Bytes::copy_from_slice(payload))
-            .expect("push")
+        let message = Downstream {
+            class,
+            msg_id: 7,
+            payload: Bytes::copy_from_slice(payload),
+        };
+        self.host.push(session, message).ok()?;
+        let i = self.host.holder_of(session)? as usize;
+        self.serve(now);
+        if self.stalled.contains(&i) {
+            return None;
+        }
+        if !class.is_sequenced() {
+            return Some(0);
+        }
+        self.machines[i].core().map(|c| c.replay().highest_sent())
     }
 }
 
@@ -240,9 +395,14 @@ pub(crate) struct Pair {
 
 impl Pair {
     pub(crate) fn new(config: SessionConfig) -> Self {
+        Self::with_outbound(config, 1024)
+    }
+
+    /// A pair whose host queues at most `capacity` items per session.
+    pub(crate) fn with_outbound(config: SessionConfig, capacity: usize) -> Self {
         Self {
             now: Instant::now(),
-            edge: Edge::new(config),
+            edge: Edge::with_outbound(config, capacity),
             peers: Vec::new(),
         }
     }
@@ -259,11 +419,29 @@ impl Pair {
         self.peers.len() - 1
     }
 
+    /// Replaces client `c`'s ended session (kicked, rejected) with a fresh login: the app
+    /// starting over. Its event log is kept.
+    pub(crate) fn relogin(&mut self, c: usize, token: Bytes) {
+        if let Some(m) = self.peers[c].conn.take() {
+            self.edge.linked.remove(&m);
+            let now = self.now;
+            let _ = self.edge.machines[m].handle_link_down(now, CloseCode::GoingAway);
+            let mut sink = VecDeque::new();
+            self.edge.run(m, now, &mut sink);
+        }
+        let p = &mut self.peers[c];
+        p.client = ClientSession::new(token, ClientConfig::default());
+        p.to_server.clear();
+        p.to_client.clear();
+        p.drop_next = 0;
+    }
+
     /// Opens a new link for client `c` and sends its HELLO (not yet delivered).
     pub(crate) fn connect(&mut self, c: usize) {
         let m = self.edge.new_machine(self.now);
         let p = &mut self.peers[c];
         p.conn = Some(m);
+        self.edge.linked.insert(m);
         p.to_server.clear();
         p.to_client.clear();
         p.client.connect(self.now).expect("connect");
@@ -276,6 +454,7 @@ impl Pair {
         p.to_server.clear();
         p.to_client.clear();
         if let Some(m) = p.conn.take() {
+            self.edge.linked.remove(&m);
             let _ = self.edge.machines[m].handle_link_down(now, CloseCode::GoingAway);
             let mut sink = VecDeque::new();
             self.edge.run(m, now, &mut sink);
@@ -307,7 +486,9 @@ impl Pair {
                 p.to_client.extend(out);
                 if closed {
                     // The server closed: deliver what it sent (incl. CLOSE), then the link is gone.
-                    p.conn = None;
+                    if let Some(m) = p.conn.take() {
+                        self.edge.linked.remove(&m);
+                    }
                 }
             }
             let p = &mut self.peers[c];
@@ -340,7 +521,9 @@ impl Pair {
                     let p = &mut self.peers[c];
                     p.to_client.extend(out);
                     if closed {
-                        p.conn = None;
+                        if let Some(m) = p.conn.take() {
+                            self.edge.linked.remove(&m);
+                        }
                     }
                 }
             } else {
@@ -384,6 +567,8 @@ impl Pair {
 
     /// Advances the virtual clock by `d`, firing every timer on the way (in order).
     pub(crate) fn advance(&mut self, d: Duration) {
+        // What is in flight now arrives before time passes.
+        self.drive_all();
         let end = self.now + d;
         loop {
             let next = self

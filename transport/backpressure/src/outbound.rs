@@ -412,6 +412,25 @@ impl<T> OutboundQueue<T> {
         popped
     }
 
+    /// Takes the oldest message of any class (push order; a best-effort message coalesced
+    /// in place keeps its place): for a consumer that must not let a later message overtake
+    /// an earlier one, while the bounds still treat the classes apart.
+    pub fn pop_in_order(&mut self) -> Option<Popped<T>> {
+        let class = (0..3)
+            .filter_map(|c| self.classes[c].front().map(|e| (e.seq, c)))
+            .min()?
+            .1;
+        let popped = self.pop_class(class);
+        self.stats.classes[class].popped += 1;
+        self.update_watermarks();
+        popped
+    }
+
+    /// Removes everything in push order (see [`pop_in_order`](Self::pop_in_order)).
+    pub fn drain_in_order(&mut self) -> impl Iterator<Item = Popped<T>> + '_ {
+        std::iter::from_fn(move || self.pop_in_order())
+    }
+
     /// The class [`pop`](Self::pop) would take from next.
     pub fn peek_class(&self) -> Option<TrafficClass> {
         (0..3)

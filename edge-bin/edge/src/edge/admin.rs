@@ -108,12 +108,12 @@ impl AdminApi for EdgeAdmin {
                 // written through, then MIGRATE (its rotated token is written first), so
                 // the client restores on the target from the warm tier with nothing lost.
                 for sid in &ids {
-                    registry.quiesce(sid).await;
+                    registry.quiesce(sid);
                 }
                 tokio::time::sleep(Duration::from_millis(s.config.cluster.quiesce_ms)).await;
             }
             for sid in ids {
-                if registry.migrate(&sid, &target, deadline).await {
+                if registry.migrate(&sid, &target, deadline) {
                     migrated += 1;
                 }
             }
@@ -132,7 +132,7 @@ impl AdminApi for EdgeAdmin {
     async fn drop_link(&self, player: &str) -> bool {
         let registry = &self.0.session_layer().registry;
         match registry.session_of(player) {
-            Some(sid) => registry.drop_link(&sid).await,
+            Some(sid) => registry.drop_link(&sid),
             None => false,
         }
     }
@@ -140,7 +140,7 @@ impl AdminApi for EdgeAdmin {
     async fn kick(&self, player: &str) -> bool {
         let registry = &self.0.session_layer().registry;
         match registry.session_of(player) {
-            Some(sid) => registry.close(&sid, CloseCode::Kicked).await,
+            Some(sid) => registry.close(&sid, CloseCode::Kicked),
             None => false,
         }
     }

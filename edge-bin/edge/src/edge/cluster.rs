@@ -133,8 +133,7 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
                 .and_then(|e| e.by_id.get(&k.session_id).map(|en| en.meta.fencing));
             // Kick only a copy that is not newer than the one taken over.
             if local.is_none_or(|f| f <= k.fencing) {
-                let registry = shared.session_layer().registry.clone();
-                tokio::spawn(async move { registry.kick(&k.session_id).await });
+                shared.session_layer().registry.kick(&k.session_id);
             }
         }
     }));
@@ -188,9 +187,7 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
                     Ok(Reassert::Owner) => {}
                     Ok(Reassert::Superseded(_)) => {
                         superseded += 1;
-                        let registry = shared.session_layer().registry.clone();
-                        let sid = *sid;
-                        tokio::spawn(async move { registry.kick(&sid).await });
+                        shared.session_layer().registry.kick(sid);
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "re-assert failed");

@@ -71,7 +71,7 @@ pub(super) async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver
             }
             LinkEvent::Backend(LinkFrame::Kick { handle, code, .. }) => {
                 if let Some(sid) = shared.session_of_handle(handle) {
-                    shared.session_layer().registry.close_soon(&sid, code);
+                    shared.session_layer().registry.close(&sid, code);
                 }
             }
             LinkEvent::Refuse {

@@ -12,7 +12,8 @@ use waygate_routing::source::{FileRouteSource, FileSourceConfig, RouteSource};
 use waygate_routing::{
     HealthConfig, MigrationRate, RouteTable, Router, RouterConfig, RoutingError,
 };
-use waygate_session::driver::{SessionLayer, WriteThrough};
+use waygate_session::driver::{SessionLayer, SessionRegistry, WriteThrough};
+use waygate_session::host::SessionHost;
 use waygate_session::machine::SessionConfig;
 use waygate_session::{HmacAuthenticator, KeyRing};
 
@@ -238,7 +239,8 @@ impl Edge {
             auth,
             Arc::new(EdgeUpstream(Arc::downgrade(&shared))),
         );
-        session_layer.outbound_capacity = s.outbound_capacity;
+        session_layer.registry =
+            SessionRegistry::with_outbound(SessionHost::outbound_for_capacity(s.outbound_capacity));
         session_layer.trace_sample_rate = s.trace_sample_rate;
         session_layer.inbound = Some(inbound_limits(&shared.config.backpressure));
         session_layer.send_deadline =

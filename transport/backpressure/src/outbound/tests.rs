@@ -18,6 +18,22 @@ fn pops(q: &mut OutboundQueue<u32>) -> Vec<(TrafficClass, u32)> {
 }
 
 #[test]
+fn pops_in_push_order_across_classes_when_asked() {
+    let mut q = OutboundQueue::new(config());
+    for (i, class) in [B, N, C, B, N, C, N].into_iter().enumerate() {
+        assert_eq!(q.push(class, i as u32, 10, None), PushOutcome::Queued);
+    }
+    // A best-effort message coalesced in place keeps its place.
+    assert_eq!(q.push(B, 7, 10, Some(9)), PushOutcome::Queued);
+    assert_eq!(q.push(B, 8, 10, Some(9)), PushOutcome::Coalesced);
+    let order: Vec<u32> = q.drain_in_order().map(|p| p.item).collect();
+    assert_eq!(order, vec![0, 1, 2, 3, 4, 5, 6, 8]);
+    assert!(q.is_empty());
+    assert_eq!(q.bytes(), 0);
+    assert_eq!(q.stats().class(C).popped, 2);
+}
+
+#[test]
 fn pops_in_class_order_and_fifo_within_a_class() {
     let mut q = OutboundQueue::new(config());
     for (i, class) in [B, N, C, B, N, C, N].into_iter().enumerate() {

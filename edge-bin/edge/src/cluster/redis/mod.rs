@@ -29,7 +29,7 @@
 //! let registry = session_layer.registry.clone();
 //! tokio::spawn(async move {
 //!     while let Some(k) = kicks.recv().await {
-//!         registry.kick(&k.session_id).await;
+//!         registry.kick(&k.session_id);
 //!     }
 //! });
 //! // Pushes from other edges:

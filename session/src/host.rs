@@ -1,0 +1,977 @@
+//! [`SessionHost`] — sans-IO: every session of one edge, and every rule that spans sessions
+//! and connections.
+//!
+//! Shaped like quinn-proto's `Endpoint` (and our KCP endpoint): a plain struct fed events
+//! with `now`, polled for outputs, never touching a socket, a task or the clock. It owns:
+//!
+//! - the table of live and lingering sessions, by session id and by player, and which
+//!   connection ([`ConnId`]) holds each one (one [`SessionMachine`](crate::SessionMachine)
+//!   per connection, owned by that connection's driver);
+//! - each session's **outbound queue** (an [`OutboundQueue`], SPEC B3): backend pushes,
+//!   routing keys and refusals wait here, in order, until the holder takes them into its
+//!   machine (which sequences them into the replay buffer). The queue belongs to the
+//!   *session*, not the connection, so it survives a hand-over untouched. A full queue never
+//!   drops a sequenced item silently: the item is counted as lost for the holder, which then
+//!   closes as `slow_consumer` and reports the gap on resume;
+//! - **hand-over** (a resume finding its session live here): one request at a time per
+//!   session, answered by the holder, with a deadline; a snapshot handed over after its
+//!   requester gave up comes back as [`HandedOver::Orphaned`] for the store, never lost;
+//! - **takeover** (single login): after a claim names a previous owner, whom to kick and
+//!   whether the new login must wait for the kicked session's bindings;
+//! - **login races** between two local sessions of one player (the older fencing yields);
+//! - **commands** for a session (close, bind, migrate, quiesce, drop link), each a bounded
+//!   mailbox entry of its holder: nobody ever waits for a session to read them.
+//!
+//! Outputs: [`SessionHost::poll_wake`] names each connection that has work (mail, queued
+//! items, an answer); the connection's driver then calls [`SessionHost::take_work`]. The
+//! tokio driver ([`crate::driver`]) keeps the host behind one mutex (like quinn's endpoint)
+//! and only moves bytes and timers; the deterministic pair harness drives the same host.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use waygate_backpressure::{OutboundConfig, OutboundQueue, PushOutcome};
+use waygate_protocol::frame::{ErrorReport, SessionId};
+use waygate_transport::{CloseCode, TrafficClass};
+
+use crate::machine::{ResumeAttempt, SessionMachine};
+use crate::store::{Owner, Snapshot, TakeOutcome};
+
+/// One connection (its driver and session machine) as the host names it.
+pub type ConnId = u64;
+
+/// How long a resume waits for a live local session to hand itself over, and a takeover for
+/// the kicked session's bindings.
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Commands queued for one connection before [`MailboxError::Full`].
+pub const MAILBOX_CAPACITY: usize = 32;
+
+/// A downstream message for a session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Downstream {
+    /// Traffic class.
+    pub class: TrafficClass,
+    /// Application message id.
+    pub msg_id: u32,
+    /// Body.
+    pub payload: Bytes,
+}
+
+/// What waits in a session's outbound queue, in the order its pusher gave it: messages, the
+/// routing keys backends bind between them (so a key bound before a push is in the
+/// session's snapshot before that push is shown), and refusals of the client's messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OutboundItem {
+    /// A backend push.
+    Message(Downstream),
+    /// A routing key bound by a backend (service -> business key).
+    RoutingKey {
+        /// Service.
+        service: String,
+        /// Key.
+        key: String,
+    },
+    /// An ERROR for one of the client's messages.
+    Error(ErrorReport),
+}
+
+impl OutboundItem {
+    /// Class in the queue's bounds: keys and refusals are never shed (critical).
+    fn class(&self) -> TrafficClass {
+        match self {
+            Self::Message(m) => m.class,
+            Self::RoutingKey { .. } | Self::Error(_) => TrafficClass::Critical,
+        }
+    }
+
+    /// Bytes it occupies in the queue's byte bound.
+    fn len(&self) -> usize {
+        match self {
+            Self::Message(m) => m.payload.len() + 16,
+            Self::RoutingKey { service, key } => service.len() + key.len() + 16,
+            Self::Error(_) => 32,
+        }
+    }
+}
+
+/// Why [`SessionHost::push`] did not queue a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PushError {
+    /// No live or lingering session with that id (or player) on this edge.
+    #[error("no such session on this edge")]
+    NotFound,
+    /// The session's outbound queue is full: a sequenced item is declared lost (the
+    /// session closes as `slow_consumer` and its resume reports the gap).
+    #[error("session outbound queue full")]
+    QueueFull,
+    /// A best-effort message shed because the session's queue is congested (B3).
+    #[error("best-effort message shed (queue congested)")]
+    Shed,
+}
+
+/// Why a command could not be queued for a session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MailboxError {
+    /// No live or lingering session with that id on this edge.
+    #[error("no such session on this edge")]
+    NotFound,
+    /// The holder's mailbox is full ([`MAILBOX_CAPACITY`] commands not yet taken).
+    #[error("session mailbox full")]
+    Full,
+}
+
+/// A command for the connection holding a session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Command {
+    /// A newer login took over: end as KICKED, then answer [`SessionHost::kicked`].
+    Kick,
+    /// A resume wants this session: try `hand_over`, then answer
+    /// [`SessionHost::handed_over`].
+    HandOver(ResumeAttempt),
+    /// End the session from the server side.
+    Close(CloseCode),
+    /// Record a backend binding (service -> instance).
+    Bind(String, String),
+    /// Soft migration: MIGRATE to `target` within the deadline.
+    Migrate(String, Duration),
+    /// Hard migration step 1: stop taking upstream DATA.
+    Quiesce,
+    /// Drop the connection without a CLOSE (a chaos drill); the session lingers.
+    DropLink,
+}
+
+/// The answer to a request a connection made ([`SessionHost::request_hand_over`],
+/// [`SessionHost::take_over`]).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Answer {
+    /// The live session's answer to a resume; `None`: it did not answer in time (ask the
+    /// shared store).
+    HandOver(Option<TakeOutcome>),
+    /// The kicked previous session's bindings; `None`: it had none to give or did not
+    /// answer in time.
+    Kicked(Option<BTreeMap<String, String>>),
+}
+
+/// What a connection's driver takes from the host when woken.
+#[derive(Debug, Default)]
+pub struct Work {
+    /// Commands, in the order they were given.
+    pub commands: Vec<Command>,
+    /// The held session's queued items, in the order they were pushed (no class overtakes
+    /// another: they share one sequence).
+    pub items: Vec<OutboundItem>,
+    /// Sequenced items the full queue could not take since the last call: declare them lost
+    /// after `items` (they were pushed after every one of those).
+    pub lost: u64,
+    /// The answer to this connection's pending request.
+    pub answer: Option<Answer>,
+}
+
+impl Work {
+    /// Whether there is nothing to do.
+    pub fn is_empty(&self) -> bool {
+        self.commands.is_empty() && self.items.is_empty() && self.lost == 0 && self.answer.is_none()
+    }
+}
+
+/// How [`SessionHost::request_hand_over`] went.
+#[derive(Debug, PartialEq, Eq)]
+pub enum HandOverStart {
+    /// The session is not held on this edge: ask the shared store.
+    NotLocal,
+    /// Answered at once (e.g. another resume of it is under way: `NotFound`).
+    Done(TakeOutcome),
+    /// The session was told to end (a newer login took the player over): it must not be
+    /// resumed, not even from a copy in the store.
+    Ended,
+    /// The holder was asked; the answer comes as [`Answer::HandOver`] in [`Work`].
+    Pending,
+}
+
+/// What to do with a hand-over's outcome ([`SessionHost::handed_over`]).
+#[derive(Debug, PartialEq, Eq)]
+pub enum HandedOver {
+    /// Delivered to the requester.
+    Delivered,
+    /// The requester is gone (it gave up or closed): put this snapshot back in the store so
+    /// a later resume finds it.
+    Orphaned(Box<Snapshot>),
+}
+
+/// The plan after an ownership claim ([`SessionHost::take_over`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Takeover {
+    /// The previous session to end: its lingering snapshot must be deleted from the store
+    /// and (if the kick gave none) its bindings taken from it.
+    pub previous: Option<SessionId>,
+    /// Whether the previous session is held here and was told to end: its bindings come as
+    /// [`Answer::Kicked`].
+    pub kick_pending: bool,
+}
+
+/// How [`SessionHost::established`] went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EstablishOutcome {
+    /// Registered; the player's older local session (if any) was told to end.
+    Registered,
+    /// The player has a newer local session (higher fencing): this one must end KICKED.
+    LostRace,
+}
+
+/// Counters of the host.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HostStats {
+    /// Sequenced items a full queue could not take (declared lost, reported as gaps).
+    pub lost: u64,
+    /// Best-effort messages shed or evicted.
+    pub shed: u64,
+    /// Hand-overs and kicks whose holder did not answer in time.
+    pub answer_timeouts: u64,
+    /// Snapshots handed over after their requester left (put back in the store).
+    pub orphaned: u64,
+    /// Commands refused because a mailbox was full.
+    pub mailbox_full: u64,
+}
+
+#[derive(Debug)]
+struct SessionEntry {
+    player: Arc<str>,
+    fencing: u64,
+    /// The connection holding the session (or about to: set when a hand-over succeeds).
+    holder: ConnId,
+    /// Whether `holder` reached ACTIVE with it ([`SessionHost::established`]).
+    established: bool,
+    queue: OutboundQueue<OutboundItem>,
+    lost: u64,
+    /// A resume waiting for this session's hand-over: the requester.
+    handing_to: Option<ConnId>,
+    /// Told to end (kicked or lost a race): no more hand-overs or player lookups.
+    ending: bool,
+}
+
+#[derive(Debug, Default)]
+struct ConnSlot {
+    /// The session this connection holds (at most one).
+    session: Option<SessionId>,
+    mailbox: VecDeque<Command>,
+    answer: Option<Answer>,
+    /// A request waiting for an answer: what, about which session, until when.
+    waiting: Option<(Waiting, SessionId, Instant)>,
+    woken: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Waiting {
+    HandOver,
+    Kick,
+}
+
+/// Every session of one edge and the rules across them. See the module docs.
+#[derive(Debug)]
+pub struct SessionHost {
+    outbound: OutboundConfig,
+    sessions: HashMap<SessionId, SessionEntry>,
+    players: HashMap<Arc<str>, SessionId>,
+    conns: HashMap<ConnId, ConnSlot>,
+    wakes: VecDeque<ConnId>,
+    stats: HostStats,
+}
+
+impl SessionHost {
+    /// A host whose sessions' outbound queues have `outbound` bounds (validate it first).
+    pub fn new(outbound: OutboundConfig) -> Self {
+        Self {
+            outbound,
+            sessions: HashMap::new(),
+            players: HashMap::new(),
+            conns: HashMap::new(),
+            wakes: VecDeque::new(),
+            stats: HostStats::default(),
+        }
+    }
+
+    /// Outbound bounds for a queue of `capacity` messages: 1/8 reserved for critical items,
+    /// congested (best-effort shed) above 3/4, at most 64 KiB per message on average.
+    pub fn outbound_for_capacity(capacity: usize) -> OutboundConfig {
+        let max_messages = capacity.max(2);
+        let max_bytes = max_messages.saturating_mul(64 * 1024).max(1 << 20);
+        OutboundConfig {
+            max_messages,
+            max_bytes,
+            reserve_messages: (max_messages / 8).max(1),
+            reserve_bytes: max_bytes / 8,
+            high_watermark_permille: 750,
+            low_watermark_permille: 250,
+        }
+    }
+
+    // ----- connections -----------------------------------------------------------------
+
+    /// A connection's driver starts.
+    pub fn open(&mut self, conn: ConnId) {
+        self.conns.entry(conn).or_default();
+    }
+
+    /// A connection's driver ended (its machine is terminal). Sessions it still holds end
+    /// with it (their queues go: the machine already persisted what it had); a request it
+    /// was waiting for is abandoned.
+    pub fn close(&mut self, conn: ConnId) {
+        let Some(slot) = self.conns.remove(&conn) else {
+            return;
+        };
+        if let Some(id) = slot.session {
+            if self.sessions.get(&id).is_some_and(|e| e.holder == conn) {
+                self.remove_session(&id);
+            }
+        }
+        if let Some((Waiting::HandOver, id, _)) = slot.waiting {
+            if let Some(e) = self.sessions.get_mut(&id) {
+                if e.handing_to == Some(conn) {
+                    e.handing_to = None;
+                }
+            }
+        }
+    }
+
+    /// Makes `conn` the holder of `id` (whose entry exists).
+    fn set_holder(&mut self, id: SessionId, conn: ConnId) {
+        let Some(e) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let old = std::mem::replace(&mut e.holder, conn);
+        if old != conn {
+            if let Some(slot) = self.conns.get_mut(&old) {
+                if slot.session == Some(id) {
+                    slot.session = None;
+                }
+            }
+        }
+        if let Some(slot) = self.conns.get_mut(&conn) {
+            slot.session = Some(id);
+        }
+    }
+
+    fn remove_session(&mut self, id: &SessionId) {
+        if let Some(e) = self.sessions.remove(id) {
+            if self.players.get(&e.player) == Some(id) {
+                self.players.remove(&e.player);
+            }
+        }
+    }
+
+    fn wake(&mut self, conn: ConnId) {
+        if let Some(slot) = self.conns.get_mut(&conn) {
+            if !slot.woken {
+                slot.woken = true;
+                self.wakes.push_back(conn);
+            }
+        }
+    }
+
+    /// The next connection with work to take ([`take_work`](Self::take_work)).
+    pub fn poll_wake(&mut self) -> Option<ConnId> {
+        self.wakes.pop_front()
+    }
+
+    /// Everything waiting for `conn`: commands, its session's queued items and losses, the
+    /// answer to its request.
+    pub fn take_work(&mut self, conn: ConnId) -> Work {
+        let mut work = Work::default();
+        self.take_work_into(conn, &mut work);
+        work
+    }
+
+    /// [`take_work`](Self::take_work) into a reused `work` (cleared first).
+    pub fn take_work_into(&mut self, conn: ConnId, work: &mut Work) {
+        work.commands.clear();
+        work.items.clear();
+        work.lost = 0;
+        work.answer = None;
+        let Some(slot) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        slot.woken = false;
+        work.commands.extend(slot.mailbox.drain(..));
+        work.answer = slot.answer.take();
+        let Some(id) = slot.session else {
+            return;
+        };
+        if let Some(e) = self.sessions.get_mut(&id) {
+            if e.holder == conn && e.established {
+                work.items.extend(e.queue.drain_in_order().map(|p| p.item));
+                work.lost = std::mem::take(&mut e.lost);
+            }
+        }
+    }
+
+    fn mail(&mut self, conn: ConnId, command: Command) -> Result<(), MailboxError> {
+        let slot = self.conns.get_mut(&conn).ok_or(MailboxError::NotFound)?;
+        if slot.mailbox.len() >= MAILBOX_CAPACITY && matches!(command, Command::Close(_)) {
+            // An end is never refused: it replaces what the ending session would no longer
+            // act on (a hand-over request keeps its place: it needs its answer).
+            slot.mailbox.retain(|c| matches!(c, Command::HandOver(_)));
+        }
+        if slot.mailbox.len() >= MAILBOX_CAPACITY {
+            self.stats.mailbox_full += 1;
+            return Err(MailboxError::Full);
+        }
+        slot.mailbox.push_back(command);
+        self.wake(conn);
+        Ok(())
+    }
+
+    // ----- sessions ----------------------------------------------------------------------
+
+    /// `conn`'s machine reached ACTIVE with `session_id` (new, restored or handed over). A
+    /// hand-over's queue is kept; the player's other local session, if older, is told to end.
+    pub fn established(
+        &mut self,
+        conn: ConnId,
+        session_id: SessionId,
+        player: Arc<str>,
+        fencing: u64,
+    ) -> EstablishOutcome {
+        if let Some(&other) = self.players.get(&player) {
+            if other != session_id {
+                let other_fencing = self.sessions.get(&other).map_or(0, |e| e.fencing);
+                if other_fencing > fencing {
+                    return EstablishOutcome::LostRace;
+                }
+                self.end_session(&other);
+            }
+        }
+        let outbound = self.outbound;
+        let entry = self
+            .sessions
+            .entry(session_id)
+            .or_insert_with(|| SessionEntry {
+                player: player.clone(),
+                fencing,
+                holder: conn,
+                established: false,
+                queue: OutboundQueue::new(outbound),
+                lost: 0,
+                handing_to: None,
+                ending: false,
+            });
+        entry.player = player.clone();
+        entry.fencing = fencing;
+        entry.established = true;
+        entry.ending = false;
+        let pending = !entry.queue.is_empty() || entry.lost > 0;
+        let previous = std::mem::replace(&mut entry.holder, conn);
+        if previous != conn {
+            // Restored from the store while its old holder did not answer the hand-over
+            // (stuck): that copy must end, or two machines would hold one session.
+            let _ = self.mail(previous, Command::Close(CloseCode::GoingAway));
+            if let Some(slot) = self.conns.get_mut(&previous) {
+                if slot.session == Some(session_id) {
+                    slot.session = None;
+                }
+            }
+        }
+        self.set_holder(session_id, conn);
+        self.players.insert(player, session_id);
+        if pending {
+            self.wake(conn);
+        }
+        EstablishOutcome::Registered
+    }
+
+    /// Tells a session's holder to end (kick). False when not held here or already ending.
+    fn end_session(&mut self, id: &SessionId) -> bool {
+        let Some(e) = self.sessions.get_mut(id) else {
+            return false;
+        };
+        if e.ending {
+            return false;
+        }
+        e.ending = true;
+        let (holder, player) = (e.holder, e.player.clone());
+        if self.players.get(&player) == Some(id) {
+            self.players.remove(&player);
+        }
+        // A kick is never refused for a full mailbox: it replaces what is queued that the
+        // ending session would no longer act on.
+        if let Some(slot) = self.conns.get_mut(&holder) {
+            slot.mailbox
+                .retain(|c| matches!(c, Command::HandOver(_) | Command::Kick));
+            slot.mailbox.push_back(Command::Kick);
+            self.wake(holder);
+        }
+        true
+    }
+
+    /// A resume on `conn` wants `session_id` (`deadline`: when to give up waiting).
+    pub fn request_hand_over(
+        &mut self,
+        conn: ConnId,
+        session_id: SessionId,
+        attempt: ResumeAttempt,
+        now: Instant,
+    ) -> HandOverStart {
+        let Some(e) = self.sessions.get_mut(&session_id) else {
+            return HandOverStart::NotLocal;
+        };
+        if e.ending {
+            return HandOverStart::Ended;
+        }
+        if e.handing_to.is_some() || e.holder == conn || !e.established {
+            return HandOverStart::Done(TakeOutcome::NotFound);
+        }
+        e.handing_to = Some(conn);
+        let holder = e.holder;
+        if let Some(slot) = self.conns.get_mut(&conn) {
+            slot.waiting = Some((Waiting::HandOver, session_id, now + ANSWER_TIMEOUT));
+            slot.answer = None;
+        }
+        match self.mail(holder, Command::HandOver(attempt)) {
+            Ok(()) => HandOverStart::Pending,
+            Err(_) => {
+                self.clear_waiting(conn);
+                if let Some(e) = self.sessions.get_mut(&session_id) {
+                    e.handing_to = None;
+                }
+                HandOverStart::Done(TakeOutcome::NotFound)
+            }
+        }
+    }
+
+    fn clear_waiting(&mut self, conn: ConnId) {
+        if let Some(slot) = self.conns.get_mut(&conn) {
+            slot.waiting = None;
+        }
+    }
+
+    fn answer(&mut self, conn: ConnId, answer: Answer) -> bool {
+        let Some(slot) = self.conns.get_mut(&conn) else {
+            return false;
+        };
+        if slot.waiting.is_none() {
+            return false;
+        }
+        slot.waiting = None;
+        slot.answer = Some(answer);
+        self.wake(conn);
+        true
+    }
+
+    /// The holder's answer to [`Command::HandOver`]. On `Taken` the session (and its queue)
+    /// passes to the requester at once.
+    pub fn handed_over(
+        &mut self,
+        holder: ConnId,
+        session_id: SessionId,
+        outcome: TakeOutcome,
+    ) -> HandedOver {
+        let Some(e) = self.sessions.get_mut(&session_id) else {
+            // The session ended meanwhile (kicked, expired): nothing to hand.
+            return HandedOver::Delivered;
+        };
+        if e.holder != holder {
+            // A stale answer: the session was restored elsewhere meanwhile (from the store,
+            // while this holder was stuck); that connection holds it now.
+            return HandedOver::Delivered;
+        }
+        let requester = e.handing_to.take();
+        let waiting = requester.filter(|r| {
+            self.conns
+                .get(r)
+                .and_then(|s| s.waiting.as_ref())
+                .map(|w| (w.0, w.1))
+                == Some((Waiting::HandOver, session_id))
+        });
+        match (waiting, outcome) {
+            (Some(r), TakeOutcome::Taken(s)) => {
+                if let Some(e) = self.sessions.get_mut(&session_id) {
+                    e.established = false;
+                }
+                self.set_holder(session_id, r);
+                self.answer(r, Answer::HandOver(Some(TakeOutcome::Taken(s))));
+                HandedOver::Delivered
+            }
+            (None, TakeOutcome::Taken(s)) => {
+                // Nobody to take it: the session lives on in the store only.
+                self.stats.orphaned += 1;
+                self.remove_session(&session_id);
+                HandedOver::Orphaned(s)
+            }
+            (Some(r), other) => {
+                self.answer(r, Answer::HandOver(Some(other)));
+                HandedOver::Delivered
+            }
+            (None, _) => HandedOver::Delivered,
+        }
+    }
+
+    /// Feeds back one of `conn`'s [`Reply`]s; a snapshot nobody waits for any more comes back
+    /// for the store.
+    pub fn reply(&mut self, conn: ConnId, reply: Reply) -> Option<Box<Snapshot>> {
+        match reply {
+            Reply::Kicked(sid, bindings) => {
+                self.kicked(conn, sid, bindings);
+                None
+            }
+            Reply::HandedOver(sid, outcome) => match self.handed_over(conn, sid, outcome) {
+                HandedOver::Delivered => None,
+                HandedOver::Orphaned(s) => Some(s),
+            },
+            Reply::DropLink => None,
+        }
+    }
+
+    /// After `conn`'s ownership claim named `previous` as the player's owner before it:
+    /// ends that session if it is another one (kicked here if held here).
+    pub fn take_over(
+        &mut self,
+        conn: ConnId,
+        session_id: SessionId,
+        previous: Option<&Owner>,
+        now: Instant,
+    ) -> Takeover {
+        let Some(prev) = previous.filter(|p| p.session_id != session_id) else {
+            return Takeover {
+                previous: None,
+                kick_pending: false,
+            };
+        };
+        let prev_id = prev.session_id;
+        let kick_pending = self.end_session(&prev_id);
+        if kick_pending {
+            if let Some(slot) = self.conns.get_mut(&conn) {
+                slot.waiting = Some((Waiting::Kick, prev_id, now + ANSWER_TIMEOUT));
+                slot.answer = None;
+            }
+        }
+        Takeover {
+            previous: Some(prev_id),
+            kick_pending,
+        }
+    }
+
+    /// Ends a session held here as KICKED (e.g. a newer login on another edge). False when
+    /// it is not held here (or already ending).
+    pub fn kick(&mut self, session_id: &SessionId) -> bool {
+        self.end_session(session_id)
+    }
+
+    /// The holder's answer to [`Command::Kick`]: the bindings it gave up (`None` when its
+    /// machine had already ended).
+    pub fn kicked(
+        &mut self,
+        holder: ConnId,
+        session_id: SessionId,
+        bindings: Option<BTreeMap<String, String>>,
+    ) {
+        if self
+            .sessions
+            .get(&session_id)
+            .is_some_and(|e| e.holder == holder)
+        {
+            self.remove_session(&session_id);
+        }
+        let waiter = self.conns.iter().find_map(|(c, s)| {
+            s.waiting
+                .as_ref()
+                .filter(|w| w.0 == Waiting::Kick && w.1 == session_id)
+                .map(|_| *c)
+        });
+        if let Some(w) = waiter {
+            self.answer(w, Answer::Kicked(bindings));
+        }
+    }
+
+    /// When `conn`'s pending request times out (`None`: it waits for nothing).
+    pub fn waiting_deadline(&self, conn: ConnId) -> Option<Instant> {
+        self.conns.get(&conn)?.waiting.as_ref().map(|w| w.2)
+    }
+
+    /// The earliest deadline of a pending request.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.conns
+            .values()
+            .filter_map(|s| s.waiting.as_ref().map(|w| w.2))
+            .min()
+    }
+
+    /// Answers every request past its deadline with "no answer".
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let expired: Vec<(ConnId, Waiting, SessionId)> = self
+            .conns
+            .iter()
+            .filter_map(|(c, s)| {
+                s.waiting
+                    .as_ref()
+                    .filter(|w| w.2 <= now)
+                    .map(|w| (*c, w.0, w.1))
+            })
+            .collect();
+        for (conn, what, session) in expired {
+            self.stats.answer_timeouts += 1;
+            let answer = match what {
+                Waiting::HandOver => {
+                    if let Some(e) = self.sessions.get_mut(&session) {
+                        if e.handing_to == Some(conn) {
+                            e.handing_to = None;
+                        }
+                    }
+                    Answer::HandOver(None)
+                }
+                Waiting::Kick => Answer::Kicked(None),
+            };
+            self.answer(conn, answer);
+        }
+    }
+
+    // ----- downstream --------------------------------------------------------------------
+
+    /// Queues a downstream message for a session. Never waits; see [`PushError`].
+    pub fn push(&mut self, session_id: &SessionId, message: Downstream) -> Result<(), PushError> {
+        let e = self
+            .sessions
+            .get_mut(session_id)
+            .ok_or(PushError::NotFound)?;
+        if message.class == TrafficClass::BestEffort && e.queue.is_congested() {
+            self.stats.shed += 1;
+            return Err(PushError::Shed);
+        }
+        self.queue(session_id, OutboundItem::Message(message))
+    }
+
+    /// Queues a downstream message for a player's session.
+    pub fn push_to_player(&mut self, player: &str, message: Downstream) -> Result<(), PushError> {
+        let id = *self.players.get(player).ok_or(PushError::NotFound)?;
+        self.push(&id, message)
+    }
+
+    /// Records a routing key a backend bound (in order with the session's pushes).
+    pub fn bind_key(
+        &mut self,
+        session_id: &SessionId,
+        service: &str,
+        key: &str,
+    ) -> Result<(), PushError> {
+        let item = OutboundItem::RoutingKey {
+            service: service.to_owned(),
+            key: key.to_owned(),
+        };
+        self.queue(session_id, item)
+    }
+
+    /// Queues an ERROR for one of the client's messages (in order with the pushes).
+    pub fn report_error(
+        &mut self,
+        session_id: &SessionId,
+        report: ErrorReport,
+    ) -> Result<(), PushError> {
+        self.queue(session_id, OutboundItem::Error(report))
+    }
+
+    fn queue(&mut self, session_id: &SessionId, item: OutboundItem) -> Result<(), PushError> {
+        let e = self
+            .sessions
+            .get_mut(session_id)
+            .ok_or(PushError::NotFound)?;
+        let (class, len) = (item.class(), item.len());
+        let holder = e.holder;
+        let result = match e.queue.push(class, item, len, None) {
+            PushOutcome::Queued | PushOutcome::Coalesced => Ok(()),
+            PushOutcome::DroppedBestEffort { evicted } => {
+                self.stats.shed += evicted as u64;
+                Ok(())
+            }
+            PushOutcome::Refused { .. } if class == TrafficClass::BestEffort => {
+                self.stats.shed += 1;
+                Err(PushError::Shed)
+            }
+            PushOutcome::Refused { .. } | PushOutcome::SlowConsumer { .. } => {
+                e.lost += 1;
+                self.stats.lost += 1;
+                Err(PushError::QueueFull)
+            }
+        };
+        if e.established {
+            self.wake(holder);
+        }
+        result
+    }
+
+    // ----- commands ----------------------------------------------------------------------
+
+    /// Queues `command` for the connection holding `session_id`.
+    pub fn command(
+        &mut self,
+        session_id: &SessionId,
+        command: Command,
+    ) -> Result<(), MailboxError> {
+        let e = self
+            .sessions
+            .get(session_id)
+            .filter(|e| !e.ending)
+            .ok_or(MailboxError::NotFound)?;
+        let holder = e.holder;
+        self.mail(holder, command)
+    }
+
+    // ----- queries -----------------------------------------------------------------------
+
+    /// Sessions held (live or lingering, including one being handed over).
+    pub fn len(&self) -> usize {
+        self.sessions.len()
+    }
+
+    /// Whether no session is held.
+    pub fn is_empty(&self) -> bool {
+        self.sessions.is_empty()
+    }
+
+    /// The session of a player on this edge.
+    pub fn session_of(&self, player: &str) -> Option<SessionId> {
+        self.players.get(player).copied()
+    }
+
+    /// The player of a session on this edge.
+    pub fn player_of(&self, session_id: &SessionId) -> Option<Arc<str>> {
+        self.sessions.get(session_id).map(|e| e.player.clone())
+    }
+
+    /// The connection holding a session.
+    pub fn holder_of(&self, session_id: &SessionId) -> Option<ConnId> {
+        self.sessions.get(session_id).map(|e| e.holder)
+    }
+
+    /// Whether a session held here was told to end (its holder has not yet done so).
+    pub fn is_ending(&self, session_id: &SessionId) -> bool {
+        self.sessions.get(session_id).is_some_and(|e| e.ending)
+    }
+
+    /// Every session id held.
+    pub fn session_ids(&self) -> Vec<SessionId> {
+        self.sessions.keys().copied().collect()
+    }
+
+    /// Connections the host knows.
+    pub fn connections(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// Items waiting in a session's outbound queue.
+    pub fn queued(&self, session_id: &SessionId) -> usize {
+        self.sessions.get(session_id).map_or(0, |e| e.queue.len())
+    }
+
+    /// The host's counters.
+    pub fn stats(&self) -> HostStats {
+        self.stats
+    }
+
+    /// Checks the host's own invariants (tests and debug builds): every player entry names
+    /// a held session of that player, no two sessions of one player are both registered,
+    /// every holder is a known connection.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut seen = HashSet::new();
+        for (player, id) in &self.players {
+            let e = self
+                .sessions
+                .get(id)
+                .ok_or_else(|| format!("player {player} names a session not held"))?;
+            if &e.player != player {
+                return Err(format!("player {player} names a session of {}", e.player));
+            }
+            if !seen.insert(id) {
+                return Err(format!("session named by two players: {player}"));
+            }
+        }
+        for e in self.sessions.values() {
+            if !self.conns.contains_key(&e.holder) {
+                return Err(format!("a session of {} has no connection", e.player));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a connection's machine tells the host after [`apply_work`]: answers to its
+/// commands, and the one effect that is the driver's to carry out.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Reply {
+    /// It ended KICKED, giving up these bindings (`None`: it had already ended).
+    Kicked(SessionId, Option<BTreeMap<String, String>>),
+    /// Its answer to a hand-over request.
+    HandedOver(SessionId, TakeOutcome),
+    /// Drop the connection without a CLOSE (the machine already detached): the driver's.
+    DropLink,
+}
+
+/// Applies `work` taken from the host to a connection's machine, in the one order that
+/// keeps every guarantee: queued items enter the machine first (sequenced into the replay
+/// buffer, in push order), then items the full queue could not take are declared lost (the
+/// connection closes as `slow_consumer`, the resume reports the gap), then the commands —
+/// so a hand-over's snapshot holds everything pushed before it. Answers go to `replies`,
+/// to be fed back with [`SessionHost::reply`]. Returns how many items were declared lost.
+pub fn apply_work(
+    machine: &mut SessionMachine,
+    work: &mut Work,
+    now: Instant,
+    replies: &mut Vec<Reply>,
+) -> u64 {
+    for item in work.items.drain(..) {
+        let refused = match item {
+            OutboundItem::Message(msg) => machine
+                .send_downstream(now, msg.class, msg.msg_id, msg.payload)
+                .map(|_| ()),
+            OutboundItem::RoutingKey { service, key } => machine.bind_key(&service, &key),
+            OutboundItem::Error(e) => {
+                machine.report_error(e.code, e.msg_id, e.client_seq, e.retry_after_ms)
+            }
+        };
+        if let Err(e) = refused {
+            tracing::debug!(error = %e, "downstream item refused");
+        }
+    }
+    let lost = std::mem::take(&mut work.lost);
+    if lost > 0 {
+        if let Err(e) = machine.lose_downstream(now, lost) {
+            tracing::debug!(error = %e, "overflow on an ended session");
+        }
+    }
+    for command in work.commands.drain(..) {
+        match command {
+            Command::Kick => {
+                let session = machine.session_id();
+                let bindings = machine.kick(now).ok();
+                if let Some(sid) = session {
+                    replies.push(Reply::Kicked(sid, bindings));
+                }
+            }
+            Command::HandOver(attempt) => {
+                if let Some(sid) = machine.session_id() {
+                    let outcome = machine
+                        .hand_over(now, &attempt)
+                        .unwrap_or(TakeOutcome::NotFound);
+                    replies.push(Reply::HandedOver(sid, outcome));
+                }
+            }
+            Command::Close(code) => {
+                let _ = machine.close_session(now, code);
+            }
+            Command::Bind(service, instance) => {
+                let _ = machine.bind(&service, &instance);
+            }
+            Command::Migrate(target, deadline) => {
+                let _ = machine.migrate(&target, deadline);
+            }
+            Command::Quiesce => {
+                let _ = machine.quiesce();
+            }
+            Command::DropLink => replies.push(Reply::DropLink),
+        }
+    }
+    lost
+}
