@@ -120,6 +120,38 @@ pub struct RouteDecision {
     pub canary: bool,
 }
 
+/// Most keys of one kind (players, rooms) backends may pin on one edge.
+pub const MAX_DYNAMIC_PINS: usize = 100_000;
+
+/// Why [`Router::pin`] or [`Router::restore_binding`] did not take a placement.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PlacementError {
+    /// No table yet.
+    #[error("no route table")]
+    NoTable,
+    /// The instance is not in the table for a service of that key kind.
+    #[error("instance {instance:?} serves no {kind} service of the table")]
+    UnknownInstance {
+        /// Instance id.
+        instance: String,
+        /// Key kind asked for.
+        kind: KeyKind,
+    },
+    /// The instance is down, disabled or draining: it takes no new keys.
+    #[error("instance {instance:?} takes no new keys")]
+    NotEligible {
+        /// Instance id.
+        instance: String,
+    },
+    /// [`MAX_DYNAMIC_PINS`] keys of this kind are pinned already.
+    #[error("too many pinned keys (at most {MAX_DYNAMIC_PINS} per kind)")]
+    Full,
+    /// Only player and room keys can be pinned.
+    #[error("{0} keys cannot be pinned")]
+    KindNotPinnable(KeyKind),
+}
+
 /// A load report from the control plane (SPEC R10).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LoadReport {
@@ -199,6 +231,9 @@ pub struct Router {
     cfg: RouterConfig,
     current: Option<Compiled>,
     bindings: Bindings,
+    /// Placements backends announced with PIN (R3), beside the table's assignments (which
+    /// win): at most [`MAX_DYNAMIC_PINS`] keys of each kind.
+    pins: crate::table::Assignments,
     planner: MigrationPlanner,
     health: Option<HealthTracker>,
     down: BTreeSet<String>,
@@ -224,6 +259,7 @@ impl Router {
             cfg,
             current: None,
             bindings: Bindings::new(),
+            pins: crate::table::Assignments::default(),
             planner: MigrationPlanner::new(cfg.migration_rate, now),
             health: cfg.health.map(HealthTracker::new),
             down: BTreeSet::new(),
@@ -618,6 +654,126 @@ impl Router {
         Ok(decision)
     }
 
+    /// A backend's PIN (R3): `key` lives on `instance_id` from now on. The table's own
+    /// assignments still win; a binding of `key` to another instance of a service that
+    /// instance serves is dropped, so the next message goes to the pinned instance.
+    pub fn pin(
+        &mut self,
+        kind: KeyKind,
+        key: &str,
+        instance_id: &str,
+    ) -> Result<(), PlacementError> {
+        let c = self.current.as_ref().ok_or(PlacementError::NoTable)?;
+        let kinds: &[KeyKind] = match kind {
+            KeyKind::Player => &[KeyKind::Player, KeyKind::LeastLoaded],
+            KeyKind::Room => &[KeyKind::Room],
+            other => return Err(PlacementError::KindNotPinnable(other)),
+        };
+        let services: Vec<String> = c
+            .table
+            .services
+            .iter()
+            .zip(&c.services)
+            .filter(|(spec, cs)| kinds.contains(&spec.key) && cs.by_id.contains_key(instance_id))
+            .map(|(spec, _)| spec.name.clone())
+            .collect();
+        if services.is_empty() {
+            return Err(PlacementError::UnknownInstance {
+                instance: instance_id.to_owned(),
+                kind,
+            });
+        }
+        let map = if kind == KeyKind::Room {
+            &mut self.pins.rooms
+        } else {
+            &mut self.pins.players
+        };
+        if map.len() >= MAX_DYNAMIC_PINS && !map.contains_key(key) {
+            return Err(PlacementError::Full);
+        }
+        map.insert(key.to_owned(), instance_id.to_owned());
+        for service in services {
+            if self
+                .bindings
+                .get(key, &service)
+                .is_some_and(|b| b.instance_id != instance_id)
+            {
+                self.release(key, &service);
+            }
+        }
+        Ok(())
+    }
+
+    /// Forgets a pin (the room ended); true when there was one.
+    pub fn unpin(&mut self, kind: KeyKind, key: &str) -> bool {
+        match kind {
+            KeyKind::Room => self.pins.rooms.remove(key).is_some(),
+            _ => self.pins.players.remove(key).is_some(),
+        }
+    }
+
+    /// Keys pinned by backends: (players, rooms).
+    #[must_use]
+    pub fn pinned(&self) -> (usize, usize) {
+        (self.pins.players.len(), self.pins.rooms.len())
+    }
+
+    /// Re-establishes a placement a session carried from another edge (its snapshot's
+    /// bindings): `key` for the requested `service` on `instance_id`, if the table still has
+    /// that instance and it takes keys. A binding this edge already has for `key` stays (it
+    /// is the same decision or a newer one). Returns whether `key` is now bound there.
+    pub fn restore_binding(
+        &mut self,
+        key: &str,
+        service: &str,
+        instance_id: &str,
+    ) -> Result<bool, PlacementError> {
+        if let Some(b) = self.bindings.get(key, service) {
+            return Ok(b.instance_id == instance_id);
+        }
+        let c = self.current.as_ref().ok_or(PlacementError::NoTable)?;
+        let unknown = || PlacementError::UnknownInstance {
+            instance: instance_id.to_owned(),
+            kind: c
+                .by_name
+                .get(service)
+                .map_or(KeyKind::Player, |&si| c.services[si].kind),
+        };
+        let si = *c.by_name.get(service).ok_or_else(unknown)?;
+        if c.services[si].kind == KeyKind::RoundRobin {
+            return Ok(false);
+        }
+        // The instance may be the canary alternate's.
+        let alternate = c.services[si].canary.map(|(_, alt)| alt);
+        let (owner, idx) = [Some(si), alternate]
+            .into_iter()
+            .flatten()
+            .find_map(|s| c.services[s].by_id.get(instance_id).map(|&i| (s, i)))
+            .ok_or_else(unknown)?;
+        let spec = &c.table.services[owner];
+        let inst = &spec.instances[idx];
+        let takes_keys = !self.down.contains(&inst.id)
+            && match spec.key {
+                KeyKind::Room => inst.state != InstanceState::Disabled,
+                _ => inst.state == InstanceState::Active,
+            };
+        if !takes_keys {
+            return Err(PlacementError::NotEligible {
+                instance: instance_id.to_owned(),
+            });
+        }
+        let decision = RouteDecision {
+            service: spec.name.clone(),
+            instance_id: inst.id.clone(),
+            address: inst.address.clone(),
+            epoch: c.table.epoch,
+            reason: RouteReason::Bound,
+            canary: owner != si,
+        };
+        self.bind(key, service, &decision);
+        Ok(true)
+    }
+
     fn bind(&mut self, key: &str, requested: &str, d: &RouteDecision) {
         self.loads
             .entry(d.instance_id.clone())
@@ -659,9 +815,18 @@ impl Router {
                 .count_on(&i.id)
                 .max(l.reported.saturating_add(l.placed_since))
         };
+        let pins = &self.pins;
         let assigned = match kind {
-            KeyKind::Player | KeyKind::LeastLoaded => table.assignments.players.get(key),
-            KeyKind::Room => table.assignments.rooms.get(key),
+            KeyKind::Player | KeyKind::LeastLoaded => table
+                .assignments
+                .players
+                .get(key)
+                .or_else(|| pins.players.get(key)),
+            KeyKind::Room => table
+                .assignments
+                .rooms
+                .get(key)
+                .or_else(|| pins.rooms.get(key)),
             _ => None,
         };
         // Explicit assignments override the hash and ignore capacity (operator's choice).

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use common::{base_table, inst, instance_mut, players, service};
 use waygate_routing::{
     rebalance, Canary, InstanceState, KeyKind, LoadReport, MigrationCause, MigrationRate,
-    RouteReason, RouteRequest, RouteTable, Router, RouterConfig, RoutingError, StaleEpochAction,
+    PlacementError, RouteReason, RouteRequest, RouteTable, Router, RouterConfig, RoutingError,
+    StaleEpochAction,
 };
 
 fn router(table: RouteTable, now: Instant) -> Router {
@@ -615,5 +616,91 @@ fn example_routes_toml_loads_and_validates() {
     assert_eq!(
         (d.instance_id.as_str(), d.reason),
         ("r1", RouteReason::RoomAssigned)
+    );
+}
+
+/// R3 dynamic: a backend's PIN places a room on its instance (the table's own assignments
+/// still win), moves an existing binding of that room, and is refused for an instance the
+/// table does not have for that kind of key.
+#[test]
+fn a_backend_pin_places_the_room_and_moves_its_binding() {
+    let now = Instant::now();
+    let mut r = router(base_table(1), now);
+    let room = "harbour";
+    let req = RouteRequest::player("a").room(room);
+    let hashed = r.route(2000, &req).expect("route").instance_id;
+    let other = if hashed == "r1" { "r2" } else { "r1" };
+    r.pin(KeyKind::Room, room, other).expect("pin");
+    let d = r.route(2000, &req).expect("route");
+    assert_eq!(d.instance_id, other, "the pin moves the room's binding");
+    assert_eq!(
+        r.route(2000, &req).expect("route").reason,
+        RouteReason::Bound
+    );
+    assert_eq!(r.pinned(), (0, 1));
+    // Unknown for rooms: a player instance, or no instance at all.
+    assert!(matches!(
+        r.pin(KeyKind::Room, "x", "p1"),
+        Err(PlacementError::UnknownInstance { .. })
+    ));
+    assert!(matches!(
+        r.pin(KeyKind::Guild, "x", "r1"),
+        Err(PlacementError::KindNotPinnable(KeyKind::Guild))
+    ));
+    // A player pin places a player that has no binding yet.
+    let fresh = "player-never-routed";
+    let ring = waygate_routing::Rendezvous::new([("p1", 1.0), ("p2", 1.0), ("p3", 1.0)]);
+    let hashed_player = ring.pick(fresh).expect("an instance").to_string();
+    let target = if hashed_player == "p3" { "p1" } else { "p3" }.to_string();
+    r.pin(KeyKind::Player, fresh, &target).expect("pin player");
+    let d = r.route(1000, &RouteRequest::player(fresh)).expect("route");
+    assert_eq!(
+        (d.instance_id.as_str(), d.reason),
+        (target.as_str(), RouteReason::Pinned)
+    );
+    // The table's assignment wins over a pin.
+    let mut t = base_table(2);
+    t.assignments.rooms.insert("fort".into(), "r1".into());
+    r.apply_table(t, now).expect("newer table");
+    r.pin(KeyKind::Room, "fort", "r2").expect("pin");
+    let d = r
+        .route(2000, &RouteRequest::player("b").room("fort"))
+        .expect("route");
+    assert_eq!(d.instance_id, "r1");
+}
+
+/// A placement carried in a session's snapshot is re-established on another edge's router
+/// (session-host issue, defect 6), unless that edge already decided, or the instance no
+/// longer takes keys.
+#[test]
+fn a_carried_placement_is_restored_on_another_router() {
+    let now = Instant::now();
+    let mut a = router(base_table(1), now);
+    let mut b = router(base_table(1), now);
+    let req = RouteRequest::player("a").room("harbour");
+    let hashed = a.route(2000, &req).expect("route").instance_id;
+    let other = if hashed == "r1" { "r2" } else { "r1" };
+    a.pin(KeyKind::Room, "harbour", other).expect("pin");
+    assert_eq!(a.route(2000, &req).expect("route").instance_id, other);
+    // Edge B never saw the PIN: by hash it would pick the other instance.
+    assert_eq!(b.restore_binding("harbour", "room", other), Ok(true));
+    let d = b.route(2000, &req).expect("route");
+    assert_eq!(
+        (d.instance_id.as_str(), d.reason),
+        (other, RouteReason::Bound)
+    );
+    // Already bound here: kept, and the answer says whether it matches.
+    assert_eq!(b.restore_binding("harbour", "room", &hashed), Ok(false));
+    // Unknown service or instance, round-robin services, instances that take no keys.
+    assert!(b.restore_binding("x", "nope", "r1").is_err());
+    assert!(b.restore_binding("x", "room", "p1").is_err());
+    let mut t = base_table(2);
+    instance_mut(&mut t, "r2").state = InstanceState::Disabled;
+    b.apply_table(t, now).expect("newer table");
+    assert_eq!(
+        b.restore_binding("y", "room", "r2"),
+        Err(PlacementError::NotEligible {
+            instance: "r2".into()
+        })
     );
 }

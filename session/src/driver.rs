@@ -549,6 +549,11 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
         .inbound
         .map(|limits| waygate_backpressure::InboundLimiter::new(limits, now()));
     let _ = t.machine.handle_link_up(now());
+    // One timer for the machine, reset only when its deadline moves (the idle check does not
+    // move per frame: see `SessionMachine::poll_timeout`).
+    let timer = tokio::time::sleep_until(tokio::time::Instant::now());
+    tokio::pin!(timer);
+    let mut armed: Option<std::time::Instant> = None;
     loop {
         t.run_actions().await;
         if !t.backlog.is_empty() {
@@ -558,13 +563,13 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
         if t.machine.state().is_terminal() {
             break;
         }
-        let deadline = t.machine.poll_timeout().map(tokio::time::Instant::from_std);
-        let sleep = async {
-            match deadline {
-                Some(d) => tokio::time::sleep_until(d).await,
-                None => std::future::pending().await,
+        let deadline = t.machine.poll_timeout();
+        if deadline != armed {
+            if let Some(d) = deadline {
+                timer.as_mut().reset(tokio::time::Instant::from_std(d));
             }
-        };
+            armed = deadline;
+        }
         if t.conn.is_none() {
             t.held = None;
         }
@@ -580,7 +585,7 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
             r = recv(&mut t.conn), if held_until.is_none() => Event::Frame(r),
             _ = release => Event::Release,
             _ = wake.notified() => Event::Work,
-            _ = sleep => Event::Timer,
+            _ = &mut timer, if armed.is_some() => Event::Timer,
         };
         match event {
             Event::Frame(Ok(frame)) => t.inbound_frame(frame).await,
@@ -600,7 +605,11 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
                 t.stash(work);
                 t.do_work();
             }
-            Event::Timer => t.machine.handle_timeout(now()),
+            Event::Timer => {
+                // Fired: the next deadline re-arms it, even if equal to this one.
+                armed = None;
+                t.machine.handle_timeout(now());
+            }
         }
     }
     t.run_actions().await;

@@ -407,6 +407,9 @@ pub struct SessionMachine {
     pending: Pending,
     handshake_deadline: Option<Instant>,
     last_rx: Option<Instant>,
+    /// When the idle timeout is checked next: set on ACTIVE and moved only when it fires
+    /// (to `last_rx + idle_timeout`), so a frame received never re-arms a timer.
+    idle_check: Option<Instant>,
     linger_deadline: Option<Instant>,
     up_ack: AckState,
     actions: VecDeque<Action>,
@@ -448,6 +451,7 @@ impl SessionMachine {
             pending: Pending::default(),
             handshake_deadline: None,
             last_rx: None,
+            idle_check: None,
             linger_deadline: None,
             up_ack: AckState::default(),
             actions: VecDeque::new(),
@@ -507,13 +511,10 @@ impl SessionMachine {
             | State::Authenticating
             | State::Authenticated
             | State::Restoring => self.handshake_deadline,
-            State::Active => {
-                let idle = self.last_rx.map(|t| t + self.config.idle_timeout);
-                match (idle, self.up_ack.deadline()) {
-                    (Some(a), Some(b)) => Some(a.min(b)),
-                    (a, b) => a.or(b),
-                }
-            }
+            State::Active => match (self.idle_check, self.up_ack.deadline()) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            },
             State::Detached => self.linger_deadline,
             _ => None,
         }
@@ -906,12 +907,14 @@ impl SessionMachine {
             fencing: core.fencing,
             outcome,
         });
-        if !core.bindings.is_empty() {
-            self.actions.push_back(Action::Bind(core.bindings.clone()));
-        }
+        // Keys first: the edge resolves a carried placement of a key-routed service by the
+        // session's key for it.
         if !core.keys.is_empty() {
             self.actions
                 .push_back(Action::RoutingKeys(core.keys.clone()));
+        }
+        if !core.bindings.is_empty() {
+            self.actions.push_back(Action::Bind(core.bindings.clone()));
         }
         self.actions
             .push_back(Action::Send(Frame::Welcome(welcome)));
@@ -946,6 +949,7 @@ impl SessionMachine {
         self.up_ack.reset(cum);
         self.handshake_deadline = None;
         self.last_rx = Some(now);
+        self.idle_check = Some(now + self.config.idle_timeout);
         self.pending = Pending::default();
         self.transition(State::Active);
         Ok(())
@@ -1100,11 +1104,12 @@ impl SessionMachine {
                 if self.up_ack.due(now, &self.config.ack) {
                     self.send_standalone_ack();
                 }
-                if self
-                    .last_rx
-                    .is_some_and(|t| now >= t + self.config.idle_timeout)
-                {
-                    self.link_lost(now, CloseCode::IdleTimeout, "nothing received");
+                if self.idle_check.is_some_and(|d| now >= d) {
+                    let idle_at = self.last_rx.map(|t| t + self.config.idle_timeout);
+                    match idle_at {
+                        Some(at) if now < at => self.idle_check = Some(at),
+                        _ => self.link_lost(now, CloseCode::IdleTimeout, "nothing received"),
+                    }
                 }
             }
             State::Detached if self.linger_deadline.is_some_and(|d| now >= d) => {
@@ -1250,14 +1255,19 @@ impl SessionMachine {
     pub fn bind_key(&mut self, service: &str, key: &str) -> Result<(), SessionError> {
         match (self.state, self.core.as_mut()) {
             (State::Active | State::Detached, Some(core)) => {
-                core.keys.insert(service.to_owned(), key.to_owned());
+                let previous = core.keys.insert(service.to_owned(), key.to_owned());
+                if previous.as_deref() != Some(key) {
+                    // The placement recorded for the old key is not this key's.
+                    core.bindings.remove(service);
+                }
                 Ok(())
             }
             _ => Err(self.misuse("bind key")),
         }
     }
 
-    /// Records a backend binding (service -> instance), kept across reconnects.
+    /// Records a placement (service -> instance), kept across reconnects and carried in the
+    /// snapshot; a new routing key for the service forgets it.
     pub fn bind(&mut self, service: &str, instance: &str) -> Result<(), SessionError> {
         match (self.state, self.core.as_mut()) {
             (State::Active | State::Detached, Some(core)) => {

@@ -109,6 +109,56 @@ pub enum LinkEvent {
     },
 }
 
+/// Where a link's events go. `try_handle` runs on the link's own task, for every event in the
+/// order the backend sent them, and must never wait: it takes what it can carry out at once
+/// (a push into a session's queue, a kick, a key) and hands back what needs the edge's
+/// async loop (a stale-epoch refusal: the table may have to be refreshed first), which then
+/// goes down `slow`. One channel hop fewer for every push.
+pub trait LinkEventSink: Send + Sync + std::fmt::Debug + 'static {
+    /// Carries `event` out without waiting, or hands it back for the async loop.
+    fn try_handle(&self, event: LinkEvent) -> Option<LinkEvent>;
+}
+
+/// The two ways out of a link: the non-blocking sink, then the bounded channel to the edge's
+/// async loop for what the sink hands back.
+#[derive(Debug, Clone)]
+pub struct LinkEvents {
+    /// Takes events on the link's task.
+    pub fast: Arc<dyn LinkEventSink>,
+    /// The async loop's channel.
+    pub slow: mpsc::Sender<LinkEvent>,
+}
+
+/// A sink that hands every event to the async loop.
+#[derive(Debug)]
+struct PassThrough;
+
+impl LinkEventSink for PassThrough {
+    fn try_handle(&self, event: LinkEvent) -> Option<LinkEvent> {
+        Some(event)
+    }
+}
+
+impl From<mpsc::Sender<LinkEvent>> for LinkEvents {
+    /// Every event through the channel (no fast path).
+    fn from(slow: mpsc::Sender<LinkEvent>) -> Self {
+        Self {
+            fast: Arc::new(PassThrough),
+            slow,
+        }
+    }
+}
+
+impl LinkEvents {
+    /// Delivers `event`; false when the edge is gone.
+    async fn send(&self, event: LinkEvent) -> bool {
+        match self.fast.try_handle(event) {
+            None => true,
+            Some(event) => self.slow.send(event).await.is_ok(),
+        }
+    }
+}
+
 /// A forwarded message the backend has not finished handling yet. At most the link's
 /// FORWARD credit of them are held per link.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -151,7 +201,7 @@ struct LinkShared {
     /// Sessions opened on this link (re-opened after a reconnect).
     open: Mutex<HashMap<u64, SessionMeta>>,
     epoch: Arc<AtomicU64>,
-    events: mpsc::Sender<LinkEvent>,
+    events: LinkEvents,
 }
 
 /// The edge's link to one backend address.
@@ -167,8 +217,9 @@ impl LinkClient {
         addr: SocketAddr,
         config: LinkConfig,
         epoch: Arc<AtomicU64>,
-        events: mpsc::Sender<LinkEvent>,
+        events: impl Into<LinkEvents>,
     ) -> (Self, tokio::task::JoinHandle<()>) {
+        let events = events.into();
         let shared = Arc::new(LinkShared {
             addr,
             config,
@@ -359,15 +410,14 @@ async fn run(shared: Arc<LinkShared>) {
                 epoch: 0,
                 message: Some(m),
             };
-            if shared.events.send(event).await.is_err() {
+            if !shared.events.send(event).await {
                 return;
             }
         }
-        if shared
+        if !shared
             .events
             .send(LinkEvent::Down { addr: shared.addr })
             .await
-            .is_err()
         {
             return;
         }
@@ -446,7 +496,7 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
     shared.credit.store(credits.into(), Ordering::Release);
     shared.up.store(true, Ordering::Release);
     tracing::info!(addr = %shared.addr, %instance_id, "backend link up");
-    let _ = shared
+    shared
         .events
         .send(LinkEvent::Up {
             addr: shared.addr,
@@ -510,7 +560,7 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
                 return Err("unexpected frame from backend");
             }
         };
-        if shared.events.send(event).await.is_err() {
+        if !shared.events.send(event).await {
             return Ok(());
         }
         if pushes >= return_every {

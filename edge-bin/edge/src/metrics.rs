@@ -86,6 +86,13 @@ pub struct EdgeMetrics {
     /// Downstream messages not queued: session gone, best-effort shed, or a full queue (a
     /// sequenced one is then declared lost in the session: slow_consumer close, gap on resume).
     pub push_dropped: Family<ClassLabel, Counter>,
+    /// Backend PINs applied to the router (R3).
+    pub pins_applied: Counter,
+    /// Backend PINs refused (unknown instance, not pinnable, too many pins).
+    pub pins_refused: Counter,
+    /// `pushed` and `push_dropped` per class (indexed by `TrafficClass as usize`), taken
+    /// once: the push path allocates no label.
+    pub push_counters: [(Counter, Counter); 3],
     /// Backend links up (1) or down (0).
     pub backend_up: Family<BackendLabel, Gauge>,
     /// FORWARD credit left on each backend link (0: the edge answers `busy`, B4).
@@ -302,6 +309,17 @@ impl EdgeMetrics {
     /// Creates and registers every metric of the edge itself.
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("waygate");
+        let pushed: Family<ClassLabel, Counter> = Family::default();
+        let push_dropped: Family<ClassLabel, Counter> = Family::default();
+        let push_counters = waygate_transport::TrafficClass::ALL.map(|class| {
+            let label = ClassLabel {
+                class: class.as_str().into(),
+            };
+            (
+                pushed.get_or_create(&label).clone(),
+                push_dropped.get_or_create(&label).clone(),
+            )
+        });
         let m = Self {
             connections_accepted: Family::default(),
             connections_open: Family::default(),
@@ -317,8 +335,11 @@ impl EdgeMetrics {
             }),
             forwarded: Family::default(),
             upstream_refused: Family::default(),
-            pushed: Family::default(),
-            push_dropped: Family::default(),
+            pushed,
+            push_dropped,
+            push_counters,
+            pins_applied: Counter::default(),
+            pins_refused: Counter::default(),
             backend_up: Family::default(),
             link_forward_credits: Family::default(),
             route_epoch: Gauge::default(),
@@ -394,6 +415,16 @@ impl EdgeMetrics {
             "route_staleness_seconds",
             "Seconds since the route table was last loaded successfully",
             m.route_staleness_seconds.clone(),
+        );
+        registry.register(
+            "pins_applied",
+            "Backend PIN frames applied to the router (a key placed on an instance)",
+            m.pins_applied.clone(),
+        );
+        registry.register(
+            "pins_refused",
+            "Backend PIN frames refused (instance not in the table for that key, or too many pins)",
+            m.pins_refused.clone(),
         );
         registry.register(
             "stale_epoch_reroutes",

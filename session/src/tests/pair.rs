@@ -56,6 +56,8 @@ pub(crate) struct Edge {
     pub(crate) linked: HashSet<usize>,
     /// Stalled connections woken meanwhile.
     stalled_wakes: HashSet<usize>,
+    /// Work a connection took while waiting for an answer, not yet done.
+    backlogs: HashMap<usize, crate::host::Work>,
     /// Answers to requests, by the connection that asked.
     answers: HashMap<usize, Answer>,
     pub(crate) store: HashMap<SessionId, Snapshot>,
@@ -81,6 +83,7 @@ impl Edge {
             closed: HashSet::new(),
             stalled_wakes: HashSet::new(),
             linked: HashSet::new(),
+            backlogs: HashMap::new(),
             answers: HashMap::new(),
             store: HashMap::new(),
             owners: HashMap::new(),
@@ -145,6 +148,13 @@ impl Edge {
 
     fn work(&mut self, j: usize, now: Instant) {
         let mut work = self.host.take_work(j as ConnId);
+        if let Some(mut backlog) = self.backlogs.remove(&j) {
+            backlog.items.append(&mut work.items);
+            backlog.commands.append(&mut work.commands);
+            backlog.lost += work.lost;
+            backlog.answer = work.answer.take();
+            work = backlog;
+        }
         let mut replies = Vec::new();
         apply_work(&mut self.machines[j], &mut work, now, &mut replies);
         for reply in replies {
@@ -179,13 +189,29 @@ impl Edge {
     /// after the host's deadline.
     fn answer(&mut self, i: usize, now: Instant) -> Option<Answer> {
         self.serve(now);
-        if let Some(a) = self.answers.remove(&i) {
+        if let Some(a) = self.own_answer(i) {
             return Some(a);
         }
         let deadline = self.host.waiting_deadline(i as ConnId)?;
         self.host.handle_timeout(deadline);
         self.serve(now);
-        self.answers.remove(&i)
+        self.own_answer(i)
+    }
+
+    /// Like the driver's `answer`: the asking connection takes its own work from the host
+    /// (it is running, so never stuck); the rest of that work waits in its backlog until its
+    /// actions are done.
+    fn own_answer(&mut self, i: usize) -> Option<Answer> {
+        if let Some(a) = self.answers.remove(&i) {
+            return Some(a);
+        }
+        let mut work = self.host.take_work(i as ConnId);
+        let answer = work.answer.take();
+        let backlog = self.backlogs.entry(i).or_default();
+        backlog.items.append(&mut work.items);
+        backlog.commands.append(&mut work.commands);
+        backlog.lost += work.lost;
+        answer
     }
 
     /// Runs machine `i`'s actions; frames for its connection go to `out`. Returns whether
@@ -323,6 +349,10 @@ impl Edge {
                     self.ended.push(end);
                 }
             }
+        }
+        if self.backlogs.contains_key(&i) && !self.stalled.contains(&i) {
+            // Work taken while waiting for an answer, done after the actions (as the driver).
+            self.work(i, now);
         }
         self.serve(now);
         closed

@@ -1,5 +1,6 @@
-//! Backend -> client: one loop takes every link's events (PUSH, KICK, REFUSE, BIND, PIN,
-//! link up/down) and hands them to the sessions; a stale-epoch refusal is routed again.
+//! Backend -> client: every link event (PUSH, KICK, REFUSE, BIND, PIN, link up/down) is
+//! carried out on the link's own task without waiting ([`EdgeLinkSink`]); only a stale-epoch
+//! refusal goes through one async loop, which refreshes the table and routes it again.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
@@ -7,12 +8,13 @@ use std::sync::{Arc, Weak};
 use tokio::sync::mpsc;
 use waygate_protocol::frame::SessionId;
 use waygate_protocol::link::LinkFrame;
+use waygate_routing::KeyKind;
 use waygate_session::driver::{DeliverError, Downstream};
 use waygate_transport::CloseCode;
 
 use super::{apply_latest, SessionEntry, Shared};
-use crate::link::{InFlight, LinkEvent};
-use crate::metrics::{BackendLabel, ClassLabel};
+use crate::link::{InFlight, LinkEvent, LinkEventSink};
+use crate::metrics::BackendLabel;
 
 impl Shared {
     /// Answers a client's refused message with ERROR, in order with its pushes, never
@@ -33,133 +35,187 @@ impl Shared {
     }
 }
 
+/// The edge's [`LinkEventSink`]: every link event it can carry out without waiting is
+/// handled on the link's own task (no hop through the async loop).
+#[derive(Debug)]
+pub(super) struct EdgeLinkSink(pub(super) Weak<Shared>);
+
+impl LinkEventSink for EdgeLinkSink {
+    fn try_handle(&self, event: LinkEvent) -> Option<LinkEvent> {
+        let shared = self.0.upgrade()?;
+        handle_now(&shared, event)
+    }
+}
+
+/// Carries a link event out at once; hands back a stale-epoch refusal with its message (the
+/// table may need a refresh first: [`link_event_loop`]).
+fn handle_now(shared: &Arc<Shared>, event: LinkEvent) -> Option<LinkEvent> {
+    match event {
+        LinkEvent::Backend(LinkFrame::Push {
+            handle,
+            msg_id,
+            class,
+            payload,
+        }) => {
+            if class == waygate_transport::TrafficClass::BestEffort
+                && shared.governor.shed_best_effort.load(Ordering::Acquire)
+            {
+                shared.metrics.overload_shed.inc();
+                return None;
+            }
+            let pushed = shared.session_of_handle(handle).map(|sid| {
+                shared.session_layer().registry.push(
+                    &sid,
+                    Downstream {
+                        class,
+                        msg_id,
+                        payload,
+                    },
+                )
+            });
+            let (ok, dropped) = &shared.metrics.push_counters[class as usize];
+            match pushed {
+                Some(Ok(())) => ok.inc(),
+                _ => dropped.inc(),
+            };
+        }
+        LinkEvent::Backend(LinkFrame::Kick { handle, code, .. }) => {
+            if let Some(sid) = shared.session_of_handle(handle) {
+                shared.session_layer().registry.close(&sid, code);
+            }
+        }
+        LinkEvent::Refuse {
+            handle,
+            code,
+            message: Some(_),
+            ..
+        } if code == CloseCode::StaleEpoch && shared.session_of_handle(handle).is_some() => {
+            return Some(event);
+        }
+        LinkEvent::Refuse {
+            handle,
+            msg_id,
+            client_seq,
+            code,
+            retry_after_ms,
+            ..
+        } => {
+            if let Some(sid) = shared.session_of_handle(handle) {
+                shared.report_error(&sid, code, msg_id, client_seq, retry_after_ms);
+            }
+        }
+        LinkEvent::Backend(LinkFrame::Bind {
+            handle,
+            service,
+            key,
+        }) => {
+            let sid = shared.session_of_handle(handle)?;
+            // In order with the session's pushes, into its snapshot: the key travels
+            // with the session to whichever edge restores it.
+            if let Err(e) = shared
+                .session_layer()
+                .registry
+                .bind_key(&sid, &service, &key)
+            {
+                tracing::warn!(%service, error = %e, "routing key not recorded in the session");
+            }
+            if let Ok(mut e) = shared.entries.lock() {
+                if let Some(entry) = e.by_id.get_mut(&sid) {
+                    Arc::make_mut(&mut entry.keys).insert(service, key);
+                }
+            }
+        }
+        LinkEvent::Backend(LinkFrame::Pin {
+            kind,
+            key,
+            instance_id,
+        }) => {
+            let kind = match kind {
+                waygate_protocol::link::PinKind::Player => KeyKind::Player,
+                waygate_protocol::link::PinKind::Room => KeyKind::Room,
+            };
+            let pinned = match shared.router.lock() {
+                Ok(mut router) => router.pin(kind, &key, &instance_id),
+                Err(_) => return None,
+            };
+            match pinned {
+                Ok(()) => {
+                    shared.metrics.pins_applied.inc();
+                    tracing::debug!(%kind, %key, %instance_id, "backend PIN applied");
+                }
+                Err(e) => {
+                    shared.metrics.pins_refused.inc();
+                    tracing::warn!(%kind, %key, %instance_id, error = %e, "backend PIN refused");
+                }
+            }
+        }
+        LinkEvent::Backend(other) => {
+            // The link passes only the four frames above (it closes on anything else).
+            tracing::warn!(frame = ?other, "backend frame not handled by the edge");
+        }
+        LinkEvent::Up { addr, .. } => {
+            shared
+                .metrics
+                .backend_up
+                .get_or_create(&BackendLabel {
+                    backend: addr.to_string(),
+                })
+                .set(1);
+        }
+        LinkEvent::Down { addr } => {
+            shared
+                .metrics
+                .backend_up
+                .get_or_create(&BackendLabel {
+                    backend: addr.to_string(),
+                })
+                .set(0);
+        }
+    }
+    None
+}
+
+/// The async part of link events: a stale-epoch refusal refreshes the table if the backend
+/// is ahead and routes the held message again. Everything else was handled on the link's
+/// task ([`EdgeLinkSink`]); an event arriving here anyway is handled the same way.
 pub(super) async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver<LinkEvent>) {
     while let Some(event) = rx.recv().await {
         let Some(shared) = shared.upgrade() else {
             return;
         };
-        match event {
-            LinkEvent::Backend(LinkFrame::Push {
-                handle,
-                msg_id,
-                class,
-                payload,
-            }) => {
-                let label = ClassLabel {
-                    class: class.as_str().into(),
-                };
-                if class == waygate_transport::TrafficClass::BestEffort
-                    && shared.governor.shed_best_effort.load(Ordering::Acquire)
-                {
-                    shared.metrics.overload_shed.inc();
-                    continue;
-                }
-                let pushed = shared.session_of_handle(handle).map(|sid| {
-                    shared.session_layer().registry.push(
-                        &sid,
-                        Downstream {
-                            class,
-                            msg_id,
-                            payload,
-                        },
-                    )
-                });
-                match pushed {
-                    Some(Ok(())) => shared.metrics.pushed.get_or_create(&label).inc(),
-                    _ => shared.metrics.push_dropped.get_or_create(&label).inc(),
-                };
-            }
-            LinkEvent::Backend(LinkFrame::Kick { handle, code, .. }) => {
-                if let Some(sid) = shared.session_of_handle(handle) {
-                    shared.session_layer().registry.close(&sid, code);
-                }
-            }
-            LinkEvent::Refuse {
-                handle,
+        let Some(LinkEvent::Refuse {
+            handle,
+            msg_id,
+            client_seq,
+            code,
+            retry_after_ms,
+            epoch,
+            message: Some(m),
+        }) = handle_now(&shared, event)
+        else {
+            continue;
+        };
+        let Some(sid) = shared.session_of_handle(handle) else {
+            continue;
+        };
+        if let Some(result) = reroute(&shared, sid, epoch).await {
+            shared.metrics.stale_epoch_reroutes.inc();
+            let InFlight {
                 msg_id,
                 client_seq,
-                code,
-                retry_after_ms,
-                epoch,
-                message,
-            } => {
-                let Some(sid) = shared.session_of_handle(handle) else {
-                    continue;
-                };
-                if code == CloseCode::StaleEpoch {
-                    if let (Some(m), Some(result)) = (message, reroute(&shared, sid, epoch).await) {
-                        shared.metrics.stale_epoch_reroutes.inc();
-                        let InFlight {
-                            msg_id,
-                            client_seq,
-                            class,
-                            payload,
-                            ..
-                        } = m;
-                        let outcome = result.and_then(|entry| {
-                            shared.route_and_forward(&entry, msg_id, client_seq, class, payload)
-                        });
-                        if let Err(e) = outcome {
-                            shared.report_error(&sid, e.code, msg_id, client_seq, e.retry_after_ms);
-                        }
-                        continue;
-                    }
-                }
-                shared.report_error(&sid, code, msg_id, client_seq, retry_after_ms);
+                class,
+                payload,
+                ..
+            } = m;
+            let outcome = result.and_then(|entry| {
+                shared.route_and_forward(&entry, msg_id, client_seq, class, payload)
+            });
+            if let Err(e) = outcome {
+                shared.report_error(&sid, e.code, msg_id, client_seq, e.retry_after_ms);
             }
-            LinkEvent::Backend(LinkFrame::Bind {
-                handle,
-                service,
-                key,
-            }) => {
-                let Some(sid) = shared.session_of_handle(handle) else {
-                    continue;
-                };
-                // In order with the session's pushes, into its snapshot: the key travels
-                // with the session to whichever edge restores it.
-                if let Err(e) = shared
-                    .session_layer()
-                    .registry
-                    .bind_key(&sid, &service, &key)
-                {
-                    tracing::warn!(%service, error = %e, "routing key not recorded in the session");
-                }
-                if let Ok(mut e) = shared.entries.lock() {
-                    if let Some(entry) = e.by_id.get_mut(&sid) {
-                        Arc::make_mut(&mut entry.keys).insert(service, key);
-                    }
-                }
-            }
-            LinkEvent::Backend(LinkFrame::Pin {
-                kind,
-                key,
-                instance_id,
-            }) => {
-                tracing::info!(?kind, %key, %instance_id, "backend PIN received (dynamic pins are not applied yet; use table assignments)");
-            }
-            LinkEvent::Backend(other) => {
-                // The link passes only the four frames above (it closes on anything else).
-                tracing::warn!(frame = ?other, "backend frame not handled by the edge");
-            }
-            LinkEvent::Up { addr, .. } => {
-                shared
-                    .metrics
-                    .backend_up
-                    .get_or_create(&BackendLabel {
-                        backend: addr.to_string(),
-                    })
-                    .set(1);
-            }
-            LinkEvent::Down { addr } => {
-                shared
-                    .metrics
-                    .backend_up
-                    .get_or_create(&BackendLabel {
-                        backend: addr.to_string(),
-                    })
-                    .set(0);
-            }
+            continue;
         }
+        shared.report_error(&sid, code, msg_id, client_seq, retry_after_ms);
     }
 }
 

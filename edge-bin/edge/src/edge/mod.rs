@@ -27,7 +27,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::mpsc;
 use tokio::time::Instant;
 use waygate_routing::source::RouteSource;
 use waygate_routing::{Router, RoutingError};
@@ -38,13 +37,13 @@ use crate::admin::AdminApi;
 use crate::cluster::etcd::{EtcdRegistry, EtcdRouteSource};
 use crate::cluster::redis::RedisStores;
 use crate::config::EdgeConfig;
-use crate::link::{LinkClient, LinkEvent};
+use crate::link::LinkClient;
 use crate::metrics::EdgeMetrics;
 use crate::overload::{EdgeAdmission, Governor};
 use accept::accept_loop;
 use admin::EdgeAdmin;
 use cluster::start_cluster_tasks;
-use downstream::link_event_loop;
+use downstream::{link_event_loop, EdgeLinkSink};
 use overload_loop::overload_loop;
 use route_loop::{apply_latest, route_loop};
 use table::{SessionEntry, Sessions};
@@ -103,7 +102,7 @@ struct Shared {
     redis: Option<RedisStores>,
     epoch: Arc<AtomicU64>,
     links: Mutex<HashMap<SocketAddr, LinkClient>>,
-    link_events: mpsc::Sender<LinkEvent>,
+    link_events: crate::link::LinkEvents,
     entries: Mutex<Sessions>,
     draining: AtomicBool,
     started: Instant,

@@ -19,7 +19,7 @@ use waygate_session::{HmacAuthenticator, KeyRing};
 
 use super::{
     accept_loop, link_event_loop, now_std, overload_loop, route_loop, start_cluster_tasks, Edge,
-    EdgeAdmin, EdgeError, EdgeUpstream, Sessions, Shared, DEFAULT_ROUTES,
+    EdgeAdmin, EdgeError, EdgeLinkSink, EdgeUpstream, Sessions, Shared, DEFAULT_ROUTES,
 };
 use crate::admin::AdminApi;
 use crate::cluster::etcd::{EtcdRegistry, EtcdRouteSource};
@@ -160,7 +160,7 @@ impl Edge {
             listeners: bound.stats.clone(),
             kcp: bound.kcp_stats.clone(),
         });
-        let shared = Arc::new(Shared {
+        let shared = Arc::new_cyclic(|weak| Shared {
             metrics,
             sessions,
             router: Mutex::new(router),
@@ -171,7 +171,10 @@ impl Edge {
             redis,
             epoch,
             links: Mutex::new(HashMap::new()),
-            link_events: link_tx,
+            link_events: crate::link::LinkEvents {
+                fast: Arc::new(EdgeLinkSink(weak.clone())),
+                slow: link_tx,
+            },
             entries: Mutex::new(Sessions::default()),
             draining: AtomicBool::new(false),
             started: Instant::now(),

@@ -7,7 +7,7 @@ use std::sync::{Arc, Weak};
 
 use async_trait::async_trait;
 use waygate_protocol::link::LinkFrame;
-use waygate_routing::{KeyKind, RouteRequest, RoutingError};
+use waygate_routing::{KeyKind, RouteReason, RouteRequest, RoutingError};
 use waygate_session::driver::{DeliverError, SessionEvent, UpstreamSink};
 use waygate_session::machine::Upstream;
 use waygate_transport::CloseCode;
@@ -82,9 +82,26 @@ impl Shared {
             payload,
         ) {
             Ok(()) => {
+                // A placement another edge could not recompute (least loaded, pinned by a
+                // backend or assigned) travels in the session's snapshot (R3, S7).
+                if !decision.canary
+                    && matches!(
+                        decision.reason,
+                        RouteReason::LeastLoaded | RouteReason::Pinned | RouteReason::RoomAssigned
+                    )
+                {
+                    self.session_layer().registry.bind(
+                        &entry.meta.session_id,
+                        &decision.service,
+                        &decision.instance_id,
+                    );
+                }
                 if let Ok(mut e) = self.entries.lock() {
                     if let Some(en) = e.by_id.get_mut(&entry.meta.session_id) {
-                        Arc::make_mut(&mut en.links).insert(addr);
+                        // Copied only when a session first uses a link, not per message.
+                        if !en.links.contains(&addr) {
+                            Arc::make_mut(&mut en.links).insert(addr);
+                        }
                     }
                 }
                 self.metrics
@@ -228,6 +245,40 @@ impl UpstreamSink for EdgeUpstream {
                             },
                         )
                         .await;
+                }
+            }
+            SessionEvent::Bound {
+                session_id,
+                bindings,
+            } => {
+                // Placements the session carried (restored, or inherited from the session
+                // it took over): bound again here, by the player id for player-keyed
+                // services and by the session's key for key-routed ones.
+                let entry = shared
+                    .entries
+                    .lock()
+                    .ok()
+                    .and_then(|e| e.by_id.get(&session_id).cloned());
+                let Some(entry) = entry else { return };
+                let Ok(mut router) = shared.router.lock() else {
+                    return;
+                };
+                let Some(table) = router.table().cloned() else {
+                    return;
+                };
+                for (service, instance) in &bindings {
+                    let Some(spec) = table.services.iter().find(|s| &s.name == service) else {
+                        continue;
+                    };
+                    let key = match spec.key {
+                        KeyKind::Player | KeyKind::LeastLoaded => Some(&*entry.meta.player_id),
+                        KeyKind::RoundRobin => None,
+                        _ => entry.keys.get(service).map(String::as_str),
+                    };
+                    let Some(key) = key else { continue };
+                    if let Err(e) = router.restore_binding(key, service, instance) {
+                        tracing::info!(%service, %instance, error = %e, "carried placement not restored; routing afresh");
+                    }
                 }
             }
             SessionEvent::RoutingKeys { session_id, keys } => {
