@@ -584,3 +584,210 @@ async fn the_edge_reports_its_real_message_rate_to_etcd() {
     let edge = reported.expect("a load report with a message rate above 0");
     assert_eq!(edge.sessions, 1, "{edge:?}");
 }
+
+/// A lobby that creates rooms: CREATE (1001, payload = room id) pins the room to this
+/// process's arena instance with PIN and binds the session's `arena` key to it; SAY (2000)
+/// in the arena answers with the arena instance that handled it.
+struct Lobby {
+    arena_id: String,
+}
+
+const CREATE: u32 = 1001;
+const CREATED: u32 = 1002;
+const SAY: u32 = 2000;
+const SAID: u32 = 2001;
+
+#[async_trait::async_trait]
+impl waygate_backend::Service for Lobby {
+    async fn message(
+        &self,
+        session: &waygate_backend::BackendSession,
+        msg: waygate_backend::Incoming,
+    ) -> Result<(), waygate_backend::Refusal> {
+        let internal = waygate_backend::Refusal {
+            code: CloseCode::Internal,
+            retry_after_ms: 0,
+        };
+        let (reply_id, reply) = match msg.msg_id {
+            CREATE => {
+                let room = String::from_utf8_lossy(&msg.payload).into_owned();
+                session
+                    .pin_to(waygate_protocol::link::PinKind::Room, &room, &self.arena_id)
+                    .await
+                    .map_err(|_| internal)?;
+                session.bind("arena", &room).await.map_err(|_| internal)?;
+                (CREATED, format!("{}|{room}", self.arena_id))
+            }
+            SAY => (SAID, self.arena_id.clone()),
+            _ => return Err(internal),
+        };
+        session
+            .push(reply_id, TrafficClass::Critical, Bytes::from(reply))
+            .await
+            .map_err(|_| internal)
+    }
+}
+
+/// Waits for the next message `want` (or an ERROR) of `client`; panics after `limit`.
+async fn next_reply(client: &mut Client, want: u32, limit: Duration) -> Result<String, CloseCode> {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let ev = tokio::time::timeout_at(deadline, client.next_event())
+            .await
+            .expect("reply in time")
+            .expect("client running");
+        match ev {
+            Event::Message {
+                msg_id, payload, ..
+            } if msg_id == want => return Ok(String::from_utf8(payload.to_vec()).unwrap()),
+            Event::Error(e) => return Err(e.code),
+            _ => {}
+        }
+    }
+}
+
+/// Routing state a backend created travels with the session (session-host issue, defect 6;
+/// R3): a lobby on one process creates a room there and PINs it to its arena instance (not
+/// where the room's hash would put it); the player's room messages reach that instance on
+/// edge A; edge A is killed with SIGKILL, the player resumes on edge B — which never saw the
+/// PIN — and its room messages still reach the same arena instance (before: PINs were only
+/// logged and placements lived in edge A's memory).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_room_and_a_least_loaded_placement_survive_the_kill_of_their_edge() {
+    let etcd = EtcdServer::start();
+    let redis = RedisServer::start();
+    let mut backends = Vec::new();
+    let mut addrs = Vec::new();
+    for i in 1..=3 {
+        let b = waygate_backend::Backend::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            waygate_backend::BackendConfig::new(format!("l{i}")),
+            std::sync::Arc::new(Lobby {
+                arena_id: format!("a{i}"),
+            }),
+        )
+        .await
+        .unwrap();
+        addrs.push(b.local_addr());
+        backends.push(b);
+    }
+    let mut table = String::from("epoch = 1\nupdated_at = 0\n");
+    for (name, key, range, prefix) in [
+        ("lobby", "least_loaded", "[[1000, 1999]]", "l"),
+        ("arena", "room", "[[2000, 2999]]", "a"),
+    ] {
+        table.push_str(&format!(
+            "[[services]]\nname = \"{name}\"\nmessages = {range}\nkey = \"{key}\"\n"
+        ));
+        for (i, a) in addrs.iter().enumerate() {
+            table.push_str(&format!(
+                "  [[services.instances]]\n  id = \"{prefix}{}\"\n  address = \"{a}\"\n",
+                i + 1
+            ));
+        }
+    }
+    let etcd_client = etcd_client::Client::connect(etcd.endpoints(), None)
+        .await
+        .unwrap();
+    etcd_client
+        .clone()
+        .put(format!("{PREFIX}/table"), table.as_str(), None)
+        .await
+        .unwrap();
+    let mut edges = Vec::new();
+    for i in 1..=2 {
+        edges.push(
+            EdgeProc::start_cluster(
+                &format!("edge-{i}"),
+                &etcd.endpoint(),
+                &redis.url(),
+                EDGE_TOML,
+                &[],
+            )
+            .await,
+        );
+    }
+    let endpoints: Vec<Endpoint> = edges
+        .iter()
+        .map(|e| Endpoint::new(TransportKind::Tcp, e.addr(TransportKind::Tcp)))
+        .collect();
+    let mut o = ClientOptions::new(endpoints, token("builder"));
+    o.backoff_min = Duration::from_millis(50);
+    o.backoff_max = Duration::from_millis(1000);
+    let mut client = Client::start(o);
+    let limit = Duration::from_secs(20);
+    // Create rooms until one's hash would place it elsewhere than the lobby's arena: then
+    // only the PIN can send it there.
+    let arenas = waygate_routing::Rendezvous::new([("a1", 1.0), ("a2", 1.0), ("a3", 1.0)]);
+    let mut pinned = None;
+    for n in 0..32 {
+        let room = format!("room-{n}");
+        client
+            .send(TrafficClass::Critical, CREATE, Bytes::from(room.clone()))
+            .await
+            .unwrap();
+        let created = next_reply(&mut client, CREATED, limit)
+            .await
+            .expect("created");
+        let (arena, _) = created.split_once('|').unwrap();
+        if arenas.pick(&room) != Some(arena) {
+            pinned = Some((room, arena.to_string()));
+            break;
+        }
+    }
+    let (room, arena) = pinned.expect("a room whose hash differs from its pin");
+    client
+        .send(TrafficClass::Critical, SAY, Bytes::from_static(b"hi"))
+        .await
+        .unwrap();
+    assert_eq!(
+        next_reply(&mut client, SAID, limit).await,
+        Ok(arena.clone()),
+        "edge A applies the PIN of {room}"
+    );
+    let lobby_before = {
+        client
+            .send(TrafficClass::Critical, CREATE, Bytes::from(room.clone()))
+            .await
+            .unwrap();
+        next_reply(&mut client, CREATED, limit)
+            .await
+            .expect("created")
+    };
+
+    edges[0].proc.kill9();
+    let restored = wait_for(&mut client, Duration::from_secs(30), |e| {
+        matches!(e, Event::Connected { .. })
+    })
+    .await;
+    assert!(
+        matches!(
+            restored,
+            Event::Connected {
+                outcome: WelcomeOutcome::Restored,
+                ..
+            }
+        ),
+        "{restored:?}"
+    );
+    client
+        .send(TrafficClass::Critical, SAY, Bytes::from_static(b"again"))
+        .await
+        .unwrap();
+    assert_eq!(
+        next_reply(&mut client, SAID, limit).await,
+        Ok(arena.clone()),
+        "edge B reaches the pinned arena instance of {room}"
+    );
+    // The least-loaded lobby placement travelled too: the same lobby answers.
+    client
+        .send(TrafficClass::Critical, CREATE, Bytes::from(room.clone()))
+        .await
+        .unwrap();
+    assert_eq!(
+        next_reply(&mut client, CREATED, limit).await,
+        Ok(lobby_before),
+        "the same lobby instance"
+    );
+    drop(backends);
+}

@@ -218,6 +218,23 @@ impl BackendSession {
         .await
     }
 
+    /// Pins `key` to `instance_id`, an instance of this process in another service (an
+    /// instance id names one service: a process serving a lobby and the rooms it creates
+    /// has one id for each).
+    pub async fn pin_to(
+        &self,
+        kind: PinKind,
+        key: &str,
+        instance_id: &str,
+    ) -> Result<(), BackendError> {
+        self.send(LinkFrame::Pin {
+            kind,
+            key: key.into(),
+            instance_id: instance_id.into(),
+        })
+        .await
+    }
+
     /// Ends the session; the client gets CLOSE with `code`.
     pub async fn kick(&self, code: CloseCode, message: &str) -> Result<(), BackendError> {
         self.send(LinkFrame::Kick {
