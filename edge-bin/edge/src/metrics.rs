@@ -164,6 +164,7 @@ impl Collector for SessionLayerCollector {
             let (writes, failures) = s.write_through.as_ref().map_or((0, 0), |wt| {
                 (wt.writes.load(Relaxed), wt.failures.load(Relaxed))
             });
+            let host = s.registry.stats();
             for (name, help, value) in [
                 (
                     "write_through_writes",
@@ -174,6 +175,21 @@ impl Collector for SessionLayerCollector {
                     "write_through_failures",
                     "Snapshot writes that failed (writes pause, then retry)",
                     failures,
+                ),
+                (
+                    "session_host_answer_timeouts",
+                    "Hand-overs and takeovers whose session did not answer within 2 s (its connection task was stuck)",
+                    host.answer_timeouts,
+                ),
+                (
+                    "session_host_orphaned",
+                    "Sessions handed over after their resume gave up waiting (put back in the store)",
+                    host.orphaned,
+                ),
+                (
+                    "session_host_mailbox_full",
+                    "Commands for a session refused because its mailbox was full",
+                    host.mailbox_full,
                 ),
             ] {
                 let c = ConstCounter::new(value);
