@@ -388,6 +388,7 @@ async fn run_link(
         waygate_link::LinkIoOptions {
             read_queue: config.forward_credits as usize + 1024,
             on_credit: Some(Arc::new(move |n| credit_sink.add_permits(n as usize))),
+            on_frame: None,
         },
     );
     let hello = tokio::time::timeout(Duration::from_secs(10), io.rx.recv())

@@ -109,52 +109,53 @@ pub enum LinkEvent {
     },
 }
 
-/// Where a link's events go. `try_handle` runs on the link's own task, for every event in the
-/// order the backend sent them, and must never wait: it takes what it can carry out at once
-/// (a push into a session's queue, a kick, a key) and hands back what needs the edge's
-/// async loop (a stale-epoch refusal: the table may have to be refreshed first), which then
-/// goes down `slow`. One channel hop fewer for every push.
+/// Where a link's events go when they can be carried out at once: on the link's own reader
+/// task, in the order the backend sent them, never waiting (a push into a session's queue, a
+/// kick, a key, a pin). One channel hop fewer for every push.
 pub trait LinkEventSink: Send + Sync + std::fmt::Debug + 'static {
-    /// Carries `event` out without waiting, or hands it back for the async loop.
-    fn try_handle(&self, event: LinkEvent) -> Option<LinkEvent>;
+    /// Carries `event` out without waiting. Never given a stale-epoch refusal (that one may
+    /// need the table refreshed first: it goes to the async loop).
+    fn handle(&self, event: LinkEvent);
 }
 
-/// The two ways out of a link: the non-blocking sink, then the bounded channel to the edge's
-/// async loop for what the sink hands back.
+/// The ways out of a link: the non-blocking sink for what can be done at once, the bounded
+/// channel to the edge's async loop for the rest (and for everything without a sink).
 #[derive(Debug, Clone)]
 pub struct LinkEvents {
-    /// Takes events on the link's task.
-    pub fast: Arc<dyn LinkEventSink>,
+    /// Takes events on the link's task (`None`: everything goes down `slow`).
+    pub fast: Option<Arc<dyn LinkEventSink>>,
     /// The async loop's channel.
     pub slow: mpsc::Sender<LinkEvent>,
-}
-
-/// A sink that hands every event to the async loop.
-#[derive(Debug)]
-struct PassThrough;
-
-impl LinkEventSink for PassThrough {
-    fn try_handle(&self, event: LinkEvent) -> Option<LinkEvent> {
-        Some(event)
-    }
 }
 
 impl From<mpsc::Sender<LinkEvent>> for LinkEvents {
     /// Every event through the channel (no fast path).
     fn from(slow: mpsc::Sender<LinkEvent>) -> Self {
-        Self {
-            fast: Arc::new(PassThrough),
-            slow,
-        }
+        Self { fast: None, slow }
     }
+}
+
+/// Whether an event needs the async loop: a stale-epoch refusal (the table may have to be
+/// refreshed before the held message is routed again).
+fn needs_async(event: &LinkEvent) -> bool {
+    matches!(
+        event,
+        LinkEvent::Refuse {
+            code: CloseCode::StaleEpoch,
+            ..
+        }
+    )
 }
 
 impl LinkEvents {
     /// Delivers `event`; false when the edge is gone.
     async fn send(&self, event: LinkEvent) -> bool {
-        match self.fast.try_handle(event) {
-            None => true,
-            Some(event) => self.slow.send(event).await.is_ok(),
+        match &self.fast {
+            Some(fast) if !needs_async(&event) => {
+                fast.handle(event);
+                true
+            }
+            _ => self.slow.send(event).await.is_ok(),
         }
     }
 }
@@ -202,6 +203,8 @@ struct LinkShared {
     open: Mutex<HashMap<u64, SessionMeta>>,
     epoch: Arc<AtomicU64>,
     events: LinkEvents,
+    /// PUSH frames received since PUSH credit was last returned.
+    pushes: std::sync::atomic::AtomicU32,
 }
 
 /// The edge's link to one backend address.
@@ -230,6 +233,7 @@ impl LinkClient {
             open: Mutex::new(HashMap::new()),
             epoch,
             events,
+            pushes: std::sync::atomic::AtomicU32::new(0),
         });
         let task = tokio::spawn(run(shared.clone()));
         (Self { shared }, task)
@@ -369,6 +373,107 @@ impl LinkClient {
     }
 }
 
+/// A frame from the backend, as the edge sees it.
+enum Incoming {
+    /// Carried out already (CREDIT).
+    Done,
+    /// For the edge.
+    Event(LinkEvent),
+    /// Not allowed from a backend: the link closes.
+    Unexpected(LinkFrame),
+}
+
+/// Applies a CREDIT, counts a PUSH, finds the held message of a REFUSE.
+fn take_frame(shared: &LinkShared, frame: LinkFrame) -> Incoming {
+    match frame {
+        LinkFrame::Push { .. } => {
+            shared.pushes.fetch_add(1, Ordering::AcqRel);
+            Incoming::Event(LinkEvent::Backend(frame))
+        }
+        LinkFrame::Credit { credits } => {
+            if let Ok(mut q) = shared.inflight.lock() {
+                let n = (credits as usize).min(q.len());
+                q.drain(..n);
+            }
+            shared.credit.fetch_add(credits.into(), Ordering::AcqRel);
+            Incoming::Done
+        }
+        LinkFrame::Kick { .. } | LinkFrame::Bind { .. } | LinkFrame::Pin { .. } => {
+            Incoming::Event(LinkEvent::Backend(frame))
+        }
+        LinkFrame::Refuse {
+            handle,
+            msg_id,
+            client_seq,
+            code,
+            retry_after_ms,
+            epoch,
+        } => {
+            let message = shared.inflight.lock().ok().and_then(|q| {
+                q.iter()
+                    .find(|m| {
+                        m.handle == handle && m.client_seq == client_seq && m.msg_id == msg_id
+                    })
+                    .cloned()
+            });
+            Incoming::Event(LinkEvent::Refuse {
+                handle,
+                msg_id,
+                client_seq,
+                code,
+                retry_after_ms,
+                epoch,
+                message,
+            })
+        }
+        other => Incoming::Unexpected(other),
+    }
+}
+
+/// PUSH credit to return now (every `return_every` pushes), if any.
+fn push_credit_due(shared: &LinkShared, return_every: u32) -> Option<u32> {
+    let n = shared.pushes.load(Ordering::Acquire);
+    if n < return_every {
+        return None;
+    }
+    let n = shared.pushes.swap(0, Ordering::AcqRel);
+    (n > 0).then_some(n)
+}
+
+/// The reader's hook (with a fast sink): everything that needs no waiting is carried out on
+/// the reader's task; a stale-epoch refusal, the handshake and anything unexpected are
+/// queued for `connect_once`.
+fn take_now(
+    shared: &LinkShared,
+    frame: LinkFrame,
+    return_every: u32,
+) -> waygate_link::FrameHandled {
+    use waygate_link::FrameHandled;
+    let Some(fast) = shared.events.fast.as_ref() else {
+        return FrameHandled::Queue(frame);
+    };
+    match &frame {
+        LinkFrame::Push { .. }
+        | LinkFrame::Credit { .. }
+        | LinkFrame::Kick { .. }
+        | LinkFrame::Bind { .. }
+        | LinkFrame::Pin { .. } => {}
+        LinkFrame::Refuse { code, .. } if *code != CloseCode::StaleEpoch => {}
+        _ => return FrameHandled::Queue(frame),
+    }
+    match take_frame(shared, frame) {
+        Incoming::Done => FrameHandled::Taken,
+        Incoming::Unexpected(other) => FrameHandled::Queue(other),
+        Incoming::Event(event) => {
+            fast.handle(event);
+            match push_credit_due(shared, return_every) {
+                Some(credits) => FrameHandled::Reply(LinkFrame::Credit { credits }),
+                None => FrameHandled::Taken,
+            }
+        }
+    }
+}
+
 fn open_frame(meta: &SessionMeta) -> LinkFrame {
     LinkFrame::SessionOpen {
         handle: meta.handle,
@@ -442,6 +547,12 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
         .map_err(|_| "connect failed")?;
     let _ = stream.set_nodelay(true);
     // The reader's queue holds every PUSH the backend may have in flight (our credit).
+    // With a fast sink, the reader itself carries out what needs no waiting (`take_now`).
+    let return_every = (config.push_credits / 4).max(1);
+    let on_frame: Option<waygate_link::OnFrame> = shared.events.fast.as_ref().map(|_| {
+        let shared = shared.clone();
+        Arc::new(move |frame| take_now(&shared, frame, return_every)) as waygate_link::OnFrame
+    });
     let mut io = spawn_link_io(
         stream,
         DEFAULT_MAX_LINK_FRAME,
@@ -449,6 +560,7 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
         waygate_link::LinkIoOptions {
             read_queue: config.push_credits as usize + 1024,
             on_credit: None,
+            on_frame,
         },
     );
     io.tx
@@ -504,51 +616,11 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
         })
         .await;
 
-    let return_every = (config.push_credits / 4).max(1);
-    let mut pushes = 0u32;
     while let Some(frame) = io.rx.recv().await {
-        let event = match frame {
-            LinkFrame::Push { .. } => {
-                pushes += 1;
-                LinkEvent::Backend(frame)
-            }
-            LinkFrame::Credit { credits } => {
-                if let Ok(mut q) = shared.inflight.lock() {
-                    let n = (credits as usize).min(q.len());
-                    q.drain(..n);
-                }
-                shared.credit.fetch_add(credits.into(), Ordering::AcqRel);
-                continue;
-            }
-            LinkFrame::Kick { .. } | LinkFrame::Bind { .. } | LinkFrame::Pin { .. } => {
-                LinkEvent::Backend(frame)
-            }
-            LinkFrame::Refuse {
-                handle,
-                msg_id,
-                client_seq,
-                code,
-                retry_after_ms,
-                epoch,
-            } => {
-                let message = shared.inflight.lock().ok().and_then(|q| {
-                    q.iter()
-                        .find(|m| {
-                            m.handle == handle && m.client_seq == client_seq && m.msg_id == msg_id
-                        })
-                        .cloned()
-                });
-                LinkEvent::Refuse {
-                    handle,
-                    msg_id,
-                    client_seq,
-                    code,
-                    retry_after_ms,
-                    epoch,
-                    message,
-                }
-            }
-            other => {
+        let event = match take_frame(&shared, frame) {
+            Incoming::Done => continue,
+            Incoming::Event(event) => event,
+            Incoming::Unexpected(other) => {
                 tracing::warn!(addr = %shared.addr, frame = ?other, "unexpected frame from backend");
                 let _ = io
                     .tx
@@ -563,9 +635,8 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
         if !shared.events.send(event).await {
             return Ok(());
         }
-        if pushes >= return_every {
-            let _ = io.tx.send(LinkFrame::Credit { credits: pushes }).await;
-            pushes = 0;
+        if let Some(credits) = push_credit_due(&shared, return_every) {
+            let _ = io.tx.send(LinkFrame::Credit { credits }).await;
         }
     }
     tracing::warn!(addr = %shared.addr, "backend link down");

@@ -28,6 +28,22 @@ const READ_QUEUE: usize = 1024;
 /// A handler for CREDIT frames, called by the reader itself.
 pub type OnCredit = std::sync::Arc<dyn Fn(u32) + Send + Sync>;
 
+/// What the owner's frame hook ([`LinkIoOptions::on_frame`]) did with a frame.
+#[derive(Debug)]
+pub enum FrameHandled {
+    /// Carried out; nothing more to do.
+    Taken,
+    /// Carried out; write this frame back to the peer (the reader waits for room in the
+    /// write queue, so it is never lost).
+    Reply(LinkFrame),
+    /// Not handled here: queue it for the owner (`LinkIo::rx`), in order.
+    Queue(LinkFrame),
+}
+
+/// A hook the reader calls for every frame it reads (LINK_PING/PONG/CLOSE excepted), on its
+/// own task: the owner carries out what it can without waiting, saving a channel hop.
+pub type OnFrame = std::sync::Arc<dyn Fn(LinkFrame) -> FrameHandled + Send + Sync>;
+
 /// Options of [`spawn_link_io`].
 #[derive(Clone, Default)]
 pub struct LinkIoOptions {
@@ -40,6 +56,9 @@ pub struct LinkIoOptions {
     /// messages, so an owner busy handling a message (e.g. waiting for credit itself) still
     /// receives the credit it waits for.
     pub on_credit: Option<OnCredit>,
+    /// Called by the reader for every other frame before it is queued (see [`OnFrame`]).
+    /// It must never wait.
+    pub on_frame: Option<OnFrame>,
 }
 
 impl std::fmt::Debug for LinkIoOptions {
@@ -47,6 +66,7 @@ impl std::fmt::Debug for LinkIoOptions {
         f.debug_struct("LinkIoOptions")
             .field("read_queue", &self.read_queue)
             .field("on_credit", &self.on_credit.is_some())
+            .field("on_frame", &self.on_frame.is_some())
             .finish()
     }
 }
@@ -107,7 +127,7 @@ where
         codec,
         heartbeat,
         alive_rx,
-        options.on_credit,
+        options,
     ));
     LinkIo {
         tx: out_tx,
@@ -171,8 +191,13 @@ async fn read_loop<R: AsyncRead + Unpin>(
     codec: LinkCodec,
     heartbeat: Duration,
     mut alive: watch::Receiver<()>,
-    on_credit: Option<OnCredit>,
+    options: LinkIoOptions,
 ) -> LinkEnd {
+    let LinkIoOptions {
+        on_credit,
+        on_frame,
+        ..
+    } = options;
     let reply = |frame: LinkFrame| {
         if let Some(out) = out.upgrade() {
             let _ = out.try_send(frame);
@@ -198,6 +223,26 @@ async fn read_loop<R: AsyncRead + Unpin>(
                     return LinkEnd::Closed(code);
                 }
                 Ok(Some(frame)) => {
+                    let handled = match &on_frame {
+                        Some(f) => f(frame),
+                        None => FrameHandled::Queue(frame),
+                    };
+                    let frame = match handled {
+                        FrameHandled::Queue(frame) => frame,
+                        FrameHandled::Taken => continue,
+                        FrameHandled::Reply(answer) => {
+                            let Some(out) = out.upgrade() else {
+                                return LinkEnd::Closed(CloseCode::Normal);
+                            };
+                            tokio::select! {
+                                sent = out.send(answer) => if sent.is_err() {
+                                    return LinkEnd::Closed(CloseCode::Normal);
+                                },
+                                _ = alive.changed() => return LinkEnd::Closed(CloseCode::Normal),
+                            }
+                            continue;
+                        }
+                    };
                     tokio::select! {
                         sent = tx.send(frame) => if sent.is_err() {
                             return LinkEnd::Closed(CloseCode::Normal);
@@ -230,4 +275,56 @@ async fn read_loop<R: AsyncRead + Unpin>(
             }
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use std::sync::Arc;
+
+    use super::*;
+
+    /// The reader's hook sees every frame but LINK_PING/PONG: what it takes never reaches the
+    /// owner's queue, its replies are written to the peer, what it queues arrives in order.
+    #[tokio::test]
+    async fn the_frame_hook_takes_replies_and_queues_in_order() {
+        let (a, b) = tokio::io::duplex(64 * 1024);
+        let hook: OnFrame = Arc::new(|frame| match frame {
+            LinkFrame::Credit { credits: 1 } => FrameHandled::Taken,
+            LinkFrame::Credit { credits: 2 } => {
+                FrameHandled::Reply(LinkFrame::Credit { credits: 20 })
+            }
+            other => FrameHandled::Queue(other),
+        });
+        let heartbeat = Duration::from_secs(5);
+        let mut hooked = spawn_link_io(
+            a,
+            DEFAULT_TEST_FRAME,
+            heartbeat,
+            LinkIoOptions {
+                on_frame: Some(hook),
+                ..LinkIoOptions::default()
+            },
+        );
+        let mut peer = spawn_link_io(b, DEFAULT_TEST_FRAME, heartbeat, LinkIoOptions::default());
+        for credits in [1, 3, 2, 4] {
+            peer.tx.send(LinkFrame::Credit { credits }).await.unwrap();
+        }
+        let queued = [hooked.rx.recv().await, hooked.rx.recv().await];
+        assert_eq!(
+            queued,
+            [
+                Some(LinkFrame::Credit { credits: 3 }),
+                Some(LinkFrame::Credit { credits: 4 })
+            ]
+        );
+        assert_eq!(
+            peer.rx.recv().await,
+            Some(LinkFrame::Credit { credits: 20 })
+        );
+        drop(hooked.tx);
+    }
+
+    const DEFAULT_TEST_FRAME: usize = 64 * 1024;
 }

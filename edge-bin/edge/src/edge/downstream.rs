@@ -41,9 +41,25 @@ impl Shared {
 pub(super) struct EdgeLinkSink(pub(super) Weak<Shared>);
 
 impl LinkEventSink for EdgeLinkSink {
-    fn try_handle(&self, event: LinkEvent) -> Option<LinkEvent> {
-        let shared = self.0.upgrade()?;
-        handle_now(&shared, event)
+    fn handle(&self, event: LinkEvent) {
+        let Some(shared) = self.0.upgrade() else {
+            return;
+        };
+        if let Some(LinkEvent::Refuse {
+            handle,
+            msg_id,
+            client_seq,
+            code,
+            retry_after_ms,
+            ..
+        }) = handle_now(&shared, event)
+        {
+            // The link gives stale-epoch refusals to the async loop; should one arrive here,
+            // the client still gets its answer.
+            if let Some(sid) = shared.session_of_handle(handle) {
+                shared.report_error(&sid, code, msg_id, client_seq, retry_after_ms);
+            }
+        }
     }
 }
 

@@ -172,7 +172,7 @@ impl Edge {
             epoch,
             links: Mutex::new(HashMap::new()),
             link_events: crate::link::LinkEvents {
-                fast: Arc::new(EdgeLinkSink(weak.clone())),
+                fast: Some(Arc::new(EdgeLinkSink(weak.clone()))),
                 slow: link_tx,
             },
             entries: Mutex::new(Sessions::default()),
