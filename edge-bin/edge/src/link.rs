@@ -617,7 +617,7 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
         .await;
 
     while let Some(frame) = io.rx.recv().await {
-        let event = match take_frame(&shared, frame) {
+        let event = match take_frame(shared, frame) {
             Incoming::Done => continue,
             Incoming::Event(event) => event,
             Incoming::Unexpected(other) => {
@@ -635,7 +635,7 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
         if !shared.events.send(event).await {
             return Ok(());
         }
-        if let Some(credits) = push_credit_due(&shared, return_every) {
+        if let Some(credits) = push_credit_due(shared, return_every) {
             let _ = io.tx.send(LinkFrame::Credit { credits }).await;
         }
     }

@@ -1,7 +1,8 @@
 //! The session host's property test: random interleavings of logins, drops, resumes
 //! (valid, stale, foreign, beyond the sent seq), second logins that kick, backend pushes in
-//! every class, stuck connection drivers (a full outbound queue: slow consumer), and time
-//! passing beyond the linger — all through the real [`SessionHost`](crate::host::SessionHost)
+//! every class, stuck connection drivers (a full outbound queue: slow consumer; hand-overs
+//! and kicks that time out), the shared store failing or timing out, and time passing beyond
+//! the linger — all through the real [`SessionHost`](crate::host::SessionHost)
 //! in the pair harness, on a virtual clock. Invariants are checked after every step.
 
 use std::collections::HashMap;
@@ -51,6 +52,9 @@ enum Op {
     Release(usize),
     /// Time passes (ms); large values pass the linger.
     Advance(u32),
+    /// The shared store and ownership registry go down (unavailable or timing out) or
+    /// come back.
+    Store(u8),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -65,6 +69,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => c.clone().prop_map(Op::Stall),
         1 => c.clone().prop_map(Op::Release),
         2 => prop_oneof![9 => 1u32..300, 1 => 1_000u32..70_000].prop_map(Op::Advance),
+        1 => prop_oneof![2 => Just(0u8), 1 => Just(1u8), 1 => Just(2u8)].prop_map(Op::Store),
     ]
 }
 
@@ -273,10 +278,13 @@ proptest! {
                 Op::Stall(c) => if let Some(m) = p.peers[c].conn { p.edge.stalled.insert(m); },
                 Op::Release(c) => if let Some(m) = p.peers[c].conn { p.edge.release(m, p.now); },
                 Op::Advance(ms) => p.advance(Duration::from_millis(ms.into())),
+                Op::Store(state) => p.edge.store_down = state,
             }
             check_invariants(&p, &ledger)?;
         }
-        // Settle: every driver recovers, every client reconnects, everything moves.
+        // Settle: the store is back, every driver recovers, every client reconnects, everything
+        // moves.
+        p.edge.store_down = 0;
         for m in p.edge.stalled.clone() {
             p.edge.release(m, p.now);
         }
@@ -288,7 +296,11 @@ proptest! {
                     p.connect(c);
                 }
                 _ => {
-                    if p.peers[c].conn.is_some() { p.cut(c); }
+                    // Whatever is in flight is lost with the link (an unanswered HELLO too).
+                    p.cut(c);
+                    if p.peers[c].client.state() == ClientState::Closed {
+                        p.relogin(c, token_for(player_of(c)));
+                    }
                     p.connect(c);
                 }
             }

@@ -19,7 +19,7 @@ use crate::host::{
 };
 use crate::machine::{Action, SessionConfig, SessionEnd, SessionMachine, State, Upstream};
 use crate::rng::SeededRng;
-use crate::store::{ClaimGrant, Owner, Snapshot, TakeOutcome};
+use crate::store::{ClaimGrant, Owner, Snapshot, StoreError, TakeOutcome};
 
 pub(crate) const KEY: &[u8] = b"test key: 32 bytes of secret....";
 pub(crate) const UNIX_NOW: u64 = 1_800_000_000;
@@ -61,6 +61,9 @@ pub(crate) struct Edge {
     /// Answers to requests, by the connection that asked.
     answers: HashMap<usize, Answer>,
     pub(crate) store: HashMap<SessionId, Snapshot>,
+    /// The shared store and ownership registry fail every call (0: up; 1: unavailable;
+    /// 2: timing out).
+    pub(crate) store_down: u8,
     pub(crate) owners: HashMap<String, (u64, Option<Owner>)>,
     pub(crate) delivered: Vec<Upstream>,
     pub(crate) ended: Vec<SessionEnd>,
@@ -86,6 +89,7 @@ impl Edge {
             backlogs: HashMap::new(),
             answers: HashMap::new(),
             store: HashMap::new(),
+            store_down: 0,
             owners: HashMap::new(),
             delivered: Vec::new(),
             ended: Vec::new(),
@@ -176,6 +180,14 @@ impl Edge {
         }
     }
 
+    fn store_error(&self) -> StoreError {
+        if self.store_down == 2 {
+            StoreError::Timeout
+        } else {
+            StoreError::Unavailable("store down (test)".into())
+        }
+    }
+
     /// Un-sticks connection `j`: its waiting work is done now.
     pub(crate) fn release(&mut self, j: usize, now: Instant) {
         self.stalled.remove(&j);
@@ -260,6 +272,13 @@ impl Edge {
                             _ => None,
                         },
                     };
+                    if self.store_down > 0 && local.is_none() {
+                        let err = self.store_error();
+                        self.machines[i]
+                            .handle_snapshot(now, Err(err))
+                            .expect("snapshot");
+                        continue;
+                    }
                     let outcome = match local {
                         Some(TakeOutcome::Taken(s)) => {
                             self.store.remove(&session_id);
@@ -287,6 +306,13 @@ impl Edge {
                     player_id,
                     session_id,
                 } => {
+                    if self.store_down > 0 {
+                        let err = self.store_error();
+                        self.machines[i]
+                            .handle_claimed(now, Err(err))
+                            .expect("claim");
+                        continue;
+                    }
                     let entry = self
                         .owners
                         .entry(player_id.to_string())
