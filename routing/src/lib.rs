@@ -71,8 +71,8 @@ pub use migration::{
 };
 pub use rendezvous::Rendezvous;
 pub use router::{
-    ApplyReport, LoadReport, PlacementError, RouteDecision, RouteReason, RouteRequest, Router,
-    RouterConfig, StaleEpochAction, TickReport, MAX_DYNAMIC_PINS,
+    ApplyReport, LoadReport, PlacementError, RouteDecision, RouteReason, RouteRequest, RouteTarget,
+    Router, RouterConfig, StaleEpochAction, TargetInstance, TickReport, MAX_DYNAMIC_PINS,
 };
 pub use table::{
     Assignments, Canary, InstanceSpec, InstanceState, KeyKind, RouteTable, ServiceSpec, TableFormat,

@@ -120,6 +120,58 @@ pub struct RouteDecision {
     pub canary: bool,
 }
 
+/// An instance as the compiled table holds it: shared, so a routing decision that names it
+/// allocates nothing.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct TargetInstance {
+    /// The service it serves.
+    pub service: Arc<str>,
+    /// Its id.
+    pub instance_id: Arc<str>,
+    /// Its address as the table gives it.
+    pub address: Arc<str>,
+    /// The address parsed, when it is an IP literal and port.
+    pub socket: Option<std::net::SocketAddr>,
+}
+
+impl TargetInstance {
+    fn new(service: &str, instance_id: &str, address: &str) -> Self {
+        Self {
+            service: service.into(),
+            instance_id: instance_id.into(),
+            address: address.into(),
+            socket: address.parse().ok(),
+        }
+    }
+}
+
+/// A routing decision without allocation ([`Router::route_target`]); [`RouteDecision`] is
+/// the same with owned strings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RouteTarget {
+    /// Where the message goes.
+    pub target: Arc<TargetInstance>,
+    /// Epoch of the table in force when deciding.
+    pub epoch: u64,
+    /// How it was decided.
+    pub reason: RouteReason,
+    /// Whether the canary redirected it.
+    pub canary: bool,
+}
+
+impl From<RouteTarget> for RouteDecision {
+    fn from(t: RouteTarget) -> Self {
+        Self {
+            service: t.target.service.to_string(),
+            instance_id: t.target.instance_id.to_string(),
+            address: t.target.address.to_string(),
+            epoch: t.epoch,
+            reason: t.reason,
+            canary: t.canary,
+        }
+    }
+}
+
 /// Most keys of one kind (players, rooms) backends may pin on one edge.
 pub const MAX_DYNAMIC_PINS: usize = 100_000;
 
@@ -202,6 +254,8 @@ pub struct TickReport {
 #[derive(Debug, Clone)]
 struct CompiledService {
     kind: KeyKind,
+    /// Each instance as routing decisions name it (same order as the table's).
+    targets: Vec<Arc<TargetInstance>>,
     canary: Option<(u32, usize)>,
     ring: Rendezvous,
     weights: Vec<f64>,
@@ -428,6 +482,11 @@ impl Router {
                 .unwrap_or(0);
             services.push(CompiledService {
                 kind: s.key,
+                targets: s
+                    .instances
+                    .iter()
+                    .map(|i| Arc::new(TargetInstance::new(&s.name, &i.id, &i.address)))
+                    .collect(),
                 canary: s.canary.as_ref().and_then(|c| {
                     let bp = (c.percent * 100.0).round().clamp(0.0, 10_000.0) as u32;
                     by_name.get(&c.service).map(|&alt| (bp, alt))
@@ -577,6 +636,21 @@ impl Router {
             Some((_, hi, si)) if message_id <= hi => si,
             _ => return Err(RoutingError::NoServiceForMessage { message_id }),
         };
+        self.route_index(si, req).map(RouteDecision::from)
+    }
+
+    /// [`route`](Self::route) without allocating (the hot path of the edge).
+    pub fn route_target(
+        &mut self,
+        message_id: u32,
+        req: &RouteRequest<'_>,
+    ) -> Result<RouteTarget, RoutingError> {
+        let c = self.current.as_ref().ok_or(RoutingError::NoTable)?;
+        let pos = c.ranges.partition_point(|r| r.0 <= message_id);
+        let si = match pos.checked_sub(1).map(|p| c.ranges[p]) {
+            Some((_, hi, si)) if message_id <= hi => si,
+            _ => return Err(RoutingError::NoServiceForMessage { message_id }),
+        };
         self.route_index(si, req)
     }
 
@@ -593,14 +667,14 @@ impl Router {
             .ok_or_else(|| RoutingError::NoSuchService {
                 service: service.to_owned(),
             })?;
-        self.route_index(si, req)
+        self.route_index(si, req).map(RouteDecision::from)
     }
 
     fn route_index(
         &mut self,
         requested: usize,
         req: &RouteRequest<'_>,
-    ) -> Result<RouteDecision, RoutingError> {
+    ) -> Result<RouteTarget, RoutingError> {
         let Some(c) = self.current.as_ref() else {
             return Err(RoutingError::NoTable);
         };
@@ -622,10 +696,22 @@ impl Router {
         };
         if kind != KeyKind::RoundRobin {
             if let Some(b) = self.bindings.get(key, req_name) {
-                return Ok(RouteDecision {
-                    service: b.service.clone(),
-                    instance_id: b.instance_id.clone(),
-                    address: b.address.clone(),
+                // The compiled table's handle for the bound instance, unless the binding
+                // names what the table no longer has (then its own strings, once).
+                let compiled = c
+                    .by_name
+                    .get(&b.service)
+                    .and_then(|&bs| {
+                        let cs = &c.services[bs];
+                        cs.by_id.get(&b.instance_id).map(|&i| &cs.targets[i])
+                    })
+                    .filter(|t| *t.address == *b.address)
+                    .cloned();
+                let target = compiled.unwrap_or_else(|| {
+                    Arc::new(TargetInstance::new(&b.service, &b.instance_id, &b.address))
+                });
+                return Ok(RouteTarget {
+                    target,
                     epoch: table.epoch,
                     reason: RouteReason::Bound,
                     canary: b.canary,
@@ -639,17 +725,18 @@ impl Router {
             _ => (requested, false),
         };
         let (idx, reason) = self.choose(si, key)?;
-        let inst = &table.services[si].instances[idx];
-        let decision = RouteDecision {
-            service: table.services[si].name.clone(),
-            instance_id: inst.id.clone(),
-            address: inst.address.clone(),
+        let target = match self.current.as_ref() {
+            Some(c) => Arc::clone(&c.services[si].targets[idx]),
+            None => return Err(RoutingError::NoTable),
+        };
+        let decision = RouteTarget {
+            target,
             epoch: table.epoch,
             reason,
             canary,
         };
         if kind != KeyKind::RoundRobin {
-            self.bind(key, req_name, &decision);
+            self.bind(key, req_name, &RouteDecision::from(decision.clone()));
         }
         Ok(decision)
     }

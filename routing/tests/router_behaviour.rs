@@ -704,3 +704,27 @@ fn a_carried_placement_is_restored_on_another_router() {
         })
     );
 }
+
+/// The edge's hot path (`route_target`) decides exactly as `route` and names instances by
+/// the compiled table's shared handles (no allocation per message), bound or not.
+#[test]
+fn route_target_decides_like_route_with_shared_handles() {
+    let now = Instant::now();
+    let mut a = router(base_table(1), now);
+    let mut b = router(base_table(1), now);
+    for p in players(300) {
+        for (msg, req) in [
+            (1000, RouteRequest::player(&p)),
+            (2000, RouteRequest::player(&p).room("harbour")),
+        ] {
+            let t = a.route_target(msg, &req).expect("target");
+            let d = b.route(msg, &req).expect("decision");
+            assert_eq!(waygate_routing::RouteDecision::from(t.clone()), d);
+            // Bound the second time: the same handle as the first.
+            let again = a.route_target(msg, &req).expect("target");
+            assert_eq!(again.reason, RouteReason::Bound);
+            assert!(std::sync::Arc::ptr_eq(&again.target, &t.target));
+            assert_eq!(t.target.socket, t.target.address.parse().ok());
+        }
+    }
+}

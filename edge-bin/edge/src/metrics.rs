@@ -3,7 +3,8 @@
 //! them here, read at scrape time by a collector registered in the same registry, so
 //! `/metrics` is one registry's exposition (one `# TYPE` line per family).
 
-use std::sync::{Arc, OnceLock};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
@@ -90,6 +91,8 @@ pub struct EdgeMetrics {
     pub pins_applied: Counter,
     /// Backend PINs refused (unknown instance, not pinnable, too many pins).
     pub pins_refused: Counter,
+    /// `forwarded`'s counter per routed instance, found without building a label.
+    forwarded_by_target: Mutex<HashMap<ServiceInstance, Counter>>,
     /// `pushed` and `push_dropped` per class (indexed by `TrafficClass as usize`), taken
     /// once: the push path allocates no label.
     pub push_counters: [(Counter, Counter); 3],
@@ -128,6 +131,9 @@ impl Default for EdgeMetrics {
         Self::new()
     }
 }
+
+/// (service, instance id), shared with the route table.
+type ServiceInstance = (Arc<str>, Arc<str>);
 
 /// The session layer of an edge as the metrics see it: set once, when the edge has built it.
 pub type SessionLayerSlot = Arc<OnceLock<Arc<SessionLayer>>>;
@@ -354,6 +360,7 @@ impl EdgeMetrics {
             pushed,
             push_dropped,
             push_counters,
+            forwarded_by_target: Mutex::new(HashMap::new()),
             pins_applied: Counter::default(),
             pins_refused: Counter::default(),
             backend_up: Family::default(),
@@ -498,6 +505,26 @@ impl EdgeMetrics {
             out.clear();
         }
         out
+    }
+
+    /// The `forwarded` counter of a routed instance (a label is built once per instance).
+    pub fn forwarded_to(&self, target: &waygate_routing::TargetInstance) -> Counter {
+        let key = (target.service.clone(), target.instance_id.clone());
+        let mut cache = self
+            .forwarded_by_target
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        cache
+            .entry(key)
+            .or_insert_with(|| {
+                self.forwarded
+                    .get_or_create(&RouteLabels {
+                        service: target.service.to_string(),
+                        instance: target.instance_id.to_string(),
+                    })
+                    .clone()
+            })
+            .clone()
     }
 
     /// Creates the series a dashboard or an alert expects from the start (at 0), so the

@@ -14,7 +14,7 @@ use waygate_transport::CloseCode;
 
 use super::{SessionEntry, Shared};
 use crate::link::{ForwardError, LinkClient};
-use crate::metrics::{CodeLabel, EdgeMetrics, RouteLabels};
+use crate::metrics::{CodeLabel, EdgeMetrics};
 
 impl Shared {
     /// Routes and forwards one upstream message.
@@ -56,7 +56,7 @@ impl Shared {
                     }
                 }
             }
-            router.route(msg_id, &req)
+            router.route_target(msg_id, &req)
         };
         let decision = match decision {
             Ok(d) => d,
@@ -68,10 +68,14 @@ impl Shared {
                 return Err(refuse(CloseCode::Unavailable, 1000));
             }
         };
-        let addr: SocketAddr = decision
-            .address
-            .parse()
-            .map_err(|_| refuse(CloseCode::Unavailable, 1000))?;
+        let target = &decision.target;
+        let addr: SocketAddr = match target.socket {
+            Some(a) => a,
+            None => target
+                .address
+                .parse()
+                .map_err(|_| refuse(CloseCode::Unavailable, 1000))?,
+        };
         let link = self.link(addr);
         match link.forward(
             &entry.meta,
@@ -92,8 +96,8 @@ impl Shared {
                 {
                     self.session_layer().registry.bind(
                         &entry.meta.session_id,
-                        &decision.service,
-                        &decision.instance_id,
+                        &target.service,
+                        &target.instance_id,
                     );
                 }
                 if let Ok(mut e) = self.entries.lock() {
@@ -104,13 +108,7 @@ impl Shared {
                         }
                     }
                 }
-                self.metrics
-                    .forwarded
-                    .get_or_create(&RouteLabels {
-                        service: decision.service,
-                        instance: decision.instance_id,
-                    })
-                    .inc();
+                self.metrics.forwarded_to(target).inc();
                 Ok(())
             }
             Err(ForwardError::Unavailable) => Err(refuse(CloseCode::Unavailable, 1000)),
