@@ -1,8 +1,8 @@
 //! The session host's property test: random interleavings of logins, drops, resumes
 //! (valid, stale, foreign, beyond the sent seq), second logins that kick, backend pushes in
 //! every class, stuck connection drivers (a full outbound queue: slow consumer; hand-overs
-//! and kicks that time out), the shared store failing or timing out, and time passing beyond
-//! the linger — all through the real [`SessionHost`](crate::host::SessionHost)
+//! and kicks that time out), bursts over the inbound limit (the link is not read meanwhile),
+//! the shared store failing or timing out, and time passing beyond the linger — all through the real [`SessionHost`](crate::host::SessionHost)
 //! in the pair harness, on a virtual clock. Invariants are checked after every step.
 
 use std::collections::HashMap;
@@ -209,13 +209,25 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
 
     #[test]
-    fn session_host_keeps_every_guarantee(ops in proptest::collection::vec(op(), 1..80)) {
+    fn session_host_keeps_every_guarantee(
+        ops in proptest::collection::vec(op(), 1..80),
+        limited in any::<bool>(),
+    ) {
         let cfg = SessionConfig {
             replay: ReplayLimits { max_messages: 64, max_bytes: 1 << 20 },
             ..SessionConfig::default()
         };
         let linger = cfg.linger;
         let mut p = Pair::with_outbound(cfg, 8);
+        if limited {
+            // Small inbound limits (B2), so bursts of sends are held back.
+            p.inbound = Some(waygate_backpressure::InboundLimits {
+                messages_per_sec: 50,
+                message_burst: 4,
+                bytes_per_sec: 1 << 20,
+                byte_burst: 1 << 20,
+            });
+        }
         for c in 0..CLIENTS {
             p.add_client(token_for(player_of(c)));
         }

@@ -440,12 +440,18 @@ pub(crate) struct Peer {
     /// Drop the next N frames in each direction, then cut the link (they were in flight).
     pub(crate) drop_next: usize,
     pub(crate) events: Vec<ClientEvent>,
+    /// The edge's inbound limiter of the current link (B2), when the pair has limits.
+    limiter: Option<waygate_backpressure::InboundLimiter>,
+    /// Over the limit: the edge does not read this link until then (as the driver).
+    held_until: Option<Instant>,
 }
 
 /// The harness: an edge, any number of clients, a virtual clock.
 pub(crate) struct Pair {
     pub(crate) now: Instant,
     pub(crate) edge: Edge,
+    /// Inbound limits per link (B2), as the driver applies them.
+    pub(crate) inbound: Option<waygate_backpressure::InboundLimits>,
     pub(crate) peers: Vec<Peer>,
 }
 
@@ -459,6 +465,7 @@ impl Pair {
         Self {
             now: Instant::now(),
             edge: Edge::with_outbound(config, capacity),
+            inbound: None,
             peers: Vec::new(),
         }
     }
@@ -471,6 +478,8 @@ impl Pair {
             to_client: VecDeque::new(),
             drop_next: 0,
             events: Vec::new(),
+            limiter: None,
+            held_until: None,
         });
         self.peers.len() - 1
     }
@@ -497,6 +506,10 @@ impl Pair {
         let m = self.edge.new_machine(self.now);
         let p = &mut self.peers[c];
         p.conn = Some(m);
+        p.limiter = self
+            .inbound
+            .map(|l| waygate_backpressure::InboundLimiter::new(l, self.now));
+        p.held_until = None;
         self.edge.linked.insert(m);
         p.to_server.clear();
         p.to_client.clear();
@@ -517,6 +530,7 @@ impl Pair {
         }
         p.client.handle_link_down(now, CloseCode::GoingAway);
         p.drop_next = 0;
+        p.held_until = None;
     }
 
     /// Drops the next `n` frames of client `c`'s link, then cuts it.
@@ -551,13 +565,32 @@ impl Pair {
             while let Some(e) = p.client.poll_event() {
                 p.events.push(e);
             }
-            let Some((to_server, frame)) = (if let Some(f) = p.to_server.pop_front() {
+            // Over the inbound limit the edge does not read the link until the tokens return
+            // (B2): nothing later overtakes the held frame.
+            let readable = p.held_until.is_none_or(|t| now >= t);
+            let next_to_server = if readable {
+                p.to_server.pop_front()
+            } else {
+                None
+            };
+            let Some((to_server, frame)) = (if let Some(f) = next_to_server {
                 Some((true, f))
             } else {
                 p.to_client.pop_front().map(|f| (false, f))
             }) else {
                 break;
             };
+            if to_server && p.drop_next == 0 && p.conn.is_some() {
+                if let Some(limiter) = p.limiter.as_mut() {
+                    use waygate_backpressure::InboundVerdict;
+                    if let InboundVerdict::Wait(wait) = limiter.check(now, frame.encoded_len()) {
+                        p.held_until = Some(now + wait.0);
+                        p.to_server.push_front(frame);
+                        continue;
+                    }
+                    p.held_until = None;
+                }
+            }
             moved += 1;
             if p.drop_next > 0 {
                 // Lost in flight. A reliable transport loses frames only when it dies, so
@@ -633,6 +666,11 @@ impl Pair {
                 .iter()
                 .filter_map(|m| m.poll_timeout())
                 .chain(self.peers.iter().filter_map(|p| p.client.poll_timeout()))
+                .chain(
+                    self.peers
+                        .iter()
+                        .filter_map(|p| p.held_until.filter(|t| *t > self.now)),
+                )
                 .filter(|t| *t <= end)
                 .min();
             let Some(t) = next else { break };
