@@ -457,3 +457,57 @@ async fn kcp_hostile_datagrams_create_no_session_and_disturb_no_connection() {
     honest.close(CloseCode::Normal, "done").await;
     server.abort();
 }
+
+/// Hardening issue, item 10: a panic in the KCP driver task (outside the per-session guard,
+/// i.e. a bug) used to kill the transport for good. Now supervision restarts the driver on
+/// the same socket: the sessions it carried end at once (their `recv` returns an error
+/// instead of waiting forever), the restart is counted, and a new client connects and
+/// exchanges frames.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_driver_is_restarted_and_the_listener_keeps_working() {
+    let config = KcpConfig::default();
+    let mut listener = listener(config.clone()).await;
+    let addr = listener.local_addr();
+    let stats = listener.stats();
+    let (mut client, mut server) = tokio::join!(
+        async { connect(addr, config.clone(), conn_config()).await.unwrap() },
+        async { listener.accept().await.unwrap() },
+    );
+    client.send(&data(1, 10)).await.unwrap();
+    assert_eq!(server.recv().await.unwrap(), data(1, 10));
+
+    listener.chaos_panic_driver();
+    // The driver turns at once on the next datagram.
+    client.send(&data(2, 10)).await.unwrap();
+    let ended = tokio::time::timeout(LIMIT, server.recv()).await;
+    assert!(
+        matches!(ended, Ok(Err(_))),
+        "the session the driver carried ends with it: {ended:?}"
+    );
+    let restarted = tokio::time::timeout(LIMIT, async {
+        while KcpStats::get(&stats.driver_restarts) == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(restarted.is_ok(), "restart counted");
+
+    let (mut fresh, mut accepted) = tokio::join!(
+        async { connect(addr, config.clone(), conn_config()).await.unwrap() },
+        async {
+            tokio::time::timeout(LIMIT, listener.accept())
+                .await
+                .unwrap()
+                .unwrap()
+        },
+    );
+    fresh.send(&data(3, 10)).await.unwrap();
+    assert_eq!(
+        tokio::time::timeout(LIMIT, accepted.recv())
+            .await
+            .unwrap()
+            .unwrap(),
+        data(3, 10)
+    );
+    assert_eq!(KcpStats::get(&stats.driver_restarts), 1);
+}

@@ -304,6 +304,11 @@ impl Collector for ListenerCollector {
                     "KCP sessions ended by a caught panic",
                     &k.panics,
                 ),
+                (
+                    "kcp_driver_restarts",
+                    "Times the KCP listener's driver task panicked and was restarted",
+                    &k.driver_restarts,
+                ),
             ] {
                 let c = ConstCounter::new(value.load(Relaxed));
                 c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;

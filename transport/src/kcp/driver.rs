@@ -174,6 +174,20 @@ pub(crate) struct Driver {
     sessions: HashMap<SessionKey, Arc<Shared>>,
     params: ConnParams,
     done: bool,
+    /// A chaos drill: panic at the top of the next loop turn (see
+    /// [`KcpListener::chaos_panic_driver`](super::KcpListener::chaos_panic_driver)).
+    pub(crate) chaos: Option<Arc<AtomicBool>>,
+}
+
+impl Drop for Driver {
+    /// However the driver ends (a panic included), every session it still carries ends with
+    /// it: their connections' `recv` and `send` return at once instead of waiting forever.
+    fn drop(&mut self) {
+        for shared in self.sessions.values() {
+            shared.set_end(CloseReason::Shutdown);
+            shared.released_notify.notify_waiters();
+        }
+    }
 }
 
 impl Driver {
@@ -196,6 +210,7 @@ impl Driver {
             sessions: HashMap::new(),
             params,
             done: false,
+            chaos: None,
         }
     }
 
@@ -205,6 +220,13 @@ impl Driver {
         let mut buf = vec![0u8; RECV_BUF];
         let mut accepting = true;
         loop {
+            if self
+                .chaos
+                .as_ref()
+                .is_some_and(|c| c.swap(false, Ordering::SeqCst))
+            {
+                panic!("chaos drill: KCP driver panic");
+            }
             let now = Instant::now();
             if self.ep.poll_timeout().is_some_and(|t| t <= now) {
                 self.ep.handle_timeout(now);

@@ -199,6 +199,8 @@ pub struct KcpStats {
     pub oversized: AtomicU64,
     /// Sessions closed by the idle timeout.
     pub idle_timeouts: AtomicU64,
+    /// Times the listener's driver task panicked and was restarted (its sessions ended).
+    pub driver_restarts: AtomicU64,
 }
 
 impl KcpStats {
@@ -329,6 +331,16 @@ impl KcpEndpoint {
         rng: StdRng,
     ) -> Result<Self, TransportError> {
         Self::new(config, conn, now, rng, None)
+    }
+
+    /// This endpoint counting into `stats` (a restarted listener keeps its counters).
+    #[must_use]
+    pub fn with_stats(mut self, stats: Arc<KcpStats>) -> Self {
+        stats
+            .sessions
+            .store(self.session_count() as u64, Ordering::Relaxed);
+        self.stats = stats;
+        self
     }
 
     /// A client endpoint that starts the handshake with `server` at once (HELLO is queued).

@@ -37,7 +37,7 @@ mod driver;
 pub mod endpoint;
 
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -98,6 +98,73 @@ pub struct KcpListener {
     local: SocketAddr,
     ready: mpsc::Receiver<BoxConnection>,
     stats: Arc<KcpStats>,
+    chaos: Arc<AtomicBool>,
+}
+
+/// What a restarted listener driver needs.
+struct Restart {
+    socket: Arc<UdpSocket>,
+    local: SocketAddr,
+    kcp: KcpConfig,
+    conn: ConnConfig,
+    params: ConnParams,
+    accept_tx: mpsc::Sender<BoxConnection>,
+    stats: Arc<KcpStats>,
+    chaos: Arc<AtomicBool>,
+}
+
+/// Runs the listener's driver; a panic in it (outside the per-session guard: a bug) is
+/// caught, logged and counted, and a fresh endpoint is driven on the same socket (SPEC X,
+/// hardening issue item 10). Ends when the driver ends normally (the listener is gone).
+async fn supervise(first: Driver, restart: Restart) {
+    use futures_util::FutureExt as _;
+    let mut driver = first;
+    loop {
+        driver.chaos = Some(restart.chaos.clone());
+        match std::panic::AssertUnwindSafe(driver.run())
+            .catch_unwind()
+            .await
+        {
+            Ok(()) => return,
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                restart
+                    .stats
+                    .driver_restarts
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::error!(local = %restart.local, panic = %what, "kcp driver panicked; restarted (its sessions ended)");
+            }
+        }
+        if restart.accept_tx.is_closed() {
+            return;
+        }
+        let ep = match KcpEndpoint::server(
+            restart.kcp.clone(),
+            &restart.conn,
+            Instant::now(),
+            fresh_rng(),
+        ) {
+            Ok(ep) => ep.with_stats(restart.stats.clone()),
+            Err(e) => {
+                tracing::error!(local = %restart.local, error = %e, "kcp driver cannot restart");
+                return;
+            }
+        };
+        driver = Driver::new(
+            restart.socket.clone(),
+            restart.local,
+            ep,
+            Role::Server {
+                accept_tx: restart.accept_tx.clone(),
+            },
+            Channels::new(SERVER_CMD_CAPACITY),
+            restart.params.clone(),
+        );
+    }
 }
 
 impl std::fmt::Debug for KcpListener {
@@ -117,25 +184,46 @@ impl KcpListener {
         conn: ConnConfig,
     ) -> Result<Self, TransportError> {
         let params = conn_params(&kcp, &conn);
-        let ep = KcpEndpoint::server(kcp, &conn, Instant::now(), fresh_rng())?;
+        let ep = KcpEndpoint::server(kcp.clone(), &conn, Instant::now(), fresh_rng())?;
         let stats = ep.stats();
         let socket = Arc::new(UdpSocket::from_std(crate::udp::bind_udp(addr)?)?);
         let local = socket.local_addr()?;
         let (accept_tx, ready) = mpsc::channel(ACCEPT_BACKLOG);
+        let chaos = Arc::new(AtomicBool::new(false));
         let driver = Driver::new(
-            socket,
+            socket.clone(),
             local,
             ep,
-            Role::Server { accept_tx },
+            Role::Server {
+                accept_tx: accept_tx.clone(),
+            },
             Channels::new(SERVER_CMD_CAPACITY),
-            params,
+            params.clone(),
         );
-        tokio::spawn(driver.run());
+        let restart = Restart {
+            socket,
+            local,
+            kcp,
+            conn,
+            params,
+            accept_tx,
+            stats: stats.clone(),
+            chaos: chaos.clone(),
+        };
+        tokio::spawn(supervise(driver, restart));
         Ok(Self {
             local,
             ready,
             stats,
+            chaos,
         })
+    }
+
+    /// A chaos drill for tests and game days: the driver task panics at its next turn, as a
+    /// bug would. Supervision restarts it on the same socket (counted in
+    /// `driver_restarts`); the sessions it carried end (their clients resume).
+    pub fn chaos_panic_driver(&self) {
+        self.chaos.store(true, Ordering::SeqCst);
     }
 
     /// The endpoint's counters (sessions, cookies, bad MACs, spoofed segments, panics...).
