@@ -566,3 +566,80 @@ async fn a_login_after_its_client_vanished_is_answered_without_waiting_for_the_d
         );
     }
 }
+
+/// Hardening issue, item 14: the inbound limit followed the connection, so a client that
+/// reconnected (or logged in again) after each burst got a fresh bucket and was served far
+/// above the configured rate. The limit now belongs to the player, held by the edge while
+/// one of its sessions is: a burst that drains the bucket, then a new login of the same
+/// player with a burst smaller than the bucket, is still slowed (the edge pauses reading).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_inbound_limit_follows_the_player_across_a_new_login() {
+    use bytes::Bytes;
+    use waygate_backend::demo::{ECHO, ECHO_REPLY};
+    use waygate_protocol::frame::Data;
+    use waygate_transport::TrafficClass;
+
+    let (edge, _backend, _dir) = common::demo_edge(|c| {
+        c.backpressure.inbound_msgs_per_sec = 20;
+        c.backpressure.inbound_msg_burst = 50;
+    })
+    .await;
+    let endpoint = waygate_transport::endpoint::Endpoint::new(
+        TransportKind::Tcp,
+        edge.addrs[&TransportKind::Tcp],
+    );
+    let data = |seq: u64| {
+        Frame::Data(Data {
+            class: TrafficClass::Normal,
+            msg_id: ECHO,
+            seq,
+            ack: None,
+            payload: Bytes::from(seq.to_string()),
+        })
+    };
+    let paused = || {
+        let text = edge.admin().metrics_text();
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix("waygate_session_inbound_paused_total ")?
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+            })
+            .unwrap_or(0.0)
+    };
+    // Sends `n` DATA back to back and waits for every reply.
+    async fn burst(conn: &mut BoxConnection, n: u64, data: impl Fn(u64) -> Frame) {
+        for seq in 1..=n {
+            conn.send(&data(seq)).await.unwrap();
+        }
+        let mut replies = 0;
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while replies < n {
+                if let Ok(Frame::Data(d)) = conn.recv().await {
+                    if d.msg_id == ECHO_REPLY {
+                        replies += 1;
+                    }
+                }
+            }
+        })
+        .await
+        .expect("every reply");
+    }
+    let options = ConnectOptions::default();
+    let mut first = connect(&endpoint, &options).await.unwrap();
+    hello(&mut first, "flooder", None).await;
+    // Drains the player's bucket (HELLO and the 49 DATA fit the burst of 50).
+    burst(&mut first, 49, data).await;
+    let before = paused();
+    let mut second = connect(&endpoint, &options).await.unwrap();
+    let w = hello(&mut second, "flooder", None).await;
+    assert_eq!(w.outcome, WelcomeOutcome::NewSession);
+    drop(first);
+    // 40 < the burst of 50: a fresh bucket would pass them all without a pause.
+    burst(&mut second, 40, data).await;
+    assert!(
+        paused() > before,
+        "the new login's burst was not slowed: the limit restarted with the connection"
+    );
+}

@@ -643,10 +643,29 @@ impl Task {
             self.heard = true;
             self.phases.hello = self.started.elapsed();
         }
-        if let Some(limiter) = self.inbound.as_mut() {
+        let now_t = tokio::time::Instant::now();
+        // Once the session is ACTIVE its player's limiter (in the host, kept across
+        // reconnects and logins) applies; before, this connection's own.
+        let player_verdict = match (self.edge.inbound, self.machine.state()) {
+            (Some(limits), crate::machine::State::Active) => {
+                let sid = self.machine.session_id();
+                let len = frame.encoded_len();
+                sid.and_then(|sid| {
+                    self.edge
+                        .registry
+                        .host(|h| h.check_inbound(&sid, limits, now_t.into_std(), len))
+                })
+            }
+            _ => None,
+        };
+        let verdict = player_verdict.or_else(|| {
+            self.inbound
+                .as_mut()
+                .map(|l| l.check(now_t.into_std(), frame.encoded_len()))
+        });
+        if let Some(verdict) = verdict {
             use waygate_backpressure::InboundVerdict;
-            let now_t = tokio::time::Instant::now();
-            match limiter.check(now_t.into_std(), frame.encoded_len()) {
+            match verdict {
                 InboundVerdict::Accept => {}
                 InboundVerdict::Wait(wait) if wait.is_never() => {
                     SessionCounters::bump(&self.edge.counters.rate_limited);

@@ -32,7 +32,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use waygate_backpressure::{OutboundConfig, OutboundQueue, PushOutcome};
+use waygate_backpressure::{
+    InboundLimiter, InboundLimits, InboundVerdict, OutboundConfig, OutboundQueue, PushOutcome,
+};
 use waygate_protocol::frame::{ErrorReport, SessionId};
 use waygate_transport::{CloseCode, TrafficClass};
 
@@ -255,6 +257,13 @@ struct SessionEntry {
     ending: bool,
 }
 
+/// A player's inbound limiter and how many of its sessions are held here.
+#[derive(Debug, Default)]
+struct PlayerInbound {
+    limiter: Option<InboundLimiter>,
+    held: usize,
+}
+
 #[derive(Debug, Default)]
 struct ConnSlot {
     /// The session this connection holds (at most one).
@@ -279,6 +288,12 @@ pub struct SessionHost {
     sessions: HashMap<SessionId, SessionEntry>,
     players: HashMap<Arc<str>, SessionId>,
     conns: HashMap<ConnId, ConnSlot>,
+    /// Inbound limiters per player (B2), shared by the player's sessions and kept while one
+    /// of them is held here: a reconnect or a new login does not start a fresh bucket. The
+    /// count is the player's sessions held.
+    limiters: HashMap<Arc<str>, PlayerInbound>,
+    /// Inbound checks made (the limiter sweep runs every 1,024).
+    inbound_checks: u64,
     wakes: VecDeque<ConnId>,
     stats: HostStats,
 }
@@ -291,6 +306,8 @@ impl SessionHost {
             sessions: HashMap::new(),
             players: HashMap::new(),
             conns: HashMap::new(),
+            limiters: HashMap::new(),
+            inbound_checks: 0,
             wakes: VecDeque::new(),
             stats: HostStats::default(),
         }
@@ -362,7 +379,49 @@ impl SessionHost {
             if self.players.get(&e.player) == Some(id) {
                 self.players.remove(&e.player);
             }
+            if let Some(p) = self.limiters.get_mut(&e.player) {
+                p.held = p.held.saturating_sub(1);
+                // A drained limiter outlives the player's last session (a new login must not
+                // get a fresh bucket); it goes once full again (`sweep_limiters`).
+                if p.held == 0 && p.limiter.is_none() {
+                    self.limiters.remove(&e.player);
+                }
+            }
         }
+    }
+
+    /// Forgets the limiters of players with no session held here whose buckets are full again
+    /// (they carry no information any more). Runs every 1,024 inbound checks; bounded by the
+    /// players seen within one refill time.
+    pub fn sweep_limiters(&mut self, now: Instant) {
+        self.limiters
+            .retain(|_, p| p.held > 0 || p.limiter.as_mut().is_some_and(|l| !l.is_idle(now)));
+    }
+
+    /// Inbound limiters held (players with a session here, or recently drained).
+    pub fn limiters(&self) -> usize {
+        self.limiters.len()
+    }
+
+    /// Checks one inbound frame of an established session against its player's limiter
+    /// (created with `limits` on first use). `None` when the session is not held here.
+    pub fn check_inbound(
+        &mut self,
+        session_id: &SessionId,
+        limits: InboundLimits,
+        now: Instant,
+        len: usize,
+    ) -> Option<InboundVerdict> {
+        self.inbound_checks = self.inbound_checks.wrapping_add(1);
+        if self.inbound_checks % 1024 == 0 {
+            self.sweep_limiters(now);
+        }
+        let player = &self.sessions.get(session_id)?.player;
+        let p = self.limiters.get_mut(player)?;
+        let limiter = p
+            .limiter
+            .get_or_insert_with(|| InboundLimiter::new(limits, now));
+        Some(limiter.check(now, len))
     }
 
     fn wake(&mut self, conn: ConnId) {
@@ -447,6 +506,9 @@ impl SessionHost {
             }
         }
         let outbound = self.outbound;
+        if !self.sessions.contains_key(&session_id) {
+            self.limiters.entry(player.clone()).or_default().held += 1;
+        }
         let entry = self
             .sessions
             .entry(session_id)
@@ -974,4 +1036,58 @@ pub fn apply_work(
         }
     }
     lost
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> InboundLimits {
+        InboundLimits {
+            messages_per_sec: 10,
+            message_burst: 5,
+            bytes_per_sec: 1 << 20,
+            byte_burst: 1 << 20,
+        }
+    }
+
+    /// The player's limiter outlives its sessions while it is drained (a new login gets the
+    /// same bucket) and is swept once it is full again.
+    #[test]
+    fn a_players_inbound_limiter_survives_its_sessions_until_full_again() {
+        let t0 = Instant::now();
+        let mut host = SessionHost::new(SessionHost::outbound_for_capacity(8));
+        let player: Arc<str> = "p".into();
+        host.open(1);
+        assert_eq!(
+            host.established(1, [1; 16], player.clone(), 1),
+            EstablishOutcome::Registered
+        );
+        for _ in 0..5 {
+            assert_eq!(
+                host.check_inbound(&[1; 16], limits(), t0, 10),
+                Some(InboundVerdict::Accept)
+            );
+        }
+        assert!(matches!(
+            host.check_inbound(&[1; 16], limits(), t0, 10),
+            Some(InboundVerdict::Wait(_))
+        ));
+        host.close(1);
+        assert_eq!(host.len(), 0);
+        assert_eq!(host.limiters(), 1, "drained: kept");
+        // A new login of the player finds the drained bucket.
+        host.open(2);
+        host.established(2, [2; 16], player.clone(), 2);
+        assert!(matches!(
+            host.check_inbound(&[2; 16], limits(), t0, 10),
+            Some(InboundVerdict::Wait(_))
+        ));
+        host.close(2);
+        // Full again after burst / rate: swept.
+        host.sweep_limiters(t0 + Duration::from_millis(400));
+        assert_eq!(host.limiters(), 1, "not full yet");
+        host.sweep_limiters(t0 + Duration::from_secs(1));
+        assert_eq!(host.limiters(), 0);
+    }
 }

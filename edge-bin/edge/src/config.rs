@@ -353,12 +353,13 @@ pub struct BackpressureConfig {
     pub accept_per_source_burst: u64,
     /// Most connections in their transport handshake at once.
     pub max_handshakes: u64,
-    /// Frames per second read from one connection (B2). Over it the edge stops reading the
-    /// connection until tokens return (the client is slowed, nothing is dropped).
+    /// Frames per second read from one player (B2; from one connection before WELCOME). Over
+    /// it the edge stops reading the connection until tokens return (the client is slowed,
+    /// nothing is dropped); the player's buckets are kept across reconnects and logins.
     pub inbound_msgs_per_sec: u64,
     /// Burst of the message bucket.
     pub inbound_msg_burst: u64,
-    /// Upstream bytes per second per connection.
+    /// Upstream bytes per second per player (per connection before WELCOME).
     pub inbound_bytes_per_sec: u64,
     /// Burst of the byte bucket.
     pub inbound_byte_burst: u64,

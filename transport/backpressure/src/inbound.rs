@@ -123,6 +123,12 @@ impl InboundLimiter {
         }
     }
 
+    /// Whether both buckets are full at `now`: the limiter then carries no information
+    /// (dropping it and creating a fresh one later is equivalent).
+    pub fn is_idle(&mut self, now: Instant) -> bool {
+        self.messages.is_full(now) && self.bytes.is_full(now)
+    }
+
     /// The counters.
     pub fn stats(&self) -> InboundStats {
         self.stats
