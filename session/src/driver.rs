@@ -784,6 +784,16 @@ impl Task {
         }
     }
 
+    /// Whether another connection holds `session_id` now (this machine is a stale copy: the
+    /// session was restored elsewhere while this task was stuck, and this copy was told to
+    /// end). Its store writes and end must not touch the live session's state.
+    fn held_elsewhere(&self, session_id: &SessionId) -> bool {
+        self.edge
+            .registry
+            .host(|h| h.holder_of(session_id))
+            .is_some_and(|holder| holder != self.id)
+    }
+
     /// Writes the session's snapshot to the store unless identical to the last one written.
     async fn write_through(&mut self) {
         let Some(wt) = self.edge.write_through.clone() else {
@@ -792,7 +802,7 @@ impl Task {
         let Some(snapshot) = self.machine.checkpoint() else {
             return;
         };
-        if self.durable.as_ref() == Some(&snapshot) {
+        if self.durable.as_ref() == Some(&snapshot) || self.held_elsewhere(&snapshot.session_id) {
             return;
         }
         if wt.paused() {
@@ -1005,6 +1015,10 @@ impl Task {
                         .report_error(e.code, msg_id, seq, e.retry_after_ms);
                 }
             }
+            Action::Persist(snapshot) if self.held_elsewhere(&snapshot.session_id) => {
+                // Never overwrite the store copy of the connection that holds it now.
+                tracing::info!(session = %hex_id(&snapshot.session_id), "stale copy not persisted");
+            }
             Action::Persist(snapshot) => {
                 // Already written through unchanged: writing again could re-create a copy
                 // another edge has taken meanwhile (a migrated client restores at once).
@@ -1027,6 +1041,13 @@ impl Task {
                 bindings,
                 reason,
             }) => {
+                if self.held_elsewhere(&session_id) {
+                    // A stale copy (restored elsewhere while this task was stuck) ends: the
+                    // session itself lives on there, with its ownership, store copy and
+                    // router entry.
+                    tracing::info!(session = %hex_id(&session_id), "stale copy of a session ended");
+                    return;
+                }
                 let released = edge
                     .ownership
                     .release(&player_id, &session_id, fencing)

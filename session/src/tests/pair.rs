@@ -299,6 +299,15 @@ impl Edge {
                         .handle_snapshot(now, Ok(outcome))
                         .expect("snapshot");
                 }
+                Action::Persist(s)
+                    if self
+                        .host
+                        .holder_of(&s.session_id)
+                        .is_some_and(|h| h != i as ConnId) =>
+                {
+                    // A stale copy (restored elsewhere while its driver was stuck): as the
+                    // driver, never overwrite the live session's store copy.
+                }
                 Action::PutBack(s) | Action::Persist(s) => {
                     self.store.insert(s.session_id, *s);
                 }
