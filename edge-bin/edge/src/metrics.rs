@@ -305,6 +305,11 @@ impl Collector for ListenerCollector {
                     &k.panics,
                 ),
                 (
+                    "kcp_oversized_datagrams",
+                    "KCP datagrams longer than the listener's mtu, dropped unread",
+                    &k.oversized_datagrams,
+                ),
+                (
                     "kcp_driver_restarts",
                     "Times the KCP listener's driver task panicked and was restarted",
                     &k.driver_restarts,

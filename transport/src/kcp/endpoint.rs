@@ -201,6 +201,8 @@ pub struct KcpStats {
     pub idle_timeouts: AtomicU64,
     /// Times the listener's driver task panicked and was restarted (its sessions ended).
     pub driver_restarts: AtomicU64,
+    /// Datagrams longer than this endpoint's mtu, dropped unread.
+    pub oversized_datagrams: AtomicU64,
 }
 
 impl KcpStats {
@@ -734,6 +736,12 @@ impl KcpEndpoint {
     }
 
     fn on_segment(&mut self, now: Instant, from: SocketAddr, datagram: &[u8]) {
+        // A peer's mtu must not exceed ours (PROTOCOL.md §8.4): a longer datagram never
+        // reaches the engine (it would size the out-of-order buffer by the sender's choice).
+        if datagram.len() > self.config.mtu {
+            KcpStats::bump(&self.stats.oversized_datagrams);
+            return;
+        }
         // Read conv ourselves: kcp::get_conv panics on input shorter than 4 bytes.
         let conv = match datagram.first_chunk::<4>() {
             Some(conv) if datagram.len() >= KCP_OVERHEAD => u32::from_le_bytes(*conv),
