@@ -8,6 +8,11 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+/// The largest client frame the edge accepts: a client's DATA travels to its backend in one
+/// link FORWARD, whose frame limit is `DEFAULT_MAX_LINK_FRAME` (1 MiB); 1 KiB is left for the
+/// FORWARD's own fields, so no accepted message can fail to reach its backend.
+pub const MAX_CLIENT_FRAME: usize = waygate_protocol::link::DEFAULT_MAX_LINK_FRAME - 1024;
+
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -643,10 +648,14 @@ impl EdgeConfig {
                 message: "must be 1 to 64 bytes".into(),
             });
         }
-        if !(64..=16 * 1024 * 1024).contains(&self.limits.max_frame_size) {
+        if !(64..=MAX_CLIENT_FRAME).contains(&self.limits.max_frame_size) {
             return Err(ConfigError::Invalid {
                 key: "limits.max_frame_size",
-                message: "must be between 64 bytes and 16 MiB".into(),
+                message: format!(
+                    "must be between 64 and {MAX_CLIENT_FRAME} bytes (a client frame must fit \
+                     one backend link frame of {} bytes)",
+                    waygate_protocol::link::DEFAULT_MAX_LINK_FRAME
+                ),
             });
         }
         if self.tls.cert.is_some() != self.tls.key.is_some() {
@@ -815,6 +824,23 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("limits.max_frame_size"), "{err}");
+        // A frame that would not fit one backend link frame (its message could be acked and
+        // never forwarded): refused, with a KCP mtu large enough that KCP's own bound (127 x
+        // (mtu - 24)) does not decide.
+        let too_big = format!(
+            "[limits]\nmax_frame_size = {}\n[kcp]\nmtu = 9000\n",
+            MAX_CLIENT_FRAME + 1
+        );
+        let err = EdgeConfig::from_toml(&too_big, Path::new("e"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("limits.max_frame_size"), "{err}");
+        let fits = format!(
+            "[limits]\nmax_frame_size = {MAX_CLIENT_FRAME}\n[kcp]\nmtu = 9000\n\
+             [backpressure]\ninbound_byte_burst = {MAX_CLIENT_FRAME}\n"
+        );
+        let fits = EdgeConfig::from_toml(&fits, Path::new("e"));
+        assert!(fits.is_ok(), "{fits:?}");
     }
 }
 
