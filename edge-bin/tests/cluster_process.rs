@@ -458,25 +458,29 @@ async fn etcd_down_drops_no_session_logins_still_routed_staleness_rises() {
     assert_eq!(dup, 0);
 }
 
+/// Kills `edge` with SIGKILL and waits until `client` has restored its session elsewhere
+/// (outcome `Restored`, no gap).
+async fn kill_and_resume(edge: &mut EdgeProc, client: &mut Client) {
+    edge.proc.kill9();
+    let restored = wait_for(client, Duration::from_secs(30), |e| {
+        matches!(e, Event::Connected { .. })
+    })
+    .await;
+    assert!(
+        matches!(
+            restored,
+            Event::Connected {
+                outcome: WelcomeOutcome::Restored,
+                ..
+            }
+        ),
+        "{restored:?}"
+    );
+}
+
 /// Waits for the next room event (or an ERROR) of `client`; panics after `limit`.
 async fn next_room_event(client: &mut Client, limit: Duration) -> Result<String, CloseCode> {
-    use waygate_backend::demo::ROOM_EVENT;
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        let ev = tokio::time::timeout_at(deadline, client.next_event())
-            .await
-            .expect("room event in time")
-            .expect("client running");
-        match ev {
-            Event::Message {
-                msg_id: ROOM_EVENT,
-                payload,
-                ..
-            } => return Ok(String::from_utf8(payload.to_vec()).unwrap()),
-            Event::Error(e) => return Err(e.code),
-            _ => {}
-        }
-    }
+    next_reply(client, waygate_backend::demo::ROOM_EVENT, limit).await
 }
 
 /// Routing state travels with the session (session-host issue, defect 6): a player joins a
@@ -521,21 +525,7 @@ async fn a_room_joined_on_a_killed_edge_is_reached_from_the_edge_that_resumes() 
         "{before}"
     );
 
-    w.edges[0].proc.kill9();
-    let restored = wait_for(&mut client, Duration::from_secs(30), |e| {
-        matches!(e, Event::Connected { .. })
-    })
-    .await;
-    assert!(
-        matches!(
-            restored,
-            Event::Connected {
-                outcome: WelcomeOutcome::Restored,
-                ..
-            }
-        ),
-        "{restored:?}"
-    );
+    kill_and_resume(&mut w.edges[0], &mut client).await;
     client
         .send(
             TrafficClass::Critical,
@@ -755,21 +745,7 @@ async fn a_pinned_room_and_a_least_loaded_placement_survive_the_kill_of_their_ed
             .expect("created")
     };
 
-    edges[0].proc.kill9();
-    let restored = wait_for(&mut client, Duration::from_secs(30), |e| {
-        matches!(e, Event::Connected { .. })
-    })
-    .await;
-    assert!(
-        matches!(
-            restored,
-            Event::Connected {
-                outcome: WelcomeOutcome::Restored,
-                ..
-            }
-        ),
-        "{restored:?}"
-    );
+    kill_and_resume(&mut edges[0], &mut client).await;
     client
         .send(TrafficClass::Critical, SAY, Bytes::from_static(b"again"))
         .await

@@ -13,7 +13,9 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 use waygate_backend::demo::{DemoService, ECHO, ECHO_REPLY};
 use waygate_backend::{Backend, BackendConfig, BackendSession, Incoming, Refusal, Service};
-use waygate_edge::link::{ForwardError, LinkClient, LinkConfig, LinkEvent, SessionMeta};
+use waygate_edge::link::{
+    ForwardError, LinkClient, LinkConfig, LinkEvent, LinkRefusal, SessionMeta,
+};
 use waygate_protocol::link::LinkFrame;
 use waygate_transport::{CloseCode, TrafficClass};
 
@@ -146,10 +148,14 @@ async fn stale_epoch_is_refused_with_the_backend_epoch() {
     .unwrap();
     match next_event(&mut rx).await {
         LinkEvent::Refuse {
-            code,
-            epoch,
-            msg_id,
-            client_seq,
+            refusal:
+                LinkRefusal {
+                    code,
+                    epoch,
+                    msg_id,
+                    client_seq,
+                    ..
+                },
             ..
         } => {
             assert_eq!(
@@ -249,10 +255,10 @@ async fn messages_in_flight_when_a_backend_dies_come_back_as_unavailable() {
     let mut lost = Vec::new();
     while lost.len() < 5 {
         if let LinkEvent::Refuse {
-            code,
-            client_seq,
+            refusal: LinkRefusal {
+                code, client_seq, ..
+            },
             message,
-            ..
         } = next_event(&mut rx).await
         {
             assert_eq!(code, CloseCode::Unavailable);
@@ -322,7 +328,7 @@ async fn big_forward_credit_and_small_push_credit_do_not_deadlock() {
             Ok(Some(LinkEvent::Backend(LinkFrame::Push {
                 msg_id: ECHO_REPLY, ..
             }))) => replies += 1,
-            Ok(Some(LinkEvent::Refuse { code, .. })) => panic!("refused: {code}"),
+            Ok(Some(LinkEvent::Refuse { refusal, .. })) => panic!("refused: {}", refusal.code),
             Ok(Some(_)) | Err(_) => {}
             Ok(None) => panic!("events closed"),
         }

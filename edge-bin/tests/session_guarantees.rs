@@ -118,25 +118,14 @@ async fn a_failed_resume_of_the_current_session_leaves_no_entry_behind() {
 /// exactly once and in order, with no ERROR and no CLOSE.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_over_the_inbound_limit_is_slowed_never_dropped_or_reordered() {
-    use bytes::Bytes;
-    use waygate_backend::demo::{ECHO, ECHO_REPLY};
-    use waygate_protocol::frame::Data;
-    use waygate_transport::TrafficClass;
+    use waygate_backend::demo::ECHO_REPLY;
 
     let c = cluster().await;
     for kind in TransportKind::ALL {
         let player = format!("burst-{kind}");
         let mut conn = open(&c, kind).await;
         hello(&mut conn, &player, None).await;
-        let data = |seq: u64| {
-            Frame::Data(Data {
-                class: TrafficClass::Normal,
-                msg_id: ECHO,
-                seq,
-                ack: None,
-                payload: Bytes::from(seq.to_string()),
-            })
-        };
+        let data = echo_data;
         for seq in 1..=205u64 {
             conn.send(&data(seq)).await.unwrap();
         }
@@ -180,9 +169,25 @@ async fn a_burst_over_the_inbound_limit_is_slowed_never_dropped_or_reordered() {
 
 /// Reads one sample from the edge's `/metrics` text (`name` with its labels, exactly).
 fn sample(c: &Cluster, name: &str) -> Option<f64> {
-    let text = c.edge.admin().metrics_text();
+    edge_sample(&c.edge, name)
+}
+
+/// [`sample`] of any edge.
+fn edge_sample(edge: &waygate_edge::edge::Edge, name: &str) -> Option<f64> {
+    let text = edge.admin().metrics_text();
     text.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// An ECHO of the demo game as DATA `seq` (normal class), its payload the seq in decimal.
+fn echo_data(seq: u64) -> Frame {
+    Frame::Data(waygate_protocol::frame::Data {
+        class: waygate_transport::TrafficClass::Normal,
+        msg_id: waygate_backend::demo::ECHO,
+        seq,
+        ack: None,
+        payload: bytes::Bytes::from(seq.to_string()),
+    })
 }
 
 /// Defect 8 (session-host issue): `waygate_connections_open` counted a lingering session as
@@ -574,10 +579,7 @@ async fn a_login_after_its_client_vanished_is_answered_without_waiting_for_the_d
 /// player with a burst smaller than the bucket, is still slowed (the edge pauses reading).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_inbound_limit_follows_the_player_across_a_new_login() {
-    use bytes::Bytes;
-    use waygate_backend::demo::{ECHO, ECHO_REPLY};
-    use waygate_protocol::frame::Data;
-    use waygate_transport::TrafficClass;
+    use waygate_backend::demo::ECHO_REPLY;
 
     let (edge, _backend, _dir) = common::demo_edge(|c| {
         c.backpressure.inbound_msgs_per_sec = 20;
@@ -588,30 +590,11 @@ async fn the_inbound_limit_follows_the_player_across_a_new_login() {
         TransportKind::Tcp,
         edge.addrs[&TransportKind::Tcp],
     );
-    let data = |seq: u64| {
-        Frame::Data(Data {
-            class: TrafficClass::Normal,
-            msg_id: ECHO,
-            seq,
-            ack: None,
-            payload: Bytes::from(seq.to_string()),
-        })
-    };
-    let paused = || {
-        let text = edge.admin().metrics_text();
-        text.lines()
-            .find_map(|l| {
-                l.strip_prefix("waygate_session_inbound_paused_total ")?
-                    .trim()
-                    .parse::<f64>()
-                    .ok()
-            })
-            .unwrap_or(0.0)
-    };
+    let paused = || edge_sample(&edge, "waygate_session_inbound_paused_total").unwrap_or(0.0);
     // Sends `n` DATA back to back and waits for every reply.
-    async fn burst(conn: &mut BoxConnection, n: u64, data: impl Fn(u64) -> Frame) {
+    async fn burst(conn: &mut BoxConnection, n: u64) {
         for seq in 1..=n {
-            conn.send(&data(seq)).await.unwrap();
+            conn.send(&echo_data(seq)).await.unwrap();
         }
         let mut replies = 0;
         tokio::time::timeout(Duration::from_secs(30), async {
@@ -630,14 +613,14 @@ async fn the_inbound_limit_follows_the_player_across_a_new_login() {
     let mut first = connect(&endpoint, &options).await.unwrap();
     hello(&mut first, "flooder", None).await;
     // Drains the player's bucket (HELLO and the 49 DATA fit the burst of 50).
-    burst(&mut first, 49, data).await;
+    burst(&mut first, 49).await;
     let before = paused();
     let mut second = connect(&endpoint, &options).await.unwrap();
     let w = hello(&mut second, "flooder", None).await;
     assert_eq!(w.outcome, WelcomeOutcome::NewSession);
     drop(first);
     // 40 < the burst of 50: a fresh bucket would pass them all without a pause.
-    burst(&mut second, 40, data).await;
+    burst(&mut second, 40).await;
     assert!(
         paused() > before,
         "the new login's burst was not slowed: the limit restarted with the connection"

@@ -878,7 +878,7 @@ impl Task {
                 let start = edge
                     .registry
                     .host(|h| h.request_hand_over(self.id, session_id, attempt, now()));
-                let start_ended = start == HandOverStart::Ended;
+                // Decided here (taken, mismatch, or ended by a takeover), or ask the store.
                 let local = match start {
                     HandOverStart::NotLocal => None,
                     HandOverStart::Ended => {
@@ -886,9 +886,10 @@ impl Task {
                         let _ = edge.snapshots.delete(&session_id, None).await;
                         Some(TakeOutcome::NotFound)
                     }
-                    HandOverStart::Done(outcome) => Some(outcome),
                     HandOverStart::Pending => match self.answer().await {
-                        Some(Answer::HandOver(outcome)) => outcome,
+                        Some(Answer::HandOver(Some(
+                            o @ (TakeOutcome::Taken(_) | TakeOutcome::Mismatch),
+                        ))) => Some(o),
                         _ => None,
                     },
                 };
@@ -898,9 +899,8 @@ impl Task {
                         let _ = edge.snapshots.delete(&session_id, Some(s.fencing)).await;
                         Ok(TakeOutcome::Taken(s))
                     }
-                    Some(TakeOutcome::Mismatch) => Ok(TakeOutcome::Mismatch),
-                    Some(TakeOutcome::NotFound) if start_ended => Ok(TakeOutcome::NotFound),
-                    _ => edge.snapshots.take(&session_id, &resume_hash).await,
+                    Some(decided) => Ok(decided),
+                    None => edge.snapshots.take(&session_id, &resume_hash).await,
                 };
                 self.phases.restore += t0.elapsed();
                 let _ = self.machine.handle_snapshot(now(), result);

@@ -35,3 +35,12 @@ pub use conn::{
 pub use error::TransportError;
 pub use listener::TransportListener;
 pub use waygate_protocol::{CloseCode, Frame, FrameError, TrafficClass};
+
+/// The message of a caught panic (`&str` or `String` payload), for the log line of whoever
+/// supervises the task or call that panicked.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> Option<String> {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+}

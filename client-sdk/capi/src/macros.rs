@@ -35,10 +35,7 @@ pub(crate) fn guard<T>(on_panic: impl FnOnce() -> T, body: impl FnOnce() -> T) -
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(value) => value,
         Err(payload) => {
-            let message = payload
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
+            let message = waygate_transport::panic_message(&*payload)
                 .unwrap_or_else(|| "a panic without a message".to_owned());
             // A payload whose destructor panics would unwind from here: leak it instead.
             std::mem::forget(payload);

@@ -79,18 +79,8 @@ pub enum LinkEvent {
     /// is `Unavailable`). The message comes back so it can be routed again (stale epoch)
     /// or reported to the client, never dropped silently.
     Refuse {
-        /// The session.
-        handle: u64,
-        /// Refused message id.
-        msg_id: u32,
-        /// Its client seq.
-        client_seq: u64,
-        /// Why.
-        code: CloseCode,
-        /// Retry hint.
-        retry_after_ms: u32,
-        /// The backend's epoch (0 when the link was lost).
-        epoch: u64,
+        /// What was refused and why.
+        refusal: LinkRefusal,
         /// The message, when the edge still held it (always, unless the backend refused a
         /// message that was not in flight).
         message: Option<InFlight>,
@@ -107,6 +97,23 @@ pub enum LinkEvent {
         /// Backend address.
         addr: SocketAddr,
     },
+}
+
+/// A REFUSE as the edge handles it: the frame's fields, or a message lost with its link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinkRefusal {
+    /// The session.
+    pub handle: u64,
+    /// Refused message id.
+    pub msg_id: u32,
+    /// Its client seq.
+    pub client_seq: u64,
+    /// Why.
+    pub code: CloseCode,
+    /// Retry hint.
+    pub retry_after_ms: u32,
+    /// The backend's epoch (0 when the link was lost).
+    pub epoch: u64,
 }
 
 /// Where a link's events go when they can be carried out at once: on the link's own reader
@@ -141,7 +148,10 @@ fn needs_async(event: &LinkEvent) -> bool {
     matches!(
         event,
         LinkEvent::Refuse {
-            code: CloseCode::StaleEpoch,
+            refusal: LinkRefusal {
+                code: CloseCode::StaleEpoch,
+                ..
+            },
             ..
         }
     )
@@ -416,15 +426,15 @@ fn take_frame(shared: &LinkShared, frame: LinkFrame) -> Incoming {
                     })
                     .cloned()
             });
-            Incoming::Event(LinkEvent::Refuse {
+            let refusal = LinkRefusal {
                 handle,
                 msg_id,
                 client_seq,
                 code,
                 retry_after_ms,
                 epoch,
-                message,
-            })
+            };
+            Incoming::Event(LinkEvent::Refuse { refusal, message })
         }
         other => Incoming::Unexpected(other),
     }
@@ -452,14 +462,15 @@ fn take_now(
     let Some(fast) = shared.events.fast.as_ref() else {
         return FrameHandled::Queue(frame);
     };
-    match &frame {
-        LinkFrame::Push { .. }
-        | LinkFrame::Credit { .. }
-        | LinkFrame::Kick { .. }
-        | LinkFrame::Bind { .. }
-        | LinkFrame::Pin { .. } => {}
-        LinkFrame::Refuse { code, .. } if *code != CloseCode::StaleEpoch => {}
-        _ => return FrameHandled::Queue(frame),
+    if matches!(
+        frame,
+        LinkFrame::Refuse {
+            code: CloseCode::StaleEpoch,
+            ..
+        }
+    ) {
+        // The table may have to be refreshed first: connect_once's async path.
+        return FrameHandled::Queue(frame);
     }
     match take_frame(shared, frame) {
         Incoming::Done => FrameHandled::Taken,
@@ -506,13 +517,16 @@ async fn run(shared: Arc<LinkShared>) {
             .map(|mut q| q.drain(..).collect())
             .unwrap_or_default();
         for m in lost {
-            let event = LinkEvent::Refuse {
+            let refusal = LinkRefusal {
                 handle: m.handle,
                 msg_id: m.msg_id,
                 client_seq: m.client_seq,
                 code: CloseCode::Unavailable,
                 retry_after_ms: 0,
                 epoch: 0,
+            };
+            let event = LinkEvent::Refuse {
+                refusal,
                 message: Some(m),
             };
             if !shared.events.send(event).await {
@@ -636,7 +650,11 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
             return Ok(());
         }
         if let Some(credits) = push_credit_due(shared, return_every) {
-            let _ = io.tx.send(LinkFrame::Credit { credits }).await;
+            if io.tx.send(LinkFrame::Credit { credits }).await.is_err() {
+                // The writer is gone: the link is down (the backend's credit starts anew
+                // with the next LINK_WELCOME), so end it here and reconnect.
+                break;
+            }
         }
     }
     tracing::warn!(addr = %shared.addr, "backend link down");

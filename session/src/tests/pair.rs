@@ -259,16 +259,17 @@ impl Edge {
                     let start = self
                         .host
                         .request_hand_over(i as ConnId, session_id, attempt, now);
-                    let ended = start == HandOverStart::Ended;
+                    // As the driver: decided here, or ask the store.
                     let local = match start {
                         HandOverStart::NotLocal => None,
                         HandOverStart::Ended => {
                             self.store.remove(&session_id);
                             Some(TakeOutcome::NotFound)
                         }
-                        HandOverStart::Done(o) => Some(o),
                         HandOverStart::Pending => match self.answer(i, now) {
-                            Some(Answer::HandOver(o)) => o,
+                            Some(Answer::HandOver(Some(
+                                o @ (TakeOutcome::Taken(_) | TakeOutcome::Mismatch),
+                            ))) => Some(o),
                             _ => None,
                         },
                     };
@@ -284,9 +285,8 @@ impl Edge {
                             self.store.remove(&session_id);
                             TakeOutcome::Taken(s)
                         }
-                        Some(TakeOutcome::Mismatch) => TakeOutcome::Mismatch,
-                        Some(TakeOutcome::NotFound) if ended => TakeOutcome::NotFound,
-                        _ => match self.store.get(&session_id) {
+                        Some(decided) => decided,
+                        None => match self.store.get(&session_id) {
                             None => TakeOutcome::NotFound,
                             Some(s) if s.accepts(&resume_hash) => self
                                 .store
@@ -421,14 +421,10 @@ impl Edge {
         class: TrafficClass,
         payload: &[u8],
     ) -> Option<u64> {
-        let message = Downstream {
-            class,
-            msg_id: 7,
-            payload: Bytes::copy_from_slice(payload),
-        };
-        self.host.push(session, message).ok()?;
+        if !self.push_any(session, now, class, payload) {
+            return None;
+        }
         let i = self.host.holder_of(session)? as usize;
-        self.serve(now);
         if self.stalled.contains(&i) {
             return None;
         }

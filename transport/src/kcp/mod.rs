@@ -116,10 +116,37 @@ struct Restart {
 /// Runs the listener's driver; a panic in it (outside the per-session guard: a bug) is
 /// caught, logged and counted, and a fresh endpoint is driven on the same socket (SPEC X,
 /// hardening issue item 10). Ends when the driver ends normally (the listener is gone).
-async fn supervise(first: Driver, restart: Restart) {
+async fn supervise(first: KcpEndpoint, restart: Restart) {
     use futures_util::FutureExt as _;
-    let mut driver = first;
+    let mut endpoint = Some(first);
     loop {
+        // The first endpoint was made by `bind` (its config checked there); later ones
+        // start afresh on the same socket and count into the same stats.
+        let ep = match endpoint.take() {
+            Some(ep) => ep,
+            None => match KcpEndpoint::server(
+                restart.kcp.clone(),
+                &restart.conn,
+                Instant::now(),
+                fresh_rng(),
+            ) {
+                Ok(ep) => ep.with_stats(restart.stats.clone()),
+                Err(e) => {
+                    tracing::error!(local = %restart.local, error = %e, "kcp driver cannot restart");
+                    return;
+                }
+            },
+        };
+        let mut driver = Driver::new(
+            restart.socket.clone(),
+            restart.local,
+            ep,
+            Role::Server {
+                accept_tx: restart.accept_tx.clone(),
+            },
+            Channels::new(SERVER_CMD_CAPACITY),
+            restart.params.clone(),
+        );
         driver.chaos = Some(restart.chaos.clone());
         match std::panic::AssertUnwindSafe(driver.run())
             .catch_unwind()
@@ -127,11 +154,7 @@ async fn supervise(first: Driver, restart: Restart) {
         {
             Ok(()) => return,
             Err(panic) => {
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_owned())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_default();
+                let what = crate::panic_message(&*panic).unwrap_or_default();
                 restart
                     .stats
                     .driver_restarts
@@ -142,28 +165,6 @@ async fn supervise(first: Driver, restart: Restart) {
         if restart.accept_tx.is_closed() {
             return;
         }
-        let ep = match KcpEndpoint::server(
-            restart.kcp.clone(),
-            &restart.conn,
-            Instant::now(),
-            fresh_rng(),
-        ) {
-            Ok(ep) => ep.with_stats(restart.stats.clone()),
-            Err(e) => {
-                tracing::error!(local = %restart.local, error = %e, "kcp driver cannot restart");
-                return;
-            }
-        };
-        driver = Driver::new(
-            restart.socket.clone(),
-            restart.local,
-            ep,
-            Role::Server {
-                accept_tx: restart.accept_tx.clone(),
-            },
-            Channels::new(SERVER_CMD_CAPACITY),
-            restart.params.clone(),
-        );
     }
 }
 
@@ -190,16 +191,6 @@ impl KcpListener {
         let local = socket.local_addr()?;
         let (accept_tx, ready) = mpsc::channel(ACCEPT_BACKLOG);
         let chaos = Arc::new(AtomicBool::new(false));
-        let driver = Driver::new(
-            socket.clone(),
-            local,
-            ep,
-            Role::Server {
-                accept_tx: accept_tx.clone(),
-            },
-            Channels::new(SERVER_CMD_CAPACITY),
-            params.clone(),
-        );
         let restart = Restart {
             socket,
             local,
@@ -210,7 +201,7 @@ impl KcpListener {
             stats: stats.clone(),
             chaos: chaos.clone(),
         };
-        tokio::spawn(supervise(driver, restart));
+        tokio::spawn(supervise(ep, restart));
         Ok(Self {
             local,
             ready,

@@ -25,11 +25,7 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, mut listener: BoxListener) 
         match run.catch_unwind().await {
             Ok(()) => return, // the listener shut down
             Err(panic) => {
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_owned())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_default();
+                let what = waygate_transport::panic_message(&*panic).unwrap_or_default();
                 shared
                     .metrics
                     .accept_loop_restarts

@@ -13,10 +13,18 @@ use waygate_session::driver::{DeliverError, Downstream};
 use waygate_transport::CloseCode;
 
 use super::{apply_latest, SessionEntry, Shared};
-use crate::link::{InFlight, LinkEvent, LinkEventSink};
+use crate::link::{InFlight, LinkEvent, LinkEventSink, LinkRefusal};
 use crate::metrics::BackendLabel;
 
 impl Shared {
+    /// Answers a backend's refusal to its client (ERROR with the refusal's code, message id,
+    /// client seq and retry hint), if the session is still held.
+    fn answer_refusal(&self, r: &LinkRefusal) {
+        if let Some(sid) = self.session_of_handle(r.handle) {
+            self.report_error(&sid, r.code, r.msg_id, r.client_seq, r.retry_after_ms);
+        }
+    }
+
     /// Answers a client's refused message with ERROR, in order with its pushes, never
     /// waiting (a full queue makes the session report a gap; see `registry.report_error`).
     pub(super) fn report_error(
@@ -45,20 +53,10 @@ impl LinkEventSink for EdgeLinkSink {
         let Some(shared) = self.0.upgrade() else {
             return;
         };
-        if let Some(LinkEvent::Refuse {
-            handle,
-            msg_id,
-            client_seq,
-            code,
-            retry_after_ms,
-            ..
-        }) = handle_now(&shared, event)
-        {
+        if let Some(LinkEvent::Refuse { refusal, .. }) = handle_now(&shared, event) {
             // The link gives stale-epoch refusals to the async loop; should one arrive here,
             // the client still gets its answer.
-            if let Some(sid) = shared.session_of_handle(handle) {
-                shared.report_error(&sid, code, msg_id, client_seq, retry_after_ms);
-            }
+            shared.answer_refusal(&refusal);
         }
     }
 }
@@ -101,25 +99,14 @@ fn handle_now(shared: &Arc<Shared>, event: LinkEvent) -> Option<LinkEvent> {
             }
         }
         LinkEvent::Refuse {
-            handle,
-            code,
+            refusal,
             message: Some(_),
-            ..
-        } if code == CloseCode::StaleEpoch && shared.session_of_handle(handle).is_some() => {
+        } if refusal.code == CloseCode::StaleEpoch
+            && shared.session_of_handle(refusal.handle).is_some() =>
+        {
             return Some(event);
         }
-        LinkEvent::Refuse {
-            handle,
-            msg_id,
-            client_seq,
-            code,
-            retry_after_ms,
-            ..
-        } => {
-            if let Some(sid) = shared.session_of_handle(handle) {
-                shared.report_error(&sid, code, msg_id, client_seq, retry_after_ms);
-            }
-        }
+        LinkEvent::Refuse { refusal, .. } => shared.answer_refusal(&refusal),
         LinkEvent::Backend(LinkFrame::Bind {
             handle,
             service,
@@ -200,21 +187,16 @@ pub(super) async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver
             return;
         };
         let Some(LinkEvent::Refuse {
-            handle,
-            msg_id,
-            client_seq,
-            code,
-            retry_after_ms,
-            epoch,
+            refusal,
             message: Some(m),
         }) = handle_now(&shared, event)
         else {
             continue;
         };
-        let Some(sid) = shared.session_of_handle(handle) else {
+        let Some(sid) = shared.session_of_handle(refusal.handle) else {
             continue;
         };
-        if let Some(result) = reroute(&shared, sid, epoch).await {
+        if let Some(result) = reroute(&shared, sid, refusal.epoch).await {
             shared.metrics.stale_epoch_reroutes.inc();
             let InFlight {
                 msg_id,
@@ -231,7 +213,7 @@ pub(super) async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver
             }
             continue;
         }
-        shared.report_error(&sid, code, msg_id, client_seq, retry_after_ms);
+        shared.answer_refusal(&refusal);
     }
 }
 
