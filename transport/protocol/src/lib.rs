@@ -23,6 +23,7 @@
 //! assert_eq!(codec.decode(&mut wire).unwrap(), Some(Frame::Ping { timestamp: 42 }));
 //! ```
 
+pub mod channel;
 pub mod codec;
 pub mod error;
 pub mod frame;

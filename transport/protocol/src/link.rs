@@ -9,6 +9,7 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 
+use crate::channel::{ChannelPosition, MAX_CHANNEL_NAME_LEN};
 use crate::codec::StreamCodec;
 use crate::error::FrameError;
 use crate::frame::{SessionId, MAX_REASON_LEN};
@@ -184,6 +185,54 @@ pub enum LinkFrame {
         /// Human-readable detail.
         message: String,
     },
+    /// 0x50 backend -> edge: make a session a member of a channel (answered by
+    /// CHANNEL_RESULT).
+    ChannelJoin {
+        /// Names the request in its CHANNEL_RESULT.
+        request_id: u64,
+        /// The session.
+        handle: u64,
+        /// The channel (`kind:name` or `kind`).
+        channel: String,
+        /// Deliver what the member missed after this position first (recovery), or a
+        /// HISTORY_LOST marker when that cannot be done.
+        since: Option<ChannelPosition>,
+    },
+    /// 0x51 backend -> edge: end a session's membership (answered by CHANNEL_RESULT).
+    ChannelLeave {
+        /// Names the request in its CHANNEL_RESULT.
+        request_id: u64,
+        /// The session.
+        handle: u64,
+        /// The channel.
+        channel: String,
+    },
+    /// 0x52 backend -> edge: publish to a channel's members on this edge; uses one PUSH
+    /// credit; answered by CHANNEL_RESULT. A retry with the same `request_id` is answered
+    /// with the first one's result, never published twice.
+    ChannelPublish {
+        /// Names the request; also the publication's idempotency key on this channel.
+        request_id: u64,
+        /// The channel.
+        channel: String,
+        /// Critical (announcement), normal (reliable) or best-effort.
+        class: TrafficClass,
+        /// The publication's body.
+        payload: Bytes,
+    },
+    /// 0x53 edge -> backend: how a channel request ended.
+    ChannelResult {
+        /// The request's id.
+        request_id: u64,
+        /// `normal` (0) when done, else why not (`queue_full`, `rate_limited`...).
+        code: CloseCode,
+        /// Wait this long before retrying (0 = no hint).
+        retry_after_ms: u32,
+        /// A publication's position (epoch, offset), a join's live position.
+        position: ChannelPosition,
+        /// A publish with this id was already taken: `position` is the first one's.
+        duplicate: bool,
+    },
 }
 
 fn str_len(s: &str) -> usize {
@@ -229,6 +278,10 @@ impl LinkFrame {
             Self::Ping { .. } => 0x4D,
             Self::Pong { .. } => 0x4E,
             Self::Close { .. } => 0x4F,
+            Self::ChannelJoin { .. } => 0x50,
+            Self::ChannelLeave { .. } => 0x51,
+            Self::ChannelPublish { .. } => 0x52,
+            Self::ChannelResult { .. } => 0x53,
         }
     }
 
@@ -318,6 +371,42 @@ impl LinkFrame {
             Self::Credit { credits } => varint_len((*credits).into()),
             Self::Ping { timestamp } | Self::Pong { timestamp } => varint_len(*timestamp),
             Self::Close { message, .. } => 2 + str_len(message),
+            Self::ChannelJoin {
+                request_id,
+                handle,
+                channel,
+                since,
+            } => {
+                varint_len(*request_id)
+                    + varint_len(*handle)
+                    + str_len(channel)
+                    + 1
+                    + since.map_or(0, |p| varint_len(p.epoch) + varint_len(p.offset))
+            }
+            Self::ChannelLeave {
+                request_id,
+                handle,
+                channel,
+            } => varint_len(*request_id) + varint_len(*handle) + str_len(channel),
+            Self::ChannelPublish {
+                request_id,
+                channel,
+                payload,
+                ..
+            } => varint_len(*request_id) + str_len(channel) + 1 + payload.len(),
+            Self::ChannelResult {
+                request_id,
+                retry_after_ms,
+                position,
+                ..
+            } => {
+                varint_len(*request_id)
+                    + 2
+                    + varint_len((*retry_after_ms).into())
+                    + varint_len(position.epoch)
+                    + varint_len(position.offset)
+                    + 1
+            }
         }
     }
 
@@ -448,6 +537,58 @@ impl LinkFrame {
                 out.put_u16(code.to_u16());
                 put_str(out, message);
             }
+            Self::ChannelJoin {
+                request_id,
+                handle,
+                channel,
+                since,
+            } => {
+                put_varint(out, *request_id);
+                put_varint(out, *handle);
+                put_str(out, channel);
+                match since {
+                    None => out.put_u8(0),
+                    Some(p) => {
+                        out.put_u8(1);
+                        put_varint(out, p.epoch);
+                        put_varint(out, p.offset);
+                    }
+                }
+            }
+            Self::ChannelLeave {
+                request_id,
+                handle,
+                channel,
+            } => {
+                put_varint(out, *request_id);
+                put_varint(out, *handle);
+                put_str(out, channel);
+            }
+            Self::ChannelPublish {
+                request_id,
+                channel,
+                class,
+                payload,
+            } => {
+                put_varint(out, *request_id);
+                put_str(out, channel);
+                out.put_u8(*class as u8);
+                out.put_slice(payload);
+            }
+            Self::ChannelResult {
+                request_id,
+                code,
+                retry_after_ms,
+                position,
+                duplicate,
+            } => {
+                put_varint(out, *request_id);
+                out.put_u16(code.to_u16());
+                put_varint(out, (*retry_after_ms).into());
+                put_varint(out, position.epoch);
+                put_varint(out, position.offset);
+                out.put_u8(u8::from(*duplicate));
+            }
         }
     }
 
@@ -572,6 +713,54 @@ impl LinkFrame {
             0x4F => Self::Close {
                 code: CloseCode::from_u16(r.u16("code")?),
                 message: get_str(&mut r, "message", MAX_REASON_LEN)?,
+            },
+            0x50 => Self::ChannelJoin {
+                request_id: r.varint("request_id")?,
+                handle: r.varint("handle")?,
+                channel: get_str(&mut r, "channel", MAX_CHANNEL_NAME_LEN)?,
+                since: match r.u8("since")? {
+                    0 => None,
+                    1 => Some(ChannelPosition {
+                        epoch: r.varint("epoch")?,
+                        offset: r.varint("offset")?,
+                    }),
+                    _ => {
+                        return Err(FrameError::Malformed {
+                            field: "since",
+                            what: "not 0 or 1",
+                        })
+                    }
+                },
+            },
+            0x51 => Self::ChannelLeave {
+                request_id: r.varint("request_id")?,
+                handle: r.varint("handle")?,
+                channel: get_str(&mut r, "channel", MAX_CHANNEL_NAME_LEN)?,
+            },
+            0x52 => Self::ChannelPublish {
+                request_id: r.varint("request_id")?,
+                channel: get_str(&mut r, "channel", MAX_CHANNEL_NAME_LEN)?,
+                class: get_class(&mut r)?,
+                payload: r.rest(),
+            },
+            0x53 => Self::ChannelResult {
+                request_id: r.varint("request_id")?,
+                code: CloseCode::from_u16(r.u16("code")?),
+                retry_after_ms: r.varint_u32("retry_after_ms")?,
+                position: ChannelPosition {
+                    epoch: r.varint("epoch")?,
+                    offset: r.varint("offset")?,
+                },
+                duplicate: match r.u8("duplicate")? {
+                    0 => false,
+                    1 => true,
+                    _ => {
+                        return Err(FrameError::Malformed {
+                            field: "duplicate",
+                            what: "not 0 or 1",
+                        })
+                    }
+                },
             },
             other => return Err(FrameError::UnknownType(other)),
         })
@@ -729,6 +918,54 @@ mod tests {
             any::<u64>().prop_map(|timestamp| LinkFrame::Ping { timestamp }),
             any::<u64>().prop_map(|timestamp| LinkFrame::Pong { timestamp }),
             (code(), name()).prop_map(|(code, message)| LinkFrame::Close { code, message }),
+            (
+                any::<u64>(),
+                any::<u64>(),
+                name(),
+                proptest::option::of((any::<u64>(), any::<u64>()))
+            )
+                .prop_map(|(request_id, handle, channel, since)| {
+                    LinkFrame::ChannelJoin {
+                        request_id,
+                        handle,
+                        channel,
+                        since: since.map(|(epoch, offset)| ChannelPosition { epoch, offset }),
+                    }
+                }),
+            (any::<u64>(), any::<u64>(), name()).prop_map(|(request_id, handle, channel)| {
+                LinkFrame::ChannelLeave {
+                    request_id,
+                    handle,
+                    channel,
+                }
+            }),
+            (any::<u64>(), name(), arb_class(), payload()).prop_map(
+                |(request_id, channel, class, payload)| LinkFrame::ChannelPublish {
+                    request_id,
+                    channel,
+                    class,
+                    payload,
+                }
+            ),
+            (
+                any::<u64>(),
+                code(),
+                any::<u32>(),
+                any::<u64>(),
+                any::<u64>(),
+                any::<bool>()
+            )
+                .prop_map(
+                    |(request_id, code, retry_after_ms, epoch, offset, duplicate)| {
+                        LinkFrame::ChannelResult {
+                            request_id,
+                            code,
+                            retry_after_ms,
+                            position: ChannelPosition { epoch, offset },
+                            duplicate,
+                        }
+                    }
+                ),
         ]
     }
 

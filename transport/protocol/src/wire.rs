@@ -205,6 +205,16 @@ close_codes! {
     Draining = 405, "draining";
     /// The route epoch of a forwarded message is older than the backend's (link only).
     StaleEpoch = 406, "stale_epoch";
+    /// A channel's queue for this class is full: the publication was not taken (retry after
+    /// the hint).
+    QueueFull = 407, "queue_full";
+    /// The channel name's kind (the part before `:`) is not configured on the edge.
+    UnknownChannelKind = 408, "unknown_channel_kind";
+    /// The session named by a channel request is not on this edge (ended, or never here).
+    MemberOffline = 409, "member_offline";
+    /// A cap was reached: channels on the edge, channels per session or members per
+    /// channel.
+    ChannelLimit = 410, "channel_limit";
     /// An internal error on the server.
     Internal = 500, "internal";
 }
