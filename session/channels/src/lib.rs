@@ -1,0 +1,946 @@
+//! # waygate-channels
+//!
+//! Owns the channels of one edge (PROTOCOL.md §12, SPEC F1, F2, F5): which sessions are
+//! members of which channel, each channel's epoch, offsets and bounded history, its pending
+//! queue (bounded per class), its publish rate limit and publish-id dedup window, recovery
+//! of what a joining member missed (or an explicit "history lost"), and reclaiming idle
+//! channels.
+//!
+//! [`ChannelHub`] is sans-IO, like the session host and the KCP endpoint: a plain struct
+//! driven by calls with `now` passed in, polled for work. A publish is checked and given its
+//! offset at once (a refusal is a typed [`ChannelError`] for the publisher, never a silent
+//! drop); deliveries come out of [`ChannelHub::next_delivery`] one at a time per channel, in
+//! offset order, each with the exact members it goes to. The edge runs one consumer per
+//! *active* channel ([`ChannelHub::poll_ready`]) that pushes each delivery into the members'
+//! session outbound queues: serial per channel, parallel across channels, no task per
+//! message and no socket write under any lock.
+//!
+//! What it must never do: read a clock, touch a socket or a runtime, reorder a channel's
+//! publications, or grow without bound (channels, members, pending items, history and dedup
+//! ids are all capped by [`ChannelsConfig`]).
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use waygate_backpressure::{Rate, TokenBucket};
+use waygate_protocol::channel::{
+    ChannelEvent, ChannelEventKind, ChannelPosition, MAX_CHANNEL_NAME_LEN,
+};
+use waygate_protocol::frame::SessionId;
+use waygate_protocol::{CloseCode, TrafficClass};
+
+#[cfg(test)]
+mod tests;
+
+/// Retry hint of a `queue_full` refusal: a channel's queue drains within milliseconds.
+pub const QUEUE_FULL_RETRY_MS: u32 = 100;
+
+/// How one kind of channel behaves (`[channels.kinds.<kind>]` in the edge configuration).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KindPolicy {
+    /// Publications (critical and normal) kept for recovery; 0 keeps none.
+    pub history_len: usize,
+    /// A kept publication is dropped from the history after this long.
+    pub history_ttl_ms: u64,
+    /// Members of one channel of this kind on one edge.
+    pub max_members: usize,
+    /// Largest publication body, in bytes.
+    pub max_body: usize,
+    /// Publications per second one channel takes (sustained).
+    pub publish_rate: u64,
+    /// Publications one channel takes in a burst.
+    pub publish_burst: u64,
+    /// Critical (announcement) publications waiting for delivery in one channel.
+    pub queue_critical: usize,
+    /// Normal (reliable) publications waiting for delivery in one channel.
+    pub queue_normal: usize,
+    /// Best-effort publications waiting for delivery in one channel (shed first: keep it
+    /// the smallest).
+    pub queue_best_effort: usize,
+}
+
+impl Default for KindPolicy {
+    fn default() -> Self {
+        Self {
+            history_len: 100,
+            history_ttl_ms: 300_000,
+            max_members: 100_000,
+            max_body: 16 * 1024,
+            publish_rate: 1_000,
+            publish_burst: 2_000,
+            queue_critical: 256,
+            queue_normal: 1_024,
+            queue_best_effort: 256,
+        }
+    }
+}
+
+impl KindPolicy {
+    fn queue_cap(&self, class: TrafficClass) -> usize {
+        match class {
+            TrafficClass::Critical => self.queue_critical,
+            TrafficClass::Normal => self.queue_normal,
+            TrafficClass::BestEffort => self.queue_best_effort,
+        }
+    }
+
+    /// Recovery items one channel may hold for joining members at once.
+    fn direct_cap(&self) -> usize {
+        self.history_len.saturating_mul(4).saturating_add(1_024)
+    }
+}
+
+/// The channels of one edge (`[channels]` in the edge configuration).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ChannelsConfig {
+    /// Channels that exist on the edge at once (with members, history or pending work).
+    pub max_channels: usize,
+    /// Channels one session may be a member of.
+    pub max_channels_per_session: usize,
+    /// A channel with no members, nothing pending and no live history is dropped after
+    /// being idle this long (its next use starts a new epoch).
+    pub idle_reclaim_ms: u64,
+    /// Publish ids remembered per channel to answer a retried publish with its first
+    /// result (0 turns publish dedup off).
+    pub dedup_window: usize,
+    /// The channel kinds, by the part of a channel name before `:` (`guild` for
+    /// `guild:42`, `world` for `world`). Setting this replaces the default kinds.
+    pub kinds: BTreeMap<String, KindPolicy>,
+}
+
+impl Default for ChannelsConfig {
+    fn default() -> Self {
+        let kind = |history_len, history_ttl_ms| KindPolicy {
+            history_len,
+            history_ttl_ms,
+            ..KindPolicy::default()
+        };
+        Self {
+            max_channels: 10_000,
+            max_channels_per_session: 64,
+            idle_reclaim_ms: 60_000,
+            dedup_window: 1_024,
+            kinds: BTreeMap::from([
+                ("world".to_owned(), kind(100, 60_000)),
+                ("guild".to_owned(), kind(500, 3_600_000)),
+                ("room".to_owned(), kind(100, 300_000)),
+                ("system".to_owned(), kind(100, 3_600_000)),
+            ]),
+        }
+    }
+}
+
+impl ChannelsConfig {
+    /// Checks the values; the error names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_channels == 0 {
+            return Err("channels.max_channels must be at least 1".into());
+        }
+        if self.max_channels_per_session == 0 {
+            return Err("channels.max_channels_per_session must be at least 1".into());
+        }
+        for (name, k) in &self.kinds {
+            if name.is_empty() || name.contains(':') || name.len() > MAX_CHANNEL_NAME_LEN {
+                return Err(format!(
+                    "channels.kinds: `{name}` is not a kind name (non-empty, no `:`)"
+                ));
+            }
+            if k.publish_rate == 0 || k.publish_burst == 0 {
+                return Err(format!(
+                    "channels.kinds.{name}: publish_rate and publish_burst must be at least 1"
+                ));
+            }
+            if k.max_members == 0 || k.max_body == 0 {
+                return Err(format!(
+                    "channels.kinds.{name}: max_members and max_body must be at least 1"
+                ));
+            }
+            if k.queue_critical == 0 || k.queue_normal == 0 {
+                return Err(format!(
+                    "channels.kinds.{name}: queue_critical and queue_normal must be at least 1"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Why a channel request was not carried out. Grouped by who is at fault; each has one wire
+/// code ([`ChannelError::code`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ChannelError {
+    // ----- the requester's fault
+    /// Empty, longer than 256 bytes, or containing control characters.
+    #[error("invalid channel name")]
+    InvalidName,
+    /// The name's kind is not configured.
+    #[error("channel kind not configured")]
+    UnknownKind,
+    /// The body is larger than the kind's `max_body`.
+    #[error("publication body too large")]
+    TooLarge,
+    // ----- pressure: retry later
+    /// The channel's publish rate is exceeded.
+    #[error("channel publish rate exceeded")]
+    RateLimited {
+        /// When a retry can succeed.
+        retry_after_ms: u32,
+    },
+    /// The channel's queue for this class (or for recovery items) is full.
+    #[error("channel queue full")]
+    QueueFull,
+    /// Channels on the edge, channels of the session or members of the channel are at
+    /// their cap.
+    #[error("channel cap reached")]
+    Limit,
+}
+
+impl ChannelError {
+    /// The wire code (CHANNEL_RESULT, metrics labels).
+    pub fn code(self) -> CloseCode {
+        match self {
+            Self::InvalidName => CloseCode::ProtocolError,
+            Self::UnknownKind => CloseCode::UnknownChannelKind,
+            Self::TooLarge => CloseCode::FrameTooLarge,
+            Self::RateLimited { .. } => CloseCode::RateLimited,
+            Self::QueueFull => CloseCode::QueueFull,
+            Self::Limit => CloseCode::ChannelLimit,
+        }
+    }
+
+    /// The retry hint for the requester (0 = none).
+    pub fn retry_after_ms(self) -> u32 {
+        match self {
+            Self::RateLimited { retry_after_ms } => retry_after_ms,
+            Self::QueueFull => QUEUE_FULL_RETRY_MS,
+            _ => 0,
+        }
+    }
+}
+
+/// A publish that was taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PublishReceipt {
+    /// Its position (offset 0 for best-effort: never recoverable).
+    pub position: ChannelPosition,
+    /// A publish with the same id was taken before: this is that one's position, and
+    /// nothing was published now.
+    pub duplicate: bool,
+}
+
+/// One channel event to push into some sessions' outbound queues (the DATA payload of
+/// `CHANNEL_EVENT_MSG_ID`, encoded once for every member).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Delivery {
+    /// The channel.
+    pub channel: Arc<str>,
+    /// The class of the DATA that carries it (markers are critical).
+    pub class: TrafficClass,
+    /// The encoded [`ChannelEvent`].
+    pub event: Bytes,
+    /// The sessions it goes to.
+    pub to: Vec<SessionId>,
+    /// When the publication was taken (for a publication; `None` for a marker or a
+    /// recovered one).
+    pub published_at: Option<Instant>,
+}
+
+/// What a join delivers before the member's live publications.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JoinOutcome {
+    /// A new member; nothing recovered (no position was asked).
+    Joined,
+    /// Already a member: nothing changes.
+    AlreadyMember,
+    /// The publications after the asked position follow, then live ones.
+    Recovered {
+        /// How many publications are recovered.
+        publications: usize,
+    },
+    /// The asked position cannot be recovered: a HISTORY_LOST marker follows.
+    HistoryLost,
+}
+
+/// Counters of a hub since it started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HubStats {
+    /// Channels created (a reclaimed channel that comes back counts again).
+    pub channels_created: u64,
+    /// Channels reclaimed when idle.
+    pub channels_reclaimed: u64,
+    /// Retried publishes answered from the dedup window.
+    pub duplicates: u64,
+    /// Recovered publications queued for joining members.
+    pub recovered: u64,
+    /// HISTORY_LOST markers queued.
+    pub history_lost: u64,
+}
+
+#[derive(Debug)]
+struct Member {
+    /// Pending items with a lower ticket were queued before the member joined.
+    live_from: u64,
+    /// The ticket of its pending LEFT marker: it still gets what was queued before it.
+    leaving_at: Option<u64>,
+}
+
+#[derive(Debug)]
+enum PendingItem {
+    /// For every member live at its ticket.
+    Publication {
+        class: TrafficClass,
+        event: Bytes,
+        at: Instant,
+    },
+    /// For one member only (recovery, markers), while it is the membership `joined` names.
+    Direct {
+        member: SessionId,
+        /// The membership's `live_from` (a membership that ended and began again does not
+        /// get the old one's items).
+        joined: u64,
+        class: TrafficClass,
+        event: Bytes,
+        /// A LEFT marker: delivering it ends the membership.
+        leave: bool,
+    },
+}
+
+#[derive(Debug)]
+struct Pending {
+    ticket: u64,
+    item: PendingItem,
+}
+
+#[derive(Debug)]
+struct Stored {
+    offset: u64,
+    at: Instant,
+    class: TrafficClass,
+    event: Bytes,
+}
+
+#[derive(Debug)]
+struct Channel {
+    name: Arc<str>,
+    policy: Arc<KindPolicy>,
+    epoch: u64,
+    last_offset: u64,
+    history: VecDeque<Stored>,
+    pending: VecDeque<Pending>,
+    /// Pending publications per class (index: class as usize); direct items apart.
+    pending_by_class: [usize; 3],
+    pending_direct: usize,
+    next_ticket: u64,
+    members: HashMap<SessionId, Member>,
+    /// A consumer has been asked for (in `ready`) or is running.
+    scheduled: bool,
+    limiter: TokenBucket,
+    recent: HashMap<u64, ChannelPosition>,
+    recent_order: VecDeque<u64>,
+    last_used: Instant,
+}
+
+impl Channel {
+    fn position(&self) -> ChannelPosition {
+        ChannelPosition {
+            epoch: self.epoch,
+            offset: self.last_offset,
+        }
+    }
+
+    fn marker(&self, kind: ChannelEventKind) -> Bytes {
+        ChannelEvent {
+            kind,
+            channel: self.name.to_string(),
+            position: self.position(),
+            body: Bytes::new(),
+        }
+        .to_bytes()
+    }
+
+    fn enqueue(&mut self, item: PendingItem) -> u64 {
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        match &item {
+            PendingItem::Publication { class, .. } => self.pending_by_class[*class as usize] += 1,
+            PendingItem::Direct { .. } => self.pending_direct += 1,
+        }
+        self.pending.push_back(Pending { ticket, item });
+        ticket
+    }
+
+    fn trim_history(&mut self, now: Instant) {
+        let ttl = Duration::from_millis(self.policy.history_ttl_ms);
+        while self.history.len() > self.policy.history_len {
+            self.history.pop_front();
+        }
+        while self
+            .history
+            .front()
+            .is_some_and(|s| now.saturating_duration_since(s.at) >= ttl)
+        {
+            self.history.pop_front();
+        }
+    }
+
+    fn is_idle(&self, now: Instant, idle: Duration) -> bool {
+        self.members.is_empty()
+            && self.pending.is_empty()
+            && !self.scheduled
+            && self.history.is_empty()
+            && now.saturating_duration_since(self.last_used) >= idle
+    }
+}
+
+/// The channels of one edge. See the crate docs.
+#[derive(Debug)]
+pub struct ChannelHub {
+    config: ChannelsConfig,
+    kinds: HashMap<String, Arc<KindPolicy>>,
+    channels: HashMap<Arc<str>, Channel>,
+    /// Channels each session is a member of (leaving ones included until their LEFT).
+    memberships: HashMap<SessionId, Vec<Arc<str>>>,
+    ready: VecDeque<Arc<str>>,
+    epoch_state: u64,
+    stats: HubStats,
+}
+
+/// Splits a channel name into its kind, after checking it.
+pub fn channel_kind(name: &str) -> Result<&str, ChannelError> {
+    if name.is_empty()
+        || name.len() > MAX_CHANNEL_NAME_LEN
+        || name.chars().any(|c| c.is_control() || c.is_whitespace())
+    {
+        return Err(ChannelError::InvalidName);
+    }
+    let kind = name.split(':').next().unwrap_or(name);
+    if kind.is_empty() {
+        return Err(ChannelError::InvalidName);
+    }
+    Ok(kind)
+}
+
+impl ChannelHub {
+    /// A hub with no channels. `seed` makes channel epochs (give it randomness: an epoch
+    /// must not repeat across restarts of the edge).
+    pub fn new(config: ChannelsConfig, seed: u64) -> Self {
+        let kinds = config
+            .kinds
+            .iter()
+            .map(|(k, v)| (k.clone(), Arc::new(v.clone())))
+            .collect();
+        Self {
+            config,
+            kinds,
+            channels: HashMap::new(),
+            memberships: HashMap::new(),
+            ready: VecDeque::new(),
+            epoch_state: seed,
+            stats: HubStats::default(),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ChannelsConfig {
+        &self.config
+    }
+
+    fn next_epoch(&mut self) -> u64 {
+        // splitmix64: distinct, well-spread values from one seed; never 0.
+        loop {
+            self.epoch_state = self.epoch_state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = self.epoch_state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            // Small enough to be exact in a JavaScript number (SDK), large enough to differ.
+            let epoch = z >> 11;
+            if epoch != 0 {
+                return epoch;
+            }
+        }
+    }
+
+    /// Creates the channel named `name` if it does not exist, and marks it used.
+    fn ensure_channel(&mut self, now: Instant, name: &str) -> Result<(), ChannelError> {
+        let kind = channel_kind(name)?;
+        if !self.channels.contains_key(name) {
+            let policy = self
+                .kinds
+                .get(kind)
+                .cloned()
+                .ok_or(ChannelError::UnknownKind)?;
+            if self.channels.len() >= self.config.max_channels {
+                return Err(ChannelError::Limit);
+            }
+            let epoch = self.next_epoch();
+            let name: Arc<str> = name.into();
+            let limiter = TokenBucket::new(
+                Rate::per_second(policy.publish_rate),
+                policy.publish_burst,
+                now,
+            );
+            self.stats.channels_created += 1;
+            self.channels.insert(
+                name.clone(),
+                Channel {
+                    name,
+                    policy,
+                    epoch,
+                    last_offset: 0,
+                    history: VecDeque::new(),
+                    pending: VecDeque::new(),
+                    pending_by_class: [0; 3],
+                    pending_direct: 0,
+                    next_ticket: 0,
+                    members: HashMap::new(),
+                    scheduled: false,
+                    limiter,
+                    recent: HashMap::new(),
+                    recent_order: VecDeque::new(),
+                    last_used: now,
+                },
+            );
+        }
+        if let Some(ch) = self.channels.get_mut(name) {
+            ch.last_used = now;
+        }
+        Ok(())
+    }
+
+    fn schedule(ready: &mut VecDeque<Arc<str>>, ch: &mut Channel) {
+        if !ch.scheduled && !ch.pending.is_empty() {
+            ch.scheduled = true;
+            ready.push_back(ch.name.clone());
+        }
+    }
+
+    /// Publishes `body` to `channel`: checks it (size, rate, the class's queue), gives it
+    /// the next offset (critical and normal: kept in the history) and queues it for every
+    /// member live now. `request_id` (non-zero) makes a retry of the same publish answer
+    /// with the first result instead of publishing twice.
+    pub fn publish(
+        &mut self,
+        now: Instant,
+        channel: &str,
+        request_id: u64,
+        class: TrafficClass,
+        body: Bytes,
+    ) -> Result<PublishReceipt, ChannelError> {
+        if let Some(ch) = self.channels.get(channel) {
+            if let Some(position) = ch.recent.get(&request_id).filter(|_| request_id != 0) {
+                self.stats.duplicates += 1;
+                return Ok(PublishReceipt {
+                    position: *position,
+                    duplicate: true,
+                });
+            }
+        }
+        let dedup_window = self.config.dedup_window;
+        self.ensure_channel(now, channel)?;
+        let ch = self
+            .channels
+            .get_mut(channel)
+            .ok_or(ChannelError::InvalidName)?;
+        if body.len() > ch.policy.max_body {
+            return Err(ChannelError::TooLarge);
+        }
+        if ch.pending_by_class[class as usize] >= ch.policy.queue_cap(class) {
+            return Err(ChannelError::QueueFull);
+        }
+        if let Err(wait) = ch.limiter.try_take(now, 1) {
+            return Err(ChannelError::RateLimited {
+                retry_after_ms: wait.as_millis_ceil_u32(),
+            });
+        }
+        let recoverable = class != TrafficClass::BestEffort;
+        let position = ChannelPosition {
+            epoch: ch.epoch,
+            offset: if recoverable { ch.last_offset + 1 } else { 0 },
+        };
+        let event = ChannelEvent {
+            kind: ChannelEventKind::Publication,
+            channel: ch.name.to_string(),
+            position,
+            body,
+        }
+        .to_bytes();
+        if recoverable {
+            ch.last_offset += 1;
+            if ch.policy.history_len > 0 {
+                ch.history.push_back(Stored {
+                    offset: ch.last_offset,
+                    at: now,
+                    class,
+                    event: event.clone(),
+                });
+                ch.trim_history(now);
+            }
+        }
+        ch.enqueue(PendingItem::Publication {
+            class,
+            event,
+            at: now,
+        });
+        if request_id != 0 && dedup_window > 0 {
+            if ch.recent_order.len() >= dedup_window {
+                if let Some(old) = ch.recent_order.pop_front() {
+                    ch.recent.remove(&old);
+                }
+            }
+            ch.recent.insert(request_id, position);
+            ch.recent_order.push_back(request_id);
+        }
+        Self::schedule(&mut self.ready, ch);
+        Ok(PublishReceipt {
+            position,
+            duplicate: false,
+        })
+    }
+
+    /// Makes `session` a member of `channel`. With `since`, what it missed after that
+    /// position is queued for it first (in offset order), or a HISTORY_LOST marker when the
+    /// history no longer holds it (trimmed, or another epoch); without, a JOINED marker.
+    /// Publications queued before the join and not recovered are not its to receive. A
+    /// session already a member (or leaving: that cancels the leave) stays as it is.
+    /// Returns the live position: the member receives every publication after it.
+    pub fn join(
+        &mut self,
+        now: Instant,
+        session: SessionId,
+        channel: &str,
+        since: Option<ChannelPosition>,
+    ) -> Result<(ChannelPosition, JoinOutcome), ChannelError> {
+        let per_session = self.config.max_channels_per_session;
+        let already = self
+            .memberships
+            .get(&session)
+            .is_some_and(|chs| chs.iter().any(|c| &**c == channel));
+        if !already
+            && self
+                .memberships
+                .get(&session)
+                .is_some_and(|chs| chs.len() >= per_session)
+        {
+            return Err(ChannelError::Limit);
+        }
+        self.ensure_channel(now, channel)?;
+        let ch = self
+            .channels
+            .get_mut(channel)
+            .ok_or(ChannelError::InvalidName)?;
+        ch.trim_history(now);
+        if let Some(m) = ch.members.get_mut(&session) {
+            m.leaving_at = None;
+            return Ok((ch.position(), JoinOutcome::AlreadyMember));
+        }
+        if ch.members.len() >= ch.policy.max_members {
+            return Err(ChannelError::Limit);
+        }
+        // What this join queues for the member alone, before its live publications.
+        let mut direct: Vec<(TrafficClass, Bytes)> = Vec::new();
+        let outcome = match since {
+            None => {
+                direct.push((TrafficClass::Critical, ch.marker(ChannelEventKind::Joined)));
+                JoinOutcome::Joined
+            }
+            Some(p) if p.epoch == ch.epoch && p.offset == ch.last_offset => {
+                direct.push((TrafficClass::Critical, ch.marker(ChannelEventKind::Joined)));
+                JoinOutcome::Recovered { publications: 0 }
+            }
+            Some(p)
+                if p.epoch == ch.epoch
+                    && p.offset < ch.last_offset
+                    && ch.history.front().is_some_and(|s| s.offset <= p.offset + 1) =>
+            {
+                for s in ch.history.iter().filter(|s| s.offset > p.offset) {
+                    direct.push((s.class, s.event.clone()));
+                }
+                let publications = direct.len();
+                direct.push((TrafficClass::Critical, ch.marker(ChannelEventKind::Joined)));
+                JoinOutcome::Recovered { publications }
+            }
+            Some(_) => {
+                direct.push((
+                    TrafficClass::Critical,
+                    ch.marker(ChannelEventKind::HistoryLost),
+                ));
+                JoinOutcome::HistoryLost
+            }
+        };
+        if ch.pending_direct + direct.len() > ch.policy.direct_cap() {
+            return Err(ChannelError::QueueFull);
+        }
+        let joined = ch.next_ticket + direct.len() as u64;
+        for (class, event) in direct {
+            ch.enqueue(PendingItem::Direct {
+                member: session,
+                joined,
+                class,
+                event,
+                leave: false,
+            });
+        }
+        debug_assert_eq!(joined, ch.next_ticket);
+        ch.members.insert(
+            session,
+            Member {
+                live_from: joined,
+                leaving_at: None,
+            },
+        );
+        let position = ch.position();
+        let name = ch.name.clone();
+        Self::schedule(&mut self.ready, ch);
+        self.memberships.entry(session).or_default().push(name);
+        match outcome {
+            JoinOutcome::Recovered { publications } => {
+                self.stats.recovered += publications as u64;
+            }
+            JoinOutcome::HistoryLost => self.stats.history_lost += 1,
+            _ => {}
+        }
+        Ok((position, outcome))
+    }
+
+    /// Ends `session`'s membership of `channel`: it still receives what was queued before,
+    /// then a LEFT marker. Not a member: nothing happens (`Ok(false)`).
+    pub fn leave(
+        &mut self,
+        now: Instant,
+        session: SessionId,
+        channel: &str,
+    ) -> Result<bool, ChannelError> {
+        channel_kind(channel)?;
+        let Some(ch) = self.channels.get_mut(channel) else {
+            return Ok(false);
+        };
+        let event = ch.marker(ChannelEventKind::Left);
+        let Some(m) = ch.members.get(&session) else {
+            return Ok(false);
+        };
+        if m.leaving_at.is_some() {
+            return Ok(true);
+        }
+        let joined = m.live_from;
+        ch.last_used = now;
+        let ticket = ch.enqueue(PendingItem::Direct {
+            member: session,
+            joined,
+            class: TrafficClass::Critical,
+            event,
+            leave: true,
+        });
+        if let Some(m) = ch.members.get_mut(&session) {
+            m.leaving_at = Some(ticket);
+        }
+        Self::schedule(&mut self.ready, ch);
+        Ok(true)
+    }
+
+    /// `session` ended (or left this edge): it is a member of nothing any more, at once.
+    pub fn session_ended(&mut self, session: &SessionId) {
+        for name in self.memberships.remove(session).unwrap_or_default() {
+            if let Some(ch) = self.channels.get_mut(&name) {
+                ch.members.remove(session);
+            }
+        }
+    }
+
+    fn forget_membership(&mut self, session: &SessionId, channel: &str) {
+        if let Some(chs) = self.memberships.get_mut(session) {
+            chs.retain(|c| &**c != channel);
+            if chs.is_empty() {
+                self.memberships.remove(session);
+            }
+        }
+    }
+
+    /// A session a delivery went to was not found: it is no longer a member of `channel`.
+    pub fn member_gone(&mut self, channel: &str, session: &SessionId) {
+        if let Some(ch) = self.channels.get_mut(channel) {
+            ch.members.remove(session);
+        }
+        self.forget_membership(session, channel);
+    }
+
+    /// A channel that has work and no consumer yet: run one for it (it calls
+    /// [`next_delivery`](Self::next_delivery) until that says `None`).
+    pub fn poll_ready(&mut self) -> Option<Arc<str>> {
+        self.ready.pop_front()
+    }
+
+    /// The channel's next delivery, in order. `None` when nothing is pending: its consumer
+    /// ends, and the next publish asks for a new one through [`poll_ready`](Self::poll_ready).
+    pub fn next_delivery(&mut self, channel: &str) -> Option<Delivery> {
+        loop {
+            let ch = self.channels.get_mut(channel)?;
+            let Some(Pending { ticket, item }) = ch.pending.pop_front() else {
+                ch.scheduled = false;
+                return None;
+            };
+            match item {
+                PendingItem::Publication { class, event, at } => {
+                    ch.pending_by_class[class as usize] -= 1;
+                    let to = ch
+                        .members
+                        .iter()
+                        .filter(|(_, m)| {
+                            m.live_from <= ticket && m.leaving_at.is_none_or(|l| ticket < l)
+                        })
+                        .map(|(s, _)| *s)
+                        .collect();
+                    return Some(Delivery {
+                        channel: ch.name.clone(),
+                        class,
+                        event,
+                        to,
+                        published_at: Some(at),
+                    });
+                }
+                PendingItem::Direct {
+                    member,
+                    joined,
+                    class,
+                    event,
+                    leave,
+                } => {
+                    ch.pending_direct -= 1;
+                    let Some(m) = ch.members.get(&member).filter(|m| m.live_from == joined) else {
+                        continue;
+                    };
+                    if leave {
+                        if m.leaving_at != Some(ticket) {
+                            // A join after the leave cancelled it.
+                            continue;
+                        }
+                        ch.members.remove(&member);
+                        let name = ch.name.clone();
+                        self.forget_membership(&member, &name);
+                        return Some(Delivery {
+                            channel: name,
+                            class,
+                            event,
+                            to: vec![member],
+                            published_at: None,
+                        });
+                    }
+                    return Some(Delivery {
+                        channel: ch.name.clone(),
+                        class,
+                        event,
+                        to: vec![member],
+                        published_at: None,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Trims histories by their TTL and drops channels idle for `idle_reclaim_ms` (no
+    /// members, nothing pending, no live history). Returns how many were dropped. Call it
+    /// about once a second.
+    pub fn sweep(&mut self, now: Instant) -> usize {
+        let idle = Duration::from_millis(self.config.idle_reclaim_ms);
+        for ch in self.channels.values_mut() {
+            ch.trim_history(now);
+        }
+        let before = self.channels.len();
+        self.channels.retain(|_, ch| !ch.is_idle(now, idle));
+        let dropped = before - self.channels.len();
+        self.stats.channels_reclaimed += dropped as u64;
+        dropped
+    }
+
+    /// The channel's position, if it exists on this edge.
+    pub fn position(&self, channel: &str) -> Option<ChannelPosition> {
+        self.channels.get(channel).map(Channel::position)
+    }
+
+    /// Members of `channel` on this edge (leaving ones included until their LEFT).
+    pub fn members(&self, channel: &str) -> usize {
+        self.channels.get(channel).map_or(0, |c| c.members.len())
+    }
+
+    /// Channels that exist on this edge.
+    pub fn channels(&self) -> usize {
+        self.channels.len()
+    }
+
+    /// Items waiting for delivery, over all channels.
+    pub fn pending(&self) -> usize {
+        self.channels.values().map(|c| c.pending.len()).sum()
+    }
+
+    /// Counters since the hub started.
+    pub fn stats(&self) -> HubStats {
+        self.stats
+    }
+
+    /// Checks the hub's internal consistency (tests call it after every step).
+    pub fn check_invariants(&self) -> Result<(), String> {
+        for (name, ch) in &self.channels {
+            let mut by_class = [0usize; 3];
+            let mut direct = 0;
+            for p in &ch.pending {
+                match &p.item {
+                    PendingItem::Publication { class, .. } => by_class[*class as usize] += 1,
+                    PendingItem::Direct { .. } => direct += 1,
+                }
+            }
+            if by_class != ch.pending_by_class || direct != ch.pending_direct {
+                return Err(format!("{name}: pending counts drifted"));
+            }
+            if ch.history.len() > ch.policy.history_len {
+                return Err(format!("{name}: history over its cap"));
+            }
+            let offsets: Vec<u64> = ch.history.iter().map(|s| s.offset).collect();
+            if offsets.windows(2).any(|w| w[1] != w[0] + 1)
+                || offsets.last().is_some_and(|&o| o != ch.last_offset)
+            {
+                return Err(format!(
+                    "{name}: history not contiguous up to the last offset"
+                ));
+            }
+            if ch.members.len() > ch.policy.max_members {
+                return Err(format!("{name}: members over the cap"));
+            }
+            if !ch.pending.is_empty() && !ch.scheduled {
+                return Err(format!("{name}: pending work without a consumer"));
+            }
+            for s in ch.members.keys() {
+                let listed = self
+                    .memberships
+                    .get(s)
+                    .is_some_and(|chs| chs.iter().any(|c| c == name));
+                if !listed {
+                    return Err(format!("{name}: member not in the membership index"));
+                }
+            }
+        }
+        for (s, chs) in &self.memberships {
+            if chs.len() > self.config.max_channels_per_session {
+                return Err("a session over its channel cap".into());
+            }
+            for c in chs {
+                let member = self
+                    .channels
+                    .get(c)
+                    .is_some_and(|ch| ch.members.contains_key(s));
+                if !member {
+                    return Err(format!("{c}: membership index lists a non-member"));
+                }
+            }
+        }
+        if self.channels.len() > self.config.max_channels {
+            return Err("channels over the cap".into());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,468 @@
+//! Tests of the hub alone: unit cases for each rule, and a property test that drives the
+//! real hub with random publishes, joins (with and without recovery positions), leaves,
+//! ended sessions, partial drains and time, checking order, completeness and bounds.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use proptest::prelude::*;
+use waygate_protocol::channel::{ChannelEvent, ChannelEventKind, ChannelPosition};
+use waygate_protocol::TrafficClass;
+
+use super::*;
+
+fn sid(n: u8) -> SessionId {
+    [n; 16]
+}
+
+fn small_config() -> ChannelsConfig {
+    let kind = KindPolicy {
+        history_len: 4,
+        history_ttl_ms: 10_000,
+        max_members: 3,
+        max_body: 64,
+        publish_rate: 100,
+        publish_burst: 10,
+        queue_critical: 4,
+        queue_normal: 6,
+        queue_best_effort: 2,
+    };
+    ChannelsConfig {
+        max_channels: 3,
+        max_channels_per_session: 2,
+        idle_reclaim_ms: 1_000,
+        dedup_window: 8,
+        kinds: [
+            ("room".to_owned(), kind.clone()),
+            ("world".to_owned(), kind),
+        ]
+        .into_iter()
+        .collect(),
+    }
+}
+
+/// Drains every pending delivery of every channel; returns (session, event) in order.
+fn drain(hub: &mut ChannelHub) -> Vec<(SessionId, ChannelEvent)> {
+    let mut out = Vec::new();
+    let mut ready: Vec<Arc<str>> = Vec::new();
+    while let Some(c) = hub.poll_ready() {
+        ready.push(c);
+    }
+    for c in ready {
+        while let Some(d) = hub.next_delivery(&c) {
+            let e = ChannelEvent::decode(d.event.clone()).expect("hub encodes valid events");
+            assert_eq!(&*d.channel, e.channel);
+            for s in d.to {
+                out.push((s, e.clone()));
+            }
+        }
+    }
+    out
+}
+
+fn offsets_of(events: &[(SessionId, ChannelEvent)], s: SessionId) -> Vec<u64> {
+    events
+        .iter()
+        .filter(|(to, e)| *to == s && e.kind == ChannelEventKind::Publication)
+        .map(|(_, e)| e.position.offset)
+        .collect()
+}
+
+#[test]
+fn publish_reaches_members_in_order_and_markers_frame_membership() {
+    let now = Instant::now();
+    let mut hub = ChannelHub::new(small_config(), 1);
+    let (p, o) = hub.join(now, sid(1), "room:a", None).unwrap();
+    assert_eq!((p.offset, o), (0, JoinOutcome::Joined));
+    for i in 0..3u8 {
+        let r = hub
+            .publish(now, "room:a", 0, TrafficClass::Normal, Bytes::from(vec![i]))
+            .unwrap();
+        assert_eq!(r.position.offset, u64::from(i) + 1);
+        assert_eq!(r.position.epoch, p.epoch);
+    }
+    assert!(hub.leave(now, sid(1), "room:a").unwrap());
+    hub.publish(now, "room:a", 0, TrafficClass::Normal, Bytes::new())
+        .unwrap();
+    let got = drain(&mut hub);
+    let kinds: Vec<_> = got.iter().map(|(_, e)| e.kind).collect();
+    use ChannelEventKind::*;
+    assert_eq!(kinds, [Joined, Publication, Publication, Publication, Left]);
+    assert_eq!(offsets_of(&got, sid(1)), [1, 2, 3]);
+    assert_eq!(
+        got[4].1.position.offset, 3,
+        "LEFT says where the member stopped"
+    );
+    assert_eq!(hub.members("room:a"), 0);
+    hub.check_invariants().unwrap();
+}
+
+#[test]
+fn a_member_joining_with_a_position_recovers_what_it_missed_then_goes_live() {
+    let now = Instant::now();
+    let mut hub = ChannelHub::new(small_config(), 2);
+    let mut last = ChannelPosition::default();
+    for _ in 0..3 {
+        last = hub
+            .publish(now, "room:a", 0, TrafficClass::Critical, Bytes::new())
+            .unwrap()
+            .position;
+    }
+    let since = ChannelPosition {
+        epoch: last.epoch,
+        offset: 1,
+    };
+    let (live, outcome) = hub.join(now, sid(1), "room:a", Some(since)).unwrap();
+    assert_eq!(outcome, JoinOutcome::Recovered { publications: 2 });
+    assert_eq!(live.offset, 3);
+    hub.publish(now, "room:a", 0, TrafficClass::Normal, Bytes::new())
+        .unwrap();
+    let got = drain(&mut hub);
+    // Publications 1..3 were queued before the join: only the recovered 2 and 3 reach it.
+    assert_eq!(offsets_of(&got, sid(1)), [2, 3, 4]);
+    hub.check_invariants().unwrap();
+}
+
+#[test]
+fn trimmed_history_or_another_epoch_answers_history_lost() {
+    let now = Instant::now();
+    let mut hub = ChannelHub::new(small_config(), 3);
+    let mut last = ChannelPosition::default();
+    for _ in 0..6 {
+        last = hub
+            .publish(now, "room:a", 0, TrafficClass::Normal, Bytes::new())
+            .unwrap()
+            .position;
+    }
+    drain(&mut hub);
+    // history_len 4 keeps offsets 3..=6: resuming after 1 needs 2, which is gone.
+    let trimmed = ChannelPosition {
+        epoch: last.epoch,
+        offset: 1,
+    };
+    let (_, o) = hub.join(now, sid(1), "room:a", Some(trimmed)).unwrap();
+    assert_eq!(o, JoinOutcome::HistoryLost);
+    // After 2 is still whole (3..=6 kept).
+    let whole = ChannelPosition {
+        epoch: last.epoch,
+        offset: 2,
+    };
+    let (_, o) = hub.join(now, sid(2), "room:a", Some(whole)).unwrap();
+    assert_eq!(o, JoinOutcome::Recovered { publications: 4 });
+    let other_epoch = ChannelPosition {
+        epoch: last.epoch ^ 1,
+        offset: 6,
+    };
+    let (_, o) = hub.join(now, sid(3), "room:a", Some(other_epoch)).unwrap();
+    assert_eq!(o, JoinOutcome::HistoryLost);
+    let got = drain(&mut hub);
+    assert_eq!(got[0].1.kind, ChannelEventKind::HistoryLost);
+    assert_eq!(got[0].1.position, last);
+    assert_eq!(offsets_of(&got, sid(2)), [3, 4, 5, 6]);
+    // The TTL trims too: after it, offset 6 is gone.
+    let later = now + Duration::from_secs(11);
+    hub.sweep(later);
+    let after_5 = ChannelPosition {
+        epoch: last.epoch,
+        offset: 5,
+    };
+    let (_, o) = hub.join(later, sid(4), "world", Some(after_5)).unwrap();
+    assert_eq!(
+        o,
+        JoinOutcome::HistoryLost,
+        "another channel: another epoch"
+    );
+    hub.session_ended(&sid(1));
+    let (_, o) = hub.join(later, sid(1), "room:a", Some(after_5)).unwrap();
+    assert_eq!(o, JoinOutcome::HistoryLost, "trimmed by its TTL");
+}
+
+#[test]
+fn refusals_are_typed_and_take_nothing() {
+    let now = Instant::now();
+    let mut hub = ChannelHub::new(small_config(), 4);
+    let e = hub.publish(now, "guild:1", 0, TrafficClass::Normal, Bytes::new());
+    assert_eq!(e, Err(ChannelError::UnknownKind));
+    assert_eq!(e.unwrap_err().code(), CloseCode::UnknownChannelKind);
+    for bad in ["", "room a", ":x", "room\n"] {
+        assert_eq!(
+            hub.publish(now, bad, 0, TrafficClass::Normal, Bytes::new()),
+            Err(ChannelError::InvalidName)
+        );
+    }
+    assert_eq!(
+        hub.publish(
+            now,
+            "room:a",
+            0,
+            TrafficClass::Normal,
+            Bytes::from(vec![0; 65])
+        ),
+        Err(ChannelError::TooLarge)
+    );
+    // Queue caps per class: best-effort 2, then refused; normal still taken.
+    for _ in 0..2 {
+        hub.publish(now, "room:a", 0, TrafficClass::BestEffort, Bytes::new())
+            .unwrap();
+    }
+    let full = hub.publish(now, "room:a", 0, TrafficClass::BestEffort, Bytes::new());
+    assert_eq!(full, Err(ChannelError::QueueFull));
+    assert_eq!(full.unwrap_err().retry_after_ms(), QUEUE_FULL_RETRY_MS);
+    let r = hub
+        .publish(now, "room:a", 0, TrafficClass::Normal, Bytes::new())
+        .unwrap();
+    assert_eq!(r.position.offset, 1, "best-effort takes no offset");
+    // Rate: burst 10, three taken so far.
+    let mut limited = None;
+    for _ in 0..10 {
+        if let Err(e) = hub.publish(now, "room:a", 0, TrafficClass::Critical, Bytes::new()) {
+            limited = Some(e);
+            break;
+        }
+    }
+    // The critical queue (4) fills before the burst runs out.
+    assert_eq!(limited, Some(ChannelError::QueueFull));
+    drain(&mut hub);
+    let mut rate = None;
+    for _ in 0..10 {
+        if let Err(e) = hub.publish(now, "room:a", 0, TrafficClass::Normal, Bytes::new()) {
+            rate = Some(e);
+            break;
+        }
+    }
+    match rate {
+        Some(ChannelError::RateLimited { retry_after_ms }) => assert!(retry_after_ms > 0),
+        other => panic!("expected rate limited, got {other:?}"),
+    }
+    // Caps: channels per edge (3), per session (2), members per channel (3).
+    hub.join(now, sid(1), "room:b", None).unwrap();
+    hub.join(now, sid(1), "room:c", None).unwrap();
+    assert_eq!(
+        hub.join(now, sid(1), "room:a", None),
+        Err(ChannelError::Limit)
+    );
+    assert_eq!(
+        hub.publish(now, "room:d", 0, TrafficClass::Normal, Bytes::new()),
+        Err(ChannelError::Limit)
+    );
+    for s in 2..5 {
+        let r = hub.join(now, sid(s), "room:b", None);
+        assert_eq!(r.is_err(), s == 4, "member {s}");
+    }
+    hub.check_invariants().unwrap();
+}
+
+#[test]
+fn a_retried_publish_is_answered_with_its_first_result() {
+    let now = Instant::now();
+    let mut hub = ChannelHub::new(small_config(), 5);
+    hub.join(now, sid(1), "room:a", None).unwrap();
+    let first = hub
+        .publish(
+            now,
+            "room:a",
+            77,
+            TrafficClass::Normal,
+            Bytes::from_static(b"x"),
+        )
+        .unwrap();
+    let again = hub
+        .publish(
+            now,
+            "room:a",
+            77,
+            TrafficClass::Normal,
+            Bytes::from_static(b"x"),
+        )
+        .unwrap();
+    assert!(!first.duplicate && again.duplicate);
+    assert_eq!(first.position, again.position);
+    assert_eq!(offsets_of(&drain(&mut hub), sid(1)), [1]);
+    // The window is bounded (8): an id older than that is a new publish.
+    for id in 100..108 {
+        hub.publish(now, "room:a", id, TrafficClass::BestEffort, Bytes::new())
+            .unwrap();
+        drain(&mut hub);
+    }
+    let old = hub
+        .publish(now, "room:a", 77, TrafficClass::Normal, Bytes::new())
+        .unwrap();
+    assert!(!old.duplicate);
+}
+
+#[test]
+fn idle_channels_are_reclaimed_and_come_back_with_a_new_epoch() {
+    let now = Instant::now();
+    let mut hub = ChannelHub::new(small_config(), 6);
+    let p = hub
+        .publish(now, "room:a", 0, TrafficClass::Normal, Bytes::new())
+        .unwrap()
+        .position;
+    drain(&mut hub);
+    assert_eq!(
+        hub.sweep(now + Duration::from_secs(2)),
+        0,
+        "history still live"
+    );
+    let later = now + Duration::from_secs(11);
+    assert_eq!(hub.sweep(later), 1);
+    assert_eq!(hub.channels(), 0);
+    let (_, o) = hub.join(later, sid(1), "room:a", Some(p)).unwrap();
+    assert_eq!(o, JoinOutcome::HistoryLost);
+    assert_ne!(hub.position("room:a").unwrap().epoch, p.epoch);
+}
+
+#[test]
+fn an_ended_session_is_dropped_from_every_channel_and_a_rejoin_cancels_a_leave() {
+    let now = Instant::now();
+    let mut hub = ChannelHub::new(small_config(), 7);
+    hub.join(now, sid(1), "room:a", None).unwrap();
+    hub.join(now, sid(1), "world", None).unwrap();
+    hub.session_ended(&sid(1));
+    assert_eq!(hub.members("room:a") + hub.members("world"), 0);
+    hub.check_invariants().unwrap();
+    drain(&mut hub);
+    hub.join(now, sid(2), "room:a", None).unwrap();
+    hub.leave(now, sid(2), "room:a").unwrap();
+    let (_, o) = hub.join(now, sid(2), "room:a", None).unwrap();
+    assert_eq!(o, JoinOutcome::AlreadyMember);
+    hub.publish(now, "room:a", 0, TrafficClass::Normal, Bytes::new())
+        .unwrap();
+    let got = drain(&mut hub);
+    let kinds: Vec<_> = got.iter().map(|(_, e)| e.kind).collect();
+    assert_eq!(
+        kinds,
+        [ChannelEventKind::Joined, ChannelEventKind::Publication]
+    );
+    assert_eq!(hub.members("room:a"), 1);
+    hub.check_invariants().unwrap();
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Publish { ch: u8, class: u8 },
+    Join { s: u8, ch: u8, since: u8 },
+    Leave { s: u8, ch: u8 },
+    End { s: u8 },
+    Drain { ch: u8, n: u8 },
+    Advance { ms: u16 },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u8..3, 0u8..3).prop_map(|(ch, class)| Op::Publish { ch, class }),
+        2 => (0u8..4, 0u8..3, 0u8..4).prop_map(|(s, ch, since)| Op::Join { s, ch, since }),
+        1 => (0u8..4, 0u8..3).prop_map(|(s, ch)| Op::Leave { s, ch }),
+        1 => (0u8..4).prop_map(|s| Op::End { s }),
+        3 => (0u8..3, 1u8..6).prop_map(|(ch, n)| Op::Drain { ch, n }),
+        1 => (0u16..3000).prop_map(|ms| Op::Advance { ms }),
+    ]
+}
+
+const NAMES: [&str; 3] = ["room:a", "room:b", "world"];
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Whatever happens, every member sees each channel's recoverable publications in
+    /// strictly increasing offset order, and a member that stays sees every one from where
+    /// it started (its join's live position, or the position it recovered from) without a
+    /// hole; the hub's bounds and indexes hold after every step.
+    #[test]
+    fn members_see_each_channel_in_order_without_holes(ops in proptest::collection::vec(op(), 1..80)) {
+        let start = Instant::now();
+        let mut now = start;
+        let mut hub = ChannelHub::new(small_config(), 9);
+        // (session, channel) -> next offset it must receive, while it is a member.
+        let mut expect: HashMap<(SessionId, &str), u64> = HashMap::new();
+        let mut epochs: HashMap<&str, u64> = HashMap::new();
+        let mut consumers: HashSet<Arc<str>> = HashSet::new();
+        let check = |hub: &mut ChannelHub, deliveries: Vec<Delivery>,
+                         expect: &mut HashMap<(SessionId, &'static str), u64>| -> Result<(), TestCaseError> {
+            for d in deliveries {
+                let e = ChannelEvent::decode(d.event.clone()).expect("valid");
+                let name = NAMES.iter().copied().find(|n| *n == e.channel).expect("known");
+                for s in d.to {
+                    match e.kind {
+                        ChannelEventKind::Publication if e.position.offset > 0 => {
+                            if let Some(next) = expect.get_mut(&(s, name)) {
+                                prop_assert_eq!(e.position.offset, *next, "member {:?} of {}", s[0], name);
+                                *next += 1;
+                            }
+                        }
+                        ChannelEventKind::Left => { expect.remove(&(s, name)); }
+                        _ => {}
+                    }
+                }
+            }
+            hub.check_invariants().map_err(TestCaseError::fail)?;
+            Ok(())
+        };
+        for op in ops {
+            let mut deliveries = Vec::new();
+            match op {
+                Op::Publish { ch, class } => {
+                    let class = TrafficClass::ALL[class as usize];
+                    let _ = hub.publish(now, NAMES[ch as usize], 0, class, Bytes::new());
+                }
+                Op::Join { s, ch, since } => {
+                    let name = NAMES[ch as usize];
+                    let here = hub.position(name);
+                    let since = match (since, here) {
+                        (0, _) | (_, None) => None,
+                        (1, Some(p)) => Some(p),
+                        (2, Some(p)) => Some(ChannelPosition { epoch: p.epoch, offset: p.offset.saturating_sub(2) }),
+                        (_, Some(p)) => Some(ChannelPosition { epoch: p.epoch ^ 5, offset: p.offset }),
+                    };
+                    let was_member = expect.contains_key(&(sid(s), name));
+                    if let Ok((live, outcome)) = hub.join(now, sid(s), name, since) {
+                        let first = match outcome {
+                            JoinOutcome::Recovered { .. } => since.map(|p| p.offset + 1),
+                            JoinOutcome::Joined | JoinOutcome::HistoryLost => Some(live.offset + 1),
+                            JoinOutcome::AlreadyMember => None,
+                        };
+                        if let (Some(first), false) = (first, was_member) {
+                            expect.insert((sid(s), name), first);
+                        }
+                        epochs.insert(name, live.epoch);
+                    }
+                }
+                Op::Leave { s, ch } => { let _ = hub.leave(now, sid(s), NAMES[ch as usize]); }
+                Op::End { s } => {
+                    hub.session_ended(&sid(s));
+                    expect.retain(|(who, _), _| *who != sid(s));
+                }
+                Op::Drain { ch, n } => {
+                    while let Some(c) = hub.poll_ready() { consumers.insert(c); }
+                    let name: Arc<str> = NAMES[ch as usize].into();
+                    if consumers.contains(&name) {
+                        for _ in 0..n {
+                            match hub.next_delivery(&name) {
+                                Some(d) => deliveries.push(d),
+                                None => { consumers.remove(&name); break; }
+                            }
+                        }
+                    }
+                }
+                Op::Advance { ms } => {
+                    now += Duration::from_millis(ms.into());
+                    hub.sweep(now);
+                }
+            }
+            check(&mut hub, deliveries, &mut expect)?;
+        }
+        // Drain everything: members that stayed have seen every offset up to the last.
+        while let Some(c) = hub.poll_ready() { consumers.insert(c); }
+        let mut rest = Vec::new();
+        for c in consumers.drain() {
+            while let Some(d) = hub.next_delivery(&c) { rest.push(d); }
+        }
+        check(&mut hub, rest, &mut expect)?;
+        for ((s, name), next) in &expect {
+            let last = hub.position(name).map_or(0, |p| p.offset);
+            prop_assert_eq!(*next, last + 1, "member {:?} of {} missed the tail", s[0], name);
+        }
+        prop_assert_eq!(hub.pending(), 0);
+    }
+}
