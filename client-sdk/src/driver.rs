@@ -1,12 +1,17 @@
 //! The async client: one task drives a [`ClientSession`] over whichever connection is up.
 
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
 use rand::RngExt;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
+use waygate_protocol::channel::{ChannelEvent, ChannelPosition, CHANNEL_EVENT_MSG_ID};
 use waygate_protocol::frame::{ErrorReport, SessionId, WelcomeOutcome};
+
+use crate::channels::ChannelTracker;
 use waygate_session::client::{
     ClientConfig, ClientError, ClientEvent, ClientSession, ClientState, RttStats,
 };
@@ -94,6 +99,10 @@ pub enum Event {
     },
     /// One upstream message was not delivered (busy, unavailable, no route...).
     Error(ErrorReport),
+    /// A channel event (PROTOCOL.md §12): a publication, or joined / left / history lost.
+    /// Publications already shown are dropped; [`Client::channel_positions`] has the last
+    /// position of each channel.
+    Channel(crate::channels::ChannelUpdate),
     /// Terminal: kicked by another login, session expired, or closed locally. No
     /// reconnect follows.
     Closed {
@@ -142,6 +151,7 @@ pub struct ClientStats {
 /// A running client. Dropping it closes the session.
 #[derive(Debug)]
 pub struct Client {
+    channels: Arc<Mutex<ChannelTracker>>,
     cmd: mpsc::Sender<Cmd>,
     events: mpsc::Receiver<Event>,
     stats: watch::Receiver<ClientStats>,
@@ -153,8 +163,10 @@ impl Client {
         let (cmd_tx, cmd_rx) = mpsc::channel(256);
         let (ev_tx, ev_rx) = mpsc::channel(4096);
         let (stats_tx, stats_rx) = watch::channel(ClientStats::default());
-        tokio::spawn(run(options, cmd_rx, ev_tx, stats_tx));
+        let channels = Arc::new(Mutex::new(ChannelTracker::default()));
+        tokio::spawn(run(options, cmd_rx, ev_tx, stats_tx, channels.clone()));
         Client {
+            channels,
             cmd: cmd_tx,
             events: ev_rx,
             stats: stats_rx,
@@ -183,6 +195,15 @@ impl Client {
         self.events.recv().await
     }
 
+    /// The last position of every channel this session is a member of (hand them to the
+    /// backend after a new login, for it to join with recovery).
+    pub fn channel_positions(&self) -> BTreeMap<String, ChannelPosition> {
+        self.channels
+            .lock()
+            .map(|t| t.positions().clone())
+            .unwrap_or_default()
+    }
+
     /// Live statistics.
     pub fn stats(&self) -> ClientStats {
         *self.stats.borrow()
@@ -206,6 +227,7 @@ impl Client {
 }
 
 struct Driver {
+    channels: Arc<Mutex<ChannelTracker>>,
     options: ClientOptions,
     session: ClientSession,
     conn: Option<BoxConnection>,
@@ -225,9 +247,11 @@ async fn run(
     mut cmds: mpsc::Receiver<Cmd>,
     events: mpsc::Sender<Event>,
     stats: watch::Sender<ClientStats>,
+    channels: Arc<Mutex<ChannelTracker>>,
 ) {
     let session = ClientSession::new(options.token.clone(), options.session.clone());
     let mut d = Driver {
+        channels,
         options,
         session,
         conn: None,
@@ -483,6 +507,23 @@ impl Driver {
                         endpoint: self.endpoint.clone().unwrap_or_default(),
                         session_id,
                         outcome,
+                    }
+                }
+                ClientEvent::Message {
+                    msg_id: CHANNEL_EVENT_MSG_ID,
+                    payload,
+                    ..
+                } => {
+                    let update = match ChannelEvent::decode(payload) {
+                        Ok(e) => self.channels.lock().ok().and_then(|mut t| t.accept(e)),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "undecodable channel event dropped");
+                            None
+                        }
+                    };
+                    match update {
+                        Some(u) => Event::Channel(u),
+                        None => continue,
                     }
                 }
                 ClientEvent::Message {

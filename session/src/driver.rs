@@ -233,6 +233,21 @@ impl SessionRegistry {
         self.host(|h| h.push(session_id, message))
     }
 
+    /// Queues the same message for each of `sessions` under one lock (a channel's fan-out),
+    /// telling `result` how each went. Never waits.
+    pub fn push_each(
+        &self,
+        sessions: &[SessionId],
+        message: &Downstream,
+        mut result: impl FnMut(&SessionId, Result<(), PushError>),
+    ) {
+        self.host(|h| {
+            for sid in sessions {
+                result(sid, h.push(sid, message.clone()));
+            }
+        })
+    }
+
     /// Queues a downstream message for a player's session.
     pub fn push_to_player(&self, player_id: &str, message: Downstream) -> Result<(), PushError> {
         self.host(|h| h.push_to_player(player_id, message))

@@ -22,13 +22,14 @@ pub mod demo;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, oneshot, Semaphore};
+use waygate_protocol::channel::{ChannelPosition, RESERVED_MSG_IDS_START};
 use waygate_protocol::frame::SessionId;
 use waygate_protocol::link::{LinkFrame, PinKind, DEFAULT_MAX_LINK_FRAME, LINK_VERSION};
 use waygate_protocol::{CloseCode, TrafficClass};
@@ -94,9 +95,70 @@ pub enum BackendError {
     /// No PUSH credit from the edge within the wait.
     #[error("edge granted no push credit in time")]
     NoCredit,
+    /// The message id is reserved for the edge (from `0xFFFFFF00`: channel events).
+    #[error("msg_id {0:#x} is reserved for the edge")]
+    ReservedMsgId(u32),
+    /// The edge refused a channel request (`queue_full`, `rate_limited`,
+    /// `unknown_channel_kind`, `member_offline`, `channel_limit`...).
+    #[error("channel request refused: {code} (retry after {retry_after_ms} ms)")]
+    ChannelRefused {
+        /// Why.
+        code: CloseCode,
+        /// Retry hint (0 = none).
+        retry_after_ms: u32,
+    },
+    /// The edge did not answer a channel request in time; a publish may be retried with
+    /// the same request id ([`BackendSession::publish_with_id`]) without being published
+    /// twice.
+    #[error("no answer from the edge in time")]
+    NoAnswer,
     /// Socket error.
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
+}
+
+/// How the edge took a publish.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PublishReceipt {
+    /// The publication's position (offset 0 for best-effort).
+    pub position: ChannelPosition,
+    /// A publish with this request id was already taken: nothing was published now.
+    pub duplicate: bool,
+}
+
+/// How long a channel request waits for the edge's CHANNEL_RESULT.
+const CHANNEL_ANSWER_WAIT: Duration = Duration::from_secs(5);
+
+/// A fresh channel request id, unique in this process and unlikely to repeat across
+/// processes (the edge remembers publish ids per channel to answer retries).
+pub fn next_request_id() -> u64 {
+    static NEXT: OnceLock<AtomicU64> = OnceLock::new();
+    NEXT.get_or_init(|| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        AtomicU64::new((nanos ^ (u64::from(std::process::id()) << 40)) | 1)
+    })
+    .fetch_add(1, Ordering::Relaxed)
+    .max(1)
+}
+
+type ChannelAnswers = Arc<Mutex<HashMap<u64, oneshot::Sender<LinkFrame>>>>;
+
+/// The link reader's hook: a CHANNEL_RESULT completes its request on the reader's own task,
+/// so a handler waiting for one (a publish inside [`Service::message`]) never waits for the
+/// frame loop it is blocking.
+fn answer_hook(answers: ChannelAnswers) -> waygate_link::OnFrame {
+    Arc::new(move |frame| match frame {
+        LinkFrame::ChannelResult { request_id, .. } => {
+            let waiting = answers.lock().ok().and_then(|mut a| a.remove(&request_id));
+            if let Some(tx) = waiting {
+                let _ = tx.send(frame);
+            }
+            waygate_link::FrameHandled::Taken
+        }
+        other => waygate_link::FrameHandled::Queue(other),
+    })
 }
 
 /// The game logic of a backend instance.
@@ -119,6 +181,8 @@ struct LinkSender {
     tx: mpsc::Sender<LinkFrame>,
     push_credit: Arc<Semaphore>,
     edge_id: String,
+    /// Channel requests waiting for their CHANNEL_RESULT.
+    answers: ChannelAnswers,
 }
 
 #[derive(Debug)]
@@ -184,11 +248,10 @@ impl BackendSession {
         class: TrafficClass,
         payload: Bytes,
     ) -> Result<(), BackendError> {
-        let permit = tokio::time::timeout(PUSH_CREDIT_WAIT, self.inner.link.push_credit.acquire())
-            .await
-            .map_err(|_| BackendError::NoCredit)?
-            .map_err(|_| BackendError::LinkClosed)?;
-        permit.forget();
+        if msg_id >= RESERVED_MSG_IDS_START {
+            return Err(BackendError::ReservedMsgId(msg_id));
+        }
+        self.take_push_credit().await?;
         self.send(LinkFrame::Push {
             handle: self.inner.handle,
             msg_id,
@@ -243,6 +306,143 @@ impl BackendSession {
             message: message.into(),
         })
         .await
+    }
+
+    async fn take_push_credit(&self) -> Result<(), BackendError> {
+        let permit = tokio::time::timeout(PUSH_CREDIT_WAIT, self.inner.link.push_credit.acquire())
+            .await
+            .map_err(|_| BackendError::NoCredit)?
+            .map_err(|_| BackendError::LinkClosed)?;
+        permit.forget();
+        Ok(())
+    }
+
+    /// Makes this session a member of `channel` on its edge (PROTOCOL.md §12). With
+    /// `since` (the last position the client reported for it), what it missed after it is
+    /// delivered first, or a HISTORY_LOST event when that is no longer possible. Returns the
+    /// position live publications follow.
+    pub async fn join_channel(
+        &self,
+        channel: &str,
+        since: Option<ChannelPosition>,
+    ) -> Result<ChannelPosition, BackendError> {
+        let request_id = next_request_id();
+        let frame = LinkFrame::ChannelJoin {
+            request_id,
+            handle: self.inner.handle,
+            channel: channel.into(),
+            since,
+        };
+        self.channel_request(request_id, frame, false)
+            .await
+            .map(|r| r.position)
+    }
+
+    /// Ends this session's membership of `channel` (it still gets what was published
+    /// before, then a LEFT event).
+    pub async fn leave_channel(&self, channel: &str) -> Result<ChannelPosition, BackendError> {
+        let request_id = next_request_id();
+        let frame = LinkFrame::ChannelLeave {
+            request_id,
+            handle: self.inner.handle,
+            channel: channel.into(),
+        };
+        self.channel_request(request_id, frame, false)
+            .await
+            .map(|r| r.position)
+    }
+
+    /// Publishes to `channel` through this session's edge, to its members there; waits for
+    /// PUSH credit, then for the edge's answer. Critical publications are announcements,
+    /// normal ones reliable (both kept for recovery), best-effort ones never recovered.
+    pub async fn publish(
+        &self,
+        channel: &str,
+        class: TrafficClass,
+        payload: Bytes,
+    ) -> Result<PublishReceipt, BackendError> {
+        self.publish_with_id(next_request_id(), channel, class, payload)
+            .await
+    }
+
+    /// [`publish`](Self::publish) with a chosen request id: a retry after
+    /// [`BackendError::NoAnswer`] or a lost link with the same id is answered with the
+    /// first publish's position (`duplicate`), never published twice.
+    pub async fn publish_with_id(
+        &self,
+        request_id: u64,
+        channel: &str,
+        class: TrafficClass,
+        payload: Bytes,
+    ) -> Result<PublishReceipt, BackendError> {
+        let frame = LinkFrame::ChannelPublish {
+            request_id,
+            channel: channel.into(),
+            class,
+            payload,
+        };
+        self.channel_request(request_id, frame, true).await
+    }
+
+    async fn channel_request(
+        &self,
+        request_id: u64,
+        frame: LinkFrame,
+        uses_credit: bool,
+    ) -> Result<PublishReceipt, BackendError> {
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut answers = self
+                .inner
+                .link
+                .answers
+                .lock()
+                .map_err(|_| BackendError::LinkClosed)?;
+            answers.insert(request_id, tx);
+        }
+        let forget = || {
+            if let Ok(mut a) = self.inner.link.answers.lock() {
+                a.remove(&request_id);
+            }
+        };
+        if uses_credit {
+            if let Err(e) = self.take_push_credit().await {
+                forget();
+                return Err(e);
+            }
+        }
+        if let Err(e) = self.send(frame).await {
+            forget();
+            return Err(e);
+        }
+        let answer = match tokio::time::timeout(CHANNEL_ANSWER_WAIT, rx).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(_)) => return Err(BackendError::LinkClosed),
+            Err(_) => {
+                forget();
+                return Err(BackendError::NoAnswer);
+            }
+        };
+        match answer {
+            LinkFrame::ChannelResult {
+                code: CloseCode::Normal,
+                position,
+                duplicate,
+                ..
+            } => Ok(PublishReceipt {
+                position,
+                duplicate,
+            }),
+            LinkFrame::ChannelResult {
+                code,
+                retry_after_ms,
+                ..
+            } => Err(BackendError::ChannelRefused {
+                code,
+                retry_after_ms,
+            }),
+            _ => Err(BackendError::LinkClosed),
+        }
     }
 
     async fn send(&self, frame: LinkFrame) -> Result<(), BackendError> {
@@ -381,6 +581,7 @@ async fn run_link(
     // holds every FORWARD the edge may have in flight (its credit), so it never stops reading.
     let push_credit = Arc::new(Semaphore::new(0));
     let credit_sink = push_credit.clone();
+    let answers: ChannelAnswers = Arc::default();
     let mut io = spawn_link_io(
         stream,
         config.max_link_frame,
@@ -388,7 +589,7 @@ async fn run_link(
         waygate_link::LinkIoOptions {
             read_queue: config.forward_credits as usize + 1024,
             on_credit: Some(Arc::new(move |n| credit_sink.add_permits(n as usize))),
-            on_frame: None,
+            on_frame: Some(answer_hook(answers.clone())),
         },
     );
     let hello = tokio::time::timeout(Duration::from_secs(10), io.rx.recv())
@@ -425,6 +626,7 @@ async fn run_link(
         tx: io.tx.clone(),
         push_credit,
         edge_id,
+        answers,
     });
     let mut sessions: HashMap<u64, BackendSession> = HashMap::new();
     let return_every = (config.forward_credits / 4).max(1);
@@ -543,6 +745,10 @@ async fn run_link(
         }
     };
     link.push_credit.close();
+    if let Ok(mut answers) = link.answers.lock() {
+        // Their requesters learn the link is gone (LinkClosed).
+        answers.clear();
+    }
     load.sessions
         .fetch_sub(sessions.len() as u64, Ordering::Relaxed);
     for (_, s) in sessions.drain() {

@@ -536,6 +536,8 @@ pub struct EdgeConfig {
     pub admin: AdminConfig,
     /// Several edges: etcd and Redis.
     pub cluster: ClusterConfig,
+    /// Channels: kinds, history, queues, caps (PROTOCOL.md §12).
+    pub channels: waygate_channels::ChannelsConfig,
 }
 
 impl Default for EdgeConfig {
@@ -555,6 +557,7 @@ impl Default for EdgeConfig {
             backpressure: BackpressureConfig::default(),
             admin: AdminConfig::default(),
             cluster: ClusterConfig::default(),
+            channels: waygate_channels::ChannelsConfig::default(),
         }
     }
 }
@@ -663,6 +666,26 @@ impl EdgeConfig {
                 key: "tls.cert",
                 message: "tls.cert and tls.key go together".into(),
             });
+        }
+        self.channels
+            .validate()
+            .map_err(|message| ConfigError::Invalid {
+                key: "channels",
+                message,
+            })?;
+        for (kind, policy) in &self.channels.kinds {
+            // A publication is one DATA frame: its body plus the event header must fit.
+            let header = waygate_protocol::channel::MAX_EVENT_OVERHEAD;
+            if policy.max_body + header > self.limits.max_frame_size {
+                return Err(ConfigError::Invalid {
+                    key: "channels.kinds",
+                    message: format!(
+                        "{kind}: max_body {} does not fit a client frame of limits.max_frame_size \
+                         {} with its {header}-byte header",
+                        policy.max_body, self.limits.max_frame_size
+                    ),
+                });
+            }
         }
         self.kcp
             .validate(self.limits.max_frame_size)

@@ -120,9 +120,10 @@ pub struct LinkRefusal {
 /// task, in the order the backend sent them, never waiting (a push into a session's queue, a
 /// kick, a key, a pin). One channel hop fewer for every push.
 pub trait LinkEventSink: Send + Sync + std::fmt::Debug + 'static {
-    /// Carries `event` out without waiting. Never given a stale-epoch refusal (that one may
-    /// need the table refreshed first: it goes to the async loop).
-    fn handle(&self, event: LinkEvent);
+    /// Carries `event` out without waiting; returns the frame to answer the backend with
+    /// (a channel request's CHANNEL_RESULT). Never given a stale-epoch refusal (that one
+    /// may need the table refreshed first: it goes to the async loop).
+    fn handle(&self, event: LinkEvent) -> Option<LinkFrame>;
 }
 
 /// The ways out of a link: the non-blocking sink for what can be done at once, the bounded
@@ -157,17 +158,54 @@ fn needs_async(event: &LinkEvent) -> bool {
     )
 }
 
+/// What became of a link event.
+enum Sent {
+    /// Carried out or queued; answer the backend with this frame, if any.
+    Done(Option<LinkFrame>),
+    /// The edge is gone.
+    EdgeGone,
+}
+
 impl LinkEvents {
-    /// Delivers `event`; false when the edge is gone.
-    async fn send(&self, event: LinkEvent) -> bool {
+    /// Delivers `event`. Without a fast sink, a channel request is answered `unavailable`
+    /// here: the async loop has no way back to the link.
+    async fn send(&self, event: LinkEvent) -> Sent {
         match &self.fast {
-            Some(fast) if !needs_async(&event) => {
-                fast.handle(event);
-                true
+            Some(fast) if !needs_async(&event) => Sent::Done(fast.handle(event)),
+            None => {
+                if let Some(answer) = channel_unavailable(&event) {
+                    return Sent::Done(Some(answer));
+                }
+                match self.slow.send(event).await {
+                    Ok(()) => Sent::Done(None),
+                    Err(_) => Sent::EdgeGone,
+                }
             }
-            _ => self.slow.send(event).await.is_ok(),
+            Some(_) => match self.slow.send(event).await {
+                Ok(()) => Sent::Done(None),
+                Err(_) => Sent::EdgeGone,
+            },
         }
     }
+}
+
+/// The CHANNEL_RESULT `unavailable` for a channel request nobody on this edge can carry out.
+fn channel_unavailable(event: &LinkEvent) -> Option<LinkFrame> {
+    let request_id = match event {
+        LinkEvent::Backend(
+            LinkFrame::ChannelJoin { request_id, .. }
+            | LinkFrame::ChannelLeave { request_id, .. }
+            | LinkFrame::ChannelPublish { request_id, .. },
+        ) => *request_id,
+        _ => return None,
+    };
+    Some(LinkFrame::ChannelResult {
+        request_id,
+        code: CloseCode::Unavailable,
+        retry_after_ms: 0,
+        position: Default::default(),
+        duplicate: false,
+    })
 }
 
 /// A forwarded message the backend has not finished handling yet. At most the link's
@@ -408,9 +446,16 @@ fn take_frame(shared: &LinkShared, frame: LinkFrame) -> Incoming {
             shared.credit.fetch_add(credits.into(), Ordering::AcqRel);
             Incoming::Done
         }
-        LinkFrame::Kick { .. } | LinkFrame::Bind { .. } | LinkFrame::Pin { .. } => {
+        LinkFrame::ChannelPublish { .. } => {
+            // A publish uses one PUSH credit, returned as it is taken (like a PUSH).
+            shared.pushes.fetch_add(1, Ordering::AcqRel);
             Incoming::Event(LinkEvent::Backend(frame))
         }
+        LinkFrame::Kick { .. }
+        | LinkFrame::Bind { .. }
+        | LinkFrame::Pin { .. }
+        | LinkFrame::ChannelJoin { .. }
+        | LinkFrame::ChannelLeave { .. } => Incoming::Event(LinkEvent::Backend(frame)),
         LinkFrame::Refuse {
             handle,
             msg_id,
@@ -476,10 +521,12 @@ fn take_now(
         Incoming::Done => FrameHandled::Taken,
         Incoming::Unexpected(other) => FrameHandled::Queue(other),
         Incoming::Event(event) => {
-            fast.handle(event);
-            match push_credit_due(shared, return_every) {
-                Some(credits) => FrameHandled::Reply(LinkFrame::Credit { credits }),
-                None => FrameHandled::Taken,
+            let answer = fast.handle(event);
+            let credit =
+                push_credit_due(shared, return_every).map(|credits| LinkFrame::Credit { credits });
+            match (answer, credit) {
+                (None, None) => FrameHandled::Taken,
+                (a, c) => FrameHandled::Reply(a.into_iter().chain(c).collect()),
             }
         }
     }
@@ -529,11 +576,11 @@ async fn run(shared: Arc<LinkShared>) {
                 refusal,
                 message: Some(m),
             };
-            if !shared.events.send(event).await {
+            if let Sent::EdgeGone = shared.events.send(event).await {
                 return;
             }
         }
-        if !shared
+        if let Sent::EdgeGone = shared
             .events
             .send(LinkEvent::Down { addr: shared.addr })
             .await
@@ -622,7 +669,7 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
     shared.credit.store(credits.into(), Ordering::Release);
     shared.up.store(true, Ordering::Release);
     tracing::info!(addr = %shared.addr, %instance_id, "backend link up");
-    shared
+    let _ = shared
         .events
         .send(LinkEvent::Up {
             addr: shared.addr,
@@ -646,8 +693,14 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
                 return Err("unexpected frame from backend");
             }
         };
-        if !shared.events.send(event).await {
-            return Ok(());
+        match shared.events.send(event).await {
+            Sent::EdgeGone => return Ok(()),
+            Sent::Done(Some(answer)) => {
+                if io.tx.send(answer).await.is_err() {
+                    break;
+                }
+            }
+            Sent::Done(None) => {}
         }
         if let Some(credits) = push_credit_due(shared, return_every) {
             if io.tx.send(LinkFrame::Credit { credits }).await.is_err() {

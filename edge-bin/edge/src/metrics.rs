@@ -65,6 +65,27 @@ pub struct BackendLabel {
     pub backend: String,
 }
 
+/// Labels: channel kind, traffic class, and what happened.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ChannelLabels {
+    /// The channel kind (`guild`, `world`...).
+    pub kind: String,
+    /// `critical` (announcement), `normal` (reliable), `best_effort`.
+    pub class: String,
+    /// Publish: `accepted`, `duplicate`, or the refusal; delivery: `delivered`, `offline`,
+    /// `queue_full`, `shed`; join: `joined`, `recovered`, `history_lost`...
+    pub result: String,
+}
+
+/// Labels: channel kind and traffic class.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ChannelClassLabels {
+    /// The channel kind.
+    pub kind: String,
+    /// The traffic class.
+    pub class: String,
+}
+
 /// Every metric of one edge.
 #[derive(Debug)]
 pub struct EdgeMetrics {
@@ -124,6 +145,20 @@ pub struct EdgeMetrics {
     pub migrations_pending: Gauge,
     /// Share of this edge's bound keys the last table change queued for a move.
     pub route_keys_moved_ratio: Gauge<f64, AtomicU64>,
+    /// Channel publishes by kind, class and result (taken or the refusal's reason).
+    pub channel_publishes: Family<ChannelLabels, Counter>,
+    /// Channel events pushed to members, by kind, class and result.
+    pub channel_deliveries: Family<ChannelLabels, Counter>,
+    /// Channel joins by kind and result (joined, recovered, history_lost, refusals).
+    pub channel_joins: Family<ChannelLabels, Counter>,
+    /// Time from a publish being taken to its push into every member's session queue.
+    pub channel_delivery_seconds: Family<ChannelClassLabels, Histogram>,
+    /// Publications recovered for joining members.
+    pub channel_recovered: Counter,
+    /// Channels on this edge.
+    pub channels_active: Gauge,
+    /// Channel items waiting for their consumer.
+    pub channel_pending: Gauge,
 }
 
 impl Default for EdgeMetrics {
@@ -387,6 +422,17 @@ impl EdgeMetrics {
             backend_sessions: Family::default(),
             migrations_pending: Gauge::default(),
             route_keys_moved_ratio: Gauge::default(),
+            channel_publishes: Family::default(),
+            channel_deliveries: Family::default(),
+            channel_joins: Family::default(),
+            channel_delivery_seconds: Family::new_with_constructor(|| {
+                Histogram::new([
+                    0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0,
+                ])
+            }),
+            channel_recovered: Counter::default(),
+            channels_active: Gauge::default(),
+            channel_pending: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -504,6 +550,41 @@ impl EdgeMetrics {
             "overload_shed",
             "Best-effort pushes shed under overload",
             m.overload_shed.clone(),
+        );
+        registry.register(
+            "channel_publishes",
+            "Channel publishes by kind, class and result (accepted, duplicate or the refusal)",
+            m.channel_publishes.clone(),
+        );
+        registry.register(
+            "channel_deliveries",
+            "Channel events pushed to members by kind, class and result (delivered, offline, queue_full, shed)",
+            m.channel_deliveries.clone(),
+        );
+        registry.register(
+            "channel_joins",
+            "Channel joins by kind and result (joined, recovered, history_lost, refusals)",
+            m.channel_joins.clone(),
+        );
+        registry.register(
+            "channel_delivery_seconds",
+            "Time from a publish being taken to its push into every member's session queue",
+            m.channel_delivery_seconds.clone(),
+        );
+        registry.register(
+            "channel_recovered",
+            "Publications recovered from channel history for joining members",
+            m.channel_recovered.clone(),
+        );
+        registry.register(
+            "channels_active",
+            "Channels on this edge",
+            m.channels_active.clone(),
+        );
+        registry.register(
+            "channel_pending",
+            "Channel items waiting for their consumer",
+            m.channel_pending.clone(),
         );
         Self { registry, ..m }
     }

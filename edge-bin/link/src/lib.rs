@@ -33,9 +33,9 @@ pub type OnCredit = std::sync::Arc<dyn Fn(u32) + Send + Sync>;
 pub enum FrameHandled {
     /// Carried out; nothing more to do.
     Taken,
-    /// Carried out; write this frame back to the peer (the reader waits for room in the
-    /// write queue, so it is never lost).
-    Reply(LinkFrame),
+    /// Carried out; write these frames back to the peer, in order (the reader waits for
+    /// room in the write queue, so none is lost).
+    Reply(Vec<LinkFrame>),
     /// Not handled here: queue it for the owner (`LinkIo::rx`), in order.
     Queue(LinkFrame),
 }
@@ -230,15 +230,17 @@ async fn read_loop<R: AsyncRead + Unpin>(
                     let frame = match handled {
                         FrameHandled::Queue(frame) => frame,
                         FrameHandled::Taken => continue,
-                        FrameHandled::Reply(answer) => {
+                        FrameHandled::Reply(answers) => {
                             let Some(out) = out.upgrade() else {
                                 return LinkEnd::Closed(CloseCode::Normal);
                             };
-                            tokio::select! {
-                                sent = out.send(answer) => if sent.is_err() {
-                                    return LinkEnd::Closed(CloseCode::Normal);
-                                },
-                                _ = alive.changed() => return LinkEnd::Closed(CloseCode::Normal),
+                            for answer in answers {
+                                tokio::select! {
+                                    sent = out.send(answer) => if sent.is_err() {
+                                        return LinkEnd::Closed(CloseCode::Normal);
+                                    },
+                                    _ = alive.changed() => return LinkEnd::Closed(CloseCode::Normal),
+                                }
                             }
                             continue;
                         }
@@ -292,9 +294,10 @@ mod tests {
         let (a, b) = tokio::io::duplex(64 * 1024);
         let hook: OnFrame = Arc::new(|frame| match frame {
             LinkFrame::Credit { credits: 1 } => FrameHandled::Taken,
-            LinkFrame::Credit { credits: 2 } => {
-                FrameHandled::Reply(LinkFrame::Credit { credits: 20 })
-            }
+            LinkFrame::Credit { credits: 2 } => FrameHandled::Reply(vec![
+                LinkFrame::Credit { credits: 20 },
+                LinkFrame::Credit { credits: 21 },
+            ]),
             other => FrameHandled::Queue(other),
         });
         let heartbeat = Duration::from_secs(5);
@@ -319,9 +322,13 @@ mod tests {
                 Some(LinkFrame::Credit { credits: 4 })
             ]
         );
+        let replies = [peer.rx.recv().await, peer.rx.recv().await];
         assert_eq!(
-            peer.rx.recv().await,
-            Some(LinkFrame::Credit { credits: 20 })
+            replies,
+            [
+                Some(LinkFrame::Credit { credits: 20 }),
+                Some(LinkFrame::Credit { credits: 21 })
+            ]
         );
         drop(hooked.tx);
     }

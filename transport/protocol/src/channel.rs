@@ -19,6 +19,11 @@ pub const RESERVED_MSG_IDS_START: u32 = 0xFFFF_FF00;
 /// Longest channel name, in bytes.
 pub const MAX_CHANNEL_NAME_LEN: usize = 256;
 
+/// Most bytes a channel event adds to its body in a client frame: the event header (kind,
+/// name, epoch, offset: at most 279) and the DATA frame's own header (at most 27), rounded
+/// up. A publication body fits a client frame when `body + MAX_EVENT_OVERHEAD <= max frame`.
+pub const MAX_EVENT_OVERHEAD: usize = 320;
+
 /// Where a channel's stream stands: its epoch (changes when the channel's history is
 /// recreated) and an offset (the last publication counted; offsets start at 1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
@@ -144,6 +149,27 @@ mod tests {
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
             let _ = ChannelEvent::decode(Bytes::from(bytes));
         }
+    }
+
+    #[test]
+    fn overhead_bound_holds_for_the_longest_header() {
+        let e = ChannelEvent {
+            kind: ChannelEventKind::HistoryLost,
+            channel: "x".repeat(MAX_CHANNEL_NAME_LEN),
+            position: ChannelPosition {
+                epoch: u64::MAX,
+                offset: u64::MAX,
+            },
+            body: Bytes::new(),
+        };
+        let data = crate::Frame::Data(crate::frame::Data {
+            class: crate::TrafficClass::Normal,
+            msg_id: CHANNEL_EVENT_MSG_ID,
+            seq: u64::MAX,
+            ack: Some(u64::MAX),
+            payload: e.to_bytes(),
+        });
+        assert!(data.to_bytes().len() <= MAX_EVENT_OVERHEAD);
     }
 
     #[test]

@@ -49,15 +49,22 @@ impl Shared {
 pub(super) struct EdgeLinkSink(pub(super) Weak<Shared>);
 
 impl LinkEventSink for EdgeLinkSink {
-    fn handle(&self, event: LinkEvent) {
-        let Some(shared) = self.0.upgrade() else {
-            return;
-        };
+    fn handle(&self, event: LinkEvent) -> Option<LinkFrame> {
+        let shared = self.0.upgrade()?;
+        if let LinkEvent::Backend(
+            frame @ (LinkFrame::ChannelJoin { .. }
+            | LinkFrame::ChannelLeave { .. }
+            | LinkFrame::ChannelPublish { .. }),
+        ) = event
+        {
+            return shared.channel_request(frame);
+        }
         if let Some(LinkEvent::Refuse { refusal, .. }) = handle_now(&shared, event) {
             // The link gives stale-epoch refusals to the async loop; should one arrive here,
             // the client still gets its answer.
             shared.answer_refusal(&refusal);
         }
+        None
     }
 }
 
@@ -153,7 +160,8 @@ fn handle_now(shared: &Arc<Shared>, event: LinkEvent) -> Option<LinkEvent> {
             }
         }
         LinkEvent::Backend(other) => {
-            // The link passes only the four frames above (it closes on anything else).
+            // The link passes only the frames above and the channel requests, which the
+            // sink answers (it closes on anything else).
             tracing::warn!(frame = ?other, "backend frame not handled by the edge");
         }
         LinkEvent::Up { addr, .. } => {

@@ -17,6 +17,8 @@
 //! - `upstream`: session layer -> router -> backend link (`EdgeUpstream`);
 //! - `links`: one `LinkClient` per backend address;
 //! - `downstream`: backend link events -> sessions (push, kick, refuse, bind);
+//! - `channels`: backend channel requests -> the channel hub -> one consumer per active
+//!   channel -> members' session queues;
 //! - `route_loop`: route table updates, health, migrations; `overload_loop`: the governor;
 //! - `cluster`: etcd registration and load feed, Redis kicks, cross-edge pushes, re-assert;
 //! - `admin`: the admin API over a running edge.
@@ -51,6 +53,7 @@ use upstream::EdgeUpstream;
 
 mod accept;
 mod admin;
+mod channels;
 mod cluster;
 mod downstream;
 mod links;
@@ -115,6 +118,8 @@ struct Shared {
     governor: Arc<Governor>,
     /// Chaos drill: the next accepted connection panics its accept loop (supervision test).
     chaos_accept_panic: AtomicBool,
+    /// The channels of this edge (sans-IO; never locked across an await or a push).
+    channels: Mutex<waygate_channels::ChannelHub>,
 }
 
 /// A running edge.

@@ -183,6 +183,10 @@ impl Edge {
             admission,
             governor,
             chaos_accept_panic: AtomicBool::new(false),
+            channels: Mutex::new(waygate_channels::ChannelHub::new(
+                config.channels.clone(),
+                rand::random(),
+            )),
             config,
         });
         shared.metrics.preset(shared.addrs.keys().copied());
@@ -288,6 +292,9 @@ impl Edge {
         )));
         tasks.push(tokio::spawn(route_loop(Arc::downgrade(&shared))));
         tasks.push(tokio::spawn(overload_loop(Arc::downgrade(&shared))));
+        tasks.push(tokio::spawn(super::channels::channel_sweep_loop(
+            Arc::downgrade(&shared),
+        )));
         let admin_addr = if shared.config.admin.enabled {
             let api: Arc<dyn AdminApi> = Arc::new(EdgeAdmin(shared.clone()));
             let a = &shared.config.admin;

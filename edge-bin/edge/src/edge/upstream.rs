@@ -312,6 +312,7 @@ impl UpstreamSink for EdgeUpstream {
                 released,
                 ..
             } => {
+                shared.channels_session_ended(&session_id);
                 let entry = shared.entries.lock().ok().and_then(|mut e| {
                     let entry = e.by_id.remove(&session_id)?;
                     e.by_handle.remove(&entry.meta.handle);

@@ -1,0 +1,274 @@
+//! Channels (PROTOCOL.md §12): a backend's CHANNEL_JOIN / CHANNEL_LEAVE / CHANNEL_PUBLISH
+//! enters on its link's task, is checked and ordered by the edge's sans-IO
+//! [`ChannelHub`](waygate_channels::ChannelHub) and answered at once with CHANNEL_RESULT;
+//! each active channel gets one consumer task that takes the hub's deliveries in order and
+//! pushes them into the members' session outbound queues (which the session layer delivers,
+//! acks and replays like any DATA). The hub's lock is never held while pushing, and no
+//! lock is held across an await.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use waygate_channels::{channel_kind, ChannelError, Delivery, JoinOutcome};
+use waygate_protocol::channel::{ChannelPosition, CHANNEL_EVENT_MSG_ID};
+use waygate_protocol::link::LinkFrame;
+use waygate_session::driver::{Downstream, PushError};
+use waygate_transport::{CloseCode, TrafficClass};
+
+use super::{now_std, Shared};
+use crate::metrics::{ChannelClassLabels, ChannelLabels};
+
+/// Members pushed per lock of the session registry (a big channel's fan-out lets other
+/// work in between).
+const PUSH_CHUNK: usize = 256;
+
+fn result(request_id: u64, outcome: Result<ChannelPosition, ChannelError>) -> LinkFrame {
+    let (code, retry_after_ms, position) = match outcome {
+        Ok(p) => (CloseCode::Normal, 0, p),
+        Err(e) => (e.code(), e.retry_after_ms(), ChannelPosition::default()),
+    };
+    LinkFrame::ChannelResult {
+        request_id,
+        code,
+        retry_after_ms,
+        position,
+        duplicate: false,
+    }
+}
+
+/// A metrics label for a refusal.
+fn refusal_label(e: ChannelError) -> &'static str {
+    match e {
+        ChannelError::InvalidName => "invalid_name",
+        ChannelError::UnknownKind => "unknown_kind",
+        ChannelError::TooLarge => "too_large",
+        ChannelError::RateLimited { .. } => "rate_limited",
+        ChannelError::QueueFull => "queue_full",
+        ChannelError::Limit => "channel_limit",
+        _ => "other",
+    }
+}
+
+fn labels(channel: &str, class: TrafficClass, result: &str) -> ChannelLabels {
+    ChannelLabels {
+        kind: channel_kind(channel).unwrap_or("invalid").to_owned(),
+        class: class.as_str().to_owned(),
+        result: result.to_owned(),
+    }
+}
+
+impl Shared {
+    /// Carries out one channel request from a backend and returns its CHANNEL_RESULT;
+    /// `None` for a frame that is not a channel request.
+    pub(super) fn channel_request(self: &Arc<Self>, frame: LinkFrame) -> Option<LinkFrame> {
+        let now = now_std();
+        let reply = match frame {
+            LinkFrame::ChannelPublish {
+                request_id,
+                channel,
+                class,
+                payload,
+            } => {
+                let outcome = self
+                    .channels
+                    .lock()
+                    .map_err(|_| ChannelError::Limit)
+                    .and_then(|mut hub| hub.publish(now, &channel, request_id, class, payload));
+                let label = match &outcome {
+                    Ok(r) if r.duplicate => "duplicate",
+                    Ok(_) => "accepted",
+                    Err(e) => refusal_label(*e),
+                };
+                self.metrics
+                    .channel_publishes
+                    .get_or_create(&labels(&channel, class, label))
+                    .inc();
+                match outcome {
+                    Ok(receipt) => LinkFrame::ChannelResult {
+                        request_id,
+                        code: CloseCode::Normal,
+                        retry_after_ms: 0,
+                        position: receipt.position,
+                        duplicate: receipt.duplicate,
+                    },
+                    Err(e) => {
+                        tracing::debug!(%channel, error = %e, "publish refused");
+                        result(request_id, Err(e))
+                    }
+                }
+            }
+            LinkFrame::ChannelJoin {
+                request_id,
+                handle,
+                channel,
+                since,
+            } => {
+                let Some(sid) = self.session_of_handle(handle) else {
+                    return Some(LinkFrame::ChannelResult {
+                        request_id,
+                        code: CloseCode::MemberOffline,
+                        retry_after_ms: 0,
+                        position: ChannelPosition::default(),
+                        duplicate: false,
+                    });
+                };
+                let outcome = self
+                    .channels
+                    .lock()
+                    .map_err(|_| ChannelError::Limit)
+                    .and_then(|mut hub| hub.join(now, sid, &channel, since));
+                let label = match &outcome {
+                    Ok((_, JoinOutcome::Joined)) => "joined",
+                    Ok((_, JoinOutcome::AlreadyMember)) => "already_member",
+                    Ok((_, JoinOutcome::Recovered { .. })) => "recovered",
+                    Ok((_, JoinOutcome::HistoryLost)) => "history_lost",
+                    Err(e) => refusal_label(*e),
+                };
+                self.metrics
+                    .channel_joins
+                    .get_or_create(&labels(&channel, TrafficClass::Critical, label))
+                    .inc();
+                if let Ok((_, JoinOutcome::Recovered { publications })) = &outcome {
+                    self.metrics.channel_recovered.inc_by(*publications as u64);
+                }
+                result(request_id, outcome.map(|(p, _)| p))
+            }
+            LinkFrame::ChannelLeave {
+                request_id,
+                handle,
+                channel,
+            } => {
+                let Some(sid) = self.session_of_handle(handle) else {
+                    return Some(LinkFrame::ChannelResult {
+                        request_id,
+                        code: CloseCode::MemberOffline,
+                        retry_after_ms: 0,
+                        position: ChannelPosition::default(),
+                        duplicate: false,
+                    });
+                };
+                let outcome = self
+                    .channels
+                    .lock()
+                    .map_err(|_| ChannelError::Limit)
+                    .and_then(|mut hub| {
+                        hub.leave(now, sid, &channel)?;
+                        Ok(hub.position(&channel).unwrap_or_default())
+                    });
+                result(request_id, outcome)
+            }
+            _ => return None,
+        };
+        self.start_channel_consumers();
+        Some(reply)
+    }
+
+    /// Starts a consumer for every channel that has work and none.
+    pub(super) fn start_channel_consumers(self: &Arc<Self>) {
+        let ready: Vec<Arc<str>> = match self.channels.lock() {
+            Ok(mut hub) => std::iter::from_fn(|| hub.poll_ready()).collect(),
+            Err(_) => return,
+        };
+        for name in ready {
+            tokio::spawn(channel_consumer(Arc::downgrade(self), name));
+        }
+    }
+
+    /// A session ended (or left this edge): it is a member of no channel here any more.
+    pub(super) fn channels_session_ended(&self, session_id: &waygate_protocol::frame::SessionId) {
+        if let Ok(mut hub) = self.channels.lock() {
+            hub.session_ended(session_id);
+        }
+    }
+
+    /// Pushes one delivery into its members' session queues; a member whose session is
+    /// gone stops being a member.
+    fn fan_out(&self, d: &Delivery) {
+        let message = Downstream {
+            class: d.class,
+            msg_id: CHANNEL_EVENT_MSG_ID,
+            payload: d.event.clone(),
+        };
+        let registry = &self.session_layer().registry;
+        let (mut delivered, mut offline, mut full, mut shed) = (0u64, 0u64, 0u64, 0u64);
+        let mut gone = Vec::new();
+        for chunk in d.to.chunks(PUSH_CHUNK) {
+            registry.push_each(chunk, &message, |sid, r| match r {
+                Ok(()) => delivered += 1,
+                Err(PushError::NotFound) => {
+                    offline += 1;
+                    gone.push(*sid);
+                }
+                Err(PushError::Shed) => shed += 1,
+                Err(_) => full += 1,
+            });
+        }
+        if !gone.is_empty() {
+            if let Ok(mut hub) = self.channels.lock() {
+                for sid in &gone {
+                    hub.member_gone(&d.channel, sid);
+                }
+            }
+        }
+        for (result, n) in [
+            ("delivered", delivered),
+            ("offline", offline),
+            ("queue_full", full),
+            ("shed", shed),
+        ] {
+            if n > 0 {
+                self.metrics
+                    .channel_deliveries
+                    .get_or_create(&labels(&d.channel, d.class, result))
+                    .inc_by(n);
+            }
+        }
+        if let Some(at) = d.published_at {
+            self.metrics
+                .channel_delivery_seconds
+                .get_or_create(&ChannelClassLabels {
+                    kind: channel_kind(&d.channel).unwrap_or("invalid").to_owned(),
+                    class: d.class.as_str().to_owned(),
+                })
+                .observe(now_std().saturating_duration_since(at).as_secs_f64());
+        }
+    }
+}
+
+/// One channel's consumer: takes its deliveries in order until none is pending (the hub
+/// then asks for a new consumer with the next piece of work).
+async fn channel_consumer(shared: Weak<Shared>, name: Arc<str>) {
+    loop {
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        let next = match shared.channels.lock() {
+            Ok(mut hub) => hub.next_delivery(&name),
+            Err(_) => return,
+        };
+        let Some(delivery) = next else {
+            return;
+        };
+        shared.fan_out(&delivery);
+        // A channel with a long queue yields between deliveries, so others run too.
+        tokio::task::yield_now().await;
+    }
+}
+
+/// Trims histories, reclaims idle channels and updates the channel gauges, once a second.
+pub(super) async fn channel_sweep_loop(shared: Weak<Shared>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        let Ok(mut hub) = shared.channels.lock() else {
+            return;
+        };
+        hub.sweep(now_std());
+        shared.metrics.channels_active.set(hub.channels() as i64);
+        shared.metrics.channel_pending.set(hub.pending() as i64);
+    }
+}

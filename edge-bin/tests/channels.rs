@@ -1,0 +1,397 @@
+//! Channels over real sockets (PROTOCOL.md §12; SPEC F1, F2, F5): a backend joins sessions
+//! on every transport and publishes; every member sees every recoverable publication once,
+//! in offset order, through link drops; a new session recovers what it missed from the
+//! history, or is told the history is lost; refusals reach the publisher as typed codes.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    missing_docs,
+    unreachable_pub
+)]
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::time::timeout;
+use waygate_backend::{BackendError, BackendSession, Incoming, Refusal, Service};
+use waygate_client::{ChannelPosition, ChannelUpdate, Client, ClientOptions, Event};
+use waygate_transport::endpoint::{ConnectOptions, Endpoint};
+use waygate_transport::tls::ClientTls;
+use waygate_transport::{CloseCode, TrafficClass, TransportKind};
+
+/// Keeps each player's latest session, so the test can join and publish through it.
+#[derive(Default)]
+struct Sessions(Mutex<HashMap<String, BackendSession>>);
+
+#[async_trait]
+impl Service for Sessions {
+    async fn session_open(&self, session: &BackendSession) {
+        self.0
+            .lock()
+            .unwrap()
+            .insert(session.player_id().to_owned(), session.clone());
+    }
+
+    async fn message(&self, _session: &BackendSession, _msg: Incoming) -> Result<(), Refusal> {
+        Ok(())
+    }
+}
+
+impl Sessions {
+    fn get(&self, player: &str) -> Option<BackendSession> {
+        self.0.lock().unwrap().get(player).cloned()
+    }
+}
+
+struct Setup {
+    edge: waygate_edge::edge::Edge,
+    sessions: Arc<Sessions>,
+    tls: ClientTls,
+    _backend: waygate_backend::Backend,
+    _dir: tempfile::TempDir,
+}
+
+async fn setup(tune: impl FnOnce(&mut waygate_edge::config::EdgeConfig)) -> Setup {
+    let sessions = Arc::new(Sessions::default());
+    let (edge, backend, dir) = common::edge_over(sessions.clone(), tune).await;
+    let tls = ClientTls::from_ca_pem(edge.dev_ca_pem.as_deref().unwrap()).unwrap();
+    Setup {
+        edge,
+        sessions,
+        tls,
+        _backend: backend,
+        _dir: dir,
+    }
+}
+
+impl Setup {
+    /// A client of `player` over `kind`, whose session has reached the backend.
+    async fn member(&self, kind: TransportKind, player: &str) -> (Client, BackendSession) {
+        let mut endpoint = Endpoint::new(kind, self.edge.addrs[&kind]);
+        endpoint.host = "localhost".into();
+        let mut options = ClientOptions::new(vec![endpoint], common::token(player));
+        options.connect = ConnectOptions {
+            tls: Some(self.tls.clone()),
+            ..ConnectOptions::default()
+        };
+        let client = Client::start(options);
+        let before = self.sessions.get(player).map(|s| *s.session_id());
+        // SESSION_OPEN reaches the backend with the session's first upstream message.
+        client
+            .send(TrafficClass::Normal, 1000, Bytes::from_static(b"hello"))
+            .await
+            .unwrap();
+        let session = poll_until(Duration::from_secs(10), || async {
+            self.sessions
+                .get(player)
+                .filter(|s| Some(*s.session_id()) != before)
+        })
+        .await
+        .expect("session reached the backend");
+        (client, session)
+    }
+}
+
+/// Polls `f` until it gives a value (every 20 ms, at most `limit`).
+async fn poll_until<T, F: std::future::Future<Output = Option<T>>>(
+    limit: Duration,
+    mut f: impl FnMut() -> F,
+) -> Option<T> {
+    let deadline = tokio::time::Instant::now() + limit;
+    while tokio::time::Instant::now() < deadline {
+        if let Some(v) = f().await {
+            return Some(v);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    None
+}
+
+/// The next channel update of `client` (other events skipped).
+async fn next_update(client: &mut Client) -> ChannelUpdate {
+    loop {
+        let event = timeout(Duration::from_secs(10), client.next_event())
+            .await
+            .expect("a channel event in time")
+            .expect("client running");
+        if let Event::Channel(u) = event {
+            return u;
+        }
+    }
+}
+
+fn body_of(u: &ChannelUpdate) -> (u64, String) {
+    match u {
+        ChannelUpdate::Publication { position, body, .. } => {
+            (position.offset, String::from_utf8(body.to_vec()).unwrap())
+        }
+        other => panic!("expected a publication, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_on_every_transport_see_every_publication_once_in_order_through_drops() {
+    let s = setup(|_| {}).await;
+    let kinds = [
+        TransportKind::Tcp,
+        TransportKind::Ws,
+        TransportKind::Quic,
+        TransportKind::Kcp,
+    ];
+    let mut members = Vec::new();
+    for kind in kinds {
+        let (client, session) = s.member(kind, &format!("m-{kind}")).await;
+        let live = session.join_channel("room:hall", None).await.unwrap();
+        members.push((kind, client, session));
+        assert_eq!(live.offset, 0);
+    }
+    let publisher = members[0].2.clone();
+    let total = 120u64;
+    let mut expected_epoch = None;
+    for i in 1..=total {
+        let class = if i % 10 == 0 {
+            TrafficClass::Critical
+        } else {
+            TrafficClass::Normal
+        };
+        let r = publisher
+            .publish("room:hall", class, Bytes::from(format!("msg-{i}")))
+            .await
+            .unwrap();
+        assert_eq!(r.position.offset, i);
+        assert!(!r.duplicate);
+        expected_epoch.get_or_insert(r.position.epoch);
+        if i == total / 3 || i == 2 * total / 3 {
+            // The network drops every member's link; each resumes by itself.
+            for (_, client, _) in &members {
+                client.drop_link().await;
+            }
+        }
+    }
+    for (kind, client, _) in &mut members {
+        match next_update(client).await {
+            ChannelUpdate::Joined { channel, position } => {
+                assert_eq!(channel, "room:hall");
+                assert_eq!(Some(position.epoch), expected_epoch);
+            }
+            other => panic!("{kind}: expected JOINED first, got {other:?}"),
+        }
+        for i in 1..=total {
+            let (offset, body) = body_of(&next_update(client).await);
+            assert_eq!(
+                (offset, body.as_str()),
+                (i, format!("msg-{i}").as_str()),
+                "{kind}"
+            );
+        }
+        assert_eq!(
+            client.channel_positions()["room:hall"],
+            ChannelPosition {
+                epoch: expected_epoch.unwrap(),
+                offset: total
+            }
+        );
+    }
+    // LEAVE: what came before, then LEFT; nothing after.
+    members[1].2.leave_channel("room:hall").await.unwrap();
+    publisher
+        .publish(
+            "room:hall",
+            TrafficClass::Normal,
+            Bytes::from_static(b"after"),
+        )
+        .await
+        .unwrap();
+    let (offset, body) = body_of(&next_update(&mut members[0].1).await);
+    assert_eq!((offset, body.as_str()), (total + 1, "after"));
+    let (kind, client, _) = &mut members[1];
+    assert!(
+        matches!(next_update(client).await, ChannelUpdate::Left { ref channel, .. } if channel == "room:hall"),
+        "{kind}"
+    );
+    assert!(client.channel_positions().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_session_recovers_what_it_missed_or_is_told_the_history_is_lost() {
+    let s = setup(|c| {
+        let guild = c.channels.kinds.get_mut("guild").unwrap();
+        guild.history_len = 4;
+    })
+    .await;
+    let (_pub_client, publisher) = s.member(TransportKind::Tcp, "publisher").await;
+    let (mut client, session) = s.member(TransportKind::Tcp, "returning").await;
+    session.join_channel("guild:g", None).await.unwrap();
+    for i in 1..=3 {
+        publisher
+            .publish(
+                "guild:g",
+                TrafficClass::Normal,
+                Bytes::from(format!("p{i}")),
+            )
+            .await
+            .unwrap();
+    }
+    next_update(&mut client).await; // JOINED
+    for _ in 1..=3 {
+        next_update(&mut client).await;
+    }
+    let last = client.channel_positions()["guild:g"];
+    assert_eq!(last.offset, 3);
+    client.close().await;
+    drop(client);
+    // Published while the player is away.
+    for i in 4..=6 {
+        publisher
+            .publish(
+                "guild:g",
+                TrafficClass::Normal,
+                Bytes::from(format!("p{i}")),
+            )
+            .await
+            .unwrap();
+    }
+    // A new login: the game hands its backend the last position; the join recovers.
+    let (mut client, session) = s.member(TransportKind::Ws, "returning").await;
+    let live = session.join_channel("guild:g", Some(last)).await.unwrap();
+    assert_eq!(live.offset, 6);
+    for i in 4..=6 {
+        let (offset, body) = body_of(&next_update(&mut client).await);
+        assert_eq!((offset, body), (i, format!("p{i}")));
+    }
+    assert!(matches!(
+        next_update(&mut client).await,
+        ChannelUpdate::Joined { position, .. } if position.offset == 6
+    ));
+    // Trimmed: 4 kept (7..=10 after four more), so recovering after 3 is impossible.
+    for i in 7..=10 {
+        publisher
+            .publish(
+                "guild:g",
+                TrafficClass::Normal,
+                Bytes::from(format!("p{i}")),
+            )
+            .await
+            .unwrap();
+    }
+    let (mut late, late_session) = s.member(TransportKind::Quic, "late").await;
+    late_session
+        .join_channel("guild:g", Some(last))
+        .await
+        .unwrap();
+    match next_update(&mut late).await {
+        ChannelUpdate::HistoryLost { channel, position } => {
+            assert_eq!(channel, "guild:g");
+            assert_eq!(position.offset, 10);
+        }
+        other => panic!("expected HISTORY_LOST, got {other:?}"),
+    }
+    // Another epoch (e.g. a position from before a restart) is lost history too.
+    let (mut other, other_session) = s.member(TransportKind::Kcp, "other-epoch").await;
+    let foreign = ChannelPosition {
+        epoch: last.epoch ^ 1,
+        offset: 9,
+    };
+    other_session
+        .join_channel("guild:g", Some(foreign))
+        .await
+        .unwrap();
+    assert!(matches!(
+        next_update(&mut other).await,
+        ChannelUpdate::HistoryLost { .. }
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_reach_the_publisher_as_typed_codes_and_a_retry_is_not_published_twice() {
+    let s = setup(|c| {
+        let room = c.channels.kinds.get_mut("room").unwrap();
+        room.publish_rate = 1;
+        room.publish_burst = 3;
+    })
+    .await;
+    let (mut client, session) = s.member(TransportKind::Tcp, "p").await;
+    session.join_channel("room:r", None).await.unwrap();
+    fn refused<T: std::fmt::Debug>(r: Result<T, BackendError>) -> (CloseCode, u32) {
+        match r {
+            Err(BackendError::ChannelRefused {
+                code,
+                retry_after_ms,
+            }) => (code, retry_after_ms),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+    let (code, _) = refused(
+        session
+            .publish("nosuch:1", TrafficClass::Normal, Bytes::new())
+            .await,
+    );
+    assert_eq!(code, CloseCode::UnknownChannelKind);
+    let (code, _) = refused(session.join_channel("bad name", None).await);
+    assert_eq!(code, CloseCode::ProtocolError);
+    // A retried publish (same id) is answered with the first result, published once.
+    let id = waygate_backend::next_request_id();
+    let first = session
+        .publish_with_id(id, "room:r", TrafficClass::Normal, Bytes::from_static(b"x"))
+        .await
+        .unwrap();
+    let again = session
+        .publish_with_id(id, "room:r", TrafficClass::Normal, Bytes::from_static(b"x"))
+        .await
+        .unwrap();
+    assert!(!first.duplicate && again.duplicate);
+    assert_eq!(first.position, again.position);
+    // The channel's rate: burst 3, one taken; the third publish from now is refused.
+    session
+        .publish("room:r", TrafficClass::Normal, Bytes::from_static(b"y"))
+        .await
+        .unwrap();
+    session
+        .publish("room:r", TrafficClass::Normal, Bytes::from_static(b"z"))
+        .await
+        .unwrap();
+    let (code, retry) = refused(
+        session
+            .publish("room:r", TrafficClass::Normal, Bytes::new())
+            .await,
+    );
+    assert_eq!(code, CloseCode::RateLimited);
+    assert!(retry > 0, "a rate refusal says when to retry");
+    next_update(&mut client).await; // JOINED
+    let got: Vec<_> = [
+        next_update(&mut client).await,
+        next_update(&mut client).await,
+        next_update(&mut client).await,
+    ]
+    .iter()
+    .map(body_of)
+    .collect();
+    assert_eq!(
+        got,
+        [
+            (1, "x".to_owned()),
+            (2, "y".to_owned()),
+            (3, "z".to_owned())
+        ]
+    );
+    // A session that ended (here: ended by the game) is not a member of anything, and
+    // cannot be joined.
+    session.kick(CloseCode::Normal, "game over").await.unwrap();
+    poll_until(Duration::from_secs(10), || async {
+        match session.join_channel("room:r", None).await {
+            Err(BackendError::ChannelRefused {
+                code: CloseCode::MemberOffline,
+                ..
+            }) => Some(()),
+            _ => None,
+        }
+    })
+    .await
+    .expect("member_offline for an ended session");
+}
