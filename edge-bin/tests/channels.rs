@@ -395,3 +395,87 @@ async fn refusals_reach_the_publisher_as_typed_codes_and_a_retry_is_not_publishe
     .await
     .expect("member_offline for an ended session");
 }
+
+#[path = "support_redis/mod.rs"]
+mod support_redis;
+
+/// A session's channel memberships travel in its snapshot: resumed on another edge (through
+/// Redis), it is a member there too. That edge's channel is another epoch, so the client is
+/// told HISTORY_LOST (never a silent loss of its membership or of what it missed), then
+/// receives that edge's publications.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memberships_travel_with_a_session_resumed_on_another_edge() {
+    let redis = support_redis::RedisServer::start();
+    let sessions = Arc::new(Sessions::default());
+    let backend = waygate_backend::Backend::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        waygate_backend::BackendConfig::new("b1"),
+        sessions.clone(),
+    )
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let routes = dir.path().join("routes.toml");
+    std::fs::write(&routes, common::table(&[backend.local_addr()], 1, None)).unwrap();
+    let mut edges = Vec::new();
+    for id in ["edge-1", "edge-2"] {
+        let mut config = waygate_edge::config::EdgeConfig::default();
+        config.use_ephemeral_ports();
+        config.edge_id = id.into();
+        config.routing.table = Some(routes.clone());
+        config.cluster.redis_url = redis.url();
+        edges.push(waygate_edge::edge::Edge::start(config).await.unwrap());
+    }
+    let endpoints: Vec<Endpoint> = edges
+        .iter()
+        .map(|e| Endpoint::new(TransportKind::Tcp, e.addrs[&TransportKind::Tcp]))
+        .collect();
+    let mut client = Client::start(ClientOptions::new(endpoints, common::token("mover")));
+    client
+        .send(TrafficClass::Normal, 1000, Bytes::from_static(b"hi"))
+        .await
+        .unwrap();
+    let on_edge1 = poll_until(Duration::from_secs(10), || async { sessions.get("mover") })
+        .await
+        .unwrap();
+    assert_eq!(on_edge1.edge_id(), "edge-1");
+    on_edge1.join_channel("guild:g", None).await.unwrap();
+    let r = on_edge1
+        .publish("guild:g", TrafficClass::Normal, Bytes::from_static(b"one"))
+        .await
+        .unwrap();
+    assert!(matches!(
+        next_update(&mut client).await,
+        ChannelUpdate::Joined { .. }
+    ));
+    assert_eq!(body_of(&next_update(&mut client).await), (1, "one".into()));
+    // The client moves to edge 2 (its link to edge 1 drops); it resumes from Redis there.
+    client.prefer_endpoint(1).await;
+    client.drop_link().await;
+    let lost = next_update(&mut client).await;
+    match lost {
+        ChannelUpdate::HistoryLost { channel, position } => {
+            assert_eq!(channel, "guild:g");
+            assert_ne!(
+                position.epoch, r.position.epoch,
+                "edge 2's channel is its own epoch"
+            );
+        }
+        other => panic!("expected HISTORY_LOST on edge 2, got {other:?}"),
+    }
+    client
+        .send(TrafficClass::Normal, 1000, Bytes::from_static(b"again"))
+        .await
+        .unwrap();
+    let on_edge2 = poll_until(Duration::from_secs(10), || async {
+        sessions.get("mover").filter(|s| s.edge_id() == "edge-2")
+    })
+    .await
+    .unwrap();
+    on_edge2
+        .publish("guild:g", TrafficClass::Normal, Bytes::from_static(b"two"))
+        .await
+        .unwrap();
+    assert_eq!(body_of(&next_update(&mut client).await), (1, "two".into()));
+    drop(backend);
+}

@@ -84,6 +84,14 @@ pub enum SessionEvent {
         /// service -> key (e.g. `room` -> the room joined).
         keys: BTreeMap<String, String>,
     },
+    /// The session was restored as a member of these channels (at these positions): make
+    /// it a member here again.
+    Channels {
+        /// Session.
+        session_id: SessionId,
+        /// channel -> the last position queued to the client.
+        channels: BTreeMap<String, waygate_protocol::channel::ChannelPosition>,
+    },
     /// The session ended for good; when `released`, unbind `bindings`.
     Ended {
         /// Session.
@@ -1009,6 +1017,16 @@ impl Task {
                 if let Some(session_id) = self.machine.session_id() {
                     edge.upstream
                         .session_event(SessionEvent::RoutingKeys { session_id, keys })
+                        .await;
+                }
+            }
+            Action::Channels(channels) => {
+                if let Some(session_id) = self.machine.session_id() {
+                    edge.upstream
+                        .session_event(SessionEvent::Channels {
+                            session_id,
+                            channels,
+                        })
                         .await;
                 }
             }

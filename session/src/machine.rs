@@ -31,6 +31,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use waygate_protocol::channel::{
+    ChannelEvent, ChannelEventKind, ChannelPosition, CHANNEL_EVENT_MSG_ID,
+};
 use waygate_protocol::frame::{
     Data, ErrorReport, Hello, Migrate, Reject, ResumeRequest, SessionId, Welcome, WelcomeOutcome,
 };
@@ -276,6 +279,9 @@ pub enum Action {
     /// The session holds these routing keys now (restored with it): route its messages
     /// by them (service -> business key, from backends' BIND).
     RoutingKeys(BTreeMap<String, String>),
+    /// The session was restored as a member of these channels, at these positions: make it
+    /// a member here again (recovering from the position, or HISTORY_LOST).
+    Channels(BTreeMap<String, ChannelPosition>),
     /// Route an upstream message.
     Deliver(Upstream),
     /// Store this snapshot for the linger time (the link dropped).
@@ -327,6 +333,8 @@ pub struct SessionCore {
     bindings: BTreeMap<String, String>,
     /// Routing keys bound by backends (service -> business key).
     keys: BTreeMap<String, String>,
+    /// Channel memberships and the last position queued for each (PROTOCOL.md §12).
+    channels: BTreeMap<String, ChannelPosition>,
     /// ERROR answers waiting for the client (it was away when they came).
     pending_errors: Vec<PendingError>,
     replay: ReplayBuffer,
@@ -346,7 +354,25 @@ impl SessionCore {
             replay: self.replay.clone(),
             upstream: self.upstream.clone(),
             keys: self.keys.clone(),
+            channels: self.channels.clone(),
             pending_errors: self.pending_errors.clone(),
+        }
+    }
+
+    /// Follows the channel events queued to the client: a marker or publication moves the
+    /// channel's position, LEFT ends the membership.
+    fn track_channel_event(&mut self, payload: &Bytes) {
+        let Ok(e) = ChannelEvent::decode(payload.clone()) else {
+            return;
+        };
+        match e.kind {
+            ChannelEventKind::Left => {
+                self.channels.remove(&e.channel);
+            }
+            ChannelEventKind::Publication if e.position.offset == 0 => {}
+            _ => {
+                self.channels.insert(e.channel, e.position);
+            }
         }
     }
 
@@ -361,6 +387,7 @@ impl SessionCore {
             replay: s.replay,
             upstream: s.upstream,
             keys: s.keys,
+            channels: s.channels,
             pending_errors: s.pending_errors,
         }
     }
@@ -758,6 +785,7 @@ impl SessionMachine {
             replay: ReplayBuffer::new(self.config.replay),
             upstream: RecvWindow::new(),
             keys: BTreeMap::new(),
+            channels: BTreeMap::new(),
             pending_errors: Vec::new(),
         });
         self.actions.push_back(Action::Claim {
@@ -915,6 +943,10 @@ impl SessionMachine {
         }
         if !core.bindings.is_empty() {
             self.actions.push_back(Action::Bind(core.bindings.clone()));
+        }
+        if !core.channels.is_empty() {
+            self.actions
+                .push_back(Action::Channels(core.channels.clone()));
         }
         self.actions
             .push_back(Action::Send(Frame::Welcome(welcome)));
@@ -1167,6 +1199,9 @@ impl SessionMachine {
             })));
             SessionCounters::bump(&self.counters.downstream_sent);
             return Ok(Some(0));
+        }
+        if msg_id == CHANNEL_EVENT_MSG_ID {
+            core.track_channel_event(&payload);
         }
         let (seq, evicted) = core.replay.push(class, msg_id, payload.clone());
         if evicted > 0 {

@@ -253,6 +253,7 @@ pub fn run(ops: &[SimOp]) -> SimOutcome {
             replay,
             upstream: RecvWindow::new(),
             keys: BTreeMap::new(),
+            channels: BTreeMap::new(),
             pending_errors: Vec::new(),
         },
     );

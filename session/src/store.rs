@@ -49,6 +49,11 @@ pub struct Snapshot {
     /// joined, R3). They travel with the session, so a restore on any edge routes the same.
     #[serde(default)]
     pub keys: BTreeMap<String, String>,
+    /// Channels the session is a member of, with the last position queued to it (the
+    /// joined / history-lost marker or publication; PROTOCOL.md §12). A restore on another
+    /// edge re-joins them from there: recovered, or HISTORY_LOST.
+    #[serde(default)]
+    pub channels: BTreeMap<String, waygate_protocol::channel::ChannelPosition>,
     /// ERROR answers for the client's messages that arrived while it was away, sent right
     /// after WELCOME on its resume (so an acked message never goes unanswered).
     #[serde(default)]
@@ -376,6 +381,14 @@ mod tests {
             replay,
             upstream: RecvWindow::starting_at(4),
             keys: BTreeMap::new(),
+            channels: [(
+                "guild:7".to_owned(),
+                waygate_protocol::channel::ChannelPosition {
+                    epoch: 99,
+                    offset: 12,
+                },
+            )]
+            .into(),
             pending_errors: Vec::new(),
         }
     }

@@ -497,15 +497,54 @@ fn a_failing_resume_of_a_live_session_leaves_it_untouched_or_kicks_it() {
 /// Routing keys a backend bound (BIND) are part of the session: in its snapshot, and
 /// announced (`RoutingKeys`) when a restore re-establishes it, wherever that happens.
 #[test]
-fn routing_keys_travel_with_the_session() {
+fn routing_keys_and_channel_memberships_travel_with_the_session() {
+    use waygate_protocol::channel::{
+        ChannelEvent, ChannelEventKind, ChannelPosition, CHANNEL_EVENT_MSG_ID,
+    };
     let mut p = Pair::new(SessionConfig::default());
     let c = login(&mut p, "alice");
     let m = p.peers[c].conn.expect("conn");
     p.edge.machines[m]
         .bind_key("room", "harbour")
         .expect("bind key");
+    // Channel events queued to the client move each channel's position; LEFT ends one.
+    let event = |kind, channel: &str, offset| {
+        ChannelEvent {
+            kind,
+            channel: channel.into(),
+            position: ChannelPosition { epoch: 5, offset },
+            body: Bytes::new(),
+        }
+        .to_bytes()
+    };
+    for (kind, channel, offset) in [
+        (ChannelEventKind::Joined, "guild:1", 0),
+        (ChannelEventKind::Publication, "guild:1", 1),
+        (ChannelEventKind::Joined, "room:x", 3),
+        (ChannelEventKind::Publication, "guild:1", 0), // best-effort: no position
+        (ChannelEventKind::Left, "room:x", 3),
+    ] {
+        let now = p.now;
+        p.edge.machines[m]
+            .send_downstream(
+                now,
+                TrafficClass::Normal,
+                CHANNEL_EVENT_MSG_ID,
+                event(kind, channel, offset),
+            )
+            .expect("queued");
+    }
     let snap = p.server(c).checkpoint().expect("snapshot");
     assert_eq!(snap.keys.get("room").map(String::as_str), Some("harbour"));
+    let expected_channels: std::collections::BTreeMap<_, _> = [(
+        "guild:1".to_owned(),
+        ChannelPosition {
+            epoch: 5,
+            offset: 1,
+        },
+    )]
+    .into();
+    assert_eq!(snap.channels, expected_channels);
     // A new machine restoring from that snapshot announces the keys before WELCOME.
     let (sid, tok) = p.peers[c].client.session().expect("s");
     let mut fresh = SessionMachine::new(
@@ -558,6 +597,11 @@ fn routing_keys_travel_with_the_session() {
         keys.and_then(|k| k.get("room").cloned()).as_deref(),
         Some("harbour")
     );
+    let channels = actions.iter().find_map(|a| match a {
+        Action::Channels(c) => Some(c.clone()),
+        _ => None,
+    });
+    assert_eq!(channels, Some(expected_channels));
 }
 
 #[test]

@@ -364,7 +364,7 @@ impl Edge {
                         let _ = self.machines[i].kick(now);
                     }
                 }
-                Action::Bind(_) | Action::RoutingKeys(_) => {}
+                Action::Bind(_) | Action::RoutingKeys(_) | Action::Channels(_) => {}
                 Action::Deliver(u) => self.delivered.push(u),
                 Action::Ended(end) => {
                     if let Some(e) = self.owners.get_mut(end.player_id.as_ref()) {

@@ -26,7 +26,19 @@ pub const MAX_EVENT_OVERHEAD: usize = 320;
 
 /// Where a channel's stream stands: its epoch (changes when the channel's history is
 /// recreated) and an offset (the last publication counted; offsets start at 1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    Default,
+    PartialOrd,
+    Ord,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 pub struct ChannelPosition {
     /// Identifies one incarnation of the channel's history.
     pub epoch: u64,

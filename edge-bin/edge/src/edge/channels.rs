@@ -174,6 +174,59 @@ impl Shared {
         }
     }
 
+    /// A restored session was a member of `channels` (its snapshot says so, with the last
+    /// position it was given): it becomes a member here again, recovering from there (on
+    /// the same edge, where it still is a member, nothing changes; elsewhere the history is
+    /// another epoch's: HISTORY_LOST). A channel this edge refuses (unknown kind, a cap) is
+    /// ended for the client with a LEFT event, never dropped silently.
+    pub(super) fn rejoin_channels(
+        self: &Arc<Self>,
+        session_id: waygate_protocol::frame::SessionId,
+        channels: std::collections::BTreeMap<String, ChannelPosition>,
+    ) {
+        let now = now_std();
+        let mut refused = Vec::new();
+        if let Ok(mut hub) = self.channels.lock() {
+            for (name, position) in channels {
+                match hub.join(now, session_id, &name, Some(position)) {
+                    Ok((_, outcome)) => {
+                        let label = match outcome {
+                            JoinOutcome::Joined => "joined",
+                            JoinOutcome::AlreadyMember => "already_member",
+                            JoinOutcome::Recovered { .. } => "recovered",
+                            JoinOutcome::HistoryLost => "history_lost",
+                        };
+                        self.metrics
+                            .channel_joins
+                            .get_or_create(&labels(&name, TrafficClass::Critical, label))
+                            .inc();
+                    }
+                    Err(e) => {
+                        tracing::info!(channel = %name, error = %e, "restored membership refused here");
+                        refused.push((name, position));
+                    }
+                }
+            }
+        }
+        for (channel, position) in refused {
+            let left = waygate_protocol::channel::ChannelEvent {
+                kind: waygate_protocol::channel::ChannelEventKind::Left,
+                channel,
+                position,
+                body: bytes::Bytes::new(),
+            };
+            let _ = self.session_layer().registry.push(
+                &session_id,
+                Downstream {
+                    class: TrafficClass::Critical,
+                    msg_id: CHANNEL_EVENT_MSG_ID,
+                    payload: left.to_bytes(),
+                },
+            );
+        }
+        self.start_channel_consumers();
+    }
+
     /// A session ended (or left this edge): it is a member of no channel here any more.
     pub(super) fn channels_session_ended(&self, session_id: &waygate_protocol::frame::SessionId) {
         if let Ok(mut hub) = self.channels.lock() {

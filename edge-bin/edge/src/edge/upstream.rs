@@ -287,6 +287,10 @@ impl UpstreamSink for EdgeUpstream {
                     }
                 }
             }
+            SessionEvent::Channels {
+                session_id,
+                channels,
+            } => shared.rejoin_channels(session_id, channels),
             SessionEvent::Detached { session_id, linger } => {
                 let entry = shared
                     .entries
