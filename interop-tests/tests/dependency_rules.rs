@@ -14,7 +14,8 @@
 //! - the client SDK (Rust and C ABI) never depends on the edge, the backend SDK or routing;
 //! - the edge library never depends on the client SDK (demo and bench live beside the
 //!   binary);
-//! - session never depends on routing, the link or the edge.
+//! - session never depends on routing, the link or the edge;
+//! - the channels core is sans-IO: no tokio, no transport, session, routing or edge.
 //!
 //! Only normal and build dependencies count (a test may use anything).
 
@@ -46,6 +47,7 @@ const EDGE_CRATES: &[&str] = &["waygate-edge", "waygate"];
 /// Everything above the transport: what the protocol and transport crates never reach.
 const ABOVE_TRANSPORT: &[&str] = &[
     "waygate-session",
+    "waygate-channels",
     "waygate-routing",
     "waygate-link",
     "waygate-backend",
@@ -151,6 +153,21 @@ const RULES: &[Rule] = &[
             "waygate-client",
         ],
         why: "the session layer never routes and never knows the edge",
+    },
+    Rule {
+        package: "waygate-channels",
+        forbidden: &[
+            "tokio",
+            "waygate-transport",
+            "waygate-session",
+            "waygate-routing",
+            "waygate-link",
+            "waygate-backend",
+            "waygate-edge",
+            "waygate",
+            "waygate-client",
+        ],
+        why: "the channels core is sans-IO: it hands deliveries to whoever drives it",
     },
 ];
 

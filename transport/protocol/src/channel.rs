@@ -186,7 +186,7 @@ mod tests {
 
     #[test]
     fn worked_example_of_protocol_md() {
-        // PROTOCOL.md §12.3: publication at offset 7 of `guild:42` (epoch 300), body "hi".
+        // PROTOCOL.md §12.2: publication at offset 7 of `guild:42` (epoch 300), body "hi".
         let e = ChannelEvent {
             kind: ChannelEventKind::Publication,
             channel: "guild:42".into(),
@@ -196,9 +196,13 @@ mod tests {
             },
             body: Bytes::from_static(b"hi"),
         };
-        assert_eq!(
-            e.to_bytes().as_ref(),
-            b"\x00\x08guild:42\xac\x02\x07hi".as_slice()
+        let bytes = e.to_bytes();
+        assert_eq!(bytes.as_ref(), b"\x00\x08guild:42\xac\x02\x07hi".as_slice());
+        let hex: Vec<String> = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        let doc = include_str!("../../../PROTOCOL.md");
+        assert!(
+            doc.contains(&hex.join(" ")),
+            "PROTOCOL.md §12.2 shows these bytes"
         );
     }
 }
