@@ -11,6 +11,7 @@ use waygate_protocol::channel::{ChannelEvent, ChannelEventKind, ChannelPosition}
 
 /// One channel event for the game.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ChannelUpdate {
     /// A publication (best-effort ones have offset 0 and are never recovered).
     Publication {

@@ -15,7 +15,7 @@ use bytes::Bytes;
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
-use waygate_client::{Client, ClientOptions, Event};
+use waygate_client::{ChannelUpdate, Client, ClientOptions, Event};
 use waygate_protocol::frame::WelcomeOutcome;
 use waygate_session::auth::TokenClaims;
 use waygate_transport::endpoint::{ConnectOptions, Endpoint};
@@ -23,7 +23,7 @@ use waygate_transport::tls::ClientTls;
 use waygate_transport::{CloseCode, TrafficClass, TransportKind};
 
 use waygate_backend::demo::{
-    DemoService, ECHO, ECHO_REPLY, JOINED, JOIN_ROOM, ROOM_EVENT, ROOM_SAY,
+    DemoService, CHANNEL_JOIN, CHAT, ECHO, ECHO_REPLY, JOINED, JOIN_ROOM, ROOM_EVENT, ROOM_SAY,
 };
 use waygate_backend::{Backend, BackendConfig};
 use waygate_edge::config::{EdgeConfig, DEV_KEY_ID, DEV_KEY_SECRET};
@@ -99,6 +99,14 @@ pub struct DemoReport {
     pub replies_from_drained_backend_after_1s: u64,
     /// Room broadcasts received.
     pub room_events: u64,
+    /// Channel publications received (world and guild channels, PROTOCOL.md §12).
+    pub channel_publications: u64,
+    /// HISTORY_LOST events received (a session restored where its channel has another
+    /// epoch: expected only after an edge is lost).
+    pub channel_history_lost: u64,
+    /// Publications that did not follow their channel's last offset for that member
+    /// (expected: 0).
+    pub channel_order_violations: u64,
     /// Totals.
     pub total: TransportRow,
 }
@@ -117,6 +125,12 @@ impl DemoReport {
         if t.duplicated > 0 {
             why.push(format!("{} replies duplicated", t.duplicated));
         }
+        if self.channel_order_violations > 0 {
+            why.push(format!(
+                "{} channel publications out of order",
+                self.channel_order_violations
+            ));
+        }
         if self.replies_from_drained_backend_after_1s > 0 {
             why.push(format!(
                 "{} replies from the drained backend more than 1 s after its drain",
@@ -126,8 +140,15 @@ impl DemoReport {
         if why.is_empty() {
             format!(
                 "PASS: {} sessions, {} messages, 0 lost, 0 duplicated, {} refused explicitly, \
-                 {} restores (p99 {} ms), {} with a reported gap",
-                t.sessions, t.sent, t.refused, t.restores, t.restore_p99_ms, t.gaps
+                 {} restores (p99 {} ms), {} with a reported gap; {} channel publications \
+                 in order",
+                t.sessions,
+                t.sent,
+                t.refused,
+                t.restores,
+                t.restore_p99_ms,
+                t.gaps,
+                self.channel_publications
             )
         } else {
             format!("FAIL: {}", why.join(", "))
@@ -140,6 +161,7 @@ impl DemoReport {
             && self.total.duplicated == 0
             && self.total.sent > 0
             && self.replies_from_drained_backend_after_1s == 0
+            && self.channel_order_violations == 0
     }
 
     /// The human table.
@@ -183,10 +205,14 @@ impl DemoReport {
         out.push_str(&row("total", &self.total));
         out.push_str(&format!(
             "kicked by second login: {}   resumed on another endpoint (transport or edge): {}   room events: {}\n\
+             channels (world, guild): {} publications, {} out of order, {} history lost\n\
              drain of b3: replies from other backends {}, from b3 more than 1 s later {}\n",
             self.kicked,
             self.switched_transport,
             self.room_events,
+            self.channel_publications,
+            self.channel_order_violations,
+            self.channel_history_lost,
             self.migrated_replies_from_other_backends,
             self.replies_from_drained_backend_after_1s
         ));
@@ -218,6 +244,9 @@ struct ClientResult {
     kicked: bool,
     switched: bool,
     room_events: u64,
+    channel_publications: u64,
+    channel_history_lost: u64,
+    channel_order_violations: u64,
     after_drain_other_backend: u64,
     late_from_drained: u64,
     rtts: Vec<u32>,
@@ -438,6 +467,9 @@ async fn collect(tasks: Vec<tokio::task::JoinHandle<ClientResult>>) -> Result<De
         report.kicked += u64::from(r.kicked);
         report.switched_transport += u64::from(r.switched);
         report.room_events += r.room_events;
+        report.channel_publications += r.channel_publications;
+        report.channel_history_lost += r.channel_history_lost;
+        report.channel_order_violations += r.channel_order_violations;
         report.migrated_replies_from_other_backends += r.after_drain_other_backend;
         report.replies_from_drained_backend_after_1s += r.late_from_drained;
         by_kind.entry(kind).or_default().extend(r.rtts);
@@ -518,6 +550,19 @@ async fn client_task(
     let _ = client
         .send(TrafficClass::Critical, JOIN_ROOM, Bytes::from(room.clone()))
         .await;
+    // Channels: the world, and one of five guilds; each member checks that every channel's
+    // publications follow each other (offset by offset) from its join on.
+    let guild = format!("guild:{}", index % 5);
+    for channel in ["world", guild.as_str()] {
+        let _ = client
+            .send(
+                TrafficClass::Critical,
+                CHANNEL_JOIN,
+                Bytes::from(channel.to_owned()),
+            )
+            .await;
+    }
+    let mut next_offset: HashMap<String, (u64, u64)> = HashMap::new();
     let mut pending: HashMap<u64, Instant> = HashMap::new();
     let mut by_seq: HashMap<u64, u64> = HashMap::new();
     let mut seen: HashSet<u64> = HashSet::new();
@@ -552,6 +597,10 @@ async fn client_task(
                 }
                 if joined && n % 10 == 5 {
                     let _ = client.send(TrafficClass::Normal, ROOM_SAY, Bytes::from(format!("{room}|hello {n}"))).await;
+                }
+                if n % 10 == 7 {
+                    let channel = if n % 20 == 7 { "world" } else { guild.as_str() };
+                    let _ = client.send(TrafficClass::Normal, CHAT, Bytes::from(format!("{channel}|hi {n}"))).await;
                 }
             }
             cmd = cmds.recv() => match cmd {
@@ -596,6 +645,30 @@ async fn client_task(
                 }
                 Some(Event::Message { msg_id: JOINED, .. }) => joined = true,
                 Some(Event::Message { msg_id: ROOM_EVENT, .. }) => r.room_events += 1,
+                Some(Event::Channel(update)) => match update {
+                    ChannelUpdate::Joined { channel, position } => {
+                        next_offset.insert(channel, (position.epoch, position.offset + 1));
+                    }
+                    ChannelUpdate::HistoryLost { channel, position } => {
+                        r.channel_history_lost += 1;
+                        next_offset.insert(channel, (position.epoch, position.offset + 1));
+                    }
+                    ChannelUpdate::Publication { channel, position, .. } => {
+                        r.channel_publications += 1;
+                        if position.offset > 0 {
+                            let expected = next_offset.get(&channel).copied();
+                            if expected != Some((position.epoch, position.offset)) {
+                                r.channel_order_violations += 1;
+                                tracing::warn!(%player, %channel, ?expected, ?position, "channel publication out of order");
+                            }
+                            next_offset.insert(channel, (position.epoch, position.offset + 1));
+                        }
+                    }
+                    ChannelUpdate::Left { channel, .. } => {
+                        next_offset.remove(&channel);
+                    }
+                    _ => {}
+                },
                 Some(Event::Message { .. }) | Some(Event::Disconnected { .. }) | Some(Event::Rejected { .. }) | Some(Event::Migrating { .. }) => {}
                 Some(Event::Connected { outcome, endpoint, .. }) => {
                     if matches!(outcome, WelcomeOutcome::Restored | WelcomeOutcome::RestoredWithGap) {

@@ -37,6 +37,8 @@ async fn short_demo_loses_and_duplicates_nothing() {
         "after the drain, replies come from the remaining backends"
     );
     assert!(report.room_events > 0);
+    assert!(report.channel_publications > 0, "{}", report.table());
+    assert_eq!(report.channel_history_lost, 0, "one edge: memberships kept");
 }
 
 /// `waygate demo --edges 3`: three edge processes sharing a Redis started by the demo; edge 0
@@ -62,4 +64,8 @@ async fn cluster_demo_survives_a_killed_edge() {
     // Edge 0 held a third of the sessions; each resumed elsewhere.
     assert!(report.switched_transport >= 12, "{}", report.table());
     assert_eq!(report.total.gaps, 0);
+    // Channels are per edge: the killed edge's members resume elsewhere, where their
+    // channels are another epoch, and are told so (in order, never silently).
+    assert!(report.channel_publications > 0, "{}", report.table());
+    assert!(report.channel_history_lost > 0, "{}", report.table());
 }

@@ -72,6 +72,10 @@ CLOSE_CODES = {
     404: "no_route",
     405: "draining",
     406: "stale_epoch",
+    407: "queue_full",
+    408: "unknown_channel_kind",
+    409: "member_offline",
+    410: "channel_limit",
     500: "internal",
 }
 
@@ -467,6 +471,34 @@ class StreamDecoder:
 # The spec's own examples and rules, as vectors.
 
 
+# §12.2: channel events ride in DATA with this msg_id.
+CHANNEL_EVENT_MSG_ID = 0xFFFFFF01
+PUBLICATION, JOINED, LEFT, HISTORY_LOST = 0, 1, 2, 3
+MAX_CHANNEL_NAME_LEN = 256
+
+
+@dataclass(frozen=True)
+class ChannelEvent:
+    kind: int
+    channel: str
+    epoch: int
+    offset: int
+    body: bytes
+
+
+def encode_channel_event(e: ChannelEvent) -> bytes:
+    return _u8(e.kind) + _string(e.channel, MAX_CHANNEL_NAME_LEN) + encode_varint(e.epoch) + encode_varint(e.offset) + e.body
+
+
+def decode_channel_event(payload: bytes) -> ChannelEvent:
+    r = _Reader(payload)
+    kind = r.u8("channel event kind")
+    channel = r.string("channel", MAX_CHANNEL_NAME_LEN)
+    epoch = r.varint("epoch")
+    offset = r.varint("offset")
+    return ChannelEvent(kind, channel, epoch, offset, r.rest())
+
+
 def self_test() -> list[str]:
     """Checks this module against every example PROTOCOL.md gives. Returns failures."""
     failures: list[str] = []
@@ -510,6 +542,20 @@ def self_test() -> list[str]:
             failures.append(f"{name} accepted")
         except FrameError as e:
             check(f"{name} is protocol_error", e.code == PROTOCOL_ERROR)
+    # §12.2 example: publication "hi" at offset 7 of guild:42, epoch 300.
+    ev_hex = "00086775696c643a3432ac020768" + "69"
+    ev = ChannelEvent(PUBLICATION, "guild:42", 300, 7, b"hi")
+    check("channel event example bytes", encode_channel_event(ev) == bytes.fromhex(ev_hex))
+    check("channel event example decodes", decode_channel_event(bytes.fromhex(ev_hex)) == ev)
+    carried = Data(NORMAL, CHANNEL_EVENT_MSG_ID, 5, None, bytes.fromhex(ev_hex))
+    back = decode_frame(encode_frame(carried))
+    check("channel event rides in DATA", isinstance(back, Data) and back.msg_id == CHANNEL_EVENT_MSG_ID
+          and decode_channel_event(back.payload) == ev)
+    try:
+        decode_channel_event(bytes.fromhex("0008677569"))
+        failures.append("truncated channel event accepted")
+    except FrameError:
+        pass
     d = StreamDecoder(100)
     d.feed(bytes.fromhex("65"))  # declares 101 bytes
     try:

@@ -9,12 +9,19 @@
 //!   to the room's log and sends `ROOM_EVENT` (2001) to every member on this instance, with
 //!   payload `"<instance>|<room>|<n>|<player>|<text>"` where n is the room's message counter.
 //!   The first message of a session in a room makes it a member.
+//! - **channels** (player service, PROTOCOL.md §11 and §12): `CHANNEL_JOIN` (1200, payload
+//!   `<channel>` or `<channel>|<epoch>|<offset>` to recover after that position) makes the
+//!   session a member of the channel on its edge; `CHAT` (1202, payload `<channel>|<text>`)
+//!   publishes `<player>|<text>` there in the CHAT's class; `CHANNEL_LEAVE` (1203, payload
+//!   `<channel>`) ends the membership. Success shows as channel events; a refusal is the
+//!   ERROR of the edge's code (`unknown_channel_kind`, `rate_limited`, `queue_full`...).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use waygate_protocol::channel::ChannelPosition;
 use waygate_protocol::{CloseCode, TrafficClass};
 
 use super::{BackendSession, Incoming, Refusal, Service};
@@ -31,6 +38,51 @@ pub const JOINED: u32 = 1101;
 pub const ROOM_SAY: u32 = 2000;
 /// Broadcast of a room message.
 pub const ROOM_EVENT: u32 = 2001;
+/// Join a channel (player service); payload `<channel>` or `<channel>|<epoch>|<offset>`.
+pub const CHANNEL_JOIN: u32 = 1200;
+/// Publish to a channel (player service); payload `<channel>|<text>`.
+pub const CHAT: u32 = 1202;
+/// Leave a channel (player service); payload `<channel>`.
+pub const CHANNEL_LEAVE: u32 = 1203;
+
+/// The ERROR a client gets for a channel request the edge refused (its code and hint).
+fn channel_refusal(e: crate::BackendError) -> Refusal {
+    match e {
+        crate::BackendError::ChannelRefused {
+            code,
+            retry_after_ms,
+        } => Refusal {
+            code,
+            retry_after_ms,
+        },
+        crate::BackendError::NoCredit | crate::BackendError::NoAnswer => Refusal {
+            code: CloseCode::Busy,
+            retry_after_ms: 200,
+        },
+        _ => INTERNAL,
+    }
+}
+
+/// `<channel>` or `<channel>|<epoch>|<offset>`.
+fn parse_join(payload: &[u8]) -> Result<(String, Option<ChannelPosition>), Refusal> {
+    let text = std::str::from_utf8(payload).map_err(|_| BAD_REQUEST)?;
+    let mut parts = text.split('|');
+    let channel = parts.next().unwrap_or_default().to_owned();
+    let since = match (parts.next(), parts.next()) {
+        (None, _) => None,
+        (Some(epoch), Some(offset)) => Some(ChannelPosition {
+            epoch: epoch.parse().map_err(|_| BAD_REQUEST)?,
+            offset: offset.parse().map_err(|_| BAD_REQUEST)?,
+        }),
+        (Some(_), None) => return Err(BAD_REQUEST),
+    };
+    Ok((channel, since))
+}
+
+const BAD_REQUEST: Refusal = Refusal {
+    code: CloseCode::ProtocolError,
+    retry_after_ms: 0,
+};
 
 #[derive(Debug, Default)]
 struct Room {
@@ -85,6 +137,32 @@ impl Service for DemoService {
                     .push(JOINED, TrafficClass::Critical, msg.payload)
                     .await
                     .map_err(|_| INTERNAL)
+            }
+            CHANNEL_JOIN => {
+                let (channel, since) = parse_join(&msg.payload)?;
+                session
+                    .join_channel(&channel, since)
+                    .await
+                    .map(drop)
+                    .map_err(channel_refusal)
+            }
+            CHANNEL_LEAVE => {
+                let channel = std::str::from_utf8(&msg.payload).map_err(|_| BAD_REQUEST)?;
+                session
+                    .leave_channel(channel)
+                    .await
+                    .map(drop)
+                    .map_err(channel_refusal)
+            }
+            CHAT => {
+                let text = std::str::from_utf8(&msg.payload).map_err(|_| BAD_REQUEST)?;
+                let (channel, said) = text.split_once('|').ok_or(BAD_REQUEST)?;
+                let body = Bytes::from(format!("{}|{said}", session.player_id()));
+                session
+                    .publish(channel, msg.class, body)
+                    .await
+                    .map(drop)
+                    .map_err(channel_refusal)
             }
             ROOM_SAY => {
                 let sid = *session.session_id();
