@@ -70,6 +70,10 @@ typedef enum waygate_result {
    * A panic was caught at the boundary: a bug in waygate. The handle may be unusable.
    */
   WAYGATE_PANIC = 8,
+  /**
+   * What was asked for does not exist (e.g. a channel the session is not a member of).
+   */
+  WAYGATE_NOT_FOUND = 9,
 } waygate_result;
 
 /**
@@ -134,6 +138,27 @@ typedef enum waygate_event_kind {
    * `text`. No reconnect follows; the next poll returns `WAYGATE_CLOSED`.
    */
   WAYGATE_EVENT_CLOSED = 11,
+  /**
+   * A channel publication (PROTOCOL.md §12). `text`: the channel; `channel_epoch`,
+   * `channel_offset` (0 for best-effort); `payload`, `payload_len`: its body. In offset
+   * order per channel; one already shown is dropped.
+   */
+  WAYGATE_EVENT_CHANNEL_PUBLICATION = 12,
+  /**
+   * The session became a member of a channel; live publications follow the position.
+   * `text`: the channel; `channel_epoch`, `channel_offset`.
+   */
+  WAYGATE_EVENT_CHANNEL_JOINED = 13,
+  /**
+   * The session is no longer a member of a channel. `text`, `channel_epoch`,
+   * `channel_offset` (the last offset it was sent).
+   */
+  WAYGATE_EVENT_CHANNEL_LEFT = 14,
+  /**
+   * What was missed on a channel cannot be recovered: reload its state; live
+   * publications follow the position. `text`, `channel_epoch`, `channel_offset`.
+   */
+  WAYGATE_EVENT_CHANNEL_HISTORY_LOST = 15,
 } waygate_event_kind;
 
 /**
@@ -244,6 +269,14 @@ typedef struct waygate_event {
    * Session id (connected, restored, restored-with-gap, new-session), else zeros.
    */
   uint8_t session_id[16];
+  /**
+   * Channel events: the channel's epoch, else 0.
+   */
+  uint64_t channel_epoch;
+  /**
+   * Channel events: the offset (see each `WAYGATE_EVENT_CHANNEL_*`), else 0.
+   */
+  uint64_t channel_offset;
 } waygate_event;
 
 /**
@@ -406,6 +439,23 @@ enum waygate_result waygate_client_close(struct waygate_client *client);
  * or writable for one `waygate_stats`.
  */
 enum waygate_result waygate_client_stats(struct waygate_client *client, struct waygate_stats *out);
+
+/**
+ * The last position of `channel` (a NUL-terminated UTF-8 name) this session holds: from
+ * its JOINED, HISTORY_LOST and publications (PROTOCOL.md §12.3). Hand it to your game
+ * server after a new login so it can join you with recovery. `WAYGATE_NOT_FOUND` when the
+ * session is not a member of that channel.
+ *
+ * # Safety
+ *
+ * `client` is NULL or a live handle used by no other thread during the call; `channel` is
+ * NULL or a NUL-terminated string; `out_epoch` and `out_offset` are NULL or writable for
+ * one `uint64_t` each.
+ */
+enum waygate_result waygate_client_channel_position(struct waygate_client *client,
+                                                    const char *channel,
+                                                    uint64_t *out_epoch,
+                                                    uint64_t *out_offset);
 
 /**
  * Releases the handle: closes the session if it is still open (waiting up to one second

@@ -448,6 +448,51 @@ pub unsafe extern "C" fn waygate_client_stats(
     })
 }
 
+/// The last position of `channel` (a NUL-terminated UTF-8 name) this session holds: from
+/// its JOINED, HISTORY_LOST and publications (PROTOCOL.md §12.3). Hand it to your game
+/// server after a new login so it can join you with recovery. `WAYGATE_NOT_FOUND` when the
+/// session is not a member of that channel.
+///
+/// # Safety
+///
+/// `client` is NULL or a live handle used by no other thread during the call; `channel` is
+/// NULL or a NUL-terminated string; `out_epoch` and `out_offset` are NULL or writable for
+/// one `uint64_t` each.
+#[no_mangle]
+pub unsafe extern "C" fn waygate_client_channel_position(
+    client: *mut waygate_client,
+    channel: *const std::ffi::c_char,
+    out_epoch: *mut u64,
+    out_offset: *mut u64,
+) -> waygate_result {
+    ffi_body!(WAYGATE_PANIC => {
+        non_null!(client, WAYGATE_INVALID_ARGUMENT);
+        non_null!(channel, WAYGATE_INVALID_ARGUMENT);
+        non_null!(out_epoch, WAYGATE_INVALID_ARGUMENT);
+        non_null!(out_offset, WAYGATE_INVALID_ARGUMENT);
+        // SAFETY: not NULL; the caller promises a NUL-terminated string.
+        let Ok(name) = unsafe { std::ffi::CStr::from_ptr(channel) }.to_str() else {
+            set_last_error("channel is not UTF-8");
+            return WAYGATE_INVALID_ARGUMENT;
+        };
+        // SAFETY: not NULL; the caller promises a live handle used only by this thread.
+        let h = unsafe { handle(client) };
+        let Some(position) = h
+            .client
+            .as_ref()
+            .and_then(|c| c.channel_positions().get(name).copied())
+        else {
+            return WAYGATE_NOT_FOUND;
+        };
+        // SAFETY: not NULL; the caller promises both are writable.
+        unsafe {
+            out_epoch.write(position.epoch);
+            out_offset.write(position.offset);
+        }
+        WAYGATE_OK
+    })
+}
+
 /// Releases the handle: closes the session if it is still open (waiting up to one second
 /// for the CLOSE to go out), stops the client thread and frees everything, including the
 /// last event's payload and text. NULL is ignored. The handle must not be used afterwards.

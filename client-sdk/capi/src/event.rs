@@ -2,7 +2,7 @@
 
 use std::ffi::{c_char, c_int};
 
-use waygate_client::Event;
+use waygate_client::{ChannelUpdate, Event};
 use waygate_protocol::frame::WelcomeOutcome;
 use waygate_transport::CloseCode;
 
@@ -44,6 +44,19 @@ pub enum waygate_event_kind {
     /// Terminal: closed locally, session expired, or the token was refused. `code`,
     /// `text`. No reconnect follows; the next poll returns `WAYGATE_CLOSED`.
     WAYGATE_EVENT_CLOSED = 11,
+    /// A channel publication (PROTOCOL.md §12). `text`: the channel; `channel_epoch`,
+    /// `channel_offset` (0 for best-effort); `payload`, `payload_len`: its body. In offset
+    /// order per channel; one already shown is dropped.
+    WAYGATE_EVENT_CHANNEL_PUBLICATION = 12,
+    /// The session became a member of a channel; live publications follow the position.
+    /// `text`: the channel; `channel_epoch`, `channel_offset`.
+    WAYGATE_EVENT_CHANNEL_JOINED = 13,
+    /// The session is no longer a member of a channel. `text`, `channel_epoch`,
+    /// `channel_offset` (the last offset it was sent).
+    WAYGATE_EVENT_CHANNEL_LEFT = 14,
+    /// What was missed on a channel cannot be recovered: reload its state; live
+    /// publications follow the position. `text`, `channel_epoch`, `channel_offset`.
+    WAYGATE_EVENT_CHANNEL_HISTORY_LOST = 15,
 }
 
 /// One event. Pointers in it (`payload`, `text`) stay valid until the next poll or wait on
@@ -72,6 +85,10 @@ pub struct waygate_event {
     pub text: *const c_char,
     /// Session id (connected, restored, restored-with-gap, new-session), else zeros.
     pub session_id: [u8; 16],
+    /// Channel events: the channel's epoch, else 0.
+    pub channel_epoch: u64,
+    /// Channel events: the offset (see each `WAYGATE_EVENT_CHANNEL_*`), else 0.
+    pub channel_offset: u64,
 }
 
 impl waygate_event {
@@ -88,6 +105,8 @@ impl waygate_event {
             payload_len: 0,
             text: c"".as_ptr(),
             session_id: [0; 16],
+            channel_epoch: 0,
+            channel_offset: 0,
         }
     }
 }
@@ -153,6 +172,41 @@ pub(crate) fn flatten(event: &Event) -> Option<(waygate_event, String)> {
             e.retry_after_ms = report.retry_after_ms;
             code_text(&mut e, report.code)
         }
+        Event::Channel(update) => {
+            let (kind, channel, position, body) = match update {
+                ChannelUpdate::Publication {
+                    channel,
+                    position,
+                    body,
+                } => (
+                    K::WAYGATE_EVENT_CHANNEL_PUBLICATION,
+                    channel,
+                    position,
+                    Some(body),
+                ),
+                ChannelUpdate::Joined { channel, position } => {
+                    (K::WAYGATE_EVENT_CHANNEL_JOINED, channel, position, None)
+                }
+                ChannelUpdate::Left { channel, position } => {
+                    (K::WAYGATE_EVENT_CHANNEL_LEFT, channel, position, None)
+                }
+                ChannelUpdate::HistoryLost { channel, position } => (
+                    K::WAYGATE_EVENT_CHANNEL_HISTORY_LOST,
+                    channel,
+                    position,
+                    None,
+                ),
+                _ => return None,
+            };
+            e.kind = kind;
+            e.channel_epoch = position.epoch;
+            e.channel_offset = position.offset;
+            if let Some(body) = body.filter(|b| !b.is_empty()) {
+                e.payload = body.as_ptr();
+                e.payload_len = body.len();
+            }
+            channel.clone()
+        }
         Event::Closed { code } => {
             e.kind = if *code == CloseCode::Kicked {
                 K::WAYGATE_EVENT_KICKED
@@ -189,6 +243,10 @@ pub extern "C" fn waygate_event_kind_str(kind: c_int) -> *const c_char {
             9 => c"error",
             10 => c"kicked",
             11 => c"closed",
+            12 => c"channel_publication",
+            13 => c"channel_joined",
+            14 => c"channel_left",
+            15 => c"channel_history_lost",
             _ => c"unknown",
         };
         s.as_ptr()
@@ -234,6 +292,24 @@ mod tests {
         assert_eq!(e.kind, waygate_event_kind::WAYGATE_EVENT_RESTORED_WITH_GAP);
         assert_eq!(e.session_id, [7; 16]);
         assert_eq!(text, "tcp://127.0.0.1:7000");
+
+        let body = Bytes::from_static(b"hi");
+        let (e, text) = flatten(&Event::Channel(ChannelUpdate::Publication {
+            channel: "guild:42".into(),
+            position: waygate_client::ChannelPosition {
+                epoch: 300,
+                offset: 7,
+            },
+            body: body.clone(),
+        }))
+        .unwrap();
+        assert_eq!(
+            e.kind,
+            waygate_event_kind::WAYGATE_EVENT_CHANNEL_PUBLICATION
+        );
+        assert_eq!((e.channel_epoch, e.channel_offset), (300, 7));
+        assert_eq!((e.payload, e.payload_len), (body.as_ptr(), 2));
+        assert_eq!(text, "guild:42");
     }
 
     #[test]
@@ -245,6 +321,10 @@ mod tests {
                 "restored_with_gap",
             ),
             (waygate_event_kind::WAYGATE_EVENT_CLOSED, "closed"),
+            (
+                waygate_event_kind::WAYGATE_EVENT_CHANNEL_HISTORY_LOST,
+                "channel_history_lost",
+            ),
         ] {
             // SAFETY: waygate_event_kind_str returns a static NUL-terminated string.
             let s = unsafe { CStr::from_ptr(waygate_event_kind_str(kind as c_int)) };

@@ -27,6 +27,8 @@ pub enum waygate_result {
     WAYGATE_INTERNAL = 7,
     /// A panic was caught at the boundary: a bug in waygate. The handle may be unusable.
     WAYGATE_PANIC = 8,
+    /// What was asked for does not exist (e.g. a channel the session is not a member of).
+    WAYGATE_NOT_FOUND = 9,
 }
 
 /// A static English description of a result code (`code` is a `waygate_result` value; an
@@ -44,6 +46,7 @@ pub extern "C" fn waygate_result_str(code: c_int) -> *const c_char {
             6 => c"best-effort message dropped: no link",
             7 => c"internal error",
             8 => c"panic caught at the C boundary",
+            9 => c"not found",
             _ => c"unknown result code",
         };
         s.as_ptr()

@@ -58,6 +58,7 @@ struct Ev {
     seq: u64,
     payload: Vec<u8>,
     text: String,
+    channel: (u64, u64),
 }
 
 /// Waits up to 10 s for the next event; `Err` carries the result code when none came.
@@ -88,6 +89,7 @@ fn next(h: &Handle) -> Result<Ev, waygate_result> {
         seq: ev.seq,
         payload,
         text,
+        channel: (ev.channel_epoch, ev.channel_offset),
     })
 }
 
@@ -180,6 +182,54 @@ fn echo_kick_and_close_through_the_c_functions() {
     assert_eq!(closed.text, "normal");
     assert_eq!(next(&second).unwrap_err(), WAYGATE_CLOSED);
     drop((first, second));
+    drop(c);
+    rt.shutdown_timeout(Duration::from_secs(1));
+}
+
+/// Channels through the C functions (PROTOCOL.md §12, the demo game's CHANNEL_JOIN and CHAT):
+/// JOINED, then the publication with its epoch, offset and body; the position is readable.
+#[test]
+fn channel_events_through_the_c_functions() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let c = rt.block_on(cluster(dir.path()));
+    let endpoint = format!("tcp://{}", c.edge.addrs[&TransportKind::Tcp]);
+    let h = new_client(&endpoint, &token_bytes("ffi-chatter"));
+    // SAFETY: live handle.
+    assert_eq!(unsafe { waygate_client_connect(h.0) }, WAYGATE_OK);
+    wait_for(&h, WAYGATE_EVENT_CONNECTED);
+    let world = std::ffi::CString::new("world").unwrap();
+    let (mut epoch, mut offset) = (0u64, 0u64);
+    // SAFETY: live handle; NUL-terminated name; writable outputs.
+    let r =
+        unsafe { waygate_client_channel_position(h.0, world.as_ptr(), &mut epoch, &mut offset) };
+    assert_eq!(r, WAYGATE_NOT_FOUND, "not a member yet");
+    send(&h, 1200, b"world").unwrap();
+    let joined = wait_for(&h, WAYGATE_EVENT_CHANNEL_JOINED);
+    assert_eq!(joined.text, "world");
+    assert_eq!(joined.channel.1, 0);
+    send(&h, 1202, b"world|hello from C").unwrap();
+    let publication = wait_for(&h, WAYGATE_EVENT_CHANNEL_PUBLICATION);
+    assert_eq!(publication.text, "world");
+    assert_eq!(publication.channel, (joined.channel.0, 1));
+    assert_eq!(publication.payload, b"ffi-chatter|hello from C");
+    // SAFETY: as above.
+    let r =
+        unsafe { waygate_client_channel_position(h.0, world.as_ptr(), &mut epoch, &mut offset) };
+    assert_eq!(r, WAYGATE_OK);
+    assert_eq!((epoch, offset), (joined.channel.0, 1));
+    // A refused request is an ERROR with the edge's code.
+    send(&h, 1200, b"nosuch:1").unwrap();
+    let refused = wait_for(&h, WAYGATE_EVENT_ERROR);
+    assert_eq!(
+        (refused.code, refused.text.as_str()),
+        (408, "unknown_channel_kind")
+    );
+    drop(h);
     drop(c);
     rt.shutdown_timeout(Duration::from_secs(1));
 }
