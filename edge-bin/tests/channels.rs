@@ -479,3 +479,77 @@ async fn memberships_travel_with_a_session_resumed_on_another_edge() {
     assert_eq!(body_of(&next_update(&mut client).await), (1, "two".into()));
     drop(backend);
 }
+
+/// A publish on every edge: one result per edge, members of both edges receive it; retried
+/// with the same id after the fact, every edge answers `duplicate` and nobody receives it
+/// twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_on_every_edge_has_a_result_per_edge_and_retries_publish_nothing_twice() {
+    let sessions = Arc::new(Sessions::default());
+    let backend = waygate_backend::Backend::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        waygate_backend::BackendConfig::new("b1"),
+        sessions.clone(),
+    )
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let routes = dir.path().join("routes.toml");
+    std::fs::write(&routes, common::table(&[backend.local_addr()], 1, None)).unwrap();
+    let mut edges = Vec::new();
+    for id in ["edge-a", "edge-b"] {
+        let mut config = waygate_edge::config::EdgeConfig::default();
+        config.use_ephemeral_ports();
+        config.edge_id = id.into();
+        config.routing.table = Some(routes.clone());
+        edges.push(waygate_edge::edge::Edge::start(config).await.unwrap());
+    }
+    let mut clients = Vec::new();
+    for (i, edge) in edges.iter().enumerate() {
+        let player = format!("member-{i}");
+        let endpoint = Endpoint::new(TransportKind::Tcp, edge.addrs[&TransportKind::Tcp]);
+        let client = Client::start(ClientOptions::new(vec![endpoint], common::token(&player)));
+        client
+            .send(TrafficClass::Normal, 1000, Bytes::from_static(b"hi"))
+            .await
+            .unwrap();
+        let session = poll_until(Duration::from_secs(10), || async { sessions.get(&player) })
+            .await
+            .unwrap();
+        session.join_channel("world", None).await.unwrap();
+        clients.push((client, session));
+    }
+    let id = waygate_backend::next_request_id();
+    let results = clients[0]
+        .1
+        .publish_on_every_edge_with_id(id, "world", TrafficClass::Normal, Bytes::from_static(b"x"))
+        .await;
+    let edges_answered: Vec<_> = results.iter().map(|r| r.edge_id.as_str()).collect();
+    assert_eq!(edges_answered, ["edge-a", "edge-b"]);
+    for r in &results {
+        let receipt = r.result.as_ref().unwrap();
+        assert_eq!((receipt.position.offset, receipt.duplicate), (1, false));
+    }
+    let again = clients[1]
+        .1
+        .publish_on_every_edge_with_id(id, "world", TrafficClass::Normal, Bytes::from_static(b"x"))
+        .await;
+    assert!(again.iter().all(|r| r.result.as_ref().unwrap().duplicate));
+    clients[0]
+        .1
+        .publish_on_every_edge("world", TrafficClass::Normal, Bytes::from_static(b"y"))
+        .await;
+    for (client, _) in &mut clients {
+        assert!(matches!(
+            next_update(client).await,
+            ChannelUpdate::Joined { .. }
+        ));
+        assert_eq!(body_of(&next_update(client).await), (1, "x".into()));
+        assert_eq!(
+            body_of(&next_update(client).await),
+            (2, "y".into()),
+            "x only once"
+        );
+    }
+    drop(backend);
+}

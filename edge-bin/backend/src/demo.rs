@@ -12,7 +12,7 @@
 //! - **channels** (player service, PROTOCOL.md §11 and §12): `CHANNEL_JOIN` (1200, payload
 //!   `<channel>` or `<channel>|<epoch>|<offset>` to recover after that position) makes the
 //!   session a member of the channel on its edge; `CHAT` (1202, payload `<channel>|<text>`)
-//!   publishes `<player>|<text>` there in the CHAT's class; `CHANNEL_LEAVE` (1203, payload
+//!   publishes `<player>|<text>` in the CHAT's class on every edge linked to this instance; `CHANNEL_LEAVE` (1203, payload
 //!   `<channel>`) ends the membership. Success shows as channel events; a refusal is the
 //!   ERROR of the edge's code (`unknown_channel_kind`, `rate_limited`, `queue_full`...).
 
@@ -158,11 +158,20 @@ impl Service for DemoService {
                 let text = std::str::from_utf8(&msg.payload).map_err(|_| BAD_REQUEST)?;
                 let (channel, said) = text.split_once('|').ok_or(BAD_REQUEST)?;
                 let body = Bytes::from(format!("{}|{said}", session.player_id()));
-                session
-                    .publish(channel, msg.class, body)
-                    .await
-                    .map(drop)
-                    .map_err(channel_refusal)
+                // Every edge's members hear it (channels are per edge). The sayer's own
+                // edge decides the answer; another edge's refusal is that edge's to count.
+                let results = session
+                    .publish_on_every_edge(channel, msg.class, body)
+                    .await;
+                let own = results
+                    .into_iter()
+                    .find(|r| r.edge_id == session.edge_id())
+                    .map(|r| r.result);
+                match own {
+                    Some(Ok(_)) => Ok(()),
+                    Some(Err(e)) => Err(channel_refusal(e)),
+                    None => Err(channel_refusal(crate::BackendError::LinkClosed)),
+                }
             }
             ROOM_SAY => {
                 let sid = *session.session_id();

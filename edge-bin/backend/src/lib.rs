@@ -178,11 +178,115 @@ pub trait Service: Send + Sync + 'static {
 
 #[derive(Debug)]
 struct LinkSender {
+    /// Every link of this backend process (this one included).
+    all: Arc<EdgeLinks>,
     tx: mpsc::Sender<LinkFrame>,
     push_credit: Arc<Semaphore>,
     edge_id: String,
     /// Channel requests waiting for their CHANNEL_RESULT.
     answers: ChannelAnswers,
+}
+
+/// The edge links of one backend process, for a publish on every edge.
+#[derive(Debug, Default)]
+struct EdgeLinks(Mutex<Vec<std::sync::Weak<LinkSender>>>);
+
+impl EdgeLinks {
+    fn add(&self, link: &Arc<LinkSender>) {
+        if let Ok(mut links) = self.0.lock() {
+            links.retain(|l| l.strong_count() > 0);
+            links.push(Arc::downgrade(link));
+        }
+    }
+
+    fn remove(&self, link: &Arc<LinkSender>) {
+        if let Ok(mut links) = self.0.lock() {
+            links.retain(|l| l.strong_count() > 0 && !std::ptr::eq(l.as_ptr(), Arc::as_ptr(link)));
+        }
+    }
+
+    fn live(&self) -> Vec<Arc<LinkSender>> {
+        self.0
+            .lock()
+            .map(|links| links.iter().filter_map(std::sync::Weak::upgrade).collect())
+            .unwrap_or_default()
+    }
+}
+
+/// One edge's answer to [`BackendSession::publish_on_every_edge`].
+#[derive(Debug)]
+pub struct EdgePublish {
+    /// The edge (its LINK_HELLO id).
+    pub edge_id: String,
+    /// What it answered.
+    pub result: Result<PublishReceipt, BackendError>,
+}
+
+impl LinkSender {
+    async fn take_push_credit(&self) -> Result<(), BackendError> {
+        let permit = tokio::time::timeout(PUSH_CREDIT_WAIT, self.push_credit.acquire())
+            .await
+            .map_err(|_| BackendError::NoCredit)?
+            .map_err(|_| BackendError::LinkClosed)?;
+        permit.forget();
+        Ok(())
+    }
+
+    async fn channel_request(
+        &self,
+        request_id: u64,
+        frame: LinkFrame,
+        uses_credit: bool,
+    ) -> Result<PublishReceipt, BackendError> {
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut answers = self.answers.lock().map_err(|_| BackendError::LinkClosed)?;
+            answers.insert(request_id, tx);
+        }
+        let forget = || {
+            if let Ok(mut a) = self.answers.lock() {
+                a.remove(&request_id);
+            }
+        };
+        if uses_credit {
+            if let Err(e) = self.take_push_credit().await {
+                forget();
+                return Err(e);
+            }
+        }
+        if self.tx.send(frame).await.is_err() {
+            forget();
+            return Err(BackendError::LinkClosed);
+        }
+        let answer = match tokio::time::timeout(CHANNEL_ANSWER_WAIT, rx).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(_)) => return Err(BackendError::LinkClosed),
+            Err(_) => {
+                forget();
+                return Err(BackendError::NoAnswer);
+            }
+        };
+        match answer {
+            LinkFrame::ChannelResult {
+                code: CloseCode::Normal,
+                position,
+                duplicate,
+                ..
+            } => Ok(PublishReceipt {
+                position,
+                duplicate,
+            }),
+            LinkFrame::ChannelResult {
+                code,
+                retry_after_ms,
+                ..
+            } => Err(BackendError::ChannelRefused {
+                code,
+                retry_after_ms,
+            }),
+            _ => Err(BackendError::LinkClosed),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -251,7 +355,7 @@ impl BackendSession {
         if msg_id >= RESERVED_MSG_IDS_START {
             return Err(BackendError::ReservedMsgId(msg_id));
         }
-        self.take_push_credit().await?;
+        self.inner.link.take_push_credit().await?;
         self.send(LinkFrame::Push {
             handle: self.inner.handle,
             msg_id,
@@ -308,15 +412,6 @@ impl BackendSession {
         .await
     }
 
-    async fn take_push_credit(&self) -> Result<(), BackendError> {
-        let permit = tokio::time::timeout(PUSH_CREDIT_WAIT, self.inner.link.push_credit.acquire())
-            .await
-            .map_err(|_| BackendError::NoCredit)?
-            .map_err(|_| BackendError::LinkClosed)?;
-        permit.forget();
-        Ok(())
-    }
-
     /// Makes this session a member of `channel` on its edge (PROTOCOL.md §12). With
     /// `since` (the last position the client reported for it), what it missed after it is
     /// delivered first, or a HISTORY_LOST event when that is no longer possible. Returns the
@@ -333,7 +428,9 @@ impl BackendSession {
             channel: channel.into(),
             since,
         };
-        self.channel_request(request_id, frame, false)
+        self.inner
+            .link
+            .channel_request(request_id, frame, false)
             .await
             .map(|r| r.position)
     }
@@ -347,7 +444,9 @@ impl BackendSession {
             handle: self.inner.handle,
             channel: channel.into(),
         };
-        self.channel_request(request_id, frame, false)
+        self.inner
+            .link
+            .channel_request(request_id, frame, false)
             .await
             .map(|r| r.position)
     }
@@ -363,6 +462,55 @@ impl BackendSession {
     ) -> Result<PublishReceipt, BackendError> {
         self.publish_with_id(next_request_id(), channel, class, payload)
             .await
+    }
+
+    /// Publishes to `channel` on every edge linked to this backend process, each edge
+    /// delivering to its own members (channels are per edge, PROTOCOL.md §12.6), with one
+    /// result per edge. The same request id goes to every edge: retrying the whole call
+    /// with [`publish_on_every_edge_with_id`](Self::publish_on_every_edge_with_id) after a
+    /// partial failure publishes nothing twice (edges that took it answer `duplicate`).
+    pub async fn publish_on_every_edge(
+        &self,
+        channel: &str,
+        class: TrafficClass,
+        payload: Bytes,
+    ) -> Vec<EdgePublish> {
+        self.publish_on_every_edge_with_id(next_request_id(), channel, class, payload)
+            .await
+    }
+
+    /// [`publish_on_every_edge`](Self::publish_on_every_edge) with a chosen request id.
+    pub async fn publish_on_every_edge_with_id(
+        &self,
+        request_id: u64,
+        channel: &str,
+        class: TrafficClass,
+        payload: Bytes,
+    ) -> Vec<EdgePublish> {
+        let mut tasks = tokio::task::JoinSet::new();
+        for link in self.inner.link.all.live() {
+            let frame = LinkFrame::ChannelPublish {
+                request_id,
+                channel: channel.into(),
+                class,
+                payload: payload.clone(),
+            };
+            tasks.spawn(async move {
+                let result = link.channel_request(request_id, frame, true).await;
+                EdgePublish {
+                    edge_id: link.edge_id.clone(),
+                    result,
+                }
+            });
+        }
+        let mut out = Vec::new();
+        while let Some(done) = tasks.join_next().await {
+            if let Ok(answer) = done {
+                out.push(answer);
+            }
+        }
+        out.sort_by(|a, b| a.edge_id.cmp(&b.edge_id));
+        out
     }
 
     /// [`publish`](Self::publish) with a chosen request id: a retry after
@@ -381,68 +529,10 @@ impl BackendSession {
             class,
             payload,
         };
-        self.channel_request(request_id, frame, true).await
-    }
-
-    async fn channel_request(
-        &self,
-        request_id: u64,
-        frame: LinkFrame,
-        uses_credit: bool,
-    ) -> Result<PublishReceipt, BackendError> {
-        let (tx, rx) = oneshot::channel();
-        {
-            let mut answers = self
-                .inner
-                .link
-                .answers
-                .lock()
-                .map_err(|_| BackendError::LinkClosed)?;
-            answers.insert(request_id, tx);
-        }
-        let forget = || {
-            if let Ok(mut a) = self.inner.link.answers.lock() {
-                a.remove(&request_id);
-            }
-        };
-        if uses_credit {
-            if let Err(e) = self.take_push_credit().await {
-                forget();
-                return Err(e);
-            }
-        }
-        if let Err(e) = self.send(frame).await {
-            forget();
-            return Err(e);
-        }
-        let answer = match tokio::time::timeout(CHANNEL_ANSWER_WAIT, rx).await {
-            Ok(Ok(answer)) => answer,
-            Ok(Err(_)) => return Err(BackendError::LinkClosed),
-            Err(_) => {
-                forget();
-                return Err(BackendError::NoAnswer);
-            }
-        };
-        match answer {
-            LinkFrame::ChannelResult {
-                code: CloseCode::Normal,
-                position,
-                duplicate,
-                ..
-            } => Ok(PublishReceipt {
-                position,
-                duplicate,
-            }),
-            LinkFrame::ChannelResult {
-                code,
-                retry_after_ms,
-                ..
-            } => Err(BackendError::ChannelRefused {
-                code,
-                retry_after_ms,
-            }),
-            _ => Err(BackendError::LinkClosed),
-        }
+        self.inner
+            .link
+            .channel_request(request_id, frame, true)
+            .await
     }
 
     async fn send(&self, frame: LinkFrame) -> Result<(), BackendError> {
@@ -542,6 +632,7 @@ pub async fn serve(
     load: Arc<BackendLoad>,
 ) {
     let instance: Arc<str> = config.instance_id.as_str().into();
+    let all_links = Arc::new(EdgeLinks::default());
     // Dropping (aborting) `serve` aborts every link it runs.
     let mut links = tokio::task::JoinSet::new();
     loop {
@@ -560,8 +651,11 @@ pub async fn serve(
         let instance = instance.clone();
         let epoch = epoch.clone();
         let load = load.clone();
+        let all = all_links.clone();
         links.spawn(async move {
-            if let Err(reason) = run_link(stream, &config, instance, service, epoch, load).await {
+            if let Err(reason) =
+                run_link(stream, &config, instance, service, epoch, load, all).await
+            {
                 tracing::info!(%peer, reason, "backend link ended");
             }
         });
@@ -575,6 +669,7 @@ async fn run_link(
     service: Arc<dyn Service>,
     epoch: Arc<AtomicU64>,
     load: Arc<BackendLoad>,
+    all: Arc<EdgeLinks>,
 ) -> Result<(), &'static str> {
     // PUSH credit from the edge is applied by the link's reader itself, so a message handler
     // waiting for push credit never blocks the credit it waits for; and the reader's queue
@@ -623,11 +718,13 @@ async fn run_link(
         .await
         .map_err(|_| "link closed")?;
     let link = Arc::new(LinkSender {
+        all: all.clone(),
         tx: io.tx.clone(),
         push_credit,
         edge_id,
         answers,
     });
+    all.add(&link);
     let mut sessions: HashMap<u64, BackendSession> = HashMap::new();
     let return_every = (config.forward_credits / 4).max(1);
     let mut consumed = 0u32;
@@ -745,6 +842,7 @@ async fn run_link(
         }
     };
     link.push_credit.close();
+    all.remove(&link);
     if let Ok(mut answers) = link.answers.lock() {
         // Their requesters learn the link is gone (LinkClosed).
         answers.clear();
