@@ -76,12 +76,12 @@ cmd="${1:-all}"; shift || true
 case "$cmd" in
   install) install ;;
   build) build ;;
-  w1|w2|w2push|w3|w4|w5|w6|w7) install; [ -x "$BIN" ] || build; workload "$cmd" "$@" ;;
+  w1|w2|w2push|w3|w4|w5|w6|w7|fanout) install; [ -x "$BIN" ] || build; workload "$cmd" "$@" ;;
   criterion) criterion ;;
   perf) install; [ -x "$BIN" ] || build; perf_edge ;;
   all)
     install; build
-    for w in w1 w2 w2push w3 w4 w5 w6 w7; do workload "$w" "$@"; done
+    for w in w1 w2 w2push w3 w4 w5 w6 w7 fanout; do workload "$w" "$@"; done
     criterion ;;
   *) echo "usage: $0 install|build|w1..w7|w2push|criterion|perf|all [waygate bench options]" >&2; exit 2 ;;
 esac

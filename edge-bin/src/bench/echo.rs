@@ -194,12 +194,52 @@ async fn echo_conn(
     }
 }
 
+/// The channel the fan-out workload publishes to.
+pub const FANOUT_CHANNEL: &str = "world";
+
 /// The bench backend service (see the module docs).
 #[derive(Debug)]
 pub struct BenchService {
     push: Option<Duration>,
     push_size: usize,
     pushers: Mutex<HashMap<[u8; 16], tokio::task::AbortHandle>>,
+    /// Fan-out workload: sessions join [`FANOUT_CHANNEL`] and one publisher publishes at
+    /// the push rate (every member receives each publication) instead of a pusher per
+    /// session.
+    fanout: Option<Arc<FanoutPublisher>>,
+}
+
+/// The one publisher of the fan-out workload: publishes through any live session's link.
+#[derive(Debug, Default)]
+pub struct FanoutPublisher {
+    sessions: Mutex<HashMap<[u8; 16], BackendSession>>,
+    started: std::sync::atomic::AtomicBool,
+}
+
+impl FanoutPublisher {
+    fn any_session(&self) -> Option<BackendSession> {
+        self.sessions.lock().ok()?.values().next().cloned()
+    }
+
+    async fn run(self: Arc<Self>, period: Duration, size: usize) {
+        let mut t = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut n = 0u64;
+        loop {
+            t.tick().await;
+            let Some(s) = self.any_session() else {
+                continue;
+            };
+            n += 1;
+            if let Err(e) = s
+                .publish(FANOUT_CHANNEL, TrafficClass::Normal, push_payload(n, size))
+                .await
+            {
+                tracing::debug!(error = %e, "publish failed");
+                n -= 1;
+            }
+        }
+    }
 }
 
 impl BenchService {
@@ -210,6 +250,16 @@ impl BenchService {
             push: period(push_rate),
             push_size,
             pushers: Mutex::new(HashMap::new()),
+            fanout: None,
+        }
+    }
+
+    /// The fan-out variant: every session joins [`FANOUT_CHANNEL`]; `push_rate`
+    /// publications per second go to all of them.
+    pub fn fanout(push_rate: f64, push_size: usize) -> Self {
+        Self {
+            fanout: Some(Arc::default()),
+            ..Self::new(push_rate, push_size)
         }
     }
 }
@@ -218,6 +268,24 @@ impl BenchService {
 impl Service for BenchService {
     async fn session_open(&self, session: &BackendSession) {
         let Some(p) = self.push else { return };
+        if let Some(f) = &self.fanout {
+            // Joined off the link's frame loop: a thousand sessions opening at once must
+            // not hold up the FORWARDs behind them (the edge would answer them `busy`).
+            let (f, s, size) = (f.clone(), session.clone(), self.push_size);
+            tokio::spawn(async move {
+                if let Err(e) = s.join_channel(FANOUT_CHANNEL, None).await {
+                    tracing::warn!(error = %e, "fan-out join refused");
+                    return;
+                }
+                if let Ok(mut m) = f.sessions.lock() {
+                    m.insert(*s.session_id(), s.clone());
+                }
+                if !f.started.swap(true, Ordering::AcqRel) {
+                    tokio::spawn(f.clone().run(p, size));
+                }
+            });
+            return;
+        }
         let s = session.clone();
         let size = self.push_size;
         let task = tokio::spawn(async move {
@@ -263,6 +331,11 @@ impl Service for BenchService {
     }
 
     async fn session_closed(&self, session: &BackendSession, _code: CloseCode) {
+        if let Some(f) = &self.fanout {
+            if let Ok(mut m) = f.sessions.lock() {
+                m.remove(session.session_id());
+            }
+        }
         if let Ok(mut m) = self.pushers.lock() {
             if let Some(t) = m.remove(session.session_id()) {
                 t.abort();
@@ -278,18 +351,20 @@ pub async fn run_backend(
     push_rate: f64,
     payload: usize,
     forward_credits: Option<u32>,
+    fanout: bool,
 ) -> Result<(), String> {
     let mut config = BackendConfig::new("b1");
     if let Some(c) = forward_credits {
         config.forward_credits = c;
     }
-    let backend = Backend::bind(
-        addr,
-        config,
-        Arc::new(BenchService::new(push_rate, payload)),
-    )
-    .await
-    .map_err(|e| e.to_string())?;
+    let service = if fanout {
+        BenchService::fanout(push_rate, payload)
+    } else {
+        BenchService::new(push_rate, payload)
+    };
+    let backend = Backend::bind(addr, config, Arc::new(service))
+        .await
+        .map_err(|e| e.to_string())?;
     println!(
         "{}",
         serde_json::json!({"event": "ready", "backend": backend.local_addr().to_string()})

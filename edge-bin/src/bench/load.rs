@@ -21,6 +21,7 @@ use waygate_transport::{BoxConnection, CloseCode, TrafficClass};
 use super::echo::{parse_push, unix_nanos, PUSH};
 use waygate_backend::demo::{ECHO, ECHO_REPLY};
 use waygate_edge::config::{DEV_KEY_ID, DEV_KEY_SECRET};
+use waygate_protocol::channel::{ChannelEvent, ChannelEventKind, CHANNEL_EVENT_MSG_ID};
 
 /// What the sessions do once connected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -275,25 +276,50 @@ impl Ctx {
                 }
                 true
             }
+            CHANNEL_EVENT_MSG_ID => {
+                // Fan-out: a publication counts as a push, ordered by its offset; JOINED
+                // says where this member's stream starts.
+                let Ok(e) = ChannelEvent::decode(Bytes::copy_from_slice(payload)) else {
+                    return false;
+                };
+                match e.kind {
+                    ChannelEventKind::Joined | ChannelEventKind::HistoryLost => {
+                        *next_push = e.position.offset + 1;
+                    }
+                    ChannelEventKind::Publication => {
+                        self.on_push(e.position.offset, &e.body, next_push, recording);
+                    }
+                    _ => {}
+                }
+                false
+            }
             PUSH => {
-                if let Some((n, t)) = parse_push(payload) {
-                    if n == *next_push {
-                        *next_push += 1;
-                    } else if n > *next_push {
-                        self.c.lost.fetch_add(n - *next_push, Ordering::Relaxed);
-                        *next_push = n + 1;
-                    } else {
-                        inc(&self.c.duplicated);
-                    }
-                    if recording {
-                        inc(&self.c.pushes);
-                        let us = unix_nanos().saturating_sub(t) / 1000;
-                        self.record(|h| h.push.saturating_record(us.max(1)));
-                    }
+                if let Some((n, _)) = parse_push(payload) {
+                    self.on_push(n, payload, next_push, recording);
                 }
                 false
             }
             _ => false,
+        }
+    }
+
+    /// One push (or publication) numbered `n`: order check, count, one-way latency.
+    fn on_push(&self, n: u64, payload: &[u8], next_push: &mut u64, recording: bool) {
+        let Some((_, t)) = parse_push(payload) else {
+            return;
+        };
+        if n == *next_push {
+            *next_push += 1;
+        } else if n > *next_push {
+            self.c.lost.fetch_add(n - *next_push, Ordering::Relaxed);
+            *next_push = n + 1;
+        } else {
+            inc(&self.c.duplicated);
+        }
+        if recording {
+            inc(&self.c.pushes);
+            let us = unix_nanos().saturating_sub(t) / 1000;
+            self.record(|h| h.push.saturating_record(us.max(1)));
         }
     }
 }

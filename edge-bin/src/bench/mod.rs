@@ -81,6 +81,10 @@ pub enum Workload {
     W6,
     /// Drop 1,000 connections at once: time to restore, loss, duplicates.
     W7,
+    /// Channel fan-out: one publication to N members on one edge (N = 10, 100, 1,000; 20,000
+    /// deliveries/s), edge CPU per delivery against the direct server writing the same
+    /// bytes to N sockets.
+    Fanout,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -180,6 +184,10 @@ pub struct BenchArgs {
     /// Echo role: where to write the generated CA.
     #[arg(long)]
     pub ca_out: Option<PathBuf>,
+    /// Backend role: sessions join one channel and `--push-rate` publications per second go
+    /// to all of them (the fan-out workload) instead of per-session pushes.
+    #[arg(long)]
+    pub fanout: bool,
 }
 
 /// One planned series: a load shape over some transports and targets.
@@ -198,7 +206,14 @@ struct Plan {
     reps: usize,
     fresh: bool,
     busy_loops: bool,
+    /// The backend publishes to one channel all sessions joined (the direct server pushes
+    /// the same bytes to each session).
+    fanout: bool,
 }
+
+/// Bytes a channel event adds to a publication's body in the fan-out workload: kind (1),
+/// name length (1), `world` (5), an epoch below 2^53 (8), an offset below 2^21 (3).
+const FANOUT_EVENT_HEADER: usize = 18;
 
 const ALL: [&str; 6] = ["tcp", "tls", "ws", "wss", "quic", "kcp"];
 
@@ -226,6 +241,7 @@ fn plans(a: &BenchArgs) -> Vec<Plan> {
         reps: a.reps.unwrap_or(reps),
         fresh: !a.reuse,
         busy_loops: a.busy_loops,
+        fanout: a.fanout,
     };
     use Target::{Direct, Edge, Haproxy};
     match a.workload {
@@ -335,6 +351,24 @@ fn plans(a: &BenchArgs) -> Vec<Plan> {
             0.0,
             3,
         )],
+        Some(Workload::Fanout) => [10usize, 100, 1000]
+            .into_iter()
+            .map(|n| Plan {
+                fresh: true,
+                fanout: true,
+                ..base(
+                    &format!("fanout-{n}"),
+                    vec!["tcp".into()],
+                    vec![Edge, Direct],
+                    n,
+                    0.0,
+                    20_000.0 / n as f64,
+                    Mode::Idle,
+                    5.0,
+                    3,
+                )
+            })
+            .collect(),
         Some(Workload::W7) => vec![Plan {
             fresh: true,
             warmup_s: a.warmup.map_or(2.0, |d| d.as_secs_f64()),
@@ -413,6 +447,13 @@ impl Env {
     }
 
     fn child_args(&self, role: &str, plan: &Plan, extra: &[String]) -> Vec<String> {
+        // Fan-out: the direct server writes what the edge writes, the channel event header
+        // (kind, name "world", epoch, offset) included.
+        let payload = if plan.fanout && role == "echo" {
+            plan.payload + FANOUT_EVENT_HEADER
+        } else {
+            plan.payload
+        };
         let mut v = vec![
             "bench".to_string(),
             "--role".into(),
@@ -420,8 +461,11 @@ impl Env {
             "--push-rate".into(),
             plan.push_rate.to_string(),
             "--payload".into(),
-            plan.payload.to_string(),
+            payload.to_string(),
         ];
+        if plan.fanout && role == "backend" {
+            v.push("--fanout".into());
+        }
         v.extend_from_slice(extra);
         v
     }
@@ -478,14 +522,15 @@ impl Env {
         // dev CA goes, KCP's session cap raised to the W4/W5 session counts, and the
         // admission and inbound limits opened up (every bench client comes from one source
         // address and closed-loop sessions send far above a game client's rate: the bench
-        // measures the data path, not the limiters).
+        // measures the data path, not the limiters), and the fan-out channel's publish rate.
         std::fs::write(
             &config,
             format!(
                 "edge_id = \"bench-edge\"\n[routing]\ntable = \"{}\"\n[tls]\ndev_ca_out = \"{}\"\n[kcp]\nmax_sessions = 20000\n\
                  [backpressure]\naccept_per_sec = 1000000\naccept_burst = 100000\naccept_per_source_per_sec = 1000000\n\
                  accept_per_source_burst = 100000\nmax_handshakes = 100000\ninbound_msgs_per_sec = 10000000\n\
-                 inbound_msg_burst = 10000000\ninbound_bytes_per_sec = 10000000000\ninbound_byte_burst = 10000000000\nmax_sessions = 1000000\n",
+                 inbound_msg_burst = 10000000\ninbound_bytes_per_sec = 10000000000\ninbound_byte_burst = 10000000000\nmax_sessions = 1000000\n\
+                 [channels.kinds.world]\npublish_rate = 1000000\npublish_burst = 1000000\n",
                 routes.display(),
                 ca_path.display()
             ),
@@ -582,6 +627,7 @@ pub async fn run(args: BenchArgs) -> Result<(), String> {
                 args.push_rate.unwrap_or(0.0),
                 args.payload,
                 args.forward_credits,
+                args.fanout,
             )
             .await
         }
