@@ -553,3 +553,72 @@ async fn a_publish_on_every_edge_has_a_result_per_edge_and_retries_publish_nothi
     }
     drop(backend);
 }
+
+/// A kind with backlog (guild by default): the edge remembers the position a departed
+/// member's client acknowledged; the player's next session, joined without a position,
+/// receives what it missed, in order. A kind without backlog (room) starts afresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_returning_member_of_a_kind_with_backlog_gets_what_it_missed_without_a_position() {
+    let s = setup(|_| {}).await;
+    let (_pub_client, publisher) = s.member(TransportKind::Tcp, "guild-publisher").await;
+    let (mut client, session) = s.member(TransportKind::Tcp, "guild-member").await;
+    session.join_channel("guild:backlog", None).await.unwrap();
+    session.join_channel("room:nobacklog", None).await.unwrap();
+    for i in 1..=3 {
+        publisher
+            .publish(
+                "guild:backlog",
+                TrafficClass::Normal,
+                Bytes::from(format!("g{i}")),
+            )
+            .await
+            .unwrap();
+    }
+    let mut got = 0;
+    while got < 3 {
+        if let ChannelUpdate::Publication { channel, .. } = next_update(&mut client).await {
+            assert_eq!(channel, "guild:backlog");
+            got += 1;
+        }
+    }
+    // Give the client's delayed ack time to reach the edge, then it goes away for good.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    client.close().await;
+    drop(client);
+    for i in 4..=5 {
+        publisher
+            .publish(
+                "guild:backlog",
+                TrafficClass::Normal,
+                Bytes::from(format!("g{i}")),
+            )
+            .await
+            .unwrap();
+        publisher
+            .publish(
+                "room:nobacklog",
+                TrafficClass::Normal,
+                Bytes::from(format!("r{i}")),
+            )
+            .await
+            .unwrap();
+    }
+    // A new login (it takes over the lingering session, which ends): joined without a
+    // position, the guild delivers 4 and 5 first; the room only goes live.
+    let (mut client, session) = s.member(TransportKind::Ws, "guild-member").await;
+    let live = session.join_channel("guild:backlog", None).await.unwrap();
+    assert_eq!(live.offset, 5);
+    for i in 4..=5 {
+        let (offset, body) = body_of(&next_update(&mut client).await);
+        assert_eq!((offset, body), (i, format!("g{i}")));
+    }
+    assert!(matches!(
+        next_update(&mut client).await,
+        ChannelUpdate::Joined { position, .. } if position.offset == 5
+    ));
+    session.join_channel("room:nobacklog", None).await.unwrap();
+    assert!(matches!(
+        next_update(&mut client).await,
+        ChannelUpdate::Joined { channel, position } if channel == "room:nobacklog" && position.offset == 2
+    ));
+}

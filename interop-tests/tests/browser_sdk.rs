@@ -515,6 +515,22 @@ async fn chromium_client_resumes_after_server_side_drops_with_nothing_lost() {
     );
     assert_eq!(result["echoBadPayload"], serde_json::json!([]), "{result}");
     assert_eq!(result["roomBadPayload"], serde_json::json!([]), "{result}");
+    // Channels (PROTOCOL.md §12): CHANNEL_JOIN "world" gives JOINED, then the browser's CHAT
+    // comes back as the publication right after it, with its body.
+    let channel = &result["channel"];
+    assert_eq!(channel["ok"], true, "channel step: {channel}");
+    assert_eq!(channel["problems"], serde_json::json!([]), "{channel}");
+    assert_eq!(
+        channel["publication"]["body"],
+        format!("{player}|hello from the browser"),
+        "{channel}"
+    );
+    assert_eq!(
+        channel["publication"]["offset"].as_u64(),
+        channel["joined"]["offset"].as_u64().map(|o| o + 1),
+        "{channel}"
+    );
+    assert_eq!(channel["duplicates"], 0, "{channel}");
     assert_eq!(
         result["errors"],
         serde_json::json!([]),

@@ -105,6 +105,8 @@ pub enum SessionEvent {
         /// Whether this session still owned the player (false: a newer owner exists and the
         /// bindings are not this session's to release).
         released: bool,
+        /// The channels it was a member of, at the position its client acknowledged.
+        channels_acked: BTreeMap<String, waygate_protocol::channel::ChannelPosition>,
     },
 }
 
@@ -1073,6 +1075,7 @@ impl Task {
                 fencing,
                 bindings,
                 reason,
+                channels_acked,
             }) => {
                 if self.held_elsewhere(&session_id) {
                     // A stale copy (restored elsewhere while this task was stuck) ends: the
@@ -1094,6 +1097,7 @@ impl Task {
                         bindings,
                         reason,
                         released,
+                        channels_acked,
                     })
                     .await;
             }

@@ -198,6 +198,9 @@ pub struct SessionEnd {
     pub bindings: BTreeMap<String, String>,
     /// Why.
     pub reason: EndReason,
+    /// The channels it was a member of, at the last position its client acknowledged
+    /// (PROTOCOL.md §12.4: a kind with backlog resumes a later login from there).
+    pub channels_acked: BTreeMap<String, ChannelPosition>,
 }
 
 /// What a resuming connection presents: the hash of its resume token, the last server seq
@@ -290,6 +293,28 @@ pub enum Action {
     Ended(SessionEnd),
 }
 
+/// Moves a channel's acknowledged position for one acknowledged channel event.
+fn acked_channel_event(
+    acked: &mut BTreeMap<String, ChannelPosition>,
+    entry: &crate::replay::ReplayEntry,
+) {
+    if entry.msg_id != CHANNEL_EVENT_MSG_ID {
+        return;
+    }
+    let Ok(e) = ChannelEvent::decode(entry.payload.clone()) else {
+        return;
+    };
+    match e.kind {
+        ChannelEventKind::Left => {
+            acked.remove(&e.channel);
+        }
+        ChannelEventKind::Publication if e.position.offset == 0 => {}
+        _ => {
+            acked.insert(e.channel, e.position);
+        }
+    }
+}
+
 /// An input that is not valid in the machine's state. Peer faults are also answered on the
 /// wire (REJECT/CLOSE) before being returned; local misuse changes nothing.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -335,6 +360,9 @@ pub struct SessionCore {
     keys: BTreeMap<String, String>,
     /// Channel memberships and the last position queued for each (PROTOCOL.md §12).
     channels: BTreeMap<String, ChannelPosition>,
+    /// The last position of each channel the client acknowledged (what a departed member
+    /// is known to have; PROTOCOL.md §12.4 backlog).
+    channels_acked: BTreeMap<String, ChannelPosition>,
     /// ERROR answers waiting for the client (it was away when they came).
     pending_errors: Vec<PendingError>,
     replay: ReplayBuffer,
@@ -355,8 +383,42 @@ impl SessionCore {
             upstream: self.upstream.clone(),
             keys: self.keys.clone(),
             channels: self.channels.clone(),
+            channels_acked: self.channels_acked.clone(),
             pending_errors: self.pending_errors.clone(),
         }
+    }
+
+    /// Applies a cumulative ack to the replay buffer, moving the acknowledged position of
+    /// every channel whose events it frees.
+    fn ack_replay(&mut self, ack: u64) -> Result<usize, crate::replay::AckBeyondSent> {
+        let Self {
+            replay,
+            channels_acked,
+            ..
+        } = self;
+        replay.ack_visit(ack, |e| acked_channel_event(channels_acked, e))
+    }
+
+    /// The restore point of a client that received up to `client_last` (also an ack).
+    fn restore_point(
+        &mut self,
+        client_last: u64,
+    ) -> Result<crate::replay::RestorePoint, crate::replay::AckBeyondSent> {
+        let Self {
+            replay,
+            channels_acked,
+            ..
+        } = self;
+        replay.restore_point_visit(client_last, |e| acked_channel_event(channels_acked, e))
+    }
+
+    /// The acknowledged positions of the channels the session is a member of.
+    fn acked_memberships(&self) -> BTreeMap<String, ChannelPosition> {
+        self.channels_acked
+            .iter()
+            .filter(|(c, _)| self.channels.contains_key(*c))
+            .map(|(c, p)| (c.clone(), *p))
+            .collect()
     }
 
     /// Follows the channel events queued to the client: a marker or publication moves the
@@ -388,6 +450,7 @@ impl SessionCore {
             upstream: s.upstream,
             keys: s.keys,
             channels: s.channels,
+            channels_acked: s.channels_acked,
             pending_errors: s.pending_errors,
         }
     }
@@ -786,6 +849,7 @@ impl SessionMachine {
             upstream: RecvWindow::new(),
             keys: BTreeMap::new(),
             channels: BTreeMap::new(),
+            channels_acked: BTreeMap::new(),
             pending_errors: Vec::new(),
         });
         self.actions.push_back(Action::Claim {
@@ -825,7 +889,7 @@ impl SessionMachine {
                 } else {
                     let original = snapshot.clone();
                     let mut core = SessionCore::from_snapshot(*snapshot);
-                    match core.replay.restore_point(resume.last_server_seq) {
+                    match core.restore_point(resume.last_server_seq) {
                         Err(_) => {
                             self.actions.push_back(Action::PutBack(original));
                             "last_server_seq beyond what the server sent"
@@ -1054,7 +1118,7 @@ impl SessionMachine {
         let Some(core) = self.core.as_mut() else {
             return Err(self.misuse("ack"));
         };
-        if let Err(e) = core.replay.ack(ack) {
+        if let Err(e) = core.ack_replay(ack) {
             SessionCounters::bump(&self.counters.protocol_errors);
             self.link_lost(now, CloseCode::ProtocolError, "ack beyond sent");
             return Err(e.into());
@@ -1153,6 +1217,7 @@ impl SessionMachine {
                         fencing: core.fencing,
                         bindings: core.bindings.clone(),
                         reason: EndReason::LingerExpired,
+                        channels_acked: core.acked_memberships(),
                     }));
                 }
                 self.end_with(State::Expired, EndReason::LingerExpired);
@@ -1384,6 +1449,7 @@ impl SessionMachine {
                 fencing: core.fencing,
                 bindings: BTreeMap::new(),
                 reason: EndReason::Kicked,
+                channels_acked: core.acked_memberships(),
             }));
         }
         self.end_with(State::Closed, EndReason::Kicked);
@@ -1450,6 +1516,7 @@ impl SessionMachine {
                 fencing: core.fencing,
                 bindings: core.bindings.clone(),
                 reason: EndReason::ClosedByServer(code),
+                channels_acked: core.acked_memberships(),
             }));
         }
         self.end_with(State::Closed, EndReason::ClosedByServer(code));

@@ -122,6 +122,15 @@ impl ReplayBuffer {
     /// Applies a cumulative ack: frees every entry `<= ack`. Lower acks than before are
     /// ignored; an ack beyond what was sent is an error (the buffer is unchanged).
     pub fn ack(&mut self, ack: u64) -> Result<usize, AckBeyondSent> {
+        self.ack_visit(ack, |_| {})
+    }
+
+    /// [`ack`](Self::ack), showing `freed` every entry it frees, in seq order.
+    pub fn ack_visit(
+        &mut self,
+        ack: u64,
+        mut freed_entry: impl FnMut(&ReplayEntry),
+    ) -> Result<usize, AckBeyondSent> {
         if ack > self.highest_sent() {
             return Err(AckBeyondSent {
                 ack,
@@ -137,6 +146,7 @@ impl ReplayBuffer {
             if let Some(e) = self.entries.pop_front() {
                 self.bytes -= e.payload.len();
                 freed += 1;
+                freed_entry(&e);
             }
         }
         Ok(freed)
@@ -145,7 +155,16 @@ impl ReplayBuffer {
     /// Computes the restore point for a client whose last received seq is `client_last`
     /// (also applied as an ack).
     pub fn restore_point(&mut self, client_last: u64) -> Result<RestorePoint, AckBeyondSent> {
-        self.ack(client_last)?;
+        self.restore_point_visit(client_last, |_| {})
+    }
+
+    /// [`restore_point`](Self::restore_point), showing `freed_entry` what its ack frees.
+    pub fn restore_point_visit(
+        &mut self,
+        client_last: u64,
+        freed_entry: impl FnMut(&ReplayEntry),
+    ) -> Result<RestorePoint, AckBeyondSent> {
+        self.ack_visit(client_last, freed_entry)?;
         let client_last = client_last.max(self.acked);
         Ok(if client_last < self.evicted_through {
             RestorePoint {

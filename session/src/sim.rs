@@ -254,6 +254,7 @@ pub fn run(ops: &[SimOp]) -> SimOutcome {
             upstream: RecvWindow::new(),
             keys: BTreeMap::new(),
             channels: BTreeMap::new(),
+            channels_acked: BTreeMap::new(),
             pending_errors: Vec::new(),
         },
     );

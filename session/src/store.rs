@@ -54,6 +54,9 @@ pub struct Snapshot {
     /// edge re-joins them from there: recovered, or HISTORY_LOST.
     #[serde(default)]
     pub channels: BTreeMap<String, waygate_protocol::channel::ChannelPosition>,
+    /// The last position of each channel the client acknowledged (PROTOCOL.md §12.4).
+    #[serde(default)]
+    pub channels_acked: BTreeMap<String, waygate_protocol::channel::ChannelPosition>,
     /// ERROR answers for the client's messages that arrived while it was away, sent right
     /// after WELCOME on its resume (so an acked message never goes unanswered).
     #[serde(default)]
@@ -389,6 +392,7 @@ mod tests {
                 },
             )]
             .into(),
+            channels_acked: BTreeMap::new(),
             pending_errors: Vec::new(),
         }
     }

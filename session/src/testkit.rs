@@ -210,6 +210,7 @@ pub mod store_contract {
             upstream: RecvWindow::starting_at(4),
             keys: BTreeMap::from([("room".to_owned(), "lobby".to_owned())]),
             channels: BTreeMap::new(),
+            channels_acked: BTreeMap::new(),
             pending_errors: vec![crate::store::PendingError {
                 code: 402,
                 msg_id: 7,

@@ -7,7 +7,9 @@
 // It serves the package folder (dist/ + test page) on 127.0.0.1 with node's http module,
 // starts the scenario, and prints JSON lines on stdout for the controlling test:
 //   {"event":"progress", ...}   every 50 ms (the test drops the link from the server side)
-//   {"event":"stream_done"}     everything received, an RTT sample taken: the test kicks
+//   {"event":"stream_done"}     everything received, the channel step (CHANNEL_JOIN + CHAT
+//                               on `world`) done or given up after --channel-wait-ms, an
+//                               RTT sample taken, nothing unacked: the test kicks
 //   {"event":"result", ...}     the page's full record; exit 0 (1 on a harness failure)
 import { createServer } from "node:http";
 import { mkdtempSync, readFileSync, rmSync, statSync } from "node:fs";
@@ -35,6 +37,9 @@ const cfg = {
 };
 const timeoutMs = Number(args["timeout-ms"] ?? 90_000);
 const kickWaitMs = Number(args["kick-wait-ms"] ?? 10_000);
+// How long the channel step may take once the stream is in; past it the result's `channel`
+// record says what was missing.
+const channelWaitMs = Number(args["channel-wait-ms"] ?? 15_000);
 const chromiumPath = process.env.CHROMIUM ?? "/usr/bin/chromium";
 
 const out = (obj) => process.stdout.write(JSON.stringify(obj) + "\n");
@@ -123,13 +128,17 @@ async function main() {
   await page.evaluate((c) => window.startScenario(c), cfg);
 
   // Stream until every reply and room event arrived (the test drops the link meanwhile),
-  // and one PONG gave an RTT sample.
+  // the channel step after it finished, and one PONG gave an RTT sample.
+  let streamInAt = null;
   for (;;) {
     const st = await page.evaluate(() => window.scenarioState());
     out({ event: "progress", ...st });
     if (pageErrors.length) fail(`page error: ${pageErrors[0]}`);
     if (st.events.closed > 0) break;
-    if (st.echo >= cfg.echoCount && st.room >= cfg.sayCount && st.rttSamples > 0 && st.unacked === 0) break;
+    const streamIn = st.echo >= cfg.echoCount && st.room >= cfg.sayCount;
+    if (streamIn && streamInAt === null) streamInAt = Date.now();
+    const channelSettled = st.channelDone || (streamInAt !== null && Date.now() - streamInAt > channelWaitMs);
+    if (streamIn && channelSettled && st.rttSamples > 0 && st.unacked === 0) break;
     await sleep(50);
   }
   out({ event: "stream_done" });

@@ -1,6 +1,9 @@
 // The in-page half of the Chromium test: drives a WaygateClient against a real edge and
 // records what it receives, so the driver (run.mjs) and the Rust test can check
-// 0 lost / 0 duplicated / in order across server-side drops.
+// 0 lost / 0 duplicated / in order across server-side drops. Once every reply and room
+// event is in, it joins the channel `world` (CHANNEL_JOIN) and says something there (CHAT),
+// expecting JOINED and then its own publication right after the joined position
+// (PROTOCOL.md §11.3, §12).
 import { WaygateClient } from "../dist/index.js";
 
 const ECHO = 1000;
@@ -9,6 +12,10 @@ const JOIN_ROOM = 1100;
 const JOINED = 1101;
 const ROOM_SAY = 2000;
 const ROOM_EVENT = 2001;
+const CHANNEL_JOIN = 1200;
+const CHAT = 1202;
+const CHANNEL = "world";
+const CHAT_TEXT = "hello from the browser";
 
 const decoder = new TextDecoder();
 const s = {
@@ -27,8 +34,38 @@ const s = {
   log: [],
   closedAt: null,
   connectsAtClose: null,
+  // The channel step (after the stream): CHANNEL_JOIN then CHAT on `world`.
+  channel: {
+    started: false,
+    joined: null, // { channel, epoch, offset } of the JOINED for `world`
+    publication: null, // { channel, epoch, offset, body } of the CHAT's publication
+    expectedBody: null,
+    problems: [],
+    events: [], // every channel event, in arrival order
+  },
 };
 let client = null;
+
+/** A channel update in JSON-friendly form (offsets are small here: numbers). */
+function channelRecord(u) {
+  return { kind: u.kind, channel: u.channel, epoch: u.epoch, offset: Number(u.offset), body: decoder.decode(u.body) };
+}
+
+/** The publication is the CHAT's: same epoch as JOINED, the next offset, `<player>|<text>`. */
+function publicationFollowsJoined() {
+  const c = s.channel;
+  return (
+    c.joined !== null &&
+    c.publication !== null &&
+    c.publication.epoch === c.joined.epoch &&
+    c.publication.offset === c.joined.offset + 1 &&
+    c.publication.body === c.expectedBody
+  );
+}
+
+function channelOk() {
+  return publicationFollowsJoined() && s.channel.problems.length === 0;
+}
 
 function log(line) {
   s.log.push(`${Math.round(performance.now())} ${line}`);
@@ -68,8 +105,28 @@ window.startScenario = (cfg) => {
   });
   client.on("migrating", () => s.events.migrating++);
   client.on("error", (e) => {
+    if (e.kind === "undelivered" && (e.msgId === CHANNEL_JOIN || e.msgId === CHAT)) {
+      s.channel.problems.push(`msg ${e.msgId} refused: ${e.code} ${e.label}`);
+    }
     s.errors.push({ ...e, clientSeq: e.clientSeq === undefined ? undefined : String(e.clientSeq) });
     log(`error ${JSON.stringify({ ...e, clientSeq: String(e.clientSeq) })}`);
+  });
+  client.on("channel", (u) => {
+    const c = s.channel;
+    const r = channelRecord(u);
+    c.events.push(r);
+    log(`channel ${r.kind} ${r.channel} ${r.epoch}/${r.offset} ${r.body}`);
+    if (u.channel !== CHANNEL) {
+      c.problems.push(`event on an unexpected channel: ${JSON.stringify(r)}`);
+    } else if (u.kind === "joined" && c.joined === null) {
+      c.joined = { channel: r.channel, epoch: r.epoch, offset: r.offset };
+      client.send(CHAT, `${CHANNEL}|${CHAT_TEXT}`, "normal");
+    } else if (u.kind === "publication" && c.joined !== null && c.publication === null) {
+      c.publication = { channel: r.channel, epoch: r.epoch, offset: r.offset, body: r.body };
+      if (!publicationFollowsJoined()) c.problems.push(`publication ${JSON.stringify(r)} does not follow JOINED ${JSON.stringify(c.joined)}`);
+    } else {
+      c.problems.push(`unexpected channel event: ${JSON.stringify(r)}`);
+    }
   });
   client.on("message", (m) => {
     if (m.seq !== 0n) s.serverSeqs.push(Number(m.seq));
@@ -86,6 +143,9 @@ window.startScenario = (cfg) => {
       const n = Number(parts[2]);
       if (parts[1] !== room || parts[3] !== player || parts[4] !== `say-${n - 1}`) s.roomBadPayload.push(text);
       else s.room.push(n);
+    }
+    if (m.msgId === ECHO_REPLY || m.msgId === ROOM_EVENT) {
+      maybeStartChannel();
     } else if (m.msgId === JOINED) {
       if (!s.joined) {
         s.joined = true;
@@ -94,6 +154,16 @@ window.startScenario = (cfg) => {
       }
     }
   });
+
+  // After the whole stream, so channel events (sequenced DATA too) take the server seqs
+  // after the replies' and room events'.
+  function maybeStartChannel() {
+    if (s.channel.started || s.echo.length < echoCount || s.room.length < sayCount) return;
+    s.channel.started = true;
+    s.channel.expectedBody = `${player}|${CHAT_TEXT}`;
+    log(`channel join ${CHANNEL}`);
+    client.send(CHANNEL_JOIN, CHANNEL, "critical");
+  }
 
   function startStream() {
     const timer = setInterval(() => {
@@ -129,6 +199,8 @@ window.scenarioState = () => {
     unacked: st ? st.unacked : 0,
     lastServerSeq: st ? Number(st.lastServerSeq) : 0,
     rttSamples: st ? st.rtt.samples : 0,
+    channelStarted: s.channel.started,
+    channelDone: s.channel.publication !== null || s.channel.problems.length > 0,
   };
 };
 
@@ -147,6 +219,13 @@ window.scenarioResult = () => {
     connects: st.connects,
     connectsAtClose: s.connectsAtClose,
     msSinceClosed: s.closedAt === null ? null : performance.now() - s.closedAt,
+    channel: {
+      ...s.channel,
+      ok: channelOk(),
+      positions: Object.fromEntries([...client.channelPositions()].map(([k, p]) => [k, { epoch: p.epoch, offset: Number(p.offset) }])),
+      duplicates: st.channelDuplicates,
+      undecodable: st.channelUndecodable,
+    },
     log: s.log,
   };
 };

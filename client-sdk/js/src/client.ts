@@ -3,8 +3,12 @@
 // after a restore, cumulative acks (piggybacked, or ACK after a delay / every N messages),
 // de-duplication of server seqs, PING/PONG heartbeats with RTT, reconnect with exponential
 // backoff and full jitter, REJECT retry-after, MIGRATE, and terminal kicked/expired.
+// Channel events (§12: DATA of CHANNEL_EVENT_MSG_ID) go through a ChannelTracker and are
+// surfaced as `channel` events, never as `message`s.
 
+import { type ChannelPosition, ChannelTracker, type ChannelUpdate } from "./channels.js";
 import {
+  CHANNEL_EVENT_MSG_ID,
   CloseCode,
   DEFAULT_MAX_FRAME_SIZE,
   type Frame,
@@ -111,8 +115,13 @@ export interface ClientEvents {
   kicked: { code: number; message: string };
   /** The server asks to move: the client reconnects (to `target` when it is a ws/wss URL) and resumes. */
   migrating: { target: string; deadlineMs: number };
-  /** A downstream message; each sequenced one exactly once, in seq order. */
+  /** A downstream message; each sequenced one exactly once, in seq order. Channel events are not messages: see `channel`. */
   message: Message;
+  /**
+   * A channel event (PROTOCOL.md §12): a publication, or joined / left / historyLost.
+   * Publications already shown are dropped; `channelPositions()` has each channel's last position.
+   */
+  channel: ChannelUpdate;
   /** Something went wrong; see `kind`. The client keeps going unless a `closed` event follows. */
   error:
     | { kind: "undelivered"; code: number; label: string; msgId: number; clientSeq: bigint; retryAfterMs: number }
@@ -146,6 +155,10 @@ export interface ClientStats {
   connects: number;
   /** Current session id (hex), if any. */
   sessionId: string | null;
+  /** Channel publications dropped as already shown (§12.3). */
+  channelDuplicates: number;
+  /** Channel event payloads dropped because they could not be decoded. */
+  channelUndecodable: number;
 }
 
 /** `send` refused: the unacked buffer is full, the frame too large, or the client closed. */
@@ -238,6 +251,10 @@ export class WaygateClient {
   // Upstream: next seq and everything sent but not acked.
   private nextSeq = 1n;
   private unacked: Unacked[] = [];
+
+  // Channels (§12): positions and the duplicate filter. Kept across sessions: after a new
+  // session the positions are what the game hands its backend to recover (§12.4).
+  private readonly channels = new ChannelTracker();
 
   private lastTx = 0;
   private lastRx = 0;
@@ -346,7 +363,18 @@ export class WaygateClient {
       lastServerSeq: this.cum,
       connects: this.connects,
       sessionId: this.session ? toHex(this.session.id) : null,
+      channelDuplicates: this.channels.duplicates,
+      channelUndecodable: this.channels.undecodable,
     };
+  }
+
+  /**
+   * The last position of every channel this session is a member of, by channel name (a
+   * copy). After a new session (outcome `new` or `restoreFailed`) the client is a member of
+   * nothing: hand these to the game's backend for it to join with recovery (PROTOCOL.md §12.4).
+   */
+  channelPositions(): Map<string, ChannelPosition> {
+    return this.channels.positions();
   }
 
   /**
@@ -793,6 +821,12 @@ export class WaygateClient {
         this.above.add(seq);
       }
       this.owe();
+    }
+    if (d.msgId === CHANNEL_EVENT_MSG_ID) {
+      // §12.2: a channel event, never a message. Undecodable ones are counted and dropped.
+      const update = this.channels.acceptPayload(d.payload);
+      if (update !== null) this.emit("channel", update);
+      return;
     }
     this.emit("message", { msgId: d.msgId, cls: d.cls, seq: d.seq, payload: d.payload });
   }

@@ -5,6 +5,8 @@
 // part's last_server_seq, WELCOME's server_seq_base and client_seq_ack, ERROR's client_seq)
 // is a `bigint`, so the full u64 range round-trips exactly. Fields the protocol bounds below
 // 2^32 (msg_id, *_ms, max_frame_size, retry_after_ms) and lengths are plain `number`s.
+// Channel events (§12.2): the offset is a `bigint` like a seq; the epoch, which the protocol
+// keeps below 2^53, is a `number`.
 
 /** Protocol version spoken (HELLO.version). */
 export const PROTOCOL_VERSION = 1;
@@ -521,6 +523,73 @@ export function decodeFrame(input: ArrayBuffer | Uint8Array, maxFrameSize = DEFA
     default:
       throw new ProtocolError(`unknown frame type 0x${type.toString(16).padStart(2, "0")}`);
   }
+}
+
+// ---------------------------------------------------------------------------------------
+// Channel events (PROTOCOL.md §12.2)
+
+/**
+ * `msg_id` of the downstream DATA frames that carry channel events (§3.4, §12.2). Ids from
+ * `0xFFFFFF00` up belong to the edge: backends cannot push them.
+ */
+export const CHANNEL_EVENT_MSG_ID = 0xffffff01;
+/** Longest channel name, in bytes (§12.1). */
+export const MAX_CHANNEL_NAME_LEN = 256;
+/** Epochs are below 2^53 (§12.1): exact in a `number`. */
+const EPOCH_LIMIT = 2 ** 53;
+
+/** Channel event kinds (§12.2 `kind`). */
+export const ChannelEventKind = {
+  Publication: 0,
+  Joined: 1,
+  Left: 2,
+  HistoryLost: 3,
+} as const;
+export type ChannelEventKind = (typeof ChannelEventKind)[keyof typeof ChannelEventKind];
+
+/**
+ * One channel event: the payload of a DATA frame with {@link CHANNEL_EVENT_MSG_ID}.
+ * `epoch` is a `number` (the protocol keeps it below 2^53); `offset` is a `bigint`, like seqs.
+ */
+export interface ChannelEvent {
+  kind: ChannelEventKind;
+  /** The channel's name (`kind:name`, e.g. `guild:42`, or just `world`). */
+  channel: string;
+  /** The channel's epoch (changes when the channel is created again). */
+  epoch: number;
+  /**
+   * PUBLICATION: its offset (0n for best-effort); JOINED / HISTORY_LOST: the position live
+   * publications follow; LEFT: the last offset the member was sent.
+   */
+  offset: bigint;
+  /** PUBLICATION: the publisher's bytes; markers: empty. */
+  body: Uint8Array;
+}
+
+/** Encodes a channel event payload (§12.2; tests, tools). Throws RangeError on values the wire cannot carry. */
+export function encodeChannelEvent(e: ChannelEvent): Uint8Array {
+  if (!Number.isInteger(e.kind) || e.kind < 0 || e.kind > 0xff) throw new RangeError(`channel event kind must be a u8: ${e.kind}`);
+  const name = utf8Encode(e.channel);
+  if (name.length > MAX_CHANNEL_NAME_LEN) throw new RangeError(`channel name longer than ${MAX_CHANNEL_NAME_LEN} bytes`);
+  if (!Number.isSafeInteger(e.epoch) || e.epoch < 0) throw new RangeError(`epoch must be below 2^53: ${e.epoch}`);
+  return new Writer(name.length + e.body.length + 24).u8(e.kind).bytes(name).varint(e.epoch).varint(e.offset).raw(e.body).finish();
+}
+
+/**
+ * Decodes the payload of a DATA frame with {@link CHANNEL_EVENT_MSG_ID} (§12.2). Throws
+ * {@link ProtocolError} for anything malformed (truncated, a name above 256 bytes or not
+ * UTF-8, varints out of range, an epoch of 2^53 or more) and for a kind this version does
+ * not know (0–3), which a client ignores (§12.2). Never throws anything else.
+ */
+export function decodeChannelEvent(input: ArrayBuffer | Uint8Array): ChannelEvent {
+  const r = new Reader(toBytes(input));
+  const kind = r.u8("channel event kind");
+  if (kind > ChannelEventKind.HistoryLost) throw new ProtocolError(`unknown channel event kind ${kind}`);
+  const channel = r.string("channel", MAX_CHANNEL_NAME_LEN);
+  const epoch = r.varint("epoch");
+  if (epoch >= BigInt(EPOCH_LIMIT)) throw new ProtocolError("channel epoch must be below 2^53");
+  const offset = r.varint("offset");
+  return { kind: kind as ChannelEventKind, channel, epoch: Number(epoch), offset, body: r.rest() };
 }
 
 // ---------------------------------------------------------------------------------------

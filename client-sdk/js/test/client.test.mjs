@@ -2,7 +2,16 @@
 // test plays the server's part frame by frame, per PROTOCOL.md §7.
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { CloseCode, WaygateClient, decodeFrame, encodeFrame } from "../dist/index.js";
+import {
+  CHANNEL_EVENT_MSG_ID,
+  ChannelEventKind,
+  ChannelTracker,
+  CloseCode,
+  WaygateClient,
+  decodeFrame,
+  encodeChannelEvent,
+  encodeFrame,
+} from "../dist/index.js";
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 const id = (n) => new Uint8Array(16).fill(n);
@@ -88,7 +97,7 @@ function setup(options = {}) {
     ...options,
   });
   const events = [];
-  for (const name of ["connected", "newSession", "restored", "restoredWithGap", "disconnected", "kicked", "migrating", "message", "error", "closed"]) {
+  for (const name of ["connected", "newSession", "restored", "restoredWithGap", "disconnected", "kicked", "migrating", "message", "channel", "error", "closed"]) {
     client.on(name, (e) => events.push({ name, ...e }));
   }
   const named = (n) => events.filter((e) => e.name === n);
@@ -457,5 +466,138 @@ test("liveness: an ACK in time keeps the link", async () => {
   await sleep(300);
   assert.equal(ctx.WS.all.length, 1, "still the first connection");
   assert.equal(ctx.named("disconnected").length, 0);
+  ctx.client.close();
+});
+
+// ---------------------------------------------------------------------------------------
+// Channels (PROTOCOL.md §12.3): the tracker alone, then through the client.
+
+const { Publication, Joined, Left, HistoryLost } = ChannelEventKind;
+const chEvent = (kind, epoch, offset, channel = "guild:1", body = "") => ({
+  kind,
+  channel,
+  epoch,
+  offset: BigInt(offset),
+  body: new TextEncoder().encode(body),
+});
+const pos = (epoch, offset) => ({ epoch, offset: BigInt(offset) });
+
+test("channel tracker: positions follow events, repeats and older offsets dropped, best-effort passes", () => {
+  const t = new ChannelTracker();
+  assert.deepEqual(t.accept(chEvent(Joined, 9, 4)), { kind: "joined", channel: "guild:1", epoch: 9, offset: 4n, body: new Uint8Array(0) });
+  assert.deepEqual(t.positions(), new Map([["guild:1", pos(9, 4)]]));
+  const p5 = t.accept(chEvent(Publication, 9, 5, "guild:1", "hi"));
+  assert.equal(p5.kind, "publication");
+  assert.equal(text(p5.body), "hi");
+  assert.deepEqual(t.position("guild:1"), pos(9, 5));
+  assert.equal(t.accept(chEvent(Publication, 9, 5)), null, "repeat");
+  assert.equal(t.accept(chEvent(Publication, 9, 3)), null, "older");
+  assert.equal(t.accept(chEvent(Publication, 9, 0, "guild:1", "be")).kind, "publication", "best-effort");
+  assert.equal(t.accept(chEvent(Publication, 9, 0, "guild:1", "be")).kind, "publication", "best-effort again: never a duplicate");
+  assert.deepEqual(t.position("guild:1"), pos(9, 5), "best-effort leaves the position");
+  assert.equal(t.duplicates, 2);
+  // Another channel is independent.
+  assert.equal(t.accept(chEvent(Publication, 9, 1, "world")).kind, "publication", "first publication of an unknown channel");
+  assert.deepEqual([...t.positions().keys()], ["guild:1", "world"]);
+  // A new epoch after HISTORY_LOST: its offsets start over, below the old ones.
+  assert.equal(t.accept(chEvent(HistoryLost, 11, 2)).kind, "historyLost");
+  assert.deepEqual(t.position("guild:1"), pos(11, 2));
+  assert.equal(t.accept(chEvent(Publication, 11, 3)).kind, "publication", "new epoch");
+  assert.equal(t.accept(chEvent(Publication, 11, 3)), null, "repeat in the new epoch");
+  assert.equal(t.duplicates, 3);
+  // A publication of another epoch is not a duplicate (e.g. recovered on another edge).
+  assert.equal(t.accept(chEvent(Publication, 12, 1)).kind, "publication");
+  assert.deepEqual(t.position("guild:1"), pos(12, 1));
+  // LEFT removes the channel.
+  assert.deepEqual(t.accept(chEvent(Left, 12, 1)), { kind: "left", channel: "guild:1", epoch: 12, offset: 1n, body: new Uint8Array(0) });
+  assert.equal(t.position("guild:1"), null);
+  assert.deepEqual([...t.positions().keys()], ["world"]);
+  t.accept(chEvent(Left, 9, 1, "world"));
+  assert.equal(t.positions().size, 0);
+  // positions() is a copy.
+  t.accept(chEvent(Joined, 1, 1));
+  t.positions().get("guild:1").offset = 99n;
+  assert.deepEqual(t.position("guild:1"), pos(1, 1));
+});
+
+test("channel tracker: payloads are decoded; undecodable ones are counted and ignored", () => {
+  const t = new ChannelTracker();
+  const u = t.acceptPayload(new Uint8Array(Buffer.from("00086775696c643a3432ac02076869", "hex")));
+  assert.deepEqual(u, { kind: "publication", channel: "guild:42", epoch: 300, offset: 7n, body: new TextEncoder().encode("hi") });
+  assert.equal(t.acceptPayload(new Uint8Array([0x00, 0x08, 0x67])), null, "truncated");
+  assert.equal(t.acceptPayload(new Uint8Array([0x04, 0x01, 0x61, 0x01, 0x01])), null, "unknown kind 4: ignored");
+  assert.equal(t.acceptPayload(new Uint8Array(0)), null, "empty");
+  assert.equal(t.undecodable, 3);
+  assert.equal(t.duplicates, 0);
+  assert.deepEqual(t.positions(), new Map([["guild:42", pos(300, 7)]]));
+});
+
+/** DATA carrying a channel event (or raw payload bytes). */
+const chData = (seq, ev, cls = "critical") => ({
+  type: "data",
+  cls,
+  msgId: CHANNEL_EVENT_MSG_ID,
+  seq: BigInt(seq),
+  ack: null,
+  payload: ev instanceof Uint8Array ? ev : encodeChannelEvent(ev),
+});
+
+test("DATA with msg_id 0xFFFFFF01 becomes a channel event, not a message; duplicates dropped, seqs still acked", async () => {
+  const ctx = setup({ ackDelayMs: 5 });
+  const { ws } = await connect(ctx);
+  ws.take();
+  assert.deepEqual(ctx.client.channelPositions(), new Map());
+  ws.deliver(chData(1, chEvent(Joined, 300, 6, "world")));
+  ws.deliver(chData(2, chEvent(Publication, 300, 7, "world", "alice|hi"), "normal"));
+  ws.deliver(data(3)); // an ordinary message in between
+  ws.deliver(chData(4, chEvent(Publication, 300, 7, "world", "alice|hi"), "normal")); // recovered again: a duplicate
+  ws.deliver(chData(0, chEvent(Publication, 300, 0, "world", "bob|fast"), "bestEffort"));
+  ws.deliver(chData(5, new Uint8Array([0x00, 0x05, 0x77]))); // undecodable: dropped quietly
+  assert.deepEqual(
+    ctx.named("channel").map((e) => [e.kind, e.channel, e.epoch, e.offset, text(e.body)]),
+    [
+      ["joined", "world", 300, 6n, ""],
+      ["publication", "world", 300, 7n, "alice|hi"],
+      ["publication", "world", 300, 0n, "bob|fast"],
+    ],
+  );
+  assert.deepEqual(ctx.named("message").map((m) => [m.msgId, m.seq]), [[7, 3n]], "only the ordinary message");
+  assert.deepEqual(ctx.client.channelPositions(), new Map([["world", pos(300, 7)]]));
+  const st = ctx.client.stats();
+  assert.equal(st.channelDuplicates, 1);
+  assert.equal(st.channelUndecodable, 1);
+  assert.equal(st.lastServerSeq, 5n, "channel events are sequenced DATA like any other");
+  assert.deepEqual(ctx.named("error"), [], "an undecodable channel event is no protocol error");
+  assert.equal(ctx.client.state, "active");
+  await sleep(30);
+  assert.deepEqual(ws.take(), [{ type: "ack", ack: 5n }]);
+  // A replayed seq never reaches the tracker twice; LEFT ends the membership.
+  ws.deliver(chData(2, chEvent(Publication, 300, 7, "world", "alice|hi"), "normal"));
+  ws.deliver(chData(6, chEvent(Left, 300, 7, "world")));
+  assert.deepEqual(ctx.named("channel").at(-1).kind, "left");
+  assert.equal(ctx.client.stats().channelDuplicates, 1);
+  assert.deepEqual(ctx.client.channelPositions(), new Map());
+  ctx.client.close();
+});
+
+test("channel positions survive a new session (they are what the game recovers from, §12.4)", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx);
+  ws.deliver(chData(1, chEvent(Joined, 42, 10, "guild:7")));
+  ws.drop();
+  await sleep(5);
+  const ws2 = ctx.WS.all.at(-1);
+  ws2.open();
+  ws2.deliver(welcome(3, { sessionId: id(9) }));
+  assert.deepEqual(ctx.client.channelPositions(), new Map([["guild:7", pos(42, 10)]]));
+  // The backend joins with `since` = that position: HISTORY_LOST on a new epoch.
+  ws2.deliver(chData(1, chEvent(HistoryLost, 77, 3, "guild:7")));
+  ws2.deliver(chData(2, chEvent(Publication, 77, 4, "guild:7", "x")));
+  assert.deepEqual(ctx.named("channel").map((e) => [e.kind, e.epoch, e.offset]), [
+    ["joined", 42, 10n],
+    ["historyLost", 77, 3n],
+    ["publication", 77, 4n],
+  ]);
+  assert.deepEqual(ctx.client.channelPositions(), new Map([["guild:7", pos(77, 4)]]));
   ctx.client.close();
 });

@@ -2,13 +2,17 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import {
+  CHANNEL_EVENT_MSG_ID,
+  ChannelEventKind,
   CloseCode,
   ProtocolError,
   base64UrlDecode,
   codeClass,
   codeLabel,
+  decodeChannelEvent,
   decodeFrame,
   decodeVarint,
+  encodeChannelEvent,
   encodeFrame,
   encodeVarint,
 } from "../dist/index.js";
@@ -197,4 +201,100 @@ test("close codes: labels and classes of unknown codes (§1.1)", () => {
   assert.equal(codeClass(499), "load");
   assert.equal(codeClass(250), "auth");
   assert.equal(codeClass(5), "general");
+});
+
+// ---------------------------------------------------------------------------------------
+// Channel events (PROTOCOL.md §12.2)
+
+const EXAMPLE_12_2 = "00 08 67 75 69 6c 64 3a 34 32 ac 02 07 68 69";
+
+test("channel event: the example of §12.2 both ways", () => {
+  const e = { kind: ChannelEventKind.Publication, channel: "guild:42", epoch: 300, offset: 7n, body: new TextEncoder().encode("hi") };
+  assert.equal(hex(encodeChannelEvent(e)), EXAMPLE_12_2.replace(/ /g, ""));
+  assert.deepEqual(decodeChannelEvent(bytes(EXAMPLE_12_2)), e);
+  const b = bytes(EXAMPLE_12_2);
+  assert.deepEqual(decodeChannelEvent(b.buffer.slice(b.byteOffset, b.byteOffset + b.length)), e, "from an ArrayBuffer");
+  assert.equal(CHANNEL_EVENT_MSG_ID, 0xffffff01);
+  assert.equal(CHANNEL_EVENT_MSG_ID, 4294967041);
+  // Carried in DATA like any message (§3.4): msg_id 0xFFFFFF01 is a valid u32.
+  const f = { type: "data", cls: "normal", msgId: CHANNEL_EVENT_MSG_ID, seq: 3n, ack: null, payload: bytes(EXAMPLE_12_2) };
+  assert.deepEqual(decodeChannelEvent(decodeFrame(encodeFrame(f)).payload), e);
+});
+
+test("channel event: every kind and the extreme values round-trip", () => {
+  const events = [
+    { kind: ChannelEventKind.Joined, channel: "world", epoch: 0, offset: 0n, body: new Uint8Array(0) },
+    { kind: ChannelEventKind.Left, channel: "room:lobby", epoch: 2 ** 53 - 1, offset: (1n << 64n) - 1n, body: new Uint8Array(0) },
+    { kind: ChannelEventKind.HistoryLost, channel: "x".repeat(256), epoch: 2 ** 32, offset: 1n << 40n, body: new Uint8Array(0) },
+    { kind: ChannelEventKind.Publication, channel: "guild:é✓", epoch: 1, offset: 0n, body: new Uint8Array([0, 0xff, 0x7c]) },
+  ];
+  for (const e of events) assert.deepEqual(decodeChannelEvent(encodeChannelEvent(e)), e, `kind ${e.kind}`);
+  assert.deepEqual(ChannelEventKind, { Publication: 0, Joined: 1, Left: 2, HistoryLost: 3 });
+});
+
+test("channel event: truncation and malformed payloads are protocol errors", () => {
+  const full = bytes(EXAMPLE_12_2);
+  // Up to the offset every prefix is truncated; from there on the body is just shorter.
+  for (let n = 0; n < 13; n++) {
+    assert.throws(() => decodeChannelEvent(full.subarray(0, n)), ProtocolError, `prefix of ${n} bytes`);
+  }
+  for (let n = 13; n <= full.length; n++) {
+    assert.equal(decodeChannelEvent(full.subarray(0, n)).body.length, n - 13);
+  }
+  const bad = [
+    ["04 05 77 6f 72 6c 64 01 01", "unknown kind 4 (ignored by a client)"],
+    ["ff 00 01 01", "unknown kind 255"],
+    ["01 81 02" + " 61".repeat(257) + " 01 01", "name of 257 bytes"],
+    ["01 02 c3 28 01 01", "name not UTF-8"],
+    ["01 05 77 6f 72 6c 64 80 80 80 80 80 80 80 10 01", "epoch = 2^53"],
+    ["01 05 77 6f 72 6c 64 01 ff ff ff ff ff ff ff ff ff 02", "offset above 64 bits"],
+    ["01 05 77 6f 72 6c 64 01 ff ff ff ff ff ff ff ff ff 81 00", "offset of 11 bytes (its 10th byte > 1)"],
+    ["01 ff ff ff ff ff ff ff ff ff 01", "name length of 2^64 - 1"],
+  ];
+  for (const [h, why] of bad) {
+    assert.throws(() => decodeChannelEvent(bytes(h)), (e) => e instanceof ProtocolError && e.code === CloseCode.protocol_error, why);
+  }
+  // The largest valid epoch still decodes.
+  assert.equal(decodeChannelEvent(bytes("01 05 77 6f 72 6c 64 ff ff ff ff ff ff ff 0f 01")).epoch, 2 ** 53 - 1);
+});
+
+test("channel event: arbitrary bytes never throw anything but ProtocolError", () => {
+  let x = 0x9e3779b9;
+  const rand = () => {
+    // xorshift32: deterministic, so a failure reproduces.
+    x ^= x << 13;
+    x ^= x >>> 17;
+    x ^= x << 5;
+    return (x >>> 0) / 2 ** 32;
+  };
+  const valid = bytes(EXAMPLE_12_2);
+  let decoded = 0;
+  for (let i = 0; i < 20_000; i++) {
+    let b;
+    if (i % 2 === 0) {
+      b = new Uint8Array(Math.floor(rand() * 40));
+      for (let j = 0; j < b.length; j++) b[j] = rand() < 0.3 ? Math.floor(rand() * 4) : Math.floor(rand() * 256);
+    } else {
+      // Mutations of a valid payload: flipped bytes, cut or extended.
+      b = new Uint8Array(valid.slice(0, Math.floor(rand() * (valid.length + 4))));
+      for (let k = 0; k < 1 + Math.floor(rand() * 3); k++) if (b.length) b[Math.floor(rand() * b.length)] = Math.floor(rand() * 256);
+    }
+    try {
+      const e = decodeChannelEvent(b);
+      assert.ok(e.kind >= 0 && e.kind <= 3 && Number.isSafeInteger(e.epoch) && typeof e.offset === "bigint" && e.body instanceof Uint8Array);
+      decoded++;
+    } catch (e) {
+      assert.ok(e instanceof ProtocolError, `input ${hex(b)} threw ${e}`);
+    }
+  }
+  assert.ok(decoded > 100, `some inputs decode (${decoded})`);
+});
+
+test("channel event: the encoder refuses what the wire cannot carry", () => {
+  const ok = { kind: 0, channel: "world", epoch: 1, offset: 1n, body: new Uint8Array(0) };
+  assert.throws(() => encodeChannelEvent({ ...ok, channel: "x".repeat(257) }), RangeError);
+  assert.throws(() => encodeChannelEvent({ ...ok, epoch: 2 ** 53 }), RangeError);
+  assert.throws(() => encodeChannelEvent({ ...ok, epoch: -1 }), RangeError);
+  assert.throws(() => encodeChannelEvent({ ...ok, offset: 1n << 64n }), RangeError);
+  assert.throws(() => encodeChannelEvent({ ...ok, kind: 256 }), RangeError);
 });

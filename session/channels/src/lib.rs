@@ -61,6 +61,10 @@ pub struct KindPolicy {
     /// Best-effort publications waiting for delivery in one channel (shed first: keep it
     /// the smallest).
     pub queue_best_effort: usize,
+    /// Offline members get a backlog: when a member's session ends, the edge remembers the
+    /// last position its client acknowledged, and a later join of the same player without
+    /// a position recovers from there (PROTOCOL.md §12.4).
+    pub backlog: bool,
 }
 
 impl Default for KindPolicy {
@@ -75,6 +79,7 @@ impl Default for KindPolicy {
             queue_critical: 256,
             queue_normal: 1_024,
             queue_best_effort: 256,
+            backlog: false,
         }
     }
 }
@@ -108,6 +113,9 @@ pub struct ChannelsConfig {
     /// Publish ids remembered per channel to answer a retried publish with its first
     /// result (0 turns publish dedup off).
     pub dedup_window: usize,
+    /// Departed members remembered per channel of a kind with `backlog` (the oldest is
+    /// forgotten first; an entry also goes when its kind's history TTL has passed).
+    pub backlog_players: usize,
     /// The channel kinds, by the part of a channel name before `:` (`guild` for
     /// `guild:42`, `world` for `world`). Setting this replaces the default kinds.
     pub kinds: BTreeMap<String, KindPolicy>,
@@ -115,9 +123,10 @@ pub struct ChannelsConfig {
 
 impl Default for ChannelsConfig {
     fn default() -> Self {
-        let kind = |history_len, history_ttl_ms| KindPolicy {
+        let kind = |history_len, history_ttl_ms, backlog| KindPolicy {
             history_len,
             history_ttl_ms,
+            backlog,
             ..KindPolicy::default()
         };
         Self {
@@ -125,11 +134,12 @@ impl Default for ChannelsConfig {
             max_channels_per_session: 64,
             idle_reclaim_ms: 60_000,
             dedup_window: 1_024,
+            backlog_players: 10_000,
             kinds: BTreeMap::from([
-                ("world".to_owned(), kind(100, 60_000)),
-                ("guild".to_owned(), kind(500, 3_600_000)),
-                ("room".to_owned(), kind(100, 300_000)),
-                ("system".to_owned(), kind(100, 3_600_000)),
+                ("world".to_owned(), kind(100, 60_000, false)),
+                ("guild".to_owned(), kind(500, 3_600_000, true)),
+                ("room".to_owned(), kind(100, 300_000, false)),
+                ("system".to_owned(), kind(100, 3_600_000, false)),
             ]),
         }
     }
@@ -344,6 +354,9 @@ struct Channel {
     recent: HashMap<u64, ChannelPosition>,
     recent_order: VecDeque<u64>,
     last_used: Instant,
+    /// Kinds with backlog: departed players' last acknowledged positions.
+    departed: HashMap<Arc<str>, (ChannelPosition, Instant)>,
+    departed_order: VecDeque<Arc<str>>,
 }
 
 impl Channel {
@@ -386,6 +399,27 @@ impl Channel {
             .is_some_and(|s| now.saturating_duration_since(s.at) >= ttl)
         {
             self.history.pop_front();
+        }
+    }
+
+    /// Forgets departed players whose entries are older than the history TTL.
+    fn trim_departed(&mut self, now: Instant) {
+        let ttl = Duration::from_millis(self.policy.history_ttl_ms);
+        while let Some(p) = self.departed_order.front() {
+            match self.departed.get(p) {
+                Some((_, at)) if now.saturating_duration_since(*at) < ttl => break,
+                _ => {
+                    if let Some(p) = self.departed_order.pop_front() {
+                        if self
+                            .departed
+                            .get(&p)
+                            .is_some_and(|(_, at)| now.saturating_duration_since(*at) >= ttl)
+                        {
+                            self.departed.remove(&p);
+                        }
+                    }
+                }
+            }
         }
     }
 
@@ -505,6 +539,8 @@ impl ChannelHub {
                     recent: HashMap::new(),
                     recent_order: VecDeque::new(),
                     last_used: now,
+                    departed: HashMap::new(),
+                    departed_order: VecDeque::new(),
                 },
             );
         }
@@ -614,6 +650,7 @@ impl ChannelHub {
         &mut self,
         now: Instant,
         session: SessionId,
+        player: &str,
         channel: &str,
         since: Option<ChannelPosition>,
     ) -> Result<(ChannelPosition, JoinOutcome), ChannelError> {
@@ -643,6 +680,12 @@ impl ChannelHub {
         if ch.members.len() >= ch.policy.max_members {
             return Err(ChannelError::Limit);
         }
+        // A returning member of a kind with backlog recovers from where it left.
+        let since = match since {
+            Some(p) => Some(p),
+            None if ch.policy.backlog => ch.departed.remove(player).map(|(p, _)| p),
+            None => None,
+        };
         // What this join queues for the member alone, before its live publications.
         let mut direct: Vec<(TrafficClass, Bytes)> = Vec::new();
         let outcome = match since {
@@ -742,6 +785,52 @@ impl ChannelHub {
         }
         Self::schedule(&mut self.ready, ch);
         Ok(true)
+    }
+
+    /// `player`'s session `session` ended for good: it is a member of nothing any more, and
+    /// each channel of a kind with backlog remembers the position its client acknowledged
+    /// (`acked`, per channel) for the player's next join.
+    pub fn session_departed(
+        &mut self,
+        now: Instant,
+        session: &SessionId,
+        player: &str,
+        acked: &BTreeMap<String, ChannelPosition>,
+    ) {
+        let cap = self.config.backlog_players;
+        for name in self.memberships.get(session).cloned().unwrap_or_default() {
+            let Some(ch) = self.channels.get_mut(&name) else {
+                continue;
+            };
+            let Some(position) = acked.get(&*name).filter(|_| ch.policy.backlog && cap > 0) else {
+                continue;
+            };
+            ch.trim_departed(now);
+            let player: Arc<str> = player.into();
+            if ch
+                .departed
+                .insert(player.clone(), (*position, now))
+                .is_none()
+            {
+                ch.departed_order.push_back(player);
+            }
+            while ch.departed.len() > cap {
+                match ch.departed_order.pop_front() {
+                    Some(p) => {
+                        ch.departed.remove(&p);
+                    }
+                    None => break,
+                }
+            }
+            if ch.departed_order.len() > cap.saturating_mul(2) {
+                // Names that joined again (or were listed twice) leave the order.
+                let mut seen = std::collections::HashSet::new();
+                let map = &ch.departed;
+                ch.departed_order
+                    .retain(|p| map.contains_key(p) && seen.insert(p.clone()));
+            }
+        }
+        self.session_ended(session);
     }
 
     /// `session` ended (or left this edge): it is a member of nothing any more, at once.
@@ -850,6 +939,7 @@ impl ChannelHub {
         let idle = Duration::from_millis(self.config.idle_reclaim_ms);
         for ch in self.channels.values_mut() {
             ch.trim_history(now);
+            ch.trim_departed(now);
         }
         let before = self.channels.len();
         self.channels.retain(|_, ch| !ch.is_idle(now, idle));
@@ -910,6 +1000,11 @@ impl ChannelHub {
             }
             if ch.members.len() > ch.policy.max_members {
                 return Err(format!("{name}: members over the cap"));
+            }
+            if ch.departed.len() > self.config.backlog_players
+                || ch.departed_order.len() > 2 * self.config.backlog_players.max(1) + 1
+            {
+                return Err(format!("{name}: departed players over the cap"));
             }
             if !ch.pending.is_empty() && !ch.scheduled {
                 return Err(format!("{name}: pending work without a consumer"));

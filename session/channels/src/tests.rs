@@ -16,6 +16,10 @@ fn sid(n: u8) -> SessionId {
     [n; 16]
 }
 
+fn player(n: u8) -> String {
+    format!("player-{n}")
+}
+
 fn small_config() -> ChannelsConfig {
     let kind = KindPolicy {
         history_len: 4,
@@ -27,14 +31,23 @@ fn small_config() -> ChannelsConfig {
         queue_critical: 4,
         queue_normal: 6,
         queue_best_effort: 2,
+        backlog: false,
     };
     ChannelsConfig {
         max_channels: 3,
         max_channels_per_session: 2,
         idle_reclaim_ms: 1_000,
         dedup_window: 8,
+        backlog_players: 2,
         kinds: [
             ("room".to_owned(), kind.clone()),
+            (
+                "guild".to_owned(),
+                KindPolicy {
+                    backlog: true,
+                    ..kind.clone()
+                },
+            ),
             ("world".to_owned(), kind),
         ]
         .into_iter()
@@ -73,7 +86,7 @@ fn offsets_of(events: &[(SessionId, ChannelEvent)], s: SessionId) -> Vec<u64> {
 fn publish_reaches_members_in_order_and_markers_frame_membership() {
     let now = Instant::now();
     let mut hub = ChannelHub::new(small_config(), 1);
-    let (p, o) = hub.join(now, sid(1), "room:a", None).unwrap();
+    let (p, o) = hub.join(now, sid(1), &player(1), "room:a", None).unwrap();
     assert_eq!((p.offset, o), (0, JoinOutcome::Joined));
     for i in 0..3u8 {
         let r = hub
@@ -113,7 +126,9 @@ fn a_member_joining_with_a_position_recovers_what_it_missed_then_goes_live() {
         epoch: last.epoch,
         offset: 1,
     };
-    let (live, outcome) = hub.join(now, sid(1), "room:a", Some(since)).unwrap();
+    let (live, outcome) = hub
+        .join(now, sid(1), &player(1), "room:a", Some(since))
+        .unwrap();
     assert_eq!(outcome, JoinOutcome::Recovered { publications: 2 });
     assert_eq!(live.offset, 3);
     hub.publish(now, "room:a", 0, TrafficClass::Normal, Bytes::new())
@@ -141,20 +156,26 @@ fn trimmed_history_or_another_epoch_answers_history_lost() {
         epoch: last.epoch,
         offset: 1,
     };
-    let (_, o) = hub.join(now, sid(1), "room:a", Some(trimmed)).unwrap();
+    let (_, o) = hub
+        .join(now, sid(1), &player(1), "room:a", Some(trimmed))
+        .unwrap();
     assert_eq!(o, JoinOutcome::HistoryLost);
     // After 2 is still whole (3..=6 kept).
     let whole = ChannelPosition {
         epoch: last.epoch,
         offset: 2,
     };
-    let (_, o) = hub.join(now, sid(2), "room:a", Some(whole)).unwrap();
+    let (_, o) = hub
+        .join(now, sid(2), &player(2), "room:a", Some(whole))
+        .unwrap();
     assert_eq!(o, JoinOutcome::Recovered { publications: 4 });
     let other_epoch = ChannelPosition {
         epoch: last.epoch ^ 1,
         offset: 6,
     };
-    let (_, o) = hub.join(now, sid(3), "room:a", Some(other_epoch)).unwrap();
+    let (_, o) = hub
+        .join(now, sid(3), &player(3), "room:a", Some(other_epoch))
+        .unwrap();
     assert_eq!(o, JoinOutcome::HistoryLost);
     let got = drain(&mut hub);
     assert_eq!(got[0].1.kind, ChannelEventKind::HistoryLost);
@@ -167,14 +188,18 @@ fn trimmed_history_or_another_epoch_answers_history_lost() {
         epoch: last.epoch,
         offset: 5,
     };
-    let (_, o) = hub.join(later, sid(4), "world", Some(after_5)).unwrap();
+    let (_, o) = hub
+        .join(later, sid(4), &player(4), "world", Some(after_5))
+        .unwrap();
     assert_eq!(
         o,
         JoinOutcome::HistoryLost,
         "another channel: another epoch"
     );
     hub.session_ended(&sid(1));
-    let (_, o) = hub.join(later, sid(1), "room:a", Some(after_5)).unwrap();
+    let (_, o) = hub
+        .join(later, sid(1), &player(1), "room:a", Some(after_5))
+        .unwrap();
     assert_eq!(o, JoinOutcome::HistoryLost, "trimmed by its TTL");
 }
 
@@ -182,7 +207,7 @@ fn trimmed_history_or_another_epoch_answers_history_lost() {
 fn refusals_are_typed_and_take_nothing() {
     let now = Instant::now();
     let mut hub = ChannelHub::new(small_config(), 4);
-    let e = hub.publish(now, "guild:1", 0, TrafficClass::Normal, Bytes::new());
+    let e = hub.publish(now, "clan:1", 0, TrafficClass::Normal, Bytes::new());
     assert_eq!(e, Err(ChannelError::UnknownKind));
     assert_eq!(e.unwrap_err().code(), CloseCode::UnknownChannelKind);
     for bad in ["", "room a", ":x", "room\n"] {
@@ -236,10 +261,10 @@ fn refusals_are_typed_and_take_nothing() {
         other => panic!("expected rate limited, got {other:?}"),
     }
     // Caps: channels per edge (3), per session (2), members per channel (3).
-    hub.join(now, sid(1), "room:b", None).unwrap();
-    hub.join(now, sid(1), "room:c", None).unwrap();
+    hub.join(now, sid(1), &player(1), "room:b", None).unwrap();
+    hub.join(now, sid(1), &player(1), "room:c", None).unwrap();
     assert_eq!(
-        hub.join(now, sid(1), "room:a", None),
+        hub.join(now, sid(1), &player(1), "room:a", None),
         Err(ChannelError::Limit)
     );
     assert_eq!(
@@ -247,7 +272,7 @@ fn refusals_are_typed_and_take_nothing() {
         Err(ChannelError::Limit)
     );
     for s in 2..5 {
-        let r = hub.join(now, sid(s), "room:b", None);
+        let r = hub.join(now, sid(s), &player(s), "room:b", None);
         assert_eq!(r.is_err(), s == 4, "member {s}");
     }
     hub.check_invariants().unwrap();
@@ -257,7 +282,7 @@ fn refusals_are_typed_and_take_nothing() {
 fn a_retried_publish_is_answered_with_its_first_result() {
     let now = Instant::now();
     let mut hub = ChannelHub::new(small_config(), 5);
-    hub.join(now, sid(1), "room:a", None).unwrap();
+    hub.join(now, sid(1), &player(1), "room:a", None).unwrap();
     let first = hub
         .publish(
             now,
@@ -308,7 +333,9 @@ fn idle_channels_are_reclaimed_and_come_back_with_a_new_epoch() {
     let later = now + Duration::from_secs(11);
     assert_eq!(hub.sweep(later), 1);
     assert_eq!(hub.channels(), 0);
-    let (_, o) = hub.join(later, sid(1), "room:a", Some(p)).unwrap();
+    let (_, o) = hub
+        .join(later, sid(1), &player(1), "room:a", Some(p))
+        .unwrap();
     assert_eq!(o, JoinOutcome::HistoryLost);
     assert_ne!(hub.position("room:a").unwrap().epoch, p.epoch);
 }
@@ -317,15 +344,15 @@ fn idle_channels_are_reclaimed_and_come_back_with_a_new_epoch() {
 fn an_ended_session_is_dropped_from_every_channel_and_a_rejoin_cancels_a_leave() {
     let now = Instant::now();
     let mut hub = ChannelHub::new(small_config(), 7);
-    hub.join(now, sid(1), "room:a", None).unwrap();
-    hub.join(now, sid(1), "world", None).unwrap();
+    hub.join(now, sid(1), &player(1), "room:a", None).unwrap();
+    hub.join(now, sid(1), &player(1), "world", None).unwrap();
     hub.session_ended(&sid(1));
     assert_eq!(hub.members("room:a") + hub.members("world"), 0);
     hub.check_invariants().unwrap();
     drain(&mut hub);
-    hub.join(now, sid(2), "room:a", None).unwrap();
+    hub.join(now, sid(2), &player(2), "room:a", None).unwrap();
     hub.leave(now, sid(2), "room:a").unwrap();
-    let (_, o) = hub.join(now, sid(2), "room:a", None).unwrap();
+    let (_, o) = hub.join(now, sid(2), &player(2), "room:a", None).unwrap();
     assert_eq!(o, JoinOutcome::AlreadyMember);
     hub.publish(now, "room:a", 0, TrafficClass::Normal, Bytes::new())
         .unwrap();
@@ -336,6 +363,66 @@ fn an_ended_session_is_dropped_from_every_channel_and_a_rejoin_cancels_a_leave()
         [ChannelEventKind::Joined, ChannelEventKind::Publication]
     );
     assert_eq!(hub.members("room:a"), 1);
+    hub.check_invariants().unwrap();
+}
+
+#[test]
+fn a_departed_member_of_a_kind_with_backlog_recovers_from_its_acknowledged_position() {
+    let now = Instant::now();
+    let mut hub = ChannelHub::new(small_config(), 8);
+    hub.join(now, sid(1), &player(1), "guild:g", None).unwrap();
+    for _ in 0..3 {
+        hub.publish(now, "guild:g", 0, TrafficClass::Normal, Bytes::new())
+            .unwrap();
+    }
+    drain(&mut hub);
+    let epoch = hub.position("guild:g").unwrap().epoch;
+    // The client acknowledged up to offset 2 when its session ended.
+    let acked = [("guild:g".to_owned(), ChannelPosition { epoch, offset: 2 })].into();
+    hub.session_departed(now, &sid(1), &player(1), &acked);
+    assert_eq!(hub.members("guild:g"), 0);
+    hub.publish(now, "guild:g", 0, TrafficClass::Normal, Bytes::new())
+        .unwrap();
+    // Its next session joins without a position: the backlog is 3 and 4.
+    let (_, o) = hub.join(now, sid(9), &player(1), "guild:g", None).unwrap();
+    assert_eq!(o, JoinOutcome::Recovered { publications: 2 });
+    assert_eq!(offsets_of(&drain(&mut hub), sid(9)), [3, 4]);
+    // Remembered once: a later join is a plain join.
+    hub.session_ended(&sid(9));
+    let (_, o) = hub.join(now, sid(10), &player(1), "guild:g", None).unwrap();
+    assert_eq!(o, JoinOutcome::Joined);
+    // Kinds without backlog remember nothing; the memory is capped (2) and expires.
+    hub.join(now, sid(2), &player(2), "room:r", None).unwrap();
+    let room = [("room:r".to_owned(), hub.position("room:r").unwrap())].into();
+    hub.session_departed(now, &sid(2), &player(2), &room);
+    let (_, o) = hub.join(now, sid(3), &player(2), "room:r", None).unwrap();
+    assert_eq!(o, JoinOutcome::Joined);
+    for n in 20..24u8 {
+        hub.join(now, sid(n), &player(n), "guild:g", None).unwrap();
+        let p = [("guild:g".to_owned(), ChannelPosition { epoch, offset: 4 })].into();
+        hub.session_departed(now, &sid(n), &player(n), &p);
+        hub.check_invariants().unwrap();
+    }
+    let (_, o) = hub
+        .join(now, sid(40), &player(20), "guild:g", None)
+        .unwrap();
+    assert_eq!(
+        o,
+        JoinOutcome::Joined,
+        "the oldest departed player was forgotten"
+    );
+    let (_, o) = hub
+        .join(now, sid(41), &player(23), "guild:g", None)
+        .unwrap();
+    assert_eq!(o, JoinOutcome::Recovered { publications: 0 });
+    hub.session_ended(&sid(40));
+    hub.session_ended(&sid(41));
+    let later = now + Duration::from_secs(11);
+    hub.sweep(later);
+    let (_, o) = hub
+        .join(later, sid(42), &player(22), "guild:g", None)
+        .unwrap();
+    assert_eq!(o, JoinOutcome::Joined, "expired with the history TTL");
     hub.check_invariants().unwrap();
 }
 
@@ -416,7 +503,7 @@ proptest! {
                         (_, Some(p)) => Some(ChannelPosition { epoch: p.epoch ^ 5, offset: p.offset }),
                     };
                     let was_member = expect.contains_key(&(sid(s), name));
-                    if let Ok((live, outcome)) = hub.join(now, sid(s), name, since) {
+                    if let Ok((live, outcome)) = hub.join(now, sid(s), &player(s), name, since) {
                         let first = match outcome {
                             JoinOutcome::Recovered { .. } => since.map(|p| p.offset + 1),
                             JoinOutcome::Joined | JoinOutcome::HistoryLost => Some(live.offset + 1),

@@ -604,6 +604,60 @@ fn routing_keys_and_channel_memberships_travel_with_the_session() {
     assert_eq!(channels, Some(expected_channels));
 }
 
+/// What the client acknowledged of each channel ends up in the session's end (for a kind
+/// with backlog, PROTOCOL.md §12.4): events sent but never acked do not count.
+#[test]
+fn a_session_ends_with_the_channel_positions_its_client_acknowledged() {
+    use waygate_protocol::channel::{
+        ChannelEvent, ChannelEventKind, ChannelPosition, CHANNEL_EVENT_MSG_ID,
+    };
+    let cfg = SessionConfig {
+        linger: Duration::from_secs(60),
+        ..SessionConfig::default()
+    };
+    let mut p = Pair::new(cfg);
+    let c = login(&mut p, "alice");
+    let m = p.peers[c].conn.expect("conn");
+    let event = |kind, offset| {
+        ChannelEvent {
+            kind,
+            channel: "guild:1".into(),
+            position: ChannelPosition { epoch: 9, offset },
+            body: Bytes::new(),
+        }
+        .to_bytes()
+    };
+    let queue = |p: &mut Pair, kind, offset| {
+        let now = p.now;
+        p.edge.machines[m]
+            .send_downstream(
+                now,
+                TrafficClass::Normal,
+                CHANNEL_EVENT_MSG_ID,
+                event(kind, offset),
+            )
+            .expect("queued");
+    };
+    queue(&mut p, ChannelEventKind::Joined, 0);
+    queue(&mut p, ChannelEventKind::Publication, 1);
+    queue(&mut p, ChannelEventKind::Publication, 2);
+    p.drive(c);
+    p.advance(Duration::from_millis(25)); // the client's delayed ack arrives
+                                          // Sent while the client is gone: never acknowledged.
+    p.cut(c);
+    queue(&mut p, ChannelEventKind::Publication, 3);
+    p.advance(Duration::from_secs(61));
+    assert_eq!(p.edge.ended.len(), 1);
+    let acked = &p.edge.ended[0].channels_acked;
+    assert_eq!(
+        acked.get("guild:1"),
+        Some(&ChannelPosition {
+            epoch: 9,
+            offset: 2
+        })
+    );
+}
+
 #[test]
 fn linger_expiry_ends_the_session_and_resume_gets_a_new_one() {
     let cfg = SessionConfig {

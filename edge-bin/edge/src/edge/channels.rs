@@ -112,11 +112,13 @@ impl Shared {
                         duplicate: false,
                     });
                 };
+                let player = self.session_layer().registry.player_of(&sid);
+                let player = player.as_deref().unwrap_or_default();
                 let outcome = self
                     .channels
                     .lock()
                     .map_err(|_| ChannelError::Limit)
-                    .and_then(|mut hub| hub.join(now, sid, &channel, since));
+                    .and_then(|mut hub| hub.join(now, sid, player, &channel, since));
                 let label = match &outcome {
                     Ok((_, JoinOutcome::Joined)) => "joined",
                     Ok((_, JoinOutcome::AlreadyMember)) => "already_member",
@@ -186,9 +188,11 @@ impl Shared {
     ) {
         let now = now_std();
         let mut refused = Vec::new();
+        let player = self.session_layer().registry.player_of(&session_id);
+        let player = player.as_deref().unwrap_or_default();
         if let Ok(mut hub) = self.channels.lock() {
             for (name, position) in channels {
-                match hub.join(now, session_id, &name, Some(position)) {
+                match hub.join(now, session_id, player, &name, Some(position)) {
                     Ok((_, outcome)) => {
                         let label = match outcome {
                             JoinOutcome::Joined => "joined",
@@ -227,10 +231,17 @@ impl Shared {
         self.start_channel_consumers();
     }
 
-    /// A session ended (or left this edge): it is a member of no channel here any more.
-    pub(super) fn channels_session_ended(&self, session_id: &waygate_protocol::frame::SessionId) {
+    /// A session ended for good: it is a member of no channel here any more; channels of a
+    /// kind with backlog remember the position its client acknowledged, for the player's
+    /// next join (PROTOCOL.md §12.4).
+    pub(super) fn channels_session_departed(
+        &self,
+        session_id: &waygate_protocol::frame::SessionId,
+        player: &str,
+        acked: &std::collections::BTreeMap<String, ChannelPosition>,
+    ) {
         if let Ok(mut hub) = self.channels.lock() {
-            hub.session_ended(session_id);
+            hub.session_departed(now_std(), session_id, player, acked);
         }
     }
 

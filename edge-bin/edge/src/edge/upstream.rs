@@ -314,9 +314,10 @@ impl UpstreamSink for EdgeUpstream {
                 player_id,
                 reason,
                 released,
+                channels_acked,
                 ..
             } => {
-                shared.channels_session_ended(&session_id);
+                shared.channels_session_departed(&session_id, &player_id, &channels_acked);
                 let entry = shared.entries.lock().ok().and_then(|mut e| {
                     let entry = e.by_id.remove(&session_id)?;
                     e.by_handle.remove(&entry.meta.handle);
