@@ -108,6 +108,15 @@ enum Command {
         /// The address edges reach it at (default: the bound address).
         #[arg(long)]
         advertise: Option<String>,
+        /// A file whose first line is the link secret shared with the edges (at least 16
+        /// bytes; PROTOCOL.md §9.3); `WAYGATE_LINK_SECRET` takes precedence. Required to
+        /// listen beyond loopback.
+        #[arg(long)]
+        link_secret_file: Option<std::path::PathBuf>,
+        /// Listen beyond loopback without a link secret (anything that reaches the port can
+        /// act as an edge). Only on a closed network.
+        #[arg(long)]
+        insecure_open_links: bool,
     },
     /// For a login service: answer `GET /edge` with the least-loaded enabled edge under its
     /// cap, from the edges' registrations in etcd (503 + Retry-After when none qualifies).
@@ -328,13 +337,14 @@ fn main() -> std::process::ExitCode {
                 etcd_prefix,
                 services,
                 advertise,
+                link_secret_file,
+                insecure_open_links,
             } => {
                 let service = Arc::new(waygate_backend::demo::DemoService::new());
-                let backend = waygate_backend::Backend::bind(
-                    addr,
-                    waygate_backend::BackendConfig::new(id.clone()),
-                    service,
-                )
+                let mut config = waygate_backend::BackendConfig::new(id.clone());
+                config.link_secret = waygate_backend::load_link_secret(link_secret_file.as_deref())?;
+                config.insecure_open_links = insecure_open_links;
+                let backend = waygate_backend::Backend::bind(addr, config, service)
                 .await
                 .map_err(|e| format!("backend {id} on {addr}: {e}"))?;
                 backend.set_epoch(epoch);

@@ -135,8 +135,11 @@ fn the_kubernetes_manifests_match_the_config_they_embed() {
     let dir = tempfile::tempdir().unwrap();
     let token = dir.path().join("admin-token");
     std::fs::write(&token, "a-long-enough-admin-token-for-the-test\n").unwrap();
-    let text =
-        embedded_config(&manifest).replace("/etc/waygate/admin-token", token.to_str().unwrap());
+    let link_secret = dir.path().join("link-secret");
+    std::fs::write(&link_secret, "a-long-enough-link-secret-for-the-test\n").unwrap();
+    let text = embedded_config(&manifest)
+        .replace("/etc/waygate/admin-token", token.to_str().unwrap())
+        .replace("/etc/waygate/link-secret", link_secret.to_str().unwrap());
     assert!(!text.is_empty(), "edge.toml block found");
     let path = dir.path().join("edge.toml");
     std::fs::write(&path, &text).unwrap();
@@ -154,6 +157,19 @@ fn the_kubernetes_manifests_match_the_config_they_embed() {
     std::fs::write(&dev_path, dev).unwrap();
     let err = EdgeConfig::load(&dev_path).unwrap_err().to_string();
     assert!(err.contains("auth.keys"), "{err}");
+    // And without the link secret.
+    let open = text.replace(
+        &format!("secret_file = {:?}", link_secret.to_str().unwrap()),
+        "",
+    );
+    let open_path = dir.path().join("open.toml");
+    std::fs::write(&open_path, open).unwrap();
+    let err = EdgeConfig::load(&open_path).unwrap_err().to_string();
+    assert!(err.contains("links.secret_file"), "{err}");
+    assert!(
+        config.links.secret().unwrap().is_some(),
+        "the secret file is read"
+    );
 
     // Every listener's port with its protocol, and the admin port, in the Deployment and
     // (clients' ports) in the Service.
@@ -184,6 +200,9 @@ fn the_kubernetes_manifests_match_the_config_they_embed() {
 
     let backend = read("kubernetes/backend.yaml");
     assert!(backend.contains("args: [\"backend\", \"--addr\", \"0.0.0.0:7601\""));
+    assert!(backend.contains(
+        "- name: WAYGATE_LINK_SECRET\n              valueFrom: {secretKeyRef: {name: waygate-edge, key: link-secret}}"
+    ));
     assert!(backend.contains("{name: link, containerPort: 7601, protocol: TCP}"));
     let unit = read("systemd/waygate.service");
     assert!(unit.contains("ExecStart=/usr/local/bin/waygate run --config /etc/waygate/edge.toml"));

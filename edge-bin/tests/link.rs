@@ -374,3 +374,183 @@ async fn the_backend_counts_its_sessions_and_messages() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+// ----- link secret (PROTOCOL.md §9.3) -------------------------------------------------
+
+fn secret(s: &str) -> Option<Arc<[u8]>> {
+    Some(s.as_bytes().into())
+}
+
+async fn backend_with_secret(s: Option<Arc<[u8]>>) -> Backend {
+    let mut config = BackendConfig::new("b1");
+    config.link_secret = s;
+    Backend::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        config,
+        Arc::new(DemoService::new()),
+    )
+    .await
+    .unwrap()
+}
+
+/// Whether a link from an edge holding `edge_secret` comes up and carries an ECHO.
+async fn link_works(edge_secret: Option<Arc<[u8]>>, backend: &Backend) -> bool {
+    let (tx, mut rx) = mpsc::channel(64);
+    let config = LinkConfig {
+        secret: edge_secret,
+        ..fast_config()
+    };
+    let (link, task) = LinkClient::spawn(
+        backend.local_addr(),
+        config,
+        Arc::new(AtomicU64::new(1)),
+        tx,
+    );
+    let up = tokio::time::timeout(Duration::from_millis(1500), async {
+        loop {
+            match rx.recv().await {
+                Some(LinkEvent::Up { .. }) => return true,
+                Some(_) => {}
+                None => return false,
+            }
+        }
+    })
+    .await
+    .unwrap_or(false);
+    let echoed = up
+        && link
+            .forward(
+                &meta(1, "alice"),
+                ECHO,
+                1,
+                1,
+                TrafficClass::Normal,
+                Bytes::from_static(b"hi"),
+            )
+            .is_ok()
+        && matches!(
+            next_event(&mut rx).await,
+            LinkEvent::Backend(LinkFrame::Push {
+                msg_id: ECHO_REPLY,
+                ..
+            })
+        );
+    task.abort();
+    echoed
+}
+
+#[tokio::test]
+async fn links_come_up_only_when_both_ends_hold_the_same_secret() {
+    let shared = "a shared link secret";
+    let b = backend_with_secret(secret(shared)).await;
+    assert!(link_works(secret(shared), &b).await, "same secret");
+    assert!(
+        !link_works(secret("another link secret"), &b).await,
+        "wrong secret"
+    );
+    assert!(!link_works(None, &b).await, "edge without the secret");
+    let open = backend_with_secret(None).await;
+    assert!(
+        !link_works(secret(shared), &open).await,
+        "backend without the secret"
+    );
+    assert!(link_works(None, &open).await, "neither (loopback demo)");
+}
+
+/// Something that connects to a backend and does not prove the secret never reaches the
+/// game: SESSION_OPEN and FORWARD without LINK_AUTH, or with a wrong proof, are answered
+/// LINK_CLOSE and nothing is handled.
+#[tokio::test]
+async fn an_impostor_edge_is_closed_before_anything_reaches_the_game() {
+    use waygate_protocol::link::LINK_VERSION;
+    let b = backend_with_secret(secret("a shared link secret")).await;
+    for auth in [None, Some([7u8; 32])] {
+        let stream = tokio::net::TcpStream::connect(b.local_addr())
+            .await
+            .unwrap();
+        let mut io = waygate_link::spawn_link_io(
+            stream,
+            1 << 20,
+            Duration::from_secs(5),
+            waygate_link::LinkIoOptions::default(),
+        );
+        io.tx
+            .send(LinkFrame::Hello {
+                version: LINK_VERSION,
+                edge_id: "mallory".into(),
+                epoch: 1,
+                nonce: Some([1; 16]),
+            })
+            .await
+            .unwrap();
+        let welcome = next_frame(&mut io.rx).await;
+        assert!(
+            matches!(welcome, Some(LinkFrame::Welcome { auth: Some(_), .. })),
+            "{welcome:?}"
+        );
+        if let Some(proof) = auth {
+            io.tx.send(LinkFrame::Auth { proof }).await.unwrap();
+        }
+        let m = meta(5, "victim");
+        io.tx
+            .send(LinkFrame::SessionOpen {
+                handle: m.handle,
+                session_id: m.session_id,
+                player_id: m.player_id.clone(),
+                fencing: 1,
+                attrs: Vec::new(),
+            })
+            .await
+            .unwrap();
+        io.tx
+            .send(LinkFrame::Forward {
+                handle: 5,
+                msg_id: ECHO,
+                epoch: 1,
+                client_seq: 1,
+                class: TrafficClass::Normal,
+                payload: Bytes::from_static(b"steal"),
+            })
+            .await
+            .unwrap();
+        let want = if auth.is_some() {
+            CloseCode::AuthBadSignature
+        } else {
+            CloseCode::AuthRejected
+        };
+        loop {
+            match next_frame(&mut io.rx).await {
+                Some(LinkFrame::Close { code, .. }) => {
+                    assert_eq!(code, want);
+                    break;
+                }
+                Some(LinkFrame::Push { .. }) => panic!("the impostor's message was handled"),
+                Some(_) => {}
+                None => break,
+            }
+        }
+    }
+    assert_eq!(b.load().sessions(), 0);
+    assert_eq!(b.load().messages(), 0);
+}
+
+async fn next_frame(rx: &mut mpsc::Receiver<LinkFrame>) -> Option<LinkFrame> {
+    tokio::time::timeout(Duration::from_secs(10), rx.recv())
+        .await
+        .expect("a frame or the end in time")
+}
+
+#[tokio::test]
+async fn a_backend_beyond_loopback_needs_a_link_secret() {
+    // Refused before binding anything.
+    let err = Backend::bind(
+        "0.0.0.0:0".parse().unwrap(),
+        BackendConfig::new("b1"),
+        Arc::new(DemoService::new()),
+    )
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("link secret"), "{err}");
+    assert!(err.contains("WAYGATE_LINK_SECRET"), "{err}");
+}

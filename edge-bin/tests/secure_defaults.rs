@@ -1,7 +1,8 @@
-//! Secure by default (hardening issue, item 1): the public development key works on loopback
-//! only. An edge with it and a client listener beyond loopback refuses to start and says how
-//! to set a key; `waygate keygen` prints one, and an edge with its own key refuses tokens
-//! signed with the development key. The real `waygate` binary, real sockets on loopback.
+//! Secure by default (hardening issue, items 1 and 8): the public development key works on
+//! loopback only. An edge with it and a client listener beyond loopback refuses to start and
+//! says how to set a key; `waygate keygen` prints one, and an edge with its own key refuses
+//! tokens signed with the development key. Backend links beyond loopback need a shared
+//! secret on both ends. The real `waygate` binary, real sockets on loopback.
 
 #![allow(
     clippy::unwrap_used,
@@ -90,4 +91,52 @@ async fn an_edge_with_its_own_key_refuses_dev_key_tokens_and_accepts_its_own() {
         common::raw_hello(tcp, raw).await,
         Frame::Welcome(_)
     ));
+}
+
+/// Backend links (hardening item 8): `waygate backend` beyond loopback without a link secret
+/// refuses to start and says how; `waygate run` with a client listener beyond loopback and
+/// no link secret too; processes sharing the secret file link and serve the game.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn links_need_a_secret_beyond_loopback_and_work_with_one() {
+    let out = output(&["backend", "--addr", "0.0.0.0:0", "--id", "b1"]).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("link secret"), "{stderr}");
+    assert!(stderr.contains("--link-secret-file"), "{stderr}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let keygen = output(&["keygen", "--id", "7"]).await;
+    let config = dir.path().join("edge.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[listeners.tcp]\naddr = \"0.0.0.0:0\"\n{}",
+            String::from_utf8(keygen.stdout).unwrap()
+        ),
+    )
+    .unwrap();
+    let out = output(&["run", "--config", config.to_str().unwrap()]).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("links.secret_file"), "{stderr}");
+
+    // Both ends with the same secret file (on loopback here): the game works.
+    let secret = dir.path().join("link-secret");
+    std::fs::write(&secret, "a shared link secret for the test\n").unwrap();
+    let secret = secret.to_str().unwrap();
+    let (_b, backend) = common::backend("b1", &["--link-secret-file", secret]).await;
+    let edge = EdgeProc::start(
+        &common::table(&[backend], 1, None),
+        &format!("[links]\nsecret_file = {secret:?}\n"),
+    )
+    .await;
+    let mut client = edge.client(TransportKind::Tcp, "linked");
+    assert_eq!(common::echo(&mut client, "x").await, Ok("b1".to_string()));
+    // An edge without the secret is refused by that backend: its clients are told.
+    let open = EdgeProc::start(&common::table(&[backend], 1, None), "").await;
+    let mut client = open.client(TransportKind::Tcp, "refused");
+    assert_eq!(
+        common::echo(&mut client, "x").await,
+        Err(CloseCode::Unavailable)
+    );
 }

@@ -35,6 +35,7 @@ use waygate_protocol::link::{LinkFrame, PinKind, DEFAULT_MAX_LINK_FRAME, LINK_VE
 use waygate_protocol::{CloseCode, TrafficClass};
 
 use waygate_link::spawn_link_io;
+pub use waygate_link::{load_link_secret, LINK_SECRET_ENV};
 
 /// Backend settings.
 #[derive(Debug, Clone)]
@@ -47,6 +48,13 @@ pub struct BackendConfig {
     pub heartbeat: Duration,
     /// Largest link frame accepted.
     pub max_link_frame: usize,
+    /// The link secret shared with the edges (PROTOCOL.md §9.3): with it, every edge must
+    /// prove it holds it (LINK_AUTH) before anything else on its link. Load it with
+    /// [`load_link_secret`].
+    pub link_secret: Option<Arc<[u8]>>,
+    /// Listen beyond loopback without a link secret (anything that reaches the port can act
+    /// as an edge). Only on a closed network.
+    pub insecure_open_links: bool,
 }
 
 impl BackendConfig {
@@ -57,7 +65,26 @@ impl BackendConfig {
             forward_credits: 256,
             heartbeat: Duration::from_secs(2),
             max_link_frame: DEFAULT_MAX_LINK_FRAME,
+            link_secret: None,
+            insecure_open_links: false,
         }
+    }
+
+    /// Refuses an address beyond loopback without a link secret (secure by default).
+    fn check_exposure(&self, addr: SocketAddr) -> std::io::Result<()> {
+        if addr.ip().is_loopback() || self.link_secret.is_some() || self.insecure_open_links {
+            return Ok(());
+        }
+        Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "a backend listening on {addr} (beyond loopback) needs a link secret, or anything \
+                 that reaches the port can act as an edge: set {} (or --link-secret-file), the \
+                 same as the edges' links.secret_file. Only on a closed network: \
+                 --insecure-open-links",
+                waygate_link::LINK_SECRET_ENV
+            ),
+        ))
     }
 }
 
@@ -581,6 +608,7 @@ impl Backend {
         config: BackendConfig,
         service: Arc<dyn Service>,
     ) -> Result<Self, BackendError> {
+        config.check_exposure(addr)?;
         let listener = TcpListener::bind(addr).await?;
         let local = listener.local_addr()?;
         let epoch = Arc::new(AtomicU64::new(0));
@@ -631,6 +659,13 @@ pub async fn serve(
     epoch: Arc<AtomicU64>,
     load: Arc<BackendLoad>,
 ) {
+    if let Err(e) = listener
+        .local_addr()
+        .and_then(|addr| config.check_exposure(addr))
+    {
+        tracing::error!(error = %e, "backend not serving");
+        return;
+    }
     let instance: Arc<str> = config.instance_id.as_str().into();
     let all_links = Arc::new(EdgeLinks::default());
     // Dropping (aborting) `serve` aborts every link it runs.
@@ -691,10 +726,13 @@ async fn run_link(
         .await
         .map_err(|_| "no LINK_HELLO in time")?
         .ok_or("link closed before LINK_HELLO")?;
-    let edge_id = match hello {
+    let (edge_id, edge_nonce) = match hello {
         LinkFrame::Hello {
-            version, edge_id, ..
-        } if version == LINK_VERSION => edge_id,
+            version,
+            edge_id,
+            nonce,
+            ..
+        } if version == LINK_VERSION => (edge_id, nonce),
         LinkFrame::Hello { .. } => {
             let _ = io
                 .tx
@@ -707,16 +745,78 @@ async fn run_link(
         }
         _ => return Err("first frame is not LINK_HELLO"),
     };
-    tracing::info!(%edge_id, instance = %instance, "backend link up");
+    // The link secret (PROTOCOL.md §9.3): this backend proves it holds it, then the edge
+    // must, before anything else is taken from it.
+    let challenge = match (&config.link_secret, edge_nonce) {
+        (None, _) => None,
+        (Some(secret), Some(edge_nonce)) => {
+            let mut nonce = [0u8; waygate_protocol::link::LINK_NONCE_LEN];
+            ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut nonce)
+                .map_err(|_| "no randomness for the link nonce")?;
+            let proof =
+                waygate_protocol::link_auth::backend_proof(secret, &edge_nonce, &nonce, &instance);
+            Some((secret.clone(), edge_nonce, nonce, proof))
+        }
+        (Some(_), None) => {
+            let _ = io
+                .tx
+                .send(LinkFrame::Close {
+                    code: CloseCode::AuthRejected,
+                    message: "this backend needs the link secret (LINK_HELLO without a nonce)"
+                        .into(),
+                })
+                .await;
+            return Err("edge without the link handshake refused");
+        }
+    };
     io.tx
         .send(LinkFrame::Welcome {
             version: LINK_VERSION,
             instance_id: instance.to_string(),
             credits: config.forward_credits,
             heartbeat_ms: config.heartbeat.as_millis() as u32,
+            auth: challenge.as_ref().map(|(_, _, nonce, proof)| {
+                waygate_protocol::link::LinkWelcomeAuth {
+                    nonce: *nonce,
+                    proof: *proof,
+                }
+            }),
         })
         .await
         .map_err(|_| "link closed")?;
+    if let Some((secret, edge_nonce, nonce, _)) = challenge {
+        let first = tokio::time::timeout(Duration::from_secs(10), io.rx.recv())
+            .await
+            .map_err(|_| "no LINK_AUTH in time")?
+            .ok_or("link closed before LINK_AUTH")?;
+        let refusal = match first {
+            LinkFrame::Auth { proof }
+                if waygate_protocol::link_auth::verify_edge(
+                    &secret,
+                    &edge_nonce,
+                    &nonce,
+                    &edge_id,
+                    &proof,
+                ) =>
+            {
+                None
+            }
+            LinkFrame::Auth { .. } => Some((CloseCode::AuthBadSignature, "wrong link proof")),
+            _ => Some((CloseCode::AuthRejected, "LINK_AUTH expected")),
+        };
+        if let Some((code, message)) = refusal {
+            tracing::warn!(%edge_id, %code, "edge link refused: {message}");
+            let _ = io
+                .tx
+                .send(LinkFrame::Close {
+                    code,
+                    message: message.into(),
+                })
+                .await;
+            return Err("edge failed the link handshake");
+        }
+    }
+    tracing::info!(%edge_id, instance = %instance, "backend link up");
     let link = Arc::new(LinkSender {
         all: all.clone(),
         tx: io.tx.clone(),

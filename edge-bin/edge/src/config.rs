@@ -154,6 +154,13 @@ pub struct LinksConfig {
     pub heartbeat_ms: u64,
     /// Retry-after given to clients when a backend is saturated, ms.
     pub busy_retry_after_ms: u32,
+    /// A file holding the link secret shared with the backends (its first line, at least 16
+    /// bytes; PROTOCOL.md §9.3). Also from the environment variable `WAYGATE_LINK_SECRET`.
+    /// Required when a client listener is beyond loopback.
+    pub secret_file: Option<PathBuf>,
+    /// Link to backends without a secret although the edge listens beyond loopback (only
+    /// on a closed network).
+    pub insecure_no_secret: bool,
 }
 
 impl Default for LinksConfig {
@@ -162,7 +169,21 @@ impl Default for LinksConfig {
             push_credits: 1024,
             heartbeat_ms: 2_000,
             busy_retry_after_ms: 200,
+            secret_file: None,
+            insecure_no_secret: false,
         }
+    }
+}
+
+impl LinksConfig {
+    /// The link secret: `WAYGATE_LINK_SECRET`, else the first line of `secret_file`.
+    pub fn secret(&self) -> Result<Option<std::sync::Arc<[u8]>>, ConfigError> {
+        waygate_link::load_link_secret(self.secret_file.as_deref()).map_err(|message| {
+            ConfigError::Invalid {
+                key: "links.secret_file",
+                message,
+            }
+        })
     }
 }
 
@@ -733,6 +754,24 @@ impl EdgeConfig {
                 });
             }
         }
+        if !self.links.insecure_no_secret
+            && self.links.secret_file.is_none()
+            && std::env::var(waygate_link::LINK_SECRET_ENV).map_or(true, |t| t.trim().is_empty())
+        {
+            if let Some(exposed) = self.exposed_listener() {
+                return Err(ConfigError::Invalid {
+                    key: "links.secret_file",
+                    message: format!(
+                        "the {exposed} listener is not on loopback and backend links have no \
+                         secret: anything that reaches a backend port could act as an edge. \
+                         Share a secret of at least 16 bytes with the backends: \
+                         links.secret_file (or WAYGATE_LINK_SECRET) here, --link-secret-file \
+                         (or WAYGATE_LINK_SECRET) on `waygate backend`. Only on a closed \
+                         network: links.insecure_no_secret = true"
+                    ),
+                });
+            }
+        }
         if !(self.routing.migration_rate > 0.0 && self.routing.migration_rate.is_finite()) {
             return Err(ConfigError::Invalid {
                 key: "routing.migration_rate",
@@ -802,6 +841,7 @@ mod tests {
     #[test]
     fn the_dev_key_is_refused_beyond_loopback() {
         let mut c = EdgeConfig::default();
+        c.links.secret_file = Some("/etc/waygate/link-secret".into());
         assert!(c.auth.uses_dev_key());
         c.validate().expect("loopback: fine");
         c.listeners.ws.addr = "0.0.0.0:7080".parse().unwrap();
@@ -822,6 +862,27 @@ mod tests {
             secret: "0123456789abcdef0123456789abcdef".into(),
         }];
         c.validate().expect("own key");
+    }
+
+    /// Backend links without a secret are refused when a client listener is beyond
+    /// loopback (PROTOCOL.md §9.3), unless the operator explicitly asks for it.
+    #[test]
+    fn links_without_a_secret_are_refused_beyond_loopback() {
+        let mut c = EdgeConfig::default();
+        c.auth.keys = vec![AuthKey {
+            id: 2,
+            secret: "0123456789abcdef0123456789abcdef".into(),
+        }];
+        c.validate().expect("loopback: fine");
+        c.listeners.quic.addr = "0.0.0.0:7444".parse().unwrap();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("links.secret_file"), "{err}");
+        assert!(err.contains("quic (0.0.0.0:7444)"), "{err}");
+        c.links.insecure_no_secret = true;
+        c.validate().expect("explicitly insecure");
+        c.links.insecure_no_secret = false;
+        c.links.secret_file = Some("/etc/waygate/link-secret".into());
+        c.validate().expect("with a secret");
     }
 
     #[test]

@@ -37,6 +37,9 @@ pub struct LinkConfig {
     pub backoff_max: Duration,
     /// Retry-after hint given to clients when a backend has no credit.
     pub busy_retry_after_ms: u32,
+    /// The link secret (PROTOCOL.md §9.3): with it, the backend must prove it holds it and
+    /// this edge proves it too; without it, a backend asking for a proof is not linked.
+    pub secret: Option<Arc<[u8]>>,
 }
 
 impl Default for LinkConfig {
@@ -48,6 +51,7 @@ impl Default for LinkConfig {
             connect_timeout: Duration::from_secs(3),
             backoff_min: Duration::from_millis(100),
             backoff_max: Duration::from_secs(5),
+            secret: None,
             busy_retry_after_ms: 200,
         }
     }
@@ -600,6 +604,49 @@ async fn run(shared: Arc<LinkShared>) {
     }
 }
 
+/// The edge's half of the link secret handshake (PROTOCOL.md §9.3): checks the backend's
+/// proof and sends LINK_AUTH, or refuses the link.
+async fn link_handshake(
+    tx: &mpsc::Sender<LinkFrame>,
+    config: &LinkConfig,
+    edge_nonce: &waygate_protocol::link::LinkNonce,
+    instance_id: &str,
+    auth: Option<waygate_protocol::link::LinkWelcomeAuth>,
+) -> Result<(), &'static str> {
+    use waygate_protocol::link_auth::{edge_proof, verify_backend};
+    let refuse = |code: CloseCode, message: &'static str| async move {
+        let _ = tx
+            .send(LinkFrame::Close {
+                code,
+                message: message.into(),
+            })
+            .await;
+        Err(message)
+    };
+    match (&config.secret, auth) {
+        (None, None) => Ok(()),
+        (None, Some(_)) => Err(
+            "the backend asks for the link secret: set links.secret_file or WAYGATE_LINK_SECRET",
+        ),
+        (Some(_), None) => {
+            refuse(
+                CloseCode::AuthRejected,
+                "backend without the link secret refused (no proof in LINK_WELCOME)",
+            )
+            .await
+        }
+        (Some(secret), Some(a)) if !verify_backend(secret, edge_nonce, &a, instance_id) => {
+            refuse(CloseCode::AuthBadSignature, "backend's link proof is wrong").await
+        }
+        (Some(secret), Some(a)) => tx
+            .send(LinkFrame::Auth {
+                proof: edge_proof(secret, edge_nonce, &a.nonce, &config.edge_id),
+            })
+            .await
+            .map_err(|_| "link closed"),
+    }
+}
+
 async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
     let config = &shared.config;
     let stream = tokio::time::timeout(config.connect_timeout, TcpStream::connect(shared.addr))
@@ -624,11 +671,13 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
             on_frame,
         },
     );
+    let edge_nonce: [u8; waygate_protocol::link::LINK_NONCE_LEN] = rand::random();
     io.tx
         .send(LinkFrame::Hello {
             version: LINK_VERSION,
             edge_id: config.edge_id.clone(),
             epoch: shared.epoch.load(Ordering::Relaxed),
+            nonce: Some(edge_nonce),
         })
         .await
         .map_err(|_| "link closed")?;
@@ -636,15 +685,17 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
         .await
         .map_err(|_| "no LINK_WELCOME in time")?
         .ok_or("link closed before LINK_WELCOME")?;
-    let (instance_id, credits) = match welcome {
+    let (instance_id, credits, auth) = match welcome {
         LinkFrame::Welcome {
             version,
             instance_id,
             credits,
+            auth,
             ..
-        } if version == LINK_VERSION => (instance_id, credits),
+        } if version == LINK_VERSION => (instance_id, credits, auth),
         _ => return Err("unexpected answer to LINK_HELLO"),
     };
+    link_handshake(&io.tx, config, &edge_nonce, &instance_id, auth).await?;
     io.tx
         .send(LinkFrame::Credit {
             credits: config.push_credits,

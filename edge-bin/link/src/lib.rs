@@ -6,9 +6,10 @@
 //! # waygate-link
 //!
 //! Owns only that shell (PROTOCOL.md §9): the edge's `LinkClient` (crate `waygate-edge`) and
-//! the backend SDK (crate `waygate-backend`) both run their links on it. What it must never
-//! do: interpret frames beyond LINK_PING/LINK_PONG, know sessions or routes, or depend on the
-//! edge (a game server's dependency tree contains it).
+//! the backend SDK (crate `waygate-backend`) both run their links on it, and both load the
+//! link secret with [`load_link_secret`]. What it must never do: interpret frames beyond
+//! LINK_PING/LINK_PONG, know sessions or routes, or depend on the edge (a game server's
+//! dependency tree contains it).
 
 use std::time::Duration;
 
@@ -24,6 +25,38 @@ const WRITE_QUEUE: usize = 1024;
 /// Frames read but not yet taken by the owner before the reader stops reading (plus the
 /// owner's message credit, see [`LinkIoOptions::read_queue`]).
 const READ_QUEUE: usize = 1024;
+
+/// The environment variable holding the link secret (PROTOCOL.md §9.3), for edges and
+/// backends alike.
+pub const LINK_SECRET_ENV: &str = "WAYGATE_LINK_SECRET";
+
+/// The link secret: [`LINK_SECRET_ENV`] when set and not empty, else the first line of
+/// `file`, else none. A secret shorter than
+/// [`MIN_LINK_SECRET_LEN`](waygate_protocol::link_auth::MIN_LINK_SECRET_LEN) bytes, or a
+/// file that cannot be read, is an error naming its source.
+pub fn load_link_secret(
+    file: Option<&std::path::Path>,
+) -> Result<Option<std::sync::Arc<[u8]>>, String> {
+    use waygate_protocol::link_auth::MIN_LINK_SECRET_LEN;
+    let (secret, source) = match std::env::var(LINK_SECRET_ENV) {
+        Ok(v) if !v.trim().is_empty() => (v.trim().to_owned(), LINK_SECRET_ENV.to_owned()),
+        _ => {
+            let Some(path) = file else {
+                return Ok(None);
+            };
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("link secret file {}: {e}", path.display()))?;
+            let line = text.lines().next().unwrap_or_default().trim().to_owned();
+            (line, path.display().to_string())
+        }
+    };
+    if secret.len() < MIN_LINK_SECRET_LEN {
+        return Err(format!(
+            "the link secret from {source} must be at least {MIN_LINK_SECRET_LEN} bytes"
+        ));
+    }
+    Ok(Some(secret.into_bytes().into()))
+}
 
 /// A handler for CREDIT frames, called by the reader itself.
 pub type OnCredit = std::sync::Arc<dyn Fn(u32) + Send + Sync>;

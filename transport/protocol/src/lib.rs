@@ -28,6 +28,7 @@ pub mod codec;
 pub mod error;
 pub mod frame;
 pub mod link;
+pub mod link_auth;
 pub mod reader;
 pub mod varint;
 pub mod wire;

@@ -13,6 +13,7 @@ use crate::channel::{ChannelPosition, MAX_CHANNEL_NAME_LEN};
 use crate::codec::StreamCodec;
 use crate::error::FrameError;
 use crate::frame::{SessionId, MAX_REASON_LEN};
+pub use crate::link_auth::{LinkNonce, LinkProof, LinkWelcomeAuth, LINK_NONCE_LEN, LINK_PROOF_LEN};
 use crate::reader::Reader;
 use crate::varint::{put_varint, varint_len};
 use crate::wire::{CloseCode, TrafficClass, ID_LEN};
@@ -47,6 +48,9 @@ pub enum LinkFrame {
         edge_id: String,
         /// The edge's current route epoch.
         epoch: u64,
+        /// The edge's challenge for the link handshake (§9.3; absent from an edge that
+        /// predates it).
+        nonce: Option<LinkNonce>,
     },
     /// 0x41 backend -> edge: answer to HELLO.
     Welcome {
@@ -58,6 +62,8 @@ pub enum LinkFrame {
         credits: u32,
         /// The backend expects a link PING at least this often.
         heartbeat_ms: u32,
+        /// A backend with a link secret: its challenge and its proof (§9.3).
+        auth: Option<LinkWelcomeAuth>,
     },
     /// 0x42 edge -> backend: a session is bound to this instance.
     SessionOpen {
@@ -220,6 +226,12 @@ pub enum LinkFrame {
         /// The publication's body.
         payload: Bytes,
     },
+    /// 0x54 edge -> backend: the edge's proof of the link secret, right after LINK_WELCOME
+    /// (§9.3).
+    Auth {
+        /// HMAC-SHA256 of the edge's side (see [`crate::link_auth`]).
+        proof: LinkProof,
+    },
     /// 0x53 edge -> backend: how a channel request ended.
     ChannelResult {
         /// The request's id.
@@ -282,23 +294,32 @@ impl LinkFrame {
             Self::ChannelLeave { .. } => 0x51,
             Self::ChannelPublish { .. } => 0x52,
             Self::ChannelResult { .. } => 0x53,
+            Self::Auth { .. } => 0x54,
         }
     }
 
     /// Exact number of bytes [`LinkFrame::encode`] writes.
     pub fn encoded_len(&self) -> usize {
         1 + match self {
-            Self::Hello { edge_id, epoch, .. } => 1 + str_len(edge_id) + varint_len(*epoch),
+            Self::Hello {
+                edge_id,
+                epoch,
+                nonce,
+                ..
+            } => 1 + str_len(edge_id) + varint_len(*epoch) + nonce.map_or(0, |n| n.len()),
             Self::Welcome {
                 instance_id,
                 credits,
                 heartbeat_ms,
+                auth,
                 ..
             } => {
                 1 + str_len(instance_id)
                     + varint_len((*credits).into())
                     + varint_len((*heartbeat_ms).into())
+                    + auth.map_or(0, |_| LINK_NONCE_LEN + LINK_PROOF_LEN)
             }
+            Self::Auth { .. } => LINK_PROOF_LEN,
             Self::SessionOpen {
                 handle,
                 player_id,
@@ -418,22 +439,32 @@ impl LinkFrame {
                 version,
                 edge_id,
                 epoch,
+                nonce,
             } => {
                 out.put_u8(*version);
                 put_str(out, edge_id);
                 put_varint(out, *epoch);
+                if let Some(n) = nonce {
+                    out.put_slice(n);
+                }
             }
             Self::Welcome {
                 version,
                 instance_id,
                 credits,
                 heartbeat_ms,
+                auth,
             } => {
                 out.put_u8(*version);
                 put_str(out, instance_id);
                 put_varint(out, (*credits).into());
                 put_varint(out, (*heartbeat_ms).into());
+                if let Some(a) = auth {
+                    out.put_slice(&a.nonce);
+                    out.put_slice(&a.proof);
+                }
             }
+            Self::Auth { proof } => out.put_slice(proof),
             Self::SessionOpen {
                 handle,
                 session_id,
@@ -601,12 +632,27 @@ impl LinkFrame {
                 version: r.u8("version")?,
                 edge_id: get_str(&mut r, "edge_id", MAX_NAME_LEN)?,
                 epoch: r.varint("epoch")?,
+                // Present when the rest holds it; shorter trailing bytes are ignored (§1.1).
+                nonce: (r.remaining() >= LINK_NONCE_LEN)
+                    .then(|| r.array("nonce"))
+                    .transpose()?,
             },
             0x41 => Self::Welcome {
                 version: r.u8("version")?,
                 instance_id: get_str(&mut r, "instance_id", MAX_NAME_LEN)?,
                 credits: r.varint_u32("credits")?,
                 heartbeat_ms: r.varint_u32("heartbeat_ms")?,
+                auth: if r.remaining() >= LINK_NONCE_LEN + LINK_PROOF_LEN {
+                    Some(LinkWelcomeAuth {
+                        nonce: r.array("nonce")?,
+                        proof: r.array("proof")?,
+                    })
+                } else {
+                    None
+                },
+            },
+            0x54 => Self::Auth {
+                proof: r.array("proof")?,
             },
             0x42 => {
                 let handle = r.varint("handle")?;
@@ -816,21 +862,35 @@ mod tests {
 
     fn arb_link_frame() -> impl Strategy<Value = LinkFrame> {
         prop_oneof![
-            (any::<u8>(), name(), any::<u64>()).prop_map(|(version, edge_id, epoch)| {
-                LinkFrame::Hello {
+            (
+                any::<u8>(),
+                name(),
+                any::<u64>(),
+                proptest::option::of(any::<[u8; 16]>())
+            )
+                .prop_map(|(version, edge_id, epoch, nonce)| LinkFrame::Hello {
                     version,
                     edge_id,
                     epoch,
-                }
-            }),
-            (any::<u8>(), name(), any::<u32>(), any::<u32>()).prop_map(
-                |(version, instance_id, credits, heartbeat_ms)| LinkFrame::Welcome {
-                    version,
-                    instance_id,
-                    credits,
-                    heartbeat_ms,
-                }
-            ),
+                    nonce,
+                }),
+            (
+                any::<u8>(),
+                name(),
+                any::<u32>(),
+                any::<u32>(),
+                proptest::option::of((any::<[u8; 16]>(), any::<[u8; 32]>()))
+            )
+                .prop_map(|(version, instance_id, credits, heartbeat_ms, auth)| {
+                    LinkFrame::Welcome {
+                        version,
+                        instance_id,
+                        credits,
+                        heartbeat_ms,
+                        auth: auth.map(|(nonce, proof)| LinkWelcomeAuth { nonce, proof }),
+                    }
+                }),
+            any::<[u8; 32]>().prop_map(|proof| LinkFrame::Auth { proof }),
             (
                 any::<u64>(),
                 any::<[u8; 16]>(),

@@ -44,6 +44,7 @@ impl Shared {
                     push_credits: self.config.links.push_credits,
                     heartbeat: Duration::from_millis(self.config.links.heartbeat_ms),
                     busy_retry_after_ms: self.config.links.busy_retry_after_ms,
+                    secret: self.link_secret.clone(),
                     ..LinkConfig::default()
                 };
                 let (client, _task) =

@@ -118,6 +118,8 @@ struct Shared {
     governor: Arc<Governor>,
     /// Chaos drill: the next accepted connection panics its accept loop (supervision test).
     chaos_accept_panic: AtomicBool,
+    /// The secret backend links prove (PROTOCOL.md §9.3), when configured.
+    link_secret: Option<Arc<[u8]>>,
     /// The channels of this edge (sans-IO; never locked across an await or a push).
     channels: Mutex<waygate_channels::ChannelHub>,
 }

@@ -37,6 +37,13 @@ impl Edge {
         // Checked here too, not only when a file is loaded: an edge built in code must not
         // start with the public development key beyond loopback either.
         config.validate()?;
+        let link_secret = config.links.secret()?;
+        if link_secret.is_none() && config.exposed_listener().is_some() {
+            tracing::warn!(
+                "backend links have no secret on an edge listening beyond loopback \
+                 (links.insecure_no_secret): anything reaching a backend port can act as an edge"
+            );
+        }
         if config.auth.uses_dev_key() {
             if config.exposed_listener().is_some() {
                 tracing::warn!(
@@ -183,6 +190,7 @@ impl Edge {
             admission,
             governor,
             chaos_accept_panic: AtomicBool::new(false),
+            link_secret,
             channels: Mutex::new(waygate_channels::ChannelHub::new(
                 config.channels.clone(),
                 rand::random(),
