@@ -618,6 +618,28 @@ impl EdgeMetrics {
             .clone()
     }
 
+    /// The channel series of every configured kind and class (at 0), for the same reason as
+    /// [`preset`](Self::preset).
+    pub fn preset_channels<'a>(&self, kinds: impl IntoIterator<Item = &'a str>) {
+        for kind in kinds {
+            for class in waygate_transport::TrafficClass::ALL {
+                let labels = |result: &str| ChannelLabels {
+                    kind: kind.to_owned(),
+                    class: class.as_str().to_owned(),
+                    result: result.to_owned(),
+                };
+                let _ = self.channel_publishes.get_or_create(&labels("accepted"));
+                let _ = self.channel_deliveries.get_or_create(&labels("delivered"));
+                let _ = self
+                    .channel_delivery_seconds
+                    .get_or_create(&ChannelClassLabels {
+                        kind: kind.to_owned(),
+                        class: class.as_str().to_owned(),
+                    });
+            }
+        }
+    }
+
     /// Creates the series a dashboard or an alert expects from the start (at 0), so the
     /// first increment is seen by `rate()`: per bound transport, per traffic class, per
     /// refusal code.

@@ -198,6 +198,9 @@ impl Edge {
             config,
         });
         shared.metrics.preset(shared.addrs.keys().copied());
+        shared
+            .metrics
+            .preset_channels(shared.config.channels.kinds.keys().map(String::as_str));
         shared.learn_instances();
         shared
             .metrics
