@@ -8,6 +8,8 @@
     unreachable_pub
 )]
 
+mod common;
+
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
@@ -227,4 +229,53 @@ async fn an_admin_server_beyond_loopback_needs_a_token() {
     let err = Edge::start(config).await.unwrap_err().to_string();
     assert!(err.contains("admin.addr"), "{err}");
     assert!(err.contains("WAYGATE_ADMIN_TOKEN"), "{err}");
+}
+
+/// A ban (hardening item 7): `POST /ban/{player}` ends the player's session here, and its
+/// new logins and resumes are refused `auth_rejected` until `DELETE /ban/{player}`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_banned_player_is_ended_and_refused_until_the_ban_is_lifted() {
+    use waygate_protocol::frame::{Frame, Hello, ResumeRequest};
+    use waygate_transport::{CloseCode, TransportKind};
+    let (edge, _backend, _dir) = common::demo_edge(|_| {}).await;
+    let tcp = edge.addrs[&TransportKind::Tcp];
+    let welcome = match common::raw_hello(tcp, common::token("cheater")).await {
+        Frame::Welcome(w) => w,
+        other => panic!("{other:?}"),
+    };
+    let app = waygate_edge::admin::router(edge.admin(), AdminAccess::default());
+    let (status, body) = call(app.clone(), "POST", "/ban/cheater").await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body.contains("\"kicked\":true"), "{body}");
+    // A new login: refused.
+    match common::raw_hello(tcp, common::token("cheater")).await {
+        Frame::Reject(r) => assert_eq!(r.code, CloseCode::AuthRejected, "{r:?}"),
+        other => panic!("login of a banned player: {other:?}"),
+    }
+    // Its resume (no token): refused too.
+    let resume = Hello {
+        version: waygate_protocol::wire::PROTOCOL_VERSION,
+        token: bytes::Bytes::new(),
+        resume: Some(ResumeRequest {
+            session_id: welcome.session_id,
+            resume_token: welcome.resume_token,
+            last_server_seq: 0,
+        }),
+    };
+    match common::raw_frame(tcp, Frame::Hello(resume)).await {
+        Frame::Reject(r) => assert!(
+            matches!(r.code, CloseCode::AuthRejected | CloseCode::ResumeRejected),
+            "{r:?}"
+        ),
+        other => panic!("resume of a banned player: {other:?}"),
+    }
+    // Lifted: the player logs in again.
+    let (status, _) = call(app.clone(), "DELETE", "/ban/cheater").await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _) = call(app.clone(), "DELETE", "/ban/cheater").await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "nothing left to lift");
+    assert!(matches!(
+        common::raw_hello(tcp, common::token("cheater")).await,
+        Frame::Welcome(_)
+    ));
 }

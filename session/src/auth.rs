@@ -24,6 +24,7 @@
 //! structure -> key id -> tag (constant time) -> time window with the configured leeway.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -371,6 +372,125 @@ impl KeyRing {
 pub trait Authenticator: Send + Sync + 'static {
     /// Verifies `token` at `now_unix` (unix seconds, passed in so tests are deterministic).
     async fn authenticate(&self, token: &[u8], now_unix: u64) -> Result<AuthedPlayer, AuthError>;
+
+    /// Whether `player` may still have a session: asked when a session resumes without an
+    /// auth token (PROTOCOL.md §7.1.1), so a ban or a revocation also stops resumes.
+    /// Default: yes.
+    async fn still_allowed(&self, _player: &str, _now_unix: u64) -> Result<(), AuthError> {
+        Ok(())
+    }
+}
+
+/// Players refused from now on (bans, revoked logins), shared between the authenticator
+/// that enforces them ([`AuthPolicy`]) and whoever manages them (the edge's admin API).
+/// Bounded only by its users; entries with an end time expire by themselves.
+#[derive(Debug, Clone, Default)]
+pub struct Revocations(Arc<std::sync::RwLock<HashMap<String, u64>>>);
+
+impl Revocations {
+    /// Refuses `player` until `until_unix` (unix seconds; `None`: until lifted).
+    pub fn revoke(&self, player: &str, until_unix: Option<u64>) {
+        if let Ok(mut m) = self.0.write() {
+            m.insert(player.to_owned(), until_unix.unwrap_or(u64::MAX));
+        }
+    }
+
+    /// Lifts a revocation; whether there was one.
+    pub fn lift(&self, player: &str) -> bool {
+        self.0
+            .write()
+            .map(|mut m| m.remove(player).is_some())
+            .unwrap_or(false)
+    }
+
+    /// Whether `player` is refused at `now_unix`.
+    pub fn is_revoked(&self, player: &str, now_unix: u64) -> bool {
+        self.0
+            .read()
+            .map(|m| m.get(player).is_some_and(|&until| now_unix < until))
+            .unwrap_or(false)
+    }
+
+    /// `Err(AuthError::Rejected)` for a player refused at `now_unix`.
+    pub fn check(&self, player: &str, now_unix: u64) -> Result<(), AuthError> {
+        if self.is_revoked(player, now_unix) {
+            return Err(AuthError::Rejected(format!("player {player:?} is revoked")));
+        }
+        Ok(())
+    }
+}
+
+/// Any authenticator, plus the edge's policy: [`Revocations`] (a revoked player's token is
+/// refused `auth_rejected`, and so is its resume without a token) and a maximum token
+/// lifetime (a token valid for longer than that from its issue time, or from now when it
+/// has none, is refused `auth_rejected`).
+#[derive(Debug)]
+pub struct AuthPolicy<A> {
+    inner: A,
+    revocations: Revocations,
+    max_lifetime: Option<Duration>,
+}
+
+impl<A: Authenticator> AuthPolicy<A> {
+    /// `inner`, refusing the players in `revocations`; no lifetime limit.
+    pub fn new(inner: A, revocations: Revocations) -> Self {
+        Self {
+            inner,
+            revocations,
+            max_lifetime: None,
+        }
+    }
+
+    /// Refuses tokens valid for longer than `max` (`None`: no limit).
+    pub fn with_max_lifetime(mut self, max: Option<Duration>) -> Self {
+        self.max_lifetime = max;
+        self
+    }
+
+    /// The policy on a verified token at `now_unix`.
+    pub fn check(&self, player: &AuthedPlayer, now_unix: u64) -> Result<(), AuthError> {
+        if let Some(max) = self.max_lifetime {
+            let c = &player.claims;
+            let from = if c.issued_at > 0 {
+                c.issued_at
+            } else {
+                now_unix
+            };
+            let lifetime = c.expires_at.saturating_sub(from);
+            if lifetime > max.as_secs() {
+                return Err(AuthError::Rejected(format!(
+                    "token valid for {lifetime} s, over the {} s maximum",
+                    max.as_secs()
+                )));
+            }
+        }
+        self.revocations.check(player.player_id(), now_unix)
+    }
+}
+
+#[async_trait]
+impl<A: Authenticator> Authenticator for AuthPolicy<A> {
+    async fn authenticate(&self, token: &[u8], now_unix: u64) -> Result<AuthedPlayer, AuthError> {
+        let player = self.inner.authenticate(token, now_unix).await?;
+        self.check(&player, now_unix)?;
+        Ok(player)
+    }
+
+    async fn still_allowed(&self, player: &str, now_unix: u64) -> Result<(), AuthError> {
+        self.revocations.check(player, now_unix)?;
+        self.inner.still_allowed(player, now_unix).await
+    }
+}
+
+#[async_trait]
+impl Authenticator for std::sync::Arc<dyn Authenticator> {
+    async fn authenticate(&self, token: &[u8], now_unix: u64) -> Result<AuthedPlayer, AuthError> {
+        (**self).authenticate(token, now_unix).await
+    }
+
+    async fn still_allowed(&self, player: &str, now_unix: u64) -> Result<(), AuthError> {
+        (**self).still_allowed(player, now_unix).await
+    }
 }
 
 /// The default authenticator: waygate tokens signed with HMAC-SHA256 under a key ring.
@@ -457,6 +577,42 @@ mod tests {
 
     /// The worked example of PROTOCOL.md §7.2.3: pinned bytes, so a refactor cannot
     /// silently change the format.
+    #[test]
+    fn the_policy_refuses_revoked_players_and_overlong_tokens() {
+        let player = |issued_at, expires_at| AuthedPlayer {
+            claims: TokenClaims {
+                player_id: "p".into(),
+                issuer: String::new(),
+                issued_at,
+                expires_at,
+                extensions: Vec::new(),
+            },
+            key_id: 1,
+        };
+        let revocations = Revocations::default();
+        let policy = AuthPolicy::new(auth(), revocations.clone())
+            .with_max_lifetime(Some(Duration::from_secs(3600)));
+        assert!(policy.check(&player(1000, 4600), 1000).is_ok());
+        assert!(matches!(
+            policy.check(&player(1000, 4601), 1000),
+            Err(AuthError::Rejected(_))
+        ));
+        // No issue time: counted from now.
+        assert!(policy.check(&player(0, 4600), 1000).is_ok());
+        assert!(policy.check(&player(0, 4601), 1000).is_err());
+        revocations.revoke("p", Some(2000));
+        assert_eq!(
+            policy
+                .check(&player(1000, 2000), 1500)
+                .map_err(|e| e.close_code()),
+            Err(CloseCode::AuthRejected)
+        );
+        assert!(
+            policy.check(&player(1000, 4000), 2000).is_ok(),
+            "the ban ran out"
+        );
+    }
+
     #[test]
     fn golden_token_bytes() {
         let token = mint_token(

@@ -894,6 +894,15 @@ impl Task {
                 self.phases.auth += t0.elapsed();
                 let _ = self.machine.handle_auth_result(now(), result);
             }
+            Action::CheckAllowed { player_id } => {
+                let t0 = tokio::time::Instant::now();
+                let result = edge
+                    .authenticator
+                    .still_allowed(&player_id, (edge.unix_now)())
+                    .await;
+                self.phases.auth += t0.elapsed();
+                let _ = self.machine.handle_allowed(now(), result);
+            }
             Action::TakeSnapshot {
                 session_id,
                 attempt,

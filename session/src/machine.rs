@@ -256,6 +256,13 @@ pub enum Action {
         /// lets go).
         attempt: ResumeAttempt,
     },
+    /// A resume without an auth token restored `player_id`'s session: ask the
+    /// authenticator whether the player may still have one (bans, revocations), then call
+    /// [`SessionMachine::handle_allowed`].
+    CheckAllowed {
+        /// The restored session's player.
+        player_id: Arc<str>,
+    },
     /// A snapshot was taken but cannot be used here: put it back unchanged.
     PutBack(Box<Snapshot>),
     /// Claim ownership of the player for this session (kicking any previous owner and
@@ -908,9 +915,17 @@ impl SessionMachine {
                             };
                             self.pending.restore = Some((outcome, point.base));
                             self.pending.taken = Some(original);
-                            self.actions.push_back(Action::Claim {
-                                player_id: core.player_id.clone(),
-                                session_id: core.id,
+                            // A token was checked with the HELLO; without one, the player
+                            // is checked now (a ban also stops resumes).
+                            self.actions.push_back(if self.pending.authed.is_some() {
+                                Action::Claim {
+                                    player_id: core.player_id.clone(),
+                                    session_id: core.id,
+                                }
+                            } else {
+                                Action::CheckAllowed {
+                                    player_id: core.player_id.clone(),
+                                }
                             });
                             self.core = Some(core);
                             return Ok(());
@@ -937,6 +952,36 @@ impl SessionMachine {
             self.new_core_and_claim();
         } else {
             self.reject(CloseCode::ResumeRejected, failure.into());
+        }
+        Ok(())
+    }
+
+    /// The authenticator's answer to [`Action::CheckAllowed`]: the restore goes on to the
+    /// claim, or is refused with the authenticator's code (the snapshot goes back
+    /// unchanged).
+    pub fn handle_allowed(
+        &mut self,
+        _now: Instant,
+        result: Result<(), AuthError>,
+    ) -> Result<(), SessionError> {
+        if self.state != State::Restoring || self.pending.taken.is_none() {
+            return Err(self.misuse("allowed"));
+        }
+        let Some(core) = self.core.as_ref() else {
+            return Err(self.misuse("allowed"));
+        };
+        match result {
+            Ok(()) => {
+                self.actions.push_back(Action::Claim {
+                    player_id: core.player_id.clone(),
+                    session_id: core.id,
+                });
+            }
+            Err(e) => {
+                tracing::info!(player = %core.player_id, error = %e, "resume refused by the authenticator");
+                self.put_back_taken();
+                self.reject(e.close_code(), e.to_string());
+            }
         }
         Ok(())
     }

@@ -44,6 +44,11 @@ pub trait AdminApi: Send + Sync + 'static {
     /// Drops `player`'s connection without ending the session (it lingers; the client
     /// resumes). A chaos/test drill; whether a session was found.
     async fn drop_link(&self, player: &str) -> bool;
+    /// Bans `player` on this edge (for `for_secs`, or until lifted): its tokens and its
+    /// resumes are refused `auth_rejected`, and its session here ends (whether one did).
+    async fn ban(&self, player: &str, for_secs: Option<u64>) -> bool;
+    /// Lifts a ban; whether there was one.
+    fn unban(&self, player: &str) -> bool;
 }
 
 type Api = Arc<dyn AdminApi>;
@@ -151,6 +156,7 @@ fn routes(api: Api) -> Router {
         .route("/drain", post(drain))
         .route("/kick/{player}", post(kick))
         .route("/drop/{player}", post(drop_link))
+        .route("/ban/{player}", post(ban).delete(unban))
         .with_state(api)
 }
 
@@ -224,6 +230,33 @@ async fn drop_link(State(api): State<Api>, Path(player): Path<String>) -> Respon
         (
             StatusCode::NOT_FOUND,
             Json(json!({"error": "no session for this player on this edge"})),
+        )
+            .into_response()
+    }
+}
+
+/// `POST /ban/{player}?for_secs=N` query.
+#[derive(Debug, serde::Deserialize)]
+struct BanQuery {
+    for_secs: Option<u64>,
+}
+
+async fn ban(
+    State(api): State<Api>,
+    Path(player): Path<String>,
+    axum::extract::Query(q): axum::extract::Query<BanQuery>,
+) -> Json<Value> {
+    let kicked = api.ban(&player, q.for_secs).await;
+    Json(json!({"banned": player, "for_secs": q.for_secs, "kicked": kicked}))
+}
+
+async fn unban(State(api): State<Api>, Path(player): Path<String>) -> Response {
+    if api.unban(&player) {
+        Json(json!({"lifted": player})).into_response()
+    } else {
+        (
+            StatusCode::NOT_FOUND,
+            Json(json!({"error": "no ban for this player on this edge"})),
         )
             .into_response()
     }

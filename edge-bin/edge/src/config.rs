@@ -280,6 +280,9 @@ pub struct AuthConfig {
     pub issuers: Vec<String>,
     /// Clock-skew leeway for issued-at and expiry, seconds.
     pub leeway_secs: u64,
+    /// Longest validity a token may have, seconds: from its issue time (or from now when it
+    /// has none) to its expiry; a longer one is refused `auth_rejected`. 0 = no limit.
+    pub max_token_lifetime_secs: u64,
     /// Accept the public development key although a client listener is not on loopback.
     /// Only for a closed test network: anyone who reads the repository can mint tokens for
     /// any player with it. Default false: such an edge refuses to start.
@@ -309,6 +312,7 @@ impl Default for AuthConfig {
             }],
             issuers: Vec::new(),
             leeway_secs: 30,
+            max_token_lifetime_secs: 86_400,
             insecure_dev_key: false,
         }
     }

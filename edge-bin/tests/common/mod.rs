@@ -335,18 +335,26 @@ pub async fn demo_edge(
 
 /// Raw TCP: HELLO with `token` (no resume); the first frame the edge answers with.
 pub async fn raw_hello(addr: SocketAddr, token: Bytes) -> waygate_transport::Frame {
+    let hello = waygate_transport::Frame::Hello(waygate_protocol::frame::Hello {
+        version: waygate_protocol::wire::PROTOCOL_VERSION,
+        token,
+        resume: None,
+    });
+    raw_frame(addr, hello).await
+}
+
+/// Raw TCP: sends `frame` on a new connection; the first frame the edge answers with.
+pub async fn raw_frame(
+    addr: SocketAddr,
+    frame: waygate_transport::Frame,
+) -> waygate_transport::Frame {
     use bytes::BytesMut;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use waygate_protocol::codec::StreamCodec;
     let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
     let codec = StreamCodec::new(65536);
     let mut out = BytesMut::new();
-    let hello = waygate_transport::Frame::Hello(waygate_protocol::frame::Hello {
-        version: waygate_protocol::wire::PROTOCOL_VERSION,
-        token,
-        resume: None,
-    });
-    codec.encode(&hello, &mut out).unwrap();
+    codec.encode(&frame, &mut out).unwrap();
     sock.write_all(&out).await.unwrap();
     let mut buf = BytesMut::new();
     tokio::time::timeout(Duration::from_secs(10), async {

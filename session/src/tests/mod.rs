@@ -573,6 +573,12 @@ fn routing_keys_and_channel_memberships_travel_with_the_session() {
     fresh
         .handle_snapshot(p.now, Ok(TakeOutcome::Taken(Box::new(snap))))
         .expect("snapshot");
+    // A resume without an auth token: the player is checked first (bans), then claimed.
+    let Some(Action::CheckAllowed { player_id }) = fresh.poll_action() else {
+        panic!("expected CheckAllowed");
+    };
+    assert_eq!(&*player_id, "alice");
+    fresh.handle_allowed(p.now, Ok(())).expect("allowed");
     let Some(Action::Claim { .. }) = fresh.poll_action() else {
         panic!("expected Claim");
     };
@@ -656,6 +662,38 @@ fn a_session_ends_with_the_channel_positions_its_client_acknowledged() {
             offset: 2
         })
     );
+}
+
+/// Hardening item 7: a resume without an auth token used to skip every check of the player;
+/// a banned (revoked) player kept resuming. It is now asked of the authenticator: refused
+/// with `auth_rejected`, the session kept as it was (its snapshot put back).
+#[test]
+fn a_revoked_player_cannot_resume_without_or_with_a_token() {
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "mallory");
+    let sid = p.session(c);
+    p.cut(c);
+    p.edge.revocations.revoke("mallory", None);
+    p.peers[c].client.set_token(Bytes::new());
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(rejected(&p, c).last(), Some(&CloseCode::AuthRejected));
+    assert!(
+        p.edge.store.contains_key(&sid),
+        "the session is kept, not resumed"
+    );
+    // With a token too (verified, then refused).
+    p.peers[c].client.set_token(token_for("mallory"));
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(rejected(&p, c).last(), Some(&CloseCode::AuthRejected));
+    // Lifted: the resume works again.
+    assert!(p.edge.revocations.lift("mallory"));
+    p.peers[c].client.set_token(Bytes::new());
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(welcomed(&p, c).last(), Some(&WelcomeOutcome::Restored));
+    assert_eq!(p.session(c), sid);
 }
 
 #[test]

@@ -45,6 +45,8 @@ pub(crate) struct Edge {
     pub(crate) config: SessionConfig,
     pub(crate) counters: Arc<SessionCounters>,
     pub(crate) auth: HmacAuthenticator,
+    /// Revoked players (as `AuthPolicy` wraps the edge's authenticator).
+    pub(crate) revocations: crate::auth::Revocations,
     pub(crate) unix_now: u64,
     pub(crate) machines: Vec<SessionMachine>,
     pub(crate) host: SessionHost,
@@ -79,6 +81,7 @@ impl Edge {
             config,
             counters: Arc::new(SessionCounters::new()),
             auth: HmacAuthenticator::new(ring),
+            revocations: crate::auth::Revocations::default(),
             unix_now: UNIX_NOW,
             machines: Vec::new(),
             host: SessionHost::new(SessionHost::outbound_for_capacity(capacity)),
@@ -248,8 +251,15 @@ impl Edge {
                     closed = true;
                 }
                 Action::Authenticate { token } => {
-                    let r = self.auth.verify(&token, self.unix_now);
+                    let r = self.auth.verify(&token, self.unix_now).and_then(|p| {
+                        self.revocations.check(p.player_id(), self.unix_now)?;
+                        Ok(p)
+                    });
                     self.machines[i].handle_auth_result(now, r).expect("auth");
+                }
+                Action::CheckAllowed { player_id } => {
+                    let r = self.revocations.check(&player_id, self.unix_now);
+                    self.machines[i].handle_allowed(now, r).expect("allowed");
                 }
                 Action::TakeSnapshot {
                     session_id,

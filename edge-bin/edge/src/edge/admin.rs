@@ -144,4 +144,20 @@ impl AdminApi for EdgeAdmin {
             None => false,
         }
     }
+
+    async fn ban(&self, player: &str, for_secs: Option<u64>) -> bool {
+        let now = (self.0.session_layer().unix_now)();
+        let until = for_secs.map(|s| now.saturating_add(s));
+        self.0.revocations.revoke(player, until);
+        tracing::info!(%player, ?for_secs, "player banned on this edge");
+        let registry = &self.0.session_layer().registry;
+        match registry.session_of(player) {
+            Some(sid) => registry.close(&sid, CloseCode::AuthRejected),
+            None => false,
+        }
+    }
+
+    fn unban(&self, player: &str) -> bool {
+        self.0.revocations.lift(player)
+    }
 }

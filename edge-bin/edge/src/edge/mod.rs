@@ -118,6 +118,9 @@ struct Shared {
     governor: Arc<Governor>,
     /// Chaos drill: the next accepted connection panics its accept loop (supervision test).
     chaos_accept_panic: AtomicBool,
+    /// Players banned on this edge (admin `POST /ban/{player}`), enforced by the
+    /// authenticator on tokens and on resumes.
+    revocations: waygate_session::auth::Revocations,
     /// The secret backend links prove (PROTOCOL.md §9.3), when configured.
     link_secret: Option<Arc<[u8]>>,
     /// The channels of this edge (sans-IO; never locked across an await or a push).

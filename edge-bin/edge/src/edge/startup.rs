@@ -191,6 +191,7 @@ impl Edge {
             governor,
             chaos_accept_panic: AtomicBool::new(false),
             link_secret,
+            revocations: waygate_session::auth::Revocations::default(),
             channels: Mutex::new(waygate_channels::ChannelHub::new(
                 config.channels.clone(),
                 rand::random(),
@@ -238,6 +239,14 @@ impl Edge {
                 Arc::new(jwt)
             }
         };
+        // Bans (admin POST /ban) and the maximum token lifetime apply to tokens and (bans)
+        // to resumes, whatever the token kind.
+        let max_lifetime =
+            (a.max_token_lifetime_secs > 0).then(|| Duration::from_secs(a.max_token_lifetime_secs));
+        let auth: Arc<dyn waygate_session::Authenticator> = Arc::new(
+            waygate_session::auth::AuthPolicy::new(auth, shared.revocations.clone())
+                .with_max_lifetime(max_lifetime),
+        );
         let s = &shared.config.session;
         let session_config = SessionConfig {
             handshake_timeout: Duration::from_millis(s.hello_timeout_ms),
