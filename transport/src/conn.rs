@@ -228,6 +228,8 @@ pub struct ListenerStats {
     pub bad_frames: AtomicU64,
     /// Connections refused by admission control (B1).
     pub refused: AtomicU64,
+    /// QUIC: connection attempts answered with a Retry (address validation).
+    pub quic_retries: AtomicU64,
 }
 
 impl ListenerStats {

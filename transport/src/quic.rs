@@ -56,6 +56,14 @@ pub struct QuicConfig {
     pub datagram_buffer: usize,
     /// QUIC keep-alive interval, milliseconds (0 = off).
     pub keep_alive_ms: u64,
+    /// Address validation: with this many QUIC handshakes in flight on the listener, a new
+    /// connection attempt from an address not yet validated gets a Retry first (the client
+    /// proves it receives at its address before any handshake work or reply beyond the
+    /// Retry). 0 = always.
+    pub retry_above_handshakes: usize,
+    /// Connection attempts quinn holds before the listener takes them (more are refused at
+    /// once).
+    pub max_incoming: usize,
 }
 
 impl Default for QuicConfig {
@@ -66,6 +74,8 @@ impl Default for QuicConfig {
             send_window: 256 * 1024,
             datagram_buffer: 64 * 1024,
             keep_alive_ms: 5_000,
+            retry_above_handshakes: 64,
+            max_incoming: 4_096,
         }
     }
 }
@@ -305,10 +315,13 @@ async fn read_all(
     let uni_conn = conn.clone();
     let uni_tx = tx.clone();
     let uni_task = tokio::spawn(async move {
-        let mut readers = Vec::new();
+        // One reader per open stream; finished ones are reaped as new ones arrive (a client
+        // that opens and closes streams for ever holds at most its concurrent streams).
+        let mut readers = tokio::task::JoinSet::new();
         while let Ok(mut stream) = uni_conn.accept_uni().await {
+            while readers.try_join_next().is_some() {}
             let tx = uni_tx.clone();
-            readers.push(tokio::spawn(async move {
+            readers.spawn(async move {
                 let mut kind = [0u8; 1];
                 match stream.read_exact(&mut kind).await {
                     Ok(()) if kind[0] == STREAM_NORMAL || kind[0] == STREAM_BEST_EFFORT => {
@@ -321,11 +334,9 @@ async fn read_all(
                     }
                     Err(_) => {}
                 }
-            }));
+            });
         }
-        for r in readers {
-            r.abort();
-        }
+        readers.abort_all();
     });
     while let Ok(bytes) = conn.read_datagram().await {
         let item = decode_message(bytes, max_frame_size).map_err(TransportError::from);
@@ -380,6 +391,22 @@ async fn read_stream(
     }
 }
 
+/// One QUIC handshake in flight on a listener, for as long as it lives.
+struct HandshakeCount(Arc<std::sync::atomic::AtomicUsize>);
+
+impl HandshakeCount {
+    fn new(count: Arc<std::sync::atomic::AtomicUsize>) -> Self {
+        count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Self(count)
+    }
+}
+
+impl Drop for HandshakeCount {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// Binds a UDP socket at `addr` and serves QUIC with `tls`.
 pub fn listen(
     addr: SocketAddr,
@@ -391,6 +418,7 @@ pub fn listen(
         .map_err(|e| TransportError::Config(format!("quic tls: {e}")))?;
     let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     server.transport_config(Arc::new(quic.transport(&config)?));
+    server.max_incoming(quic.max_incoming.max(1));
     let socket = crate::udp::bind_udp(addr)?;
     let endpoint = quinn::Endpoint::new(
         quinn::EndpointConfig::default(),
@@ -400,12 +428,30 @@ pub fn listen(
     )?;
     let local = endpoint.local_addr()?;
     let accepting = endpoint.clone();
+    let retry_above = quic.retry_above_handshakes;
+    let in_flight = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let listener =
         TransportListener::start(local, TransportKind::Quic, move |handoff| async move {
             while let Some(incoming) = accepting.accept().await {
                 if handoff.is_closed() {
                     incoming.refuse();
                     return;
+                }
+                if !incoming.remote_address_validated()
+                    && in_flight.load(std::sync::atomic::Ordering::Relaxed) >= retry_above
+                {
+                    // Under load (or always, at 0): a stateless Retry, so a spoofed address
+                    // costs no handshake slot and draws one small packet.
+                    match incoming.retry() {
+                        Ok(()) => {
+                            crate::conn::ListenerStats::bump(&handoff.stats.quic_retries);
+                            continue;
+                        }
+                        Err(e) => {
+                            e.into_incoming().refuse();
+                            continue;
+                        }
+                    }
                 }
                 let peer = incoming.remote_address();
                 let permit = match admit(config.admission.as_ref(), peer, &handoff.stats) {
@@ -417,8 +463,10 @@ pub fn listen(
                     }
                 };
                 let config = config.clone();
+                let counted = HandshakeCount::new(in_flight.clone());
                 handoff.spawn_handshake(peer, config.handshake_timeout, async move {
                     let _permit = permit;
+                    let _counted = counted;
                     let conn = incoming
                         .await
                         .map_err(|e| TransportError::Handshake(e.to_string()))?;

@@ -252,3 +252,65 @@ async fn raw_control_stream(addr: SocketAddr, tls: &ClientTls, bytes: &[u8]) -> 
         _ => None,
     }
 }
+
+/// Hardening item 5: with handshakes in flight at the threshold, a new connection attempt
+/// from an unvalidated address gets a stateless Retry (counted); a real client follows it
+/// and connects. Half-open connections (QUIC handshake done, no control stream) hold the
+/// slots, as a slow or hostile peer would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handshakes_in_flight_past_the_threshold_get_a_retry_and_real_clients_still_connect() {
+    let id = TlsIdentity::generate_dev(&[]).unwrap();
+    let quic_config = QuicConfig {
+        retry_above_handshakes: 3,
+        ..QuicConfig::default()
+    };
+    let listener =
+        quic::listen("127.0.0.1:0".parse().unwrap(), &id, &quic_config, config()).unwrap();
+    let addr = listener.local_addr();
+    let stats = listener.stats();
+    let tls = ClientTls::from_ca_pem(id.dev_ca_pem.as_deref().unwrap()).unwrap();
+    let _server = common::spawn_echo_server(Box::new(listener));
+    // Three half-open connections: the QUIC handshake completes, the control stream never
+    // comes, so each holds a handshake slot on the listener.
+    let crypto = std::sync::Arc::new(
+        quinn::crypto::rustls::QuicClientConfig::try_from(
+            tls.client_config(&[waygate_protocol::wire::QUIC_ALPN])
+                .unwrap(),
+        )
+        .unwrap(),
+    );
+    let mut half_open = Vec::new();
+    for _ in 0..3 {
+        let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        endpoint.set_default_client_config(quinn::ClientConfig::new(crypto.clone()));
+        let conn = common::timeout(endpoint.connect(addr, "localhost").unwrap())
+            .await
+            .unwrap();
+        half_open.push((endpoint, conn));
+    }
+    assert_eq!(
+        stats
+            .quic_retries
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "below the threshold: no Retry"
+    );
+    // A real client now: answered with a Retry, which it follows, and it works.
+    let mut conn = common::timeout(connect_quic(
+        addr,
+        "localhost",
+        &tls,
+        &QuicConfig::default(),
+        &config(),
+    ))
+    .await
+    .unwrap();
+    assert!(
+        stats
+            .quic_retries
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1
+    );
+    common::exchange(&mut conn, 0, 10, MAX).await;
+    drop(half_open);
+}

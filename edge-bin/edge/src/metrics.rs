@@ -277,7 +277,7 @@ impl Collector for ListenerCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         use std::sync::atomic::Ordering::Relaxed;
         type Read = fn(&waygate_transport::conn::ListenerStats) -> u64;
-        let families: [(&str, &str, Read); 3] = [
+        let families: [(&str, &str, Read); 4] = [
             (
                 "listener_handshake_failed",
                 "Transport handshakes that failed or timed out (TLS, WebSocket upgrade, QUIC)",
@@ -292,6 +292,11 @@ impl Collector for ListenerCollector {
                 "listener_refused",
                 "Connections a listener refused by admission control",
                 |s| s.refused.load(Relaxed),
+            ),
+            (
+                "listener_quic_retries",
+                "QUIC connection attempts answered with a Retry (address validation under load)",
+                |s| s.quic_retries.load(Relaxed),
             ),
         ];
         for (name, help, read) in families {
