@@ -359,3 +359,71 @@ async fn overload_level_rises_at_the_session_cap_and_refuses_new_connections() {
         .metrics_text()
         .contains("waygate_overload_level 3"));
 }
+
+/// Hardening item 3: KCP goes through the admission gate. One source completing KCP
+/// handshakes as fast as it can (HELLO, then CONNECT with each cookie) used to take every
+/// session slot (here 40); its HELLOs now meet its per-source bucket first (answered BUSY,
+/// no cookie work), so a client from another source still connects and plays while the
+/// flood goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kcp_handshake_flood_from_one_source_does_not_take_every_slot() {
+    use waygate_transport::kcp::cookie::Control;
+    let (edge, _b, _d) = edge_with(|c| {
+        c.kcp.max_sessions = 40;
+        c.backpressure.accept_per_source_per_sec = 5;
+        c.backpressure.accept_per_source_burst = 10;
+    })
+    .await;
+    let kcp = edge.addrs[&TransportKind::Kcp];
+    // The flood comes from 127.0.0.2 (another source address on loopback).
+    let flood = std::net::UdpSocket::bind("127.0.0.2:0").unwrap();
+    flood.set_nonblocking(true).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flooding = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let (mut hellos, mut accepted, mut busy) = (0u64, 0u64, 0u64);
+            let mut buf = [0u8; 256];
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) && hellos < 1_000_000 {
+                let hello = Control::Hello {
+                    client_nonce: hellos + 1,
+                }
+                .encode();
+                if flood.send_to(&hello, kcp).is_ok() {
+                    hellos += 1;
+                }
+                while let Ok(n) = flood.recv(&mut buf) {
+                    match Control::decode(&buf[..n]) {
+                        Some(Control::Cookie(cookie)) => {
+                            let _ = flood.send_to(&Control::Connect(cookie).encode(), kcp);
+                        }
+                        Some(Control::Accept { .. }) => accepted += 1,
+                        Some(Control::Busy { .. }) => busy += 1,
+                        _ => {}
+                    }
+                }
+                if hellos % 16 == 0 {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+            (hellos, accepted, busy)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let c = client(&edge, TransportKind::Kcp, "kcp-neighbour");
+    let got = control_echoes(c, 5).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (hellos, accepted, busy) = flooding.join().unwrap();
+    assert_eq!(got, 5, "the neighbour played while {hellos} HELLOs flooded");
+    assert!(hellos >= 200, "the flood was a flood: {hellos}");
+    assert!(
+        accepted < 40,
+        "the flooder got {accepted} sessions, not every slot"
+    );
+    assert!(busy > 0, "the flood was told BUSY");
+    let (_, metrics) = common::http(edge.admin_addr.unwrap(), "GET", "/metrics").await;
+    assert!(
+        metric(&metrics, "waygate_kcp_admission_refused_total") > 0.0,
+        "refusals counted"
+    );
+}

@@ -354,6 +354,11 @@ impl Collector for ListenerCollector {
                     "Times the KCP listener's driver task panicked and was restarted",
                     &k.driver_restarts,
                 ),
+                (
+                    "kcp_admission_refused",
+                    "KCP HELLOs refused by admission control (answered BUSY, no cookie)",
+                    &k.admission_refused,
+                ),
             ] {
                 let c = ConstCounter::new(value.load(Relaxed));
                 c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;

@@ -161,6 +161,8 @@ pub(crate) struct ConnParams {
     pub(crate) max_frame_size: usize,
     pub(crate) inbound_queue: usize,
     pub(crate) close_wait: Duration,
+    /// The edge's admission gate (B1): asked for every HELLO before the endpoint sees it.
+    pub(crate) admission: Option<Arc<dyn crate::listener::AdmissionGate>>,
 }
 
 pub(crate) struct Driver {
@@ -177,6 +179,38 @@ pub(crate) struct Driver {
     /// A chaos drill: panic at the top of the next loop turn (see
     /// [`KcpListener::chaos_panic_driver`](super::KcpListener::chaos_panic_driver)).
     pub(crate) chaos: Option<Arc<AtomicBool>>,
+}
+
+impl Driver {
+    /// One received datagram: a server's HELLO goes through the admission gate first (a
+    /// refused one is answered BUSY without any cookie work), everything to the endpoint.
+    fn take_datagram(&mut self, now: Instant, from: SocketAddr, datagram: &[u8]) {
+        if let (Role::Server { .. }, Some(gate)) = (&self.role, &self.params.admission) {
+            if is_hello(datagram) {
+                if let crate::listener::Admit::Refuse {
+                    code,
+                    retry_after_ms,
+                } = gate.admit(from)
+                {
+                    self.ep
+                        .refuse_hello(now, from, datagram, code, retry_after_ms);
+                    return;
+                }
+                // Admitted: KCP's handshake is stateless until CONNECT, so the permit
+                // (a handshake slot) is released at once.
+            }
+        }
+        self.ep.handle_datagram(now, from, datagram);
+    }
+}
+
+/// Whether `datagram` is a KCP HELLO control packet (PROTOCOL.md §8.2.2).
+fn is_hello(datagram: &[u8]) -> bool {
+    super::cookie::is_control(datagram)
+        && matches!(
+            super::cookie::Control::decode(datagram),
+            Some(super::cookie::Control::Hello { .. })
+        )
 }
 
 impl Drop for Driver {
@@ -270,10 +304,10 @@ impl Driver {
                     let now = Instant::now();
                     match received {
                         Ok((n, from)) => {
-                            self.ep.handle_datagram(now, from, buf.get(..n).unwrap_or_default());
+                            self.take_datagram(now, from, buf.get(..n).unwrap_or_default());
                             for _ in 1..RECV_BATCH {
                                 match self.socket.try_recv_from(&mut buf) {
-                                    Ok((n, from)) => self.ep.handle_datagram(
+                                    Ok((n, from)) => self.take_datagram(
                                         now, from, buf.get(..n).unwrap_or_default()),
                                     Err(_) => break,
                                 }

@@ -203,6 +203,9 @@ pub struct KcpStats {
     pub driver_restarts: AtomicU64,
     /// Datagrams longer than this endpoint's mtu, dropped unread.
     pub oversized_datagrams: AtomicU64,
+    /// HELLOs refused by the edge's admission gate (per-source and global rates, overload):
+    /// answered BUSY before any cookie work.
+    pub admission_refused: AtomicU64,
 }
 
 impl KcpStats {
@@ -530,6 +533,28 @@ impl KcpEndpoint {
             Control::Cookie(_) | Control::Accept { .. } | Control::Busy { .. } => {
                 KcpStats::bump(&self.stats.malformed);
             }
+        }
+    }
+
+    /// Server: answers a HELLO the shell's admission gate refused with BUSY(`code`,
+    /// `retry_after_ms`) — rate-limited like every refusal, never a cookie. Anything else
+    /// is ignored.
+    pub fn refuse_hello(
+        &mut self,
+        now: Instant,
+        from: SocketAddr,
+        datagram: &[u8],
+        code: CloseCode,
+        retry_after_ms: u32,
+    ) {
+        KcpStats::bump(&self.stats.admission_refused);
+        if let Some(Control::Hello { client_nonce }) = Control::decode(datagram) {
+            let packet = Control::Busy {
+                client_nonce,
+                code,
+                retry_after_ms,
+            };
+            self.send_reject(now, from, packet);
         }
     }
 

@@ -77,6 +77,7 @@ fn conn_params(kcp: &KcpConfig, conn: &ConnConfig) -> ConnParams {
         max_frame_size: conn.max_frame_size,
         inbound_queue: kcp.inbound_queue_messages,
         close_wait: Duration::from_millis(kcp.linger_ms) + Duration::from_millis(500),
+        admission: conn.admission.clone(),
     }
 }
 
