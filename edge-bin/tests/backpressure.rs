@@ -427,3 +427,48 @@ async fn a_kcp_handshake_flood_from_one_source_does_not_take_every_slot() {
         "refusals counted"
     );
 }
+
+/// Hardening item 11: the pre-auth deadline is absolute. A WebSocket upgrade finished just
+/// inside its own deadline used to restart the clock for HELLO (upgrade 2.5 s + HELLO 3 s);
+/// now `session.hello_timeout_ms` counts from the accept, so the connection ends about
+/// 3 s after it was accepted however the time was spent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_time_from_accept_to_welcome_is_bounded_once() {
+    let (edge, _b, _d) = edge_with(|c| {
+        c.limits.handshake_timeout_ms = 3_000;
+        c.session.hello_timeout_ms = 3_000;
+    })
+    .await;
+    let ws = edge.addrs[&TransportKind::Ws];
+    let started = std::time::Instant::now();
+    let mut sock = tokio::net::TcpStream::connect(ws).await.unwrap();
+    let request = "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+                   Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n";
+    let (head, tail) = request.split_at(request.len() - 2);
+    sock.write_all(head.as_bytes()).await.unwrap();
+    // The upgrade completes inside its own 3 s deadline...
+    tokio::time::sleep(Duration::from_millis(2_300)).await;
+    sock.write_all(tail.as_bytes()).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = sock.read(&mut buf).await.unwrap();
+    assert!(
+        String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 101"),
+        "upgraded"
+    );
+    // ...and no HELLO follows: the edge ends it at the deadline counted from the accept.
+    let ended = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match sock.read(&mut buf).await {
+                Ok(0) | Err(_) => return std::time::Instant::now(),
+                Ok(_) => {}
+            }
+        }
+    })
+    .await
+    .expect("the edge ends the connection");
+    let took = ended - started;
+    assert!(
+        took < Duration::from_millis(4_600),
+        "ended {took:?} after connecting: the HELLO deadline restarted after the upgrade"
+    );
+}

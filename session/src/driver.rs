@@ -550,6 +550,7 @@ pub async fn run_session(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndRea
 
 async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndReason {
     let conn_kind = conn.info().kind;
+    let accepted_at = conn.info().accepted_at;
     let machine = SessionMachine::new(edge.config.clone(), edge.counters.clone(), (edge.rng)());
     let id = NEXT_TASK.fetch_add(1, Ordering::Relaxed);
     let wake = edge.registry.open(id);
@@ -573,7 +574,8 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
         .edge
         .inbound
         .map(|limits| waygate_backpressure::InboundLimiter::new(limits, now()));
-    let _ = t.machine.handle_link_up(now());
+    // The pre-auth deadline counts from the accept, not from here (hardening item 11).
+    let _ = t.machine.handle_link_up_since(now(), accepted_at);
     // One timer for the machine, reset only when its deadline moves (the idle check does not
     // move per frame: see `SessionMachine::poll_timeout`).
     let timer = tokio::time::sleep_until(tokio::time::Instant::now());

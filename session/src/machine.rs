@@ -668,10 +668,21 @@ impl SessionMachine {
 
     /// The transport finished its handshake: DISCONNECTED -> HANDSHAKING.
     pub fn handle_link_up(&mut self, now: Instant) -> Result<(), SessionError> {
+        self.handle_link_up_since(now, now)
+    }
+
+    /// [`handle_link_up`](Self::handle_link_up) for a connection accepted at `accepted_at`
+    /// (before its TLS, upgrade or QUIC handshake): the handshake deadline counts from
+    /// there, so the time from accept to WELCOME is bounded once, whatever each phase took.
+    pub fn handle_link_up_since(
+        &mut self,
+        now: Instant,
+        accepted_at: Instant,
+    ) -> Result<(), SessionError> {
         if self.state != State::Disconnected {
             return Err(self.misuse("link up"));
         }
-        self.handshake_deadline = Some(now + self.config.handshake_timeout);
+        self.handshake_deadline = Some(accepted_at.min(now) + self.config.handshake_timeout);
         self.last_rx = Some(now);
         self.transition(State::Handshaking);
         Ok(())

@@ -99,6 +99,10 @@ pub struct ConnInfo {
     pub peer: SocketAddr,
     /// The local address.
     pub local: SocketAddr,
+    /// When the listener accepted the connection (before any TLS, upgrade or QUIC
+    /// handshake; KCP: its CONNECT), or when a client started connecting: the start of the
+    /// one pre-auth deadline (`session.hello_timeout_ms` from here to WELCOME).
+    pub accepted_at: std::time::Instant,
 }
 
 /// Per-connection limits shared by all transports.

@@ -33,6 +33,7 @@ pub fn mem_pair() -> (MemConnection, MemConnection) {
         kind: TransportKind::Tcp,
         peer: addr,
         local: addr,
+        accepted_at: std::time::Instant::now(),
     };
     (
         MemConnection {

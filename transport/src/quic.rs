@@ -454,6 +454,7 @@ pub fn listen(
                     }
                 }
                 let peer = incoming.remote_address();
+                let accepted_at = std::time::Instant::now();
                 let permit = match admit(config.admission.as_ref(), peer, &handoff.stats) {
                     Admit::Go(permit) => permit,
                     Admit::Refuse { .. } => {
@@ -489,6 +490,7 @@ pub fn listen(
                         kind: TransportKind::Quic,
                         peer,
                         local,
+                        accepted_at,
                     };
                     Ok(
                         Box::new(QuicConnection::new(conn, info, (send, recv), &config))
@@ -545,6 +547,7 @@ pub async fn connect_quic(
         kind: TransportKind::Quic,
         peer: addr,
         local: endpoint.local_addr()?,
+        accepted_at: std::time::Instant::now(),
     };
     Ok(Box::new(QuicConnection::new(
         conn,

@@ -60,6 +60,7 @@ pub async fn listen(
                     kind,
                     peer,
                     local,
+                    accepted_at: std::time::Instant::now(),
                 };
                 match &acceptor {
                     None => {
@@ -103,6 +104,7 @@ pub async fn connect_tcp(
         kind: TransportKind::Tcp,
         peer: addr,
         local: stream.local_addr()?,
+        accepted_at: std::time::Instant::now(),
     };
     Ok(Box::new(StreamConnection::new(stream, info, config)))
 }
@@ -133,6 +135,7 @@ pub async fn connect_tls(
         kind: TransportKind::Tls,
         peer: addr,
         local: stream.1,
+        accepted_at: std::time::Instant::now(),
     };
     Ok(Box::new(StreamConnection::new(stream.0, info, config)))
 }

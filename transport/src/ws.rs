@@ -287,6 +287,7 @@ pub async fn listen(
                     kind,
                     peer,
                     local,
+                    accepted_at: std::time::Instant::now(),
                 };
                 let acceptor = acceptor.clone();
                 let config = config.clone();
@@ -409,6 +410,7 @@ pub async fn connect_ws(
             kind,
             peer: addr,
             local,
+            accepted_at: std::time::Instant::now(),
         };
         let conn: BoxConnection = match tls {
             None => {

@@ -460,6 +460,7 @@ impl Driver {
                 kind: TransportKind::Kcp,
                 peer: key.addr,
                 local: self.local,
+                accepted_at: std::time::Instant::now(),
             },
             shared,
             self.cmd_tx.clone(),
