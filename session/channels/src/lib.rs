@@ -250,7 +250,8 @@ pub struct PublishReceipt {
 pub struct Delivery {
     /// The channel.
     pub channel: Arc<str>,
-    /// The class of the DATA that carries it (markers are critical).
+    /// The publication's class (markers: critical), for the counters; the DATA that
+    /// carries it uses [`Delivery::wire_class`].
     pub class: TrafficClass,
     /// The encoded [`ChannelEvent`].
     pub event: Bytes,
@@ -259,6 +260,20 @@ pub struct Delivery {
     /// When the publication was taken (for a publication; `None` for a marker or a
     /// recovered one).
     pub published_at: Option<Instant>,
+}
+
+impl Delivery {
+    /// The class of the DATA that carries it to a client: normal for every marker and every
+    /// recoverable publication (announcements included), best-effort for best-effort ones.
+    /// One sequenced lane keeps a channel's events in order on every transport (QUIC
+    /// carries critical and normal DATA on different streams, so mixing them would let
+    /// JOINED overtake the publications recovered before it).
+    pub fn wire_class(&self) -> TrafficClass {
+        match self.class {
+            TrafficClass::BestEffort => TrafficClass::BestEffort,
+            _ => TrafficClass::Normal,
+        }
+    }
 }
 
 /// What a join delivers before the member's live publications.

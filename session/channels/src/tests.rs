@@ -83,6 +83,43 @@ fn offsets_of(events: &[(SessionId, ChannelEvent)], s: SessionId) -> Vec<u64> {
 }
 
 #[test]
+fn every_event_of_a_channel_travels_in_one_sequenced_lane() {
+    let now = Instant::now();
+    let mut hub = ChannelHub::new(small_config(), 11);
+    hub.publish(now, "room:a", 0, TrafficClass::Critical, Bytes::new())
+        .unwrap();
+    hub.publish(now, "room:a", 0, TrafficClass::Normal, Bytes::new())
+        .unwrap();
+    let since = ChannelPosition {
+        epoch: hub.position("room:a").unwrap().epoch,
+        offset: 0,
+    };
+    hub.join(now, sid(1), &player(1), "room:a", Some(since))
+        .unwrap();
+    hub.publish(now, "room:a", 0, TrafficClass::BestEffort, Bytes::new())
+        .unwrap();
+    let mut classes = Vec::new();
+    while let Some(c) = hub.poll_ready() {
+        while let Some(d) = hub.next_delivery(&c) {
+            if d.to.contains(&sid(1)) {
+                classes.push((d.class, d.wire_class()));
+            }
+        }
+    }
+    use TrafficClass::*;
+    // Recovered announcement and chat, JOINED, then the live best-effort one.
+    assert_eq!(
+        classes,
+        [
+            (Critical, Normal),
+            (Normal, Normal),
+            (Critical, Normal),
+            (BestEffort, BestEffort)
+        ]
+    );
+}
+
+#[test]
 fn publish_reaches_members_in_order_and_markers_frame_membership() {
     let now = Instant::now();
     let mut hub = ChannelHub::new(small_config(), 1);

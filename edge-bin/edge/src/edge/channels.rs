@@ -222,7 +222,8 @@ impl Shared {
             let _ = self.session_layer().registry.push(
                 &session_id,
                 Downstream {
-                    class: TrafficClass::Critical,
+                    // The channel's one lane (see `Delivery::wire_class`).
+                    class: TrafficClass::Normal,
                     msg_id: CHANNEL_EVENT_MSG_ID,
                     payload: left.to_bytes(),
                 },
@@ -249,7 +250,7 @@ impl Shared {
     /// gone stops being a member.
     fn fan_out(&self, d: &Delivery) {
         let message = Downstream {
-            class: d.class,
+            class: d.wire_class(),
             msg_id: CHANNEL_EVENT_MSG_ID,
             payload: d.event.clone(),
         };
