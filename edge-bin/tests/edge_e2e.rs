@@ -73,9 +73,10 @@ async fn every_transport_reaches_the_instance_of_its_player_and_room() {
             "{kind}: {metrics}"
         );
     }
-    // The setup's phases (O1), observed for every session: HELLO, auth, restore, claim.
+    // The setup's phases (O1), observed for every session: the transport's own handshake
+    // (TLS, upgrade, QUIC), HELLO, auth, restore, claim.
     for kind in kinds {
-        for phase in ["hello", "auth", "restore", "claim"] {
+        for phase in ["transport", "hello", "auth", "restore", "claim"] {
             let count = format!(
                 "waygate_session_phase_seconds_count{{transport=\"{kind}\",phase=\"{phase}\"}} 4"
             );

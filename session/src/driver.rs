@@ -115,6 +115,10 @@ pub enum SessionEvent {
 /// the shared store), and the ownership claim (with the kick of a previous owner).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SetupPhases {
+    /// The transport's own handshake: from the accept to the listener's hand-over (TLS,
+    /// WebSocket upgrade, QUIC handshake and control stream; ~0 for plain TCP; KCP: from
+    /// its CONNECT).
+    pub transport: Duration,
     /// From the listener's hand-over to the first frame (HELLO).
     pub hello: Duration,
     /// Token verification.
@@ -566,7 +570,10 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
         transport: conn_kind,
         started: tokio::time::Instant::now(),
         durable: None,
-        phases: SetupPhases::default(),
+        phases: SetupPhases {
+            transport: accepted_at.elapsed(),
+            ..SetupPhases::default()
+        },
         heard: false,
         orphaned: None,
     };

@@ -31,7 +31,7 @@ pub struct TransportLabel {
 pub struct PhaseLabels {
     /// `tcp`, `tls`, `ws`, `wss`, `quic`, `kcp`.
     pub transport: String,
-    /// `hello`, `auth`, `restore`, `claim`.
+    /// `transport`, `hello`, `auth`, `restore`, `claim`.
     pub phase: String,
 }
 
@@ -457,7 +457,7 @@ impl EdgeMetrics {
         );
         registry.register(
             "session_phase_seconds",
-            "Session setup by phase: waiting for HELLO, auth, restore, ownership claim",
+            "Session setup by phase: transport handshake (TLS, upgrade, QUIC), waiting for HELLO, auth, restore, ownership claim",
             m.session_phase_seconds.clone(),
         );
         registry.register(

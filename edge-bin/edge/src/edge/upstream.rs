@@ -198,6 +198,7 @@ impl UpstreamSink for EdgeUpstream {
                     .get_or_create(&EdgeMetrics::transport(transport))
                     .observe(setup.as_secs_f64());
                 for (phase, took) in [
+                    ("transport", phases.transport),
                     ("hello", phases.hello),
                     ("auth", phases.auth),
                     ("restore", phases.restore),
