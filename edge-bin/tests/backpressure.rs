@@ -472,3 +472,40 @@ async fn the_time_from_accept_to_welcome_is_bounded_once() {
         "ended {took:?} after connecting: the HELLO deadline restarted after the upgrade"
     );
 }
+
+/// Hardening item 6: each phase has its own deadline, counted from the accept. A TLS client
+/// that never finishes TLS is dropped at `limits.tls_timeout_ms` (1 s here), not at the
+/// overall handshake deadline (6 s here) that used to overwrite it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_tls_handshake_ends_at_the_tls_deadline() {
+    let (edge, _b, _d) = edge_with(|c| {
+        c.limits.handshake_timeout_ms = 6_000;
+        c.limits.tls_timeout_ms = 1_000;
+        c.limits.upgrade_timeout_ms = 1_000;
+    })
+    .await;
+    for kind in [TransportKind::Tls, TransportKind::Wss] {
+        let started = std::time::Instant::now();
+        let mut sock = tokio::net::TcpStream::connect(edge.addrs[&kind])
+            .await
+            .unwrap();
+        // Half a ClientHello's record header, then nothing.
+        sock.write_all(&[0x16, 0x03]).await.unwrap();
+        let mut buf = [0u8; 64];
+        let ended = tokio::time::timeout(Duration::from_secs(20), async {
+            loop {
+                match sock.read(&mut buf).await {
+                    Ok(0) | Err(_) => return std::time::Instant::now(),
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await
+        .expect("the edge ends the connection");
+        let took = ended - started;
+        assert!(
+            took < Duration::from_millis(3_500),
+            "{kind}: dropped after {took:?}, not at the 1 s TLS deadline"
+        );
+    }
+}

@@ -194,6 +194,22 @@ pub enum Admit {
     },
 }
 
+/// Runs one phase of a transport handshake (TLS, the WebSocket upgrade, QUIC's) within the
+/// permit's deadline for it, counted from the accept (hardening item 6); without a permit
+/// only the listener's overall handshake deadline applies.
+pub(crate) async fn within_phase<T>(
+    permit: Option<&waygate_backpressure::HandshakePermit>,
+    phase: waygate_backpressure::Phase,
+    work: impl Future<Output = Result<T, TransportError>>,
+) -> Result<T, TransportError> {
+    match permit {
+        None => work.await,
+        Some(p) => tokio::time::timeout_at(p.deadline(phase).into(), work)
+            .await
+            .map_err(|_| TransportError::HandshakeTimeout)?,
+    }
+}
+
 /// Decides, before any expensive work (TLS, upgrade, QUIC handshake), whether a new
 /// connection may proceed (SPEC B1). The edge implements it over
 /// [`waygate_backpressure::AdmissionControl`] and its overload level.

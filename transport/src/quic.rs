@@ -25,7 +25,7 @@ use crate::conn::{
     BoxConnection, ConnConfig, ConnId, ConnInfo, Connection, IdleTimer, TransportKind,
 };
 use crate::error::TransportError;
-use crate::listener::{admit, Admit, TransportListener};
+use crate::listener::{admit, within_phase, Admit, TransportListener};
 use crate::tls::{ClientTls, TlsIdentity};
 use waygate_protocol::codec::{decode_message, StreamCodec};
 use waygate_protocol::frame::Frame;
@@ -466,11 +466,14 @@ pub fn listen(
                 let config = config.clone();
                 let counted = HandshakeCount::new(in_flight.clone());
                 handoff.spawn_handshake(peer, config.handshake_timeout, async move {
-                    let _permit = permit;
                     let _counted = counted;
-                    let conn = incoming
-                        .await
-                        .map_err(|e| TransportError::Handshake(e.to_string()))?;
+                    let conn =
+                        within_phase(permit.as_ref(), waygate_backpressure::Phase::Tls, async {
+                            incoming
+                                .await
+                                .map_err(|e| TransportError::Handshake(e.to_string()))
+                        })
+                        .await?;
                     let (send, mut recv) = conn.accept_bi().await.map_err(conn_err)?;
                     let mut kind = [0u8; 1];
                     recv.read_exact(&mut kind)

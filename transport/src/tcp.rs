@@ -9,7 +9,7 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use crate::conn::{BoxConnection, ConnConfig, ConnId, ConnInfo, TransportKind};
 use crate::error::TransportError;
-use crate::listener::{accept_tcp, admit, reject_bytes, Admit, TransportListener};
+use crate::listener::{accept_tcp, admit, reject_bytes, within_phase, Admit, TransportListener};
 use crate::stream::StreamConnection;
 use crate::tls::{server_name, ClientTls, TlsIdentity};
 
@@ -75,11 +75,17 @@ pub async fn listen(
                         let acceptor = acceptor.clone();
                         let config = config.clone();
                         handoff.spawn_handshake(peer, config.handshake_timeout, async move {
-                            let _permit = permit;
-                            let tls = acceptor
-                                .accept(stream)
-                                .await
-                                .map_err(|e| TransportError::Handshake(e.to_string()))?;
+                            let tls = within_phase(
+                                permit.as_ref(),
+                                waygate_backpressure::Phase::Tls,
+                                async {
+                                    acceptor
+                                        .accept(stream)
+                                        .await
+                                        .map_err(|e| TransportError::Handshake(e.to_string()))
+                                },
+                            )
+                            .await?;
                             Ok(Box::new(StreamConnection::new(tls, info, &config))
                                 as BoxConnection)
                         });

@@ -21,7 +21,7 @@ use crate::conn::{
     BoxConnection, ConnConfig, ConnId, ConnInfo, Connection, IdleTimer, TransportKind,
 };
 use crate::error::TransportError;
-use crate::listener::{accept_tcp, admit, Admit, TransportListener};
+use crate::listener::{accept_tcp, admit, within_phase, Admit, TransportListener};
 use crate::tls::{server_name, ClientTls, TlsIdentity};
 use waygate_protocol::codec::{decode_message, encode_message};
 use waygate_protocol::frame::Frame;
@@ -292,15 +292,21 @@ pub async fn listen(
                 let acceptor = acceptor.clone();
                 let config = config.clone();
                 handoff.spawn_handshake(peer, config.handshake_timeout, async move {
-                    let _permit = permit;
+                    use waygate_backpressure::Phase;
+                    let p = permit.as_ref();
                     match acceptor {
-                        None => upgrade(stream, info, &config).await,
+                        None => {
+                            within_phase(p, Phase::Upgrade, upgrade(stream, info, &config)).await
+                        }
                         Some(acceptor) => {
-                            let tls = acceptor
-                                .accept(stream)
-                                .await
-                                .map_err(|e| TransportError::Handshake(e.to_string()))?;
-                            upgrade(tls, info, &config).await
+                            let tls = within_phase(p, Phase::Tls, async {
+                                acceptor
+                                    .accept(stream)
+                                    .await
+                                    .map_err(|e| TransportError::Handshake(e.to_string()))
+                            })
+                            .await?;
+                            within_phase(p, Phase::Upgrade, upgrade(tls, info, &config)).await
                         }
                     }
                 });

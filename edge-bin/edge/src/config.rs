@@ -132,6 +132,12 @@ pub struct LimitsConfig {
     pub idle_timeout_ms: u64,
     /// Deadline for TLS, upgrade, QUIC and KCP handshakes, ms.
     pub handshake_timeout_ms: u64,
+    /// TLS (tls, wss) and the QUIC handshake must be done this long after the accept, ms
+    /// (inside `handshake_timeout_ms`).
+    pub tls_timeout_ms: u64,
+    /// The WebSocket upgrade (after TLS on wss) must be done this long after the accept,
+    /// ms (inside `handshake_timeout_ms`).
+    pub upgrade_timeout_ms: u64,
 }
 
 impl Default for LimitsConfig {
@@ -140,6 +146,8 @@ impl Default for LimitsConfig {
             max_frame_size: waygate_protocol::wire::DEFAULT_MAX_FRAME_SIZE,
             idle_timeout_ms: 30_000,
             handshake_timeout_ms: 10_000,
+            tls_timeout_ms: 5_000,
+            upgrade_timeout_ms: 7_000,
         }
     }
 }
@@ -690,6 +698,17 @@ impl EdgeConfig {
             return Err(ConfigError::Invalid {
                 key: "tls.cert",
                 message: "tls.cert and tls.key go together".into(),
+            });
+        }
+        let l = &self.limits;
+        if l.tls_timeout_ms == 0
+            || l.upgrade_timeout_ms < l.tls_timeout_ms
+            || l.handshake_timeout_ms < l.upgrade_timeout_ms
+        {
+            return Err(ConfigError::Invalid {
+                key: "limits.tls_timeout_ms",
+                message: "need 0 < tls_timeout_ms <= upgrade_timeout_ms <= handshake_timeout_ms"
+                    .into(),
             });
         }
         self.channels

@@ -29,12 +29,7 @@ pub struct EdgeAdmission {
 
 impl EdgeAdmission {
     /// From the edge's settings.
-    pub fn new(config: &BackpressureConfig, handshake_timeout: Duration) -> Self {
-        let deadlines = PhaseDeadlines {
-            tls: handshake_timeout,
-            upgrade: handshake_timeout,
-            hello: handshake_timeout,
-        };
+    pub fn new(config: &BackpressureConfig, deadlines: PhaseDeadlines) -> Self {
         let admission = AdmissionConfig {
             global_rate: Rate::per_second(config.accept_per_sec),
             global_burst: config.accept_burst,

@@ -57,9 +57,14 @@ impl Edge {
                 );
             }
         }
+        let l = &config.limits;
         let admission = Arc::new(EdgeAdmission::new(
             &config.backpressure,
-            Duration::from_millis(config.limits.handshake_timeout_ms),
+            waygate_backpressure::PhaseDeadlines {
+                tls: Duration::from_millis(l.tls_timeout_ms),
+                upgrade: Duration::from_millis(l.upgrade_timeout_ms),
+                hello: Duration::from_millis(config.session.hello_timeout_ms),
+            },
         ));
         let governor = Arc::new(Governor::new(&config.backpressure));
         let bound = bind_all(&config, Some(admission.clone() as Arc<dyn AdmissionGate>)).await?;
