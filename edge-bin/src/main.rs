@@ -78,6 +78,9 @@ enum Command {
         /// Issuer claim.
         #[arg(long, default_value = "waygate-dev")]
         issuer: String,
+        /// Audience (extension 0x02), for an edge with `auth.audiences`.
+        #[arg(long)]
+        audience: Option<String>,
         /// Edge configuration whose first auth key signs the token.
         #[arg(long)]
         config: Option<std::path::PathBuf>,
@@ -293,6 +296,7 @@ fn main() -> std::process::ExitCode {
                 player,
                 ttl,
                 issuer,
+                audience,
                 config,
             } => {
                 let config = load_config(config.as_deref())?;
@@ -306,7 +310,11 @@ fn main() -> std::process::ExitCode {
                     issuer,
                     issued_at: now,
                     expires_at: now + ttl,
-                    extensions: Vec::new(),
+                    extensions: audience
+                        .map(|a| {
+                            vec![(waygate_session::auth::EXT_AUDIENCE, bytes::Bytes::from(a))]
+                        })
+                        .unwrap_or_default(),
                 };
                 let token = waygate_session::mint_token(key.id, key.secret.as_bytes(), &claims)
                     .map_err(|e| e.to_string())?;

@@ -140,3 +140,49 @@ async fn links_need_a_secret_beyond_loopback_and_work_with_one() {
         Err(CloseCode::Unavailable)
     );
 }
+
+/// Token audiences (hardening item 7): an edge with `auth.audiences` accepts tokens minted
+/// for one of them (`waygate token --audience`) and refuses others and tokens without one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edge_with_audiences_refuses_tokens_for_others() {
+    let (_b, backend) = common::backend("b1", &[]).await;
+    let edge = EdgeProc::start(
+        &common::table(&[backend], 1, None),
+        "[auth]\naudiences = [\"eu-game\"]\n",
+    )
+    .await;
+    let tcp = edge.addr(TransportKind::Tcp);
+    let config = edge.dir.path().join("edge.toml");
+    let mint = |audience: Option<&'static str>| {
+        let config = config.clone();
+        async move {
+            let mut args = vec![
+                "token".to_string(),
+                "--player".into(),
+                "aud".into(),
+                "--config".into(),
+                config.to_str().unwrap().into(),
+            ];
+            if let Some(a) = audience {
+                args.extend(["--audience".into(), a.into()]);
+            }
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let out = output(&args).await;
+            assert!(out.status.success());
+            waygate_session::auth::token_from_base64url(
+                String::from_utf8(out.stdout).unwrap().trim(),
+            )
+            .unwrap()
+        }
+    };
+    assert!(matches!(
+        common::raw_hello(tcp, mint(Some("eu-game")).await).await,
+        Frame::Welcome(_)
+    ));
+    for other in [Some("us-game"), None] {
+        match common::raw_hello(tcp, mint(other).await).await {
+            Frame::Reject(r) => assert_eq!(r.code, CloseCode::AuthRejected, "{other:?}"),
+            f => panic!("{other:?}: {f:?}"),
+        }
+    }
+}

@@ -499,7 +499,11 @@ pub struct HmacAuthenticator {
     keys: KeyRing,
     leeway: Duration,
     issuers: Option<Vec<String>>,
+    audiences: Option<Vec<String>>,
 }
+
+/// Extension type of a token's audience (UTF-8; PROTOCOL.md §7.2.1).
+pub const EXT_AUDIENCE: u8 = 0x02;
 
 /// Default clock-skew leeway applied to both ends of a token's validity window.
 pub const DEFAULT_LEEWAY: Duration = Duration::from_secs(30);
@@ -511,6 +515,7 @@ impl HmacAuthenticator {
             keys,
             leeway: DEFAULT_LEEWAY,
             issuers: None,
+            audiences: None,
         }
     }
 
@@ -523,6 +528,13 @@ impl HmacAuthenticator {
     /// Accepts only tokens whose issuer is in `issuers` (others: [`AuthError::Rejected`]).
     pub fn with_allowed_issuers(mut self, issuers: Vec<String>) -> Self {
         self.issuers = Some(issuers);
+        self
+    }
+
+    /// Accepts only tokens with an audience extension ([`EXT_AUDIENCE`]) in `audiences`
+    /// (others, and tokens without one: [`AuthError::Rejected`]).
+    pub fn with_allowed_audiences(mut self, audiences: Vec<String>) -> Self {
+        self.audiences = Some(audiences);
         self
     }
 
@@ -539,6 +551,19 @@ impl HmacAuthenticator {
                 return Err(AuthError::Rejected(format!(
                     "issuer {:?} not allowed",
                     player.claims.issuer
+                )));
+            }
+        }
+        if let Some(allowed) = &self.audiences {
+            let audience = player
+                .claims
+                .extensions
+                .iter()
+                .find(|(ty, _)| *ty == EXT_AUDIENCE)
+                .map(|(_, v)| String::from_utf8_lossy(v).into_owned());
+            if !audience.as_ref().is_some_and(|a| allowed.contains(a)) {
+                return Err(AuthError::Rejected(format!(
+                    "audience {audience:?} not accepted here"
                 )));
             }
         }
@@ -575,8 +600,29 @@ mod tests {
         HmacAuthenticator::new(ring).with_leeway(Duration::from_secs(30))
     }
 
-    /// The worked example of PROTOCOL.md §7.2.3: pinned bytes, so a refactor cannot
-    /// silently change the format.
+    #[test]
+    fn an_audience_list_refuses_tokens_for_other_audiences_or_none() {
+        let mint = |aud: Option<&str>| {
+            let mut c = claims();
+            if let Some(a) = aud {
+                c.extensions = vec![(EXT_AUDIENCE, Bytes::from(a.to_owned()))];
+            }
+            mint_token(7, KEY, &c).expect("mint")
+        };
+        let picky = auth().with_allowed_audiences(vec!["eu-game".into()]);
+        assert!(picky.verify(&mint(Some("eu-game")), 1_500).is_ok());
+        for other in [Some("us-game"), None] {
+            assert_eq!(
+                picky
+                    .verify(&mint(other), 1_500)
+                    .map_err(|e| e.close_code()),
+                Err(CloseCode::AuthRejected),
+                "{other:?}"
+            );
+        }
+        assert!(auth().verify(&mint(None), 1_500).is_ok(), "no list: any");
+    }
+
     #[test]
     fn the_policy_refuses_revoked_players_and_overlong_tokens() {
         let player = |issued_at, expires_at| AuthedPlayer {
@@ -613,6 +659,8 @@ mod tests {
         );
     }
 
+    /// The worked example of PROTOCOL.md §7.2.3: pinned bytes, so a refactor cannot
+    /// silently change the format.
     #[test]
     fn golden_token_bytes() {
         let token = mint_token(

@@ -286,6 +286,9 @@ pub struct AuthConfig {
     pub keys: Vec<AuthKey>,
     /// Accepted issuers; empty = any.
     pub issuers: Vec<String>,
+    /// HMAC tokens: accepted audiences (the token's extension 0x02); empty = any, tokens
+    /// with no audience included. JWTs use `jwt.audiences`.
+    pub audiences: Vec<String>,
     /// Clock-skew leeway for issued-at and expiry, seconds.
     pub leeway_secs: u64,
     /// Longest validity a token may have, seconds: from its issue time (or from now when it
@@ -319,6 +322,7 @@ impl Default for AuthConfig {
                 secret: DEV_KEY_SECRET.into(),
             }],
             issuers: Vec::new(),
+            audiences: Vec::new(),
             leeway_secs: 30,
             max_token_lifetime_secs: 86_400,
             insecure_dev_key: false,

@@ -225,6 +225,9 @@ impl Edge {
                 if !a.issuers.is_empty() {
                     hmac = hmac.with_allowed_issuers(a.issuers.clone());
                 }
+                if !a.audiences.is_empty() {
+                    hmac = hmac.with_allowed_audiences(a.audiences.clone());
+                }
                 Arc::new(hmac)
             }
             crate::config::AuthKind::Jwt => {
