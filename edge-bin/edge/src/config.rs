@@ -133,10 +133,10 @@ pub struct LimitsConfig {
     /// Deadline for TLS, upgrade, QUIC and KCP handshakes, ms.
     pub handshake_timeout_ms: u64,
     /// TLS (tls, wss) and the QUIC handshake must be done this long after the accept, ms
-    /// (inside `handshake_timeout_ms`).
+    /// (capped by `handshake_timeout_ms`).
     pub tls_timeout_ms: u64,
     /// The WebSocket upgrade (after TLS on wss) must be done this long after the accept,
-    /// ms (inside `handshake_timeout_ms`).
+    /// ms (capped by `handshake_timeout_ms`).
     pub upgrade_timeout_ms: u64,
 }
 
@@ -705,13 +705,11 @@ impl EdgeConfig {
             });
         }
         let l = &self.limits;
-        if l.tls_timeout_ms == 0
-            || l.upgrade_timeout_ms < l.tls_timeout_ms
-            || l.handshake_timeout_ms < l.upgrade_timeout_ms
-        {
+        if l.tls_timeout_ms == 0 || l.upgrade_timeout_ms < l.tls_timeout_ms {
             return Err(ConfigError::Invalid {
                 key: "limits.tls_timeout_ms",
-                message: "need 0 < tls_timeout_ms <= upgrade_timeout_ms <= handshake_timeout_ms"
+                message: "need 0 < tls_timeout_ms <= upgrade_timeout_ms (both are capped by \
+                          handshake_timeout_ms)"
                     .into(),
             });
         }

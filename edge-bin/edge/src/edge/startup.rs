@@ -61,8 +61,8 @@ impl Edge {
         let admission = Arc::new(EdgeAdmission::new(
             &config.backpressure,
             waygate_backpressure::PhaseDeadlines {
-                tls: Duration::from_millis(l.tls_timeout_ms),
-                upgrade: Duration::from_millis(l.upgrade_timeout_ms),
+                tls: Duration::from_millis(l.tls_timeout_ms.min(l.handshake_timeout_ms)),
+                upgrade: Duration::from_millis(l.upgrade_timeout_ms.min(l.handshake_timeout_ms)),
                 hello: Duration::from_millis(config.session.hello_timeout_ms),
             },
         ));
