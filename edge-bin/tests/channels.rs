@@ -402,13 +402,15 @@ async fn refusals_reach_the_publisher_as_typed_codes_and_a_retry_is_not_publishe
 #[path = "support_redis/mod.rs"]
 mod support_redis;
 
-/// A session's channel memberships travel in its snapshot: resumed on another edge (through
-/// Redis), it is a member there too. That edge's channel is another epoch, so the client is
-/// told HISTORY_LOST (never a silent loss of its membership or of what it missed), then
-/// receives that edge's publications.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn memberships_travel_with_a_session_resumed_on_another_edge() {
-    let redis = support_redis::RedisServer::start();
+/// Two in-process edges over one backend keeping its sessions (sharing Redis when given).
+struct TwoEdges {
+    sessions: Arc<Sessions>,
+    edges: Vec<waygate_edge::edge::Edge>,
+    _backend: waygate_backend::Backend,
+    _dir: tempfile::TempDir,
+}
+
+async fn two_edges(ids: [&str; 2], redis_url: Option<String>) -> TwoEdges {
     let sessions = Arc::new(Sessions::default());
     let backend = waygate_backend::Backend::bind(
         "127.0.0.1:0".parse().unwrap(),
@@ -421,14 +423,33 @@ async fn memberships_travel_with_a_session_resumed_on_another_edge() {
     let routes = dir.path().join("routes.toml");
     std::fs::write(&routes, common::table(&[backend.local_addr()], 1, None)).unwrap();
     let mut edges = Vec::new();
-    for id in ["edge-1", "edge-2"] {
+    for id in ids {
         let mut config = waygate_edge::config::EdgeConfig::default();
         config.use_ephemeral_ports();
         config.edge_id = id.into();
         config.routing.table = Some(routes.clone());
-        config.cluster.redis_url = redis.url();
+        if let Some(url) = &redis_url {
+            config.cluster.redis_url = url.clone();
+        }
         edges.push(waygate_edge::edge::Edge::start(config).await.unwrap());
     }
+    TwoEdges {
+        sessions,
+        edges,
+        _backend: backend,
+        _dir: dir,
+    }
+}
+
+/// A session's channel memberships travel in its snapshot: resumed on another edge (through
+/// Redis), it is a member there too. That edge's channel is another epoch, so the client is
+/// told HISTORY_LOST (never a silent loss of its membership or of what it missed), then
+/// receives that edge's publications.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memberships_travel_with_a_session_resumed_on_another_edge() {
+    let redis = support_redis::RedisServer::start();
+    let two = two_edges(["edge-1", "edge-2"], Some(redis.url())).await;
+    let (sessions, edges) = (two.sessions.clone(), &two.edges);
     let endpoints: Vec<Endpoint> = edges
         .iter()
         .map(|e| Endpoint::new(TransportKind::Tcp, e.addrs[&TransportKind::Tcp]))
@@ -480,7 +501,7 @@ async fn memberships_travel_with_a_session_resumed_on_another_edge() {
         .await
         .unwrap();
     assert_eq!(body_of(&next_update(&mut client).await), (1, "two".into()));
-    drop(backend);
+    drop(two);
 }
 
 /// A publish on every edge: one result per edge, members of both edges receive it; retried
@@ -488,25 +509,8 @@ async fn memberships_travel_with_a_session_resumed_on_another_edge() {
 /// twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publish_on_every_edge_has_a_result_per_edge_and_retries_publish_nothing_twice() {
-    let sessions = Arc::new(Sessions::default());
-    let backend = waygate_backend::Backend::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        waygate_backend::BackendConfig::new("b1"),
-        sessions.clone(),
-    )
-    .await
-    .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let routes = dir.path().join("routes.toml");
-    std::fs::write(&routes, common::table(&[backend.local_addr()], 1, None)).unwrap();
-    let mut edges = Vec::new();
-    for id in ["edge-a", "edge-b"] {
-        let mut config = waygate_edge::config::EdgeConfig::default();
-        config.use_ephemeral_ports();
-        config.edge_id = id.into();
-        config.routing.table = Some(routes.clone());
-        edges.push(waygate_edge::edge::Edge::start(config).await.unwrap());
-    }
+    let two = two_edges(["edge-a", "edge-b"], None).await;
+    let (sessions, edges) = (two.sessions.clone(), &two.edges);
     let mut clients = Vec::new();
     for (i, edge) in edges.iter().enumerate() {
         let player = format!("member-{i}");
@@ -554,7 +558,7 @@ async fn a_publish_on_every_edge_has_a_result_per_edge_and_retries_publish_nothi
             "x only once"
         );
     }
-    drop(backend);
+    drop(two);
 }
 
 /// A kind with backlog (guild by default): the edge remembers the position a departed

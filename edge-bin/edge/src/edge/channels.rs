@@ -36,6 +36,27 @@ fn result(request_id: u64, outcome: Result<ChannelPosition, ChannelError>) -> Li
     }
 }
 
+/// The CHANNEL_RESULT for a session that is not on this edge.
+fn member_offline(request_id: u64) -> LinkFrame {
+    LinkFrame::ChannelResult {
+        request_id,
+        code: CloseCode::MemberOffline,
+        retry_after_ms: 0,
+        position: ChannelPosition::default(),
+        duplicate: false,
+    }
+}
+
+/// A metrics label for a join's outcome.
+fn join_label(outcome: &JoinOutcome) -> &'static str {
+    match outcome {
+        JoinOutcome::Joined => "joined",
+        JoinOutcome::AlreadyMember => "already_member",
+        JoinOutcome::Recovered { .. } => "recovered",
+        JoinOutcome::HistoryLost => "history_lost",
+    }
+}
+
 /// A metrics label for a refusal.
 fn refusal_label(e: ChannelError) -> &'static str {
     match e {
@@ -104,13 +125,7 @@ impl Shared {
                 since,
             } => {
                 let Some(sid) = self.session_of_handle(handle) else {
-                    return Some(LinkFrame::ChannelResult {
-                        request_id,
-                        code: CloseCode::MemberOffline,
-                        retry_after_ms: 0,
-                        position: ChannelPosition::default(),
-                        duplicate: false,
-                    });
+                    return Some(member_offline(request_id));
                 };
                 let player = self.session_layer().registry.player_of(&sid);
                 let player = player.as_deref().unwrap_or_default();
@@ -120,10 +135,7 @@ impl Shared {
                     .map_err(|_| ChannelError::Limit)
                     .and_then(|mut hub| hub.join(now, sid, player, &channel, since));
                 let label = match &outcome {
-                    Ok((_, JoinOutcome::Joined)) => "joined",
-                    Ok((_, JoinOutcome::AlreadyMember)) => "already_member",
-                    Ok((_, JoinOutcome::Recovered { .. })) => "recovered",
-                    Ok((_, JoinOutcome::HistoryLost)) => "history_lost",
+                    Ok((_, o)) => join_label(o),
                     Err(e) => refusal_label(*e),
                 };
                 self.metrics
@@ -141,13 +153,7 @@ impl Shared {
                 channel,
             } => {
                 let Some(sid) = self.session_of_handle(handle) else {
-                    return Some(LinkFrame::ChannelResult {
-                        request_id,
-                        code: CloseCode::MemberOffline,
-                        retry_after_ms: 0,
-                        position: ChannelPosition::default(),
-                        duplicate: false,
-                    });
+                    return Some(member_offline(request_id));
                 };
                 let outcome = self
                     .channels
@@ -194,15 +200,13 @@ impl Shared {
             for (name, position) in channels {
                 match hub.join(now, session_id, player, &name, Some(position)) {
                     Ok((_, outcome)) => {
-                        let label = match outcome {
-                            JoinOutcome::Joined => "joined",
-                            JoinOutcome::AlreadyMember => "already_member",
-                            JoinOutcome::Recovered { .. } => "recovered",
-                            JoinOutcome::HistoryLost => "history_lost",
-                        };
                         self.metrics
                             .channel_joins
-                            .get_or_create(&labels(&name, TrafficClass::Critical, label))
+                            .get_or_create(&labels(
+                                &name,
+                                TrafficClass::Critical,
+                                join_label(&outcome),
+                            ))
                             .inc();
                     }
                     Err(e) => {
