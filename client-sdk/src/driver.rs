@@ -132,6 +132,7 @@ enum Cmd {
     ),
     DropLink,
     Prefer(usize),
+    SetToken(Bytes),
     Close,
 }
 
@@ -213,6 +214,13 @@ impl Client {
     /// client reconnects and resumes.
     pub async fn drop_link(&self) {
         let _ = self.cmd.send(Cmd::DropLink).await;
+    }
+
+    /// Replaces the auth token (refreshed from the login service): used by the next HELLO.
+    /// An expired token never ends a session that can still be resumed (the SDK resumes
+    /// with the resume token alone); a fresh one is needed only for a new login.
+    pub async fn set_token(&self, token: Bytes) {
+        let _ = self.cmd.send(Cmd::SetToken(token)).await;
     }
 
     /// Makes endpoint `index` the first one tried on the next connect.
@@ -315,6 +323,7 @@ async fn run(
                     }
                 }
                 Some(Cmd::Prefer(i)) => d.preferred = i.min(d.options.endpoints.len().saturating_sub(1)),
+                Some(Cmd::SetToken(token)) => d.session.set_token(token),
                 Some(Cmd::Close) | None => {
                     if let Some(mut c) = d.conn.take() {
                         c.close(CloseCode::Normal, "client closed").await;
@@ -540,20 +549,12 @@ impl Driver {
                 ClientEvent::Rejected {
                     code,
                     retry_after_ms,
+                    terminal,
                 } => {
                     self.conn = None;
                     self.failures = self.failures.saturating_add(1);
                     self.schedule_backoff(retry_after_ms);
-                    if matches!(
-                        code,
-                        CloseCode::AuthMalformed
-                            | CloseCode::AuthBadSignature
-                            | CloseCode::AuthExpired
-                            | CloseCode::AuthUnknownKey
-                            | CloseCode::AuthUnsupportedVersion
-                            | CloseCode::AuthRejected
-                            | CloseCode::UnsupportedVersion
-                    ) {
+                    if terminal {
                         self.closed = true;
                         Event::Closed { code }
                     } else {

@@ -303,6 +303,7 @@ async fn redis_down_new_logins_end_unavailable_within_a_second_live_sessions_sta
         ClientEvent::Rejected {
             code,
             retry_after_ms,
+            ..
         } => Some((*code, Some(*retry_after_ms))),
         ClientEvent::Disconnected { code } => Some((*code, None)),
         _ => None,

@@ -263,3 +263,46 @@ async fn full_jitter_spreads_the_reconnects_of_200_clients() {
     assert!(max * 2 < retries.len(), "retries bunched: {buckets:?}");
     assert!(busy >= 6, "retries not spread: {buckets:?}");
 }
+
+/// SDK issue item 2: an auth token that expires while the client is away used to end the
+/// Rust (and C) client for good (`auth_expired` was terminal), although the session could
+/// still be resumed with its resume token. Now the SDK drops the expired token and resumes
+/// with the resume token alone: restored, nothing lost; `set_token` gives a fresh token for
+/// a later new login.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_token_does_not_end_a_resumable_session() {
+    let (edge, _backend, _dir) = common::demo_edge(|c| c.auth.leeway_secs = 0).await;
+    let endpoint = Endpoint::new(TransportKind::Tcp, edge.addrs[&TransportKind::Tcp]);
+    let mut client = Client::start(ClientOptions::new(
+        vec![endpoint],
+        common::token_for_secs("short-lived", 1),
+    ));
+    assert!(echo_ok(&mut client).await, "first echo");
+    // The token runs out (expires-at is whole seconds: wait past the next one) while the
+    // link is down.
+    tokio::time::sleep(Duration::from_millis(2_200)).await;
+    client.drop_link().await;
+    let mut outcomes = Vec::new();
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(20), client.next_event())
+            .await
+            .expect("an event in time")
+            .expect("client running");
+        match event {
+            Event::Connected { outcome, .. } => {
+                outcomes.push(outcome);
+                break;
+            }
+            Event::Closed { code } => panic!("ended for good: {code}"),
+            // On the way: the expired token's refusal, not an end.
+            Event::Rejected { code, .. } => assert_eq!(code, CloseCode::AuthExpired),
+            _ => {}
+        }
+    }
+    assert_eq!(
+        outcomes.last(),
+        Some(&waygate_protocol::frame::WelcomeOutcome::Restored)
+    );
+    assert!(echo_ok(&mut client).await, "the restored session works");
+    client.set_token(common::token("short-lived")).await;
+}

@@ -82,6 +82,9 @@ pub enum ClientEvent {
         code: CloseCode,
         /// Retry hint in milliseconds.
         retry_after_ms: u32,
+        /// Nothing can log in or resume any more (a refused token with no session to
+        /// resume, an unsupported version): stop. Otherwise connect again after the hint.
+        terminal: bool,
     },
     /// The link dropped (the session may still be resumed unless the code says otherwise).
     Disconnected {
@@ -496,11 +499,31 @@ impl ClientSession {
                 if r.code == CloseCode::ResumeRejected {
                     self.session = None;
                 }
+                // An expired auth token never ends a session that can still be resumed:
+                // the token is dropped and the next HELLO resumes with the resume token
+                // alone (PROTOCOL.md §7.1.1; `set_token` gives a fresh one for a new login).
+                let expired_but_resumable =
+                    r.code == CloseCode::AuthExpired && self.session.is_some();
+                if expired_but_resumable {
+                    self.token = Bytes::new();
+                }
+                let terminal = !expired_but_resumable
+                    && matches!(
+                        r.code,
+                        CloseCode::AuthMalformed
+                            | CloseCode::AuthBadSignature
+                            | CloseCode::AuthExpired
+                            | CloseCode::AuthUnknownKey
+                            | CloseCode::AuthUnsupportedVersion
+                            | CloseCode::AuthRejected
+                            | CloseCode::UnsupportedVersion
+                    );
                 self.state = ClientState::Disconnected;
                 self.transmit.clear();
                 self.events.push_back(ClientEvent::Rejected {
                     code: r.code,
                     retry_after_ms: r.retry_after_ms,
+                    terminal,
                 });
                 Ok(())
             }

@@ -419,6 +419,21 @@ enum waygate_result waygate_client_send(struct waygate_client *client,
 enum waygate_result waygate_client_drop_link(struct waygate_client *client);
 
 /**
+ * Replaces the auth token (refreshed from the login service) for the next HELLO. An
+ * expired token never ends a session that can still be resumed (the client resumes with
+ * its resume token alone); a fresh one is needed for a new login. The bytes are copied.
+ *
+ * # Safety
+ *
+ * `client` is NULL or a live handle used by no other thread during the call; `token` is
+ * NULL (with `token_len` 0) or readable for `token_len` bytes; the calling thread is not
+ * running a tokio runtime.
+ */
+enum waygate_result waygate_client_set_token(struct waygate_client *client,
+                                             const uint8_t *token,
+                                             size_t token_len);
+
+/**
  * Closes the session (CLOSE normal): a `WAYGATE_EVENT_CLOSED` event follows, then polls
  * return `WAYGATE_CLOSED`. Closing a client that never connected ends it at once. Closing
  * twice is fine.

@@ -384,6 +384,45 @@ pub unsafe extern "C" fn waygate_client_drop_link(client: *mut waygate_client) -
     })
 }
 
+/// Replaces the auth token (refreshed from the login service) for the next HELLO. An
+/// expired token never ends a session that can still be resumed (the client resumes with
+/// its resume token alone); a fresh one is needed for a new login. The bytes are copied.
+///
+/// # Safety
+///
+/// `client` is NULL or a live handle used by no other thread during the call; `token` is
+/// NULL (with `token_len` 0) or readable for `token_len` bytes; the calling thread is not
+/// running a tokio runtime.
+#[no_mangle]
+pub unsafe extern "C" fn waygate_client_set_token(
+    client: *mut waygate_client,
+    token: *const u8,
+    token_len: usize,
+) -> waygate_result {
+    ffi_body!(WAYGATE_PANIC => {
+        non_null!(client, WAYGATE_INVALID_ARGUMENT);
+        if token.is_null() && token_len > 0 {
+            set_last_error("token is NULL");
+            return WAYGATE_INVALID_ARGUMENT;
+        }
+        let bytes = if token_len == 0 {
+            bytes::Bytes::new()
+        } else {
+            // SAFETY: not NULL; the caller promises `token_len` readable bytes.
+            bytes::Bytes::copy_from_slice(unsafe { std::slice::from_raw_parts(token, token_len) })
+        };
+        // SAFETY: not NULL; the caller promises a live handle used only by this thread.
+        let h = unsafe { handle(client) };
+        if let Err(code) = h.running() {
+            return code;
+        }
+        if let Some(c) = h.client.as_ref() {
+            h.rt.block_on(c.set_token(bytes));
+        }
+        WAYGATE_OK
+    })
+}
+
 /// Closes the session (CLOSE normal): a `WAYGATE_EVENT_CLOSED` event follows, then polls
 /// return `WAYGATE_CLOSED`. Closing a client that never connected ends it at once. Closing
 /// twice is fine.

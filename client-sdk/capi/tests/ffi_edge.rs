@@ -222,6 +222,18 @@ fn channel_events_through_the_c_functions() {
         unsafe { waygate_client_channel_position(h.0, world.as_ptr(), &mut epoch, &mut offset) };
     assert_eq!(r, WAYGATE_OK);
     assert_eq!((epoch, offset), (joined.channel.0, 1));
+    // A refreshed token is taken (for the next HELLO); a NULL one with a length is refused.
+    let fresh = token_bytes("ffi-chatter");
+    // SAFETY: live handle; `fresh` readable for its length.
+    assert_eq!(
+        unsafe { waygate_client_set_token(h.0, fresh.as_ptr(), fresh.len()) },
+        WAYGATE_OK
+    );
+    // SAFETY: live handle; NULL with a length is refused before any read.
+    assert_eq!(
+        unsafe { waygate_client_set_token(h.0, std::ptr::null(), 4) },
+        WAYGATE_INVALID_ARGUMENT
+    );
     // A refused request is an ERROR with the edge's code.
     send(&h, 1200, b"nosuch:1").unwrap();
     let refused = wait_for(&h, WAYGATE_EVENT_ERROR);

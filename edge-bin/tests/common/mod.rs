@@ -205,6 +205,11 @@ pub fn write_atomically(path: &Path, text: &str) {
 }
 
 pub fn token(player: &str) -> Bytes {
+    token_for_secs(player, 3600)
+}
+
+/// A development-key token for `player` valid for `ttl` seconds from now.
+pub fn token_for_secs(player: &str, ttl: u64) -> Bytes {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -216,7 +221,7 @@ pub fn token(player: &str) -> Bytes {
             player_id: player.into(),
             issuer: "test".into(),
             issued_at: now,
-            expires_at: now + 3600,
+            expires_at: now + ttl,
             extensions: Vec::new(),
         },
     )

@@ -696,6 +696,28 @@ fn a_revoked_player_cannot_resume_without_or_with_a_token() {
     assert_eq!(p.session(c), sid);
 }
 
+/// The client core: an auth token that expired while the session can still be resumed is
+/// dropped (not terminal), and the next HELLO resumes with the resume token alone.
+#[test]
+fn an_expired_token_is_dropped_and_the_session_resumed_without_it() {
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "alice");
+    let sid = p.session(c);
+    p.cut(c);
+    p.edge.unix_now += 7_200; // the token (1 h) has expired
+    p.connect(c);
+    p.drive(c);
+    let refusal = p.peers[c].events.iter().find_map(|e| match e {
+        ClientEvent::Rejected { code, terminal, .. } => Some((*code, *terminal)),
+        _ => None,
+    });
+    assert_eq!(refusal, Some((CloseCode::AuthExpired, false)));
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(welcomed(&p, c).last(), Some(&WelcomeOutcome::Restored));
+    assert_eq!(p.session(c), sid);
+}
+
 #[test]
 fn linger_expiry_ends_the_session_and_resume_gets_a_new_one() {
     let cfg = SessionConfig {
