@@ -219,8 +219,11 @@ impl Client {
     /// Replaces the auth token (refreshed from the login service): used by the next HELLO.
     /// An expired token never ends a session that can still be resumed (the SDK resumes
     /// with the resume token alone); a fresh one is needed only for a new login.
-    pub async fn set_token(&self, token: Bytes) {
-        let _ = self.cmd.send(Cmd::SetToken(token)).await;
+    pub async fn set_token(&self, token: Bytes) -> Result<(), SdkError> {
+        self.cmd
+            .send(Cmd::SetToken(token))
+            .await
+            .map_err(|_| SdkError::Closed)
     }
 
     /// Makes endpoint `index` the first one tried on the next connect.

@@ -107,6 +107,9 @@ pub struct DemoReport {
     /// Publications that did not follow their channel's last offset for that member
     /// (expected: 0).
     pub channel_order_violations: u64,
+    /// CHANNEL_JOIN and CHAT messages refused explicitly (an ERROR from the edge or the
+    /// backend, or the client could not queue them).
+    pub channel_refused: u64,
     /// Totals.
     pub total: TransportRow,
 }
@@ -205,7 +208,7 @@ impl DemoReport {
         out.push_str(&row("total", &self.total));
         out.push_str(&format!(
             "kicked by second login: {}   resumed on another endpoint (transport or edge): {}   room events: {}\n\
-             channels (world, guild): {} publications, {} out of order, {} history lost\n\
+             channels (world, guild): {} publications, {} out of order, {} history lost, {} chat/join refused\n\
              drain of b3: replies from other backends {}, from b3 more than 1 s later {}\n",
             self.kicked,
             self.switched_transport,
@@ -213,6 +216,7 @@ impl DemoReport {
             self.channel_publications,
             self.channel_order_violations,
             self.channel_history_lost,
+            self.channel_refused,
             self.migrated_replies_from_other_backends,
             self.replies_from_drained_backend_after_1s
         ));
@@ -247,6 +251,7 @@ struct ClientResult {
     channel_publications: u64,
     channel_history_lost: u64,
     channel_order_violations: u64,
+    channel_refused: u64,
     after_drain_other_backend: u64,
     late_from_drained: u64,
     rtts: Vec<u32>,
@@ -470,6 +475,7 @@ async fn collect(tasks: Vec<tokio::task::JoinHandle<ClientResult>>) -> Result<De
         report.channel_publications += r.channel_publications;
         report.channel_history_lost += r.channel_history_lost;
         report.channel_order_violations += r.channel_order_violations;
+        report.channel_refused += r.channel_refused;
         report.migrated_replies_from_other_backends += r.after_drain_other_backend;
         report.replies_from_drained_backend_after_1s += r.late_from_drained;
         by_kind.entry(kind).or_default().extend(r.rtts);
@@ -554,13 +560,18 @@ async fn client_task(
     // publications follow each other (offset by offset) from its join on.
     let guild = format!("guild:{}", index % 5);
     for channel in ["world", guild.as_str()] {
-        let _ = client
+        // A join the client could not even queue is counted, never ignored.
+        if client
             .send(
                 TrafficClass::Critical,
                 CHANNEL_JOIN,
                 Bytes::from(channel.to_owned()),
             )
-            .await;
+            .await
+            .is_err()
+        {
+            r.channel_refused += 1;
+        }
     }
     let mut next_offset: HashMap<String, (u64, u64)> = HashMap::new();
     let mut pending: HashMap<u64, Instant> = HashMap::new();
@@ -600,7 +611,9 @@ async fn client_task(
                 }
                 if n % 10 == 7 {
                     let channel = if n % 20 == 7 { "world" } else { guild.as_str() };
-                    let _ = client.send(TrafficClass::Normal, CHAT, Bytes::from(format!("{channel}|hi {n}"))).await;
+                    if client.send(TrafficClass::Normal, CHAT, Bytes::from(format!("{channel}|hi {n}"))).await.is_err() {
+                        r.channel_refused += 1;
+                    }
                 }
             }
             cmd = cmds.recv() => match cmd {
@@ -685,7 +698,10 @@ async fn client_task(
                 Some(Event::Error(report)) => {
                     // The message was refused (e.g. a backend unavailable): it will not be
                     // answered; it is neither lost nor duplicated.
-                    tracing::debug!(player = %player, ?report, "echo refused");
+                    tracing::debug!(player = %player, ?report, "message refused");
+                    if matches!(report.msg_id, CHAT | CHANNEL_JOIN) {
+                        r.channel_refused += 1;
+                    }
                     if report.msg_id == ECHO {
                         if let Some(n) = by_seq.remove(&report.client_seq) {
                             if pending.remove(&n).is_some() {

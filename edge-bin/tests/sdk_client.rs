@@ -304,5 +304,8 @@ async fn an_expired_token_does_not_end_a_resumable_session() {
         Some(&waygate_protocol::frame::WelcomeOutcome::Restored)
     );
     assert!(echo_ok(&mut client).await, "the restored session works");
-    client.set_token(common::token("short-lived")).await;
+    client
+        .set_token(common::token("short-lived"))
+        .await
+        .expect("a running client takes a fresh token");
 }

@@ -422,6 +422,8 @@ enum waygate_result waygate_client_drop_link(struct waygate_client *client);
  * Replaces the auth token (refreshed from the login service) for the next HELLO. An
  * expired token never ends a session that can still be resumed (the client resumes with
  * its resume token alone); a fresh one is needed for a new login. The bytes are copied.
+ * `WAYGATE_INVALID_STATE` before `waygate_client_connect`, `WAYGATE_CLOSED` once the
+ * client has ended.
  *
  * # Safety
  *

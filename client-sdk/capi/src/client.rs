@@ -387,6 +387,8 @@ pub unsafe extern "C" fn waygate_client_drop_link(client: *mut waygate_client) -
 /// Replaces the auth token (refreshed from the login service) for the next HELLO. An
 /// expired token never ends a session that can still be resumed (the client resumes with
 /// its resume token alone); a fresh one is needed for a new login. The bytes are copied.
+/// `WAYGATE_INVALID_STATE` before `waygate_client_connect`, `WAYGATE_CLOSED` once the
+/// client has ended.
 ///
 /// # Safety
 ///
@@ -416,10 +418,17 @@ pub unsafe extern "C" fn waygate_client_set_token(
         if let Err(code) = h.running() {
             return code;
         }
-        if let Some(c) = h.client.as_ref() {
-            h.rt.block_on(c.set_token(bytes));
+        match h.client.as_ref() {
+            Some(c) => match h.rt.block_on(c.set_token(bytes)) {
+                Ok(()) => WAYGATE_OK,
+                Err(_) => WAYGATE_CLOSED,
+            },
+            // Not connected yet: the token given to `waygate_client_new` is used.
+            None => {
+                set_last_error("set_token before waygate_client_connect");
+                WAYGATE_INVALID_STATE
+            }
         }
-        WAYGATE_OK
     })
 }
 

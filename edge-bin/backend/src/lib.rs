@@ -180,6 +180,8 @@ fn answer_hook(answers: ChannelAnswers) -> waygate_link::OnFrame {
         LinkFrame::ChannelResult { request_id, .. } => {
             let waiting = answers.lock().ok().and_then(|mut a| a.remove(&request_id));
             if let Some(tx) = waiting {
+                // Err only when the requester's future was dropped (it stopped waiting);
+                // a publish it retries with the same id is answered `duplicate`.
                 let _ = tx.send(frame);
             }
             waygate_link::FrameHandled::Taken

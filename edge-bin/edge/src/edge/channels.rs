@@ -223,7 +223,7 @@ impl Shared {
                 position,
                 body: bytes::Bytes::new(),
             };
-            let _ = self.session_layer().registry.push(
+            let pushed = self.session_layer().registry.push(
                 &session_id,
                 Downstream {
                     // The channel's one lane (see `Delivery::wire_class`).
@@ -232,6 +232,12 @@ impl Shared {
                     payload: left.to_bytes(),
                 },
             );
+
+            // Not found: the session ended meanwhile (nobody left to tell). Queue full: the
+            // session declares the loss itself (slow_consumer, RestoredWithGap).
+            if let Err(e) = pushed {
+                tracing::info!(error = %e, "LEFT for a refused membership not queued");
+            }
         }
         self.start_channel_consumers();
     }
