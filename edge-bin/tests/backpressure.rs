@@ -456,16 +456,7 @@ async fn the_time_from_accept_to_welcome_is_bounded_once() {
         "upgraded"
     );
     // ...and no HELLO follows: the edge ends it at the deadline counted from the accept.
-    let ended = tokio::time::timeout(Duration::from_secs(20), async {
-        loop {
-            match sock.read(&mut buf).await {
-                Ok(0) | Err(_) => return std::time::Instant::now(),
-                Ok(_) => {}
-            }
-        }
-    })
-    .await
-    .expect("the edge ends the connection");
+    let ended = ended_at(&mut sock).await;
     let took = ended - started;
     assert!(
         took < Duration::from_millis(4_600),
@@ -491,21 +482,26 @@ async fn a_stalled_tls_handshake_ends_at_the_tls_deadline() {
             .unwrap();
         // Half a ClientHello's record header, then nothing.
         sock.write_all(&[0x16, 0x03]).await.unwrap();
-        let mut buf = [0u8; 64];
-        let ended = tokio::time::timeout(Duration::from_secs(20), async {
-            loop {
-                match sock.read(&mut buf).await {
-                    Ok(0) | Err(_) => return std::time::Instant::now(),
-                    Ok(_) => {}
-                }
-            }
-        })
-        .await
-        .expect("the edge ends the connection");
+        let ended = ended_at(&mut sock).await;
         let took = ended - started;
         assert!(
             took < Duration::from_millis(3_500),
             "{kind}: dropped after {took:?}, not at the 1 s TLS deadline"
         );
     }
+}
+
+/// Reads (and discards) until the edge ends the connection; when it did (bounded: 20 s).
+async fn ended_at(sock: &mut tokio::net::TcpStream) -> std::time::Instant {
+    let mut buf = [0u8; 4096];
+    tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match sock.read(&mut buf).await {
+                Ok(0) | Err(_) => return std::time::Instant::now(),
+                Ok(_) => {}
+            }
+        }
+    })
+    .await
+    .expect("the edge ends the connection")
 }

@@ -113,6 +113,20 @@ async fn poll_until<T, F: std::future::Future<Output = Option<T>>>(
     None
 }
 
+/// Publishes `p<i>` (normal) to `channel` for every `i` of `range`, in order.
+async fn publish_range(
+    publisher: &BackendSession,
+    channel: &str,
+    range: std::ops::RangeInclusive<u64>,
+) {
+    for i in range {
+        publisher
+            .publish(channel, TrafficClass::Normal, Bytes::from(format!("p{i}")))
+            .await
+            .unwrap();
+    }
+}
+
 /// The next channel update of `client` (other events skipped).
 async fn next_update(client: &mut Client) -> ChannelUpdate {
     loop {
@@ -228,16 +242,7 @@ async fn a_new_session_recovers_what_it_missed_or_is_told_the_history_is_lost() 
     let (_pub_client, publisher) = s.member(TransportKind::Tcp, "publisher").await;
     let (mut client, session) = s.member(TransportKind::Tcp, "returning").await;
     session.join_channel("guild:g", None).await.unwrap();
-    for i in 1..=3 {
-        publisher
-            .publish(
-                "guild:g",
-                TrafficClass::Normal,
-                Bytes::from(format!("p{i}")),
-            )
-            .await
-            .unwrap();
-    }
+    publish_range(&publisher, "guild:g", 1..=3).await;
     next_update(&mut client).await; // JOINED
     for _ in 1..=3 {
         next_update(&mut client).await;
@@ -247,16 +252,7 @@ async fn a_new_session_recovers_what_it_missed_or_is_told_the_history_is_lost() 
     client.close().await;
     drop(client);
     // Published while the player is away.
-    for i in 4..=6 {
-        publisher
-            .publish(
-                "guild:g",
-                TrafficClass::Normal,
-                Bytes::from(format!("p{i}")),
-            )
-            .await
-            .unwrap();
-    }
+    publish_range(&publisher, "guild:g", 4..=6).await;
     // A new login: the game hands its backend the last position; the join recovers. Over
     // QUIC: the recovered publications and the JOINED after them share one lane (they used
     // to travel as normal and critical DATA on different QUIC streams, so JOINED could
@@ -273,16 +269,7 @@ async fn a_new_session_recovers_what_it_missed_or_is_told_the_history_is_lost() 
         ChannelUpdate::Joined { position, .. } if position.offset == 6
     ));
     // Trimmed: 4 kept (7..=10 after four more), so recovering after 3 is impossible.
-    for i in 7..=10 {
-        publisher
-            .publish(
-                "guild:g",
-                TrafficClass::Normal,
-                Bytes::from(format!("p{i}")),
-            )
-            .await
-            .unwrap();
-    }
+    publish_range(&publisher, "guild:g", 7..=10).await;
     let (mut late, late_session) = s.member(TransportKind::Quic, "late").await;
     late_session
         .join_channel("guild:g", Some(last))

@@ -305,20 +305,30 @@ fn acked_channel_event(
     acked: &mut BTreeMap<String, ChannelPosition>,
     entry: &crate::replay::ReplayEntry,
 ) {
-    if entry.msg_id != CHANNEL_EVENT_MSG_ID {
-        return;
+    if entry.msg_id == CHANNEL_EVENT_MSG_ID {
+        follow_channel_event(acked, &entry.payload);
     }
-    let Ok(e) = ChannelEvent::decode(entry.payload.clone()) else {
+}
+
+/// Follows one channel event in `positions` (queued or acknowledged ones): a marker or
+/// publication moves its channel's position, LEFT removes it, best-effort (offset 0) moves
+/// nothing. Reads the header in place: no allocation for a channel already known (this runs
+/// for every event of every member).
+fn follow_channel_event(positions: &mut BTreeMap<String, ChannelPosition>, payload: &[u8]) {
+    let Some(e) = ChannelEvent::peek(payload) else {
         return;
     };
     match e.kind {
         ChannelEventKind::Left => {
-            acked.remove(&e.channel);
+            positions.remove(e.channel);
         }
         ChannelEventKind::Publication if e.position.offset == 0 => {}
-        _ => {
-            acked.insert(e.channel, e.position);
-        }
+        _ => match positions.get_mut(e.channel) {
+            Some(p) => *p = e.position,
+            None => {
+                positions.insert(e.channel.to_owned(), e.position);
+            }
+        },
     }
 }
 
@@ -431,18 +441,7 @@ impl SessionCore {
     /// Follows the channel events queued to the client: a marker or publication moves the
     /// channel's position, LEFT ends the membership.
     fn track_channel_event(&mut self, payload: &Bytes) {
-        let Ok(e) = ChannelEvent::decode(payload.clone()) else {
-            return;
-        };
-        match e.kind {
-            ChannelEventKind::Left => {
-                self.channels.remove(&e.channel);
-            }
-            ChannelEventKind::Publication if e.position.offset == 0 => {}
-            _ => {
-                self.channels.insert(e.channel, e.position);
-            }
-        }
+        follow_channel_event(&mut self.channels, payload);
     }
 
     fn from_snapshot(s: Snapshot) -> Self {

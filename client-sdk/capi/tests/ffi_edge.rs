@@ -126,16 +126,47 @@ fn send(h: &Handle, msg_id: u32, body: &[u8]) -> Result<u64, waygate_result> {
     }
 }
 
+/// An in-process edge and its backends on their own runtime (the C functions run their own
+/// client thread; this test thread must not be a runtime).
+struct System {
+    endpoint: String,
+    cluster: Option<common::Cluster>,
+    rt: Option<tokio::runtime::Runtime>,
+    _dir: tempfile::TempDir,
+}
+
+impl System {
+    fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let c = rt.block_on(cluster(dir.path()));
+        let endpoint = format!("tcp://{}", c.edge.addrs[&TransportKind::Tcp]);
+        Self {
+            endpoint,
+            cluster: Some(c),
+            rt: Some(rt),
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for System {
+    fn drop(&mut self) {
+        drop(self.cluster.take());
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_timeout(Duration::from_secs(1));
+        }
+    }
+}
+
 #[test]
 fn echo_kick_and_close_through_the_c_functions() {
-    let dir = tempfile::tempdir().unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let c = rt.block_on(cluster(dir.path()));
-    let endpoint = format!("tcp://{}", c.edge.addrs[&TransportKind::Tcp]);
+    let system = System::start();
+    let endpoint = system.endpoint.clone();
 
     let first = new_client(&endpoint, &token_bytes("ffi-player"));
     // SAFETY: live handle.
@@ -182,22 +213,15 @@ fn echo_kick_and_close_through_the_c_functions() {
     assert_eq!(closed.text, "normal");
     assert_eq!(next(&second).unwrap_err(), WAYGATE_CLOSED);
     drop((first, second));
-    drop(c);
-    rt.shutdown_timeout(Duration::from_secs(1));
+    drop(system);
 }
 
 /// Channels through the C functions (PROTOCOL.md §12, the demo game's CHANNEL_JOIN and CHAT):
 /// JOINED, then the publication with its epoch, offset and body; the position is readable.
 #[test]
 fn channel_events_through_the_c_functions() {
-    let dir = tempfile::tempdir().unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let c = rt.block_on(cluster(dir.path()));
-    let endpoint = format!("tcp://{}", c.edge.addrs[&TransportKind::Tcp]);
+    let system = System::start();
+    let endpoint = system.endpoint.clone();
     let h = new_client(&endpoint, &token_bytes("ffi-chatter"));
     // SAFETY: live handle.
     assert_eq!(unsafe { waygate_client_connect(h.0) }, WAYGATE_OK);
@@ -242,6 +266,5 @@ fn channel_events_through_the_c_functions() {
         (408, "unknown_channel_kind")
     );
     drop(h);
-    drop(c);
-    rt.shutdown_timeout(Duration::from_secs(1));
+    drop(system);
 }

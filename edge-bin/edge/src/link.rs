@@ -175,20 +175,17 @@ impl LinkEvents {
     /// here: the async loop has no way back to the link.
     async fn send(&self, event: LinkEvent) -> Sent {
         match &self.fast {
-            Some(fast) if !needs_async(&event) => Sent::Done(fast.handle(event)),
+            Some(fast) if !needs_async(&event) => return Sent::Done(fast.handle(event)),
             None => {
                 if let Some(answer) = channel_unavailable(&event) {
                     return Sent::Done(Some(answer));
                 }
-                match self.slow.send(event).await {
-                    Ok(()) => Sent::Done(None),
-                    Err(_) => Sent::EdgeGone,
-                }
             }
-            Some(_) => match self.slow.send(event).await {
-                Ok(()) => Sent::Done(None),
-                Err(_) => Sent::EdgeGone,
-            },
+            Some(_) => {}
+        }
+        match self.slow.send(event).await {
+            Ok(()) => Sent::Done(None),
+            Err(_) => Sent::EdgeGone,
         }
     }
 }

@@ -55,6 +55,24 @@ fn small_config() -> ChannelsConfig {
     }
 }
 
+/// Publishes `n` empty publications of `class` to `channel`; returns the last position.
+fn publish_n(
+    hub: &mut ChannelHub,
+    now: Instant,
+    channel: &str,
+    class: TrafficClass,
+    n: usize,
+) -> ChannelPosition {
+    let mut last = ChannelPosition::default();
+    for _ in 0..n {
+        last = hub
+            .publish(now, channel, 0, class, Bytes::new())
+            .unwrap()
+            .position;
+    }
+    last
+}
+
 /// Drains every pending delivery of every channel; returns (session, event) in order.
 fn drain(hub: &mut ChannelHub) -> Vec<(SessionId, ChannelEvent)> {
     let mut out = Vec::new();
@@ -152,13 +170,7 @@ fn publish_reaches_members_in_order_and_markers_frame_membership() {
 fn a_member_joining_with_a_position_recovers_what_it_missed_then_goes_live() {
     let now = Instant::now();
     let mut hub = ChannelHub::new(small_config(), 2);
-    let mut last = ChannelPosition::default();
-    for _ in 0..3 {
-        last = hub
-            .publish(now, "room:a", 0, TrafficClass::Critical, Bytes::new())
-            .unwrap()
-            .position;
-    }
+    let last = publish_n(&mut hub, now, "room:a", TrafficClass::Critical, 3);
     let since = ChannelPosition {
         epoch: last.epoch,
         offset: 1,
@@ -180,13 +192,7 @@ fn a_member_joining_with_a_position_recovers_what_it_missed_then_goes_live() {
 fn trimmed_history_or_another_epoch_answers_history_lost() {
     let now = Instant::now();
     let mut hub = ChannelHub::new(small_config(), 3);
-    let mut last = ChannelPosition::default();
-    for _ in 0..6 {
-        last = hub
-            .publish(now, "room:a", 0, TrafficClass::Normal, Bytes::new())
-            .unwrap()
-            .position;
-    }
+    let last = publish_n(&mut hub, now, "room:a", TrafficClass::Normal, 6);
     drain(&mut hub);
     // history_len 4 keeps offsets 3..=6: resuming after 1 needs 2, which is gone.
     let trimmed = ChannelPosition {

@@ -7,7 +7,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 
 use crate::error::FrameError;
 use crate::reader::Reader;
-use crate::varint::{put_varint, varint_len};
+use crate::varint::{peek_varint, put_varint, varint_len};
 
 /// `msg_id` of the DATA frames that carry channel events. Message ids from
 /// [`RESERVED_MSG_IDS_START`] up belong to the edge: backends cannot push them.
@@ -73,6 +73,18 @@ impl ChannelEventKind {
     }
 }
 
+/// A channel event's kind, channel and position, borrowed from its bytes: what a session
+/// follows for every event it queues, read without allocating ([`ChannelEvent::peek`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChannelEventHeader<'a> {
+    /// Publication or marker.
+    pub kind: ChannelEventKind,
+    /// The channel's name.
+    pub channel: &'a str,
+    /// The position the event stands at.
+    pub position: ChannelPosition,
+}
+
 /// One channel event: the payload of a DATA frame with [`CHANNEL_EVENT_MSG_ID`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChannelEvent {
@@ -111,6 +123,27 @@ impl ChannelEvent {
         let mut out = BytesMut::with_capacity(self.encoded_len());
         self.encode(&mut out);
         out.freeze()
+    }
+
+    /// The header of an encoded event, without copying it; `None` for bytes
+    /// [`ChannelEvent::decode`] would refuse. Never panics on any input.
+    pub fn peek(bytes: &[u8]) -> Option<ChannelEventHeader<'_>> {
+        let (&kind, rest) = bytes.split_first()?;
+        let kind = ChannelEventKind::from_u8(kind)?;
+        let (len, n) = peek_varint(rest).ok()?;
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|&l| l <= MAX_CHANNEL_NAME_LEN)?;
+        let rest = rest.get(n..)?;
+        let channel = std::str::from_utf8(rest.get(..len)?).ok()?;
+        let rest = rest.get(len..)?;
+        let (epoch, n) = peek_varint(rest).ok()?;
+        let (offset, _) = peek_varint(rest.get(n..)?).ok()?;
+        Some(ChannelEventHeader {
+            kind,
+            channel,
+            position: ChannelPosition { epoch, offset },
+        })
     }
 
     /// Decodes a DATA payload of [`CHANNEL_EVENT_MSG_ID`]. Never panics on any input.
@@ -154,12 +187,16 @@ mod tests {
             };
             let bytes = e.to_bytes();
             prop_assert_eq!(bytes.len(), e.encoded_len());
+            let header = ChannelEvent::peek(&bytes).expect("valid");
+            prop_assert_eq!((header.kind, header.channel, header.position), (e.kind, e.channel.as_str(), e.position));
             prop_assert_eq!(ChannelEvent::decode(bytes).expect("valid"), e);
         }
 
         #[test]
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
-            let _ = ChannelEvent::decode(Bytes::from(bytes));
+            // peek and decode agree on what is valid.
+            let peeked = ChannelEvent::peek(&bytes).is_some();
+            prop_assert_eq!(peeked, ChannelEvent::decode(Bytes::from(bytes)).is_ok());
         }
     }
 

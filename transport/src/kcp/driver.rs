@@ -186,14 +186,14 @@ impl Driver {
     /// refused one is answered BUSY without any cookie work), everything to the endpoint.
     fn take_datagram(&mut self, now: Instant, from: SocketAddr, datagram: &[u8]) {
         if let (Role::Server { .. }, Some(gate)) = (&self.role, &self.params.admission) {
-            if is_hello(datagram) {
+            if let Some(client_nonce) = hello_nonce(datagram) {
                 if let crate::listener::Admit::Refuse {
                     code,
                     retry_after_ms,
                 } = gate.admit(from)
                 {
                     self.ep
-                        .refuse_hello(now, from, datagram, code, retry_after_ms);
+                        .refuse_hello(now, from, client_nonce, code, retry_after_ms);
                     return;
                 }
                 // Admitted: KCP's handshake is stateless until CONNECT, so the permit
@@ -204,13 +204,16 @@ impl Driver {
     }
 }
 
-/// Whether `datagram` is a KCP HELLO control packet (PROTOCOL.md §8.2.2).
-fn is_hello(datagram: &[u8]) -> bool {
-    super::cookie::is_control(datagram)
-        && matches!(
-            super::cookie::Control::decode(datagram),
-            Some(super::cookie::Control::Hello { .. })
-        )
+/// The client nonce of a KCP HELLO control packet (PROTOCOL.md §8.2.2); `None` for any
+/// other datagram.
+fn hello_nonce(datagram: &[u8]) -> Option<u64> {
+    if !super::cookie::is_control(datagram) {
+        return None;
+    }
+    match super::cookie::Control::decode(datagram) {
+        Some(super::cookie::Control::Hello { client_nonce }) => Some(client_nonce),
+        _ => None,
+    }
 }
 
 impl Drop for Driver {

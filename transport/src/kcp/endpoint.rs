@@ -536,26 +536,23 @@ impl KcpEndpoint {
         }
     }
 
-    /// Server: answers a HELLO the shell's admission gate refused with BUSY(`code`,
-    /// `retry_after_ms`) — rate-limited like every refusal, never a cookie. Anything else
-    /// is ignored.
+    /// Server: answers the HELLO (`client_nonce`) the shell's admission gate refused with
+    /// BUSY(`code`, `retry_after_ms`) — rate-limited like every refusal, never a cookie.
     pub fn refuse_hello(
         &mut self,
         now: Instant,
         from: SocketAddr,
-        datagram: &[u8],
+        client_nonce: u64,
         code: CloseCode,
         retry_after_ms: u32,
     ) {
         KcpStats::bump(&self.stats.admission_refused);
-        if let Some(Control::Hello { client_nonce }) = Control::decode(datagram) {
-            let packet = Control::Busy {
-                client_nonce,
-                code,
-                retry_after_ms,
-            };
-            self.send_reject(now, from, packet);
-        }
+        let packet = Control::Busy {
+            client_nonce,
+            code,
+            retry_after_ms,
+        };
+        self.send_reject(now, from, packet);
     }
 
     fn busy(&mut self, now: Instant, to: SocketAddr, client_nonce: u64) {

@@ -57,19 +57,6 @@ fn join_label(outcome: &JoinOutcome) -> &'static str {
     }
 }
 
-/// A metrics label for a refusal.
-fn refusal_label(e: ChannelError) -> &'static str {
-    match e {
-        ChannelError::InvalidName => "invalid_name",
-        ChannelError::UnknownKind => "unknown_kind",
-        ChannelError::TooLarge => "too_large",
-        ChannelError::RateLimited { .. } => "rate_limited",
-        ChannelError::QueueFull => "queue_full",
-        ChannelError::Limit => "channel_limit",
-        _ => "other",
-    }
-}
-
 fn labels(channel: &str, class: TrafficClass, result: &str) -> ChannelLabels {
     ChannelLabels {
         kind: channel_kind(channel).unwrap_or("invalid").to_owned(),
@@ -79,6 +66,12 @@ fn labels(channel: &str, class: TrafficClass, result: &str) -> ChannelLabels {
 }
 
 impl Shared {
+    /// The channel hub. A panic while it was held leaves its state consistent (every
+    /// method checks before it changes anything), so a poisoned lock is taken over.
+    fn hub(&self) -> std::sync::MutexGuard<'_, waygate_channels::ChannelHub> {
+        self.channels.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Carries out one channel request from a backend and returns its CHANNEL_RESULT;
     /// `None` for a frame that is not a channel request.
     pub(super) fn channel_request(self: &Arc<Self>, frame: LinkFrame) -> Option<LinkFrame> {
@@ -91,14 +84,12 @@ impl Shared {
                 payload,
             } => {
                 let outcome = self
-                    .channels
-                    .lock()
-                    .map_err(|_| ChannelError::Limit)
-                    .and_then(|mut hub| hub.publish(now, &channel, request_id, class, payload));
+                    .hub()
+                    .publish(now, &channel, request_id, class, payload);
                 let label = match &outcome {
                     Ok(r) if r.duplicate => "duplicate",
                     Ok(_) => "accepted",
-                    Err(e) => refusal_label(*e),
+                    Err(e) => e.code().as_str(),
                 };
                 self.metrics
                     .channel_publishes
@@ -129,14 +120,10 @@ impl Shared {
                 };
                 let player = self.session_layer().registry.player_of(&sid);
                 let player = player.as_deref().unwrap_or_default();
-                let outcome = self
-                    .channels
-                    .lock()
-                    .map_err(|_| ChannelError::Limit)
-                    .and_then(|mut hub| hub.join(now, sid, player, &channel, since));
+                let outcome = self.hub().join(now, sid, player, &channel, since);
                 let label = match &outcome {
                     Ok((_, o)) => join_label(o),
-                    Err(e) => refusal_label(*e),
+                    Err(e) => e.code().as_str(),
                 };
                 self.metrics
                     .channel_joins
@@ -155,14 +142,11 @@ impl Shared {
                 let Some(sid) = self.session_of_handle(handle) else {
                     return Some(member_offline(request_id));
                 };
-                let outcome = self
-                    .channels
-                    .lock()
-                    .map_err(|_| ChannelError::Limit)
-                    .and_then(|mut hub| {
-                        hub.leave(now, sid, &channel)?;
-                        Ok(hub.position(&channel).unwrap_or_default())
-                    });
+                let outcome = {
+                    let mut hub = self.hub();
+                    hub.leave(now, sid, &channel)
+                        .map(|_| hub.position(&channel).unwrap_or_default())
+                };
                 result(request_id, outcome)
             }
             _ => return None,
@@ -173,9 +157,9 @@ impl Shared {
 
     /// Starts a consumer for every channel that has work and none.
     pub(super) fn start_channel_consumers(self: &Arc<Self>) {
-        let ready: Vec<Arc<str>> = match self.channels.lock() {
-            Ok(mut hub) => std::iter::from_fn(|| hub.poll_ready()).collect(),
-            Err(_) => return,
+        let ready: Vec<Arc<str>> = {
+            let mut hub = self.hub();
+            std::iter::from_fn(|| hub.poll_ready()).collect()
         };
         for name in ready {
             tokio::spawn(channel_consumer(Arc::downgrade(self), name));
@@ -196,7 +180,8 @@ impl Shared {
         let mut refused = Vec::new();
         let player = self.session_layer().registry.player_of(&session_id);
         let player = player.as_deref().unwrap_or_default();
-        if let Ok(mut hub) = self.channels.lock() {
+        {
+            let mut hub = self.hub();
             for (name, position) in channels {
                 match hub.join(now, session_id, player, &name, Some(position)) {
                     Ok((_, outcome)) => {
@@ -251,9 +236,8 @@ impl Shared {
         player: &str,
         acked: &std::collections::BTreeMap<String, ChannelPosition>,
     ) {
-        if let Ok(mut hub) = self.channels.lock() {
-            hub.session_departed(now_std(), session_id, player, acked);
-        }
+        self.hub()
+            .session_departed(now_std(), session_id, player, acked);
     }
 
     /// Pushes one delivery into its members' session queues; a member whose session is
@@ -279,10 +263,9 @@ impl Shared {
             });
         }
         if !gone.is_empty() {
-            if let Ok(mut hub) = self.channels.lock() {
-                for sid in &gone {
-                    hub.member_gone(&d.channel, sid);
-                }
+            let mut hub = self.hub();
+            for sid in &gone {
+                hub.member_gone(&d.channel, sid);
             }
         }
         for (result, n) in [
@@ -317,10 +300,7 @@ async fn channel_consumer(shared: Weak<Shared>, name: Arc<str>) {
         let Some(shared) = shared.upgrade() else {
             return;
         };
-        let next = match shared.channels.lock() {
-            Ok(mut hub) => hub.next_delivery(&name),
-            Err(_) => return,
-        };
+        let next = shared.hub().next_delivery(&name);
         let Some(delivery) = next else {
             return;
         };
@@ -339,9 +319,7 @@ pub(super) async fn channel_sweep_loop(shared: Weak<Shared>) {
         let Some(shared) = shared.upgrade() else {
             return;
         };
-        let Ok(mut hub) = shared.channels.lock() else {
-            return;
-        };
+        let mut hub = shared.hub();
         hub.sweep(now_std());
         shared.metrics.channels_active.set(hub.channels() as i64);
         shared.metrics.channel_pending.set(hub.pending() as i64);
