@@ -505,3 +505,168 @@ async fn ended_at(sock: &mut tokio::net::TcpStream) -> std::time::Instant {
     .await
     .expect("the edge ends the connection")
 }
+
+/// Hardening item 6: the handshake cap (`backpressure.max_handshakes`) covers everything
+/// before WELCOME on every transport. Connections that never send HELLO (plain TCP, a KCP
+/// session after its cookie exchange) used to hold no slot, so any number of them could
+/// wait out their HELLO deadline; now they fill the cap and the next attempt is refused
+/// (TCP: REJECT 400; KCP HELLO: BUSY 400) until one of them is past WELCOME.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_waiting_for_welcome_hold_handshake_slots_on_every_transport() {
+    use waygate_transport::kcp::cookie::Control;
+    let (edge, _b, _d) = edge_with(|c| {
+        c.backpressure.max_handshakes = 3;
+    })
+    .await;
+    let tcp = edge.addrs[&TransportKind::Tcp];
+    let kcp = edge.addrs[&TransportKind::Kcp];
+    // Two plain TCP connections and one KCP session, none of them sending HELLO.
+    let mut waiting = Vec::new();
+    for _ in 0..2 {
+        waiting.push(tokio::net::TcpStream::connect(tcp).await.unwrap());
+    }
+    let options = waygate_transport::endpoint::ConnectOptions::default();
+    let kcp_conn = waygate_transport::kcp::connect_kcp(kcp, &options.kcp, &options.conn)
+        .await
+        .expect("the KCP cookie exchange completes");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    // The cap is full: a fourth TCP connection is refused with an explicit REJECT...
+    match common::raw_hello(tcp, common::token("fourth")).await {
+        Frame::Reject(r) => assert_eq!(r.code, CloseCode::Overloaded, "{r:?}"),
+        other => panic!("a fourth pre-auth connection was admitted: {other:?}"),
+    }
+    // ...and a KCP HELLO is answered BUSY.
+    let udp = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    udp.send_to(&Control::Hello { client_nonce: 7 }.encode(), kcp)
+        .await
+        .unwrap();
+    let mut buf = [0u8; 256];
+    let n = tokio::time::timeout(Duration::from_secs(5), udp.recv(&mut buf))
+        .await
+        .expect("an answer to the KCP HELLO")
+        .unwrap();
+    assert!(
+        matches!(Control::decode(&buf[..n]), Some(Control::Busy { .. })),
+        "KCP HELLO answered {:?}, not BUSY",
+        Control::decode(&buf[..n])
+    );
+
+    // One waiting connection finishes its HELLO: past WELCOME it frees its slot.
+    let mut first = waiting.remove(0);
+    first
+        .write_all(&hello_then_echoes("first", []))
+        .await
+        .unwrap();
+    let codec = StreamCodec::new(65536);
+    let mut rbuf = BytesMut::new();
+    let welcome = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if let Some(f) = codec.decode(&mut rbuf).unwrap() {
+                return f;
+            }
+            assert!(first.read_buf(&mut rbuf).await.unwrap() > 0);
+        }
+    })
+    .await
+    .unwrap();
+    assert!(matches!(welcome, Frame::Welcome(_)), "{welcome:?}");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    match common::raw_hello(tcp, common::token("fifth")).await {
+        Frame::Welcome(_) => {}
+        other => panic!("a slot freed at WELCOME admits the next one: {other:?}"),
+    }
+    drop(kcp_conn);
+}
+
+/// Hardening item 6: before WELCOME a frame may be at most the pre-auth size (8 KiB,
+/// PROTOCOL.md §10.1), not the session's max frame size (64 KiB): a HELLO padded with 9 KiB
+/// of extension bytes is refused with CLOSE 101 `frame_too_large`, on the byte stream and
+/// on WebSocket. After WELCOME, frames up to the max frame size pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pre_auth_frames_are_limited_to_the_hello_size() {
+    use waygate_protocol::varint::put_varint;
+    let (edge, _b, _d) = edge_with(|_| {}).await;
+    let hello = Frame::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        token: common::token("padded"),
+        resume: None,
+    });
+    let mut padded = BytesMut::from(&hello.to_bytes()[..]);
+    padded.extend_from_slice(&[0u8; 9 * 1024]);
+    // Plain TCP: varint length, then the frame.
+    let mut sock = tokio::net::TcpStream::connect(edge.addrs[&TransportKind::Tcp])
+        .await
+        .unwrap();
+    let mut out = BytesMut::new();
+    put_varint(&mut out, padded.len() as u64);
+    out.extend_from_slice(&padded);
+    sock.write_all(&out).await.unwrap();
+    let codec = StreamCodec::new(65536);
+    let mut rbuf = BytesMut::new();
+    let answer = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if let Some(f) = codec.decode(&mut rbuf).unwrap() {
+                return f;
+            }
+            assert!(sock.read_buf(&mut rbuf).await.unwrap() > 0, "an answer");
+        }
+    })
+    .await
+    .unwrap();
+    match answer {
+        Frame::Close { code, .. } => assert_eq!(code, CloseCode::FrameTooLarge),
+        other => panic!("a 9 KiB pre-auth frame was answered {other:?}"),
+    }
+
+    // WebSocket: the same frame in one binary message.
+    use futures_util::{SinkExt, StreamExt};
+    let ws_addr = edge.addrs[&TransportKind::Ws];
+    let stream = tokio::net::TcpStream::connect(ws_addr).await.unwrap();
+    let (mut ws, _) = tokio_tungstenite::client_async(format!("ws://{ws_addr}/"), stream)
+        .await
+        .unwrap();
+    ws.send(tokio_tungstenite::tungstenite::Message::Binary(
+        padded.clone().freeze(),
+    ))
+    .await
+    .unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(10), ws.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    match answer {
+        tokio_tungstenite::tungstenite::Message::Binary(b) => match Frame::decode(b) {
+            Ok(Frame::Close { code, .. }) => assert_eq!(code, CloseCode::FrameTooLarge),
+            other => panic!("ws: a 9 KiB pre-auth frame was answered {other:?}"),
+        },
+        other => panic!("ws: {other:?}"),
+    }
+
+    // After WELCOME a 20 KiB message is echoed.
+    let mut c = client(&edge, TransportKind::Tcp, "big-after-welcome");
+    c.send(
+        TrafficClass::Normal,
+        ECHO,
+        Bytes::from(vec![b'x'; 20 * 1024]),
+    )
+    .await
+    .unwrap();
+    let echoed = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match c.next_event().await {
+                Some(Event::Message {
+                    msg_id: ECHO_REPLY,
+                    payload,
+                    ..
+                }) => return payload.len(),
+                Some(Event::Closed { .. }) | None => return 0,
+                Some(_) => {}
+            }
+        }
+    })
+    .await
+    .unwrap();
+    assert!(echoed >= 20 * 1024, "echoed {echoed} bytes");
+}

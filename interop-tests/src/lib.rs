@@ -366,6 +366,8 @@ pub async fn run_peer<S: AsRef<OsStr>>(
 pub fn spawn_echo_server(mut listener: BoxListener) -> JoinHandle<()> {
     tokio::spawn(async move {
         while let Some(mut conn) = listener.accept().await {
+            // An echo plays a session past its WELCOME: full-size frames from the start.
+            conn.handshake_done();
             tokio::spawn(async move {
                 loop {
                     match conn.recv().await {

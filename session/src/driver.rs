@@ -865,6 +865,11 @@ impl Task {
         match action {
             Action::Send(frame) => {
                 if let Some(conn) = self.conn.as_mut() {
+                    if matches!(frame, waygate_transport::Frame::Welcome(_)) {
+                        // Past the handshake: the connection's admission slot is freed and
+                        // full-size frames are accepted from here on.
+                        conn.handshake_done();
+                    }
                     match tokio::time::timeout(edge.send_deadline, conn.send(&frame)).await {
                         Ok(Ok(())) => {}
                         Ok(Err(e)) => {

@@ -11,7 +11,7 @@ use tokio::time::Instant;
 
 use crate::error::TransportError;
 use waygate_protocol::frame::Frame;
-use waygate_protocol::wire::{CloseCode, DEFAULT_MAX_FRAME_SIZE};
+use waygate_protocol::wire::{CloseCode, DEFAULT_MAX_FRAME_SIZE, MAX_PRE_AUTH_FRAME_SIZE};
 
 /// Which transport carries a connection. For logs and metric labels only: code above the
 /// transport crate must not branch on it.
@@ -164,6 +164,67 @@ pub trait Connection: Send + 'static {
     /// Sends a CLOSE frame with `code`, flushes what is queued (bounded by a short deadline)
     /// and closes the transport. Idempotent.
     async fn close(&mut self, code: CloseCode, message: &str);
+
+    /// The session on this connection is past its handshake (WELCOME sent): a server-side
+    /// connection frees its admission slot (one of `max_handshakes`, held from the accept to
+    /// here on every transport) and accepts frames up to the configured maximum instead of
+    /// [`MAX_PRE_AUTH_FRAME_SIZE`]. Idempotent; nothing for client-side connections.
+    fn handshake_done(&mut self);
+}
+
+/// What a server-side connection holds until its session's WELCOME: the admission slot its
+/// listener took for it, and the pre-auth frame limit. Client-side connections use
+/// [`PreAuth::none`].
+#[derive(Debug, Default)]
+pub struct PreAuth {
+    slot: Option<waygate_backpressure::HandshakePermit>,
+    limited: bool,
+}
+
+impl PreAuth {
+    /// No limit and no slot (client side, or after WELCOME).
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// A connection accepted by a listener: frames limited to [`MAX_PRE_AUTH_FRAME_SIZE`]
+    /// and `slot` held until [`PreAuth::done`].
+    pub fn accepted(slot: Option<waygate_backpressure::HandshakePermit>) -> Self {
+        Self {
+            slot,
+            limited: true,
+        }
+    }
+
+    /// The largest frame accepted now, given the configured maximum.
+    pub fn frame_limit(&self, configured: usize) -> usize {
+        if self.limited {
+            configured.min(MAX_PRE_AUTH_FRAME_SIZE)
+        } else {
+            configured
+        }
+    }
+
+    /// Refuses a received frame above the current limit, as an oversized frame is refused.
+    pub fn check(&self, frame: &Frame, configured: usize) -> Result<(), TransportError> {
+        let max = self.frame_limit(configured);
+        let len = frame.encoded_len();
+        if len > max {
+            return Err(TransportError::Frame(
+                waygate_protocol::error::FrameError::TooLarge {
+                    len: len as u64,
+                    max,
+                },
+            ));
+        }
+        Ok(())
+    }
+
+    /// WELCOME was sent: the slot is freed and the limit lifted.
+    pub fn done(&mut self) {
+        self.slot = None;
+        self.limited = false;
+    }
 }
 
 /// A boxed connection, as listeners yield them.

@@ -30,7 +30,8 @@ pub mod udp;
 pub mod ws;
 
 pub use conn::{
-    BoxConnection, BoxListener, ConnConfig, ConnId, ConnInfo, Connection, Listener, TransportKind,
+    BoxConnection, BoxListener, ConnConfig, ConnId, ConnInfo, Connection, Listener, PreAuth,
+    TransportKind,
 };
 pub use error::TransportError;
 pub use listener::TransportListener;

@@ -181,7 +181,8 @@ pub(crate) async fn accept_tcp(
 /// What an [`AdmissionGate`] decided for one new connection.
 #[derive(Debug)]
 pub enum Admit {
-    /// Go ahead; the permit (if any) is held until the transport handshake ends.
+    /// Go ahead; the permit (if any) is held until the session's WELCOME
+    /// ([`Connection::handshake_done`](crate::Connection::handshake_done)).
     Go(Option<waygate_backpressure::HandshakePermit>),
     /// Refuse with `code` and a retry-after hint: TCP gets a REJECT frame, WebSocket an HTTP
     /// 503 with `Retry-After`, QUIC a CONNECTION_REFUSED; TLS and wss cannot answer before
@@ -216,6 +217,13 @@ pub(crate) async fn within_phase<T>(
 pub trait AdmissionGate: Send + Sync + std::fmt::Debug + 'static {
     /// Called once per accepted socket / QUIC `Incoming`, with the peer address.
     fn admit(&self, peer: SocketAddr) -> Admit;
+
+    /// A handshake slot for a connection admitted earlier without one (a KCP session at its
+    /// CONNECT: the HELLO was admitted, the handshake in between is stateless). Counted
+    /// against the cap without any check; `None` when the gate keeps no slots.
+    fn hold_slot(&self) -> Option<waygate_backpressure::HandshakePermit> {
+        None
+    }
 }
 
 /// A REJECT frame with its stream length prefix, for refusing plain TCP connections.

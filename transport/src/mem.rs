@@ -85,4 +85,7 @@ impl Connection for MemConnection {
                 .await;
         }
     }
+
+    /// In-memory pairs have no listener slot and no pre-auth limit.
+    fn handshake_done(&mut self) {}
 }

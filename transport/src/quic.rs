@@ -22,7 +22,7 @@ use quinn::{RecvStream, SendStream, VarInt};
 use tokio::sync::mpsc;
 
 use crate::conn::{
-    BoxConnection, ConnConfig, ConnId, ConnInfo, Connection, IdleTimer, TransportKind,
+    BoxConnection, ConnConfig, ConnId, ConnInfo, Connection, IdleTimer, PreAuth, TransportKind,
 };
 use crate::error::TransportError;
 use crate::listener::{admit, within_phase, Admit, TransportListener};
@@ -117,6 +117,7 @@ pub struct QuicConnection {
     rx: mpsc::Receiver<Result<Frame, TransportError>>,
     reader: tokio::task::JoinHandle<()>,
     codec: StreamCodec,
+    pre_auth: PreAuth,
     buf: BytesMut,
     idle: IdleTimer,
     closed: bool,
@@ -165,6 +166,7 @@ impl QuicConnection {
             rx,
             reader,
             codec: StreamCodec::new(config.max_frame_size),
+            pre_auth: PreAuth::none(),
             buf: BytesMut::new(),
             idle: IdleTimer::new(config.idle_timeout),
             closed: false,
@@ -252,7 +254,14 @@ impl Connection for QuicConnection {
                 self.conn.close(VarInt::from_u32(code.to_u16().into()), b"");
                 Err(TransportError::ClosedByPeer { code })
             }
-            Some(Ok(frame)) => Ok(frame),
+            Some(Ok(frame)) => match self.pre_auth.check(&frame, self.codec.max_frame_size()) {
+                Ok(()) => Ok(frame),
+                Err(e) => {
+                    tracing::debug!(conn = %self.info.id, error = %e, "closing quic connection after bad input");
+                    self.close(e.close_code(), "invalid frame").await;
+                    Err(e)
+                }
+            },
             Some(Err(e)) => {
                 if matches!(e, TransportError::Frame(_) | TransportError::Violation(_)) {
                     tracing::debug!(conn = %self.info.id, error = %e, "closing quic connection after bad input");
@@ -290,6 +299,10 @@ impl Connection for QuicConnection {
             VarInt::from_u32(code.to_u16().into()),
             code.as_str().as_bytes(),
         );
+    }
+
+    fn handshake_done(&mut self) {
+        self.pre_auth.done();
     }
 }
 
@@ -495,10 +508,9 @@ pub fn listen(
                         local,
                         accepted_at,
                     };
-                    Ok(
-                        Box::new(QuicConnection::new(conn, info, (send, recv), &config))
-                            as BoxConnection,
-                    )
+                    let mut conn = QuicConnection::new(conn, info, (send, recv), &config);
+                    conn.pre_auth = PreAuth::accepted(permit);
+                    Ok(Box::new(conn) as BoxConnection)
                 });
             }
         });

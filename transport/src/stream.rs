@@ -6,7 +6,7 @@ use async_trait::async_trait;
 use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::conn::{ConnConfig, ConnInfo, Connection, IdleTimer};
+use crate::conn::{ConnConfig, ConnInfo, Connection, IdleTimer, PreAuth};
 use crate::error::TransportError;
 use waygate_protocol::codec::StreamCodec;
 use waygate_protocol::frame::Frame;
@@ -25,6 +25,9 @@ pub struct StreamConnection<S> {
     io: S,
     info: ConnInfo,
     codec: StreamCodec,
+    /// The configured maximum frame size (the codec's limit is lower before WELCOME).
+    max_frame_size: usize,
+    pre_auth: PreAuth,
     read_buf: BytesMut,
     write_buf: BytesMut,
     idle: IdleTimer,
@@ -39,12 +42,22 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> StreamConnection<S> {
             io,
             info,
             codec: StreamCodec::new(config.max_frame_size),
+            max_frame_size: config.max_frame_size,
+            pre_auth: PreAuth::none(),
             read_buf: BytesMut::new(),
             write_buf: BytesMut::new(),
             idle: IdleTimer::new(config.idle_timeout),
             closed: false,
             eof: false,
         }
+    }
+
+    /// A connection a listener accepted: frames limited to the pre-auth size and `pre_auth`'s
+    /// admission slot held until [`Connection::handshake_done`].
+    pub fn accepted(mut self, pre_auth: PreAuth) -> Self {
+        self.codec = StreamCodec::new(pre_auth.frame_limit(self.max_frame_size));
+        self.pre_auth = pre_auth;
+        self
     }
 
     async fn write_out(&mut self) -> Result<(), TransportError> {
@@ -185,5 +198,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Connection for StreamCo
         .await;
         self.write_buf = BytesMut::new();
         self.read_buf = BytesMut::new();
+    }
+
+    fn handshake_done(&mut self) {
+        self.pre_auth.done();
+        self.codec = StreamCodec::new(self.max_frame_size);
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use tokio::net::TcpStream;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
-use crate::conn::{BoxConnection, ConnConfig, ConnId, ConnInfo, TransportKind};
+use crate::conn::{BoxConnection, ConnConfig, ConnId, ConnInfo, PreAuth, TransportKind};
 use crate::error::TransportError;
 use crate::listener::{accept_tcp, admit, reject_bytes, within_phase, Admit, TransportListener};
 use crate::stream::StreamConnection;
@@ -64,10 +64,9 @@ pub async fn listen(
                 };
                 match &acceptor {
                     None => {
-                        if !handoff
-                            .ready(Box::new(StreamConnection::new(stream, info, &config)))
-                            .await
-                        {
+                        let conn = StreamConnection::new(stream, info, &config)
+                            .accepted(PreAuth::accepted(permit));
+                        if !handoff.ready(Box::new(conn)).await {
                             return;
                         }
                     }
@@ -86,8 +85,9 @@ pub async fn listen(
                                 },
                             )
                             .await?;
-                            Ok(Box::new(StreamConnection::new(tls, info, &config))
-                                as BoxConnection)
+                            let conn = StreamConnection::new(tls, info, &config)
+                                .accepted(PreAuth::accepted(permit));
+                            Ok(Box::new(conn) as BoxConnection)
                         });
                     }
                 }

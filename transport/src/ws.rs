@@ -18,7 +18,7 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use tokio_tungstenite::WebSocketStream;
 
 use crate::conn::{
-    BoxConnection, ConnConfig, ConnId, ConnInfo, Connection, IdleTimer, TransportKind,
+    BoxConnection, ConnConfig, ConnId, ConnInfo, Connection, IdleTimer, PreAuth, TransportKind,
 };
 use crate::error::TransportError;
 use crate::listener::{accept_tcp, admit, within_phase, Admit, TransportListener};
@@ -47,6 +47,7 @@ pub struct WsConnection<S> {
     ws: WebSocketStream<S>,
     info: ConnInfo,
     max_frame_size: usize,
+    pre_auth: PreAuth,
     idle: IdleTimer,
     closed: bool,
 }
@@ -66,9 +67,17 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> WsConnection<S> {
             ws,
             info,
             max_frame_size: config.max_frame_size,
+            pre_auth: PreAuth::none(),
             idle: IdleTimer::new(config.idle_timeout),
             closed: false,
         }
+    }
+
+    /// A connection a listener accepted: frames limited to the pre-auth size and `pre_auth`'s
+    /// admission slot held until [`Connection::handshake_done`].
+    pub fn accepted(mut self, pre_auth: PreAuth) -> Self {
+        self.pre_auth = pre_auth;
+        self
     }
 
     fn encode(&self, frame: &Frame) -> Result<Message, TransportError> {
@@ -145,7 +154,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Connection for WsConnec
                     })
                 }
                 Some(Ok(Message::Binary(bytes))) => {
-                    match decode_message(bytes, self.max_frame_size) {
+                    let limit = self.pre_auth.frame_limit(self.max_frame_size);
+                    match decode_message(bytes, limit) {
                         Ok(Frame::Close { code, .. }) => {
                             self.closed = true;
                             let _ = tokio::time::timeout(CLOSE_FLUSH, self.ws.close(None)).await;
@@ -214,6 +224,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Connection for WsConnec
             other => WsCloseCode::from(4000 + other.to_u16() % 1000),
         };
         self.close_as(code, ws_code, message).await;
+    }
+
+    fn handshake_done(&mut self) {
+        self.pre_auth.done();
     }
 }
 
@@ -294,9 +308,12 @@ pub async fn listen(
                 handoff.spawn_handshake(peer, config.handshake_timeout, async move {
                     use waygate_backpressure::Phase;
                     let p = permit.as_ref();
-                    match acceptor {
+                    let conn: BoxConnection = match acceptor {
                         None => {
-                            within_phase(p, Phase::Upgrade, upgrade(stream, info, &config)).await
+                            let ws =
+                                within_phase(p, Phase::Upgrade, upgrade(stream, info, &config))
+                                    .await?;
+                            Box::new(ws.accepted(PreAuth::accepted(permit)))
                         }
                         Some(acceptor) => {
                             let tls = within_phase(p, Phase::Tls, async {
@@ -306,9 +323,12 @@ pub async fn listen(
                                     .map_err(|e| TransportError::Handshake(e.to_string()))
                             })
                             .await?;
-                            within_phase(p, Phase::Upgrade, upgrade(tls, info, &config)).await
+                            let ws = within_phase(p, Phase::Upgrade, upgrade(tls, info, &config))
+                                .await?;
+                            Box::new(ws.accepted(PreAuth::accepted(permit)))
                         }
-                    }
+                    };
+                    Ok(conn)
                 });
             }
         },
@@ -358,7 +378,7 @@ async fn upgrade<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     stream: S,
     info: ConnInfo,
     config: &ConnConfig,
-) -> Result<BoxConnection, TransportError> {
+) -> Result<WsConnection<S>, TransportError> {
     let origins = config.allowed_origins.clone();
     // tungstenite's callback type fixes the error type (an HTTP response).
     #[allow(clippy::result_large_err)]
@@ -373,7 +393,7 @@ async fn upgrade<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     )
     .await
     .map_err(|e| TransportError::Handshake(e.to_string()))?;
-    Ok(Box::new(WsConnection::new(ws, info, config)))
+    Ok(WsConnection::new(ws, info, config))
 }
 
 /// Connects to `ws://addr/` (or `wss://host:port/` with `tls`), offering the waygate

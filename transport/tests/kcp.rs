@@ -108,6 +108,7 @@ async fn kcp_oversized_frame_from_the_peer_closes_with_frame_too_large() {
     };
     let (server, client) = tokio::join!(listener.accept(), connect(addr, KcpConfig::fast(), big));
     let mut server = server.expect("accepted");
+    server.handshake_done();
     let mut client = client.expect("connected");
     let exact = data(1, payload_for(MAX_FRAME, 1));
     client.send(&exact).await.expect("max size sends");
@@ -152,6 +153,7 @@ async fn kcp_close_flushes_queued_frames_and_the_close_frame() {
         connect(addr, KcpConfig::normal(), conn_config())
     );
     let mut server = server.expect("accepted");
+    server.handshake_done();
     let mut client = client.expect("connected");
     for i in 0..200 {
         client.send(&data(i, 1000)).await.expect("send");
@@ -247,6 +249,7 @@ async fn kcp_idle_connections_are_closed_by_the_idle_timeout() {
         connect(addr, KcpConfig::fast(), conn_config())
     );
     let mut server = server.expect("accepted");
+    server.handshake_done();
     let mut client = client.expect("connected");
     let err = tokio::time::timeout(LIMIT, server.recv())
         .await

@@ -393,7 +393,8 @@ pub struct BackpressureConfig {
     pub accept_per_source_per_sec: u64,
     /// Burst of each source's bucket.
     pub accept_per_source_burst: u64,
-    /// Most connections in their transport handshake at once.
+    /// Most connections not yet past WELCOME at once (every transport: from the accept to the
+    /// WELCOME; KCP from its CONNECT).
     pub max_handshakes: u64,
     /// Frames per second read from one player (B2; from one connection before WELCOME). Over
     /// it the edge stops reading the connection until tokens return (the client is slowed,

@@ -91,6 +91,11 @@ impl AdmissionGate for EdgeAdmission {
             }
         }
     }
+
+    fn hold_slot(&self) -> Option<waygate_backpressure::HandshakePermit> {
+        let mut c = self.control.lock().ok()?;
+        Some(c.hold_slot(std::time::Instant::now()))
+    }
 }
 
 /// The per-connection inbound limits (B2) from the edge's settings.

@@ -125,6 +125,7 @@ async fn echo_conn(
         server_seq_base: 0,
         client_seq_ack: 0,
     });
+    conn.handshake_done();
     if conn.send(&welcome).await.is_err() {
         return;
     }

@@ -319,6 +319,17 @@ impl AdmissionControl {
         })
     }
 
+    /// A slot for a connection admitted earlier (a KCP session at its CONNECT, whose HELLO
+    /// was admitted): counted against `max_handshakes` without any check or token.
+    pub fn hold_slot(&mut self, now: Instant) -> HandshakePermit {
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+        HandshakePermit {
+            in_flight: Arc::clone(&self.in_flight),
+            started: now,
+            deadlines: self.config.deadlines,
+        }
+    }
+
     fn refuse(retry_after: Duration, reason: RefuseReason) -> Admission {
         Admission::Refuse {
             code: CloseCode::Overloaded,

@@ -10,6 +10,11 @@ pub const PROTOCOL_VERSION: u8 = 1;
 /// Default maximum size of one frame (type byte through payload), in bytes.
 pub const DEFAULT_MAX_FRAME_SIZE: usize = 64 * 1024;
 
+/// Largest frame an edge accepts from a client before its WELCOME (PROTOCOL.md §10.1): room
+/// for the largest HELLO (a 4,096-byte token and the resume part) with space for extension
+/// fields. Larger pre-auth frames are refused like any oversized frame (CLOSE 101).
+pub const MAX_PRE_AUTH_FRAME_SIZE: usize = 8 * 1024;
+
 /// ALPN protocol id for QUIC connections.
 pub const QUIC_ALPN: &[u8] = b"waygate/1";
 

@@ -196,8 +196,8 @@ impl Driver {
                         .refuse_hello(now, from, client_nonce, code, retry_after_ms);
                     return;
                 }
-                // Admitted: KCP's handshake is stateless until CONNECT, so the permit
-                // (a handshake slot) is released at once.
+                // Admitted: KCP's handshake is stateless until CONNECT, so this permit is
+                // released at once; the session takes a slot of its own at CONNECT.
             }
         }
         self.ep.handle_datagram(now, from, datagram);
@@ -457,7 +457,7 @@ impl Driver {
     fn on_connected(&mut self, now: Instant, key: SessionKey) {
         let shared = Arc::new(Shared::new(key, self.attention.clone()));
         self.sessions.insert(key, shared.clone());
-        let conn = KcpConnection::new(
+        let mut conn = KcpConnection::new(
             ConnInfo {
                 id: ConnId::next(),
                 kind: TransportKind::Kcp,
@@ -469,6 +469,12 @@ impl Driver {
             self.cmd_tx.clone(),
             self.params.clone(),
         );
+        if let Role::Server { .. } = self.role {
+            // From the valid CONNECT to WELCOME the session holds a handshake slot like a
+            // connection of any other transport (the HELLO was admitted against the cap).
+            let slot = self.params.admission.as_ref().and_then(|g| g.hold_slot());
+            conn.pre_auth = crate::conn::PreAuth::accepted(slot);
+        }
         let conn: BoxConnection = Box::new(conn);
         match &mut self.role {
             Role::Server { accept_tx } => {

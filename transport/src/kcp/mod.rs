@@ -296,6 +296,8 @@ pub struct KcpConnection {
     shared: Arc<Shared>,
     cmd_tx: mpsc::Sender<Cmd>,
     params: ConnParams,
+    /// Server side: the handshake slot and pre-auth frame limit until WELCOME.
+    pub(crate) pre_auth: crate::conn::PreAuth,
     closed: bool,
     peer_close: Option<CloseCode>,
 }
@@ -321,6 +323,7 @@ impl KcpConnection {
             shared,
             cmd_tx,
             params,
+            pre_auth: crate::conn::PreAuth::none(),
             closed: false,
             peer_close: None,
         }
@@ -408,7 +411,8 @@ impl Connection for KcpConnection {
             match next {
                 Ok((message, empty)) => {
                     self.returned_credit(empty);
-                    return match decode_message(message, self.params.max_frame_size) {
+                    let limit = self.pre_auth.frame_limit(self.params.max_frame_size);
+                    return match decode_message(message, limit) {
                         Ok(Frame::Close { code, .. }) => {
                             self.peer_close = Some(code);
                             self.shared.peer_closed.store(true, Ordering::SeqCst);
@@ -453,6 +457,10 @@ impl Connection for KcpConnection {
             }
         })
         .await;
+    }
+
+    fn handshake_done(&mut self) {
+        self.pre_auth.done();
     }
 }
 

@@ -20,6 +20,8 @@ pub const PHASE_LIMIT: Duration = Duration::from_secs(120);
 pub fn spawn_echo_server(mut listener: BoxListener) -> JoinHandle<()> {
     tokio::spawn(async move {
         while let Some(mut conn) = listener.accept().await {
+            // The echo plays a session past its WELCOME: full-size frames from the start.
+            conn.handshake_done();
             tokio::spawn(async move {
                 loop {
                     match conn.recv().await {

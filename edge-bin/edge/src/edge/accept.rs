@@ -106,6 +106,10 @@ impl Connection for CountedConnection {
     async fn close(&mut self, code: CloseCode, message: &str) {
         self.inner.close(code, message).await;
     }
+
+    fn handshake_done(&mut self) {
+        self.inner.handshake_done();
+    }
 }
 
 /// Answers a connection with REJECT and closes it.
