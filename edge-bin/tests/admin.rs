@@ -256,11 +256,12 @@ async fn a_banned_player_is_ended_and_refused_until_the_ban_is_lifted() {
     let resume = Hello {
         version: waygate_protocol::wire::PROTOCOL_VERSION,
         token: bytes::Bytes::new(),
-        resume: Some(ResumeRequest {
-            session_id: welcome.session_id,
-            resume_token: welcome.resume_token,
-            last_server_seq: 0,
-        }),
+        resume: Some(ResumeRequest::proving(
+            welcome.session_id,
+            &welcome.resume_token,
+            0,
+            1,
+        )),
     };
     match common::raw_frame(tcp, Frame::Hello(resume)).await {
         Frame::Reject(r) => assert!(

@@ -61,11 +61,12 @@ async fn settle(limit: Duration, cond: impl Fn() -> bool) -> bool {
     cond()
 }
 
-/// Defect 1 (session-host issue): a HELLO with a valid auth token plus the player's *current*
-/// session id and resume token and a last received seq beyond what the server sent is
-/// answered with outcome 3 (a new session that takes the player over), and must leave no
-/// entry of the old session behind. Before the fix every such HELLO added one live entry
-/// for good (500 of them took `waygate_sessions_live` from 71 to 571 and filled the cap).
+/// Defect 1 (session-host issue): a new login of a player whose session is live takes it
+/// over and must leave no entry of the old session behind. Before the fix every such HELLO
+/// (then: a failing resume of the current session with a valid auth token, answered with
+/// outcome 3; now such a resume is refused with REJECT 300 and the session kept, §7.1.1)
+/// added one live entry for good (500 of them took `waygate_sessions_live` from 71 to 571
+/// and filled the cap).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_resume_of_the_current_session_leaves_no_entry_behind() {
     let c = cluster().await;
@@ -79,15 +80,10 @@ async fn a_failed_resume_of_the_current_session_leaves_no_entry_behind() {
         let mut live = vec![first];
         for attempt in 0..12 {
             let mut conn = open(&c, kind).await;
-            let resume = ResumeRequest {
-                session_id: w.session_id,
-                resume_token: w.resume_token,
-                last_server_seq: 1_000_000,
-            };
-            w = hello(&mut conn, &player, Some(resume)).await;
+            w = hello(&mut conn, &player, None).await;
             assert_eq!(
                 w.outcome,
-                WelcomeOutcome::RestoreFailedNewSession,
+                WelcomeOutcome::NewSession,
                 "{kind}: attempt {attempt}"
             );
             live.push(conn);
@@ -316,11 +312,12 @@ async fn a_full_session_queue_never_loses_a_reply_silently() {
     let resume = Frame::Hello(Hello {
         version: PROTOCOL_VERSION,
         token: Bytes::new(),
-        resume: Some(ResumeRequest {
-            session_id: welcome.session_id,
-            resume_token: welcome.resume_token,
-            last_server_seq: 0,
-        }),
+        resume: Some(ResumeRequest::proving(
+            welcome.session_id,
+            &welcome.resume_token,
+            0,
+            1,
+        )),
     });
     codec.encode(&resume, &mut out).unwrap();
     sock.write_all(&out).await.unwrap();
@@ -414,11 +411,7 @@ async fn a_refusal_that_arrives_while_the_client_is_away_follows_its_resume() {
     conn.send(&Frame::Hello(Hello {
         version: PROTOCOL_VERSION,
         token: bytes::Bytes::new(),
-        resume: Some(ResumeRequest {
-            session_id: w.session_id,
-            resume_token: w.resume_token,
-            last_server_seq: 0,
-        }),
+        resume: Some(ResumeRequest::proving(w.session_id, &w.resume_token, 0, 1)),
     }))
     .await
     .unwrap();
@@ -492,8 +485,8 @@ async fn vanishing_client_child() {
 }
 
 /// Defect 7 (session-host issue): after a client process dies without a CLOSE (KCP and QUIC
-/// notice nothing), a new login of the same player that names the old session (outcome 3)
-/// was reported to take 2,002 ms (KCP) / 502 ms (QUIC), the takeover waiting for the old
+/// notice nothing), a new login of the same player (then: naming the old session, outcome
+/// 3; a failing resume is now refused instead, §7.1.1) was reported to take 2,002 ms (KCP) / 502 ms (QUIC), the takeover waiting for the old
 /// session's task. Here the client is a real process killed with SIGKILL; no takeover may
 /// wait for the dead connection: the host's answer deadline is never reached
 /// (`waygate_session_host_answer_timeouts_total` stays 0), on every transport. (Run against
@@ -545,7 +538,7 @@ async fn a_login_after_its_client_vanished_is_answered_without_waiting_for_the_d
         })
         .await
         .expect("child logged in");
-        let (sid, token) = ready.split_once(' ').unwrap();
+        let (sid, _token) = ready.split_once(' ').unwrap();
         // Let the old session settle (the edge acks, the client acks), then vanish.
         tokio::time::sleep(Duration::from_millis(200)).await;
         child.start_kill().unwrap();
@@ -553,17 +546,17 @@ async fn a_login_after_its_client_vanished_is_answered_without_waiting_for_the_d
 
         let t0 = tokio::time::Instant::now();
         let mut conn = open(&c, kind).await;
-        let resume = ResumeRequest {
-            session_id: unhex(sid),
-            resume_token: unhex(token),
-            last_server_seq: 1_000_000,
-        };
-        let w = hello(&mut conn, &player, Some(resume)).await;
+        let w = hello(&mut conn, &player, None).await;
         eprintln!(
-            "{kind}: outcome-3 WELCOME after the client vanished: {:?}",
+            "{kind}: new login's WELCOME after the client vanished: {:?}",
             t0.elapsed()
         );
-        assert_eq!(w.outcome, WelcomeOutcome::RestoreFailedNewSession, "{kind}");
+        assert_eq!(w.outcome, WelcomeOutcome::NewSession, "{kind}");
+        assert_ne!(
+            w.session_id,
+            unhex(sid),
+            "{kind}: the vanished session was taken over"
+        );
         assert_eq!(
             sample(&c, "waygate_session_host_answer_timeouts_total"),
             Some(0.0),

@@ -680,7 +680,7 @@ def scripted_frames(max_frame: int) -> list[tuple[wp.Frame, bytes, bytes]]:
 
     frames: list[wp.Frame] = [
         wp.Hello(1, b"auth-token-\x00\xff" + payload(64)),
-        wp.Hello(1, b"", wp.Resume(sid, tok, 123_456)),
+        wp.Hello(1, b"", wp.Resume.proving(sid, tok, 123_456, 9)),
         wp.Welcome(sid, tok, 2, 15_000, 45_000, max_frame, 2**40, 7),
         wp.Reject(405, 1_500, "draining \u2713 \u00e9t\u00e9"),
         wp.Reject(499, 0, ""),  # §1.1: an unknown code is carried, not refused

@@ -8,6 +8,9 @@ spec is incomplete or one side is wrong, and that is what the interop tests are 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -143,9 +146,23 @@ def decode_varint(buf: bytes, pos: int = 0) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Resume:
+    """HELLO's resume part (§3.1, §7.3.1): a proof of holding the resume token, never the token."""
+
     session_id: bytes
-    resume_token: bytes
+    proof: bytes  # 32 bytes: resume_proof(...)
     last_server_seq: int
+    nonce: int
+
+    @staticmethod
+    def proving(session_id: bytes, resume_token: bytes, last_server_seq: int, nonce: int) -> "Resume":
+        return Resume(session_id, resume_proof(resume_token, session_id, last_server_seq, nonce), last_server_seq, nonce)
+
+
+def resume_proof(resume_token: bytes, session_id: bytes, last_server_seq: int, nonce: int) -> bytes:
+    """§7.3.1: HMAC-SHA256(SHA-256(resume_token), "waygate resume v1" | session_id | u64 BE | u64 BE)."""
+    key = hashlib.sha256(resume_token).digest()
+    msg = b"waygate resume v1" + session_id + last_server_seq.to_bytes(8, "big") + nonce.to_bytes(8, "big")
+    return hmac.new(key, msg, hashlib.sha256).digest()
 
 
 @dataclass(frozen=True)
@@ -257,8 +274,10 @@ def encode_frame(f: Frame) -> bytes:
         out = bytearray([HELLO]) + _u8(f.version) + _u8(1 if f.resume else 0)
         out += _bytes(f.token, MAX_TOKEN_LEN)
         if f.resume:
-            out += _id(f.resume.session_id) + _id(f.resume.resume_token)
-            out += encode_varint(f.resume.last_server_seq)
+            if len(f.resume.proof) != 32:
+                raise ValueError("a resume proof is 32 bytes")
+            out += _id(f.resume.session_id) + bytes(f.resume.proof)
+            out += encode_varint(f.resume.last_server_seq) + encode_varint(f.resume.nonce)
         return bytes(out)
     if isinstance(f, Welcome):
         return (
@@ -374,7 +393,7 @@ def decode_frame(buf: bytes) -> Frame:
         token = r.bytes("token", MAX_TOKEN_LEN)
         resume = None
         if flags & 1:
-            resume = Resume(r.take(ID_LEN, "session_id"), r.take(ID_LEN, "resume_token"), r.varint("last_server_seq"))
+            resume = Resume(r.take(ID_LEN, "session_id"), r.take(32, "proof"), r.varint("last_server_seq"), r.varint("nonce"))
         return Hello(version, token, resume)
     if t == WELCOME:
         return Welcome(
@@ -542,6 +561,12 @@ def self_test() -> list[str]:
             failures.append(f"{name} accepted")
         except FrameError as e:
             check(f"{name} is protocol_error", e.code == PROTOCOL_ERROR)
+    # §7.3.1 example: resume proof for token 00..0f, session aa x16, last_server_seq 5, nonce 1.
+    proof = resume_proof(bytes(range(16)), b"\xaa" * 16, 5, 1)
+    check("resume proof example", proof == bytes.fromhex(
+        "386d72d0e86dcf50295e6f74a1e8accf1f603b302a5b5f7e84e2e3cb641f721a"))
+    hello = Hello(1, b"", Resume(b"\xaa" * 16, proof, 5, 1))
+    check("resume HELLO round trip", decode_frame(encode_frame(hello)) == hello)
     # §12.2 example: publication "hi" at offset 7 of guild:42, epoch 300.
     ev_hex = "00086775696c643a3432ac020768" + "69"
     ev = ChannelEvent(PUBLICATION, "guild:42", 300, 7, b"hi")

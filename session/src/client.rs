@@ -170,6 +170,8 @@ pub struct ClientSession {
     token: Bytes,
     state: ClientState,
     session: Option<(SessionId, ResumeToken)>,
+    /// The nonce of the last resume attempt for the current session (PROTOCOL.md §7.3.1).
+    resume_nonce: u64,
     down: RecvWindow,
     down_ack: AckState,
     next_up_seq: u64,
@@ -193,6 +195,7 @@ impl ClientSession {
             token,
             state: ClientState::Disconnected,
             session: None,
+            resume_nonce: 0,
             down: RecvWindow::new(),
             down_ack: AckState::default(),
             next_up_seq: 1,
@@ -247,13 +250,20 @@ impl ClientSession {
         if !matches!(self.state, ClientState::Disconnected) {
             return Err(self.invalid("connect"));
         }
-        let resume = self
-            .session
-            .map(|(session_id, resume_token)| ResumeRequest {
-                session_id,
-                resume_token,
-                last_server_seq: self.down.cumulative(),
-            });
+        // The resume token never leaves the client: a proof of holding it, over a nonce
+        // above every earlier attempt's, so a captured HELLO cannot be replayed.
+        let resume = match self.session {
+            Some((session_id, resume_token)) => {
+                self.resume_nonce += 1;
+                Some(ResumeRequest::proving(
+                    session_id,
+                    &resume_token,
+                    self.down.cumulative(),
+                    self.resume_nonce,
+                ))
+            }
+            None => None,
+        };
         self.push(
             now,
             Frame::Hello(Hello {
@@ -456,6 +466,10 @@ impl ClientSession {
         match (self.state, frame) {
             (ClientState::Handshaking, Frame::Welcome(w)) => {
                 let first = self.session.is_none() && self.down.cumulative() == 0;
+                if self.session.map(|(id, _)| id) != Some(w.session_id) {
+                    // Nonces count per session.
+                    self.resume_nonce = 0;
+                }
                 self.session = Some((w.session_id, w.resume_token));
                 self.heartbeat = Some(Duration::from_millis(w.heartbeat_interval_ms.into()));
                 match w.outcome {

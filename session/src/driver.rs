@@ -922,10 +922,9 @@ impl Task {
                 attempt,
             } => {
                 let t0 = tokio::time::Instant::now();
-                let resume_hash = attempt.resume_hash;
                 let start = edge
                     .registry
-                    .host(|h| h.request_hand_over(self.id, session_id, attempt, now()));
+                    .host(|h| h.request_hand_over(self.id, session_id, attempt.clone(), now()));
                 // Decided here (taken, mismatch, or ended by a takeover), or ask the store.
                 let local = match start {
                     HandOverStart::NotLocal => None,
@@ -948,7 +947,7 @@ impl Task {
                         Ok(TakeOutcome::Taken(s))
                     }
                     Some(decided) => Ok(decided),
-                    None => edge.snapshots.take(&session_id, &resume_hash).await,
+                    None => edge.snapshots.take_proven(&session_id, &attempt).await,
                 };
                 self.phases.restore += t0.elapsed();
                 let _ = self.machine.handle_snapshot(now(), result);

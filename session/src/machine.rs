@@ -35,7 +35,8 @@ use waygate_protocol::channel::{
     ChannelEvent, ChannelEventKind, ChannelPosition, CHANNEL_EVENT_MSG_ID,
 };
 use waygate_protocol::frame::{
-    Data, ErrorReport, Hello, Migrate, Reject, ResumeRequest, SessionId, Welcome, WelcomeOutcome,
+    Data, ErrorReport, Hello, Migrate, Reject, ResumeRequest, ResumeToken, SessionId, Welcome,
+    WelcomeOutcome,
 };
 use waygate_protocol::wire::{FrameType, PROTOCOL_VERSION};
 use waygate_transport::{CloseCode, Frame, TrafficClass};
@@ -47,6 +48,7 @@ use crate::resume::{hex_id, new_resume_token, new_session_id, ResumeHash};
 use crate::rng::SessionRng;
 use crate::seq::{AckPolicy, AckState, Received, RecvWindow};
 use crate::store::{ClaimGrant, PendingError, Snapshot, StoreError, TakeOutcome, SNAPSHOT_VERSION};
+use waygate_protocol::resume_proof::{resume_key, resume_proof, ResumeProof};
 
 /// ERROR answers a detached session keeps for its client (see
 /// [`SessionMachine::report_error`]).
@@ -203,14 +205,28 @@ pub struct SessionEnd {
     pub channels_acked: BTreeMap<String, ChannelPosition>,
 }
 
-/// What a resuming connection presents: the hash of its resume token, the last server seq
-/// it received, and the player of its auth token when the HELLO carried one. A live local
-/// holder of the session checks all of it in [`SessionMachine::hand_over`] before it lets
-/// go, so a resume that would fail leaves the session untouched (PROTOCOL.md §7.1.1).
+/// What a snapshot lookup found, for answering a failed restore.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RestoreLookup {
+    /// The named session exists (taken or refused).
+    Exists,
+    /// No such session.
+    NotFound,
+    /// The store could not say.
+    StoreDown,
+}
+
+/// What a resuming connection presents: its proof of holding the resume token (over the
+/// session id, the last server seq it received and a nonce), and the player of its auth
+/// token when the HELLO carried one. A live local holder of the session checks all of it in
+/// [`SessionMachine::hand_over`] before it lets go, so a resume that would fail leaves the
+/// session untouched (PROTOCOL.md §7.1.1).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResumeAttempt {
-    /// SHA-256 of the presented resume token.
-    pub resume_hash: ResumeHash,
+    /// HMAC proof of possession of the resume token (PROTOCOL.md §7.3.1).
+    pub proof: ResumeProof,
+    /// The nonce the proof covers: accepted only above the session's last accepted one.
+    pub nonce: u64,
     /// The highest server seq the client says it received.
     pub last_server_seq: u64,
     /// The player of the HELLO's valid auth token (`None`: a resume-only HELLO).
@@ -218,13 +234,46 @@ pub struct ResumeAttempt {
 }
 
 impl ResumeAttempt {
-    /// An attempt that presents only a resume token, having received nothing.
-    pub fn token_only(resume_hash: ResumeHash) -> Self {
+    /// The attempt of a HELLO's resume part.
+    pub fn of(resume: &ResumeRequest, player_id: Option<Arc<str>>) -> Self {
         Self {
-            resume_hash,
+            proof: resume.proof,
+            nonce: resume.nonce,
+            last_server_seq: resume.last_server_seq,
+            player_id,
+        }
+    }
+
+    /// An attempt by a client holding `token` for `session_id`, having received nothing,
+    /// with `nonce` (tests and simulations: what a client computes).
+    pub fn proving(token: &ResumeToken, session_id: &SessionId, nonce: u64) -> Self {
+        let key = resume_key(token);
+        Self {
+            proof: resume_proof(&key, session_id, 0, nonce),
+            nonce,
             last_server_seq: 0,
             player_id: None,
         }
+    }
+
+    /// The key (current, else the unconfirmed previous one) this attempt proves possession
+    /// of for `session_id`, if its nonce is above `last_nonce`; `None` otherwise.
+    pub fn key_used(
+        &self,
+        session_id: &SessionId,
+        current: &ResumeHash,
+        previous: Option<&ResumeHash>,
+        last_nonce: u64,
+    ) -> Option<ResumeHash> {
+        if self.nonce <= last_nonce {
+            return None;
+        }
+        let proves =
+            |h: &ResumeHash| h.proves(session_id, self.last_server_seq, self.nonce, &self.proof);
+        if proves(current) {
+            return Some(*current);
+        }
+        previous.filter(|p| proves(p)).copied()
     }
 }
 
@@ -372,6 +421,8 @@ pub struct SessionCore {
     fencing: u64,
     resume_hash: ResumeHash,
     prev_resume_hash: Option<ResumeHash>,
+    /// The nonce of the last resume accepted (a proof is accepted only above it).
+    last_resume_nonce: u64,
     bindings: BTreeMap<String, String>,
     /// Routing keys bound by backends (service -> business key).
     keys: BTreeMap<String, String>,
@@ -395,6 +446,7 @@ impl SessionCore {
             fencing: self.fencing,
             resume_hash: self.resume_hash,
             prev_resume_hash: self.prev_resume_hash,
+            last_resume_nonce: self.last_resume_nonce,
             bindings: self.bindings.clone(),
             replay: self.replay.clone(),
             upstream: self.upstream.clone(),
@@ -451,6 +503,7 @@ impl SessionCore {
             fencing: s.fencing,
             resume_hash: s.resume_hash,
             prev_resume_hash: s.prev_resume_hash,
+            last_resume_nonce: s.last_resume_nonce,
             bindings: s.bindings,
             replay: s.replay,
             upstream: s.upstream,
@@ -811,11 +864,7 @@ impl SessionMachine {
             .map(|a| Arc::<str>::from(a.claims.player_id.as_str()));
         self.actions.push_back(Action::TakeSnapshot {
             session_id: resume.session_id,
-            attempt: ResumeAttempt {
-                resume_hash: ResumeHash::of(&resume.resume_token),
-                last_server_seq: resume.last_server_seq,
-                player_id,
-            },
+            attempt: ResumeAttempt::of(resume, player_id),
         });
         self.transition(State::Restoring);
     }
@@ -861,6 +910,7 @@ impl SessionMachine {
             fencing: 0,
             resume_hash: hash,
             prev_resume_hash: None,
+            last_resume_nonce: 0,
             bindings: BTreeMap::new(),
             replay: ReplayBuffer::new(self.config.replay),
             upstream: RecvWindow::new(),
@@ -891,6 +941,11 @@ impl SessionMachine {
         let Some(resume) = self.pending.resume.clone() else {
             return Err(self.misuse("snapshot"));
         };
+        let result_kind = match &result {
+            Ok(TakeOutcome::NotFound) => RestoreLookup::NotFound,
+            Err(_) => RestoreLookup::StoreDown,
+            Ok(_) => RestoreLookup::Exists,
+        };
         let failure = match result {
             Ok(TakeOutcome::Taken(snapshot)) => {
                 let foreign_player = self
@@ -898,12 +953,14 @@ impl SessionMachine {
                     .authed
                     .as_ref()
                     .is_some_and(|a| a.claims.player_id != snapshot.player_id);
-                let wrong = snapshot.session_id != resume.session_id
-                    || !snapshot.accepts(&ResumeHash::of(&resume.resume_token));
-                if foreign_player || wrong {
-                    self.actions.push_back(Action::PutBack(snapshot));
-                    "resume token belongs to another session or player"
-                } else {
+                let key_used = (snapshot.session_id == resume.session_id)
+                    .then(|| snapshot.key_used(&ResumeAttempt::of(&resume, None)))
+                    .flatten();
+                let used = match (foreign_player, key_used) {
+                    (false, Some(used)) => Some(used),
+                    _ => None,
+                };
+                if let Some(used) = used {
                     let original = snapshot.clone();
                     let mut core = SessionCore::from_snapshot(*snapshot);
                     match core.restore_point(resume.last_server_seq) {
@@ -916,7 +973,9 @@ impl SessionMachine {
                             // confirms the new one (any frame after WELCOME).
                             let (token, hash) = new_resume_token(self.rng.as_mut());
                             core.resume_hash = hash;
-                            core.prev_resume_hash = Some(ResumeHash::of(&resume.resume_token));
+                            core.prev_resume_hash = Some(used);
+                            // This proof (and any with a lower nonce) is spent.
+                            core.last_resume_nonce = resume.nonce;
                             self.pending.resume_token = Some(token);
                             let outcome = if point.gap {
                                 WelcomeOutcome::RestoredWithGap
@@ -941,9 +1000,12 @@ impl SessionMachine {
                             return Ok(());
                         }
                     }
+                } else {
+                    self.actions.push_back(Action::PutBack(snapshot));
+                    "resume proof does not match the session, its player or a fresh nonce"
                 }
             }
-            Ok(TakeOutcome::Mismatch) => "resume token does not match",
+            Ok(TakeOutcome::Mismatch) => "resume proof does not match",
             Ok(TakeOutcome::NotFound) => "no such session (expired, used or unknown)",
             Err(e) => {
                 tracing::warn!(error = %e, "snapshot store failed during restore");
@@ -955,7 +1017,17 @@ impl SessionMachine {
             }
         };
         tracing::info!(session = %hex_id(&resume.session_id), why = failure, "restore failed");
-        if self.pending.authed.is_some() {
+        let session_exists = !matches!(
+            result_kind,
+            RestoreLookup::NotFound | RestoreLookup::StoreDown
+        );
+        if session_exists {
+            // The named session exists and the resume part failed (a wrong or replayed
+            // proof, another player's session, a seq it never sent): refused whatever the
+            // auth token, and the session is left as it was — a captured resume HELLO
+            // must not end it by falling back to a new login (PROTOCOL.md §7.1.1).
+            self.reject(CloseCode::ResumeRejected, failure.into());
+        } else if self.pending.authed.is_some() {
             // Restore failed, but the HELLO's auth token is valid: a fresh session.
             self.pending.restore_failed = true;
             self.transition(State::Authenticated);
@@ -1529,10 +1601,14 @@ impl SessionMachine {
         let Some(core) = self.core.as_ref() else {
             return Ok(TakeOutcome::NotFound);
         };
-        let token_ok = core.resume_hash.ct_eq(&attempt.resume_hash)
-            | core
-                .prev_resume_hash
-                .is_some_and(|p| p.ct_eq(&attempt.resume_hash));
+        let token_ok = attempt
+            .key_used(
+                &core.id,
+                &core.resume_hash,
+                core.prev_resume_hash.as_ref(),
+                core.last_resume_nonce,
+            )
+            .is_some();
         let player_ok = attempt
             .player_id
             .as_deref()

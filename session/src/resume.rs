@@ -1,8 +1,10 @@
 //! Session ids and resume tokens (SPEC S3): random 128-bit values, single use, rotated on
-//! every successful restore, stored only as SHA-256 hashes and compared in constant time.
+//! every successful restore, stored only as SHA-256 hashes (the resume key a client's proof
+//! of possession is made with, PROTOCOL.md §7.3) and compared in constant time.
 
 use ring::digest;
 use waygate_protocol::frame::{ResumeToken, SessionId};
+use waygate_protocol::resume_proof::{verify_resume_proof, ResumeProof};
 use waygate_protocol::wire::ID_LEN;
 
 use crate::rng::SessionRng;
@@ -35,6 +37,18 @@ impl ResumeHash {
     /// Constant-time equality of two hashes.
     pub fn ct_eq(&self, other: &ResumeHash) -> bool {
         ct_eq(&self.0, &other.0)
+    }
+
+    /// Whether `proof` was made with the token this is the hash of (the hash is the resume
+    /// key, PROTOCOL.md §7.3.1) for these values.
+    pub fn proves(
+        &self,
+        session_id: &SessionId,
+        last_server_seq: u64,
+        nonce: u64,
+        proof: &ResumeProof,
+    ) -> bool {
+        verify_resume_proof(&self.0, session_id, last_server_seq, nonce, proof)
     }
 }
 

@@ -195,10 +195,9 @@ impl Env {
                     session_id,
                     attempt,
                 } => {
-                    let resume_hash = attempt.resume_hash;
                     let outcome = match self.store.get(&session_id) {
                         None => TakeOutcome::NotFound,
-                        Some(s) if s.accepts(&resume_hash) => self
+                        Some(s) if s.key_used(&attempt).is_some() => self
                             .store
                             .remove(&session_id)
                             .map_or(TakeOutcome::NotFound, |s| TakeOutcome::Taken(Box::new(s))),
@@ -252,6 +251,7 @@ pub fn run(ops: &[SimOp]) -> SimOutcome {
             fencing: 1,
             resume_hash: ResumeHash::of(&LINGERING_TOKEN),
             prev_resume_hash: None,
+            last_resume_nonce: 0,
             bindings: BTreeMap::new(),
             replay,
             upstream: RecvWindow::new(),
@@ -275,6 +275,7 @@ pub fn run(ops: &[SimOp]) -> SimOutcome {
         store,
         fencing: 1,
     };
+    let mut nonce = 0u64;
     for op in ops {
         match op {
             SimOp::Hello {
@@ -289,10 +290,10 @@ pub fn run(ops: &[SimOp]) -> SimOutcome {
                     3 => Some(([2; 16], LINGERING_TOKEN)),
                     _ => None,
                 }
-                .map(|(session_id, resume_token)| ResumeRequest {
-                    session_id,
-                    resume_token,
-                    last_server_seq: *last_seq,
+                .map(|(session_id, resume_token)| {
+                    // A fresh nonce per HELLO, as a client counts them.
+                    nonce += 1;
+                    ResumeRequest::proving(session_id, &resume_token, *last_seq, nonce)
                 });
                 let version = if *version == 0 {
                     PROTOCOL_VERSION
@@ -368,8 +369,9 @@ pub fn run(ops: &[SimOp]) -> SimOutcome {
             SimOp::HandOver(right) => {
                 // The right token is only known to the harness for the lingering session.
                 let token = if *right { LINGERING_TOKEN } else { [5; 16] };
+                nonce += 1;
                 if let Ok(TakeOutcome::Taken(s)) =
-                    m.hand_over(now, &ResumeAttempt::token_only(ResumeHash::of(&token)))
+                    m.hand_over(now, &ResumeAttempt::proving(&token, &LINGERING, nonce))
                 {
                     env.store.insert(s.session_id, *s);
                 }

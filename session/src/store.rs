@@ -43,6 +43,10 @@ pub struct Snapshot {
     /// not yet confirmed receipt of its replacement (a lost WELCOME must not strand it).
     #[serde(default)]
     pub prev_resume_hash: Option<ResumeHash>,
+    /// The nonce of the last resume accepted: a proof is accepted only with a higher one
+    /// (PROTOCOL.md §7.3.2), so a captured resume HELLO cannot be replayed.
+    #[serde(default)]
+    pub last_resume_nonce: u64,
     /// Backend bindings: service -> instance (S5).
     pub bindings: BTreeMap<String, String>,
     /// Routing keys backends bound with BIND: service -> business key (the room a player
@@ -83,10 +87,23 @@ pub struct PendingError {
 impl Snapshot {
     /// Whether a presented token's hash may resume this snapshot: the current token, or the
     /// previous one while its replacement is unconfirmed. Constant time in both compares.
+    /// (The store's compare-and-take; the proof itself is checked with
+    /// [`Snapshot::key_used`].)
     pub fn accepts(&self, hash: &ResumeHash) -> bool {
         let current = self.resume_hash.ct_eq(hash);
         let prev = self.prev_resume_hash.is_some_and(|p| p.ct_eq(hash));
         current | prev
+    }
+
+    /// The resume key (current, else the unconfirmed previous) `attempt` proves possession
+    /// of, with a nonce above the last accepted one; `None` if it proves none.
+    pub fn key_used(&self, attempt: &crate::machine::ResumeAttempt) -> Option<ResumeHash> {
+        attempt.key_used(
+            &self.session_id,
+            &self.resume_hash,
+            self.prev_resume_hash.as_ref(),
+            self.last_resume_nonce,
+        )
     }
 }
 
@@ -136,6 +153,52 @@ pub trait SnapshotStore: Send + Sync + 'static {
         session_id: &SessionId,
         fencing: Option<u64>,
     ) -> Result<bool, StoreError>;
+
+    /// The resume keys of a stored snapshot (what a proof is checked against), without
+    /// taking it. The default reads the whole snapshot; stores override it with a cheaper
+    /// read.
+    async fn resume_keys(&self, session_id: &SessionId) -> Result<Option<ResumeKeys>, StoreError> {
+        Ok(self.get(session_id).await?.map(|s| ResumeKeys {
+            current: s.resume_hash,
+            previous: s.prev_resume_hash,
+            last_nonce: s.last_resume_nonce,
+        }))
+    }
+
+    /// Removes and returns the snapshot if `attempt` proves possession of one of its resume
+    /// keys with a fresh nonce: the keys are read and checked here, then taken with
+    /// [`SnapshotStore::take`]'s compare-and-take on the key used (a snapshot rewritten in
+    /// between no longer matches). A proof that fails takes nothing, so a replayed HELLO
+    /// never takes a session away from its client even for a moment.
+    async fn take_proven(
+        &self,
+        session_id: &SessionId,
+        attempt: &crate::machine::ResumeAttempt,
+    ) -> Result<TakeOutcome, StoreError> {
+        let Some(keys) = self.resume_keys(session_id).await? else {
+            return Ok(TakeOutcome::NotFound);
+        };
+        match attempt.key_used(
+            session_id,
+            &keys.current,
+            keys.previous.as_ref(),
+            keys.last_nonce,
+        ) {
+            Some(used) => self.take(session_id, &used).await,
+            None => Ok(TakeOutcome::Mismatch),
+        }
+    }
+}
+
+/// What a resume proof is checked against (see [`SnapshotStore::resume_keys`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResumeKeys {
+    /// The current resume key.
+    pub current: ResumeHash,
+    /// The previous one, while its replacement is unconfirmed.
+    pub previous: Option<ResumeHash>,
+    /// The nonce of the last accepted resume.
+    pub last_nonce: u64,
 }
 
 /// The owner of a player.
@@ -380,6 +443,7 @@ mod tests {
             fencing,
             resume_hash: ResumeHash::of(&[2; 16]),
             prev_resume_hash: Some(ResumeHash::of(&[3; 16])),
+            last_resume_nonce: 0,
             bindings: [("world".to_owned(), "w-1".to_owned())].into(),
             replay,
             upstream: RecvWindow::starting_at(4),

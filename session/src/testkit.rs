@@ -202,6 +202,7 @@ pub mod store_contract {
             fencing,
             resume_hash: ResumeHash::of(&[2; 16]),
             prev_resume_hash: Some(ResumeHash::of(&[3; 16])),
+            last_resume_nonce: 0,
             bindings: BTreeMap::from([
                 ("world".to_owned(), "w-1".to_owned()),
                 ("chat".to_owned(), "c-2".to_owned()),
@@ -270,6 +271,44 @@ pub mod store_contract {
         );
         assert_eq!(store.delete(&s.session_id, None).await, Ok(true));
         assert_eq!(store.delete(&s.session_id, None).await, Ok(false));
+        // Proofs of possession (PROTOCOL.md §7.3): the keys and the last nonce are read
+        // back; a proof with a spent nonce or a wrong token takes nothing; a fresh one with
+        // the unconfirmed previous token takes it.
+        let mut proven = s.clone();
+        proven.last_resume_nonce = 7;
+        store
+            .put(&proven, Duration::from_secs(10))
+            .await
+            .expect("put");
+        assert_eq!(
+            store.resume_keys(&s.session_id).await,
+            Ok(Some(crate::store::ResumeKeys {
+                current: cur,
+                previous: Some(prev),
+                last_nonce: 7,
+            }))
+        );
+        assert_eq!(store.resume_keys(&[0xEE; 16]).await, Ok(None));
+        let attempt = |token: [u8; 16], nonce| {
+            crate::machine::ResumeAttempt::proving(&token, &s.session_id, nonce)
+        };
+        for (token, nonce) in [([3; 16], 7), ([9; 16], 8)] {
+            assert_eq!(
+                store
+                    .take_proven(&s.session_id, &attempt(token, nonce))
+                    .await,
+                Ok(TakeOutcome::Mismatch),
+                "token {token:?} nonce {nonce}"
+            );
+        }
+        assert_eq!(
+            store.take_proven(&s.session_id, &attempt([3; 16], 8)).await,
+            Ok(TakeOutcome::Taken(Box::new(proven)))
+        );
+        assert_eq!(
+            store.take_proven(&s.session_id, &attempt([2; 16], 9)).await,
+            Ok(TakeOutcome::NotFound)
+        );
         // Fenced delete.
         store.put(&s, Duration::from_secs(10)).await.expect("put");
         assert_eq!(store.delete(&s.session_id, Some(2)).await, Ok(false));

@@ -282,7 +282,7 @@ proptest! {
                     let _ = p.edge.machines[m].handle_frame(p.now, Frame::Hello(Hello {
                         version: PROTOCOL_VERSION,
                         token: auth,
-                        resume: Some(ResumeRequest { session_id: sid, resume_token, last_server_seq: last }),
+                        resume: Some(ResumeRequest::proving(sid, &resume_token, last, 1 << 40)),
                     }));
                     let mut out = std::collections::VecDeque::new();
                     p.edge.run(m, p.now, &mut out);

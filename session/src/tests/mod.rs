@@ -342,6 +342,10 @@ fn reject_code(frames: &[Frame]) -> Option<CloseCode> {
     })
 }
 
+/// A nonce above any a test client uses (they count from 1): what a forged or replayed
+/// HELLO built by a test carries, so only the proof decides.
+const FORGED_NONCE: u64 = 1 << 40;
+
 fn welcome_outcome(frames: &[Frame]) -> Option<WelcomeOutcome> {
     frames.iter().find_map(|f| match f {
         Frame::Welcome(w) => Some(w.outcome),
@@ -358,11 +362,7 @@ fn replayed_resume_token_is_rejected_and_the_session_untouched() {
     p.connect(c);
     p.drive(c); // restored: token rotated
     p.cut(c);
-    let resume = ResumeRequest {
-        session_id: sid,
-        resume_token: old_token,
-        last_server_seq: 0,
-    };
+    let resume = ResumeRequest::proving(sid, &old_token, 0, FORGED_NONCE);
     // Resume-only with the spent token: REJECT ResumeRejected.
     let (m, frames) = raw_hello(&mut p, Bytes::new(), Some(resume.clone()));
     assert_eq!(reject_code(&frames), Some(CloseCode::ResumeRejected));
@@ -371,14 +371,20 @@ fn replayed_resume_token_is_rejected_and_the_session_untouched() {
         p.edge.machines[m].end_reason(),
         Some(&EndReason::Rejected(CloseCode::ResumeRejected))
     );
-    // With a valid auth token: restore fails, new session (and the old one is kicked:
-    // single login) — but first check the real session is still resumable.
+    // The real session is still resumable.
     assert!(p.edge.store.contains_key(&sid));
     p.connect(c);
     p.drive(c);
     assert_eq!(welcomed(&p, c).last(), Some(&WelcomeOutcome::Restored));
     p.cut(c);
+    // With a valid auth token too: still refused, and the session it names is left as it
+    // was (a captured HELLO must not end it through the fallback to a new login).
     let (_, frames) = raw_hello(&mut p, token_for("alice"), Some(resume));
+    assert_eq!(reject_code(&frames), Some(CloseCode::ResumeRejected));
+    assert!(p.edge.store.contains_key(&sid), "still resumable");
+    // A session that no longer exists with a valid auth token: a fresh session (outcome 3).
+    let gone = ResumeRequest::proving([0xEE; 16], &old_token, 0, FORGED_NONCE);
+    let (_, frames) = raw_hello(&mut p, token_for("alice"), Some(gone));
     assert_eq!(
         welcome_outcome(&frames),
         Some(WelcomeOutcome::RestoreFailedNewSession)
@@ -400,11 +406,7 @@ fn token_of_another_session_is_rejected() {
     let (sid_a, _) = p.peers[a].client.session().expect("a");
     let (_, tok_b) = p.peers[b].client.session().expect("b");
     p.cut(a);
-    let resume = ResumeRequest {
-        session_id: sid_a,
-        resume_token: tok_b,
-        last_server_seq: 0,
-    };
+    let resume = ResumeRequest::proving(sid_a, &tok_b, 0, FORGED_NONCE);
     let (_, frames) = raw_hello(&mut p, Bytes::new(), Some(resume));
     assert_eq!(reject_code(&frames), Some(CloseCode::ResumeRejected));
     // Bob's live session and Alice's lingering one are untouched.
@@ -413,22 +415,15 @@ fn token_of_another_session_is_rejected() {
     p.drive(a);
     assert_eq!(welcomed(&p, a).last(), Some(&WelcomeOutcome::Restored));
     // Bob's token presented for Bob's session id but with Alice's auth token: foreign
-    // player; restore fails into a new session for Alice, Bob is untouched.
+    // player; refused, Bob is untouched.
     let (sid_b, tok_b) = p.peers[b].client.session().expect("b");
     p.cut(b);
     let (_, frames) = raw_hello(
         &mut p,
         token_for("alice"),
-        Some(ResumeRequest {
-            session_id: sid_b,
-            resume_token: tok_b,
-            last_server_seq: 0,
-        }),
+        Some(ResumeRequest::proving(sid_b, &tok_b, 0, FORGED_NONCE)),
     );
-    assert_eq!(
-        welcome_outcome(&frames),
-        Some(WelcomeOutcome::RestoreFailedNewSession)
-    );
+    assert_eq!(reject_code(&frames), Some(CloseCode::ResumeRejected));
     p.connect(b);
     p.drive(b);
     assert_eq!(welcomed(&p, b).last(), Some(&WelcomeOutcome::Restored));
@@ -443,11 +438,7 @@ fn last_server_seq_beyond_sent_is_rejected_and_snapshot_kept() {
     let (_, frames) = raw_hello(
         &mut p,
         Bytes::new(),
-        Some(ResumeRequest {
-            session_id: sid,
-            resume_token: tok,
-            last_server_seq: 5,
-        }),
+        Some(ResumeRequest::proving(sid, &tok, 5, FORGED_NONCE)),
     );
     assert_eq!(reject_code(&frames), Some(CloseCode::ResumeRejected));
     p.connect(c);
@@ -456,22 +447,17 @@ fn last_server_seq_beyond_sent_is_rejected_and_snapshot_kept() {
 }
 
 /// A resume of a *live* session that would fail (here: a last received seq beyond what was
-/// sent) is refused by the holder before it lets go: without an auth token it is REJECT 300
-/// and the live session keeps its connection; with a valid one it is a new session that
-/// takes the player over by a kick (so the old one ends and leaves nothing behind), never a
-/// silent supersede (regression: the old entry leaked for good, one per such HELLO).
+/// sent) is refused by the holder before it lets go: REJECT 300, with or without a valid
+/// auth token, and the live session keeps its connection — never a silent supersede
+/// (regression: the old entry leaked for good, one per such HELLO), never a kick.
 #[test]
-fn a_failing_resume_of_a_live_session_leaves_it_untouched_or_kicks_it() {
+fn a_failing_resume_of_a_live_session_leaves_it_untouched() {
     let mut p = Pair::new(SessionConfig::default());
     let c = login(&mut p, "alice");
     let sid = p.session(c);
     let live = p.peers[c].conn.expect("conn");
     let (_, tok) = p.peers[c].client.session().expect("s");
-    let beyond = ResumeRequest {
-        session_id: sid,
-        resume_token: tok,
-        last_server_seq: 5,
-    };
+    let beyond = ResumeRequest::proving(sid, &tok, 5, FORGED_NONCE);
     let (_, frames) = raw_hello(&mut p, Bytes::new(), Some(beyond.clone()));
     assert_eq!(reject_code(&frames), Some(CloseCode::ResumeRejected));
     assert_eq!(p.edge.machines[live].state(), State::Active, "untouched");
@@ -481,17 +467,37 @@ fn a_failing_resume_of_a_live_session_leaves_it_untouched_or_kicks_it() {
     assert_eq!(p.received(c).len(), 1, "its connection still delivers");
 
     let (m, frames) = raw_hello(&mut p, token_for("alice"), Some(beyond));
-    assert_eq!(
-        welcome_outcome(&frames),
-        Some(WelcomeOutcome::RestoreFailedNewSession)
-    );
-    assert_eq!(p.edge.machines[m].state(), State::Active);
-    assert_ne!(p.edge.machines[m].session_id(), Some(sid));
-    assert_eq!(
-        p.edge.machines[live].end_reason(),
-        Some(&EndReason::Kicked),
-        "the old session ends by a kick, not a silent supersede"
-    );
+    assert_eq!(reject_code(&frames), Some(CloseCode::ResumeRejected));
+    assert_eq!(p.edge.machines[m].state(), State::Closed);
+    assert_eq!(p.edge.machines[live].state(), State::Active, "untouched");
+}
+
+/// Hardening item 15: the resume token is never sent; a captured resume HELLO (its proof
+/// and nonce) replayed from another connection is refused and the session stays with its
+/// client — even right after the restore, while the presented key is still accepted
+/// (before the client confirmed the rotation), which a bearer token allowed.
+#[test]
+fn a_captured_resume_hello_replayed_is_refused() {
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "alice");
+    let (sid, tok) = p.peers[c].client.session().expect("s");
+    p.cut(c);
+    // The client's resume, as captured on the path; it restores.
+    let captured = ResumeRequest::proving(sid, &tok, 0, 1);
+    let (first, frames) = raw_hello(&mut p, Bytes::new(), Some(captured.clone()));
+    assert_eq!(welcome_outcome(&frames), Some(WelcomeOutcome::Restored));
+    // Replayed at once (the new token unconfirmed, so the old key is still accepted):
+    // refused, with or without an auth token, and the restored connection keeps it.
+    for auth in [Bytes::new(), token_for("alice")] {
+        let (m, frames) = raw_hello(&mut p, auth, Some(captured.clone()));
+        assert_eq!(reject_code(&frames), Some(CloseCode::ResumeRejected));
+        assert_eq!(p.edge.machines[m].state(), State::Closed);
+        assert_eq!(p.edge.machines[first].state(), State::Active, "kept");
+    }
+    // The same key with a fresh nonce (a client whose WELCOME was lost) still restores.
+    let retry = ResumeRequest::proving(sid, &tok, 0, 2);
+    let (_, frames) = raw_hello(&mut p, Bytes::new(), Some(retry));
+    assert_eq!(welcome_outcome(&frames), Some(WelcomeOutcome::Restored));
 }
 
 /// Routing keys a backend bound (BIND) are part of the session: in its snapshot, and
@@ -559,11 +565,7 @@ fn routing_keys_and_channel_memberships_travel_with_the_session() {
             Frame::Hello(Hello {
                 version: PROTOCOL_VERSION,
                 token: Bytes::new(),
-                resume: Some(ResumeRequest {
-                    session_id: sid,
-                    resume_token: tok,
-                    last_server_seq: 0,
-                }),
+                resume: Some(ResumeRequest::proving(sid, &tok, 0, FORGED_NONCE)),
             }),
         )
         .expect("hello");
@@ -1099,11 +1101,12 @@ fn ownership_store_down_rejects_unavailable_with_retry_after_and_puts_the_snapsh
         .cloned()
         .expect("persisted on detach");
     let (session_id, resume_token) = p.peers[c].client.session().expect("resume token");
-    let resume = ResumeRequest {
+    let resume = ResumeRequest::proving(
         session_id,
-        resume_token,
-        last_server_seq: p.peers[c].client.last_server_seq(),
-    };
+        &resume_token,
+        p.peers[c].client.last_server_seq(),
+        FORGED_NONCE,
+    );
     let m = machine_at_claim(&mut p, Some(resume));
     let now = p.now;
     let mach = &mut p.edge.machines[m];

@@ -265,10 +265,9 @@ impl Edge {
                     session_id,
                     attempt,
                 } => {
-                    let resume_hash = attempt.resume_hash;
-                    let start = self
-                        .host
-                        .request_hand_over(i as ConnId, session_id, attempt, now);
+                    let start =
+                        self.host
+                            .request_hand_over(i as ConnId, session_id, attempt.clone(), now);
                     // As the driver: decided here, or ask the store.
                     let local = match start {
                         HandOverStart::NotLocal => None,
@@ -298,7 +297,7 @@ impl Edge {
                         Some(decided) => decided,
                         None => match self.store.get(&session_id) {
                             None => TakeOutcome::NotFound,
-                            Some(s) if s.accepts(&resume_hash) => self
+                            Some(s) if s.key_used(&attempt).is_some() => self
                                 .store
                                 .remove(&session_id)
                                 .map_or(TakeOutcome::NotFound, |s| TakeOutcome::Taken(Box::new(s))),

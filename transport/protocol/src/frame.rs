@@ -7,6 +7,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 
 use crate::error::FrameError;
 use crate::reader::Reader;
+use crate::resume_proof::{ResumeProof, RESUME_PROOF_LEN};
 use crate::varint::{put_varint, varint_len};
 use crate::wire::{CloseCode, FrameType, TrafficClass, ID_LEN};
 
@@ -27,10 +28,39 @@ pub type ResumeToken = [u8; ID_LEN];
 pub struct ResumeRequest {
     /// The session to restore.
     pub session_id: SessionId,
-    /// The current (single-use) resume token for it.
-    pub resume_token: ResumeToken,
+    /// Proof that the client holds the session's resume token
+    /// ([`crate::resume_proof::resume_proof`] over the other fields); the token itself is
+    /// never sent.
+    pub proof: ResumeProof,
     /// The highest server seq the client received with no gap before it.
     pub last_server_seq: u64,
+    /// Above every nonce of an earlier resume of this session the edge accepted (the
+    /// reference client counts from 1); a replayed proof is refused.
+    pub nonce: u64,
+}
+
+impl ResumeRequest {
+    /// The resume part a client holding `resume_token` sends (PROTOCOL.md §7.3.1): the
+    /// proof over these values, never the token.
+    pub fn proving(
+        session_id: SessionId,
+        resume_token: &ResumeToken,
+        last_server_seq: u64,
+        nonce: u64,
+    ) -> Self {
+        use crate::resume_proof::{resume_key, resume_proof};
+        Self {
+            session_id,
+            proof: resume_proof(
+                &resume_key(resume_token),
+                &session_id,
+                last_server_seq,
+                nonce,
+            ),
+            last_server_seq,
+            nonce,
+        }
+    }
 }
 
 /// HELLO: the client's first frame.
@@ -235,9 +265,12 @@ impl Frame {
         1 + match self {
             Self::Hello(h) => {
                 2 + len_prefixed(h.token.len())
-                    + h.resume
-                        .as_ref()
-                        .map_or(0, |r| 2 * ID_LEN + varint_len(r.last_server_seq))
+                    + h.resume.as_ref().map_or(0, |r| {
+                        ID_LEN
+                            + RESUME_PROOF_LEN
+                            + varint_len(r.last_server_seq)
+                            + varint_len(r.nonce)
+                    })
             }
             Self::Welcome(w) => {
                 2 * ID_LEN
@@ -285,8 +318,9 @@ impl Frame {
                 put_bytes(out, &h.token);
                 if let Some(r) = &h.resume {
                     out.put_slice(&r.session_id);
-                    out.put_slice(&r.resume_token);
+                    out.put_slice(&r.proof);
                     put_varint(out, r.last_server_seq);
+                    put_varint(out, r.nonce);
                 }
             }
             Self::Welcome(w) => {
@@ -364,8 +398,9 @@ impl Frame {
                 let resume = if flags & 1 == 1 {
                     Some(ResumeRequest {
                         session_id: r.array("session_id")?,
-                        resume_token: r.array("resume_token")?,
+                        proof: r.array("proof")?,
                         last_server_seq: r.varint("last_server_seq")?,
+                        nonce: r.varint("nonce")?,
                     })
                 } else {
                     None
@@ -491,16 +526,22 @@ pub(crate) mod tests {
             (
                 any::<u8>(),
                 proptest::collection::vec(any::<u8>(), 0..64),
-                proptest::option::of((any::<[u8; 16]>(), any::<[u8; 16]>(), any::<u64>()))
+                proptest::option::of((
+                    any::<[u8; 16]>(),
+                    any::<[u8; 32]>(),
+                    any::<u64>(),
+                    any::<u64>()
+                ))
             )
                 .prop_map(|(version, token, resume)| Frame::Hello(Hello {
                     version,
                     token: token.into(),
-                    resume: resume.map(|(session_id, resume_token, last_server_seq)| {
+                    resume: resume.map(|(session_id, proof, last_server_seq, nonce)| {
                         ResumeRequest {
                             session_id,
-                            resume_token,
+                            proof,
                             last_server_seq,
+                            nonce,
                         }
                     }),
                 })),

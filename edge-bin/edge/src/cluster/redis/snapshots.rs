@@ -9,13 +9,13 @@ use async_trait::async_trait;
 use redis::{AsyncCommands as _, Script};
 use waygate_protocol::frame::SessionId;
 use waygate_session::resume::{hex_id, ResumeHash};
-use waygate_session::store::{Snapshot, SnapshotStore, StoreError, TakeOutcome};
+use waygate_session::store::{ResumeKeys, Snapshot, SnapshotStore, StoreError, TakeOutcome};
 
 use super::conn::{ms, Conn};
 use super::{RedisConfig, RedisError};
 
 /// KEYS: fence, snap, owner. ARGV: fencing, ttl ms, hash hex, prev hash hex or '', json,
-/// "<fencing> <session hex> ". Returns 1 (written) or 0 (fenced: the player or the stored
+/// "<fencing> <session hex> ", last resume nonce. Returns 1 (written) or 0 (fenced: the player or the stored
 /// snapshot is newer). A written snapshot's session, if it owns the player, gets its owner
 /// record's expiry set to the snapshot's (the linger time starts now).
 const PUT_LUA: &str = r#"
@@ -25,7 +25,7 @@ if c and tonumber(c) > f then return 0 end
 local sf = redis.call('HGET', KEYS[2], 'f')
 if sf and tonumber(sf) > f then return 0 end
 redis.call('DEL', KEYS[2])
-redis.call('HSET', KEYS[2], 'f', ARGV[1], 'h', ARGV[3], 'p', ARGV[4], 'd', ARGV[5])
+redis.call('HSET', KEYS[2], 'f', ARGV[1], 'h', ARGV[3], 'p', ARGV[4], 'n', ARGV[7], 'd', ARGV[5])
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
 local cur = redis.call('GET', KEYS[3])
 if cur and string.sub(cur, 1, #ARGV[6]) == ARGV[6] then
@@ -115,7 +115,8 @@ impl RedisSnapshotStore {
                 "{} {} ",
                 snapshot.fencing,
                 hex_id(&snapshot.session_id)
-            ));
+            ))
+            .arg(snapshot.last_resume_nonce);
         let n: u8 = c
             .run(|mut m| async move { inv.invoke_async(&mut m).await })
             .await?;
@@ -175,6 +176,43 @@ impl SnapshotStore for RedisSnapshotStore {
         }
     }
 
+    /// One HMGET of the key fields: the snapshot's JSON (up to its replay buffer) is read
+    /// only when the proof holds and it is taken.
+    async fn resume_keys(&self, session_id: &SessionId) -> Result<Option<ResumeKeys>, StoreError> {
+        let key = self.conn.key("snap", &hex_id(session_id));
+        let (h, p, n): (Option<String>, Option<String>, Option<u64>) = self
+            .conn
+            .run(|mut m| async move {
+                redis::cmd("HMGET")
+                    .arg(key)
+                    .arg("h")
+                    .arg("p")
+                    .arg("n")
+                    .query_async(&mut m)
+                    .await
+            })
+            .await?;
+        let Some(h) = h else {
+            return Ok(None);
+        };
+        let parse = |hex: &str| {
+            unhex32(hex).ok_or_else(|| {
+                StoreError::from(RedisError::Corrupt(format!(
+                    "snapshot {} resume key {hex:?}",
+                    hex_id(session_id)
+                )))
+            })
+        };
+        Ok(Some(ResumeKeys {
+            current: ResumeHash(parse(&h)?),
+            previous: match p.as_deref() {
+                None | Some("") => None,
+                Some(p) => Some(ResumeHash(parse(p)?)),
+            },
+            last_nonce: n.unwrap_or(0),
+        }))
+    }
+
     async fn delete(
         &self,
         session_id: &SessionId,
@@ -189,4 +227,16 @@ impl SnapshotStore for RedisSnapshotStore {
             .await?;
         Ok(n == 1)
     }
+}
+
+/// 32 bytes from 64 hex digits.
+fn unhex32(hex: &str) -> Option<[u8; 32]> {
+    if hex.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
 }
