@@ -619,3 +619,67 @@ async fn the_inbound_limit_follows_the_player_across_a_new_login() {
         "the new login's burst was not slowed: the limit restarted with the connection"
     );
 }
+
+/// Hardening item 15: the resume token was a pure bearer — a captured resume HELLO replayed
+/// from another connection took the session over (within the rotation grace: before the
+/// client's first frame after WELCOME) and closed the real client with `going_away`. Now
+/// the HELLO carries a proof over a nonce the edge accepts once: the replay, auth token and
+/// all, is refused with REJECT 300 and the real client keeps its session, on every
+/// transport.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_captured_resume_hello_is_refused_on_every_transport() {
+    let c = cluster().await;
+    for kind in TransportKind::ALL {
+        let player = format!("captured-{kind}");
+        let mut first = open(&c, kind).await;
+        let w = hello(&mut first, &player, None).await;
+        first
+            .close(waygate_transport::CloseCode::Normal, "bye")
+            .await;
+        drop(first);
+        // The client's resume, exactly as it went over the wire.
+        let captured = Frame::Hello(Hello {
+            version: PROTOCOL_VERSION,
+            token: common::token(&player),
+            resume: Some(ResumeRequest::proving(w.session_id, &w.resume_token, 0, 1)),
+        });
+        let mut real = open(&c, kind).await;
+        real.send(&captured).await.unwrap();
+        match answer(&mut real).await.unwrap() {
+            Ok(Frame::Welcome(rw)) => assert_eq!(rw.outcome, WelcomeOutcome::Restored, "{kind}"),
+            other => panic!("{kind}: the real resume got {other:?}"),
+        }
+        // The replay, before the real client sent anything after its WELCOME.
+        let mut replay = open(&c, kind).await;
+        replay.send(&captured).await.unwrap();
+        match answer(&mut replay).await.unwrap() {
+            Ok(Frame::Reject(r)) => assert_eq!(
+                r.code,
+                waygate_transport::CloseCode::ResumeRejected,
+                "{kind}"
+            ),
+            other => panic!("{kind}: the replayed HELLO got {other:?}"),
+        }
+        // The real client still holds its session.
+        real.send(&Frame::Ping { timestamp: 7 }).await.unwrap();
+        match answer(&mut real).await.unwrap() {
+            Ok(Frame::Pong { timestamp: 7 }) => {}
+            other => panic!("{kind}: the real client lost its session: {other:?}"),
+        }
+    }
+}
+
+/// The next frame other than PING and ACK, within 10 s.
+async fn answer(
+    conn: &mut BoxConnection,
+) -> Result<Result<Frame, waygate_transport::TransportError>, tokio::time::error::Elapsed> {
+    tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match conn.recv().await {
+                Ok(Frame::Ping { .. } | Frame::Ack { .. }) => {}
+                other => return other,
+            }
+        }
+    })
+    .await
+}
