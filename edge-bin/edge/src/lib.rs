@@ -17,5 +17,6 @@ pub mod config;
 pub mod edge;
 pub mod link;
 pub mod listeners;
+pub mod memory;
 pub mod metrics;
 pub mod overload;

@@ -54,6 +54,11 @@ impl EdgeAdmission {
         self.refuse_all_ms.store(ms, Ordering::Release);
     }
 
+    /// Connections admitted and not yet past WELCOME.
+    pub fn handshakes_in_flight(&self) -> u64 {
+        self.control.lock().map_or(0, |c| c.handshakes_in_flight())
+    }
+
     /// Forgets idle sources (call from a periodic tick).
     pub fn sweep(&self) {
         if let Ok(mut c) = self.control.lock() {

@@ -1,4 +1,5 @@
-//! The overload loop: feeds the governor (B5) and applies its level to admission.
+//! The overload loop: feeds the governor (B5) and applies its level to admission; gives
+//! freed memory back to the system after many connections went away.
 
 use std::sync::atomic::Ordering;
 use std::sync::Weak;
@@ -12,6 +13,8 @@ pub(super) async fn overload_loop(shared: Weak<Shared>) {
     let mut tick = tokio::time::interval(Duration::from_millis(200));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut sweeps = 0u32;
+    // After 512 connections or sessions went away, freed memory goes back to the system.
+    let mut trim = crate::memory::TrimPolicy::new(512);
     loop {
         tick.tick().await;
         let Some(shared) = shared.upgrade() else {
@@ -27,6 +30,13 @@ pub(super) async fn overload_loop(shared: Weak<Shared>) {
         let counted = shared.metrics.admission_refused.get();
         if refused > counted {
             shared.metrics.admission_refused.inc_by(refused - counted);
+        }
+        if trim.observe(sessions + shared.admission.handshakes_in_flight()) {
+            let returned = crate::memory::give_back();
+            tracing::debug!(
+                returned,
+                "freed memory handed back after connections closed"
+            );
         }
         sweeps += 1;
         if sweeps % 50 == 0 {
