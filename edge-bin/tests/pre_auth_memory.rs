@@ -44,15 +44,40 @@ async fn open_idle(edge: &common::EdgeProc, tcp: usize, ws: usize) -> Vec<tokio:
             .unwrap();
         s.write_all(request.as_bytes()).await.unwrap();
         let mut buf = [0u8; 512];
-        let n = s.read(&mut buf).await.unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+            .await
+            .expect("upgrade answered in time")
+            .unwrap();
         assert!(buf[..n].starts_with(b"HTTP/1.1 101"), "upgraded");
         conns.push(s);
     }
     conns
 }
 
+/// Raises this process's open-file soft limit to its hard limit (inherited by the edge
+/// process it spawns): the test holds 3,750 sockets, more than a default soft limit of 1,024.
+#[allow(unsafe_code)]
+fn raise_fd_limit() -> u64 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write the plain struct passed by pointer.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+            return 0;
+        }
+        lim.rlim_cur = lim.rlim_max;
+        libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+    }
+    lim.rlim_cur as u64
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pre_auth_connections_cost_little_and_give_their_memory_back() {
+    let fds = raise_fd_limit();
+    assert!(fds >= 8_000, "open-file limit {fds}: the test needs 8,000");
     let backend = common::backend("b1", &[]).await;
     let edge = common::EdgeProc::start(
         &common::table(&[backend.1], 1, None),
