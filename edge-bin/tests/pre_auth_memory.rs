@@ -71,7 +71,7 @@ fn raise_fd_limit() -> u64 {
         libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
         libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
     }
-    lim.rlim_cur as u64
+    lim.rlim_cur
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
