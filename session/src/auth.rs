@@ -30,14 +30,25 @@ use std::time::Duration;
 use async_trait::async_trait;
 use base64::Engine as _;
 use bytes::{BufMut, Bytes, BytesMut};
-use ring::hmac;
+use ring::{aead, hmac};
 use waygate_transport::CloseCode;
 
 /// Format version of the HMAC token this build mints and accepts.
 pub const TOKEN_VERSION_HMAC: u8 = 0x01;
-/// Reserved: netcode.io-style connect token (public part as v1 plus a private part sealed for
-/// the edges carrying a per-login session key). Recognised and refused as unsupported today.
+/// Connect token (PROTOCOL.md §7.2.2): the public part of version 1, then a per-login
+/// session key sealed for the edges (ChaCha20-Poly1305 under a key derived from the key id's
+/// key), which also authenticates the public part. The login service hands the session key
+/// to the client beside the token; KCP seals every packet with it (§8.9).
 pub const TOKEN_VERSION_CONNECT: u8 = 0x02;
+/// Length of a connect token's nonce.
+pub const CONNECT_NONCE_LEN: usize = 12;
+/// Length of the per-login session key a connect token carries.
+pub const SESSION_KEY_LEN: usize = 32;
+/// Length of a connect token's sealed part after the public fields: nonce, sealed session
+/// key, AEAD tag.
+const CONNECT_SUFFIX_LEN: usize = CONNECT_NONCE_LEN + SESSION_KEY_LEN + 16;
+/// The label the connect token's AEAD key is derived with: HMAC-SHA256(key, label).
+const CONNECT_KEY_LABEL: &[u8] = b"waygate connect token v2";
 /// Length of the HMAC-SHA256 tag.
 pub const TAG_LEN: usize = 32;
 /// Longest player id or issuer.
@@ -121,6 +132,8 @@ pub struct AuthedPlayer {
     pub claims: TokenClaims,
     /// The key id that signed the token.
     pub key_id: u32,
+    /// A connect token's session key (`None` for version 1 and other token kinds).
+    pub session_key: Option<[u8; SESSION_KEY_LEN]>,
 }
 
 impl AuthedPlayer {
@@ -151,6 +164,50 @@ pub enum MintError {
 /// Mints a version-1 token signed with `key` under `key_id`. For tests, tools
 /// (`waygate token`) and login services written in Rust.
 pub fn mint_token(key_id: u32, key: &[u8], claims: &TokenClaims) -> Result<Bytes, MintError> {
+    let mut out = public_part(TOKEN_VERSION_HMAC, key_id, claims)?;
+    let tag = hmac::sign(&hmac::Key::new(hmac::HMAC_SHA256, key), &out);
+    out.put_slice(tag.as_ref());
+    Ok(out.freeze())
+}
+
+/// Mints a connect token (version 2, PROTOCOL.md §7.2.2) carrying `session_key`, sealed
+/// under `key`'s derived AEAD key with `nonce` (12 random bytes, never reused with a key).
+/// The login service returns `session_key` to the client beside the token.
+pub fn mint_connect_token(
+    key_id: u32,
+    key: &[u8],
+    claims: &TokenClaims,
+    session_key: &[u8; SESSION_KEY_LEN],
+    nonce: [u8; CONNECT_NONCE_LEN],
+) -> Result<Bytes, MintError> {
+    let mut out = public_part(TOKEN_VERSION_CONNECT, key_id, claims)?;
+    out.put_slice(&nonce);
+    let aead = connect_aead_key(&hmac::Key::new(hmac::HMAC_SHA256, key));
+    let mut sealed = session_key.to_vec();
+    let tag = aead
+        .seal_in_place_separate_tag(
+            aead::Nonce::assume_unique_for_key(nonce),
+            aead::Aad::from(&out[..]),
+            &mut sealed,
+        )
+        .map_err(|_| MintError::Extensions)?;
+    out.put_slice(&sealed);
+    out.put_slice(tag.as_ref());
+    Ok(out.freeze())
+}
+
+/// The connect token AEAD key of an HMAC key: HMAC-SHA256(key, label) as a
+/// ChaCha20-Poly1305 key.
+fn connect_aead_key(key: &hmac::Key) -> aead::LessSafeKey {
+    let derived = hmac::sign(key, CONNECT_KEY_LABEL);
+    let unbound = aead::UnboundKey::new(&aead::CHACHA20_POLY1305, derived.as_ref())
+        .unwrap_or_else(|_| unreachable!("HMAC-SHA256 output is a 32-byte key"));
+    aead::LessSafeKey::new(unbound)
+}
+
+/// Version byte, key id, times, player, issuer and extensions: what both token versions
+/// start with.
+fn public_part(version: u8, key_id: u32, claims: &TokenClaims) -> Result<BytesMut, MintError> {
     if claims.player_id.is_empty() || claims.player_id.len() > MAX_NAME_LEN {
         return Err(MintError::PlayerId);
     }
@@ -169,7 +226,7 @@ pub fn mint_token(key_id: u32, key: &[u8], claims: &TokenClaims) -> Result<Bytes
     }
     let ext_len = u16::try_from(ext.len()).map_err(|_| MintError::Extensions)?;
     let mut out = BytesMut::with_capacity(FIXED_LEN + 4 + claims.player_id.len() + ext.len() + 64);
-    out.put_u8(TOKEN_VERSION_HMAC);
+    out.put_u8(version);
     out.put_u32(key_id);
     out.put_u64(claims.issued_at);
     out.put_u64(claims.expires_at);
@@ -179,9 +236,7 @@ pub fn mint_token(key_id: u32, key: &[u8], claims: &TokenClaims) -> Result<Bytes
     out.put_slice(claims.issuer.as_bytes());
     out.put_u16(ext_len);
     out.put_slice(&ext);
-    let tag = hmac::sign(&hmac::Key::new(hmac::HMAC_SHA256, key), &out);
-    out.put_slice(tag.as_ref());
-    Ok(out.freeze())
+    Ok(out)
 }
 
 /// Unpadded base64url text of a token (how login services hand tokens to clients).
@@ -199,9 +254,12 @@ pub fn token_from_base64url(text: &str) -> Result<Bytes, AuthError> {
 
 /// A parsed but not yet verified token.
 struct Parsed<'a> {
+    version: u8,
     key_id: u32,
     claims: TokenClaims,
+    /// Version 1: what the HMAC covers. Version 2: the public part and the nonce (the AAD).
     signed: &'a [u8],
+    /// Version 1: the HMAC. Version 2: the sealed session key and its tag.
     tag: &'a [u8],
 }
 
@@ -248,14 +306,22 @@ impl<'a> Cursor<'a> {
 
 fn parse(token: &[u8]) -> Result<Parsed<'_>, AuthError> {
     let version = *token.first().ok_or(AuthError::Malformed("empty token"))?;
-    if version != TOKEN_VERSION_HMAC {
-        return Err(AuthError::UnsupportedVersion(version));
-    }
-    if token.len() < FIXED_LEN + 4 + TAG_LEN {
+    let suffix = match version {
+        TOKEN_VERSION_HMAC => TAG_LEN,
+        TOKEN_VERSION_CONNECT => CONNECT_SUFFIX_LEN,
+        other => return Err(AuthError::UnsupportedVersion(other)),
+    };
+    if token.len() < FIXED_LEN + 4 + suffix {
         return Err(AuthError::Malformed("token too short"));
     }
-    let (signed, tag) = token.split_at(token.len() - TAG_LEN);
-    let mut c = Cursor { buf: &signed[1..] };
+    let (public, tail) = token.split_at(token.len() - suffix);
+    // Version 2: the nonce belongs to the authenticated data, the rest is sealed.
+    let (signed, tag) = if version == TOKEN_VERSION_CONNECT {
+        token.split_at(public.len() + CONNECT_NONCE_LEN)
+    } else {
+        (public, tail)
+    };
+    let mut c = Cursor { buf: &public[1..] };
     let key_id = c.u32("key id")?;
     let issued_at = c.u64("issued_at")?;
     let expires_at = c.u64("expires_at")?;
@@ -279,6 +345,7 @@ fn parse(token: &[u8]) -> Result<Parsed<'_>, AuthError> {
         return Err(AuthError::Malformed("expires before issued"));
     }
     Ok(Parsed {
+        version,
         key_id,
         claims: TokenClaims {
             player_id,
@@ -305,7 +372,25 @@ pub fn verify_token(
         .keys
         .get(&parsed.key_id)
         .ok_or(AuthError::UnknownKey(parsed.key_id))?;
-    hmac::verify(key, parsed.signed, parsed.tag).map_err(|_| AuthError::BadSignature)?;
+    let session_key = if parsed.version == TOKEN_VERSION_CONNECT {
+        let nonce_at = parsed.signed.len() - CONNECT_NONCE_LEN;
+        let mut nonce = [0u8; CONNECT_NONCE_LEN];
+        nonce.copy_from_slice(&parsed.signed[nonce_at..]);
+        let mut sealed = parsed.tag.to_vec();
+        let opened = connect_aead_key(key)
+            .open_in_place(
+                aead::Nonce::assume_unique_for_key(nonce),
+                aead::Aad::from(parsed.signed),
+                &mut sealed,
+            )
+            .map_err(|_| AuthError::BadSignature)?;
+        let mut session_key = [0u8; SESSION_KEY_LEN];
+        session_key.copy_from_slice(opened);
+        Some(session_key)
+    } else {
+        hmac::verify(key, parsed.signed, parsed.tag).map_err(|_| AuthError::BadSignature)?;
+        None
+    };
     let leeway = leeway.as_secs();
     let claims = parsed.claims;
     if now_unix > claims.expires_at.saturating_add(leeway) {
@@ -323,6 +408,7 @@ pub fn verify_token(
     Ok(AuthedPlayer {
         claims,
         key_id: parsed.key_id,
+        session_key,
     })
 }
 
@@ -634,6 +720,7 @@ mod tests {
                 extensions: Vec::new(),
             },
             key_id: 1,
+            session_key: None,
         };
         let revocations = Revocations::default();
         let policy = AuthPolicy::new(auth(), revocations.clone())
@@ -697,6 +784,63 @@ mod tests {
         );
     }
 
+    /// Connect tokens (PROTOCOL.md §7.2.2): the session key comes back out; the public part
+    /// is authenticated (any change fails); another key or a truncated token fails; the
+    /// worked example's bytes are the document's.
+    #[test]
+    fn connect_tokens_carry_a_session_key_and_authenticate_their_public_part() {
+        let session_key: [u8; 32] = core::array::from_fn(|i| 0x40 + i as u8);
+        let token = mint_connect_token(7, KEY, &claims(), &session_key, [9; 12]).expect("mint");
+        assert_eq!(token[0], TOKEN_VERSION_CONNECT);
+        let player = auth().verify(&token, 1_500).expect("verify");
+        assert_eq!(player.session_key, Some(session_key));
+        assert_eq!(player.claims, claims());
+        for at in [1, 6, 22, token.len() - 60, token.len() - 20, token.len() - 1] {
+            let mut bad = token.to_vec();
+            bad[at] ^= 1;
+            assert!(auth().verify(&bad, 1_500).is_err(), "byte {at} altered");
+        }
+        let mut other = KeyRing::new();
+        other.insert(7, b"another key, another key, 32 byt");
+        assert_eq!(
+            HmacAuthenticator::new(other)
+                .verify(&token, 1_500)
+                .map_err(|e| e.close_code()),
+            Err(CloseCode::AuthBadSignature)
+        );
+        assert_eq!(
+            auth()
+                .verify(&token[..token.len() - 1], 1_500)
+                .map_err(|e| e.close_code()),
+            Err(CloseCode::AuthMalformed)
+        );
+        assert_eq!(
+            auth().verify(&token, 3_000).map_err(|e| e.close_code()),
+            Err(CloseCode::AuthExpired)
+        );
+        // Version 1 tokens carry none.
+        let v1 = mint_token(7, KEY, &claims()).expect("mint");
+        assert_eq!(auth().verify(&v1, 1_500).expect("v1").session_key, None);
+        // PROTOCOL.md §7.2.2 worked example.
+        let example = mint_connect_token(
+            7,
+            KEY,
+            &TokenClaims {
+                player_id: "p1".into(),
+                issuer: "login".into(),
+                issued_at: 1_700_000_000,
+                expires_at: 1_700_003_600,
+                extensions: vec![],
+            },
+            &core::array::from_fn(|i| i as u8),
+            core::array::from_fn(|i| 0xA0 + i as u8),
+        )
+        .expect("mint");
+        let hex: String = example.iter().map(|b| format!("{b:02x}")).collect();
+        let doc = include_str!("../../PROTOCOL.md").replace([' ', '\n'], "");
+        assert!(doc.contains(&hex), "connect token example {hex} in PROTOCOL.md");
+    }
+
     #[test]
     fn reject_reasons_map_to_codes() {
         let good = mint_token(7, KEY, &claims()).expect("mint");
@@ -713,14 +857,18 @@ mod tests {
                 .close_code(),
             CloseCode::AuthMalformed
         );
-        // unsupported version (including the reserved connect token)
-        let mut v2 = good.to_vec();
-        v2[0] = TOKEN_VERSION_CONNECT;
-        assert_eq!(a.verify(&v2, 1_500), Err(AuthError::UnsupportedVersion(2)));
+        // unsupported version
+        let mut v3 = good.to_vec();
+        v3[0] = 3;
+        assert_eq!(a.verify(&v3, 1_500), Err(AuthError::UnsupportedVersion(3)));
         assert_eq!(
-            AuthError::UnsupportedVersion(2).close_code(),
+            AuthError::UnsupportedVersion(3).close_code(),
             CloseCode::AuthUnsupportedVersion
         );
+        // a version-1 token relabelled as a connect token does not open
+        let mut v2 = good.to_vec();
+        v2[0] = TOKEN_VERSION_CONNECT;
+        assert!(a.verify(&v2, 1_500).is_err());
         // bad signature: flip a claim byte, and a tag byte
         let mut forged = good.to_vec();
         forged[22] ^= 1;

@@ -267,6 +267,7 @@ impl Authenticator for JwtAuthenticator {
                 extensions: Vec::new(),
             },
             key_id: 0,
+            session_key: None,
         })
     }
 }

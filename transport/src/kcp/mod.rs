@@ -35,6 +35,7 @@ pub mod config;
 pub mod cookie;
 mod driver;
 pub mod endpoint;
+pub mod seal;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
