@@ -37,6 +37,11 @@ pub struct ClientOptions {
     pub backoff_min: Duration,
     /// Largest reconnect delay.
     pub backoff_max: Duration,
+    /// The session key the login service handed out beside a connect token (`token` of
+    /// format version 2, PROTOCOL.md §7.2.2): KCP sessions are then sealed with it (every
+    /// datagram authenticated and encrypted, §8.9). `None`: KCP sessions are plain, which
+    /// an edge listening beyond loopback refuses by default.
+    pub session_key: Option<[u8; 32]>,
 }
 
 impl ClientOptions {
@@ -50,6 +55,7 @@ impl ClientOptions {
             udp_timeout: Duration::from_secs(2),
             backoff_min: Duration::from_millis(100),
             backoff_max: Duration::from_secs(5),
+            session_key: None,
         }
     }
 }
@@ -279,9 +285,16 @@ async fn run(
     let mut connecting: Option<Connecting> = None;
     while !d.closed {
         if d.conn.is_none() && connecting.is_none() && Instant::now() >= d.next_connect {
+            let mut connect = d.options.connect.clone();
+            connect.conn.kcp_credentials = d.options.session_key.map(|session_key| {
+                waygate_transport::kcp::seal::KcpCredentials {
+                    token: d.session.token().clone(),
+                    session_key,
+                }
+            });
             connecting = Some(Box::pin(connect_round(
                 d.order(),
-                d.options.connect.clone(),
+                connect,
                 d.options.udp_timeout,
             )));
         }

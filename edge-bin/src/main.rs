@@ -84,6 +84,11 @@ enum Command {
         /// Edge configuration whose first auth key signs the token.
         #[arg(long)]
         config: Option<std::path::PathBuf>,
+        /// Mint a connect token (format version 2) with a fresh session key: prints the
+        /// token, then the session key (base64url), one per line. KCP clients seal their
+        /// sessions with the key (PROTOCOL.md §8.9).
+        #[arg(long)]
+        connect: bool,
     },
     /// Run the demo game backend alone (player and room services).
     Backend {
@@ -298,6 +303,7 @@ fn main() -> std::process::ExitCode {
                 issuer,
                 audience,
                 config,
+                connect,
             } => {
                 let config = load_config(config.as_deref())?;
                 let key = config.auth.keys.first().ok_or("no auth key configured")?;
@@ -316,6 +322,20 @@ fn main() -> std::process::ExitCode {
                         })
                         .unwrap_or_default(),
                 };
+                if connect {
+                    let session_key: [u8; 32] = rand::random();
+                    let token = waygate_session::auth::mint_connect_token(
+                        key.id,
+                        key.secret.as_bytes(),
+                        &claims,
+                        &session_key,
+                        rand::random(),
+                    )
+                    .map_err(|e| e.to_string())?;
+                    println!("{}", waygate_session::auth::token_to_base64url(&token));
+                    println!("{}", waygate_session::auth::token_to_base64url(&session_key));
+                    return Ok(());
+                }
                 let token = waygate_session::mint_token(key.id, key.secret.as_bytes(), &claims)
                     .map_err(|e| e.to_string())?;
                 println!("{}", waygate_session::auth::token_to_base64url(&token));

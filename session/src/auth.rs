@@ -795,7 +795,14 @@ mod tests {
         let player = auth().verify(&token, 1_500).expect("verify");
         assert_eq!(player.session_key, Some(session_key));
         assert_eq!(player.claims, claims());
-        for at in [1, 6, 22, token.len() - 60, token.len() - 20, token.len() - 1] {
+        for at in [
+            1,
+            6,
+            22,
+            token.len() - 60,
+            token.len() - 20,
+            token.len() - 1,
+        ] {
             let mut bad = token.to_vec();
             bad[at] ^= 1;
             assert!(auth().verify(&bad, 1_500).is_err(), "byte {at} altered");
@@ -838,7 +845,10 @@ mod tests {
         .expect("mint");
         let hex: String = example.iter().map(|b| format!("{b:02x}")).collect();
         let doc = include_str!("../../PROTOCOL.md").replace([' ', '\n'], "");
-        assert!(doc.contains(&hex), "connect token example {hex} in PROTOCOL.md");
+        assert!(
+            doc.contains(&hex),
+            "connect token example {hex} in PROTOCOL.md"
+        );
     }
 
     #[test]

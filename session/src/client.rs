@@ -225,6 +225,11 @@ impl ClientSession {
         self.session
     }
 
+    /// The auth token HELLO carries (empty once dropped as expired).
+    pub fn token(&self) -> &Bytes {
+        &self.token
+    }
+
     /// Replaces the auth token (e.g. refreshed from the login service).
     pub fn set_token(&mut self, token: Bytes) {
         self.token = token;

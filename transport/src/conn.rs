@@ -121,6 +121,12 @@ pub struct ConnConfig {
     /// case-insensitive); a request without `Origin` (a native client) is always accepted.
     /// Empty: any origin.
     pub allowed_origins: std::sync::Arc<[String]>,
+    /// KCP listeners: opens the connect tokens CONNECTs carry (sealed sessions, PROTOCOL.md
+    /// §8.9); `None`: a CONNECT with a token is refused.
+    pub connect_keys: Option<std::sync::Arc<dyn crate::kcp::seal::ConnectKeys>>,
+    /// KCP clients: the connect token and session key that seal the session (PROTOCOL.md
+    /// §8.9); `None`: a plain session.
+    pub kcp_credentials: Option<crate::kcp::seal::KcpCredentials>,
 }
 
 impl Default for ConnConfig {
@@ -131,6 +137,8 @@ impl Default for ConnConfig {
             handshake_timeout: Duration::from_secs(10),
             admission: None,
             allowed_origins: std::sync::Arc::new([]),
+            connect_keys: None,
+            kcp_credentials: None,
         }
     }
 }

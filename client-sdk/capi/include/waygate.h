@@ -221,6 +221,13 @@ typedef struct waygate_options {
    * returns `WAYGATE_BUFFER_FULL` (default 4096).
    */
   uint32_t max_unacked;
+  /**
+   * The 32-byte session key the login service handed out beside a connect token (`token`
+   * of format version 2, PROTOCOL.md §7.2.2): KCP sessions are then sealed with it (every
+   * datagram authenticated and encrypted, §8.9). NULL: plain KCP sessions, which an edge
+   * listening beyond loopback refuses by default. Copied by `waygate_client_new`.
+   */
+  const uint8_t *session_key;
 } waygate_options;
 
 /**

@@ -50,6 +50,11 @@ pub struct waygate_options {
     /// Most sent-but-unacked messages kept for resending; beyond it `waygate_client_send`
     /// returns `WAYGATE_BUFFER_FULL` (default 4096).
     pub max_unacked: u32,
+    /// The 32-byte session key the login service handed out beside a connect token (`token`
+    /// of format version 2, PROTOCOL.md §7.2.2): KCP sessions are then sealed with it (every
+    /// datagram authenticated and encrypted, §8.9). NULL: plain KCP sessions, which an edge
+    /// listening beyond loopback refuses by default. Copied by `waygate_client_new`.
+    pub session_key: *const u8,
 }
 
 /// Fills `out` with the defaults: NULL strings and token, 0 (default) numbers. Does nothing
@@ -73,6 +78,7 @@ pub unsafe extern "C" fn waygate_options_init(out: *mut waygate_options) {
             backoff_min_ms: 0,
             backoff_max_ms: 0,
             max_unacked: 0,
+            session_key: std::ptr::null(),
         };
         // SAFETY: `out` is not NULL and the caller promises it is writable for one struct;
         // `write` does not read (or drop) what was there, so it may be uninitialised.
@@ -148,6 +154,12 @@ pub(crate) unsafe fn to_client_options(o: &waygate_options) -> Result<ClientOpti
     if o.max_unacked != 0 {
         options.session.max_unacked = o.max_unacked as usize;
     }
+    if !o.session_key.is_null() {
+        let mut key = [0u8; 32];
+        // SAFETY: not NULL; the caller promises 32 readable bytes. Copied at once.
+        key.copy_from_slice(unsafe { std::slice::from_raw_parts(o.session_key, 32) });
+        options.session_key = Some(key);
+    }
     Ok(options)
 }
 
@@ -190,6 +202,10 @@ mod tests {
         assert_eq!(c.udp_timeout, Duration::from_millis(250));
         assert_eq!(c.session.max_unacked, 8);
         assert_eq!(c.backoff_max, Duration::from_millis(20));
+        assert_eq!(c.session_key, None);
+        let key = [7u8; 32];
+        o.session_key = key.as_ptr();
+        assert_eq!(convert(&o).unwrap().session_key, Some(key));
     }
 
     #[test]

@@ -33,6 +33,10 @@ impl Drop for Handle {
 }
 
 fn new_client(endpoint: &str, token: &[u8]) -> Handle {
+    new_client_with_key(endpoint, token, None)
+}
+
+fn new_client_with_key(endpoint: &str, token: &[u8], session_key: Option<&[u8; 32]>) -> Handle {
     let endpoints = std::ffi::CString::new(endpoint).unwrap();
     let mut o = MaybeUninit::uninit();
     // SAFETY: `o` is writable; init fills every field; the pointers set below outlive
@@ -43,6 +47,9 @@ fn new_client(endpoint: &str, token: &[u8]) -> Handle {
         o.endpoints = endpoints.as_ptr();
         o.token = token.as_ptr();
         o.token_len = token.len();
+        if let Some(key) = session_key {
+            o.session_key = key.as_ptr();
+        }
         waygate_client_new(&o)
     };
     assert!(!client.is_null());
@@ -213,6 +220,35 @@ fn echo_kick_and_close_through_the_c_functions() {
     assert_eq!(closed.text, "normal");
     assert_eq!(next(&second).unwrap_err(), WAYGATE_CLOSED);
     drop((first, second));
+    drop(system);
+}
+
+/// A sealed KCP session through the C functions (hardening item 4, PROTOCOL.md §8.9): a
+/// connect token and its session key in the options; the echo round trip works and the edge
+/// counts the session as sealed.
+#[test]
+fn a_sealed_kcp_session_through_the_c_functions() {
+    let system = System::start();
+    let cluster = system.cluster.as_ref().unwrap();
+    let kcp = format!("kcp://{}", cluster.edge.addrs[&TransportKind::Kcp]);
+    let key = [0x5Au8; 32];
+    let token = common::connect_token_bytes("ffi-sealed", &key);
+    let client = new_client_with_key(&kcp, &token, Some(&key));
+    // SAFETY: live handle.
+    assert_eq!(unsafe { waygate_client_connect(client.0) }, WAYGATE_OK);
+    wait_for(&client, WAYGATE_EVENT_CONNECTED);
+    assert_eq!(send(&client, 1000, b"sealed"), Ok(1));
+    assert_eq!(
+        wait_for(&client, WAYGATE_EVENT_MESSAGE).payload,
+        b"b1|ffi-sealed|sealed"
+    );
+    let metrics = cluster.edge.admin().metrics_text();
+    let sealed = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("waygate_kcp_sealed_sessions_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok());
+    assert_eq!(sealed, Some(1.0), "{metrics}");
+    drop(client);
     drop(system);
 }
 

@@ -334,3 +334,48 @@ mod tests {
         ));
     }
 }
+
+/// Opens the connect tokens KCP CONNECTs carry (PROTOCOL.md §7.2.2, §8.9) with the edge's
+/// token keys: a valid, unexpired version-2 token yields its session key. Configured for
+/// `auth.kind = "hmac"` only (JWTs carry no session key: KCP sessions stay plain there).
+#[derive(Debug)]
+pub struct TokenConnectKeys {
+    keys: waygate_session::auth::KeyRing,
+    leeway: Duration,
+}
+
+impl TokenConnectKeys {
+    /// The connect keys of an edge's `[auth]` settings (`None` unless `kind = "hmac"`).
+    pub fn from_config(
+        auth: &crate::config::AuthConfig,
+    ) -> Option<std::sync::Arc<dyn waygate_transport::kcp::seal::ConnectKeys>> {
+        if auth.kind != crate::config::AuthKind::Hmac {
+            return None;
+        }
+        let mut keys = waygate_session::auth::KeyRing::new();
+        for k in &auth.keys {
+            keys.insert(k.id, k.secret.as_bytes());
+        }
+        Some(std::sync::Arc::new(Self {
+            keys,
+            leeway: Duration::from_secs(auth.leeway_secs),
+        }))
+    }
+}
+
+impl waygate_transport::kcp::seal::ConnectKeys for TokenConnectKeys {
+    fn session_key(
+        &self,
+        token: &[u8],
+    ) -> Result<waygate_transport::kcp::seal::SessionKey, waygate_transport::CloseCode> {
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let player = waygate_session::auth::verify_token(&self.keys, token, now, self.leeway)
+            .map_err(|e| e.close_code())?;
+        // A version-1 token seals nothing.
+        player
+            .session_key
+            .ok_or(waygate_transport::CloseCode::AuthUnsupportedVersion)
+    }
+}

@@ -57,6 +57,7 @@ pub async fn bind_all(
     let tls = tls_identity(config)?;
     let mut conn = config.conn_config();
     conn.admission = admission;
+    conn.connect_keys = crate::auth::TokenConnectKeys::from_config(&config.auth);
     let l = &config.listeners;
     let mut listeners: Vec<BoxListener> = Vec::new();
     let mut stats = Vec::new();

@@ -359,6 +359,26 @@ impl Collector for ListenerCollector {
                     "KCP HELLOs refused by admission control (answered BUSY, no cookie)",
                     &k.admission_refused,
                 ),
+                (
+                    "kcp_sealed_sessions",
+                    "KCP sessions opened sealed (a connect token in CONNECT)",
+                    &k.sealed_sessions,
+                ),
+                (
+                    "kcp_unauthenticated",
+                    "Datagrams for sealed KCP sessions that did not authenticate (forged, altered, spoofed, unsealed RESET), dropped",
+                    &k.unauthenticated,
+                ),
+                (
+                    "kcp_replayed",
+                    "Sealed KCP datagrams replayed or too old, dropped",
+                    &k.replayed,
+                ),
+                (
+                    "kcp_connect_refused",
+                    "KCP CONNECTs refused for their connect token (invalid, or none where required)",
+                    &k.connect_refused,
+                ),
             ] {
                 let c = ConstCounter::new(value.load(Relaxed));
                 c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;

@@ -48,7 +48,8 @@ pub struct KcpConfig {
     pub send_window: u16,
     /// Receive window in segments (the engine raises anything below 128 to 128).
     pub recv_window: u16,
-    /// Largest datagram, KCP header included (the segment payload is `mtu - 24`).
+    /// Largest datagram, KCP header included (the segment payload is `mtu - 24`, and 28
+    /// bytes less in a sealed session).
     pub mtu: usize,
     /// Most sessions one listener holds; CONNECTs beyond it are answered BUSY.
     pub max_sessions: usize,
@@ -73,6 +74,34 @@ pub struct KcpConfig {
     pub linger_ms: u64,
     /// Client: first retransmission interval of HELLO/CONNECT, in ms (doubles up to 8x).
     pub handshake_resend_ms: u64,
+    /// Server: whether sessions must be sealed (PROTOCOL.md §8.9: a CONNECT carrying a
+    /// connect token, every datagram authenticated and encrypted). `auto`: required when
+    /// the listener is beyond loopback.
+    pub packet_auth: PacketAuth,
+}
+
+/// Whether a KCP listener requires sealed sessions (see [`KcpConfig::packet_auth`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PacketAuth {
+    /// Required unless the listener's address is a loopback address.
+    #[default]
+    Auto,
+    /// A CONNECT without a connect token is refused (BUSY 205 `auth_rejected`).
+    Required,
+    /// Sealed when the client brings a connect token, plain otherwise.
+    Optional,
+}
+
+impl PacketAuth {
+    /// Whether a listener bound to `local` requires sealed sessions.
+    pub fn required_at(self, local: std::net::SocketAddr) -> bool {
+        match self {
+            Self::Auto => !local.ip().is_loopback(),
+            Self::Required => true,
+            Self::Optional => false,
+        }
+    }
 }
 
 impl Default for KcpConfig {
@@ -103,6 +132,7 @@ impl KcpConfig {
             inbound_queue_messages: 64,
             linger_ms: 2_000,
             handshake_resend_ms: 200,
+            packet_auth: PacketAuth::Auto,
         }
     }
 
@@ -121,9 +151,11 @@ impl KcpConfig {
         }
     }
 
-    /// Largest KCP segment payload.
+    /// Largest KCP segment payload (of a sealed session, whose datagrams carry
+    /// [`super::seal::SEAL_OVERHEAD`] more bytes: the one limit for both kinds).
     pub fn mss(&self) -> usize {
-        self.mtu.saturating_sub(KCP_OVERHEAD)
+        self.mtu
+            .saturating_sub(KCP_OVERHEAD + super::seal::SEAL_OVERHEAD)
     }
 
     /// Largest message one KCP message can carry with this MTU (127 fragments).
@@ -134,8 +166,8 @@ impl KcpConfig {
     /// Checks the values, and that frames of `max_frame_size` fit one KCP message.
     pub fn validate(&self, max_frame_size: usize) -> Result<(), TransportError> {
         let fail = |what: String| Err(TransportError::Config(format!("kcp: {what}")));
-        if !(64..=65_000).contains(&self.mtu) {
-            return fail(format!("mtu {} outside 64..=65000", self.mtu));
+        if !(128..=65_000).contains(&self.mtu) {
+            return fail(format!("mtu {} outside 128..=65000", self.mtu));
         }
         if !(10..=5000).contains(&self.interval_ms) {
             return fail(format!(

@@ -225,6 +225,29 @@ impl Control {
     }
 }
 
+/// Longest connect token a CONNECT may carry (the HELLO token limit).
+pub const MAX_CONNECT_TOKEN_LEN: usize = 4096;
+
+/// The connect token after a CONNECT's 64 bytes (PROTOCOL.md §8.2.4: token length `u16`
+/// LE, then the token, nothing after it); `None` for a plain CONNECT or a malformed tail.
+pub fn connect_token(datagram: &[u8]) -> Option<&[u8]> {
+    let tail = datagram.get(PADDED_LEN..)?;
+    let (len, token) = tail.split_first_chunk::<2>()?;
+    let len = usize::from(u16::from_le_bytes(*len));
+    (len > 0 && len <= MAX_CONNECT_TOKEN_LEN && token.len() == len).then_some(token)
+}
+
+/// Appends `token` to an encoded CONNECT (see [`connect_token`]); a token longer than
+/// [`MAX_CONNECT_TOKEN_LEN`] is not appended.
+pub fn append_connect_token(connect: &mut Vec<u8>, token: &[u8]) {
+    if token.is_empty() || token.len() > MAX_CONNECT_TOKEN_LEN {
+        return;
+    }
+    connect.truncate(PADDED_LEN);
+    connect.extend_from_slice(&(token.len() as u16).to_le_bytes());
+    connect.extend_from_slice(token);
+}
+
 /// The endpoint's cookie secret: HMAC-SHA256 over the peer's address and the cookie fields.
 /// A cookie proves that its holder received the COOKIE sent to that address; the server
 /// stores nothing between HELLO and CONNECT.

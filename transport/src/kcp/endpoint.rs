@@ -35,7 +35,11 @@ use rand::rngs::StdRng;
 use rand::RngExt;
 
 use super::config::{KcpConfig, KCP_OVERHEAD};
-use super::cookie::{is_control, Control, Cookie, CookieError, CookieKey};
+use super::cookie::{connect_token, is_control, Control, Cookie, CookieError, CookieKey};
+use super::seal::{
+    session_seals, ConnectKeys, KcpCredentials, OpenError, PacketOpener, PacketSealer,
+    SEAL_OVERHEAD,
+};
 use crate::conn::ConnConfig;
 use crate::error::TransportError;
 use waygate_backpressure::{Rate, TokenBucket};
@@ -206,6 +210,15 @@ pub struct KcpStats {
     /// HELLOs refused by the edge's admission gate (per-source and global rates, overload):
     /// answered BUSY before any cookie work.
     pub admission_refused: AtomicU64,
+    /// Sessions opened sealed (a CONNECT with a connect token, PROTOCOL.md §8.9).
+    pub sealed_sessions: AtomicU64,
+    /// Datagrams for a sealed session that did not authenticate (forged, altered, spoofed,
+    /// or an unsealed RESET), dropped before the engine.
+    pub unauthenticated: AtomicU64,
+    /// Sealed datagrams whose packet number was already received (or too old), dropped.
+    pub replayed: AtomicU64,
+    /// CONNECTs refused for their connect token (invalid, or none where required).
+    pub connect_refused: AtomicU64,
 }
 
 impl KcpStats {
@@ -228,19 +241,35 @@ fn push_out(queue: &OutQueue, transmit: Transmit) {
         .push_back(transmit);
 }
 
-/// The engine's output: each `write` is one datagram to the session's peer.
+/// A sealed session's sender, shared by its engine's output and its RESET.
+type SharedSealer = Arc<Mutex<PacketSealer>>;
+
+fn seal_with(sealer: &SharedSealer, plaintext: &[u8]) -> Vec<u8> {
+    sealer
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .seal(plaintext)
+}
+
+/// The engine's output: each `write` is one datagram to the session's peer (sealed in a
+/// sealed session).
 struct Output {
     dest: SocketAddr,
     queue: OutQueue,
+    sealer: Option<SharedSealer>,
 }
 
 impl io::Write for Output {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let payload = match &self.sealer {
+            Some(sealer) => seal_with(sealer, buf),
+            None => buf.to_vec(),
+        };
         push_out(
             &self.queue,
             Transmit {
                 dest: self.dest,
-                payload: buf.to_vec(),
+                payload,
             },
         );
         Ok(buf.len())
@@ -272,6 +301,9 @@ struct Session {
     scheduled: Option<Instant>,
     /// `Closed` was emitted.
     ended: bool,
+    /// A sealed session's receiver and sender (PROTOCOL.md §8.9).
+    opener: Option<PacketOpener>,
+    sealer: Option<SharedSealer>,
 }
 
 /// Client handshake progress.
@@ -285,6 +317,8 @@ enum Handshake {
 #[derive(Debug)]
 struct ClientRole {
     server: SocketAddr,
+    /// Connect token and session key: the CONNECT carries the token, the session is sealed.
+    credentials: Option<KcpCredentials>,
     state: Handshake,
     deadline: Instant,
     next_resend: Instant,
@@ -313,6 +347,10 @@ pub struct KcpEndpoint {
     reject_bucket: TokenBucket,
     accepting: bool,
     client: Option<ClientRole>,
+    /// Server: opens connect tokens (None: no token is accepted).
+    connect_keys: Option<Arc<dyn ConnectKeys>>,
+    /// Server: a CONNECT without a connect token is refused.
+    require_sealed: bool,
     stats: Arc<KcpStats>,
     #[cfg(test)]
     inject_panic: Option<SessionKey>,
@@ -361,6 +399,7 @@ impl KcpEndpoint {
         let resend = ep.resend_interval(0);
         ep.client = Some(ClientRole {
             server,
+            credentials: None,
             state: Handshake::Hello { nonce },
             deadline: now + conn.handshake_timeout,
             next_resend: now + resend,
@@ -407,11 +446,30 @@ impl KcpEndpoint {
             ),
             accepting: true,
             client: None,
+            connect_keys: conn.connect_keys.clone(),
+            require_sealed: false,
             stats: Arc::new(KcpStats::default()),
             config,
             #[cfg(test)]
             inject_panic: None,
         })
+    }
+
+    /// Server: whether a CONNECT must carry a connect token (sealed sessions only).
+    #[must_use]
+    pub fn requiring_sealed(mut self, required: bool) -> Self {
+        self.require_sealed = required;
+        self
+    }
+
+    /// Client: the connect token the CONNECT carries and the session key every datagram is
+    /// sealed with (PROTOCOL.md §8.9). Set before the cookie comes back.
+    #[must_use]
+    pub fn with_credentials(mut self, credentials: Option<KcpCredentials>) -> Self {
+        if let Some(c) = self.client.as_mut() {
+            c.credentials = credentials;
+        }
+        self
     }
 
     /// The counters.
@@ -500,7 +558,7 @@ impl KcpEndpoint {
     pub fn handle_datagram(&mut self, now: Instant, from: SocketAddr, datagram: &[u8]) {
         if is_control(datagram) {
             match Control::decode(datagram) {
-                Some(packet) => self.on_control(now, from, packet),
+                Some(packet) => self.on_control(now, from, packet, datagram),
                 None => KcpStats::bump(&self.stats.malformed),
             }
         } else {
@@ -508,7 +566,25 @@ impl KcpEndpoint {
         }
     }
 
-    fn on_control(&mut self, now: Instant, from: SocketAddr, packet: Control) {
+    /// Whether `key` is a session whose datagrams must be sealed.
+    fn is_sealed(&self, key: &SessionKey) -> bool {
+        self.sessions.get(key).is_some_and(|s| s.opener.is_some())
+    }
+
+    /// A RESET that came as a plain control packet: honoured for a plain session only (a
+    /// sealed session's RESET comes sealed, §8.9).
+    fn plain_reset(&mut self, now: Instant, key: SessionKey, code: CloseCode) {
+        if !self.sessions.contains_key(&key) {
+            return;
+        }
+        if self.is_sealed(&key) {
+            KcpStats::bump(&self.stats.unauthenticated);
+            return;
+        }
+        self.peer_reset(now, key, code);
+    }
+
+    fn on_control(&mut self, now: Instant, from: SocketAddr, packet: Control, datagram: &[u8]) {
         if self.client.is_some() {
             self.on_client_control(now, from, packet);
             return;
@@ -522,12 +598,11 @@ impl KcpEndpoint {
                 }
                 self.send_cookie(now, from, client_nonce);
             }
-            Control::Connect(cookie) => self.on_connect(now, from, cookie),
+            Control::Connect(cookie) => {
+                self.on_connect(now, from, cookie, connect_token(datagram));
+            }
             Control::Reset { conv, code } => {
-                let key = SessionKey { addr: from, conv };
-                if self.sessions.contains_key(&key) {
-                    self.peer_reset(now, key, code);
-                }
+                self.plain_reset(now, SessionKey { addr: from, conv }, code);
             }
             // Server-to-client packets sent to a server: ignored.
             Control::Cookie(_) | Control::Accept { .. } | Control::Busy { .. } => {
@@ -593,7 +668,24 @@ impl KcpEndpoint {
         self.send_control(to, Control::Cookie(cookie));
     }
 
-    fn on_connect(&mut self, now: Instant, from: SocketAddr, cookie: Cookie) {
+    /// Refuses a CONNECT for its connect token: BUSY with the auth code, no retry hint.
+    fn refuse_connect(
+        &mut self,
+        now: Instant,
+        from: SocketAddr,
+        client_nonce: u64,
+        code: CloseCode,
+    ) {
+        KcpStats::bump(&self.stats.connect_refused);
+        let packet = Control::Busy {
+            client_nonce,
+            code,
+            retry_after_ms: 0,
+        };
+        self.send_reject(now, from, packet);
+    }
+
+    fn on_connect(&mut self, now: Instant, from: SocketAddr, cookie: Cookie, token: Option<&[u8]>) {
         match self.cookie_key.verify(
             from,
             &cookie,
@@ -632,21 +724,64 @@ impl KcpEndpoint {
             self.send_cookie(now, from, cookie.client_nonce);
             return;
         }
-        self.create_session(now, key);
+        // The connect token (after the cookie: only a return-routable peer costs a check).
+        let session_key = match (token, self.connect_keys.as_ref()) {
+            (Some(token), Some(keys)) => match keys.session_key(token) {
+                Ok(k) => Some(k),
+                Err(code) => {
+                    self.refuse_connect(now, from, cookie.client_nonce, code);
+                    return;
+                }
+            },
+            (Some(_), None) => {
+                self.refuse_connect(
+                    now,
+                    from,
+                    cookie.client_nonce,
+                    CloseCode::AuthUnsupportedVersion,
+                );
+                return;
+            }
+            (None, _) if self.require_sealed => {
+                self.refuse_connect(now, from, cookie.client_nonce, CloseCode::AuthRejected);
+                return;
+            }
+            (None, _) => None,
+        };
+        self.create_session(now, key, session_key);
         self.send_control(from, Control::Accept { conv: key.conv });
     }
 
-    fn create_session(&mut self, now: Instant, key: SessionKey) {
+    fn create_session(
+        &mut self,
+        now: Instant,
+        key: SessionKey,
+        session_key: Option<super::seal::SessionKey>,
+    ) {
+        let (sealer, opener) = match session_key {
+            Some(k) => {
+                let (sealer, opener) = session_seals(&k, key.conv, self.client.is_none());
+                KcpStats::bump(&self.stats.sealed_sessions);
+                (Some(Arc::new(Mutex::new(sealer))), Some(opener))
+            }
+            None => (None, None),
+        };
         let mut kcp = Kcp::new(
             key.conv,
             Output {
                 dest: key.addr,
                 queue: self.out.clone(),
+                sealer: sealer.clone(),
             },
         );
         let c = &self.config;
-        // Validated: mtu >= 64.
-        let _ = kcp.set_mtu(c.mtu);
+        // Validated: mtu >= 128, so a sealed session's engine mtu stays >= 100.
+        let engine_mtu = if sealer.is_some() {
+            c.mtu - SEAL_OVERHEAD
+        } else {
+            c.mtu
+        };
+        let _ = kcp.set_mtu(engine_mtu);
         kcp.set_nodelay(
             c.nodelay,
             c.interval_ms as i32,
@@ -665,6 +800,8 @@ impl KcpEndpoint {
                 send_blocked: false,
                 scheduled: None,
                 ended: false,
+                opener,
+                sealer,
             },
         );
         self.convs.insert(key.conv, key.addr);
@@ -699,7 +836,14 @@ impl KcpEndpoint {
                 client.state = Handshake::Connect { cookie };
                 client.attempts = 0;
                 client.next_resend = now + first_resend;
-                self.send_control(server, Control::Connect(cookie));
+                let packet = connect_packet(cookie, client.credentials.as_ref());
+                push_out(
+                    &self.out,
+                    Transmit {
+                        dest: server,
+                        payload: packet,
+                    },
+                );
             }
             (Handshake::Connect { cookie }, Control::Accept { conv }) if conv == cookie.conv => {
                 self.establish(now, conv);
@@ -734,10 +878,7 @@ impl KcpEndpoint {
                     }));
             }
             (Handshake::Done, Control::Reset { conv, code }) => {
-                let key = SessionKey { addr: from, conv };
-                if self.sessions.contains_key(&key) {
-                    self.peer_reset(now, key, code);
-                }
+                self.plain_reset(now, SessionKey { addr: from, conv }, code);
             }
             // Late duplicates of an exchange already done.
             (Handshake::Done, Control::Accept { .. } | Control::Cookie(_)) => {}
@@ -754,7 +895,8 @@ impl KcpEndpoint {
             addr: client.server,
             conv,
         };
-        self.create_session(now, key);
+        let session_key = client.credentials.as_ref().map(|c| c.session_key);
+        self.create_session(now, key, session_key);
     }
 
     fn on_segment(&mut self, now: Instant, from: SocketAddr, datagram: &[u8]) {
@@ -785,8 +927,26 @@ impl KcpEndpoint {
                 self.establish(now, conv);
             }
         }
-        if self.sessions.contains_key(&key) {
-            self.session_input(now, key, datagram);
+        if let Some(s) = self.sessions.get_mut(&key) {
+            let Some(opener) = s.opener.as_mut() else {
+                self.session_input(now, key, datagram);
+                return;
+            };
+            // Sealed: nothing reaches the engine (or ends the session) unless it opens.
+            match opener.open(datagram) {
+                Ok(plain) if is_control(&plain) => match Control::decode(&plain) {
+                    Some(Control::Reset { conv: c, code }) if c == conv => {
+                        self.peer_reset(now, key, code);
+                    }
+                    _ => KcpStats::bump(&self.stats.malformed),
+                },
+                Ok(plain) if plain.len() >= KCP_OVERHEAD => self.session_input(now, key, &plain),
+                Ok(_) => KcpStats::bump(&self.stats.malformed),
+                Err(OpenError::Replayed) => KcpStats::bump(&self.stats.replayed),
+                Err(OpenError::Forged | OpenError::Malformed) => {
+                    KcpStats::bump(&self.stats.unauthenticated);
+                }
+            }
         } else if self.convs.contains_key(&conv) {
             KcpStats::bump(&self.stats.foreign_segments);
         } else {
@@ -1015,7 +1175,14 @@ impl KcpEndpoint {
             Handshake::Hello { nonce } => Control::Hello {
                 client_nonce: nonce,
             },
-            Handshake::Connect { cookie } => Control::Connect(cookie),
+            Handshake::Connect { cookie } => {
+                client.attempts += 1;
+                client.next_resend = now + resend.unwrap_or_default();
+                let payload = connect_packet(cookie, client.credentials.as_ref());
+                let dest = client.server;
+                push_out(&self.out, Transmit { dest, payload });
+                return;
+            }
         };
         client.attempts += 1;
         client.next_resend = now + resend.unwrap_or_default();
@@ -1202,13 +1369,21 @@ impl KcpEndpoint {
         }
         if let Some(code) = reset {
             KcpStats::bump(&self.stats.resets_sent);
-            self.send_control(
-                key.addr,
-                Control::Reset {
-                    conv: key.conv,
-                    code,
-                },
-            );
+            let reset = Control::Reset {
+                conv: key.conv,
+                code,
+            };
+            match &s.sealer {
+                // A sealed session's RESET is sealed like its segments (§8.9).
+                Some(sealer) => push_out(
+                    &self.out,
+                    Transmit {
+                        dest: key.addr,
+                        payload: seal_with(sealer, &reset.encode()),
+                    },
+                ),
+                None => self.send_control(key.addr, reset),
+            }
         }
         if !s.ended {
             self.events.push_back(KcpEvent::Closed(key, reason));
@@ -1234,6 +1409,16 @@ impl KcpEndpoint {
     fn inject_panic(&mut self, key: SessionKey) {
         self.inject_panic = Some(key);
     }
+}
+
+/// A CONNECT for `cookie`, with the connect token appended when there are credentials
+/// (PROTOCOL.md §8.2.4).
+fn connect_packet(cookie: Cookie, credentials: Option<&KcpCredentials>) -> Vec<u8> {
+    let mut packet = Control::Connect(cookie).encode();
+    if let Some(c) = credentials {
+        super::cookie::append_connect_token(&mut packet, &c.token);
+    }
+    packet
 }
 
 #[cfg(test)]

@@ -132,7 +132,9 @@ async fn supervise(first: KcpEndpoint, restart: Restart) {
                 Instant::now(),
                 fresh_rng(),
             ) {
-                Ok(ep) => ep.with_stats(restart.stats.clone()),
+                Ok(ep) => ep
+                    .with_stats(restart.stats.clone())
+                    .requiring_sealed(restart.kcp.packet_auth.required_at(restart.local)),
                 Err(e) => {
                     tracing::error!(local = %restart.local, error = %e, "kcp driver cannot restart");
                     return;
@@ -191,6 +193,7 @@ impl KcpListener {
         let stats = ep.stats();
         let socket = Arc::new(UdpSocket::from_std(crate::udp::bind_udp(addr)?)?);
         let local = socket.local_addr()?;
+        let ep = ep.requiring_sealed(kcp.packet_auth.required_at(local));
         let (accept_tx, ready) = mpsc::channel(ACCEPT_BACKLOG);
         let chaos = Arc::new(AtomicBool::new(false));
         let restart = Restart {
@@ -260,7 +263,8 @@ async fn connect_owned(
     conn: ConnConfig,
 ) -> Result<BoxConnection, TransportError> {
     let params = conn_params(&kcp, &conn);
-    let ep = KcpEndpoint::client(kcp, &conn, Instant::now(), fresh_rng(), addr)?;
+    let ep = KcpEndpoint::client(kcp, &conn, Instant::now(), fresh_rng(), addr)?
+        .with_credentials(conn.kcp_credentials.clone());
     let bind: SocketAddr = if addr.is_ipv4() {
         (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
     } else {

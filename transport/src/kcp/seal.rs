@@ -31,6 +31,31 @@ pub const REPLAY_WINDOW: u64 = 1024;
 /// A login's session key (from the connect token; PROTOCOL.md §7.2.2).
 pub type SessionKey = [u8; SESSION_KEY_LEN];
 
+/// What a client brings for a sealed session: the connect token its CONNECT carries and the
+/// session key the login service handed it beside the token.
+#[derive(Clone)]
+pub struct KcpCredentials {
+    /// The connect token (PROTOCOL.md §7.2.2), as in HELLO.
+    pub token: bytes::Bytes,
+    /// The session key sealed inside it.
+    pub session_key: SessionKey,
+}
+
+impl std::fmt::Debug for KcpCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KcpCredentials")
+            .field("token_len", &self.token.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Server: opens a CONNECT's connect token (the edge implements it with its token keys).
+pub trait ConnectKeys: Send + Sync + std::fmt::Debug + 'static {
+    /// The session key of a valid, unexpired connect token; otherwise the auth code to
+    /// refuse the CONNECT with (`auth_bad_signature`, `auth_expired`, ...).
+    fn session_key(&self, token: &[u8]) -> Result<SessionKey, waygate_protocol::wire::CloseCode>;
+}
+
 const SALT: &[u8] = b"waygate kcp v1";
 const CLIENT_TO_SERVER: &[u8] = b"client to server";
 const SERVER_TO_CLIENT: &[u8] = b"server to client";
@@ -65,14 +90,17 @@ fn direction_key(session_key: &SessionKey, info: &'static [u8]) -> LessSafeKey {
         .and_then(|okm| okm.fill(&mut key));
     debug_assert!(filled.is_ok());
     // A 32-byte key is exactly ChaCha20-Poly1305's key length.
-    let unbound = UnboundKey::new(&CHACHA20_POLY1305, &key).unwrap_or_else(|_| {
-        unreachable!("a 32-byte key is a valid ChaCha20-Poly1305 key")
-    });
+    let unbound = UnboundKey::new(&CHACHA20_POLY1305, &key)
+        .unwrap_or_else(|_| unreachable!("a 32-byte key is a valid ChaCha20-Poly1305 key"));
     LessSafeKey::new(unbound)
 }
 
 /// The two directions of a session, for the side that `is_server`.
-pub fn session_seals(session_key: &SessionKey, conv: u32, is_server: bool) -> (PacketSealer, PacketOpener) {
+pub fn session_seals(
+    session_key: &SessionKey,
+    conv: u32,
+    is_server: bool,
+) -> (PacketSealer, PacketOpener) {
     let (send, recv) = if is_server {
         (SERVER_TO_CLIENT, CLIENT_TO_SERVER)
     } else {

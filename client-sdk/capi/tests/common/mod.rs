@@ -74,3 +74,27 @@ pub fn token_bytes(player: &str) -> Vec<u8> {
 pub fn token(player: &str) -> String {
     token_to_base64url(&token_bytes(player))
 }
+
+/// A connect token (format version 2, PROTOCOL.md §7.2.2) for `player` carrying
+/// `session_key`, signed with the dev key, valid for an hour.
+pub fn connect_token_bytes(player: &str, session_key: &[u8; 32]) -> Vec<u8> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    waygate_session::auth::mint_connect_token(
+        DEV_KEY_ID,
+        DEV_KEY_SECRET.as_bytes(),
+        &TokenClaims {
+            player_id: player.into(),
+            issuer: "c-example-test".into(),
+            issued_at: now,
+            expires_at: now + 3600,
+            extensions: Vec::new(),
+        },
+        session_key,
+        [3; 12],
+    )
+    .unwrap()
+    .to_vec()
+}
