@@ -306,7 +306,8 @@ fn main() -> std::process::ExitCode {
                 connect,
             } => {
                 let config = load_config(config.as_deref())?;
-                let key = config.auth.keys.first().ok_or("no auth key configured")?;
+                let keys = waygate_edge::auth::configured_keys(&config.auth)?;
+                let key = keys.first().ok_or("no auth key configured")?;
                 let now = std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map(|d| d.as_secs())

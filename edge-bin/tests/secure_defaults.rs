@@ -186,3 +186,121 @@ async fn an_edge_with_audiences_refuses_tokens_for_others() {
         }
     }
 }
+
+/// Hardening issue ("keys reload without a restart"): with `auth.keys_file` the edge re-reads
+/// its HMAC keys when the file changes. A token under a key id the file does not have is
+/// refused (203); the file gains that key and, with no restart, the same token is welcomed;
+/// the old key leaves the file and its tokens are refused; a broken file keeps the keys in
+/// force. Connect tokens (KCP) use the same keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hmac_keys_rotate_without_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("auth-keys.toml");
+    let write = |text: &str| common::write_atomically(&keys, text);
+    let old = "[[keys]]\nid = 5\nsecret = \"the old key, thirty-two bytes lon\"\n";
+    let new = "[[keys]]\nid = 6\nsecret = \"the new key, thirty-two bytes lon\"\n";
+    write(old);
+    let keys_path = keys.clone();
+    let (edge, _b, _d) = common::demo_edge(move |c| c.auth.keys_file = Some(keys_path)).await;
+    let tcp = edge.addrs[&TransportKind::Tcp];
+    let mint = |id: u32, secret: &str, player: &str| {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        waygate_session::mint_token(
+            id,
+            secret.as_bytes(),
+            &waygate_session::auth::TokenClaims {
+                player_id: player.into(),
+                issuer: "login".into(),
+                issued_at: now,
+                expires_at: now + 600,
+                extensions: Vec::new(),
+            },
+        )
+        .unwrap()
+    };
+    let old_token = mint(5, "the old key, thirty-two bytes lon", "ann");
+    let new_token = mint(6, "the new key, thirty-two bytes lon", "bob");
+    assert!(matches!(
+        common::raw_hello(tcp, old_token.clone()).await,
+        Frame::Welcome(_)
+    ));
+    match common::raw_hello(tcp, new_token.clone()).await {
+        Frame::Reject(r) => assert_eq!(r.code, CloseCode::AuthUnknownKey),
+        other => panic!("an unknown key id was accepted: {other:?}"),
+    }
+    // Rotation step 1: both keys. No restart.
+    write(&format!("{old}{new}"));
+    let welcomed = eventually(|| {
+        let t = new_token.clone();
+        async move { matches!(common::raw_hello(tcp, t).await, Frame::Welcome(_)) }
+    })
+    .await;
+    assert!(welcomed, "the new key was picked up without a restart");
+    // The KCP listener opens connect tokens with the same, reloaded keys.
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let connect_token = waygate_session::auth::mint_connect_token(
+        6,
+        b"the new key, thirty-two bytes lon",
+        &waygate_session::auth::TokenClaims {
+            player_id: "kcp".into(),
+            issuer: "login".into(),
+            issued_at: now,
+            expires_at: now + 600,
+            extensions: Vec::new(),
+        },
+        &[4; 32],
+        [1; 12],
+    )
+    .unwrap();
+    let options = waygate_transport::endpoint::ConnectOptions::default();
+    let mut conn = options.conn.clone();
+    conn.kcp_credentials = Some(waygate_transport::kcp::seal::KcpCredentials {
+        token: connect_token,
+        session_key: [4; 32],
+    });
+    assert!(
+        waygate_transport::kcp::connect_kcp(edge.addrs[&TransportKind::Kcp], &options.kcp, &conn)
+            .await
+            .is_ok(),
+        "a sealed KCP session under the reloaded key"
+    );
+    // A broken file changes nothing.
+    write("[[keys]]\nid = \"not a number\"\n");
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    assert!(matches!(
+        common::raw_hello(tcp, new_token.clone()).await,
+        Frame::Welcome(_)
+    ));
+    // Step 2: the old key leaves.
+    write(new);
+    let refused = eventually(|| {
+        let t = old_token.clone();
+        async move { matches!(common::raw_hello(tcp, t).await, Frame::Reject(_)) }
+    })
+    .await;
+    assert!(
+        refused,
+        "the old key's tokens are refused once it left the file"
+    );
+}
+
+/// Polls `check` every 200 ms for up to 10 s; whether it held.
+async fn eventually<F, Fut>(mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..50 {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    false
+}

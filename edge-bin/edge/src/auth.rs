@@ -335,35 +335,140 @@ mod tests {
     }
 }
 
-/// Opens the connect tokens KCP CONNECTs carry (PROTOCOL.md §7.2.2, §8.9) with the edge's
-/// token keys: a valid, unexpired version-2 token yields its session key. Configured for
-/// `auth.kind = "hmac"` only (JWTs carry no session key: KCP sessions stay plain there).
+/// The edge's waygate-token authenticator (`auth.kind = "hmac"`): HMAC keys from
+/// `auth.keys`, or from `auth.keys_file`, re-read when the file changes so keys rotate
+/// without a restart ([`EdgeHmacAuth::reload_if_changed`], called every second by the edge;
+/// a broken file keeps the keys in force). It also opens the connect tokens KCP CONNECTs
+/// carry (PROTOCOL.md §7.2.2, §8.9) with the same keys.
 #[derive(Debug)]
-pub struct TokenConnectKeys {
-    keys: waygate_session::auth::KeyRing,
-    leeway: Duration,
+pub struct EdgeHmacAuth {
+    inner: std::sync::RwLock<waygate_session::HmacAuthenticator>,
+    keys_file: Option<PathBuf>,
+    modified: Mutex<Option<SystemTime>>,
 }
 
-impl TokenConnectKeys {
-    /// The connect keys of an edge's `[auth]` settings (`None` unless `kind = "hmac"`).
-    pub fn from_config(
-        auth: &crate::config::AuthConfig,
-    ) -> Option<std::sync::Arc<dyn waygate_transport::kcp::seal::ConnectKeys>> {
-        if auth.kind != crate::config::AuthKind::Hmac {
-            return None;
-        }
-        let mut keys = waygate_session::auth::KeyRing::new();
-        for k in &auth.keys {
-            keys.insert(k.id, k.secret.as_bytes());
-        }
-        Some(std::sync::Arc::new(Self {
-            keys,
-            leeway: Duration::from_secs(auth.leeway_secs),
-        }))
+/// The keys file: `[[keys]]` tables like `[[auth.keys]]`.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct KeysFile {
+    keys: Vec<crate::config::AuthKey>,
+}
+
+fn key_ring(keys: &[crate::config::AuthKey]) -> waygate_session::auth::KeyRing {
+    let mut ring = waygate_session::auth::KeyRing::new();
+    for k in keys {
+        ring.insert(k.id, k.secret.as_bytes());
+    }
+    ring
+}
+
+/// The keys of a keys file (`[[keys]]` tables), with its modification time.
+fn keys_file_keys(
+    path: &std::path::Path,
+) -> Result<(Vec<crate::config::AuthKey>, Option<SystemTime>), String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let modified = std::fs::metadata(path).and_then(|m| m.modified()).ok();
+    let file: KeysFile = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    if file.keys.is_empty() {
+        return Err(format!("{}: no keys", path.display()));
+    }
+    Ok((file.keys, modified))
+}
+
+fn read_keys_file(
+    path: &std::path::Path,
+) -> Result<(waygate_session::auth::KeyRing, Option<SystemTime>), String> {
+    let (keys, modified) = keys_file_keys(path)?;
+    Ok((key_ring(&keys), modified))
+}
+
+/// The HMAC keys an edge with these settings accepts now: `auth.keys_file`'s when set,
+/// else `auth.keys` (what `waygate token` signs with: the first).
+pub fn configured_keys(
+    auth: &crate::config::AuthConfig,
+) -> Result<Vec<crate::config::AuthKey>, String> {
+    match &auth.keys_file {
+        Some(path) => Ok(keys_file_keys(path)?.0),
+        None => Ok(auth.keys.clone()),
     }
 }
 
-impl waygate_transport::kcp::seal::ConnectKeys for TokenConnectKeys {
+impl EdgeHmacAuth {
+    /// From the `[auth]` settings (`None` unless `kind = "hmac"`); a keys file that cannot be
+    /// read or parsed is a start-up error.
+    pub fn from_config(
+        auth: &crate::config::AuthConfig,
+    ) -> Result<Option<std::sync::Arc<Self>>, String> {
+        if auth.kind != crate::config::AuthKind::Hmac {
+            return Ok(None);
+        }
+        let (ring, modified) = match &auth.keys_file {
+            Some(path) => read_keys_file(path)?,
+            None => (key_ring(&auth.keys), None),
+        };
+        let mut hmac = waygate_session::HmacAuthenticator::new(ring)
+            .with_leeway(Duration::from_secs(auth.leeway_secs));
+        if !auth.issuers.is_empty() {
+            hmac = hmac.with_allowed_issuers(auth.issuers.clone());
+        }
+        if !auth.audiences.is_empty() {
+            hmac = hmac.with_allowed_audiences(auth.audiences.clone());
+        }
+        Ok(Some(std::sync::Arc::new(Self {
+            inner: std::sync::RwLock::new(hmac),
+            keys_file: auth.keys_file.clone(),
+            modified: Mutex::new(modified),
+        })))
+    }
+
+    /// Verifies a token with the keys in force.
+    pub fn verify(&self, token: &[u8], now_unix: u64) -> Result<AuthedPlayer, AuthError> {
+        self.inner
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .verify(token, now_unix)
+    }
+
+    /// Re-reads the keys file if its modification time changed; whether keys were
+    /// replaced. A broken file keeps the keys in force (logged).
+    pub fn reload_if_changed(&self) -> bool {
+        let Some(path) = &self.keys_file else {
+            return false;
+        };
+        let modified = std::fs::metadata(path).and_then(|m| m.modified()).ok();
+        let mut last = self.modified.lock().unwrap_or_else(|e| e.into_inner());
+        if modified == *last {
+            return false;
+        }
+        match read_keys_file(path) {
+            Ok((ring, modified)) => {
+                *self
+                    .inner
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .keys_mut() = ring;
+                *last = modified;
+                tracing::info!(file = %path.display(), "auth keys reloaded");
+                true
+            }
+            Err(e) => {
+                *last = modified;
+                tracing::warn!(error = %e, "auth keys not reloaded; the keys in force stay");
+                false
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Authenticator for EdgeHmacAuth {
+    async fn authenticate(&self, token: &[u8], now_unix: u64) -> Result<AuthedPlayer, AuthError> {
+        self.verify(token, now_unix)
+    }
+}
+
+impl waygate_transport::kcp::seal::ConnectKeys for EdgeHmacAuth {
     fn session_key(
         &self,
         token: &[u8],
@@ -371,8 +476,7 @@ impl waygate_transport::kcp::seal::ConnectKeys for TokenConnectKeys {
         let now = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        let player = waygate_session::auth::verify_token(&self.keys, token, now, self.leeway)
-            .map_err(|e| e.close_code())?;
+        let player = self.verify(token, now).map_err(|e| e.close_code())?;
         // A version-1 token seals nothing.
         player
             .session_key

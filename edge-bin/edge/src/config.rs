@@ -284,6 +284,10 @@ pub struct AuthConfig {
     pub jwt: JwtConfig,
     /// Accepted keys. The embedded default is a development key: replace it.
     pub keys: Vec<AuthKey>,
+    /// A TOML file of `[[keys]]` (`id`, `secret`, as `auth.keys`) used instead of `keys` and
+    /// re-read when it changes, so keys rotate without a restart (a broken file keeps the
+    /// keys in force). Unset: `keys`.
+    pub keys_file: Option<PathBuf>,
     /// Accepted issuers; empty = any.
     pub issuers: Vec<String>,
     /// HMAC tokens: accepted audiences (the token's extension 0x02); empty = any, tokens
@@ -303,7 +307,9 @@ pub struct AuthConfig {
 impl AuthConfig {
     /// Whether a configured key is the public development key.
     pub fn uses_dev_key(&self) -> bool {
-        self.kind == AuthKind::Hmac && self.keys.iter().any(|k| k.secret == DEV_KEY_SECRET)
+        self.kind == AuthKind::Hmac
+            && self.keys_file.is_none()
+            && self.keys.iter().any(|k| k.secret == DEV_KEY_SECRET)
     }
 }
 
@@ -326,6 +332,7 @@ impl Default for AuthConfig {
             leeway_secs: 30,
             max_token_lifetime_secs: 86_400,
             insecure_dev_key: false,
+            keys_file: None,
         }
     }
 }

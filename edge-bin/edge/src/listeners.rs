@@ -49,15 +49,17 @@ pub fn tls_identity(config: &EdgeConfig) -> Result<TlsIdentity, TransportError> 
     Ok(id)
 }
 
-/// Binds every enabled listener; each asks `admission` (if any) before any handshake work.
+/// Binds every enabled listener; each asks `admission` (if any) before any handshake work;
+/// KCP opens connect tokens with `connect_keys` (sealed sessions).
 pub async fn bind_all(
     config: &EdgeConfig,
     admission: Option<std::sync::Arc<dyn waygate_transport::listener::AdmissionGate>>,
+    connect_keys: Option<std::sync::Arc<dyn waygate_transport::kcp::seal::ConnectKeys>>,
 ) -> Result<BoundListeners, TransportError> {
     let tls = tls_identity(config)?;
     let mut conn = config.conn_config();
     conn.admission = admission;
-    conn.connect_keys = crate::auth::TokenConnectKeys::from_config(&config.auth);
+    conn.connect_keys = connect_keys;
     let l = &config.listeners;
     let mut listeners: Vec<BoxListener> = Vec::new();
     let mut stats = Vec::new();

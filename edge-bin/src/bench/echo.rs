@@ -66,7 +66,7 @@ pub async fn run_echo(push_rate: f64, payload: usize, ca_out: PathBuf) -> Result
     config.admin.enabled = false;
     config.tls.dev_ca_out = Some(ca_out);
     config.kcp.max_sessions = 20_000;
-    let bound = waygate_edge::listeners::bind_all(&config, None)
+    let bound = waygate_edge::listeners::bind_all(&config, None, None)
         .await
         .map_err(|e| e.to_string())?;
     let mut keys = KeyRing::new();

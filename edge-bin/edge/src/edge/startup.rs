@@ -15,7 +15,6 @@ use waygate_routing::{
 use waygate_session::driver::{SessionLayer, SessionRegistry, WriteThrough};
 use waygate_session::host::SessionHost;
 use waygate_session::machine::SessionConfig;
-use waygate_session::{HmacAuthenticator, KeyRing};
 
 use super::{
     accept_loop, link_event_loop, now_std, overload_loop, route_loop, start_cluster_tasks, Edge,
@@ -67,7 +66,23 @@ impl Edge {
             },
         ));
         let governor = Arc::new(Governor::new(&config.backpressure));
-        let bound = bind_all(&config, Some(admission.clone() as Arc<dyn AdmissionGate>)).await?;
+        // HMAC keys (reloaded from `auth.keys_file` when it changes): the session layer's
+        // authenticator and the KCP listener's connect-token opener share them.
+        let hmac_auth =
+            crate::auth::EdgeHmacAuth::from_config(&config.auth).map_err(|message| {
+                EdgeError::Config(crate::config::ConfigError::Invalid {
+                    key: "auth.keys_file",
+                    message,
+                })
+            })?;
+        let bound = bind_all(
+            &config,
+            Some(admission.clone() as Arc<dyn AdmissionGate>),
+            hmac_auth
+                .clone()
+                .map(|a| a as Arc<dyn waygate_transport::kcp::seal::ConnectKeys>),
+        )
+        .await?;
         let mut router = Router::new(
             RouterConfig {
                 migration_rate: MigrationRate {
@@ -214,23 +229,15 @@ impl Edge {
             .set(shared.epoch.load(Ordering::Relaxed) as i64);
 
         let a = &shared.config.auth;
-        let auth: Arc<dyn waygate_session::Authenticator> = match a.kind {
-            crate::config::AuthKind::Hmac => {
-                let mut keys = KeyRing::new();
-                for k in &a.keys {
-                    keys.insert(k.id, k.secret.as_bytes());
+        // `hmac_auth` is there exactly when `auth.kind = "hmac"`.
+        let auth: Arc<dyn waygate_session::Authenticator> = match &hmac_auth {
+            Some(hmac) => {
+                if a.keys_file.is_some() {
+                    tokio::spawn(reload_auth_keys(Arc::downgrade(hmac)));
                 }
-                let mut hmac =
-                    HmacAuthenticator::new(keys).with_leeway(Duration::from_secs(a.leeway_secs));
-                if !a.issuers.is_empty() {
-                    hmac = hmac.with_allowed_issuers(a.issuers.clone());
-                }
-                if !a.audiences.is_empty() {
-                    hmac = hmac.with_allowed_audiences(a.audiences.clone());
-                }
-                Arc::new(hmac)
+                hmac.clone()
             }
-            crate::config::AuthKind::Jwt => {
+            None => {
                 let settings = crate::auth::JwtSettings {
                     jwks_file: a.jwt.jwks_file.clone().unwrap_or_default(),
                     issuers: a.issuers.clone(),
@@ -355,5 +362,19 @@ impl Edge {
             shared,
             tasks,
         })
+    }
+}
+
+/// Re-reads `auth.keys_file` every second while the edge lives (key rotation without a
+/// restart).
+async fn reload_auth_keys(auth: std::sync::Weak<crate::auth::EdgeHmacAuth>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(auth) = auth.upgrade() else {
+            return;
+        };
+        auth.reload_if_changed();
     }
 }
