@@ -125,6 +125,16 @@ enum Command {
         /// act as an edge). Only on a closed network.
         #[arg(long)]
         insecure_open_links: bool,
+        /// Mutual TLS on links (with --tls-cert and --tls-key): the PEM CA edges'
+        /// certificates must chain to (PROTOCOL.md §9.3).
+        #[arg(long, requires_all = ["tls_cert", "tls_key"])]
+        tls_ca: Option<std::path::PathBuf>,
+        /// This backend's PEM certificate chain for link TLS.
+        #[arg(long, requires = "tls_ca")]
+        tls_cert: Option<std::path::PathBuf>,
+        /// This backend's PEM private key for link TLS.
+        #[arg(long, requires = "tls_ca")]
+        tls_key: Option<std::path::PathBuf>,
     },
     /// For a login service: answer `GET /edge` with the least-loaded enabled edge under its
     /// cap, from the edges' registrations in etcd (503 + Retry-After when none qualifies).
@@ -368,11 +378,19 @@ fn main() -> std::process::ExitCode {
                 advertise,
                 link_secret_file,
                 insecure_open_links,
+                tls_ca,
+                tls_cert,
+                tls_key,
             } => {
                 let service = Arc::new(waygate_backend::demo::DemoService::new());
                 let mut config = waygate_backend::BackendConfig::new(id.clone());
                 config.link_secret = waygate_backend::load_link_secret(link_secret_file.as_deref())?;
                 config.insecure_open_links = insecure_open_links;
+                if let (Some(ca), Some(cert), Some(key)) = (tls_ca, tls_cert, tls_key) {
+                    config.tls = Some(waygate_backend::link_tls::server_config(
+                        &waygate_backend::link_tls::LinkTlsFiles { ca, cert, key },
+                    )?);
+                }
                 let backend = waygate_backend::Backend::bind(addr, config, service)
                 .await
                 .map_err(|e| format!("backend {id} on {addr}: {e}"))?;

@@ -304,3 +304,158 @@ where
     }
     false
 }
+
+/// PEM files of a small PKI for link TLS: a CA, a backend certificate for 127.0.0.1, an
+/// edge client certificate; and an edge certificate from another CA.
+struct LinkPki {
+    dir: tempfile::TempDir,
+}
+
+impl LinkPki {
+    fn new() -> Self {
+        use rcgen::{
+            BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let make_ca = |name: &str| {
+            let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+            p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            p.distinguished_name
+                .push(rcgen::DnType::CommonName, name.to_owned());
+            let key = KeyPair::generate().unwrap();
+            let cert = p.self_signed(&key).unwrap();
+            (cert.pem(), Issuer::new(p, key))
+        };
+        let leaf = |issuer: &Issuer<'_, KeyPair>, sans: Vec<String>, usage| {
+            let mut p = CertificateParams::new(sans).unwrap();
+            p.extended_key_usages = vec![usage];
+            let key = KeyPair::generate().unwrap();
+            let cert = p.signed_by(&key, issuer).unwrap();
+            (cert.pem(), key.serialize_pem())
+        };
+        let (ca_pem, ca) = make_ca("link CA");
+        let (other_pem, other) = make_ca("another CA");
+        let backend = leaf(
+            &ca,
+            vec!["127.0.0.1".into()],
+            ExtendedKeyUsagePurpose::ServerAuth,
+        );
+        let edge = leaf(
+            &ca,
+            vec!["edge".into()],
+            ExtendedKeyUsagePurpose::ClientAuth,
+        );
+        let impostor = leaf(
+            &other,
+            vec!["edge".into()],
+            ExtendedKeyUsagePurpose::ClientAuth,
+        );
+        let write = |name: &str, text: &str| std::fs::write(dir.path().join(name), text).unwrap();
+        write("ca.pem", &ca_pem);
+        write("other-ca.pem", &other_pem);
+        write("backend.pem", &backend.0);
+        write("backend.key", &backend.1);
+        write("edge.pem", &edge.0);
+        write("edge.key", &edge.1);
+        write("impostor.pem", &impostor.0);
+        write("impostor.key", &impostor.1);
+        Self { dir }
+    }
+
+    fn path(&self, name: &str) -> std::path::PathBuf {
+        self.dir.path().join(name)
+    }
+}
+
+/// An in-process edge linked to `backend` with link TLS from `pki` (`cert`/`key` the edge's).
+async fn tls_edge(
+    pki: &LinkPki,
+    backend: std::net::SocketAddr,
+    cert: &str,
+    key: &str,
+) -> (waygate_edge::edge::Edge, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let routes = dir.path().join("routes.toml");
+    std::fs::write(&routes, common::table(&[backend], 1, None)).unwrap();
+    let mut config = waygate_edge::config::EdgeConfig::default();
+    config.use_ephemeral_ports();
+    config.routing.table = Some(routes);
+    config.links.tls_ca_file = Some(pki.path("ca.pem"));
+    config.links.tls_cert_file = Some(pki.path(cert));
+    config.links.tls_key_file = Some(pki.path(key));
+    let edge = waygate_edge::edge::Edge::start(config).await.unwrap();
+    (edge, dir)
+}
+
+/// Hardening item 8: backend links over mutual TLS. A backend requiring client certificates
+/// of its CA serves an edge presenting one (a game message goes through); an edge with a
+/// certificate of another CA, and an edge on plain TCP, never get a link (their players get
+/// `unavailable`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backend_links_over_mutual_tls_admit_only_edges_of_their_ca() {
+    use waygate_backend::link_tls::{server_config, LinkTlsFiles};
+    let pki = LinkPki::new();
+    let mut config = waygate_backend::BackendConfig::new("b1");
+    config.tls = Some(
+        server_config(&LinkTlsFiles {
+            ca: pki.path("ca.pem"),
+            cert: pki.path("backend.pem"),
+            key: pki.path("backend.key"),
+        })
+        .unwrap(),
+    );
+    let backend = waygate_backend::Backend::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        config,
+        std::sync::Arc::new(waygate_backend::demo::DemoService::new()),
+    )
+    .await
+    .unwrap();
+    let addr = backend.local_addr();
+    let echo = |edge: &waygate_edge::edge::Edge, player: &str| {
+        let c = waygate_client::Client::start(waygate_client::ClientOptions::new(
+            vec![waygate_transport::endpoint::Endpoint::new(
+                TransportKind::Tcp,
+                edge.addrs[&TransportKind::Tcp],
+            )],
+            common::token(player),
+        ));
+        async move {
+            let mut c = c;
+            let mut last = None;
+            for _ in 0..20 {
+                match common::echo(&mut c, "hi").await {
+                    Ok(reply) => return Ok(reply),
+                    Err(code) => last = Some(code),
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(last)
+        }
+    };
+
+    let (good, _d1) = tls_edge(&pki, addr, "edge.pem", "edge.key").await;
+    let reply = echo(&good, "tls-player")
+        .await
+        .expect("echo through a TLS link");
+    assert_eq!(reply, "b1", "answered by the TLS backend");
+
+    let (impostor, _d2) = tls_edge(&pki, addr, "impostor.pem", "impostor.key").await;
+    assert_eq!(
+        echo(&impostor, "impostor-player").await,
+        Err(Some(CloseCode::Unavailable)),
+        "an edge whose certificate is of another CA gets no link"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let routes = dir.path().join("routes.toml");
+    std::fs::write(&routes, common::table(&[addr], 1, None)).unwrap();
+    let mut config = waygate_edge::config::EdgeConfig::default();
+    config.use_ephemeral_ports();
+    config.routing.table = Some(routes);
+    let plain = waygate_edge::edge::Edge::start(config).await.unwrap();
+    assert_eq!(
+        echo(&plain, "plain-player").await,
+        Err(Some(CloseCode::Unavailable)),
+        "a plain TCP link to a TLS backend never comes up"
+    );
+}

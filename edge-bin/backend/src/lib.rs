@@ -35,6 +35,7 @@ use waygate_protocol::link::{LinkFrame, PinKind, DEFAULT_MAX_LINK_FRAME, LINK_VE
 use waygate_protocol::{CloseCode, TrafficClass};
 
 use waygate_link::spawn_link_io;
+pub use waygate_link::tls as link_tls;
 pub use waygate_link::{load_link_secret, LINK_SECRET_ENV};
 
 /// Backend settings.
@@ -55,6 +56,10 @@ pub struct BackendConfig {
     /// Listen beyond loopback without a link secret (anything that reaches the port can act
     /// as an edge). Only on a closed network.
     pub insecure_open_links: bool,
+    /// Mutual TLS (PROTOCOL.md §9.3): links are TLS and an edge must present a certificate
+    /// that chains to the configured CA. Build it with
+    /// [`link_tls::server_config`].
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 impl BackendConfig {
@@ -67,12 +72,17 @@ impl BackendConfig {
             max_link_frame: DEFAULT_MAX_LINK_FRAME,
             link_secret: None,
             insecure_open_links: false,
+            tls: None,
         }
     }
 
     /// Refuses an address beyond loopback without a link secret (secure by default).
     fn check_exposure(&self, addr: SocketAddr) -> std::io::Result<()> {
-        if addr.ip().is_loopback() || self.link_secret.is_some() || self.insecure_open_links {
+        if addr.ip().is_loopback()
+            || self.link_secret.is_some()
+            || self.tls.is_some()
+            || self.insecure_open_links
+        {
             return Ok(());
         }
         Err(std::io::Error::new(
@@ -690,24 +700,47 @@ pub async fn serve(
         let load = load.clone();
         let all = all_links.clone();
         links.spawn(async move {
-            if let Err(reason) =
-                run_link(stream, &config, instance, service, epoch, load, all).await
-            {
+            let ended = match config.tls.clone() {
+                None => run_link(stream, &config, instance, service, epoch, load, all).await,
+                Some(tls) => {
+                    // The edge must present a certificate of the configured CA before any
+                    // link frame is read.
+                    let accepted = tokio::time::timeout(
+                        Duration::from_secs(10),
+                        tokio_rustls::TlsAcceptor::from(tls).accept(stream),
+                    )
+                    .await;
+                    match accepted {
+                        Ok(Ok(tls)) => {
+                            run_link(tls, &config, instance, service, epoch, load, all).await
+                        }
+                        Ok(Err(e)) => {
+                            tracing::warn!(%peer, error = %e, "link TLS refused");
+                            Err("link TLS handshake failed")
+                        }
+                        Err(_) => Err("link TLS handshake timed out"),
+                    }
+                }
+            };
+            if let Err(reason) = ended {
                 tracing::info!(%peer, reason, "backend link ended");
             }
         });
     }
 }
 
-async fn run_link(
-    stream: tokio::net::TcpStream,
+async fn run_link<S>(
+    stream: S,
     config: &BackendConfig,
     instance: Arc<str>,
     service: Arc<dyn Service>,
     epoch: Arc<AtomicU64>,
     load: Arc<BackendLoad>,
     all: Arc<EdgeLinks>,
-) -> Result<(), &'static str> {
+) -> Result<(), &'static str>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
+{
     // PUSH credit from the edge is applied by the link's reader itself, so a message handler
     // waiting for push credit never blocks the credit it waits for; and the reader's queue
     // holds every FORWARD the edge may have in flight (its credit), so it never stops reading.

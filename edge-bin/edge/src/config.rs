@@ -169,6 +169,17 @@ pub struct LinksConfig {
     /// Link to backends without a secret although the edge listens beyond loopback (only
     /// on a closed network).
     pub insecure_no_secret: bool,
+    /// Mutual TLS on backend links (PROTOCOL.md §9.3): the PEM CA the backends'
+    /// certificates chain to (and this edge's). With `tls_cert_file` and `tls_key_file`,
+    /// links are TLS and the edge presents its certificate; unset: plain TCP.
+    pub tls_ca_file: Option<PathBuf>,
+    /// This edge's PEM certificate chain for link TLS (leaf first).
+    pub tls_cert_file: Option<PathBuf>,
+    /// This edge's PEM private key for link TLS.
+    pub tls_key_file: Option<PathBuf>,
+    /// The name backends' certificates are verified against; unset: the backend's IP
+    /// address (its certificate then needs that IP address as a subject alternative name).
+    pub tls_server_name: Option<String>,
 }
 
 impl Default for LinksConfig {
@@ -179,11 +190,39 @@ impl Default for LinksConfig {
             busy_retry_after_ms: 200,
             secret_file: None,
             insecure_no_secret: false,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+            tls_server_name: None,
         }
     }
 }
 
 impl LinksConfig {
+    /// The mutual-TLS files of the links, when all three are set (some but not all: an
+    /// error naming the missing one).
+    pub fn tls_files(&self) -> Result<Option<waygate_link::tls::LinkTlsFiles>, ConfigError> {
+        match (&self.tls_ca_file, &self.tls_cert_file, &self.tls_key_file) {
+            (None, None, None) => Ok(None),
+            (Some(ca), Some(cert), Some(key)) => Ok(Some(waygate_link::tls::LinkTlsFiles {
+                ca: ca.clone(),
+                cert: cert.clone(),
+                key: key.clone(),
+            })),
+            (ca, cert, _) => Err(ConfigError::Invalid {
+                key: if ca.is_none() {
+                    "links.tls_ca_file"
+                } else if cert.is_none() {
+                    "links.tls_cert_file"
+                } else {
+                    "links.tls_key_file"
+                },
+                message: "link TLS needs tls_ca_file, tls_cert_file and tls_key_file together"
+                    .into(),
+            }),
+        }
+    }
+
     /// The link secret: `WAYGATE_LINK_SECRET`, else the first line of `secret_file`.
     pub fn secret(&self) -> Result<Option<std::sync::Arc<[u8]>>, ConfigError> {
         waygate_link::load_link_secret(self.secret_file.as_deref()).map_err(|message| {
@@ -787,8 +826,10 @@ impl EdgeConfig {
                 });
             }
         }
+        self.links.tls_files()?;
         if !self.links.insecure_no_secret
             && self.links.secret_file.is_none()
+            && self.links.tls_ca_file.is_none()
             && std::env::var(waygate_link::LINK_SECRET_ENV).map_or(true, |t| t.trim().is_empty())
         {
             if let Some(exposed) = self.exposed_listener() {

@@ -40,6 +40,9 @@ pub struct LinkConfig {
     /// The link secret (PROTOCOL.md §9.3): with it, the backend must prove it holds it and
     /// this edge proves it too; without it, a backend asking for a proof is not linked.
     pub secret: Option<Arc<[u8]>>,
+    /// Mutual TLS (PROTOCOL.md §9.3): the client config (with this edge's certificate) and
+    /// the name to verify backends as (`None`: the backend's IP address).
+    pub tls: Option<(Arc<rustls::ClientConfig>, Option<String>)>,
 }
 
 impl Default for LinkConfig {
@@ -52,6 +55,7 @@ impl Default for LinkConfig {
             backoff_min: Duration::from_millis(100),
             backoff_max: Duration::from_secs(5),
             secret: None,
+            tls: None,
             busy_retry_after_ms: 200,
         }
     }
@@ -651,6 +655,11 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
         .map_err(|_| "connect timed out")?
         .map_err(|_| "connect failed")?;
     let _ = stream.set_nodelay(true);
+    let options = |on_frame| waygate_link::LinkIoOptions {
+        read_queue: config.push_credits as usize + 1024,
+        on_credit: None,
+        on_frame,
+    };
     // The reader's queue holds every PUSH the backend may have in flight (our credit).
     // With a fast sink, the reader itself carries out what needs no waiting (`take_now`).
     let return_every = (config.push_credits / 4).max(1);
@@ -658,16 +667,34 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
         let shared = shared.clone();
         Arc::new(move |frame| take_now(&shared, frame, return_every)) as waygate_link::OnFrame
     });
-    let mut io = spawn_link_io(
-        stream,
-        DEFAULT_MAX_LINK_FRAME,
-        config.heartbeat,
-        waygate_link::LinkIoOptions {
-            read_queue: config.push_credits as usize + 1024,
-            on_credit: None,
-            on_frame,
-        },
-    );
+    let mut io = match &config.tls {
+        None => spawn_link_io(
+            stream,
+            DEFAULT_MAX_LINK_FRAME,
+            config.heartbeat,
+            options(on_frame),
+        ),
+        Some((tls, name)) => {
+            let name = match name {
+                Some(n) => rustls_pki_types::ServerName::try_from(n.clone())
+                    .map_err(|_| "link tls_server_name is not a valid name")?,
+                None => rustls_pki_types::ServerName::IpAddress(shared.addr.ip().into()),
+            };
+            let tls = tokio::time::timeout(
+                config.connect_timeout,
+                tokio_rustls::TlsConnector::from(tls.clone()).connect(name, stream),
+            )
+            .await
+            .map_err(|_| "link TLS handshake timed out")?
+            .map_err(|_| "link TLS handshake failed (certificate?)")?;
+            spawn_link_io(
+                tls,
+                DEFAULT_MAX_LINK_FRAME,
+                config.heartbeat,
+                options(on_frame),
+            )
+        }
+    };
     let edge_nonce: [u8; waygate_protocol::link::LINK_NONCE_LEN] = rand::random();
     io.tx
         .send(LinkFrame::Hello {

@@ -6,10 +6,12 @@
 //! # waygate-link
 //!
 //! Owns only that shell (PROTOCOL.md §9): the edge's `LinkClient` (crate `waygate-edge`) and
-//! the backend SDK (crate `waygate-backend`) both run their links on it, and both load the
-//! link secret with [`load_link_secret`]. What it must never do: interpret frames beyond
+//! the backend SDK (crate `waygate-backend`) both run their links on it, both load the
+//! link secret with [`load_link_secret`] and build mutual-TLS configs with [`tls`]. What it must never do: interpret frames beyond
 //! LINK_PING/LINK_PONG, know sessions or routes, or depend on the edge (a game server's
 //! dependency tree contains it).
+
+pub mod tls;
 
 use std::time::Duration;
 

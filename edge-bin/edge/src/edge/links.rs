@@ -45,6 +45,7 @@ impl Shared {
                     heartbeat: Duration::from_millis(self.config.links.heartbeat_ms),
                     busy_retry_after_ms: self.config.links.busy_retry_after_ms,
                     secret: self.link_secret.clone(),
+                    tls: self.link_tls.clone(),
                     ..LinkConfig::default()
                 };
                 let (client, _task) =

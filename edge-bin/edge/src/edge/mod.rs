@@ -123,6 +123,8 @@ struct Shared {
     revocations: waygate_session::auth::Revocations,
     /// The secret backend links prove (PROTOCOL.md §9.3), when configured.
     link_secret: Option<Arc<[u8]>>,
+    /// Mutual TLS of backend links, when configured (client config, server name).
+    link_tls: Option<(Arc<rustls::ClientConfig>, Option<String>)>,
     /// The channels of this edge (sans-IO; never locked across an await or a push).
     channels: Mutex<waygate_channels::ChannelHub>,
 }

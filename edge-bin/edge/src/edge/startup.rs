@@ -37,7 +37,19 @@ impl Edge {
         // start with the public development key beyond loopback either.
         config.validate()?;
         let link_secret = config.links.secret()?;
-        if link_secret.is_none() && config.exposed_listener().is_some() {
+        let link_tls = match config.links.tls_files()? {
+            None => None,
+            Some(files) => Some((
+                waygate_link::tls::client_config(&files).map_err(|message| {
+                    EdgeError::Config(crate::config::ConfigError::Invalid {
+                        key: "links.tls_cert_file",
+                        message,
+                    })
+                })?,
+                config.links.tls_server_name.clone(),
+            )),
+        };
+        if link_secret.is_none() && link_tls.is_none() && config.exposed_listener().is_some() {
             tracing::warn!(
                 "backend links have no secret on an edge listening beyond loopback \
                  (links.insecure_no_secret): anything reaching a backend port can act as an edge"
@@ -211,6 +223,7 @@ impl Edge {
             governor,
             chaos_accept_panic: AtomicBool::new(false),
             link_secret,
+            link_tls,
             revocations: waygate_session::auth::Revocations::default(),
             channels: Mutex::new(waygate_channels::ChannelHub::new(
                 config.channels.clone(),
