@@ -1,8 +1,10 @@
 // The waygate session client over WebSocket (PROTOCOL.md §2.2, §5, §7): HELLO with token
-// and/or resume part, WELCOME outcomes, client seqs from 1 kept until acked and resent
-// after a restore, cumulative acks (piggybacked, or ACK after a delay / every N messages),
-// de-duplication of server seqs, PING/PONG heartbeats with RTT, reconnect with exponential
-// backoff and full jitter, REJECT retry-after, MIGRATE, and terminal kicked/expired.
+// and/or resume part (a proof of holding the resume token, never the token itself: §7.3.1;
+// computed with WebCrypto, so only in a secure context), WELCOME outcomes, client seqs from
+// 1 kept until acked and resent after a restore, cumulative acks (piggybacked, or ACK after
+// a delay / every N messages), de-duplication of server seqs, PING/PONG heartbeats with RTT,
+// reconnect with exponential backoff and full jitter, REJECT retry-after, MIGRATE, and
+// terminal kicked/expired.
 // Channel events (§12: DATA of CHANNEL_EVENT_MSG_ID) go through a ChannelTracker and are
 // surfaced as `channel` events, never as `message`s.
 
@@ -15,6 +17,7 @@ import {
   type Id,
   PROTOCOL_VERSION,
   ProtocolError,
+  type ResumeRequest,
   SUBPROTOCOL,
   type TrafficClass,
   WelcomeOutcome,
@@ -26,6 +29,7 @@ import {
   isSequenced,
   toHex,
 } from "./codec.js";
+import { resumeProof, resumeProofSupported } from "./resume.js";
 
 /** Seqs above the cumulative a receiver accepts (§7.4.1); further ahead is protocol_error. */
 export const RECV_WINDOW = 4096n;
@@ -178,7 +182,16 @@ interface Unacked {
 
 interface Session {
   id: Id;
+  /** The resume token: kept secret, only proven (§7.3.1). */
   token: Id;
+  /** Nonce of the last resume HELLO of this session (§7.3.1): 1, 2, 3, ...; 0 before the first. */
+  nonce: bigint;
+}
+
+function sameId(a: Id, b: Id): boolean {
+  if (a.length !== b.length) return false;
+  for (let i = 0; i < a.length; i++) if (a[i] !== b[i]) return false;
+  return true;
 }
 
 // Codes after which the client must not reconnect on its own.
@@ -234,6 +247,10 @@ export class WaygateClient {
   private connects = 0;
   /** The auth token expired: resume with the resume part alone (§7.1.1). */
   private resumeOnly = false;
+  /** The socket is open but its HELLO not yet sent (the resume proof is computed): nothing else goes out. */
+  private helloPending = false;
+  /** The "cannot resume without crypto.subtle" warning was logged. */
+  private warnedNoResume = false;
 
   private session: Session | null = null;
   private heartbeatMs = 10_000;
@@ -444,15 +461,8 @@ export class WaygateClient {
       if (gen !== this.gen) return;
       this._state = "handshaking";
       this.lastRx = now();
-      const resume = this.session
-        ? { sessionId: this.session.id, resumeToken: this.session.token, lastServerSeq: this.cum }
-        : null;
-      this.transmit({
-        type: "hello",
-        version: PROTOCOL_VERSION,
-        token: this.resumeOnly && resume ? new Uint8Array(0) : this.token,
-        resume,
-      });
+      this.helloPending = true;
+      void this.sendHello(gen);
     };
     ws.onmessage = (ev) => {
       if (gen !== this.gen) return;
@@ -467,9 +477,49 @@ export class WaygateClient {
     };
   }
 
+  /**
+   * Sends the HELLO of socket `gen`, the first frame on it. With a session, the resume part
+   * carries the next nonce and a proof of the resume token (§7.3.1), computed asynchronously:
+   * the HELLO goes out only if the socket is still the current one. Without `crypto.subtle`
+   * (a page that is not a secure context) the client cannot resume: it logs in afresh.
+   */
+  private async sendHello(gen: number): Promise<void> {
+    const session = this.session;
+    let resume: ResumeRequest | null = null;
+    if (session !== null) {
+      if (resumeProofSupported()) {
+        const nonce = ++session.nonce;
+        const lastServerSeq = this.cum;
+        try {
+          const proof = await resumeProof(session.token, session.id, lastServerSeq, nonce);
+          resume = { sessionId: session.id, proof, lastServerSeq, nonce };
+        } catch (e) {
+          this.warnNoResume(`computing the resume proof failed (${String(e)})`);
+        }
+      } else {
+        this.warnNoResume("crypto.subtle is unavailable (the page is not a secure context: serve it over https or from localhost)");
+      }
+    }
+    if (gen !== this.gen) return;
+    this.helloPending = false;
+    this.transmit({
+      type: "hello",
+      version: PROTOCOL_VERSION,
+      token: this.resumeOnly && resume ? new Uint8Array(0) : this.token,
+      resume,
+    });
+  }
+
+  private warnNoResume(why: string): void {
+    if (this.warnedNoResume) return;
+    this.warnedNoResume = true;
+    console.warn(`waygate: cannot resume sessions: ${why}; reconnects log in afresh with the auth token (a new session)`);
+  }
+
   /** Forgets the current socket (its later events are ignored) and closes it. */
   private dropSocket(status: number, reason: string): void {
     this.waitingSince = null;
+    this.helloPending = false;
     this.gen++;
     const ws = this.ws;
     this.ws = null;
@@ -589,6 +639,7 @@ export class WaygateClient {
   private transmit(f: Frame): void {
     const ws = this.ws;
     if (!ws || ws.readyState !== WS_OPEN) return;
+    if (this.helloPending && f.type !== "hello") return; // HELLO is the first frame (§7.1).
     ws.send(encodeFrame(f));
     this.lastTx = now();
     const expectsAnswer = (f.type === "data" && f.seq > 0n) || f.type === "ping";
@@ -714,7 +765,10 @@ export class WaygateClient {
 
   private onWelcome(w: Extract<Frame, { type: "welcome" }>): void {
     const first = this.session === null && this.cum === 0n && this.connects === 0;
-    this.session = { id: w.sessionId, token: w.resumeToken };
+    // §7.3.1: the nonce count goes on within a session; a new session id restarts it.
+    const held = this.session;
+    const nonce = held !== null && sameId(held.id, w.sessionId) ? held.nonce : 0n;
+    this.session = { id: w.sessionId, token: w.resumeToken, nonce };
     this.heartbeatMs = w.heartbeatIntervalMs;
     this.idleTimeoutMs = w.idleTimeoutMs;
     this.maxFrameSize = w.maxFrameSize > 0 ? w.maxFrameSize : DEFAULT_MAX_FRAME_SIZE;
@@ -832,7 +886,10 @@ export class WaygateClient {
   }
 
   private onMigrate(target: string, deadlineMs: number, sessionId: Id, resumeToken: Id): void {
-    this.session = { id: sessionId, token: resumeToken };
+    // The session id stays (§7.7): so does the nonce count.
+    const held = this.session;
+    const nonce = held !== null && sameId(held.id, sessionId) ? held.nonce : 0n;
+    this.session = { id: sessionId, token: resumeToken, nonce };
     // A browser can only follow ws/wss targets; any other (or empty) target means "any
     // edge from our own list".
     this.migrateTo = /^wss?:\/\//i.test(target) ? target : null;

@@ -2,8 +2,8 @@
 // their limits. One frame per binary WebSocket message (§2.2), so there is no length prefix.
 //
 // Number representation: every 64-bit field (seqs, acks, PING timestamps, the resume
-// part's last_server_seq, WELCOME's server_seq_base and client_seq_ack, ERROR's client_seq)
-// is a `bigint`, so the full u64 range round-trips exactly. Fields the protocol bounds below
+// part's last_server_seq and nonce, WELCOME's server_seq_base and client_seq_ack, ERROR's
+// client_seq) is a `bigint`, so the full u64 range round-trips exactly. Fields the protocol bounds below
 // 2^32 (msg_id, *_ms, max_frame_size, retry_after_ms) and lengths are plain `number`s.
 // Channel events (§12.2): the offset is a `bigint` like a seq; the epoch, which the protocol
 // keeps below 2^53, is a `number`.
@@ -20,6 +20,8 @@ export const MAX_MESSAGE_LEN = 1024;
 export const MAX_TARGET_LEN = 512;
 /** WebSocket subprotocol the client offers (§2.2). */
 export const SUBPROTOCOL = "waygate.v1";
+/** Length of the HELLO resume part's proof (§3.1, §7.3.1). */
+export const RESUME_PROOF_LEN = 32;
 
 const U32_LIMIT = 2 ** 32;
 const U64_MAX = (1n << 64n) - 1n;
@@ -109,11 +111,15 @@ export function codeClass(code: number): "general" | "protocol" | "auth" | "sess
 /** 16 raw bytes (session ids, resume tokens). */
 export type Id = Uint8Array;
 
+/** HELLO's resume part (§3.1). The resume token itself is never sent (§7.3.1). */
 export interface ResumeRequest {
   sessionId: Id;
-  resumeToken: Id;
+  /** 32 bytes: HMAC proof of holding the session's resume token (see `resumeProof`). */
+  proof: Uint8Array;
   /** Highest server seq received with nothing missing below it. */
   lastServerSeq: bigint;
+  /** Above the nonce of every earlier resume of this session the edge accepted (1, 2, 3, ...). */
+  nonce: bigint;
 }
 
 export type Frame =
@@ -270,7 +276,11 @@ export function encodeFrame(f: Frame): Uint8Array {
     case "hello": {
       if (f.token.length > MAX_TOKEN_LEN) throw new RangeError(`token longer than ${MAX_TOKEN_LEN} bytes`);
       w.u8(FrameType.Hello).u8(f.version).u8(f.resume ? 1 : 0).bytes(f.token);
-      if (f.resume) w.id(f.resume.sessionId).id(f.resume.resumeToken).varint(f.resume.lastServerSeq);
+      if (f.resume) {
+        const { sessionId, proof, lastServerSeq, nonce } = f.resume;
+        if (proof.length !== RESUME_PROOF_LEN) throw new RangeError(`a resume proof is ${RESUME_PROOF_LEN} bytes, got ${proof.length}`);
+        w.id(sessionId).raw(proof).varint(lastServerSeq).varint(nonce);
+      }
       break;
     }
     case "welcome":
@@ -455,8 +465,9 @@ export function decodeFrame(input: ArrayBuffer | Uint8Array, maxFrameSize = DEFA
       if (flags & 1) {
         resume = {
           sessionId: r.id("session_id"),
-          resumeToken: r.id("resume_token"),
+          proof: r.raw(RESUME_PROOF_LEN, "proof"),
           lastServerSeq: r.varint("last_server_seq"),
+          nonce: r.varint("nonce"),
         };
       }
       return { type: "hello", version, token, resume };

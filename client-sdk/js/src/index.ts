@@ -14,6 +14,7 @@ export {
   type WebSocketConstructor,
   type WebSocketLike,
 } from "./client.js";
+export { resumeKey, resumeProof, resumeProofSupported } from "./resume.js";
 export { ChannelTracker, type ChannelPosition, type ChannelUpdate, type ChannelUpdateKind } from "./channels.js";
 export {
   CHANNEL_EVENT_MSG_ID,
@@ -27,6 +28,7 @@ export {
   MAX_TOKEN_LEN,
   PROTOCOL_VERSION,
   ProtocolError,
+  RESUME_PROOF_LEN,
   Reader,
   SUBPROTOCOL,
   WelcomeOutcome,

@@ -11,6 +11,7 @@ import {
   decodeFrame,
   encodeChannelEvent,
   encodeFrame,
+  resumeProof,
 } from "../dist/index.js";
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
@@ -27,12 +28,14 @@ function scriptedWebSocket() {
       this.readyState = 0;
       this.binaryType = "blob";
       this.sent = [];
+      this.raw = [];
       this.closed = null;
       this.onopen = this.onmessage = this.onclose = this.onerror = null;
       FakeWS.all.push(this);
     }
     send(bytes) {
       assert.equal(this.readyState, 1, "send on a socket that is not open");
+      this.raw.push(bytes);
       this.sent.push(decodeFrame(bytes));
     }
     close(code, reason) {
@@ -40,9 +43,12 @@ function scriptedWebSocket() {
       this.readyState = 3;
     }
     // --- the server's side
-    open() {
+    /** Opens, then waits for the HELLO: a resume HELLO goes out once its proof is computed (WebCrypto, asynchronous). */
+    async open() {
       this.readyState = 1;
       this.onopen?.({});
+      const deadline = Date.now() + 5000; // WebCrypto runs on node's thread pool: slow on a busy machine
+      while (this.sent.length === 0 && this.readyState === 1 && Date.now() < deadline) await sleep(1);
     }
     deliver(frame) {
       const b = encodeFrame(frame);
@@ -104,11 +110,24 @@ function setup(options = {}) {
   return { client, WS, events, named };
 }
 
+/** Checks a HELLO's resume part (§7.3.1): fields, and the proof of holding `token`. */
+async function assertResume(resume, { sessionId, token, lastServerSeq, nonce }) {
+  assert.ok(resume, "a resume part");
+  assert.deepEqual(Object.keys(resume).sort(), ["lastServerSeq", "nonce", "proof", "sessionId"]);
+  assert.deepEqual(resume.sessionId, sessionId);
+  assert.equal(resume.lastServerSeq, lastServerSeq);
+  assert.equal(resume.nonce, nonce);
+  assert.deepEqual(resume.proof, await resumeProof(token, sessionId, lastServerSeq, nonce), "proof of the resume token");
+}
+
+/** Whether `needle` occurs in `bytes`. */
+const contains = (bytes, needle) => Buffer.from(bytes).indexOf(Buffer.from(needle)) !== -1;
+
 /** Connects and answers HELLO with WELCOME(outcome). */
 async function connect(ctx, outcome = 0, opts = {}) {
   ctx.client.connect();
   const ws = ctx.WS.all.at(-1);
-  ws.open();
+  await ws.open();
   const hello = ws.take();
   ws.deliver(welcome(outcome, opts));
   return { ws, hello };
@@ -156,9 +175,10 @@ test("resume after a drop: resume part, unacked above client_seq_ack resent with
   const ws2 = ctx.WS.all.at(-1);
   assert.notEqual(ws2, ws, "reconnected");
   ctx.client.send(1000, "up-5"); // queued while reconnecting
-  ws2.open();
+  await ws2.open();
   const [hello] = ws2.take();
-  assert.deepEqual(hello.resume, { sessionId: id(1), resumeToken: id(2), lastServerSeq: 2n });
+  await assertResume(hello.resume, { sessionId: id(1), token: id(2), lastServerSeq: 2n, nonce: 1n });
+  assert.ok(!contains(ws2.raw[0], id(2)), "the resume token itself is never sent");
   assert.deepEqual(hello.token, new Uint8Array([0xaa, 0xbb]), "SHOULD send both token and resume part");
   ws2.deliver(welcome(1, { resumeToken: id(3), serverSeqBase: 2n, clientSeqAck: 3n }));
   const sent = ws2.take();
@@ -174,12 +194,13 @@ test("resume after a drop: resume part, unacked above client_seq_ack resent with
   ws2.deliver(data(2)); // replayed duplicate: dropped
   ws2.deliver(data(3));
   assert.deepEqual(ctx.named("message").map((m) => m.seq), [1n, 2n, 3n]);
-  // The next resume presents the new token.
+  // The next resume proves the new token, with the next nonce.
   ws2.drop();
   await sleep(5);
   const ws3 = ctx.WS.all.at(-1);
-  ws3.open();
-  assert.deepEqual(ws3.take()[0].resume.resumeToken, id(3));
+  await ws3.open();
+  await assertResume(ws3.take()[0].resume, { sessionId: id(1), token: id(3), lastServerSeq: 3n, nonce: 2n });
+  assert.ok(!contains(ws3.raw[0], id(3)), "the resume token itself is never sent");
   ctx.client.close();
 });
 
@@ -216,7 +237,7 @@ test("restored with gap: resync event, cumulative jumps to server_seq_base", asy
   ws.drop();
   await sleep(5);
   const ws2 = ctx.WS.all.at(-1);
-  ws2.open();
+  await ws2.open();
   ws2.deliver(welcome(2, { serverSeqBase: 10n }));
   assert.equal(ctx.named("restoredWithGap")[0].serverSeqBase, 10n);
   ws2.deliver(data(5));
@@ -234,7 +255,7 @@ test("restore failed: new session, both seq spaces restart, old unacked discarde
   ws.drop();
   await sleep(5);
   const ws2 = ctx.WS.all.at(-1);
-  ws2.open();
+  await ws2.open();
   ws2.take();
   ws2.deliver(welcome(3, { sessionId: id(9) }));
   assert.deepEqual(ws2.take(), [{ type: "ack", ack: 0n }]);
@@ -249,7 +270,7 @@ test("REJECT retry-after is honoured; the next attempt goes to the next URL", as
   const ctx = setup();
   ctx.client.connect();
   const ws = ctx.WS.all.at(-1);
-  ws.open();
+  await ws.open();
   ws.deliver({ type: "reject", code: CloseCode.overloaded, retryAfterMs: 120, message: "full" });
   ws.deliver({ type: "close", code: CloseCode.overloaded, message: "" }); // ignored: already handled
   assert.equal(ctx.named("error")[0].kind, "rejected");
@@ -311,15 +332,19 @@ test("MIGRATE: CLOSE going_away, reconnect to the target with the new resume tok
   await sleep(5);
   const ws2 = ctx.WS.all.at(-1);
   assert.equal(ws2.url, "ws://edge-c:7080/");
-  ws2.open();
+  await ws2.open();
   const [hello] = ws2.take();
-  assert.deepEqual(hello.resume, { sessionId: id(1), resumeToken: id(7), lastServerSeq: 1n });
-  ws2.deliver(welcome(1, { serverSeqBase: 1n }));
+  await assertResume(hello.resume, { sessionId: id(1), token: id(7), lastServerSeq: 1n, nonce: 1n });
+  ws2.deliver(welcome(1, { resumeToken: id(6), serverSeqBase: 1n }));
   assert.equal(ctx.named("restored").length, 1);
   // A non-ws target (e.g. quic://) means "any edge from our own list".
   ws2.deliver({ type: "migrate", deadlineMs: 5000, target: "quic://edge-d:7444", sessionId: id(1), resumeToken: id(8) });
   await sleep(5);
-  assert.match(ctx.WS.all.at(-1).url, /^ws:\/\/edge-[ab]\/$/);
+  const ws3 = ctx.WS.all.at(-1);
+  assert.match(ws3.url, /^ws:\/\/edge-[ab]\/$/);
+  // MIGRATE keeps the session id: the nonce count goes on.
+  await ws3.open();
+  await assertResume(ws3.take()[0].resume, { sessionId: id(1), token: id(8), lastServerSeq: 1n, nonce: 2n });
   ctx.client.close();
 });
 
@@ -329,25 +354,104 @@ test("expired auth token: resume with the resume part alone; resume_rejected the
   ws.drop();
   await sleep(5);
   let w = ctx.WS.all.at(-1);
-  w.open();
-  w.take();
+  await w.open();
+  assert.equal(w.take()[0].resume.nonce, 1n);
   w.deliver({ type: "reject", code: CloseCode.auth_expired, retryAfterMs: 0, message: "" });
   await sleep(10);
   w = ctx.WS.all.at(-1);
-  w.open();
+  await w.open();
   const [hello] = w.take();
   assert.equal(hello.token.length, 0);
-  assert.deepEqual(hello.resume.sessionId, id(1));
+  await assertResume(hello.resume, { sessionId: id(1), token: id(2), lastServerSeq: 0n, nonce: 2n });
   w.deliver({ type: "reject", code: CloseCode.resume_rejected, retryAfterMs: 0, message: "" });
   assert.equal(ctx.client.state, "closed");
   assert.equal(ctx.named("closed")[0].code, CloseCode.resume_rejected);
+});
+
+test("resume nonces count 1, 2, ... per session and restart with a new session id", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx, 0, { sessionId: id(1), resumeToken: id(2) });
+  ws.drop();
+  await sleep(5);
+  let w = ctx.WS.all.at(-1);
+  await w.open();
+  await assertResume(w.take()[0].resume, { sessionId: id(1), token: id(2), lastServerSeq: 0n, nonce: 1n });
+  // Refused by the edge (e.g. resume_rejected): a new session with another id.
+  w.deliver(welcome(3, { sessionId: id(9), resumeToken: id(4) }));
+  w.deliver(data(1));
+  w.drop();
+  await sleep(5);
+  w = ctx.WS.all.at(-1);
+  await w.open();
+  await assertResume(w.take()[0].resume, { sessionId: id(9), token: id(4), lastServerSeq: 1n, nonce: 1n });
+  w.deliver(welcome(1, { sessionId: id(9), resumeToken: id(5), serverSeqBase: 1n }));
+  w.drop();
+  await sleep(5);
+  w = ctx.WS.all.at(-1);
+  await w.open();
+  await assertResume(w.take()[0].resume, { sessionId: id(9), token: id(5), lastServerSeq: 1n, nonce: 2n });
+  ctx.client.close();
+});
+
+test("a socket lost while the resume proof is computed gets no HELLO; nothing precedes a HELLO", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx);
+  ws.drop();
+  await sleep(5);
+  const w2 = ctx.WS.all.at(-1);
+  w2.readyState = 1;
+  w2.onopen({});
+  w2.deliver({ type: "ping", timestamp: 7n }); // not answered before the HELLO
+  w2.drop();
+  await sleep(10);
+  assert.deepEqual(w2.sent, [], "no frame on the lost socket");
+  const w3 = ctx.WS.all.at(-1);
+  assert.notEqual(w3, w2);
+  await w3.open();
+  const sent = w3.take();
+  assert.equal(sent.length, 1);
+  // A nonce is never used twice, even one whose HELLO never left.
+  await assertResume(sent[0].resume, { sessionId: id(1), token: id(2), lastServerSeq: 0n, nonce: 2n });
+  ctx.client.close();
+});
+
+test("without crypto.subtle (not a secure context): one warning, HELLO without resume part, a fresh login", async (t) => {
+  const warnings = [];
+  t.mock.method(console, "warn", (...args) => warnings.push(args.join(" ")));
+  const ctx = setup();
+  const { ws } = await connect(ctx);
+  ctx.client.send(1000, "unacked");
+  const saved = Object.getOwnPropertyDescriptor(globalThis, "crypto");
+  Object.defineProperty(globalThis, "crypto", { value: {}, configurable: true, writable: true });
+  try {
+    for (let round = 0; round < 2; round++) {
+      ctx.WS.all.at(-1).drop();
+      await sleep(5);
+      const w = ctx.WS.all.at(-1);
+      await w.open();
+      const [hello] = w.take();
+      assert.deepEqual(hello, { type: "hello", version: 1, token: new Uint8Array([0xaa, 0xbb]), resume: null });
+      w.deliver(welcome(0, { sessionId: id(20 + round) }));
+    }
+  } finally {
+    Object.defineProperty(globalThis, "crypto", saved);
+  }
+  assert.equal(warnings.length, 1, "warned once");
+  assert.match(warnings[0], /crypto\.subtle/);
+  assert.deepEqual(ctx.named("newSession").map((e) => [e.sessionId, e.discarded]), [
+    ["01".repeat(16), 0],
+    ["14".repeat(16), 1],
+    ["15".repeat(16), 0],
+  ]);
+  assert.equal(ws.closed.code, 1000);
+  ctx.client.close();
 });
 
 test("auth failures without a session are terminal", async () => {
   const ctx = setup();
   ctx.client.connect();
   const ws = ctx.WS.all.at(-1);
-  ws.open();
+  await ws.open();
   ws.deliver({ type: "reject", code: CloseCode.auth_bad_signature, retryAfterMs: 0, message: "bad" });
   await sleep(20);
   assert.equal(ctx.client.state, "closed");
@@ -364,7 +468,7 @@ test("protocol violations close with the right code and reconnect", async () => 
   assert.equal(ws.closed.code, 4100);
   await sleep(5);
   ws = ctx.WS.all.at(-1);
-  ws.open();
+  await ws.open();
   ws.take();
   ws.deliver(welcome(1));
   ws.take();
@@ -372,19 +476,19 @@ test("protocol violations close with the right code and reconnect", async () => 
   assert.equal(ws.take().at(-1).code, CloseCode.protocol_error);
   await sleep(5);
   ws = ctx.WS.all.at(-1);
-  ws.open();
+  await ws.open();
   ws.deliver(data(1)); // DATA before WELCOME
   assert.equal(ws.take().at(-1).code, CloseCode.unexpected_frame);
   await sleep(5);
   ws = ctx.WS.all.at(-1);
-  ws.open();
+  await ws.open();
   ws.deliver(welcome(1));
   ws.take();
   ws.onmessage({ data: "text" });
   assert.equal(ws.take().at(-1).code, CloseCode.text_message);
   await sleep(5);
   ws = ctx.WS.all.at(-1);
-  ws.open();
+  await ws.open();
   ws.deliver(welcome(1));
   ws.take();
   ws.deliver({ type: "ack", ack: 99n }); // above anything sent
@@ -587,7 +691,7 @@ test("channel positions survive a new session (they are what the game recovers f
   ws.drop();
   await sleep(5);
   const ws2 = ctx.WS.all.at(-1);
-  ws2.open();
+  await ws2.open();
   ws2.deliver(welcome(3, { sessionId: id(9) }));
   assert.deepEqual(ctx.client.channelPositions(), new Map([["guild:7", pos(42, 10)]]));
   // The backend joins with `since` = that position: HISTORY_LOST on a new epoch.

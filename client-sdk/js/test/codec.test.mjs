@@ -75,7 +75,13 @@ test("every frame type round-trips", () => {
       type: "hello",
       version: 1,
       token: new Uint8Array(0),
-      resume: { sessionId: id(7), resumeToken: id(9), lastServerSeq: (1n << 64n) - 1n },
+      resume: { sessionId: id(7), proof: new Uint8Array(32).fill(9), lastServerSeq: (1n << 64n) - 1n, nonce: (1n << 64n) - 1n },
+    },
+    {
+      type: "hello",
+      version: 1,
+      token: new Uint8Array([4]),
+      resume: { sessionId: id(7), proof: new Uint8Array(32).fill(9), lastServerSeq: 0n, nonce: 1n },
     },
     {
       type: "welcome",
@@ -104,14 +110,18 @@ test("every frame type round-trips", () => {
   }
 });
 
-test("HELLO layout: version, flags, token, resume part", () => {
+test("HELLO layout: version, flags, token, resume part (session_id, proof, last_server_seq, nonce)", () => {
   const enc = encodeFrame({
     type: "hello",
     version: 1,
     token: new Uint8Array([0xaa, 0xbb]),
-    resume: { sessionId: id(0x11), resumeToken: id(0x22), lastServerSeq: 300n },
+    resume: { sessionId: id(0x11), proof: new Uint8Array(32).fill(0x22), lastServerSeq: 300n, nonce: 2n },
   });
-  assert.equal(hex(enc), "010101" + "02aabb" + "11".repeat(16) + "22".repeat(16) + "ac02");
+  assert.equal(hex(enc), "010101" + "02aabb" + "11".repeat(16) + "22".repeat(32) + "ac02" + "02");
+  // Truncated resume parts are protocol errors: inside the proof, and without the nonce.
+  for (const cut of [3 + 3 + 16 + 31, enc.length - 1]) {
+    assert.throws(() => decodeFrame(enc.subarray(0, cut)), (e) => e instanceof ProtocolError && e.code === CloseCode.protocol_error, `cut at ${cut}`);
+  }
 });
 
 test("WELCOME, REJECT, CLOSE, ERROR: u16 big-endian and trailing bytes ignored (§1.1)", () => {
@@ -180,8 +190,20 @@ test("encoder refuses what the wire cannot carry", () => {
   assert.throws(() => encodeFrame({ type: "close", code: 70000, message: "" }), RangeError);
   assert.throws(() => encodeFrame({ type: "hello", version: 1, token: new Uint8Array(4097), resume: null }), RangeError);
   assert.throws(
-    () => encodeFrame({ type: "hello", version: 1, token: new Uint8Array(), resume: { sessionId: id(1).subarray(0, 15), resumeToken: id(2), lastServerSeq: 0n } }),
+    () => encodeFrame({ type: "hello", version: 1, token: new Uint8Array(), resume: { sessionId: id(1).subarray(0, 15), proof: new Uint8Array(32), lastServerSeq: 0n, nonce: 1n } }),
     RangeError,
+  );
+  for (const n of [0, 16, 31, 33]) {
+    assert.throws(
+      () => encodeFrame({ type: "hello", version: 1, token: new Uint8Array(), resume: { sessionId: id(1), proof: new Uint8Array(n), lastServerSeq: 0n, nonce: 1n } }),
+      /resume proof is 32 bytes/,
+      `proof of ${n} bytes`,
+    );
+  }
+  assert.throws(
+    () => encodeFrame({ type: "hello", version: 1, token: new Uint8Array(), resume: { sessionId: id(1), proof: new Uint8Array(32), lastServerSeq: 0n, nonce: 1n << 64n } }),
+    RangeError,
+    "nonce above u64",
   );
 });
 
