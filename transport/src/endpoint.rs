@@ -1,6 +1,8 @@
 //! Client endpoints as URLs — `tcp://host:port`, `tls://`, `ws://host:port/path`, `wss://`,
 //! `quic://`, `kcp://` — and one `connect` for all of them. MIGRATE targets (PROTOCOL.md
-//! §3.7) use the same syntax.
+//! §3.7) use the same syntax. Hosts are IP literals (`[v6]` in brackets) or DNS names,
+//! resolved at each connect (every address tried in the resolver's order, IPv6 and IPv4).
+//! TLS (tls, wss, quic) trusts the caller's CA, or the system's trust roots without one.
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -20,7 +22,8 @@ pub struct Endpoint {
     pub kind: TransportKind,
     /// Host name or IP literal (TLS server name, WebSocket Host header).
     pub host: String,
-    /// Resolved address.
+    /// The address for an IP literal host; for a DNS name, the port with an unspecified
+    /// address (the name is resolved at each connect, [`Endpoint::is_name`]).
     pub addr: SocketAddr,
     /// WebSocket path (`/` otherwise).
     pub path: String,
@@ -52,8 +55,42 @@ impl Endpoint {
         }
     }
 
-    /// Parses `scheme://host:port[/path]`. Hosts must be IP literals or `localhost`
-    /// (no DNS lookups here; resolve names before).
+    /// Whether the host is a DNS name (resolved at connect) rather than an IP literal.
+    pub fn is_name(&self) -> bool {
+        self.host.parse::<std::net::IpAddr>().is_err()
+    }
+
+    /// The addresses to try, in order: the IP literal, or every address the name resolves
+    /// to (bounded by `timeout`).
+    pub async fn resolve(
+        &self,
+        timeout: std::time::Duration,
+    ) -> Result<Vec<SocketAddr>, TransportError> {
+        if !self.is_name() {
+            return Ok(vec![self.addr]);
+        }
+        let lookup = tokio::net::lookup_host((self.host.as_str(), self.addr.port()));
+        let found = tokio::time::timeout(timeout, lookup)
+            .await
+            .map_err(|_| TransportError::HandshakeTimeout)?
+            .map_err(|e| TransportError::Handshake(format!("cannot resolve {}: {e}", self.host)))?;
+        let mut addrs: Vec<SocketAddr> = Vec::new();
+        for a in found {
+            if !addrs.contains(&a) {
+                addrs.push(a);
+            }
+        }
+        if addrs.is_empty() {
+            return Err(TransportError::Handshake(format!(
+                "{} resolves to no address",
+                self.host
+            )));
+        }
+        Ok(addrs)
+    }
+
+    /// Parses `scheme://host:port[/path]`. A host is an IP literal (IPv6 in brackets) or a
+    /// DNS name (letters, digits, `-` and `.`; resolved at connect).
     pub fn parse(url: &str) -> Result<Self, TransportError> {
         let bad = |what: &str| TransportError::Config(format!("endpoint `{url}`: {what}"));
         let (scheme, rest) = url
@@ -78,11 +115,10 @@ impl Endpoint {
                 .ok_or_else(|| bad("missing :port"))?
         };
         let port: u16 = port.parse().map_err(|_| bad("invalid port"))?;
-        let ip: std::net::IpAddr = if host == "localhost" {
-            std::net::IpAddr::from([127, 0, 0, 1])
-        } else {
-            host.parse()
-                .map_err(|_| bad("host must be an IP literal or localhost"))?
+        let ip: std::net::IpAddr = match host.parse() {
+            Ok(ip) => ip,
+            Err(_) if is_dns_name(host) => std::net::IpAddr::from([0, 0, 0, 0]),
+            Err(_) => return Err(bad("host must be an IP literal or a DNS name")),
         };
         Ok(Self {
             kind,
@@ -93,12 +129,27 @@ impl Endpoint {
     }
 }
 
+/// Whether `host` is a syntactically valid DNS name (RFC 1123 labels).
+fn is_dns_name(host: &str) -> bool {
+    !host.is_empty()
+        && host.len() <= 253
+        && host.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        })
+}
+
 /// Everything a client needs besides the endpoint.
 #[derive(Debug, Clone, Default)]
 pub struct ConnectOptions {
     /// Limits and timeouts.
     pub conn: ConnConfig,
-    /// Trusted CAs for tls, wss and QUIC (required for those).
+    /// Trusted CAs for tls, wss and QUIC; `None`: the system's trust roots.
     pub tls: Option<ClientTls>,
     /// QUIC settings.
     pub quic: QuicConfig,
@@ -106,35 +157,68 @@ pub struct ConnectOptions {
     pub kcp: KcpConfig,
 }
 
-/// Connects to `endpoint`.
+/// Connects to `endpoint`: each address it resolves to in turn, until one connects (the
+/// last failure is returned).
 pub async fn connect(
     endpoint: &Endpoint,
     options: &ConnectOptions,
 ) -> Result<BoxConnection, TransportError> {
+    let system;
+    let tls = match &options.tls {
+        Some(tls) => Some(tls),
+        None if matches!(
+            endpoint.kind,
+            TransportKind::Tls | TransportKind::Wss | TransportKind::Quic
+        ) =>
+        {
+            system = ClientTls::system_roots()?;
+            Some(&system)
+        }
+        None => None,
+    };
+    let addrs = endpoint.resolve(options.conn.handshake_timeout).await?;
+    connect_any(endpoint, &addrs, tls, options).await
+}
+
+/// Connects to `endpoint` at each of `addrs` in turn until one connects; the last failure
+/// otherwise. (What [`connect`] does after resolving; `tls` as there.)
+pub async fn connect_any(
+    endpoint: &Endpoint,
+    addrs: &[SocketAddr],
+    tls: Option<&ClientTls>,
+    options: &ConnectOptions,
+) -> Result<BoxConnection, TransportError> {
+    let mut last = None;
+    for &addr in addrs {
+        match connect_addr(endpoint, addr, tls, options).await {
+            Ok(conn) => return Ok(conn),
+            Err(e) => {
+                tracing::debug!(%endpoint, %addr, error = %e, "address failed; trying the next");
+                last = Some(e);
+            }
+        }
+    }
+    Err(last.unwrap_or(TransportError::Closed))
+}
+
+async fn connect_addr(
+    endpoint: &Endpoint,
+    addr: SocketAddr,
+    tls: Option<&ClientTls>,
+    options: &ConnectOptions,
+) -> Result<BoxConnection, TransportError> {
     let need_tls = || {
-        options
-            .tls
-            .as_ref()
-            .ok_or_else(|| TransportError::Config(format!("{endpoint}: needs trusted CAs (tls)")))
+        tls.ok_or_else(|| TransportError::Config(format!("{endpoint}: needs trusted CAs (tls)")))
     };
     match endpoint.kind {
-        TransportKind::Tcp => connect_tcp(endpoint.addr, &options.conn).await,
-        TransportKind::Tls => {
-            connect_tls(endpoint.addr, &endpoint.host, need_tls()?, &options.conn).await
-        }
+        TransportKind::Tcp => connect_tcp(addr, &options.conn).await,
+        TransportKind::Tls => connect_tls(addr, &endpoint.host, need_tls()?, &options.conn).await,
         TransportKind::Ws => {
-            connect_ws(
-                endpoint.addr,
-                &endpoint.host,
-                &endpoint.path,
-                None,
-                &options.conn,
-            )
-            .await
+            connect_ws(addr, &endpoint.host, &endpoint.path, None, &options.conn).await
         }
         TransportKind::Wss => {
             connect_ws(
-                endpoint.addr,
+                addr,
                 &endpoint.host,
                 &endpoint.path,
                 Some(need_tls()?),
@@ -144,7 +228,7 @@ pub async fn connect(
         }
         TransportKind::Quic => {
             connect_quic(
-                endpoint.addr,
+                addr,
                 &endpoint.host,
                 need_tls()?,
                 &options.quic,
@@ -152,7 +236,7 @@ pub async fn connect(
             )
             .await
         }
-        TransportKind::Kcp => connect_kcp(endpoint.addr, &options.kcp, &options.conn).await,
+        TransportKind::Kcp => connect_kcp(addr, &options.kcp, &options.conn).await,
     }
 }
 
@@ -165,17 +249,23 @@ mod tests {
         let e = Endpoint::parse("wss://localhost:7443/game").unwrap();
         assert_eq!(e.kind, TransportKind::Wss);
         assert_eq!(e.host, "localhost");
-        assert_eq!(e.addr, "127.0.0.1:7443".parse().unwrap());
+        assert!(e.is_name(), "localhost is resolved like any name");
         assert_eq!(e.path, "/game");
         assert_eq!(e.to_string(), "wss://localhost:7443/game");
         let v6 = Endpoint::parse("quic://[::1]:7444").unwrap();
         assert_eq!(v6.addr, "[::1]:7444".parse().unwrap());
         assert_eq!(v6.to_string(), "quic://[::1]:7444");
+        let name = Endpoint::parse("wss://game.example.com:443/play").unwrap();
+        assert!(name.is_name());
+        assert_eq!(name.addr.port(), 443);
+        assert_eq!(name.to_string(), "wss://game.example.com:443/play");
+        assert!(!v6.is_name());
         for bad in [
             "7000",
             "ftp://1.2.3.4:1",
             "tcp://1.2.3.4",
-            "tcp://example.com:80",
+            "tcp://exa_mple.com:80",
+            "tcp://-bad.example:80",
             "tcp://1.2.3.4:99999",
         ] {
             assert!(Endpoint::parse(bad).is_err(), "{bad}");

@@ -140,6 +140,33 @@ impl ClientTls {
         })
     }
 
+    /// The operating system's trust roots (loaded once per process): what a client trusts
+    /// when it was given no CA of its own, so `wss://game.example.com` behind a public CA
+    /// works. An error when the system has none (then pass a CA).
+    pub fn system_roots() -> Result<Self, TransportError> {
+        static ROOTS: std::sync::OnceLock<Result<ClientTls, String>> = std::sync::OnceLock::new();
+        ROOTS
+            .get_or_init(|| {
+                let found = rustls_native_certs::load_native_certs();
+                let mut roots = rustls::RootCertStore::empty();
+                let (added, _ignored) = roots.add_parsable_certificates(found.certs);
+                if added == 0 {
+                    let why = found
+                        .errors
+                        .first()
+                        .map_or_else(|| "none found".to_owned(), ToString::to_string);
+                    return Err(format!(
+                        "no system trust roots ({why}): pass the CA to trust (ca_pem)"
+                    ));
+                }
+                Ok(ClientTls {
+                    roots: Arc::new(roots),
+                })
+            })
+            .clone()
+            .map_err(config_err)
+    }
+
     /// Trusts the CA certificates in a PEM file.
     pub fn from_ca_file(path: &Path) -> Result<Self, TransportError> {
         let pem = std::fs::read_to_string(path)

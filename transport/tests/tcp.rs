@@ -193,3 +193,58 @@ async fn tls_handshake_with_garbage_is_dropped_and_counted() {
         .unwrap();
     common::exchange(&mut conn, 1, 20, MAX).await;
 }
+
+/// SDK issue item 1: hosts are names, resolved at each connect, and every address is tried.
+/// `localhost` reaches a TLS listener through the resolver (verified as `localhost` against
+/// the dev CA); an endpoint whose first address refuses falls through to the next; without
+/// a CA the system's roots are used, so the dev certificate is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_resolve_every_address_is_tried_and_tls_defaults_to_system_roots() {
+    use waygate_transport::endpoint::{connect, connect_any, ConnectOptions, Endpoint};
+    let id = TlsIdentity::generate_dev(&[]).unwrap();
+    let listener = tcp::listen("127.0.0.1:0".parse().unwrap(), Some(&id), config())
+        .await
+        .unwrap();
+    let addr = listener.local_addr();
+    let _server = common::spawn_echo_server(Box::new(listener));
+    let dev_ca = ClientTls::from_ca_pem(id.dev_ca_pem.as_deref().unwrap()).unwrap();
+    let endpoint = Endpoint::parse(&format!("tls://localhost:{}", addr.port())).unwrap();
+    assert!(endpoint.is_name());
+    let resolved = endpoint.resolve(Duration::from_secs(5)).await.unwrap();
+    assert!(
+        resolved.iter().any(|a| a.ip().is_loopback()),
+        "{resolved:?}"
+    );
+    let options = ConnectOptions {
+        conn: config(),
+        tls: Some(dev_ca.clone()),
+        ..ConnectOptions::default()
+    };
+    let mut conn = common::timeout(connect(&endpoint, &options)).await.unwrap();
+    conn.send(&Frame::Ping { timestamp: 9 }).await.unwrap();
+    assert_eq!(
+        common::timeout(conn.recv()).await.unwrap(),
+        Frame::Ping { timestamp: 9 }
+    );
+    // The first address refuses (nothing listens there): the next one is tried.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_addr = dead.local_addr().unwrap();
+    drop(dead);
+    let conn = common::timeout(connect_any(
+        &endpoint,
+        &[dead_addr, addr],
+        Some(&dev_ca),
+        &options,
+    ))
+    .await;
+    assert!(conn.is_ok(), "fell through to the second address");
+    // No CA given: the system's roots, which do not include the dev CA.
+    let system = ConnectOptions {
+        conn: config(),
+        ..ConnectOptions::default()
+    };
+    assert!(
+        common::timeout(connect(&endpoint, &system)).await.is_err(),
+        "the dev certificate is not trusted by the system roots"
+    );
+}

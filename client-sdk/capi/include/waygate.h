@@ -178,7 +178,8 @@ typedef struct waygate_options {
   /**
    * Required. Endpoint URLs in order of preference, separated by commas, e.g.
    * "kcp://127.0.0.1:7100,quic://localhost:7444,tcp://127.0.0.1:7000". Schemes: tcp, tls,
-   * ws, wss, quic, kcp; hosts are IP literals or localhost.
+   * ws, wss, quic, kcp; hosts are IP literals ([v6] in brackets) or DNS names, resolved at
+   * each connect (every address tried).
    */
   const char *endpoints;
   /**
@@ -190,8 +191,8 @@ typedef struct waygate_options {
    */
   size_t token_len;
   /**
-   * PEM text of the CA certificates to trust for tls, wss and quic endpoints (NULL: none;
-   * such endpoints then fail to connect).
+   * PEM text of the CA certificates to trust for tls, wss and quic endpoints (NULL: the
+   * system's trust roots).
    */
   const char *ca_pem;
   /**

@@ -26,14 +26,15 @@ pub const WAYGATE_CLASS_BEST_EFFORT: u8 = 2;
 pub struct waygate_options {
     /// Required. Endpoint URLs in order of preference, separated by commas, e.g.
     /// "kcp://127.0.0.1:7100,quic://localhost:7444,tcp://127.0.0.1:7000". Schemes: tcp, tls,
-    /// ws, wss, quic, kcp; hosts are IP literals or localhost.
+    /// ws, wss, quic, kcp; hosts are IP literals ([v6] in brackets) or DNS names, resolved at
+    /// each connect (every address tried).
     pub endpoints: *const c_char,
     /// Required. The auth token bytes from the login service (decoded, not base64).
     pub token: *const u8,
     /// Length of `token` in bytes.
     pub token_len: usize,
-    /// PEM text of the CA certificates to trust for tls, wss and quic endpoints (NULL: none;
-    /// such endpoints then fail to connect).
+    /// PEM text of the CA certificates to trust for tls, wss and quic endpoints (NULL: the
+    /// system's trust roots).
     pub ca_pem: *const c_char,
     /// How long a UDP endpoint (kcp, quic) may take to connect before the next one is tried
     /// (default 2000 ms).

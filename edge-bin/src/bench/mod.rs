@@ -573,11 +573,21 @@ impl Env {
         let mut suts = BTreeMap::new();
         if let Some(url) = &args.edge {
             let e = Endpoint::parse(url).map_err(|e| e.to_string())?;
+            let addr = if e.is_name() {
+                use std::net::ToSocketAddrs as _;
+                (e.host.as_str(), e.addr.port())
+                    .to_socket_addrs()
+                    .map_err(|err| format!("{url}: {err}"))?
+                    .next()
+                    .ok_or_else(|| format!("{url}: resolves to no address"))?
+            } else {
+                e.addr
+            };
             suts.insert(
                 Target::Edge,
                 Sut {
                     pid: args.edge_pid,
-                    addrs: BTreeMap::from([(e.kind.as_str().to_string(), e.addr)]),
+                    addrs: BTreeMap::from([(e.kind.as_str().to_string(), addr)]),
                     tls: args.ca.as_deref().and_then(ca),
                 },
             );
