@@ -98,6 +98,18 @@ pub enum Event {
         /// The server's hint.
         retry_after_ms: u32,
     },
+    /// One connect attempt to `endpoint` failed (resolution, refused, timed out, TLS
+    /// certificate, KCP connect token...): the client goes on with the next endpoint, or
+    /// waits its backoff. `attempt` counts the rounds over the endpoint list since the last
+    /// session was up (1 = the first).
+    ConnectFailed {
+        /// The endpoint tried.
+        endpoint: String,
+        /// Why it failed, for people (logs, a "reconnecting" screen).
+        reason: String,
+        /// The round.
+        attempt: u32,
+    },
     /// The server asks us to move; the client reconnects to `target` and resumes.
     Migrating {
         /// Target endpoint (empty: the configured list).
@@ -312,8 +324,12 @@ async fn run(
             }
         };
         tokio::select! {
-            outcome = async { connecting.as_mut().map_or_else(|| unreachable!(), |c| c.as_mut()).await }, if connecting.is_some() => {
+            (outcome, failures) = async { connecting.as_mut().map_or_else(|| unreachable!(), |c| c.as_mut()).await }, if connecting.is_some() => {
                 connecting = None;
+                let attempt = d.failures.saturating_add(1);
+                for (endpoint, reason) in failures {
+                    let _ = d.events.send(Event::ConnectFailed { endpoint, reason, attempt }).await;
+                }
                 d.connected(outcome).await;
             }
             frame = recv(&mut d.conn) => {
@@ -376,34 +392,39 @@ enum ConnectOutcome {
     Failed,
 }
 
-type Connecting = std::pin::Pin<Box<dyn std::future::Future<Output = ConnectOutcome> + Send>>;
+type Connecting = std::pin::Pin<
+    Box<dyn std::future::Future<Output = (ConnectOutcome, Vec<(String, String)>)> + Send>,
+>;
 
 /// One connect round: each endpoint in order, UDP ones with the shorter timeout, until one
 /// answers (C1). Runs beside the command loop, so `send` never waits for a connect.
+/// Tries each endpoint in turn; the outcome, and every endpoint that failed before it
+/// (with its reason).
 async fn connect_round(
     list: Vec<Endpoint>,
     options: ConnectOptions,
     udp_timeout: Duration,
-) -> ConnectOutcome {
+) -> (ConnectOutcome, Vec<(String, String)>) {
+    let mut failures = Vec::new();
     for endpoint in list {
         let limit = if endpoint.kind.is_udp() {
             udp_timeout
         } else {
             options.conn.handshake_timeout
         };
-        match tokio::time::timeout(limit, connect(&endpoint, &options)).await {
-            Ok(Ok(conn)) => return ConnectOutcome::Up(conn, endpoint.to_string()),
+        let reason = match tokio::time::timeout(limit, connect(&endpoint, &options)).await {
+            Ok(Ok(conn)) => return (ConnectOutcome::Up(conn, endpoint.to_string()), failures),
             Ok(Err(TransportError::Refused {
                 code,
                 retry_after_ms,
-            })) => return ConnectOutcome::Refused(code, retry_after_ms),
-            Ok(Err(e)) => {
-                tracing::debug!(%endpoint, error = %e, "connect failed; trying the next endpoint")
-            }
-            Err(_) => tracing::debug!(%endpoint, "connect timed out; trying the next endpoint"),
-        }
+            })) => return (ConnectOutcome::Refused(code, retry_after_ms), failures),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no connection within {} ms", limit.as_millis()),
+        };
+        tracing::debug!(%endpoint, %reason, "connect failed; trying the next endpoint");
+        failures.push((endpoint.to_string(), reason));
     }
-    ConnectOutcome::Failed
+    (ConnectOutcome::Failed, failures)
 }
 
 async fn recv(

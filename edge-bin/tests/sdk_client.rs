@@ -309,3 +309,47 @@ async fn an_expired_token_does_not_end_a_resumable_session() {
         .await
         .expect("a running client takes a fresh token");
 }
+
+/// SDK issue item 3: connection failures are visible. A client whose first endpoint is a
+/// TLS listener with a certificate it does not trust (no CA given: the system's roots)
+/// gets `ConnectFailed` naming the endpoint and the certificate problem, then connects over
+/// its next endpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_connect_attempt_is_an_event_with_its_reason() {
+    let (edge, _b, _d) = common::demo_edge(|_| {}).await;
+    let tls = Endpoint::parse(&format!(
+        "tls://localhost:{}",
+        edge.addrs[&TransportKind::Tls].port()
+    ))
+    .unwrap();
+    let tcp = Endpoint::new(TransportKind::Tcp, edge.addrs[&TransportKind::Tcp]);
+    let mut c = Client::start(ClientOptions::new(
+        vec![tls.clone(), tcp.clone()],
+        token("visible-failure"),
+    ));
+    let mut failures = Vec::new();
+    let connected = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match c.next_event().await {
+                Some(Event::ConnectFailed {
+                    endpoint,
+                    reason,
+                    attempt,
+                }) => failures.push((endpoint, reason, attempt)),
+                Some(Event::Connected { endpoint, .. }) => return endpoint,
+                Some(_) => {}
+                None => panic!("client ended"),
+            }
+        }
+    })
+    .await
+    .expect("connected over the next endpoint");
+    assert_eq!(connected, tcp.to_string());
+    let (endpoint, reason, attempt) = failures.first().expect("a ConnectFailed event");
+    assert_eq!(endpoint, &tls.to_string());
+    assert_eq!(*attempt, 1);
+    assert!(
+        reason.to_lowercase().contains("certificate") || reason.contains("trust roots"),
+        "the reason names the certificate problem: {reason}"
+    );
+}

@@ -159,6 +159,12 @@ typedef enum waygate_event_kind {
    * publications follow the position. `text`, `channel_epoch`, `channel_offset`.
    */
   WAYGATE_EVENT_CHANNEL_HISTORY_LOST = 15,
+  /**
+   * One connect attempt failed; the client goes on with the next endpoint or waits its
+   * backoff. `text` is "<endpoint>: <reason>" (resolution, refused, timed out, TLS
+   * certificate...), `seq` the round since the last session was up (1 = the first).
+   */
+  WAYGATE_EVENT_CONNECT_FAILED = 16,
 } waygate_event_kind;
 
 /**

@@ -57,6 +57,10 @@ pub enum waygate_event_kind {
     /// What was missed on a channel cannot be recovered: reload its state; live
     /// publications follow the position. `text`, `channel_epoch`, `channel_offset`.
     WAYGATE_EVENT_CHANNEL_HISTORY_LOST = 15,
+    /// One connect attempt failed; the client goes on with the next endpoint or waits its
+    /// backoff. `text` is "<endpoint>: <reason>" (resolution, refused, timed out, TLS
+    /// certificate...), `seq` the round since the last session was up (1 = the first).
+    WAYGATE_EVENT_CONNECT_FAILED = 16,
 }
 
 /// One event. Pointers in it (`payload`, `text`) stay valid until the next poll or wait on
@@ -165,6 +169,15 @@ pub(crate) fn flatten(event: &Event) -> Option<(waygate_event, String)> {
             e.kind = K::WAYGATE_EVENT_MIGRATING;
             target.clone()
         }
+        Event::ConnectFailed {
+            endpoint,
+            reason,
+            attempt,
+        } => {
+            e.kind = K::WAYGATE_EVENT_CONNECT_FAILED;
+            e.seq = u64::from(*attempt);
+            format!("{endpoint}: {reason}")
+        }
         Event::Error(report) => {
             e.kind = K::WAYGATE_EVENT_ERROR;
             e.msg_id = report.msg_id;
@@ -247,6 +260,7 @@ pub extern "C" fn waygate_event_kind_str(kind: c_int) -> *const c_char {
             13 => c"channel_joined",
             14 => c"channel_left",
             15 => c"channel_history_lost",
+            16 => c"connect_failed",
             _ => c"unknown",
         };
         s.as_ptr()

@@ -252,6 +252,34 @@ fn a_sealed_kcp_session_through_the_c_functions() {
     drop(system);
 }
 
+/// A failed connect attempt through the C functions (SDK issue item 3): the TLS endpoint
+/// first (its certificate is not trusted: no CA given), then TCP. A
+/// `WAYGATE_EVENT_CONNECT_FAILED` names the endpoint and the reason before `CONNECTED`.
+#[test]
+fn a_failed_connect_attempt_through_the_c_functions() {
+    let system = System::start();
+    let cluster = system.cluster.as_ref().unwrap();
+    let endpoints = format!(
+        "tls://localhost:{},{}",
+        cluster.edge.addrs[&TransportKind::Tls].port(),
+        system.endpoint
+    );
+    let client = new_client(&endpoints, &token_bytes("ffi-failure"));
+    // SAFETY: live handle.
+    assert_eq!(unsafe { waygate_client_connect(client.0) }, WAYGATE_OK);
+    let failed = wait_for(&client, WAYGATE_EVENT_CONNECT_FAILED);
+    assert!(
+        failed.text.starts_with("tls://localhost:"),
+        "{}",
+        failed.text
+    );
+    assert_eq!(failed.seq, 1, "the first round");
+    let connected = wait_for(&client, WAYGATE_EVENT_CONNECTED);
+    assert_eq!(connected.text, system.endpoint);
+    drop(client);
+    drop(system);
+}
+
 /// Channels through the C functions (PROTOCOL.md §12, the demo game's CHANNEL_JOIN and CHAT):
 /// JOINED, then the publication with its epoch, offset and body; the position is readable.
 #[test]
