@@ -150,6 +150,26 @@ impl EtcdServer {
         }
     }
 
+    /// Freezes etcd (SIGSTOP): its connections stay open and unanswered, a hung etcd.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Thaws a paused etcd (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().expect("running").id().to_string();
+        let ok = std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        assert!(ok, "kill {sig} {pid}");
+    }
+
     /// Starts etcd again on the same ports and data dir.
     pub fn restart(&mut self) {
         self.stop();

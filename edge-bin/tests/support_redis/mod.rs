@@ -101,9 +101,31 @@ impl RedisServer {
     /// Kills the server (SIGKILL, as a crash) and waits for it to exit. Data is lost.
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
+            // A paused server dies of SIGKILL as well; no thaw needed.
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+
+    /// Freezes the server (SIGSTOP): connections stay open, nothing is answered — a hung
+    /// Redis, not a dead one.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Thaws a paused server (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().expect("running").id().to_string();
+        let ok = Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        assert!(ok, "kill {sig} {pid}");
     }
 
     /// Starts the server again on the same port (empty: no persistence).

@@ -1,0 +1,169 @@
+//! Scale-out issue item 4: a *hung* Redis or etcd (SIGSTOP, not a crash) never blocks a
+//! session's traffic. Redis: a real edge on a real redis-server with write-through on; a
+//! live session echoes through the whole freeze; a new login meanwhile is refused with
+//! `unavailable` and a retry-after promptly (never left waiting); after SIGCONT everything
+//! works again without a restart. etcd: see the second test.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    missing_docs,
+    unreachable_pub
+)]
+
+mod common;
+mod support_redis;
+
+use std::time::{Duration, Instant};
+
+use waygate_client::{Client, ClientOptions};
+use waygate_transport::endpoint::Endpoint;
+use waygate_transport::{CloseCode, Frame, TransportKind};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigstopped_redis_blocks_no_session_and_recovery_needs_no_restart() {
+    let redis = support_redis::RedisServer::start();
+    let url = redis.url();
+    let (edge, _b, _d) = common::demo_edge(move |c| c.cluster.redis_url = url).await;
+    let tcp = edge.addrs[&TransportKind::Tcp];
+    let mut live = Client::start(ClientOptions::new(
+        vec![Endpoint::new(TransportKind::Tcp, tcp)],
+        common::token("live"),
+    ));
+    assert_eq!(common::echo(&mut live, "before").await, Ok("b1".into()));
+
+    redis.pause();
+    let frozen_at = Instant::now();
+    // A new login while Redis hangs: refused `unavailable` with a retry-after, promptly.
+    let t = Instant::now();
+    match common::raw_hello(tcp, common::token("newcomer")).await {
+        Frame::Reject(r) => {
+            assert_eq!(r.code, CloseCode::Unavailable, "{r:?}");
+            assert!(r.retry_after_ms > 0);
+        }
+        other => panic!("a login during the freeze got {other:?}"),
+    }
+    let answered = t.elapsed();
+    eprintln!("login refused {answered:?} into a Redis freeze");
+    assert!(
+        answered < Duration::from_millis(2_500),
+        "the refusal took {answered:?}: a hung Redis held the login"
+    );
+    // The live session keeps echoing for the whole freeze (10 s).
+    let mut echoes = 0;
+    while frozen_at.elapsed() < Duration::from_secs(10) {
+        let t = Instant::now();
+        assert_eq!(
+            common::echo(&mut live, &format!("frozen-{echoes}")).await,
+            Ok("b1".into()),
+            "echo {echoes} during the freeze"
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "echo {echoes} took {:?}",
+            t.elapsed()
+        );
+        echoes += 1;
+    }
+    eprintln!("Redis frozen 10 s: {echoes} echoes");
+    assert!(echoes >= 5, "{echoes} echoes in 10 s");
+
+    redis.resume();
+    // Converges without a restart: logins work again, the live session too.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        match common::raw_hello(tcp, common::token("after")).await {
+            Frame::Welcome(_) => break,
+            other => assert!(
+                Instant::now() < deadline,
+                "no login 15 s after SIGCONT: {other:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert_eq!(common::echo(&mut live, "after").await, Ok("b1".into()));
+}
+
+mod support_etcd;
+
+/// A hung etcd (SIGSTOP for 60 s, longer than the edge's registration lease): the edge keeps
+/// its last route table, so live sessions keep flowing and new logins are welcomed; after
+/// SIGCONT the edge registers itself again (its lease expired meanwhile) with no restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigstopped_etcd_blocks_no_session_and_the_edge_registers_again() {
+    let etcd = support_etcd::EtcdServer::start();
+    let redis = support_redis::RedisServer::start();
+    let (_b, backend) = common::backend("b1", &[]).await;
+    let client = etcd_client::Client::connect(etcd.endpoints(), None)
+        .await
+        .unwrap();
+    client
+        .clone()
+        .put("/waygate/table", common::table(&[backend], 1, None), None)
+        .await
+        .unwrap();
+    let edge = common::EdgeProc::start_cluster(
+        "edge-hung",
+        &etcd.endpoint(),
+        &redis.url(),
+        "[cluster]\nreport_ms = 500\nlease_ttl_ms = 3000\n",
+        &[],
+    )
+    .await;
+    let tcp = edge.addr(TransportKind::Tcp);
+    let registered = |c: etcd_client::Client| async move {
+        let mut c = c;
+        c.get("/waygate/edges/edge-hung", None)
+            .await
+            .map(|r| !r.kvs().is_empty())
+            .unwrap_or(false)
+    };
+    let mut live = Client::start(ClientOptions::new(
+        vec![Endpoint::new(TransportKind::Tcp, tcp)],
+        common::token("live"),
+    ));
+    assert_eq!(common::echo(&mut live, "before").await, Ok("b1".into()));
+    assert!(registered(client.clone()).await);
+
+    etcd.pause();
+    let frozen_at = Instant::now();
+    let mut echoes = 0;
+    let mut logins = 0;
+    while frozen_at.elapsed() < Duration::from_secs(60) {
+        let t = Instant::now();
+        assert_eq!(
+            common::echo(&mut live, &format!("frozen-{echoes}")).await,
+            Ok("b1".into()),
+            "echo {echoes} while etcd hangs"
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "echo took {:?}",
+            t.elapsed()
+        );
+        echoes += 1;
+        if echoes % 10 == 0 {
+            match common::raw_hello(tcp, common::token(&format!("new-{echoes}"))).await {
+                Frame::Welcome(_) => logins += 1,
+                other => panic!("a login while etcd hangs got {other:?}"),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!("etcd frozen 60 s: {echoes} echoes, {logins} new logins welcomed");
+    assert!(
+        echoes >= 50 && logins >= 5,
+        "{echoes} echoes, {logins} logins"
+    );
+
+    etcd.resume();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !registered(client.clone()).await {
+        assert!(
+            Instant::now() < deadline,
+            "the edge did not register again within 20 s of SIGCONT"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert_eq!(common::echo(&mut live, "after").await, Ok("b1".into()));
+}
