@@ -266,10 +266,18 @@ struct Driver {
     next_connect: Instant,
     failures: u32,
     events: mpsc::Sender<Event>,
+    /// Events not yet taken by the application. The worker never waits for the
+    /// application: it hands these over as the channel has room, and stops reading the
+    /// link while [`EVENT_BACKLOG`] of them wait (the server then sees a slow consumer, a
+    /// typed outcome the session resumes from), but always serves commands.
+    pending: std::collections::VecDeque<Event>,
     stats: watch::Sender<ClientStats>,
     connects: u64,
     closed: bool,
 }
+
+/// Events waiting for the application beyond which the link is not read.
+const EVENT_BACKLOG: usize = 4096;
 
 async fn run(
     options: ClientOptions,
@@ -290,6 +298,7 @@ async fn run(
         next_connect: Instant::now(),
         failures: 0,
         events,
+        pending: std::collections::VecDeque::new(),
         stats,
         connects: 0,
         closed: false,
@@ -323,16 +332,23 @@ async fn run(
                 None => std::future::pending().await,
             }
         };
+        // Its own sender: the branches below mutate the driver while this one waits.
+        let handover = d.events.clone();
         tokio::select! {
             (outcome, failures) = async { connecting.as_mut().map_or_else(|| unreachable!(), |c| c.as_mut()).await }, if connecting.is_some() => {
                 connecting = None;
                 let attempt = d.failures.saturating_add(1);
                 for (endpoint, reason) in failures {
-                    let _ = d.events.send(Event::ConnectFailed { endpoint, reason, attempt }).await;
+                    d.pending.push_back(Event::ConnectFailed { endpoint, reason, attempt });
                 }
                 d.connected(outcome).await;
             }
-            frame = recv(&mut d.conn) => {
+            permit = handover.reserve(), if !d.pending.is_empty() => {
+                if let (Ok(permit), Some(event)) = (permit, d.pending.pop_front()) {
+                    permit.send(event);
+                }
+            }
+            frame = recv(&mut d.conn), if d.pending.len() < EVENT_BACKLOG => {
                 let now = Instant::now().into_std();
                 match frame {
                     Ok(frame) => {
@@ -360,7 +376,8 @@ async fn run(
                     if let Some(mut c) = d.conn.take() {
                         c.close(CloseCode::Normal, "client closed").await;
                     }
-                    let _ = d.events.send(Event::Closed { code: CloseCode::Normal }).await;
+                    d.pending.push_back(Event::Closed { code: CloseCode::Normal });
+                    d.hand_over_pending().await;
                     return;
                 }
             },
@@ -384,6 +401,8 @@ async fn run(
         d.flush().await;
         d.drain_events().await;
     }
+    // Ended (kicked, expired, refused for good): the terminal event and what came before it.
+    d.hand_over_pending().await;
 }
 
 enum ConnectOutcome {
@@ -622,8 +641,23 @@ impl Driver {
                 }
                 ClientEvent::Error(report) => Event::Error(report),
             };
-            let _ = self.events.send(event).await;
+            self.pending.push_back(event);
         }
         self.publish_stats();
+    }
+
+    /// At the end: what the application has not taken yet, while it takes it (bounded: a
+    /// closed or gone application does not hold the worker).
+    async fn hand_over_pending(&mut self) {
+        let events = self.events.clone();
+        let pending = std::mem::take(&mut self.pending);
+        let _ = tokio::time::timeout(Duration::from_secs(5), async move {
+            for event in pending {
+                if events.send(event).await.is_err() {
+                    return;
+                }
+            }
+        })
+        .await;
     }
 }

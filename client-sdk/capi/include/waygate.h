@@ -404,8 +404,10 @@ enum waygate_result waygate_client_wait_event(struct waygate_client *client,
  * Returns `WAYGATE_BUFFER_FULL` when too many are unacked, `WAYGATE_DROPPED` for a
  * best-effort message while no link is up, `WAYGATE_CLOSED` after the end.
  *
- * It waits until the client thread has taken the message: microseconds, except during a
- * connect attempt, which it waits out (at most the handshake or UDP timeout per endpoint).
+ * It waits until the client thread has taken the message: microseconds. The client thread
+ * never waits for the caller (connect attempts run beside it; events the caller has not
+ * polled wait in the handle, and past 4,096 of them the thread stops reading the link
+ * instead), so a caller that has not polled for minutes is not blocked here.
  *
  * # Safety
  *

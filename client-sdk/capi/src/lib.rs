@@ -47,10 +47,11 @@
 //! from one place in their loop (a future sans-IO backend would need it). Calls from C
 //! never run protocol logic on the caller's thread; `waygate_client_send`,
 //! `waygate_client_drop_link` and `waygate_client_close` hand a command to the worker and
-//! wait for it to be accepted: microseconds, except while a connect attempt is in
-//! progress, when the SDK's task takes commands only after the attempt ends (at most
-//! `handshake_timeout_ms`, or `udp_timeout_ms` for kcp/quic, per endpoint tried). A
-//! non-blocking `try_send` in the Rust SDK would remove that wait.
+//! wait for it to be accepted: microseconds. The worker never waits for the caller: connect
+//! attempts run beside its command loop, and events not yet polled wait in the handle —
+//! past 4,096 of them the worker stops reading the link (the edge then closes a slow
+//! consumer and the session resumes, reporting any gap) but keeps taking commands. A game
+//! that stalls for minutes and then sends is never blocked (`tests/ffi_edge.rs`).
 //!
 //! ## Panics
 //!

@@ -16,7 +16,7 @@ use std::ffi::CStr;
 use std::mem::MaybeUninit;
 use std::time::{Duration, Instant};
 
-use common::{cluster, token_bytes};
+use common::token_bytes;
 use waygate_client_capi::waygate_event_kind::*;
 use waygate_client_capi::waygate_result::*;
 use waygate_client_capi::*;
@@ -144,13 +144,17 @@ struct System {
 
 impl System {
     fn start() -> Self {
+        Self::start_with(|_| {})
+    }
+
+    fn start_with(tune: impl FnOnce(&mut waygate_edge::config::EdgeConfig)) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .unwrap();
-        let c = rt.block_on(cluster(dir.path()));
+        let c = rt.block_on(common::cluster_with(dir.path(), tune));
         let endpoint = format!("tcp://{}", c.edge.addrs[&TransportKind::Tcp]);
         Self {
             endpoint,
@@ -276,6 +280,92 @@ fn a_failed_connect_attempt_through_the_c_functions() {
     assert_eq!(failed.seq, 1, "the first round");
     let connected = wait_for(&client, WAYGATE_EVENT_CONNECTED);
     assert_eq!(connected.text, system.endpoint);
+    drop(client);
+    drop(system);
+}
+
+/// SDK issue item 4: a C caller that stops polling never blocks. It sends 5,000 echoes, then
+/// reads nothing for 3 s while the replies pile up past the 4,096-event queue, then sends
+/// again: every `waygate_client_send` returns at once (`WAYGATE_OK`, or
+/// `WAYGATE_BUFFER_FULL` while 4,096 are unacked), and afterwards every message is answered
+/// (a reply, or ERROR busy when the backend had no room) or a gap is reported. Before, the worker waited for room in the full event queue while `send` waited for
+/// the worker: a deadlock (the watchdog ends the test process).
+#[test]
+fn a_caller_that_does_not_poll_never_blocks_in_send() {
+    let system = System::start_with(|c| {
+        c.backpressure.inbound_msgs_per_sec = 1_000_000;
+        c.backpressure.inbound_msg_burst = 1_000_000;
+    });
+    let client = new_client(&system.endpoint, &token_bytes("ffi-no-poll"));
+    // SAFETY: live handle.
+    assert_eq!(unsafe { waygate_client_connect(client.0) }, WAYGATE_OK);
+    wait_for(&client, WAYGATE_EVENT_CONNECTED);
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watchdog = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            for _ in 0..600 {
+                if done.load(std::sync::atomic::Ordering::Relaxed) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            eprintln!("waygate_client_send blocked for 60 s: deadlock");
+            std::process::exit(1);
+        })
+    };
+    let (mut ok, mut full) = (0u32, 0u32);
+    let mut slowest = Duration::ZERO;
+    let mut send_some = |from: u32, to: u32| {
+        for i in from..to {
+            let t = Instant::now();
+            match send(&client, 1000, format!("m{i}").as_bytes()) {
+                Ok(_) => ok += 1,
+                Err(WAYGATE_BUFFER_FULL) => full += 1,
+                Err(other) => panic!("send {i}: {other:?}"),
+            }
+            slowest = slowest.max(t.elapsed());
+        }
+    };
+    send_some(0, 5_000);
+    // The game stalls (a level load): nothing is polled while the replies arrive.
+    std::thread::sleep(Duration::from_secs(3));
+    send_some(5_000, 5_100);
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = watchdog.join();
+    eprintln!(
+        "sends without polling: {ok} queued, {full} refused BUFFER_FULL, slowest {slowest:?}"
+    );
+    assert!(slowest < Duration::from_secs(2), "a send took {slowest:?}");
+    // Polling again: every reply is there, or — when the edge's queue for this session
+    // overflowed while the game read nothing (it closes a slow consumer, and the resume
+    // reports what it could not keep) — a RESTORED_WITH_GAP says so. Never a silent loss.
+    // (A message the backend could not take is answered too: ERROR 402 busy.)
+    let (mut replies, mut refused, mut gap) = (0u32, 0u32, false);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while replies + refused < ok && !gap && Instant::now() < deadline {
+        match next(&client) {
+            Ok(ev) if ev.kind == WAYGATE_EVENT_MESSAGE => replies += 1,
+            Ok(ev) if ev.kind == WAYGATE_EVENT_ERROR => refused += 1,
+            Ok(ev) if ev.kind == WAYGATE_EVENT_RESTORED_WITH_GAP => gap = true,
+            _ => {}
+        }
+    }
+    eprintln!("after the stall: {replies} replies, {refused} refused (busy), gap reported: {gap}");
+    assert!(
+        replies + refused == ok || gap,
+        "{replies} replies + {refused} refusals of {ok}, and no gap reported"
+    );
+    // And the client still works.
+    let mut answered = false;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    send(&client, 1000, b"still-alive").unwrap();
+    while !answered && Instant::now() < deadline {
+        if let Ok(ev) = next(&client) {
+            answered = ev.kind == WAYGATE_EVENT_MESSAGE && ev.payload.ends_with(b"still-alive");
+        }
+    }
+    assert!(answered, "the client works after the stall");
     drop(client);
     drop(system);
 }

@@ -21,6 +21,11 @@ pub struct Cluster {
 }
 
 pub async fn cluster(dir: &Path) -> Cluster {
+    cluster_with(dir, |_| {}).await
+}
+
+/// As [`cluster`] with `tune`d edge settings.
+pub async fn cluster_with(dir: &Path, tune: impl FnOnce(&mut EdgeConfig)) -> Cluster {
     let backend = Backend::bind(
         "127.0.0.1:0".parse().unwrap(),
         BackendConfig::new("b1"),
@@ -39,6 +44,7 @@ pub async fn cluster(dir: &Path) -> Cluster {
     let mut config = EdgeConfig::default();
     config.use_ephemeral_ports();
     config.routing.table = Some(path);
+    tune(&mut config);
     let edge = Edge::start(config).await.unwrap();
     let ca_file = dir.join("dev-ca.pem");
     std::fs::write(&ca_file, edge.dev_ca_pem.as_deref().unwrap()).unwrap();
