@@ -99,14 +99,27 @@ async fn udp_blocked_falls_back_to_tcp_then_websocket() {
     };
     options.udp_timeout = Duration::from_millis(400);
     let mut client = Client::start(options);
-    let ev = tokio::time::timeout(Duration::from_secs(20), client.next_event())
-        .await
-        .unwrap()
-        .unwrap();
-    match ev {
-        Event::Connected { endpoint, .. } => assert!(endpoint.starts_with("tcp://"), "{endpoint}"),
-        other => panic!("{other:?}"),
+    let mut failed = Vec::new();
+    loop {
+        let ev = tokio::time::timeout(Duration::from_secs(20), client.next_event())
+            .await
+            .unwrap()
+            .unwrap();
+        match ev {
+            Event::ConnectFailed { endpoint, .. } => failed.push(endpoint),
+            Event::Connected { endpoint, .. } => {
+                assert!(endpoint.starts_with("tcp://"), "{endpoint}");
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
     }
+    // The UDP attempts are visible, each with its endpoint.
+    assert_eq!(failed.len(), 2, "{failed:?}");
+    assert!(
+        failed[0].starts_with("kcp://") && failed[1].starts_with("quic://"),
+        "{failed:?}"
+    );
     assert!(echo_ok(&mut client).await);
 }
 
