@@ -622,12 +622,7 @@ impl KcpEndpoint {
         retry_after_ms: u32,
     ) {
         KcpStats::bump(&self.stats.admission_refused);
-        let packet = Control::Busy {
-            client_nonce,
-            code,
-            retry_after_ms,
-        };
-        self.send_reject(now, from, packet);
+        self.send_busy(now, from, client_nonce, code, retry_after_ms);
     }
 
     fn busy(&mut self, now: Instant, to: SocketAddr, client_nonce: u64) {
@@ -636,12 +631,7 @@ impl KcpEndpoint {
         } else {
             CloseCode::GoingAway
         };
-        let packet = Control::Busy {
-            client_nonce,
-            code,
-            retry_after_ms: self.config.busy_retry_after_ms,
-        };
-        self.send_reject(now, to, packet);
+        self.send_busy(now, to, client_nonce, code, self.config.busy_retry_after_ms);
     }
 
     fn fresh_conv(&mut self) -> u32 {
@@ -677,12 +667,24 @@ impl KcpEndpoint {
         code: CloseCode,
     ) {
         KcpStats::bump(&self.stats.connect_refused);
+        self.send_busy(now, from, client_nonce, code, 0);
+    }
+
+    /// A rate-limited BUSY (`code`, `retry_after_ms`) for the handshake of `client_nonce`.
+    fn send_busy(
+        &mut self,
+        now: Instant,
+        to: SocketAddr,
+        client_nonce: u64,
+        code: CloseCode,
+        retry_after_ms: u32,
+    ) {
         let packet = Control::Busy {
             client_nonce,
             code,
-            retry_after_ms: 0,
+            retry_after_ms,
         };
-        self.send_reject(now, from, packet);
+        self.send_reject(now, to, packet);
     }
 
     fn on_connect(&mut self, now: Instant, from: SocketAddr, cookie: Cookie, token: Option<&[u8]>) {

@@ -55,25 +55,26 @@ pub async fn cluster_with(dir: &Path, tune: impl FnOnce(&mut EdgeConfig)) -> Clu
     }
 }
 
-/// The raw token bytes for `player`, signed with the dev key, valid for an hour.
-pub fn token_bytes(player: &str) -> Vec<u8> {
+/// The claims of a test token for `player`: issued now, valid for an hour.
+fn claims(player: &str) -> TokenClaims {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_secs();
-    let token = waygate_session::mint_token(
-        DEV_KEY_ID,
-        DEV_KEY_SECRET.as_bytes(),
-        &TokenClaims {
-            player_id: player.into(),
-            issuer: "c-example-test".into(),
-            issued_at: now,
-            expires_at: now + 3600,
-            extensions: Vec::new(),
-        },
-    )
-    .unwrap();
-    token.to_vec()
+    TokenClaims {
+        player_id: player.into(),
+        issuer: "c-example-test".into(),
+        issued_at: now,
+        expires_at: now + 3600,
+        extensions: Vec::new(),
+    }
+}
+
+/// The raw token bytes for `player`, signed with the dev key, valid for an hour.
+pub fn token_bytes(player: &str) -> Vec<u8> {
+    waygate_session::mint_token(DEV_KEY_ID, DEV_KEY_SECRET.as_bytes(), &claims(player))
+        .unwrap()
+        .to_vec()
 }
 
 /// [`token_bytes`] as base64url text (what `waygate token` prints).
@@ -84,20 +85,10 @@ pub fn token(player: &str) -> String {
 /// A connect token (format version 2, PROTOCOL.md §7.2.2) for `player` carrying
 /// `session_key`, signed with the dev key, valid for an hour.
 pub fn connect_token_bytes(player: &str, session_key: &[u8; 32]) -> Vec<u8> {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
     waygate_session::auth::mint_connect_token(
         DEV_KEY_ID,
         DEV_KEY_SECRET.as_bytes(),
-        &TokenClaims {
-            player_id: player.into(),
-            issuer: "c-example-test".into(),
-            issued_at: now,
-            expires_at: now + 3600,
-            extensions: Vec::new(),
-        },
+        &claims(player),
         session_key,
         [3; 12],
     )
