@@ -135,7 +135,7 @@ static void on_message(state *s, const waygate_event *ev) {
 static void pump(state *s) {
     waygate_client_tick(s->client, now_ms());
     for (;;) {
-        waygate_event ev;
+        waygate_event ev = { .struct_size = sizeof ev };
         waygate_result r = waygate_client_poll_event(s->client, &ev);
         if (r == WAYGATE_NO_EVENT) return;
         if (r == WAYGATE_CLOSED) { s->closed = 1; return; }
@@ -211,7 +211,7 @@ int main(int argc, char **argv) {
     char *ca = (argc > 4 && strcmp(argv[4], "-") != 0) ? read_file(argv[4]) : NULL;
 
     waygate_options o;
-    waygate_options_init(&o);
+    waygate_options_init(&o, sizeof o);
     o.endpoints = argv[1];
     o.token = token;
     o.token_len = (size_t)token_len;

@@ -12,6 +12,23 @@
 #include <stdint.h>
 
 /**
+ * The library's major version (`waygate_version()` as numbers): compare at compile time
+ * with `#if WAYGATE_VERSION_MAJOR ...`. Structs only grow (see `struct_size`) within a
+ * major version.
+ */
+#define WAYGATE_VERSION_MAJOR 0
+
+/**
+ * The library's minor version.
+ */
+#define WAYGATE_VERSION_MINOR 1
+
+/**
+ * The library's patch version.
+ */
+#define WAYGATE_VERSION_PATCH 0
+
+/**
  * Traffic class `Critical`: never dropped; sequenced, acked and resent after a resume.
  */
 #define WAYGATE_CLASS_CRITICAL 0
@@ -174,13 +191,19 @@ typedef enum waygate_event_kind {
 typedef struct waygate_client waygate_client;
 
 /**
- * How to connect. Fill it with `waygate_options_init` first, then set the fields you need:
- * later versions may add fields at the end, with defaults set by `waygate_options_init`.
+ * How to connect. Fill it with `waygate_options_init(&o, sizeof o)` first, then set the
+ * fields you need. Later versions add fields at the end only: `struct_size` tells the
+ * library which fields your header had, and fields beyond it take their defaults, so a
+ * program built against an older header keeps working with a newer library.
  *
  * The strings and the token are copied by `waygate_client_new`; they need not outlive it.
  * A number left at 0 means "the default".
  */
 typedef struct waygate_options {
+  /**
+   * `sizeof(waygate_options)` as the caller compiled it (set by `waygate_options_init`).
+   */
+  size_t struct_size;
   /**
    * Required. Endpoint URLs in order of preference, separated by commas, e.g.
    * "kcp://127.0.0.1:7100,quic://localhost:7444,tcp://127.0.0.1:7000". Schemes: tcp, tls,
@@ -240,8 +263,16 @@ typedef struct waygate_options {
 /**
  * One event. Pointers in it (`payload`, `text`) stay valid until the next poll or wait on
  * the same handle, or `waygate_client_free`: copy what you keep.
+ *
+ * Set `struct_size = sizeof(waygate_event)` before polling: the library writes only that
+ * many bytes (later versions add fields at the end), so a program built against an older
+ * header keeps working with a newer library.
  */
 typedef struct waygate_event {
+  /**
+   * `sizeof(waygate_event)` as the caller compiled it (set it before polling).
+   */
+  size_t struct_size;
   /**
    * What happened.
    */
@@ -339,7 +370,8 @@ extern "C" {
  * # Safety
  *
  * `options` is NULL or points to a `waygate_options` initialised by `waygate_options_init`
- * whose pointers are NULL or valid as documented there.
+ * (readable for its `struct_size` bytes) whose pointers are NULL or valid as documented
+ * there.
  */
 struct waygate_client *waygate_client_new(const struct waygate_options *options);
 
@@ -377,7 +409,7 @@ enum waygate_result waygate_client_tick(struct waygate_client *client, uint64_t 
  * # Safety
  *
  * `client` is NULL or a live handle used by no other thread during the call; `out` is NULL
- * or writable for one `waygate_event`.
+ * or a `waygate_event` whose `struct_size` is set, writable for that many bytes.
  */
 enum waygate_result waygate_client_poll_event(struct waygate_client *client,
                                               struct waygate_event *out);
@@ -521,14 +553,15 @@ const char *waygate_version(void);
 const char *waygate_event_kind_str(int kind);
 
 /**
- * Fills `out` with the defaults: NULL strings and token, 0 (default) numbers. Does nothing
- * when `out` is NULL.
+ * Fills the first `size` bytes of `out` with the defaults (NULL strings and token, 0 =
+ * default numbers) and sets `out->struct_size = size`: pass `sizeof` of your struct.
+ * `WAYGATE_INVALID_ARGUMENT` when `out` is NULL or `size` cannot even hold `struct_size`.
  *
  * # Safety
  *
- * `out` is NULL or points to writable memory for one `waygate_options`.
+ * `out` is NULL or points to `size` writable bytes.
  */
-void waygate_options_init(struct waygate_options *out);
+enum waygate_result waygate_options_init(struct waygate_options *out, size_t size);
 
 /**
  * A static English description of a result code (`code` is a `waygate_result` value; an

@@ -155,15 +155,18 @@ unsafe fn handle<'a>(client: *mut waygate_client) -> &'a mut waygate_client {
 /// # Safety
 ///
 /// `options` is NULL or points to a `waygate_options` initialised by `waygate_options_init`
-/// whose pointers are NULL or valid as documented there.
+/// (readable for its `struct_size` bytes) whose pointers are NULL or valid as documented
+/// there.
 #[no_mangle]
 pub unsafe extern "C" fn waygate_client_new(
     options: *const waygate_options,
 ) -> *mut waygate_client {
     ffi_body!(std::ptr::null_mut() => {
         non_null!(options, std::ptr::null_mut());
-        // SAFETY: not NULL; the caller promises an initialised struct with valid pointers.
-        let converted = unsafe { to_client_options(&*options) };
+        // SAFETY: not NULL; the caller promises an initialised struct (its `struct_size`
+        // bytes readable) with valid pointers.
+        let converted =
+            unsafe { crate::options::read_sized(options) }.and_then(|o| unsafe { to_client_options(&o) });
         match converted.and_then(waygate_client::new) {
             Ok(client) => Box::into_raw(Box::new(client)),
             Err(e) => {
@@ -228,14 +231,32 @@ fn write_event(
     out: *mut waygate_event,
     next: Result<waygate_event, waygate_result>,
 ) -> waygate_result {
-    let (event, code) = match next {
+    let (mut event, code) = match next {
         Ok(e) => (e, WAYGATE_OK),
         Err(code) => (waygate_event::none(), code),
     };
-    // SAFETY: the callers checked `out` for NULL, and their caller promises it is writable
-    // for one struct; `write` does not read the (possibly uninitialised) old value.
-    unsafe { out.write(event) };
+    // SAFETY: the callers checked `out` for NULL, and their caller promises the struct's
+    // `struct_size` field is set and that many bytes are writable.
+    let size = unsafe { std::ptr::addr_of!((*out).struct_size).read_unaligned() };
+    event.struct_size = size;
+    // SAFETY: as above; at most `size` bytes (and one struct) are written.
+    unsafe { crate::sized::write_prefix(out, &event, size) };
     code
+}
+
+/// `WAYGATE_INVALID_ARGUMENT` unless the caller set `out->struct_size`.
+///
+/// # Safety
+///
+/// `out` is not NULL and its `struct_size` field is readable.
+unsafe fn check_event_size(out: *const waygate_event) -> Result<(), waygate_result> {
+    // SAFETY: the caller's promise above.
+    let size = unsafe { std::ptr::addr_of!((*out).struct_size).read_unaligned() };
+    if size < std::mem::size_of::<usize>() + std::mem::size_of::<u32>() {
+        set_last_error("set ev.struct_size = sizeof ev before polling");
+        return Err(WAYGATE_INVALID_ARGUMENT);
+    }
+    Ok(())
 }
 
 /// Takes the next event without blocking: `WAYGATE_OK` with `*out` filled, or
@@ -247,7 +268,7 @@ fn write_event(
 /// # Safety
 ///
 /// `client` is NULL or a live handle used by no other thread during the call; `out` is NULL
-/// or writable for one `waygate_event`.
+/// or a `waygate_event` whose `struct_size` is set, writable for that many bytes.
 #[no_mangle]
 pub unsafe extern "C" fn waygate_client_poll_event(
     client: *mut waygate_client,
@@ -256,6 +277,10 @@ pub unsafe extern "C" fn waygate_client_poll_event(
     ffi_body!(WAYGATE_PANIC => {
         non_null!(client, WAYGATE_INVALID_ARGUMENT);
         non_null!(out, WAYGATE_INVALID_ARGUMENT);
+        // SAFETY: not NULL; the caller promises `struct_size` is set.
+        if let Err(code) = unsafe { check_event_size(out) } {
+            return code;
+        }
         // SAFETY: not NULL; the caller promises a live handle used only by this thread.
         let h = unsafe { handle(client) };
         write_event(out, h.next(None))
@@ -277,6 +302,10 @@ pub unsafe extern "C" fn waygate_client_wait_event(
     ffi_body!(WAYGATE_PANIC => {
         non_null!(client, WAYGATE_INVALID_ARGUMENT);
         non_null!(out, WAYGATE_INVALID_ARGUMENT);
+        // SAFETY: not NULL; the caller promises `struct_size` is set.
+        if let Err(code) = unsafe { check_event_size(out) } {
+            return code;
+        }
         // SAFETY: not NULL; the caller promises a live handle used only by this thread.
         let h = unsafe { handle(client) };
         write_event(out, h.next(Some(Duration::from_millis(u64::from(timeout_ms)))))
@@ -580,7 +609,7 @@ mod tests {
         let mut o = std::mem::MaybeUninit::uninit();
         // SAFETY: `o` is writable; init fills every field.
         let mut o = unsafe {
-            crate::waygate_options_init(o.as_mut_ptr());
+            crate::waygate_options_init(o.as_mut_ptr(), std::mem::size_of::<waygate_options>());
             o.assume_init()
         };
         // Port 9 (discard) on loopback: nothing listens, connects are refused.
@@ -591,6 +620,61 @@ mod tests {
         let c = unsafe { waygate_client_new(&o) };
         assert!(!c.is_null());
         c
+    }
+
+    /// The event struct as a caller built against an older header has it (before the
+    /// channel fields were added), followed by bytes the library must never touch.
+    #[repr(C)]
+    struct OlderEvent {
+        struct_size: usize,
+        kind: waygate_event_kind,
+        traffic_class: u8,
+        code: u16,
+        msg_id: u32,
+        retry_after_ms: u32,
+        seq: u64,
+        payload: *const u8,
+        payload_len: usize,
+        text: *const std::ffi::c_char,
+        session_id: [u8; 16],
+    }
+
+    #[repr(C)]
+    struct GuardedEvent {
+        older: OlderEvent,
+        canary: [u8; 64],
+    }
+
+    /// SDK issue item 5: polling into an older caller's smaller event writes only its
+    /// `struct_size` bytes; an event without `struct_size` is refused, not overrun.
+    #[test]
+    fn an_older_callers_event_is_written_within_its_size() {
+        let c = new_client();
+        let mut g = std::mem::MaybeUninit::<GuardedEvent>::zeroed();
+        // SAFETY: zeroed is a valid bit pattern for these plain fields (kind 0 = NONE).
+        let g = unsafe { g.as_mut_ptr().as_mut() }.unwrap();
+        g.canary = [0xA5; 64];
+        let out = (&mut g.older as *mut OlderEvent).cast::<waygate_event>();
+        // Not set: refused before anything is written.
+        // SAFETY: live handle; `out` is readable for its struct_size field.
+        assert_eq!(
+            unsafe { waygate_client_poll_event(c, out) },
+            WAYGATE_INVALID_ARGUMENT
+        );
+        g.older.struct_size = std::mem::size_of::<OlderEvent>();
+        assert!(g.older.struct_size < std::mem::size_of::<waygate_event>());
+        // Not connected: refused with an empty event written, within the older size.
+        // SAFETY: live handle; `out` writable for its struct_size bytes.
+        let r = unsafe { waygate_client_poll_event(c, out) };
+        assert_eq!(r, WAYGATE_INVALID_STATE);
+        assert_eq!(
+            g.canary, [0xA5; 64],
+            "the event was written past the caller's struct"
+        );
+        assert_eq!(g.older.kind, waygate_event_kind::WAYGATE_EVENT_NONE);
+        assert_eq!(g.older.struct_size, std::mem::size_of::<OlderEvent>());
+        // SAFETY: a live handle, freed once.
+        unsafe { waygate_client_free(c) };
     }
 
     #[test]

@@ -65,9 +65,15 @@ pub enum waygate_event_kind {
 
 /// One event. Pointers in it (`payload`, `text`) stay valid until the next poll or wait on
 /// the same handle, or `waygate_client_free`: copy what you keep.
+///
+/// Set `struct_size = sizeof(waygate_event)` before polling: the library writes only that
+/// many bytes (later versions add fields at the end), so a program built against an older
+/// header keeps working with a newer library.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct waygate_event {
+    /// `sizeof(waygate_event)` as the caller compiled it (set it before polling).
+    pub struct_size: usize,
     /// What happened.
     pub kind: waygate_event_kind,
     /// `WAYGATE_CLASS_*` of a message.
@@ -99,6 +105,7 @@ impl waygate_event {
     /// The empty event (kind NONE, empty text).
     pub(crate) fn none() -> Self {
         Self {
+            struct_size: std::mem::size_of::<Self>(),
             kind: waygate_event_kind::WAYGATE_EVENT_NONE,
             traffic_class: 0,
             code: 0,

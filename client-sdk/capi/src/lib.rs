@@ -13,14 +13,14 @@
 //!
 //! ```c
 //! waygate_options o;
-//! waygate_options_init(&o);
+//! waygate_options_init(&o, sizeof o);
 //! o.endpoints = "kcp://127.0.0.1:7100,tcp://127.0.0.1:7000";
 //! o.token = token; o.token_len = token_len;
 //! waygate_client *c = waygate_client_new(&o);          /* NULL: see waygate_last_error() */
 //! waygate_client_connect(c);
 //! for (;;) {                                            /* the game loop */
 //!     waygate_client_tick(c, now_ms);
-//!     waygate_event ev;
+//!     waygate_event ev = { .struct_size = sizeof ev };
 //!     while (waygate_client_poll_event(c, &ev) == WAYGATE_OK) { /* handle ev */ }
 //!     uint64_t seq;
 //!     waygate_client_send(c, WAYGATE_CLASS_NORMAL, 1000, buf, len, &seq);
@@ -73,6 +73,7 @@ mod error;
 mod event;
 mod options;
 mod result;
+mod sized;
 
 pub use client::{
     waygate_client, waygate_client_channel_position, waygate_client_close, waygate_client_connect,
@@ -84,6 +85,6 @@ pub use error::{waygate_last_error, waygate_version};
 pub use event::{waygate_event, waygate_event_kind, waygate_event_kind_str};
 pub use options::{
     waygate_options, waygate_options_init, WAYGATE_CLASS_BEST_EFFORT, WAYGATE_CLASS_CRITICAL,
-    WAYGATE_CLASS_NORMAL,
+    WAYGATE_CLASS_NORMAL, WAYGATE_VERSION_MAJOR, WAYGATE_VERSION_MINOR, WAYGATE_VERSION_PATCH,
 };
 pub use result::{waygate_result, waygate_result_str};

@@ -8,6 +8,15 @@ use waygate_client::ClientOptions;
 use waygate_transport::endpoint::Endpoint;
 use waygate_transport::tls::ClientTls;
 
+/// The library's major version (`waygate_version()` as numbers): compare at compile time
+/// with `#if WAYGATE_VERSION_MAJOR ...`. Structs only grow (see `struct_size`) within a
+/// major version.
+pub const WAYGATE_VERSION_MAJOR: u32 = 0;
+/// The library's minor version.
+pub const WAYGATE_VERSION_MINOR: u32 = 1;
+/// The library's patch version.
+pub const WAYGATE_VERSION_PATCH: u32 = 0;
+
 /// Traffic class `Critical`: never dropped; sequenced, acked and resent after a resume.
 pub const WAYGATE_CLASS_CRITICAL: u8 = 0;
 /// Traffic class `Normal`: sequenced, acked and resent after a resume; may be slowed under
@@ -16,14 +25,18 @@ pub const WAYGATE_CLASS_NORMAL: u8 = 1;
 /// Traffic class `BestEffort`: not sequenced, never resent, dropped first.
 pub const WAYGATE_CLASS_BEST_EFFORT: u8 = 2;
 
-/// How to connect. Fill it with `waygate_options_init` first, then set the fields you need:
-/// later versions may add fields at the end, with defaults set by `waygate_options_init`.
+/// How to connect. Fill it with `waygate_options_init(&o, sizeof o)` first, then set the
+/// fields you need. Later versions add fields at the end only: `struct_size` tells the
+/// library which fields your header had, and fields beyond it take their defaults, so a
+/// program built against an older header keeps working with a newer library.
 ///
 /// The strings and the token are copied by `waygate_client_new`; they need not outlive it.
 /// A number left at 0 means "the default".
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct waygate_options {
+    /// `sizeof(waygate_options)` as the caller compiled it (set by `waygate_options_init`).
+    pub struct_size: usize,
     /// Required. Endpoint URLs in order of preference, separated by commas, e.g.
     /// "kcp://127.0.0.1:7100,quic://localhost:7444,tcp://127.0.0.1:7000". Schemes: tcp, tls,
     /// ws, wss, quic, kcp; hosts are IP literals ([v6] in brackets) or DNS names, resolved at
@@ -58,17 +71,27 @@ pub struct waygate_options {
     pub session_key: *const u8,
 }
 
-/// Fills `out` with the defaults: NULL strings and token, 0 (default) numbers. Does nothing
-/// when `out` is NULL.
+/// Fills the first `size` bytes of `out` with the defaults (NULL strings and token, 0 =
+/// default numbers) and sets `out->struct_size = size`: pass `sizeof` of your struct.
+/// `WAYGATE_INVALID_ARGUMENT` when `out` is NULL or `size` cannot even hold `struct_size`.
 ///
 /// # Safety
 ///
-/// `out` is NULL or points to writable memory for one `waygate_options`.
+/// `out` is NULL or points to `size` writable bytes.
 #[no_mangle]
-pub unsafe extern "C" fn waygate_options_init(out: *mut waygate_options) {
-    ffi_body!(() => {
-        non_null!(out);
+pub unsafe extern "C" fn waygate_options_init(
+    out: *mut waygate_options,
+    size: usize,
+) -> crate::result::waygate_result {
+    use crate::result::waygate_result::*;
+    ffi_body!(WAYGATE_PANIC => {
+        non_null!(out, WAYGATE_INVALID_ARGUMENT);
+        if size < std::mem::size_of::<usize>() {
+            crate::error::set_last_error("waygate_options_init: size must be sizeof(waygate_options)");
+            return WAYGATE_INVALID_ARGUMENT;
+        }
         let defaults = waygate_options {
+            struct_size: size,
             endpoints: std::ptr::null(),
             token: std::ptr::null(),
             token_len: 0,
@@ -81,10 +104,38 @@ pub unsafe extern "C" fn waygate_options_init(out: *mut waygate_options) {
             max_unacked: 0,
             session_key: std::ptr::null(),
         };
-        // SAFETY: `out` is not NULL and the caller promises it is writable for one struct;
-        // `write` does not read (or drop) what was there, so it may be uninitialised.
-        unsafe { out.write(defaults) };
+        // SAFETY: `out` is not NULL and the caller promises `size` writable bytes; at most
+        // that many (and at most one struct) are copied, nothing is read from `out`.
+        unsafe { crate::sized::write_prefix(out, &defaults, size) };
+        WAYGATE_OK
     })
+}
+
+/// The caller's options as this library's struct: the fields its `struct_size` covers,
+/// defaults for the rest (a caller built against an older header).
+///
+/// # Safety
+///
+/// `o` is not NULL and points to a struct of at least `struct_size` readable bytes.
+pub(crate) unsafe fn read_sized(o: *const waygate_options) -> Result<waygate_options, String> {
+    // SAFETY: the caller promises at least the `struct_size` field is readable.
+    let size = unsafe { std::ptr::addr_of!((*o).struct_size).read_unaligned() };
+    if size < std::mem::size_of::<usize>() {
+        return Err(
+            "options.struct_size is not set: call waygate_options_init(&o, sizeof o)".into(),
+        );
+    }
+    let mut local = std::mem::MaybeUninit::<waygate_options>::uninit();
+    // SAFETY: `local` is writable for one struct.
+    unsafe {
+        waygate_options_init(local.as_mut_ptr(), std::mem::size_of::<waygate_options>());
+    }
+    // SAFETY: init wrote every field.
+    let mut local = unsafe { local.assume_init() };
+    // SAFETY: the caller promises `size` readable bytes at `o`; at most one struct copied.
+    unsafe { crate::sized::read_prefix(o, &mut local, size) };
+    local.struct_size = size;
+    Ok(local)
 }
 
 /// Reads a NUL-terminated UTF-8 string (`what` names it in errors).
@@ -172,9 +223,86 @@ mod tests {
     fn init() -> waygate_options {
         let mut o = MaybeUninit::uninit();
         // SAFETY: `o` is writable for one struct.
-        unsafe { waygate_options_init(o.as_mut_ptr()) };
+        unsafe { waygate_options_init(o.as_mut_ptr(), std::mem::size_of::<waygate_options>()) };
         // SAFETY: waygate_options_init wrote every field.
         unsafe { o.assume_init() }
+    }
+
+    #[test]
+    fn version_numbers_are_the_crates() {
+        assert_eq!(
+            (
+                WAYGATE_VERSION_MAJOR.to_string(),
+                WAYGATE_VERSION_MINOR.to_string(),
+                WAYGATE_VERSION_PATCH.to_string()
+            ),
+            (
+                env!("CARGO_PKG_VERSION_MAJOR").to_string(),
+                env!("CARGO_PKG_VERSION_MINOR").to_string(),
+                env!("CARGO_PKG_VERSION_PATCH").to_string()
+            )
+        );
+    }
+
+    /// The options struct as a caller built against an older header has it (before
+    /// `session_key` was added), followed by bytes the library must never touch.
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct OlderOptions {
+        struct_size: usize,
+        endpoints: *const c_char,
+        token: *const u8,
+        token_len: usize,
+        ca_pem: *const c_char,
+        udp_timeout_ms: u32,
+        handshake_timeout_ms: u32,
+        idle_timeout_ms: u32,
+        backoff_min_ms: u32,
+        backoff_max_ms: u32,
+        max_unacked: u32,
+    }
+
+    #[repr(C)]
+    struct Guarded {
+        older: OlderOptions,
+        canary: [u8; 64],
+    }
+
+    /// SDK issue item 5: an older caller's smaller struct is neither written nor read past
+    /// its end, and the fields it does not have take their defaults.
+    #[test]
+    fn an_older_callers_options_are_read_and_written_within_their_size() {
+        let mut g = std::mem::MaybeUninit::<Guarded>::zeroed();
+        // SAFETY: zeroed is a valid bit pattern for these plain fields.
+        let g = unsafe { g.as_mut_ptr().as_mut() }.unwrap();
+        g.canary = [0xA5; 64];
+        let older_size = std::mem::size_of::<OlderOptions>();
+        assert!(older_size < std::mem::size_of::<waygate_options>());
+        let ptr = (&mut g.older as *mut OlderOptions).cast::<waygate_options>();
+        // SAFETY: `ptr` is writable for `older_size` bytes.
+        let r = unsafe { waygate_options_init(ptr, older_size) };
+        assert_eq!(r, crate::result::waygate_result::WAYGATE_OK);
+        assert_eq!(g.canary, [0xA5; 64], "init wrote past the caller's struct");
+        assert_eq!(g.older.struct_size, older_size);
+        let token = b"tok";
+        g.older.endpoints = c"tcp://127.0.0.1:7000".as_ptr();
+        g.older.token = token.as_ptr();
+        g.older.token_len = token.len();
+        g.older.max_unacked = 9;
+        // The canary would be a non-NULL `session_key` pointer if the library read it.
+        // SAFETY: `older_size` readable bytes at `ptr`.
+        let read = unsafe { read_sized(ptr) }.unwrap();
+        let c = convert(&read).unwrap();
+        assert_eq!(c.session.max_unacked, 9);
+        assert_eq!(
+            c.session_key, None,
+            "a field the caller does not have is the default"
+        );
+        // SAFETY: zero is not a size: refused, nothing written.
+        assert_eq!(
+            unsafe { waygate_options_init(ptr, 0) },
+            crate::result::waygate_result::WAYGATE_INVALID_ARGUMENT
+        );
     }
 
     fn convert(o: &waygate_options) -> Result<ClientOptions, String> {

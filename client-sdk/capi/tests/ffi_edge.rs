@@ -42,7 +42,7 @@ fn new_client_with_key(endpoint: &str, token: &[u8], session_key: Option<&[u8; 3
     // SAFETY: `o` is writable; init fills every field; the pointers set below outlive
     // `waygate_client_new`, which copies them.
     let client = unsafe {
-        waygate_options_init(o.as_mut_ptr());
+        waygate_options_init(o.as_mut_ptr(), std::mem::size_of::<waygate_options>());
         let mut o = o.assume_init();
         o.endpoints = endpoints.as_ptr();
         o.token = token.as_ptr();
@@ -70,10 +70,12 @@ struct Ev {
 
 /// Waits up to 10 s for the next event; `Err` carries the result code when none came.
 fn next(h: &Handle) -> Result<Ev, waygate_result> {
-    let mut ev = MaybeUninit::<waygate_event>::uninit();
+    let mut ev = MaybeUninit::<waygate_event>::zeroed();
+    // SAFETY: `ev` is writable; its `struct_size` is set as the API asks.
+    unsafe { (*ev.as_mut_ptr()).struct_size = std::mem::size_of::<waygate_event>() };
     // SAFETY: live handle, writable `ev`.
     let r = unsafe { waygate_client_wait_event(h.0, 10_000, ev.as_mut_ptr()) };
-    // SAFETY: the call always writes `ev`.
+    // SAFETY: the call always writes `ev` (all of it: its size is this library's).
     let ev = unsafe { ev.assume_init() };
     if r != WAYGATE_OK {
         assert_eq!(ev.kind, WAYGATE_EVENT_NONE);
