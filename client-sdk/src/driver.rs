@@ -42,6 +42,9 @@ pub struct ClientOptions {
     /// datagram authenticated and encrypted, §8.9). `None`: KCP sessions are plain, which
     /// an edge listening beyond loopback refuses by default.
     pub session_key: Option<[u8; 32]>,
+    /// Give up when no session has been up for this long (every round failing, or refused):
+    /// the client ends with `Closed { code: Unavailable }`. `None`: retry for ever.
+    pub give_up_after: Option<Duration>,
 }
 
 impl ClientOptions {
@@ -56,6 +59,7 @@ impl ClientOptions {
             backoff_min: Duration::from_millis(100),
             backoff_max: Duration::from_secs(5),
             session_key: None,
+            give_up_after: None,
         }
     }
 }
@@ -149,6 +153,7 @@ enum Cmd {
         oneshot::Sender<Result<Option<u64>, ClientError>>,
     ),
     DropLink,
+    ReconnectNow,
     Prefer(usize),
     SetToken(Bytes),
     Close,
@@ -244,6 +249,13 @@ impl Client {
             .map_err(|_| SdkError::Closed)
     }
 
+    /// Reconnects now: drops the current link even if it looks alive (an app back from
+    /// the background often holds a socket the OS never reported dead), forgets the backoff
+    /// and connects at once; the session resumes. Lifecycle hook for mobile and browsers.
+    pub async fn reconnect_now(&self) {
+        let _ = self.cmd.send(Cmd::ReconnectNow).await;
+    }
+
     /// Makes endpoint `index` the first one tried on the next connect.
     pub async fn prefer_endpoint(&self, index: usize) {
         let _ = self.cmd.send(Cmd::Prefer(index)).await;
@@ -271,6 +283,8 @@ struct Driver {
     /// link while [`EVENT_BACKLOG`] of them wait (the server then sees a slow consumer, a
     /// typed outcome the session resumes from), but always serves commands.
     pending: std::collections::VecDeque<Event>,
+    /// Since when no session has been up (`None` while one is).
+    down_since: Option<Instant>,
     stats: watch::Sender<ClientStats>,
     connects: u64,
     closed: bool,
@@ -299,12 +313,26 @@ async fn run(
         failures: 0,
         events,
         pending: std::collections::VecDeque::new(),
+        down_since: Some(Instant::now()),
         stats,
         connects: 0,
         closed: false,
     };
     let mut connecting: Option<Connecting> = None;
     while !d.closed {
+        if d.session.state() != ClientState::Active {
+            d.down_since.get_or_insert_with(Instant::now);
+        }
+        if let (Some(since), Some(limit)) = (d.down_since, d.options.give_up_after) {
+            if since.elapsed() >= limit && d.conn.is_none() {
+                tracing::info!(?limit, "no session for too long: giving up");
+                d.closed = true;
+                d.pending.push_back(Event::Closed {
+                    code: CloseCode::Unavailable,
+                });
+                break;
+            }
+        }
         if d.conn.is_none() && connecting.is_none() && Instant::now() >= d.next_connect {
             let mut connect = d.options.connect.clone();
             connect.conn.kcp_credentials = d.options.session_key.map(|session_key| {
@@ -323,6 +351,10 @@ async fn run(
             let mut t = d.session.poll_timeout().map(Instant::from_std);
             if d.conn.is_none() && connecting.is_none() {
                 t = Some(t.map_or(d.next_connect, |x| x.min(d.next_connect)));
+            }
+            if let (Some(since), Some(limit)) = (d.down_since, d.options.give_up_after) {
+                let at = since + limit;
+                t = Some(t.map_or(at, |x| x.min(at)));
             }
             t
         };
@@ -369,6 +401,13 @@ async fn run(
                         d.session.handle_link_down(Instant::now().into_std(), CloseCode::GoingAway);
                         d.next_connect = Instant::now();
                     }
+                }
+                Some(Cmd::ReconnectNow) => {
+                    if d.conn.take().is_some() {
+                        d.session.handle_link_down(Instant::now().into_std(), CloseCode::GoingAway);
+                    }
+                    d.failures = 0;
+                    d.next_connect = Instant::now();
                 }
                 Some(Cmd::Prefer(i)) => d.preferred = i.min(d.options.endpoints.len().saturating_sub(1)),
                 Some(Cmd::SetToken(token)) => d.session.set_token(token),
@@ -472,6 +511,16 @@ impl Driver {
     async fn connected(&mut self, outcome: ConnectOutcome) {
         match outcome {
             ConnectOutcome::Up(conn, endpoint) => {
+                // Sticky fallback: the endpoint that worked is tried first next time (a
+                // UDP-blocked network does not wait out the UDP timeout on every resume).
+                if let Some(i) = self
+                    .options
+                    .endpoints
+                    .iter()
+                    .position(|e| e.to_string() == endpoint)
+                {
+                    self.preferred = i;
+                }
                 self.conn = Some(conn);
                 self.endpoint = Some(endpoint);
                 self.migrate_to = None;
@@ -568,6 +617,7 @@ impl Driver {
                     outcome,
                 } => {
                     self.failures = 0;
+                    self.down_since = None;
                     Event::Connected {
                         endpoint: self.endpoint.clone().unwrap_or_default(),
                         session_id,

@@ -366,3 +366,95 @@ async fn a_failed_connect_attempt_is_an_event_with_its_reason() {
         "the reason names the certificate problem: {reason}"
     );
 }
+
+/// SDK issue items 6 and 7: the transport that worked is tried first on the next connect
+/// (sticky fallback: a UDP-blocked network waits out the UDP timeout once, not on every
+/// resume); `reconnect_now` drops a link that looks alive and resumes at once; with
+/// `give_up_after` a client that cannot get a session ends with `Closed(unavailable)`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sticky_fallback_reconnect_now_and_giving_up() {
+    let c = cluster().await;
+    let sink = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let mut options = ClientOptions::new(
+        vec![
+            Endpoint::new(TransportKind::Kcp, sink.local_addr().unwrap()),
+            c.endpoint(TransportKind::Tcp),
+        ],
+        token("sticky-player"),
+    );
+    options.udp_timeout = Duration::from_millis(400);
+    let mut client = Client::start(options);
+    let mut failed = 0;
+    loop {
+        match next(&mut client).await {
+            Event::ConnectFailed { .. } => failed += 1,
+            Event::Connected { endpoint, .. } => {
+                assert!(endpoint.starts_with("tcp://"), "{endpoint}");
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(failed, 1, "the KCP attempt failed once");
+    // reconnect_now on a live link: dropped and resumed at once, over TCP first (sticky).
+    let t = tokio::time::Instant::now();
+    client.reconnect_now().await;
+    loop {
+        match next(&mut client).await {
+            Event::ConnectFailed { endpoint, .. } => {
+                panic!("{endpoint} tried again: the fallback did not stick")
+            }
+            Event::Connected {
+                endpoint, outcome, ..
+            } => {
+                assert!(endpoint.starts_with("tcp://"), "{endpoint}");
+                assert_eq!(outcome, waygate_protocol::frame::WelcomeOutcome::Restored);
+                break;
+            }
+            Event::Disconnected { .. } => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "resumed in {:?}",
+        t.elapsed()
+    );
+    assert!(echo_ok(&mut client).await);
+    client.close().await;
+
+    // Nothing answers: give up after 1 s.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_addr = dead.local_addr().unwrap();
+    drop(dead);
+    let mut options = ClientOptions::new(
+        vec![Endpoint::new(TransportKind::Tcp, dead_addr)],
+        token("hopeless"),
+    );
+    options.give_up_after = Some(Duration::from_secs(1));
+    let mut hopeless = Client::start(options);
+    let t = tokio::time::Instant::now();
+    loop {
+        match next(&mut hopeless).await {
+            Event::ConnectFailed { .. } => {}
+            Event::Closed { code } => {
+                assert_eq!(code, CloseCode::Unavailable);
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let took = t.elapsed();
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(5),
+        "gave up after {took:?}"
+    );
+}
+
+/// The next event within 20 s (the client still running).
+async fn next(client: &mut Client) -> Event {
+    tokio::time::timeout(Duration::from_secs(20), client.next_event())
+        .await
+        .expect("an event in time")
+        .expect("client running")
+}

@@ -258,6 +258,11 @@ typedef struct waygate_options {
    * listening beyond loopback refuses by default. Copied by `waygate_client_new`.
    */
   const uint8_t *session_key;
+  /**
+   * Give up when no session has been up for this long: the client ends with
+   * `WAYGATE_EVENT_CLOSED`, code 403 `unavailable` (default 0: retry for ever).
+   */
+  uint32_t give_up_after_ms;
 } waygate_options;
 
 /**
@@ -465,6 +470,18 @@ enum waygate_result waygate_client_send(struct waygate_client *client,
  * thread is not running a tokio runtime.
  */
 enum waygate_result waygate_client_drop_link(struct waygate_client *client);
+
+/**
+ * Reconnects now (a lifecycle hook: the app came back from the background, the network
+ * changed): drops the current link even if it looks alive, forgets the reconnect backoff
+ * and connects at once; the session resumes. `WAYGATE_OK` also when no link is up.
+ *
+ * # Safety
+ *
+ * `client` is NULL or a live handle used by no other thread during the call; the calling
+ * thread is not running a tokio runtime.
+ */
+enum waygate_result waygate_client_reconnect_now(struct waygate_client *client);
 
 /**
  * Replaces the auth token (refreshed from the login service) for the next HELLO. An

@@ -415,6 +415,32 @@ pub unsafe extern "C" fn waygate_client_drop_link(client: *mut waygate_client) -
     })
 }
 
+/// Reconnects now (a lifecycle hook: the app came back from the background, the network
+/// changed): drops the current link even if it looks alive, forgets the reconnect backoff
+/// and connects at once; the session resumes. `WAYGATE_OK` also when no link is up.
+///
+/// # Safety
+///
+/// `client` is NULL or a live handle used by no other thread during the call; the calling
+/// thread is not running a tokio runtime.
+#[no_mangle]
+pub unsafe extern "C" fn waygate_client_reconnect_now(
+    client: *mut waygate_client,
+) -> waygate_result {
+    ffi_body!(WAYGATE_PANIC => {
+        non_null!(client, WAYGATE_INVALID_ARGUMENT);
+        // SAFETY: not NULL; the caller promises a live handle used only by this thread.
+        let h = unsafe { handle(client) };
+        if let Err(code) = h.running() {
+            return code;
+        }
+        if let Some(c) = h.client.as_ref() {
+            h.rt.block_on(c.reconnect_now());
+        }
+        WAYGATE_OK
+    })
+}
+
 /// Replaces the auth token (refreshed from the login service) for the next HELLO. An
 /// expired token never ends a session that can still be resumed (the client resumes with
 /// its resume token alone); a fresh one is needed for a new login. The bytes are copied.

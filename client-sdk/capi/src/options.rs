@@ -69,6 +69,9 @@ pub struct waygate_options {
     /// datagram authenticated and encrypted, §8.9). NULL: plain KCP sessions, which an edge
     /// listening beyond loopback refuses by default. Copied by `waygate_client_new`.
     pub session_key: *const u8,
+    /// Give up when no session has been up for this long: the client ends with
+    /// `WAYGATE_EVENT_CLOSED`, code 403 `unavailable` (default 0: retry for ever).
+    pub give_up_after_ms: u32,
 }
 
 /// Fills the first `size` bytes of `out` with the defaults (NULL strings and token, 0 =
@@ -103,6 +106,7 @@ pub unsafe extern "C" fn waygate_options_init(
             backoff_max_ms: 0,
             max_unacked: 0,
             session_key: std::ptr::null(),
+            give_up_after_ms: 0,
         };
         // SAFETY: `out` is not NULL and the caller promises `size` writable bytes; at most
         // that many (and at most one struct) are copied, nothing is read from `out`.
@@ -212,6 +216,7 @@ pub(crate) unsafe fn to_client_options(o: &waygate_options) -> Result<ClientOpti
         key.copy_from_slice(unsafe { std::slice::from_raw_parts(o.session_key, 32) });
         options.session_key = Some(key);
     }
+    options.give_up_after = ms(o.give_up_after_ms);
     Ok(options)
 }
 

@@ -214,6 +214,19 @@ fn echo_kick_and_close_through_the_c_functions() {
     // SAFETY: live handle.
     assert_eq!(unsafe { waygate_client_tick(first.0, 0) }, WAYGATE_CLOSED);
 
+    // A lifecycle hook: reconnect now (the app came back from the background) resumes.
+    // SAFETY: live handle.
+    assert_eq!(
+        unsafe { waygate_client_reconnect_now(second.0) },
+        WAYGATE_OK
+    );
+    wait_for(&second, WAYGATE_EVENT_RESTORED);
+    // SAFETY: a closed handle answers CLOSED.
+    assert_eq!(
+        unsafe { waygate_client_reconnect_now(first.0) },
+        WAYGATE_CLOSED
+    );
+
     // The second session works, then closes locally.
     assert_eq!(send(&second, 1000, b"again"), Ok(1));
     assert_eq!(
