@@ -94,6 +94,16 @@ export interface Message {
   payload: Uint8Array;
 }
 
+/** A failed connect attempt (the `connectFailed` event). */
+export interface ConnectFailed {
+  /** The URL tried. */
+  url: string;
+  /** Why it failed, for people (logs, a "reconnecting" screen). */
+  reason: string;
+  /** Failed attempts since the last WELCOME, this one included (1 = the first). */
+  attempt: number;
+}
+
 /** Payloads of every event. */
 export interface ClientEvents {
   /** WELCOME received (any outcome); followed by one of newSession / restored / restoredWithGap. */
@@ -104,6 +114,19 @@ export interface ClientEvents {
   restored: { sessionId: string; resent: number };
   /** The session resumed, but downstream messages up to `serverSeqBase` were evicted: resync your state. */
   restoredWithGap: { sessionId: string; serverSeqBase: bigint; resent: number };
+  /**
+   * One connect attempt to `url` failed before its WELCOME (the socket closed or errored
+   * before or after opening, an HTTP refusal such as 503 or a 403 origin check, which a
+   * browser reports as a close before open; no WELCOME within the handshake timeout; a URL
+   * the WebSocket constructor refused; a CLOSE or a protocol violation before WELCOME).
+   * Emitted once per failed attempt, before the client moves on to its next URL and backs
+   * off (a `disconnected` event with `wasActive: false` follows). Not emitted for a REJECT
+   * (an `error` of kind `rejected`) nor for a session that was up and dropped
+   * (`disconnected` with `wasActive: true`). `attempt` counts the failed attempts since the
+   * last WELCOME (1 = the first), the number the backoff doubles with: this client tries
+   * one URL per backoff step. Rust's `Event::ConnectFailed`, C's `WAYGATE_EVENT_CONNECT_FAILED`.
+   */
+  connectFailed: ConnectFailed;
   /** A link ended (or an attempt failed). `code` is the close code when known. */
   disconnected: {
     code: number | null;
@@ -469,11 +492,12 @@ export class WaygateClient {
       this.onData(ev.data);
     };
     ws.onerror = () => {
-      // Always followed by onclose.
+      // Always followed by onclose (browsers give no detail on errors).
     };
     ws.onclose = (ev) => {
       if (gen !== this.gen) return;
-      this.linkLost(codeFromWsStatus(ev.code), `websocket closed (status ${ev.code}${ev.reason ? `: ${ev.reason}` : ""})`);
+      const when = this._state === "connecting" ? " before open" : this._state === "handshaking" ? " before WELCOME" : "";
+      this.linkLost(codeFromWsStatus(ev.code), `websocket closed${when} (status ${ev.code}${ev.reason ? `: ${ev.reason}` : ""})`);
     };
   }
 
@@ -576,9 +600,17 @@ export class WaygateClient {
     }
   }
 
-  /** An attempt failed before WELCOME: next URL, exponential backoff, at least `retryAfterMs`. */
-  private attemptFailed(code: number | null, reason: string, retryAfterMs: number): void {
+  /**
+   * An attempt failed before WELCOME: `connectFailed` (unless it was a REJECT, already
+   * reported as an `error`), then the next URL, exponential backoff, at least `retryAfterMs`.
+   */
+  private attemptFailed(code: number | null, reason: string, retryAfterMs: number, rejected = false): void {
     this.dropSocket(1000, "attempt failed");
+    if (this._state === "closed") return;
+    if (!rejected) {
+      this.emit("connectFailed", { url: this.url, reason, attempt: this.failures + 1 });
+      if ((this._state as ClientState) === "closed") return; // A listener closed the client.
+    }
     if (this.migrateTo !== null) {
       this.migrateTo = null; // The migrate target failed: back to our own list.
     } else {
@@ -591,6 +623,7 @@ export class WaygateClient {
   }
 
   private scheduleReconnect(delayMs: number, why: { code: number | null; reason: string; wasActive: boolean }): void {
+    if (this._state === "closed") return; // A listener of an earlier event closed the client.
     this._state = "waiting";
     this.emit("disconnected", {
       code: why.code,
@@ -829,7 +862,7 @@ export class WaygateClient {
     if (code === CloseCode.auth_expired && this.session !== null && !this.resumeOnly) {
       // §7.1.1: a client whose token has expired resumes with the resume part alone.
       this.resumeOnly = true;
-      this.attemptFailed(code, `rejected: ${message || codeLabel(code)}`, retryAfterMs);
+      this.attemptFailed(code, `rejected: ${message || codeLabel(code)}`, retryAfterMs, true);
       return;
     }
     if (code === CloseCode.resume_rejected) {
@@ -846,7 +879,7 @@ export class WaygateClient {
       this.terminate(code, message || codeLabel(code));
       return;
     }
-    this.attemptFailed(code, `rejected: ${message || codeLabel(code)}`, retryAfterMs);
+    this.attemptFailed(code, `rejected: ${message || codeLabel(code)}`, retryAfterMs, true);
   }
 
   private onClose(code: number, message: string): void {

@@ -7,6 +7,7 @@ export {
   type ClientEvents,
   type ClientState,
   type ClientStats,
+  type ConnectFailed,
   type EventName,
   type Message,
   type Outcome,

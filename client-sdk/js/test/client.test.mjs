@@ -103,7 +103,7 @@ function setup(options = {}) {
     ...options,
   });
   const events = [];
-  for (const name of ["connected", "newSession", "restored", "restoredWithGap", "disconnected", "kicked", "migrating", "message", "channel", "error", "closed"]) {
+  for (const name of ["connected", "newSession", "restored", "restoredWithGap", "connectFailed", "disconnected", "kicked", "migrating", "message", "channel", "error", "closed"]) {
     client.on(name, (e) => events.push({ name, ...e }));
   }
   const named = (n) => events.filter((e) => e.name === n);
@@ -297,6 +297,110 @@ test("exponential backoff with full jitter: caps double up to the maximum", asyn
   assert.ok(ctx.named("disconnected").every((e) => !e.wasActive && e.willReconnect));
   assert.deepEqual(ctx.WS.all.slice(0, 3).map((w) => w.url), ["ws://edge-a/", "ws://edge-b/", "ws://edge-a/"]);
   ctx.client.close();
+});
+
+const failures = (ctx) => ctx.named("connectFailed").map(({ url, attempt }) => [url, attempt]);
+
+test("connectFailed: one per failed attempt, before the next; attempt counts up and a WELCOME resets it", async () => {
+  const ctx = setup();
+  const seen = [];
+  ctx.client.on("connectFailed", () => seen.push({ sockets: ctx.WS.all.length, disconnected: ctx.named("disconnected").length }));
+  ctx.client.connect();
+  const ws1 = ctx.WS.all.at(-1);
+  ws1.onerror?.({}); // a refused TCP connect, an HTTP 503 / 403: error, then close 1006, never open
+  ws1.drop(1006);
+  assert.deepEqual(ctx.named("connectFailed"), [
+    { name: "connectFailed", url: "ws://edge-a/", reason: "websocket closed before open (status 1006)", attempt: 1 },
+  ]);
+  assert.deepEqual(seen, [{ sockets: 1, disconnected: 0 }], "emitted before the client moves on");
+  assert.deepEqual(ctx.events.slice(-2).map((e) => e.name), ["connectFailed", "disconnected"]);
+  assert.equal(ctx.named("disconnected")[0].wasActive, false);
+  await sleep(20);
+  const ws2 = ctx.WS.all.at(-1);
+  assert.equal(ws2.url, "ws://edge-b/");
+  await ws2.open(); // HELLO sent, then the link goes before WELCOME
+  ws2.drop(1006);
+  assert.equal(ctx.named("connectFailed")[1].reason, "websocket closed before WELCOME (status 1006)");
+  assert.deepEqual(failures(ctx), [
+    ["ws://edge-a/", 1],
+    ["ws://edge-b/", 2],
+  ]);
+  // The next attempt is welcomed: no connectFailed, and the count starts over.
+  await sleep(20);
+  const ws3 = ctx.WS.all.at(-1);
+  await ws3.open();
+  ws3.deliver(welcome(0));
+  assert.equal(ctx.client.state, "active");
+  ws3.drop(); // a session that was up and dropped: disconnected only
+  assert.equal(ctx.named("disconnected").at(-1).wasActive, true);
+  assert.equal(ctx.named("connectFailed").length, 2);
+  await sleep(20);
+  const ws4 = ctx.WS.all.at(-1);
+  assert.notEqual(ws4, ws3);
+  ws4.drop(1006);
+  assert.deepEqual(failures(ctx).at(-1), [ws4.url, 1], "counted from 1 again after the WELCOME");
+  // A REJECT is an error of kind rejected, not a connectFailed (but a backoff step).
+  await sleep(20);
+  const ws5 = ctx.WS.all.at(-1);
+  await ws5.open();
+  ws5.deliver({ type: "reject", code: CloseCode.overloaded, retryAfterMs: 0, message: "full" });
+  assert.equal(ctx.named("error").at(-1).kind, "rejected");
+  assert.equal(ctx.named("connectFailed").length, 3);
+  await sleep(20);
+  const ws6 = ctx.WS.all.at(-1);
+  assert.notEqual(ws6, ws5);
+  ws6.drop(1006);
+  assert.deepEqual(failures(ctx).at(-1), [ws6.url, 3]);
+  ctx.client.close();
+});
+
+test("connectFailed: no WELCOME within the handshake timeout is one failed attempt", async () => {
+  for (const opened of [true, false]) {
+    // A long backoff after the failure, so that only one attempt times out here.
+    const ctx = setup({ handshakeTimeoutMs: 50, backoffMinMs: 1000, backoffMaxMs: 2000, random: () => 0.999 });
+    ctx.client.connect();
+    const ws = ctx.WS.all.at(-1);
+    if (opened) await ws.open(); // HELLO sent, never answered
+    await sleep(250);
+    assert.deepEqual(ctx.named("connectFailed"), [
+      { name: "connectFailed", url: "ws://edge-a/", reason: "no WELCOME within the handshake timeout", attempt: 1 },
+    ]);
+    assert.equal(ctx.WS.all.length, 1, "backing off");
+    assert.deepEqual(ctx.named("disconnected").map((e) => [e.code, e.wasActive, e.retryInMs >= 1000]), [[CloseCode.handshake_timeout, false, true]]);
+    if (opened) assert.deepEqual(ws.take().at(-1), { type: "close", code: CloseCode.handshake_timeout, message: "no WELCOME within the handshake timeout" });
+    assert.equal(ws.closed.code, 4000 + CloseCode.handshake_timeout);
+    ctx.client.close();
+  }
+});
+
+test("connectFailed: a URL the WebSocket constructor refuses; a listener may close the client", async () => {
+  const Base = scriptedWebSocket();
+  class Picky extends Base {
+    constructor(url, protocols) {
+      if (url.startsWith("ws://blocked")) throw new SyntaxError("port 25 is blocked");
+      super(url, protocols);
+    }
+  }
+  const ctx = setup({ urls: ["ws://blocked:25/", "ws://edge-b/"], WebSocket: Picky });
+  ctx.client.connect();
+  await sleep(20);
+  assert.deepEqual(ctx.named("connectFailed"), [
+    { name: "connectFailed", url: "ws://blocked:25/", reason: "cannot open ws://blocked:25/: SyntaxError: port 25 is blocked", attempt: 1 },
+  ]);
+  const ws = Picky.all.at(-1);
+  assert.equal(ws.url, "ws://edge-b/");
+  // Giving up from the listener: no reconnect follows.
+  ctx.client.on("connectFailed", () => ctx.client.close("giving up"));
+  ws.drop(1006);
+  assert.deepEqual(failures(ctx), [
+    ["ws://blocked:25/", 1],
+    ["ws://edge-b/", 2],
+  ]);
+  assert.equal(ctx.client.state, "closed");
+  assert.equal(ctx.named("disconnected").length, 1, "no disconnected after the listener closed the client");
+  assert.deepEqual(ctx.named("closed").map((e) => e.reason), ["giving up"]);
+  await sleep(30);
+  assert.equal(Picky.all.length, 1, "no further attempt");
 });
 
 test("kicked: terminal, no reconnect, send refused", async () => {
