@@ -3,8 +3,9 @@
 // computed with WebCrypto, so only in a secure context), WELCOME outcomes, client seqs from
 // 1 kept until acked and resent after a restore, cumulative acks (piggybacked, or ACK after
 // a delay / every N messages), de-duplication of server seqs, PING/PONG heartbeats with RTT,
-// reconnect with exponential backoff and full jitter, REJECT retry-after, MIGRATE, and
-// terminal kicked/expired.
+// reconnect with exponential backoff and full jitter (the URL that worked tried first),
+// REJECT retry-after, MIGRATE, terminal kicked/expired, `reconnectNow()`, `giveUpAfterMs`,
+// and the browser's `online` / `visibilitychange` hooks.
 // Channel events (§12: DATA of CHANNEL_EVENT_MSG_ID) go through a ChannelTracker and are
 // surfaced as `channel` events, never as `message`s.
 
@@ -51,7 +52,11 @@ const WS_OPEN = 1;
 
 /** Client settings. Only `urls` and `token` are required. */
 export interface ClientOptions {
-  /** Edge WebSocket URLs (`ws://` / `wss://`), tried in order; a failed attempt moves on. */
+  /**
+   * Edge WebSocket URLs (`ws://` / `wss://`), tried in order; a failed attempt moves on.
+   * Sticky: the URL a WELCOME came from is tried first on the next connect (after a
+   * MIGRATE target, which always goes first).
+   */
   urls: string | string[];
   /** Auth token from the login service: raw bytes, or its base64url text. May be empty when only resuming. */
   token: Uint8Array | string;
@@ -73,6 +78,19 @@ export interface ClientOptions {
    * 0 turns the rule off.
    */
   livenessMs?: number;
+  /**
+   * Give up when no WELCOME has been received for this long, ms, since `connect()` or since
+   * the session went down: the client ends with `closed` code 403 (`unavailable`).
+   * Default undefined: retry for ever. Rust's `give_up_after`, C's `give_up_after_ms`.
+   */
+  giveUpAfterMs?: number;
+  /**
+   * Browser lifecycle hooks, when `globalThis.addEventListener` exists: `online` reconnects
+   * at once unless connected; `visibilitychange` to visible reconnects at once when the link
+   * has received nothing for longer than the heartbeat interval (or the client is backing
+   * off). Listeners are added by `connect()` and removed when the client closes. Default true.
+   */
+  lifecycleHooks?: boolean;
   /** Offer the `waygate.v1` subprotocol (§2.2). Default true. */
   offerSubprotocol?: boolean;
   /** WebSocket implementation (tests, node); default `globalThis.WebSocket`. */
@@ -255,7 +273,8 @@ function codeFromWsStatus(status: number): number | null {
 export class WaygateClient {
   private readonly urls: string[];
   private token: Uint8Array;
-  private readonly opts: Required<Omit<ClientOptions, "urls" | "token" | "WebSocket">>;
+  private readonly opts: Required<Omit<ClientOptions, "urls" | "token" | "WebSocket" | "giveUpAfterMs">>;
+  private readonly giveUpAfterMs: number | undefined;
   private readonly WS: WebSocketConstructor;
   private readonly listeners = new Map<EventName, Set<Listener<EventName>>>();
 
@@ -303,6 +322,10 @@ export class WaygateClient {
   private ticker: ReturnType<typeof setInterval> | null = null;
   private handshakeTimer: ReturnType<typeof setTimeout> | null = null;
   private reconnectTimer: ReturnType<typeof setTimeout> | null = null;
+  /** Armed while no session is up (giveUpAfterMs); cleared by a WELCOME. */
+  private giveUpTimer: ReturnType<typeof setTimeout> | null = null;
+  /** Removes the lifecycle listeners (set while they are installed). */
+  private unhook: (() => void) | null = null;
   private readonly epoch = now();
   private readonly rtt: RttStats = { latestMs: null, smoothedMs: null, minMs: null, samples: 0 };
 
@@ -324,9 +347,13 @@ export class WaygateClient {
       ackEvery: options.ackEvery ?? 16,
       maxUnacked: options.maxUnacked ?? 4096,
       livenessMs: options.livenessMs ?? 1000,
+      lifecycleHooks: options.lifecycleHooks ?? true,
       offerSubprotocol: options.offerSubprotocol ?? true,
       random: options.random ?? Math.random,
     };
+    const g = options.giveUpAfterMs;
+    if (g !== undefined && !(Number.isFinite(g) && g >= 0)) throw new RangeError(`giveUpAfterMs must be a number >= 0: ${g}`);
+    this.giveUpAfterMs = g;
   }
 
   // -------------------------------------------------------------------------------------
@@ -352,6 +379,32 @@ export class WaygateClient {
   /** Starts connecting (no-op unless idle). */
   connect(): void {
     if (this._state !== "idle") return;
+    this.installHooks();
+    this.armGiveUp();
+    this.openSocket();
+  }
+
+  /**
+   * Reconnects now: drops the current link even if it looks alive (a page back from the
+   * background often holds a socket the browser never reported dead), forgets the backoff
+   * and opens a new socket at once; the session resumes. A `disconnected` event (code
+   * `going_away`, `willReconnect: true`) reports the dropped link. No-op before `connect()`
+   * and after the client closed. Rust's `reconnect_now`, C's `waygate_client_reconnect_now`.
+   */
+  reconnectNow(): void {
+    if (this._state === "idle" || this._state === "closed") return;
+    this.clearReconnect();
+    this.failures = 0;
+    if (this._state !== "waiting") {
+      const wasActive = this._state === "active";
+      const ws = this.ws;
+      if (ws && ws.readyState === WS_OPEN) {
+        this.transmit({ type: "close", code: CloseCode.going_away, message: "reconnecting" });
+      }
+      this.dropSocket(1000, "reconnecting");
+      this.scheduleReconnect(0, { code: CloseCode.going_away, reason: "reconnect requested", wasActive }, true);
+      if ((this._state as ClientState) !== "waiting") return; // A listener closed the client (or already reconnected).
+    }
     this.openSocket();
   }
 
@@ -622,9 +675,15 @@ export class WaygateClient {
     this.scheduleReconnect(Math.max(jitter, retryAfterMs), { code, reason, wasActive: false });
   }
 
-  private scheduleReconnect(delayMs: number, why: { code: number | null; reason: string; wasActive: boolean }): void {
+  /** Reports the lost link and reconnects after `delayMs` (or leaves that to the caller: `noTimer`). */
+  private scheduleReconnect(
+    delayMs: number,
+    why: { code: number | null; reason: string; wasActive: boolean },
+    noTimer = false,
+  ): void {
     if (this._state === "closed") return; // A listener of an earlier event closed the client.
     this._state = "waiting";
+    this.armGiveUp();
     this.emit("disconnected", {
       code: why.code,
       label: why.code === null ? "transport" : codeLabel(why.code),
@@ -633,7 +692,7 @@ export class WaygateClient {
       willReconnect: true,
       retryInMs: delayMs,
     });
-    if (this._state !== "waiting") return; // A listener closed the client.
+    if (this._state !== "waiting" || noTimer) return; // A listener closed the client.
     this.clearReconnect();
     this.reconnectTimer = setTimeout(() => {
       this.reconnectTimer = null;
@@ -661,9 +720,68 @@ export class WaygateClient {
   private terminate(code: number, reason: string): void {
     if (this._state === "closed") return;
     this.clearReconnect();
+    this.clearGiveUp();
+    this.removeHooks();
     this.stopTimers();
     this._state = "closed";
     this.emit("closed", { code, label: codeLabel(code), reason });
+  }
+
+  /** No session is up: from now on, give up after giveUpAfterMs unless a WELCOME comes (kept if already armed). */
+  private armGiveUp(): void {
+    const limit = this.giveUpAfterMs;
+    if (limit === undefined || this.giveUpTimer !== null) return;
+    this.giveUpTimer = setTimeout(() => {
+      this.giveUpTimer = null;
+      if (this._state === "active" || this._state === "closed") return;
+      const reason = `no session for ${limit} ms: giving up`;
+      this.dropSocket(1000, "giving up");
+      this.terminate(CloseCode.unavailable, reason);
+    }, limit);
+  }
+
+  private clearGiveUp(): void {
+    if (this.giveUpTimer !== null) clearTimeout(this.giveUpTimer);
+    this.giveUpTimer = null;
+  }
+
+  // -------------------------------------------------------------------------------------
+  // Browser lifecycle hooks
+
+  private installHooks(): void {
+    if (!this.opts.lifecycleHooks || this.unhook !== null) return;
+    type Target = { addEventListener(t: string, f: () => void): void; removeEventListener(t: string, f: () => void): void };
+    const g = globalThis as unknown as Partial<Target> & { document?: Partial<Target> & { visibilityState?: string } };
+    if (typeof g.addEventListener !== "function" || typeof g.removeEventListener !== "function") return;
+    const win = g as Target;
+    // visibilitychange fires at the document (and bubbles to the window).
+    const doc = g.document;
+    const visTarget: Target =
+      doc && typeof doc.addEventListener === "function" && typeof doc.removeEventListener === "function" ? (doc as Target) : win;
+    const onOnline = (): void => {
+      if (this._state === "waiting" || this._state === "connecting") this.reconnectNow();
+    };
+    const onVisibility = (): void => {
+      if ((globalThis as { document?: { visibilityState?: string } }).document?.visibilityState !== "visible") return;
+      if (this._state === "waiting") {
+        this.reconnectNow();
+      } else if (this._state === "active") {
+        const quiet = this.heartbeatMs > 0 ? this.heartbeatMs : 10_000;
+        if (now() - this.lastRx > quiet) this.reconnectNow();
+      }
+    };
+    win.addEventListener("online", onOnline);
+    visTarget.addEventListener("visibilitychange", onVisibility);
+    this.unhook = () => {
+      win.removeEventListener("online", onOnline);
+      visTarget.removeEventListener("visibilitychange", onVisibility);
+    };
+  }
+
+  private removeHooks(): void {
+    const unhook = this.unhook;
+    this.unhook = null;
+    unhook?.();
   }
 
   // -------------------------------------------------------------------------------------
@@ -825,6 +943,10 @@ export class WaygateClient {
     this.failures = 0;
     this.connects++;
     this.migrateTo = null;
+    this.clearGiveUp();
+    // Sticky fallback: the URL that worked is tried first on the next connect.
+    const worked = this.urls.indexOf(this.url);
+    if (worked >= 0) this.urlIndex = worked;
     if (this.handshakeTimer !== null) clearTimeout(this.handshakeTimer);
     this.handshakeTimer = null;
     // §7.3.3: a frame right after WELCOME confirms the new resume token.

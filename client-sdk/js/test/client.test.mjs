@@ -809,3 +809,202 @@ test("channel positions survive a new session (they are what the game recovers f
   assert.deepEqual(ctx.client.channelPositions(), new Map([["guild:7", pos(77, 4)]]));
   ctx.client.close();
 });
+
+// ---------------------------------------------------------------------------------------
+// reconnectNow, giveUpAfterMs, sticky fallback, browser lifecycle hooks (SDK issue items 6 and 7)
+
+test("reconnectNow: a live session's socket is closed and a new one opened at once; the session resumes", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx);
+  ws.take();
+  ws.deliver(data(1));
+  ctx.client.reconnectNow();
+  assert.deepEqual(ws.take().at(-1), { type: "close", code: CloseCode.going_away, message: "reconnecting" });
+  assert.equal(ws.closed.code, 1000);
+  assert.equal(ctx.WS.all.length, 2, "a new socket at once, no timer");
+  assert.equal(ctx.client.state, "connecting");
+  assert.deepEqual(
+    ctx.named("disconnected").map((e) => [e.code, e.wasActive, e.willReconnect, e.retryInMs]),
+    [[CloseCode.going_away, true, true, 0]],
+  );
+  const ws2 = ctx.WS.all.at(-1);
+  assert.equal(ws2.url, ws.url, "the URL that worked");
+  await ws2.open();
+  const [hello] = ws2.take();
+  await assertResume(hello.resume, { sessionId: id(1), token: id(2), lastServerSeq: 1n, nonce: 1n });
+  ws2.deliver(welcome(1, { serverSeqBase: 1n }));
+  assert.equal(ctx.named("restored").length, 1);
+  assert.equal(ctx.named("connectFailed").length, 0);
+  ctx.client.close();
+  ctx.client.reconnectNow(); // no-op after close
+  assert.equal(ctx.WS.all.length, 2);
+  assert.equal(ctx.client.state, "closed");
+});
+
+test("reconnectNow while backing off forgets the backoff; no-op before connect()", async () => {
+  const ctx = setup({ backoffMinMs: 5000, backoffMaxMs: 10_000, random: () => 0.999 });
+  ctx.client.reconnectNow();
+  assert.equal(ctx.WS.all.length, 0, "idle: nothing");
+  assert.equal(ctx.client.state, "idle");
+  ctx.client.connect();
+  ctx.WS.all.at(-1).drop(1006);
+  assert.equal(ctx.client.state, "waiting");
+  assert.ok(ctx.named("disconnected")[0].retryInMs >= 5000);
+  ctx.client.reconnectNow();
+  assert.equal(ctx.WS.all.length, 2, "at once");
+  assert.equal(ctx.named("disconnected").length, 1, "no second disconnected: there was no link");
+  const ws2 = ctx.WS.all.at(-1);
+  ws2.drop(1006);
+  assert.deepEqual(failures(ctx).map(([, a]) => a), [1, 1], "the failure count was forgotten");
+  ctx.client.close();
+});
+
+test("giveUpAfterMs: no WELCOME for that long ends the client with closed 403 unavailable", async () => {
+  const ctx = setup({ giveUpAfterMs: 150 });
+  const { ws } = await connect(ctx);
+  await sleep(200);
+  assert.equal(ctx.client.state, "active", "a session is up: no give-up");
+  ws.drop();
+  const t0 = Date.now();
+  // Every attempt fails.
+  while (ctx.client.state !== "closed" && Date.now() - t0 < 2000) {
+    const w = ctx.WS.all.at(-1);
+    if (w.readyState === 0) w.drop(1006);
+    await sleep(2);
+  }
+  const elapsed = Date.now() - t0;
+  assert.equal(ctx.client.state, "closed");
+  assert.ok(elapsed >= 140 && elapsed < 1000, `gave up after ${elapsed} ms`);
+  assert.ok(ctx.named("connectFailed").length >= 2, "repeated failures");
+  assert.deepEqual(ctx.named("closed").map((e) => [e.code, e.label]), [[403, "unavailable"]]);
+  assert.equal(ctx.events.at(-1).name, "closed", "the terminal event is the last");
+  const sockets = ctx.WS.all.length;
+  await sleep(50);
+  assert.equal(ctx.WS.all.length, sockets, "no attempt after giving up");
+  assert.throws(() => ctx.client.send(1000, "x"), /closed/);
+});
+
+test("giveUpAfterMs counts from connect() when no session ever comes up", async () => {
+  const ctx = setup({ giveUpAfterMs: 60, handshakeTimeoutMs: 10_000 });
+  ctx.client.connect();
+  await ctx.WS.all.at(-1).open(); // HELLO sent, never answered
+  await sleep(120);
+  assert.deepEqual(ctx.named("closed").map((e) => e.code), [CloseCode.unavailable]);
+  assert.equal(ctx.WS.all[0].closed.code, 1000);
+});
+
+test("sticky fallback: after failing on URL 0 and a WELCOME on URL 1, a drop reconnects to URL 1 first", async () => {
+  const ctx = setup();
+  ctx.client.connect();
+  const ws0 = ctx.WS.all.at(-1);
+  assert.equal(ws0.url, "ws://edge-a/");
+  ws0.drop(1006);
+  await sleep(20);
+  const ws1 = ctx.WS.all.at(-1);
+  assert.equal(ws1.url, "ws://edge-b/");
+  await ws1.open();
+  ws1.deliver(welcome(0));
+  assert.equal(ctx.named("connected")[0].url, "ws://edge-b/");
+  ws1.drop();
+  await sleep(5);
+  const ws2 = ctx.WS.all.at(-1);
+  assert.notEqual(ws2, ws1);
+  assert.equal(ws2.url, "ws://edge-b/", "the URL that worked first");
+  ws2.drop(1006); // then the list goes on
+  await sleep(20);
+  assert.equal(ctx.WS.all.at(-1).url, "ws://edge-a/");
+  ctx.client.close();
+});
+
+test("sticky fallback: a MIGRATE target that is in the list becomes the URL tried first", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx);
+  assert.equal(ws.url, "ws://edge-a/");
+  ws.deliver({ type: "migrate", deadlineMs: 5000, target: "ws://edge-b/", sessionId: id(1), resumeToken: id(7) });
+  await sleep(5);
+  const ws2 = ctx.WS.all.at(-1);
+  assert.equal(ws2.url, "ws://edge-b/", "the MIGRATE target goes first");
+  await ws2.open();
+  ws2.deliver(welcome(1));
+  ws2.drop();
+  await sleep(5);
+  assert.equal(ctx.WS.all.at(-1).url, "ws://edge-b/");
+  ctx.client.close();
+});
+
+/** Fake browser globals: addEventListener / removeEventListener / dispatch, and a document. */
+function fakeBrowser(t) {
+  const listeners = new Map();
+  const add = (type, fn) => {
+    if (!listeners.has(type)) listeners.set(type, new Set());
+    listeners.get(type).add(fn);
+  };
+  const remove = (type, fn) => listeners.get(type)?.delete(fn);
+  const doc = { visibilityState: "visible", addEventListener: add, removeEventListener: remove };
+  const had = { add: Object.getOwnPropertyDescriptor(globalThis, "addEventListener"), remove: Object.getOwnPropertyDescriptor(globalThis, "removeEventListener"), doc: Object.getOwnPropertyDescriptor(globalThis, "document") };
+  Object.defineProperty(globalThis, "addEventListener", { value: add, configurable: true, writable: true });
+  Object.defineProperty(globalThis, "removeEventListener", { value: remove, configurable: true, writable: true });
+  Object.defineProperty(globalThis, "document", { value: doc, configurable: true, writable: true });
+  t.after(() => {
+    for (const [name, d] of [["addEventListener", had.add], ["removeEventListener", had.remove], ["document", had.doc]]) {
+      if (d) Object.defineProperty(globalThis, name, d);
+      else delete globalThis[name];
+    }
+  });
+  const count = () => [...listeners.values()].reduce((n, s) => n + s.size, 0);
+  const dispatch = (type) => {
+    for (const fn of [...(listeners.get(type) ?? [])]) fn({ type });
+  };
+  return { doc, count, dispatch };
+}
+
+test("lifecycle: `online` reconnects at once when not connected, nothing when connected; listeners removed on close", async (t) => {
+  const b = fakeBrowser(t);
+  const ctx = setup({ backoffMinMs: 5000, backoffMaxMs: 10_000, random: () => 0.999 });
+  assert.equal(b.count(), 0, "nothing before connect()");
+  ctx.client.connect();
+  assert.equal(b.count(), 2, "online + visibilitychange");
+  ctx.WS.all.at(-1).drop(1006); // offline: backing off for seconds
+  assert.equal(ctx.client.state, "waiting");
+  b.dispatch("online");
+  assert.equal(ctx.WS.all.length, 2, "reconnected at once");
+  const ws = ctx.WS.all.at(-1);
+  await ws.open();
+  ws.deliver(welcome(0));
+  b.dispatch("online");
+  assert.equal(ctx.WS.all.length, 2, "connected: nothing");
+  assert.equal(ws.closed, null);
+  ctx.client.close();
+  assert.equal(b.count(), 0, "removed on close()");
+  b.dispatch("online");
+  assert.equal(ctx.WS.all.length, 2);
+});
+
+test("lifecycle: visible again with a link silent for longer than the heartbeat reconnects; a fresh link stays", async (t) => {
+  const b = fakeBrowser(t);
+  const ctx = setup();
+  const { ws } = await connect(ctx, 0, { heartbeatIntervalMs: 60 });
+  b.dispatch("visibilitychange");
+  assert.equal(ctx.WS.all.length, 1, "just heard from: nothing");
+  await sleep(120); // the PING after 60 ms goes unanswered
+  b.doc.visibilityState = "hidden";
+  b.dispatch("visibilitychange");
+  assert.equal(ctx.WS.all.length, 1, "hidden: nothing");
+  b.doc.visibilityState = "visible";
+  b.dispatch("visibilitychange");
+  assert.equal(ctx.WS.all.length, 2, "silent link: reconnected at once");
+  assert.equal(ws.closed.code, 1000);
+  const ws2 = ctx.WS.all.at(-1);
+  await ws2.open();
+  assert.ok(ws2.take()[0].resume, "resumes");
+  ctx.client.close();
+  assert.equal(b.count(), 0);
+});
+
+test("lifecycle: lifecycleHooks false installs nothing", async (t) => {
+  const b = fakeBrowser(t);
+  const ctx = setup({ lifecycleHooks: false });
+  ctx.client.connect();
+  assert.equal(b.count(), 0);
+  ctx.client.close();
+});
