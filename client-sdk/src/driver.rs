@@ -234,26 +234,28 @@ impl Client {
     }
 
     /// Drops the current connection without a CLOSE, as a network failure would; the
-    /// client reconnects and resumes.
-    pub async fn drop_link(&self) {
-        let _ = self.cmd.send(Cmd::DropLink).await;
+    /// client reconnects and resumes. [`SdkError::Closed`] once the client has ended.
+    pub async fn drop_link(&self) -> Result<(), SdkError> {
+        self.command(Cmd::DropLink).await
+    }
+
+    async fn command(&self, cmd: Cmd) -> Result<(), SdkError> {
+        self.cmd.send(cmd).await.map_err(|_| SdkError::Closed)
     }
 
     /// Replaces the auth token (refreshed from the login service): used by the next HELLO.
     /// An expired token never ends a session that can still be resumed (the SDK resumes
     /// with the resume token alone); a fresh one is needed only for a new login.
     pub async fn set_token(&self, token: Bytes) -> Result<(), SdkError> {
-        self.cmd
-            .send(Cmd::SetToken(token))
-            .await
-            .map_err(|_| SdkError::Closed)
+        self.command(Cmd::SetToken(token)).await
     }
 
     /// Reconnects now: drops the current link even if it looks alive (an app back from
     /// the background often holds a socket the OS never reported dead), forgets the backoff
     /// and connects at once; the session resumes. Lifecycle hook for mobile and browsers.
-    pub async fn reconnect_now(&self) {
-        let _ = self.cmd.send(Cmd::ReconnectNow).await;
+    /// [`SdkError::Closed`] once the client has ended.
+    pub async fn reconnect_now(&self) -> Result<(), SdkError> {
+        self.command(Cmd::ReconnectNow).await
     }
 
     /// Makes endpoint `index` the first one tried on the next connect.
@@ -319,6 +321,9 @@ async fn run(
         closed: false,
     };
     let mut connecting: Option<Connecting> = None;
+    // A sender of its own for handing events over: the other select branches mutate the
+    // driver while this one waits for room.
+    let handover = d.events.clone();
     while !d.closed {
         if d.session.state() != ClientState::Active {
             d.down_since.get_or_insert_with(Instant::now);
@@ -364,8 +369,6 @@ async fn run(
                 None => std::future::pending().await,
             }
         };
-        // Its own sender: the branches below mutate the driver while this one waits.
-        let handover = d.events.clone();
         tokio::select! {
             (outcome, failures) = async { connecting.as_mut().map_or_else(|| unreachable!(), |c| c.as_mut()).await }, if connecting.is_some() => {
                 connecting = None;

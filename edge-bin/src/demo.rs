@@ -621,7 +621,10 @@ async fn client_task(
                     if let Some(p) = prefer {
                         client.prefer_endpoint(p).await;
                     }
-                    client.drop_link().await;
+                    // An ended client reports its end as an event (Closed) already.
+                    if let Err(e) = client.drop_link().await {
+                        tracing::debug!(error = %e, "link drill on an ended client");
+                    }
                 }
                 Some(Cmd::Quiesce(tx)) => {
                     sending = false;

@@ -558,18 +558,7 @@ async fn connections_waiting_for_welcome_hold_handshake_slots_on_every_transport
         .write_all(&hello_then_echoes("first", []))
         .await
         .unwrap();
-    let codec = StreamCodec::new(65536);
-    let mut rbuf = BytesMut::new();
-    let welcome = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            if let Some(f) = codec.decode(&mut rbuf).unwrap() {
-                return f;
-            }
-            assert!(first.read_buf(&mut rbuf).await.unwrap() > 0);
-        }
-    })
-    .await
-    .unwrap();
+    let welcome = common::read_frame(&mut first).await;
     assert!(matches!(welcome, Frame::Welcome(_)), "{welcome:?}");
     tokio::time::sleep(Duration::from_millis(100)).await;
     match common::raw_hello(tcp, common::token("fifth")).await {
@@ -602,19 +591,7 @@ async fn pre_auth_frames_are_limited_to_the_hello_size() {
     put_varint(&mut out, padded.len() as u64);
     out.extend_from_slice(&padded);
     sock.write_all(&out).await.unwrap();
-    let codec = StreamCodec::new(65536);
-    let mut rbuf = BytesMut::new();
-    let answer = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            if let Some(f) = codec.decode(&mut rbuf).unwrap() {
-                return f;
-            }
-            assert!(sock.read_buf(&mut rbuf).await.unwrap() > 0, "an answer");
-        }
-    })
-    .await
-    .unwrap();
-    match answer {
+    match common::read_frame(&mut sock).await {
         Frame::Close { code, .. } => assert_eq!(code, CloseCode::FrameTooLarge),
         other => panic!("a 9 KiB pre-auth frame was answered {other:?}"),
     }

@@ -184,7 +184,7 @@ async fn members_on_every_transport_see_every_publication_once_in_order_through_
         if i == total / 3 || i == 2 * total / 3 {
             // The network drops every member's link; each resumes by itself.
             for (_, client, _) in &members {
-                client.drop_link().await;
+                client.drop_link().await.expect("client running");
             }
         }
     }
@@ -462,7 +462,7 @@ async fn memberships_travel_with_a_session_resumed_on_another_edge() {
     assert_eq!(body_of(&next_update(&mut client).await), (1, "one".into()));
     // The client moves to edge 2 (its link to edge 1 drops); it resumes from Redis there.
     client.prefer_endpoint(1).await;
-    client.drop_link().await;
+    client.drop_link().await.expect("client running");
     let lost = next_update(&mut client).await;
     match lost {
         ChannelUpdate::HistoryLost { channel, position } => {

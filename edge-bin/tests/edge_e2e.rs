@@ -136,7 +136,7 @@ async fn resume_over_another_transport_loses_and_duplicates_nothing() {
                     // Kill the socket mid-stream (no CLOSE) and resume over the other one.
                     let other = if sent == 50 { 1 } else { 0 };
                     client.prefer_endpoint(other).await;
-                    client.drop_link().await;
+                    client.drop_link().await.expect("client running");
                 }
             }
             let ev = tokio::time::timeout(

@@ -12,6 +12,7 @@
 )]
 
 mod common;
+mod support_etcd;
 mod support_redis;
 
 use std::time::{Duration, Instant};
@@ -83,8 +84,6 @@ async fn a_sigstopped_redis_blocks_no_session_and_recovery_needs_no_restart() {
     }
     assert_eq!(common::echo(&mut live, "after").await, Ok("b1".into()));
 }
-
-mod support_etcd;
 
 /// A hung etcd (SIGSTOP for 60 s, longer than the edge's registration lease): the edge keeps
 /// its last route table, so live sessions keep flowing and new logins are welcomed; after

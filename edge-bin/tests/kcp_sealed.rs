@@ -14,6 +14,7 @@
 mod common;
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -56,6 +57,16 @@ struct Relay {
     edge: SocketAddr,
     /// Client -> edge datagrams forwarded so far (session datagrams only: conv != 0).
     seen: Arc<Mutex<Vec<Vec<u8>>>>,
+    /// Datagrams the relay could not forward (loopback never refuses: checked to be 0, so
+    /// what the test injects is the only interference).
+    unforwarded: Arc<AtomicU64>,
+}
+
+/// Counts a datagram the relay could not forward.
+fn count_failure(failed: &AtomicU64, sent: std::io::Result<usize>) {
+    if sent.is_err() {
+        failed.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 async fn relay(edge: SocketAddr) -> Relay {
@@ -65,12 +76,14 @@ async fn relay(edge: SocketAddr) -> Relay {
     let addr = front.local_addr().unwrap();
     let client: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
     let seen: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
+    let unforwarded: Arc<AtomicU64> = Arc::default();
     {
-        let (front, upstream, client, seen) = (
+        let (front, upstream, client, seen, failed) = (
             front.clone(),
             upstream.clone(),
             client.clone(),
             seen.clone(),
+            unforwarded.clone(),
         );
         tokio::spawn(async move {
             let mut buf = vec![0u8; 65_536];
@@ -79,18 +92,18 @@ async fn relay(edge: SocketAddr) -> Relay {
                 if buf[..4] != [0; 4] {
                     seen.lock().unwrap().push(buf[..n].to_vec());
                 }
-                let _ = upstream.send(&buf[..n]).await;
+                count_failure(&failed, upstream.send(&buf[..n]).await);
             }
         });
     }
     {
-        let (front, upstream) = (front.clone(), upstream.clone());
+        let (front, upstream, failed) = (front.clone(), upstream.clone(), unforwarded.clone());
         tokio::spawn(async move {
             let mut buf = vec![0u8; 65_536];
             while let Ok(n) = upstream.recv(&mut buf).await {
                 let to = *client.lock().unwrap();
                 if let Some(to) = to {
-                    let _ = front.send_to(&buf[..n], to).await;
+                    count_failure(&failed, front.send_to(&buf[..n], to).await);
                 }
             }
         });
@@ -100,6 +113,7 @@ async fn relay(edge: SocketAddr) -> Relay {
         upstream,
         edge,
         seen,
+        unforwarded,
     }
 }
 
@@ -109,6 +123,11 @@ impl Relay {
         let seen = self.seen.lock().unwrap();
         let first = seen.first().expect("session datagrams seen");
         u32::from_le_bytes([first[0], first[1], first[2], first[3]])
+    }
+
+    /// Datagrams the relay failed to forward.
+    fn unforwarded(&self) -> u64 {
+        self.unforwarded.load(Ordering::Relaxed)
     }
 
     /// Sends raw bytes to the edge as if from the client.
@@ -230,6 +249,11 @@ async fn forged_reset_wrong_tag_and_replay_change_nothing_on_a_sealed_session() 
         echo(&mut sealed, "two").await,
         "the sealed session lives on"
     );
+    assert_eq!(
+        sealed_relay.unforwarded(),
+        0,
+        "the relay lost nothing itself"
+    );
 
     let (_, metrics) = common::http(admin, "GET", "/metrics").await;
     assert!(metric(&metrics, "waygate_kcp_sealed_sessions_total") >= 1.0);
@@ -280,4 +304,5 @@ async fn a_listener_requiring_sealed_sessions_refuses_plain_connects() {
     let mut c = client(&r, connect_token("sealed-required", &key), Some(key));
     until_connected(&mut c).await;
     assert!(echo(&mut c, "sealed").await);
+    assert_eq!(r.unforwarded(), 0, "the relay lost nothing itself");
 }

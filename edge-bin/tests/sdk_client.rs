@@ -43,7 +43,7 @@ async fn random_socket_kills_on_every_transport_lose_and_duplicate_nothing() {
                     .unwrap();
                 sent += 1;
                 if kills.contains(&sent) {
-                    client.drop_link().await;
+                    client.drop_link().await.expect("client running");
                 }
             }
             let wait = if sent < total { 1 } else { 20_000 };
@@ -294,7 +294,7 @@ async fn an_expired_token_does_not_end_a_resumable_session() {
     // The token runs out (expires-at is whole seconds: wait past the next one) while the
     // link is down.
     tokio::time::sleep(Duration::from_millis(2_200)).await;
-    client.drop_link().await;
+    client.drop_link().await.expect("client running");
     let mut outcomes = Vec::new();
     loop {
         let event = tokio::time::timeout(Duration::from_secs(20), client.next_event())
@@ -398,7 +398,7 @@ async fn sticky_fallback_reconnect_now_and_giving_up() {
     assert_eq!(failed, 1, "the KCP attempt failed once");
     // reconnect_now on a live link: dropped and resumed at once, over TCP first (sticky).
     let t = tokio::time::Instant::now();
-    client.reconnect_now().await;
+    client.reconnect_now().await.expect("client running");
     loop {
         match next(&mut client).await {
             Event::ConnectFailed { endpoint, .. } => {

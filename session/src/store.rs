@@ -329,6 +329,28 @@ impl SnapshotStore for MemorySnapshotStore {
         Ok(Self::live(&mut self.lock(), session_id, now).cloned())
     }
 
+    /// Checked and taken under one lock: no copy of the snapshot to read its keys.
+    async fn take_proven(
+        &self,
+        session_id: &SessionId,
+        attempt: &crate::machine::ResumeAttempt,
+    ) -> Result<TakeOutcome, StoreError> {
+        let now = (self.clock)();
+        let mut map = self.lock();
+        let proven = match Self::live(&mut map, session_id, now) {
+            None => return Ok(TakeOutcome::NotFound),
+            Some(s) => s.key_used(attempt).is_some(),
+        };
+        if !proven {
+            return Ok(TakeOutcome::Mismatch);
+        }
+        Ok(map
+            .remove(session_id)
+            .map_or(TakeOutcome::NotFound, |(s, _)| {
+                TakeOutcome::Taken(Box::new(s))
+            }))
+    }
+
     async fn take(
         &self,
         session_id: &SessionId,

@@ -215,6 +215,10 @@ impl PreAuth {
 
     /// Refuses a received frame above the current limit, as an oversized frame is refused.
     pub fn check(&self, frame: &Frame, configured: usize) -> Result<(), TransportError> {
+        if !self.limited {
+            // Past WELCOME the transport's own limit applies; nothing to measure.
+            return Ok(());
+        }
         let max = self.frame_limit(configured);
         let len = frame.encoded_len();
         if len > max {

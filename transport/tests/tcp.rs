@@ -49,15 +49,22 @@ async fn tcp_100_connections_1000_frames_each() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tls_100_connections_1000_frames_each() {
+/// A TLS echo listener with a fresh dev identity: its address, the task, and the client
+/// trust for it.
+async fn tls_echo() -> (SocketAddr, tokio::task::JoinHandle<()>, ClientTls) {
     let id = TlsIdentity::generate_dev(&[]).unwrap();
     let listener = tcp::listen("127.0.0.1:0".parse().unwrap(), Some(&id), config())
         .await
         .unwrap();
     let addr = listener.local_addr();
-    let _server = common::spawn_echo_server(Box::new(listener));
+    let server = common::spawn_echo_server(Box::new(listener));
     let client = ClientTls::from_ca_pem(id.dev_ca_pem.as_deref().unwrap()).unwrap();
+    (addr, server, client)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_100_connections_1000_frames_each() {
+    let (addr, _server, client) = tls_echo().await;
     common::many_connections(
         move || {
             let client = client.clone();
@@ -201,13 +208,7 @@ async fn tls_handshake_with_garbage_is_dropped_and_counted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn names_resolve_every_address_is_tried_and_tls_defaults_to_system_roots() {
     use waygate_transport::endpoint::{connect, connect_any, ConnectOptions, Endpoint};
-    let id = TlsIdentity::generate_dev(&[]).unwrap();
-    let listener = tcp::listen("127.0.0.1:0".parse().unwrap(), Some(&id), config())
-        .await
-        .unwrap();
-    let addr = listener.local_addr();
-    let _server = common::spawn_echo_server(Box::new(listener));
-    let dev_ca = ClientTls::from_ca_pem(id.dev_ca_pem.as_deref().unwrap()).unwrap();
+    let (addr, _server, dev_ca) = tls_echo().await;
     let endpoint = Endpoint::parse(&format!("tls://localhost:{}", addr.port())).unwrap();
     assert!(endpoint.is_name());
     let resolved = endpoint.resolve(Duration::from_secs(5)).await.unwrap();

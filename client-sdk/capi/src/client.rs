@@ -75,6 +75,28 @@ impl waygate_client {
         })
     }
 
+    /// Runs one SDK command to completion on the handle's runtime: `WAYGATE_OK`, or the
+    /// code of why it could not be taken (not connected yet, ended).
+    fn command<'a, F, Fut>(&'a mut self, f: F) -> waygate_result
+    where
+        F: FnOnce(&'a Client) -> Fut,
+        Fut: Future<Output = Result<(), SdkError>>,
+    {
+        if let Err(code) = self.running() {
+            return code;
+        }
+        let Some(c) = self.client.as_ref() else {
+            return WAYGATE_INVALID_STATE;
+        };
+        match self.rt.block_on(f(c)) {
+            Ok(()) => WAYGATE_OK,
+            Err(_) => {
+                set_last_error("the client is closed");
+                WAYGATE_CLOSED
+            }
+        }
+    }
+
     /// The running client, or the code to return when there is none.
     fn running(&mut self) -> Result<&mut Client, waygate_result> {
         match (&mut self.client, self.ended) {
@@ -405,13 +427,7 @@ pub unsafe extern "C" fn waygate_client_drop_link(client: *mut waygate_client) -
         non_null!(client, WAYGATE_INVALID_ARGUMENT);
         // SAFETY: not NULL; the caller promises a live handle used only by this thread.
         let h = unsafe { handle(client) };
-        if let Err(code) = h.running() {
-            return code;
-        }
-        if let Some(c) = h.client.as_ref() {
-            h.rt.block_on(c.drop_link());
-        }
-        WAYGATE_OK
+        h.command(|c| c.drop_link())
     })
 }
 
@@ -431,13 +447,7 @@ pub unsafe extern "C" fn waygate_client_reconnect_now(
         non_null!(client, WAYGATE_INVALID_ARGUMENT);
         // SAFETY: not NULL; the caller promises a live handle used only by this thread.
         let h = unsafe { handle(client) };
-        if let Err(code) = h.running() {
-            return code;
-        }
-        if let Some(c) = h.client.as_ref() {
-            h.rt.block_on(c.reconnect_now());
-        }
-        WAYGATE_OK
+        h.command(|c| c.reconnect_now())
     })
 }
 

@@ -354,13 +354,23 @@ pub async fn raw_frame(
     frame: waygate_transport::Frame,
 ) -> waygate_transport::Frame {
     use bytes::BytesMut;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     use waygate_protocol::codec::StreamCodec;
     let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
     let codec = StreamCodec::new(65536);
     let mut out = BytesMut::new();
     codec.encode(&frame, &mut out).unwrap();
     sock.write_all(&out).await.unwrap();
+    read_frame(&mut sock).await
+}
+
+/// Raw TCP: the next frame the edge sends on `sock` (within 10 s; the stream must not end
+/// before it).
+pub async fn read_frame(sock: &mut tokio::net::TcpStream) -> waygate_transport::Frame {
+    use bytes::BytesMut;
+    use tokio::io::AsyncReadExt;
+    use waygate_protocol::codec::StreamCodec;
+    let codec = StreamCodec::new(65536);
     let mut buf = BytesMut::new();
     tokio::time::timeout(Duration::from_secs(10), async {
         loop {
