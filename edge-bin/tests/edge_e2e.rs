@@ -23,6 +23,7 @@ use waygate_transport::{TrafficClass, TransportKind};
 async fn every_transport_reaches_the_instance_of_its_player_and_room() {
     let c = cluster().await;
     let kinds = TransportKind::ALL;
+    let mut kept = Vec::new();
     for kind in kinds {
         for n in 0..4 {
             let player = format!("{kind}-player-{n}");
@@ -60,7 +61,12 @@ async fn every_transport_reaches_the_instance_of_its_player_and_room() {
                 event.starts_with(&format!("{room_backend}|{room}|")),
                 "{kind}: room event {event} not from {room_backend}"
             );
-            client.close().await;
+            if n == 3 {
+                // The last client of each transport stays: its session is held at the scrape.
+                kept.push(client);
+            } else {
+                client.close().await;
+            }
         }
     }
     // Phase timing (O1): session setup per transport is observed.
@@ -83,6 +89,25 @@ async fn every_transport_reaches_the_instance_of_its_player_and_room() {
             assert!(metrics.contains(&count), "{count}: {metrics}");
         }
     }
+    // Routing time (O1): one observation per routed upstream message (ECHO, JOIN_ROOM and
+    // ROOM_SAY of every client).
+    let routed = kinds.len() * 4 * 3;
+    assert!(
+        metrics.contains(&format!("waygate_route_seconds_count {routed}")),
+        "{routed} routings: {metrics}"
+    );
+    // Queue-length distribution (O1): one observation per session held, at scrape time.
+    let held = sample(&metrics, "waygate_sessions_live");
+    assert!(held >= kinds.len() as f64, "{metrics}");
+    assert_eq!(
+        sample(&metrics, "waygate_session_queue_length_count"),
+        held,
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("waygate_session_queue_length_bucket{le=\"0.0\"}"),
+        "{metrics}"
+    );
     // Strict exposition (regression: the session counters were hand-formatted beside the
     // registry, with one `# TYPE waygate_session_transition` line per label pair, which
     // strict OpenMetrics parsers reject): one TYPE line per family, and the transitions
@@ -105,6 +130,9 @@ async fn every_transport_reaches_the_instance_of_its_player_and_room() {
         "{metrics}"
     );
     assert_eq!(metrics.matches("# EOF").count(), 1, "{metrics}");
+    for client in kept {
+        client.close().await;
+    }
 }
 
 /// S4/S4a over real sockets: a stream of echoes while the socket is killed mid-stream and
@@ -177,4 +205,15 @@ async fn resume_over_another_transport_loses_and_duplicates_nothing() {
         assert_eq!(restored, 2, "{from}->{to}: two resumes");
         client.close().await;
     }
+}
+
+/// The value of an unlabelled sample in an exposition.
+fn sample(metrics: &str, name: &str) -> f64 {
+    let prefix = format!("{name} ");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {metrics}"))
 }

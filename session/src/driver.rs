@@ -212,6 +212,12 @@ impl SessionRegistry {
         inner.wakers.remove(&conn);
     }
 
+    /// Observes the outbound queue length of every session held into `observe` (under the
+    /// host's lock: keep `observe` cheap).
+    pub fn each_queue_length(&self, mut observe: impl FnMut(usize)) {
+        self.host(|h| h.queue_lengths().for_each(&mut observe));
+    }
+
     /// Sessions held (live or lingering).
     pub fn len(&self) -> usize {
         self.host(|h| h.len())

@@ -927,6 +927,11 @@ impl SessionHost {
         self.sessions.get(session_id).map_or(0, |e| e.queue.len())
     }
 
+    /// The outbound queue length of every session held (for a distribution at scrape time).
+    pub fn queue_lengths(&self) -> impl Iterator<Item = usize> + '_ {
+        self.sessions.values().map(|e| e.queue.len())
+    }
+
     /// The host's counters.
     pub fn stats(&self) -> HostStats {
         self.stats

@@ -13,7 +13,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use std::sync::atomic::AtomicU64;
@@ -99,6 +99,9 @@ pub struct EdgeMetrics {
     pub session_setup_seconds: Family<TransportLabel, Histogram>,
     /// The phases of that setup: waiting for HELLO, auth, restore, claim.
     pub session_phase_seconds: Family<PhaseLabels, Histogram>,
+    /// Time to route one upstream message (router lock and decision: service, then
+    /// instance), seconds.
+    pub route_seconds: Histogram,
     /// Upstream messages forwarded to a backend.
     pub forwarded: Family<RouteLabels, Counter>,
     /// Upstream messages answered with ERROR instead (busy, unavailable, no_route...).
@@ -173,6 +176,12 @@ type ServiceInstance = (Arc<str>, Arc<str>);
 /// The session layer of an edge as the metrics see it: set once, when the edge has built it.
 pub type SessionLayerSlot = Arc<OnceLock<Arc<SessionLayer>>>;
 
+/// Buckets of `session_queue_length`: empty, then powers of two up to the largest queue
+/// bound an operator is likely to set.
+const QUEUE_LENGTH_BUCKETS: [f64; 14] = [
+    0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0,
+];
+
 /// Reads the session layer's counters at scrape time: `sessions_live`, the write-through
 /// counters, `session_transition{from,to}` and every named session counter
 /// (`session_<name>_total`).
@@ -199,6 +208,19 @@ impl Collector for SessionLayerCollector {
             None,
             lingering.metric_type(),
         )?)?;
+        {
+            // The distribution of outbound queue lengths across sessions, taken at scrape
+            // time (O1): a slow consumer shows as mass in the high buckets before it overflows.
+            let queues = Histogram::new(QUEUE_LENGTH_BUCKETS);
+            s.registry
+                .each_queue_length(|len| queues.observe(len as f64));
+            queues.encode(encoder.encode_descriptor(
+                "session_queue_length",
+                "Outbound queue length (items) of each session held, at scrape time",
+                None,
+                queues.metric_type(),
+            )?)?;
+        }
         {
             // Always exported (0 without write-through), so dashboards and alerts find them.
             use std::sync::atomic::Ordering::Relaxed;
@@ -430,6 +452,7 @@ impl EdgeMetrics {
                     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                 ])
             }),
+            route_seconds: Histogram::new(exponential_buckets(0.000_001, 2.0, 16)),
             forwarded: Family::default(),
             upstream_refused: Family::default(),
             pushed,
@@ -484,6 +507,11 @@ impl EdgeMetrics {
             "session_setup_seconds",
             "Time from transport accept to session established",
             m.session_setup_seconds.clone(),
+        );
+        registry.register(
+            "route_seconds",
+            "Time to route one upstream message: router lock and decision (service, then instance)",
+            m.route_seconds.clone(),
         );
         registry.register(
             "forwarded",

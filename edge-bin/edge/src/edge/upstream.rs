@@ -38,6 +38,7 @@ impl Shared {
                 retry_after_ms,
             }
         };
+        let started = std::time::Instant::now();
         let decision = {
             let mut router = self
                 .router
@@ -58,6 +59,9 @@ impl Shared {
             }
             router.route_target(msg_id, &req)
         };
+        self.metrics
+            .route_seconds
+            .observe(started.elapsed().as_secs_f64());
         let decision = match decision {
             Ok(d) => d,
             Err(RoutingError::NoServiceForMessage { .. }) => {
