@@ -360,7 +360,7 @@ fn main() -> std::process::ExitCode {
                 let client = etcd_client::Client::connect(&etcd, None)
                     .await
                     .map_err(|e| format!("etcd {etcd:?}: {e}"))?;
-                let app = waygate_edge::cluster::etcd::login_router(client, etcd_prefix);
+                let app = waygate_edge::cluster::login::login_router(client, etcd_prefix);
                 let listener = tokio::net::TcpListener::bind(addr)
                     .await
                     .map_err(|e| format!("{addr}: {e}"))?;
@@ -511,7 +511,7 @@ async fn register_backend(
     prefix: &str,
     services: &[String],
 ) -> Result<(), String> {
-    use waygate_edge::cluster::etcd::{EtcdRegistry, Load};
+    use waygate_edge::cluster::etcd::EtcdRegistry;
     let registry = Arc::new(
         EtcdRegistry::connect(etcd, prefix)
             .await
@@ -524,24 +524,16 @@ async fn register_backend(
         state: waygate_routing::InstanceState::Active,
         capacity: None,
     };
-    let every = std::time::Duration::from_secs(1);
-    let (load_tx, load_rx) = tokio::sync::watch::channel(Load::default());
-    for service in services {
-        let lease = registry
-            .register_instance(service, &spec, std::time::Duration::from_secs(3))
-            .await
-            .map_err(|e| format!("registering {id} for {service}: {e}"))?;
-        let _reporter = registry.spawn_reporter(lease, every, load_rx.clone());
-    }
-    let weak = Arc::downgrade(backend);
-    waygate_edge::cluster::spawn_load_meter(every, load_tx, move || {
-        let backend = weak.upgrade()?;
-        let load = backend.load();
-        Some((
-            usize::try_from(load.sessions()).unwrap_or(usize::MAX),
-            load.messages(),
-        ))
-    });
+    registry
+        .register_backend_instance(
+            services,
+            &spec,
+            std::time::Duration::from_secs(3),
+            std::time::Duration::from_secs(1),
+            backend.load_sampler(),
+        )
+        .await
+        .map_err(|e| format!("registering {id} for {services:?}: {e}"))?;
     tracing::info!(%id, %address, ?services, "registered in etcd");
     Ok(())
 }

@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 use support_etcd::EtcdServer;
 use tokio::sync::watch;
 use waygate_edge::cluster::etcd::{
-    least_loaded_edge, list_edges, login_router, pick_least_loaded, EdgeInfo, EtcdRegistry, Load,
+    least_loaded_edge, list_edges, pick_least_loaded, EdgeInfo, EtcdRegistry, Load,
 };
+use waygate_edge::cluster::login::login_router;
 use waygate_routing::source::InstanceRegistry;
 use waygate_routing::{InstanceSpec, InstanceState, LoadReport};
 

@@ -15,7 +15,9 @@
 //! - the edge library never depends on the client SDK (demo and bench live beside the
 //!   binary);
 //! - session never depends on routing, the link or the edge;
-//! - the channels core is sans-IO: no tokio, no transport, session, routing or edge.
+//! - the channels core is sans-IO: no tokio, no transport, session, routing or edge;
+//! - the etcd control plane (`waygate-routing-etcd`) depends on routing and etcd-client
+//!   only: no session, transport, link, backend SDK, edge or Redis.
 //!
 //! Only normal and build dependencies count (a test may use anything).
 
@@ -168,6 +170,21 @@ const RULES: &[Rule] = &[
             "waygate-client",
         ],
         why: "the channels core is sans-IO: it hands deliveries to whoever drives it",
+    },
+    Rule {
+        package: "waygate-routing-etcd",
+        forbidden: &[
+            "waygate-transport",
+            "waygate-session",
+            "waygate-channels",
+            "waygate-link",
+            "waygate-backend",
+            "waygate-edge",
+            "waygate",
+            "waygate-client",
+            "redis",
+        ],
+        why: "the etcd control plane is routing's: a game server may add it beside the backend SDK",
     },
 ];
 

@@ -645,6 +645,21 @@ impl Backend {
         &self.load
     }
 
+    /// A load sampler for a control-plane registration (`waygate-routing-etcd`'s
+    /// `EtcdRegistry::register_backend_instance`): the sessions open on this instance and its
+    /// growing message total, `None` once the backend is dropped (the reports then stop).
+    pub fn load_sampler(self: &Arc<Self>) -> impl FnMut() -> Option<(usize, u64)> + Send + 'static {
+        let weak = Arc::downgrade(self);
+        move || {
+            let backend = weak.upgrade()?;
+            let load = backend.load();
+            Some((
+                usize::try_from(load.sessions()).unwrap_or(usize::MAX),
+                load.messages(),
+            ))
+        }
+    }
+
     /// The bound address.
     pub fn local_addr(&self) -> SocketAddr {
         self.local

@@ -1,15 +1,13 @@
 //! The login side of the edge registry (SPEC R10): which edge a new client should connect
 //! to, read from the edge records under `P/edges/` that [`EtcdRegistry::register_edge`]
-//! keeps up to date, and a tiny HTTP endpoint answering it.
+//! keeps up to date (the edge library serves it over HTTP: `waygate login`).
 //!
-//! [`EtcdRegistry::register_edge`]: super::EtcdRegistry::register_edge
-
-use std::sync::Arc;
+//! [`EtcdRegistry::register_edge`]: crate::EtcdRegistry::register_edge
 
 use etcd_client::{Client, GetOptions};
 use waygate_routing::InstanceState;
 
-use super::{EdgeInfo, Etcd, EtcdError, Keys};
+use crate::{EdgeInfo, EtcdError, Keys};
 
 /// The least-loaded edge that takes new players: active, under its cap, fewest sessions
 /// (ties by id). `None`: no edge qualifies.
@@ -54,32 +52,4 @@ pub async fn least_loaded_edge(
 ) -> Result<Option<EdgeInfo>, EtcdError> {
     let edges = list_edges(client, prefix).await?;
     Ok(pick_least_loaded(&edges).cloned())
-}
-
-/// A tiny HTTP endpoint for a login service (SPEC R10): `GET /edge` answers the
-/// least-loaded edge as [`EdgeInfo`] JSON, `503` with `Retry-After: 1` when no edge qualifies
-/// or etcd is unreachable. Serve it with `axum::serve`.
-pub fn login_router(client: Client, prefix: String) -> axum::Router {
-    use axum::extract::State;
-    use axum::http::{header, StatusCode};
-    use axum::response::{IntoResponse, Response};
-
-    async fn pick(State(s): State<Arc<(Etcd, String)>>) -> Response {
-        let unavailable = |msg: String| {
-            (
-                StatusCode::SERVICE_UNAVAILABLE,
-                [(header::RETRY_AFTER, "1")],
-                axum::Json(serde_json::json!({ "error": msg })),
-            )
-                .into_response()
-        };
-        match least_loaded_edge(&s.0 .0, &s.1).await {
-            Ok(Some(e)) => axum::Json(e).into_response(),
-            Ok(None) => unavailable("no edge is enabled and under its cap".into()),
-            Err(e) => unavailable(e.to_string()),
-        }
-    }
-    axum::Router::new()
-        .route("/edge", axum::routing::get(pick))
-        .with_state(Arc::new((Etcd(client), prefix)))
 }

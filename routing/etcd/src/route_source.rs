@@ -19,7 +19,7 @@ use waygate_routing::source::{
 };
 use waygate_routing::{InstanceState, RouteTable, RoutingError, TableFormat};
 
-use super::{
+use crate::{
     connect_options, timed, EdgeInfo, Etcd, EtcdError, EtcdKey, InstanceRecord, Keys, Load,
 };
 

@@ -61,7 +61,10 @@
 //! - `registry`: [`EtcdRegistry`], registrations under a lease and load reports, with the
 //!   records it writes ([`InstanceRecord`], [`EdgeInfo`], [`Load`]).
 //! - `login`: the least-loaded edge a login service sends a new client to
-//!   ([`pick_least_loaded`], [`list_edges`], [`least_loaded_edge`], [`login_router`]).
+//!   ([`pick_least_loaded`], [`list_edges`], [`least_loaded_edge`]; the edge library serves
+//!   it over HTTP).
+//! - `load`: load reports ([`RateMeter`], [`spawn_load_meter`]) for the registry's
+//!   reporters.
 //! - this file: the error type, the key layout and the client helpers they share.
 //!
 //! [`RouteTable`]: waygate_routing::RouteTable
@@ -76,11 +79,13 @@ use std::time::Duration;
 use etcd_client::{Client, ConnectOptions};
 use waygate_routing::RoutingError;
 
+mod load;
 mod login;
 mod registry;
 mod route_source;
 
-pub use login::{least_loaded_edge, list_edges, login_router, pick_least_loaded};
+pub use load::{spawn_load_meter, RateMeter};
+pub use login::{least_loaded_edge, list_edges, pick_least_loaded};
 pub use registry::{EdgeInfo, EtcdRegistry, InstanceRecord, Load};
 pub use route_source::{Composer, EtcdRouteSource, EtcdSourceConfig, EtcdSourceStats, Switch};
 

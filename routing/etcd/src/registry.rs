@@ -14,7 +14,7 @@ use tokio::sync::watch;
 use waygate_routing::source::{InstanceRegistry, LeaseId};
 use waygate_routing::{InstanceSpec, InstanceState, LoadReport, RoutingError};
 
-use super::{connect_options, timed, Etcd, EtcdError, EtcdSourceConfig, Keys};
+use crate::{connect_options, timed, Etcd, EtcdError, EtcdSourceConfig, Keys};
 
 // ---- records ------------------------------------------------------------------------------
 
@@ -37,10 +37,10 @@ pub struct InstanceRecord {
     /// Relative share of new keys.
     #[serde(default = "one")]
     pub weight: f64,
-    /// Administrative state (a [`Switch`](super::Switch) overrides it).
+    /// Administrative state (a [`Switch`](crate::Switch) overrides it).
     #[serde(default)]
     pub state: InstanceState,
-    /// Player cap (a [`Switch`](super::Switch) overrides it).
+    /// Player cap (a [`Switch`](crate::Switch) overrides it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capacity: Option<u32>,
     /// Last load report.
@@ -325,6 +325,33 @@ impl EtcdRegistry {
                 }
             }
         })
+    }
+
+    /// Registers a backend instance for each of `services` under leases of `ttl` and
+    /// reports its load every `every` (SPEC R9, R10): what `waygate backend --etcd` does,
+    /// and what a Rust game server built on the backend SDK calls to register itself.
+    /// `sample` returns the players hosted and the growing message total (the backend SDK's
+    /// `Backend::load`), or `None` once the instance is gone: the reports then stop and the
+    /// leases expire. Revoke with [`Self::shutdown`] for a graceful exit.
+    pub async fn register_backend_instance(
+        self: &Arc<Self>,
+        services: &[String],
+        instance: &InstanceSpec,
+        ttl: Duration,
+        every: Duration,
+        sample: impl FnMut() -> Option<(usize, u64)> + Send + 'static,
+    ) -> Result<Vec<LeaseId>, EtcdError> {
+        let (load_tx, load_rx) = watch::channel(Load::default());
+        let mut leases = Vec::with_capacity(services.len());
+        for service in services {
+            let lease = self.register_instance(service, instance, ttl).await?;
+            // The reporter ends by itself when the registration is revoked or the registry
+            // dropped.
+            let _reporter = self.spawn_reporter(lease, every, load_rx.clone());
+            leases.push(lease);
+        }
+        let _meter = crate::spawn_load_meter(every, load_tx, sample);
+        Ok(leases)
     }
 
     /// Removes registration `lease`: marks it `disabled` (no new players from now on), then
