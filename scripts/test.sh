@@ -14,7 +14,9 @@ root=$(pwd)
 # redis-server: session ownership, warm snapshots and presence tests.
 # prometheus: promtool checks the edge's /metrics, and a real Prometheus server scrapes an
 # edge (edge-bin/tests/prometheus.rs).
-apt_packages=(ca-certificates chromium etcd-server etcd-client redis-server redis-tools prometheus)
+# mono-mcs (pulls mono-runtime): the C# binding's example runs on Mono against a real edge
+# (client-sdk/capi/tests/csharp_example.rs).
+apt_packages=(ca-certificates chromium etcd-server etcd-client redis-server redis-tools prometheus mono-mcs)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

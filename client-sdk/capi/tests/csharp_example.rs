@@ -1,0 +1,201 @@
+//! The C# binding for real: compiles `client-sdk/csharp/Waygate.cs` and
+//! `client-sdk/csharp/examples/Echo.cs` with Mono's `mcs`, then runs the program with `mono`
+//! against the cdylib cargo built for this test run and an in-process edge and demo backend
+//! on every transport (loopback only). The program connects, sends echo requests, drops its
+//! link half way, and checks that every reply arrives exactly once and in order after the
+//! resume: the same checks as `examples/echo.c` (`tests/c_example.rs`), through P/Invoke.
+//!
+//! Needs `mcs` and `mono` on PATH (Debian: `apt-get install --no-install-recommends
+//! mono-mcs`, which pulls in the runtime; scripts/test.sh installs it).
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    missing_docs,
+    unreachable_pub
+)]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{cluster, token};
+use waygate_transport::TransportKind;
+
+/// How long one run of the C# program may take.
+const RUN_LIMIT: Duration = Duration::from_secs(60);
+
+/// The directory holding the cdylib cargo built with this crate's lib for this test run. The
+/// test runs from `target/<profile>/deps/`, where cargo writes it (`cargo build` also copies
+/// it up to `target/<profile>/`, which `cargo test` does not do).
+fn cdylib_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let deps = exe.parent().unwrap();
+    let candidates = [
+        deps.join("libwaygate_client_capi.so"),
+        deps.parent().unwrap().join("libwaygate_client_capi.so"),
+    ];
+    candidates
+        .iter()
+        .find(|p| p.exists())
+        .unwrap_or_else(|| {
+            panic!("no libwaygate_client_capi.so in {candidates:?}: cargo builds it with this crate's lib (crate-type cdylib)")
+        })
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// Panics with what to install unless `tool` runs (`mcs --version`, `mono --version`).
+fn require(tool: &str) {
+    let found = Command::new(tool)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        found,
+        "`{tool}` is not on PATH: this test compiles and runs the C# binding with Mono; \
+         install Debian's mono-mcs (`apt-get install --no-install-recommends mono-mcs`, \
+         which pulls in the mono runtime; scripts/test.sh does)"
+    );
+}
+
+/// Compiles the binding and Echo.cs into `out_dir/Echo.exe`.
+fn compile_echo(out_dir: &Path) -> PathBuf {
+    require("mcs");
+    require("mono");
+    let csharp = Path::new(env!("CARGO_MANIFEST_DIR")).join("../csharp");
+    let exe = out_dir.join("Echo.exe");
+    let output = Command::new("mcs")
+        .args(["-warn:4", "-warnaserror+", "-optimize+"])
+        .arg(format!("-out:{}", exe.display()))
+        .arg(csharp.join("Waygate.cs"))
+        .arg(csharp.join("examples/Echo.cs"))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run mcs: {e}"));
+    assert!(
+        output.status.success(),
+        "compiling Waygate.cs + Echo.cs with mcs failed:\n{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    exe
+}
+
+/// Runs `mono exe args` with the cdylib's directory on `LD_LIBRARY_PATH` (where P/Invoke's
+/// `DllImport("waygate_client_capi")` finds `libwaygate_client_capi.so`), with a time limit
+/// (killed past it); returns (success, stdout, stderr).
+fn run(
+    exe: &Path,
+    args: &[String],
+    lib_dir: &Path,
+    dir: &Path,
+    name: &str,
+) -> (bool, String, String) {
+    let out_path = dir.join(format!("{name}.out"));
+    let err_path = dir.join(format!("{name}.err"));
+    let mut paths = vec![lib_dir.to_path_buf()];
+    if let Some(existing) = std::env::var_os("LD_LIBRARY_PATH") {
+        paths.extend(std::env::split_paths(&existing));
+    }
+    let mut child = Command::new("mono")
+        .arg(exe)
+        .args(args)
+        .env("LD_LIBRARY_PATH", std::env::join_paths(paths).unwrap())
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .stderr(std::fs::File::create(&err_path).unwrap())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run mono: {e}"));
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if started.elapsed() > RUN_LIMIT {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let stdout = std::fs::read_to_string(&out_path).unwrap_or_default();
+    let mut stderr = std::fs::read_to_string(&err_path).unwrap_or_default();
+    if status.is_none() {
+        stderr.push_str(&format!("\n(killed after {RUN_LIMIT:?})"));
+    }
+    (status.is_some_and(|s| s.success()), stdout, stderr)
+}
+
+#[test]
+fn csharp_echo_example_resumes_without_loss_on_every_transport() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = compile_echo(dir.path());
+    let lib_dir = cdylib_dir();
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let c = rt.block_on(cluster(dir.path()));
+
+    for kind in TransportKind::ALL {
+        let addr = c.edge.addrs[&kind];
+        let host = if matches!(
+            kind,
+            TransportKind::Tls | TransportKind::Wss | TransportKind::Quic
+        ) {
+            "localhost".to_string()
+        } else {
+            addr.ip().to_string()
+        };
+        let endpoint = format!("{}://{host}:{}", kind.as_str(), addr.port());
+        let player = format!("cs-player-{}", kind.as_str());
+        let args = vec![
+            endpoint.clone(),
+            token(&player),
+            player.clone(),
+            c.ca_file.display().to_string(),
+            "40".into(),
+        ];
+        let (ok, stdout, stderr) = run(&exe, &args, &lib_dir, dir.path(), kind.as_str());
+        assert!(
+            ok,
+            "Echo.cs failed on {endpoint}\n--- stdout\n{stdout}--- stderr\n{stderr}"
+        );
+        assert!(
+            stdout.contains("echo: OK: 40 replies exactly once and in order from b1"),
+            "{endpoint}: {stdout}"
+        );
+        assert!(
+            stdout.contains("session restored over"),
+            "{endpoint}: {stdout}"
+        );
+    }
+
+    // A bad token ends the client with a clear event, and the program reports it.
+    let tcp = c.edge.addrs[&TransportKind::Tcp];
+    let args = vec![
+        format!("tcp://{tcp}"),
+        "AAAA".into(),
+        "nobody".into(),
+        "-".into(),
+    ];
+    let (ok, stdout, stderr) = run(&exe, &args, &lib_dir, dir.path(), "bad-token");
+    assert!(!ok, "a bad token must fail: {stdout}");
+    assert!(
+        stderr.contains("client closed while waiting for connected"),
+        "{stdout}\n{stderr}"
+    );
+    assert!(
+        stdout.contains("auth_"),
+        "the close code is named: {stdout}"
+    );
+}
