@@ -65,14 +65,8 @@ namespace Waygate
     {
         /// <summary>No event.</summary>
         None = 0,
-        /// <summary>A fresh session is up. Text: the endpoint URL; SessionId.</summary>
+        /// <summary>A session is up (every WELCOME): Outcome says how (new, restored, restored with a gap, or a new session after a failed restore). Text: the endpoint URL; SessionId. (Kinds 2-4 are retired.)</summary>
         Connected = 1,
-        /// <summary>The session was resumed after a drop; nothing lost. Text: the endpoint URL; SessionId.</summary>
-        Restored = 2,
-        /// <summary>Resumed, but some downstream messages were lost: resync game state.</summary>
-        RestoredWithGap = 3,
-        /// <summary>The resume failed and a new session started: resync game state.</summary>
-        NewSession = 4,
         /// <summary>A message from the server: TrafficClass, MsgId, Seq, Payload.</summary>
         Message = 5,
         /// <summary>The link dropped; the client reconnects and resumes by itself. Code, Text.</summary>
@@ -97,6 +91,36 @@ namespace Waygate
         ChannelHistoryLost = 15,
         /// <summary>One connect attempt failed. Text: "&lt;endpoint&gt;: &lt;reason&gt;"; Seq: the round.</summary>
         ConnectFailed = 16,
+        /// <summary>A message sent while no session was up waited longer than MaxOfflineAgeMs: dropped, never sent. MsgId, Seq, AgeMs.</summary>
+        Expired = 17,
+    }
+
+    /// <summary>How a session came up (<c>waygate_outcome</c>); the names are the same in every SDK.</summary>
+    public enum WaygateOutcome
+    {
+        /// <summary>new_session: a fresh session.</summary>
+        NewSession = 0,
+        /// <summary>restored: resumed, nothing lost.</summary>
+        Restored = 1,
+        /// <summary>restored_with_gap: resumed, but downstream messages were lost: resync game state.</summary>
+        RestoredWithGap = 2,
+        /// <summary>restore_failed_new_session: the resume failed and a new session started: resync game state.</summary>
+        RestoreFailedNewSession = 3,
+    }
+
+    /// <summary>Where a client is (<c>waygate_state</c>); the names are the same in every SDK.</summary>
+    public enum WaygateState
+    {
+        /// <summary>idle: Connect not called yet.</summary>
+        Idle = 0,
+        /// <summary>connecting: no session has been up yet.</summary>
+        Connecting = 1,
+        /// <summary>connected: a session is up.</summary>
+        Connected = 2,
+        /// <summary>reconnecting: the link dropped; connecting again to resume.</summary>
+        Reconnecting = 3,
+        /// <summary>closed: ended for good.</summary>
+        Closed = 4,
     }
 
     /// <summary>Traffic classes: the header's <c>WAYGATE_CLASS_*</c>.</summary>
@@ -193,8 +217,12 @@ namespace Waygate
         public ulong ChannelEpoch { get; private set; }
         /// <summary>Channel events: the offset, else 0.</summary>
         public ulong ChannelOffset { get; private set; }
+        /// <summary>Connected: how the session came up.</summary>
+        public WaygateOutcome Outcome { get; private set; }
+        /// <summary>Expired: how long the message had waited, in milliseconds.</summary>
+        public ulong AgeMs { get; private set; }
 
-        /// <summary>The endpoint URL of Connected / Restored / RestoredWithGap / NewSession, the target of Migrating; else null.</summary>
+        /// <summary>The endpoint URL of Connected, the target of Migrating; else null.</summary>
         public string Endpoint
         {
             get
@@ -202,9 +230,6 @@ namespace Waygate
                 switch (Kind)
                 {
                     case WaygateEventKind.Connected:
-                    case WaygateEventKind.Restored:
-                    case WaygateEventKind.RestoredWithGap:
-                    case WaygateEventKind.NewSession:
                     case WaygateEventKind.Migrating:
                         return Text;
                     default:
@@ -299,6 +324,8 @@ namespace Waygate
             ev.SessionId = sid;
             ev.ChannelEpoch = e.channel_epoch;
             ev.ChannelOffset = e.channel_offset;
+            ev.Outcome = (WaygateOutcome)e.outcome;
+            ev.AgeMs = e.age_ms;
             return ev;
         }
     }
@@ -331,6 +358,8 @@ namespace Waygate
         public byte[] SessionKey;
         /// <summary>Give up when no session has been up for this long (0: retry for ever).</summary>
         public uint GiveUpAfterMs;
+        /// <summary>Messages sent while no session is up and waiting longer than this are dropped (an Expired event each) instead of sent when one comes up (0: no bound).</summary>
+        public uint MaxOfflineAgeMs;
     }
 
     /// <summary>The native client pointer: freed by <c>waygate_client_free</c> exactly once.</summary>
@@ -401,6 +430,7 @@ namespace Waygate
                 o.max_unacked = options.MaxUnacked;
                 o.session_key = key;
                 o.give_up_after_ms = options.GiveUpAfterMs;
+                o.max_offline_age_ms = options.MaxOfflineAgeMs;
                 IntPtr ptr = Native.waygate_client_new(ref o);
                 if (ptr == IntPtr.Zero)
                     throw new WaygateException("waygate_client_new", WaygateResult.InvalidArgument, LastError);
@@ -589,6 +619,25 @@ namespace Waygate
             return Call(h => Native.waygate_client_close(h));
         }
 
+        /// <summary>Where the client is now (for a "connecting / reconnecting" screen; ConnectFailed events say why an attempt failed).</summary>
+        public WaygateState State
+        {
+            get
+            {
+                if (_handle.IsClosed || _handle.IsInvalid) return WaygateState.Closed;
+                bool added = false;
+                try
+                {
+                    _handle.DangerousAddRef(ref added);
+                    return (WaygateState)Native.waygate_client_state(_handle.DangerousGetHandle());
+                }
+                finally
+                {
+                    if (added) _handle.DangerousRelease();
+                }
+            }
+        }
+
         /// <summary>Live statistics.</summary>
         public WaygateStats Stats
         {
@@ -705,7 +754,7 @@ namespace Waygate
         /// <summary>WAYGATE_VERSION_MAJOR of the header this binding mirrors.</summary>
         public const int VersionMajor = 0;
         /// <summary>WAYGATE_VERSION_MINOR of the header this binding mirrors.</summary>
-        public const int VersionMinor = 1;
+        public const int VersionMinor = 2;
         /// <summary>WAYGATE_VERSION_PATCH of the header this binding mirrors.</summary>
         public const int VersionPatch = 0;
 
@@ -730,6 +779,7 @@ namespace Waygate
             public uint max_unacked;
             public IntPtr session_key;       // const uint8_t * (32 bytes)
             public uint give_up_after_ms;
+            public uint max_offline_age_ms;  // since 0.2
         }
 
         /// <summary>struct waygate_event (blittable: no marshalling copies, no GC allocation per poll).</summary>
@@ -755,6 +805,9 @@ namespace Waygate
             public uint session_id_3;
             public ulong channel_epoch;
             public ulong channel_offset;
+            public int outcome;              // enum waygate_outcome (since 0.2)
+            public uint request_id;          // since 0.2
+            public ulong age_ms;             // since 0.2
         }
 
         internal static readonly int EventSize = Marshal.SizeOf(typeof(waygate_event));
@@ -812,6 +865,9 @@ namespace Waygate
 
         [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
         public static extern IntPtr waygate_event_kind_str(int kind);
+
+        [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
+        public static extern int waygate_client_state(IntPtr client);
 
         [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
         public static extern WaygateResult waygate_options_init(ref waygate_options out_options, UIntPtr size);

@@ -121,6 +121,17 @@ pub enum Event {
     },
     /// One upstream message was not delivered (busy, unavailable, no route...).
     Error(ErrorReport),
+    /// A message sent while no session was up waited longer than
+    /// `session.max_offline_age` for one: dropped, never sent (the messages queued after it
+    /// moved down one seq each).
+    Expired {
+        /// Its message id.
+        msg_id: u32,
+        /// The seq `send` returned for it.
+        seq: u64,
+        /// How long it had waited.
+        age: Duration,
+    },
     /// A channel event (PROTOCOL.md §12): a publication, or joined / left / history lost.
     /// Publications already shown are dropped; [`Client::channel_positions`] has the last
     /// position of each channel.
@@ -159,9 +170,49 @@ enum Cmd {
     Close,
 }
 
+/// Where a client is, with the same names in every SDK (Rust, C `WAYGATE_STATE_*`, JS
+/// `client.state`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ConnectionState {
+    /// Created, not connecting yet (the C ABI before `waygate_client_connect`).
+    #[default]
+    Idle,
+    /// Connecting; no session has been up yet.
+    Connecting,
+    /// A session is up.
+    Connected,
+    /// The link dropped; connecting again to resume the session.
+    Reconnecting,
+    /// Ended for good (closed, kicked, expired, refused, gave up).
+    Closed,
+}
+
+impl ConnectionState {
+    /// `idle`, `connecting`, `connected`, `reconnecting` or `closed`.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Idle => "idle",
+            Self::Connecting => "connecting",
+            Self::Connected => "connected",
+            Self::Reconnecting => "reconnecting",
+            Self::Closed => "closed",
+        }
+    }
+}
+
+impl std::fmt::Display for ConnectionState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Live numbers of a client.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ClientStats {
+    /// Where the client is.
+    pub state: ConnectionState,
     /// RTT from PING/PONG.
     pub rtt: RttStats,
     /// Upstream messages not yet acked by the server.
@@ -186,7 +237,10 @@ impl Client {
     pub fn start(options: ClientOptions) -> Client {
         let (cmd_tx, cmd_rx) = mpsc::channel(256);
         let (ev_tx, ev_rx) = mpsc::channel(4096);
-        let (stats_tx, stats_rx) = watch::channel(ClientStats::default());
+        let (stats_tx, stats_rx) = watch::channel(ClientStats {
+            state: ConnectionState::Connecting,
+            ..ClientStats::default()
+        });
         let channels = Arc::new(Mutex::new(ChannelTracker::default()));
         tokio::spawn(run(options, cmd_rx, ev_tx, stats_tx, channels.clone()));
         Client {
@@ -231,6 +285,11 @@ impl Client {
     /// Live statistics.
     pub fn stats(&self) -> ClientStats {
         *self.stats.borrow()
+    }
+
+    /// Where the client is now (connecting, connected, reconnecting, closed).
+    pub fn state(&self) -> ConnectionState {
+        self.stats.borrow().state
     }
 
     /// Drops the current connection without a CLOSE, as a network failure would; the
@@ -419,6 +478,8 @@ async fn run(
                         c.close(CloseCode::Normal, "client closed").await;
                     }
                     d.pending.push_back(Event::Closed { code: CloseCode::Normal });
+                    d.closed = true;
+                    d.publish_stats();
                     d.hand_over_pending().await;
                     return;
                 }
@@ -444,6 +505,7 @@ async fn run(
         d.drain_events().await;
     }
     // Ended (kicked, expired, refused for good): the terminal event and what came before it.
+    d.publish_stats();
     d.hand_over_pending().await;
 }
 
@@ -529,9 +591,7 @@ impl Driver {
                 self.migrate_to = None;
                 let _ = self.session.connect(Instant::now().into_std());
             }
-            ConnectOutcome::Refused(code, retry_after_ms) => {
-                self.refused(code, retry_after_ms).await
-            }
+            ConnectOutcome::Refused(code, retry_after_ms) => self.refused(code, retry_after_ms),
             ConnectOutcome::Failed => {
                 self.failures = self.failures.saturating_add(1);
                 self.schedule_backoff(0);
@@ -550,16 +610,14 @@ impl Driver {
         self.next_connect = Instant::now() + delay;
     }
 
-    async fn refused(&mut self, code: CloseCode, retry_after_ms: u32) {
+    fn refused(&mut self, code: CloseCode, retry_after_ms: u32) {
         self.failures = self.failures.saturating_add(1);
         self.schedule_backoff(retry_after_ms);
-        let _ = self
-            .events
-            .send(Event::Rejected {
-                code,
-                retry_after_ms,
-            })
-            .await;
+        // Queued behind the events before it: the worker never waits for the application.
+        self.pending.push_back(Event::Rejected {
+            code,
+            retry_after_ms,
+        });
     }
 
     fn link_down(&mut self, code: CloseCode) {
@@ -595,8 +653,19 @@ impl Driver {
         }
     }
 
+    fn state(&self) -> ConnectionState {
+        match self.session.state() {
+            _ if self.closed => ConnectionState::Closed,
+            ClientState::Closed => ConnectionState::Closed,
+            ClientState::Active => ConnectionState::Connected,
+            _ if self.connects == 0 => ConnectionState::Connecting,
+            _ => ConnectionState::Reconnecting,
+        }
+    }
+
     fn publish_stats(&self) {
         let _ = self.stats.send(ClientStats {
+            state: self.state(),
             rtt: self.session.rtt(),
             unacked: self.session.unacked_len(),
             last_server_seq: self.session.last_server_seq(),
@@ -693,6 +762,7 @@ impl Driver {
                     Event::Migrating { target }
                 }
                 ClientEvent::Error(report) => Event::Error(report),
+                ClientEvent::Expired { msg_id, seq, age } => Event::Expired { msg_id, seq, age },
             };
             self.pending.push_back(event);
         }

@@ -31,6 +31,6 @@ pub mod channels;
 mod driver;
 
 pub use channels::{ChannelTracker, ChannelUpdate};
-pub use driver::{Client, ClientOptions, ClientStats, Event, SdkError};
+pub use driver::{Client, ClientOptions, ClientStats, ConnectionState, Event, SdkError};
 pub use waygate_protocol::channel::ChannelPosition;
 pub use waygate_session::client::{ClientSession, RttStats};

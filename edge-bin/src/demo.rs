@@ -94,8 +94,10 @@ pub struct DemoReport {
     pub switched_transport: u64,
     /// Echo replies from the remaining backends after the drain started.
     pub migrated_replies_from_other_backends: u64,
-    /// Echo replies still coming from the drained backend more than 1 s after the drain
-    /// started (expected: 0; bindings move at the configured migration rate).
+    /// Echo requests sent more than 1 s after the drain started and still answered by the
+    /// drained backend (expected: 0; bindings move at the configured migration rate).
+    /// Requests sent before that may be answered by it late on a busy machine: it finishes
+    /// what it took.
     pub replies_from_drained_backend_after_1s: u64,
     /// Room broadcasts received.
     pub room_events: u64,
@@ -136,7 +138,7 @@ impl DemoReport {
         }
         if self.replies_from_drained_backend_after_1s > 0 {
             why.push(format!(
-                "{} replies from the drained backend more than 1 s after its drain",
+                "{} requests sent more than 1 s after the drain answered by the drained backend",
                 self.replies_from_drained_backend_after_1s
             ));
         }
@@ -209,7 +211,7 @@ impl DemoReport {
         out.push_str(&format!(
             "kicked by second login: {}   resumed on another endpoint (transport or edge): {}   room events: {}\n\
              channels (world, guild): {} publications, {} out of order, {} history lost, {} chat/join refused\n\
-             drain of b3: replies from other backends {}, from b3 more than 1 s later {}\n",
+             drain of b3: replies from other backends {}, from b3 to requests sent more than 1 s later {}\n",
             self.kicked,
             self.switched_transport,
             self.room_events,
@@ -650,7 +652,7 @@ async fn client_task(
                             if let Some(at) = drain_at.get() {
                                 if backend != drained_backend {
                                     r.after_drain_other_backend += 1;
-                                } else if at.elapsed() > Duration::from_secs(1) {
+                                } else if t0.saturating_duration_since(*at) > Duration::from_secs(1) {
                                     r.late_from_drained += 1;
                                 }
                             }

@@ -19,7 +19,7 @@ use common::token;
 use rand::{RngExt, SeedableRng};
 use tokio::io::AsyncWriteExt;
 use waygate_backend::demo::{ECHO, ECHO_REPLY};
-use waygate_client::{Client, ClientOptions, Event};
+use waygate_client::{Client, ClientOptions, ConnectionState, Event};
 use waygate_protocol::frame::Reject;
 use waygate_transport::endpoint::{ConnectOptions, Endpoint};
 use waygate_transport::{CloseCode, Frame, TrafficClass, TransportKind};
@@ -449,6 +449,118 @@ async fn sticky_fallback_reconnect_now_and_giving_up() {
         took >= Duration::from_millis(900) && took < Duration::from_secs(5),
         "gave up after {took:?}"
     );
+}
+
+/// A TCP forwarder to the edge that the test can close (its connections cut, new ones
+/// accepted and dropped at once, as a network that went away) and open again.
+struct TcpGate {
+    addr: std::net::SocketAddr,
+    open: tokio::sync::watch::Sender<bool>,
+}
+
+impl TcpGate {
+    async fn start(target: std::net::SocketAddr) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (open, watch) = tokio::sync::watch::channel(true);
+        tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                if !*watch.borrow() {
+                    continue;
+                }
+                let mut closed = watch.clone();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = closed.wait_for(|open| !*open) => {}
+                    }
+                });
+            }
+        });
+        Self { addr, open }
+    }
+
+    fn set_open(&self, open: bool) {
+        self.open.send_replace(open);
+    }
+}
+
+/// SDK issue items 3 and 7 over a real socket: the queryable state follows the link
+/// (connecting, connected, reconnecting, closed), and messages sent while the network is
+/// gone that wait longer than `max_offline_age` are dropped with an `Expired` event each,
+/// never sent; the fresh one sent after them is delivered, exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_names_and_messages_queued_offline_expire_past_their_bound() {
+    let (edge, _b, _d) = common::demo_edge(|_| {}).await;
+    let gate = TcpGate::start(edge.addrs[&TransportKind::Tcp]).await;
+    let mut options = ClientOptions::new(
+        vec![Endpoint::new(TransportKind::Tcp, gate.addr)],
+        token("offline-player"),
+    );
+    options.session.max_offline_age = Some(Duration::from_millis(300));
+    options.backoff_max = Duration::from_millis(200);
+    let mut client = Client::start(options);
+    assert_eq!(client.state(), ConnectionState::Connecting);
+    assert!(echo_ok(&mut client).await);
+    assert_eq!(client.state(), ConnectionState::Connected);
+    assert_eq!(client.state().as_str(), "connected");
+
+    gate.set_open(false);
+    loop {
+        if let Event::Disconnected { .. } = next(&mut client).await {
+            break;
+        }
+    }
+    assert_eq!(client.state(), ConnectionState::Reconnecting);
+    let mut stale = Vec::new();
+    for body in ["stale-1", "stale-2"] {
+        let seq = client
+            .send(TrafficClass::Normal, ECHO, Bytes::from(body))
+            .await
+            .unwrap();
+        stale.push(seq.expect("sequenced"));
+    }
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let fresh = client
+        .send(TrafficClass::Normal, ECHO, Bytes::from_static(b"fresh"))
+        .await
+        .unwrap()
+        .expect("sequenced");
+    gate.set_open(true);
+    let mut expired = Vec::new();
+    let mut replies = Vec::new();
+    while replies.is_empty() {
+        match next(&mut client).await {
+            Event::Expired { msg_id, seq, age } => {
+                assert_eq!(msg_id, ECHO);
+                assert!(age > Duration::from_millis(300), "{age:?}");
+                expired.push(seq);
+            }
+            Event::Message {
+                msg_id: ECHO_REPLY,
+                payload,
+                ..
+            } => replies.push(payload),
+            _ => {}
+        }
+    }
+    assert_eq!(expired, stale, "both stale messages expired, in order");
+    assert_eq!(fresh, stale[1] + 1);
+    assert!(replies[0].ends_with(b"|fresh"), "{:?}", replies[0]);
+    assert!(echo_ok(&mut client).await, "the session goes on");
+    client.close().await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while client.state() != ConnectionState::Closed {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{:?}",
+            client.state()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// The next event within 20 s (the client still running).

@@ -18,6 +18,10 @@ use waygate_transport::{CloseCode, Frame, TrafficClass};
 
 use crate::seq::{AckPolicy, AckState, Received, RecvWindow};
 
+/// ERROR answers remembered to drop a repeat (more than the server keeps to repeat:
+/// `machine::MAX_PENDING_ERRORS`).
+const ERRORED_SEQS_KEPT: usize = 1024;
+
 /// Client settings.
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
@@ -30,6 +34,11 @@ pub struct ClientConfig {
     /// or a PING (answered at once). Then the session drops the link and resumes
     /// (PROTOCOL.md §7.5). Zero: only the transport's own errors end a connection.
     pub liveness: Duration,
+    /// A sequenced message sent while no session is up waits for the next one; when that
+    /// session comes up, each such message never sent on any link and older than this is
+    /// dropped instead of sent ([`ClientEvent::Expired`]), and the later ones take its seq
+    /// (the server never saw them). `None`: no bound (the session's linger bounds it).
+    pub max_offline_age: Option<Duration>,
 }
 
 impl Default for ClientConfig {
@@ -38,6 +47,7 @@ impl Default for ClientConfig {
             ack: AckPolicy::default(),
             max_unacked: 4096,
             liveness: Duration::from_secs(1),
+            max_offline_age: None,
         }
     }
 }
@@ -100,6 +110,17 @@ pub enum ClientEvent {
     },
     /// One upstream message was not delivered.
     Error(ErrorReport),
+    /// A message queued while no session was up waited longer than
+    /// [`ClientConfig::max_offline_age`]: it was dropped, never sent. The messages queued
+    /// after it moved down one seq each.
+    Expired {
+        /// Its message id.
+        msg_id: u32,
+        /// The seq [`ClientSession::send`] returned for it.
+        seq: u64,
+        /// How long it had waited.
+        age: Duration,
+    },
 }
 
 /// A client-side protocol violation or misuse.
@@ -136,6 +157,10 @@ struct Unacked {
     class: TrafficClass,
     msg_id: u32,
     payload: Bytes,
+    /// When `send` took it.
+    queued_at: Instant,
+    /// Handed to a link at least once (the server may have it): never expired.
+    sent: bool,
 }
 
 /// Round-trip time statistics (C2), from the client's PINGs answered by PONG.
@@ -176,6 +201,8 @@ pub struct ClientSession {
     down_ack: AckState,
     next_up_seq: u64,
     unacked: VecDeque<Unacked>,
+    /// Client seqs already answered by an ERROR (the latest [`ERRORED_SEQS_KEPT`]).
+    errored: std::collections::BTreeSet<u64>,
     heartbeat: Option<Duration>,
     last_tx: Option<Instant>,
     /// Since when something has been outstanding with no frame received (liveness).
@@ -200,6 +227,7 @@ impl ClientSession {
             down_ack: AckState::default(),
             next_up_seq: 1,
             unacked: VecDeque::new(),
+            errored: std::collections::BTreeSet::new(),
             heartbeat: None,
             last_tx: None,
             waiting_since: None,
@@ -404,6 +432,8 @@ impl ClientSession {
             class,
             msg_id,
             payload: payload.clone(),
+            queued_at: now,
+            sent: active,
         });
         if active {
             let ack = self.piggyback();
@@ -419,6 +449,41 @@ impl ClientSession {
             );
         }
         Ok(Some(seq))
+    }
+
+    /// Drops the messages queued while no session was up that waited longer than
+    /// `max_offline_age` (never sent: the server has not seen their seqs) and renumbers the
+    /// ones queued after them, so the seqs on the wire stay contiguous. Queued in order, the
+    /// stale ones are the oldest of the never-sent tail.
+    fn expire_offline(&mut self, now: Instant) {
+        let Some(max_age) = self.config.max_offline_age else {
+            return;
+        };
+        let Some(first_unsent) = self.unacked.iter().position(|u| !u.sent) else {
+            return;
+        };
+        let base = self.unacked[first_unsent].seq;
+        let mut expired = 0u64;
+        while let Some(u) = self.unacked.get(first_unsent) {
+            let age = now.saturating_duration_since(u.queued_at);
+            if age <= max_age {
+                break;
+            }
+            self.events.push_back(ClientEvent::Expired {
+                msg_id: u.msg_id,
+                seq: u.seq,
+                age,
+            });
+            self.unacked.remove(first_unsent);
+            expired += 1;
+        }
+        if expired == 0 {
+            return;
+        }
+        for (i, u) in self.unacked.iter_mut().skip(first_unsent).enumerate() {
+            u.seq = base + i as u64;
+        }
+        self.next_up_seq -= expired;
     }
 
     fn piggyback(&mut self) -> Option<u64> {
@@ -479,17 +544,19 @@ impl ClientSession {
                 self.heartbeat = Some(Duration::from_millis(w.heartbeat_interval_ms.into()));
                 match w.outcome {
                     // The very first session: messages queued before it (seqs from 1) go out.
-                    WelcomeOutcome::NewSession if first => {}
+                    WelcomeOutcome::NewSession if first => self.expire_offline(now),
                     WelcomeOutcome::NewSession | WelcomeOutcome::RestoreFailedNewSession => {
                         // A fresh session replacing an old one: seqs restart; the old
                         // session's unsent messages are void (the application resyncs).
                         self.down = RecvWindow::new();
                         self.next_up_seq = 1;
                         self.unacked.clear();
+                        self.errored.clear();
                     }
                     WelcomeOutcome::Restored | WelcomeOutcome::RestoredWithGap => {
                         self.down.skip_to(w.server_seq_base);
                         self.on_ack(w.client_seq_ack);
+                        self.expire_offline(now);
                     }
                 }
                 self.state = ClientState::Active;
@@ -499,6 +566,9 @@ impl ClientSession {
                     session_id: w.session_id,
                     outcome: w.outcome,
                 });
+                for u in &mut self.unacked {
+                    u.sent = true;
+                }
                 let resend: Vec<Unacked> = self.unacked.iter().cloned().collect();
                 for u in resend {
                     self.push(
@@ -600,7 +670,14 @@ impl ClientSession {
                 Ok(())
             }
             (ClientState::Active, Frame::Error(e)) => {
-                self.events.push_back(ClientEvent::Error(e));
+                // The server sends an ERROR again after a resume when it cannot know the
+                // first one arrived (PROTOCOL.md §3.9): one answer per message.
+                if self.errored.insert(e.client_seq) {
+                    if self.errored.len() > ERRORED_SEQS_KEPT {
+                        self.errored.pop_first();
+                    }
+                    self.events.push_back(ClientEvent::Error(e));
+                }
                 Ok(())
             }
             (_, Frame::Close { code, .. }) => {

@@ -413,6 +413,16 @@ pub enum SessionError {
     },
 }
 
+/// Where an ERROR answer is on its way to the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ErrorDelivery {
+    /// Waiting for the client's resume (sent after its WELCOME).
+    Waiting,
+    /// Sent on the live link; known to have arrived once the client acknowledges the
+    /// critical DATA with seq `fence` sent after it (`None`: none sent yet).
+    Sent { fence: Option<u64> },
+}
+
 /// The per-session state that survives connections (see the module docs).
 #[derive(Debug, Clone)]
 pub struct SessionCore {
@@ -431,8 +441,11 @@ pub struct SessionCore {
     /// The last position of each channel the client acknowledged (what a departed member
     /// is known to have; PROTOCOL.md §12.4 backlog).
     channels_acked: BTreeMap<String, ChannelPosition>,
-    /// ERROR answers waiting for the client (it was away when they came).
-    pending_errors: Vec<PendingError>,
+    /// ERROR answers the client may not have: waiting for its resume (it was away when
+    /// they came, or its link died), or sent on the current link and not yet known to have
+    /// arrived. Resent after every resume's WELCOME until known to have arrived; the client
+    /// drops a second answer for the same seq.
+    errors: Vec<(PendingError, ErrorDelivery)>,
     replay: ReplayBuffer,
     upstream: RecvWindow,
 }
@@ -453,7 +466,7 @@ impl SessionCore {
             keys: self.keys.clone(),
             channels: self.channels.clone(),
             channels_acked: self.channels_acked.clone(),
-            pending_errors: self.pending_errors.clone(),
+            pending_errors: self.errors.iter().map(|(e, _)| *e).collect(),
         }
     }
 
@@ -465,7 +478,47 @@ impl SessionCore {
             channels_acked,
             ..
         } = self;
-        replay.ack_visit(ack, |e| acked_channel_event(channels_acked, e))
+        let freed = replay.ack_visit(ack, |e| acked_channel_event(channels_acked, e))?;
+        // An ERROR sent before a critical DATA the client now acknowledges has arrived: the
+        // two travel in order (one stream on every transport, PROTOCOL.md §2.2).
+        self.errors
+            .retain(|(_, d)| !matches!(d, ErrorDelivery::Sent { fence: Some(f) } if *f <= ack));
+        Ok(freed)
+    }
+
+    /// Records an ERROR answer: sent on the live link (`sent`), or waiting for the resume.
+    /// At most [`MAX_PENDING_ERRORS`] are kept; past that the oldest goes: one waiting for
+    /// a resume becomes a declared downstream gap (the resume reports `RestoredWithGap`),
+    /// one sent on the live link is assumed to have arrived.
+    fn record_error(&mut self, error: PendingError, sent: bool) {
+        if self.errors.len() >= MAX_PENDING_ERRORS {
+            let (_, delivery) = self.errors.remove(0);
+            if delivery == ErrorDelivery::Waiting {
+                self.replay.declare_lost(1);
+            }
+        }
+        let delivery = if sent {
+            ErrorDelivery::Sent { fence: None }
+        } else {
+            ErrorDelivery::Waiting
+        };
+        self.errors.push((error, delivery));
+    }
+
+    /// ERROR answers kept because the client may not have them.
+    #[cfg(test)]
+    pub(crate) fn errors_kept(&self) -> usize {
+        self.errors.len()
+    }
+
+    /// A critical DATA with `seq` goes out on the live link: the ERRORs sent before it are
+    /// known to have arrived once the client acknowledges it.
+    fn fence_errors(&mut self, seq: u64) {
+        for (_, d) in &mut self.errors {
+            if *d == (ErrorDelivery::Sent { fence: None }) {
+                *d = ErrorDelivery::Sent { fence: Some(seq) };
+            }
+        }
     }
 
     /// The restore point of a client that received up to `client_last` (also an ack).
@@ -510,7 +563,11 @@ impl SessionCore {
             keys: s.keys,
             channels: s.channels,
             channels_acked: s.channels_acked,
-            pending_errors: s.pending_errors,
+            errors: s
+                .pending_errors
+                .into_iter()
+                .map(|e| (e, ErrorDelivery::Waiting))
+                .collect(),
         }
     }
 
@@ -917,7 +974,7 @@ impl SessionMachine {
             keys: BTreeMap::new(),
             channels: BTreeMap::new(),
             channels_acked: BTreeMap::new(),
-            pending_errors: Vec::new(),
+            errors: Vec::new(),
         });
         self.actions.push_back(Action::Claim {
             player_id,
@@ -1153,7 +1210,9 @@ impl SessionMachine {
             replayed += 1;
         }
         SessionCounters::add(&self.counters.replayed, replayed);
-        for e in std::mem::take(&mut core.pending_errors) {
+        // Every ERROR answer the client may not have, again: it drops one it already got.
+        for (e, delivery) in &mut core.errors {
+            *delivery = ErrorDelivery::Sent { fence: None };
             self.actions
                 .push_back(Action::Send(Frame::Error(ErrorReport {
                     code: CloseCode::from_u16(e.code),
@@ -1281,7 +1340,11 @@ impl SessionMachine {
     }
 
     fn detach(&mut self, now: Instant, code: CloseCode) {
-        if let Some(core) = &self.core {
+        if let Some(core) = &mut self.core {
+            // What the dead link may not have delivered waits for the resume.
+            for (_, delivery) in &mut core.errors {
+                *delivery = ErrorDelivery::Waiting;
+            }
             tracing::info!(session = %hex_id(&core.id), reason = %code, "link down, session lingers");
             self.actions
                 .push_back(Action::Persist(Box::new(core.snapshot())));
@@ -1400,6 +1463,9 @@ impl SessionMachine {
             SessionCounters::add(&self.counters.replay_evicted, evicted as u64);
         }
         if active {
+            if class == TrafficClass::Critical {
+                core.fence_errors(seq);
+            }
             self.actions.push_back(Action::Send(Frame::Data(Data {
                 class,
                 msg_id,
@@ -1431,22 +1497,21 @@ impl SessionMachine {
             client_seq,
             retry_after_ms,
         };
+        let pending = PendingError {
+            code: code.to_u16(),
+            msg_id,
+            client_seq,
+            retry_after_ms,
+        };
         match (self.state, self.core.as_mut()) {
-            (State::Active, _) => {
+            (State::Active, Some(core)) => {
+                // Kept until known to have arrived: the link may die with it in flight.
+                core.record_error(pending, true);
                 self.actions.push_back(Action::Send(Frame::Error(report)));
                 Ok(())
             }
             (State::Detached, Some(core)) => {
-                if core.pending_errors.len() >= MAX_PENDING_ERRORS {
-                    core.pending_errors.remove(0);
-                    core.replay.declare_lost(1);
-                }
-                core.pending_errors.push(PendingError {
-                    code: code.to_u16(),
-                    msg_id,
-                    client_seq,
-                    retry_after_ms,
-                });
+                core.record_error(pending, false);
                 Ok(())
             }
             _ => Err(self.misuse("error report")),

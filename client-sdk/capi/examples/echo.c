@@ -142,16 +142,18 @@ static void pump(state *s) {
         if (r != WAYGATE_OK) fail("poll: %s: %s", waygate_result_str(r), waygate_last_error());
         switch (ev.kind) {
         case WAYGATE_EVENT_CONNECTED:
-            s->connected++;
-            printf("echo: connected over %s\n", ev.text);
-            break;
-        case WAYGATE_EVENT_RESTORED:
-            s->restored++;
-            printf("echo: session restored over %s\n", ev.text);
-            break;
-        case WAYGATE_EVENT_RESTORED_WITH_GAP:
-        case WAYGATE_EVENT_NEW_SESSION:
-            fail("resume lost messages (%s)", waygate_event_kind_str(ev.kind));
+            switch (ev.outcome) {
+            case WAYGATE_OUTCOME_NEW_SESSION:
+                s->connected++;
+                printf("echo: connected over %s\n", ev.text);
+                break;
+            case WAYGATE_OUTCOME_RESTORED:
+                s->restored++;
+                printf("echo: session restored over %s\n", ev.text);
+                break;
+            default:
+                fail("resume lost messages (%s)", waygate_outcome_str(ev.outcome));
+            }
             break;
         case WAYGATE_EVENT_MESSAGE:
             on_message(s, &ev);

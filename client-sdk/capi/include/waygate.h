@@ -21,7 +21,7 @@
 /**
  * The library's minor version.
  */
-#define WAYGATE_VERSION_MINOR 1
+#define WAYGATE_VERSION_MINOR 2
 
 /**
  * The library's patch version.
@@ -102,24 +102,13 @@ typedef enum waygate_event_kind {
    */
   WAYGATE_EVENT_NONE = 0,
   /**
-   * A fresh session is up. `text`: the endpoint URL; `session_id`.
+   * A session is up (every WELCOME: the first, and after each reconnect). `outcome`
+   * says how (`WAYGATE_OUTCOME_*`: new, restored with nothing lost, restored with a gap
+   * or a new session after a failed restore: resync your game state for the last two);
+   * `text`: the endpoint URL; `session_id`. (Kinds 2–4 are retired: version 0.1 raised
+   * them for the outcomes.)
    */
   WAYGATE_EVENT_CONNECTED = 1,
-  /**
-   * The session was resumed after a drop; missed messages follow, nothing lost.
-   * `text`: the endpoint URL; `session_id`.
-   */
-  WAYGATE_EVENT_RESTORED = 2,
-  /**
-   * Resumed, but some downstream messages were lost: resync your game state.
-   * `text`: the endpoint URL; `session_id`.
-   */
-  WAYGATE_EVENT_RESTORED_WITH_GAP = 3,
-  /**
-   * The resume failed and a new session started: resync your game state.
-   * `text`: the endpoint URL; `session_id`.
-   */
-  WAYGATE_EVENT_NEW_SESSION = 4,
   /**
    * A message from the server. `traffic_class`, `msg_id`, `seq` (0 for best-effort),
    * `payload` and `payload_len`. Each sequenced message arrives once, in order.
@@ -182,7 +171,63 @@ typedef enum waygate_event_kind {
    * certificate...), `seq` the round since the last session was up (1 = the first).
    */
   WAYGATE_EVENT_CONNECT_FAILED = 16,
+  /**
+   * A message sent while no session was up waited longer than
+   * `options.max_offline_age_ms`: dropped, never sent. `msg_id`, `seq` (what
+   * `waygate_client_send` returned for it), `age_ms`. The messages sent after it moved
+   * down one seq each.
+   */
+  WAYGATE_EVENT_EXPIRED = 17,
 } waygate_event_kind;
+
+/**
+ * How a session came up (`waygate_event.outcome` of `WAYGATE_EVENT_CONNECTED`); the names
+ * are the same in every SDK and in PROTOCOL.md (WELCOME's outcome).
+ */
+typedef enum waygate_outcome {
+  /**
+   * `new_session`: a fresh session (the first connect).
+   */
+  WAYGATE_OUTCOME_NEW_SESSION = 0,
+  /**
+   * `restored`: the session was resumed; missed messages follow, nothing lost.
+   */
+  WAYGATE_OUTCOME_RESTORED = 1,
+  /**
+   * `restored_with_gap`: resumed, but some downstream messages were lost: resync.
+   */
+  WAYGATE_OUTCOME_RESTORED_WITH_GAP = 2,
+  /**
+   * `restore_failed_new_session`: the resume failed and a new session started: resync.
+   */
+  WAYGATE_OUTCOME_RESTORE_FAILED_NEW_SESSION = 3,
+} waygate_outcome;
+
+/**
+ * Where a client is (`waygate_client_state`); the names are the same in every SDK.
+ */
+typedef enum waygate_state {
+  /**
+   * `idle`: created, `waygate_client_connect` not called yet.
+   */
+  WAYGATE_STATE_IDLE = 0,
+  /**
+   * `connecting`: no session has been up yet.
+   */
+  WAYGATE_STATE_CONNECTING = 1,
+  /**
+   * `connected`: a session is up.
+   */
+  WAYGATE_STATE_CONNECTED = 2,
+  /**
+   * `reconnecting`: the link dropped; connecting again to resume the session.
+   */
+  WAYGATE_STATE_RECONNECTING = 3,
+  /**
+   * `closed`: ended for good (closed, kicked, expired, refused, gave up).
+   */
+  WAYGATE_STATE_CLOSED = 4,
+} waygate_state;
 
 /**
  * An opaque client handle: created by `waygate_client_new`, released by
@@ -263,6 +308,13 @@ typedef struct waygate_options {
    * `WAYGATE_EVENT_CLOSED`, code 403 `unavailable` (default 0: retry for ever).
    */
   uint32_t give_up_after_ms;
+  /**
+   * A message sent while no session is up waits for the next one; when it comes up,
+   * each such message never sent and older than this is dropped instead
+   * (`WAYGATE_EVENT_EXPIRED`) and the later ones move down one seq (default 0: no bound;
+   * since 0.2).
+   */
+  uint32_t max_offline_age_ms;
 } waygate_options;
 
 /**
@@ -327,6 +379,18 @@ typedef struct waygate_event {
    * Channel events: the offset (see each `WAYGATE_EVENT_CHANNEL_*`), else 0.
    */
   uint64_t channel_offset;
+  /**
+   * `WAYGATE_EVENT_CONNECTED`: how the session came up (since 0.2).
+   */
+  enum waygate_outcome outcome;
+  /**
+   * Reserved for request answers (0).
+   */
+  uint32_t request_id;
+  /**
+   * `WAYGATE_EVENT_EXPIRED`: how long the message had waited, in milliseconds (since 0.2).
+   */
+  uint64_t age_ms;
 } waygate_event;
 
 /**
@@ -513,6 +577,23 @@ enum waygate_result waygate_client_set_token(struct waygate_client *client,
 enum waygate_result waygate_client_close(struct waygate_client *client);
 
 /**
+ * Where the client is now: a game's "connecting... / reconnecting, attempt 3" screen reads
+ * it each frame (`WAYGATE_EVENT_CONNECT_FAILED` says why an attempt failed). A NULL
+ * handle reads as `WAYGATE_STATE_CLOSED`.
+ *
+ * # Safety
+ *
+ * `client` is NULL or a live handle used by no other thread during the call.
+ */
+enum waygate_state waygate_client_state(struct waygate_client *client);
+
+/**
+ * The state's name, as in every SDK ("idle", "connecting", "connected", "reconnecting",
+ * "closed"; "unknown" for another value). Never NULL.
+ */
+const char *waygate_state_str(int state);
+
+/**
  * Fills `*out` with live statistics.
  *
  * # Safety
@@ -564,10 +645,17 @@ const char *waygate_last_error(void);
 const char *waygate_version(void);
 
 /**
- * A static name for an event kind ("message", "restored", ...; "unknown" for a value that
+ * A static name for an event kind ("connected", "message", ...; "unknown" for a value that
  * is not a `waygate_event_kind`). Never NULL.
  */
 const char *waygate_event_kind_str(int kind);
+
+/**
+ * The outcome's name, as in every SDK and PROTOCOL.md ("new_session", "restored",
+ * "restored_with_gap", "restore_failed_new_session"; "unknown" for another value). Never
+ * NULL.
+ */
+const char *waygate_outcome_str(int outcome);
 
 /**
  * Fills the first `size` bytes of `out` with the defaults (NULL strings and token, 0 =

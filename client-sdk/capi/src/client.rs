@@ -6,7 +6,7 @@ use std::pin::pin;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use ::waygate_client::{Client, ClientOptions, Event, SdkError};
+use ::waygate_client::{Client, ClientOptions, ConnectionState, Event, SdkError};
 use bytes::Bytes;
 use tokio::runtime::Runtime;
 use waygate_session::client::ClientError;
@@ -522,6 +522,67 @@ pub unsafe extern "C" fn waygate_client_close(client: *mut waygate_client) -> wa
             }
         }
         WAYGATE_OK
+    })
+}
+
+/// Where a client is (`waygate_client_state`); the names are the same in every SDK.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum waygate_state {
+    /// `idle`: created, `waygate_client_connect` not called yet.
+    WAYGATE_STATE_IDLE = 0,
+    /// `connecting`: no session has been up yet.
+    WAYGATE_STATE_CONNECTING = 1,
+    /// `connected`: a session is up.
+    WAYGATE_STATE_CONNECTED = 2,
+    /// `reconnecting`: the link dropped; connecting again to resume the session.
+    WAYGATE_STATE_RECONNECTING = 3,
+    /// `closed`: ended for good (closed, kicked, expired, refused, gave up).
+    WAYGATE_STATE_CLOSED = 4,
+}
+
+/// Where the client is now: a game's "connecting... / reconnecting, attempt 3" screen reads
+/// it each frame (`WAYGATE_EVENT_CONNECT_FAILED` says why an attempt failed). A NULL
+/// handle reads as `WAYGATE_STATE_CLOSED`.
+///
+/// # Safety
+///
+/// `client` is NULL or a live handle used by no other thread during the call.
+#[no_mangle]
+pub unsafe extern "C" fn waygate_client_state(client: *mut waygate_client) -> waygate_state {
+    use waygate_state::*;
+    ffi_body!(WAYGATE_STATE_CLOSED => {
+        non_null!(client, WAYGATE_STATE_CLOSED);
+        // SAFETY: not NULL; the caller promises a live handle used only by this thread.
+        let h = unsafe { handle(client) };
+        match (&h.client, h.ended) {
+            (_, true) => WAYGATE_STATE_CLOSED,
+            (None, false) => WAYGATE_STATE_IDLE,
+            (Some(c), false) => match c.state() {
+                ConnectionState::Idle => WAYGATE_STATE_IDLE,
+                ConnectionState::Connecting => WAYGATE_STATE_CONNECTING,
+                ConnectionState::Connected => WAYGATE_STATE_CONNECTED,
+                ConnectionState::Reconnecting => WAYGATE_STATE_RECONNECTING,
+                _ => WAYGATE_STATE_CLOSED,
+            },
+        }
+    })
+}
+
+/// The state's name, as in every SDK ("idle", "connecting", "connected", "reconnecting",
+/// "closed"; "unknown" for another value). Never NULL.
+#[no_mangle]
+pub extern "C" fn waygate_state_str(state: std::ffi::c_int) -> *const std::ffi::c_char {
+    ffi_body!(c"".as_ptr() => {
+        let s = match state {
+            0 => c"idle",
+            1 => c"connecting",
+            2 => c"connected",
+            3 => c"reconnecting",
+            4 => c"closed",
+            _ => c"unknown",
+        };
+        s.as_ptr()
     })
 }
 

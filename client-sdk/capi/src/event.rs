@@ -12,17 +12,12 @@ use waygate_transport::CloseCode;
 pub enum waygate_event_kind {
     /// No event (written when a poll returns `WAYGATE_NO_EVENT` or fails).
     WAYGATE_EVENT_NONE = 0,
-    /// A fresh session is up. `text`: the endpoint URL; `session_id`.
+    /// A session is up (every WELCOME: the first, and after each reconnect). `outcome`
+    /// says how (`WAYGATE_OUTCOME_*`: new, restored with nothing lost, restored with a gap
+    /// or a new session after a failed restore: resync your game state for the last two);
+    /// `text`: the endpoint URL; `session_id`. (Kinds 2–4 are retired: version 0.1 raised
+    /// them for the outcomes.)
     WAYGATE_EVENT_CONNECTED = 1,
-    /// The session was resumed after a drop; missed messages follow, nothing lost.
-    /// `text`: the endpoint URL; `session_id`.
-    WAYGATE_EVENT_RESTORED = 2,
-    /// Resumed, but some downstream messages were lost: resync your game state.
-    /// `text`: the endpoint URL; `session_id`.
-    WAYGATE_EVENT_RESTORED_WITH_GAP = 3,
-    /// The resume failed and a new session started: resync your game state.
-    /// `text`: the endpoint URL; `session_id`.
-    WAYGATE_EVENT_NEW_SESSION = 4,
     /// A message from the server. `traffic_class`, `msg_id`, `seq` (0 for best-effort),
     /// `payload` and `payload_len`. Each sequenced message arrives once, in order.
     WAYGATE_EVENT_MESSAGE = 5,
@@ -61,6 +56,26 @@ pub enum waygate_event_kind {
     /// backoff. `text` is "<endpoint>: <reason>" (resolution, refused, timed out, TLS
     /// certificate...), `seq` the round since the last session was up (1 = the first).
     WAYGATE_EVENT_CONNECT_FAILED = 16,
+    /// A message sent while no session was up waited longer than
+    /// `options.max_offline_age_ms`: dropped, never sent. `msg_id`, `seq` (what
+    /// `waygate_client_send` returned for it), `age_ms`. The messages sent after it moved
+    /// down one seq each.
+    WAYGATE_EVENT_EXPIRED = 17,
+}
+
+/// How a session came up (`waygate_event.outcome` of `WAYGATE_EVENT_CONNECTED`); the names
+/// are the same in every SDK and in PROTOCOL.md (WELCOME's outcome).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum waygate_outcome {
+    /// `new_session`: a fresh session (the first connect).
+    WAYGATE_OUTCOME_NEW_SESSION = 0,
+    /// `restored`: the session was resumed; missed messages follow, nothing lost.
+    WAYGATE_OUTCOME_RESTORED = 1,
+    /// `restored_with_gap`: resumed, but some downstream messages were lost: resync.
+    WAYGATE_OUTCOME_RESTORED_WITH_GAP = 2,
+    /// `restore_failed_new_session`: the resume failed and a new session started: resync.
+    WAYGATE_OUTCOME_RESTORE_FAILED_NEW_SESSION = 3,
 }
 
 /// One event. Pointers in it (`payload`, `text`) stay valid until the next poll or wait on
@@ -99,6 +114,12 @@ pub struct waygate_event {
     pub channel_epoch: u64,
     /// Channel events: the offset (see each `WAYGATE_EVENT_CHANNEL_*`), else 0.
     pub channel_offset: u64,
+    /// `WAYGATE_EVENT_CONNECTED`: how the session came up (since 0.2).
+    pub outcome: waygate_outcome,
+    /// Reserved for request answers (0).
+    pub request_id: u32,
+    /// `WAYGATE_EVENT_EXPIRED`: how long the message had waited, in milliseconds (since 0.2).
+    pub age_ms: u64,
 }
 
 impl waygate_event {
@@ -118,6 +139,9 @@ impl waygate_event {
             session_id: [0; 16],
             channel_epoch: 0,
             channel_offset: 0,
+            outcome: waygate_outcome::WAYGATE_OUTCOME_NEW_SESSION,
+            request_id: 0,
+            age_ms: 0,
         }
     }
 }
@@ -134,11 +158,16 @@ pub(crate) fn flatten(event: &Event) -> Option<(waygate_event, String)> {
             session_id,
             outcome,
         } => {
-            e.kind = match outcome {
-                WelcomeOutcome::NewSession => K::WAYGATE_EVENT_CONNECTED,
-                WelcomeOutcome::Restored => K::WAYGATE_EVENT_RESTORED,
-                WelcomeOutcome::RestoredWithGap => K::WAYGATE_EVENT_RESTORED_WITH_GAP,
-                WelcomeOutcome::RestoreFailedNewSession => K::WAYGATE_EVENT_NEW_SESSION,
+            e.kind = K::WAYGATE_EVENT_CONNECTED;
+            e.outcome = match outcome {
+                WelcomeOutcome::NewSession => waygate_outcome::WAYGATE_OUTCOME_NEW_SESSION,
+                WelcomeOutcome::Restored => waygate_outcome::WAYGATE_OUTCOME_RESTORED,
+                WelcomeOutcome::RestoredWithGap => {
+                    waygate_outcome::WAYGATE_OUTCOME_RESTORED_WITH_GAP
+                }
+                WelcomeOutcome::RestoreFailedNewSession => {
+                    waygate_outcome::WAYGATE_OUTCOME_RESTORE_FAILED_NEW_SESSION
+                }
             };
             let n = session_id.len().min(e.session_id.len());
             e.session_id[..n].copy_from_slice(&session_id[..n]);
@@ -227,6 +256,13 @@ pub(crate) fn flatten(event: &Event) -> Option<(waygate_event, String)> {
             }
             channel.clone()
         }
+        Event::Expired { msg_id, seq, age } => {
+            e.kind = K::WAYGATE_EVENT_EXPIRED;
+            e.msg_id = *msg_id;
+            e.seq = *seq;
+            e.age_ms = u64::try_from(age.as_millis()).unwrap_or(u64::MAX);
+            String::new()
+        }
         Event::Closed { code } => {
             e.kind = if *code == CloseCode::Kicked {
                 K::WAYGATE_EVENT_KICKED
@@ -245,7 +281,7 @@ fn code_text(e: &mut waygate_event, code: CloseCode) -> String {
     code.as_str().to_owned()
 }
 
-/// A static name for an event kind ("message", "restored", ...; "unknown" for a value that
+/// A static name for an event kind ("connected", "message", ...; "unknown" for a value that
 /// is not a `waygate_event_kind`). Never NULL.
 #[no_mangle]
 pub extern "C" fn waygate_event_kind_str(kind: c_int) -> *const c_char {
@@ -253,9 +289,6 @@ pub extern "C" fn waygate_event_kind_str(kind: c_int) -> *const c_char {
         let s = match kind {
             0 => c"none",
             1 => c"connected",
-            2 => c"restored",
-            3 => c"restored_with_gap",
-            4 => c"new_session",
             5 => c"message",
             6 => c"disconnected",
             7 => c"rejected",
@@ -268,6 +301,24 @@ pub extern "C" fn waygate_event_kind_str(kind: c_int) -> *const c_char {
             14 => c"channel_left",
             15 => c"channel_history_lost",
             16 => c"connect_failed",
+            17 => c"expired",
+            _ => c"unknown",
+        };
+        s.as_ptr()
+    })
+}
+
+/// The outcome's name, as in every SDK and PROTOCOL.md ("new_session", "restored",
+/// "restored_with_gap", "restore_failed_new_session"; "unknown" for another value). Never
+/// NULL.
+#[no_mangle]
+pub extern "C" fn waygate_outcome_str(outcome: c_int) -> *const c_char {
+    ffi_body!(c"".as_ptr() => {
+        let s = match outcome {
+            0 => c"new_session",
+            1 => c"restored",
+            2 => c"restored_with_gap",
+            3 => c"restore_failed_new_session",
             _ => c"unknown",
         };
         s.as_ptr()
@@ -310,9 +361,23 @@ mod tests {
             outcome: WelcomeOutcome::RestoredWithGap,
         })
         .unwrap();
-        assert_eq!(e.kind, waygate_event_kind::WAYGATE_EVENT_RESTORED_WITH_GAP);
+        assert_eq!(e.kind, waygate_event_kind::WAYGATE_EVENT_CONNECTED);
+        assert_eq!(
+            e.outcome,
+            waygate_outcome::WAYGATE_OUTCOME_RESTORED_WITH_GAP
+        );
         assert_eq!(e.session_id, [7; 16]);
         assert_eq!(text, "tcp://127.0.0.1:7000");
+
+        let (e, text) = flatten(&Event::Expired {
+            msg_id: 1000,
+            seq: 7,
+            age: std::time::Duration::from_millis(2500),
+        })
+        .unwrap();
+        assert_eq!(e.kind, waygate_event_kind::WAYGATE_EVENT_EXPIRED);
+        assert_eq!((e.msg_id, e.seq, e.age_ms), (1000, 7, 2500));
+        assert_eq!(text, "");
 
         let body = Bytes::from_static(b"hi");
         let (e, text) = flatten(&Event::Channel(ChannelUpdate::Publication {
@@ -337,10 +402,8 @@ mod tests {
     fn kind_names_match_the_enum() {
         for (kind, name) in [
             (waygate_event_kind::WAYGATE_EVENT_NONE, "none"),
-            (
-                waygate_event_kind::WAYGATE_EVENT_RESTORED_WITH_GAP,
-                "restored_with_gap",
-            ),
+            (waygate_event_kind::WAYGATE_EVENT_CONNECTED, "connected"),
+            (waygate_event_kind::WAYGATE_EVENT_EXPIRED, "expired"),
             (waygate_event_kind::WAYGATE_EVENT_CLOSED, "closed"),
             (
                 waygate_event_kind::WAYGATE_EVENT_CHANNEL_HISTORY_LOST,

@@ -79,10 +79,13 @@ pub use client::{
     waygate_client, waygate_client_channel_position, waygate_client_close, waygate_client_connect,
     waygate_client_drop_link, waygate_client_free, waygate_client_new, waygate_client_poll_event,
     waygate_client_reconnect_now, waygate_client_send, waygate_client_set_token,
-    waygate_client_stats, waygate_client_tick, waygate_client_wait_event, waygate_stats,
+    waygate_client_state, waygate_client_stats, waygate_client_tick, waygate_client_wait_event,
+    waygate_state, waygate_state_str, waygate_stats,
 };
 pub use error::{waygate_last_error, waygate_version};
-pub use event::{waygate_event, waygate_event_kind, waygate_event_kind_str};
+pub use event::{
+    waygate_event, waygate_event_kind, waygate_event_kind_str, waygate_outcome, waygate_outcome_str,
+};
 pub use options::{
     waygate_options, waygate_options_init, WAYGATE_CLASS_BEST_EFFORT, WAYGATE_CLASS_CRITICAL,
     WAYGATE_CLASS_NORMAL, WAYGATE_VERSION_MAJOR, WAYGATE_VERSION_MINOR, WAYGATE_VERSION_PATCH,

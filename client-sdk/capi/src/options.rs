@@ -13,7 +13,7 @@ use waygate_transport::tls::ClientTls;
 /// major version.
 pub const WAYGATE_VERSION_MAJOR: u32 = 0;
 /// The library's minor version.
-pub const WAYGATE_VERSION_MINOR: u32 = 1;
+pub const WAYGATE_VERSION_MINOR: u32 = 2;
 /// The library's patch version.
 pub const WAYGATE_VERSION_PATCH: u32 = 0;
 
@@ -72,6 +72,11 @@ pub struct waygate_options {
     /// Give up when no session has been up for this long: the client ends with
     /// `WAYGATE_EVENT_CLOSED`, code 403 `unavailable` (default 0: retry for ever).
     pub give_up_after_ms: u32,
+    /// A message sent while no session is up waits for the next one; when it comes up,
+    /// each such message never sent and older than this is dropped instead
+    /// (`WAYGATE_EVENT_EXPIRED`) and the later ones move down one seq (default 0: no bound;
+    /// since 0.2).
+    pub max_offline_age_ms: u32,
 }
 
 /// Fills the first `size` bytes of `out` with the defaults (NULL strings and token, 0 =
@@ -107,6 +112,7 @@ pub unsafe extern "C" fn waygate_options_init(
             max_unacked: 0,
             session_key: std::ptr::null(),
             give_up_after_ms: 0,
+            max_offline_age_ms: 0,
         };
         // SAFETY: `out` is not NULL and the caller promises `size` writable bytes; at most
         // that many (and at most one struct) are copied, nothing is read from `out`.
@@ -217,6 +223,7 @@ pub(crate) unsafe fn to_client_options(o: &waygate_options) -> Result<ClientOpti
         options.session_key = Some(key);
     }
     options.give_up_after = ms(o.give_up_after_ms);
+    options.session.max_offline_age = ms(o.max_offline_age_ms);
     Ok(options)
 }
 

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use common::token_bytes;
 use waygate_client_capi::waygate_event_kind::*;
+use waygate_client_capi::waygate_outcome::*;
 use waygate_client_capi::waygate_result::*;
 use waygate_client_capi::*;
 use waygate_transport::TransportKind;
@@ -66,6 +67,7 @@ struct Ev {
     payload: Vec<u8>,
     text: String,
     channel: (u64, u64),
+    outcome: waygate_outcome,
 }
 
 /// Waits up to 10 s for the next event; `Err` carries the result code when none came.
@@ -99,6 +101,7 @@ fn next(h: &Handle) -> Result<Ev, waygate_result> {
         payload,
         text,
         channel: (ev.channel_epoch, ev.channel_offset),
+        outcome: ev.outcome,
     })
 }
 
@@ -113,6 +116,18 @@ fn wait_for(h: &Handle, kind: waygate_event_kind) -> Ev {
         }
     }
     panic!("no {kind:?} in time");
+}
+
+/// Waits for the next session up with `outcome`.
+fn wait_for_outcome(h: &Handle, outcome: waygate_outcome) -> Ev {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        let ev = wait_for(h, WAYGATE_EVENT_CONNECTED);
+        if ev.outcome == outcome {
+            return ev;
+        }
+    }
+    panic!("no session up with {outcome:?} in time");
 }
 
 fn send(h: &Handle, msg_id: u32, body: &[u8]) -> Result<u64, waygate_result> {
@@ -184,8 +199,19 @@ fn echo_kick_and_close_through_the_c_functions() {
     let first = new_client(&endpoint, &token_bytes("ffi-player"));
     // SAFETY: live handle.
     assert_eq!(unsafe { waygate_client_connect(first.0) }, WAYGATE_OK);
+    // SAFETY: live handle.
+    assert_eq!(
+        unsafe { waygate_client_state(first.0) },
+        waygate_state::WAYGATE_STATE_CONNECTING
+    );
     let connected = wait_for(&first, WAYGATE_EVENT_CONNECTED);
     assert_eq!(connected.text, endpoint);
+    assert_eq!(connected.outcome, WAYGATE_OUTCOME_NEW_SESSION);
+    // SAFETY: live handle.
+    assert_eq!(
+        unsafe { waygate_client_state(first.0) },
+        waygate_state::WAYGATE_STATE_CONNECTED
+    );
     assert_eq!(send(&first, 1000, b"hello"), Ok(1));
     let reply = wait_for(&first, WAYGATE_EVENT_MESSAGE);
     assert_eq!(reply.msg_id, 1001);
@@ -212,6 +238,11 @@ fn echo_kick_and_close_through_the_c_functions() {
     assert_eq!(next(&first).unwrap_err(), WAYGATE_CLOSED);
     assert_eq!(send(&first, 1000, b"late"), Err(WAYGATE_CLOSED));
     // SAFETY: live handle.
+    assert_eq!(
+        unsafe { waygate_client_state(first.0) },
+        waygate_state::WAYGATE_STATE_CLOSED
+    );
+    // SAFETY: live handle.
     assert_eq!(unsafe { waygate_client_tick(first.0, 0) }, WAYGATE_CLOSED);
 
     // A lifecycle hook: reconnect now (the app came back from the background) resumes.
@@ -220,7 +251,7 @@ fn echo_kick_and_close_through_the_c_functions() {
         unsafe { waygate_client_reconnect_now(second.0) },
         WAYGATE_OK
     );
-    wait_for(&second, WAYGATE_EVENT_RESTORED);
+    wait_for_outcome(&second, WAYGATE_OUTCOME_RESTORED);
     // SAFETY: a closed handle answers CLOSED.
     assert_eq!(
         unsafe { waygate_client_reconnect_now(first.0) },
@@ -362,7 +393,12 @@ fn a_caller_that_does_not_poll_never_blocks_in_send() {
         match next(&client) {
             Ok(ev) if ev.kind == WAYGATE_EVENT_MESSAGE => replies += 1,
             Ok(ev) if ev.kind == WAYGATE_EVENT_ERROR => refused += 1,
-            Ok(ev) if ev.kind == WAYGATE_EVENT_RESTORED_WITH_GAP => gap = true,
+            Ok(ev)
+                if ev.kind == WAYGATE_EVENT_CONNECTED
+                    && ev.outcome == WAYGATE_OUTCOME_RESTORED_WITH_GAP =>
+            {
+                gap = true
+            }
             _ => {}
         }
     }

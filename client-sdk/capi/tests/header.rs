@@ -58,7 +58,10 @@ fn header_declares_the_whole_api() {
         "waygate_result_str",
         "waygate_last_error",
         "WAYGATE_BUFFER_FULL",
-        "WAYGATE_EVENT_RESTORED_WITH_GAP",
+        "WAYGATE_OUTCOME_RESTORED_WITH_GAP",
+        "WAYGATE_EVENT_EXPIRED",
+        "waygate_client_state",
+        "WAYGATE_STATE_RECONNECTING",
         "WAYGATE_CLASS_NORMAL",
         "typedef struct waygate_client waygate_client;",
     ] {

@@ -120,16 +120,23 @@ namespace WaygateExamples
                 switch (ev.Kind)
                 {
                     case WaygateEventKind.Connected:
-                        connected++;
-                        Console.WriteLine("echo: connected over {0}", ev.Text);
+                        if (ev.Outcome == WaygateOutcome.NewSession)
+                        {
+                            connected++;
+                            Console.WriteLine("echo: connected over {0}", ev.Text);
+                        }
+                        else if (ev.Outcome == WaygateOutcome.Restored)
+                        {
+                            restored++;
+                            Console.WriteLine("echo: session restored over {0}", ev.Text);
+                        }
+                        else
+                        {
+                            throw Fail(string.Format("resume lost messages ({0})", ev.Outcome));
+                        }
+                        if (client.State != WaygateState.Connected)
+                            throw Fail(string.Format("state {0} after a session came up", client.State));
                         break;
-                    case WaygateEventKind.Restored:
-                        restored++;
-                        Console.WriteLine("echo: session restored over {0}", ev.Text);
-                        break;
-                    case WaygateEventKind.RestoredWithGap:
-                    case WaygateEventKind.NewSession:
-                        throw Fail(string.Format("resume lost messages ({0})", WaygateClient.KindName(ev.Kind)));
                     case WaygateEventKind.Message:
                         OnMessage(ev);
                         break;

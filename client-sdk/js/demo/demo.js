@@ -46,9 +46,9 @@ $("connect").onclick = () => {
   client.connect();
   setEnabled(true);
   setInterval(() => {
-    if (client && client.state === "active") {
+    if (client && client.state === "connected") {
       const { rtt, unacked } = client.stats();
-      $("status").textContent = `active, rtt ${rtt.smoothedMs === null ? "?" : rtt.smoothedMs.toFixed(1)} ms, ${unacked} unacked`;
+      $("status").textContent = `connected, rtt ${rtt.smoothedMs === null ? "?" : rtt.smoothedMs.toFixed(1)} ms, ${unacked} unacked`;
     }
   }, 1000);
 };

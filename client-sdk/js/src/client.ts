@@ -49,6 +49,8 @@ export interface WebSocketLike {
 export type WebSocketConstructor = new (url: string, protocols?: string | string[]) => WebSocketLike;
 
 const WS_OPEN = 1;
+/** ERROR answers remembered to drop a repeat (PROTOCOL.md §3.9; the edge repeats at most 256). */
+const ERRORED_SEQS_KEPT = 1024;
 
 /** Client settings. Only `urls` and `token` are required. */
 export interface ClientOptions {
@@ -85,6 +87,16 @@ export interface ClientOptions {
    */
   giveUpAfterMs?: number;
   /**
+   * Staleness bound, ms, for sequenced messages queued while no session is up (sent before
+   * a WELCOME, never transmitted on any link). When the session comes back by resume
+   * (outcome `restored` / `restored_with_gap`) or up for the first time, before sending, every such
+   * message older than this (now minus the time `send()` queued it) is dropped and reported
+   * with an `expired` event; the messages queued after it are renumbered so the client seqs
+   * on the wire stay contiguous. Messages that went out on a link once are never dropped.
+   * Default 0: no bound (everything is sent however late). Rust's `max_offline_age`.
+   */
+  maxOfflineAgeMs?: number;
+  /**
    * Browser lifecycle hooks, when `globalThis.addEventListener` exists: `online` reconnects
    * at once unless connected; `visibilitychange` to visible reconnects at once when the link
    * has received nothing for longer than the heartbeat interval (or the client is backing
@@ -99,9 +111,29 @@ export interface ClientOptions {
   random?: () => number;
 }
 
-/** How the HELLO was answered. */
-export type Outcome = "new" | "restored" | "restoredWithGap" | "restoreFailed";
-const OUTCOMES: Outcome[] = ["new", "restored", "restoredWithGap", "restoreFailed"];
+/**
+ * How a HELLO was answered: WELCOME's outcome (PROTOCOL.md §7.1.1), by the same names in
+ * every SDK.
+ * - `new_session`: a fresh session (the first login, or a resume without the resume part).
+ * - `restored`: the session resumed with nothing lost.
+ * - `restored_with_gap`: the session resumed, but downstream messages were evicted: resync.
+ * - `restore_failed_new_session`: the resume was refused and a new session started: resync.
+ */
+export type SessionOutcome = "new_session" | "restored" | "restored_with_gap" | "restore_failed_new_session";
+/** WELCOME outcome codes 0..3 (`WelcomeOutcome`) by name. */
+const OUTCOMES: readonly SessionOutcome[] = ["new_session", "restored", "restored_with_gap", "restore_failed_new_session"];
+/** @deprecated Use {@link SessionOutcome} (the same type). */
+export type Outcome = SessionOutcome;
+
+/**
+ * The client's connection state (`client.state`), by the same names in every SDK.
+ * - `idle`: created, `connect()` not called yet.
+ * - `connecting`: the first session is not up yet (attempts, backoff, handshake).
+ * - `connected`: a session is up.
+ * - `reconnecting`: a session was up and the link dropped: the client is trying to resume.
+ * - `closed`: terminal (`close()`, kicked, session expired, refused, gave up).
+ */
+export type ConnectionState = "idle" | "connecting" | "connected" | "reconnecting" | "closed";
 
 /** A downstream application message. */
 export interface Message {
@@ -124,8 +156,22 @@ export interface ConnectFailed {
 
 /** Payloads of every event. */
 export interface ClientEvents {
-  /** WELCOME received (any outcome); followed by one of newSession / restored / restoredWithGap. */
-  connected: { url: string; sessionId: string; outcome: Outcome };
+  /**
+   * WELCOME received (any outcome), on every WELCOME; followed by the `expired` events of
+   * this resume, if any, then by one of newSession / restored / restoredWithGap.
+   */
+  connected: { url: string; sessionId: string; outcome: SessionOutcome };
+  /**
+   * `client.state` changed (emitted before the event that caused it: `connected`,
+   * `disconnected`, `closed`).
+   */
+  stateChange: { from: ConnectionState; to: ConnectionState };
+  /**
+   * A sequenced message queued while no session was up was dropped on a resume because it
+   * was older than `maxOfflineAgeMs`; it never went out on any link. `seq` is the client seq
+   * it had (`send()`'s return value); the messages queued after it were renumbered down.
+   */
+  expired: { msgId: number; seq: bigint; ageMs: number };
   /** A fresh session: both seq spaces restart at 1. `restoreFailed`: a resume was refused and replaced by a new session (resync!). */
   newSession: { sessionId: string; restoreFailed: boolean; discarded: number };
   /** The session resumed with nothing lost. */
@@ -178,7 +224,11 @@ export interface ClientEvents {
 export type EventName = keyof ClientEvents;
 type Listener<K extends EventName> = (ev: ClientEvents[K]) => void;
 
-export type ClientState = "idle" | "connecting" | "handshaking" | "active" | "waiting" | "closed";
+/** @deprecated Use {@link ConnectionState} (the same type). */
+export type ClientState = ConnectionState;
+
+/** Where the session machine is (internal; `state` maps it to a {@link ConnectionState}). */
+type Phase = "idle" | "connecting" | "handshaking" | "active" | "waiting" | "closed";
 
 /** Round-trip statistics from the client's PINGs. */
 export interface RttStats {
@@ -190,7 +240,7 @@ export interface RttStats {
 }
 
 export interface ClientStats {
-  state: ClientState;
+  state: ConnectionState;
   rtt: RttStats;
   /** Sequenced upstream messages not yet acked by the server. */
   unacked: number;
@@ -206,11 +256,17 @@ export interface ClientStats {
   channelUndecodable: number;
 }
 
+/** Why `send` refused a message ({@link SendError.reason}). */
+export type SendErrorReason = "closed" | "buffer_full" | "too_large";
+
 /** `send` refused: the unacked buffer is full, the frame too large, or the client closed. */
 export class SendError extends Error {
-  constructor(message: string) {
+  /** Why: `closed`, `buffer_full` (too many unacked: send again after acks), `too_large` (above the max frame size). */
+  readonly reason: SendErrorReason;
+  constructor(message: string, reason: SendErrorReason) {
     super(message);
     this.name = "SendError";
+    this.reason = reason;
   }
 }
 
@@ -219,6 +275,10 @@ interface Unacked {
   cls: TrafficClass;
   msgId: number;
   payload: Uint8Array;
+  /** `now()` when `send()` queued it (for `maxOfflineAgeMs`). */
+  queuedAt: number;
+  /** Handed to a link at least once (the server may have it): never expired nor renumbered. */
+  transmitted: boolean;
 }
 
 interface Session {
@@ -278,7 +338,9 @@ export class WaygateClient {
   private readonly WS: WebSocketConstructor;
   private readonly listeners = new Map<EventName, Set<Listener<EventName>>>();
 
-  private _state: ClientState = "idle";
+  private _state: Phase = "idle";
+  /** The state last reported by `stateChange`. */
+  private reported: ConnectionState = "idle";
   private ws: WebSocketLike | null = null;
   /** Bumped for every socket: events of older sockets are ignored. */
   private gen = 0;
@@ -310,6 +372,8 @@ export class WaygateClient {
   // Upstream: next seq and everything sent but not acked.
   private nextSeq = 1n;
   private unacked: Unacked[] = [];
+  /** Client seqs already answered by an ERROR (insertion order, the latest ERRORED_SEQS_KEPT). */
+  private errored = new Set<bigint>();
 
   // Channels (§12): positions and the duplicate filter. Kept across sessions: after a new
   // session the positions are what the game hands its backend to recover (§12.4).
@@ -347,6 +411,7 @@ export class WaygateClient {
       ackEvery: options.ackEvery ?? 16,
       maxUnacked: options.maxUnacked ?? 4096,
       livenessMs: options.livenessMs ?? 1000,
+      maxOfflineAgeMs: options.maxOfflineAgeMs ?? 0,
       lifecycleHooks: options.lifecycleHooks ?? true,
       offerSubprotocol: options.offerSubprotocol ?? true,
       random: options.random ?? Math.random,
@@ -354,14 +419,26 @@ export class WaygateClient {
     const g = options.giveUpAfterMs;
     if (g !== undefined && !(Number.isFinite(g) && g >= 0)) throw new RangeError(`giveUpAfterMs must be a number >= 0: ${g}`);
     this.giveUpAfterMs = g;
+    const a = this.opts.maxOfflineAgeMs;
+    if (!(Number.isFinite(a) && a >= 0)) throw new RangeError(`maxOfflineAgeMs must be a number >= 0: ${a}`);
   }
 
   // -------------------------------------------------------------------------------------
   // Public API
 
-  /** Current state. */
-  get state(): ClientState {
-    return this._state;
+  /** The connection state: `idle`, `connecting`, `connected`, `reconnecting` or `closed`. */
+  get state(): ConnectionState {
+    switch (this._state) {
+      case "idle":
+        return "idle";
+      case "active":
+        return "connected";
+      case "closed":
+        return "closed";
+      default:
+        // Connecting, handshaking or backing off: before the first session, or after one.
+        return this.connects > 0 ? "reconnecting" : "connecting";
+    }
   }
 
   /** Subscribes to an event; returns a function that unsubscribes. */
@@ -382,6 +459,7 @@ export class WaygateClient {
     this.installHooks();
     this.armGiveUp();
     this.openSocket();
+    this.reportState();
   }
 
   /**
@@ -403,7 +481,7 @@ export class WaygateClient {
       }
       this.dropSocket(1000, "reconnecting");
       this.scheduleReconnect(0, { code: CloseCode.going_away, reason: "reconnect requested", wasActive }, true);
-      if ((this._state as ClientState) !== "waiting") return; // A listener closed the client (or already reconnected).
+      if ((this._state as Phase) !== "waiting") return; // A listener closed the client (or already reconnected).
     }
     this.openSocket();
   }
@@ -422,14 +500,14 @@ export class WaygateClient {
    * the unacked buffer is full, the frame would exceed the max frame size, or the client is closed.
    */
   send(msgId: number, payload: Uint8Array | ArrayBuffer | string, cls: TrafficClass = "normal"): bigint | null {
-    if (this._state === "closed") throw new SendError("the client is closed");
+    if (this._state === "closed") throw new SendError("the client is closed", "closed");
     if (!Number.isInteger(msgId) || msgId < 0 || msgId >= 2 ** 32) throw new RangeError(`msg_id must be a u32: ${msgId}`);
     const bytes =
       typeof payload === "string" ? encoder.encode(payload) : payload instanceof Uint8Array ? payload : new Uint8Array(payload);
     // Worst case header: type, flags, msg_id (5), seq (10), ack (10).
     if (bytes.length + 27 > this.maxFrameSize) {
       const exact = encodeFrame({ type: "data", cls, msgId, seq: this.nextSeq, ack: this.cum, payload: bytes }).length;
-      if (exact > this.maxFrameSize) throw new SendError(`frame of ${exact} bytes above the max frame size ${this.maxFrameSize}`);
+      if (exact > this.maxFrameSize) throw new SendError(`frame of ${exact} bytes above the max frame size ${this.maxFrameSize}`, "too_large");
     }
     const active = this._state === "active";
     if (!isSequenced(cls)) {
@@ -438,19 +516,19 @@ export class WaygateClient {
       return 0n;
     }
     if (this.unacked.length >= this.opts.maxUnacked) {
-      throw new SendError(`upstream send buffer full (${this.unacked.length} unacked messages)`);
+      throw new SendError(`upstream send buffer full (${this.unacked.length} unacked messages)`, "buffer_full");
     }
     const seq = this.nextSeq++;
-    const m: Unacked = { seq, cls, msgId, payload: bytes };
+    const m: Unacked = { seq, cls, msgId, payload: bytes, queuedAt: now(), transmitted: false };
     this.unacked.push(m);
-    if (active) this.sendData(m, true);
+    if (active && this.sendData(m, true)) m.transmitted = true;
     return seq;
   }
 
   /** Statistics: RTT, unacked count, last server seq, connects. */
   stats(): ClientStats {
     return {
-      state: this._state,
+      state: this.state,
       rtt: { ...this.rtt },
       unacked: this.unacked.length,
       lastServerSeq: this.cum,
@@ -505,6 +583,15 @@ export class WaygateClient {
         }, 0);
       }
     }
+  }
+
+  /** Emits `stateChange` when `state` differs from the state last reported. */
+  private reportState(): void {
+    const to = this.state;
+    const from = this.reported;
+    if (to === from) return;
+    this.reported = to;
+    this.emit("stateChange", { from, to });
   }
 
   // -------------------------------------------------------------------------------------
@@ -662,7 +749,7 @@ export class WaygateClient {
     if (this._state === "closed") return;
     if (!rejected) {
       this.emit("connectFailed", { url: this.url, reason, attempt: this.failures + 1 });
-      if ((this._state as ClientState) === "closed") return; // A listener closed the client.
+      if ((this._state as Phase) === "closed") return; // A listener closed the client.
     }
     if (this.migrateTo !== null) {
       this.migrateTo = null; // The migrate target failed: back to our own list.
@@ -684,6 +771,8 @@ export class WaygateClient {
     if (this._state === "closed") return; // A listener of an earlier event closed the client.
     this._state = "waiting";
     this.armGiveUp();
+    this.reportState();
+    if (this._state !== "waiting") return; // A stateChange listener closed the client.
     this.emit("disconnected", {
       code: why.code,
       label: why.code === null ? "transport" : codeLabel(why.code),
@@ -724,6 +813,7 @@ export class WaygateClient {
     this.removeHooks();
     this.stopTimers();
     this._state = "closed";
+    this.reportState();
     this.emit("closed", { code, label: codeLabel(code), reason });
   }
 
@@ -787,25 +877,28 @@ export class WaygateClient {
   // -------------------------------------------------------------------------------------
   // Sending
 
-  private transmit(f: Frame): void {
+  /** Sends a frame on the current link; false when there is none open (nothing sent). */
+  private transmit(f: Frame): boolean {
     const ws = this.ws;
-    if (!ws || ws.readyState !== WS_OPEN) return;
-    if (this.helloPending && f.type !== "hello") return; // HELLO is the first frame (§7.1).
+    if (!ws || ws.readyState !== WS_OPEN) return false;
+    if (this.helloPending && f.type !== "hello") return false; // HELLO is the first frame (§7.1).
     ws.send(encodeFrame(f));
     this.lastTx = now();
     const expectsAnswer = (f.type === "data" && f.seq > 0n) || f.type === "ping";
     if (expectsAnswer && this._state === "active" && this.waitingSince === null) {
       this.waitingSince = this.lastTx;
     }
+    return true;
   }
 
-  private sendData(m: { cls: TrafficClass; msgId: number; seq: bigint; payload: Uint8Array }, piggyback: boolean): void {
+  /** Sends DATA; false when no link was open (nothing sent). */
+  private sendData(m: { cls: TrafficClass; msgId: number; seq: bigint; payload: Uint8Array }, piggyback: boolean): boolean {
     let ack: bigint | null = null;
     if (piggyback && (this.ackOwed || this.cum > this.ackSent)) {
       ack = this.cum;
       this.noteAckSent();
     }
-    this.transmit({ type: "data", cls: m.cls, msgId: m.msgId, seq: m.seq, ack, payload: m.payload });
+    return this.transmit({ type: "data", cls: m.cls, msgId: m.msgId, seq: m.seq, ack, payload: m.payload });
   }
 
   private sendAck(): void {
@@ -900,6 +993,14 @@ export class WaygateClient {
         case "migrate":
           return this.onMigrate(f.target, f.deadlineMs, f.sessionId, f.resumeToken);
         case "error":
+          // §3.9: after a resume the edge sends again every ERROR it cannot know arrived;
+          // one answer per message.
+          if (this.errored.has(f.clientSeq)) return;
+          this.errored.add(f.clientSeq);
+          if (this.errored.size > ERRORED_SEQS_KEPT) {
+            const oldest = this.errored.values().next().value;
+            if (oldest !== undefined) this.errored.delete(oldest);
+          }
           this.emit("error", {
             kind: "undelivered",
             code: f.code,
@@ -924,12 +1025,17 @@ export class WaygateClient {
     this.idleTimeoutMs = w.idleTimeoutMs;
     this.maxFrameSize = w.maxFrameSize > 0 ? w.maxFrameSize : DEFAULT_MAX_FRAME_SIZE;
     let discarded = 0;
+    let expired: { msgId: number; seq: bigint; ageMs: number }[] = [];
     const restored = w.outcome === WelcomeOutcome.Restored || w.outcome === WelcomeOutcome.RestoredWithGap;
     if (restored) {
       // §7.4.4: continue after server_seq_base; drop what the server already has.
       this.skipTo(w.serverSeqBase);
       this.onUpstreamAck(w.clientSeqAck);
-    } else if (!first) {
+      expired = this.expireStale();
+    } else if (first) {
+      // The very first session: what was queued before it goes out, unless too old.
+      expired = this.expireStale();
+    } else {
       // A fresh session replacing an old one: both seq spaces restart at 1 and the old
       // session's unacked messages are void (the application resyncs).
       discarded = this.unacked.length;
@@ -938,6 +1044,7 @@ export class WaygateClient {
       this.ackSent = 0n;
       this.nextSeq = 1n;
       this.unacked = [];
+      this.errored.clear();
     }
     this._state = "active";
     this.failures = 0;
@@ -952,12 +1059,23 @@ export class WaygateClient {
     // §7.3.3: a frame right after WELCOME confirms the new resume token.
     this.sendAck();
     const resent = this.unacked.length;
-    for (const m of this.unacked) this.sendData(m, false);
+    for (const m of this.unacked) if (this.sendData(m, false)) m.transmitted = true;
     this.startTicker();
 
+    // The session machine is settled; now the events. A listener may close the client or
+    // drop the link: what is left of this WELCOME's events is then not emitted.
+    const gen = this.gen;
+    const still = (): boolean => gen === this.gen && this._state === "active";
     const sessionId = toHex(w.sessionId);
     const outcome = OUTCOMES[w.outcome];
+    this.reportState();
+    if (!still()) return;
     this.emit("connected", { url: this.url, sessionId, outcome });
+    for (const e of expired) {
+      if (!still()) return;
+      this.emit("expired", e);
+    }
+    if (!still()) return;
     switch (w.outcome) {
       case WelcomeOutcome.NewSession:
       case WelcomeOutcome.RestoreFailedNewSession:
@@ -970,6 +1088,38 @@ export class WaygateClient {
         this.emit("restoredWithGap", { sessionId, serverSeqBase: w.serverSeqBase, resent });
         break;
     }
+  }
+
+  /**
+   * `maxOfflineAgeMs` on a resume, before the resend: drops the messages that never went
+   * out on any link (the tail of `unacked` after the last one transmitted) and are older
+   * than the bound, and renumbers the rest of that tail so the seqs on the wire stay
+   * contiguous (the server has seen none of them). Queued in order, the stale ones are a
+   * prefix of that tail. Returns what was dropped, for the `expired` events.
+   */
+  private expireStale(): { msgId: number; seq: bigint; ageMs: number }[] {
+    const bound = this.opts.maxOfflineAgeMs;
+    if (bound <= 0) return [];
+    let start = this.unacked.length;
+    while (start > 0 && !this.unacked[start - 1].transmitted) start--;
+    const t = now();
+    const dropped: { msgId: number; seq: bigint; ageMs: number }[] = [];
+    let i = start;
+    for (; i < this.unacked.length; i++) {
+      const m = this.unacked[i];
+      const age = t - m.queuedAt;
+      if (age <= bound) break;
+      dropped.push({ msgId: m.msgId, seq: m.seq, ageMs: Math.floor(age) });
+    }
+    if (dropped.length === 0) return dropped;
+    const firstSeq = this.unacked[start].seq;
+    const kept = this.unacked.slice(i);
+    kept.forEach((m, k) => {
+      m.seq = firstSeq + BigInt(k);
+    });
+    this.unacked = [...this.unacked.slice(0, start), ...kept];
+    this.nextSeq = firstSeq + BigInt(kept.length);
+    return dropped;
   }
 
   private skipTo(base: bigint): void {

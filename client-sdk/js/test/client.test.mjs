@@ -8,87 +8,10 @@ import {
   ChannelTracker,
   CloseCode,
   WaygateClient,
-  decodeFrame,
   encodeChannelEvent,
-  encodeFrame,
   resumeProof,
 } from "../dist/index.js";
-
-const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
-const id = (n) => new Uint8Array(16).fill(n);
-const text = (b) => new TextDecoder().decode(b);
-
-/** A WebSocket class whose instances the test drives as the server. */
-function scriptedWebSocket() {
-  class FakeWS {
-    static all = [];
-    constructor(url, protocols) {
-      this.url = url;
-      this.protocols = protocols;
-      this.readyState = 0;
-      this.binaryType = "blob";
-      this.sent = [];
-      this.raw = [];
-      this.closed = null;
-      this.onopen = this.onmessage = this.onclose = this.onerror = null;
-      FakeWS.all.push(this);
-    }
-    send(bytes) {
-      assert.equal(this.readyState, 1, "send on a socket that is not open");
-      this.raw.push(bytes);
-      this.sent.push(decodeFrame(bytes));
-    }
-    close(code, reason) {
-      this.closed = { code, reason };
-      this.readyState = 3;
-    }
-    // --- the server's side
-    /** Opens, then waits for the HELLO: a resume HELLO goes out once its proof is computed (WebCrypto, asynchronous). */
-    async open() {
-      this.readyState = 1;
-      this.onopen?.({});
-      const deadline = Date.now() + 5000; // WebCrypto runs on node's thread pool: slow on a busy machine
-      while (this.sent.length === 0 && this.readyState === 1 && Date.now() < deadline) await sleep(1);
-    }
-    deliver(frame) {
-      const b = encodeFrame(frame);
-      this.onmessage?.({ data: b.buffer.slice(b.byteOffset, b.byteOffset + b.length) });
-    }
-    drop(code = 1006) {
-      this.readyState = 3;
-      this.onclose?.({ code, reason: "" });
-    }
-    take() {
-      const s = this.sent;
-      this.sent = [];
-      return s;
-    }
-  }
-  return FakeWS;
-}
-
-function welcome(outcome, opts = {}) {
-  return {
-    type: "welcome",
-    sessionId: opts.sessionId ?? id(1),
-    resumeToken: opts.resumeToken ?? id(2),
-    outcome,
-    heartbeatIntervalMs: opts.heartbeatIntervalMs ?? 10_000,
-    idleTimeoutMs: opts.idleTimeoutMs ?? 30_000,
-    maxFrameSize: opts.maxFrameSize ?? 65_536,
-    serverSeqBase: opts.serverSeqBase ?? 0n,
-    clientSeqAck: opts.clientSeqAck ?? 0n,
-  };
-}
-
-const data = (seq, msgId = 7, payload = `m${seq}`, cls = "normal", ack = null) => ({
-  type: "data",
-  cls,
-  msgId,
-  seq: BigInt(seq),
-  ack,
-  payload: new TextEncoder().encode(payload),
-});
+import { data, id, scriptedWebSocket, sleep, text, welcome } from "../test-support/fake-edge.mjs";
 
 /** A client plus a record of its events. */
 function setup(options = {}) {
@@ -103,7 +26,7 @@ function setup(options = {}) {
     ...options,
   });
   const events = [];
-  for (const name of ["connected", "newSession", "restored", "restoredWithGap", "connectFailed", "disconnected", "kicked", "migrating", "message", "channel", "error", "closed"]) {
+  for (const name of ["connected", "newSession", "restored", "restoredWithGap", "connectFailed", "disconnected", "kicked", "migrating", "message", "channel", "error", "closed", "stateChange", "expired"]) {
     client.on(name, (e) => events.push({ name, ...e }));
   }
   const named = (n) => events.filter((e) => e.name === n);
@@ -152,9 +75,9 @@ test("HELLO, WELCOME new session, queued messages get seqs from 1, ACK confirms 
       [2n, "critical", "early-2"],
     ],
   );
-  assert.deepEqual(ctx.named("connected").map((e) => e.outcome), ["new"]);
+  assert.deepEqual(ctx.named("connected").map((e) => e.outcome), ["new_session"]);
   assert.equal(ctx.named("newSession").length, 1);
-  assert.equal(ctx.client.state, "active");
+  assert.equal(ctx.client.state, "connected");
   assert.equal(ctx.client.send(1000, "now", "bestEffort"), 0n);
   assert.equal(ws.take()[0].seq, 0n);
   ctx.client.close();
@@ -330,7 +253,7 @@ test("connectFailed: one per failed attempt, before the next; attempt counts up 
   const ws3 = ctx.WS.all.at(-1);
   await ws3.open();
   ws3.deliver(welcome(0));
-  assert.equal(ctx.client.state, "active");
+  assert.equal(ctx.client.state, "connected");
   ws3.drop(); // a session that was up and dropped: disconnected only
   assert.equal(ctx.named("disconnected").at(-1).wasActive, true);
   assert.equal(ctx.named("connectFailed").length, 2);
@@ -634,7 +557,10 @@ test("ERROR frames are reported, the connection stays", async () => {
   ctx.client.send(1000, "x");
   ws.deliver({ type: "error", code: CloseCode.busy, msgId: 1000, clientSeq: 1n, retryAfterMs: 200 });
   assert.deepEqual(ctx.named("error")[0], { name: "error", kind: "undelivered", code: 402, label: "busy", msgId: 1000, clientSeq: 1n, retryAfterMs: 200 });
-  assert.equal(ctx.client.state, "active");
+  assert.equal(ctx.client.state, "connected");
+  // PROTOCOL.md §3.9: the edge may send the same ERROR again after a resume: reported once.
+  ws.deliver({ type: "error", code: CloseCode.busy, msgId: 1000, clientSeq: 1n, retryAfterMs: 200 });
+  assert.equal(ctx.named("error").length, 1, "a repeated ERROR is dropped");
   ctx.client.close();
 });
 
@@ -776,7 +702,7 @@ test("DATA with msg_id 0xFFFFFF01 becomes a channel event, not a message; duplic
   assert.equal(st.channelUndecodable, 1);
   assert.equal(st.lastServerSeq, 5n, "channel events are sequenced DATA like any other");
   assert.deepEqual(ctx.named("error"), [], "an undecodable channel event is no protocol error");
-  assert.equal(ctx.client.state, "active");
+  assert.equal(ctx.client.state, "connected");
   await sleep(30);
   assert.deepEqual(ws.take(), [{ type: "ack", ack: 5n }]);
   // A replayed seq never reaches the tracker twice; LEFT ends the membership.
@@ -822,7 +748,7 @@ test("reconnectNow: a live session's socket is closed and a new one opened at on
   assert.deepEqual(ws.take().at(-1), { type: "close", code: CloseCode.going_away, message: "reconnecting" });
   assert.equal(ws.closed.code, 1000);
   assert.equal(ctx.WS.all.length, 2, "a new socket at once, no timer");
-  assert.equal(ctx.client.state, "connecting");
+  assert.equal(ctx.client.state, "reconnecting");
   assert.deepEqual(
     ctx.named("disconnected").map((e) => [e.code, e.wasActive, e.willReconnect, e.retryInMs]),
     [[CloseCode.going_away, true, true, 0]],
@@ -848,7 +774,7 @@ test("reconnectNow while backing off forgets the backoff; no-op before connect()
   assert.equal(ctx.client.state, "idle");
   ctx.client.connect();
   ctx.WS.all.at(-1).drop(1006);
-  assert.equal(ctx.client.state, "waiting");
+  assert.equal(ctx.client.state, "connecting", "no session was ever up");
   assert.ok(ctx.named("disconnected")[0].retryInMs >= 5000);
   ctx.client.reconnectNow();
   assert.equal(ctx.WS.all.length, 2, "at once");
@@ -863,7 +789,7 @@ test("giveUpAfterMs: no WELCOME for that long ends the client with closed 403 un
   const ctx = setup({ giveUpAfterMs: 150 });
   const { ws } = await connect(ctx);
   await sleep(200);
-  assert.equal(ctx.client.state, "active", "a session is up: no give-up");
+  assert.equal(ctx.client.state, "connected", "a session is up: no give-up");
   ws.drop();
   const t0 = Date.now();
   // Every attempt fails.
@@ -965,7 +891,7 @@ test("lifecycle: `online` reconnects at once when not connected, nothing when co
   ctx.client.connect();
   assert.equal(b.count(), 2, "online + visibilitychange");
   ctx.WS.all.at(-1).drop(1006); // offline: backing off for seconds
-  assert.equal(ctx.client.state, "waiting");
+  assert.equal(ctx.client.state, "connecting");
   b.dispatch("online");
   assert.equal(ctx.WS.all.length, 2, "reconnected at once");
   const ws = ctx.WS.all.at(-1);
@@ -1007,4 +933,251 @@ test("lifecycle: lifecycleHooks false installs nothing", async (t) => {
   ctx.client.connect();
   assert.equal(b.count(), 0);
   ctx.client.close();
+});
+
+// ---------------------------------------------------------------------------------------
+// Connection state and outcome names (the same in every SDK), maxOfflineAgeMs / `expired`
+
+const transitions = (ctx) => ctx.named("stateChange").map((e) => `${e.from}->${e.to}`);
+
+test("state: idle, connecting, connected, reconnecting, closed; stateChange once per change, before the event that caused it", async () => {
+  const ctx = setup();
+  const seenInListener = [];
+  ctx.client.on("stateChange", (e) => seenInListener.push([e.to, ctx.client.state, ctx.client.stats().state]));
+  assert.equal(ctx.client.state, "idle");
+  assert.equal(ctx.client.stats().state, "idle");
+  ctx.client.connect();
+  assert.equal(ctx.client.state, "connecting");
+  assert.deepEqual(transitions(ctx), ["idle->connecting"]);
+  ctx.WS.all.at(-1).drop(1006); // the first attempt fails: still connecting (no session yet)
+  assert.equal(ctx.client.state, "connecting");
+  await sleep(20);
+  let ws = ctx.WS.all.at(-1);
+  await ws.open();
+  assert.equal(ctx.client.state, "connecting", "handshaking is still connecting");
+  ws.deliver(welcome(0));
+  assert.equal(ctx.client.state, "connected");
+  assert.deepEqual(transitions(ctx), ["idle->connecting", "connecting->connected"]);
+  const names = () => ctx.events.map((e) => e.name).filter((n) => n !== "connectFailed");
+  assert.deepEqual(names().slice(-3), ["stateChange", "connected", "newSession"]);
+  ws.drop();
+  assert.equal(ctx.client.state, "reconnecting");
+  assert.deepEqual(names().slice(-2), ["stateChange", "disconnected"]);
+  await sleep(5);
+  ctx.WS.all.at(-1).drop(1006); // a failed attempt while reconnecting: no change
+  assert.equal(ctx.client.state, "reconnecting");
+  await sleep(20);
+  ws = ctx.WS.all.at(-1);
+  await ws.open();
+  ws.deliver(welcome(1));
+  assert.equal(ctx.client.state, "connected");
+  ctx.client.reconnectNow();
+  assert.equal(ctx.client.state, "reconnecting");
+  ws = ctx.WS.all.at(-1);
+  await ws.open();
+  ws.deliver(welcome(1));
+  ctx.client.close();
+  assert.equal(ctx.client.state, "closed");
+  assert.deepEqual(transitions(ctx), [
+    "idle->connecting",
+    "connecting->connected",
+    "connected->reconnecting",
+    "reconnecting->connected",
+    "connected->reconnecting",
+    "reconnecting->connected",
+    "connected->closed",
+  ]);
+  assert.deepEqual(names().slice(-2), ["stateChange", "closed"]);
+  assert.ok(seenInListener.every(([to, state, stats]) => to === state && to === stats), "state already updated in the listener");
+});
+
+test("state: closed straight from connecting (refused) and from idle (close() before connect)", async () => {
+  const a = setup();
+  a.client.close();
+  assert.equal(a.client.state, "closed");
+  assert.deepEqual(transitions(a), ["idle->closed"]);
+  const b = setup();
+  b.client.connect();
+  const ws = b.WS.all.at(-1);
+  await ws.open();
+  ws.deliver({ type: "reject", code: CloseCode.auth_bad_signature, retryAfterMs: 0, message: "bad" });
+  assert.equal(b.client.state, "closed");
+  assert.deepEqual(transitions(b), ["idle->connecting", "connecting->closed"]);
+});
+
+test("outcome names: connected carries new_session, restored, restored_with_gap, restore_failed_new_session; the convenience events still fire", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx);
+  let w = ws;
+  for (const [code, opts] of [
+    [1, {}],
+    [2, { serverSeqBase: 5n }],
+    [3, { sessionId: id(9) }],
+  ]) {
+    w.drop();
+    await sleep(5);
+    w = ctx.WS.all.at(-1);
+    await w.open();
+    w.deliver(welcome(code, opts));
+  }
+  assert.deepEqual(ctx.named("connected").map((e) => e.outcome), ["new_session", "restored", "restored_with_gap", "restore_failed_new_session"]);
+  assert.deepEqual(ctx.named("newSession").map((e) => e.restoreFailed), [false, true]);
+  assert.equal(ctx.named("restored").length, 1);
+  assert.deepEqual(ctx.named("restoredWithGap").map((e) => e.serverSeqBase), [5n]);
+  ctx.client.close();
+});
+
+/** A controllable clock under the client's `performance.now()`: `advance(ms)` moves it on. */
+function fakeClock(t) {
+  const real = performance.now.bind(performance);
+  let skew = 0;
+  t.mock.method(performance, "now", () => real() + skew);
+  return { advance: (ms) => (skew += ms) };
+}
+
+/** Up with a new session, then the link drops; returns the next socket (not yet open). */
+async function upThenDropped(ctx) {
+  const { ws } = await connect(ctx);
+  ws.take();
+  return {
+    ws,
+    async drop() {
+      ws.drop();
+      await sleep(5);
+      const next = ctx.WS.all.at(-1);
+      assert.notEqual(next, ws, "reconnecting");
+      return next;
+    },
+  };
+}
+
+const upstream = (frames) => frames.filter((f) => f.type === "data").map((f) => [f.seq, text(f.payload)]);
+
+test("maxOfflineAgeMs: on a resume, offline messages older than the bound expire, later ones are renumbered, transmitted ones stay", async (t) => {
+  const clock = fakeClock(t);
+  const ctx = setup({ maxOfflineAgeMs: 1000 });
+  const up = await upThenDropped(ctx);
+  assert.equal(ctx.client.send(1000, "sent-1"), 1n); // transmitted, never acked
+  assert.deepEqual(upstream(up.ws.take()), [[1n, "sent-1"]]);
+  const ws2 = await up.drop();
+  assert.equal(ctx.client.send(1001, "stale-2"), 2n);
+  assert.equal(ctx.client.send(1002, "stale-3", "critical"), 3n);
+  clock.advance(1500);
+  assert.equal(ctx.client.send(1004, "fresh-4"), 4n);
+  clock.advance(900); // fresh-4 is 900 ms old: within the bound; sent-1 is 2400 ms old but went out
+  assert.equal(ctx.client.send(1005, "fresh-5"), 5n);
+  await ws2.open();
+  ws2.take();
+  ws2.deliver(welcome(1, { clientSeqAck: 0n }));
+  const sent = ws2.take();
+  assert.deepEqual(sent[0], { type: "ack", ack: 0n });
+  assert.deepEqual(upstream(sent), [
+    [1n, "sent-1"],
+    [2n, "fresh-4"],
+    [3n, "fresh-5"],
+  ], "the stale ones are gone and the seqs stay contiguous");
+  const expired = ctx.named("expired");
+  assert.deepEqual(expired.map((e) => [e.msgId, e.seq]), [
+    [1001, 2n],
+    [1002, 3n],
+  ]);
+  assert.ok(expired.every((e) => e.ageMs >= 2400 && e.ageMs < 3000 && Number.isInteger(e.ageMs)), JSON.stringify(expired.map((e) => e.ageMs)));
+  assert.deepEqual(
+    ctx.events.map((e) => e.name).slice(-5),
+    ["stateChange", "connected", "expired", "expired", "restored"],
+    "expired between connected and restored",
+  );
+  assert.equal(ctx.named("restored").at(-1).resent, 3);
+  assert.equal(ctx.client.stats().unacked, 3);
+  // Numbering goes on after the renumbered tail; the server's ack covers them all.
+  assert.equal(ctx.client.send(1006, "next"), 4n);
+  assert.deepEqual(upstream(ws2.take()), [[4n, "next"]]);
+  ws2.deliver({ type: "ack", ack: 4n });
+  assert.equal(ctx.client.stats().unacked, 0);
+  assert.deepEqual(ctx.named("error"), [], "no protocol error");
+  ctx.client.close();
+});
+
+test("maxOfflineAgeMs: restored_with_gap expires too; messages acked by client_seq_ack are simply gone", async (t) => {
+  const clock = fakeClock(t);
+  const ctx = setup({ maxOfflineAgeMs: 100 });
+  const up = await upThenDropped(ctx);
+  ctx.client.send(1000, "sent-1");
+  ctx.client.send(1000, "sent-2");
+  const ws2 = await up.drop();
+  ctx.client.send(1000, "stale-3");
+  ctx.client.send(1000, "stale-4");
+  clock.advance(101);
+  await ws2.open();
+  ws2.take();
+  ws2.deliver(welcome(2, { serverSeqBase: 9n, clientSeqAck: 1n }));
+  assert.deepEqual(upstream(ws2.take()), [[2n, "sent-2"]]);
+  assert.deepEqual(ctx.named("expired").map((e) => e.seq), [3n, 4n]);
+  assert.equal(ctx.named("restoredWithGap")[0].resent, 1);
+  assert.equal(ctx.client.send(1000, "next"), 3n);
+  ctx.client.close();
+});
+
+test("maxOfflineAgeMs: no expiry with the bound 0 (the default), for fresh messages, or on a new session; before the first session as on a resume", async (t) => {
+  const clock = fakeClock(t);
+  // The bound 0: everything goes out however late.
+  for (const options of [{}, { maxOfflineAgeMs: 0 }]) {
+    const ctx = setup(options);
+    const up = await upThenDropped(ctx);
+    const ws2 = await up.drop();
+    ctx.client.send(1000, "old-1");
+    clock.advance(3_600_000);
+    ctx.client.send(1000, "old-2");
+    await ws2.open();
+    ws2.take();
+    ws2.deliver(welcome(1));
+    assert.deepEqual(upstream(ws2.take()), [[1n, "old-1"], [2n, "old-2"]]);
+    assert.deepEqual(ctx.named("expired"), []);
+    ctx.client.close();
+  }
+  // Within the bound (59 s old with a 60 s bound): nothing expires.
+  {
+    const ctx = setup({ maxOfflineAgeMs: 60_000 });
+    const up = await upThenDropped(ctx);
+    const ws2 = await up.drop();
+    ctx.client.send(1000, "fresh-1");
+    clock.advance(59_000);
+    await ws2.open();
+    ws2.take();
+    ws2.deliver(welcome(1));
+    assert.deepEqual(upstream(ws2.take()), [[1n, "fresh-1"]]);
+    assert.deepEqual(ctx.named("expired"), []);
+    ctx.client.close();
+  }
+  // Before the first session the bound holds as on a resume (as in the Rust SDK): a
+  // message queued too long before the first WELCOME expires.
+  {
+    const ctx = setup({ maxOfflineAgeMs: 10 });
+    ctx.client.send(1000, "early-1");
+    clock.advance(10_000);
+    const { ws } = await connect(ctx);
+    assert.deepEqual(upstream(ws.take()), []);
+    assert.deepEqual(ctx.named("expired").map((e) => [e.msgId, e.seq]), [[1000, 1n]]);
+    // A resume refused: a new session discards the old messages as before; none "expire".
+    ctx.client.send(1000, "lost-2");
+    ws.drop();
+    await sleep(5);
+    const ws2 = ctx.WS.all.at(-1);
+    ctx.client.send(1000, "lost-3");
+    clock.advance(10_000);
+    await ws2.open();
+    ws2.take();
+    ws2.deliver(welcome(3, { sessionId: id(9) }));
+    assert.deepEqual(upstream(ws2.take()), []);
+    assert.equal(ctx.named("newSession").at(-1).discarded, 2);
+    assert.equal(ctx.named("expired").length, 1, "a new session discards; nothing more expires");
+    assert.equal(ctx.client.send(1000, "fresh"), 1n);
+    ctx.client.close();
+  }
+});
+
+test("maxOfflineAgeMs must be a number >= 0", () => {
+  for (const bad of [-1, Number.NaN, Infinity]) {
+    assert.throws(() => setup({ maxOfflineAgeMs: bad }), RangeError);
+  }
 });

@@ -12,8 +12,10 @@ use waygate_protocol::frame::{Hello, ResumeRequest, WelcomeOutcome};
 use waygate_protocol::wire::PROTOCOL_VERSION;
 use waygate_transport::{CloseCode, Frame, TrafficClass};
 
-use crate::client::{ClientEvent, ClientState};
-use crate::machine::{Action, EndReason, SessionConfig, SessionError, SessionMachine, State};
+use crate::client::{ClientConfig, ClientEvent, ClientState};
+use crate::machine::{
+    Action, EndReason, SessionConfig, SessionCore, SessionError, SessionMachine, State,
+};
 use crate::replay::ReplayLimits;
 use crate::seq::AckPolicy;
 use crate::store::TakeOutcome;
@@ -300,6 +302,146 @@ fn resume_after_cut_replays_missed_and_dedups_resent() {
     assert_eq!(k.transition_count(State::Restoring, State::Active), 1);
     assert_eq!(k.transition_count(State::Active, State::Detached), 1);
     assert_eq!(k.transition_count(State::Detached, State::Closed), 1);
+}
+
+/// The staleness bound for messages queued offline: on the resume, the never-sent messages
+/// older than the bound are dropped with an `Expired` event each, the fresh one queued after
+/// them takes the first free seq, and the server sees contiguous seqs; without a bound every
+/// queued message goes out.
+#[test]
+fn messages_queued_offline_past_their_bound_expire_and_the_rest_are_renumbered() {
+    for bound in [Some(Duration::from_secs(5)), None] {
+        let mut p = Pair::new(SessionConfig::default());
+        let config = ClientConfig {
+            max_offline_age: bound,
+            ..ClientConfig::default()
+        };
+        let c = p.add_client_with(token_for("alice"), config);
+        p.connect(c);
+        p.drive(c);
+        send_up(&mut p, c, 2, "a");
+        p.drive(c);
+        p.cut(c);
+        p.advance(Duration::from_secs(1));
+        send_up(&mut p, c, 2, "old");
+        p.advance(Duration::from_secs(10));
+        send_up(&mut p, c, 1, "new");
+        p.advance(Duration::from_secs(1));
+        p.connect(c);
+        p.drive(c);
+        send_up(&mut p, c, 1, "after");
+        p.drive(c);
+        let expired: Vec<(u64, Duration)> = p.peers[c]
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                ClientEvent::Expired { seq, age, .. } => Some((*seq, *age)),
+                _ => None,
+            })
+            .collect();
+        let up: Vec<(u64, Bytes)> = p
+            .edge
+            .delivered
+            .iter()
+            .map(|u| (u.seq, u.payload.clone()))
+            .collect();
+        let want: Vec<(u64, &str)> = if bound.is_some() {
+            assert_eq!(
+                expired,
+                vec![(3, Duration::from_secs(11)), (4, Duration::from_secs(11))]
+            );
+            vec![(1, "a0"), (2, "a1"), (3, "new0"), (4, "after0")]
+        } else {
+            assert!(expired.is_empty(), "{expired:?}");
+            vec![
+                (1, "a0"),
+                (2, "a1"),
+                (3, "old0"),
+                (4, "old1"),
+                (5, "new0"),
+                (6, "after0"),
+            ]
+        };
+        let want: Vec<(u64, Bytes)> = want.into_iter().map(|(s, b)| (s, Bytes::from(b))).collect();
+        assert_eq!(up, want, "bound {bound:?}");
+        assert_eq!(
+            welcomed(&p, c),
+            vec![WelcomeOutcome::NewSession, WelcomeOutcome::Restored]
+        );
+    }
+}
+
+fn errors_of(p: &Pair, c: usize) -> Vec<u64> {
+    p.peers[c]
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            ClientEvent::Error(r) => Some(r.client_seq),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Regression (found by `waygate demo` under CPU contention: a reply lost in the reconnect
+/// wave): an ERROR sent while the link dies reached nobody, and the message it answered was
+/// already acknowledged, so nothing ever answered it. Now the session keeps every ERROR the
+/// client may not have and sends it again after the resume; the client reports it once; one
+/// known to have arrived (a critical DATA sent after it was acknowledged) is not sent again.
+#[test]
+fn an_error_in_flight_when_the_link_dies_arrives_after_the_resume_exactly_once() {
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "alice");
+    let sid = p.session(c);
+    send_up(&mut p, c, 3, "m");
+    p.drive(c);
+    // Message 1 refused, and the ERROR is lost with the link.
+    p.edge.refuse(&sid, p.now, 1);
+    p.drop_next(c, 1);
+    p.drive(c);
+    assert_eq!(p.peers[c].conn, None, "the link died");
+    assert!(errors_of(&p, c).is_empty(), "the ERROR was lost in flight");
+    // Message 2 refused while away.
+    p.edge.refuse(&sid, p.now, 2);
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(
+        errors_of(&p, c),
+        vec![1, 2],
+        "both answers after the resume"
+    );
+    // No critical DATA since: the edge cannot know they arrived, so the next resume sends
+    // them again, and the client drops the repeats.
+    p.cut(c);
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(
+        errors_of(&p, c),
+        vec![1, 2],
+        "repeats dropped by the client"
+    );
+    // Message 3 refused, then a critical DATA acknowledged: all three known to have
+    // arrived; the next resume sends no ERROR at all.
+    p.edge.refuse(&sid, p.now, 3);
+    p.edge.push(&sid, p.now, TrafficClass::Critical, b"fence");
+    p.drive(c);
+    p.advance(Duration::from_secs(1));
+    p.drive(c);
+    assert_eq!(errors_of(&p, c), vec![1, 2, 3]);
+    let kept = p.server(c).core().map(SessionCore::errors_kept);
+    assert_eq!(kept, Some(0), "forgotten once known to have arrived");
+    p.cut(c);
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(errors_of(&p, c), vec![1, 2, 3]);
+    assert_eq!(
+        welcomed(&p, c),
+        vec![
+            WelcomeOutcome::NewSession,
+            WelcomeOutcome::Restored,
+            WelcomeOutcome::Restored,
+            WelcomeOutcome::Restored
+        ]
+    );
 }
 
 #[test]

@@ -421,6 +421,18 @@ impl Edge {
         accepted
     }
 
+    /// A backend refusal of the client's message `client_seq` (an ERROR, through the host).
+    pub(crate) fn refuse(&mut self, session: &SessionId, now: Instant, client_seq: u64) {
+        let report = waygate_protocol::frame::ErrorReport {
+            code: CloseCode::Busy,
+            msg_id: 1,
+            client_seq,
+            retry_after_ms: 0,
+        };
+        self.host.report_error(session, report).expect("queued");
+        self.serve(now);
+    }
+
     /// A backend push through the host; returns the seq it got (0: best-effort), or `None`
     /// when the host refused it or the holder is stuck.
     pub(crate) fn push(
@@ -485,8 +497,13 @@ impl Pair {
     }
 
     pub(crate) fn add_client(&mut self, token: Bytes) -> usize {
+        self.add_client_with(token, ClientConfig::default())
+    }
+
+    /// A client with its own settings.
+    pub(crate) fn add_client_with(&mut self, token: Bytes, config: ClientConfig) -> usize {
         self.peers.push(Peer {
-            client: ClientSession::new(token, ClientConfig::default()),
+            client: ClientSession::new(token, config),
             conn: None,
             to_server: VecDeque::new(),
             to_client: VecDeque::new(),

@@ -89,6 +89,18 @@ pub enum WelcomeOutcome {
 }
 
 impl WelcomeOutcome {
+    /// The outcome's name, the same in every SDK (Rust, C, JS) and in PROTOCOL.md:
+    /// `new_session`, `restored`, `restored_with_gap`, `restore_failed_new_session`.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::NewSession => "new_session",
+            Self::Restored => "restored",
+            Self::RestoredWithGap => "restored_with_gap",
+            Self::RestoreFailedNewSession => "restore_failed_new_session",
+        }
+    }
+
     fn from_u8(byte: u8) -> Option<Self> {
         Some(match byte {
             0 => Self::NewSession,
