@@ -12,6 +12,9 @@ use waygate_protocol::channel::{ChannelEvent, ChannelPosition, CHANNEL_EVENT_MSG
 use waygate_protocol::frame::{ErrorReport, SessionId, WelcomeOutcome};
 
 use crate::channels::ChannelTracker;
+use crate::clock::{ClockEstimate, ClockSync};
+use crate::requests::{PendingRequest, RequestAnswer, RequestError, RequestKind, RequestTable};
+use waygate_protocol::request::{decode_answer, decode_clock, encode_request, ANSWER_MSG_ID};
 use waygate_session::client::{
     ClientConfig, ClientError, ClientEvent, ClientSession, ClientState, RttStats,
 };
@@ -121,6 +124,15 @@ pub enum Event {
     },
     /// One upstream message was not delivered (busy, unavailable, no route...).
     Error(ErrorReport),
+    /// The outcome of a request started with [`Client::start_request`] or
+    /// [`Client::start_sync_clock`]: its answer, or why there is none. Exactly one per
+    /// request.
+    Answered {
+        /// The id `start_request` returned.
+        request_id: u32,
+        /// The answer, or why there is none.
+        result: Result<RequestAnswer, RequestError>,
+    },
     /// A message sent while no session was up waited longer than
     /// `session.max_offline_age` for one: dropped, never sent (the messages queued after it
     /// moved down one seq each).
@@ -163,11 +175,39 @@ enum Cmd {
         Bytes,
         oneshot::Sender<Result<Option<u64>, ClientError>>,
     ),
+    Request(RequestCmd),
     DropLink,
     ReconnectNow,
     Prefer(usize),
     SetToken(Bytes),
     Close,
+}
+
+/// A request to send: its outcome goes to a waiting caller or to the event stream.
+struct RequestCmd {
+    class: TrafficClass,
+    msg_id: u32,
+    body: Bytes,
+    timeout: Duration,
+    clock: bool,
+    reply: RequestReply,
+    /// The request id, or why it could not be sent.
+    started: oneshot::Sender<Result<u32, RequestError>>,
+}
+
+/// Where a request's outcome goes.
+enum RequestReply {
+    Caller(oneshot::Sender<Result<RequestAnswer, RequestError>>),
+    Event,
+}
+
+impl std::fmt::Debug for RequestReply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Caller(_) => "Caller",
+            Self::Event => "Event",
+        })
+    }
 }
 
 /// Where a client is, with the same names in every SDK (Rust, C `WAYGATE_STATE_*`, JS
@@ -221,6 +261,11 @@ pub struct ClientStats {
     pub last_server_seq: u64,
     /// Successful (re)connects.
     pub connects: u64,
+    /// The game server's clock offset, once a clock sample was taken
+    /// ([`Client::sync_clock`]).
+    pub clock: Option<ClockEstimate>,
+    /// Requests waiting for their answer.
+    pub requests_pending: usize,
 }
 
 /// A running client. Dropping it closes the session.
@@ -266,6 +311,111 @@ impl Client {
             .await
             .map_err(|_| SdkError::Closed)?;
         Ok(rx.await.map_err(|_| SdkError::Closed)??)
+    }
+
+    /// Sends a request (PROTOCOL.md §13) to message id `msg_id` and waits for its answer, at
+    /// most `timeout`: the game server's answer (status 0 or its own error code), or why
+    /// there is none (timeout, refused by the edge or the game server, expired offline, a
+    /// new session, the client closed). The request is a sequenced DATA: resent after a
+    /// resume like any other, answered once.
+    pub async fn request(
+        &self,
+        class: TrafficClass,
+        msg_id: u32,
+        body: Bytes,
+        timeout: Duration,
+    ) -> Result<RequestAnswer, RequestError> {
+        let (tx, rx) = oneshot::channel();
+        self.send_request(
+            class,
+            msg_id,
+            body,
+            timeout,
+            false,
+            RequestReply::Caller(tx),
+        )
+        .await?;
+        rx.await.unwrap_or(Err(RequestError::Closed))
+    }
+
+    /// Sends a request without waiting: returns its id at once; its outcome comes as
+    /// [`Event::Answered`] with that id (a game loop that polls events, the C ABI).
+    pub async fn start_request(
+        &self,
+        class: TrafficClass,
+        msg_id: u32,
+        body: Bytes,
+        timeout: Duration,
+    ) -> Result<u32, RequestError> {
+        self.send_request(class, msg_id, body, timeout, false, RequestReply::Event)
+            .await
+    }
+
+    /// Takes a sample of the game server's clock: a request to `msg_id` whose answer body
+    /// is the server's Unix time in ms (big-endian u64; the demo's `TIME`). Returns the
+    /// estimate with this sample ([`crate::clock`]: the fastest of the recent exchanges),
+    /// also in [`ClientStats::clock`]. Call it a few times at start, then now and then.
+    pub async fn sync_clock(
+        &self,
+        msg_id: u32,
+        timeout: Duration,
+    ) -> Result<ClockEstimate, RequestError> {
+        let (tx, rx) = oneshot::channel();
+        self.send_request(
+            TrafficClass::Critical,
+            msg_id,
+            Bytes::new(),
+            timeout,
+            true,
+            RequestReply::Caller(tx),
+        )
+        .await?;
+        rx.await.unwrap_or(Err(RequestError::Closed))?;
+        self.stats().clock.ok_or(RequestError::Closed)
+    }
+
+    /// [`Self::sync_clock`] without waiting: the outcome comes as [`Event::Answered`]; the
+    /// estimate is then in [`ClientStats::clock`].
+    pub async fn start_sync_clock(
+        &self,
+        msg_id: u32,
+        timeout: Duration,
+    ) -> Result<u32, RequestError> {
+        self.send_request(
+            TrafficClass::Critical,
+            msg_id,
+            Bytes::new(),
+            timeout,
+            true,
+            RequestReply::Event,
+        )
+        .await
+    }
+
+    async fn send_request(
+        &self,
+        class: TrafficClass,
+        msg_id: u32,
+        body: Bytes,
+        timeout: Duration,
+        clock: bool,
+        reply: RequestReply,
+    ) -> Result<u32, RequestError> {
+        let (started, rx) = oneshot::channel();
+        let cmd = RequestCmd {
+            class,
+            msg_id,
+            body,
+            timeout,
+            clock,
+            reply,
+            started,
+        };
+        self.cmd
+            .send(Cmd::Request(cmd))
+            .await
+            .map_err(|_| RequestError::Closed)?;
+        rx.await.unwrap_or(Err(RequestError::Closed))
     }
 
     /// The next event; `None` once the client task has ended.
@@ -349,6 +499,10 @@ struct Driver {
     stats: watch::Sender<ClientStats>,
     connects: u64,
     closed: bool,
+    requests: RequestTable<RequestReply>,
+    clock: ClockSync,
+    /// A session was up once (a later new session voids the requests of the old one).
+    had_session: bool,
 }
 
 /// Events waiting for the application beyond which the link is not read.
@@ -378,6 +532,9 @@ async fn run(
         stats,
         connects: 0,
         closed: false,
+        requests: RequestTable::default(),
+        clock: ClockSync::default(),
+        had_session: false,
     };
     let mut connecting: Option<Connecting> = None;
     // A sender of its own for handing events over: the other select branches mutate the
@@ -420,6 +577,9 @@ async fn run(
                 let at = since + limit;
                 t = Some(t.map_or(at, |x| x.min(at)));
             }
+            if let Some(at) = d.requests.poll_timeout().map(Instant::from_std) {
+                t = Some(t.map_or(at, |x| x.min(at)));
+            }
             t
         };
         let sleep = async {
@@ -458,6 +618,7 @@ async fn run(
                     let r = d.session.send(Instant::now().into_std(), class, msg_id, payload);
                     let _ = reply.send(r);
                 }
+                Some(Cmd::Request(r)) => d.start_request(r),
                 Some(Cmd::DropLink) => {
                     if d.conn.take().is_some() {
                         d.session.handle_link_down(Instant::now().into_std(), CloseCode::GoingAway);
@@ -477,6 +638,7 @@ async fn run(
                     if let Some(mut c) = d.conn.take() {
                         c.close(CloseCode::Normal, "client closed").await;
                     }
+                    d.end_requests();
                     d.pending.push_back(Event::Closed { code: CloseCode::Normal });
                     d.closed = true;
                     d.publish_stats();
@@ -485,7 +647,11 @@ async fn run(
                 }
             },
             () = sleep => {
-                d.session.handle_timeout(Instant::now().into_std());
+                let now = Instant::now().into_std();
+                for (p, e) in d.requests.expire(now) {
+                    d.finish_request(p, Err(e));
+                }
+                d.session.handle_timeout(now);
                 // The liveness rule found the link dead (nothing heard while waiting for an
                 // answer): drop it and resume at once, as for any lost link.
                 if d.conn.is_some() && d.session.state() == ClientState::Disconnected {
@@ -505,6 +671,7 @@ async fn run(
         d.drain_events().await;
     }
     // Ended (kicked, expired, refused for good): the terminal event and what came before it.
+    d.end_requests();
     d.publish_stats();
     d.hand_over_pending().await;
 }
@@ -653,6 +820,86 @@ impl Driver {
         }
     }
 
+    /// Sends a request: its id goes in front of the body; the table waits for its outcome.
+    fn start_request(&mut self, r: RequestCmd) {
+        if !r.class.is_sequenced() {
+            let _ = r.started.send(Err(RequestError::NotSequenced));
+            return;
+        }
+        let now = Instant::now().into_std();
+        let id = self.requests.next_id();
+        let payload = encode_request(id, &r.body);
+        let kind = if r.clock {
+            RequestKind::Clock {
+                sent_unix_ms: unix_ms(),
+                sent: now,
+            }
+        } else {
+            RequestKind::Plain
+        };
+        match self.session.send(now, r.class, r.msg_id, payload) {
+            Ok(Some(seq)) if seq > 0 => {
+                self.requests.insert(id, seq, now, r.timeout, kind, r.reply);
+                let _ = r.started.send(Ok(id));
+            }
+            Ok(_) => {
+                let _ = r.started.send(Err(RequestError::NotSequenced));
+            }
+            Err(ClientError::SendBufferFull(_)) => {
+                let _ = r.started.send(Err(RequestError::SendBufferFull));
+            }
+            Err(_) => {
+                let _ = r.started.send(Err(RequestError::Closed));
+            }
+        }
+    }
+
+    /// Hands a request's outcome to whoever waits for it (a caller or the event stream);
+    /// a clock sample updates the estimate first.
+    fn finish_request(
+        &mut self,
+        p: PendingRequest<RequestReply>,
+        mut result: Result<RequestAnswer, RequestError>,
+    ) {
+        if let (RequestKind::Clock { sent_unix_ms, sent }, Ok(answer)) = (p.kind, &result) {
+            match decode_clock(&answer.body) {
+                Some(server) if answer.status == 0 => {
+                    self.clock.observe(sent_unix_ms, sent.elapsed(), server);
+                }
+                _ => {
+                    result = Err(RequestError::BadAnswer(format!(
+                        "not a clock answer (status {}, {} bytes)",
+                        answer.status,
+                        answer.body.len()
+                    )))
+                }
+            }
+        }
+        match p.reply {
+            RequestReply::Caller(tx) => {
+                // A caller that stopped waiting gave up on the outcome.
+                let _ = tx.send(result);
+            }
+            RequestReply::Event => self.pending.push_back(Event::Answered {
+                request_id: p.id,
+                result,
+            }),
+        }
+    }
+
+    /// The client ends: every request still waiting fails with `Closed`, its event before
+    /// the terminal one.
+    fn end_requests(&mut self) {
+        let closed = match self.pending.back() {
+            Some(Event::Closed { .. }) => self.pending.pop_back(),
+            _ => None,
+        };
+        for (p, e) in self.requests.fail_all(&RequestError::Closed) {
+            self.finish_request(p, Err(e));
+        }
+        self.pending.extend(closed);
+    }
+
     fn state(&self) -> ConnectionState {
         match self.session.state() {
             _ if self.closed => ConnectionState::Closed,
@@ -670,6 +917,8 @@ impl Driver {
             unacked: self.session.unacked_len(),
             last_server_seq: self.session.last_server_seq(),
             connects: self.connects,
+            clock: self.clock.estimate(),
+            requests_pending: self.requests.len(),
         });
     }
 
@@ -682,6 +931,20 @@ impl Driver {
             .filter(|e| matches!(e, ClientEvent::Welcomed { .. }))
             .count() as u64;
         self.publish_stats();
+        // Messages dropped before they were sent (`max_offline_age`): the requests among them
+        // fail, and the requests queued after them follow their new seqs.
+        let expired: Vec<u64> = pending
+            .iter()
+            .filter_map(|e| match e {
+                ClientEvent::Expired { seq, .. } => Some(*seq),
+                _ => None,
+            })
+            .collect();
+        let mut expired_requests = std::collections::HashSet::new();
+        for (p, e) in self.requests.on_expired(&expired) {
+            expired_requests.insert(p.seq);
+            self.finish_request(p, Err(e));
+        }
         for ev in pending {
             let event = match ev {
                 ClientEvent::Welcomed {
@@ -690,11 +953,36 @@ impl Driver {
                 } => {
                     self.failures = 0;
                     self.down_since = None;
+                    if outcome == WelcomeOutcome::RestoreFailedNewSession
+                        || (outcome == WelcomeOutcome::NewSession && self.had_session)
+                    {
+                        // Sent in a session that is gone: no answer will come.
+                        for (p, e) in self.requests.fail_all(&RequestError::SessionLost) {
+                            self.finish_request(p, Err(e));
+                        }
+                    }
+                    self.had_session = true;
                     Event::Connected {
                         endpoint: self.endpoint.clone().unwrap_or_default(),
                         session_id,
                         outcome,
                     }
+                }
+                ClientEvent::Message {
+                    msg_id: ANSWER_MSG_ID,
+                    payload,
+                    ..
+                } => {
+                    match decode_answer(&payload) {
+                        Ok(answer) => match self.requests.on_answer(answer) {
+                            Some((p, a)) => self.finish_request(p, Ok(a)),
+                            None => {
+                                tracing::debug!("answer to no waiting request dropped (timed out)")
+                            }
+                        },
+                        Err(e) => tracing::warn!(error = %e, "undecodable answer dropped"),
+                    }
+                    continue;
                 }
                 ClientEvent::Message {
                     msg_id: CHANNEL_EVENT_MSG_ID,
@@ -761,7 +1049,21 @@ impl Driver {
                     self.next_connect = Instant::now();
                     Event::Migrating { target }
                 }
-                ClientEvent::Error(report) => Event::Error(report),
+                ClientEvent::Error(report) => {
+                    match self.requests.on_refused(
+                        report.client_seq,
+                        report.code,
+                        report.retry_after_ms,
+                    ) {
+                        Some((p, e)) => {
+                            self.finish_request(p, Err(e));
+                            continue;
+                        }
+                        None => Event::Error(report),
+                    }
+                }
+                // A request's expiry is its outcome (above).
+                ClientEvent::Expired { seq, .. } if expired_requests.contains(&seq) => continue,
                 ClientEvent::Expired { msg_id, seq, age } => Event::Expired { msg_id, seq, age },
             };
             self.pending.push_back(event);
@@ -783,4 +1085,11 @@ impl Driver {
         })
         .await;
     }
+}
+
+/// The local wall clock, Unix ms (0 before 1970).
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }

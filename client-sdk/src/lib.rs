@@ -28,9 +28,13 @@
 //! ```
 
 pub mod channels;
+pub mod clock;
 mod driver;
+mod requests;
 
 pub use channels::{ChannelTracker, ChannelUpdate};
+pub use clock::ClockEstimate;
 pub use driver::{Client, ClientOptions, ClientStats, ConnectionState, Event, SdkError};
+pub use requests::{RequestAnswer, RequestError};
 pub use waygate_protocol::channel::ChannelPosition;
 pub use waygate_session::client::{ClientSession, RttStats};

@@ -19,7 +19,7 @@ use common::token;
 use rand::{RngExt, SeedableRng};
 use tokio::io::AsyncWriteExt;
 use waygate_backend::demo::{ECHO, ECHO_REPLY};
-use waygate_client::{Client, ClientOptions, ConnectionState, Event};
+use waygate_client::{Client, ClientOptions, ConnectionState, Event, RequestError};
 use waygate_protocol::frame::Reject;
 use waygate_transport::endpoint::{ConnectOptions, Endpoint};
 use waygate_transport::{CloseCode, Frame, TrafficClass, TransportKind};
@@ -561,6 +561,102 @@ async fn state_names_and_messages_queued_offline_expire_past_their_bound() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// SDK issue item 9 over real sockets: requests with correlation and timeouts (PROTOCOL.md
+/// §13), answered by the demo game server: an answer, the server's own error status, a
+/// refusal by the edge, a timeout, one that survives a dropped link, one started without
+/// waiting (its outcome an event); and the server clock offset from TIME samples.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_are_answered_refused_or_timed_out_and_the_clock_is_synced() {
+    use waygate_backend::demo::{ASK, ASK_EMPTY, TIME};
+    let (edge, _b, _d) = common::demo_edge(|_| {}).await;
+    let mut client = Client::start(ClientOptions::new(
+        vec![Endpoint::new(
+            TransportKind::Tcp,
+            edge.addrs[&TransportKind::Tcp],
+        )],
+        token("asker"),
+    ));
+    let second = Duration::from_secs(10);
+    let a = client
+        .request(
+            TrafficClass::Normal,
+            ASK,
+            Bytes::from_static(b"why"),
+            second,
+        )
+        .await
+        .expect("answered");
+    assert_eq!((a.status, &a.body[..]), (0, &b"b1|asker|why"[..]));
+    let a = client
+        .request(TrafficClass::Critical, ASK, Bytes::new(), second)
+        .await
+        .expect("answered");
+    assert_eq!((a.status, &a.body[..]), (ASK_EMPTY, &b"empty question"[..]));
+    // A message id no service takes: the edge refuses it (ERROR no_route for its seq).
+    assert_eq!(
+        client
+            .request(TrafficClass::Normal, 9_999_999, Bytes::new(), second)
+            .await,
+        Err(RequestError::Refused {
+            code: CloseCode::NoRoute,
+            retry_after_ms: 0
+        })
+    );
+    // ECHO is not answered as a request (its reply is an ordinary message): timeout.
+    assert_eq!(
+        client
+            .request(
+                TrafficClass::Normal,
+                ECHO,
+                Bytes::from_static(b"x"),
+                Duration::from_millis(300)
+            )
+            .await,
+        Err(RequestError::Timeout(Duration::from_millis(300)))
+    );
+    assert_eq!(
+        client
+            .request(TrafficClass::BestEffort, ASK, Bytes::new(), second)
+            .await,
+        Err(RequestError::NotSequenced)
+    );
+    // Started without waiting, the link dropped right after: answered after the resume,
+    // once, as an event.
+    let id = client
+        .start_request(
+            TrafficClass::Normal,
+            ASK,
+            Bytes::from_static(b"later"),
+            second,
+        )
+        .await
+        .expect("started");
+    client.drop_link().await.unwrap();
+    let mut answers = Vec::new();
+    while answers.is_empty() {
+        if let Event::Answered { request_id, result } = next(&mut client).await {
+            answers.push((request_id, result));
+        }
+    }
+    let (request_id, result) = answers.remove(0);
+    assert_eq!(request_id, id);
+    assert_eq!(&result.expect("answered").body[..], b"b1|asker|later");
+    assert_eq!(client.stats().requests_pending, 0);
+    // Clock: the demo answers TIME with its clock; same machine, so the offset is within
+    // half a round trip (plus the millisecond rounding of both clocks).
+    assert_eq!(client.stats().clock, None);
+    let mut estimate = None;
+    for _ in 0..3 {
+        estimate = Some(client.sync_clock(TIME, second).await.expect("clock sample"));
+    }
+    let e = estimate.unwrap();
+    assert_eq!(e.samples, 3);
+    let bound = i64::try_from(e.rtt.as_millis()).unwrap() / 2 + 2;
+    assert!(e.offset_ms.abs() <= bound, "{e:?}");
+    assert_eq!(client.stats().clock, Some(e));
+    client.close().await;
 }
 
 /// The next event within 20 s (the client still running).

@@ -542,6 +542,8 @@ impl ClientSession {
                 }
                 self.session = Some((w.session_id, w.resume_token));
                 self.heartbeat = Some(Duration::from_millis(w.heartbeat_interval_ms.into()));
+                // Events of this WELCOME (expiries) follow the Welcomed event.
+                let welcome_events_at = self.events.len();
                 match w.outcome {
                     // The very first session: messages queued before it (seqs from 1) go out.
                     WelcomeOutcome::NewSession if first => self.expire_offline(now),
@@ -562,10 +564,13 @@ impl ClientSession {
                 self.state = ClientState::Active;
                 // Confirms the WELCOME (and so the new resume token) at once.
                 self.send_ack(now);
-                self.events.push_back(ClientEvent::Welcomed {
-                    session_id: w.session_id,
-                    outcome: w.outcome,
-                });
+                self.events.insert(
+                    welcome_events_at,
+                    ClientEvent::Welcomed {
+                        session_id: w.session_id,
+                        outcome: w.outcome,
+                    },
+                );
                 for u in &mut self.unacked {
                     u.sent = true;
                 }

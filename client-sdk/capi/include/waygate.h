@@ -178,6 +178,19 @@ typedef enum waygate_event_kind {
    * down one seq each.
    */
   WAYGATE_EVENT_EXPIRED = 17,
+  /**
+   * The answer to a request (`waygate_client_request`, `waygate_client_sync_clock`):
+   * `request_id`; `code`: its status (0 success, else the game server's own code);
+   * `payload`, `payload_len`: its body. (Since 0.2.)
+   */
+  WAYGATE_EVENT_ANSWER = 18,
+  /**
+   * A request has no answer: `request_id`; `text`: why (`timeout`, `refused`, `expired`,
+   * `session_lost`, `closed`, `bad_answer`); `code` and `retry_after_ms`: the refusal's
+   * code and hint when refused, else 0. Exactly one ANSWER or REQUEST_FAILED per
+   * request. (Since 0.2.)
+   */
+  WAYGATE_EVENT_REQUEST_FAILED = 19,
 } waygate_event_kind;
 
 /**
@@ -384,7 +397,7 @@ typedef struct waygate_event {
    */
   enum waygate_outcome outcome;
   /**
-   * Reserved for request answers (0).
+   * `WAYGATE_EVENT_ANSWER`, `WAYGATE_EVENT_REQUEST_FAILED`: the request (since 0.2).
    */
   uint32_t request_id;
   /**
@@ -522,6 +535,58 @@ enum waygate_result waygate_client_send(struct waygate_client *client,
                                         const uint8_t *payload,
                                         size_t len,
                                         uint64_t *seq_out);
+
+/**
+ * Sends a request (PROTOCOL.md §13) of `traffic_class` (critical or normal) to `msg_id`
+ * with `len` bytes of `body` (copied), and returns at once: `*request_id_out` is its id.
+ * Its outcome comes as one event with that `request_id`: `WAYGATE_EVENT_ANSWER` (the game
+ * server's status and body) or `WAYGATE_EVENT_REQUEST_FAILED` (timeout after `timeout_ms`,
+ * refused, expired offline, session lost, closed). `WAYGATE_BUFFER_FULL` when too many
+ * messages are unacked; `WAYGATE_INVALID_ARGUMENT` for a best-effort class.
+ *
+ * # Safety
+ *
+ * `client` is NULL or a live handle used by no other thread during the call; `body` is
+ * NULL or readable for `len` bytes; `request_id_out` is NULL or writable; the calling
+ * thread is not running a tokio runtime.
+ */
+enum waygate_result waygate_client_request(struct waygate_client *client,
+                                           uint8_t traffic_class,
+                                           uint32_t msg_id,
+                                           const uint8_t *body,
+                                           size_t len,
+                                           uint32_t timeout_ms,
+                                           uint32_t *request_id_out);
+
+/**
+ * Takes a sample of the game server's clock (a request to `msg_id` answered with its Unix
+ * time in ms, big-endian u64: the demo's `TIME`, 1010) and returns at once with its id
+ * in `*request_id_out`. When its `WAYGATE_EVENT_ANSWER` comes, `waygate_client_clock_offset`
+ * has the updated estimate.
+ *
+ * # Safety
+ *
+ * As `waygate_client_request`.
+ */
+enum waygate_result waygate_client_sync_clock(struct waygate_client *client,
+                                              uint32_t msg_id,
+                                              uint32_t timeout_ms,
+                                              uint32_t *request_id_out);
+
+/**
+ * The game server's clock offset estimate (server time = local Unix time + offset), from
+ * the clock samples taken so far: `*offset_ms` and the round trip of the sample it rests on
+ * (the estimate is within half of it) in `*rtt_us`. `WAYGATE_NOT_FOUND` before the first
+ * sample was answered.
+ *
+ * # Safety
+ *
+ * `client` is NULL or a live handle used by no other thread during the call; `offset_ms`
+ * and `rtt_us` are NULL or writable.
+ */
+enum waygate_result waygate_client_clock_offset(struct waygate_client *client,
+                                                int64_t *offset_ms,
+                                                uint64_t *rtt_us);
 
 /**
  * Drops the current link without a CLOSE, as a network failure would (a test drill): the

@@ -6,7 +6,7 @@ use std::pin::pin;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use ::waygate_client::{Client, ClientOptions, ConnectionState, Event, SdkError};
+use ::waygate_client::{Client, ClientOptions, ConnectionState, Event, RequestError, SdkError};
 use bytes::Bytes;
 use tokio::runtime::Runtime;
 use waygate_session::client::ClientError;
@@ -410,6 +410,145 @@ pub unsafe extern "C" fn waygate_client_send(
                 }
             }
         }
+    })
+}
+
+/// Sends a request (PROTOCOL.md §13) of `traffic_class` (critical or normal) to `msg_id`
+/// with `len` bytes of `body` (copied), and returns at once: `*request_id_out` is its id.
+/// Its outcome comes as one event with that `request_id`: `WAYGATE_EVENT_ANSWER` (the game
+/// server's status and body) or `WAYGATE_EVENT_REQUEST_FAILED` (timeout after `timeout_ms`,
+/// refused, expired offline, session lost, closed). `WAYGATE_BUFFER_FULL` when too many
+/// messages are unacked; `WAYGATE_INVALID_ARGUMENT` for a best-effort class.
+///
+/// # Safety
+///
+/// `client` is NULL or a live handle used by no other thread during the call; `body` is
+/// NULL or readable for `len` bytes; `request_id_out` is NULL or writable; the calling
+/// thread is not running a tokio runtime.
+#[no_mangle]
+pub unsafe extern "C" fn waygate_client_request(
+    client: *mut waygate_client,
+    traffic_class: u8,
+    msg_id: u32,
+    body: *const u8,
+    len: usize,
+    timeout_ms: u32,
+    request_id_out: *mut u32,
+) -> waygate_result {
+    ffi_body!(WAYGATE_PANIC => {
+        non_null!(client, WAYGATE_INVALID_ARGUMENT);
+        if body.is_null() && len != 0 {
+            set_last_error("`body` is NULL but `len` is not 0");
+            return WAYGATE_INVALID_ARGUMENT;
+        }
+        let Some(class) = TrafficClass::from_bits(traffic_class).filter(|c| c.is_sequenced()) else {
+            set_last_error(format!("a request needs a critical or normal class, not {traffic_class}"));
+            return WAYGATE_INVALID_ARGUMENT;
+        };
+        let body = if len == 0 {
+            Bytes::new()
+        } else {
+            // SAFETY: not NULL; the caller promises `len` readable bytes, copied at once.
+            Bytes::copy_from_slice(unsafe { std::slice::from_raw_parts(body, len) })
+        };
+        let timeout = Duration::from_millis(u64::from(timeout_ms));
+        // SAFETY: not NULL; the caller promises a live handle used only by this thread.
+        let h = unsafe { handle(client) };
+        request_started(h, request_id_out, |c| c.start_request(class, msg_id, body, timeout))
+    })
+}
+
+/// Takes a sample of the game server's clock (a request to `msg_id` answered with its Unix
+/// time in ms, big-endian u64: the demo's `TIME`, 1010) and returns at once with its id
+/// in `*request_id_out`. When its `WAYGATE_EVENT_ANSWER` comes, `waygate_client_clock_offset`
+/// has the updated estimate.
+///
+/// # Safety
+///
+/// As `waygate_client_request`.
+#[no_mangle]
+pub unsafe extern "C" fn waygate_client_sync_clock(
+    client: *mut waygate_client,
+    msg_id: u32,
+    timeout_ms: u32,
+    request_id_out: *mut u32,
+) -> waygate_result {
+    ffi_body!(WAYGATE_PANIC => {
+        non_null!(client, WAYGATE_INVALID_ARGUMENT);
+        let timeout = Duration::from_millis(u64::from(timeout_ms));
+        // SAFETY: not NULL; the caller promises a live handle used only by this thread.
+        let h = unsafe { handle(client) };
+        request_started(h, request_id_out, |c| c.start_sync_clock(msg_id, timeout))
+    })
+}
+
+/// Runs a request start on the handle's runtime and writes the id.
+fn request_started<'a, F, Fut>(
+    h: &'a mut waygate_client,
+    request_id_out: *mut u32,
+    start: F,
+) -> waygate_result
+where
+    F: FnOnce(&'a Client) -> Fut,
+    Fut: Future<Output = Result<u32, RequestError>>,
+{
+    if let Err(code) = h.running() {
+        return code;
+    }
+    let Some(c) = h.client.as_ref() else {
+        return WAYGATE_INVALID_STATE;
+    };
+    match h.rt.block_on(start(c)) {
+        Ok(id) => {
+            if !request_id_out.is_null() {
+                // SAFETY: not NULL; the caller promises it is writable.
+                unsafe { request_id_out.write(id) };
+            }
+            WAYGATE_OK
+        }
+        Err(e) => {
+            set_last_error(e.to_string());
+            match e {
+                RequestError::SendBufferFull => WAYGATE_BUFFER_FULL,
+                RequestError::NotSequenced => WAYGATE_INVALID_ARGUMENT,
+                _ => WAYGATE_CLOSED,
+            }
+        }
+    }
+}
+
+/// The game server's clock offset estimate (server time = local Unix time + offset), from
+/// the clock samples taken so far: `*offset_ms` and the round trip of the sample it rests on
+/// (the estimate is within half of it) in `*rtt_us`. `WAYGATE_NOT_FOUND` before the first
+/// sample was answered.
+///
+/// # Safety
+///
+/// `client` is NULL or a live handle used by no other thread during the call; `offset_ms`
+/// and `rtt_us` are NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn waygate_client_clock_offset(
+    client: *mut waygate_client,
+    offset_ms: *mut i64,
+    rtt_us: *mut u64,
+) -> waygate_result {
+    ffi_body!(WAYGATE_PANIC => {
+        non_null!(client, WAYGATE_INVALID_ARGUMENT);
+        // SAFETY: not NULL; the caller promises a live handle used only by this thread.
+        let h = unsafe { handle(client) };
+        let Some(estimate) = h.client.as_ref().and_then(|c| c.stats().clock) else {
+            set_last_error("no clock sample yet: call waygate_client_sync_clock");
+            return WAYGATE_NOT_FOUND;
+        };
+        if !offset_ms.is_null() {
+            // SAFETY: not NULL; the caller promises it is writable.
+            unsafe { offset_ms.write(estimate.offset_ms) };
+        }
+        if !rtt_us.is_null() {
+            // SAFETY: not NULL; the caller promises it is writable.
+            unsafe { rtt_us.write(u64::try_from(estimate.rtt.as_micros()).unwrap_or(u64::MAX)) };
+        }
+        WAYGATE_OK
     })
 }
 

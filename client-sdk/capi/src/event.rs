@@ -2,7 +2,7 @@
 
 use std::ffi::{c_char, c_int};
 
-use waygate_client::{ChannelUpdate, Event};
+use waygate_client::{ChannelUpdate, Event, RequestError};
 use waygate_protocol::frame::WelcomeOutcome;
 use waygate_transport::CloseCode;
 
@@ -61,6 +61,15 @@ pub enum waygate_event_kind {
     /// `waygate_client_send` returned for it), `age_ms`. The messages sent after it moved
     /// down one seq each.
     WAYGATE_EVENT_EXPIRED = 17,
+    /// The answer to a request (`waygate_client_request`, `waygate_client_sync_clock`):
+    /// `request_id`; `code`: its status (0 success, else the game server's own code);
+    /// `payload`, `payload_len`: its body. (Since 0.2.)
+    WAYGATE_EVENT_ANSWER = 18,
+    /// A request has no answer: `request_id`; `text`: why (`timeout`, `refused`, `expired`,
+    /// `session_lost`, `closed`, `bad_answer`); `code` and `retry_after_ms`: the refusal's
+    /// code and hint when refused, else 0. Exactly one ANSWER or REQUEST_FAILED per
+    /// request. (Since 0.2.)
+    WAYGATE_EVENT_REQUEST_FAILED = 19,
 }
 
 /// How a session came up (`waygate_event.outcome` of `WAYGATE_EVENT_CONNECTED`); the names
@@ -116,7 +125,7 @@ pub struct waygate_event {
     pub channel_offset: u64,
     /// `WAYGATE_EVENT_CONNECTED`: how the session came up (since 0.2).
     pub outcome: waygate_outcome,
-    /// Reserved for request answers (0).
+    /// `WAYGATE_EVENT_ANSWER`, `WAYGATE_EVENT_REQUEST_FAILED`: the request (since 0.2).
     pub request_id: u32,
     /// `WAYGATE_EVENT_EXPIRED`: how long the message had waited, in milliseconds (since 0.2).
     pub age_ms: u64,
@@ -263,6 +272,24 @@ pub(crate) fn flatten(event: &Event) -> Option<(waygate_event, String)> {
             e.age_ms = u64::try_from(age.as_millis()).unwrap_or(u64::MAX);
             String::new()
         }
+        Event::Answered { request_id, result } => {
+            e.request_id = *request_id;
+            match result {
+                Ok(answer) => {
+                    e.kind = K::WAYGATE_EVENT_ANSWER;
+                    e.code = answer.status;
+                    if !answer.body.is_empty() {
+                        e.payload = answer.body.as_ptr();
+                        e.payload_len = answer.body.len();
+                    }
+                    String::new()
+                }
+                Err(error) => {
+                    e.kind = K::WAYGATE_EVENT_REQUEST_FAILED;
+                    request_failure(&mut e, error).to_owned()
+                }
+            }
+        }
         Event::Closed { code } => {
             e.kind = if *code == CloseCode::Kicked {
                 K::WAYGATE_EVENT_KICKED
@@ -274,6 +301,25 @@ pub(crate) fn flatten(event: &Event) -> Option<(waygate_event, String)> {
         _ => return None,
     };
     Some((e, text))
+}
+
+/// The reason label of a failed request (and its refusal code and hint).
+fn request_failure(e: &mut waygate_event, error: &RequestError) -> &'static str {
+    match error {
+        RequestError::Timeout(_) => "timeout",
+        RequestError::Refused {
+            code,
+            retry_after_ms,
+        } => {
+            e.code = code.to_u16();
+            e.retry_after_ms = *retry_after_ms;
+            "refused"
+        }
+        RequestError::Expired => "expired",
+        RequestError::SessionLost => "session_lost",
+        RequestError::BadAnswer(_) => "bad_answer",
+        _ => "closed",
+    }
 }
 
 fn code_text(e: &mut waygate_event, code: CloseCode) -> String {
@@ -302,6 +348,8 @@ pub extern "C" fn waygate_event_kind_str(kind: c_int) -> *const c_char {
             15 => c"channel_history_lost",
             16 => c"connect_failed",
             17 => c"expired",
+            18 => c"answer",
+            19 => c"request_failed",
             _ => c"unknown",
         };
         s.as_ptr()

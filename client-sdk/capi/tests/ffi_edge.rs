@@ -68,6 +68,7 @@ struct Ev {
     text: String,
     channel: (u64, u64),
     outcome: waygate_outcome,
+    request_id: u32,
 }
 
 /// Waits up to 10 s for the next event; `Err` carries the result code when none came.
@@ -102,6 +103,7 @@ fn next(h: &Handle) -> Result<Ev, waygate_result> {
         text,
         channel: (ev.channel_epoch, ev.channel_offset),
         outcome: ev.outcome,
+        request_id: ev.request_id,
     })
 }
 
@@ -276,6 +278,84 @@ fn echo_kick_and_close_through_the_c_functions() {
 /// A sealed KCP session through the C functions (hardening item 4, PROTOCOL.md §8.9): a
 /// connect token and its session key in the options; the echo round trip works and the edge
 /// counts the session as sealed.
+/// Requests and the clock (SDK issue item 9) through the C functions: the request returns
+/// its id at once; its answer, or its failure, is an event with that id.
+#[test]
+fn requests_and_the_clock_through_the_c_functions() {
+    let system = System::start();
+    let h = new_client(&system.endpoint, &token_bytes("ffi-asker"));
+    // SAFETY: live handle.
+    assert_eq!(unsafe { waygate_client_connect(h.0) }, WAYGATE_OK);
+    wait_for(&h, WAYGATE_EVENT_CONNECTED);
+    let mut id = 0u32;
+    // SAFETY: live handle; the body is readable for its length; `id` is writable.
+    let r = unsafe {
+        waygate_client_request(
+            h.0,
+            WAYGATE_CLASS_NORMAL,
+            1011,
+            b"why".as_ptr(),
+            3,
+            10_000,
+            &mut id,
+        )
+    };
+    assert_eq!(r, WAYGATE_OK);
+    let answer = wait_for(&h, WAYGATE_EVENT_ANSWER);
+    assert_eq!((answer.request_id, answer.code), (id, 0));
+    assert_eq!(answer.payload, b"b1|ffi-asker|why");
+    // Unanswered (ECHO is not a request): REQUEST_FAILED "timeout" with its id.
+    // SAFETY: as above.
+    let r = unsafe {
+        waygate_client_request(
+            h.0,
+            WAYGATE_CLASS_NORMAL,
+            1000,
+            b"x".as_ptr(),
+            1,
+            200,
+            &mut id,
+        )
+    };
+    assert_eq!(r, WAYGATE_OK);
+    let failed = wait_for(&h, WAYGATE_EVENT_REQUEST_FAILED);
+    assert_eq!((failed.request_id, failed.text.as_str()), (id, "timeout"));
+    // A best-effort request is refused at once.
+    // SAFETY: as above.
+    let r = unsafe {
+        waygate_client_request(
+            h.0,
+            WAYGATE_CLASS_BEST_EFFORT,
+            1011,
+            std::ptr::null(),
+            0,
+            200,
+            &mut id,
+        )
+    };
+    assert_eq!(r, WAYGATE_INVALID_ARGUMENT);
+    // The clock: no estimate before a sample; one after its answer.
+    let (mut offset, mut rtt) = (0i64, 0u64);
+    // SAFETY: live handle; writable outputs.
+    assert_eq!(
+        unsafe { waygate_client_clock_offset(h.0, &mut offset, &mut rtt) },
+        WAYGATE_NOT_FOUND
+    );
+    // SAFETY: as above.
+    assert_eq!(
+        unsafe { waygate_client_sync_clock(h.0, 1010, 10_000, &mut id) },
+        WAYGATE_OK
+    );
+    assert_eq!(wait_for(&h, WAYGATE_EVENT_ANSWER).request_id, id);
+    // SAFETY: as above.
+    assert_eq!(
+        unsafe { waygate_client_clock_offset(h.0, &mut offset, &mut rtt) },
+        WAYGATE_OK
+    );
+    let bound = i64::try_from(rtt / 1000).unwrap() / 2 + 2;
+    assert!(offset.abs() <= bound, "offset {offset} ms, rtt {rtt} us");
+}
+
 #[test]
 fn a_sealed_kcp_session_through_the_c_functions() {
     let system = System::start();

@@ -62,6 +62,10 @@ fn header_declares_the_whole_api() {
         "WAYGATE_EVENT_EXPIRED",
         "waygate_client_state",
         "WAYGATE_STATE_RECONNECTING",
+        "waygate_client_request",
+        "waygate_client_sync_clock",
+        "waygate_client_clock_offset",
+        "WAYGATE_EVENT_REQUEST_FAILED",
         "WAYGATE_CLASS_NORMAL",
         "typedef struct waygate_client waygate_client;",
     ] {

@@ -4,7 +4,9 @@
 //! - **player** (msg ids 1000–1999, keyed by player id): `ECHO` (1000) is answered with
 //!   `ECHO_REPLY` (1001) whose payload is `"<instance>|<player>|"` followed by the request
 //!   payload; `JOIN_ROOM` (1100, payload = room id) binds the session's `room` service to that
-//!   room and answers `JOINED` (1101, payload = room id).
+//!   room and answers `JOINED` (1101, payload = room id). Requests (PROTOCOL.md §13): `TIME`
+//!   (1010) is answered with the instance's clock (Unix ms, big-endian u64), `ASK` (1011)
+//!   with `"<instance>|<player>|<body>"` (status 400 `"empty question"` for an empty body).
 //! - **room** (msg ids 2000–2999, keyed by room id): `ROOM_SAY` (2000, payload = text) appends
 //!   to the room's log and sends `ROOM_EVENT` (2001) to every member on this instance, with
 //!   payload `"<instance>|<room>|<n>|<player>|<text>"` where n is the room's message counter.
@@ -44,6 +46,14 @@ pub const CHANNEL_JOIN: u32 = 1200;
 pub const CHAT: u32 = 1202;
 /// Leave a channel (player service); payload `<channel>`.
 pub const CHANNEL_LEAVE: u32 = 1203;
+/// Request (PROTOCOL.md §13, player service): the game server's clock; the answer's body is
+/// Unix time in ms (big-endian u64), what the SDKs' `sync_clock` reads.
+pub const TIME: u32 = 1010;
+/// Request (player service): answered `"<instance>|<player>|<body>"`, status 0; an empty body
+/// is answered with status [`ASK_EMPTY`] and body `"empty question"`.
+pub const ASK: u32 = 1011;
+/// The status of an ASK with an empty body.
+pub const ASK_EMPTY: u16 = 400;
 
 /// The ERROR a client gets for a channel request the edge refused (its code and hint).
 fn channel_refusal(e: crate::BackendError) -> Refusal {
@@ -127,6 +137,29 @@ impl Service for DemoService {
                 out.extend_from_slice(&msg.payload);
                 session
                     .push(ECHO_REPLY, msg.class, Bytes::from(out))
+                    .await
+                    .map_err(|_| INTERNAL)
+            }
+            TIME | ASK => {
+                let request = msg.request().ok_or(Refusal {
+                    code: CloseCode::ProtocolError,
+                    retry_after_ms: 0,
+                })?;
+                let (status, body) = if msg.msg_id == TIME {
+                    let now = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+                    (0, waygate_protocol::request::encode_clock(now).to_vec())
+                } else if request.body.is_empty() {
+                    (ASK_EMPTY, b"empty question".to_vec())
+                } else {
+                    let mut out =
+                        format!("{}|{}|", session.instance_id(), session.player_id()).into_bytes();
+                    out.extend_from_slice(&request.body);
+                    (0, out)
+                };
+                session
+                    .answer(&request, status, &body)
                     .await
                     .map_err(|_| INTERNAL)
             }

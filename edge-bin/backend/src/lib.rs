@@ -113,6 +113,17 @@ pub struct Incoming {
     pub payload: Bytes,
 }
 
+/// A client's request (PROTOCOL.md §13): answer it with [`BackendSession::answer`].
+pub type Request = waygate_protocol::request::Request;
+
+impl Incoming {
+    /// This message as a request (its body starts with the client's request id), or `None`
+    /// when it does not follow the convention (refuse it, e.g. with `bad_request`).
+    pub fn request(&self) -> Option<Request> {
+        waygate_protocol::request::decode_request(&self.payload).ok()
+    }
+}
+
 /// A refusal of one message, sent back to the client as ERROR.
 #[derive(Debug, Clone, Copy)]
 pub struct Refusal {
@@ -400,6 +411,27 @@ impl BackendSession {
             msg_id,
             class,
             payload,
+        })
+        .await
+    }
+
+    /// Answers the client's `request` (PROTOCOL.md §13) with `status` ([`STATUS_OK`] or
+    /// your own error code) and `body`: a critical DATA the client SDK hands to the caller
+    /// waiting on that request. Parse requests with [`Request::parse`].
+    ///
+    /// [`STATUS_OK`]: waygate_protocol::request::STATUS_OK
+    pub async fn answer(
+        &self,
+        request: &Request,
+        status: u16,
+        body: &[u8],
+    ) -> Result<(), BackendError> {
+        self.inner.link.take_push_credit().await?;
+        self.send(LinkFrame::Push {
+            handle: self.inner.handle,
+            msg_id: waygate_protocol::request::ANSWER_MSG_ID,
+            class: TrafficClass::Critical,
+            payload: waygate_protocol::request::encode_answer(request.id, status, body),
         })
         .await
     }

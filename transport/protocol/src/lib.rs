@@ -30,6 +30,7 @@ pub mod frame;
 pub mod link;
 pub mod link_auth;
 pub mod reader;
+pub mod request;
 pub mod resume_proof;
 pub mod varint;
 pub mod wire;
