@@ -15,6 +15,8 @@
 //     WaygateEvent ev;
 //     while (client.Poll(out ev)) { /* handle ev */ }
 //     client.Send(TrafficClass.Normal, 1000, body);
+//     uint id = client.Request(TrafficClass.Normal, 1011, question, 5000);
+//     // later: an Answer (ev.Status, ev.Payload) or RequestFailed event with ev.RequestId == id
 //     // when done:
 //     client.Dispose();            // closes the session and frees the native handle
 //
@@ -93,6 +95,10 @@ namespace Waygate
         ConnectFailed = 16,
         /// <summary>A message sent while no session was up waited longer than MaxOfflineAgeMs: dropped, never sent. MsgId, Seq, AgeMs.</summary>
         Expired = 17,
+        /// <summary>The answer to a request (Request, SyncClock): RequestId; Status (= Code): 0 success, else the game server's own code; Payload: its body. (Since 0.2.)</summary>
+        Answer = 18,
+        /// <summary>A request has no answer: RequestId; Text: why ("timeout", "refused", "expired", "session_lost", "closed", "bad_answer"); Code and RetryAfterMs: the refusal's code and hint when refused, else 0. Exactly one Answer or RequestFailed per request. (Since 0.2.)</summary>
+        RequestFailed = 19,
     }
 
     /// <summary>How a session came up (<c>waygate_outcome</c>); the names are the same in every SDK.</summary>
@@ -219,8 +225,16 @@ namespace Waygate
         public ulong ChannelOffset { get; private set; }
         /// <summary>Connected: how the session came up.</summary>
         public WaygateOutcome Outcome { get; private set; }
+        /// <summary>Answer, RequestFailed: the request (the id Request or SyncClock returned), else 0.</summary>
+        public uint RequestId { get; private set; }
         /// <summary>Expired: how long the message had waited, in milliseconds.</summary>
         public ulong AgeMs { get; private set; }
+
+        /// <summary>Answer: the game server's status (0 success, else its own code); the same number as Code.</summary>
+        public ushort Status
+        {
+            get { return Code; }
+        }
 
         /// <summary>The endpoint URL of Connected, the target of Migrating; else null.</summary>
         public string Endpoint
@@ -238,7 +252,7 @@ namespace Waygate
             }
         }
 
-        /// <summary>The code's name (Disconnected, Rejected, Error, Kicked, Closed) or "&lt;endpoint&gt;: &lt;reason&gt;" (ConnectFailed); else null.</summary>
+        /// <summary>The code's name (Disconnected, Rejected, Error, Kicked, Closed), "&lt;endpoint&gt;: &lt;reason&gt;" (ConnectFailed) or why a request failed (RequestFailed: "timeout", "refused"...); else null.</summary>
         public string Reason
         {
             get
@@ -251,6 +265,7 @@ namespace Waygate
                     case WaygateEventKind.Kicked:
                     case WaygateEventKind.Closed:
                     case WaygateEventKind.ConnectFailed:
+                    case WaygateEventKind.RequestFailed:
                         return Text;
                     default:
                         return null;
@@ -325,6 +340,7 @@ namespace Waygate
             ev.ChannelEpoch = e.channel_epoch;
             ev.ChannelOffset = e.channel_offset;
             ev.Outcome = (WaygateOutcome)e.outcome;
+            ev.RequestId = e.request_id;
             ev.AgeMs = e.age_ms;
             return ev;
         }
@@ -360,6 +376,14 @@ namespace Waygate
         public uint GiveUpAfterMs;
         /// <summary>Messages sent while no session is up and waiting longer than this are dropped (an Expired event each) instead of sent when one comes up (0: no bound).</summary>
         public uint MaxOfflineAgeMs;
+        /// <summary>Network simulator, for testing a game under a bad network (never in production): ms added to every frame each way.</summary>
+        public uint SimLatencyMs;
+        /// <summary>Simulator: up to this many more ms per frame, at random.</summary>
+        public uint SimJitterMs;
+        /// <summary>Simulator: frames lost per thousand (best-effort dropped; the others arrive 200 ms late, as retransmitted).</summary>
+        public uint SimLossPermille;
+        /// <summary>Simulator: seed of its random choices.</summary>
+        public uint SimSeed;
     }
 
     /// <summary>The native client pointer: freed by <c>waygate_client_free</c> exactly once.</summary>
@@ -431,6 +455,10 @@ namespace Waygate
                 o.session_key = key;
                 o.give_up_after_ms = options.GiveUpAfterMs;
                 o.max_offline_age_ms = options.MaxOfflineAgeMs;
+                o.sim_latency_ms = options.SimLatencyMs;
+                o.sim_jitter_ms = options.SimJitterMs;
+                o.sim_loss_permille = options.SimLossPermille;
+                o.sim_seed = options.SimSeed;
                 IntPtr ptr = Native.waygate_client_new(ref o);
                 if (ptr == IntPtr.Zero)
                     throw new WaygateException("waygate_client_new", WaygateResult.InvalidArgument, LastError);
@@ -578,6 +606,93 @@ namespace Waygate
                 if (added) _handle.DangerousRelease();
                 if (pin.IsAllocated) pin.Free();
             }
+        }
+
+        /// <summary>
+        /// Sends a request (PROTOCOL.md §13) of <paramref name="trafficClass"/> (Critical or
+        /// Normal) to <paramref name="msgId"/> with <paramref name="body"/> (copied; null =
+        /// empty) and returns its id at once. Its outcome comes later as exactly one event with
+        /// that <see cref="WaygateEvent.RequestId"/>: Answer (Status and Payload) or
+        /// RequestFailed (Text: timeout after <paramref name="timeoutMs"/>, refused, expired
+        /// offline, session lost, closed). Throws WaygateException when the request cannot
+        /// start: BufferFull (keep polling and retry), InvalidArgument (BestEffort), Closed...
+        /// </summary>
+        public uint Request(TrafficClass trafficClass, uint msgId, byte[] body, uint timeoutMs)
+        {
+            return Request(trafficClass, msgId, body, 0, body == null ? 0 : body.Length, timeoutMs);
+        }
+
+        /// <summary>As Request(trafficClass, msgId, body, timeoutMs), with <paramref name="count"/> bytes of <paramref name="body"/> from <paramref name="offset"/>.</summary>
+        public uint Request(TrafficClass trafficClass, uint msgId, byte[] body, int offset, int count, uint timeoutMs)
+        {
+            if (count < 0 || offset < 0 || (body == null ? count != 0 : offset > body.Length - count))
+                throw new ArgumentOutOfRangeException("count", "offset/count outside the body");
+            GCHandle pin = default(GCHandle);
+            bool added = false;
+            WaygateResult r;
+            uint id;
+            try
+            {
+                IntPtr ptr = IntPtr.Zero;
+                if (count > 0)
+                {
+                    pin = GCHandle.Alloc(body, GCHandleType.Pinned);
+                    ptr = IntPtr.Add(pin.AddrOfPinnedObject(), offset);
+                }
+                _handle.DangerousAddRef(ref added);
+                r = Native.waygate_client_request(_handle.DangerousGetHandle(), (byte)trafficClass, msgId,
+                    ptr, (UIntPtr)(uint)count, timeoutMs, out id);
+            }
+            finally
+            {
+                if (added) _handle.DangerousRelease();
+                if (pin.IsAllocated) pin.Free();
+            }
+            WaygateException.Check("request", r);
+            return id;
+        }
+
+        /// <summary>
+        /// Takes a sample of the game server's clock: a request to <paramref name="msgId"/>
+        /// answered with its Unix time in ms as a big-endian u64 (the demo's TIME, 1010), and
+        /// returns its id at once. When its Answer event comes, TryGetClockOffset has the
+        /// updated estimate (a RequestFailed event if it fails). Throws WaygateException as
+        /// Request does.
+        /// </summary>
+        public uint SyncClock(uint msgId, uint timeoutMs)
+        {
+            uint id = 0;
+            WaygateException.Check("sync_clock", Call(h => Native.waygate_client_sync_clock(h, msgId, timeoutMs, out id)));
+            return id;
+        }
+
+        /// <summary>
+        /// The game server's clock offset estimate (server time = local Unix time +
+        /// <paramref name="offsetMs"/>) and the round trip of the sample it rests on, in
+        /// microseconds (the estimate is within half of it). False (both 0) before the first
+        /// clock sample (SyncClock) was answered.
+        /// </summary>
+        public bool TryGetClockOffset(out long offsetMs, out ulong rttUs)
+        {
+            bool added = false;
+            WaygateResult r;
+            try
+            {
+                _handle.DangerousAddRef(ref added);
+                r = Native.waygate_client_clock_offset(_handle.DangerousGetHandle(), out offsetMs, out rttUs);
+            }
+            finally
+            {
+                if (added) _handle.DangerousRelease();
+            }
+            if (r == WaygateResult.NotFound)
+            {
+                offsetMs = 0;
+                rttUs = 0;
+                return false;
+            }
+            WaygateException.Check("clock_offset", r);
+            return true;
         }
 
         /// <summary>Drops the link as a network failure would (a drill): the client reconnects and resumes.</summary>
@@ -730,10 +845,22 @@ namespace Waygate
             return Native.Utf8ToString(Native.waygate_result_str((int)result));
         }
 
-        /// <summary>The library's name of an event kind ("message", "restored", ...).</summary>
+        /// <summary>The library's name of an event kind ("connected", "message", "answer", ...).</summary>
         public static string KindName(WaygateEventKind kind)
         {
             return Native.Utf8ToString(Native.waygate_event_kind_str((int)kind));
+        }
+
+        /// <summary>The state's name, as in every SDK ("idle", "connecting", "connected", "reconnecting", "closed").</summary>
+        public static string StateName(WaygateState state)
+        {
+            return Native.Utf8ToString(Native.waygate_state_str((int)state));
+        }
+
+        /// <summary>The outcome's name, as in every SDK and PROTOCOL.md ("new_session", "restored", "restored_with_gap", "restore_failed_new_session").</summary>
+        public static string OutcomeName(WaygateOutcome outcome)
+        {
+            return Native.Utf8ToString(Native.waygate_outcome_str((int)outcome));
         }
     }
 
@@ -780,6 +907,10 @@ namespace Waygate
             public IntPtr session_key;       // const uint8_t * (32 bytes)
             public uint give_up_after_ms;
             public uint max_offline_age_ms;  // since 0.2
+            public uint sim_latency_ms;      // since 0.2: the network simulator
+            public uint sim_jitter_ms;
+            public uint sim_loss_permille;
+            public uint sim_seed;
         }
 
         /// <summary>struct waygate_event (blittable: no marshalling copies, no GC allocation per poll).</summary>
@@ -832,6 +963,17 @@ namespace Waygate
             IntPtr payload, UIntPtr len, out ulong seq_out);
 
         [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
+        public static extern WaygateResult waygate_client_request(IntPtr client, byte traffic_class, uint msg_id,
+            IntPtr body, UIntPtr len, uint timeout_ms, out uint request_id_out);
+
+        [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
+        public static extern WaygateResult waygate_client_sync_clock(IntPtr client, uint msg_id, uint timeout_ms,
+            out uint request_id_out);
+
+        [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
+        public static extern WaygateResult waygate_client_clock_offset(IntPtr client, out long offset_ms, out ulong rtt_us);
+
+        [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
         public static extern WaygateResult waygate_client_drop_link(IntPtr client);
 
         [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
@@ -854,8 +996,8 @@ namespace Waygate
         [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
         public static extern void waygate_client_free(IntPtr client);
 
-        // The four functions below return static or library-owned strings: declared IntPtr so
-        // the marshaller never tries to free them.
+        // The functions below that return a char * return static or library-owned strings:
+        // declared IntPtr so the marshaller never tries to free them.
 
         [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
         public static extern IntPtr waygate_last_error();
@@ -868,6 +1010,12 @@ namespace Waygate
 
         [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
         public static extern int waygate_client_state(IntPtr client);
+
+        [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
+        public static extern IntPtr waygate_state_str(int state);
+
+        [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
+        public static extern IntPtr waygate_outcome_str(int outcome);
 
         [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
         public static extern WaygateResult waygate_options_init(ref waygate_options out_options, UIntPtr size);

@@ -48,6 +48,9 @@ pub struct ClientOptions {
     /// Give up when no session has been up for this long (every round failing, or refused):
     /// the client ends with `Closed { code: Unavailable }`. `None`: retry for ever.
     pub give_up_after: Option<Duration>,
+    /// Simulate a bad network on every connection (latency, jitter, loss; [`crate::netsim`]):
+    /// for testing a game, never in production. `None`: the real network only.
+    pub net_sim: Option<crate::netsim::NetSimConfig>,
 }
 
 impl ClientOptions {
@@ -63,6 +66,7 @@ impl ClientOptions {
             backoff_max: Duration::from_secs(5),
             session_key: None,
             give_up_after: None,
+            net_sim: None,
         }
     }
 }
@@ -266,6 +270,11 @@ pub struct ClientStats {
     pub clock: Option<ClockEstimate>,
     /// Requests waiting for their answer.
     pub requests_pending: usize,
+    /// The network simulator ([`ClientOptions::net_sim`]): frames it dropped (best-effort)
+    /// and frames it delayed as retransmitted (the others).
+    pub sim_dropped: u64,
+    /// See `sim_dropped`.
+    pub sim_retransmitted: u64,
 }
 
 /// A running client. Dropping it closes the session.
@@ -503,6 +512,8 @@ struct Driver {
     clock: ClockSync,
     /// A session was up once (a later new session voids the requests of the old one).
     had_session: bool,
+    /// What the network simulator did, over every connection.
+    sim: Arc<crate::netsim::NetSimStats>,
 }
 
 /// Events waiting for the application beyond which the link is not read.
@@ -535,6 +546,7 @@ async fn run(
         requests: RequestTable::default(),
         clock: ClockSync::default(),
         had_session: false,
+        sim: Arc::default(),
     };
     let mut connecting: Option<Connecting> = None;
     // A sender of its own for handing events over: the other select branches mutate the
@@ -753,6 +765,12 @@ impl Driver {
                 {
                     self.preferred = i;
                 }
+                let conn = match self.options.net_sim {
+                    Some(config) => {
+                        crate::netsim::SimConnection::wrap(conn, config, self.sim.clone())
+                    }
+                    None => conn,
+                };
                 self.conn = Some(conn);
                 self.endpoint = Some(endpoint);
                 self.migrate_to = None;
@@ -919,6 +937,11 @@ impl Driver {
             connects: self.connects,
             clock: self.clock.estimate(),
             requests_pending: self.requests.len(),
+            sim_dropped: self.sim.dropped.load(std::sync::atomic::Ordering::Relaxed),
+            sim_retransmitted: self
+                .sim
+                .retransmitted
+                .load(std::sync::atomic::Ordering::Relaxed),
         });
     }
 

@@ -30,6 +30,7 @@
 pub mod channels;
 pub mod clock;
 mod driver;
+pub mod netsim;
 mod requests;
 
 pub use channels::{ChannelTracker, ChannelUpdate};

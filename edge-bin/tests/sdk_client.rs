@@ -659,6 +659,91 @@ async fn requests_are_answered_refused_or_timed_out_and_the_clock_is_synced() {
     client.close().await;
 }
 
+/// SDK issue item 9: the network simulator drives a resume test at 10% loss, on every
+/// transport: with latency, jitter and 10% of frames lost (best-effort dropped, the rest
+/// delayed as retransmitted) and the link dropped half way, every echo is answered exactly
+/// once and in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_at_ten_percent_simulated_loss_loses_and_duplicates_nothing() {
+    use waygate_client::netsim::NetSimConfig;
+    let (edge, _b, _d) = common::demo_edge(|_| {}).await;
+    let ca = edge.dev_ca_pem.clone();
+    for kind in TransportKind::ALL {
+        let addr = edge.addrs[&kind];
+        let endpoint = if matches!(
+            kind,
+            TransportKind::Tls | TransportKind::Wss | TransportKind::Quic
+        ) {
+            Endpoint::parse(&format!("{}://localhost:{}", kind.as_str(), addr.port())).unwrap()
+        } else {
+            Endpoint::new(kind, addr)
+        };
+        let mut options = ClientOptions::new(vec![endpoint], token(&format!("lossy-{kind}")));
+        if let Some(ca) = &ca {
+            options.connect.tls = Some(waygate_transport::tls::ClientTls::from_ca_pem(ca).unwrap());
+        }
+        options.net_sim = Some(NetSimConfig {
+            latency: Duration::from_millis(15),
+            jitter: Duration::from_millis(10),
+            loss: 0.10,
+            seed: 42,
+            ..NetSimConfig::default()
+        });
+        let mut client = Client::start(options);
+        loop {
+            if let Event::Connected { .. } = next(&mut client).await {
+                break;
+            }
+        }
+        let total = 60u32;
+        let mut got = Vec::new();
+        for i in 0..total {
+            client
+                .send(TrafficClass::Normal, ECHO, Bytes::from(i.to_string()))
+                .await
+                .unwrap();
+            // Best-effort traffic beside it: the simulator drops some of it.
+            let _ = client
+                .send(TrafficClass::BestEffort, ECHO, Bytes::from_static(b"be"))
+                .await;
+            if i == total / 2 {
+                client.drop_link().await.unwrap();
+            }
+        }
+        let mut restored = false;
+        while got.len() < total as usize {
+            match next(&mut client).await {
+                Event::Message {
+                    msg_id: ECHO_REPLY,
+                    class: TrafficClass::Normal,
+                    payload,
+                    ..
+                } => {
+                    let text = String::from_utf8(payload.to_vec()).unwrap();
+                    got.push(text.rsplit('|').next().unwrap().parse::<u32>().unwrap());
+                }
+                Event::Connected { outcome, .. } => {
+                    restored |= outcome == waygate_protocol::frame::WelcomeOutcome::Restored;
+                }
+                Event::Error(e) => panic!("{kind}: {e:?}"),
+                _ => {}
+            }
+        }
+        assert_eq!(
+            got,
+            (0..total).collect::<Vec<_>>(),
+            "{kind}: exactly once, in order"
+        );
+        assert!(restored, "{kind}: the session was restored");
+        let stats = client.stats();
+        assert!(
+            stats.sim_retransmitted > 0 && stats.sim_dropped > 0,
+            "{kind}: the simulator lost frames: {stats:?}"
+        );
+        client.close().await;
+    }
+}
+
 /// The next event within 20 s (the client still running).
 async fn next(client: &mut Client) -> Event {
     tokio::time::timeout(Duration::from_secs(20), client.next_event())

@@ -328,6 +328,24 @@ typedef struct waygate_options {
    * since 0.2).
    */
   uint32_t max_offline_age_ms;
+  /**
+   * Network simulator, for testing a game under a bad network (never in production):
+   * milliseconds added to every frame each way (since 0.2; all four 0: off).
+   */
+  uint32_t sim_latency_ms;
+  /**
+   * Simulator: up to this many more milliseconds per frame, at random.
+   */
+  uint32_t sim_jitter_ms;
+  /**
+   * Simulator: frames lost per thousand (best-effort ones are dropped; the others arrive
+   * 200 ms late, as retransmitted).
+   */
+  uint32_t sim_loss_permille;
+  /**
+   * Simulator: seed of its random choices (the same seed, the same choices).
+   */
+  uint32_t sim_seed;
 } waygate_options;
 
 /**

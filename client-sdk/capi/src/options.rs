@@ -77,6 +77,16 @@ pub struct waygate_options {
     /// (`WAYGATE_EVENT_EXPIRED`) and the later ones move down one seq (default 0: no bound;
     /// since 0.2).
     pub max_offline_age_ms: u32,
+    /// Network simulator, for testing a game under a bad network (never in production):
+    /// milliseconds added to every frame each way (since 0.2; all four 0: off).
+    pub sim_latency_ms: u32,
+    /// Simulator: up to this many more milliseconds per frame, at random.
+    pub sim_jitter_ms: u32,
+    /// Simulator: frames lost per thousand (best-effort ones are dropped; the others arrive
+    /// 200 ms late, as retransmitted).
+    pub sim_loss_permille: u32,
+    /// Simulator: seed of its random choices (the same seed, the same choices).
+    pub sim_seed: u32,
 }
 
 /// Fills the first `size` bytes of `out` with the defaults (NULL strings and token, 0 =
@@ -113,6 +123,10 @@ pub unsafe extern "C" fn waygate_options_init(
             session_key: std::ptr::null(),
             give_up_after_ms: 0,
             max_offline_age_ms: 0,
+            sim_latency_ms: 0,
+            sim_jitter_ms: 0,
+            sim_loss_permille: 0,
+            sim_seed: 0,
         };
         // SAFETY: `out` is not NULL and the caller promises `size` writable bytes; at most
         // that many (and at most one struct) are copied, nothing is read from `out`.
@@ -224,6 +238,18 @@ pub(crate) unsafe fn to_client_options(o: &waygate_options) -> Result<ClientOpti
     }
     options.give_up_after = ms(o.give_up_after_ms);
     options.session.max_offline_age = ms(o.max_offline_age_ms);
+    if o.sim_loss_permille > 1000 {
+        return Err("options.sim_loss_permille is above 1000".into());
+    }
+    if o.sim_latency_ms != 0 || o.sim_jitter_ms != 0 || o.sim_loss_permille != 0 {
+        options.net_sim = Some(waygate_client::netsim::NetSimConfig {
+            latency: Duration::from_millis(u64::from(o.sim_latency_ms)),
+            jitter: Duration::from_millis(u64::from(o.sim_jitter_ms)),
+            loss: f64::from(o.sim_loss_permille) / 1000.0,
+            seed: u64::from(o.sim_seed),
+            ..waygate_client::netsim::NetSimConfig::default()
+        });
+    }
     Ok(options)
 }
 

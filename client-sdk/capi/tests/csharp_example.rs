@@ -4,6 +4,9 @@
 //! on every transport (loopback only). The program connects, sends echo requests, drops its
 //! link half way, and checks that every reply arrives exactly once and in order after the
 //! resume: the same checks as `examples/echo.c` (`tests/c_example.rs`), through P/Invoke.
+//! Then it sends one request (ASK, 1011) and takes one clock sample (TIME, 1010) through
+//! `waygate_client_request` / `waygate_client_sync_clock` / `waygate_client_clock_offset`,
+//! and prints the answer and the offset.
 //!
 //! Needs `mcs` and `mono` on PATH (Debian: `apt-get install --no-install-recommends
 //! mono-mcs`, which pulls in the runtime; scripts/test.sh installs it).
@@ -176,6 +179,14 @@ fn csharp_echo_example_resumes_without_loss_on_every_transport() {
         );
         assert!(
             stdout.contains("session restored over"),
+            "{endpoint}: {stdout}"
+        );
+        assert!(
+            stdout.contains(&format!("echo: request answered: b1|{player}|why")),
+            "{endpoint}: {stdout}"
+        );
+        assert!(
+            stdout.contains("echo: clock offset "),
             "{endpoint}: {stdout}"
         );
     }

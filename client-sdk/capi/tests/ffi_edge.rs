@@ -38,6 +38,19 @@ fn new_client(endpoint: &str, token: &[u8]) -> Handle {
 }
 
 fn new_client_with_key(endpoint: &str, token: &[u8], session_key: Option<&[u8; 32]>) -> Handle {
+    new_client_with(endpoint, token, |o| {
+        if let Some(key) = session_key {
+            o.session_key = key.as_ptr();
+        }
+    })
+}
+
+/// A client whose options `tune` adjusts (pointers it sets must outlive this call).
+fn new_client_with(
+    endpoint: &str,
+    token: &[u8],
+    tune: impl FnOnce(&mut waygate_options),
+) -> Handle {
     let endpoints = std::ffi::CString::new(endpoint).unwrap();
     let mut o = MaybeUninit::uninit();
     // SAFETY: `o` is writable; init fills every field; the pointers set below outlive
@@ -48,9 +61,7 @@ fn new_client_with_key(endpoint: &str, token: &[u8], session_key: Option<&[u8; 3
         o.endpoints = endpoints.as_ptr();
         o.token = token.as_ptr();
         o.token_len = token.len();
-        if let Some(key) = session_key {
-            o.session_key = key.as_ptr();
-        }
+        tune(&mut o);
         waygate_client_new(&o)
     };
     assert!(!client.is_null());
@@ -354,6 +365,47 @@ fn requests_and_the_clock_through_the_c_functions() {
     );
     let bound = i64::try_from(rtt / 1000).unwrap() / 2 + 2;
     assert!(offset.abs() <= bound, "offset {offset} ms, rtt {rtt} us");
+}
+
+/// The network simulator through the C options: 10% of frames lost (delayed as
+/// retransmitted), latency and jitter, and the link dropped half way: every echo answered
+/// exactly once, in order.
+#[test]
+fn a_resume_at_ten_percent_simulated_loss_through_the_c_functions() {
+    let system = System::start();
+    let h = new_client_with(&system.endpoint, &token_bytes("ffi-lossy"), |o| {
+        o.sim_latency_ms = 10;
+        o.sim_jitter_ms = 10;
+        o.sim_loss_permille = 100;
+        o.sim_seed = 7;
+    });
+    // SAFETY: live handle.
+    assert_eq!(unsafe { waygate_client_connect(h.0) }, WAYGATE_OK);
+    wait_for(&h, WAYGATE_EVENT_CONNECTED);
+    for i in 0..40u32 {
+        send(&h, 1000, i.to_string().as_bytes()).unwrap();
+        if i == 20 {
+            // SAFETY: live handle.
+            assert_eq!(unsafe { waygate_client_drop_link(h.0) }, WAYGATE_OK);
+        }
+    }
+    let mut got = Vec::new();
+    let mut restored = false;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while got.len() < 40 && Instant::now() < deadline {
+        match next(&h) {
+            Ok(ev) if ev.kind == WAYGATE_EVENT_MESSAGE => {
+                let text = String::from_utf8(ev.payload).unwrap();
+                got.push(text.rsplit('|').next().unwrap().parse::<u32>().unwrap());
+            }
+            Ok(ev) if ev.kind == WAYGATE_EVENT_CONNECTED => {
+                restored |= ev.outcome == WAYGATE_OUTCOME_RESTORED;
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(got, (0..40).collect::<Vec<_>>(), "exactly once, in order");
+    assert!(restored);
 }
 
 #[test]

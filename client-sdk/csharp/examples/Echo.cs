@@ -1,10 +1,14 @@
-// Echo.cs: the waygate C# binding in a game-loop style (tick + poll, no callbacks); the same
-// program as client-sdk/capi/examples/echo.c, with the same arguments, output and exit codes.
+// Echo.cs: the waygate C# binding in a game-loop style (tick + poll, no callbacks); the
+// program of client-sdk/capi/examples/echo.c, with the same arguments and exit codes, plus a
+// request and a clock sample at the end (two more output lines, which echo.c does not print).
 //
 // Connects to an edge, sends N echo requests (msg id 1000, the demo player service) and
 // drops the link half way (DropLink, a drill for a network failure). The client reconnects
 // and resumes by itself; this program checks that every reply (msg id 1001, payload
-// "<backend>|<player>|echo-<i>") arrives exactly once and in order.
+// "<backend>|<player>|echo-<i>") arrives exactly once and in order. Then it sends one
+// request (PROTOCOL.md §13: ASK, msg id 1011, body "why"), whose answer must be status 0 with
+// body "<backend>|<player>|why", and takes one sample of the game server's clock (TIME, msg
+// id 1010), and prints the answer and the clock offset estimate.
 //
 //   usage: mono Echo.exe ENDPOINTS TOKEN PLAYER [CA_PEM_FILE|-] [N]
 //     ENDPOINTS   comma-separated URLs, e.g. "tcp://127.0.0.1:7000"
@@ -36,6 +40,9 @@ namespace WaygateExamples
     {
         const uint EchoId = 1000;
         const uint EchoReply = 1001;
+        const uint TimeId = 1010;   // the demo's TIME request: its clock
+        const uint AskId = 1011;    // the demo's ASK request: "<backend>|<player>|<body>"
+        const uint RequestTimeoutMs = 5000;  // a RequestFailed "timeout" event past it
 
         static readonly Stopwatch Clock = Stopwatch.StartNew();
 
@@ -57,6 +64,9 @@ namespace WaygateExamples
         int connected, restored, disconnected;
         bool closed;
         string backend = "";
+        uint askId, clockId;        // request ids (0: not sent)
+        WaygateEvent askAnswer;     // the ASK's Answer event, once it came
+        bool clockAnswered;
 
         /// Decodes unpadded (or padded) base64url (standard base64 accepted too); null on bad input.
         static byte[] B64UrlDecode(string s, int cap)
@@ -109,6 +119,26 @@ namespace WaygateExamples
             nextReply++;
         }
 
+        /// An Answer event: one of the two requests this program sends.
+        void OnAnswer(WaygateEvent ev)
+        {
+            if (ev.RequestId != 0 && ev.RequestId == askId)
+            {
+                if (askAnswer != null) throw Fail(string.Format("request {0} answered twice", ev.RequestId));
+                askAnswer = ev;
+            }
+            else if (ev.RequestId != 0 && ev.RequestId == clockId)
+            {
+                if (clockAnswered) throw Fail(string.Format("clock request {0} answered twice", ev.RequestId));
+                if (ev.Status != 0) throw Fail(string.Format("clock request answered with status {0}", ev.Status));
+                clockAnswered = true;
+            }
+            else
+            {
+                throw Fail(string.Format("answer to an unknown request {0}", ev.RequestId));
+            }
+        }
+
         /// Handles every event that is ready (one frame of a game loop).
         void Pump()
         {
@@ -152,6 +182,13 @@ namespace WaygateExamples
                         break;
                     case WaygateEventKind.Error:
                         throw Fail(string.Format("message {0} (seq {1}) not delivered: {2}", ev.MsgId, ev.Seq, ev.Text));
+                    case WaygateEventKind.Answer:
+                        OnAnswer(ev);
+                        break;
+                    case WaygateEventKind.RequestFailed:
+                        throw Fail(string.Format("request {0} ({1}) failed: {2} (code {3}, retry after {4} ms)",
+                            ev.RequestId, ev.RequestId == askId ? "ask" : ev.RequestId == clockId ? "clock" : "unknown",
+                            ev.Text, ev.Code, ev.RetryAfterMs));
                     case WaygateEventKind.Kicked:
                     case WaygateEventKind.Closed:
                         closed = true;
@@ -256,6 +293,28 @@ namespace WaygateExamples
                     Thread.Sleep(5);
                 }
 
+                // A request and a clock sample: each returns its id at once; its Answer (or
+                // RequestFailed) event comes later through Poll.
+                long offsetMs;
+                ulong rttUs;
+                if (client.TryGetClockOffset(out offsetMs, out rttUs))
+                    throw Fail(string.Format("a clock offset ({0} ms) before any clock sample", offsetMs));
+                // Request and SyncClock throw WaygateException ("request: <result>: <last error>")
+                // when they cannot start.
+                askId = client.Request(TrafficClass.Normal, AskId, Encoding.UTF8.GetBytes("why"), RequestTimeoutMs);
+                clockId = client.SyncClock(TimeId, RequestTimeoutMs);
+                if (askId == clockId) throw Fail(string.Format("two requests got the same id {0}", askId));
+                WaitUntil(() => askAnswer != null && clockAnswered, 10000, "the request's answer and the clock sample");
+                string answer = askAnswer.PayloadText();
+                string wantAnswer = string.Format("{0}|{1}|why", backend, player);
+                if (askAnswer.Status != 0 || answer != wantAnswer)
+                    throw Fail(string.Format("request answered with status {0} and \"{1}\", want status 0 and \"{2}\"",
+                        askAnswer.Status, answer, wantAnswer));
+                Console.WriteLine("echo: request answered: {0}", answer);
+                if (!client.TryGetClockOffset(out offsetMs, out rttUs))
+                    throw Fail("no clock offset after the clock sample was answered");
+                Console.WriteLine("echo: clock offset {0} ms (rtt {1} us)", offsetMs, rttUs);
+
                 WaygateStats st = client.Stats;
                 client.Close();
                 WaitUntil(() => closed, 5000, "closed");
@@ -293,7 +352,8 @@ namespace WaygateExamples
             }
             catch (WaygateException e)
             {
-                // From Poll: "poll: <result>: <last error>", as echo.c prints it.
+                // From Poll: "poll: <result>: <last error>", as echo.c prints it; from Request
+                // and SyncClock: "request: ..." / "sync_clock: ...".
                 Console.Out.Flush();
                 Console.Error.WriteLine("echo: FAIL: " + e.Message);
                 return 1;

@@ -8,6 +8,11 @@
 // and the browser's `online` / `visibilitychange` hooks.
 // Channel events (§12: DATA of CHANNEL_EVENT_MSG_ID) go through a ChannelTracker and are
 // surfaced as `channel` events, never as `message`s.
+// Requests (§13: a request id in front of the body, answers as DATA of ANSWER_MSG_ID) wait
+// in a RequestTable until their one outcome: the answer, an ERROR for their seq, the
+// timeout, an expiry offline, a new session, the end of the client. Answers are never
+// `message`s; an ERROR or an expiry that is a request's outcome is not an `error` or
+// `expired` event.
 
 import { type ChannelPosition, ChannelTracker, type ChannelUpdate } from "./channels.js";
 import {
@@ -30,6 +35,21 @@ import {
   isSequenced,
   toHex,
 } from "./codec.js";
+import {
+  ANSWER_MSG_ID,
+  ClockSync,
+  type ClockEstimate,
+  DEFAULT_REQUEST_TIMEOUT_MS,
+  type PendingRequest,
+  type RequestAnswer,
+  RequestError,
+  type RequestErrorReason,
+  type RequestOptions,
+  RequestTable,
+  decodeAnswer,
+  decodeClock,
+  encodeRequest,
+} from "./requests.js";
 import { resumeProof, resumeProofSupported } from "./resume.js";
 
 /** Seqs above the cumulative a receiver accepts (§7.4.1); further ahead is protocol_error. */
@@ -220,6 +240,26 @@ export interface ClientEvents {
     | { kind: "protocol"; code: number; message: string };
   /** The client stopped for good (kicked, session expired, auth refused, or `close()`). */
   closed: { code: number; label: string; reason: string };
+  /**
+   * The answer to a request started with `startRequest` / `startSyncClock` (never for
+   * `request` / `syncClock`, whose promise has it). Rust's `Event::Answered`, C's
+   * `WAYGATE_EVENT_ANSWER`.
+   */
+  answer: { requestId: number; status: number; body: Uint8Array };
+  /**
+   * A request started with `startRequest` / `startSyncClock` has no answer: `reason` as
+   * {@link RequestError.reason}; `code`, `label`, `retryAfterMs` when refused (else null,
+   * null, 0); `message` for people. Exactly one `answer` or `requestFailed` per started
+   * request. C's `WAYGATE_EVENT_REQUEST_FAILED`.
+   */
+  requestFailed: {
+    requestId: number;
+    reason: RequestErrorReason;
+    code: number | null;
+    label: string | null;
+    retryAfterMs: number;
+    message: string;
+  };
 }
 export type EventName = keyof ClientEvents;
 type Listener<K extends EventName> = (ev: ClientEvents[K]) => void;
@@ -254,6 +294,10 @@ export interface ClientStats {
   channelDuplicates: number;
   /** Channel event payloads dropped because they could not be decoded. */
   channelUndecodable: number;
+  /** The game server's clock offset estimate, once a clock sample was answered (`syncClock`); else null. */
+  clock: ClockEstimate | null;
+  /** Requests waiting for their outcome. */
+  requestsPending: number;
 }
 
 /** Why `send` refused a message ({@link SendError.reason}). */
@@ -269,6 +313,11 @@ export class SendError extends Error {
     this.reason = reason;
   }
 }
+
+/** Where a request's outcome goes: a waiting promise, or the `answer` / `requestFailed` events. */
+type RequestReply =
+  | { kind: "caller"; resolve: (v: RequestAnswer | ClockEstimate) => void; reject: (e: RequestError) => void }
+  | { kind: "event" };
 
 interface Unacked {
   seq: bigint;
@@ -378,6 +427,10 @@ export class WaygateClient {
   // Channels (§12): positions and the duplicate filter. Kept across sessions: after a new
   // session the positions are what the game hands its backend to recover (§12.4).
   private readonly channels = new ChannelTracker();
+
+  // Requests (§13) waiting for their outcome, and the server clock samples.
+  private readonly requests = new RequestTable<RequestReply>();
+  private readonly clockSync = new ClockSync();
 
   private lastTx = 0;
   private lastRx = 0;
@@ -525,6 +578,68 @@ export class WaygateClient {
     return seq;
   }
 
+  /**
+   * Sends a request (PROTOCOL.md §13) to message id `msgId` and waits for its answer: the
+   * game server's `{ status, body }` (status 0 or its own error code), or a rejection with a
+   * {@link RequestError} saying why there is none (`timeout` after `timeoutMs`, default
+   * 10 s; `refused` by an ERROR for its seq; `expired` offline; `session_lost`; `closed`;
+   * not sent: `not_sequenced` for `bestEffort`, `buffer_full`, `too_large`). The request is
+   * a sequenced DATA (class `normal` by default, or `critical`): queued while disconnected,
+   * resent after a resume like any message, answered once. A late answer is dropped.
+   */
+  request(msgId: number, body: Uint8Array | ArrayBuffer | string = new Uint8Array(0), options: RequestOptions = {}): Promise<RequestAnswer> {
+    return new Promise<RequestAnswer>((resolve, reject) => {
+      this.beginRequest(msgId, body, options, false, { kind: "caller", resolve: resolve as (v: RequestAnswer | ClockEstimate) => void, reject });
+    });
+  }
+
+  /**
+   * {@link request} without a promise: returns the request id at once; the outcome comes as
+   * one `answer` or `requestFailed` event with that id (a game loop that polls events, the
+   * Unity WebGL bridge). Throws {@link RequestError} when it cannot be sent
+   * (`not_sequenced`, `buffer_full`, `too_large`, `closed`), RangeError for a bad argument.
+   * Rust's `start_request`, C's `waygate_client_request`.
+   */
+  startRequest(msgId: number, body: Uint8Array | ArrayBuffer | string = new Uint8Array(0), options: RequestOptions = {}): number {
+    return this.beginRequest(msgId, body, options, false, { kind: "event" });
+  }
+
+  /**
+   * Takes a sample of the game server's clock: a critical request with an empty body to
+   * `msgId` (the demo's TIME, 1010) whose answer body is the server's Unix time in ms
+   * (u64 big-endian). Resolves with the estimate including this sample (the fastest of the
+   * last 8 exchanges), also in {@link clockOffset} and `stats().clock`. Rejects as
+   * {@link request}, and with `bad_answer` when the answer is not status 0 with 8 bytes.
+   * Call it a few times at start, then now and then.
+   */
+  syncClock(msgId: number, timeoutMs: number = DEFAULT_REQUEST_TIMEOUT_MS): Promise<ClockEstimate> {
+    return new Promise<ClockEstimate>((resolve, reject) => {
+      this.beginRequest(msgId, new Uint8Array(0), { cls: "critical", timeoutMs }, true, {
+        kind: "caller",
+        resolve: resolve as (v: RequestAnswer | ClockEstimate) => void,
+        reject,
+      });
+    });
+  }
+
+  /**
+   * {@link syncClock} without a promise: returns the request id; the outcome comes as an
+   * `answer` (the estimate is then updated) or `requestFailed` event. Throws as
+   * {@link startRequest}.
+   */
+  startSyncClock(msgId: number, timeoutMs: number = DEFAULT_REQUEST_TIMEOUT_MS): number {
+    return this.beginRequest(msgId, new Uint8Array(0), { cls: "critical", timeoutMs }, true, { kind: "event" });
+  }
+
+  /**
+   * The game server's clock offset, ms: server time ≈ `Date.now() + clockOffset` (within
+   * half the round trip of the sample it rests on: `stats().clock.rttMs`). Null before the
+   * first clock sample was answered.
+   */
+  get clockOffset(): number | null {
+    return this.clockSync.estimate()?.offsetMs ?? null;
+  }
+
   /** Statistics: RTT, unacked count, last server seq, connects. */
   stats(): ClientStats {
     return {
@@ -536,6 +651,8 @@ export class WaygateClient {
       sessionId: this.session ? toHex(this.session.id) : null,
       channelDuplicates: this.channels.duplicates,
       channelUndecodable: this.channels.undecodable,
+      clock: this.clockSync.estimate(),
+      requestsPending: this.requests.size,
     };
   }
 
@@ -565,6 +682,117 @@ export class WaygateClient {
   /** Test hook: drops the socket as a network failure would (no CLOSE); the client resumes. */
   dropLink(): void {
     if (this.ws) this.linkLost(null, "dropped locally");
+  }
+
+  // -------------------------------------------------------------------------------------
+  // Requests (§13)
+
+  /**
+   * Sends a request: its id in front of the body, as a sequenced DATA; the table waits for
+   * its outcome. Returns the id; throws RequestError when it is not sent, RangeError for a
+   * bad argument.
+   */
+  private beginRequest(
+    msgId: number,
+    body: Uint8Array | ArrayBuffer | string,
+    options: RequestOptions,
+    clock: boolean,
+    reply: RequestReply,
+  ): number {
+    const cls = options.cls ?? "normal";
+    const timeoutMs = options.timeoutMs ?? DEFAULT_REQUEST_TIMEOUT_MS;
+    if (typeof timeoutMs !== "number" || !(timeoutMs >= 0) || !Number.isFinite(timeoutMs)) {
+      throw new RangeError(`timeoutMs must be a number >= 0: ${timeoutMs}`);
+    }
+    if (this._state === "closed") throw new RequestError("closed", "not sent: the client is closed");
+    if (cls !== "critical" && cls !== "normal") {
+      throw new RequestError("not_sequenced", `not sent: a request must be critical or normal, not ${String(cls)}`);
+    }
+    const bytes = typeof body === "string" ? encoder.encode(body) : body instanceof Uint8Array ? body : new Uint8Array(body);
+    const id = this.requests.nextId();
+    const payload = encodeRequest(id, bytes);
+    const sentUnixMs = Date.now();
+    const sentAt = now();
+    let seq: bigint | null;
+    try {
+      seq = this.send(msgId, payload, cls);
+    } catch (e) {
+      if (e instanceof SendError) throw new RequestError(e.reason, `not sent: ${e.message}`);
+      throw e;
+    }
+    if (seq === null || seq <= 0n) throw new RequestError("not_sequenced", "not sent: the request got no client seq");
+    const p: PendingRequest<RequestReply> = {
+      id,
+      seq,
+      timer: null,
+      clock: clock ? { sentUnixMs, sentAt } : null,
+      reply,
+    };
+    // setTimeout fires at once for delays above 2^31 - 1 ms: cap (24.8 days).
+    p.timer = setTimeout(() => {
+      p.timer = null;
+      if (this.requests.remove(id) === p) {
+        this.finishRequest(p, new RequestError("timeout", `no answer within ${timeoutMs} ms`, { requestId: id }));
+      }
+    }, Math.min(timeoutMs, 0x7fff_ffff));
+    this.requests.insert(p);
+    return id;
+  }
+
+  /**
+   * Hands a request's outcome (already out of the table) to whoever waits for it: its
+   * promise, or the `answer` / `requestFailed` event. A clock sample updates the estimate
+   * first.
+   */
+  private finishRequest(p: PendingRequest<RequestReply>, result: RequestAnswer | RequestError): void {
+    if (p.timer !== null) clearTimeout(p.timer);
+    p.timer = null;
+    let estimate: ClockEstimate | null = null;
+    if (p.clock !== null && !(result instanceof RequestError)) {
+      const server = result.status === 0 ? decodeClock(result.body) : null;
+      if (server !== null) {
+        estimate = this.clockSync.observe(p.clock.sentUnixMs, now() - p.clock.sentAt, server);
+      } else {
+        result = new RequestError(
+          "bad_answer",
+          `not a clock answer (status ${result.status}, ${result.body.length} bytes)`,
+          { requestId: p.id },
+        );
+      }
+    }
+    const reply = p.reply;
+    if (reply.kind === "caller") {
+      if (result instanceof RequestError) reply.reject(result);
+      else reply.resolve(estimate ?? result);
+      return;
+    }
+    if (result instanceof RequestError) {
+      this.emit("requestFailed", {
+        requestId: p.id,
+        reason: result.reason,
+        code: result.code,
+        label: result.label,
+        retryAfterMs: result.retryAfterMs,
+        message: result.message,
+      });
+    } else {
+      this.emit("answer", { requestId: p.id, status: result.status, body: result.body });
+    }
+  }
+
+  /** Every request still waiting fails with `reason` (a new session, the end of the client). */
+  private failAllRequests(reason: "session_lost" | "closed"): void {
+    for (const p of this.requests.takeAll()) this.finishRequest(p, this.requestLost(p, reason));
+  }
+
+  private requestLost(p: PendingRequest<RequestReply>, reason: "session_lost" | "closed" | "expired"): RequestError {
+    const message =
+      reason === "session_lost"
+        ? "the session it was sent in was replaced by a new one"
+        : reason === "expired"
+          ? "expired before it could be sent (maxOfflineAgeMs)"
+          : "the client is closed";
+    return new RequestError(reason, message, { requestId: p.id });
   }
 
   // -------------------------------------------------------------------------------------
@@ -813,6 +1041,8 @@ export class WaygateClient {
     this.removeHooks();
     this.stopTimers();
     this._state = "closed";
+    // Every request still waiting ends now, its outcome before the terminal events.
+    this.failAllRequests("closed");
     this.reportState();
     this.emit("closed", { code, label: codeLabel(code), reason });
   }
@@ -1001,6 +1231,18 @@ export class WaygateClient {
             const oldest = this.errored.values().next().value;
             if (oldest !== undefined) this.errored.delete(oldest);
           }
+          {
+            // §13: an ERROR for a request's seq is that request's outcome, not an `error`.
+            const p = this.requests.removeBySeq(f.clientSeq);
+            if (p !== undefined) {
+              const label = codeLabel(f.code);
+              this.finishRequest(
+                p,
+                new RequestError("refused", `refused: ${label}`, { requestId: p.id, code: f.code, label, retryAfterMs: f.retryAfterMs }),
+              );
+              return;
+            }
+          }
           this.emit("error", {
             kind: "undelivered",
             code: f.code,
@@ -1026,16 +1268,28 @@ export class WaygateClient {
     this.maxFrameSize = w.maxFrameSize > 0 ? w.maxFrameSize : DEFAULT_MAX_FRAME_SIZE;
     let discarded = 0;
     let expired: { msgId: number; seq: bigint; ageMs: number }[] = [];
+    // Requests that end with this WELCOME (expired, or voided by a new session).
+    let ended: [PendingRequest<RequestReply>, RequestError][] = [];
     const restored = w.outcome === WelcomeOutcome.Restored || w.outcome === WelcomeOutcome.RestoredWithGap;
-    if (restored) {
-      // §7.4.4: continue after server_seq_base; drop what the server already has.
-      this.skipTo(w.serverSeqBase);
-      this.onUpstreamAck(w.clientSeqAck);
+    if (restored || first) {
+      if (restored) {
+        // §7.4.4: continue after server_seq_base; drop what the server already has.
+        this.skipTo(w.serverSeqBase);
+        this.onUpstreamAck(w.clientSeqAck);
+      }
+      // On a resume, and before the very first session: what was queued while no session
+      // was up goes out, unless too old. A request among the dropped fails (`expired`, its
+      // only outcome: no `expired` event); the requests after them follow their new seqs.
       expired = this.expireStale();
-    } else if (first) {
-      // The very first session: what was queued before it goes out, unless too old.
-      expired = this.expireStale();
+      const failed = this.requests.onExpired(expired.map((e) => e.seq));
+      if (failed.length > 0) {
+        const gone = new Set(failed.map((p) => p.seq));
+        expired = expired.filter((e) => !gone.has(e.seq));
+        ended = failed.map((p) => [p, this.requestLost(p, "expired")]);
+      }
     } else {
+      // Sent in a session that is gone (or about to be discarded unsent): no answer will come.
+      ended = this.requests.takeAll().map((p) => [p, this.requestLost(p, "session_lost")]);
       // A fresh session replacing an old one: both seq spaces restart at 1 and the old
       // session's unacked messages are void (the application resyncs).
       discarded = this.unacked.length;
@@ -1066,6 +1320,9 @@ export class WaygateClient {
     // drop the link: what is left of this WELCOME's events is then not emitted.
     const gen = this.gen;
     const still = (): boolean => gen === this.gen && this._state === "active";
+    // The requests this WELCOME ended get their outcomes first (as in the Rust SDK), every
+    // one of them, even if a listener closes the client meanwhile.
+    for (const [p, e] of ended) this.finishRequest(p, e);
     const sessionId = toHex(w.sessionId);
     const outcome = OUTCOMES[w.outcome];
     this.reportState();
@@ -1180,6 +1437,14 @@ export class WaygateClient {
         this.above.add(seq);
       }
       this.owe();
+    }
+    if (d.msgId === ANSWER_MSG_ID) {
+      // §13: an answer, never a message. One to no waiting request (timed out, unknown) or
+      // too short to be an answer is dropped.
+      const a = decodeAnswer(d.payload);
+      const p = a === null ? undefined : this.requests.remove(a.id);
+      if (a !== null && p !== undefined) this.finishRequest(p, { status: a.status, body: a.body });
+      return;
     }
     if (d.msgId === CHANNEL_EVENT_MSG_ID) {
       // §12.2: a channel event, never a message. Undecodable ones are counted and dropped.

@@ -18,6 +18,21 @@ export {
   type WebSocketConstructor,
   type WebSocketLike,
 } from "./client.js";
+export {
+  ANSWER_MSG_ID,
+  CLOCK_SAMPLES_KEPT,
+  ClockSync,
+  DEFAULT_REQUEST_TIMEOUT_MS,
+  MAX_REQUEST_ID,
+  RequestError,
+  decodeAnswer,
+  decodeClock,
+  encodeRequest,
+  type ClockEstimate,
+  type RequestAnswer,
+  type RequestErrorReason,
+  type RequestOptions,
+} from "./requests.js";
 export { resumeKey, resumeProof, resumeProofSupported } from "./resume.js";
 export { ChannelTracker, type ChannelPosition, type ChannelUpdate, type ChannelUpdateKind } from "./channels.js";
 export {

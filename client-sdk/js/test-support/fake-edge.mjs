@@ -81,3 +81,33 @@ export const data = (seq, msgId = 7, payload = `m${seq}`, cls = "normal", ack = 
   payload: new TextEncoder().encode(payload),
 });
 
+
+/** The msg id of an answer (PROTOCOL.md §13). */
+export const ANSWER = 0xffffff02;
+
+/**
+ * A game server's answer (§13) as the edge forwards it: a critical DATA of msg id
+ * 0xFFFFFF02 with the request id (u32 BE), the status (u16 BE) and the body.
+ */
+export function answer(seq, requestId, status = 0, body = "") {
+  const b = typeof body === "string" ? new TextEncoder().encode(body) : body;
+  const payload = new Uint8Array(6 + b.length);
+  const v = new DataView(payload.buffer);
+  v.setUint32(0, requestId);
+  v.setUint16(4, status);
+  payload.set(b, 6);
+  return { type: "data", cls: "critical", msgId: ANSWER, seq: BigInt(seq), ack: null, payload };
+}
+
+/** A request DATA's id and body (§13: the id is a u32 BE in front of the body). */
+export function requestOf(frame) {
+  const p = frame.payload;
+  return { id: new DataView(p.buffer, p.byteOffset, p.byteLength).getUint32(0), body: p.subarray(4) };
+}
+
+/** A clock answer's body: Unix ms as a u64 BE. */
+export function unixMsBody(ms) {
+  const b = new Uint8Array(8);
+  new DataView(b.buffer).setBigUint64(0, BigInt(ms));
+  return b;
+}

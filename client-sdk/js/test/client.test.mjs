@@ -3,12 +3,17 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import {
+  ANSWER_MSG_ID,
   CHANNEL_EVENT_MSG_ID,
   ChannelEventKind,
   ChannelTracker,
+  ClockSync,
   CloseCode,
+  RequestError,
   WaygateClient,
+  decodeAnswer,
   encodeChannelEvent,
+  encodeRequest,
   resumeProof,
 } from "../dist/index.js";
 import { data, id, scriptedWebSocket, sleep, text, welcome } from "../test-support/fake-edge.mjs";
@@ -26,7 +31,7 @@ function setup(options = {}) {
     ...options,
   });
   const events = [];
-  for (const name of ["connected", "newSession", "restored", "restoredWithGap", "connectFailed", "disconnected", "kicked", "migrating", "message", "channel", "error", "closed", "stateChange", "expired"]) {
+  for (const name of ["connected", "newSession", "restored", "restoredWithGap", "connectFailed", "disconnected", "kicked", "migrating", "message", "channel", "error", "closed", "stateChange", "expired", "answer", "requestFailed"]) {
     client.on(name, (e) => events.push({ name, ...e }));
   }
   const named = (n) => events.filter((e) => e.name === n);
