@@ -12,6 +12,31 @@
 #include <stdint.h>
 
 /**
+ * Log level `error`: something failed for good.
+ */
+#define WAYGATE_LOG_ERROR 1
+
+/**
+ * Log level `warn`: something failed and is retried.
+ */
+#define WAYGATE_LOG_WARN 2
+
+/**
+ * Log level `info`: connects, resumes, migrations.
+ */
+#define WAYGATE_LOG_INFO 3
+
+/**
+ * Log level `debug`: each connect attempt and why it failed.
+ */
+#define WAYGATE_LOG_DEBUG 4
+
+/**
+ * Log level `trace`: everything.
+ */
+#define WAYGATE_LOG_TRACE 5
+
+/**
  * The library's major version (`waygate_version()` as numbers): compare at compile time
  * with `#if WAYGATE_VERSION_MAJOR ...`. Structs only grow (see `struct_size`) within a
  * major version.
@@ -458,6 +483,15 @@ typedef struct waygate_stats {
   uint64_t connects;
 } waygate_stats;
 
+/**
+ * A log callback: `level` (`WAYGATE_LOG_*`), `target` (the Rust module, e.g.
+ * "waygate_client::driver") and `message` (the text then `key=value` fields), both
+ * NUL-terminated and valid during the call only. Called on the library's own threads,
+ * possibly several at once: it must be thread-safe, return quickly and not call back into
+ * the library.
+ */
+typedef void (*waygate_log_fn)(void *user, int level, const char *target, const char *message);
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -739,6 +773,23 @@ const char *waygate_event_kind_str(int kind);
  * NULL.
  */
 const char *waygate_outcome_str(int outcome);
+
+/**
+ * Sends the library's log lines up to `max_level` (`WAYGATE_LOG_ERROR` .. `WAYGATE_LOG_TRACE`)
+ * to `callback` with `user`; a NULL callback stops them. Process-wide: the last call wins.
+ *
+ * The first call installs the library's log handling for the whole process (the Rust
+ * `tracing` global subscriber): `WAYGATE_INVALID_STATE` when the process already has one
+ * (a Rust host that logs by itself: use its logging instead). `WAYGATE_INVALID_ARGUMENT`
+ * for a level outside 1..=5.
+ *
+ * # Safety
+ *
+ * `callback` is NULL or a function that may be called from any thread, at the same time
+ * on several, with `user`, until it is replaced or removed by another call; `user` stays
+ * valid that long.
+ */
+enum waygate_result waygate_set_log_callback(waygate_log_fn callback, void *user, int max_level);
 
 /**
  * Fills the first `size` bytes of `out` with the defaults (NULL strings and token, 0 =

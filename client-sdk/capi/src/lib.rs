@@ -71,6 +71,7 @@ mod macros;
 mod client;
 mod error;
 mod event;
+mod log;
 mod options;
 mod result;
 mod sized;
@@ -86,6 +87,10 @@ pub use client::{
 pub use error::{waygate_last_error, waygate_version};
 pub use event::{
     waygate_event, waygate_event_kind, waygate_event_kind_str, waygate_outcome, waygate_outcome_str,
+};
+pub use log::{
+    waygate_log_fn, waygate_set_log_callback, WAYGATE_LOG_DEBUG, WAYGATE_LOG_ERROR,
+    WAYGATE_LOG_INFO, WAYGATE_LOG_TRACE, WAYGATE_LOG_WARN,
 };
 pub use options::{
     waygate_options, waygate_options_init, WAYGATE_CLASS_BEST_EFFORT, WAYGATE_CLASS_CRITICAL,
