@@ -323,3 +323,72 @@ fn an_added_forbidden_dependency_is_caught() {
         "{found:?}"
     );
 }
+
+/// The crates of one package's normal-dependency tree built with `features` (cargo tree
+/// resolves the features as that build would).
+fn build_tree(package: &str, features: &[&str]) -> BTreeSet<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .current_dir(&root)
+        .args([
+            "tree", "--locked", "-e", "normal", "--prefix", "none", "-p", package,
+        ])
+        .args(features)
+        .output()
+        .expect("cargo tree runs");
+    assert!(
+        out.status.success(),
+        "cargo tree failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// SDK issue item 8: a game client builds without server-only dependencies (certificate
+/// generation, the edge, Redis, etcd, axum), and without QUIC and WebSocket when it leaves
+/// out their features: a TCP/TLS/KCP client has neither quinn nor tungstenite.
+#[test]
+fn client_builds_leave_out_server_code_and_unwanted_transports() {
+    let server_only = [
+        "rcgen",
+        "waygate-edge",
+        "redis",
+        "etcd-client",
+        "axum",
+        "clap",
+    ];
+    for (package, features, also_absent) in [
+        ("waygate-client", &[][..], &[][..]),
+        ("waygate-client-capi", &[][..], &[][..]),
+        (
+            "waygate-client",
+            &["--no-default-features"][..],
+            &["quinn", "tokio-tungstenite", "tungstenite"][..],
+        ),
+        (
+            "waygate-client-capi",
+            &["--no-default-features", "--features", "ws"][..],
+            &["quinn"][..],
+        ),
+    ] {
+        let tree = build_tree(package, features);
+        assert!(tree.contains("waygate-transport"), "{package}: {tree:?}");
+        for name in server_only.iter().chain(also_absent) {
+            assert!(
+                !tree.contains(*name),
+                "{package} {features:?} pulls in {name}"
+            );
+        }
+    }
+    // And the defaults have every client transport.
+    let full = build_tree("waygate-client", &[]);
+    assert!(
+        full.contains("quinn") && full.contains("tokio-tungstenite"),
+        "{full:?}"
+    );
+}

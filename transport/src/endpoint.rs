@@ -10,9 +10,11 @@ use std::net::SocketAddr;
 use crate::conn::{BoxConnection, ConnConfig, TransportKind};
 use crate::error::TransportError;
 use crate::kcp::{connect_kcp, KcpConfig};
+#[cfg(feature = "quic")]
 use crate::quic::{connect_quic, QuicConfig};
 use crate::tcp::{connect_tcp, connect_tls};
 use crate::tls::ClientTls;
+#[cfg(feature = "ws")]
 use crate::ws::connect_ws;
 
 /// Where and how to connect.
@@ -152,6 +154,7 @@ pub struct ConnectOptions {
     /// Trusted CAs for tls, wss and QUIC; `None`: the system's trust roots.
     pub tls: Option<ClientTls>,
     /// QUIC settings.
+    #[cfg(feature = "quic")]
     pub quic: QuicConfig,
     /// KCP settings.
     pub kcp: KcpConfig,
@@ -213,9 +216,11 @@ async fn connect_addr(
     match endpoint.kind {
         TransportKind::Tcp => connect_tcp(addr, &options.conn).await,
         TransportKind::Tls => connect_tls(addr, &endpoint.host, need_tls()?, &options.conn).await,
+        #[cfg(feature = "ws")]
         TransportKind::Ws => {
             connect_ws(addr, &endpoint.host, &endpoint.path, None, &options.conn).await
         }
+        #[cfg(feature = "ws")]
         TransportKind::Wss => {
             connect_ws(
                 addr,
@@ -226,6 +231,7 @@ async fn connect_addr(
             )
             .await
         }
+        #[cfg(feature = "quic")]
         TransportKind::Quic => {
             connect_quic(
                 addr,
@@ -237,6 +243,13 @@ async fn connect_addr(
             .await
         }
         TransportKind::Kcp => connect_kcp(addr, &options.kcp, &options.conn).await,
+        #[cfg(not(all(feature = "ws", feature = "quic")))]
+        kind => {
+            Err(TransportError::Config(format!(
+            "{endpoint}: this build leaves out {kind} (cargo feature `{}` of waygate-transport)",
+            if kind == TransportKind::Quic { "quic" } else { "ws" }
+        )))
+        }
     }
 }
 

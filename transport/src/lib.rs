@@ -22,11 +22,13 @@ pub mod error;
 pub mod kcp;
 pub mod listener;
 pub mod mem;
+#[cfg(feature = "quic")]
 pub mod quic;
 pub mod stream;
 pub mod tcp;
 pub mod tls;
 pub mod udp;
+#[cfg(feature = "ws")]
 pub mod ws;
 
 pub use conn::{

@@ -107,6 +107,7 @@ impl TransportListener {
     }
 
     /// Runs `f` when the listener is dropped (e.g. to close a QUIC endpoint).
+    #[cfg_attr(not(feature = "quic"), allow(dead_code))]
     pub(crate) fn with_on_drop(mut self, f: impl FnOnce() + Send + 'static) -> Self {
         self.on_drop = Some(Box::new(f));
         self

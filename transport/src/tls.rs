@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use rustls::crypto::CryptoProvider;
 use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
 use crate::error::TransportError;
 
@@ -65,7 +65,8 @@ impl TlsIdentity {
 
     /// Generates a development CA and a leaf certificate for `names` (DNS names or IP
     /// literals; `localhost`, `127.0.0.1` and `::1` are always included). Clients trust
-    /// [`TlsIdentity::dev_ca_pem`].
+    /// [`TlsIdentity::dev_ca_pem`]. (Cargo feature `dev-cert`.)
+    #[cfg(feature = "dev-cert")]
     pub fn generate_dev(names: &[String]) -> Result<Self, TransportError> {
         use rcgen::{
             BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose,
@@ -100,7 +101,7 @@ impl TlsIdentity {
 
         Ok(Self {
             chain: vec![leaf.der().clone(), ca_cert.der().clone()],
-            key: PrivatePkcs8KeyDer::from(leaf_key.serialize_der()).into(),
+            key: rustls_pki_types::PrivatePkcs8KeyDer::from(leaf_key.serialize_der()).into(),
             dev_ca_pem: Some(ca_cert.pem()),
         })
     }

@@ -147,7 +147,10 @@ mod tests {
         let doc = include_str!("../../../PROTOCOL.md");
         for bytes in [encode_request(7, b"hi"), encode_answer(7, STATUS_OK, b"ok")] {
             let hex: Vec<String> = bytes.iter().map(|b| format!("{b:02x}")).collect();
-            assert!(doc.contains(&format!("payload {} ", hex.join(" "))), "{hex:?}");
+            assert!(
+                doc.contains(&format!("payload {} ", hex.join(" "))),
+                "{hex:?}"
+            );
         }
     }
 
