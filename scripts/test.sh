@@ -14,9 +14,10 @@ root=$(pwd)
 # redis-server: session ownership, warm snapshots and presence tests.
 # prometheus: promtool checks the edge's /metrics, and a real Prometheus server scrapes an
 # edge (edge-bin/tests/prometheus.rs).
+# iproute2: `ss` reads the edge's socket memory (edge-bin/tests/stalled_reader.rs).
 # mono-mcs (pulls mono-runtime): the C# binding's example runs on Mono against a real edge
 # (client-sdk/capi/tests/csharp_example.rs).
-apt_packages=(ca-certificates chromium etcd-server etcd-client redis-server redis-tools prometheus mono-mcs)
+apt_packages=(ca-certificates chromium etcd-server etcd-client redis-server redis-tools prometheus mono-mcs iproute2)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

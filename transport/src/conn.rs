@@ -127,6 +127,11 @@ pub struct ConnConfig {
     /// KCP clients: the connect token and session key that seal the session (PROTOCOL.md
     /// §8.9); `None`: a plain session.
     pub kcp_credentials: Option<crate::kcp::seal::KcpCredentials>,
+    /// Stream listeners (TCP, TLS, WebSocket): the kernel send buffer of each accepted
+    /// socket (SO_SNDBUF; Linux doubles it for bookkeeping). A client that stops reading
+    /// then holds at most this much in the kernel, and the session's own bounded queue and
+    /// slow-consumer rule decide (B3). `None`: the kernel's autotuning (megabytes).
+    pub send_buffer: Option<usize>,
 }
 
 impl Default for ConnConfig {
@@ -139,6 +144,7 @@ impl Default for ConnConfig {
             allowed_origins: std::sync::Arc::new([]),
             connect_keys: None,
             kcp_credentials: None,
+            send_buffer: None,
         }
     }
 }

@@ -161,14 +161,20 @@ pub(crate) fn bind_tcp(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListe
 }
 
 /// Accepts the next TCP connection, backing off briefly on errors such as EMFILE instead of
-/// spinning, with TCP_NODELAY set.
+/// spinning, with TCP_NODELAY set and the kernel send buffer bounded to `send_buffer`.
 pub(crate) async fn accept_tcp(
     listener: &tokio::net::TcpListener,
+    send_buffer: Option<usize>,
 ) -> (tokio::net::TcpStream, SocketAddr) {
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
                 let _ = stream.set_nodelay(true);
+                if let Some(bytes) = send_buffer {
+                    if let Err(e) = socket2::SockRef::from(&stream).set_send_buffer_size(bytes) {
+                        tracing::debug!(error = %e, bytes, "SO_SNDBUF not set");
+                    }
+                }
                 return (stream, peer);
             }
             Err(e) => {

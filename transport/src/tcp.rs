@@ -37,7 +37,7 @@ pub async fn listen(
         kind,
         move |handoff| async move {
             loop {
-                let (stream, peer) = accept_tcp(&listener).await;
+                let (stream, peer) = accept_tcp(&listener, config.send_buffer).await;
                 if handoff.is_closed() {
                     return;
                 }

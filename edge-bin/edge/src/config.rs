@@ -138,6 +138,10 @@ pub struct LimitsConfig {
     /// The WebSocket upgrade (after TLS on wss) must be done this long after the accept,
     /// ms (capped by `handshake_timeout_ms`).
     pub upgrade_timeout_ms: u64,
+    /// Kernel send buffer of each TCP, TLS and WebSocket connection (SO_SNDBUF, bytes;
+    /// Linux doubles it): what a client that stops reading can hold in the kernel before the
+    /// session's own queue and slow-consumer rule decide. 0: the kernel's autotuning.
+    pub send_buffer_bytes: usize,
 }
 
 impl Default for LimitsConfig {
@@ -148,6 +152,7 @@ impl Default for LimitsConfig {
             handshake_timeout_ms: 10_000,
             tls_timeout_ms: 5_000,
             upgrade_timeout_ms: 7_000,
+            send_buffer_bytes: 32 * 1024,
         }
     }
 }
@@ -656,6 +661,8 @@ impl EdgeConfig {
             )),
             handshake_timeout: std::time::Duration::from_millis(self.limits.handshake_timeout_ms),
             allowed_origins: self.listeners.ws_allowed_origins.clone().into(),
+            send_buffer: (self.limits.send_buffer_bytes > 0)
+                .then_some(self.limits.send_buffer_bytes),
             ..Default::default()
         }
     }
