@@ -127,6 +127,8 @@ namespace Waygate
         Reconnecting = 3,
         /// <summary>closed: ended for good.</summary>
         Closed = 4,
+        /// <summary>paused: Pause was called; no link until ReconnectNow.</summary>
+        Paused = 5,
     }
 
     /// <summary>Traffic classes: the header's <c>WAYGATE_CLASS_*</c>.</summary>
@@ -707,6 +709,12 @@ namespace Waygate
             return Call(h => Native.waygate_client_reconnect_now(h));
         }
 
+        /// <summary>Pauses the client (OnApplicationPause(true)): drops the link, the session lingers on the server, no reconnect until ReconnectNow (OnApplicationPause(false)).</summary>
+        public WaygateResult Pause()
+        {
+            return Call(h => Native.waygate_client_pause(h));
+        }
+
         /// <summary>Replaces the auth token for the next login (copied). InvalidState before Connect().</summary>
         public WaygateResult SetToken(byte[] token)
         {
@@ -978,6 +986,9 @@ namespace Waygate
 
         [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
         public static extern WaygateResult waygate_client_reconnect_now(IntPtr client);
+
+        [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
+        public static extern WaygateResult waygate_client_pause(IntPtr client);
 
         [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
         public static extern WaygateResult waygate_client_set_token(IntPtr client, IntPtr token, UIntPtr token_len);

@@ -182,6 +182,8 @@ enum Cmd {
     Request(RequestCmd),
     DropLink,
     ReconnectNow,
+    /// Answered once paused (the state reads `paused` from then on).
+    Pause(oneshot::Sender<()>),
     Prefer(usize),
     SetToken(Bytes),
     Close,
@@ -228,12 +230,15 @@ pub enum ConnectionState {
     Connected,
     /// The link dropped; connecting again to resume the session.
     Reconnecting,
+    /// Paused by the application ([`Client::pause`]): no link, no reconnect until
+    /// [`Client::reconnect_now`]; the session lingers on the server meanwhile.
+    Paused,
     /// Ended for good (closed, kicked, expired, refused, gave up).
     Closed,
 }
 
 impl ConnectionState {
-    /// `idle`, `connecting`, `connected`, `reconnecting` or `closed`.
+    /// `idle`, `connecting`, `connected`, `reconnecting`, `paused` or `closed`.
     #[must_use]
     pub const fn as_str(self) -> &'static str {
         match self {
@@ -241,6 +246,7 @@ impl ConnectionState {
             Self::Connecting => "connecting",
             Self::Connected => "connected",
             Self::Reconnecting => "reconnecting",
+            Self::Paused => "paused",
             Self::Closed => "closed",
         }
     }
@@ -476,6 +482,17 @@ impl Client {
         self.command(Cmd::ReconnectNow).await
     }
 
+    /// Pauses the client (the app goes to the background, where a mobile OS would cut the
+    /// socket anyway): drops the link without a CLOSE, so the session lingers on the server
+    /// (`session.linger`), and makes no connect attempt until [`Self::reconnect_now`], which
+    /// resumes it. Messages sent meanwhile wait (subject to `max_offline_age`); the
+    /// give-up deadline does not run while paused. [`SdkError::Closed`] once ended.
+    pub async fn pause(&self) -> Result<(), SdkError> {
+        let (tx, rx) = oneshot::channel();
+        self.command(Cmd::Pause(tx)).await?;
+        rx.await.map_err(|_| SdkError::Closed)
+    }
+
     /// Makes endpoint `index` the first one tried on the next connect.
     pub async fn prefer_endpoint(&self, index: usize) {
         let _ = self.cmd.send(Cmd::Prefer(index)).await;
@@ -512,6 +529,8 @@ struct Driver {
     clock: ClockSync,
     /// A session was up once (a later new session voids the requests of the old one).
     had_session: bool,
+    /// Paused by the application: no connect attempt until `reconnect_now`.
+    paused: bool,
     /// What the network simulator did, over every connection.
     sim: Arc<crate::netsim::NetSimStats>,
 }
@@ -546,6 +565,7 @@ async fn run(
         requests: RequestTable::default(),
         clock: ClockSync::default(),
         had_session: false,
+        paused: false,
         sim: Arc::default(),
     };
     let mut connecting: Option<Connecting> = None;
@@ -553,7 +573,7 @@ async fn run(
     // driver while this one waits for room.
     let handover = d.events.clone();
     while !d.closed {
-        if d.session.state() != ClientState::Active {
+        if d.session.state() != ClientState::Active && !d.paused {
             d.down_since.get_or_insert_with(Instant::now);
         }
         if let (Some(since), Some(limit)) = (d.down_since, d.options.give_up_after) {
@@ -566,7 +586,8 @@ async fn run(
                 break;
             }
         }
-        if d.conn.is_none() && connecting.is_none() && Instant::now() >= d.next_connect {
+        if !d.paused && d.conn.is_none() && connecting.is_none() && Instant::now() >= d.next_connect
+        {
             let mut connect = d.options.connect.clone();
             connect.conn.kcp_credentials = d.options.session_key.map(|session_key| {
                 waygate_transport::kcp::seal::KcpCredentials {
@@ -582,7 +603,7 @@ async fn run(
         }
         let timer = {
             let mut t = d.session.poll_timeout().map(Instant::from_std);
-            if d.conn.is_none() && connecting.is_none() {
+            if !d.paused && d.conn.is_none() && connecting.is_none() {
                 t = Some(t.map_or(d.next_connect, |x| x.min(d.next_connect)));
             }
             if let (Some(since), Some(limit)) = (d.down_since, d.options.give_up_after) {
@@ -641,8 +662,19 @@ async fn run(
                     if d.conn.take().is_some() {
                         d.session.handle_link_down(Instant::now().into_std(), CloseCode::GoingAway);
                     }
+                    d.paused = false;
                     d.failures = 0;
                     d.next_connect = Instant::now();
+                }
+                Some(Cmd::Pause(done)) => {
+                    if d.conn.take().is_some() {
+                        d.session.handle_link_down(Instant::now().into_std(), CloseCode::GoingAway);
+                    }
+                    connecting = None;
+                    d.paused = true;
+                    d.down_since = None;
+                    d.publish_stats();
+                    let _ = done.send(());
                 }
                 Some(Cmd::Prefer(i)) => d.preferred = i.min(d.options.endpoints.len().saturating_sub(1)),
                 Some(Cmd::SetToken(token)) => d.session.set_token(token),
@@ -923,6 +955,7 @@ impl Driver {
             _ if self.closed => ConnectionState::Closed,
             ClientState::Closed => ConnectionState::Closed,
             ClientState::Active => ConnectionState::Connected,
+            _ if self.paused => ConnectionState::Paused,
             _ if self.connects == 0 => ConnectionState::Connecting,
             _ => ConnectionState::Reconnecting,
         }

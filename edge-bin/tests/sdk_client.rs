@@ -744,6 +744,73 @@ async fn resume_at_ten_percent_simulated_loss_loses_and_duplicates_nothing() {
     }
 }
 
+/// SDK issue item 6: pause (the app goes to the background) drops the link and makes no
+/// connect attempt; a message sent meanwhile waits; `reconnect_now` resumes the session and
+/// the message is answered, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_holds_off_reconnects_until_reconnect_now_resumes() {
+    let (edge, _b, _d) = common::demo_edge(|_| {}).await;
+    let mut options = ClientOptions::new(
+        vec![Endpoint::new(
+            TransportKind::Tcp,
+            edge.addrs[&TransportKind::Tcp],
+        )],
+        token("pausing"),
+    );
+    options.give_up_after = Some(Duration::from_millis(500));
+    let mut client = Client::start(options);
+    assert!(echo_ok(&mut client).await);
+    client.pause().await.unwrap();
+    client
+        .send(
+            TrafficClass::Normal,
+            ECHO,
+            Bytes::from_static(b"while-paused"),
+        )
+        .await
+        .unwrap();
+    // Longer than the give-up deadline: paused, not given up, and no connect attempt.
+    let quiet = tokio::time::timeout(Duration::from_millis(1200), async {
+        loop {
+            match client.next_event().await {
+                Some(
+                    Event::Connected { .. } | Event::ConnectFailed { .. } | Event::Closed { .. },
+                ) => return true,
+                Some(_) => {}
+                None => return true,
+            }
+        }
+    })
+    .await;
+    assert!(
+        quiet.is_err(),
+        "no connect attempt and no give-up while paused"
+    );
+    assert_eq!(client.state(), ConnectionState::Paused);
+    assert_eq!(client.state().as_str(), "paused");
+    client.reconnect_now().await.unwrap();
+    let mut restored = false;
+    loop {
+        match next(&mut client).await {
+            Event::Connected { outcome, .. } => {
+                restored = outcome == waygate_protocol::frame::WelcomeOutcome::Restored;
+            }
+            Event::Message {
+                msg_id: ECHO_REPLY,
+                payload,
+                ..
+            } => {
+                assert!(payload.ends_with(b"|while-paused"), "{payload:?}");
+                break;
+            }
+            _ => {}
+        }
+    }
+    assert!(restored);
+    assert_eq!(client.state(), ConnectionState::Connected);
+    client.close().await;
+}
+
 /// The next event within 20 s (the client still running).
 async fn next(client: &mut Client) -> Event {
     tokio::time::timeout(Duration::from_secs(20), client.next_event())

@@ -265,6 +265,11 @@ typedef enum waygate_state {
    * `closed`: ended for good (closed, kicked, expired, refused, gave up).
    */
   WAYGATE_STATE_CLOSED = 4,
+  /**
+   * `paused`: `waygate_client_pause` was called; no link until
+   * `waygate_client_reconnect_now`.
+   */
+  WAYGATE_STATE_PAUSED = 5,
 } waygate_state;
 
 /**
@@ -639,6 +644,19 @@ enum waygate_result waygate_client_sync_clock(struct waygate_client *client,
 enum waygate_result waygate_client_clock_offset(struct waygate_client *client,
                                                 int64_t *offset_ms,
                                                 uint64_t *rtt_us);
+
+/**
+ * Pauses the client (the game goes to the background): drops the link without a CLOSE, so
+ * the session lingers on the server, and makes no connect attempt until
+ * `waygate_client_reconnect_now` resumes it. Sends meanwhile wait; the give-up deadline
+ * does not run while paused. `WAYGATE_CLOSED` once the client has ended.
+ *
+ * # Safety
+ *
+ * `client` is NULL or a live handle used by no other thread during the call; the calling
+ * thread is not running a tokio runtime.
+ */
+enum waygate_result waygate_client_pause(struct waygate_client *client);
 
 /**
  * Drops the current link without a CLOSE, as a network failure would (a test drill): the

@@ -552,6 +552,25 @@ pub unsafe extern "C" fn waygate_client_clock_offset(
     })
 }
 
+/// Pauses the client (the game goes to the background): drops the link without a CLOSE, so
+/// the session lingers on the server, and makes no connect attempt until
+/// `waygate_client_reconnect_now` resumes it. Sends meanwhile wait; the give-up deadline
+/// does not run while paused. `WAYGATE_CLOSED` once the client has ended.
+///
+/// # Safety
+///
+/// `client` is NULL or a live handle used by no other thread during the call; the calling
+/// thread is not running a tokio runtime.
+#[no_mangle]
+pub unsafe extern "C" fn waygate_client_pause(client: *mut waygate_client) -> waygate_result {
+    ffi_body!(WAYGATE_PANIC => {
+        non_null!(client, WAYGATE_INVALID_ARGUMENT);
+        // SAFETY: not NULL; the caller promises a live handle used only by this thread.
+        let h = unsafe { handle(client) };
+        h.command(|c| c.pause())
+    })
+}
+
 /// Drops the current link without a CLOSE, as a network failure would (a test drill): the
 /// client reconnects at once and resumes, losing nothing. `WAYGATE_OK` also when no link
 /// is up.
@@ -678,6 +697,9 @@ pub enum waygate_state {
     WAYGATE_STATE_RECONNECTING = 3,
     /// `closed`: ended for good (closed, kicked, expired, refused, gave up).
     WAYGATE_STATE_CLOSED = 4,
+    /// `paused`: `waygate_client_pause` was called; no link until
+    /// `waygate_client_reconnect_now`.
+    WAYGATE_STATE_PAUSED = 5,
 }
 
 /// Where the client is now: a game's "connecting... / reconnecting, attempt 3" screen reads
@@ -702,6 +724,7 @@ pub unsafe extern "C" fn waygate_client_state(client: *mut waygate_client) -> wa
                 ConnectionState::Connecting => WAYGATE_STATE_CONNECTING,
                 ConnectionState::Connected => WAYGATE_STATE_CONNECTED,
                 ConnectionState::Reconnecting => WAYGATE_STATE_RECONNECTING,
+                ConnectionState::Paused => WAYGATE_STATE_PAUSED,
                 _ => WAYGATE_STATE_CLOSED,
             },
         }
@@ -719,6 +742,7 @@ pub extern "C" fn waygate_state_str(state: std::ffi::c_int) -> *const std::ffi::
             2 => c"connected",
             3 => c"reconnecting",
             4 => c"closed",
+            5 => c"paused",
             _ => c"unknown",
         };
         s.as_ptr()

@@ -365,6 +365,17 @@ fn requests_and_the_clock_through_the_c_functions() {
     );
     let bound = i64::try_from(rtt / 1000).unwrap() / 2 + 2;
     assert!(offset.abs() <= bound, "offset {offset} ms, rtt {rtt} us");
+    // Pause (to the background) and resume.
+    // SAFETY: live handle.
+    assert_eq!(unsafe { waygate_client_pause(h.0) }, WAYGATE_OK);
+    // SAFETY: live handle.
+    assert_eq!(
+        unsafe { waygate_client_state(h.0) },
+        waygate_state::WAYGATE_STATE_PAUSED
+    );
+    // SAFETY: live handle.
+    assert_eq!(unsafe { waygate_client_reconnect_now(h.0) }, WAYGATE_OK);
+    wait_for_outcome(&h, WAYGATE_OUTCOME_RESTORED);
 }
 
 /// The network simulator through the C options: 10% of frames lost (delayed as

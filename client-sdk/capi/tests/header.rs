@@ -67,6 +67,8 @@ fn header_declares_the_whole_api() {
         "waygate_client_clock_offset",
         "WAYGATE_EVENT_REQUEST_FAILED",
         "waygate_set_log_callback",
+        "waygate_client_pause",
+        "WAYGATE_STATE_PAUSED",
         "WAYGATE_LOG_DEBUG",
         "WAYGATE_CLASS_NORMAL",
         "typedef struct waygate_client waygate_client;",
