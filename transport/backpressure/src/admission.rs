@@ -148,7 +148,9 @@ pub enum Admission {
     Refuse {
         /// Always [`CloseCode::Overloaded`].
         code: CloseCode,
-        /// How long the client should wait; exact for rate refusals.
+        /// How long the client should wait: for a rate refusal, the start of a slot of its
+        /// own (refusals at the same moment are spread one token interval apart, at most
+        /// [`MAX_RETRY_SPREAD`]), never before the bucket has a token.
         retry_after: Duration,
         /// Which limit refused (metrics only).
         reason: RefuseReason,
@@ -209,9 +211,56 @@ pub struct AdmissionStats {
     pub sources_expired: u64,
 }
 
+/// Longest retry-after hint a rate refusal gives (a flood saturates here).
+pub const MAX_RETRY_SPREAD: Duration = Duration::from_secs(5);
+
+/// Spreads the retry-after hints of a storm (performance issue, W6/W7): a bucket's exact
+/// wait sends every client refused at the same moment back at the same moment, to be
+/// refused again. Each refusal instead gets a slot of its own, one token interval after the
+/// previous refusal's, so N clients refused together come back over N intervals and are
+/// admitted one by one. Hints never exceed [`MAX_RETRY_SPREAD`].
+#[derive(Debug, Clone, Copy)]
+struct RetrySlots {
+    /// One token of the bucket's rate.
+    interval: Duration,
+    /// The next free slot.
+    next: Option<Instant>,
+}
+
+impl RetrySlots {
+    fn new(rate: Rate) -> Self {
+        let interval = if rate.tokens() == 0 {
+            MAX_RETRY_SPREAD
+        } else {
+            let ns = rate.period().as_nanos() / u128::from(rate.tokens());
+            Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX))
+        };
+        Self {
+            interval,
+            next: None,
+        }
+    }
+
+    /// The hint for a refusal at `now` whose bucket has a token after `wait`.
+    fn hint(&mut self, now: Instant, wait: Duration) -> Duration {
+        let earliest = now + wait;
+        let slot = match self.next {
+            Some(next) if next > earliest => next,
+            _ => earliest,
+        };
+        let last = now + MAX_RETRY_SPREAD;
+        self.next = Some((slot + self.interval).min(last));
+        slot.min(last)
+            .saturating_duration_since(now)
+            .max(wait.min(MAX_RETRY_SPREAD))
+    }
+}
+
 #[derive(Debug)]
 struct Source {
     bucket: TokenBucket,
+    /// Retry-after slots of this source's refusals.
+    slots: RetrySlots,
     /// Key in the recency index.
     tick: u64,
 }
@@ -221,6 +270,8 @@ struct Source {
 pub struct AdmissionControl {
     config: AdmissionConfig,
     global: TokenBucket,
+    /// Retry-after slots of the global bucket's refusals.
+    global_slots: RetrySlots,
     sources: HashMap<IpAddr, Source>,
     /// Recency index: tick -> source, oldest first.
     recency: BTreeMap<u64, IpAddr>,
@@ -235,6 +286,7 @@ impl AdmissionControl {
         let global = TokenBucket::new(config.global_rate, config.global_burst, now);
         Self {
             global,
+            global_slots: RetrySlots::new(config.global_rate),
             sources: HashMap::new(),
             recency: BTreeMap::new(),
             next_tick: 0,
@@ -302,11 +354,13 @@ impl AdmissionControl {
         debug_assert_eq!(source.tick, tick);
         if let Err(wait) = source.bucket.check(now, 1) {
             self.stats.refused_source += 1;
-            return Self::refuse(wait.0, RefuseReason::Source);
+            let hint = source.slots.hint(now, wait.0);
+            return Self::refuse(hint, RefuseReason::Source);
         }
         if let Err(wait) = self.global.check(now, 1) {
             self.stats.refused_global += 1;
-            return Self::refuse(wait.0, RefuseReason::Global);
+            let hint = self.global_slots.hint(now, wait.0);
+            return Self::refuse(hint, RefuseReason::Global);
         }
         source.bucket.take_checked(1);
         self.global.take_checked(1);
@@ -361,7 +415,15 @@ impl AdmissionControl {
             self.config.per_source_burst,
             now,
         );
-        self.sources.insert(key, Source { bucket, tick });
+        let slots = RetrySlots::new(self.config.per_source_rate);
+        self.sources.insert(
+            key,
+            Source {
+                bucket,
+                slots,
+                tick,
+            },
+        );
         self.recency.insert(tick, key);
         tick
     }
@@ -426,6 +488,75 @@ mod tests {
                 Some((*retry_after, *reason))
             }
         }
+    }
+
+    /// Regression (performance issue, W6/W7): 1,000 clients refused at the same moment
+    /// were all told the bucket's exact wait (half a millisecond) and came back together, to
+    /// be refused again and again. With a slot each, the storm is admitted on the second
+    /// attempt of every client, the hints spaced one token apart and never above the cap.
+    #[test]
+    fn a_storm_refused_together_is_spread_and_admitted_on_the_next_try() {
+        let t0 = Instant::now();
+        let cfg = AdmissionConfig {
+            global_rate: Rate::per_second(2_000),
+            global_burst: 500,
+            per_source_rate: Rate::per_second(20),
+            per_source_burst: 40,
+            max_tracked_sources: 65_536,
+            max_handshakes: 1_000_000,
+            ..AdmissionConfig::default()
+        };
+        let mut ac = AdmissionControl::new(cfg, t0);
+        let ip = |i: u32| IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i));
+        let mut retries: Vec<(Instant, u32)> = Vec::new();
+        let mut permits = Vec::new();
+        let mut hints = Vec::new();
+        for i in 0..1_000 {
+            match ac.admit(t0, ip(i)) {
+                Admission::Admit(p) => permits.push(p),
+                Admission::Refuse { retry_after, .. } => {
+                    hints.push(retry_after);
+                    retries.push((t0 + retry_after, i));
+                }
+            }
+        }
+        assert_eq!((permits.len(), hints.len()), (500, 500));
+        for pair in hints.windows(2) {
+            assert!(pair[1] >= pair[0] + Duration::from_micros(499), "{pair:?}");
+        }
+        assert!(hints.iter().all(|h| *h <= MAX_RETRY_SPREAD));
+        // Every refused client comes back at its hint: all admitted, none refused again.
+        retries.sort();
+        let mut refused_again = 0;
+        for (at, i) in retries {
+            match ac.admit(at, ip(i)) {
+                Admission::Admit(p) => permits.push(p),
+                Admission::Refuse { .. } => refused_again += 1,
+            }
+        }
+        assert_eq!(refused_again, 0);
+        assert_eq!(permits.len(), 1_000);
+        // A flood saturates at the cap, and a quiet bucket answers its exact wait again.
+        let mut flood = AdmissionControl::new(
+            AdmissionConfig {
+                global_rate: Rate::per_second(1),
+                global_burst: 1,
+                max_tracked_sources: 65_536,
+                max_handshakes: 1_000_000,
+                ..AdmissionConfig::default()
+            },
+            t0,
+        );
+        let _admitted = flood.admit(t0, ip(0));
+        let last = (1..100)
+            .filter_map(|i| refused(&flood.admit(t0, ip(i))))
+            .last()
+            .unwrap();
+        assert_eq!(last.0, MAX_RETRY_SPREAD);
+        let later = t0 + Duration::from_secs(60);
+        let _admitted = flood.admit(later, ip(200));
+        let exact = refused(&flood.admit(later, ip(201))).unwrap();
+        assert_eq!(exact.0, Duration::from_secs(1));
     }
 
     #[test]
