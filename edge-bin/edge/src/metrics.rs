@@ -162,6 +162,8 @@ pub struct EdgeMetrics {
     pub channels_active: Gauge,
     /// Channel items waiting for their consumer.
     pub channel_pending: Gauge,
+    /// Channel publications waiting for their consumer, by kind and class.
+    pub channel_pending_by_class: Family<ChannelClassLabels, Gauge>,
 }
 
 impl Default for EdgeMetrics {
@@ -486,6 +488,7 @@ impl EdgeMetrics {
             channel_recovered: Counter::default(),
             channels_active: Gauge::default(),
             channel_pending: Gauge::default(),
+            channel_pending_by_class: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -643,6 +646,11 @@ impl EdgeMetrics {
             "channel_pending",
             "Channel items waiting for their consumer",
             m.channel_pending.clone(),
+        );
+        registry.register(
+            "channel_pending_by_class",
+            "Channel publications waiting for their consumer, by channel kind and class",
+            m.channel_pending_by_class.clone(),
         );
         Self { registry, ..m }
     }

@@ -983,6 +983,20 @@ impl ChannelHub {
         self.channels.values().map(|c| c.pending.len()).sum()
     }
 
+    /// Publications waiting for delivery by channel kind and class (index: the class as
+    /// `usize`), over every channel of that kind (markers for one member apart).
+    pub fn pending_by_kind(&self) -> std::collections::BTreeMap<String, [usize; 3]> {
+        let mut out = std::collections::BTreeMap::<String, [usize; 3]>::new();
+        for (name, ch) in &self.channels {
+            let kind = name.split(':').next().unwrap_or(name);
+            let entry = out.entry(kind.to_owned()).or_default();
+            for (sum, n) in entry.iter_mut().zip(ch.pending_by_class) {
+                *sum += n;
+            }
+        }
+        out
+    }
+
     /// Counters since the hub started.
     pub fn stats(&self) -> HubStats {
         self.stats

@@ -100,6 +100,35 @@ fn offsets_of(events: &[(SessionId, ChannelEvent)], s: SessionId) -> Vec<u64> {
         .collect()
 }
 
+/// Queue depth per kind and class (the channel issue's gauges): publications waiting for
+/// their consumer are counted by the kind of their channel and their class, and go back to
+/// zero once delivered.
+#[test]
+fn pending_publications_are_counted_by_kind_and_class() {
+    let now = Instant::now();
+    let mut hub = ChannelHub::new(small_config(), 12);
+    hub.join(now, sid(1), &player(1), "room:a", None).unwrap();
+    hub.join(now, sid(1), &player(1), "room:b", None).unwrap();
+    while let Some(c) = hub.poll_ready() {
+        while hub.next_delivery(&c).is_some() {}
+    }
+    for (name, class) in [
+        ("room:a", TrafficClass::Critical),
+        ("room:a", TrafficClass::Normal),
+        ("room:b", TrafficClass::Normal),
+        ("room:b", TrafficClass::BestEffort),
+    ] {
+        hub.publish(now, name, 0, class, Bytes::new()).unwrap();
+    }
+    let by_kind = hub.pending_by_kind();
+    assert_eq!(by_kind.get("room"), Some(&[1, 2, 1]));
+    assert_eq!(by_kind.values().flatten().sum::<usize>(), hub.pending());
+    while let Some(c) = hub.poll_ready() {
+        while hub.next_delivery(&c).is_some() {}
+    }
+    assert_eq!(hub.pending_by_kind().get("room"), Some(&[0, 0, 0]));
+}
+
 #[test]
 fn every_event_of_a_channel_travels_in_one_sequenced_lane() {
     let now = Instant::now();

@@ -314,6 +314,12 @@ async fn channel_consumer(shared: Weak<Shared>, name: Arc<str>) {
 pub(super) async fn channel_sweep_loop(shared: Weak<Shared>) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Every configured kind is reported from the start, and a kind whose channels are all
+    // gone reads 0, not its last depth.
+    let mut kinds_seen: std::collections::BTreeSet<String> = match shared.upgrade() {
+        Some(s) => s.config.channels.kinds.keys().cloned().collect(),
+        None => return,
+    };
     loop {
         tick.tick().await;
         let Some(shared) = shared.upgrade() else {
@@ -323,5 +329,24 @@ pub(super) async fn channel_sweep_loop(shared: Weak<Shared>) {
         hub.sweep(now_std());
         shared.metrics.channels_active.set(hub.channels() as i64);
         shared.metrics.channel_pending.set(hub.pending() as i64);
+        let mut by_kind = hub.pending_by_kind();
+        for kind in &kinds_seen {
+            by_kind.entry(kind.clone()).or_default();
+        }
+        for (kind, by_class) in by_kind {
+            kinds_seen.insert(kind.clone());
+            for class in waygate_transport::TrafficClass::ALL {
+                let labels = crate::metrics::ChannelClassLabels {
+                    kind: kind.clone(),
+                    class: class.as_str().into(),
+                };
+                let n = i64::try_from(by_class[class as usize]).unwrap_or(i64::MAX);
+                shared
+                    .metrics
+                    .channel_pending_by_class
+                    .get_or_create(&labels)
+                    .set(n);
+            }
+        }
     }
 }
