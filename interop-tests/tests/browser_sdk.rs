@@ -604,3 +604,25 @@ fn js_unit_tests_pass_in_node() {
         .unwrap_or(0);
     assert!(pass >= 10, "too few node tests ran:\n{}", out.stdout);
 }
+
+/// The Unity WebGL bridge (`client-sdk/unity-webgl/Plugins/WaygateWebGL.jslib`) in headless
+/// Chromium (SDK issue item 8): the SDK loaded through its browser global, the bridge's
+/// poll model, a resume proof computed with the browser's WebCrypto (no edge, no Unity).
+#[test]
+fn unity_webgl_bridge_works_in_chromium() {
+    let chromium = chromium();
+    prepare_js();
+    let out = run_blocking(
+        Command::new("node")
+            .arg("browser-test/webgl-bridge.mjs")
+            .env("CHROMIUM", &chromium)
+            .current_dir(js_dir()),
+        Duration::from_secs(120),
+    )
+    .expect("node browser-test/webgl-bridge.mjs");
+    assert!(
+        out.success(),
+        "the WebGL bridge failed in Chromium\n{}",
+        out.describe()
+    );
+}

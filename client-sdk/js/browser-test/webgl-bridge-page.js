@@ -4,7 +4,7 @@
 // What differs from the node test: a real browser's globals (window.Waygate, btoa,
 // TextEncoder, WebCrypto's resume proof in a secure context, the `waygate:ready` event).
 import { loadJslib } from "../test-support/emscripten-mock.mjs";
-import { data, scriptedWebSocket, sleep, welcome } from "../test-support/fake-edge.mjs";
+import { answer, data, requestOf, scriptedWebSocket, sleep, unixMsBody, welcome } from "../test-support/fake-edge.mjs";
 
 const checks = [];
 const check = (ok, what) => checks.push({ ok: Boolean(ok), what });
@@ -62,8 +62,21 @@ async function run() {
   check(hello?.resume?.proof?.length === 32 && hello.resume.nonce === 1n, "resume proof from crypto.subtle");
   ws.deliver(welcome(1, { serverSeqBase: 1n, clientSeqAck: 1n }));
   check(drain(h).some((e) => e.kind === "connected" && e.outcome === "restored"), "connected restored");
+  // A request and a clock sample (PROTOCOL.md §13): ids at once, outcomes polled.
+  ws.take();
+  const [bp, blen] = m.bytes("hi");
+  const rid = api.WaygateWebGL_Request(h, 1, 1011, bp, blen, 5000);
+  const cid = api.WaygateWebGL_SyncClock(h, 1010, 5000);
+  const reqs = ws.take().filter((f) => f.type === "data").map(requestOf);
+  check(rid > 0 && cid > 0 && reqs.length === 2 && reqs[0].id === rid && reqs[1].id === cid, "request and clock sample sent with their ids");
+  ws.deliver(answer(2, rid, 0, "ok"));
+  ws.deliver(answer(3, cid, 0, unixMsBody(Date.now() + 60_000)));
+  const answers = drain(h);
+  check(answers.length === 2 && answers[0].kind === "answer" && answers[0].requestId === rid && atob(answers[0].payload) === "ok", "answer polled");
+  const offset = api.WaygateWebGL_ClockOffset(h);
+  check(answers[1].requestId === cid && Math.abs(offset - 60_000) < 1000, `clock offset ${offset}`);
   const small = m.malloc(8);
-  ws.deliver(data(2, 2001, "x".repeat(100)));
+  ws.deliver(data(4, 2001, "x".repeat(100)));
   const need = api.WaygateWebGL_Poll(h, small, 8);
   check(need > 8 && api.WaygateWebGL_Pending(h) === 1, "too-small buffer: the length needed, event kept");
   api.WaygateWebGL_Close(h);

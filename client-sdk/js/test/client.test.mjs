@@ -16,7 +16,7 @@ import {
   encodeRequest,
   resumeProof,
 } from "../dist/index.js";
-import { data, id, scriptedWebSocket, sleep, text, welcome } from "../test-support/fake-edge.mjs";
+import { answer, data, id, requestOf, scriptedWebSocket, sleep, text, unixMsBody, welcome } from "../test-support/fake-edge.mjs";
 
 /** A client plus a record of its events. */
 function setup(options = {}) {
@@ -1185,4 +1185,341 @@ test("maxOfflineAgeMs must be a number >= 0", () => {
   for (const bad of [-1, Number.NaN, Infinity]) {
     assert.throws(() => setup({ maxOfflineAgeMs: bad }), RangeError);
   }
+});
+
+// -------------------------------------------------------------------------------------
+// Requests and answers (PROTOCOL.md §13), the server clock: the Rust SDK's requests.rs /
+// clock.rs behaviour. Exactly one outcome per request.
+
+/** The DATA frames sent on `ws` since the last take. */
+const dataSent = (ws) => ws.take().filter((f) => f.type === "data");
+/** A promise's rejection (fails the test when it resolves). */
+const rejection = (p) => p.then((v) => assert.fail(`resolved: ${JSON.stringify(v)}`), (e) => e);
+/** Waits (bounded) until `cond()` holds. */
+async function until(cond, what, ms = 2000) {
+  const deadline = Date.now() + ms;
+  while (!cond()) {
+    if (Date.now() > deadline) assert.fail(`timed out waiting for ${what}`);
+    await sleep(2);
+  }
+}
+
+test("requests: the codec is PROTOCOL.md §13's worked example", () => {
+  assert.equal(ANSWER_MSG_ID, 0xffffff02);
+  assert.deepEqual([...encodeRequest(7, new TextEncoder().encode("hi"))], [0, 0, 0, 7, 0x68, 0x69]);
+  const a = decodeAnswer(new Uint8Array([0, 0, 0, 7, 0, 0, 0x6f, 0x6b]));
+  assert.deepEqual({ ...a, body: text(a.body) }, { id: 7, status: 0, body: "ok" });
+  assert.deepEqual(decodeAnswer(new Uint8Array([0xff, 0xff, 0xff, 0xff, 0xff, 0xfe])), { id: 0xffffffff, status: 0xfffe, body: new Uint8Array(0) });
+  assert.equal(decodeAnswer(new Uint8Array(5)), null, "too short");
+  assert.throws(() => encodeRequest(0, new Uint8Array(0)), RangeError, "id 0 is not a request id");
+});
+
+test("request: the id goes in front of the body; the answer resolves it (status and body) and is never a message", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx);
+  ws.take();
+  const p1 = ctx.client.request(1011, "hi");
+  const p2 = ctx.client.request(1011, new Uint8Array([9]), { cls: "critical" });
+  const sent = dataSent(ws);
+  assert.deepEqual(sent.map((f) => [f.msgId, f.cls, f.seq]), [
+    [1011, "normal", 1n],
+    [1011, "critical", 2n],
+  ]);
+  const [r1, r2] = sent.map(requestOf);
+  assert.ok(r1.id > 0 && r2.id > 0 && r1.id !== r2.id, "ids not 0, unique among pending");
+  assert.equal(text(r1.body), "hi");
+  assert.deepEqual([...r2.body], [9]);
+  assert.equal(ctx.client.stats().requestsPending, 2);
+  // Answers carry the id: any order. A non-zero status is the game server's own code.
+  ws.deliver(answer(1, r2.id, 7, "nope"));
+  ws.deliver(answer(2, r1.id, 0, "ok"));
+  const [a1, a2] = await Promise.all([p1, p2]);
+  assert.ok(a1.body instanceof Uint8Array);
+  assert.deepEqual([a1.status, text(a1.body)], [0, "ok"]);
+  assert.deepEqual([a2.status, text(a2.body)], [7, "nope"]);
+  assert.deepEqual(ctx.named("message"), [], "answers are not messages");
+  assert.deepEqual(ctx.named("answer"), [], "request()'s outcome goes to its promise, not to events");
+  assert.equal(ctx.client.stats().requestsPending, 0);
+  assert.equal(ctx.client.stats().lastServerSeq, 2n, "answers are sequenced: counted and acked like any message");
+  // A replayed answer (same server seq) is a duplicate; messages go on as before.
+  ws.deliver(answer(2, r1.id, 0, "ok"));
+  ws.deliver(data(3, 2000, "after"));
+  assert.deepEqual(ctx.named("message").map((m) => text(m.payload)), ["after"]);
+  // startRequest: the id at once, the outcome as an `answer` event.
+  const id3 = ctx.client.startRequest(1011, "evt", { cls: "critical" });
+  const [r3] = dataSent(ws).map(requestOf);
+  assert.equal(r3.id, id3);
+  ws.deliver(answer(4, id3, 0, "evt-ok"));
+  assert.deepEqual(ctx.named("answer").map((e) => [e.requestId, e.status, text(e.body)]), [[id3, 0, "evt-ok"]]);
+  assert.deepEqual(ctx.named("message").length, 1);
+  ctx.client.close();
+});
+
+test("request refused by an ERROR for its client seq: `refused` with code, label, retryAfterMs, and no `error` event", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx);
+  ws.take();
+  assert.equal(ctx.client.send(1000, "plain"), 1n);
+  const p = rejection(ctx.client.request(1011, "x")); // seq 2
+  const id3 = ctx.client.startRequest(1012, "y"); // seq 3
+  const [, r2] = dataSent(ws).map(requestOf);
+  ws.deliver({ type: "error", code: CloseCode.no_route, msgId: 1011, clientSeq: 2n, retryAfterMs: 0 });
+  ws.deliver({ type: "error", code: CloseCode.busy, msgId: 1012, clientSeq: 3n, retryAfterMs: 250 });
+  ws.deliver({ type: "error", code: CloseCode.busy, msgId: 1000, clientSeq: 1n, retryAfterMs: 100 });
+  const e = await p;
+  assert.ok(e instanceof RequestError);
+  assert.deepEqual([e.reason, e.requestId, e.code, e.label, e.retryAfterMs], ["refused", r2.id, 404, "no_route", 0]);
+  assert.deepEqual(ctx.named("requestFailed"), [
+    { name: "requestFailed", requestId: id3, reason: "refused", code: 402, label: "busy", retryAfterMs: 250, message: "refused: busy" },
+  ]);
+  assert.deepEqual(ctx.named("error").map((x) => x.clientSeq), [1n], "only the plain message's ERROR is an `error`");
+  // §3.9: the same ERROR again (after a resume) is dropped; a late answer too.
+  ws.deliver({ type: "error", code: CloseCode.no_route, msgId: 1011, clientSeq: 2n, retryAfterMs: 0 });
+  ws.deliver(answer(1, r2.id, 0, "late"));
+  assert.equal(ctx.named("error").length, 1);
+  assert.deepEqual([ctx.named("answer").length, ctx.named("message").length, ctx.named("requestFailed").length], [0, 0, 1]);
+  assert.equal(ctx.client.state, "connected");
+  ctx.client.close();
+});
+
+test("request timeout: `timeout` after timeoutMs; a late answer, an unknown id or a short payload are dropped (and acked)", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx);
+  ws.take();
+  const started = performance.now();
+  const p = rejection(ctx.client.request(1011, "slow", { timeoutMs: 30 }));
+  const id2 = ctx.client.startRequest(1011, "slow too", { timeoutMs: 40 });
+  const [r1] = dataSent(ws).map(requestOf);
+  const e = await p;
+  assert.deepEqual([e.reason, e.requestId, e.code, e.label, e.retryAfterMs], ["timeout", r1.id, null, null, 0]);
+  assert.ok(performance.now() - started >= 20, "not before its time");
+  await until(() => ctx.named("requestFailed").length > 0, "the second timeout");
+  assert.deepEqual(ctx.named("requestFailed").map((f) => [f.requestId, f.reason, f.code, f.label, f.retryAfterMs]), [[id2, "timeout", null, null, 0]]);
+  assert.equal(ctx.client.stats().requestsPending, 0);
+  ws.deliver(answer(1, r1.id, 0, "too late"));
+  ws.deliver(answer(2, id2, 0, "too late"));
+  ws.deliver(answer(3, 4242, 0, "who?"));
+  ws.deliver({ type: "data", cls: "critical", msgId: ANSWER_MSG_ID, seq: 4n, ack: null, payload: new Uint8Array([1, 2]) });
+  assert.deepEqual([ctx.named("message").length, ctx.named("answer").length, ctx.named("error").length], [0, 0, 0]);
+  assert.equal(ctx.named("requestFailed").length, 1, "one outcome");
+  assert.equal(ctx.client.stats().lastServerSeq, 4n, "dropped answers still count as received");
+  assert.equal(ctx.client.state, "connected");
+  ctx.client.close();
+});
+
+test("requests not sent: not_sequenced (best-effort), buffer_full, too_large, closed; bad arguments", async () => {
+  const ctx = setup({ maxUnacked: 1 });
+  const { ws } = await connect(ctx, 0, { maxFrameSize: 100 });
+  ws.take();
+  const e1 = await rejection(ctx.client.request(1011, "x", { cls: "bestEffort" }));
+  assert.ok(e1 instanceof RequestError);
+  assert.deepEqual([e1.reason, e1.requestId], ["not_sequenced", null]);
+  assert.throws(() => ctx.client.startRequest(1011, "x", { cls: "bestEffort" }), (e) => e instanceof RequestError && e.reason === "not_sequenced");
+  assert.deepEqual(dataSent(ws), [], "nothing sent");
+  assert.equal((await rejection(ctx.client.request(1011, new Uint8Array(97)))).reason, "too_large");
+  const waiting = rejection(ctx.client.request(1011, "fills the send buffer"));
+  assert.equal((await rejection(ctx.client.request(1011, "x"))).reason, "buffer_full");
+  assert.throws(() => ctx.client.startRequest(1011, "x"), (e) => e.reason === "buffer_full");
+  assert.throws(() => ctx.client.startRequest(1011, "x", { timeoutMs: -1 }), RangeError);
+  assert.throws(() => ctx.client.startRequest(1011, "x", { timeoutMs: Number.NaN }), RangeError);
+  await assert.rejects(ctx.client.request(-1, "x"), RangeError);
+  assert.equal(ctx.client.stats().requestsPending, 1);
+  assert.equal(dataSent(ws).length, 1);
+  ctx.client.close();
+  assert.equal((await waiting).reason, "closed");
+  assert.equal((await rejection(ctx.client.request(1011, "after"))).reason, "closed");
+  assert.throws(() => ctx.client.startSyncClock(1010), (e) => e instanceof RequestError && e.reason === "closed");
+});
+
+test("closed: close() (or a kick) fails every waiting request with `closed`, outcomes before the terminal events, once", async () => {
+  const ctx = setup();
+  // Queued before connect() too: a request waits like a message.
+  const early = rejection(ctx.client.request(1011, "before connect"));
+  const { ws } = await connect(ctx);
+  const p = rejection(ctx.client.request(1011, "a", { timeoutMs: 100 }));
+  const id2 = ctx.client.startRequest(1011, "b", { timeoutMs: 100 });
+  const id3 = ctx.client.startSyncClock(1010, 100);
+  ctx.client.close();
+  assert.deepEqual([(await early).reason, (await p).reason], ["closed", "closed"]);
+  assert.deepEqual(ctx.named("requestFailed").map((f) => [f.requestId, f.reason]), [
+    [id2, "closed"],
+    [id3, "closed"],
+  ]);
+  assert.deepEqual(ctx.events.map((e) => e.name).slice(-4), ["requestFailed", "requestFailed", "stateChange", "closed"]);
+  await sleep(150); // past their timeouts: nothing more (the timers went with the outcomes)
+  assert.equal(ctx.named("requestFailed").length, 2);
+  ws.deliver(answer(1, id2, 0, "late")); // a socket the client dropped: ignored anyway
+  assert.equal(ctx.named("answer").length, 0);
+
+  // Kicked: terminal, the same.
+  const k = setup();
+  const { ws: kws } = await connect(k);
+  const kp = rejection(k.client.request(1011, "a"));
+  kws.deliver({ type: "close", code: CloseCode.kicked, message: "another login" });
+  assert.equal((await kp).reason, "closed");
+  assert.equal(k.client.stats().requestsPending, 0);
+});
+
+test("session_lost: a resume keeps requests; a new session (restore failed, or new_session after a session) fails them", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx);
+  ws.take();
+  const pa = ctx.client.request(1011, "a"); // seq 1, in session 1
+  const [ra] = dataSent(ws).map(requestOf);
+  ws.drop();
+  await sleep(5);
+  const ws2 = ctx.WS.all.at(-1);
+  const pb = ctx.client.request(1011, "b"); // seq 2, queued while down
+  await ws2.open();
+  ws2.take();
+  ws2.deliver(welcome(1, { resumeToken: id(3) }));
+  const resent = dataSent(ws2).map(requestOf);
+  assert.deepEqual(resent.map((r) => text(r.body)), ["a", "b"], "resent with their ids");
+  assert.equal(resent[0].id, ra.id);
+  ws2.deliver(answer(1, resent[1].id, 0, "B"));
+  ws2.deliver(answer(2, ra.id, 0, "A"));
+  assert.deepEqual([text((await pa).body), text((await pb).body)], ["A", "B"], "requests survive a resume");
+  ws2.deliver({ type: "ack", ack: 2n });
+
+  // Restore refused: a new session. The request sent in the old one and the one queued
+  // while down are both lost; their outcomes come before the WELCOME's events.
+  const pc = rejection(ctx.client.request(1011, "c"));
+  ws2.drop();
+  await sleep(5);
+  const ws3 = ctx.WS.all.at(-1);
+  const pd = rejection(ctx.client.request(1011, "d"));
+  const idE = ctx.client.startRequest(1011, "e");
+  const before = ctx.events.length;
+  await ws3.open();
+  ws3.take();
+  ws3.deliver(welcome(3, { sessionId: id(9) }));
+  assert.deepEqual(dataSent(ws3), [], "the old session's messages are discarded");
+  assert.deepEqual([(await pc).reason, (await pd).reason], ["session_lost", "session_lost"]);
+  assert.deepEqual(ctx.events.slice(before).map((e) => e.name), ["requestFailed", "stateChange", "connected", "newSession"]);
+  assert.deepEqual(ctx.named("requestFailed").map((f) => [f.requestId, f.reason]), [[idE, "session_lost"]]);
+  assert.equal(ctx.named("newSession").at(-1).discarded, 3);
+  assert.equal(ctx.client.stats().requestsPending, 0);
+
+  // The new session's requests number from 1 again and are answered.
+  const pf = ctx.client.request(1011, "f");
+  const [rf] = dataSent(ws3);
+  assert.equal(rf.seq, 1n);
+  ws3.deliver(answer(1, requestOf(rf).id, 0, "F"));
+  assert.equal(text((await pf).body), "F");
+
+  // outcome new_session after a session (the edge forgot it): the same.
+  const pg = rejection(ctx.client.request(1011, "g"));
+  ws3.drop();
+  await sleep(5);
+  const ws4 = ctx.WS.all.at(-1);
+  await ws4.open();
+  ws4.take();
+  ws4.deliver(welcome(0, { sessionId: id(10) }));
+  assert.equal((await pg).reason, "session_lost");
+  ctx.client.close();
+});
+
+test("requests and maxOfflineAgeMs: an expired request fails `expired` (no `expired` event); later requests keep their seq mapping", async (t) => {
+  const clock = fakeClock(t);
+  const ctx = setup({ maxOfflineAgeMs: 1000 });
+  const up = await upThenDropped(ctx);
+  const ws2 = await up.drop();
+  assert.equal(ctx.client.send(1001, "stale-1"), 1n);
+  const pa = rejection(ctx.client.request(1011, "stale request")); // seq 2
+  const idA2 = ctx.client.startRequest(1012, "stale request 2"); // seq 3
+  clock.advance(1500);
+  const pb = ctx.client.request(1013, "fresh b"); // seq 4 -> 1
+  const idC = ctx.client.startRequest(1014, "fresh c"); // seq 5 -> 2
+  assert.equal(ctx.client.send(1005, "fresh-6"), 6n); // -> 3
+  const before = ctx.events.length;
+  await ws2.open();
+  ws2.take();
+  ws2.deliver(welcome(1));
+  const sent = dataSent(ws2);
+  assert.deepEqual(sent.map((f) => [f.seq, f.msgId]), [
+    [1n, 1013],
+    [2n, 1014],
+    [3n, 1005],
+  ]);
+  const ea = await pa;
+  assert.deepEqual([ea.reason, ea.code], ["expired", null]);
+  assert.deepEqual(ctx.named("expired").map((e) => [e.msgId, e.seq]), [[1001, 1n]], "a request's expiry is its rejection, not an `expired` event");
+  assert.deepEqual(
+    ctx.events.slice(before).map((e) => e.name),
+    ["requestFailed", "stateChange", "connected", "expired", "restored"],
+  );
+  assert.deepEqual(ctx.named("requestFailed").map((f) => [f.requestId, f.reason]), [[idA2, "expired"]]);
+  // Seq 2 is now request c (it was 5): its ERROR refuses c, not b.
+  ws2.deliver({ type: "error", code: CloseCode.busy, msgId: 1014, clientSeq: 2n, retryAfterMs: 5 });
+  assert.deepEqual(ctx.named("requestFailed").at(-1), { name: "requestFailed", requestId: idC, reason: "refused", code: 402, label: "busy", retryAfterMs: 5, message: "refused: busy" });
+  // An ERROR for seq 3 is the plain message's: an `error` event.
+  ws2.deliver({ type: "error", code: CloseCode.busy, msgId: 1005, clientSeq: 3n, retryAfterMs: 0 });
+  assert.deepEqual(ctx.named("error").map((e) => [e.msgId, e.clientSeq]), [[1005, 3n]]);
+  ws2.deliver(answer(1, requestOf(sent[0]).id, 0, "B"));
+  assert.equal(text((await pb).body), "B");
+  assert.equal(ctx.client.stats().requestsPending, 0);
+  // New requests go on after the renumbered tail.
+  const pn = rejection(ctx.client.request(1011, "next"));
+  assert.deepEqual(dataSent(ws2).map((f) => f.seq), [4n]);
+  ctx.client.close();
+  assert.equal((await pn).reason, "closed");
+});
+
+test("clock: ClockSync keeps the last 8 samples and chooses the one with the smallest round trip", () => {
+  const c = new ClockSync();
+  assert.equal(c.estimate(), null);
+  // Server 5 s ahead; 100 ms round trip, symmetric.
+  assert.deepEqual(c.observe(1_000_000, 100, 1_005_050), { offsetMs: 5000, rttMs: 100, samples: 1 });
+  // A slow exchange does not move it; a faster one does.
+  assert.deepEqual(c.observe(1_001_000, 500, 1_006_050), { offsetMs: 5000, rttMs: 100, samples: 2 });
+  assert.deepEqual(c.observe(1_002_000, 20, 1_007_011), { offsetMs: 5001, rttMs: 20, samples: 3 });
+  // Old samples age out.
+  for (let i = 0; i < 8; i++) c.observe(1_003_000 + i, 60, 1_003_030 + i - 250);
+  assert.deepEqual(c.estimate(), { offsetMs: -250, rttMs: 60, samples: 11 });
+  // Equal round trips: the earlier sample stays.
+  c.observe(1_010_000, 60, 1_010_030 + 7);
+  assert.equal(c.estimate().offsetMs, -250);
+});
+
+test("syncClock: a critical request with an empty body; offset T - (t0 + rtt/2) from the min-rtt sample; clockOffset and stats().clock", async (t) => {
+  const ctx = setup({ livenessMs: 0 });
+  const { ws } = await connect(ctx);
+  ws.take();
+  // Wall clock (t0) and monotonic clock (rtt) under the test's control.
+  let mono = 50_000;
+  let wall = 0;
+  t.mock.method(performance, "now", () => mono);
+  t.mock.method(Date, "now", () => wall);
+  assert.equal(ctx.client.clockOffset, null);
+  assert.equal(ctx.client.stats().clock, null);
+  let seq = 0;
+  /** One exchange: sent at local `at`, answered `server` after `rtt` ms. */
+  const exchange = (at, rtt, server, { status = 0, body = unixMsBody(server), start = false } = {}) => {
+    wall = at;
+    const p = start ? ctx.client.startSyncClock(1010) : ctx.client.syncClock(1010);
+    const [f] = dataSent(ws);
+    assert.deepEqual([f.cls, f.msgId, requestOf(f).body.length], ["critical", 1010, 0]);
+    mono += rtt;
+    wall += rtt + 1234; // the wall clock at receipt plays no part
+    ws.deliver(answer(++seq, requestOf(f).id, status, body));
+    return start ? requestOf(f).id : p;
+  };
+  assert.deepEqual(await exchange(1_000_000, 100, 1_005_050), { offsetMs: 5000, rttMs: 100, samples: 1 });
+  assert.equal(ctx.client.clockOffset, 5000);
+  assert.deepEqual(await exchange(1_001_000, 500, 1_006_050), { offsetMs: 5000, rttMs: 100, samples: 2 }, "a slow exchange does not move it");
+  assert.deepEqual(await exchange(1_002_000, 20, 1_007_011), { offsetMs: 5001, rttMs: 20, samples: 3 });
+  assert.deepEqual(ctx.client.stats().clock, { offsetMs: 5001, rttMs: 20, samples: 3 });
+  // Not a clock answer: `bad_answer`, no sample.
+  for (const opts of [{ status: 3 }, { body: new Uint8Array(4) }]) {
+    const e = await rejection(exchange(1_003_000, 1, 1_003_000, opts));
+    assert.equal(e.reason, "bad_answer");
+  }
+  assert.deepEqual(ctx.client.stats().clock, { offsetMs: 5001, rttMs: 20, samples: 3 });
+  // startSyncClock: the outcome as an `answer` event; the estimate follows it.
+  const id = exchange(1_004_000, 10, 1_009_000, { start: true });
+  assert.deepEqual(ctx.named("answer").map((e) => [e.requestId, e.status, e.body.length]), [[id, 0, 8]]);
+  assert.deepEqual(ctx.client.stats().clock, { offsetMs: 4995, rttMs: 10, samples: 4 });
+  assert.equal(ctx.client.clockOffset, 4995);
+  assert.deepEqual(ctx.named("message"), []);
+  ctx.client.close();
 });

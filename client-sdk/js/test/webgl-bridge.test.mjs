@@ -14,7 +14,7 @@ import { fileURLToPath } from "node:url";
 import { CHANNEL_EVENT_MSG_ID, ChannelEventKind, CloseCode, encodeChannelEvent } from "../dist/index.js";
 import "../dist/global.js"; // globalThis.Waygate, as on a page
 import { loadJslib } from "../test-support/emscripten-mock.mjs";
-import { data, id, scriptedWebSocket, sleep, text, welcome } from "../test-support/fake-edge.mjs";
+import { answer, data, id, requestOf, scriptedWebSocket, sleep, text, unixMsBody, welcome } from "../test-support/fake-edge.mjs";
 
 const UNITY = fileURLToPath(new URL("../../unity-webgl/", import.meta.url));
 const JSLIB = join(UNITY, "Plugins/WaygateWebGL.jslib");
@@ -74,10 +74,20 @@ function bridge(t) {
     m.free(p);
     return r;
   };
+  const request = (h, cls, msgId, body, timeoutMs = 10_000) => {
+    const [p, len] = m.bytes(body);
+    const r = api.WaygateWebGL_Request(h, cls, msgId, p, len, timeoutMs);
+    m.free(p);
+    return r;
+  };
+  const stats = (h) => {
+    const n = api.WaygateWebGL_Stats(h, buf, bufLen);
+    return JSON.parse(m.readText(buf, n));
+  };
   t.after(() => {
     for (let h = 1; h < 20; h++) api.WaygateWebGL_Free(h);
   });
-  return { m, api, WS, buf, bufLen, create, poll, events, send, lastError };
+  return { m, api, WS, buf, bufLen, create, poll, events, send, request, stats, lastError };
 }
 
 const OPTIONS = { urls: ["ws://edge-a/", "ws://edge-b/"], token: "qrs", backoffMinMs: 1, backoffMaxMs: 8 };
@@ -355,6 +365,114 @@ test("webgl bridge: handles are independent; Free closes an open session", async
   b.api.WaygateWebGL_Close(h2);
 });
 
+test("webgl bridge: Request and SyncClock return ids; answer / requestFailed come through the poll queue; ClockOffset and stats", async (t) => {
+  const b = bridge(t);
+  const { api } = b;
+  const h = b.create({ ...OPTIONS, maxUnacked: 3, livenessMs: 0 });
+  assert.equal(b.request(h, 1, 1011, "early"), -R.INVALID_STATE, "before Connect (as Send)");
+  assert.equal(api.WaygateWebGL_SyncClock(h, 1010, 1000), -R.INVALID_STATE);
+  assert.ok(Number.isNaN(api.WaygateWebGL_ClockOffset(h)), "no sample yet");
+  api.WaygateWebGL_Connect(h);
+  const { ws } = await welcomeLatest(b, 0);
+  ws.take();
+  b.events(h);
+
+  // Requests: the id at once; the body copied from the heap behind it.
+  const id1 = b.request(h, 1, 1011, "hi");
+  const id2 = b.request(h, 0, 1012, "");
+  assert.ok(id1 > 0 && id2 > 0 && id1 !== id2, `${id1} ${id2}: ${b.lastError()}`);
+  const sent = ws.take().filter((f) => f.type === "data");
+  assert.deepEqual(sent.map((f) => [f.cls, f.msgId, f.seq, requestOf(f).id, text(requestOf(f).body)]), [
+    ["normal", 1011, 1n, id1, "hi"],
+    ["critical", 1012, 2n, id2, ""],
+  ]);
+  assert.equal(b.request(h, 2, 1011, "x"), -R.INVALID_ARGUMENT);
+  assert.match(b.lastError(), /best-effort/);
+  assert.equal(b.request(h, 9, 1011, "x"), -R.INVALID_ARGUMENT);
+  assert.match(b.lastError(), /unknown traffic class 9/);
+  assert.equal(api.WaygateWebGL_Request(h, 1, 1011, 0, 5, 1000), -R.INVALID_ARGUMENT, "NULL body with a length");
+  assert.equal(b.stats(h).requestsPending, 2);
+
+  // Outcomes: an answer (status, body in base64) and a refusal; neither is a message nor an error.
+  ws.deliver(answer(1, id1, 0, "ok"));
+  ws.deliver({ type: "error", code: CloseCode.busy, msgId: 1012, clientSeq: 2n, retryAfterMs: 300 });
+  const evs = b.events(h);
+  assert.deepEqual(
+    evs.map((e) => (e.kind === "answer" ? { ...e, payload: b64(e.payload).toString() } : e)),
+    [
+      { kind: "answer", requestId: id1, status: 0, payload: "ok" },
+      { kind: "requestFailed", requestId: id2, reason: "refused", code: 402, label: "busy", retryAfterMs: 300, message: "refused: busy" },
+    ],
+  );
+
+  // A timeout (unsigned ms), then a late answer: dropped.
+  const id3 = b.request(h, 1, 1011, "slow", 20);
+  assert.ok(id3 > 0);
+  let failed = [];
+  for (let i = 0; i < 500 && failed.length === 0; i++) {
+    await sleep(2);
+    failed = b.events(h);
+  }
+  assert.deepEqual(failed, [{ kind: "requestFailed", requestId: id3, reason: "timeout", code: null, label: null, retryAfterMs: 0, message: "no answer within 20 ms" }]);
+  ws.deliver(answer(2, id3, 0, "late"));
+  assert.deepEqual(b.events(h), [], "a late answer is dropped");
+
+  // The send buffer (maxUnacked 3: seqs 1..3 unacked): BUFFER_FULL, as Send.
+  assert.equal(b.request(h, 1, 1011, "full"), -R.BUFFER_FULL);
+  ws.deliver({ type: "ack", ack: 3n });
+  ws.take();
+
+  // A clock sample, with the clocks under the test's control.
+  let mono = 10_000;
+  let wall = 1_700_000_000_000;
+  t.mock.method(performance, "now", () => mono);
+  t.mock.method(Date, "now", () => wall);
+  const id4 = api.WaygateWebGL_SyncClock(h, -16 /* msg id 0xFFFFFFF0 from C#'s uint */, 5000);
+  assert.ok(id4 > 0, b.lastError());
+  const [clk] = ws.take().filter((f) => f.type === "data");
+  assert.deepEqual([clk.cls, clk.msgId, requestOf(clk).id, requestOf(clk).body.length], ["critical", 0xfffffff0, id4, 0]);
+  mono += 40;
+  wall += 40;
+  ws.deliver(answer(3, id4, 0, unixMsBody(1_700_000_000_000 + 20 + 2500)));
+  const [ans] = b.events(h);
+  assert.deepEqual({ ...ans, payload: [...b64(ans.payload)].length }, { kind: "answer", requestId: id4, status: 0, payload: 8 });
+  assert.equal(api.WaygateWebGL_ClockOffset(h), 2500);
+  const st = b.stats(h);
+  assert.deepEqual([st.clockOffsetMs, st.clockRttMs, st.clockSamples, st.requestsPending], [2500, 40, 1, 0]);
+
+  // Close: waiting requests fail `closed` before the terminal events; then CLOSED.
+  const id5 = b.request(h, 1, 1011, "pending");
+  api.WaygateWebGL_Close(h);
+  assert.deepEqual(b.events(h).map((e) => [e.kind, e.requestId ?? null, e.reason ?? null]), [
+    ["requestFailed", id5, "closed"],
+    ["stateChange", null, null],
+    ["closed", null, "client closed"],
+  ]);
+  assert.equal(b.request(h, 1, 1011, "late"), -R.CLOSED);
+  assert.equal(api.WaygateWebGL_SyncClock(h, 1010, 1000), -R.CLOSED);
+  assert.equal(api.WaygateWebGL_ClockOffset(h), 2500, "the estimate outlives the session");
+  api.WaygateWebGL_Free(h);
+  assert.equal(b.request(h, 1, 1011, "x"), -R.INVALID_ARGUMENT, "unknown handle");
+  assert.equal(api.WaygateWebGL_SyncClock(h, 1010, 1000), -R.INVALID_ARGUMENT);
+  assert.ok(Number.isNaN(api.WaygateWebGL_ClockOffset(h)));
+});
+
+test("webgl bridge: request outcomes are never dropped from a full event queue", async (t) => {
+  const b = bridge(t);
+  const h = b.create({ ...OPTIONS, maxQueuedEvents: 3 });
+  b.api.WaygateWebGL_Connect(h);
+  const { ws } = await welcomeLatest(b, 0); // stateChange x2, connected: full (newSession dropped)
+  const ids = [b.request(h, 1, 1011, "a"), b.request(h, 1, 1011, "b")];
+  ws.deliver(data(1, 2000, "m1")); // dropped
+  ws.deliver(answer(2, ids[0], 0, "A"));
+  ws.deliver({ type: "error", code: CloseCode.no_route, msgId: 1011, clientSeq: 2n, retryAfterMs: 0 });
+  const evs = b.events(h);
+  assert.deepEqual(kinds(evs), ["stateChange", "stateChange", "connected", "eventsDropped", "answer", "requestFailed"]);
+  assert.equal(evs[3].count, 2, "newSession and the message");
+  assert.deepEqual([evs[4].requestId, evs[5].requestId, evs[5].reason, evs[5].label], [ids[0], ids[1], "refused", "no_route"]);
+  b.api.WaygateWebGL_Close(h);
+});
+
 test("webgl bridge: the .jslib is plain ES5 for Unity's Emscripten (no arrows, template strings, let/const, BigInt literals)", () => {
   const code = source
     .split("\n")
@@ -422,7 +540,13 @@ test("webgl bridge: the C# side (Runtime/WaygateWebGLClient.cs) reads what the .
   await sleep(5);
   b.send(h, 1, 1001, "stale");
   skew += 3000;
-  await welcomeLatest(b, 2, { serverSeqBase: 2n });
+  const { ws: ws2 } = await welcomeLatest(b, 2, { serverSeqBase: 2n });
+  ws2.take();
+  const idA = b.request(h, 0, 1011, "a");
+  const idB = b.request(h, 1, 1012, "b");
+  assert.ok(idA > 0 && idB > 0, b.lastError());
+  ws2.deliver(answer(3, idA, 5, "données"));
+  ws2.deliver({ type: "error", code: CloseCode.busy, msgId: 1012, clientSeq: 2n, retryAfterMs: 750 });
   b.api.WaygateWebGL_Close(h);
   const lines = [];
   for (let i = 0; i < 100; i++) {
@@ -434,7 +558,7 @@ test("webgl bridge: the C# side (Runtime/WaygateWebGLClient.cs) reads what the .
   assert.deepEqual(kinds(js), [
     "stateChange", "stateChange", "connected", "newSession", "message", "channel",
     "stateChange", "disconnected", "stateChange", "connected", "expired", "restoredWithGap",
-    "stateChange", "closed",
+    "answer", "requestFailed", "stateChange", "closed",
   ]);
   assert.ok(lines[5].includes(`"offset":${maxU64}`), "u64 written exactly");
 
@@ -455,6 +579,16 @@ test("webgl bridge: the C# side (Runtime/WaygateWebGLClient.cs) reads what the .
   assert.equal(cs[10].seq, "1");
   assert.ok(Number(cs[10].ageMs) >= 3000);
   assert.equal(cs[11].kind, "RestoredWithGap");
-  assert.deepEqual(pick(13, "kind", "code", "reason", "terminal"), { kind: "Closed", code: "0", reason: "client closed", terminal: "true" });
+  assert.deepEqual(pick(12, "kind", "requestId", "status", "payloadText", "failure"), { kind: "Answer", requestId: String(idA), status: "5", payloadText: "données", failure: "None" });
+  assert.deepEqual(pick(13, "kind", "requestId", "failure", "reason", "code", "label", "retryAfterMs"), {
+    kind: "RequestFailed",
+    requestId: String(idB),
+    failure: "Refused",
+    reason: "refused",
+    code: "402",
+    label: "busy",
+    retryAfterMs: "750",
+  });
+  assert.deepEqual(pick(15, "kind", "code", "reason", "terminal"), { kind: "Closed", code: "0", reason: "client closed", terminal: "true" });
   assert.ok(cs.every((e) => e.kind !== "Unknown"), "every kind known to C#");
 });

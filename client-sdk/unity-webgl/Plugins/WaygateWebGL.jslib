@@ -25,6 +25,13 @@
 //
 // Connection state codes (WaygateWebGL_State): 0 idle, 1 connecting, 2 connected,
 // 3 reconnecting, 4 closed (the JS SDK's `client.state` names).
+//
+// Requests (PROTOCOL.md §13): WaygateWebGL_Request / WaygateWebGL_SyncClock return the
+// request id at once (> 0; a negative result code when it was not sent); its one outcome
+// comes through the poll queue as an `answer` (requestId, status, payload) or a
+// `requestFailed` (requestId, reason, code, label, retryAfterMs, message) event, the C ABI's
+// WAYGATE_EVENT_ANSWER and WAYGATE_EVENT_REQUEST_FAILED. Those are never dropped from a full
+// queue (each request has exactly one). WaygateWebGL_ClockOffset: the clock estimate.
 
 var WaygateWebGLLibrary = {
   // Shared state: clients by handle (records built by WaygateWebGL_Create), the next handle,
@@ -136,6 +143,25 @@ var WaygateWebGLLibrary = {
 
   $WG_states: ["idle", "connecting", "connected", "reconnecting", "closed"],
 
+  // Starts a request on `rec` with `start(client)` (the SDK's startRequest or
+  // startSyncClock): its id, or a negative result code with the reason.
+  $WG_startRequest: function (rec, start) {
+    if (rec.ended) return -WG_fail(4, "the client is closed");
+    if (!rec.connected) return -WG_fail(3, "call WaygateWebGL_Connect first");
+    try {
+      var id = start(rec.client);
+      if (typeof id !== "number" || !(id > 0)) return -WG_fail(8, "bug in the waygate bridge: request id " + id);
+      return id;
+    } catch (e) {
+      var reason = e && e["reason"];
+      var message = e && e.message ? e.message : String(e);
+      if (reason === "buffer_full") return -WG_fail(5, message);
+      if (reason === "closed") return -WG_fail(4, message);
+      if (reason === "not_sequenced" || reason === "too_large" || (e && e.name === "RangeError")) return -WG_fail(2, message);
+      return -WG_fail(8, "bug in the waygate bridge: " + (e && e.stack ? e.stack : e));
+    }
+  },
+
   // ---------------------------------------------------------------------------------------
   // The API (C# declares these with [DllImport("__Internal")]).
 
@@ -239,11 +265,12 @@ var WaygateWebGLLibrary = {
         ended: false,
         lastSeq: 0,
       };
-      var names = ["stateChange", "connected", "newSession", "restored", "restoredWithGap", "expired", "connectFailed", "disconnected", "kicked", "migrating", "message", "channel", "error", "closed"];
+      var names = ["stateChange", "connected", "newSession", "restored", "restoredWithGap", "expired", "connectFailed", "disconnected", "kicked", "migrating", "message", "channel", "error", "closed", "answer", "requestFailed"];
       var listen = function (name) {
         client["on"](name, function (ev) {
           if (name === "closed") rec.ended = true;
-          var keep = name === "closed" || name === "kicked" || (name === "stateChange" && ev["to"] === "closed");
+          // Terminal events, and every request's one outcome, are never dropped.
+          var keep = name === "closed" || name === "kicked" || name === "answer" || name === "requestFailed" || (name === "stateChange" && ev["to"] === "closed");
           WG_push(rec, WG_json(WG_flatten(name, ev)), keep);
         });
       };
@@ -296,6 +323,50 @@ var WaygateWebGLLibrary = {
       if (reason === "too_large" || (e && e.name === "RangeError")) return WG_fail(2, e.message);
       return WG_fail(8, "bug in the waygate bridge: " + e);
     }
+  },
+
+  // Sends a request (PROTOCOL.md §13) of class `cls` (0 critical, 1 normal) to `msgId` with
+  // `len` bytes at `ptr` (copied) as its body, failing with `timeout` after `timeoutMs`
+  // (unsigned; 0 fails at once). Returns the request id (> 0); its outcome comes as one
+  // `answer` or `requestFailed` event with that id. On failure a negative result code:
+  // -5 BUFFER_FULL; -2 INVALID_ARGUMENT (best-effort or unknown class, body too large for a
+  // frame, bad pointer); -3 INVALID_STATE before Connect; -4 CLOSED; -2 for an unknown handle.
+  WaygateWebGL_Request: function (handle, cls, msgId, ptr, len, timeoutMs) {
+    var rec = WG_get(handle);
+    if (!rec) return -2;
+    if (rec.ended) return -WG_fail(4, "the client is closed");
+    if (!rec.connected) return -WG_fail(3, "call WaygateWebGL_Connect first");
+    if (cls !== 0 && cls !== 1) {
+      return -WG_fail(2, cls === 2 ? "a request must be critical (0) or normal (1), not best-effort" : "unknown traffic class " + cls);
+    }
+    if (len < 0 || (len > 0 && !ptr)) return -WG_fail(2, "bad body pointer or length");
+    var body = WG_bytes(ptr, len);
+    return WG_startRequest(rec, function (client) {
+      return client["startRequest"](msgId >>> 0, body, { "cls": cls === 0 ? "critical" : "normal", "timeoutMs": timeoutMs >>> 0 });
+    });
+  },
+
+  // Takes a sample of the game server's clock: a critical request with an empty body to
+  // `msgId` (the demo's TIME, 1010), answered with the server's Unix ms (u64 big-endian).
+  // Returns the request id, or a negative result code as WaygateWebGL_Request. When its
+  // `answer` event comes, WaygateWebGL_ClockOffset has the updated estimate; an answer that
+  // is not a clock is a `requestFailed` with reason `bad_answer`.
+  WaygateWebGL_SyncClock: function (handle, msgId, timeoutMs) {
+    var rec = WG_get(handle);
+    if (!rec) return -2;
+    return WG_startRequest(rec, function (client) {
+      return client["startSyncClock"](msgId >>> 0, timeoutMs >>> 0);
+    });
+  },
+
+  // The game server's clock offset estimate, ms (server time = local Unix time + offset;
+  // a double, possibly fractional), or NaN before the first clock sample was answered (and
+  // for an unknown handle). The round trip it rests on: WaygateWebGL_Stats' clockRttMs.
+  WaygateWebGL_ClockOffset: function (handle) {
+    var rec = WG_get(handle);
+    if (!rec) return NaN;
+    var offset = rec.client["clockOffset"];
+    return typeof offset === "number" ? offset : NaN;
   },
 
   // The client seq of the last message WaygateWebGL_Send accepted on this handle (0 for
@@ -398,12 +469,14 @@ var WaygateWebGLLibrary = {
 
   // Live statistics as JSON into `buf`, with WaygateWebGL_Poll's length convention: state,
   // rttLatestMs, rttSmoothedMs, rttMinMs (null before a sample), rttSamples, unacked,
-  // lastServerSeq, connects, sessionId (hex or null), queuedEvents, droppedEvents.
+  // lastServerSeq, connects, sessionId (hex or null), queuedEvents, droppedEvents,
+  // requestsPending, clockOffsetMs, clockRttMs (null before a clock sample), clockSamples.
   WaygateWebGL_Stats: function (handle, buf, len) {
     var rec = WG_get(handle);
     if (!rec) return -2;
     var s = rec.client["stats"]();
     var rtt = s["rtt"];
+    var clock = s["clock"] || null;
     return WG_write(
       WG_json({
         "state": s["state"],
@@ -417,6 +490,10 @@ var WaygateWebGLLibrary = {
         "sessionId": s["sessionId"],
         "queuedEvents": rec.queue.length,
         "droppedEvents": rec.droppedTotal,
+        "requestsPending": s["requestsPending"],
+        "clockOffsetMs": clock ? clock["offsetMs"] : null,
+        "clockRttMs": clock ? clock["rttMs"] : null,
+        "clockSamples": clock ? clock["samples"] : 0,
       }),
       buf,
       len

@@ -10,6 +10,10 @@
 //     WebGLEvent ev;
 //     while (client.Poll(out ev)) { /* switch (ev.Kind) ... */ }
 //     client.Send(WebGLTrafficClass.Normal, 1000, body);
+//     uint id;
+//     client.Request(WebGLTrafficClass.Normal, 1011, body, 10000, out id);
+//     // ... later, an Answer (ev.RequestId == id, ev.Status, ev.Payload) or a
+//     // RequestFailed (ev.RequestId, ev.Failure, ev.Code, ev.RetryAfterMs) event.
 //     // when done (OnDestroy()):
 //     client.Dispose();            // closes the session and frees the handle
 //
@@ -133,6 +137,31 @@ namespace Waygate.WebGL
         Closed,
         /// <summary>"eventsDropped": Count events did not fit in the queue here (TotalDropped so far).</summary>
         EventsDropped,
+        /// <summary>"answer": the answer to a request (Request, SyncClock): RequestId, Status (0 or the game server's code), Payload. The C ABI's WAYGATE_EVENT_ANSWER.</summary>
+        Answer,
+        /// <summary>"requestFailed": a request has no answer: RequestId, Failure (Reason has its name), and Code, Label, RetryAfterMs when refused. The C ABI's WAYGATE_EVENT_REQUEST_FAILED.</summary>
+        RequestFailed,
+    }
+
+    /// <summary>Why a request has no answer (<see cref="WebGLEvent.Failure"/>; the name is in <see cref="WebGLEvent.Reason"/>).</summary>
+    public enum WebGLRequestFailure
+    {
+        /// <summary>Not a requestFailed event.</summary>
+        None = 0,
+        /// <summary>"timeout": no answer within the timeout (a later answer is dropped).</summary>
+        Timeout,
+        /// <summary>"refused": the edge or the game server refused it (Code, Label, RetryAfterMs).</summary>
+        Refused,
+        /// <summary>"expired": queued offline longer than MaxOfflineAgeMs: never sent.</summary>
+        Expired,
+        /// <summary>"session_lost": the session it was sent in was replaced by a new one: it may or may not have reached the game server.</summary>
+        SessionLost,
+        /// <summary>"closed": the client ended first.</summary>
+        Closed,
+        /// <summary>"bad_answer": a clock sample answered with something else than status 0 and 8 bytes of Unix ms.</summary>
+        BadAnswer,
+        /// <summary>A reason this file does not know (a newer bridge): see Reason.</summary>
+        Other,
     }
 
     /// <summary>A failed call: the result code and the bridge's explanation.</summary>
@@ -252,7 +281,7 @@ namespace Waygate.WebGL
         public WebGLConnectionState From { get; private set; }
         /// <summary>stateChange: the new state.</summary>
         public WebGLConnectionState To { get; private set; }
-        /// <summary>message, channel: the body (base64-decoded); empty otherwise.</summary>
+        /// <summary>message, channel, answer: the body (base64-decoded); empty otherwise.</summary>
         public byte[] Payload { get; private set; }
 
         /// <summary>Parses one event's JSON (as WaygateWebGL_Poll writes it).</summary>
@@ -278,8 +307,14 @@ namespace Waygate.WebGL
         public string Url { get { return GetString("url"); } }
         /// <summary>The session id in hex (connected, newSession, restored, restoredWithGap).</summary>
         public string SessionId { get { return GetString("sessionId"); } }
-        /// <summary>Why, for people (connectFailed, disconnected, closed).</summary>
+        /// <summary>Why, for people (connectFailed, disconnected, closed); requestFailed: the reason's name ("timeout", "refused", ...).</summary>
         public string Reason { get { return GetString("reason"); } }
+        /// <summary>answer, requestFailed: the request's id (what Request / SyncClock returned).</summary>
+        public uint RequestId { get { return (uint)GetUInt64("requestId"); } }
+        /// <summary>answer: the status, 0 for success or the game server's own code.</summary>
+        public int Status { get { return (int)GetInt64("status"); } }
+        /// <summary>requestFailed: why the request has no answer; None for other kinds.</summary>
+        public WebGLRequestFailure Failure { get { return Kind == WebGLEventKind.RequestFailed ? FailureOf(GetString("reason")) : WebGLRequestFailure.None; } }
         /// <summary>The close or error code's name (disconnected, error, closed).</summary>
         public string Label { get { return GetString("label"); } }
         /// <summary>The server's text (kicked, error of kind rejected or protocol).</summary>
@@ -292,7 +327,7 @@ namespace Waygate.WebGL
         public string ChannelKind { get { return GetString("channelKind"); } }
         /// <summary>error: "undelivered", "rejected" or "protocol".</summary>
         public string ErrorKind { get { return GetString("errorKind"); } }
-        /// <summary>Close or error code (PROTOCOL.md close-code table); 0 if none.</summary>
+        /// <summary>Close or error code (PROTOCOL.md close-code table; requestFailed: the refusal's code when refused); 0 if none.</summary>
         public int Code { get { return (int)GetInt64("code"); } }
         /// <summary>message, expired, error: the message id.</summary>
         public uint MsgId { get { return (uint)GetUInt64("msgId"); } }
@@ -312,7 +347,7 @@ namespace Waygate.WebGL
         public long AgeMs { get { return GetInt64("ageMs"); } }
         /// <summary>disconnected: the delay before the next attempt, ms.</summary>
         public long RetryInMs { get { return GetInt64("retryInMs"); } }
-        /// <summary>error: the server's retry hint, ms.</summary>
+        /// <summary>error, requestFailed (refused): the server's retry hint, ms.</summary>
         public long RetryAfterMs { get { return GetInt64("retryAfterMs"); } }
         /// <summary>migrating: the deadline, ms.</summary>
         public long DeadlineMs { get { return GetInt64("deadlineMs"); } }
@@ -415,7 +450,24 @@ namespace Waygate.WebGL
                 case "error": return WebGLEventKind.Error;
                 case "closed": return WebGLEventKind.Closed;
                 case "eventsDropped": return WebGLEventKind.EventsDropped;
+                case "answer": return WebGLEventKind.Answer;
+                case "requestFailed": return WebGLEventKind.RequestFailed;
                 default: return WebGLEventKind.Unknown;
+            }
+        }
+
+        /// <summary>A request failure reason ("timeout", "refused", ...) as the enum; Other if unknown.</summary>
+        public static WebGLRequestFailure FailureOf(string name)
+        {
+            switch (name)
+            {
+                case "timeout": return WebGLRequestFailure.Timeout;
+                case "refused": return WebGLRequestFailure.Refused;
+                case "expired": return WebGLRequestFailure.Expired;
+                case "session_lost": return WebGLRequestFailure.SessionLost;
+                case "closed": return WebGLRequestFailure.Closed;
+                case "bad_answer": return WebGLRequestFailure.BadAnswer;
+                default: return WebGLRequestFailure.Other;
             }
         }
 
@@ -612,6 +664,115 @@ namespace Waygate.WebGL
             }
         }
 
+        /// <summary>The default request timeout, ms.</summary>
+        public const uint DefaultRequestTimeoutMs = 10000;
+
+        /// <summary>
+        /// Sends a request (PROTOCOL.md §13) of class Critical or Normal to <paramref name="msgId"/>
+        /// with <paramref name="body"/> and returns at once: Ok with <paramref name="requestId"/>
+        /// set, BufferFull, InvalidArgument (BestEffort, a body too large), InvalidState before
+        /// Connect(), Closed. Its outcome comes as one Answer or RequestFailed event with that
+        /// id (timeout after <paramref name="timeoutMs"/>).
+        /// </summary>
+        public WebGLResult Request(WebGLTrafficClass trafficClass, uint msgId, byte[] body, uint timeoutMs, out uint requestId)
+        {
+            return Request(trafficClass, msgId, body, 0, body == null ? 0 : body.Length, timeoutMs, out requestId);
+        }
+
+        /// <summary>Sends a request with the default timeout (10 s); see the other overloads.</summary>
+        public WebGLResult Request(WebGLTrafficClass trafficClass, uint msgId, byte[] body, out uint requestId)
+        {
+            return Request(trafficClass, msgId, body, DefaultRequestTimeoutMs, out requestId);
+        }
+
+        /// <summary>Sends a request whose body is UTF-8 text.</summary>
+        public WebGLResult Request(WebGLTrafficClass trafficClass, uint msgId, string body, uint timeoutMs, out uint requestId)
+        {
+            return Request(trafficClass, msgId, Encoding.UTF8.GetBytes(body ?? ""), timeoutMs, out requestId);
+        }
+
+        /// <summary>Sends a request whose body is <paramref name="count"/> bytes of <paramref name="body"/> from <paramref name="offset"/> (copied).</summary>
+        public WebGLResult Request(WebGLTrafficClass trafficClass, uint msgId, byte[] body, int offset, int count, uint timeoutMs, out uint requestId)
+        {
+            requestId = 0;
+            if (count < 0 || offset < 0 || (body == null ? count != 0 : offset > body.Length - count))
+                throw new ArgumentOutOfRangeException("count", "offset/count outside the body");
+            int h = Live();
+            GCHandle pin = default(GCHandle);
+            try
+            {
+                IntPtr ptr = IntPtr.Zero;
+                if (count > 0)
+                {
+                    pin = GCHandle.Alloc(body, GCHandleType.Pinned);
+                    ptr = IntPtr.Add(pin.AddrOfPinnedObject(), offset);
+                }
+                return Started(Native.WaygateWebGL_Request(h, (int)trafficClass, msgId, ptr, count, timeoutMs), out requestId);
+            }
+            finally
+            {
+                if (pin.IsAllocated) pin.Free();
+            }
+        }
+
+        /// <summary>
+        /// Takes a sample of the game server's clock: a request to <paramref name="msgId"/> (the
+        /// demo's TIME, 1010) answered with its Unix time in ms. Returns as Request; when the
+        /// Answer event with <paramref name="requestId"/> comes, ClockOffsetMs has the updated
+        /// estimate. Call it a few times at start, then now and then.
+        /// </summary>
+        public WebGLResult SyncClock(uint msgId, uint timeoutMs, out uint requestId)
+        {
+            return Started(Native.WaygateWebGL_SyncClock(Live(), msgId, timeoutMs), out requestId);
+        }
+
+        /// <summary>Takes a clock sample with the default timeout (10 s).</summary>
+        public WebGLResult SyncClock(uint msgId, out uint requestId)
+        {
+            return SyncClock(msgId, DefaultRequestTimeoutMs, out requestId);
+        }
+
+        /// <summary>
+        /// The game server's clock offset, ms (server time = local Unix time + offset; the
+        /// fastest of the last 8 samples, within half its round trip: StatsJson's clockRttMs),
+        /// or null before the first clock sample was answered.
+        /// </summary>
+        public double? ClockOffsetMs
+        {
+            get
+            {
+                double offset = Native.WaygateWebGL_ClockOffset(Live());
+                if (double.IsNaN(offset)) return null;
+                return offset;
+            }
+        }
+
+        /// <summary>As ClockOffsetMs, in the shape of Waygate.cs' TryGetClockOffset: false before the first clock sample.</summary>
+        public bool TryGetClockOffset(out double offsetMs)
+        {
+            double? offset = ClockOffsetMs;
+            offsetMs = offset.HasValue ? offset.Value : 0;
+            return offset.HasValue;
+        }
+
+        /// <summary>The game server's time now, Unix ms, or null before the first clock sample.</summary>
+        public double? ServerTimeMs
+        {
+            get
+            {
+                double? offset = ClockOffsetMs;
+                if (!offset.HasValue) return null;
+                return (DateTime.UtcNow - new DateTime(1970, 1, 1, 0, 0, 0, DateTimeKind.Utc)).TotalMilliseconds + offset.Value;
+            }
+        }
+
+        static WebGLResult Started(int r, out uint requestId)
+        {
+            requestId = r > 0 ? (uint)r : 0;
+            if (r > 0) return WebGLResult.Ok;
+            return r == 0 ? WebGLResult.Internal : (WebGLResult)(-r);
+        }
+
         /// <summary>Drops the link as a network failure would (a drill): the client resumes.</summary>
         public WebGLResult DropLink()
         {
@@ -660,8 +821,8 @@ namespace Waygate.WebGL
 
         /// <summary>
         /// Live statistics as a flat JSON object: state, rttLatestMs, rttSmoothedMs, rttMinMs,
-        /// rttSamples, unacked, lastServerSeq, connects, sessionId, queuedEvents, droppedEvents
-        /// (read it with WebGLEvent.Parse(json).GetDouble("rttSmoothedMs") and the like).
+        /// rttSamples, unacked, lastServerSeq, connects, sessionId, queuedEvents, droppedEvents,
+        /// requestsPending, clockOffsetMs, clockRttMs, clockSamples (read it with WebGLEvent.Parse(json).GetDouble("rttSmoothedMs") and the like).
         /// </summary>
         public string StatsJson()
         {
@@ -862,6 +1023,9 @@ namespace Waygate.WebGL
         [DllImport("__Internal")] public static extern int WaygateWebGL_Connect(int handle);
         [DllImport("__Internal")] public static extern int WaygateWebGL_Send(int handle, int trafficClass, uint msgId, IntPtr payload, int len);
         [DllImport("__Internal")] public static extern double WaygateWebGL_LastSeq(int handle);
+        [DllImport("__Internal")] public static extern int WaygateWebGL_Request(int handle, int trafficClass, uint msgId, IntPtr body, int len, uint timeoutMs);
+        [DllImport("__Internal")] public static extern int WaygateWebGL_SyncClock(int handle, uint msgId, uint timeoutMs);
+        [DllImport("__Internal")] public static extern double WaygateWebGL_ClockOffset(int handle);
         [DllImport("__Internal")] public static extern int WaygateWebGL_Poll(int handle, IntPtr buf, int len);
         [DllImport("__Internal")] public static extern int WaygateWebGL_Pending(int handle);
         [DllImport("__Internal")] public static extern int WaygateWebGL_State(int handle);
@@ -882,6 +1046,9 @@ namespace Waygate.WebGL
         public static int WaygateWebGL_Connect(int handle) { throw NotHere(); }
         public static int WaygateWebGL_Send(int handle, int trafficClass, uint msgId, IntPtr payload, int len) { throw NotHere(); }
         public static double WaygateWebGL_LastSeq(int handle) { throw NotHere(); }
+        public static int WaygateWebGL_Request(int handle, int trafficClass, uint msgId, IntPtr body, int len, uint timeoutMs) { throw NotHere(); }
+        public static int WaygateWebGL_SyncClock(int handle, uint msgId, uint timeoutMs) { throw NotHere(); }
+        public static double WaygateWebGL_ClockOffset(int handle) { throw NotHere(); }
         public static int WaygateWebGL_Poll(int handle, IntPtr buf, int len) { throw NotHere(); }
         public static int WaygateWebGL_Pending(int handle) { throw NotHere(); }
         public static int WaygateWebGL_State(int handle) { throw NotHere(); }

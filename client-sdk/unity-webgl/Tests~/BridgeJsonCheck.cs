@@ -52,6 +52,11 @@ static class BridgeJsonCheck
             Field(sb, "count", ev.Count.ToString());
             Field(sb, "ageMs", ev.AgeMs.ToString());
             Field(sb, "terminal", ev.IsTerminal ? "true" : "false");
+            Field(sb, "requestId", ev.RequestId.ToString());
+            Field(sb, "status", ev.Status.ToString());
+            Field(sb, "failure", ev.Failure.ToString());
+            Field(sb, "label", ev.Label ?? "(null)");
+            Field(sb, "retryAfterMs", ev.RetryAfterMs.ToString());
             sb.Length--; // the last comma
             Console.WriteLine(sb.Append('}').ToString());
         }
