@@ -153,7 +153,7 @@ export type Outcome = SessionOutcome;
  * - `reconnecting`: a session was up and the link dropped: the client is trying to resume.
  * - `closed`: terminal (`close()`, kicked, session expired, refused, gave up).
  */
-export type ConnectionState = "idle" | "connecting" | "connected" | "reconnecting" | "closed";
+export type ConnectionState = "idle" | "connecting" | "connected" | "reconnecting" | "paused" | "closed";
 
 /** A downstream application message. */
 export interface Message {
@@ -441,6 +441,8 @@ export class WaygateClient {
   private reconnectTimer: ReturnType<typeof setTimeout> | null = null;
   /** Armed while no session is up (giveUpAfterMs); cleared by a WELCOME. */
   private giveUpTimer: ReturnType<typeof setTimeout> | null = null;
+  /** Paused by the application: no socket until reconnectNow(). */
+  private paused = false;
   /** Removes the lifecycle listeners (set while they are installed). */
   private unhook: (() => void) | null = null;
   private readonly epoch = now();
@@ -479,8 +481,9 @@ export class WaygateClient {
   // -------------------------------------------------------------------------------------
   // Public API
 
-  /** The connection state: `idle`, `connecting`, `connected`, `reconnecting` or `closed`. */
+  /** The connection state: `idle`, `connecting`, `connected`, `reconnecting`, `paused` or `closed`. */
   get state(): ConnectionState {
+    if (this.paused && this._state === "waiting") return "paused";
     switch (this._state) {
       case "idle":
         return "idle";
@@ -524,6 +527,10 @@ export class WaygateClient {
    */
   reconnectNow(): void {
     if (this._state === "idle" || this._state === "closed") return;
+    if (this.paused) {
+      this.paused = false;
+      this.armGiveUp();
+    }
     this.clearReconnect();
     this.failures = 0;
     if (this._state !== "waiting") {
@@ -537,6 +544,38 @@ export class WaygateClient {
       if ((this._state as Phase) !== "waiting") return; // A listener closed the client (or already reconnected).
     }
     this.openSocket();
+  }
+
+  /**
+   * Pauses the client (the page or app goes to the background): closes the link with
+   * CLOSE `going_away`, so the session lingers on the edge, and opens no socket until
+   * {@link reconnectNow} resumes it (the lifecycle hooks do not). Messages sent meanwhile
+   * wait (subject to `maxOfflineAgeMs`); the give-up deadline does not run. State `paused`.
+   * No-op before `connect()`, after the client closed, or when already paused. Rust's
+   * `pause`, C's `waygate_client_pause`.
+   */
+  pause(): void {
+    if (this._state === "idle" || this._state === "closed" || this.paused) return;
+    this.paused = true;
+    this.clearReconnect();
+    this.clearGiveUp();
+    const wasActive = this._state === "active";
+    const ws = this.ws;
+    if (ws && ws.readyState === WS_OPEN) {
+      this.transmit({ type: "close", code: CloseCode.going_away, message: "paused" });
+    }
+    this.dropSocket(1000, "paused");
+    this._state = "waiting";
+    this.reportState();
+    if (this._state !== "waiting") return; // A stateChange listener closed the client.
+    this.emit("disconnected", {
+      code: CloseCode.going_away,
+      label: codeLabel(CloseCode.going_away),
+      reason: "paused",
+      wasActive,
+      willReconnect: false,
+      retryInMs: 0,
+    });
   }
 
   /** Replaces the auth token (e.g. refreshed from the login service). */
@@ -1079,9 +1118,11 @@ export class WaygateClient {
     const visTarget: Target =
       doc && typeof doc.addEventListener === "function" && typeof doc.removeEventListener === "function" ? (doc as Target) : win;
     const onOnline = (): void => {
+      if (this.paused) return; // The application resumes a paused client itself.
       if (this._state === "waiting" || this._state === "connecting") this.reconnectNow();
     };
     const onVisibility = (): void => {
+      if (this.paused) return;
       if ((globalThis as { document?: { visibilityState?: string } }).document?.visibilityState !== "visible") return;
       if (this._state === "waiting") {
         this.reconnectNow();

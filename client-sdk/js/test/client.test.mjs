@@ -772,6 +772,35 @@ test("reconnectNow: a live session's socket is closed and a new one opened at on
   assert.equal(ctx.client.state, "closed");
 });
 
+test("pause: the link closes with going_away, no socket (nor give-up) until reconnectNow resumes the session", async () => {
+  const ctx = setup({ giveUpAfterMs: 100 });
+  const { ws } = await connect(ctx);
+  ws.take();
+  ws.deliver(data(1));
+  ctx.client.pause();
+  assert.deepEqual(ws.take().at(-1), { type: "close", code: CloseCode.going_away, message: "paused" });
+  assert.equal(ctx.client.state, "paused");
+  assert.deepEqual(ctx.named("disconnected").map((e) => [e.reason, e.willReconnect]), [["paused", false]]);
+  ctx.client.pause(); // no-op
+  ctx.client.send(1000, "while-paused");
+  await sleep(250); // past giveUpAfterMs
+  assert.equal(ctx.WS.all.length, 1, "no socket while paused");
+  assert.equal(ctx.client.state, "paused", "not given up");
+  ctx.client.reconnectNow();
+  assert.equal(ctx.WS.all.length, 2);
+  const ws2 = ctx.WS.all.at(-1);
+  await ws2.open();
+  const [hello] = ws2.take();
+  assert.ok(hello.resume, "a resume");
+  ws2.deliver(welcome(1, { serverSeqBase: 1n, clientSeqAck: 0n }));
+  assert.equal(ctx.client.state, "connected");
+  assert.deepEqual(
+    ws2.take().filter((f) => f.type === "data").map((f) => text(f.payload)),
+    ["while-paused"],
+  );
+  ctx.client.close();
+});
+
 test("reconnectNow while backing off forgets the backoff; no-op before connect()", async () => {
   const ctx = setup({ backoffMinMs: 5000, backoffMaxMs: 10_000, random: () => 0.999 });
   ctx.client.reconnectNow();

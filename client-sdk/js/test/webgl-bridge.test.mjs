@@ -22,7 +22,7 @@ const source = readFileSync(JSLIB, "utf8");
 
 // waygate_result and the state codes, as the C# side declares them.
 const R = { OK: 0, NO_EVENT: 1, INVALID_ARGUMENT: 2, INVALID_STATE: 3, CLOSED: 4, BUFFER_FULL: 5, DROPPED: 6, INTERNAL: 7, PANIC: 8 };
-const STATE = { idle: 0, connecting: 1, connected: 2, reconnecting: 3, closed: 4 };
+const STATE = { idle: 0, connecting: 1, connected: 2, reconnecting: 3, closed: 4, paused: 5 };
 
 /**
  * A fresh module (heap + bridge) and a scripted WebSocket installed as the page's
@@ -166,11 +166,20 @@ test("webgl bridge: create, connect, send, poll (stateChange, connected with out
   assert.equal(resumed[3].outcome, "restored");
   assert.equal(api.WaygateWebGL_State(h), STATE.connected);
 
+  // Pause and resume (OnApplicationPause).
+  assert.equal(api.WaygateWebGL_Pause(h), R.OK);
+  assert.equal(api.WaygateWebGL_State(h), STATE.paused);
+  assert.equal(api.WaygateWebGL_ReconnectNow(h), R.OK);
+  await sleep(5);
+  await welcomeLatest(b, 1, { serverSeqBase: 1n, clientSeqAck: 2n });
+  assert.equal(api.WaygateWebGL_State(h), STATE.connected);
+  b.events(h);
+
   // Stats as JSON.
   const n = api.WaygateWebGL_Stats(h, b.buf, b.bufLen);
   const stats = JSON.parse(b.m.readText(b.buf, n));
   assert.equal(stats.state, "connected");
-  assert.equal(stats.connects, 2);
+  assert.equal(stats.connects, 3);
   assert.equal(stats.unacked, 0);
   assert.equal(stats.lastServerSeq, 1);
   assert.equal(stats.droppedEvents, 0);

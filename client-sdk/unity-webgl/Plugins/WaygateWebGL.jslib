@@ -24,7 +24,8 @@
 // negative result code on failure. WaygateWebGL_LastError says why the last call failed.
 //
 // Connection state codes (WaygateWebGL_State): 0 idle, 1 connecting, 2 connected,
-// 3 reconnecting, 4 closed (the JS SDK's `client.state` names).
+// 3 reconnecting, 4 closed, 5 paused (the JS SDK's `client.state` names; the C ABI's
+// WAYGATE_STATE_* numbers).
 //
 // Requests (PROTOCOL.md §13): WaygateWebGL_Request / WaygateWebGL_SyncClock return the
 // request id at once (> 0; a negative result code when it was not sent); its one outcome
@@ -141,7 +142,7 @@ var WaygateWebGLLibrary = {
     return HEAPU8.slice(ptr, ptr + len);
   },
 
-  $WG_states: ["idle", "connecting", "connected", "reconnecting", "closed"],
+  $WG_states: ["idle", "connecting", "connected", "reconnecting", "closed", "paused"],
 
   // Starts a request on `rec` with `start(client)` (the SDK's startRequest or
   // startSyncClock): its id, or a negative result code with the reason.
@@ -404,7 +405,7 @@ var WaygateWebGLLibrary = {
   },
 
   // The connection state code: 0 idle, 1 connecting, 2 connected, 3 reconnecting,
-  // 4 closed; -2 for an unknown handle.
+  // 4 closed, 5 paused; -2 for an unknown handle.
   WaygateWebGL_State: function (handle) {
     var rec = WG_get(handle);
     if (!rec) return -2;
@@ -430,6 +431,17 @@ var WaygateWebGLLibrary = {
     if (rec.ended) return WG_fail(4, "the client is closed");
     if (!rec.connected) return WG_fail(3, "call WaygateWebGL_Connect first");
     rec.client["reconnectNow"]();
+    return 0;
+  },
+
+  // Pauses the client (OnApplicationPause(true)): the link closes, the session lingers on
+  // the edge, no socket until WaygateWebGL_ReconnectNow.
+  WaygateWebGL_Pause: function (handle) {
+    var rec = WG_get(handle);
+    if (!rec) return 2;
+    if (rec.ended) return WG_fail(4, "the client is closed");
+    if (!rec.connected) return WG_fail(3, "call WaygateWebGL_Connect first");
+    rec.client["pause"]();
     return 0;
   },
 

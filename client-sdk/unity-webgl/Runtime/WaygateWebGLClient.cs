@@ -85,6 +85,8 @@ namespace Waygate.WebGL
         Reconnecting = 3,
         /// <summary>Terminal.</summary>
         Closed = 4,
+        /// <summary>Paused by Pause(): no link until ReconnectNow().</summary>
+        Paused = 5,
     }
 
     /// <summary>How a HELLO was answered ("new_session", "restored", ...); the WELCOME outcome codes.</summary>
@@ -493,6 +495,7 @@ namespace Waygate.WebGL
                 case "connected": return WebGLConnectionState.Connected;
                 case "reconnecting": return WebGLConnectionState.Reconnecting;
                 case "closed": return WebGLConnectionState.Closed;
+                case "paused": return WebGLConnectionState.Paused;
                 default: return WebGLConnectionState.Idle;
             }
         }
@@ -785,6 +788,12 @@ namespace Waygate.WebGL
             return (WebGLResult)Native.WaygateWebGL_ReconnectNow(Live());
         }
 
+        /// <summary>Pauses the client (OnApplicationPause(true)): the link closes, the session lingers, no socket until ReconnectNow().</summary>
+        public WebGLResult Pause()
+        {
+            return (WebGLResult)Native.WaygateWebGL_Pause(Live());
+        }
+
         /// <summary>Replaces the auth token (bytes) for the next HELLO.</summary>
         public WebGLResult SetToken(byte[] token)
         {
@@ -1031,6 +1040,7 @@ namespace Waygate.WebGL
         [DllImport("__Internal")] public static extern int WaygateWebGL_State(int handle);
         [DllImport("__Internal")] public static extern int WaygateWebGL_DropLink(int handle);
         [DllImport("__Internal")] public static extern int WaygateWebGL_ReconnectNow(int handle);
+        [DllImport("__Internal")] public static extern int WaygateWebGL_Pause(int handle);
         [DllImport("__Internal")] public static extern int WaygateWebGL_SetToken(int handle, IntPtr token, int len);
         [DllImport("__Internal")] public static extern int WaygateWebGL_Close(int handle);
         [DllImport("__Internal")] public static extern void WaygateWebGL_Free(int handle);
@@ -1054,6 +1064,7 @@ namespace Waygate.WebGL
         public static int WaygateWebGL_State(int handle) { throw NotHere(); }
         public static int WaygateWebGL_DropLink(int handle) { throw NotHere(); }
         public static int WaygateWebGL_ReconnectNow(int handle) { throw NotHere(); }
+        public static int WaygateWebGL_Pause(int handle) { throw NotHere(); }
         public static int WaygateWebGL_SetToken(int handle, IntPtr token, int len) { throw NotHere(); }
         public static int WaygateWebGL_Close(int handle) { throw NotHere(); }
         public static void WaygateWebGL_Free(int handle) { }
