@@ -220,7 +220,10 @@ async fn connections_open_counts_connections_and_lingering_sessions_apart() {
 /// Defect 3 (session-host issue): backend pushes into a full session queue were dropped and
 /// only counted (no seq, no gap). A client that stops reading while its echoes pour in now
 /// either gets every reply exactly once after it resumes, or is told explicitly that it
-/// lost some: WELCOME `RestoredWithGap`. Never a `Restored` with replies missing.
+/// lost some: WELCOME `RestoredWithGap`. Never a `Restored` with replies missing. ("Every
+/// reply": to every request the edge took, WELCOME's `client_seq_ack`; with the bounded
+/// kernel send buffer the edge may close the slow consumer before reading all 300, and this
+/// raw client does not resend the rest as an SDK would.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_session_queue_never_loses_a_reply_silently() {
     use bytes::{Bytes, BytesMut};
@@ -323,12 +326,18 @@ async fn a_full_session_queue_never_loses_a_reply_silently() {
     sock.write_all(&out).await.unwrap();
     let mut buf = BytesMut::new();
     let mut outcome = None;
+    // The requests the edge had taken (it may close a slow consumer before reading them
+    // all, more so with a small kernel send buffer): this client does not resend the rest.
+    let mut accepted = N;
     let mut replies = std::collections::BTreeMap::<u64, u32>::new();
     let _ = tokio::time::timeout(Duration::from_secs(10), async {
         loop {
             while let Ok(Some(f)) = codec.decode(&mut buf) {
                 match f {
-                    Frame::Welcome(w) => outcome = Some(w.outcome),
+                    Frame::Welcome(w) => {
+                        outcome = Some(w.outcome);
+                        accepted = w.client_seq_ack;
+                    }
                     Frame::Data(d) if d.msg_id == ECHO_REPLY => {
                         let text = &d.payload[d.payload.len() - big.len() - 5..][..5];
                         let n: u64 = std::str::from_utf8(text).unwrap().parse().unwrap();
@@ -337,7 +346,7 @@ async fn a_full_session_queue_never_loses_a_reply_silently() {
                     _ => {}
                 }
             }
-            if replies.len() as u64 == N {
+            if outcome.is_some() && replies.len() as u64 == accepted {
                 return;
             }
             match tokio::time::timeout(Duration::from_secs(2), sock.read_buf(&mut buf)).await {
@@ -351,7 +360,12 @@ async fn a_full_session_queue_never_loses_a_reply_silently() {
     assert!(replies.values().all(|&c| c == 1), "no duplicates");
     match outcome {
         WelcomeOutcome::Restored => {
-            assert_eq!(replies.len() as u64, N, "Restored must mean nothing lost")
+            assert!(accepted > 0, "the edge took requests");
+            assert_eq!(
+                replies.keys().copied().collect::<Vec<_>>(),
+                (1..=accepted).collect::<Vec<_>>(),
+                "Restored must mean nothing lost: every request the edge took is answered"
+            )
         }
         WelcomeOutcome::RestoredWithGap => {}
         other => panic!("unexpected outcome {other:?}"),
