@@ -14,8 +14,8 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use common::{cluster, token};
 use waygate_transport::TransportKind;
@@ -35,23 +35,8 @@ const NATIVE_LIBS: &[&str] = &[
     "-lc",
 ];
 
-/// The staticlib cargo built with this crate's lib for this test run. The test runs from
-/// `target/<profile>/deps/`, where cargo writes it (`cargo build` also copies it up to
-/// `target/<profile>/`, which `cargo test` does not do).
 fn staticlib() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let deps = exe.parent().unwrap();
-    let candidates = [
-        deps.join("libwaygate_client_capi.a"),
-        deps.parent().unwrap().join("libwaygate_client_capi.a"),
-    ];
-    candidates
-        .iter()
-        .find(|p| p.exists())
-        .unwrap_or_else(|| {
-            panic!("no libwaygate_client_capi.a in {candidates:?}: cargo builds it with this crate's lib (crate-type staticlib)")
-        })
-        .clone()
+    common::built_library("libwaygate_client_capi.a")
 }
 
 /// Compiles echo.c: statically linked against the staticlib, or (`dynamic`) against the
@@ -101,33 +86,7 @@ fn compile_echo(out_dir: &Path, dynamic: bool) -> PathBuf {
 
 /// Runs the program with a time limit (killed past it); returns (success, stdout, stderr).
 fn run(exe: &Path, args: &[String], dir: &Path, name: &str) -> (bool, String, String) {
-    let out_path = dir.join(format!("{name}.out"));
-    let err_path = dir.join(format!("{name}.err"));
-    let mut child = Command::new(exe)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&out_path).unwrap())
-        .stderr(std::fs::File::create(&err_path).unwrap())
-        .spawn()
-        .unwrap();
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break Some(status);
-        }
-        if started.elapsed() > RUN_LIMIT {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let stdout = std::fs::read_to_string(&out_path).unwrap_or_default();
-    let mut stderr = std::fs::read_to_string(&err_path).unwrap_or_default();
-    if status.is_none() {
-        stderr.push_str(&format!("\n(killed after {RUN_LIMIT:?})"));
-    }
-    (status.is_some_and(|s| s.success()), stdout, stderr)
+    common::run_limited(Command::new(exe).args(args), dir, name, RUN_LIMIT)
 }
 
 #[test]
@@ -144,16 +103,7 @@ fn c_echo_example_resumes_without_loss_on_every_transport() {
     let c = rt.block_on(cluster(dir.path()));
 
     for kind in TransportKind::ALL {
-        let addr = c.edge.addrs[&kind];
-        let host = if matches!(
-            kind,
-            TransportKind::Tls | TransportKind::Wss | TransportKind::Quic
-        ) {
-            "localhost".to_string()
-        } else {
-            addr.ip().to_string()
-        };
-        let endpoint = format!("{}://{host}:{}", kind.as_str(), addr.port());
+        let endpoint = common::endpoint_url(&c, kind);
         let player = format!("c-player-{}", kind.as_str());
         let args = vec![
             endpoint.clone(),

@@ -22,7 +22,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{cluster, token};
 use waygate_transport::TransportKind;
@@ -30,22 +30,9 @@ use waygate_transport::TransportKind;
 /// How long one run of the C# program may take.
 const RUN_LIMIT: Duration = Duration::from_secs(60);
 
-/// The directory holding the cdylib cargo built with this crate's lib for this test run. The
-/// test runs from `target/<profile>/deps/`, where cargo writes it (`cargo build` also copies
-/// it up to `target/<profile>/`, which `cargo test` does not do).
+/// The directory holding the cdylib cargo built with this crate's lib for this test run.
 fn cdylib_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let deps = exe.parent().unwrap();
-    let candidates = [
-        deps.join("libwaygate_client_capi.so"),
-        deps.parent().unwrap().join("libwaygate_client_capi.so"),
-    ];
-    candidates
-        .iter()
-        .find(|p| p.exists())
-        .unwrap_or_else(|| {
-            panic!("no libwaygate_client_capi.so in {candidates:?}: cargo builds it with this crate's lib (crate-type cdylib)")
-        })
+    common::built_library("libwaygate_client_capi.so")
         .parent()
         .unwrap()
         .to_path_buf()
@@ -91,7 +78,7 @@ fn compile_echo(out_dir: &Path) -> PathBuf {
     exe
 }
 
-/// Runs `mono exe args` with the cdylib's directory on `LD_LIBRARY_PATH` (where P/Invoke's
+/// Runs `mono exe args` with `lib_dir` first on `LD_LIBRARY_PATH` (where P/Invoke's
 /// `DllImport("waygate_client_capi")` finds `libwaygate_client_capi.so`), with a time limit
 /// (killed past it); returns (success, stdout, stderr).
 fn run(
@@ -101,39 +88,15 @@ fn run(
     dir: &Path,
     name: &str,
 ) -> (bool, String, String) {
-    let out_path = dir.join(format!("{name}.out"));
-    let err_path = dir.join(format!("{name}.err"));
     let mut paths = vec![lib_dir.to_path_buf()];
     if let Some(existing) = std::env::var_os("LD_LIBRARY_PATH") {
         paths.extend(std::env::split_paths(&existing));
     }
-    let mut child = Command::new("mono")
-        .arg(exe)
+    let mut cmd = Command::new("mono");
+    cmd.arg(exe)
         .args(args)
-        .env("LD_LIBRARY_PATH", std::env::join_paths(paths).unwrap())
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&out_path).unwrap())
-        .stderr(std::fs::File::create(&err_path).unwrap())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run mono: {e}"));
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break Some(status);
-        }
-        if started.elapsed() > RUN_LIMIT {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let stdout = std::fs::read_to_string(&out_path).unwrap_or_default();
-    let mut stderr = std::fs::read_to_string(&err_path).unwrap_or_default();
-    if status.is_none() {
-        stderr.push_str(&format!("\n(killed after {RUN_LIMIT:?})"));
-    }
-    (status.is_some_and(|s| s.success()), stdout, stderr)
+        .env("LD_LIBRARY_PATH", std::env::join_paths(paths).unwrap());
+    common::run_limited(&mut cmd, dir, name, RUN_LIMIT)
 }
 
 #[test]
@@ -150,16 +113,7 @@ fn csharp_echo_example_resumes_without_loss_on_every_transport() {
     let c = rt.block_on(cluster(dir.path()));
 
     for kind in TransportKind::ALL {
-        let addr = c.edge.addrs[&kind];
-        let host = if matches!(
-            kind,
-            TransportKind::Tls | TransportKind::Wss | TransportKind::Quic
-        ) {
-            "localhost".to_string()
-        } else {
-            addr.ip().to_string()
-        };
-        let endpoint = format!("{}://{host}:{}", kind.as_str(), addr.port());
+        let endpoint = common::endpoint_url(&c, kind);
         let player = format!("cs-player-{}", kind.as_str());
         let args = vec![
             endpoint.clone(),

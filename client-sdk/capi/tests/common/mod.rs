@@ -95,3 +95,72 @@ pub fn connect_token_bytes(player: &str, session_key: &[u8; 32]) -> Vec<u8> {
     .unwrap()
     .to_vec()
 }
+
+/// Where cargo wrote this crate's library `file` (`libwaygate_client_capi.a` or `.so`) for
+/// this test run: `target/<profile>/deps/`, where the test itself runs from (`cargo build`
+/// also copies it up to `target/<profile>/`, which `cargo test` does not do).
+pub fn built_library(file: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let deps = exe.parent().unwrap();
+    let candidates = [deps.join(file), deps.parent().unwrap().join(file)];
+    candidates
+        .iter()
+        .find(|p| p.exists())
+        .unwrap_or_else(|| {
+            panic!("no {file} in {candidates:?}: cargo builds it with this crate's lib (crate-type staticlib and cdylib)")
+        })
+        .clone()
+}
+
+/// Runs `cmd` (program and arguments set) with its output in `dir/<name>.out|err`, killed
+/// after `limit`; returns (success, stdout, stderr).
+pub fn run_limited(
+    cmd: &mut std::process::Command,
+    dir: &Path,
+    name: &str,
+    limit: std::time::Duration,
+) -> (bool, String, String) {
+    use std::process::Stdio;
+    let out_path = dir.join(format!("{name}.out"));
+    let err_path = dir.join(format!("{name}.err"));
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .stderr(std::fs::File::create(&err_path).unwrap())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let stdout = std::fs::read_to_string(&out_path).unwrap_or_default();
+    let mut stderr = std::fs::read_to_string(&err_path).unwrap_or_default();
+    if status.is_none() {
+        stderr.push_str(&format!("\n(killed after {limit:?})"));
+    }
+    (status.is_some_and(|s| s.success()), stdout, stderr)
+}
+
+/// The URL of the cluster's listener of `kind` (TLS kinds by the name `localhost`, which
+/// the development certificate covers).
+pub fn endpoint_url(c: &Cluster, kind: waygate_transport::TransportKind) -> String {
+    use waygate_transport::TransportKind;
+    let addr = c.edge.addrs[&kind];
+    let host = if matches!(
+        kind,
+        TransportKind::Tls | TransportKind::Wss | TransportKind::Quic
+    ) {
+        "localhost".to_string()
+    } else {
+        addr.ip().to_string()
+    };
+    format!("{}://{host}:{}", kind.as_str(), addr.port())
+}
