@@ -260,20 +260,26 @@ fn violations(g: &Graph) -> Vec<String> {
     out
 }
 
-fn workspace_metadata() -> Value {
+/// The stdout of `cargo <args>` run at the workspace root (it must succeed).
+fn cargo_stdout(args: &[&str]) -> Vec<u8> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(cargo)
         .current_dir(&root)
-        .args(["metadata", "--format-version", "1", "--locked"])
+        .args(args)
         .output()
-        .expect("cargo metadata runs");
+        .unwrap_or_else(|e| panic!("cargo {args:?} runs: {e}"));
     assert!(
         out.status.success(),
-        "cargo metadata failed: {}",
+        "cargo {args:?} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_slice(&out.stdout).expect("cargo metadata prints JSON")
+    out.stdout
+}
+
+fn workspace_metadata() -> Value {
+    let out = cargo_stdout(&["metadata", "--format-version", "1", "--locked"]);
+    serde_json::from_slice(&out).expect("cargo metadata prints JSON")
 }
 
 #[test]
@@ -327,22 +333,11 @@ fn an_added_forbidden_dependency_is_caught() {
 /// The crates of one package's normal-dependency tree built with `features` (cargo tree
 /// resolves the features as that build would).
 fn build_tree(package: &str, features: &[&str]) -> BTreeSet<String> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let out = Command::new(cargo)
-        .current_dir(&root)
-        .args([
-            "tree", "--locked", "-e", "normal", "--prefix", "none", "-p", package,
-        ])
-        .args(features)
-        .output()
-        .expect("cargo tree runs");
-    assert!(
-        out.status.success(),
-        "cargo tree failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
+    let mut args = vec![
+        "tree", "--locked", "-e", "normal", "--prefix", "none", "-p", package,
+    ];
+    args.extend_from_slice(features);
+    String::from_utf8_lossy(&cargo_stdout(&args))
         .lines()
         .filter_map(|l| l.split_whitespace().next())
         .map(str::to_owned)
