@@ -386,6 +386,8 @@ namespace Waygate
         public uint SimLossPermille;
         /// <summary>Simulator: seed of its random choices.</summary>
         public uint SimSeed;
+        /// <summary>Give up after this many failed connect rounds in a row (0: no cap).</summary>
+        public uint GiveUpAfterAttempts;
     }
 
     /// <summary>The native client pointer: freed by <c>waygate_client_free</c> exactly once.</summary>
@@ -461,6 +463,7 @@ namespace Waygate
                 o.sim_jitter_ms = options.SimJitterMs;
                 o.sim_loss_permille = options.SimLossPermille;
                 o.sim_seed = options.SimSeed;
+                o.give_up_after_attempts = options.GiveUpAfterAttempts;
                 IntPtr ptr = Native.waygate_client_new(ref o);
                 if (ptr == IntPtr.Zero)
                     throw new WaygateException("waygate_client_new", WaygateResult.InvalidArgument, LastError);
@@ -919,6 +922,7 @@ namespace Waygate
             public uint sim_jitter_ms;
             public uint sim_loss_permille;
             public uint sim_seed;
+            public uint give_up_after_attempts; // since 0.2
         }
 
         /// <summary>struct waygate_event (blittable: no marshalling copies, no GC allocation per poll).</summary>

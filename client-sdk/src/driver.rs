@@ -48,6 +48,10 @@ pub struct ClientOptions {
     /// Give up when no session has been up for this long (every round failing, or refused):
     /// the client ends with `Closed { code: Unavailable }`. `None`: retry for ever.
     pub give_up_after: Option<Duration>,
+    /// Give up after this many failed rounds over the endpoint list in a row (failed to
+    /// connect, or refused) with no session in between: `Closed { code: Unavailable }`.
+    /// `None`: no cap (`give_up_after` may still apply).
+    pub give_up_after_attempts: Option<u32>,
     /// Simulate a bad network on every connection (latency, jitter, loss; [`crate::netsim`]):
     /// for testing a game, never in production. `None`: the real network only.
     pub net_sim: Option<crate::netsim::NetSimConfig>,
@@ -66,6 +70,7 @@ impl ClientOptions {
             backoff_max: Duration::from_secs(5),
             session_key: None,
             give_up_after: None,
+            give_up_after_attempts: None,
             net_sim: None,
         }
     }
@@ -575,6 +580,18 @@ async fn run(
     while !d.closed {
         if d.session.state() != ClientState::Active && !d.paused {
             d.down_since.get_or_insert_with(Instant::now);
+        }
+        let out_of_attempts = d
+            .options
+            .give_up_after_attempts
+            .is_some_and(|max| d.failures >= max.max(1));
+        if out_of_attempts && d.conn.is_none() && connecting.is_none() {
+            tracing::info!(failures = d.failures, "every attempt failed: giving up");
+            d.closed = true;
+            d.pending.push_back(Event::Closed {
+                code: CloseCode::Unavailable,
+            });
+            break;
         }
         if let (Some(since), Some(limit)) = (d.down_since, d.options.give_up_after) {
             if since.elapsed() >= limit && d.conn.is_none() {

@@ -449,6 +449,28 @@ async fn sticky_fallback_reconnect_now_and_giving_up() {
         took >= Duration::from_millis(900) && took < Duration::from_secs(5),
         "gave up after {took:?}"
     );
+
+    // Or after 3 failed rounds: exactly 3 ConnectFailed, then Closed(unavailable).
+    let mut options = ClientOptions::new(
+        vec![Endpoint::new(TransportKind::Tcp, dead_addr)],
+        token("hopeless-too"),
+    );
+    options.give_up_after_attempts = Some(3);
+    options.backoff_min = Duration::from_millis(10);
+    options.backoff_max = Duration::from_millis(50);
+    let mut capped = Client::start(options);
+    let mut attempts = Vec::new();
+    loop {
+        match next(&mut capped).await {
+            Event::ConnectFailed { attempt, .. } => attempts.push(attempt),
+            Event::Closed { code } => {
+                assert_eq!(code, CloseCode::Unavailable);
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(attempts, [1, 2, 3]);
 }
 
 /// A TCP forwarder to the edge that the test can close (its connections cut, new ones

@@ -376,6 +376,11 @@ typedef struct waygate_options {
    * Simulator: seed of its random choices (the same seed, the same choices).
    */
   uint32_t sim_seed;
+  /**
+   * Give up after this many failed connect rounds in a row with no session in between:
+   * `WAYGATE_EVENT_CLOSED`, code 403 `unavailable` (since 0.2; default 0: no cap).
+   */
+  uint32_t give_up_after_attempts;
 } waygate_options;
 
 /**

@@ -87,6 +87,9 @@ pub struct waygate_options {
     pub sim_loss_permille: u32,
     /// Simulator: seed of its random choices (the same seed, the same choices).
     pub sim_seed: u32,
+    /// Give up after this many failed connect rounds in a row with no session in between:
+    /// `WAYGATE_EVENT_CLOSED`, code 403 `unavailable` (since 0.2; default 0: no cap).
+    pub give_up_after_attempts: u32,
 }
 
 /// Fills the first `size` bytes of `out` with the defaults (NULL strings and token, 0 =
@@ -127,6 +130,7 @@ pub unsafe extern "C" fn waygate_options_init(
             sim_jitter_ms: 0,
             sim_loss_permille: 0,
             sim_seed: 0,
+            give_up_after_attempts: 0,
         };
         // SAFETY: `out` is not NULL and the caller promises `size` writable bytes; at most
         // that many (and at most one struct) are copied, nothing is read from `out`.
@@ -237,6 +241,8 @@ pub(crate) unsafe fn to_client_options(o: &waygate_options) -> Result<ClientOpti
         options.session_key = Some(key);
     }
     options.give_up_after = ms(o.give_up_after_ms);
+    options.give_up_after_attempts =
+        (o.give_up_after_attempts > 0).then_some(o.give_up_after_attempts);
     options.session.max_offline_age = ms(o.max_offline_age_ms);
     if o.sim_loss_permille > 1000 {
         return Err("options.sim_loss_permille is above 1000".into());
@@ -373,6 +379,18 @@ mod tests {
         let key = [7u8; 32];
         o.session_key = key.as_ptr();
         assert_eq!(convert(&o).unwrap().session_key, Some(key));
+        // The 0.2 fields: give-up cap, staleness bound, network simulator.
+        assert_eq!(convert(&o).unwrap().give_up_after_attempts, None);
+        assert!(convert(&o).unwrap().net_sim.is_none());
+        o.give_up_after_attempts = 3;
+        o.max_offline_age_ms = 1500;
+        o.sim_loss_permille = 100;
+        let c = convert(&o).unwrap();
+        assert_eq!(c.give_up_after_attempts, Some(3));
+        assert_eq!(c.session.max_offline_age, Some(Duration::from_millis(1500)));
+        assert_eq!(c.net_sim.map(|s| s.loss), Some(0.1));
+        o.sim_loss_permille = 1001;
+        assert!(convert(&o).is_err());
     }
 
     #[test]

@@ -107,6 +107,13 @@ export interface ClientOptions {
    */
   giveUpAfterMs?: number;
   /**
+   * Give up after this many failed connect attempts in a row with no session in between:
+   * the client ends with `closed` code 403 (`unavailable`). Default undefined: no cap.
+   * Rust's `give_up_after_attempts` (which counts rounds over the URL list; with one URL
+   * the same), C's `give_up_after_attempts`.
+   */
+  giveUpAfterAttempts?: number;
+  /**
    * Staleness bound, ms, for sequenced messages queued while no session is up (sent before
    * a WELCOME, never transmitted on any link). When the session comes back by resume
    * (outcome `restored` / `restored_with_gap`) or up for the first time, before sending, every such
@@ -382,7 +389,8 @@ function codeFromWsStatus(status: number): number | null {
 export class WaygateClient {
   private readonly urls: string[];
   private token: Uint8Array;
-  private readonly opts: Required<Omit<ClientOptions, "urls" | "token" | "WebSocket" | "giveUpAfterMs">>;
+  private readonly opts: Required<Omit<ClientOptions, "urls" | "token" | "WebSocket" | "giveUpAfterMs" | "giveUpAfterAttempts">>;
+  private readonly giveUpAfterAttempts: number | undefined;
   private readonly giveUpAfterMs: number | undefined;
   private readonly WS: WebSocketConstructor;
   private readonly listeners = new Map<EventName, Set<Listener<EventName>>>();
@@ -474,6 +482,11 @@ export class WaygateClient {
     const g = options.giveUpAfterMs;
     if (g !== undefined && !(Number.isFinite(g) && g >= 0)) throw new RangeError(`giveUpAfterMs must be a number >= 0: ${g}`);
     this.giveUpAfterMs = g;
+    const cap = options.giveUpAfterAttempts;
+    if (cap !== undefined && !(Number.isInteger(cap) && cap >= 1)) {
+      throw new RangeError(`giveUpAfterAttempts must be an integer >= 1: ${cap}`);
+    }
+    this.giveUpAfterAttempts = cap;
     const a = this.opts.maxOfflineAgeMs;
     if (!(Number.isFinite(a) && a >= 0)) throw new RangeError(`maxOfflineAgeMs must be a number >= 0: ${a}`);
   }
@@ -1024,6 +1037,10 @@ export class WaygateClient {
       this.urlIndex = (this.urlIndex + 1) % this.urls.length;
     }
     this.failures++;
+    if (this.giveUpAfterAttempts !== undefined && this.failures >= this.giveUpAfterAttempts) {
+      this.terminate(CloseCode.unavailable, `${this.failures} connect attempts failed: giving up`);
+      return;
+    }
     const cap = Math.min(this.opts.backoffMaxMs, this.opts.backoffMinMs * 2 ** Math.min(this.failures, 16));
     const jitter = Math.floor(this.opts.random() * (cap + 1));
     this.scheduleReconnect(Math.max(jitter, retryAfterMs), { code, reason, wasActive: false });

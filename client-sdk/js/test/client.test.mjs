@@ -819,6 +819,21 @@ test("reconnectNow while backing off forgets the backoff; no-op before connect()
   ctx.client.close();
 });
 
+test("giveUpAfterAttempts: the third failed attempt in a row ends the client with closed 403 unavailable", async () => {
+  const ctx = setup({ giveUpAfterAttempts: 3, backoffMinMs: 1, backoffMaxMs: 2 });
+  assert.throws(() => setup({ giveUpAfterAttempts: 0 }), RangeError);
+  ctx.client.connect();
+  for (let i = 0; i < 10 && ctx.client.state !== "closed"; i++) {
+    const w = ctx.WS.all.at(-1);
+    if (w.readyState === 0) w.drop(1006);
+    await sleep(10);
+  }
+  assert.equal(ctx.client.state, "closed");
+  assert.deepEqual(failures(ctx).map(([, a]) => a), [1, 2, 3]);
+  assert.equal(ctx.named("closed")[0].code, 403);
+  assert.equal(ctx.WS.all.length, 3);
+});
+
 test("giveUpAfterMs: no WELCOME for that long ends the client with closed 403 unavailable", async () => {
   const ctx = setup({ giveUpAfterMs: 150 });
   const { ws } = await connect(ctx);
