@@ -932,6 +932,8 @@ impl Driver {
             match decode_clock(&answer.body) {
                 Some(server) if answer.status == 0 => {
                     self.clock.observe(sent_unix_ms, sent.elapsed(), server);
+                    // Published before the caller hears of it: `sync_clock` reads it then.
+                    self.publish_stats();
                 }
                 _ => {
                     result = Err(RequestError::BadAnswer(format!(
