@@ -525,10 +525,46 @@ async fn lean_session(ctx: Arc<Ctx>, idx: usize) {
         let _ = cs.send(now(), TrafficClass::Normal, ECHO, ctx.echo_payload());
     }
     let mut awaiting_replay: Option<Instant> = None;
+    let mut dropped = false;
     loop {
         let phase = *phase_rx.borrow_and_update();
         if phase == Phase::Stop {
             break;
+        }
+        // Acted on by value, once: a change seen here (borrow_and_update marks it seen)
+        // never fires `changed()` again, so a session busy when the phase turned to Drop
+        // used to miss it and never drop (W7's "not restored" stragglers).
+        if phase == Phase::Drop && spec.mode == Mode::Restore && !dropped {
+            dropped = true;
+            // Drop the link without a CLOSE, as a network failure would; resume.
+            drop(conn);
+            cs.handle_link_down(now(), CloseCode::GoingAway);
+            let drop_at = ctx
+                .drop_at
+                .lock()
+                .ok()
+                .and_then(|d| *d)
+                .unwrap_or_else(Instant::now);
+            match connect_welcome(&ctx, &mut cs).await {
+                Ok((c, outcome)) => {
+                    conn = c;
+                    if outcome == WelcomeOutcome::Restored {
+                        inc(&ctx.c.restored);
+                        ctx.record(|h| {
+                            h.restore
+                                .saturating_record(drop_at.elapsed().as_micros() as u64)
+                        });
+                        awaiting_replay = Some(drop_at);
+                    } else {
+                        inc(&ctx.c.restore_failed);
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(idx, error = %e, "resume failed");
+                    inc(&ctx.c.restore_failed);
+                    return;
+                }
+            }
         }
         // Events first (some may be queued from the handshake).
         while let Some(ev) = cs.poll_event() {
@@ -568,31 +604,9 @@ async fn lean_session(ctx: Arc<Ctx>, idx: usize) {
         }
         let timer = cs.poll_timeout().map(Instant::from_std);
         tokio::select! {
+            // A phase change only wakes the loop: the loop top acts on the phase itself.
             r = phase_rx.changed() => {
                 if r.is_err() { break; }
-                if *phase_rx.borrow() == Phase::Drop && spec.mode == Mode::Restore {
-                    // Drop the link without a CLOSE, as a network failure would; resume.
-                    drop(conn);
-                    cs.handle_link_down(now(), CloseCode::GoingAway);
-                    let drop_at = ctx.drop_at.lock().ok().and_then(|d| *d).unwrap_or_else(Instant::now);
-                    match connect_welcome(&ctx, &mut cs).await {
-                        Ok((c, outcome)) => {
-                            conn = c;
-                            if outcome == WelcomeOutcome::Restored {
-                                inc(&ctx.c.restored);
-                                ctx.record(|h| h.restore.saturating_record(drop_at.elapsed().as_micros() as u64));
-                                awaiting_replay = Some(drop_at);
-                            } else {
-                                inc(&ctx.c.restore_failed);
-                            }
-                        }
-                        Err(e) => {
-                            tracing::debug!(idx, error = %e, "resume failed");
-                            inc(&ctx.c.restore_failed);
-                            return;
-                        }
-                    }
-                }
             }
             _ = async { match ticker.as_mut() { Some(t) => { t.tick().await; } None => std::future::pending().await } }, if sending(phase) && spec.mode == Mode::Echo && !closed_loop => {
                 let _ = cs.send(now(), TrafficClass::Normal, ECHO, ctx.echo_payload());
