@@ -531,6 +531,31 @@ async fn lean_session(ctx: Arc<Ctx>, idx: usize) {
         if phase == Phase::Stop {
             break;
         }
+        // Events first (some may be queued from the handshake).
+        while let Some(ev) = cs.poll_event() {
+            match ev {
+                ClientEvent::Message {
+                    msg_id, payload, ..
+                } => {
+                    if ctx.on_message(msg_id, &payload, &mut next_push) {
+                        outstanding = false;
+                    } else if msg_id == PUSH {
+                        if let Some(at) = awaiting_replay.take() {
+                            ctx.record(|h| {
+                                h.replayed
+                                    .saturating_record(at.elapsed().as_micros() as u64)
+                            });
+                        }
+                    }
+                }
+                ClientEvent::Error(e) => {
+                    ctx.refused(e.code);
+                    outstanding = false;
+                }
+                _ => {}
+            }
+        }
+        // After the events above (the pushes the session has taken are counted first).
         // Acted on by value, once: a change seen here (borrow_and_update marks it seen)
         // never fires `changed()` again, so a session busy when the phase turned to Drop
         // used to miss it and never drop (W7's "not restored" stragglers).
@@ -564,30 +589,6 @@ async fn lean_session(ctx: Arc<Ctx>, idx: usize) {
                     inc(&ctx.c.restore_failed);
                     return;
                 }
-            }
-        }
-        // Events first (some may be queued from the handshake).
-        while let Some(ev) = cs.poll_event() {
-            match ev {
-                ClientEvent::Message {
-                    msg_id, payload, ..
-                } => {
-                    if ctx.on_message(msg_id, &payload, &mut next_push) {
-                        outstanding = false;
-                    } else if msg_id == PUSH {
-                        if let Some(at) = awaiting_replay.take() {
-                            ctx.record(|h| {
-                                h.replayed
-                                    .saturating_record(at.elapsed().as_micros() as u64)
-                            });
-                        }
-                    }
-                }
-                ClientEvent::Error(e) => {
-                    ctx.refused(e.code);
-                    outstanding = false;
-                }
-                _ => {}
             }
         }
         if closed_loop
