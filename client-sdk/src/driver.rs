@@ -691,6 +691,8 @@ async fn run(
                     d.paused = true;
                     d.down_since = None;
                     d.publish_stats();
+                    // The pause is done either way; a caller that stopped waiting (its
+                    // future dropped) has nobody to tell.
                     let _ = done.send(());
                 }
                 Some(Cmd::Prefer(i)) => d.preferred = i.min(d.options.endpoints.len().saturating_sub(1)),
@@ -889,6 +891,8 @@ impl Driver {
 
     /// Sends a request: its id goes in front of the body; the table waits for its outcome.
     fn start_request(&mut self, r: RequestCmd) {
+        // Refusals below go to the caller; one that stopped waiting has nobody to tell,
+        // and nothing was sent.
         if !r.class.is_sequenced() {
             let _ = r.started.send(Err(RequestError::NotSequenced));
             return;
@@ -907,7 +911,12 @@ impl Driver {
         match self.session.send(now, r.class, r.msg_id, payload) {
             Ok(Some(seq)) if seq > 0 => {
                 self.requests.insert(id, seq, now, r.timeout, kind, r.reply);
-                let _ = r.started.send(Ok(id));
+                if r.started.send(Ok(id)).is_err() {
+                    // The caller stopped waiting before it learnt the id: nobody can match
+                    // an outcome to it, so the table forgets it (a late answer is dropped as
+                    // unknown) instead of keeping it until its timeout.
+                    self.requests.cancel(id);
+                }
             }
             Ok(_) => {
                 let _ = r.started.send(Err(RequestError::NotSequenced));

@@ -150,6 +150,11 @@ impl<R> RequestTable<R> {
         Some(p)
     }
 
+    /// Forgets request `id` (its caller is gone): no outcome will be delivered for it.
+    pub(crate) fn cancel(&mut self, id: u32) -> bool {
+        self.remove(id).is_some()
+    }
+
     /// An answer arrived: the request it answers (`None`: unknown or already over, e.g.
     /// timed out: the answer is dropped).
     pub(crate) fn on_answer(
@@ -308,6 +313,12 @@ mod tests {
         assert_eq!(timed_out[0].0.reply, "c");
         assert_eq!(timed_out[0].1, RequestError::Timeout(s * 3));
         assert!(t.on_answer(answer(c)).is_none(), "a late answer is dropped");
+        // A cancelled request leaves without an outcome; its answer is then unknown.
+        let e = t.next_id();
+        t.insert(e, 14, t0, s, RequestKind::Plain, "e");
+        assert!(t.cancel(e));
+        assert!(!t.cancel(e));
+        assert!(t.on_answer(answer(e)).is_none());
         let rest = t.fail_all(&RequestError::Closed);
         assert_eq!(rest.len(), 1);
         assert_eq!(t.len(), 0);
