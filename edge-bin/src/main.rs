@@ -42,8 +42,12 @@ enum Command {
         etcd: Vec<String>,
         /// Redis URL (`redis://host:port/db`): ownership, warm snapshots and presence shared
         /// by every edge (`cluster.redis_url`).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "redis_cluster")]
         redis: Option<String>,
+        /// Redis Cluster seed nodes, comma-separated (`redis://10.0.0.3:7000,...`), instead
+        /// of `--redis` (`cluster.redis_cluster`).
+        #[arg(long, value_delimiter = ',')]
+        redis_cluster: Vec<String>,
         /// Accept the public development key although a listener is beyond loopback
         /// (`auth.insecure_dev_key`). Only on a closed test network.
         #[arg(long)]
@@ -224,6 +228,7 @@ fn main() -> std::process::ExitCode {
                 ephemeral_ports,
                 etcd,
                 redis,
+                redis_cluster,
                 insecure_dev_key,
             } => {
                 let mut config = match config.as_deref() {
@@ -246,6 +251,9 @@ fn main() -> std::process::ExitCode {
                 }
                 if let Some(url) = redis {
                     config.cluster.redis_url = url;
+                }
+                if !redis_cluster.is_empty() {
+                    config.cluster.redis_cluster = redis_cluster;
                 }
                 config.validate().map_err(|e| e.to_string())?;
                 let edge = waygate_edge::edge::Edge::start(config)

@@ -16,7 +16,7 @@ use waygate_session::store::{
 };
 
 use waygate_session::testkit::store_contract::{
-    ownership_semantics, snapshot, snapshot_store_semantics,
+    ownership_semantics, session_id_of, snapshot, snapshot_store_semantics,
 };
 
 async fn stores(server: &RedisServer) -> RedisStores {
@@ -66,12 +66,12 @@ async fn a_live_owner_record_stays_and_a_detached_one_expires_with_its_snapshot(
     let s = stores(&server).await;
     let live = s
         .ownership
-        .claim("live", &[1; 16], "e1")
+        .claim("live", &session_id_of("live", 1), "e1")
         .await
         .expect("claim");
     let gone = s
         .ownership
-        .claim("gone", &[2; 16], "e1")
+        .claim("gone", &session_id_of("gone", 2), "e1")
         .await
         .expect("claim");
     // "gone" detaches: its snapshot is written with the linger time.
@@ -93,7 +93,7 @@ async fn a_live_owner_record_stays_and_a_detached_one_expires_with_its_snapshot(
         .is_err());
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert_eq!(s.ownership.owner("gone").await, Ok(None), "lingered out");
-    assert_eq!(s.snapshots.get(&[2; 16]).await, Ok(None));
+    assert_eq!(s.snapshots.get(&session_id_of("gone", 2)).await, Ok(None));
     let owner = s
         .ownership
         .owner("live")
@@ -104,7 +104,7 @@ async fn a_live_owner_record_stays_and_a_detached_one_expires_with_its_snapshot(
     // A restore claims again: the record is a live one again.
     let again = s
         .ownership
-        .claim("gone", &[2; 16], "e2")
+        .claim("gone", &session_id_of("gone", 2), "e2")
         .await
         .expect("claim");
     assert!(again.fencing > gone.fencing);
@@ -115,7 +115,7 @@ async fn a_stale_owner_is_fenced_out_of_writes_releases_and_deletes() {
     let server = RedisServer::start();
     let edge_a = stores(&server).await;
     let edge_b = stores(&server).await;
-    let sid = [7u8; 16];
+    let sid = session_id_of("p", 7);
     // Edge A owns the session and persists it on detach.
     let a = edge_a
         .ownership
@@ -215,9 +215,8 @@ async fn take_is_single_use_under_a_race_of_two_edges() {
     let edge_b = Arc::new(stores(&server).await);
     let hash = ResumeHash::of(&[2; 16]);
     for trial in 0..300u32 {
-        let sid = [(trial % 251) as u8; 16];
-        let mut s = snapshot(0, &format!("p{trial}"), 1);
-        s.session_id = sid;
+        let s = snapshot((trial % 251) as u8, &format!("p{trial}"), 1);
+        let sid = s.session_id;
         edge_a
             .snapshots
             .put(&s, Duration::from_secs(60))

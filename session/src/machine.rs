@@ -958,7 +958,7 @@ impl SessionMachine {
             return;
         };
         let player_id: Arc<str> = authed.claims.player_id.as_str().into();
-        let id = new_session_id(self.rng.as_mut());
+        let id = new_session_id(self.rng.as_mut(), &player_id);
         let (token, hash) = new_resume_token(self.rng.as_mut());
         self.pending.resume_token = Some(token);
         self.core = Some(SessionCore {

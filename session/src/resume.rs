@@ -1,6 +1,9 @@
-//! Session ids and resume tokens (SPEC S3): random 128-bit values, single use, rotated on
-//! every successful restore, stored only as SHA-256 hashes (the resume key a client's proof
-//! of possession is made with, PROTOCOL.md §7.3) and compared in constant time.
+//! Session ids and resume tokens (SPEC S3). A session id is 128 bits: a 32-bit store tag
+//! of its player ([`player_store_tag`], so a sharded store such as Redis Cluster can keep a
+//! session's snapshot beside its player's owner record) and 96 random bits. Resume tokens
+//! are random 128-bit values, single use, rotated on every successful restore, stored only
+//! as SHA-256 hashes (the resume key a client's proof of possession is made with,
+//! PROTOCOL.md §7.3) and compared in constant time.
 
 use ring::digest;
 use waygate_protocol::frame::{ResumeToken, SessionId};
@@ -61,10 +64,31 @@ fn ct_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
     std::hint::black_box(diff) == 0
 }
 
-/// A fresh random 128-bit session id.
-pub fn new_session_id(rng: &mut dyn SessionRng) -> SessionId {
+/// Length of the store tag at the start of every session id.
+pub const STORE_TAG_LEN: usize = 4;
+
+/// The store tag of a player: the first 4 bytes of SHA-256 of its id. Every session id of
+/// the player starts with it ([`new_session_id`]), so a store sharded by tag (Redis
+/// Cluster hash tags) finds a session's records on the shard of its player's.
+pub fn player_store_tag(player_id: &str) -> [u8; STORE_TAG_LEN] {
+    let d = digest::digest(&digest::SHA256, player_id.as_bytes());
+    let mut tag = [0u8; STORE_TAG_LEN];
+    tag.copy_from_slice(&d.as_ref()[..STORE_TAG_LEN]);
+    tag
+}
+
+/// The store tag a session id starts with (its player's [`player_store_tag`]).
+pub fn session_store_tag(session_id: &SessionId) -> [u8; STORE_TAG_LEN] {
+    let mut tag = [0u8; STORE_TAG_LEN];
+    tag.copy_from_slice(&session_id[..STORE_TAG_LEN]);
+    tag
+}
+
+/// A fresh session id of `player_id`: its store tag, then 96 random bits.
+pub fn new_session_id(rng: &mut dyn SessionRng, player_id: &str) -> SessionId {
     let mut id = [0u8; ID_LEN];
-    rng.fill(&mut id);
+    rng.fill(&mut id[STORE_TAG_LEN..]);
+    id[..STORE_TAG_LEN].copy_from_slice(&player_store_tag(player_id));
     id
 }
 
@@ -95,5 +119,22 @@ mod tests {
         assert!(!h1.matches(&t2));
         assert!(!h2.ct_eq(&h1));
         assert_eq!(hex_id(&[0xab, 0x01]), "ab01");
+    }
+
+    #[test]
+    fn session_ids_carry_their_players_store_tag() {
+        let mut rng = SeededRng::new(2);
+        let (a1, a2) = (
+            new_session_id(&mut rng, "alice"),
+            new_session_id(&mut rng, "alice"),
+        );
+        let b = new_session_id(&mut rng, "bob");
+        assert_ne!(a1, a2, "96 random bits");
+        assert_eq!(session_store_tag(&a1), player_store_tag("alice"));
+        assert_eq!(session_store_tag(&a2), player_store_tag("alice"));
+        assert_eq!(session_store_tag(&b), player_store_tag("bob"));
+        assert_ne!(player_store_tag("alice"), player_store_tag("bob"));
+        // SHA-256("alice") starts 2bd806c9: the tag is stable across builds and processes.
+        assert_eq!(hex_id(&player_store_tag("alice")), "2bd806c9");
     }
 }

@@ -190,14 +190,26 @@ pub mod store_contract {
     use crate::seq::RecvWindow;
     use crate::store::{OwnershipRegistry, Snapshot, SnapshotStore, TakeOutcome, SNAPSHOT_VERSION};
 
-    /// A snapshot with a replay buffer, a previous token and bindings.
+    /// Session id number `n` of `player`: its store tag (as [`new_session_id`] mints),
+    /// then twelve bytes `n`.
+    ///
+    /// [`new_session_id`]: crate::resume::new_session_id
+    pub fn session_id_of(player: &str, n: u8) -> waygate_protocol::frame::SessionId {
+        let mut id = [n; 16];
+        id[..crate::resume::STORE_TAG_LEN]
+            .copy_from_slice(&crate::resume::player_store_tag(player));
+        id
+    }
+
+    /// A snapshot with a replay buffer, a previous token and bindings; its session id is
+    /// [`session_id_of`]`(player, session)`.
     pub fn snapshot(session: u8, player: &str, fencing: u64) -> Snapshot {
         let mut replay = ReplayBuffer::new(ReplayLimits::default());
         replay.push(TrafficClass::Critical, 5, Bytes::from_static(b"hi"));
         replay.push(TrafficClass::Normal, 6, Bytes::from_static(b"\x00\xff"));
         Snapshot {
             version: SNAPSHOT_VERSION,
-            session_id: [session; 16],
+            session_id: session_id_of(player, session),
             player_id: player.into(),
             fencing,
             resume_hash: ResumeHash::of(&[2; 16]),

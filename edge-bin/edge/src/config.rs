@@ -561,12 +561,15 @@ pub struct ClusterConfig {
     /// Address clients use to reach this edge (`tcp://host:port`); registered in etcd and
     /// used as the MIGRATE target by other edges. Empty: the bound TCP listener.
     pub advertise: String,
-    /// `redis://host:port/db`; empty: in-memory stores (one edge).
+    /// `redis://host:port/db`; empty: in-memory stores (one edge), unless `redis_cluster`.
     pub redis_url: String,
+    /// Redis Cluster seed nodes (`redis://host:port`), instead of `redis_url`; the edge
+    /// learns the slot map from them and follows failovers.
+    pub redis_cluster: Vec<String>,
     /// Redis key and channel prefix.
     pub redis_prefix: String,
     /// Write every session's snapshot through to Redis before the client sees new state
-    /// (durability against kill -9; see ARCHITECTURE.md). Only with `redis_url`.
+    /// (durability against kill -9; see ARCHITECTURE.md). Only with Redis.
     pub write_through: bool,
     /// Hard migration on drain: upstream is held this long before MIGRATE so replies in
     /// flight land (and become durable) here first, ms.
@@ -585,6 +588,7 @@ impl Default for ClusterConfig {
             report_ms: 2_000,
             advertise: String::new(),
             redis_url: String::new(),
+            redis_cluster: Vec::new(),
             redis_prefix: "waygate".into(),
             write_through: true,
             quiesce_ms: 300,
@@ -736,6 +740,13 @@ impl EdgeConfig {
 
     /// Checks ranges and consistency.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if !self.cluster.redis_url.is_empty() && !self.cluster.redis_cluster.is_empty() {
+            return Err(ConfigError::Invalid {
+                key: "cluster.redis_cluster",
+                message: "name one Redis (redis_url) or a Redis Cluster (redis_cluster), not both"
+                    .into(),
+            });
+        }
         if self.edge_id.is_empty() || self.edge_id.len() > 64 {
             return Err(ConfigError::Invalid {
                 key: "edge_id",
@@ -919,6 +930,16 @@ mod tests {
 
     /// The public development key works on loopback only; beyond it the edge refuses to
     /// start and says how to set a key, unless the operator explicitly asks for it.
+    #[test]
+    fn one_redis_or_a_redis_cluster_not_both() {
+        let mut c = EdgeConfig::default();
+        c.cluster.redis_cluster = vec!["redis://127.0.0.1:7000".into()];
+        c.validate().expect("a cluster alone");
+        c.cluster.redis_url = "redis://127.0.0.1:6379".into();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("cluster.redis_cluster"), "{err}");
+    }
+
     #[test]
     fn the_dev_key_is_refused_beyond_loopback() {
         let mut c = EdgeConfig::default();

@@ -3,6 +3,8 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod cluster;
+
 use std::io::{Read as _, Write as _};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
@@ -40,6 +42,22 @@ fn ping(port: u16) -> bool {
 }
 
 impl RedisServer {
+    /// A server on `port` that is not running yet ([`RedisServer::start_with`]).
+    pub fn unstarted(port: u16) -> Self {
+        Self { port, child: None }
+    }
+
+    /// Starts it with extra arguments; false when it exited (port taken?) or never
+    /// answered PING within 10 s.
+    pub fn start_with(&mut self, extra: &[String]) -> bool {
+        self.try_start_with(extra)
+    }
+
+    /// Whether the process is running (not killed by [`RedisServer::stop`]).
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
     /// Starts redis-server on a free port and waits until it answers PING.
     pub fn start() -> Self {
         for _ in 0..5 {
@@ -55,10 +73,15 @@ impl RedisServer {
     }
 
     fn try_start(&mut self) -> bool {
+        self.try_start_with(&[])
+    }
+
+    fn try_start_with(&mut self, extra: &[String]) -> bool {
         let child = Command::new(binary())
             .args(["--port", &self.port.to_string()])
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .args(["--daemonize", "no", "--logfile", ""])
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())

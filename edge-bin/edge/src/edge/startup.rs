@@ -22,7 +22,7 @@ use super::{
 };
 use crate::admin::AdminApi;
 use crate::cluster::etcd::{EtcdRegistry, EtcdRouteSource};
-use crate::cluster::redis::{RedisConfig, RedisStores};
+use crate::cluster::redis::{RedisConfig, RedisServers, RedisStores};
 use crate::config::EdgeConfig;
 use crate::link::LinkClient;
 use crate::listeners::bind_all;
@@ -174,16 +174,24 @@ impl Edge {
                 None
             }
         };
-        let redis = if config.cluster.redis_url.is_empty() {
-            None
+        let servers = if !config.cluster.redis_cluster.is_empty() {
+            Some(RedisServers::Cluster(config.cluster.redis_cluster.clone()))
+        } else if !config.cluster.redis_url.is_empty() {
+            Some(RedisServers::Single(config.cluster.redis_url.clone()))
         } else {
-            // Lazy: an edge may start while Redis is down (logins get UNAVAILABLE until
-            // it is back; live sessions are unaffected).
-            let rc = RedisConfig {
-                prefix: config.cluster.redis_prefix.clone(),
-                ..RedisConfig::new(config.cluster.redis_url.clone())
-            };
-            Some(RedisStores::lazy(rc).map_err(|e| EdgeError::Cluster(e.to_string()))?)
+            None
+        };
+        let redis = match servers {
+            None => None,
+            Some(servers) => {
+                // Lazy: an edge may start while Redis is down (logins get UNAVAILABLE until
+                // it is back; live sessions are unaffected).
+                let rc = RedisConfig {
+                    prefix: config.cluster.redis_prefix.clone(),
+                    ..RedisConfig::with_servers(servers)
+                };
+                Some(RedisStores::lazy(rc).map_err(|e| EdgeError::Cluster(e.to_string()))?)
+            }
         };
         let etcd_registry = etcd.as_ref().map(|src| {
             Arc::new(EtcdRegistry::new(

@@ -1,28 +1,75 @@
-//! The connection the Redis backends share: a `ConnectionManager` that reconnects by itself,
-//! every call bounded by [`RedisConfig::op_timeout`], key and channel names under the prefix,
-//! and the pub/sub subscription loop (kicks, pushes, push replies) kept up with backoff.
+//! The connection the Redis backends share: one Redis through a `ConnectionManager`, or a
+//! Redis Cluster through redis' cluster client (slot map, redirections, failover), both
+//! reconnecting by themselves; every call bounded by [`RedisConfig::op_timeout`]; key names
+//! hash-tagged by player so every script touches one slot; and the pub/sub subscription
+//! loop (kicks, pushes, push replies) kept up with backoff.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt as _;
 use redis::aio::ConnectionManager;
+use redis::cluster_async::ClusterConnection;
 use tokio::sync::watch;
+use waygate_protocol::frame::SessionId;
+use waygate_session::resume::{hex_id, player_store_tag, session_store_tag};
 
-use super::{RedisConfig, RedisError};
+use super::{RedisConfig, RedisError, RedisServers};
+
+/// The managed connection: one Redis or a cluster. Both are cheap to clone (one multiplexed
+/// connection per node underneath).
+#[derive(Clone)]
+pub(super) enum Link {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl redis::aio::ConnectionLike for Link {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        match self {
+            Self::Single(c) => c.req_packed_command(cmd),
+            Self::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            Self::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Single(c) => c.get_db(),
+            Self::Cluster(c) => c.get_db(),
+        }
+    }
+}
 
 /// Shared connection, key names and the per-call bound.
 #[derive(Clone)]
 pub(super) struct Conn {
-    client: redis::Client,
-    manager: ConnectionManager,
+    /// Where subscriptions connect: the one Redis, or every cluster seed in turn (classic
+    /// pub/sub in a cluster reaches subscribers on any node).
+    pubsub: Arc<[redis::Client]>,
+    link: Link,
     pub(super) config: Arc<RedisConfig>,
 }
 
 impl std::fmt::Debug for Conn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Conn")
-            .field("url", &self.config.url)
+            .field("servers", &self.config.servers.describe())
             .finish_non_exhaustive()
     }
 }
@@ -33,36 +80,120 @@ pub(super) fn ms(d: Duration) -> u64 {
 
 impl Conn {
     pub(super) fn new(config: RedisConfig) -> Result<Self, RedisError> {
-        let client = redis::Client::open(config.url.as_str())
-            .map_err(|e| RedisError::Invalid(format!("redis url: {e}")))?;
-        let mc = redis::aio::ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(config.op_timeout))
-            .set_response_timeout(Some(config.op_timeout))
-            .set_number_of_retries(4)
-            .set_min_delay(Duration::from_millis(50))
-            .set_max_delay(Duration::from_millis(500));
-        let manager = ConnectionManager::new_lazy_with_config(client.clone(), mc)?;
+        let open = |url: &str| {
+            redis::Client::open(url).map_err(|e| RedisError::Invalid(format!("redis url: {e}")))
+        };
+        let (pubsub, link) = match &config.servers {
+            RedisServers::Single(url) => {
+                let client = open(url)?;
+                let mc = redis::aio::ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(config.op_timeout))
+                    .set_response_timeout(Some(config.op_timeout))
+                    .set_number_of_retries(4)
+                    .set_min_delay(Duration::from_millis(50))
+                    .set_max_delay(Duration::from_millis(500));
+                let manager = ConnectionManager::new_lazy_with_config(client.clone(), mc)?;
+                (vec![client], Link::Single(manager))
+            }
+            RedisServers::Cluster(nodes) => {
+                if nodes.is_empty() {
+                    return Err(RedisError::Invalid(
+                        "a redis cluster needs seed nodes".into(),
+                    ));
+                }
+                let seeds = nodes
+                    .iter()
+                    .map(|n| open(n))
+                    .collect::<Result<Vec<_>, _>>()?;
+                // Retries follow MOVED/ASK and ride out a failover; the op timeout bounds
+                // the whole call either way.
+                let client = redis::cluster::ClusterClientBuilder::new(nodes.clone())
+                    .retries(4)
+                    .min_retry_wait(50)
+                    .max_retry_wait(500)
+                    .build()
+                    .map_err(|e| RedisError::Invalid(format!("redis cluster: {e}")))?;
+                let cc = redis::cluster::ClusterConfig::new()
+                    .set_connection_timeout(config.op_timeout)
+                    .set_response_timeout(config.op_timeout);
+                (
+                    seeds,
+                    Link::Cluster(client.get_pending_async_connection_with_config(cc)),
+                )
+            }
+        };
         Ok(Self {
-            client,
-            manager,
+            pubsub: pubsub.into(),
+            link,
             config: Arc::new(config),
         })
+    }
+
+    /// Whether this is a Redis Cluster (pipelines must stay within one slot, and PUBLISH
+    /// counts only the receiving node's subscribers).
+    pub(super) fn is_cluster(&self) -> bool {
+        matches!(self.link, Link::Cluster(_))
     }
 
     /// Runs `f` on a clone of the managed connection, bounded by the op timeout.
     pub(super) async fn run<T, F, Fut>(&self, f: F) -> Result<T, RedisError>
     where
-        F: FnOnce(ConnectionManager) -> Fut,
+        F: FnOnce(Link) -> Fut,
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
     {
-        match tokio::time::timeout(self.config.op_timeout, f(self.manager.clone())).await {
+        match tokio::time::timeout(self.config.op_timeout, f(self.link.clone())).await {
             Ok(r) => r.map_err(RedisError::from),
             Err(_) => Err(RedisError::Timeout),
         }
     }
 
-    pub(super) fn key(&self, kind: &str, id: &str) -> String {
-        format!("{}:{kind}:{id}", self.config.prefix)
+    /// Runs the commands `each` adds for every item, as one pipeline on one Redis and as one
+    /// pipeline per hash tag (one slot each; concurrently) on a cluster; the whole is bounded
+    /// by the op timeout. Replies are ignored: for writes whose only answer is OK.
+    pub(super) async fn run_grouped<T>(
+        &self,
+        items: &[T],
+        key_of: impl Fn(&T) -> String,
+        each: impl Fn(&mut redis::Pipeline, &T),
+    ) -> Result<(), RedisError> {
+        let mut groups: HashMap<String, redis::Pipeline> = HashMap::new();
+        for item in items {
+            let group = if self.is_cluster() {
+                hash_tag(&key_of(item)).to_owned()
+            } else {
+                String::new()
+            };
+            each(groups.entry(group).or_insert_with(redis::pipe), item);
+        }
+        let link = self.link.clone();
+        let all = futures_util::future::try_join_all(groups.into_values().map(|pipe| {
+            let mut link = link.clone();
+            async move { pipe.query_async::<()>(&mut link).await }
+        }));
+        match tokio::time::timeout(self.config.op_timeout, all).await {
+            Ok(r) => r.map(|_| ()).map_err(RedisError::from),
+            Err(_) => Err(RedisError::Timeout),
+        }
+    }
+
+    /// `P:{tag}:kind:player`: the player's records, hash-tagged by its store tag.
+    pub(super) fn player_key(&self, kind: &str, player_id: &str) -> String {
+        format!(
+            "{}:{{{}}}:{kind}:{player_id}",
+            self.config.prefix,
+            hex_id(&player_store_tag(player_id))
+        )
+    }
+
+    /// `P:{tag}:kind:<session hex>`: a session's records, in its player's slot (a session
+    /// id starts with its player's store tag).
+    pub(super) fn session_key(&self, kind: &str, session_id: &SessionId) -> String {
+        format!(
+            "{}:{{{}}}:{kind}:{}",
+            self.config.prefix,
+            hex_id(&session_store_tag(session_id)),
+            hex_id(session_id)
+        )
     }
 
     pub(super) fn edge_channel(&self, edge: &str, what: &str) -> String {
@@ -78,6 +209,16 @@ impl Conn {
             .await
             .map(|_| ())
     }
+}
+
+/// The part of `key` Redis Cluster hashes: the text between the first `{` and the next
+/// `}` when it is not empty, else the whole key.
+fn hash_tag(key: &str) -> &str {
+    key.split_once('{')
+        .and_then(|(_, rest)| rest.split_once('}'))
+        .map(|(tag, _)| tag)
+        .filter(|tag| !tag.is_empty())
+        .unwrap_or(key)
 }
 
 pub(super) fn check_edge(edge: &str) -> Result<(), RedisError> {
@@ -117,9 +258,11 @@ pub(super) async fn subscribe_loop<F, Fut>(
         }
     };
     let mut backoff = Duration::from_millis(50);
-    loop {
+    // On a cluster, a seed that fails gives its turn to the next one.
+    for turn in 0usize.. {
+        let client = &conn.pubsub[turn % conn.pubsub.len()];
         let subscribed = tokio::time::timeout(conn.config.op_timeout, async {
-            let mut ps = conn.client.get_async_pubsub().await?;
+            let mut ps = client.get_async_pubsub().await?;
             ps.subscribe(&channel).await?;
             Ok::<_, redis::RedisError>(ps)
         })
@@ -147,6 +290,14 @@ pub(super) async fn subscribe_loop<F, Fut>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hash_tags_are_read_as_redis_cluster_does() {
+        assert_eq!(hash_tag("w:{ab12}:owner:p"), "ab12");
+        assert_eq!(hash_tag("w:{}:x"), "w:{}:x");
+        assert_eq!(hash_tag("plain"), "plain");
+        assert_eq!(hash_tag("a{b}{c}"), "b");
+    }
 
     #[test]
     fn edge_ids_are_checked() {

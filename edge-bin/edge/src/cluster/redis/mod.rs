@@ -50,20 +50,34 @@
 //!
 //! # Keys (prefix `waygate` by default)
 //!
+//! Every key carries a hash tag `{T}`: T is the hex of the player's 4-byte store tag
+//! (`waygate_session::resume::player_store_tag`), and a session id starts with its player's
+//! tag, so each script touches one Redis Cluster slot (the player's) and one Redis works the
+//! same way.
+//!
 //! | key | type | content | expiry |
 //! |---|---|---|---|
-//! | `P:fence:<player>` | string | fencing counter | [`RedisConfig::fence_ttl`] |
-//! | `P:owner:<player>` | string | `<fencing> <session hex> <edge>` | live: owner TTL; detached: linger |
-//! | `P:snap:<session hex>` | hash | `f` fencing, `h`/`p` resume hashes (hex), `d` JSON | linger |
-//! | `P:presence:<player>` | string | `<session hex> <edge>` | presence TTL |
+//! | `P:{T}:fence:<player>` | string | fencing counter | [`RedisConfig::fence_ttl`] |
+//! | `P:{T}:owner:<player>` | string | `<fencing> <session hex> <edge>` | live: owner TTL; detached: linger |
+//! | `P:{T}:snap:<session hex>` | hash | `f` fencing, `h`/`p` resume hashes (hex), `n` nonce, `d` JSON | linger |
+//! | `P:{T}:presence:<player>` | string | `<session hex> <edge>` | presence TTL |
 //!
-//! Channels: `P:edge:<edge>:kick`, `P:edge:<edge>:push`, `P:reply:<random>`.
+//! Channels: `P:edge:<edge>:kick`, `P:edge:<edge>:push`, `P:reply:<random>` (classic
+//! pub/sub; on a cluster it reaches subscribers on every node).
 //!
-//! Fencing counters start from Redis' clock in microseconds (`TIME`) when the counter key is
-//! missing and then `INCR`, so tokens keep growing even after the counter expires or Redis
-//! loses its data (a restart without persistence): a token issued later is always larger.
-//! Single Redis primary (or Sentinel); scripts touch keys of one player and one session,
-//! which Redis Cluster would need hash tags for (not supported here).
+//! A fencing token is the larger of the player's counter + 1 and Redis' clock in
+//! microseconds (`TIME`), so tokens keep growing even after the counter expires, Redis
+//! loses its data (a restart without persistence) or a failover promotes a replica that
+//! missed the last claims: a token issued later is always larger, as long as the clocks of
+//! the primaries agree to within a failover's duration.
+//!
+//! # Deployments
+//!
+//! [`RedisServers::Single`] (one primary) or [`RedisServers::Cluster`] (seed nodes; redis'
+//! cluster client follows the slot map, redirections and failovers). On a cluster the
+//! presence sweep runs one pipeline per slot, and a cross-edge push whose PUBLISH reached
+//! no subscriber *on the node that took it* still waits for an answer (the count is the
+//! node's, not the cluster's).
 //!
 //! # Where things are
 //!
@@ -99,11 +113,31 @@ pub use presence::{Presence, RedisPresence};
 pub use push::{DeliveryResult, PushHandler, PushMessage, PushServer};
 pub use snapshots::RedisSnapshotStore;
 
+/// Which Redis deployment the backends talk to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RedisServers {
+    /// One primary: `redis://host:port/db` (or `rediss://`).
+    Single(String),
+    /// Redis Cluster: seed node URLs (`redis://host:port`); the client learns the slot map
+    /// from them, follows MOVED/ASK redirections and failovers by itself.
+    Cluster(Vec<String>),
+}
+
+impl RedisServers {
+    /// The URLs, for logs.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Single(url) => url.clone(),
+            Self::Cluster(nodes) => format!("cluster {}", nodes.join(",")),
+        }
+    }
+}
+
 /// Settings of the Redis backends.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisConfig {
-    /// `redis://host:port/db` (or `rediss://`).
-    pub url: String,
+    /// The server(s).
+    pub servers: RedisServers,
     /// Key and channel prefix (several deployments can share one Redis).
     pub prefix: String,
     /// Bound on every call (connect, command, script); exceeded -> [`RedisError::Timeout`].
@@ -125,11 +159,21 @@ pub struct RedisConfig {
 }
 
 impl RedisConfig {
-    /// Defaults for `url`: prefix `waygate`, 500 ms per call, 24 h live owner records
-    /// (linger-long once detached), 30 day counters, 60 s presence, 1 s push wait.
+    /// Defaults for one Redis at `url`: prefix `waygate`, 500 ms per call, 24 h live owner
+    /// records (linger-long once detached), 30 day counters, 60 s presence, 1 s push wait.
     pub fn new(url: impl Into<String>) -> Self {
+        Self::with_servers(RedisServers::Single(url.into()))
+    }
+
+    /// The same defaults for a Redis Cluster reached through the seed nodes `nodes`.
+    pub fn cluster(nodes: Vec<String>) -> Self {
+        Self::with_servers(RedisServers::Cluster(nodes))
+    }
+
+    /// The defaults of [`RedisConfig::new`] for `servers`.
+    pub fn with_servers(servers: RedisServers) -> Self {
         Self {
-            url: url.into(),
+            servers,
             prefix: "waygate".into(),
             op_timeout: Duration::from_millis(500),
             owner_ttl: Duration::from_secs(24 * 3600),

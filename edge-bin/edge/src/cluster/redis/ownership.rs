@@ -13,15 +13,19 @@ use waygate_session::store::{ClaimGrant, Owner, OwnershipRegistry, StoreError};
 use super::conn::{check_edge, ms, parse_hex, subscribe_loop, Conn};
 use super::{RedisConfig, RedisError};
 
-/// Lua helper shared by the scripts: the next fencing token of a player (seeded from the
-/// server clock in microseconds when the counter is missing), with the counter's TTL.
+/// Lua helper shared by the scripts: the next fencing token of a player, with the
+/// counter's TTL. The token is the larger of the counter + 1 and the server clock in
+/// microseconds, so it keeps growing when the counter is gone: expired, lost with a
+/// restart without persistence, or lost in a failover to a replica that had not received
+/// the last claims (asynchronous replication; the clocks of the old and the new primary
+/// need only agree to within the failover time).
 const NEXT_FENCE_LUA: &str = r#"
 local function next_fence(key, ttl)
-  if redis.call('EXISTS', key) == 0 then
-    local t = redis.call('TIME')
-    redis.call('SET', key, string.format('%d', tonumber(t[1]) * 1000000 + tonumber(t[2])))
-  end
-  local f = redis.call('INCR', key)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local c = tonumber(redis.call('GET', key) or '0')
+  local f = math.max(c + 1, now)
+  redis.call('SET', key, string.format('%d', f))
   if tonumber(ttl) > 0 then redis.call('PEXPIRE', key, ttl) end
   return f
 end
@@ -171,7 +175,10 @@ impl RedisOwnership {
     ) -> Result<Reassert, RedisError> {
         check_edge(edge)?;
         let c = &self.conn;
-        let (fence, owner) = (c.key("fence", player_id), c.key("owner", player_id));
+        let (fence, owner) = (
+            c.player_key("fence", player_id),
+            c.player_key("owner", player_id),
+        );
         let mut inv = self.reassert.prepare_invoke();
         inv.key(fence)
             .key(owner)
@@ -244,8 +251,8 @@ impl OwnershipRegistry for RedisOwnership {
         check_edge(edge)?;
         let c = &self.conn;
         let mut inv = self.claim.prepare_invoke();
-        inv.key(c.key("fence", player_id))
-            .key(c.key("owner", player_id))
+        inv.key(c.player_key("fence", player_id))
+            .key(c.player_key("owner", player_id))
             .arg(hex_id(session_id))
             .arg(edge)
             .arg(ms(c.config.owner_ttl))
@@ -270,7 +277,7 @@ impl OwnershipRegistry for RedisOwnership {
     ) -> Result<bool, StoreError> {
         let c = &self.conn;
         let mut inv = self.release.prepare_invoke();
-        inv.key(c.key("owner", player_id))
+        inv.key(c.player_key("owner", player_id))
             .arg(format!("{fencing} {} ", hex_id(session_id)));
         let n: u8 = c
             .run(|mut m| async move { inv.invoke_async(&mut m).await })
@@ -279,7 +286,7 @@ impl OwnershipRegistry for RedisOwnership {
     }
 
     async fn owner(&self, player_id: &str) -> Result<Option<Owner>, StoreError> {
-        let key = self.conn.key("owner", player_id);
+        let key = self.conn.player_key("owner", player_id);
         let rec: Option<String> = self
             .conn
             .run(|mut m| async move { m.get(key).await })

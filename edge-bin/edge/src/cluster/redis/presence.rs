@@ -75,7 +75,7 @@ impl RedisPresence {
         edge: &str,
     ) -> Result<(), RedisError> {
         check_edge(edge)?;
-        let key = self.conn.key("presence", player_id);
+        let key = self.conn.player_key("presence", player_id);
         let val = format!("{} {edge}", hex_id(session_id));
         let ttl = ms(self.conn.config.presence_ttl);
         self.conn
@@ -83,7 +83,8 @@ impl RedisPresence {
             .await
     }
 
-    /// Refreshes many presence records in one round trip (the periodic sweep).
+    /// Refreshes many presence records in one round trip (the periodic sweep; one per slot
+    /// on a cluster, concurrently).
     pub async fn set_many(
         &self,
         edge: &str,
@@ -94,17 +95,16 @@ impl RedisPresence {
             return Ok(());
         }
         let ttl = ms(self.conn.config.presence_ttl);
-        let mut pipe = redis::pipe();
-        for (player, sid) in entries {
-            pipe.cmd("SET")
-                .arg(self.conn.key("presence", player))
-                .arg(format!("{} {edge}", hex_id(sid)))
-                .arg("PX")
-                .arg(ttl)
-                .ignore();
-        }
+        let key = |(player, _): &(String, SessionId)| self.conn.player_key("presence", player);
         self.conn
-            .run(|mut m| async move { pipe.query_async::<()>(&mut m).await })
+            .run_grouped(entries, key, |pipe, entry| {
+                pipe.cmd("SET")
+                    .arg(key(entry))
+                    .arg(format!("{} {edge}", hex_id(&entry.1)))
+                    .arg("PX")
+                    .arg(ttl)
+                    .ignore();
+            })
             .await
     }
 
@@ -116,7 +116,7 @@ impl RedisPresence {
         session_id: &SessionId,
     ) -> Result<bool, RedisError> {
         let mut inv = remove_script().prepare_invoke();
-        inv.key(self.conn.key("presence", player_id))
+        inv.key(self.conn.player_key("presence", player_id))
             .arg(format!("{} ", hex_id(session_id)));
         let n: u8 = self
             .conn
@@ -130,14 +130,14 @@ impl RedisPresence {
         Ok(self.lookup_many(&[player_id]).await?.pop().flatten())
     }
 
-    /// Where each of `players` is, in order (one round trip).
+    /// Where each of `players` is, in order (one MGET; the cluster client splits it by slot).
     pub async fn lookup_many(&self, players: &[&str]) -> Result<Vec<Option<Presence>>, RedisError> {
         if players.is_empty() {
             return Ok(Vec::new());
         }
         let keys: Vec<String> = players
             .iter()
-            .map(|p| self.conn.key("presence", p))
+            .map(|p| self.conn.player_key("presence", p))
             .collect();
         let recs: Vec<Option<String>> = self
             .conn

@@ -262,7 +262,9 @@ impl RedisPresence {
                 forget();
                 return Err(e);
             }
-            Ok(0) => {
+            // On one Redis, no subscriber means the edge is not there. A cluster counts
+            // only the receiving node's subscribers: the target may listen elsewhere.
+            Ok(0) if !self.conn.is_cluster() => {
                 forget();
                 return Ok(vec![DeliveryResult::EdgeUnreachable; n]);
             }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use redis::{AsyncCommands as _, Script};
 use waygate_protocol::frame::SessionId;
-use waygate_session::resume::{hex_id, ResumeHash};
+use waygate_session::resume::{hex_id, player_store_tag, session_store_tag, ResumeHash};
 use waygate_session::store::{ResumeKeys, Snapshot, SnapshotStore, StoreError, TakeOutcome};
 
 use super::conn::{ms, Conn};
@@ -96,12 +96,21 @@ impl RedisSnapshotStore {
     /// Writes `snapshot` unless it is fenced; see [`SnapshotStore::put`].
     pub async fn put_fenced(&self, snapshot: &Snapshot, ttl: Duration) -> Result<(), RedisError> {
         let c = &self.conn;
+        // The script touches the player's fence and owner records and the snapshot: one
+        // slot only if the session id carries the player's store tag (as minted).
+        if session_store_tag(&snapshot.session_id) != player_store_tag(&snapshot.player_id) {
+            return Err(RedisError::Invalid(format!(
+                "session {} does not carry the store tag of player {:?}",
+                hex_id(&snapshot.session_id),
+                snapshot.player_id
+            )));
+        }
         let json = serde_json::to_string(snapshot)
             .map_err(|e| RedisError::Invalid(format!("snapshot: {e}")))?;
         let mut inv = scripts().put.prepare_invoke();
-        inv.key(c.key("fence", &snapshot.player_id))
-            .key(c.key("snap", &hex_id(&snapshot.session_id)))
-            .key(c.key("owner", &snapshot.player_id))
+        inv.key(c.player_key("fence", &snapshot.player_id))
+            .key(c.session_key("snap", &snapshot.session_id))
+            .key(c.player_key("owner", &snapshot.player_id))
             .arg(snapshot.fencing)
             .arg(ms(ttl))
             .arg(hex_id(&snapshot.resume_hash.0))
@@ -148,7 +157,7 @@ impl SnapshotStore for RedisSnapshotStore {
     }
 
     async fn get(&self, session_id: &SessionId) -> Result<Option<Snapshot>, StoreError> {
-        let key = self.conn.key("snap", &hex_id(session_id));
+        let key = self.conn.session_key("snap", session_id);
         let json: Option<String> = self
             .conn
             .run(|mut m| async move { m.hget(key, "d").await })
@@ -163,7 +172,7 @@ impl SnapshotStore for RedisSnapshotStore {
     ) -> Result<TakeOutcome, StoreError> {
         let c = &self.conn;
         let mut inv = scripts().take.prepare_invoke();
-        inv.key(c.key("snap", &hex_id(session_id)))
+        inv.key(c.session_key("snap", session_id))
             .arg(hex_id(&resume_hash.0));
         let (code, json): (u8, Option<String>) = c
             .run(|mut m| async move { inv.invoke_async(&mut m).await })
@@ -179,7 +188,7 @@ impl SnapshotStore for RedisSnapshotStore {
     /// One HMGET of the key fields: the snapshot's JSON (up to its replay buffer) is read
     /// only when the proof holds and it is taken.
     async fn resume_keys(&self, session_id: &SessionId) -> Result<Option<ResumeKeys>, StoreError> {
-        let key = self.conn.key("snap", &hex_id(session_id));
+        let key = self.conn.session_key("snap", session_id);
         let (h, p, n): (Option<String>, Option<String>, Option<u64>) = self
             .conn
             .run(|mut m| async move {
@@ -220,7 +229,7 @@ impl SnapshotStore for RedisSnapshotStore {
     ) -> Result<bool, StoreError> {
         let c = &self.conn;
         let mut inv = scripts().delete.prepare_invoke();
-        inv.key(c.key("snap", &hex_id(session_id)))
+        inv.key(c.session_key("snap", session_id))
             .arg(fencing.map_or(String::new(), |f| f.to_string()));
         let n: u8 = c
             .run(|mut m| async move { inv.invoke_async(&mut m).await })

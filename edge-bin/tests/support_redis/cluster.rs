@@ -1,0 +1,238 @@
+//! Test harness: a real Redis Cluster of 3 masters and 3 replicas on loopback
+//! (`redis-server --cluster-enabled yes`, joined with `redis-cli --cluster create`), each
+//! node killable, pausable and observable by port. Fails (never skips) when the binaries
+//! are missing.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use super::{free_port, RedisServer};
+
+/// One node of the cluster.
+pub struct ClusterNode {
+    /// The server (killed on drop).
+    pub server: RedisServer,
+    /// Its cluster bus port.
+    pub bus_port: u16,
+}
+
+/// A running Redis Cluster owned by a test; every node is killed on drop.
+pub struct RedisCluster {
+    pub nodes: Vec<ClusterNode>,
+    _dir: tempfile::TempDir,
+}
+
+fn cli() -> String {
+    std::env::var("WAYGATE_REDIS_CLI").unwrap_or_else(|_| "redis-cli".into())
+}
+
+/// Runs redis-cli with `args`; its stdout, or None when it failed or timed out (10 s).
+pub fn redis_cli(args: &[&str]) -> Option<String> {
+    let out = Command::new("timeout")
+        .arg("10")
+        .arg(cli())
+        .args(args)
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn port_cli(port: u16, args: &[&str]) -> Option<String> {
+    let p = port.to_string();
+    let mut all = vec!["-h", "127.0.0.1", "-p", &p];
+    all.extend_from_slice(args);
+    redis_cli(&all)
+}
+
+/// A line of `CLUSTER NODES`: (port, is master and not failed, master id for replicas, id).
+struct NodeLine {
+    id: String,
+    port: u16,
+    master: bool,
+    failed: bool,
+    master_id: String,
+    slots: Vec<(u16, u16)>,
+}
+
+fn parse_nodes(text: &str) -> Vec<NodeLine> {
+    text.lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            if f.len() < 8 {
+                return None;
+            }
+            let port = f[1].split(['@', ':']).nth(1)?.parse().ok()?;
+            let slots = f[8..]
+                .iter()
+                .filter(|s| !s.starts_with('['))
+                .filter_map(|s| match s.split_once('-') {
+                    Some((a, b)) => Some((a.parse().ok()?, b.parse().ok()?)),
+                    None => s.parse().ok().map(|a| (a, a)),
+                })
+                .collect();
+            Some(NodeLine {
+                id: f[0].to_owned(),
+                port,
+                master: f[2].contains("master"),
+                failed: f[2].contains("fail") && !f[2].contains("fail?"),
+                master_id: f[3].to_owned(),
+                slots,
+            })
+        })
+        .collect()
+}
+
+impl RedisCluster {
+    /// Starts 6 nodes (3 masters, 3 replicas; node timeout 1 s, replicas always eligible
+    /// for failover) and waits until every node reports `cluster_state:ok`.
+    pub fn start() -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut nodes = Vec::new();
+        for _ in 0..6 {
+            let mut tries = 0;
+            loop {
+                tries += 1;
+                let bus_port = free_port();
+                let mut server = RedisServer::unstarted(free_port());
+                let conf = dir.path().join(format!("nodes-{}.conf", server.port()));
+                let extra: Vec<String> = [
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    conf.to_str().expect("utf-8 path"),
+                    "--cluster-port",
+                    &bus_port.to_string(),
+                    "--cluster-node-timeout",
+                    "1000",
+                    "--cluster-replica-validity-factor",
+                    "0",
+                    "--dir",
+                    dir.path().to_str().expect("utf-8 path"),
+                ]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+                if server.start_with(&extra) {
+                    nodes.push(ClusterNode { server, bus_port });
+                    break;
+                }
+                assert!(tries < 5, "a cluster node did not start on 5 port pairs");
+            }
+        }
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.server.port()))
+            .collect();
+        let mut args = vec!["--cluster", "create"];
+        args.extend(addrs.iter().map(String::as_str));
+        args.extend(["--cluster-replicas", "1", "--cluster-yes"]);
+        redis_cli(&args).expect("redis-cli --cluster create");
+        let cluster = Self { nodes, _dir: dir };
+        cluster.wait_ok(Duration::from_secs(30));
+        cluster
+    }
+
+    /// Waits until every running node reports `cluster_state:ok` and agrees on the masters.
+    pub fn wait_ok(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            let ok = self
+                .nodes
+                .iter()
+                .filter(|n| n.server.is_running())
+                .all(|n| {
+                    port_cli(n.server.port(), &["cluster", "info"])
+                        .is_some_and(|i| i.contains("cluster_state:ok"))
+                });
+            if ok {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "redis cluster not ok in {within:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Seed URLs of every node (`redis://127.0.0.1:PORT`).
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .map(|n| format!("redis://127.0.0.1:{}", n.server.port()))
+            .collect()
+    }
+
+    fn any_running_port(&self) -> u16 {
+        self.nodes
+            .iter()
+            .find(|n| n.server.is_running())
+            .expect("a running node")
+            .server
+            .port()
+    }
+
+    /// The slot of `key`.
+    pub fn slot(&self, key: &str) -> u16 {
+        port_cli(self.any_running_port(), &["cluster", "keyslot", key])
+            .and_then(|s| s.trim().parse().ok())
+            .expect("cluster keyslot")
+    }
+
+    /// (master port, replica ports) serving `slot`, as a running node sees it now.
+    pub fn serving(&self, slot: u16) -> (u16, Vec<u16>) {
+        let text = port_cli(self.any_running_port(), &["cluster", "nodes"]).expect("nodes");
+        let lines = parse_nodes(&text);
+        let master = lines
+            .iter()
+            .find(|l| l.master && !l.failed && l.slots.iter().any(|&(a, b)| a <= slot && slot <= b))
+            .expect("a master serves the slot");
+        let replicas = lines
+            .iter()
+            .filter(|l| !l.master && l.master_id == master.id)
+            .map(|l| l.port)
+            .collect();
+        (master.port, replicas)
+    }
+
+    /// The node on `port`.
+    pub fn node(&mut self, port: u16) -> &mut RedisServer {
+        &mut self
+            .nodes
+            .iter_mut()
+            .find(|n| n.server.port() == port)
+            .expect("a node on that port")
+            .server
+    }
+
+    /// Waits until `port` is a master serving `slot` (after a failover), as seen by every
+    /// running node.
+    pub fn wait_master(&self, slot: u16, port: u16, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            let agreed = self
+                .nodes
+                .iter()
+                .filter(|n| n.server.is_running())
+                .all(|n| {
+                    port_cli(n.server.port(), &["cluster", "nodes"]).is_some_and(|t| {
+                        parse_nodes(&t).iter().any(|l| {
+                            l.port == port
+                                && l.master
+                                && l.slots.iter().any(|&(a, b)| a <= slot && slot <= b)
+                        })
+                    })
+                });
+            if agreed {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "node {port} did not take over slot {slot} in {within:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
