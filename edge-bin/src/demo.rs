@@ -62,8 +62,17 @@ pub struct TransportRow {
     pub sent: u64,
     /// Echo replies received (each counted once).
     pub received: u64,
-    /// Requests whose reply never came.
+    /// Requests whose reply never came (within 45 s of the stop).
     pub lost: u64,
+    /// Of `lost`, at least this many had been acknowledged by the edge (the client no longer
+    /// held them): taken, then their reply vanished — the kill -9 window of ARCHITECTURE.md,
+    /// "Many edges", when their session moved edge.
+    pub lost_acked: u64,
+    /// Of `lost`, those on sessions that restored over another endpoint (another edge in
+    /// cluster runs, another transport on one edge).
+    pub lost_moved: u64,
+    /// Replies that came, but more than 15 s after the stop (counted in `received` too).
+    pub late: u64,
     /// Replies received more than once.
     pub duplicated: u64,
     /// Requests explicitly refused with an ERROR frame (never silent).
@@ -125,7 +134,17 @@ impl DemoReport {
             why.push("no message was sent".to_string());
         }
         if t.lost > 0 {
-            why.push(format!("{} replies lost", t.lost));
+            why.push(format!(
+                "{} replies lost ({} of them acknowledged by the edge before, {} on sessions \
+                 that moved endpoint)",
+                t.lost, t.lost_acked, t.lost_moved
+            ));
+        }
+        if t.late > 0 {
+            why.push(format!(
+                "{} replies late (over 15 s after the stop)",
+                t.late
+            ));
         }
         if t.duplicated > 0 {
             why.push(format!("{} replies duplicated", t.duplicated));
@@ -243,6 +262,8 @@ struct ClientResult {
     sent: u64,
     received: u64,
     lost: u64,
+    lost_acked: u64,
+    late: u64,
     duplicated: u64,
     refused: u64,
     restores: u64,
@@ -467,6 +488,11 @@ async fn collect(tasks: Vec<tokio::task::JoinHandle<ClientResult>>) -> Result<De
         row.sent += r.sent;
         row.received += r.received;
         row.lost += r.lost;
+        row.lost_acked += r.lost_acked;
+        row.late += r.late;
+        if r.switched {
+            row.lost_moved += r.lost;
+        }
         row.duplicated += r.duplicated;
         row.refused += r.refused;
         row.restores += r.restores;
@@ -512,6 +538,9 @@ async fn collect(tasks: Vec<tokio::task::JoinHandle<ClientResult>>) -> Result<De
         total.sent += r.sent;
         total.received += r.received;
         total.lost += r.lost;
+        total.lost_acked += r.lost_acked;
+        total.lost_moved += r.lost_moved;
+        total.late += r.late;
         total.duplicated += r.duplicated;
         total.refused += r.refused;
         total.restores += r.restores;
@@ -586,6 +615,7 @@ async fn client_task(
     let mut sending = true;
     let mut quiesce: Option<oneshot::Sender<()>> = None;
     let mut stop_deadline: Option<Instant> = None;
+    let mut late_after: Option<Instant> = None;
     let mut joined = false;
     // The last reply before a link loss: the restore time starts there.
     let mut last_reply = Instant::now();
@@ -634,7 +664,10 @@ async fn client_task(
                 }
                 Some(Cmd::Stop) | None => {
                     sending = false;
-                    stop_deadline = Some(Instant::now() + Duration::from_secs(15));
+                    // Replies are due within 15 s; later ones are told apart from lost ones
+                    // until 45 s.
+                    late_after = Some(Instant::now() + Duration::from_secs(15));
+                    stop_deadline = Some(Instant::now() + Duration::from_secs(45));
                 }
             },
             ev = client.next_event() => match ev {
@@ -647,6 +680,9 @@ async fn client_task(
                         last_reply = Instant::now();
                         if let Some(t0) = pending.remove(&n) {
                             r.received += 1;
+                            if late_after.is_some_and(|t| Instant::now() > t) {
+                                r.late += 1;
+                            }
                             seen.insert(n);
                             r.rtts.push(u32::try_from(t0.elapsed().as_micros()).unwrap_or(u32::MAX));
                             if let Some(at) = drain_at.get() {
@@ -728,6 +764,10 @@ async fn client_task(
         }
     }
     r.lost = pending.len() as u64;
+    // What the client still holds unacknowledged may include these; the rest of them the
+    // edge had taken (ROOM_SAY and CHAT count as unacknowledged too: a lower bound).
+    let unacked = u64::try_from(client.stats().unacked).unwrap_or(u64::MAX);
+    r.lost_acked = r.lost.saturating_sub(unacked);
     client.close().await;
     r
 }

@@ -29,6 +29,7 @@ use crate::machine::{Action, EndReason, SessionConfig, SessionEnd, SessionMachin
 use crate::resume::hex_id;
 use crate::rng::{SessionRng, SystemRng};
 use crate::store::{OwnershipRegistry, Snapshot, SnapshotStore, TakeOutcome};
+pub use crate::write_through::WriteThrough;
 
 /// Why the router could not take an upstream message (answered with an ERROR frame).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -391,45 +392,6 @@ pub struct SessionLayer {
     pub trace_sample_rate: f64,
     /// Connections seen, for the sampling decision (an even spread, no RNG).
     traced: AtomicU64,
-}
-
-/// Durable before visible: with a shared snapshot store, every batch of actions that
-/// shows the client new state (DATA with a seq, ACK, WELCOME, MIGRATE) is preceded by one
-/// write of the session's snapshot, so a client can never hold a sequence number, an ack
-/// or a resume token the warm tier does not know; after the edge dies it restores on any
-/// edge. A failed write does not hold the session back: writes pause for
-/// [`WriteThrough::pause`] (store down) and traffic flows undurably meanwhile (counted).
-#[derive(Debug)]
-pub struct WriteThrough {
-    /// How long writes pause after a failure.
-    pub pause: Duration,
-    paused_until: Mutex<Option<std::time::Instant>>,
-    /// Snapshots written.
-    pub writes: AtomicU64,
-    /// Writes that failed (or were skipped while paused).
-    pub failures: AtomicU64,
-}
-
-impl WriteThrough {
-    /// Write-through pausing `pause` after a failure.
-    pub fn new(pause: Duration) -> Self {
-        Self {
-            pause,
-            paused_until: Mutex::new(None),
-            writes: AtomicU64::new(0),
-            failures: AtomicU64::new(0),
-        }
-    }
-
-    fn paused(&self) -> bool {
-        let p = self.paused_until.lock().unwrap_or_else(|e| e.into_inner());
-        p.is_some_and(|t| now() < t)
-    }
-
-    fn failed(&self) {
-        self.failures.fetch_add(1, Ordering::Relaxed);
-        *self.paused_until.lock().unwrap_or_else(|e| e.into_inner()) = Some(now() + self.pause);
-    }
 }
 
 /// Whether the client sees state from this action (see [`WriteThrough`]).
@@ -846,23 +808,12 @@ impl Task {
             return;
         }
         if wt.paused() {
-            wt.failures.fetch_add(1, Ordering::Relaxed);
+            wt.skipped();
             return;
         }
-        match self
-            .edge
-            .snapshots
-            .put(&snapshot, self.edge.config.linger)
-            .await
-        {
-            Ok(()) => {
-                wt.writes.fetch_add(1, Ordering::Relaxed);
-                self.durable = Some(snapshot);
-            }
-            Err(e) => {
-                tracing::debug!(error = %e, "write-through failed; writes paused");
-                wt.failed();
-            }
+        match wt.commit(snapshot.clone()).await {
+            Ok(()) => self.durable = Some(snapshot),
+            Err(e) => tracing::debug!(error = %e, "write-through failed"),
         }
     }
 

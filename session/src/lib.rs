@@ -29,6 +29,8 @@
 //!   fallible, remote-ready) with in-memory defaults.
 //! - [`driver`] — the tokio driver: one task per connection running a machine over a
 //!   `Box<dyn Connection>`, the [`driver::SessionRegistry`] and the [`driver::UpstreamSink`].
+//! - [`write_through`] — durable before visible: the per-edge group committer that writes
+//!   the snapshots of many sessions in one store round trip.
 //!
 //! - [`sim`] (hidden) — a deterministic single-machine simulation shared by the property
 //!   tests and the cargo-fuzz targets in `session/fuzz`.
@@ -61,6 +63,7 @@ pub mod seq;
 #[doc(hidden)]
 pub mod sim;
 pub mod store;
+pub mod write_through;
 #[cfg(any(test, feature = "testkit"))]
 pub mod testkit;
 

@@ -120,6 +120,9 @@ pub enum StoreError {
     /// A record did not deserialize.
     #[error("corrupt record: {0}")]
     Corrupt(String),
+    /// A fenced write was refused: a newer owner of the player exists (this copy is stale).
+    #[error("fenced: a newer owner exists")]
+    Fenced,
 }
 
 /// Result of [`SnapshotStore::take`].
@@ -138,6 +141,16 @@ pub enum TakeOutcome {
 pub trait SnapshotStore: Send + Sync + 'static {
     /// Writes (or overwrites) a snapshot that expires after `ttl`.
     async fn put(&self, snapshot: &Snapshot, ttl: Duration) -> Result<(), StoreError>;
+    /// Writes many snapshots that expire after `ttl`, one result each in order (the
+    /// write-through's group commit). The default writes them one by one; a networked store
+    /// overrides it with one round trip.
+    async fn put_many(&self, snapshots: &[Snapshot], ttl: Duration) -> Vec<Result<(), StoreError>> {
+        let mut out = Vec::with_capacity(snapshots.len());
+        for s in snapshots {
+            out.push(self.put(s, ttl).await);
+        }
+        out
+    }
     /// Reads a snapshot without removing it.
     async fn get(&self, session_id: &SessionId) -> Result<Option<Snapshot>, StoreError>;
     /// Atomically removes and returns the snapshot if [`Snapshot::accepts`] `resume_hash`.

@@ -226,9 +226,15 @@ impl Collector for SessionLayerCollector {
         {
             // Always exported (0 without write-through), so dashboards and alerts find them.
             use std::sync::atomic::Ordering::Relaxed;
-            let (writes, failures) = s.write_through.as_ref().map_or((0, 0), |wt| {
-                (wt.writes.load(Relaxed), wt.failures.load(Relaxed))
-            });
+            let (writes, failures, commits, fenced) =
+                s.write_through.as_ref().map_or((0, 0, 0, 0), |wt| {
+                    (
+                        wt.writes.load(Relaxed),
+                        wt.failures.load(Relaxed),
+                        wt.commits.load(Relaxed),
+                        wt.fenced.load(Relaxed),
+                    )
+                });
             let host = s.registry.stats();
             for (name, help, value) in [
                 (
@@ -240,6 +246,16 @@ impl Collector for SessionLayerCollector {
                     "write_through_failures",
                     "Snapshot writes that failed (writes pause, then retry)",
                     failures,
+                ),
+                (
+                    "write_through_commits",
+                    "Group commits of the write-through (store round trips, each for many sessions)",
+                    commits,
+                ),
+                (
+                    "write_through_fenced",
+                    "Snapshot writes refused because a newer owner exists (stale copies)",
+                    fenced,
                 ),
                 (
                     "session_host_answer_timeouts",

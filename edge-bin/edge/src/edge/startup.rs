@@ -312,8 +312,11 @@ impl Edge {
             session_layer.snapshots = r.snapshots.clone();
             session_layer.ownership = r.ownership.clone();
             if shared.config.cluster.write_through {
-                session_layer.write_through =
-                    Some(Arc::new(WriteThrough::new(Duration::from_secs(1))));
+                session_layer.write_through = Some(WriteThrough::start(
+                    r.snapshots.clone(),
+                    session_layer.config.linger,
+                    Duration::from_secs(1),
+                ));
             }
         }
         let _ = shared.sessions.set(Arc::new(session_layer));

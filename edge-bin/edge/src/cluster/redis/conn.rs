@@ -147,33 +147,61 @@ impl Conn {
         }
     }
 
-    /// Runs the commands `each` adds for every item, as one pipeline on one Redis and as one
-    /// pipeline per hash tag (one slot each; concurrently) on a cluster; the whole is bounded
-    /// by the op timeout. Replies are ignored: for writes whose only answer is OK.
-    pub(super) async fn run_grouped<T>(
+    /// Runs the one command `each` adds for every item: as one pipeline on one Redis, as one
+    /// pipeline per hash tag (one slot each; concurrently) on a cluster. The whole is
+    /// bounded by the op timeout; the answer has one result per item, in order (a command
+    /// Redis refused is an `Err` in its place, the others stand).
+    pub(super) async fn pipeline_each<T>(
         &self,
         items: &[T],
         key_of: impl Fn(&T) -> String,
         each: impl Fn(&mut redis::Pipeline, &T),
-    ) -> Result<(), RedisError> {
-        let mut groups: HashMap<String, redis::Pipeline> = HashMap::new();
-        for item in items {
+    ) -> Result<Vec<redis::RedisResult<redis::Value>>, RedisError> {
+        let mut groups: HashMap<String, (Vec<usize>, redis::Pipeline)> = HashMap::new();
+        for (i, item) in items.iter().enumerate() {
             let group = if self.is_cluster() {
                 hash_tag(&key_of(item)).to_owned()
             } else {
                 String::new()
             };
-            each(groups.entry(group).or_insert_with(redis::pipe), item);
+            let (indices, pipe) = groups.entry(group).or_insert_with(|| {
+                let mut p = redis::pipe();
+                p.ignore_errors();
+                (Vec::new(), p)
+            });
+            indices.push(i);
+            each(pipe, item);
         }
         let link = self.link.clone();
-        let all = futures_util::future::try_join_all(groups.into_values().map(|pipe| {
+        let all = futures_util::future::try_join_all(groups.into_values().map(|(indices, pipe)| {
             let mut link = link.clone();
-            async move { pipe.query_async::<()>(&mut link).await }
+            async move {
+                let replies: Vec<redis::RedisResult<redis::Value>> =
+                    pipe.query_async(&mut link).await?;
+                Ok::<_, redis::RedisError>((indices, replies))
+            }
         }));
-        match tokio::time::timeout(self.config.op_timeout, all).await {
-            Ok(r) => r.map(|_| ()).map_err(RedisError::from),
-            Err(_) => Err(RedisError::Timeout),
+        let done = match tokio::time::timeout(self.config.op_timeout, all).await {
+            Ok(r) => r.map_err(RedisError::from)?,
+            Err(_) => return Err(RedisError::Timeout),
+        };
+        let mut out: Vec<Option<redis::RedisResult<redis::Value>>> =
+            std::iter::repeat_with(|| None).take(items.len()).collect();
+        for (indices, replies) in done {
+            if replies.len() != indices.len() {
+                return Err(RedisError::Corrupt(format!(
+                    "{} replies to a pipeline of {}",
+                    replies.len(),
+                    indices.len()
+                )));
+            }
+            for (i, r) in indices.into_iter().zip(replies) {
+                out[i] = Some(r);
+            }
         }
+        out.into_iter()
+            .map(|r| r.ok_or_else(|| RedisError::Corrupt("a pipeline reply is missing".into())))
+            .collect()
     }
 
     /// `P:{tag}:kind:player`: the player's records, hash-tagged by its store tag.

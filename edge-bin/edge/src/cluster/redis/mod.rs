@@ -220,6 +220,7 @@ impl From<RedisError> for StoreError {
         match e {
             RedisError::Timeout => StoreError::Timeout,
             RedisError::Corrupt(m) => StoreError::Corrupt(m),
+            RedisError::Fenced => StoreError::Fenced,
             other => StoreError::Unavailable(other.to_string()),
         }
     }

@@ -96,16 +96,19 @@ impl RedisPresence {
         }
         let ttl = ms(self.conn.config.presence_ttl);
         let key = |(player, _): &(String, SessionId)| self.conn.player_key("presence", player);
-        self.conn
-            .run_grouped(entries, key, |pipe, entry| {
+        let replies = self
+            .conn
+            .pipeline_each(entries, key, |pipe, entry| {
                 pipe.cmd("SET")
                     .arg(key(entry))
                     .arg(format!("{} {edge}", hex_id(&entry.1)))
                     .arg("PX")
-                    .arg(ttl)
-                    .ignore();
+                    .arg(ttl);
             })
-            .await
+            .await?;
+        replies
+            .into_iter()
+            .try_for_each(|r| r.map(drop).map_err(RedisError::from))
     }
 
     /// Removes the presence record if it still names `session_id` (a newer session's

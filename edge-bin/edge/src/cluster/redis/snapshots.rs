@@ -55,10 +55,24 @@ end
 return 0
 "#;
 
+/// The PUT script's KEYS and ARGV for one snapshot.
+struct PutArgs {
+    keys: [String; 3],
+    args: [String; 7],
+}
+
+fn put_outcome(n: u8) -> Result<(), RedisError> {
+    if n == 1 {
+        Ok(())
+    } else {
+        Err(RedisError::Fenced)
+    }
+}
+
 /// Redis [`SnapshotStore`] (warm tier, SPEC S7).
 ///
 /// `put` is fenced too: a snapshot whose fencing token is older than the player's counter
-/// (or than the stored snapshot's) is refused with [`StoreError::Unavailable`] ("fenced"),
+/// (or than the stored snapshot's) is refused with [`StoreError::Fenced`],
 /// so a stale owner cannot overwrite what a newer one wrote.
 #[derive(Debug)]
 pub struct RedisSnapshotStore {
@@ -95,6 +109,23 @@ impl RedisSnapshotStore {
 
     /// Writes `snapshot` unless it is fenced; see [`SnapshotStore::put`].
     pub async fn put_fenced(&self, snapshot: &Snapshot, ttl: Duration) -> Result<(), RedisError> {
+        let put = self.put_args(snapshot, ttl)?;
+        let mut inv = scripts().put.prepare_invoke();
+        for k in &put.keys {
+            inv.key(k);
+        }
+        for a in &put.args {
+            inv.arg(a);
+        }
+        let n: u8 = self
+            .conn
+            .run(|mut m| async move { inv.invoke_async(&mut m).await })
+            .await?;
+        put_outcome(n)
+    }
+
+    /// The PUT script's keys and arguments for `snapshot`.
+    fn put_args(&self, snapshot: &Snapshot, ttl: Duration) -> Result<PutArgs, RedisError> {
         let c = &self.conn;
         // The script touches the player's fence and owner records and the snapshot: one
         // slot only if the session id carries the player's store tag (as minted).
@@ -107,33 +138,80 @@ impl RedisSnapshotStore {
         }
         let json = serde_json::to_string(snapshot)
             .map_err(|e| RedisError::Invalid(format!("snapshot: {e}")))?;
-        let mut inv = scripts().put.prepare_invoke();
-        inv.key(c.player_key("fence", &snapshot.player_id))
-            .key(c.session_key("snap", &snapshot.session_id))
-            .key(c.player_key("owner", &snapshot.player_id))
-            .arg(snapshot.fencing)
-            .arg(ms(ttl))
-            .arg(hex_id(&snapshot.resume_hash.0))
-            .arg(
+        Ok(PutArgs {
+            keys: [
+                c.player_key("fence", &snapshot.player_id),
+                c.session_key("snap", &snapshot.session_id),
+                c.player_key("owner", &snapshot.player_id),
+            ],
+            args: [
+                snapshot.fencing.to_string(),
+                ms(ttl).to_string(),
+                hex_id(&snapshot.resume_hash.0),
                 snapshot
                     .prev_resume_hash
                     .map_or(String::new(), |h| hex_id(&h.0)),
-            )
-            .arg(json)
-            .arg(format!(
-                "{} {} ",
-                snapshot.fencing,
-                hex_id(&snapshot.session_id)
-            ))
-            .arg(snapshot.last_resume_nonce);
-        let n: u8 = c
-            .run(|mut m| async move { inv.invoke_async(&mut m).await })
-            .await?;
-        if n == 1 {
-            Ok(())
-        } else {
-            Err(RedisError::Fenced)
+                json,
+                format!("{} {} ", snapshot.fencing, hex_id(&snapshot.session_id)),
+                snapshot.last_resume_nonce.to_string(),
+            ],
+        })
+    }
+
+    /// Writes many snapshots in one round trip (one pipeline of the PUT script, one per
+    /// hash tag on a cluster): the write-through's group commit. One result per snapshot.
+    pub async fn put_many_fenced(
+        &self,
+        snapshots: &[Snapshot],
+        ttl: Duration,
+    ) -> Vec<Result<(), RedisError>> {
+        let mut results: Vec<Result<(), RedisError>> = Vec::with_capacity(snapshots.len());
+        let mut puts = Vec::with_capacity(snapshots.len());
+        for (i, s) in snapshots.iter().enumerate() {
+            match self.put_args(s, ttl) {
+                Ok(p) => {
+                    results.push(Ok(()));
+                    puts.push((i, p));
+                }
+                Err(e) => results.push(Err(e)),
+            }
         }
+        let hash = scripts().put.get_hash().to_owned();
+        let replies = self
+            .conn
+            .pipeline_each(
+                &puts,
+                |(_, p)| p.keys[1].clone(),
+                |pipe, (_, p)| {
+                    pipe.cmd("EVALSHA")
+                        .arg(&hash)
+                        .arg(p.keys.len())
+                        .arg(&p.keys[..])
+                        .arg(&p.args[..]);
+                },
+            )
+            .await;
+        let replies = match replies {
+            Ok(r) => r,
+            Err(e) => {
+                for (i, _) in &puts {
+                    results[*i] = Err(e.clone());
+                }
+                return results;
+            }
+        };
+        for ((i, _), reply) in puts.iter().zip(replies) {
+            results[*i] = match reply.and_then(|v| Ok(redis::from_redis_value::<u8>(v)?)) {
+                Ok(n) => put_outcome(n),
+                // A Redis that lost its scripts (restarted, failed over): load it again
+                // through the one-by-one path, which does.
+                Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                    self.put_fenced(&snapshots[*i], ttl).await
+                }
+                Err(e) => Err(e.into()),
+            };
+        }
+        results
     }
 
     fn decode(session_id: &SessionId, json: &str) -> Result<Snapshot, RedisError> {
@@ -154,6 +232,14 @@ impl RedisSnapshotStore {
 impl SnapshotStore for RedisSnapshotStore {
     async fn put(&self, snapshot: &Snapshot, ttl: Duration) -> Result<(), StoreError> {
         Ok(self.put_fenced(snapshot, ttl).await?)
+    }
+
+    async fn put_many(&self, snapshots: &[Snapshot], ttl: Duration) -> Vec<Result<(), StoreError>> {
+        self.put_many_fenced(snapshots, ttl)
+            .await
+            .into_iter()
+            .map(|r| r.map_err(StoreError::from))
+            .collect()
     }
 
     async fn get(&self, session_id: &SessionId) -> Result<Option<Snapshot>, StoreError> {

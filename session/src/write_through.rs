@@ -1,0 +1,226 @@
+//! Write-through to the warm tier with group commit (durable before visible, SPEC S7).
+//!
+//! Every session task hands the snapshot it must make durable to one per-edge committer
+//! ([`WriteThrough::commit`]) and waits for its answer. The committer takes whatever is
+//! queued — everything that arrived while the previous commit was in flight, up to
+//! [`MAX_GROUP`] snapshots — and writes it with one [`SnapshotStore::put_many`] (one Redis
+//! round trip per group), then answers each session. Under load the groups grow on their
+//! own; an idle edge commits a lone snapshot at once. The queue is bounded
+//! ([`QUEUE_CAPACITY`]): a session waits for room, which is the backpressure durability
+//! costs.
+//!
+//! It owns no policy beyond that: what is visible (and so needs a write), what is skipped
+//! as unchanged, and what a failure means for the session stay in the session driver.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::store::{Snapshot, SnapshotStore, StoreError};
+
+/// Most snapshots one commit writes.
+pub const MAX_GROUP: usize = 256;
+/// Snapshots waiting for a commit, beyond which sessions wait for room.
+pub const QUEUE_CAPACITY: usize = 4 * MAX_GROUP;
+
+type Job = (Snapshot, oneshot::Sender<Result<(), StoreError>>);
+
+/// Durable before visible: with a shared snapshot store, every batch of actions that
+/// shows the client new state (DATA with a seq, ACK, WELCOME, MIGRATE) is preceded by one
+/// write of the session's snapshot, so a client can never hold a sequence number, an ack
+/// or a resume token the warm tier does not know; after the edge dies it restores on any
+/// edge. Writes of many sessions share one store round trip (group commit, module docs).
+/// A failed write does not hold the session back: writes pause for
+/// [`WriteThrough::pause`] (store down) and traffic flows undurably meanwhile (counted).
+#[derive(Debug)]
+pub struct WriteThrough {
+    /// How long writes pause after a failure.
+    pub pause: Duration,
+    paused_until: Mutex<Option<std::time::Instant>>,
+    /// Snapshots written.
+    pub writes: AtomicU64,
+    /// Writes that failed (or were skipped while paused).
+    pub failures: AtomicU64,
+    /// Group commits made (store round trips).
+    pub commits: AtomicU64,
+    /// Writes refused because a newer owner exists (a stale copy; never pauses writes).
+    pub fenced: AtomicU64,
+    jobs: mpsc::Sender<Job>,
+}
+
+impl WriteThrough {
+    /// Write-through into `store` with snapshots expiring after `ttl` (the linger time),
+    /// pausing `pause` after a failure. Spawns the committer on the current tokio runtime;
+    /// it ends when the returned value is dropped.
+    pub fn start(store: Arc<dyn SnapshotStore>, ttl: Duration, pause: Duration) -> Arc<Self> {
+        let (jobs, rx) = mpsc::channel(QUEUE_CAPACITY);
+        let wt = Arc::new(Self {
+            pause,
+            paused_until: Mutex::new(None),
+            writes: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+            commits: AtomicU64::new(0),
+            fenced: AtomicU64::new(0),
+            jobs,
+        });
+        tokio::spawn(committer(Arc::downgrade(&wt), store, ttl, rx));
+        wt
+    }
+
+    /// Whether writes are paused after a failure (the caller skips the write, counted).
+    pub fn paused(&self) -> bool {
+        let p = self.paused_until.lock().unwrap_or_else(|e| e.into_inner());
+        p.is_some_and(|t| std::time::Instant::now() < t)
+    }
+
+    /// Counts a write skipped while paused.
+    pub fn skipped(&self) {
+        self.failures.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Writes `snapshot` with the next group commit and waits for its outcome. A failure
+    /// other than [`StoreError::Fenced`] pauses writes for [`WriteThrough::pause`].
+    pub async fn commit(&self, snapshot: Snapshot) -> Result<(), StoreError> {
+        let (tx, rx) = oneshot::channel();
+        let gone = || StoreError::Unavailable("write-through committer stopped".into());
+        self.jobs.send((snapshot, tx)).await.map_err(|_| gone())?;
+        let result = rx.await.map_err(|_| gone())?;
+        match &result {
+            Ok(()) => {
+                self.writes.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(StoreError::Fenced) => {
+                self.fenced.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(_) => {
+                self.failures.fetch_add(1, Ordering::Relaxed);
+                *self.paused_until.lock().unwrap_or_else(|e| e.into_inner()) =
+                    Some(std::time::Instant::now() + self.pause);
+            }
+        }
+        result
+    }
+}
+
+async fn committer(
+    owner: std::sync::Weak<WriteThrough>,
+    store: Arc<dyn SnapshotStore>,
+    ttl: Duration,
+    mut rx: mpsc::Receiver<Job>,
+) {
+    let mut group: Vec<Job> = Vec::with_capacity(MAX_GROUP);
+    // Ends when every sender is gone (the WriteThrough was dropped).
+    while rx.recv_many(&mut group, MAX_GROUP).await > 0 {
+        let snapshots: Vec<Snapshot> = group.iter().map(|(s, _)| s.clone()).collect();
+        let mut results = store.put_many(&snapshots, ttl).await.into_iter();
+        if let Some(wt) = owner.upgrade() {
+            wt.commits.fetch_add(1, Ordering::Relaxed);
+        }
+        for (_, answer) in group.drain(..) {
+            let result = results.next().unwrap_or_else(|| {
+                Err(StoreError::Corrupt("the store answered fewer writes than asked".into()))
+            });
+            // A session that stopped waiting (its task ended) needs no answer.
+            let _ = answer.send(result);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{MemorySnapshotStore, TakeOutcome};
+    use crate::testkit::store_contract::snapshot;
+    use async_trait::async_trait;
+    use waygate_protocol::frame::SessionId;
+
+    use crate::resume::ResumeHash;
+
+    /// A store that counts `put_many` calls and holds each until released, so a group can
+    /// form behind it.
+    struct Gate {
+        inner: MemorySnapshotStore,
+        groups: Mutex<Vec<usize>>,
+        release: tokio::sync::Semaphore,
+    }
+
+    #[async_trait]
+    impl SnapshotStore for Gate {
+        async fn put(&self, s: &Snapshot, ttl: Duration) -> Result<(), StoreError> {
+            self.inner.put(s, ttl).await
+        }
+        async fn put_many(&self, s: &[Snapshot], ttl: Duration) -> Vec<Result<(), StoreError>> {
+            self.groups.lock().unwrap_or_else(|e| e.into_inner()).push(s.len());
+            if let Ok(p) = self.release.acquire().await {
+                p.forget();
+            }
+            let mut out = Vec::new();
+            for x in s {
+                out.push(if x.fencing == 0 {
+                    Err(StoreError::Fenced)
+                } else if x.fencing == 99 {
+                    Err(StoreError::Timeout)
+                } else {
+                    self.inner.put(x, ttl).await
+                });
+            }
+            out
+        }
+        async fn get(&self, id: &SessionId) -> Result<Option<Snapshot>, StoreError> {
+            self.inner.get(id).await
+        }
+        async fn take(&self, id: &SessionId, h: &ResumeHash) -> Result<TakeOutcome, StoreError> {
+            self.inner.take(id, h).await
+        }
+        async fn delete(&self, id: &SessionId, f: Option<u64>) -> Result<bool, StoreError> {
+            self.inner.delete(id, f).await
+        }
+    }
+
+    #[tokio::test]
+    async fn writes_queued_behind_a_commit_share_the_next_one() {
+        let gate = Arc::new(Gate {
+            inner: MemorySnapshotStore::new(),
+            groups: Mutex::new(Vec::new()),
+            release: tokio::sync::Semaphore::new(0),
+        });
+        let wt = WriteThrough::start(gate.clone(), Duration::from_secs(60), Duration::from_secs(1));
+        // The first write is alone; 50 more arrive while it is in flight.
+        let first = tokio::spawn({
+            let wt = wt.clone();
+            async move { wt.commit(snapshot(1, "p0", 1)).await }
+        });
+        while gate.groups.lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
+            tokio::task::yield_now().await;
+        }
+        let rest: Vec<_> = (2..=51u8)
+            .map(|i| {
+                let wt = wt.clone();
+                tokio::spawn(async move { wt.commit(snapshot(i, &format!("p{i}"), 1)).await })
+            })
+            .collect();
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        gate.release.add_permits(2);
+        assert_eq!(first.await.expect("join"), Ok(()));
+        for r in rest {
+            assert_eq!(r.await.expect("join"), Ok(()));
+        }
+        assert_eq!(*gate.groups.lock().unwrap_or_else(|e| e.into_inner()), vec![1, 50]);
+        assert_eq!(wt.commits.load(Ordering::Relaxed), 2);
+        assert_eq!(wt.writes.load(Ordering::Relaxed), 51);
+        assert!(gate.inner.get(&snapshot(30, "p30", 1).session_id).await.expect("get").is_some());
+
+        // A fenced write is answered as such and pauses nobody; a timeout pauses writes.
+        gate.release.add_permits(2);
+        assert_eq!(wt.commit(snapshot(60, "stale", 0)).await, Err(StoreError::Fenced));
+        assert!(!wt.paused());
+        assert_eq!(wt.fenced.load(Ordering::Relaxed), 1);
+        assert_eq!(wt.commit(snapshot(61, "slow", 99)).await, Err(StoreError::Timeout));
+        assert!(wt.paused());
+        assert_eq!(wt.failures.load(Ordering::Relaxed), 1);
+    }
+}
