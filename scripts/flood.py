@@ -37,8 +37,12 @@ def start_target(waygate: str) -> tuple[subprocess.Popen, dict]:
         line = proc.stdout.readline()
         if not line:
             break
-        if line.startswith('{"event":"ready"'):
-            return proc, json.loads(line)["listeners"]
+        try:
+            ready = json.loads(line)
+        except ValueError:
+            continue
+        if ready.get("event") == "ready":
+            return proc, ready["listeners"]
     proc.kill()
     sys.exit("flood: the target edge did not start")
 

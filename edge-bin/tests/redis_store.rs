@@ -156,10 +156,7 @@ async fn a_stale_owner_is_fenced_out_of_writes_releases_and_deletes() {
         .put(&stale, Duration::from_secs(60))
         .await
         .expect_err("fenced");
-    assert!(
-        matches!(err, StoreError::Fenced),
-        "{err:?}"
-    );
+    assert!(matches!(err, StoreError::Fenced), "{err:?}");
     assert_eq!(
         edge_a.snapshots.delete(&sid, Some(a.fencing)).await,
         Ok(false)

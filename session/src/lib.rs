@@ -63,9 +63,9 @@ pub mod seq;
 #[doc(hidden)]
 pub mod sim;
 pub mod store;
-pub mod write_through;
 #[cfg(any(test, feature = "testkit"))]
 pub mod testkit;
+pub mod write_through;
 
 #[cfg(test)]
 mod tests;

@@ -120,7 +120,9 @@ async fn committer(
         }
         for (_, answer) in group.drain(..) {
             let result = results.next().unwrap_or_else(|| {
-                Err(StoreError::Corrupt("the store answered fewer writes than asked".into()))
+                Err(StoreError::Corrupt(
+                    "the store answered fewer writes than asked".into(),
+                ))
             });
             // A session that stopped waiting (its task ended) needs no answer.
             let _ = answer.send(result);
@@ -152,7 +154,10 @@ mod tests {
             self.inner.put(s, ttl).await
         }
         async fn put_many(&self, s: &[Snapshot], ttl: Duration) -> Vec<Result<(), StoreError>> {
-            self.groups.lock().unwrap_or_else(|e| e.into_inner()).push(s.len());
+            self.groups
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(s.len());
             if let Ok(p) = self.release.acquire().await {
                 p.forget();
             }
@@ -186,13 +191,22 @@ mod tests {
             groups: Mutex::new(Vec::new()),
             release: tokio::sync::Semaphore::new(0),
         });
-        let wt = WriteThrough::start(gate.clone(), Duration::from_secs(60), Duration::from_secs(1));
+        let wt = WriteThrough::start(
+            gate.clone(),
+            Duration::from_secs(60),
+            Duration::from_secs(1),
+        );
         // The first write is alone; 50 more arrive while it is in flight.
         let first = tokio::spawn({
             let wt = wt.clone();
             async move { wt.commit(snapshot(1, "p0", 1)).await }
         });
-        while gate.groups.lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
+        while gate
+            .groups
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
+        {
             tokio::task::yield_now().await;
         }
         let rest: Vec<_> = (2..=51u8)
@@ -209,17 +223,31 @@ mod tests {
         for r in rest {
             assert_eq!(r.await.expect("join"), Ok(()));
         }
-        assert_eq!(*gate.groups.lock().unwrap_or_else(|e| e.into_inner()), vec![1, 50]);
+        assert_eq!(
+            *gate.groups.lock().unwrap_or_else(|e| e.into_inner()),
+            vec![1, 50]
+        );
         assert_eq!(wt.commits.load(Ordering::Relaxed), 2);
         assert_eq!(wt.writes.load(Ordering::Relaxed), 51);
-        assert!(gate.inner.get(&snapshot(30, "p30", 1).session_id).await.expect("get").is_some());
+        assert!(gate
+            .inner
+            .get(&snapshot(30, "p30", 1).session_id)
+            .await
+            .expect("get")
+            .is_some());
 
         // A fenced write is answered as such and pauses nobody; a timeout pauses writes.
         gate.release.add_permits(2);
-        assert_eq!(wt.commit(snapshot(60, "stale", 0)).await, Err(StoreError::Fenced));
+        assert_eq!(
+            wt.commit(snapshot(60, "stale", 0)).await,
+            Err(StoreError::Fenced)
+        );
         assert!(!wt.paused());
         assert_eq!(wt.fenced.load(Ordering::Relaxed), 1);
-        assert_eq!(wt.commit(snapshot(61, "slow", 99)).await, Err(StoreError::Timeout));
+        assert_eq!(
+            wt.commit(snapshot(61, "slow", 99)).await,
+            Err(StoreError::Timeout)
+        );
         assert!(wt.paused());
         assert_eq!(wt.failures.load(Ordering::Relaxed), 1);
     }

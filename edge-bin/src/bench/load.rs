@@ -47,8 +47,12 @@ pub enum ClientImpl {
     Sdk,
 }
 
+/// Reads named counters of the target (blocking; run off the runtime).
+pub type SutCounters =
+    std::sync::Arc<dyn Fn() -> std::collections::BTreeMap<String, u64> + Send + Sync>;
+
 /// One load run.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct LoadSpec {
     /// Where to connect.
     pub endpoint: Endpoint,
@@ -74,6 +78,9 @@ pub struct LoadSpec {
     pub player_prefix: String,
     /// The process under test (CPU and RSS).
     pub sut_pid: Option<u32>,
+    /// Counters of the target read at the window's start and end (their differences land
+    /// in [`LoadResult::sut_counters`]).
+    pub counters: Option<SutCounters>,
 }
 
 /// What one load run measured.
@@ -129,6 +136,8 @@ pub struct LoadResult {
     pub refused: u64,
     /// Refusals by close code.
     pub refused_by_code: std::collections::BTreeMap<String, u64>,
+    /// What [`LoadSpec::counters`] rose by in the window.
+    pub sut_counters: std::collections::BTreeMap<String, u64>,
 }
 
 /// Latency percentiles in microseconds.
@@ -390,12 +399,26 @@ pub async fn run(spec: LoadSpec) -> LoadResult {
             let _ = phase_tx.send(Phase::Drop);
             tokio::time::sleep(spec.duration).await;
         } else {
+            let read = |c: Option<SutCounters>| async move {
+                match c {
+                    Some(c) => tokio::task::spawn_blocking(move || c())
+                        .await
+                        .unwrap_or_default(),
+                    None => Default::default(),
+                }
+            };
+            let before = read(spec.counters.clone()).await;
             let mark = super::procs::CpuMark::now(sut);
             ctx.recording.store(true, Ordering::Relaxed);
             let _ = phase_tx.send(Phase::Measure);
             tokio::time::sleep(spec.duration).await;
             ctx.recording.store(false, Ordering::Relaxed);
             let end = super::procs::CpuMark::now(sut);
+            let after = read(spec.counters.clone()).await;
+            result.sut_counters = after
+                .into_iter()
+                .filter_map(|(k, v)| Some((k.clone(), v.checked_sub(*before.get(&k)?)?)))
+                .collect();
             let (el, sut_us, own_us) = mark.since(&end);
             result.window_s = el.as_secs_f64();
             result.echoes = get(&ctx.c.echoes);

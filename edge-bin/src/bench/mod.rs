@@ -50,6 +50,10 @@ pub enum Target {
     Direct,
     /// HAProxy `mode tcp` in front of the TCP echo server (TCP only).
     Haproxy,
+    /// The edge with write-through to a Redis the bench starts (`redis-server` on the PATH):
+    /// compared with `edge`, and its Redis cost per echo (snapshot writes, group commits,
+    /// commands and bytes into Redis) read in the window.
+    EdgeRedis,
 }
 
 impl Target {
@@ -58,6 +62,7 @@ impl Target {
             Self::Edge => "edge",
             Self::Direct => "direct",
             Self::Haproxy => "haproxy",
+            Self::EdgeRedis => "edge-redis",
         }
     }
 }
@@ -409,6 +414,10 @@ struct Sut {
     pid: Option<u32>,
     addrs: BTreeMap<String, SocketAddr>,
     tls: Option<ClientTls>,
+    /// The edge's admin server (its /metrics are read in the window).
+    admin: Option<SocketAddr>,
+    /// The Redis the edge writes through to.
+    redis_port: Option<u16>,
 }
 
 fn listeners_of(v: &serde_json::Value) -> BTreeMap<String, SocketAddr> {
@@ -487,12 +496,41 @@ impl Env {
             pid: Some(p.pid()),
             addrs: listeners_of(&ready),
             tls: ca(&ca_path),
+            admin: None,
+            redis_port: None,
         };
         Ok((p, sut))
     }
 
-    fn edge(&self, plan: &Plan) -> Result<(Vec<Proc>, Sut), String> {
+    fn edge(&self, plan: &Plan, redis: bool) -> Result<(Vec<Proc>, Sut), String> {
         let n = self.next();
+        let mut procs_ = Vec::new();
+        let redis_port = if redis {
+            let port = procs::free_port()?;
+            let r = procs::spawn_quiet(
+                "redis-server",
+                procs::pinned(
+                    self.cpu(0),
+                    &procs::which("redis-server").ok_or("redis-server is not on the PATH")?,
+                    &[
+                        "--port".into(),
+                        port.to_string(),
+                        "--bind".into(),
+                        "127.0.0.1".into(),
+                        "--save".into(),
+                        String::new(),
+                        "--appendonly".into(),
+                        "no".into(),
+                    ],
+                ),
+                &self.dir.join(format!("redis{n}.log")),
+                Duration::from_millis(300),
+            )?;
+            procs_.push(r);
+            Some(port)
+        } else {
+            None
+        };
         let extra: Vec<String> = self
             .forward_credits
             .map(|c| vec!["--forward-credits".to_string(), c.to_string()])
@@ -536,12 +574,15 @@ impl Env {
             ),
         )
         .map_err(|e| e.to_string())?;
-        let args = vec![
+        let mut args = vec![
             "run".to_string(),
             "--config".into(),
             config.display().to_string(),
             "--ephemeral-ports".into(),
         ];
+        if let Some(port) = redis_port {
+            args.extend(["--redis".into(), format!("redis://127.0.0.1:{port}/")]);
+        }
         let (edge, ready) = procs::spawn_ready(
             "edge",
             procs::pinned(self.cpu(1), &self.exe, &args),
@@ -551,8 +592,14 @@ impl Env {
             pid: Some(edge.pid()),
             addrs: listeners_of(&ready),
             tls: ca(&ca_path),
+            admin: ready
+                .get("admin")
+                .and_then(|a| a.as_str())
+                .and_then(|a| a.parse().ok()),
+            redis_port,
         };
-        Ok((vec![backend, edge], sut))
+        procs_.extend([backend, edge]);
+        Ok((procs_, sut))
     }
 
     fn haproxy(&self, plan: &Plan) -> Result<(Vec<Proc>, Sut), String> {
@@ -564,6 +611,8 @@ impl Env {
             pid: Some(h.pid()),
             addrs: BTreeMap::from([("tcp".to_string(), SocketAddr::from(([127, 0, 0, 1], port)))]),
             tls: None,
+            admin: None,
+            redis_port: None,
         };
         Ok((vec![echo, h], sut))
     }
@@ -589,6 +638,8 @@ impl Env {
                     pid: args.edge_pid,
                     addrs: BTreeMap::from([(e.kind.as_str().to_string(), addr)]),
                     tls: args.ca.as_deref().and_then(ca),
+                    admin: None,
+                    redis_port: None,
                 },
             );
             return Ok(Targets {
@@ -598,7 +649,8 @@ impl Env {
         }
         for t in &plan.targets {
             let (p, s) = match t {
-                Target::Edge => self.edge(plan)?,
+                Target::Edge => self.edge(plan, false)?,
+                Target::EdgeRedis => self.edge(plan, true)?,
                 Target::Direct => {
                     let (p, s) = self.echo(plan, 1)?;
                     (vec![p], s)
@@ -615,6 +667,71 @@ impl Env {
             suts,
         })
     }
+}
+
+/// The counters an edge-redis run reads at the window's start and end: the edge's
+/// write-through series (its admin /metrics) and Redis' own (`INFO stats`). Plain TCP, a
+/// few hundred microseconds, outside the measured processes.
+fn counters(admin: Option<SocketAddr>, redis: Option<u16>) -> BTreeMap<String, u64> {
+    use std::io::{Read as _, Write as _};
+    let fetch = |addr: SocketAddr, request: &[u8]| -> String {
+        let mut text = String::new();
+        if let Ok(mut s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
+            let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+            if s.write_all(request).is_ok() {
+                let mut buf = Vec::new();
+                // INFO ends with a blank line; /metrics with the connection (HTTP/1.0).
+                let mut chunk = [0u8; 16 * 1024];
+                while let Ok(n) = s.read(&mut chunk) {
+                    if n == 0 {
+                        break;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    if request.starts_with(b"INFO") && buf.ends_with(b"\r\n\r\n") {
+                        break;
+                    }
+                }
+                text = String::from_utf8_lossy(&buf).into_owned();
+            }
+        }
+        text
+    };
+    let mut out = BTreeMap::new();
+    let mut read = |text: &str, sep: char, names: &[(&str, &str)]| {
+        for line in text.lines() {
+            for (name, key) in names {
+                if let Some(v) = line.strip_prefix(name).and_then(|r| r.strip_prefix(sep)) {
+                    if let Ok(v) = v.trim().parse::<f64>() {
+                        out.insert((*key).to_string(), v as u64);
+                    }
+                }
+            }
+        }
+    };
+    if let Some(a) = admin {
+        let get = format!("GET /metrics HTTP/1.0\r\nHost: {a}\r\n\r\n");
+        let m = fetch(a, get.as_bytes());
+        read(
+            &m,
+            ' ',
+            &[
+                ("waygate_write_through_writes_total", "snapshot_writes"),
+                ("waygate_write_through_commits_total", "group_commits"),
+            ],
+        );
+    }
+    if let Some(port) = redis {
+        let info = fetch(SocketAddr::from(([127, 0, 0, 1], port)), b"INFO stats\r\n");
+        read(
+            &info,
+            ':',
+            &[
+                ("total_commands_processed", "redis_commands"),
+                ("total_net_input_bytes", "redis_in_bytes"),
+            ],
+        );
+    }
+    out
 }
 
 fn kind(s: &str) -> Option<TransportKind> {
@@ -724,6 +841,10 @@ pub async fn run(args: BenchArgs) -> Result<(), String> {
                             target.as_str()
                         ),
                         sut_pid: sut.pid,
+                        counters: (sut.admin.is_some() || sut.redis_port.is_some()).then(|| {
+                            let (admin, redis) = (sut.admin, sut.redis_port);
+                            std::sync::Arc::new(move || counters(admin, redis)) as load::SutCounters
+                        }),
                     };
                     let load_avg = procs::loadavg();
                     let result = load::run(spec).await;
@@ -859,6 +980,11 @@ struct Row {
     vs_direct: Option<Compare>,
     /// The same against HAProxy.
     vs_haproxy: Option<Compare>,
+    /// edge-redis: the same against the edge without Redis.
+    vs_edge: Option<Compare>,
+    /// edge-redis: the medians of its window counters per echo round trip (snapshot writes,
+    /// group commits, Redis commands and bytes into Redis), and the payload for scale.
+    redis_per_echo: Option<BTreeMap<String, f64>>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -950,6 +1076,34 @@ fn summarize(runs: &[Run]) -> Vec<Row> {
             vs_haproxy: (target != Target::Haproxy)
                 .then(|| compare(&mine, &haproxy))
                 .flatten(),
+            vs_edge: (target == Target::EdgeRedis)
+                .then(|| compare(&mine, &sel(Target::Edge)))
+                .flatten(),
+            redis_per_echo: (target == Target::EdgeRedis).then(|| {
+                let mut per = BTreeMap::new();
+                for key in [
+                    "snapshot_writes",
+                    "group_commits",
+                    "redis_commands",
+                    "redis_in_bytes",
+                ] {
+                    let v = median(
+                        mine.iter()
+                            .filter(|r| r.result.echoes > 0)
+                            .filter_map(|r| {
+                                Some(
+                                    *r.result.sut_counters.get(key)? as f64
+                                        / r.result.echoes as f64,
+                                )
+                            })
+                            .collect(),
+                    );
+                    if let Some(v) = v {
+                        per.insert(key.to_string(), v);
+                    }
+                }
+                per
+            }),
             plan,
             transport,
             target,
@@ -989,7 +1143,20 @@ fn table(rows: &[Row]) -> String {
             f(r.restore_p99_ms, 1),
             r.lost + r.duplicated,
         ));
-        for (name, c) in [("direct", &r.vs_direct), ("haproxy", &r.vs_haproxy)] {
+        if let Some(per) = &r.redis_per_echo {
+            out.push_str(&format!(
+                "    per echo round trip: {} snapshot writes, {} group commits, {} Redis commands, {} bytes into Redis\n",
+                f(per.get("snapshot_writes").copied(), 3),
+                f(per.get("group_commits").copied(), 3),
+                f(per.get("redis_commands").copied(), 3),
+                f(per.get("redis_in_bytes").copied(), 0),
+            ));
+        }
+        for (name, c) in [
+            ("direct", &r.vs_direct),
+            ("haproxy", &r.vs_haproxy),
+            ("edge", &r.vs_edge),
+        ] {
             if let Some(c) = c {
                 out.push_str(&format!(
                     "    vs {name:<7} msgs/s x{}  added p50 {} us  p99 {} us  cpu/msg x{}  tax {} us/msg  setups x{}\n",

@@ -173,14 +173,15 @@ impl Conn {
             each(pipe, item);
         }
         let link = self.link.clone();
-        let all = futures_util::future::try_join_all(groups.into_values().map(|(indices, pipe)| {
-            let mut link = link.clone();
-            async move {
-                let replies: Vec<redis::RedisResult<redis::Value>> =
-                    pipe.query_async(&mut link).await?;
-                Ok::<_, redis::RedisError>((indices, replies))
-            }
-        }));
+        let all =
+            futures_util::future::try_join_all(groups.into_values().map(|(indices, pipe)| {
+                let mut link = link.clone();
+                async move {
+                    let replies: Vec<redis::RedisResult<redis::Value>> =
+                        pipe.query_async(&mut link).await?;
+                    Ok::<_, redis::RedisError>((indices, replies))
+                }
+            }));
         let done = match tokio::time::timeout(self.config.op_timeout, all).await {
             Ok(r) => r.map_err(RedisError::from)?,
             Err(_) => return Err(RedisError::Timeout),

@@ -205,7 +205,9 @@ impl RedisSnapshotStore {
                 Ok(n) => put_outcome(n),
                 // A Redis that lost its scripts (restarted, failed over): load it again
                 // through the one-by-one path, which does.
-                Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                Err(e)
+                    if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+                {
                     self.put_fenced(&snapshots[*i], ttl).await
                 }
                 Err(e) => Err(e.into()),
