@@ -18,9 +18,11 @@ import asyncio
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 
@@ -82,13 +84,16 @@ async def churn(addr: tuple[str, int], stop: float) -> int:
     return n
 
 
+STOP = threading.Event()
+
+
 def udp_flood(addrs: list[tuple[str, int]], stop: float) -> int:
     socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in addrs]
     for s in socks:
         s.setblocking(False)
     junk = [os.urandom(random.randint(20, 1200)) for _ in range(64)]
     n = 0
-    while time.time() < stop:
+    while time.time() < stop and not STOP.is_set():
         for s, a in zip(socks, addrs):
             try:
                 s.sendto(junk[n % 64], a)
@@ -106,6 +111,14 @@ async def main() -> None:
     args = ap.parse_args()
     proc, listeners = start_target(args.waygate)
     stop = time.time() + args.seconds
+
+    def terminate(*_: object) -> None:
+        # SIGTERM (the runner's trap): stop the flood thread and fall through to `finally`,
+        # which kills the target edge.
+        STOP.set()
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, terminate)
     try:
         tcp = hostport(listeners["tcp"])
         udp = [hostport(listeners[k]) for k in ("kcp", "quic") if k in listeners]
@@ -116,6 +129,7 @@ async def main() -> None:
         )
         print(f"flood: {held} half-open, {churned} churned connections, {sent} datagrams")
     finally:
+        STOP.set()
         proc.kill()
         proc.wait()
 

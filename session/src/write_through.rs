@@ -96,8 +96,13 @@ impl WriteThrough {
             }
             Err(_) => {
                 self.failures.fetch_add(1, Ordering::Relaxed);
-                *self.paused_until.lock().unwrap_or_else(|e| e.into_inner()) =
-                    Some(std::time::Instant::now() + self.pause);
+                // The first failure starts the pause; those answered during it (their group
+                // was queued before it, or skipped by the committer) do not extend it.
+                let mut until = self.paused_until.lock().unwrap_or_else(|e| e.into_inner());
+                let now = std::time::Instant::now();
+                if until.is_none_or(|t| t <= now) {
+                    *until = Some(now + self.pause);
+                }
             }
         }
         result
@@ -113,6 +118,14 @@ async fn committer(
     let mut group: Vec<Job> = Vec::with_capacity(MAX_GROUP);
     // Ends when every sender is gone (the WriteThrough was dropped).
     while rx.recv_many(&mut group, MAX_GROUP).await > 0 {
+        // Groups queued before a failure paused the writes are not sent into the same
+        // trouble (each would wait out the store's timeout): answered at once.
+        if owner.upgrade().is_some_and(|wt| wt.paused()) {
+            for (_, answer) in group.drain(..) {
+                let _ = answer.send(Err(StoreError::Unavailable("write-through paused".into())));
+            }
+            continue;
+        }
         let snapshots: Vec<Snapshot> = group.iter().map(|(s, _)| s.clone()).collect();
         let mut results = store.put_many(&snapshots, ttl).await.into_iter();
         if let Some(wt) = owner.upgrade() {
@@ -250,5 +263,15 @@ mod tests {
         );
         assert!(wt.paused());
         assert_eq!(wt.failures.load(Ordering::Relaxed), 1);
+        // While paused, a queued write is answered at once, without the store.
+        let groups = gate.groups.lock().unwrap_or_else(|e| e.into_inner()).len();
+        assert!(matches!(
+            wt.commit(snapshot(62, "queued", 1)).await,
+            Err(StoreError::Unavailable(_))
+        ));
+        assert_eq!(
+            gate.groups.lock().unwrap_or_else(|e| e.into_inner()).len(),
+            groups
+        );
     }
 }

@@ -3,6 +3,7 @@
 //! SDK [`Client`] for comparison. Phases are broadcast through a watch channel; counters are
 //! atomics; latencies go into shared HDR histograms (one lock per sample, one worker thread).
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -126,8 +127,11 @@ pub struct LoadResult {
     pub replayed_us: Percentiles,
     /// Restore mode: sessions restored.
     pub restored: u64,
-    /// Restore mode: sessions restored with a gap, or given a new session.
+    /// Restore mode: sessions restored with a gap, given a new session, or not back
+    /// within the window (after retrying as the SDK does).
     pub restore_failed: u64,
+    /// Restore mode: connect rounds retried after a refusal or a failed connect.
+    pub resume_retries: u64,
     /// Pushes missing (counter gaps).
     pub lost: u64,
     /// Pushes received twice.
@@ -187,6 +191,7 @@ struct Counters {
     pushes: AtomicU64,
     restored: AtomicU64,
     restore_failed: AtomicU64,
+    resume_retries: AtomicU64,
     lost: AtomicU64,
     duplicated: AtomicU64,
     refused: AtomicU64,
@@ -362,6 +367,11 @@ pub async fn run(spec: LoadSpec) -> LoadResult {
         ..LoadResult::default()
     };
 
+    let setup_counters = if spec.mode == Mode::Connect {
+        read_counters(spec.counters.clone()).await
+    } else {
+        Default::default()
+    };
     let setup_mark = super::procs::CpuMark::now(sut);
     let mut tasks = tokio::task::JoinSet::new();
     for i in 0..spec.sessions {
@@ -389,6 +399,8 @@ pub async fn run(spec: LoadSpec) -> LoadResult {
         result.setups_per_s = Some(result.connected as f64 / el.as_secs_f64());
         result.sut_cpu_us_per_session = sut_us.map(|u| u as f64 / n);
         result.window_s = el.as_secs_f64();
+        let after = read_counters(spec.counters.clone()).await;
+        result.sut_counters = counters_rise(&setup_counters, after);
     } else {
         let _ = phase_tx.send(Phase::Warmup);
         tokio::time::sleep(spec.warmup).await;
@@ -399,26 +411,15 @@ pub async fn run(spec: LoadSpec) -> LoadResult {
             let _ = phase_tx.send(Phase::Drop);
             tokio::time::sleep(spec.duration).await;
         } else {
-            let read = |c: Option<SutCounters>| async move {
-                match c {
-                    Some(c) => tokio::task::spawn_blocking(move || c())
-                        .await
-                        .unwrap_or_default(),
-                    None => Default::default(),
-                }
-            };
-            let before = read(spec.counters.clone()).await;
+            let before = read_counters(spec.counters.clone()).await;
             let mark = super::procs::CpuMark::now(sut);
             ctx.recording.store(true, Ordering::Relaxed);
             let _ = phase_tx.send(Phase::Measure);
             tokio::time::sleep(spec.duration).await;
             ctx.recording.store(false, Ordering::Relaxed);
             let end = super::procs::CpuMark::now(sut);
-            let after = read(spec.counters.clone()).await;
-            result.sut_counters = after
-                .into_iter()
-                .filter_map(|(k, v)| Some((k.clone(), v.checked_sub(*before.get(&k)?)?)))
-                .collect();
+            let after = read_counters(spec.counters.clone()).await;
+            result.sut_counters = counters_rise(&before, after);
             let (el, sut_us, own_us) = mark.since(&end);
             result.window_s = el.as_secs_f64();
             result.echoes = get(&ctx.c.echoes);
@@ -452,6 +453,7 @@ pub async fn run(spec: LoadSpec) -> LoadResult {
     }
     result.restored = get(&ctx.c.restored);
     result.restore_failed = get(&ctx.c.restore_failed);
+    result.resume_retries = get(&ctx.c.resume_retries);
     result.lost = get(&ctx.c.lost);
     result.duplicated = get(&ctx.c.duplicated);
     result.refused = get(&ctx.c.refused);
@@ -466,6 +468,27 @@ pub async fn run(spec: LoadSpec) -> LoadResult {
         result.replayed_us = Percentiles::of(&h.replayed);
     }
     result
+}
+
+async fn read_counters(c: Option<SutCounters>) -> BTreeMap<String, u64> {
+    match c {
+        Some(c) => tokio::task::spawn_blocking(move || c())
+            .await
+            .unwrap_or_default(),
+        None => BTreeMap::new(),
+    }
+}
+
+/// What each counter rose by from `before` to `after` (counters missing in either, or
+/// that went down, are left out).
+fn counters_rise(
+    before: &BTreeMap<String, u64>,
+    after: BTreeMap<String, u64>,
+) -> BTreeMap<String, u64> {
+    after
+        .into_iter()
+        .filter_map(|(k, v)| Some((k.clone(), v.checked_sub(*before.get(&k)?)?)))
+        .collect()
 }
 
 fn now() -> std::time::Instant {
@@ -485,26 +508,97 @@ async fn flush(conn: &mut BoxConnection, cs: &mut ClientSession) -> Result<(), C
 
 /// Connects and runs the handshake; returns the connection and WELCOME's outcome. Events
 /// after the WELCOME stay queued in `cs`.
+/// Why a connect round did not end in WELCOME.
+#[derive(Debug)]
+enum ConnectError {
+    /// REJECT: try again after the hint unless terminal.
+    Rejected {
+        code: CloseCode,
+        retry_after_ms: u32,
+        terminal: bool,
+    },
+    /// The transport or the handshake failed.
+    Failed(String),
+}
+
+impl std::fmt::Display for ConnectError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Rejected { code, .. } => write!(f, "rejected: {code}"),
+            Self::Failed(e) => f.write_str(e),
+        }
+    }
+}
+
 async fn connect_welcome(
     ctx: &Ctx,
     cs: &mut ClientSession,
-) -> Result<(BoxConnection, WelcomeOutcome), String> {
+) -> Result<(BoxConnection, WelcomeOutcome), ConnectError> {
+    let failed = |e: String| ConnectError::Failed(e);
     let mut conn = connect(&ctx.spec.endpoint, &ctx.spec.connect)
         .await
-        .map_err(|e| e.to_string())?;
-    cs.connect(now()).map_err(|e| e.to_string())?;
-    flush(&mut conn, cs).await.map_err(|c| c.to_string())?;
+        .map_err(|e| failed(e.to_string()))?;
+    cs.connect(now()).map_err(|e| failed(e.to_string()))?;
+    flush(&mut conn, cs)
+        .await
+        .map_err(|c| failed(c.to_string()))?;
     loop {
-        let f = conn.recv().await.map_err(|e| e.to_string())?;
-        cs.handle_frame(now(), f).map_err(|e| e.to_string())?;
-        flush(&mut conn, cs).await.map_err(|c| c.to_string())?;
+        let f = conn.recv().await.map_err(|e| failed(e.to_string()))?;
+        cs.handle_frame(now(), f)
+            .map_err(|e| failed(e.to_string()))?;
+        flush(&mut conn, cs)
+            .await
+            .map_err(|c| failed(c.to_string()))?;
         while let Some(ev) = cs.poll_event() {
             match ev {
                 ClientEvent::Welcomed { outcome, .. } => return Ok((conn, outcome)),
-                ClientEvent::Rejected { code, .. } => return Err(format!("rejected: {code}")),
+                ClientEvent::Rejected {
+                    code,
+                    retry_after_ms,
+                    terminal,
+                } => {
+                    return Err(ConnectError::Rejected {
+                        code,
+                        retry_after_ms,
+                        terminal,
+                    })
+                }
                 _ => {}
             }
         }
+    }
+}
+
+/// Resumes like the SDK does after a link loss: connect rounds until WELCOME, a refusal
+/// honoured (its retry-after at least) and failures backed off with full jitter (100 ms
+/// doubling to 5 s, the SDK's defaults), until `deadline`. Counts every retry.
+async fn resume_until(
+    ctx: &Ctx,
+    cs: &mut ClientSession,
+    deadline: Instant,
+) -> Result<(BoxConnection, WelcomeOutcome), ConnectError> {
+    use rand::RngExt as _;
+    let mut failures: u32 = 0;
+    loop {
+        let err = match connect_welcome(ctx, cs).await {
+            Ok(up) => return Ok(up),
+            Err(e) => e,
+        };
+        // The session lingers on the edge; the client forgets this attempt's link.
+        cs.handle_link_down(now(), CloseCode::GoingAway);
+        let at_least = match &err {
+            ConnectError::Rejected { terminal: true, .. } => return Err(err),
+            ConnectError::Rejected { retry_after_ms, .. } => u64::from(*retry_after_ms),
+            ConnectError::Failed(_) => 0,
+        };
+        failures = failures.saturating_add(1);
+        let cap = (100u64 << failures.min(6)).min(5_000);
+        let wait = Duration::from_millis(rand::rng().random_range(0..=cap).max(at_least));
+        if Instant::now() + wait >= deadline {
+            return Err(err);
+        }
+        inc(&ctx.c.resume_retries);
+        tokio::time::sleep(wait).await;
     }
 }
 
@@ -593,7 +687,7 @@ async fn lean_session(ctx: Arc<Ctx>, idx: usize) {
                 .ok()
                 .and_then(|d| *d)
                 .unwrap_or_else(Instant::now);
-            match connect_welcome(&ctx, &mut cs).await {
+            match resume_until(&ctx, &mut cs, drop_at + spec.duration).await {
                 Ok((c, outcome)) => {
                     conn = c;
                     if outcome == WelcomeOutcome::Restored {

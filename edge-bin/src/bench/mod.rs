@@ -894,7 +894,7 @@ pub async fn run(args: BenchArgs) -> Result<(), String> {
 
 fn brief(r: &LoadResult) -> String {
     format!(
-        "conn {}/{} msgs/s {:.0} rtt p50 {} p99 {} us, push p99 {} us, sut {:.2} us/msg ({:.1}% core), client {:.2} us/msg, rss {:?} KiB ({:.2} KiB/session), setups/s {:.0}, us/session {:.0}, restore p99 {} ms (restored {}, failed {}), lost {} dup {} refused {} {:?}",
+        "conn {}/{} msgs/s {:.0} rtt p50 {} p99 {} us, push p99 {} us, sut {:.2} us/msg ({:.1}% core), client {:.2} us/msg, rss {:?} KiB ({:.2} KiB/session), setups/s {:.0}, us/session {:.0}, restore p99 {} ms (restored {}, failed {}, retries {}), lost {} dup {} refused {} {:?}",
         r.connected,
         r.connected + r.connect_failed,
         r.msgs_per_s,
@@ -911,6 +911,7 @@ fn brief(r: &LoadResult) -> String {
         r.restore_us.p99 / 1000,
         r.restored,
         r.restore_failed,
+        r.resume_retries,
         r.lost,
         r.duplicated,
         r.refused,
@@ -982,8 +983,8 @@ struct Row {
     vs_haproxy: Option<Compare>,
     /// edge-redis: the same against the edge without Redis.
     vs_edge: Option<Compare>,
-    /// edge-redis: the medians of its window counters per echo round trip (snapshot writes,
-    /// group commits, Redis commands and bytes into Redis), and the payload for scale.
+    /// edge-redis: the medians of its window counters per echo round trip (per session set
+    /// up in a setup run): snapshot writes, group commits, Redis commands and bytes.
     redis_per_echo: Option<BTreeMap<String, f64>>,
 }
 
@@ -1081,6 +1082,16 @@ fn summarize(runs: &[Run]) -> Vec<Row> {
                 .flatten(),
             redis_per_echo: (target == Target::EdgeRedis).then(|| {
                 let mut per = BTreeMap::new();
+                // Per echo round trip; in a setup run (no echoes), per session set up.
+                let unit = |r: &LoadResult| {
+                    if r.echoes > 0 {
+                        r.echoes
+                    } else if r.setups_per_s.is_some() {
+                        r.connected
+                    } else {
+                        0
+                    }
+                };
                 for key in [
                     "snapshot_writes",
                     "group_commits",
@@ -1089,11 +1100,11 @@ fn summarize(runs: &[Run]) -> Vec<Row> {
                 ] {
                     let v = median(
                         mine.iter()
-                            .filter(|r| r.result.echoes > 0)
+                            .filter(|r| unit(&r.result) > 0)
                             .filter_map(|r| {
                                 Some(
                                     *r.result.sut_counters.get(key)? as f64
-                                        / r.result.echoes as f64,
+                                        / unit(&r.result) as f64,
                                 )
                             })
                             .collect(),
@@ -1144,8 +1155,13 @@ fn table(rows: &[Row]) -> String {
             r.lost + r.duplicated,
         ));
         if let Some(per) = &r.redis_per_echo {
+            let unit = if r.setups_per_s.is_some() {
+                "session set up"
+            } else {
+                "echo round trip"
+            };
             out.push_str(&format!(
-                "    per echo round trip: {} snapshot writes, {} group commits, {} Redis commands, {} bytes into Redis\n",
+                "    per {unit}: {} snapshot writes, {} group commits, {} Redis commands, {} bytes into Redis\n",
                 f(per.get("snapshot_writes").copied(), 3),
                 f(per.get("group_commits").copied(), 3),
                 f(per.get("redis_commands").copied(), 3),
