@@ -424,3 +424,52 @@ async fn many_snapshots_are_written_in_one_pipeline_with_a_result_each() {
         }
     }
 }
+
+#[tokio::test]
+async fn snapshots_are_stored_compactly_and_an_older_edges_json_is_still_read() {
+    use waygate_session::resume::{hex_id, player_store_tag};
+    let server = RedisServer::start();
+    let s = stores(&server).await;
+    let snap = snapshot(3, "old", 1);
+    s.snapshots
+        .put(&snap, Duration::from_secs(60))
+        .await
+        .expect("put");
+    let key = format!(
+        "waygate:{{{}}}:snap:{}",
+        hex_id(&player_store_tag("old")),
+        hex_id(&snap.session_id)
+    );
+    let mut c = redis::Client::open(server.url())
+        .expect("url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect");
+    let stored: Vec<u8> = redis::cmd("HGET")
+        .arg(&key)
+        .arg("d")
+        .query_async(&mut c)
+        .await
+        .expect("hget");
+    let json = serde_json::to_vec(&snap).expect("json");
+    eprintln!(
+        "snapshot: {} bytes stored, {} as JSON",
+        stored.len(),
+        json.len()
+    );
+    assert!(
+        stored.len() < json.len(),
+        "{} vs {}",
+        stored.len(),
+        json.len()
+    );
+    // An edge of the previous release wrote JSON there: read during a rolling upgrade.
+    let _: () = redis::cmd("HSET")
+        .arg(&key)
+        .arg("d")
+        .arg(&json)
+        .query_async(&mut c)
+        .await
+        .expect("hset");
+    assert_eq!(s.snapshots.get(&snap.session_id).await, Ok(Some(snap)));
+}

@@ -14,7 +14,7 @@ use waygate_session::store::{ResumeKeys, Snapshot, SnapshotStore, StoreError, Ta
 use super::conn::{ms, Conn};
 use super::{RedisConfig, RedisError};
 
-/// KEYS: fence, snap, owner. ARGV: fencing, ttl ms, hash hex, prev hash hex or '', json,
+/// KEYS: fence, snap, owner. ARGV: fencing, ttl ms, hash hex, prev hash hex or '', data,
 /// "<fencing> <session hex> ", last resume nonce. Returns 1 (written) or 0 (fenced: the player or the stored
 /// snapshot is newer). A written snapshot's session, if it owns the player, gets its owner
 /// record's expiry set to the snapshot's (the linger time starts now).
@@ -34,7 +34,7 @@ end
 return 1
 "#;
 
-/// KEYS: snap. ARGV: hash hex. Returns {0} not found, {2} mismatch, {1, json} taken.
+/// KEYS: snap. ARGV: hash hex. Returns {0} not found, {2} mismatch, {1, data} taken.
 const TAKE_LUA: &str = r#"
 local v = redis.call('HMGET', KEYS[1], 'h', 'p', 'd')
 if not v[3] then return {0, false} end
@@ -58,7 +58,25 @@ return 0
 /// The PUT script's KEYS and ARGV for one snapshot.
 struct PutArgs {
     keys: [String; 3],
-    args: [String; 7],
+    args: [Vec<u8>; 7],
+}
+
+/// The stored form of a snapshot (field `d`): CBOR, payloads as byte strings.
+fn encode(snapshot: &Snapshot) -> Result<Vec<u8>, RedisError> {
+    let mut out = Vec::with_capacity(256);
+    ciborium::into_writer(snapshot, &mut out)
+        .map_err(|e| RedisError::Invalid(format!("snapshot: {e}")))?;
+    Ok(out)
+}
+
+/// Reads a stored snapshot: CBOR, or the JSON an edge before 0.2.1 wrote (a rolling upgrade
+/// resumes its sessions too).
+fn decode_any(data: &[u8]) -> Result<Snapshot, String> {
+    if data.first() == Some(&b'{') {
+        serde_json::from_slice(data).map_err(|e| e.to_string())
+    } else {
+        ciborium::from_reader(data).map_err(|e| e.to_string())
+    }
 }
 
 fn put_outcome(n: u8) -> Result<(), RedisError> {
@@ -136,8 +154,7 @@ impl RedisSnapshotStore {
                 snapshot.player_id
             )));
         }
-        let json = serde_json::to_string(snapshot)
-            .map_err(|e| RedisError::Invalid(format!("snapshot: {e}")))?;
+        let data = encode(snapshot)?;
         Ok(PutArgs {
             keys: [
                 c.player_key("fence", &snapshot.player_id),
@@ -145,15 +162,16 @@ impl RedisSnapshotStore {
                 c.player_key("owner", &snapshot.player_id),
             ],
             args: [
-                snapshot.fencing.to_string(),
-                ms(ttl).to_string(),
-                hex_id(&snapshot.resume_hash.0),
+                snapshot.fencing.to_string().into_bytes(),
+                ms(ttl).to_string().into_bytes(),
+                hex_id(&snapshot.resume_hash.0).into_bytes(),
                 snapshot
                     .prev_resume_hash
-                    .map_or(String::new(), |h| hex_id(&h.0)),
-                json,
-                format!("{} {} ", snapshot.fencing, hex_id(&snapshot.session_id)),
-                snapshot.last_resume_nonce.to_string(),
+                    .map_or(String::new(), |h| hex_id(&h.0))
+                    .into_bytes(),
+                data,
+                format!("{} {} ", snapshot.fencing, hex_id(&snapshot.session_id)).into_bytes(),
+                snapshot.last_resume_nonce.to_string().into_bytes(),
             ],
         })
     }
@@ -216,8 +234,8 @@ impl RedisSnapshotStore {
         results
     }
 
-    fn decode(session_id: &SessionId, json: &str) -> Result<Snapshot, RedisError> {
-        let s: Snapshot = serde_json::from_str(json)
+    fn decode(session_id: &SessionId, data: &[u8]) -> Result<Snapshot, RedisError> {
+        let s: Snapshot = decode_any(data)
             .map_err(|e| RedisError::Corrupt(format!("snapshot {}: {e}", hex_id(session_id))))?;
         if s.session_id != *session_id {
             return Err(RedisError::Corrupt(format!(
@@ -246,11 +264,11 @@ impl SnapshotStore for RedisSnapshotStore {
 
     async fn get(&self, session_id: &SessionId) -> Result<Option<Snapshot>, StoreError> {
         let key = self.conn.session_key("snap", session_id);
-        let json: Option<String> = self
+        let data: Option<Vec<u8>> = self
             .conn
             .run(|mut m| async move { m.hget(key, "d").await })
             .await?;
-        Ok(json.map(|j| Self::decode(session_id, &j)).transpose()?)
+        Ok(data.map(|d| Self::decode(session_id, &d)).transpose()?)
     }
 
     async fn take(
@@ -262,10 +280,10 @@ impl SnapshotStore for RedisSnapshotStore {
         let mut inv = scripts().take.prepare_invoke();
         inv.key(c.session_key("snap", session_id))
             .arg(hex_id(&resume_hash.0));
-        let (code, json): (u8, Option<String>) = c
+        let (code, data): (u8, Option<Vec<u8>>) = c
             .run(|mut m| async move { inv.invoke_async(&mut m).await })
             .await?;
-        match (code, json) {
+        match (code, data) {
             (1, Some(j)) => Ok(TakeOutcome::Taken(Box::new(Self::decode(session_id, &j)?))),
             (2, _) => Ok(TakeOutcome::Mismatch),
             (0, _) => Ok(TakeOutcome::NotFound),
@@ -273,7 +291,7 @@ impl SnapshotStore for RedisSnapshotStore {
         }
     }
 
-    /// One HMGET of the key fields: the snapshot's JSON (up to its replay buffer) is read
+    /// One HMGET of the key fields: the snapshot's data (up to its replay buffer) is read
     /// only when the proof holds and it is taken.
     async fn resume_keys(&self, session_id: &SessionId) -> Result<Option<ResumeKeys>, StoreError> {
         let key = self.conn.session_key("snap", session_id);
