@@ -130,7 +130,8 @@ pub struct LoadResult {
     /// Restore mode: sessions restored with a gap, given a new session, or not back
     /// within the window (after retrying as the SDK does).
     pub restore_failed: u64,
-    /// Restore mode: connect rounds retried after a refusal or a failed connect.
+    /// Connect rounds retried after a refusal or a failed connect (initial connects outside
+    /// the setup-rate workload, and resumes).
     pub resume_retries: u64,
     /// Pushes missing (counter gaps).
     pub lost: u64,
@@ -569,7 +570,7 @@ async fn connect_welcome(
     }
 }
 
-/// Resumes like the SDK does after a link loss: connect rounds until WELCOME, a refusal
+/// Connects (or resumes after a link loss) like the SDK does: connect rounds until WELCOME, a refusal
 /// honoured (its retry-after at least) and failures backed off with full jitter (100 ms
 /// doubling to 5 s, the SDK's defaults), until `deadline`. Counts every retry.
 async fn resume_until(
@@ -612,7 +613,14 @@ async fn lean_session(ctx: Arc<Ctx>, idx: usize) {
     let t0 = Instant::now();
     let conn = {
         let _permit = ctx.gate.acquire().await;
-        connect_welcome(&ctx, &mut cs).await
+        if spec.mode == Mode::Connect {
+            // The setup-rate workload measures single attempts: a refusal is a data point.
+            connect_welcome(&ctx, &mut cs).await
+        } else {
+            // The others need their sessions: retried as the SDK does (refusals with their
+            // retry-after, failures with backoff), for up to 60 s.
+            resume_until(&ctx, &mut cs, Instant::now() + Duration::from_secs(60)).await
+        }
     };
     let mut conn = match conn {
         Ok((c, _)) => c,

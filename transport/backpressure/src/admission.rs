@@ -220,7 +220,7 @@ pub const MAX_RETRY_SPREAD: Duration = Duration::from_secs(5);
 /// previous refusal's, so N clients refused together come back over N intervals and are
 /// admitted one by one. Hints never exceed [`MAX_RETRY_SPREAD`].
 #[derive(Debug, Clone, Copy)]
-struct RetrySlots {
+pub struct RetrySlots {
     /// One token of the bucket's rate.
     interval: Duration,
     /// The next free slot.
@@ -228,7 +228,8 @@ struct RetrySlots {
 }
 
 impl RetrySlots {
-    fn new(rate: Rate) -> Self {
+    /// Slots one token of `rate` apart.
+    pub fn new(rate: Rate) -> Self {
         let interval = if rate.tokens() == 0 {
             MAX_RETRY_SPREAD
         } else {
@@ -242,7 +243,7 @@ impl RetrySlots {
     }
 
     /// The hint for a refusal at `now` whose bucket has a token after `wait`.
-    fn hint(&mut self, now: Instant, wait: Duration) -> Duration {
+    pub fn hint(&mut self, now: Instant, wait: Duration) -> Duration {
         let earliest = now + wait;
         let slot = match self.next {
             Some(next) if next > earliest => next,

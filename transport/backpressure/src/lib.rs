@@ -41,7 +41,7 @@ mod outbound;
 
 pub use admission::{
     Admission, AdmissionConfig, AdmissionControl, AdmissionStats, HandshakePermit, Phase,
-    PhaseDeadlines, RefuseReason, MAX_RETRY_SPREAD,
+    PhaseDeadlines, RefuseReason, RetrySlots, MAX_RETRY_SPREAD,
 };
 pub use bucket::{Rate, RetryAfter, TokenBucket};
 pub use governor::{

@@ -42,7 +42,7 @@ use super::seal::{
 };
 use crate::conn::ConnConfig;
 use crate::error::TransportError;
-use waygate_backpressure::{Rate, TokenBucket};
+use waygate_backpressure::{Rate, RetrySlots, TokenBucket};
 use waygate_protocol::frame::Frame;
 use waygate_protocol::wire::CloseCode;
 
@@ -344,6 +344,9 @@ pub struct KcpEndpoint {
     out: OutQueue,
     events: VecDeque<KcpEvent>,
     cookie_bucket: TokenBucket,
+    /// Retry-after hints of cookie-rate refusals, spread one token apart (a storm of
+    /// resumes comes back over the bucket's rate, not all at once).
+    cookie_slots: RetrySlots,
     reject_bucket: TokenBucket,
     accepting: bool,
     client: Option<ClientRole>,
@@ -439,6 +442,7 @@ impl KcpEndpoint {
                 config.cookie_burst.into(),
                 now,
             ),
+            cookie_slots: RetrySlots::new(Rate::per_second(config.cookie_rate_per_sec.into())),
             reject_bucket: TokenBucket::new(
                 Rate::per_second(config.reject_rate_per_sec.into()),
                 config.reject_rate_per_sec.max(1).into(),
@@ -644,10 +648,17 @@ impl KcpEndpoint {
     }
 
     fn send_cookie(&mut self, now: Instant, to: SocketAddr, client_nonce: u64) {
-        if self.cookie_bucket.try_take(now, 1).is_err() {
-            // Over the cookie rate: say so (rate-limited too), never amplify.
+        if let Err(wait) = self.cookie_bucket.try_take(now, 1) {
+            // Over the cookie rate: say so (rate-limited too), never amplify. The hint is a
+            // slot of its own, so clients refused together come back one token apart.
             KcpStats::bump(&self.stats.rate_limited);
-            self.busy(now, to, client_nonce);
+            if !self.accepting {
+                self.busy(now, to, client_nonce);
+                return;
+            }
+            let hint = self.cookie_slots.hint(now, wait.0);
+            let ms = u32::try_from(hint.as_millis()).unwrap_or(u32::MAX).max(1);
+            self.send_busy(now, to, client_nonce, CloseCode::Overloaded, ms);
             return;
         }
         let conv = self.fresh_conv();

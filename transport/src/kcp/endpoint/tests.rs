@@ -485,6 +485,43 @@ fn cookie_replies_are_rate_limited() {
 }
 
 #[test]
+fn cookie_rate_refusals_spread_their_retry_after_hints() {
+    // A storm of resumes over the cookie rate: each refused client gets a slot of its own,
+    // one token apart, instead of one fixed hint that brings them all back at once.
+    let mut config = KcpConfig::fast();
+    config.cookie_burst = 5;
+    config.cookie_rate_per_sec = 100;
+    config.reject_rate_per_sec = 1000;
+    let mut net = Net::new(config, conn_cfg());
+    let mark = net.server_sent.len();
+    for i in 0..20 {
+        let hello = Control::Hello {
+            client_nonce: i as u64,
+        }
+        .encode();
+        net.inject(client_addr(i), &hello);
+    }
+    let hints: Vec<u32> = net
+        .replies_since(mark)
+        .iter()
+        .filter_map(|r| match Control::decode(r) {
+            Some(Control::Busy {
+                code: CloseCode::Overloaded,
+                retry_after_ms,
+                ..
+            }) => Some(retry_after_ms),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(hints.len(), 15, "{hints:?}");
+    // 10 ms apart (one token at 100/s), the first after the bucket's own wait.
+    for (i, pair) in hints.windows(2).enumerate() {
+        assert_eq!(pair[1] - pair[0], 10, "hint {i}: {hints:?}");
+    }
+    assert!((1..=10).contains(&hints[0]), "{hints:?}");
+}
+
+#[test]
 fn session_cap_answers_busy_and_the_client_reports_it() {
     let mut config = KcpConfig::fast();
     config.max_sessions = 1;
