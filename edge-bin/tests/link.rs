@@ -16,7 +16,8 @@ use waygate_backend::{Backend, BackendConfig, BackendSession, Incoming, Refusal,
 use waygate_edge::link::{
     ForwardError, LinkClient, LinkConfig, LinkEvent, LinkRefusal, SessionMeta,
 };
-use waygate_protocol::link::LinkFrame;
+use waygate_protocol::link::{LinkFrame, LINK_FEATURE_FORWARD_DONE, LINK_VERSION};
+use waygate_session::driver::Delivered;
 use waygate_transport::{CloseCode, TrafficClass};
 
 fn meta(handle: u64, player: &str) -> SessionMeta {
@@ -209,7 +210,7 @@ async fn a_backend_that_stops_handling_runs_out_of_credit_and_the_edge_answers_b
             TrafficClass::Normal,
             Bytes::from_static(b"x"),
         ) {
-            Ok(()) => sent += 1,
+            Ok(_) => sent += 1,
             Err(ForwardError::Busy { retry_after_ms }) => {
                 assert!(retry_after_ms > 0);
                 busy += 1;
@@ -319,7 +320,7 @@ async fn big_forward_credit_and_small_push_credit_do_not_deadlock() {
                 TrafficClass::Normal,
                 Bytes::from_static(b"q"),
             ) {
-                Ok(()) => sent += 1,
+                Ok(_) => sent += 1,
                 Err(ForwardError::Busy { .. }) => break,
                 Err(e) => panic!("{e:?}"),
             }
@@ -360,6 +361,7 @@ async fn the_backend_counts_its_sessions_and_messages() {
         )
         .unwrap();
         let _ = next_event(&mut rx).await; // the echo
+        let _ = next_event(&mut rx).await; // its FORWARD_DONE
     }
     assert_eq!(backend.load().sessions(), 2);
     assert_eq!(backend.load().messages(), 2);
@@ -462,7 +464,6 @@ async fn links_come_up_only_when_both_ends_hold_the_same_secret() {
 /// LINK_CLOSE and nothing is handled.
 #[tokio::test]
 async fn an_impostor_edge_is_closed_before_anything_reaches_the_game() {
-    use waygate_protocol::link::LINK_VERSION;
     let b = backend_with_secret(secret("a shared link secret")).await;
     for auth in [None, Some([7u8; 32])] {
         let stream = tokio::net::TcpStream::connect(b.local_addr())
@@ -480,6 +481,7 @@ async fn an_impostor_edge_is_closed_before_anything_reaches_the_game() {
                 edge_id: "mallory".into(),
                 epoch: 1,
                 nonce: Some([1; 16]),
+                features: 0,
             })
             .await
             .unwrap();
@@ -553,4 +555,183 @@ async fn a_backend_beyond_loopback_needs_a_link_secret() {
     .to_string();
     assert!(err.contains("link secret"), "{err}");
     assert!(err.contains("WAYGATE_LINK_SECRET"), "{err}");
+}
+
+/// PROTOCOL.md §9.6: a backend that answers says FORWARD_DONE after the pushes its handler
+/// sent; the edge waits for it before the client's ack. A forward it answered is not
+/// refused when the link dies before the backend returned its credit (it was processed);
+/// best-effort forwards are never awaited.
+#[tokio::test]
+async fn a_processed_forward_is_answered_after_its_pushes_and_not_refused_when_the_link_dies() {
+    let backend = demo_backend("127.0.0.1:0".parse().unwrap(), "b1").await;
+    let (tx, mut rx) = mpsc::channel(64);
+    let (link, _task) = LinkClient::spawn(
+        backend.local_addr(),
+        fast_config(),
+        Arc::new(AtomicU64::new(1)),
+        tx,
+    );
+    wait_up(&mut rx).await;
+    let m = meta(9, "carol");
+    let delivered = link
+        .forward(
+            &m,
+            ECHO,
+            1,
+            1,
+            TrafficClass::Normal,
+            Bytes::from_static(b"a"),
+        )
+        .unwrap();
+    assert_eq!(delivered, Delivered::AwaitingAnswer);
+    assert!(matches!(
+        next_event(&mut rx).await,
+        LinkEvent::Backend(LinkFrame::Push { handle: 9, .. })
+    ));
+    assert_eq!(
+        next_event(&mut rx).await,
+        LinkEvent::Backend(LinkFrame::ForwardDone {
+            handle: 9,
+            client_seq: 1
+        })
+    );
+    let best_effort = link
+        .forward(&m, ECHO, 1, 0, TrafficClass::BestEffort, Bytes::new())
+        .unwrap();
+    assert_eq!(best_effort, Delivered::Answered);
+    assert!(matches!(
+        next_event(&mut rx).await,
+        LinkEvent::Backend(LinkFrame::Push { handle: 9, .. })
+    ));
+    // Two forwards are far below the backend's credit return (a quarter of 256): both are
+    // still held when the backend dies. Only the unanswered one comes back refused.
+    drop(backend);
+    let mut refused = Vec::new();
+    loop {
+        match next_event(&mut rx).await {
+            LinkEvent::Down { .. } => break,
+            LinkEvent::Refuse { refusal, .. } => refused.push(refusal.client_seq),
+            _ => {}
+        }
+    }
+    assert_eq!(refused, vec![0], "only the best-effort forward is refused");
+}
+
+/// Links with a backend or an edge that predates FORWARD_DONE still work: the edge then
+/// acknowledges at forward time, and the backend sends no FORWARD_DONE to an edge that did
+/// not ask for it.
+#[tokio::test]
+async fn forward_done_is_used_only_when_both_ends_have_it() {
+    // An older backend: LINK_WELCOME without features.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let old_backend = tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        let mut io = waygate_link::spawn_link_io(
+            stream,
+            1 << 20,
+            Duration::from_secs(5),
+            waygate_link::LinkIoOptions::default(),
+        );
+        let hello = next_frame(&mut io.rx).await;
+        assert!(
+            matches!(
+                hello,
+                Some(LinkFrame::Hello {
+                    features: LINK_FEATURE_FORWARD_DONE,
+                    ..
+                })
+            ),
+            "{hello:?}"
+        );
+        io.tx
+            .send(LinkFrame::Welcome {
+                version: LINK_VERSION,
+                instance_id: "old".into(),
+                credits: 16,
+                heartbeat_ms: 5000,
+                auth: None,
+                features: 0,
+            })
+            .await
+            .unwrap();
+        // Keep the link open until the edge side is done.
+        while next_frame(&mut io.rx).await.is_some() {}
+    });
+    let (tx, mut rx) = mpsc::channel(64);
+    let (link, _task) = LinkClient::spawn(addr, fast_config(), Arc::new(AtomicU64::new(1)), tx);
+    wait_up(&mut rx).await;
+    let delivered = link
+        .forward(
+            &meta(3, "dave"),
+            ECHO,
+            1,
+            1,
+            TrafficClass::Normal,
+            Bytes::new(),
+        )
+        .unwrap();
+    assert_eq!(delivered, Delivered::Answered);
+    link.shutdown().await;
+    let _ = tokio::time::timeout(Duration::from_secs(10), old_backend).await;
+
+    // An older edge: LINK_HELLO without features gets no FORWARD_DONE. Two echoes come
+    // back as two pushes with nothing between them.
+    let backend = demo_backend("127.0.0.1:0".parse().unwrap(), "b1").await;
+    let stream = tokio::net::TcpStream::connect(backend.local_addr())
+        .await
+        .unwrap();
+    let mut io = waygate_link::spawn_link_io(
+        stream,
+        1 << 20,
+        Duration::from_secs(5),
+        waygate_link::LinkIoOptions::default(),
+    );
+    io.tx
+        .send(LinkFrame::Hello {
+            version: LINK_VERSION,
+            edge_id: "old-edge".into(),
+            epoch: 1,
+            nonce: Some([1; 16]),
+            features: 0,
+        })
+        .await
+        .unwrap();
+    assert!(matches!(
+        next_frame(&mut io.rx).await,
+        Some(LinkFrame::Welcome { features: 0, .. })
+    ));
+    io.tx.send(LinkFrame::Credit { credits: 16 }).await.unwrap();
+    let m = meta(4, "erin");
+    io.tx
+        .send(LinkFrame::SessionOpen {
+            handle: m.handle,
+            session_id: m.session_id,
+            player_id: m.player_id.clone(),
+            fencing: 1,
+            attrs: Vec::new(),
+        })
+        .await
+        .unwrap();
+    for client_seq in 1..=2 {
+        io.tx
+            .send(LinkFrame::Forward {
+                handle: 4,
+                msg_id: ECHO,
+                epoch: 1,
+                client_seq,
+                class: TrafficClass::Normal,
+                payload: Bytes::new(),
+            })
+            .await
+            .unwrap();
+    }
+    for _ in 0..2 {
+        let frame = next_frame(&mut io.rx).await;
+        assert!(
+            matches!(frame, Some(LinkFrame::Push { handle: 4, .. })),
+            "{frame:?}"
+        );
+    }
+    drop(backend);
 }

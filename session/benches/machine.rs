@@ -103,6 +103,8 @@ impl Pair {
                     }
                     Action::Deliver(u) => {
                         self.delivered += 1;
+                        // The backend's answer (FORWARD_DONE) arrives with its reply.
+                        let _ = self.m.answer_upstream(self.now, u.seq);
                         black_box(u);
                     }
                     other => {

@@ -130,11 +130,22 @@ pub struct SetupPhases {
     pub claim: Duration,
 }
 
+/// When a delivered upstream message is answered (and so acknowledged to the client:
+/// [`SessionMachine::answer_upstream`], PROTOCOL.md §9.6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivered {
+    /// Now: nothing will say when it was processed (a backend link without FORWARD_DONE).
+    Answered,
+    /// Later: its processor answers it ([`SessionRegistry::answered`], after the pushes it
+    /// sent for it) or refuses it ([`SessionRegistry::report_error`]).
+    AwaitingAnswer,
+}
+
 /// Where delivered upstream messages go (the router implements it).
 #[async_trait]
 pub trait UpstreamSink: Send + Sync + 'static {
     /// Routes one upstream message. Returning an error sends an ERROR frame to the client.
-    async fn deliver(&self, message: Upstream) -> Result<(), DeliverError>;
+    async fn deliver(&self, message: Upstream) -> Result<Delivered, DeliverError>;
 
     /// Session lifecycle news. Default: ignored.
     async fn session_event(&self, _event: SessionEvent) {}
@@ -284,6 +295,13 @@ impl SessionRegistry {
         key: &str,
     ) -> Result<(), PushError> {
         self.host(|h| h.bind_key(session_id, service, key))
+    }
+
+    /// Records that a backend processed one of a session's upstream messages (FORWARD_DONE),
+    /// in order with the pushes it sent before: from then on the message is acknowledged to
+    /// the client. Never waits.
+    pub fn answered(&self, session_id: &SessionId, client_seq: u64) -> Result<(), PushError> {
+        self.host(|h| h.answered(session_id, client_seq))
     }
 
     /// Tells a session's client that one of its upstream messages could not be delivered
@@ -1023,11 +1041,15 @@ impl Task {
             }
             Action::Deliver(message) => {
                 let (msg_id, seq) = (message.msg_id, message.seq);
-                if let Err(e) = edge.upstream.deliver(message).await {
-                    let _ = self
-                        .machine
-                        .report_error(e.code, msg_id, seq, e.retry_after_ms);
-                }
+                // Errors: the session ended meanwhile, nobody is left to answer.
+                let _ = match edge.upstream.deliver(message).await {
+                    Ok(Delivered::Answered) => self.machine.answer_upstream(now(), seq),
+                    Ok(Delivered::AwaitingAnswer) => Ok(()),
+                    Err(e) => {
+                        self.machine
+                            .report_error(now(), e.code, msg_id, seq, e.retry_after_ms)
+                    }
+                };
             }
             Action::Persist(snapshot) if self.held_elsewhere(&snapshot.session_id) => {
                 // Never overwrite the store copy of the connection that holds it now.

@@ -78,6 +78,9 @@ pub enum OutboundItem {
     },
     /// An ERROR for one of the client's messages.
     Error(ErrorReport),
+    /// One of the client's messages (its client seq) was processed by its backend
+    /// (FORWARD_DONE): it may be acknowledged now, after the pushes queued before it.
+    Answered(u64),
 }
 
 impl OutboundItem {
@@ -85,7 +88,7 @@ impl OutboundItem {
     fn class(&self) -> TrafficClass {
         match self {
             Self::Message(m) => m.class,
-            Self::RoutingKey { .. } | Self::Error(_) => TrafficClass::Critical,
+            Self::RoutingKey { .. } | Self::Error(_) | Self::Answered(_) => TrafficClass::Critical,
         }
     }
 
@@ -95,6 +98,7 @@ impl OutboundItem {
             Self::Message(m) => m.payload.len() + 16,
             Self::RoutingKey { service, key } => service.len() + key.len() + 16,
             Self::Error(_) => 32,
+            Self::Answered(_) => 16,
         }
     }
 }
@@ -834,6 +838,12 @@ impl SessionHost {
         self.queue(session_id, OutboundItem::Error(report))
     }
 
+    /// Records that a backend processed one of the client's messages (FORWARD_DONE), in
+    /// order with the pushes its handler sent before ([`SessionMachine::answer_upstream`]).
+    pub fn answered(&mut self, session_id: &SessionId, client_seq: u64) -> Result<(), PushError> {
+        self.queue(session_id, OutboundItem::Answered(client_seq))
+    }
+
     fn queue(&mut self, session_id: &SessionId, item: OutboundItem) -> Result<(), PushError> {
         let e = self
             .sessions
@@ -983,14 +993,25 @@ pub fn apply_work(
     now: Instant,
     replies: &mut Vec<Reply>,
 ) -> u64 {
+    // Answers first: they follow the pushes of their handler in the queue, and everything
+    // taken here is made durable in one write before any of it is shown, so the client's
+    // ack can ride on the reply's DATA instead of a standalone ACK later.
+    for item in &work.items {
+        if let OutboundItem::Answered(client_seq) = item {
+            if let Err(e) = machine.answer_upstream(now, *client_seq) {
+                tracing::debug!(error = %e, "answer for an ended session");
+            }
+        }
+    }
     for item in work.items.drain(..) {
         let refused = match item {
+            OutboundItem::Answered(_) => Ok(()),
             OutboundItem::Message(msg) => machine
                 .send_downstream(now, msg.class, msg.msg_id, msg.payload)
                 .map(|_| ()),
             OutboundItem::RoutingKey { service, key } => machine.bind_key(&service, &key),
             OutboundItem::Error(e) => {
-                machine.report_error(e.code, e.msg_id, e.client_seq, e.retry_after_ms)
+                machine.report_error(now, e.code, e.msg_id, e.client_seq, e.retry_after_ms)
             }
         };
         if let Err(e) = refused {

@@ -26,7 +26,7 @@
 //! ACTIVE | DETACHED -kicked / resumed elsewhere / closed by server-> CLOSED
 //! ```
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -447,7 +447,10 @@ pub struct SessionCore {
     /// drops a second answer for the same seq.
     errors: Vec<(PendingError, ErrorDelivery)>,
     replay: ReplayBuffer,
+    /// Upstream seqs answered (the acked state; see [`Snapshot::upstream`]).
     upstream: RecvWindow,
+    /// Upstream seqs delivered, not answered yet (see [`Snapshot::awaiting`]).
+    awaiting: BTreeSet<u64>,
 }
 
 impl SessionCore {
@@ -463,6 +466,7 @@ impl SessionCore {
             bindings: self.bindings.clone(),
             replay: self.replay.clone(),
             upstream: self.upstream.clone(),
+            awaiting: self.awaiting.clone(),
             keys: self.keys.clone(),
             channels: self.channels.clone(),
             channels_acked: self.channels_acked.clone(),
@@ -484,6 +488,20 @@ impl SessionCore {
         self.errors
             .retain(|(_, d)| !matches!(d, ErrorDelivery::Sent { fence: Some(f) } if *f <= ack));
         Ok(freed)
+    }
+
+    /// Moves a delivered upstream seq to the answered ones; whether it was awaiting.
+    fn answer(&mut self, client_seq: u64) -> bool {
+        let awaiting = self.awaiting.remove(&client_seq);
+        if awaiting {
+            self.upstream.receive(client_seq);
+        }
+        awaiting
+    }
+
+    /// Upstream seqs delivered and not answered yet.
+    pub fn awaiting(&self) -> &BTreeSet<u64> {
+        &self.awaiting
     }
 
     /// Records an ERROR answer: sent on the live link (`sent`), or waiting for the resume.
@@ -560,6 +578,7 @@ impl SessionCore {
             bindings: s.bindings,
             replay: s.replay,
             upstream: s.upstream,
+            awaiting: s.awaiting,
             keys: s.keys,
             channels: s.channels,
             channels_acked: s.channels_acked,
@@ -971,6 +990,7 @@ impl SessionMachine {
             bindings: BTreeMap::new(),
             replay: ReplayBuffer::new(self.config.replay),
             upstream: RecvWindow::new(),
+            awaiting: BTreeSet::new(),
             keys: BTreeMap::new(),
             channels: BTreeMap::new(),
             channels_acked: BTreeMap::new(),
@@ -1257,18 +1277,21 @@ impl SessionMachine {
                     return Ok(());
                 }
                 if d.class.is_sequenced() {
-                    match core.upstream.receive(d.seq) {
+                    // Acknowledged once answered ([`SessionMachine::answer_upstream`] or an
+                    // ERROR), not on delivery: until then the client keeps it.
+                    match core.upstream.check(d.seq) {
                         Received::OutOfWindow => {
                             SessionCounters::bump(&self.counters.protocol_errors);
                             self.link_lost(now, CloseCode::ProtocolError, "seq out of window");
                             return Err(SessionError::SeqOutOfWindow(d.seq));
                         }
-                        Received::Duplicate => {
+                        Received::New if core.awaiting.insert(d.seq) => {}
+                        // Answered, or delivered and waiting for its answer.
+                        Received::Duplicate | Received::New => {
                             SessionCounters::bump(&self.counters.upstream_duplicates);
                             self.owe_ack(now);
                             return Ok(());
                         }
-                        Received::New => {}
                     }
                 }
                 self.actions.push_back(Action::Deliver(Upstream {
@@ -1281,7 +1304,9 @@ impl SessionMachine {
                 }));
                 SessionCounters::bump(&self.counters.upstream_delivered);
                 if d.class.is_sequenced() {
-                    self.owe_ack(now);
+                    // An ACK within the ack delay even if this message is not answered by
+                    // then (carrying what is): clients judge the link alive by it (§7.5).
+                    self.up_ack.on_receive_unanswered(now, &self.config.ack);
                 }
                 Ok(())
             }
@@ -1478,6 +1503,27 @@ impl SessionMachine {
         Ok(Some(seq))
     }
 
+    /// A delivered upstream message was answered: its backend processed it (FORWARD_DONE,
+    /// after every push its handler sent, which are in this session already), or the sink
+    /// that took it will give no answer. Only now is it acknowledged to the client (and in
+    /// the snapshot's `upstream`), so the client keeps it until what answers it is durable
+    /// here; an edge that dies before leaves it to be resent elsewhere (PROTOCOL.md §9.6).
+    /// An unknown or already answered seq changes nothing.
+    pub fn answer_upstream(&mut self, now: Instant, client_seq: u64) -> Result<(), SessionError> {
+        let active = match self.state {
+            State::Active => true,
+            State::Detached => false,
+            _ => return Err(self.misuse("upstream answer")),
+        };
+        let Some(core) = self.core.as_mut() else {
+            return Err(self.misuse("upstream answer"));
+        };
+        if core.answer(client_seq) && active && self.up_ack.on_answer(now, &self.config.ack) {
+            self.send_standalone_ack();
+        }
+        Ok(())
+    }
+
     /// Tells the client that one of its upstream messages could not be delivered (an ERROR
     /// frame: a backend refused it after it was acked, or its link died). While the session
     /// is detached the answer waits in the session (and its snapshot, so on any edge) and
@@ -1486,6 +1532,7 @@ impl SessionMachine {
     /// is replaced by a declared gap (the resume reports `RestoredWithGap`).
     pub fn report_error(
         &mut self,
+        now: Instant,
         code: CloseCode,
         msg_id: u32,
         client_seq: u64,
@@ -1507,11 +1554,17 @@ impl SessionMachine {
             (State::Active, Some(core)) => {
                 // Kept until known to have arrived: the link may die with it in flight.
                 core.record_error(pending, true);
+                // The ERROR answers it: acknowledged after the ERROR (same batch).
+                let answered = core.answer(client_seq);
                 self.actions.push_back(Action::Send(Frame::Error(report)));
+                if answered && self.up_ack.on_answer(now, &self.config.ack) {
+                    self.send_standalone_ack();
+                }
                 Ok(())
             }
             (State::Detached, Some(core)) => {
                 core.record_error(pending, false);
+                core.answer(client_seq);
                 Ok(())
             }
             _ => Err(self.misuse("error report")),
@@ -1604,11 +1657,16 @@ impl SessionMachine {
         Ok(())
     }
 
-    /// The session's current snapshot (ACTIVE or DETACHED), e.g. to write it through to the
-    /// warm tier before the client sees state that depends on it.
+    /// The session's current snapshot (ACTIVE or DETACHED) as a store keeps it, e.g. to
+    /// write it through to the warm tier before the client sees state that depends on it:
+    /// without the seqs awaiting their answer, which no store keeps ([`Snapshot::awaiting`]).
     pub fn checkpoint(&self) -> Option<Snapshot> {
         match self.state {
-            State::Active | State::Detached => self.core.as_ref().map(SessionCore::snapshot),
+            State::Active | State::Detached => self.core.as_ref().map(|c| {
+                let mut s = c.snapshot();
+                s.awaiting.clear();
+                s
+            }),
             _ => None,
         }
     }

@@ -52,6 +52,22 @@ impl RecvWindow {
         self.above.len()
     }
 
+    /// Whether `seq` was received.
+    pub fn contains(&self, seq: u64) -> bool {
+        seq <= self.cumulative || self.above.contains(&seq)
+    }
+
+    /// What [`RecvWindow::receive`] would decide about `seq`, without recording it.
+    pub fn check(&self, seq: u64) -> Received {
+        if seq == 0 || seq > self.cumulative.saturating_add(DEFAULT_RECV_WINDOW) {
+            Received::OutOfWindow
+        } else if self.contains(seq) {
+            Received::Duplicate
+        } else {
+            Received::New
+        }
+    }
+
     /// Records `seq` arriving.
     pub fn receive(&mut self, seq: u64) -> Received {
         if seq == 0 || seq > self.cumulative.saturating_add(DEFAULT_RECV_WINDOW) {
@@ -102,7 +118,11 @@ impl Default for AckPolicy {
 pub struct AckState {
     /// The last cumulative value we told the peer.
     sent: u64,
+    /// Messages counted towards an ACK at once: received ones (the client), answered ones
+    /// (the edge, PROTOCOL.md §7.4.2).
     unacked: u32,
+    /// Something arrived since the last ack (an ack is owed within the delay).
+    owed: bool,
     deadline: Option<Instant>,
 }
 
@@ -116,6 +136,22 @@ impl AckState {
         self.unacked >= policy.max_unacked
     }
 
+    /// A message arrived that counts only once answered (the edge's upstream, PROTOCOL.md
+    /// §7.4.2): an ack is owed within the delay all the same — it tells the client the
+    /// link is alive — but it counts towards an ack at once when answered.
+    pub fn on_receive_unanswered(&mut self, now: Instant, policy: &AckPolicy) {
+        self.owed = true;
+        if self.deadline.is_none() {
+            self.deadline = Some(now + policy.delay);
+        }
+    }
+
+    /// A message received earlier was answered: owed within the delay, and counted towards
+    /// an ack at once. Returns whether one is due now.
+    pub fn on_answer(&mut self, now: Instant, policy: &AckPolicy) -> bool {
+        self.on_receive(now, policy)
+    }
+
     /// The ack to piggyback on an outgoing DATA frame (always the cumulative value; clears
     /// the pending ack).
     pub fn piggyback(&mut self, cumulative: u64) -> Option<u64> {
@@ -127,12 +163,13 @@ impl AckState {
     pub fn on_sent(&mut self, cumulative: u64) {
         self.sent = self.sent.max(cumulative);
         self.unacked = 0;
+        self.owed = false;
         self.deadline = None;
     }
 
     /// Whether the peer is owed an ack (something arrived since the last one we sent).
     pub fn pending(&self, cumulative: u64) -> bool {
-        self.unacked > 0 || cumulative > self.sent
+        self.unacked > 0 || self.owed || cumulative > self.sent
     }
 
     /// When a standalone ACK is due.

@@ -220,6 +220,10 @@ impl Env {
                 Action::PutBack(s) | Action::Persist(s) => {
                     self.store.insert(s.session_id, *s);
                 }
+                // A sink that answers at once.
+                Action::Deliver(u) => {
+                    let _ = m.answer_upstream(now, u.seq);
+                }
                 _ => {}
             }
         }
@@ -255,6 +259,7 @@ pub fn run(ops: &[SimOp]) -> SimOutcome {
             bindings: BTreeMap::new(),
             replay,
             upstream: RecvWindow::new(),
+            awaiting: Default::default(),
             keys: BTreeMap::new(),
             channels: BTreeMap::new(),
             channels_acked: BTreeMap::new(),

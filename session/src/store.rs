@@ -12,7 +12,7 @@
 //!   back (Redis: `INCR` on a key that outlives the session), and returns the previous owner
 //!   so the caller can kick it and take over its bindings.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -67,8 +67,16 @@ pub struct Snapshot {
     pub pending_errors: Vec<PendingError>,
     /// Unacked downstream messages and the downstream seq counter.
     pub replay: ReplayBuffer,
-    /// Upstream client seqs received (dedup state).
+    /// Upstream client seqs answered: processed by their backend (FORWARD_DONE), refused
+    /// (an ERROR for them), or handed to a sink that gives no answer. What the client is
+    /// told it may forget (acks, WELCOME's `client_seq_ack`), and the dedup state.
     pub upstream: RecvWindow,
+    /// Upstream client seqs delivered and not answered yet. In memory only: a hand-over on
+    /// this edge keeps it (the answers still come here), a stored copy never has it, so on
+    /// another edge the client resends them and they are delivered again (at least once
+    /// towards backends; PROTOCOL.md §9.6).
+    #[serde(skip)]
+    pub awaiting: BTreeSet<u64>,
 }
 
 /// An ERROR frame (PROTOCOL.md §3.9) waiting for the client to come back.
@@ -482,6 +490,7 @@ mod tests {
             bindings: [("world".to_owned(), "w-1".to_owned())].into(),
             replay,
             upstream: RecvWindow::starting_at(4),
+            awaiting: Default::default(),
             keys: BTreeMap::new(),
             channels: [(
                 "guild:7".to_owned(),

@@ -21,7 +21,7 @@ use bytes::Bytes;
 use crate::auth::{mint_token, HmacAuthenticator, KeyRing, TokenClaims};
 use crate::client::{ClientConfig, ClientEvent, ClientSession};
 use crate::driver::{
-    DeliverError, Downstream, SessionEvent, SessionLayer, SessionRegistry, UpstreamSink,
+    DeliverError, Delivered, Downstream, SessionEvent, SessionLayer, SessionRegistry, UpstreamSink,
 };
 use crate::machine::SessionConfig;
 use crate::machine::Upstream;
@@ -148,13 +148,15 @@ impl EchoSink {
 
 #[async_trait]
 impl UpstreamSink for EchoSink {
-    async fn deliver(&self, message: Upstream) -> Result<(), DeliverError> {
+    /// Echoes the message, then answers it as a backend with FORWARD_DONE does: after its
+    /// push, through the session's queue.
+    async fn deliver(&self, message: Upstream) -> Result<Delivered, DeliverError> {
         let echo = Downstream {
             class: message.class,
             msg_id: message.msg_id,
             payload: message.payload.clone(),
         };
-        let session = message.session_id;
+        let (session, seq) = (message.session_id, message.seq);
         self.received
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -164,7 +166,14 @@ impl UpstreamSink for EchoSink {
             .map_err(|_| DeliverError {
                 code: CloseCode::Busy,
                 retry_after_ms: 100,
-            })
+            })?;
+        if seq == 0 {
+            return Ok(Delivered::Answered);
+        }
+        // A full queue here closes the session with a gap; the unanswered message stays
+        // unacknowledged, so the client resends it after its resume.
+        let _ = self.registry.answered(&session, seq);
+        Ok(Delivered::AwaitingAnswer)
     }
 
     async fn session_event(&self, event: SessionEvent) {
@@ -221,6 +230,7 @@ pub mod store_contract {
             ]),
             replay,
             upstream: RecvWindow::starting_at(4),
+            awaiting: Default::default(),
             keys: BTreeMap::from([("room".to_owned(), "lobby".to_owned())]),
             channels: BTreeMap::new(),
             channels_acked: BTreeMap::new(),

@@ -808,13 +808,14 @@ where
         .await
         .map_err(|_| "no LINK_HELLO in time")?
         .ok_or("link closed before LINK_HELLO")?;
-    let (edge_id, edge_nonce) = match hello {
+    let (edge_id, edge_nonce, edge_features) = match hello {
         LinkFrame::Hello {
             version,
             edge_id,
             nonce,
+            features,
             ..
-        } if version == LINK_VERSION => (edge_id, nonce),
+        } if version == LINK_VERSION => (edge_id, nonce, features),
         LinkFrame::Hello { .. } => {
             let _ = io
                 .tx
@@ -851,6 +852,11 @@ where
             return Err("edge without the link handshake refused");
         }
     };
+    // FORWARD_DONE after every message processed, when the edge can use it (PROTOCOL.md
+    // §9.6): the edge then acknowledges a client's message only once its handler returned,
+    // so what the handler pushed is on the edge before the client stops keeping it.
+    let features = edge_features & waygate_protocol::link::LINK_FEATURE_FORWARD_DONE;
+    let answers_done = features != 0;
     io.tx
         .send(LinkFrame::Welcome {
             version: LINK_VERSION,
@@ -863,6 +869,7 @@ where
                     proof: *proof,
                 }
             }),
+            features,
         })
         .await
         .map_err(|_| "link closed")?;
@@ -972,20 +979,26 @@ where
                         .await
                         .err(),
                 };
-                if let Some(r) = refusal {
-                    let _ = io
-                        .tx
-                        .send(LinkFrame::Refuse {
-                            handle,
-                            msg_id,
-                            client_seq,
-                            code: r.code,
-                            retry_after_ms: r.retry_after_ms,
-                            epoch: epoch.load(Ordering::Relaxed),
-                        })
-                        .await;
-                }
+                // The answer goes on the same queue as the handler's pushes, after them.
+                let answer = match refusal {
+                    Some(r) => Some(LinkFrame::Refuse {
+                        handle,
+                        msg_id,
+                        client_seq,
+                        code: r.code,
+                        retry_after_ms: r.retry_after_ms,
+                        epoch: epoch.load(Ordering::Relaxed),
+                    }),
+                    // Best-effort messages (client seq 0) are never acknowledged.
+                    None if answers_done && client_seq != 0 => {
+                        Some(LinkFrame::ForwardDone { handle, client_seq })
+                    }
+                    None => None,
+                };
                 load.messages.fetch_add(1, Ordering::Relaxed);
+                if let Some(answer) = answer {
+                    let _ = io.tx.send(answer).await;
+                }
                 consumed += 1;
                 if consumed >= return_every {
                     let _ = io.tx.send(LinkFrame::Credit { credits: consumed }).await;

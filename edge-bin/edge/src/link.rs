@@ -15,7 +15,10 @@ use rand::RngExt;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use waygate_protocol::frame::SessionId;
-use waygate_protocol::link::{LinkFrame, DEFAULT_MAX_LINK_FRAME, LINK_VERSION};
+use waygate_protocol::link::{
+    LinkFrame, DEFAULT_MAX_LINK_FRAME, LINK_FEATURE_FORWARD_DONE, LINK_VERSION,
+};
+use waygate_session::driver::Delivered;
 use waygate_transport::{CloseCode, TrafficClass};
 
 use waygate_link::spawn_link_io;
@@ -229,6 +232,15 @@ pub struct InFlight {
     pub payload: Bytes,
 }
 
+/// A forward in the link's in-flight queue.
+#[derive(Debug)]
+struct Held {
+    message: InFlight,
+    /// Its FORWARD_DONE arrived (it stays queued until CREDIT covers it, which keeps the
+    /// count right, but is not refused when the link dies: it was processed).
+    answered: bool,
+}
+
 /// Why a forward was not sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum ForwardError {
@@ -250,8 +262,11 @@ struct LinkShared {
     tx: Mutex<Option<mpsc::Sender<LinkFrame>>>,
     credit: AtomicU64,
     /// Forwards sent and not yet covered by returned credit, oldest first.
-    inflight: Mutex<VecDeque<InFlight>>,
+    inflight: Mutex<VecDeque<Held>>,
     up: AtomicBool,
+    /// The backend answers every FORWARD with FORWARD_DONE or REFUSE (LINK_WELCOME's
+    /// features, PROTOCOL.md §9.6).
+    answers: AtomicBool,
     /// Sessions opened on this link (re-opened after a reconnect).
     open: Mutex<HashMap<u64, SessionMeta>>,
     epoch: Arc<AtomicU64>,
@@ -283,6 +298,7 @@ impl LinkClient {
             credit: AtomicU64::new(0),
             inflight: Mutex::new(VecDeque::new()),
             up: AtomicBool::new(false),
+            answers: AtomicBool::new(false),
             open: Mutex::new(HashMap::new()),
             epoch,
             events,
@@ -334,7 +350,8 @@ impl LinkClient {
         Ok(())
     }
 
-    /// Forwards one upstream message. Never waits.
+    /// Forwards one upstream message. Never waits. Says whether the backend will answer it
+    /// (FORWARD_DONE or REFUSE, as a [`LinkEvent`]) or nothing will.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
@@ -344,7 +361,7 @@ impl LinkClient {
         client_seq: u64,
         class: TrafficClass,
         payload: Bytes,
-    ) -> Result<(), ForwardError> {
+    ) -> Result<Delivered, ForwardError> {
         if !self.is_up() {
             return Err(ForwardError::Unavailable);
         }
@@ -372,14 +389,24 @@ impl LinkClient {
                 payload: payload.clone(),
             })
             .map_err(|_| busy)?;
-            inflight.push_back(InFlight {
-                handle: meta.handle,
-                msg_id,
-                client_seq,
-                class,
-                payload,
+            inflight.push_back(Held {
+                message: InFlight {
+                    handle: meta.handle,
+                    msg_id,
+                    client_seq,
+                    class,
+                    payload,
+                },
+                answered: false,
             });
-            Ok(())
+            // Best-effort messages (client seq 0) are never acknowledged.
+            Ok(
+                if client_seq != 0 && self.shared.answers.load(Ordering::Acquire) {
+                    Delivered::AwaitingAnswer
+                } else {
+                    Delivered::Answered
+                },
+            )
         });
         if result.is_err() {
             self.shared.credit.fetch_add(1, Ordering::AcqRel);
@@ -443,6 +470,16 @@ fn take_frame(shared: &LinkShared, frame: LinkFrame) -> Incoming {
             shared.pushes.fetch_add(1, Ordering::AcqRel);
             Incoming::Event(LinkEvent::Backend(frame))
         }
+        LinkFrame::ForwardDone { handle, client_seq } => {
+            if let Ok(mut q) = shared.inflight.lock() {
+                if let Some(h) = q.iter_mut().find(|h| {
+                    !h.answered && h.message.handle == handle && h.message.client_seq == client_seq
+                }) {
+                    h.answered = true;
+                }
+            }
+            Incoming::Event(LinkEvent::Backend(frame))
+        }
         LinkFrame::Credit { credits } => {
             if let Ok(mut q) = shared.inflight.lock() {
                 let n = (credits as usize).min(q.len());
@@ -471,6 +508,7 @@ fn take_frame(shared: &LinkShared, frame: LinkFrame) -> Incoming {
         } => {
             let message = shared.inflight.lock().ok().and_then(|q| {
                 q.iter()
+                    .map(|h| &h.message)
                     .find(|m| {
                         m.handle == handle && m.client_seq == client_seq && m.msg_id == msg_id
                     })
@@ -566,7 +604,12 @@ async fn run(shared: Arc<LinkShared>) {
         let lost: Vec<InFlight> = shared
             .inflight
             .lock()
-            .map(|mut q| q.drain(..).collect())
+            .map(|mut q| {
+                q.drain(..)
+                    .filter(|h| !h.answered)
+                    .map(|h| h.message)
+                    .collect()
+            })
             .unwrap_or_default();
         for m in lost {
             let refusal = LinkRefusal {
@@ -702,6 +745,7 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
             edge_id: config.edge_id.clone(),
             epoch: shared.epoch.load(Ordering::Relaxed),
             nonce: Some(edge_nonce),
+            features: LINK_FEATURE_FORWARD_DONE,
         })
         .await
         .map_err(|_| "link closed")?;
@@ -709,14 +753,15 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
         .await
         .map_err(|_| "no LINK_WELCOME in time")?
         .ok_or("link closed before LINK_WELCOME")?;
-    let (instance_id, credits, auth) = match welcome {
+    let (instance_id, credits, auth, features) = match welcome {
         LinkFrame::Welcome {
             version,
             instance_id,
             credits,
             auth,
+            features,
             ..
-        } if version == LINK_VERSION => (instance_id, credits, auth),
+        } if version == LINK_VERSION => (instance_id, credits, auth, features),
         _ => return Err("unexpected answer to LINK_HELLO"),
     };
     link_handshake(&io.tx, config, &edge_nonce, &instance_id, auth).await?;
@@ -741,6 +786,9 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
     if let Ok(mut tx) = shared.tx.lock() {
         *tx = Some(io.tx.clone());
     }
+    shared
+        .answers
+        .store(features & LINK_FEATURE_FORWARD_DONE != 0, Ordering::Release);
     shared.credit.store(credits.into(), Ordering::Release);
     shared.up.store(true, Ordering::Release);
     tracing::info!(addr = %shared.addr, %instance_id, "backend link up");

@@ -1276,3 +1276,82 @@ fn ownership_store_down_rejects_unavailable_with_retry_after_and_puts_the_snapsh
     assert!(actions.iter().any(|a| matches!(a,
         Action::Send(Frame::Reject(r)) if r.code == CloseCode::Unavailable && r.retry_after_ms > 0)));
 }
+
+/// PROTOCOL.md §9.6: with a backend that answers (FORWARD_DONE), a client's message is
+/// acknowledged only once answered, and the ack rides on the reply queued before the
+/// answer; a store copy counts only answered messages (so after the edge dies the client
+/// resends the others: delivered again, never lost); a resume on this edge keeps waiting
+/// for the answer instead of delivering the resent message twice; an ERROR answers too.
+#[test]
+fn a_message_is_acknowledged_only_once_its_backend_answered_it() {
+    let mut p = Pair::new(SessionConfig::default());
+    p.edge.backend_answers = true;
+    let c = login(&mut p, "alice");
+    let sid = p.session(c);
+    send_up(&mut p, c, 2, "u");
+    p.drive(c);
+    assert_eq!(p.edge.delivered.len(), 2);
+    p.advance(Duration::from_millis(50)); // well past the ack delay
+    assert_eq!(
+        p.peers[c].client.unacked_len(),
+        2,
+        "nothing answered, nothing acked"
+    );
+    let stored = p.server(c).checkpoint().expect("snapshot");
+    assert_eq!(
+        stored.upstream.cumulative(),
+        0,
+        "a store copy counts answers only"
+    );
+    assert!(stored.awaiting.is_empty());
+    assert_eq!(p.server(c).core().expect("core").awaiting().len(), 2);
+
+    // The backend's reply to the first, then its FORWARD_DONE, taken together: the ack
+    // rides on the reply (no ack delay).
+    let now = p.now;
+    let reply = crate::host::Downstream {
+        class: TrafficClass::Normal,
+        msg_id: 7,
+        payload: Bytes::from_static(b"r0"),
+    };
+    p.edge.host.push(&sid, reply).expect("queued");
+    p.edge.host.answered(&sid, 1).expect("queued");
+    p.edge.serve(now);
+    p.drive(c);
+    assert_eq!(p.received(c).len(), 1);
+    assert_eq!(p.peers[c].client.unacked_len(), 1, "ack rode on the reply");
+    let stored = p.server(c).checkpoint().expect("snapshot");
+    assert_eq!(stored.upstream.cumulative(), 1);
+
+    // The link drops with the second still unanswered; the client comes back here and
+    // resends it: it is not delivered again, and its answer acknowledges it.
+    p.cut(c);
+    p.advance(Duration::from_millis(100));
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(
+        welcomed(&p, c),
+        vec![WelcomeOutcome::NewSession, WelcomeOutcome::Restored]
+    );
+    assert_eq!(p.peers[c].client.unacked_len(), 1);
+    assert_eq!(
+        p.edge.delivered.len(),
+        2,
+        "the resent message waits for its answer"
+    );
+    let now = p.now;
+    p.edge.forward_done(&sid, now, 2);
+    p.drive(c);
+    p.advance(Duration::from_millis(50));
+    assert_eq!(p.peers[c].client.unacked_len(), 0);
+
+    // A refusal answers as well: the ERROR, then the ack.
+    send_up(&mut p, c, 1, "v");
+    p.drive(c);
+    let now = p.now;
+    p.edge.refuse(&sid, now, 3);
+    p.drive(c);
+    p.advance(Duration::from_millis(50));
+    assert_eq!(p.peers[c].client.unacked_len(), 0);
+    assert_eq!(errors_of(&p, c), vec![3]);
+}

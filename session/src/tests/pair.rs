@@ -68,6 +68,9 @@ pub(crate) struct Edge {
     pub(crate) store_down: u8,
     pub(crate) owners: HashMap<String, (u64, Option<Owner>)>,
     pub(crate) delivered: Vec<Upstream>,
+    /// Delivered messages wait for [`Edge::forward_done`] (a backend with FORWARD_DONE); else
+    /// each is answered as it is delivered.
+    pub(crate) backend_answers: bool,
     pub(crate) ended: Vec<SessionEnd>,
     pub(crate) closes: Vec<(usize, CloseCode)>,
     seed: u64,
@@ -95,6 +98,7 @@ impl Edge {
             store_down: 0,
             owners: HashMap::new(),
             delivered: Vec::new(),
+            backend_answers: false,
             ended: Vec::new(),
             closes: Vec::new(),
             seed: 1,
@@ -374,7 +378,12 @@ impl Edge {
                     }
                 }
                 Action::Bind(_) | Action::RoutingKeys(_) | Action::Channels(_) => {}
-                Action::Deliver(u) => self.delivered.push(u),
+                Action::Deliver(u) => {
+                    if !self.backend_answers {
+                        let _ = self.machines[i].answer_upstream(now, u.seq);
+                    }
+                    self.delivered.push(u);
+                }
                 Action::Ended(end) => {
                     if let Some(e) = self.owners.get_mut(end.player_id.as_ref()) {
                         if e.1.as_ref().is_some_and(|o| {
@@ -419,6 +428,12 @@ impl Edge {
         let accepted = self.host.push(session, message).is_ok();
         self.serve(now);
         accepted
+    }
+
+    /// A backend's FORWARD_DONE for the client's message `client_seq`, through the host.
+    pub(crate) fn forward_done(&mut self, session: &SessionId, now: Instant, client_seq: u64) {
+        self.host.answered(session, client_seq).expect("queued");
+        self.serve(now);
     }
 
     /// A backend refusal of the client's message `client_seq` (an ERROR, through the host).

@@ -20,6 +20,10 @@ use crate::wire::{CloseCode, TrafficClass, ID_LEN};
 
 /// Link protocol version (LINK_HELLO / LINK_WELCOME).
 pub const LINK_VERSION: u8 = 1;
+/// Link feature bit (LINK_HELLO / LINK_WELCOME `features`, §9.3): the backend answers every
+/// FORWARD it processed with FORWARD_DONE, sent after the PUSH frames its handler sent for
+/// it; the edge acknowledges a client's message only once it is answered (§9.6).
+pub const LINK_FEATURE_FORWARD_DONE: u64 = 1;
 /// Default maximum link frame size.
 pub const DEFAULT_MAX_LINK_FRAME: usize = 1024 * 1024;
 /// Longest id, service name, key or attribute on the link.
@@ -51,6 +55,9 @@ pub enum LinkFrame {
         /// The edge's challenge for the link handshake (§9.3; absent from an edge that
         /// predates it).
         nonce: Option<LinkNonce>,
+        /// Link features the edge supports ([`LINK_FEATURE_FORWARD_DONE`]); after the
+        /// nonce, absent (0) from an edge that predates them. Sent only with a nonce.
+        features: u64,
     },
     /// 0x41 backend -> edge: answer to HELLO.
     Welcome {
@@ -64,6 +71,9 @@ pub enum LinkFrame {
         heartbeat_ms: u32,
         /// A backend with a link secret: its challenge and its proof (§9.3).
         auth: Option<LinkWelcomeAuth>,
+        /// The features of the edge's LINK_HELLO this backend will use (after `auth`;
+        /// absent = 0).
+        features: u64,
     },
     /// 0x42 edge -> backend: a session is bound to this instance.
     SessionOpen {
@@ -148,6 +158,14 @@ pub enum LinkFrame {
         retry_after_ms: u32,
         /// The backend's route epoch (for `stale_epoch`: refresh to at least this).
         epoch: u64,
+    },
+    /// 0x55 backend -> edge (with [`LINK_FEATURE_FORWARD_DONE`]): the FORWARD of
+    /// (`handle`, `client_seq`) was processed; every PUSH its handler sent precedes this.
+    ForwardDone {
+        /// The session.
+        handle: u64,
+        /// The processed message's client seq.
+        client_seq: u64,
     },
     /// 0x4A backend -> edge: route this session's messages for `service` by `key` (e.g.
     /// the room the player joined).
@@ -295,6 +313,7 @@ impl LinkFrame {
             Self::ChannelPublish { .. } => 0x52,
             Self::ChannelResult { .. } => 0x53,
             Self::Auth { .. } => 0x54,
+            Self::ForwardDone { .. } => 0x55,
         }
     }
 
@@ -305,19 +324,26 @@ impl LinkFrame {
                 edge_id,
                 epoch,
                 nonce,
+                features,
                 ..
-            } => 1 + str_len(edge_id) + varint_len(*epoch) + nonce.map_or(0, |n| n.len()),
+            } => {
+                1 + str_len(edge_id)
+                    + varint_len(*epoch)
+                    + nonce.map_or(0, |n| n.len() + features_len(*features))
+            }
             Self::Welcome {
                 instance_id,
                 credits,
                 heartbeat_ms,
                 auth,
+                features,
                 ..
             } => {
                 1 + str_len(instance_id)
                     + varint_len((*credits).into())
                     + varint_len((*heartbeat_ms).into())
                     + auth.map_or(0, |_| LINK_NONCE_LEN + LINK_PROOF_LEN)
+                    + features_len(*features)
             }
             Self::Auth { .. } => LINK_PROOF_LEN,
             Self::SessionOpen {
@@ -366,6 +392,9 @@ impl LinkFrame {
             Self::Kick {
                 handle, message, ..
             } => varint_len(*handle) + 2 + str_len(message),
+            Self::ForwardDone { handle, client_seq } => {
+                varint_len(*handle) + varint_len(*client_seq)
+            }
             Self::Refuse {
                 handle,
                 msg_id,
@@ -440,12 +469,14 @@ impl LinkFrame {
                 edge_id,
                 epoch,
                 nonce,
+                features,
             } => {
                 out.put_u8(*version);
                 put_str(out, edge_id);
                 put_varint(out, *epoch);
                 if let Some(n) = nonce {
                     out.put_slice(n);
+                    put_features(out, *features);
                 }
             }
             Self::Welcome {
@@ -454,6 +485,7 @@ impl LinkFrame {
                 credits,
                 heartbeat_ms,
                 auth,
+                features,
             } => {
                 out.put_u8(*version);
                 put_str(out, instance_id);
@@ -463,6 +495,11 @@ impl LinkFrame {
                     out.put_slice(&a.nonce);
                     out.put_slice(&a.proof);
                 }
+                put_features(out, *features);
+            }
+            Self::ForwardDone { handle, client_seq } => {
+                put_varint(out, *handle);
+                put_varint(out, *client_seq);
             }
             Self::Auth { proof } => out.put_slice(proof),
             Self::SessionOpen {
@@ -628,20 +665,33 @@ impl LinkFrame {
         let mut r = Reader::new(bytes);
         let t = r.u8("type").map_err(|_| FrameError::Empty)?;
         Ok(match t {
-            0x40 => Self::Hello {
-                version: r.u8("version")?,
-                edge_id: get_str(&mut r, "edge_id", MAX_NAME_LEN)?,
-                epoch: r.varint("epoch")?,
+            0x40 => {
+                let version = r.u8("version")?;
+                let edge_id = get_str(&mut r, "edge_id", MAX_NAME_LEN)?;
+                let epoch = r.varint("epoch")?;
                 // Present when the rest holds it; shorter trailing bytes are ignored (§1.1).
-                nonce: (r.remaining() >= LINK_NONCE_LEN)
+                let nonce = (r.remaining() >= LINK_NONCE_LEN)
                     .then(|| r.array("nonce"))
-                    .transpose()?,
-            },
+                    .transpose()?;
+                let features = match nonce {
+                    Some(_) => get_features(&mut r)?,
+                    None => 0,
+                };
+                Self::Hello {
+                    version,
+                    edge_id,
+                    epoch,
+                    nonce,
+                    features,
+                }
+            }
             0x41 => Self::Welcome {
                 version: r.u8("version")?,
                 instance_id: get_str(&mut r, "instance_id", MAX_NAME_LEN)?,
                 credits: r.varint_u32("credits")?,
                 heartbeat_ms: r.varint_u32("heartbeat_ms")?,
+                // A features varint is at most 10 bytes, so 48 bytes or more left are the
+                // challenge and proof.
                 auth: if r.remaining() >= LINK_NONCE_LEN + LINK_PROOF_LEN {
                     Some(LinkWelcomeAuth {
                         nonce: r.array("nonce")?,
@@ -650,6 +700,11 @@ impl LinkFrame {
                 } else {
                     None
                 },
+                features: get_features(&mut r)?,
+            },
+            0x55 => Self::ForwardDone {
+                handle: r.varint("handle")?,
+                client_seq: r.varint("client_seq")?,
             },
             0x54 => Self::Auth {
                 proof: r.array("proof")?,
@@ -813,6 +868,31 @@ impl LinkFrame {
     }
 }
 
+/// Bytes of an optional trailing `features` varint (none when 0).
+fn features_len(features: u64) -> usize {
+    if features == 0 {
+        0
+    } else {
+        varint_len(features)
+    }
+}
+
+/// Writes an optional trailing `features` varint (nothing when 0).
+fn put_features(out: &mut impl BufMut, features: u64) {
+    if features != 0 {
+        put_varint(out, features);
+    }
+}
+
+/// Reads an optional trailing `features` varint: 0 when nothing is left.
+fn get_features(r: &mut Reader) -> Result<u64, FrameError> {
+    if r.remaining() == 0 {
+        Ok(0)
+    } else {
+        r.varint("features")
+    }
+}
+
 /// Length-delimited link framing: the client protocol's stream framing with link frames.
 #[derive(Debug, Clone, Copy)]
 pub struct LinkCodec {
@@ -866,30 +946,41 @@ mod tests {
                 any::<u8>(),
                 name(),
                 any::<u64>(),
-                proptest::option::of(any::<[u8; 16]>())
+                proptest::option::of(any::<[u8; 16]>()),
+                any::<u64>()
             )
-                .prop_map(|(version, edge_id, epoch, nonce)| LinkFrame::Hello {
-                    version,
-                    edge_id,
-                    epoch,
-                    nonce,
+                .prop_map(|(version, edge_id, epoch, nonce, features)| {
+                    LinkFrame::Hello {
+                        version,
+                        edge_id,
+                        epoch,
+                        nonce,
+                        // Features travel only after a nonce.
+                        features: if nonce.is_some() { features } else { 0 },
+                    }
                 }),
             (
                 any::<u8>(),
                 name(),
                 any::<u32>(),
                 any::<u32>(),
-                proptest::option::of((any::<[u8; 16]>(), any::<[u8; 32]>()))
+                proptest::option::of((any::<[u8; 16]>(), any::<[u8; 32]>())),
+                any::<u64>()
             )
-                .prop_map(|(version, instance_id, credits, heartbeat_ms, auth)| {
-                    LinkFrame::Welcome {
-                        version,
-                        instance_id,
-                        credits,
-                        heartbeat_ms,
-                        auth: auth.map(|(nonce, proof)| LinkWelcomeAuth { nonce, proof }),
+                .prop_map(
+                    |(version, instance_id, credits, heartbeat_ms, auth, features)| {
+                        LinkFrame::Welcome {
+                            version,
+                            instance_id,
+                            credits,
+                            heartbeat_ms,
+                            auth: auth.map(|(nonce, proof)| LinkWelcomeAuth { nonce, proof }),
+                            features,
+                        }
                     }
-                }),
+                ),
+            (any::<u64>(), any::<u64>())
+                .prop_map(|(handle, client_seq)| { LinkFrame::ForwardDone { handle, client_seq } }),
             any::<[u8; 32]>().prop_map(|proof| LinkFrame::Auth { proof }),
             (
                 any::<u64>(),

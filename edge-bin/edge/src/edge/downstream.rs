@@ -9,7 +9,7 @@ use tokio::sync::mpsc;
 use waygate_protocol::frame::SessionId;
 use waygate_protocol::link::LinkFrame;
 use waygate_routing::KeyKind;
-use waygate_session::driver::{DeliverError, Downstream};
+use waygate_session::driver::{DeliverError, Delivered, Downstream};
 use waygate_transport::CloseCode;
 
 use super::{apply_latest, SessionEntry, Shared};
@@ -22,6 +22,15 @@ impl Shared {
     fn answer_refusal(&self, r: &LinkRefusal) {
         if let Some(sid) = self.session_of_handle(r.handle) {
             self.report_error(&sid, r.code, r.msg_id, r.client_seq, r.retry_after_ms);
+        }
+    }
+
+    /// A backend processed a client's message (FORWARD_DONE): it is acknowledged to the
+    /// client after the pushes its handler sent, never waiting.
+    fn answered(&self, session_id: &SessionId, client_seq: u64) {
+        let registry = &self.session_layer().registry;
+        if let Err(e) = registry.answered(session_id, client_seq) {
+            tracing::debug!(client_seq, error = %e, "answer not queued for its session");
         }
     }
 
@@ -99,6 +108,11 @@ fn handle_now(shared: &Arc<Shared>, event: LinkEvent) -> Option<LinkEvent> {
                 Some(Ok(())) => ok.inc(),
                 _ => dropped.inc(),
             };
+        }
+        LinkEvent::Backend(LinkFrame::ForwardDone { handle, client_seq }) => {
+            if let Some(sid) = shared.session_of_handle(handle) {
+                shared.answered(&sid, client_seq);
+            }
         }
         LinkEvent::Backend(LinkFrame::Kick { handle, code, .. }) => {
             if let Some(sid) = shared.session_of_handle(handle) {
@@ -216,8 +230,10 @@ pub(super) async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver
             let outcome = result.and_then(|entry| {
                 shared.route_and_forward(&entry, msg_id, client_seq, class, payload)
             });
-            if let Err(e) = outcome {
-                shared.report_error(&sid, e.code, msg_id, client_seq, e.retry_after_ms);
+            match outcome {
+                Ok(Delivered::AwaitingAnswer) => {}
+                Ok(Delivered::Answered) => shared.answered(&sid, client_seq),
+                Err(e) => shared.report_error(&sid, e.code, msg_id, client_seq, e.retry_after_ms),
             }
             continue;
         }

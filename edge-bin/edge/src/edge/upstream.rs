@@ -8,7 +8,7 @@ use std::sync::{Arc, Weak};
 use async_trait::async_trait;
 use waygate_protocol::link::LinkFrame;
 use waygate_routing::{KeyKind, RouteReason, RouteRequest, RoutingError};
-use waygate_session::driver::{DeliverError, SessionEvent, UpstreamSink};
+use waygate_session::driver::{DeliverError, Delivered, SessionEvent, UpstreamSink};
 use waygate_session::machine::Upstream;
 use waygate_transport::CloseCode;
 
@@ -25,7 +25,7 @@ impl Shared {
         client_seq: u64,
         class: waygate_transport::TrafficClass,
         payload: bytes::Bytes,
-    ) -> Result<(), DeliverError> {
+    ) -> Result<Delivered, DeliverError> {
         let refuse = |code: CloseCode, retry_after_ms: u32| {
             self.metrics
                 .upstream_refused
@@ -89,7 +89,7 @@ impl Shared {
             class,
             payload,
         ) {
-            Ok(()) => {
+            Ok(delivered) => {
                 // A placement another edge could not recompute (least loaded, pinned by a
                 // backend or assigned) travels in the session's snapshot (R3, S7).
                 if !decision.canary
@@ -113,7 +113,7 @@ impl Shared {
                     }
                 }
                 self.metrics.forwarded_to(target).inc();
-                Ok(())
+                Ok(delivered)
             }
             Err(ForwardError::Unavailable) => Err(refuse(CloseCode::Unavailable, 1000)),
             Err(ForwardError::Busy { retry_after_ms }) => {
@@ -166,7 +166,7 @@ pub(super) struct EdgeUpstream(pub(super) Weak<Shared>);
 
 #[async_trait]
 impl UpstreamSink for EdgeUpstream {
-    async fn deliver(&self, message: Upstream) -> Result<(), DeliverError> {
+    async fn deliver(&self, message: Upstream) -> Result<Delivered, DeliverError> {
         let shared = self.0.upgrade().ok_or(DeliverError {
             code: CloseCode::GoingAway,
             retry_after_ms: 0,
