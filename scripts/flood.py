@@ -112,22 +112,27 @@ async def main() -> None:
     proc, listeners = start_target(args.waygate)
     stop = time.time() + args.seconds
 
-    def terminate(*_: object) -> None:
-        # SIGTERM (the runner's trap): stop the flood thread and fall through to `finally`,
-        # which kills the target edge.
-        STOP.set()
-        raise SystemExit(0)
+    loop = asyncio.get_running_loop()
+    this = asyncio.current_task()
 
-    signal.signal(signal.SIGTERM, terminate)
+    def terminate() -> None:
+        # SIGTERM (the runner's trap): stop the flood thread and cancel the flood, which
+        # falls through to `finally` and kills the target edge.
+        STOP.set()
+        if this is not None:
+            this.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, terminate)
     try:
         tcp = hostport(listeners["tcp"])
         udp = [hostport(listeners[k]) for k in ("kcp", "quic") if k in listeners]
-        loop = asyncio.get_running_loop()
         flood = loop.run_in_executor(None, udp_flood, udp, stop)
         held, churned, sent = await asyncio.gather(
             half_open(tcp, args.half_open, stop), churn(tcp, stop), flood
         )
         print(f"flood: {held} half-open, {churned} churned connections, {sent} datagrams")
+    except asyncio.CancelledError:
+        print("flood: stopped by SIGTERM")
     finally:
         STOP.set()
         proc.kill()

@@ -466,25 +466,7 @@ async fn links_come_up_only_when_both_ends_hold_the_same_secret() {
 async fn an_impostor_edge_is_closed_before_anything_reaches_the_game() {
     let b = backend_with_secret(secret("a shared link secret")).await;
     for auth in [None, Some([7u8; 32])] {
-        let stream = tokio::net::TcpStream::connect(b.local_addr())
-            .await
-            .unwrap();
-        let mut io = waygate_link::spawn_link_io(
-            stream,
-            1 << 20,
-            Duration::from_secs(5),
-            waygate_link::LinkIoOptions::default(),
-        );
-        io.tx
-            .send(LinkFrame::Hello {
-                version: LINK_VERSION,
-                edge_id: "mallory".into(),
-                epoch: 1,
-                nonce: Some([1; 16]),
-                features: 0,
-            })
-            .await
-            .unwrap();
+        let mut io = raw_edge_link(b.local_addr(), "mallory").await;
         let welcome = next_frame(&mut io.rx).await;
         assert!(
             matches!(welcome, Some(LinkFrame::Welcome { auth: Some(_), .. })),
@@ -534,6 +516,29 @@ async fn an_impostor_edge_is_closed_before_anything_reaches_the_game() {
     }
     assert_eq!(b.load().sessions(), 0);
     assert_eq!(b.load().messages(), 0);
+}
+
+/// A hand-made edge end of a link to `backend`, LINK_HELLO sent (with a nonce, no
+/// features: an edge that predates them).
+async fn raw_edge_link(backend: SocketAddr, edge_id: &str) -> waygate_link::LinkIo {
+    let stream = tokio::net::TcpStream::connect(backend).await.unwrap();
+    let io = waygate_link::spawn_link_io(
+        stream,
+        1 << 20,
+        Duration::from_secs(5),
+        waygate_link::LinkIoOptions::default(),
+    );
+    io.tx
+        .send(LinkFrame::Hello {
+            version: LINK_VERSION,
+            edge_id: edge_id.into(),
+            epoch: 1,
+            nonce: Some([1; 16]),
+            features: 0,
+        })
+        .await
+        .unwrap();
+    io
 }
 
 async fn next_frame(rx: &mut mpsc::Receiver<LinkFrame>) -> Option<LinkFrame> {
@@ -678,25 +683,7 @@ async fn forward_done_is_used_only_when_both_ends_have_it() {
     // An older edge: LINK_HELLO without features gets no FORWARD_DONE. Two echoes come
     // back as two pushes with nothing between them.
     let backend = demo_backend("127.0.0.1:0".parse().unwrap(), "b1").await;
-    let stream = tokio::net::TcpStream::connect(backend.local_addr())
-        .await
-        .unwrap();
-    let mut io = waygate_link::spawn_link_io(
-        stream,
-        1 << 20,
-        Duration::from_secs(5),
-        waygate_link::LinkIoOptions::default(),
-    );
-    io.tx
-        .send(LinkFrame::Hello {
-            version: LINK_VERSION,
-            edge_id: "old-edge".into(),
-            epoch: 1,
-            nonce: Some([1; 16]),
-            features: 0,
-        })
-        .await
-        .unwrap();
+    let mut io = raw_edge_link(backend.local_addr(), "old-edge").await;
     assert!(matches!(
         next_frame(&mut io.rx).await,
         Some(LinkFrame::Welcome { features: 0, .. })

@@ -216,7 +216,12 @@ fn answer_hook(answers: ChannelAnswers) -> waygate_link::OnFrame {
 pub trait Service: Send + Sync + 'static {
     /// A session was routed here (SESSION_OPEN).
     async fn session_open(&self, _session: &BackendSession) {}
-    /// One message of a session.
+    /// One message of a session. When it returns `Ok`, the edge is told the message was
+    /// processed (FORWARD_DONE, PROTOCOL.md §9.6) after every push sent from here, and only
+    /// then acknowledges it to the client: reply from within this call (not from a task it
+    /// spawns) for the reply to be covered. A message may arrive a second time (same session
+    /// id and client seq) if the edge that forwarded it died before it learnt the answer.
+    /// `Err` refuses it (the client gets an ERROR with its code).
     async fn message(&self, session: &BackendSession, msg: Incoming) -> Result<(), Refusal>;
     /// The client dropped; the session lingers for `linger`.
     async fn session_detached(&self, _session: &BackendSession, _linger: Duration) {}
