@@ -722,3 +722,86 @@ async fn forward_done_is_used_only_when_both_ends_have_it() {
     }
     drop(backend);
 }
+
+/// A backend's FORWARD_DONE counts only for a forward its link holds unanswered: one for a
+/// message never sent on it (another backend's, or a second answer) is ignored, so the
+/// client is never told to forget a message whose reply is not on the edge.
+#[tokio::test]
+async fn a_forward_done_for_a_message_the_link_does_not_hold_is_ignored() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let rogue = tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        let mut io = waygate_link::spawn_link_io(
+            stream,
+            1 << 20,
+            Duration::from_secs(5),
+            waygate_link::LinkIoOptions::default(),
+        );
+        let _hello = next_frame(&mut io.rx).await;
+        io.tx
+            .send(LinkFrame::Welcome {
+                version: LINK_VERSION,
+                instance_id: "rogue".into(),
+                credits: 16,
+                heartbeat_ms: 5000,
+                auth: None,
+                features: LINK_FEATURE_FORWARD_DONE,
+            })
+            .await
+            .unwrap();
+        // Wait for the edge's one FORWARD (client seq 1), then answer seq 2 (never sent),
+        // seq 1, seq 1 again, and push once: only the first answer of seq 1 may count.
+        loop {
+            match next_frame(&mut io.rx).await {
+                Some(LinkFrame::Forward { .. }) => break,
+                Some(_) => continue,
+                None => return,
+            }
+        }
+        for client_seq in [2, 1, 1] {
+            io.tx
+                .send(LinkFrame::ForwardDone {
+                    handle: 6,
+                    client_seq,
+                })
+                .await
+                .unwrap();
+        }
+        io.tx
+            .send(LinkFrame::Push {
+                handle: 6,
+                msg_id: ECHO_REPLY,
+                class: TrafficClass::Normal,
+                payload: Bytes::new(),
+            })
+            .await
+            .unwrap();
+        while next_frame(&mut io.rx).await.is_some() {}
+    });
+    let (tx, mut rx) = mpsc::channel(64);
+    let (link, _task) = LinkClient::spawn(addr, fast_config(), Arc::new(AtomicU64::new(1)), tx);
+    wait_up(&mut rx).await;
+    let delivered = link
+        .forward(
+            &meta(6, "frank"),
+            ECHO,
+            1,
+            1,
+            TrafficClass::Normal,
+            Bytes::new(),
+        )
+        .unwrap();
+    assert_eq!(delivered, Delivered::AwaitingAnswer);
+    let mut seen = Vec::new();
+    loop {
+        match next_event(&mut rx).await {
+            LinkEvent::Backend(LinkFrame::ForwardDone { client_seq, .. }) => seen.push(client_seq),
+            LinkEvent::Backend(LinkFrame::Push { .. }) => break,
+            _ => {}
+        }
+    }
+    assert_eq!(seen, vec![1], "only the held forward's first answer counts");
+    link.shutdown().await;
+    let _ = tokio::time::timeout(Duration::from_secs(10), rogue).await;
+}

@@ -471,14 +471,31 @@ fn take_frame(shared: &LinkShared, frame: LinkFrame) -> Incoming {
             Incoming::Event(LinkEvent::Backend(frame))
         }
         LinkFrame::ForwardDone { handle, client_seq } => {
-            if let Ok(mut q) = shared.inflight.lock() {
-                if let Some(h) = q.iter_mut().find(|h| {
-                    !h.answered && h.message.handle == handle && h.message.client_seq == client_seq
-                }) {
-                    h.answered = true;
-                }
+            // Only a forward this link holds unanswered can be answered here (the SDK sends
+            // FORWARD_DONE before the CREDIT that covers it): a backend answering another
+            // link's message, or one twice, would let the client forget a message whose
+            // reply is not here.
+            let held = shared.inflight.lock().ok().is_some_and(|mut q| {
+                q.iter_mut()
+                    .find(|h| {
+                        !h.answered
+                            && h.message.handle == handle
+                            && h.message.client_seq == client_seq
+                    })
+                    .map(|h| h.answered = true)
+                    .is_some()
+            });
+            if held {
+                Incoming::Event(LinkEvent::Backend(frame))
+            } else {
+                tracing::debug!(
+                    addr = %shared.addr,
+                    handle,
+                    client_seq,
+                    "FORWARD_DONE for a message this link does not hold: ignored"
+                );
+                Incoming::Done
             }
-            Incoming::Event(LinkEvent::Backend(frame))
         }
         LinkFrame::Credit { credits } => {
             if let Ok(mut q) = shared.inflight.lock() {
