@@ -518,6 +518,35 @@ async fn an_impostor_edge_is_closed_before_anything_reaches_the_game() {
     assert_eq!(b.load().messages(), 0);
 }
 
+/// A hand-made backend end of a link: takes one edge's connection on `listener`, reads its
+/// LINK_HELLO (returned) and answers LINK_WELCOME with `features`, without a secret.
+async fn raw_backend_link(
+    listener: tokio::net::TcpListener,
+    instance_id: &str,
+    features: u64,
+) -> (Option<LinkFrame>, waygate_link::LinkIo) {
+    let (stream, _) = listener.accept().await.unwrap();
+    let mut io = waygate_link::spawn_link_io(
+        stream,
+        1 << 20,
+        Duration::from_secs(5),
+        waygate_link::LinkIoOptions::default(),
+    );
+    let hello = next_frame(&mut io.rx).await;
+    io.tx
+        .send(LinkFrame::Welcome {
+            version: LINK_VERSION,
+            instance_id: instance_id.into(),
+            credits: 16,
+            heartbeat_ms: 5000,
+            auth: None,
+            features,
+        })
+        .await
+        .unwrap();
+    (hello, io)
+}
+
 /// A hand-made edge end of a link to `backend`, LINK_HELLO sent (with a nonce, no
 /// features: an edge that predates them).
 async fn raw_edge_link(backend: SocketAddr, edge_id: &str) -> waygate_link::LinkIo {
@@ -631,14 +660,7 @@ async fn forward_done_is_used_only_when_both_ends_have_it() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let old_backend = tokio::spawn(async move {
-        let (stream, _) = listener.accept().await.unwrap();
-        let mut io = waygate_link::spawn_link_io(
-            stream,
-            1 << 20,
-            Duration::from_secs(5),
-            waygate_link::LinkIoOptions::default(),
-        );
-        let hello = next_frame(&mut io.rx).await;
+        let (hello, mut io) = raw_backend_link(listener, "old", 0).await;
         assert!(
             matches!(
                 hello,
@@ -649,17 +671,6 @@ async fn forward_done_is_used_only_when_both_ends_have_it() {
             ),
             "{hello:?}"
         );
-        io.tx
-            .send(LinkFrame::Welcome {
-                version: LINK_VERSION,
-                instance_id: "old".into(),
-                credits: 16,
-                heartbeat_ms: 5000,
-                auth: None,
-                features: 0,
-            })
-            .await
-            .unwrap();
         // Keep the link open until the edge side is done.
         while next_frame(&mut io.rx).await.is_some() {}
     });
@@ -731,25 +742,7 @@ async fn a_forward_done_for_a_message_the_link_does_not_hold_is_ignored() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let rogue = tokio::spawn(async move {
-        let (stream, _) = listener.accept().await.unwrap();
-        let mut io = waygate_link::spawn_link_io(
-            stream,
-            1 << 20,
-            Duration::from_secs(5),
-            waygate_link::LinkIoOptions::default(),
-        );
-        let _hello = next_frame(&mut io.rx).await;
-        io.tx
-            .send(LinkFrame::Welcome {
-                version: LINK_VERSION,
-                instance_id: "rogue".into(),
-                credits: 16,
-                heartbeat_ms: 5000,
-                auth: None,
-                features: LINK_FEATURE_FORWARD_DONE,
-            })
-            .await
-            .unwrap();
+        let (_hello, mut io) = raw_backend_link(listener, "rogue", LINK_FEATURE_FORWARD_DONE).await;
         // Wait for the edge's one FORWARD (client seq 1), then answer seq 2 (never sent),
         // seq 1, seq 1 again, and push once: only the first answer of seq 1 may count.
         loop {

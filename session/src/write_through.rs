@@ -122,6 +122,7 @@ async fn committer(
         // trouble (each would wait out the store's timeout): answered at once.
         if owner.upgrade().is_some_and(|wt| wt.paused()) {
             for (_, answer) in group.drain(..) {
+                // Err only for a session whose task stopped waiting: nobody left to tell.
                 let _ = answer.send(Err(StoreError::Unavailable("write-through paused".into())));
             }
             continue;

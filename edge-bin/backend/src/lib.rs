@@ -1002,6 +1002,8 @@ where
                 };
                 load.messages.fetch_add(1, Ordering::Relaxed);
                 if let Some(answer) = answer {
+                    // Fails only when the link is gone: the edge then answers every FORWARD
+                    // it holds unanswered with ERROR `unavailable` (PROTOCOL.md §9.3).
                     let _ = io.tx.send(answer).await;
                 }
                 consumed += 1;
