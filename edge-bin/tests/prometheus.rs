@@ -97,7 +97,17 @@ async fn query(prom: std::net::SocketAddr, promql: &str) -> serde_json::Value {
             _ => format!("%{b:02X}"),
         })
         .collect();
-    let (status, body) = common::http(prom, "GET", &format!("/api/v1/query?query={encoded}")).await;
+    // Prometheus answers 503 until it is ready (TSDB opened, CI rehearsal under load):
+    // asked again for at most 30 s.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    let (status, body) = loop {
+        let (status, body) =
+            common::http(prom, "GET", &format!("/api/v1/query?query={encoded}")).await;
+        if status != 503 || tokio::time::Instant::now() >= deadline {
+            break (status, body);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    };
     assert_eq!(status, 200, "{body}");
     serde_json::from_str(&body).unwrap()
 }
