@@ -499,11 +499,12 @@ struct Task {
     inbound: Option<waygate_backpressure::InboundLimiter>,
     /// A frame over the inbound limit, held until the instant its tokens return; the
     /// connection is not read meanwhile, so nothing later overtakes it (B2).
-    held: Option<(waygate_transport::Frame, tokio::time::Instant)>,
+    held: Option<Box<(waygate_transport::Frame, tokio::time::Instant)>>,
     transport: waygate_transport::TransportKind,
     started: tokio::time::Instant,
-    /// Last snapshot written by write-through (skip identical writes).
-    durable: Option<Snapshot>,
+    /// Last snapshot written by write-through (skip identical writes); boxed, as only
+    /// sessions with write-through have one.
+    durable: Option<Box<Snapshot>>,
     /// Setup phase timings, reported with `Established`.
     phases: SetupPhases,
     /// Whether the first frame arrived (the HELLO phase ends there).
@@ -575,7 +576,11 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
     tokio::pin!(timer);
     let mut armed: Option<std::time::Instant> = None;
     loop {
-        t.run_actions().await;
+        if t.machine.has_actions() || t.orphaned.is_some() {
+            // Boxed: the state of sending and of the rare actions lives only while they
+            // run, not in every idle session's task (performance issue, W4).
+            Box::pin(t.run_actions()).await;
+        }
         if !t.backlog.is_empty() {
             t.do_work();
             continue;
@@ -593,7 +598,7 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
         if t.conn.is_none() {
             t.held = None;
         }
-        let held_until = t.held.as_ref().map(|(_, at)| *at);
+        let held_until = t.held.as_ref().map(|held| held.1);
         let release = async {
             match held_until {
                 Some(at) => tokio::time::sleep_until(at).await,
@@ -610,8 +615,8 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
         match event {
             Event::Frame(Ok(frame)) => t.inbound_frame(frame).await,
             Event::Release => {
-                if let Some((frame, _)) = t.held.take() {
-                    t.inbound_frame(frame).await;
+                if let Some(held) = t.held.take() {
+                    t.inbound_frame(held.0).await;
                 }
             }
             Event::Frame(Err(code)) => {
@@ -632,7 +637,7 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
             }
         }
     }
-    t.run_actions().await;
+    Box::pin(t.run_actions()).await;
     if let Some(conn) = t.conn.as_mut() {
         conn.close(CloseCode::Normal, "").await;
     }
@@ -699,7 +704,7 @@ impl Task {
                 }
                 InboundVerdict::Wait(wait) => {
                     SessionCounters::bump(&self.edge.counters.inbound_paused);
-                    self.held = Some((frame, now_t + wait.0));
+                    self.held = Some(Box::new((frame, now_t + wait.0)));
                     return;
                 }
             }
@@ -749,7 +754,10 @@ impl Task {
                 self.orphaned = Some(snapshot);
             }
         }
-        self.backlog = work;
+        if !work.is_empty() {
+            // Kept only while it holds work: an idle session keeps no buffers.
+            self.backlog = work;
+        }
     }
 
     /// Waits for the answer to this connection's request (the host answers it or times it
@@ -796,7 +804,9 @@ impl Task {
                 return;
             }
             if batch.iter().any(visible) {
-                self.write_through().await;
+                // Boxed: its state (a snapshot and the commit) is large and lives only
+                // while the write is in flight, not in every idle session's task.
+                Box::pin(self.write_through()).await;
             }
             for action in batch {
                 self.action(action).await;
@@ -822,7 +832,7 @@ impl Task {
         let Some(snapshot) = self.machine.checkpoint() else {
             return;
         };
-        if self.durable.as_ref() == Some(&snapshot) || self.held_elsewhere(&snapshot.session_id) {
+        if self.durable.as_deref() == Some(&snapshot) || self.held_elsewhere(&snapshot.session_id) {
             return;
         }
         if wt.paused() {
@@ -830,45 +840,75 @@ impl Task {
             return;
         }
         match wt.commit(snapshot.clone()).await {
-            Ok(()) => self.durable = Some(snapshot),
+            Ok(()) => self.durable = Some(Box::new(snapshot)),
             Err(e) => tracing::debug!(error = %e, "write-through failed"),
         }
     }
 
     async fn action(&mut self, action: Action) {
-        let edge = self.edge.clone();
         match action {
-            Action::Send(frame) => {
-                if let Some(conn) = self.conn.as_mut() {
-                    if matches!(frame, waygate_transport::Frame::Welcome(_)) {
-                        // Past the handshake: the connection's admission slot is freed and
-                        // full-size frames are accepted from here on.
-                        conn.handshake_done();
-                    }
-                    match tokio::time::timeout(edge.send_deadline, conn.send(&frame)).await {
-                        Ok(Ok(())) => {}
-                        Ok(Err(e)) => {
-                            tracing::debug!(error = %e, "send failed");
-                            if e.is_fatal() {
-                                self.conn = None;
-                                let _ = self.machine.handle_link_down(now(), e.close_code());
-                            }
-                        }
-                        Err(_) => {
-                            // The client does not read: close it as a slow consumer; the
-                            // session lingers with its replay buffer for the resume (B3).
-                            SessionCounters::bump(&edge.counters.slow_consumer);
-                            tracing::info!("closing a slow consumer");
-                            if let Some(mut conn) = self.conn.take() {
-                                conn.close(CloseCode::SlowConsumer, "too slow").await;
-                            }
-                            let _ = self
-                                .machine
-                                .handle_link_down(now(), CloseCode::SlowConsumer);
-                        }
-                    }
+            Action::Send(frame) => self.send_frame(frame).await,
+            Action::Deliver(message) => self.deliver(message).await,
+            // The rest (set-up, store, end) is rare and its state is large: boxed, so an
+            // idle session's task does not carry room for it (performance issue, W4).
+            other => Box::pin(self.rare_action(other)).await,
+        }
+    }
+
+    /// One DATA, ACK or other frame to the client, within the send deadline.
+    async fn send_frame(&mut self, frame: waygate_transport::Frame) {
+        let Some(conn) = self.conn.as_mut() else {
+            return;
+        };
+        if matches!(frame, waygate_transport::Frame::Welcome(_)) {
+            // Past the handshake: the connection's admission slot is freed and full-size
+            // frames are accepted from here on.
+            conn.handshake_done();
+        }
+        match tokio::time::timeout(self.edge.send_deadline, conn.send(&frame)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "send failed");
+                if e.is_fatal() {
+                    self.conn = None;
+                    let _ = self.machine.handle_link_down(now(), e.close_code());
                 }
             }
+            Err(_) => {
+                // The client does not read: close it as a slow consumer; the session
+                // lingers with its replay buffer for the resume (B3).
+                SessionCounters::bump(&self.edge.counters.slow_consumer);
+                tracing::info!("closing a slow consumer");
+                if let Some(mut conn) = self.conn.take() {
+                    conn.close(CloseCode::SlowConsumer, "too slow").await;
+                }
+                let _ = self
+                    .machine
+                    .handle_link_down(now(), CloseCode::SlowConsumer);
+            }
+        }
+    }
+
+    /// One client message to its backend; answered at once, later (FORWARD_DONE), or
+    /// refused with an ERROR for the client.
+    async fn deliver(&mut self, message: Upstream) {
+        let (msg_id, seq) = (message.msg_id, message.seq);
+        // Errors: the session ended meanwhile, nobody is left to answer.
+        let _ = match self.edge.upstream.deliver(message).await {
+            Ok(Delivered::Answered) => self.machine.answer_upstream(now(), seq),
+            Ok(Delivered::AwaitingAnswer) => Ok(()),
+            Err(e) => self
+                .machine
+                .report_error(now(), e.code, msg_id, seq, e.retry_after_ms),
+        };
+    }
+
+    /// Every action but [`Action::Send`] and [`Action::Deliver`].
+    async fn rare_action(&mut self, action: Action) {
+        let edge = self.edge.clone();
+        match action {
+            Action::Send(frame) => self.send_frame(frame).await,
+            Action::Deliver(message) => self.deliver(message).await,
             Action::Close { code, message } => {
                 if let Some(mut conn) = self.conn.take() {
                     conn.close(code, &message).await;
@@ -1039,18 +1079,6 @@ impl Task {
                         .await;
                 }
             }
-            Action::Deliver(message) => {
-                let (msg_id, seq) = (message.msg_id, message.seq);
-                // Errors: the session ended meanwhile, nobody is left to answer.
-                let _ = match edge.upstream.deliver(message).await {
-                    Ok(Delivered::Answered) => self.machine.answer_upstream(now(), seq),
-                    Ok(Delivered::AwaitingAnswer) => Ok(()),
-                    Err(e) => {
-                        self.machine
-                            .report_error(now(), e.code, msg_id, seq, e.retry_after_ms)
-                    }
-                };
-            }
             Action::Persist(snapshot) if self.held_elsewhere(&snapshot.session_id) => {
                 // Never overwrite the store copy of the connection that holds it now.
                 tracing::info!(session = %hex_id(&snapshot.session_id), "stale copy not persisted");
@@ -1058,7 +1086,7 @@ impl Task {
             Action::Persist(snapshot) => {
                 // Already written through unchanged: writing again could re-create a copy
                 // another edge has taken meanwhile (a migrated client restores at once).
-                if self.durable.as_ref() != Some(&*snapshot) {
+                if self.durable.as_deref() != Some(&*snapshot) {
                     if let Err(e) = edge.snapshots.put(&snapshot, edge.config.linger).await {
                         tracing::warn!(error = %e, "could not persist a session snapshot");
                     }

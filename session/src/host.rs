@@ -288,13 +288,15 @@ enum Waiting {
 #[derive(Debug)]
 pub struct SessionHost {
     outbound: OutboundConfig,
-    sessions: HashMap<SessionId, SessionEntry>,
+    /// Boxed entries: a map slot is a pointer, so the map's spare capacity costs little
+    /// per session (performance issue, W4).
+    sessions: HashMap<SessionId, Box<SessionEntry>>,
     players: HashMap<Arc<str>, SessionId>,
     conns: HashMap<ConnId, ConnSlot>,
     /// Inbound limiters per player (B2), shared by the player's sessions and kept while one
     /// of them is held here: a reconnect or a new login does not start a fresh bucket. The
     /// count is the player's sessions held.
-    limiters: HashMap<Arc<str>, PlayerInbound>,
+    limiters: HashMap<Arc<str>, Box<PlayerInbound>>,
     /// Inbound checks made (the limiter sweep runs every 1,024).
     inbound_checks: u64,
     wakes: VecDeque<ConnId>,
@@ -512,10 +514,8 @@ impl SessionHost {
         if !self.sessions.contains_key(&session_id) {
             self.limiters.entry(player.clone()).or_default().held += 1;
         }
-        let entry = self
-            .sessions
-            .entry(session_id)
-            .or_insert_with(|| SessionEntry {
+        let entry = self.sessions.entry(session_id).or_insert_with(|| {
+            Box::new(SessionEntry {
                 player: player.clone(),
                 fencing,
                 holder: conn,
@@ -524,7 +524,8 @@ impl SessionHost {
                 lost: 0,
                 handing_to: None,
                 ending: false,
-            });
+            })
+        });
         entry.player = player.clone();
         entry.fencing = fencing;
         entry.established = true;

@@ -621,6 +621,28 @@ struct Pending {
     taken: Option<Box<Snapshot>>,
 }
 
+/// [`Pending`], allocated only while a handshake is under way: an established session
+/// carries a pointer, not the handshake's state (performance issue, W4). Reads of an empty
+/// slot see the default.
+#[derive(Debug, Clone, Default)]
+struct PendingSlot(Option<Box<Pending>>);
+
+impl std::ops::Deref for PendingSlot {
+    type Target = Pending;
+    fn deref(&self) -> &Pending {
+        static EMPTY: std::sync::OnceLock<Pending> = std::sync::OnceLock::new();
+        self.0
+            .as_deref()
+            .unwrap_or_else(|| EMPTY.get_or_init(Pending::default))
+    }
+}
+
+impl std::ops::DerefMut for PendingSlot {
+    fn deref_mut(&mut self) -> &mut Pending {
+        self.0.get_or_insert_with(Box::default)
+    }
+}
+
 /// The server side of one session on one connection. See the module docs.
 pub struct SessionMachine {
     config: SessionConfig,
@@ -629,7 +651,7 @@ pub struct SessionMachine {
     state: State,
     end: Option<EndReason>,
     core: Option<SessionCore>,
-    pending: Pending,
+    pending: PendingSlot,
     handshake_deadline: Option<Instant>,
     last_rx: Option<Instant>,
     /// When the idle timeout is checked next: set on ACTIVE and moved only when it fires
@@ -673,7 +695,7 @@ impl SessionMachine {
             state: State::Disconnected,
             end: None,
             core: None,
-            pending: Pending::default(),
+            pending: PendingSlot::default(),
             handshake_deadline: None,
             last_rx: None,
             idle_check: None,
@@ -724,9 +746,19 @@ impl SessionMachine {
         &self.config
     }
 
+    /// Whether an action waits for [`SessionMachine::poll_action`].
+    pub fn has_actions(&self) -> bool {
+        !self.actions.is_empty()
+    }
+
     /// The next action for the driver.
     pub fn poll_action(&mut self) -> Option<Action> {
-        self.actions.pop_front()
+        let action = self.actions.pop_front();
+        if self.actions.is_empty() {
+            // Drained: an idle session holds no buffer (performance issue, W4).
+            self.actions = VecDeque::new();
+        }
+        action
     }
 
     /// When [`SessionMachine::handle_timeout`] must be called next.
@@ -901,6 +933,9 @@ impl SessionMachine {
 
     /// Returns a snapshot taken for this handshake to the store, unchanged.
     fn put_back_taken(&mut self) {
+        if self.pending.taken.is_none() {
+            return;
+        }
         if let Some(taken) = self.pending.taken.take() {
             self.core = None;
             self.actions.push_back(Action::PutBack(taken));
@@ -1252,7 +1287,7 @@ impl SessionMachine {
         self.handshake_deadline = None;
         self.last_rx = Some(now);
         self.idle_check = Some(now + self.config.idle_timeout);
-        self.pending = Pending::default();
+        self.pending = PendingSlot::default();
         self.transition(State::Active);
         Ok(())
     }

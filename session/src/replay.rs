@@ -149,6 +149,10 @@ impl ReplayBuffer {
                 freed_entry(&e);
             }
         }
+        if self.entries.is_empty() {
+            // All acknowledged: an idle session holds no buffer (performance issue, W4).
+            self.entries = VecDeque::new();
+        }
         Ok(freed)
     }
 

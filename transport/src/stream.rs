@@ -1,10 +1,16 @@
 //! A [`Connection`] over any byte stream (TCP, TLS over TCP): varint length-delimited frames
-//! through [`StreamCodec`]. The read buffer grows only while a frame is arriving and is
-//! released when idle, so an idle connection costs little more than its socket.
+//! through [`StreamCodec`]. The read buffer exists only while bytes are arriving: a
+//! connection with nothing to read gives it back and waits for the socket to become
+//! readable without one ([`ReadReady`]), so an idle connection costs little more than its
+//! socket.
+
+use std::future::Future as _;
+use std::task::{Context, Poll};
 
 use async_trait::async_trait;
 use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
 
 use crate::conn::{ConnConfig, ConnInfo, Connection, IdleTimer, PreAuth};
 use crate::error::TransportError;
@@ -18,6 +24,44 @@ const READ_CHUNK: usize = 4096;
 const KEEP_READ_CAPACITY: usize = 16 * 1024;
 /// How long `close` waits for the CLOSE frame to be written.
 const CLOSE_FLUSH: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// A byte stream that can wait until it has something to read without a buffer to read it
+/// into, so an idle connection holds no read buffer.
+pub trait ReadReady {
+    /// Ready once a read would find bytes (or the end of the stream, or an error); may be
+    /// ready early (the read then waits with a buffer), never late.
+    fn poll_read_ready(&self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>>;
+}
+
+impl ReadReady for TcpStream {
+    fn poll_read_ready(&self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        TcpStream::poll_read_ready(self, cx)
+    }
+}
+
+/// TLS: ready when rustls holds plaintext (or anything else than a wish for more TLS bytes),
+/// else when the socket is.
+impl ReadReady for tokio_rustls::server::TlsStream<TcpStream> {
+    fn poll_read_ready(&self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let (tcp, tls) = self.get_ref();
+        if tls.wants_read() {
+            tcp.poll_read_ready(cx)
+        } else {
+            Poll::Ready(Ok(()))
+        }
+    }
+}
+
+impl ReadReady for tokio_rustls::client::TlsStream<TcpStream> {
+    fn poll_read_ready(&self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let (tcp, tls) = self.get_ref();
+        if tls.wants_read() {
+            tcp.poll_read_ready(cx)
+        } else {
+            Poll::Ready(Ok(()))
+        }
+    }
+}
 
 /// A framed byte-stream connection.
 #[derive(Debug)]
@@ -35,7 +79,7 @@ pub struct StreamConnection<S> {
     eof: bool,
 }
 
-impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> StreamConnection<S> {
+impl<S: AsyncRead + AsyncWrite + ReadReady + Unpin + Send + 'static> StreamConnection<S> {
     /// Wraps an established stream.
     pub fn new(io: S, info: ConnInfo, config: &ConnConfig) -> Self {
         Self {
@@ -88,12 +132,38 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> StreamConnection<S> {
 
     /// Reads more bytes into the buffer; cancel-safe because `read_buf` only ever gains
     /// bytes that were read.
+    ///
+    /// With no partial frame buffered, it reads only what is there now; with nothing there,
+    /// it gives the buffer back and waits for the socket without one ([`ReadReady`]): an
+    /// idle connection, or one that connected and stays silent, holds no read buffer
+    /// (performance issue, W4). A busy one finds bytes at once and keeps its buffer.
     async fn fill(&mut self) -> Result<(), TransportError> {
-        let need = self.codec.bytes_needed(&self.read_buf).max(READ_CHUNK);
-        self.read_buf.reserve(need);
-        let n = tokio::select! {
-            n = self.io.read_buf(&mut self.read_buf) => n?,
-            err = self.idle.expired() => return Err(err),
+        let n = loop {
+            let need = self.codec.bytes_needed(&self.read_buf).max(READ_CHUNK);
+            self.read_buf.reserve(need);
+            if !self.read_buf.is_empty() {
+                break tokio::select! {
+                    n = self.io.read_buf(&mut self.read_buf) => n?,
+                    err = self.idle.expired() => return Err(err),
+                };
+            }
+            let mut read = std::pin::pin!(self.io.read_buf(&mut self.read_buf));
+            let now = std::future::poll_fn(|cx| {
+                Poll::Ready(match read.as_mut().poll(cx) {
+                    Poll::Ready(r) => Some(r),
+                    Poll::Pending => None,
+                })
+            })
+            .await;
+            if let Some(n) = now {
+                break n?;
+            }
+            self.read_buf = BytesMut::new();
+            let io = &self.io;
+            tokio::select! {
+                r = std::future::poll_fn(|cx| io.poll_read_ready(cx)) => r?,
+                err = self.idle.expired() => return Err(err),
+            }
         };
         if n == 0 {
             self.eof = true;
@@ -111,7 +181,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> StreamConnection<S> {
 }
 
 #[async_trait]
-impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Connection for StreamConnection<S> {
+impl<S: AsyncRead + AsyncWrite + ReadReady + Unpin + Send + Sync + 'static> Connection
+    for StreamConnection<S>
+{
     fn info(&self) -> &ConnInfo {
         &self.info
     }

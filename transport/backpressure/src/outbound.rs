@@ -394,6 +394,10 @@ impl<T> OutboundQueue<T> {
 
     fn pop_class(&mut self, class: usize) -> Option<Popped<T>> {
         let entry = self.classes[class].pop_front()?;
+        if self.classes[class].is_empty() {
+            // Emptied: an idle session's queue holds no buffer.
+            self.classes[class] = VecDeque::new();
+        }
         self.forget(class, &entry);
         Some(Popped {
             item: entry.item,
