@@ -20,14 +20,14 @@ use waygate_protocol::link::{LinkFrame, LINK_FEATURE_FORWARD_DONE, LINK_VERSION}
 use waygate_session::driver::Delivered;
 use waygate_transport::{CloseCode, TrafficClass};
 
-fn meta(handle: u64, player: &str) -> SessionMeta {
-    SessionMeta {
+fn meta(handle: u64, player: &str) -> std::sync::Arc<SessionMeta> {
+    std::sync::Arc::new(SessionMeta {
         handle,
         session_id: [handle as u8; 16],
         player_id: player.into(),
         fencing: 1,
         attrs: vec![("transport".into(), "tcp".into())],
-    }
+    })
 }
 
 fn fast_config() -> LinkConfig {

@@ -268,7 +268,8 @@ struct LinkShared {
     /// features, PROTOCOL.md §9.6).
     answers: AtomicBool,
     /// Sessions opened on this link (re-opened after a reconnect).
-    open: Mutex<HashMap<u64, SessionMeta>>,
+    /// Sessions opened on this link: the edge's own entry, shared (not a copy per link).
+    open: Mutex<HashMap<u64, Arc<SessionMeta>>>,
     epoch: Arc<AtomicU64>,
     events: LinkEvents,
     /// PUSH frames received since PUSH credit was last returned.
@@ -335,9 +336,15 @@ impl LinkClient {
     }
 
     /// Sends SESSION_OPEN unless the session is already open on this link.
-    pub fn ensure_open(&self, meta: &SessionMeta) -> Result<(), ForwardError> {
+    pub fn ensure_open(&self, meta: &Arc<SessionMeta>) -> Result<(), ForwardError> {
         let newly = match self.shared.open.lock() {
-            Ok(mut open) => open.insert(meta.handle, meta.clone()).is_none(),
+            Ok(mut open) => match open.entry(meta.handle) {
+                std::collections::hash_map::Entry::Occupied(_) => false,
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    v.insert(meta.clone());
+                    true
+                }
+            },
             Err(_) => return Err(ForwardError::Unavailable),
         };
         if newly {
@@ -355,7 +362,7 @@ impl LinkClient {
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
-        meta: &SessionMeta,
+        meta: &Arc<SessionMeta>,
         msg_id: u32,
         epoch: u64,
         client_seq: u64,
@@ -789,7 +796,7 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
         .await
         .map_err(|_| "link closed")?;
     // Re-open every session still bound here, before any new FORWARD.
-    let reopen: Vec<SessionMeta> = shared
+    let reopen: Vec<Arc<SessionMeta>> = shared
         .open
         .lock()
         .map(|o| o.values().cloned().collect())
