@@ -3,10 +3,10 @@
 //! The edge runs in this process on a runtime of its own whose threads are marked; a
 //! counting global allocator keeps the live bytes allocated on marked threads, by size, so
 //! the clients and the backend (on another runtime) are not counted. Sessions are opened
-//! in phases over real TCP — connected but silent (transport and pre-auth), logged in,
-//! then after one echo each (open on the backend link) — and each phase's cost per session
-//! is the difference between two populations (the first sessions' one-off growth of shared
-//! maps is left out). The biggest allocation sizes are printed: the per-component
+//! in phases over real sockets, TCP then WebSocket — connected but silent (transport and
+//! pre-auth, before the upgrade on WebSocket), logged in, then after one echo each (open on
+//! the backend link) — and each phase's cost per session is the difference between two
+//! populations (the first sessions' one-off growth of shared maps is left out). The biggest allocation sizes are printed: the per-component
 //! breakdown BENCHMARKS.md quotes.
 
 #![allow(unsafe_code)] // the counting allocator only: `GlobalAlloc` is an unsafe trait
@@ -34,6 +34,14 @@ struct Counting;
 thread_local! {
     static EDGE_THREAD: Cell<bool> = const { Cell::new(false) };
 }
+
+/// Bound of an idle WebSocket session's heap on the edge (bytes): 10.1 KiB measured, of
+/// which tungstenite's read buffer is 4 KiB.
+const WS_BOUND: f64 = 12.0 * 1024.0;
+/// Bound of a WebSocket connection whose upgrade has not arrived: 48.5 KiB before its
+/// handshake future was boxed (held twice, sized for wss), 12.6 KiB after (tungstenite's
+/// handshake buffers are 8 KiB of it).
+const WS_PENDING_BOUND: f64 = 16.0 * 1024.0;
 
 /// Size classes of 16 bytes up to 64 KiB; the last one holds everything larger.
 const CLASSES: usize = 4097;
@@ -164,11 +172,8 @@ fn raise_fd_limit() {
     }
 }
 
-async fn logged_in(addr: std::net::SocketAddr, player: String) -> Client {
-    let options = ClientOptions::new(
-        vec![Endpoint::new(TransportKind::Tcp, addr)],
-        common::token(&player),
-    );
+async fn logged_in(kind: TransportKind, addr: std::net::SocketAddr, player: String) -> Client {
+    let options = ClientOptions::new(vec![Endpoint::new(kind, addr)], common::token(&player));
     let mut client = Client::start(options);
     common::wait_for(&mut client, Duration::from_secs(30), |e| {
         matches!(e, Event::Connected { .. })
@@ -177,8 +182,92 @@ async fn logged_in(addr: std::net::SocketAddr, player: String) -> Client {
     client
 }
 
+/// One transport's idle session: its cost in the edge's heap (bytes) connected with nothing
+/// sent, and after one echo; the cost per phase printed. The clients are closed before it
+/// returns (their sessions linger on the edge; the next measurement counts differences
+/// only).
+fn idle_session_heap(
+    client_rt: &tokio::runtime::Runtime,
+    kind: TransportKind,
+    addr: std::net::SocketAddr,
+    player: &mut usize,
+) -> (f64, f64) {
+    const WARM: usize = 100;
+    const N: usize = 1_000;
+    let mut silent = Vec::new();
+    let mut clients = Vec::new();
+    let mut login = |clients: &mut Vec<Client>, n: usize| {
+        client_rt.block_on(async {
+            for chunk in 0..n.div_ceil(100) {
+                let mut set = tokio::task::JoinSet::new();
+                for _ in 0..100.min(n - chunk * 100) {
+                    *player += 1;
+                    set.spawn(logged_in(kind, addr, format!("mem-{player}")));
+                }
+                while let Some(c) = set.join_next().await {
+                    clients.push(c.unwrap());
+                }
+            }
+        });
+    };
+
+    // Transport and pre-auth: connected, no HELLO (inside the hello deadline).
+    settle();
+    let base = heap();
+    client_rt.block_on(async {
+        for _ in 0..N {
+            silent.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+    });
+    settle();
+    let connected = per_session(
+        &format!("{kind}: connected, nothing sent"),
+        &base,
+        &heap(),
+        N,
+    );
+    drop(silent);
+    settle();
+
+    // Logged in (WELCOME), never sent anything.
+    login(&mut clients, WARM);
+    settle();
+    let warm = heap();
+    login(&mut clients, N);
+    settle();
+    let idle = per_session(&format!("{kind}: logged in"), &warm, &heap(), N);
+
+    // One echo each: the session is open on the backend link.
+    let before_echo = heap();
+    client_rt.block_on(async {
+        for (i, c) in clients.iter_mut().enumerate() {
+            common::echo(c, &format!("e{i}")).await.unwrap();
+        }
+    });
+    settle();
+    let echoed = per_session(
+        &format!("{kind}: after one echo"),
+        &before_echo,
+        &heap(),
+        N + WARM,
+    );
+    let total = idle + echoed;
+    println!(
+        "idle {kind} session after one echo: {total:.0} B of edge heap (connected: {connected:.0} B)"
+    );
+
+    client_rt.block_on(async {
+        for c in &clients {
+            c.close().await;
+        }
+    });
+    drop(clients);
+    settle();
+    (connected, total)
+}
+
 #[test]
-fn an_idle_tcp_session_costs_the_edge_a_bounded_heap() {
+fn an_idle_session_costs_the_edge_a_bounded_heap() {
     raise_fd_limit();
     let edge_rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -216,75 +305,34 @@ fn an_idle_tcp_session_costs_the_edge_a_bounded_heap() {
         .block_on(async { tokio::spawn(waygate_edge::edge::Edge::start(config)).await })
         .unwrap()
         .unwrap();
-    let addr = edge.addrs[&TransportKind::Tcp];
-
-    const WARM: usize = 100;
-    const N: usize = 1_000;
-    let mut silent = Vec::new();
-    let mut clients = Vec::new();
     let mut player = 0usize;
-    let mut login = |clients: &mut Vec<Client>, n: usize| {
-        client_rt.block_on(async {
-            for chunk in 0..n.div_ceil(100) {
-                let mut set = tokio::task::JoinSet::new();
-                for _ in 0..100.min(n - chunk * 100) {
-                    player += 1;
-                    set.spawn(logged_in(addr, format!("mem-{player}")));
-                }
-                while let Some(c) = set.join_next().await {
-                    clients.push(c.unwrap());
-                }
-            }
-        });
-    };
-
-    // Transport and pre-auth: connected, no HELLO (inside the hello deadline).
-    settle();
-    let base = heap();
-    client_rt.block_on(async {
-        for _ in 0..N {
-            silent.push(tokio::net::TcpStream::connect(addr).await.unwrap());
-        }
-    });
-    settle();
-    let connected = per_session("connected, no HELLO", &base, &heap(), N);
-    drop(silent);
-    settle();
-
-    // Logged in (WELCOME), never sent anything.
-    login(&mut clients, WARM);
-    settle();
-    let warm = heap();
-    login(&mut clients, N);
-    settle();
-    let idle = per_session("logged in", &warm, &heap(), N);
-
-    // One echo each: the session is open on the backend link.
-    let before_echo = heap();
-    client_rt.block_on(async {
-        for (i, c) in clients.iter_mut().enumerate() {
-            common::echo(c, &format!("e{i}")).await.unwrap();
-        }
-    });
-    settle();
-    let echoed = per_session("after one echo", &before_echo, &heap(), N + WARM);
-    let total = idle + echoed;
-    println!(
-        "idle TCP session after one echo: {total:.0} B of edge heap (connected: {connected:.0} B)"
+    let (_, tcp) = idle_session_heap(
+        &client_rt,
+        TransportKind::Tcp,
+        edge.addrs[&TransportKind::Tcp],
+        &mut player,
     );
-
-    client_rt.block_on(async {
-        for c in &clients {
-            c.close().await;
-        }
-        drop(clients);
-        drop(backend);
-    });
+    let (ws_pending, ws) = idle_session_heap(
+        &client_rt,
+        TransportKind::Ws,
+        edge.addrs[&TransportKind::Ws],
+        &mut player,
+    );
+    client_rt.block_on(async { drop(backend) });
     edge_rt.block_on(async { drop(edge) });
     // 14.0 KiB before the W4 work (a 4 KiB read buffer held while idle, a 4.1 KiB task
     // sized for its rarest await, queues keeping their capacity); 5.4 KiB after it.
     assert!(
-        total <= 7.0 * 1024.0,
-        "an idle TCP session costs {total:.0} B of the edge's heap (bound 7 KiB)"
+        tcp <= 7.0 * 1024.0,
+        "an idle TCP session costs {tcp:.0} B of the edge's heap (bound 7 KiB)"
+    );
+    assert!(
+        ws_pending <= WS_PENDING_BOUND,
+        "a WebSocket connection waiting for its upgrade costs {ws_pending:.0} B of the edge's \
+         heap (bound {WS_PENDING_BOUND} B)"
+    );
+    assert!(
+        ws <= WS_BOUND,
+        "an idle WebSocket session costs {ws:.0} B of the edge's heap (bound {WS_BOUND} B)"
     );
 }

@@ -63,6 +63,10 @@ impl Handoff {
         F: Future<Output = Result<BoxConnection, TransportError>> + Send + 'static,
     {
         let this = self.clone();
+        // Boxed: an async block holds what it captures beside what it awaits, and a TLS or
+        // WebSocket handshake future is several KiB (20 KiB for wss); a pointer is copied
+        // instead, so a pending handshake costs its future once (performance issue, W4).
+        let handshake = Box::pin(handshake);
         tokio::spawn(async move {
             match tokio::time::timeout(deadline, handshake).await {
                 Ok(Ok(conn)) => {

@@ -308,23 +308,32 @@ pub async fn listen(
                 handoff.spawn_handshake(peer, config.handshake_timeout, async move {
                     use waygate_backpressure::Phase;
                     let p = permit.as_ref();
+                    // Each phase boxed: this task holds only the phase under way, not
+                    // room for the largest (a wss upgrade's future is ~20 KiB).
                     let conn: BoxConnection = match acceptor {
                         None => {
-                            let ws =
-                                within_phase(p, Phase::Upgrade, upgrade(stream, info, &config))
-                                    .await?;
+                            let ws = Box::pin(within_phase(
+                                p,
+                                Phase::Upgrade,
+                                upgrade(stream, info, &config),
+                            ))
+                            .await?;
                             Box::new(ws.accepted(PreAuth::accepted(permit)))
                         }
                         Some(acceptor) => {
-                            let tls = within_phase(p, Phase::Tls, async {
+                            let tls = Box::pin(within_phase(p, Phase::Tls, async {
                                 acceptor
                                     .accept(stream)
                                     .await
                                     .map_err(|e| TransportError::Handshake(e.to_string()))
-                            })
+                            }))
                             .await?;
-                            let ws = within_phase(p, Phase::Upgrade, upgrade(tls, info, &config))
-                                .await?;
+                            let ws = Box::pin(within_phase(
+                                p,
+                                Phase::Upgrade,
+                                upgrade(tls, info, &config),
+                            ))
+                            .await?;
                             Box::new(ws.accepted(PreAuth::accepted(permit)))
                         }
                     };
