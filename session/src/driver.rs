@@ -496,7 +496,9 @@ struct Task {
     wake: Arc<Notify>,
     /// Work taken from the host and not yet done (taken while waiting for an answer).
     backlog: Work,
-    inbound: Option<waygate_backpressure::InboundLimiter>,
+    /// This connection's own inbound limiter, until its player's limiter in the host
+    /// governs (then freed: an established session does not carry it).
+    inbound: Option<Box<waygate_backpressure::InboundLimiter>>,
     /// A frame over the inbound limit, held until the instant its tokens return; the
     /// connection is not read meanwhile, so nothing later overtakes it (B2).
     held: Option<Box<(waygate_transport::Frame, tokio::time::Instant)>>,
@@ -567,7 +569,7 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
     t.inbound = t
         .edge
         .inbound
-        .map(|limits| waygate_backpressure::InboundLimiter::new(limits, now()));
+        .map(|limits| Box::new(waygate_backpressure::InboundLimiter::new(limits, now())));
     // The pre-auth deadline counts from the accept, not from here (hardening item 11).
     let _ = t.machine.handle_link_up_since(now(), accepted_at);
     // One timer for the machine, reset only when its deadline moves (the idle check does not
@@ -683,6 +685,9 @@ impl Task {
             }
             _ => None,
         };
+        if player_verdict.is_some() {
+            self.inbound = None;
+        }
         let verdict = player_verdict.or_else(|| {
             self.inbound
                 .as_mut()
