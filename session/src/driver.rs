@@ -850,6 +850,8 @@ impl Task {
         }
     }
 
+    /// One action of the machine: sending and delivering inline (every message), the
+    /// rest boxed.
     async fn action(&mut self, action: Action) {
         match action {
             Action::Send(frame) => self.send_frame(frame).await,
@@ -908,7 +910,8 @@ impl Task {
         };
     }
 
-    /// Every action but [`Action::Send`] and [`Action::Deliver`].
+    /// The actions other than [`Action::Send`] and [`Action::Deliver`] (those two are
+    /// passed on to the same handlers [`Task::action`] uses, so the match stays whole).
     async fn rare_action(&mut self, action: Action) {
         let edge = self.edge.clone();
         match action {

@@ -933,10 +933,8 @@ impl SessionMachine {
 
     /// Returns a snapshot taken for this handshake to the store, unchanged.
     fn put_back_taken(&mut self) {
-        if self.pending.taken.is_none() {
-            return;
-        }
-        if let Some(taken) = self.pending.taken.take() {
+        // Through the slot's box, so a machine with no handshake state allocates none.
+        if let Some(taken) = self.pending.0.as_mut().and_then(|p| p.taken.take()) {
             self.core = None;
             self.actions.push_back(Action::PutBack(taken));
         }

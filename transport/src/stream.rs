@@ -41,25 +41,29 @@ impl ReadReady for TcpStream {
 
 /// TLS: ready when rustls holds plaintext (or anything else than a wish for more TLS bytes),
 /// else when the socket is.
+fn tls_read_ready(
+    tcp: &TcpStream,
+    wants_read: bool,
+    cx: &mut Context<'_>,
+) -> Poll<std::io::Result<()>> {
+    if wants_read {
+        tcp.poll_read_ready(cx)
+    } else {
+        Poll::Ready(Ok(()))
+    }
+}
+
 impl ReadReady for tokio_rustls::server::TlsStream<TcpStream> {
     fn poll_read_ready(&self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         let (tcp, tls) = self.get_ref();
-        if tls.wants_read() {
-            tcp.poll_read_ready(cx)
-        } else {
-            Poll::Ready(Ok(()))
-        }
+        tls_read_ready(tcp, tls.wants_read(), cx)
     }
 }
 
 impl ReadReady for tokio_rustls::client::TlsStream<TcpStream> {
     fn poll_read_ready(&self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         let (tcp, tls) = self.get_ref();
-        if tls.wants_read() {
-            tcp.poll_read_ready(cx)
-        } else {
-            Poll::Ready(Ok(()))
-        }
+        tls_read_ready(tcp, tls.wants_read(), cx)
     }
 }
 

@@ -267,8 +267,8 @@ struct LinkShared {
     /// The backend answers every FORWARD with FORWARD_DONE or REFUSE (LINK_WELCOME's
     /// features, PROTOCOL.md §9.6).
     answers: AtomicBool,
-    /// Sessions opened on this link (re-opened after a reconnect).
-    /// Sessions opened on this link: the edge's own entry, shared (not a copy per link).
+    /// Sessions opened on this link (re-opened after a reconnect): the edge's own entry,
+    /// shared, not a copy per link.
     open: Mutex<HashMap<u64, Arc<SessionMeta>>>,
     epoch: Arc<AtomicU64>,
     events: LinkEvents,
@@ -338,13 +338,14 @@ impl LinkClient {
     /// Sends SESSION_OPEN unless the session is already open on this link.
     pub fn ensure_open(&self, meta: &Arc<SessionMeta>) -> Result<(), ForwardError> {
         let newly = match self.shared.open.lock() {
-            Ok(mut open) => match open.entry(meta.handle) {
-                std::collections::hash_map::Entry::Occupied(_) => false,
-                std::collections::hash_map::Entry::Vacant(v) => {
-                    v.insert(meta.clone());
-                    true
+            Ok(mut open) => {
+                // Only a new session is inserted: nothing is copied per forwarded message.
+                let newly = !open.contains_key(&meta.handle);
+                if newly {
+                    open.insert(meta.handle, meta.clone());
                 }
-            },
+                newly
+            }
             Err(_) => return Err(ForwardError::Unavailable),
         };
         if newly {
