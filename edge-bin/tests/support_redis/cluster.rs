@@ -182,19 +182,31 @@ impl RedisCluster {
     }
 
     /// (master port, replica ports) serving `slot`, as a running node sees it now.
+    ///
+    /// A node that has just started may not list the master's replica yet (seen once in a
+    /// full-suite run: no replica right after `cluster create`), so the view is read again
+    /// for up to 15 s until the master has one.
     pub fn serving(&self, slot: u16) -> (u16, Vec<u16>) {
-        let text = port_cli(self.any_running_port(), &["cluster", "nodes"]).expect("nodes");
-        let lines = parse_nodes(&text);
-        let master = lines
-            .iter()
-            .find(|l| l.master && !l.failed && l.slots.iter().any(|&(a, b)| a <= slot && slot <= b))
-            .expect("a master serves the slot");
-        let replicas = lines
-            .iter()
-            .filter(|l| !l.master && l.master_id == master.id)
-            .map(|l| l.port)
-            .collect();
-        (master.port, replicas)
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let text = port_cli(self.any_running_port(), &["cluster", "nodes"]).expect("nodes");
+            let lines = parse_nodes(&text);
+            let master = lines
+                .iter()
+                .find(|l| {
+                    l.master && !l.failed && l.slots.iter().any(|&(a, b)| a <= slot && slot <= b)
+                })
+                .expect("a master serves the slot");
+            let replicas: Vec<u16> = lines
+                .iter()
+                .filter(|l| !l.master && l.master_id == master.id)
+                .map(|l| l.port)
+                .collect();
+            if !replicas.is_empty() || Instant::now() >= deadline {
+                return (master.port, replicas);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// The node on `port`.
