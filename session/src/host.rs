@@ -297,6 +297,9 @@ pub struct SessionHost {
     /// of them is held here: a reconnect or a new login does not start a fresh bucket. The
     /// count is the player's sessions held.
     limiters: HashMap<Arc<str>, Box<PlayerInbound>>,
+    /// Players whose last session here ended while their limiter was not full (the only
+    /// limiters `sweep_limiters` has to look at; a player may be listed more than once).
+    drained: Vec<Arc<str>>,
     /// Inbound checks made (the limiter sweep runs every 1,024).
     inbound_checks: u64,
     wakes: VecDeque<ConnId>,
@@ -312,6 +315,7 @@ impl SessionHost {
             players: HashMap::new(),
             conns: HashMap::new(),
             limiters: HashMap::new(),
+            drained: Vec::new(),
             inbound_checks: 0,
             wakes: VecDeque::new(),
             stats: HostStats::default(),
@@ -388,19 +392,39 @@ impl SessionHost {
                 p.held = p.held.saturating_sub(1);
                 // A drained limiter outlives the player's last session (a new login must not
                 // get a fresh bucket); it goes once full again (`sweep_limiters`).
-                if p.held == 0 && p.limiter.is_none() {
-                    self.limiters.remove(&e.player);
+                if p.held == 0 {
+                    if p.limiter.is_none() {
+                        self.limiters.remove(&e.player);
+                    } else {
+                        self.drained.push(e.player.clone());
+                    }
                 }
             }
         }
     }
 
     /// Forgets the limiters of players with no session held here whose buckets are full again
-    /// (they carry no information any more). Runs every 1,024 inbound checks; bounded by the
-    /// players seen within one refill time.
+    /// (they carry no information any more). Runs every 1,024 inbound checks; it looks only
+    /// at the players drained since (not at every player held), so an edge full of idle
+    /// sessions pays nothing for it.
     pub fn sweep_limiters(&mut self, now: Instant) {
-        self.limiters
-            .retain(|_, p| p.held > 0 || p.limiter.as_mut().is_some_and(|l| !l.is_idle(now)));
+        let limiters = &mut self.limiters;
+        self.drained.retain(|player| {
+            let Some(p) = limiters.get_mut(player) else {
+                return false; // swept already (a player listed twice), or gone
+            };
+            if p.held > 0 {
+                return false; // back: listed again when its sessions drain
+            }
+            if p.limiter.as_mut().is_some_and(|l| !l.is_idle(now)) {
+                return true;
+            }
+            limiters.remove(player);
+            false
+        });
+        if self.drained.is_empty() {
+            self.drained = Vec::new();
+        }
     }
 
     /// Inbound limiters held (players with a session here, or recently drained).
@@ -1111,5 +1135,6 @@ mod tests {
         assert_eq!(host.limiters(), 1, "not full yet");
         host.sweep_limiters(t0 + Duration::from_secs(1));
         assert_eq!(host.limiters(), 0);
+        assert!(host.drained.is_empty(), "the sweep's list empties with it");
     }
 }

@@ -11,7 +11,7 @@ use crate::conn::{BoxConnection, ConnConfig, TransportKind};
 use crate::error::TransportError;
 use crate::kcp::{connect_kcp, KcpConfig};
 #[cfg(feature = "quic")]
-use crate::quic::{connect_quic, QuicConfig};
+use crate::quic::{connect_quic, QuicClientSockets, QuicConfig};
 use crate::tcp::{connect_tcp, connect_tls};
 use crate::tls::ClientTls;
 #[cfg(feature = "ws")]
@@ -156,6 +156,9 @@ pub struct ConnectOptions {
     /// QUIC settings.
     #[cfg(feature = "quic")]
     pub quic: QuicConfig,
+    /// Client sockets shared by QUIC connects (`None`: a socket per connection).
+    #[cfg(feature = "quic")]
+    pub quic_sockets: Option<QuicClientSockets>,
     /// KCP settings.
     pub kcp: KcpConfig,
 }
@@ -233,14 +236,15 @@ async fn connect_addr(
         }
         #[cfg(feature = "quic")]
         TransportKind::Quic => {
-            connect_quic(
-                addr,
-                &endpoint.host,
-                need_tls()?,
-                &options.quic,
-                &options.conn,
-            )
-            .await
+            let (host, tls) = (&endpoint.host, need_tls()?);
+            match &options.quic_sockets {
+                Some(shared) => {
+                    shared
+                        .connect(addr, host, tls, &options.quic, &options.conn)
+                        .await
+                }
+                None => connect_quic(addr, host, tls, &options.quic, &options.conn).await,
+            }
         }
         TransportKind::Kcp => connect_kcp(addr, &options.kcp, &options.conn).await,
         #[cfg(not(all(feature = "ws", feature = "quic")))]

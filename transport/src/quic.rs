@@ -526,8 +526,96 @@ pub fn listen(
 }
 
 /// Connects to a QUIC listener at `addr`, verifying it as `host`, and opens the control
-/// stream. Each call uses its own UDP socket.
+/// stream. Each call uses its own UDP socket (see [`QuicClientSockets`] to share them).
 pub async fn connect_quic(
+    addr: SocketAddr,
+    host: &str,
+    tls: &ClientTls,
+    quic: &QuicConfig,
+    config: &ConnConfig,
+) -> Result<BoxConnection, TransportError> {
+    let endpoint = quinn::Endpoint::client(unspecified_for(addr)?)?;
+    connect_quic_on(&endpoint, addr, host, tls, quic, config).await
+}
+
+fn unspecified_for(addr: SocketAddr) -> Result<SocketAddr, TransportError> {
+    if addr.is_ipv6() {
+        "[::]:0"
+    } else {
+        "0.0.0.0:0"
+    }
+    .parse()
+    .map_err(|_| TransportError::Config("bind address".into()))
+}
+
+/// Client UDP sockets shared by many QUIC connections: a connect uses a socket of the
+/// address's family with fewer than `per_socket` connections open, or binds a new one.
+///
+/// A quinn endpoint's receive path allocates ~2 MB per socket, so a process with thousands
+/// of client connections (a load generator) shares sockets; QUIC tells the connections
+/// apart by connection id, so the server serves them as it serves any client.
+#[derive(Clone)]
+pub struct QuicClientSockets {
+    sockets: Arc<std::sync::Mutex<Vec<quinn::Endpoint>>>,
+    per_socket: usize,
+}
+
+impl std::fmt::Debug for QuicClientSockets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QuicClientSockets")
+            .field("per_socket", &self.per_socket)
+            .field("sockets", &self.socket_count())
+            .finish()
+    }
+}
+
+impl QuicClientSockets {
+    /// Sockets holding at most `per_socket` connections each (at least 1).
+    pub fn new(per_socket: usize) -> Self {
+        Self {
+            sockets: Arc::default(),
+            per_socket: per_socket.max(1),
+        }
+    }
+
+    /// Sockets bound so far.
+    pub fn socket_count(&self) -> usize {
+        self.sockets.lock().map_or(0, |s| s.len())
+    }
+
+    fn pick(&self, addr: SocketAddr) -> Result<quinn::Endpoint, TransportError> {
+        let mut sockets = self
+            .sockets
+            .lock()
+            .map_err(|_| TransportError::Config("quic client sockets poisoned".into()))?;
+        let fits = |e: &quinn::Endpoint| {
+            e.open_connections() < self.per_socket
+                && e.local_addr().is_ok_and(|l| l.is_ipv6() == addr.is_ipv6())
+        };
+        if let Some(e) = sockets.iter().find(|e| fits(e)) {
+            return Ok(e.clone());
+        }
+        let endpoint = quinn::Endpoint::client(unspecified_for(addr)?)?;
+        sockets.push(endpoint.clone());
+        Ok(endpoint)
+    }
+
+    /// [`connect_quic`] over one of the shared sockets.
+    pub async fn connect(
+        &self,
+        addr: SocketAddr,
+        host: &str,
+        tls: &ClientTls,
+        quic: &QuicConfig,
+        config: &ConnConfig,
+    ) -> Result<BoxConnection, TransportError> {
+        let endpoint = self.pick(addr)?;
+        connect_quic_on(&endpoint, addr, host, tls, quic, config).await
+    }
+}
+
+async fn connect_quic_on(
+    endpoint: &quinn::Endpoint,
     addr: SocketAddr,
     host: &str,
     tls: &ClientTls,
@@ -538,18 +626,9 @@ pub async fn connect_quic(
         .map_err(|e| TransportError::Config(format!("quic tls: {e}")))?;
     let mut client = quinn::ClientConfig::new(Arc::new(crypto));
     client.transport_config(Arc::new(quic.transport(config)?));
-    let bind: SocketAddr = if addr.is_ipv6() {
-        "[::]:0"
-    } else {
-        "0.0.0.0:0"
-    }
-    .parse()
-    .map_err(|_| TransportError::Config("bind address".into()))?;
-    let mut endpoint = quinn::Endpoint::client(bind)?;
-    endpoint.set_default_client_config(client);
     let connect = async {
         let conn = endpoint
-            .connect(addr, host)
+            .connect_with(client, addr, host)
             .map_err(|e| TransportError::Handshake(e.to_string()))?
             .await
             .map_err(|e| TransportError::Handshake(e.to_string()))?;

@@ -10,7 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use waygate_protocol::frame::Data;
 use waygate_transport::conn::ConnConfig;
-use waygate_transport::quic::{self, connect_quic, QuicConfig};
+use waygate_transport::quic::{self, connect_quic, QuicClientSockets, QuicConfig};
 use waygate_transport::tls::{ClientTls, TlsIdentity};
 use waygate_transport::{BoxListener, CloseCode, Frame, Listener, TrafficClass, TransportError};
 
@@ -67,6 +67,40 @@ async fn quic_100_connections_1000_frames_each() {
         MAX,
     )
     .await;
+}
+
+/// Connections sharing a client socket are separate connections: each gets its own frames,
+/// and closing one leaves the others on that socket working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_on_shared_client_sockets_stay_apart() {
+    let server = quic_echo();
+    let sockets = QuicClientSockets::new(2);
+    let mut conns = Vec::new();
+    for _ in 0..5 {
+        let conn = sockets
+            .connect(
+                server.addr,
+                "localhost",
+                &server.client_tls,
+                &QuicConfig::default(),
+                &config(),
+            )
+            .await
+            .unwrap();
+        conns.push(conn);
+    }
+    assert_eq!(sockets.socket_count(), 3, "2 + 2 + 1 connections");
+    let locals: std::collections::BTreeSet<SocketAddr> =
+        conns.iter().map(|c| c.info().local).collect();
+    assert_eq!(locals.len(), 3, "{locals:?}");
+    conns[0].close(CloseCode::Normal, "done").await;
+    for (i, conn) in conns.iter_mut().enumerate().skip(1) {
+        let ping = Frame::Ping {
+            timestamp: 100 + i as u64,
+        };
+        conn.send(&ping).await.unwrap();
+        assert_eq!(common::timeout(conn.recv()).await.unwrap(), ping);
+    }
 }
 
 #[tokio::test]

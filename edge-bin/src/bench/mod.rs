@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 use waygate_transport::endpoint::{ConnectOptions, Endpoint};
+use waygate_transport::quic::QuicClientSockets;
 use waygate_transport::tls::ClientTls;
 use waygate_transport::TransportKind;
 
@@ -219,6 +220,9 @@ struct Plan {
 /// Bytes a channel event adds to a publication's body in the fan-out workload: kind (1),
 /// name length (1), `world` (5), an epoch below 2^53 (8), an offset below 2^21 (3).
 const FANOUT_EVENT_HEADER: usize = 18;
+
+/// QUIC client connections of the load generator per UDP socket.
+const QUIC_SESSIONS_PER_SOCKET: usize = 256;
 
 const ALL: [&str; 6] = ["tcp", "tls", "ws", "wss", "quic", "kcp"];
 
@@ -824,6 +828,9 @@ pub async fn run(args: BenchArgs) -> Result<(), String> {
                         endpoint,
                         connect: ConnectOptions {
                             tls: sut.tls.clone(),
+                            // ~2 MB of receive buffers per client socket: 10,000 QUIC
+                            // sessions on one socket each would not fit (W4, W5).
+                            quic_sockets: Some(QuicClientSockets::new(QUIC_SESSIONS_PER_SOCKET)),
                             ..ConnectOptions::default()
                         },
                         sessions: plan.sessions,

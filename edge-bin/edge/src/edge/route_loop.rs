@@ -3,7 +3,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Weak};
+use std::sync::Weak;
 use std::time::Duration;
 
 use waygate_transport::CloseCode;
@@ -151,9 +151,7 @@ pub(super) async fn route_loop(shared: Weak<Shared>) {
                         .close_on_links(&entry, CloseCode::GoingAway, Some(from))
                         .await;
                     if let Ok(mut e) = shared.entries.lock() {
-                        if let Some(en) = e.by_id.get_mut(&entry.meta.session_id) {
-                            Arc::make_mut(&mut en.links).remove(&from);
-                        }
+                        e.remove_link(&entry.meta.session_id, from);
                     }
                 }
             }
@@ -162,18 +160,9 @@ pub(super) async fn route_loop(shared: Weak<Shared>) {
 }
 
 impl Shared {
-    /// Gauges of the route plane (O1), once a second: sessions per backend instance (from
-    /// the session table) and binding moves in flight.
+    /// Gauges of the route plane (O1), once a second: sessions per backend instance (counted
+    /// by the session table as sessions open and close on links) and binding moves in flight.
     fn publish_backend_sessions(&self) {
-        let mut per_backend: std::collections::HashMap<SocketAddr, i64> =
-            std::collections::HashMap::new();
-        if let Ok(e) = self.entries.lock() {
-            for entry in e.by_id.values() {
-                for addr in entry.links.iter() {
-                    *per_backend.entry(*addr).or_default() += 1;
-                }
-            }
-        }
         let known: Vec<SocketAddr> = self
             .links
             .lock()
@@ -183,7 +172,7 @@ impl Shared {
             let label = crate::metrics::BackendLabel {
                 backend: addr.to_string(),
             };
-            let n = per_backend.get(&addr).copied().unwrap_or(0);
+            let n = self.entries.lock().map_or(0, |e| e.sessions_on_link(&addr));
             self.metrics.backend_sessions.get_or_create(&label).set(n);
         }
         if let Ok(router) = self.router.lock() {

@@ -27,6 +27,86 @@ pub(super) struct Sessions {
     pub(super) by_id: HashMap<SessionId, SessionEntry>,
     pub(super) by_handle: HashMap<u64, SessionId>,
     pub(super) next_handle: u64,
+    /// Sessions opened on each backend link (the `backend_sessions` gauge), kept with the
+    /// entries' `links` so the gauge never scans the table.
+    per_link: HashMap<SocketAddr, i64>,
+}
+
+impl Sessions {
+    /// The session's entry, created on first use.
+    pub(super) fn open(
+        &mut self,
+        session_id: &SessionId,
+        player: &str,
+        edge_id: &str,
+    ) -> SessionEntry {
+        if let Some(entry) = self.by_id.get(session_id) {
+            return entry.clone();
+        }
+        self.next_handle += 1;
+        let handle = self.next_handle;
+        let entry = SessionEntry {
+            meta: Arc::new(SessionMeta {
+                handle,
+                session_id: *session_id,
+                player_id: player.to_string(),
+                fencing: 0,
+                attrs: vec![("edge".into(), edge_id.to_string())],
+            }),
+            keys: Arc::new(HashMap::new()),
+            links: Arc::new(HashSet::new()),
+        };
+        self.by_handle.insert(handle, *session_id);
+        self.by_id.insert(*session_id, entry.clone());
+        entry
+    }
+
+    /// Records that the session was opened on the link at `addr`.
+    pub(super) fn add_link(&mut self, session_id: &SessionId, addr: SocketAddr) {
+        let Some(en) = self.by_id.get_mut(session_id) else {
+            return;
+        };
+        // Copied only when a session first uses a link, not per message.
+        if !en.links.contains(&addr) {
+            Arc::make_mut(&mut en.links).insert(addr);
+            *self.per_link.entry(addr).or_default() += 1;
+        }
+    }
+
+    /// Records that the session was closed on the link at `addr`.
+    pub(super) fn remove_link(&mut self, session_id: &SessionId, addr: SocketAddr) {
+        let Some(en) = self.by_id.get_mut(session_id) else {
+            return;
+        };
+        if en.links.contains(&addr) {
+            Arc::make_mut(&mut en.links).remove(&addr);
+            self.uncount(addr);
+        }
+    }
+
+    /// Removes the session's entry.
+    pub(super) fn remove(&mut self, session_id: &SessionId) -> Option<SessionEntry> {
+        let entry = self.by_id.remove(session_id)?;
+        self.by_handle.remove(&entry.meta.handle);
+        for addr in entry.links.iter() {
+            self.uncount(*addr);
+        }
+        Some(entry)
+    }
+
+    fn uncount(&mut self, addr: SocketAddr) {
+        if let Some(n) = self.per_link.get_mut(&addr) {
+            *n -= 1;
+            if *n <= 0 {
+                self.per_link.remove(&addr);
+            }
+        }
+    }
+
+    /// Sessions opened on the link at `addr`.
+    pub(super) fn sessions_on_link(&self, addr: &SocketAddr) -> i64 {
+        self.per_link.get(addr).copied().unwrap_or(0)
+    }
 }
 
 impl Shared {
@@ -35,25 +115,7 @@ impl Shared {
             Ok(e) => e,
             Err(poisoned) => poisoned.into_inner(),
         };
-        if let Some(entry) = e.by_id.get(session_id) {
-            return entry.clone();
-        }
-        e.next_handle += 1;
-        let handle = e.next_handle;
-        let entry = SessionEntry {
-            meta: Arc::new(SessionMeta {
-                handle,
-                session_id: *session_id,
-                player_id: player.to_string(),
-                fencing: 0,
-                attrs: vec![("edge".into(), self.config.edge_id.clone())],
-            }),
-            keys: Arc::new(HashMap::new()),
-            links: Arc::new(HashSet::new()),
-        };
-        e.by_handle.insert(handle, *session_id);
-        e.by_id.insert(*session_id, entry.clone());
-        entry
+        e.open(session_id, player, &self.config.edge_id)
     }
 
     pub(super) fn session_of_handle(&self, handle: u64) -> Option<SessionId> {
@@ -78,5 +140,50 @@ impl Shared {
                     .collect()
             })
             .unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Open(u8),
+        AddLink(u8, u8),
+        RemoveLink(u8, u8),
+        Remove(u8),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0u8..6).prop_map(Op::Open),
+            (0u8..6, 0u8..3).prop_map(|(s, l)| Op::AddLink(s, l)),
+            (0u8..6, 0u8..3).prop_map(|(s, l)| Op::RemoveLink(s, l)),
+            (0u8..6).prop_map(Op::Remove),
+        ]
+    }
+
+    proptest! {
+        /// The per-link counts always equal a scan of the entries' links.
+        #[test]
+        fn link_counts_match_the_entries(ops in proptest::collection::vec(op(), 0..64)) {
+            let mut t = Sessions::default();
+            let addr = |l: u8| SocketAddr::from(([127, 0, 0, 1], 9000 + u16::from(l)));
+            for op in ops {
+                match op {
+                    Op::Open(s) => { t.open(&[s; 16], "p", "e"); }
+                    Op::AddLink(s, l) => t.add_link(&[s; 16], addr(l)),
+                    Op::RemoveLink(s, l) => t.remove_link(&[s; 16], addr(l)),
+                    Op::Remove(s) => { t.remove(&[s; 16]); }
+                }
+                for l in 0..3 {
+                    let scanned = t.by_id.values().filter(|e| e.links.contains(&addr(l))).count();
+                    prop_assert_eq!(t.sessions_on_link(&addr(l)), scanned as i64);
+                }
+                prop_assert_eq!(t.by_handle.len(), t.by_id.len());
+            }
+        }
     }
 }

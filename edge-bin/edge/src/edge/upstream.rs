@@ -104,12 +104,9 @@ impl Shared {
                         &target.instance_id,
                     );
                 }
-                if let Ok(mut e) = self.entries.lock() {
-                    if let Some(en) = e.by_id.get_mut(&entry.meta.session_id) {
-                        // Copied only when a session first uses a link, not per message.
-                        if !en.links.contains(&addr) {
-                            Arc::make_mut(&mut en.links).insert(addr);
-                        }
+                if !entry.links.contains(&addr) {
+                    if let Ok(mut e) = self.entries.lock() {
+                        e.add_link(&entry.meta.session_id, addr);
                     }
                 }
                 self.metrics.forwarded_to(target).inc();
@@ -323,11 +320,11 @@ impl UpstreamSink for EdgeUpstream {
                 ..
             } => {
                 shared.channels_session_departed(&session_id, &player_id, &channels_acked);
-                let entry = shared.entries.lock().ok().and_then(|mut e| {
-                    let entry = e.by_id.remove(&session_id)?;
-                    e.by_handle.remove(&entry.meta.handle);
-                    Some(entry)
-                });
+                let entry = shared
+                    .entries
+                    .lock()
+                    .ok()
+                    .and_then(|mut e| e.remove(&session_id));
                 if let Some(entry) = entry {
                     let code = match reason {
                         waygate_session::EndReason::Kicked => CloseCode::Kicked,
