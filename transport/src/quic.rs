@@ -54,7 +54,9 @@ pub struct QuicConfig {
     pub send_window: u64,
     /// Datagram receive and send buffers, bytes.
     pub datagram_buffer: usize,
-    /// QUIC keep-alive interval, milliseconds (0 = off).
+    /// QUIC keep-alive interval, milliseconds (0 = off, the default: the session layer's
+    /// PING frames keep a connection alive, and a keep-alive would add a packet each way
+    /// per interval and connection: W5 in BENCHMARKS.md).
     pub keep_alive_ms: u64,
     /// Address validation: with this many QUIC handshakes in flight on the listener, a new
     /// connection attempt from an address not yet validated gets a Retry first (the client
@@ -74,7 +76,7 @@ impl Default for QuicConfig {
             receive_window: 256 * 1024,
             send_window: 256 * 1024,
             datagram_buffer: 64 * 1024,
-            keep_alive_ms: 5_000,
+            keep_alive_ms: 0,
             // Always: quinn-proto's per-datagram budget check lets an unanswered Initial draw
             // ~3.3x its size (tests/quic_amplification.rs); a Retry is ~110 bytes.
             retry_above_handshakes: 0,

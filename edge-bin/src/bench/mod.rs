@@ -22,6 +22,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Serialize;
+use waygate_transport::conn::ConnConfig;
 use waygate_transport::endpoint::{ConnectOptions, Endpoint};
 use waygate_transport::quic::QuicClientSockets;
 use waygate_transport::tls::ClientTls;
@@ -168,6 +169,12 @@ pub struct BenchArgs {
     /// child; only the edge target runs.
     #[arg(long)]
     pub edge: Option<String>,
+    /// The PING interval the edge announces in WELCOME, ms (default: the edge's 10,000). Its
+    /// idle timeout becomes three intervals, and the clients' transport idle timeouts are
+    /// turned off: a W5 run with a long interval measures what idle sessions cost without
+    /// their heartbeat traffic.
+    #[arg(long)]
+    pub heartbeat_ms: Option<u64>,
     /// Pid of the edge given with --edge (for CPU and RSS).
     #[arg(long)]
     pub edge_pid: Option<u32>,
@@ -337,6 +344,9 @@ fn plans(a: &BenchArgs) -> Vec<Plan> {
             .collect(),
         Some(Workload::W5) => vec![Plan {
             fresh: true,
+            // One heartbeat interval after the last connect: the window sees idle sessions,
+            // not the tail of 10,000 handshakes (QUIC's is seconds long).
+            warmup_s: a.warmup.map_or(10.0, |d| d.as_secs_f64()),
             ..base(
                 "w5",
                 all(),
@@ -446,6 +456,7 @@ struct Env {
     pin: bool,
     seq: std::cell::Cell<u32>,
     forward_credits: Option<u32>,
+    heartbeat_ms: Option<u64>,
 }
 
 impl Env {
@@ -572,9 +583,13 @@ impl Env {
                  [backpressure]\naccept_per_sec = 1000000\naccept_burst = 100000\naccept_per_source_per_sec = 1000000\n\
                  accept_per_source_burst = 100000\nmax_handshakes = 100000\ninbound_msgs_per_sec = 10000000\n\
                  inbound_msg_burst = 10000000\ninbound_bytes_per_sec = 10000000000\ninbound_byte_burst = 10000000000\nmax_sessions = 1000000\n\
-                 [channels.kinds.world]\npublish_rate = 1000000\npublish_burst = 1000000\n",
+                 [channels.kinds.world]\npublish_rate = 1000000\npublish_burst = 1000000\n{}",
                 routes.display(),
-                ca_path.display()
+                ca_path.display(),
+                self.heartbeat_ms.map_or(String::new(), |ms| format!(
+                    "[session]\nheartbeat_ms = {ms}\n[limits]\nidle_timeout_ms = {}\n",
+                    ms.saturating_mul(3)
+                )),
             ),
         )
         .map_err(|e| e.to_string())?;
@@ -773,6 +788,7 @@ pub async fn run(args: BenchArgs) -> Result<(), String> {
         pin: !args.no_pin,
         seq: std::cell::Cell::new(0),
         forward_credits: args.forward_credits,
+        heartbeat_ms: args.heartbeat_ms,
     };
     if env.pin {
         // The load generator (all its threads) on CPU 0, beside the backends.
@@ -831,6 +847,13 @@ pub async fn run(args: BenchArgs) -> Result<(), String> {
                             // ~2 MB of receive buffers per client socket: 10,000 QUIC
                             // sessions on one socket each would not fit (W4, W5).
                             quic_sockets: Some(QuicClientSockets::new(QUIC_SESSIONS_PER_SOCKET)),
+                            conn: ConnConfig {
+                                idle_timeout: match args.heartbeat_ms {
+                                    Some(_) => None,
+                                    None => ConnConfig::default().idle_timeout,
+                                },
+                                ..ConnConfig::default()
+                            },
                             ..ConnectOptions::default()
                         },
                         sessions: plan.sessions,
