@@ -107,11 +107,13 @@ impl QuicConfig {
         if self.keep_alive_ms > 0 {
             t.keep_alive_interval(Some(Duration::from_millis(self.keep_alive_ms)));
         }
-        if let Some(idle) = conn.idle_timeout {
-            let idle = quinn::IdleTimeout::try_from(idle)
-                .map_err(|e| TransportError::Config(format!("quic idle timeout: {e}")))?;
-            t.max_idle_timeout(Some(idle));
-        }
+        // `None` turns QUIC's idle timeout off too (quinn's own default would be 30 s).
+        let idle = conn
+            .idle_timeout
+            .map(quinn::IdleTimeout::try_from)
+            .transpose()
+            .map_err(|e| TransportError::Config(format!("quic idle timeout: {e}")))?;
+        t.max_idle_timeout(idle);
         Ok(t)
     }
 }
@@ -659,4 +661,38 @@ async fn connect_quic_on(
         (send, recv),
         config,
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn idle_of(conn: &ConnConfig) -> String {
+        let t = QuicConfig::default()
+            .transport(conn)
+            .expect("transport config");
+        let debug = format!("{t:?}");
+        let start = debug.find("max_idle_timeout").expect("field in Debug");
+        debug[start..]
+            .split(',')
+            .next()
+            .unwrap_or_default()
+            .to_string()
+    }
+
+    /// No idle timeout in the connection's config means none announced in QUIC either
+    /// (quinn's default would close an idle connection after 30 s).
+    #[test]
+    fn no_idle_timeout_announces_none() {
+        let off = ConnConfig {
+            idle_timeout: None,
+            ..ConnConfig::default()
+        };
+        assert_eq!(idle_of(&off), "max_idle_timeout: None");
+        let on = ConnConfig {
+            idle_timeout: Some(Duration::from_secs(45)),
+            ..ConnConfig::default()
+        };
+        assert!(idle_of(&on).contains("45000"), "{}", idle_of(&on));
+    }
 }
