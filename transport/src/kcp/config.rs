@@ -72,6 +72,11 @@ pub struct KcpConfig {
     /// After a close, how long the session lingers to get its last data (the CLOSE frame)
     /// acknowledged before it is reset anyway, in ms.
     pub linger_ms: u64,
+    /// Server role only: how long the ACK owed for a message just delivered may wait for a
+    /// reply to carry it, in ms (0 = sent at once; a client endpoint always acks at once). Anything sent on the session within the delay carries
+    /// the ACK in the same datagram (a PONG, an echo reply); otherwise the ACK leaves alone
+    /// when the delay ends. At most 10 (a third of nodelay's 30 ms minimum RTO).
+    pub ack_delay_ms: u64,
     /// Client: first retransmission interval of HELLO/CONNECT, in ms (doubles up to 8x).
     pub handshake_resend_ms: u64,
     /// Server: whether sessions must be sealed (PROTOCOL.md §8.9: a CONNECT carrying a
@@ -131,6 +136,7 @@ impl KcpConfig {
             send_queue_segments: 512,
             inbound_queue_messages: 64,
             linger_ms: 2_000,
+            ack_delay_ms: 2,
             handshake_resend_ms: 200,
             packet_auth: PacketAuth::Auto,
         }
@@ -196,6 +202,9 @@ impl KcpConfig {
         }
         if self.handshake_resend_ms == 0 {
             return fail("handshake_resend_ms must be > 0".into());
+        }
+        if self.ack_delay_ms > 10 {
+            return fail(format!("ack_delay_ms {} above 10", self.ack_delay_ms));
         }
         Ok(())
     }

@@ -16,7 +16,9 @@
 //!   session costs no CPU.
 //! - Every call into the engine for one session runs inside `catch_unwind`: a panic closes
 //!   that session (RESET, counted) and nothing else.
-//! - Writes and incoming segments are flushed at once (acks and data never wait an interval).
+//! - Writes and incoming segments are flushed at once (acks and data never wait an interval),
+//!   except that the ACK owed for a message just delivered waits up to `ack_delay_ms` for a
+//!   send on the session to carry it (a request and its reply: one datagram each way).
 //! - Every queue is bounded: inbound messages by per-session credit (the engine's receive
 //!   window pushes back on the peer when a reader stalls), outbound by `send_queue_segments`.
 
@@ -299,6 +301,9 @@ struct Session {
     send_blocked: bool,
     /// The earliest live timer entry of this session.
     scheduled: Option<Instant>,
+    /// An ACK is owed for a delivered message and waits (at most until then) for a send
+    /// to carry it.
+    ack_due: Option<Instant>,
     /// `Closed` was emitted.
     ended: bool,
     /// A sealed session's receiver and sender (PROTOCOL.md §8.9).
@@ -812,6 +817,7 @@ impl KcpEndpoint {
                 credit: self.config.inbound_queue_messages,
                 send_blocked: false,
                 scheduled: None,
+                ack_due: None,
                 ended: false,
                 opener,
                 sealer,
@@ -1030,17 +1036,27 @@ impl KcpEndpoint {
                         s.last_rx = now;
                     }
                 }
-                self.pump(now, key);
+                self.pump(now, key, valid);
             }
         }
     }
 
     /// Drains deliverable messages (within credit), flushes, and applies what follows:
     /// oversized messages, the end of a linger, writability, a dead link; then reschedules.
-    fn pump(&mut self, now: Instant, key: SessionKey) {
+    ///
+    /// After an input (`after_input`) that delivered a message to an open session, the flush
+    /// waits up to `ack_delay_ms` for a send to carry the ACK (one datagram instead of two
+    /// for a request and its reply).
+    fn pump(&mut self, now: Instant, key: SessionKey, after_input: bool) {
         let max = self.max_frame_size;
+        // Servers only: a client's ACK held back measured as W1 p99 +1 ms (a server's did not).
+        let ack_delay = match self.client {
+            None => Duration::from_millis(self.config.ack_delay_ms),
+            Some(_) => Duration::ZERO,
+        };
         let outcome = self.guarded(now, key, |s, events, _| {
             let mut out = Pump::default();
+            let mut delivered = false;
             while let Ok(size) = s.kcp.peeksize() {
                 let closing = matches!(s.state, State::Closing { .. });
                 if !closing {
@@ -1059,13 +1075,20 @@ impl KcpEndpoint {
                         if !closing {
                             buf.truncate(n);
                             s.credit -= 1;
+                            delivered = true;
                             events.push_back(KcpEvent::Message(key, Bytes::from(buf)));
                         }
                     }
                     Err(_) => break,
                 }
             }
-            let _ = s.kcp.flush();
+            let due = s.ack_due.unwrap_or(now + ack_delay);
+            if after_input && delivered && s.state == State::Open && now < due {
+                s.ack_due = Some(due);
+            } else {
+                s.ack_due = None;
+                let _ = s.kcp.flush();
+            }
             out
         });
         let Some(outcome) = outcome else { return };
@@ -1119,6 +1142,9 @@ impl KcpEndpoint {
             // Something in flight: the engine's next resend/flush time.
             let delay = s.kcp.check(now_ms).max(1);
             consider(now + Duration::from_millis(delay.into()));
+        }
+        if let Some(due) = s.ack_due {
+            consider(due);
         }
         match s.state {
             State::Open => {
@@ -1229,7 +1255,7 @@ impl KcpEndpoint {
                 return;
             }
         }
-        self.pump(now, key);
+        self.pump(now, key, false);
     }
 
     /// Queues one message (one encoded frame) on a session and flushes at once.
@@ -1246,7 +1272,9 @@ impl KcpEndpoint {
         let result = self.guarded(now, key, |s, _, _| {
             let _ = s.kcp.update(now_ms);
             let sent = s.kcp.send(message);
+            // The ACKs owed leave with the message.
             let _ = s.kcp.flush();
+            s.ack_due = None;
             if s.kcp.wait_snd() >= cap {
                 s.send_blocked = true;
             }
@@ -1276,7 +1304,7 @@ impl KcpEndpoint {
             return;
         };
         s.credit = (s.credit + n).min(cap);
-        self.pump(now, key);
+        self.pump(now, key, false);
     }
 
     /// Closes a session: sends a CLOSE frame with `code` through KCP (unless `quiet`, used

@@ -773,6 +773,88 @@ fn ten_percent_loss_delivers_100_messages_in_order_both_ways() {
     }
 }
 
+/// The ACK owed for a delivered message waits for the reply and leaves in the same datagram;
+/// an unanswered message is acknowledged alone when the delay ends; with no delay, at once.
+#[test]
+fn the_ack_of_a_message_rides_with_its_reply_or_leaves_after_the_delay() {
+    let (mut net, ckey, skey) = pair();
+    net.settle(Duration::from_millis(500));
+    let delay = Duration::from_millis(KcpConfig::fast().ack_delay_ms);
+    assert!(delay > Duration::ZERO);
+
+    // Answered: one datagram carries the ACK and the reply.
+    let now = net.now;
+    net.clients[0]
+        .1
+        .send(now, ckey, &frame_bytes(1, 50))
+        .expect("send");
+    let mark = net.server_sent.len();
+    net.run_until(|n| !n.server_messages(skey).is_empty());
+    assert_eq!(net.replies_since(mark).len(), 0, "the ACK waits");
+    let now = net.now;
+    net.server
+        .send(now, skey, &frame_bytes(2, 50))
+        .expect("reply");
+    net.collect();
+    assert_eq!(
+        net.replies_since(mark).len(),
+        1,
+        "ACK and reply in one datagram"
+    );
+    net.run_until(|n| !n.client_messages(0, ckey).is_empty());
+    let client = net.clients[0]
+        .1
+        .sessions
+        .get(&ckey)
+        .expect("client session");
+    assert_eq!(
+        client.kcp.wait_snd(),
+        0,
+        "the client's message is acknowledged"
+    );
+
+    // Unanswered: the ACK leaves alone when the delay ends.
+    net.settle(Duration::from_millis(500));
+    let now = net.now;
+    net.clients[0]
+        .1
+        .send(now, ckey, &frame_bytes(3, 50))
+        .expect("send");
+    let mark = net.server_sent.len();
+    net.run_until(|n| n.server_messages(skey).len() == 2);
+    let delivered_at = net.now;
+    assert_eq!(net.replies_since(mark).len(), 0);
+    assert_eq!(net.server.poll_timeout(), Some(delivered_at + delay));
+    net.run_until(|n| n.server_sent.len() > mark);
+    assert_eq!(net.now, delivered_at + delay);
+    assert_eq!(net.replies_since(mark).len(), 1, "the ACK alone");
+    net.settle(Duration::from_millis(500));
+    let client = net.clients[0]
+        .1
+        .sessions
+        .get(&ckey)
+        .expect("client session");
+    assert_eq!(client.kcp.wait_snd(), 0);
+
+    // No delay configured: the ACK leaves with the delivery.
+    let fast_acks = KcpConfig {
+        ack_delay_ms: 0,
+        ..KcpConfig::fast()
+    };
+    let mut net = Net::new(fast_acks.clone(), conn_cfg());
+    net.add_client(fast_acks, conn_cfg());
+    let (ckey, skey) = net.connect(0);
+    net.settle(Duration::from_millis(500));
+    let now = net.now;
+    net.clients[0]
+        .1
+        .send(now, ckey, &frame_bytes(1, 50))
+        .expect("send");
+    let mark = net.server_sent.len();
+    net.run_until(|n| !n.server_messages(skey).is_empty());
+    assert_eq!(net.replies_since(mark).len(), 1, "ACK at once");
+}
+
 #[test]
 fn an_idle_session_schedules_no_timer_work() {
     let (mut net, ckey, skey) = pair();
