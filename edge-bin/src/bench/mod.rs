@@ -848,10 +848,9 @@ pub async fn run(args: BenchArgs) -> Result<(), String> {
                             // sessions on one socket each would not fit (W4, W5).
                             quic_sockets: Some(QuicClientSockets::new(QUIC_SESSIONS_PER_SOCKET)),
                             conn: ConnConfig {
-                                idle_timeout: match args.heartbeat_ms {
-                                    Some(_) => None,
-                                    None => ConnConfig::default().idle_timeout,
-                                },
+                                idle_timeout: ConnConfig::default()
+                                    .idle_timeout
+                                    .filter(|_| args.heartbeat_ms.is_none()),
                                 ..ConnConfig::default()
                             },
                             ..ConnectOptions::default()

@@ -168,11 +168,14 @@ impl Shared {
             .lock()
             .map(|l| l.keys().copied().collect())
             .unwrap_or_default();
-        for addr in known {
+        let counts: Vec<i64> = self.entries.lock().map_or_else(
+            |_| vec![0; known.len()],
+            |e| known.iter().map(|a| e.sessions_on_link(a)).collect(),
+        );
+        for (addr, n) in known.iter().zip(counts) {
             let label = crate::metrics::BackendLabel {
                 backend: addr.to_string(),
             };
-            let n = self.entries.lock().map_or(0, |e| e.sessions_on_link(&addr));
             self.metrics.backend_sessions.get_or_create(&label).set(n);
         }
         if let Ok(router) = self.router.lock() {

@@ -773,8 +773,31 @@ fn ten_percent_loss_delivers_100_messages_in_order_both_ways() {
     }
 }
 
+impl Net {
+    /// Client `n` sends message `i` on `key`; returns the mark of what the server sent so
+    /// far (for [`Net::replies_since`]).
+    fn client_sends(&mut self, n: usize, key: SessionKey, i: u64) -> usize {
+        let now = self.now;
+        self.clients[n]
+            .1
+            .send(now, key, &frame_bytes(i, 50))
+            .expect("send");
+        self.server_sent.len()
+    }
+
+    /// Client `n`'s session on `key`.
+    fn client_session(&self, n: usize, key: SessionKey) -> &Session {
+        self.clients[n]
+            .1
+            .sessions
+            .get(&key)
+            .expect("client session")
+    }
+}
+
 /// The ACK owed for a delivered message waits for the reply and leaves in the same datagram;
 /// an unanswered message is acknowledged alone when the delay ends; with no delay, at once.
+/// A client acknowledges at once whatever its config says.
 #[test]
 fn the_ack_of_a_message_rides_with_its_reply_or_leaves_after_the_delay() {
     let (mut net, ckey, skey) = pair();
@@ -783,12 +806,7 @@ fn the_ack_of_a_message_rides_with_its_reply_or_leaves_after_the_delay() {
     assert!(delay > Duration::ZERO);
 
     // Answered: one datagram carries the ACK and the reply.
-    let now = net.now;
-    net.clients[0]
-        .1
-        .send(now, ckey, &frame_bytes(1, 50))
-        .expect("send");
-    let mark = net.server_sent.len();
+    let mark = net.client_sends(0, ckey, 1);
     net.run_until(|n| !n.server_messages(skey).is_empty());
     assert_eq!(net.replies_since(mark).len(), 0, "the ACK waits");
     let now = net.now;
@@ -802,25 +820,17 @@ fn the_ack_of_a_message_rides_with_its_reply_or_leaves_after_the_delay() {
         "ACK and reply in one datagram"
     );
     net.run_until(|n| !n.client_messages(0, ckey).is_empty());
-    let client = net.clients[0]
-        .1
-        .sessions
-        .get(&ckey)
-        .expect("client session");
+    let client = net.client_session(0, ckey);
     assert_eq!(
         client.kcp.wait_snd(),
         0,
         "the client's message is acknowledged"
     );
+    assert_eq!(client.ack_due, None, "a client holds no ACK back");
 
     // Unanswered: the ACK leaves alone when the delay ends.
     net.settle(Duration::from_millis(500));
-    let now = net.now;
-    net.clients[0]
-        .1
-        .send(now, ckey, &frame_bytes(3, 50))
-        .expect("send");
-    let mark = net.server_sent.len();
+    let mark = net.client_sends(0, ckey, 3);
     net.run_until(|n| n.server_messages(skey).len() == 2);
     let delivered_at = net.now;
     assert_eq!(net.replies_since(mark).len(), 0);
@@ -829,12 +839,7 @@ fn the_ack_of_a_message_rides_with_its_reply_or_leaves_after_the_delay() {
     assert_eq!(net.now, delivered_at + delay);
     assert_eq!(net.replies_since(mark).len(), 1, "the ACK alone");
     net.settle(Duration::from_millis(500));
-    let client = net.clients[0]
-        .1
-        .sessions
-        .get(&ckey)
-        .expect("client session");
-    assert_eq!(client.kcp.wait_snd(), 0);
+    assert_eq!(net.client_session(0, ckey).kcp.wait_snd(), 0);
 
     // No delay configured: the ACK leaves with the delivery.
     let fast_acks = KcpConfig {
@@ -845,12 +850,7 @@ fn the_ack_of_a_message_rides_with_its_reply_or_leaves_after_the_delay() {
     net.add_client(fast_acks, conn_cfg());
     let (ckey, skey) = net.connect(0);
     net.settle(Duration::from_millis(500));
-    let now = net.now;
-    net.clients[0]
-        .1
-        .send(now, ckey, &frame_bytes(1, 50))
-        .expect("send");
-    let mark = net.server_sent.len();
+    let mark = net.client_sends(0, ckey, 1);
     net.run_until(|n| !n.server_messages(skey).is_empty());
     assert_eq!(net.replies_since(mark).len(), 1, "ACK at once");
 }
