@@ -28,6 +28,7 @@ use waygate_session::resume::{hex_id, player_store_tag};
 use waygate_session::store::{MemoryOwnership, OwnershipRegistry as _};
 use waygate_session::testkit::store_contract::{
     ownership_semantics, session_id_of, snapshot_store_semantics,
+    snapshot_store_write_through_semantics,
 };
 use waygate_transport::endpoint::Endpoint;
 use waygate_transport::{TrafficClass, TransportKind};
@@ -69,6 +70,7 @@ async fn the_stores_work_on_a_redis_cluster_as_on_one_redis() {
     let cluster = RedisCluster::start();
     let s = cluster_stores(&cluster).await;
     snapshot_store_semantics(s.snapshots.as_ref()).await;
+    snapshot_store_write_through_semantics(s.snapshots.as_ref()).await;
     ownership_semantics(s.ownership.as_ref()).await;
 
     // Presence of 300 players: one pipeline per slot, read back with one (split) MGET; the

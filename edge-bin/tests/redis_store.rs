@@ -8,15 +8,19 @@ mod support_redis;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use support_redis::RedisServer;
 use waygate_edge::cluster::redis::{KickNotice, Reassert, RedisConfig, RedisStores};
 use waygate_session::resume::ResumeHash;
 use waygate_session::store::{
-    MemoryOwnership, MemorySnapshotStore, OwnershipRegistry, SnapshotStore, StoreError, TakeOutcome,
+    MemoryOwnership, MemorySnapshotStore, OwnershipRegistry, SnapshotStore, SnapshotWrite,
+    StoreError, TakeOutcome,
 };
+use waygate_transport::TrafficClass;
 
 use waygate_session::testkit::store_contract::{
     ownership_semantics, session_id_of, snapshot, snapshot_store_semantics,
+    snapshot_store_write_through_semantics,
 };
 
 async fn stores(server: &RedisServer) -> RedisStores {
@@ -29,6 +33,7 @@ async fn snapshot_store_behaves_like_the_memory_store() {
     let server = RedisServer::start();
     let s = stores(&server).await;
     snapshot_store_semantics(s.snapshots.as_ref()).await;
+    snapshot_store_write_through_semantics(s.snapshots.as_ref()).await;
 }
 
 #[tokio::test]
@@ -408,7 +413,8 @@ async fn many_snapshots_are_written_in_one_pipeline_with_a_result_each() {
         .query_async(&mut c)
         .await
         .expect("flush");
-    let results = s.snapshots.put_many(&batch, Duration::from_secs(60)).await;
+    let writes: Vec<SnapshotWrite> = batch.iter().cloned().map(SnapshotWrite::whole).collect();
+    let results = s.snapshots.put_many(&writes, Duration::from_secs(60)).await;
     assert_eq!(results.len(), 20);
     for (i, r) in results.iter().enumerate() {
         match i {
@@ -472,4 +478,81 @@ async fn snapshots_are_stored_compactly_and_an_older_edges_json_is_still_read() 
         .await
         .expect("hset");
     assert_eq!(s.snapshots.get(&snap.session_id).await, Ok(Some(snap)));
+}
+
+/// Bytes Redis has read from its clients so far (`INFO stats`).
+async fn redis_input_bytes(c: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("stats")
+        .query_async(c)
+        .await
+        .expect("info");
+    info.lines()
+        .find_map(|l| l.strip_prefix("total_net_input_bytes:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("total_net_input_bytes")
+}
+
+/// Write-through cost is bounded by what changed (scale-out issue, item 2): a session whose
+/// client holds 200 unacknowledged messages of 1 KiB costs one whole write of them, and
+/// then each new message costs Redis its own bytes plus the session's header, not the
+/// 200 KiB again (before deltas, every write sent the whole replay buffer).
+#[tokio::test]
+async fn a_write_through_sends_what_changed_not_the_whole_replay_buffer() {
+    let server = RedisServer::start();
+    let s = stores(&server).await;
+    let mut c = redis::Client::open(server.url())
+        .expect("url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect");
+    let g = s
+        .ownership
+        .claim("reader", &session_id_of("reader", 1), "e1")
+        .await
+        .expect("claim");
+    let mut snap = snapshot(1, "reader", g.fencing);
+    for i in 0..200u32 {
+        snap.replay
+            .push(TrafficClass::Normal, i, Bytes::from(vec![7u8; 1024]));
+    }
+    let ttl = Duration::from_secs(60);
+    // The first writes load the two scripts into Redis (and send their arguments again):
+    // the figures are taken after that.
+    let whole_write = || [SnapshotWrite::whole(snap.clone())];
+    assert_eq!(
+        s.snapshots.put_many(&whole_write(), ttl).await,
+        vec![Ok(())]
+    );
+    let before = redis_input_bytes(&mut c).await;
+    assert_eq!(
+        s.snapshots.put_many(&whole_write(), ttl).await,
+        vec![Ok(())]
+    );
+    let whole = redis_input_bytes(&mut c).await - before;
+    let mut since = snap.clone();
+    let mut per_message = Vec::new();
+    for i in 0..11u32 {
+        snap.replay
+            .push(TrafficClass::Normal, 1000 + i, Bytes::from(vec![9u8; 64]));
+        let before = redis_input_bytes(&mut c).await;
+        let write = SnapshotWrite {
+            snapshot: snap.clone(),
+            since: Some(Box::new(since)),
+        };
+        assert_eq!(s.snapshots.put_many(&[write], ttl).await, vec![Ok(())]);
+        if i > 0 {
+            per_message.push(redis_input_bytes(&mut c).await - before);
+        }
+        since = snap.clone();
+    }
+    assert_eq!(
+        s.snapshots.get(&snap.session_id).await,
+        Ok(Some(snap.clone()))
+    );
+    eprintln!("whole write {whole} B; a 64 B message after it: {per_message:?} B (each including one INFO command)");
+    assert!(whole > 200 * 1024, "{whole}");
+    for b in &per_message {
+        assert!(*b < 1024, "a 64 B message cost Redis {b} bytes");
+    }
 }

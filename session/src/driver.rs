@@ -28,7 +28,7 @@ use crate::host::{
 use crate::machine::{Action, EndReason, SessionConfig, SessionEnd, SessionMachine, Upstream};
 use crate::resume::hex_id;
 use crate::rng::{SessionRng, SystemRng};
-use crate::store::{OwnershipRegistry, Snapshot, SnapshotStore, TakeOutcome};
+use crate::store::{OwnershipRegistry, Snapshot, SnapshotStore, SnapshotWrite, TakeOutcome};
 pub use crate::write_through::WriteThrough;
 
 /// Why the router could not take an upstream message (answered with an ERROR frame).
@@ -844,7 +844,13 @@ impl Task {
             wt.skipped();
             return;
         }
-        match wt.commit(snapshot.clone()).await {
+        // The store may write only what changed since the last acknowledged write; after
+        // a failure it is not known what the store holds, so the next write is whole.
+        let write = SnapshotWrite {
+            snapshot: snapshot.clone(),
+            since: self.durable.take(),
+        };
+        match wt.commit(write).await {
             Ok(()) => self.durable = Some(Box::new(snapshot)),
             Err(e) => tracing::debug!(error = %e, "write-through failed"),
         }

@@ -77,4 +77,6 @@ pub use machine::{
     Action, EndReason, ResumeAttempt, SessionConfig, SessionError, SessionMachine, State,
 };
 pub use rng::{SeededRng, SessionRng, SystemRng};
-pub use store::{MemoryOwnership, MemorySnapshotStore, OwnershipRegistry, Snapshot, SnapshotStore};
+pub use store::{
+    MemoryOwnership, MemorySnapshotStore, OwnershipRegistry, Snapshot, SnapshotStore, SnapshotWrite,
+};

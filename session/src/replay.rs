@@ -49,6 +49,25 @@ pub struct AckBeyondSent {
     pub highest: u64,
 }
 
+/// What changed in a replay buffer between two snapshots ([`ReplayBuffer::delta_since`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplayDelta<'a> {
+    /// Seqs the earlier buffer held and the later one does not, in order.
+    pub dropped: Vec<u64>,
+    /// Entries the later buffer holds and the earlier one did not, in order.
+    pub added: Vec<&'a ReplayEntry>,
+}
+
+/// Entries a store kept apart do not fit the rest of its record ([`ReplayBuffer::attach_entries`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("{entries} replay entries ({bytes} bytes) do not match the buffer they were kept for")]
+pub struct ReplayMismatch {
+    /// Entries offered.
+    pub entries: usize,
+    /// Their payload bytes.
+    pub bytes: usize,
+}
+
 /// Where replay resumes after a restore.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RestorePoint {
@@ -183,6 +202,71 @@ impl ReplayBuffer {
         })
     }
 
+    /// Every buffered entry, in seq order.
+    pub fn entries(&self) -> impl DoubleEndedIterator<Item = &ReplayEntry> + ExactSizeIterator {
+        self.entries.iter()
+    }
+
+    /// What changed since `earlier`, a copy of this buffer taken before (an older snapshot
+    /// of the same session): the seqs it held that this one no longer holds (acked,
+    /// evicted or declared lost) and the entries this one added. A store that holds
+    /// `earlier`'s entries holds this buffer's after dropping and adding those
+    /// (write-through deltas): the cost of a write is what changed, never the whole buffer.
+    pub fn delta_since<'a>(&'a self, earlier: &ReplayBuffer) -> ReplayDelta<'a> {
+        // Both hold contiguous seqs (pushes take the next seq; acks and evictions pop
+        // the front; a declared loss empties the buffer first).
+        let held = |b: &ReplayBuffer, seq: u64| {
+            b.entries
+                .front()
+                .zip(b.entries.back())
+                .is_some_and(|(first, last)| first.seq <= seq && seq <= last.seq)
+        };
+        ReplayDelta {
+            dropped: earlier
+                .entries
+                .iter()
+                .map(|e| e.seq)
+                .filter(|&seq| !held(self, seq))
+                .collect(),
+            added: self
+                .entries
+                .iter()
+                .filter(|e| !held(earlier, e.seq))
+                .collect(),
+        }
+    }
+
+    /// Takes the entries out (what a store keeps apart from the rest of the snapshot);
+    /// [`attach_entries`](Self::attach_entries) puts them back.
+    pub fn detach_entries(&mut self) -> VecDeque<ReplayEntry> {
+        std::mem::take(&mut self.entries)
+    }
+
+    /// Puts back entries a store kept apart, in any order. They must be exactly what the
+    /// buffer held when they were detached — every seq above both the ack and the last
+    /// eviction up to the highest sent (a buffer always holds exactly those), and the byte
+    /// count it recorded; otherwise the buffer is unchanged and the store's record is
+    /// corrupt.
+    pub fn attach_entries(
+        &mut self,
+        entries: impl IntoIterator<Item = ReplayEntry>,
+    ) -> Result<(), ReplayMismatch> {
+        let mut entries: Vec<ReplayEntry> = entries.into_iter().collect();
+        entries.sort_unstable_by_key(|e| e.seq);
+        let first = self.acked.max(self.evicted_through) + 1;
+        let exact = entries.len() as u64 == self.next_seq.saturating_sub(first)
+            && entries.iter().zip(first..).all(|(e, seq)| e.seq == seq);
+        let bytes: usize = entries.iter().map(|e| e.payload.len()).sum();
+        if !self.entries.is_empty() || !exact || bytes != self.bytes {
+            return Err(ReplayMismatch {
+                entries: entries.len(),
+                bytes,
+            });
+        }
+        self.entries = entries.into();
+        Ok(())
+    }
+
     /// Buffered entries with seq above `after`, in order (what a restore replays).
     pub fn entries_after(&self, after: u64) -> impl Iterator<Item = &ReplayEntry> {
         self.entries.iter().filter(move |e| e.seq > after)
@@ -249,6 +333,77 @@ mod tests {
         );
         r.declare_lost(0);
         assert_eq!(r.highest_sent(), 6, "nothing lost, nothing changes");
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Push(usize),
+        Ack(u64),
+        Lose(u64),
+        /// Keep a copy here: deltas are checked between every two copies.
+        Copy,
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            4 => (0usize..40).prop_map(Op::Push),
+            2 => (0u64..6).prop_map(Op::Ack),
+            1 => (0u64..3).prop_map(Op::Lose),
+            2 => Just(Op::Copy),
+        ]
+    }
+
+    proptest::proptest! {
+        /// A store that holds an earlier copy's entries and applies the delta holds the
+        /// later copy's entries exactly, whatever happened in between (pushes, acks,
+        /// evictions by count and bytes, declared losses); detached entries attach back.
+        #[test]
+        fn a_delta_turns_an_earlier_copy_into_a_later_one(
+            ops in proptest::collection::vec(op(), 1..80),
+        ) {
+            let mut r = ReplayBuffer::new(ReplayLimits { max_messages: 5, max_bytes: 100 });
+            let mut copies = vec![r.clone()];
+            for op in ops {
+                match op {
+                    Op::Push(n) => {
+                        r.push(TrafficClass::Normal, n as u32, Bytes::from(vec![n as u8; n]));
+                    }
+                    Op::Ack(back) => {
+                        let _ = r.ack(r.highest_sent().saturating_sub(back));
+                    }
+                    Op::Lose(n) => r.declare_lost(n),
+                    Op::Copy => copies.push(r.clone()),
+                }
+            }
+            copies.push(r);
+            for (i, earlier) in copies.iter().enumerate() {
+                for later in &copies[i..] {
+                    let delta = later.delta_since(earlier);
+                    let mut held: std::collections::BTreeMap<u64, ReplayEntry> =
+                        earlier.entries().map(|e| (e.seq, e.clone())).collect();
+                    for seq in &delta.dropped {
+                        proptest::prop_assert!(held.remove(seq).is_some(), "dropped {} not held", seq);
+                    }
+                    for e in &delta.added {
+                        proptest::prop_assert!(held.insert(e.seq, (*e).clone()).is_none());
+                    }
+                    let want: Vec<ReplayEntry> = later.entries().cloned().collect();
+                    proptest::prop_assert_eq!(held.into_values().collect::<Vec<_>>(), want.clone());
+                    let mut bare = later.clone();
+                    let detached: Vec<ReplayEntry> = bare.detach_entries().into_iter().collect();
+                    if !detached.is_empty() {
+                        // One entry short, at either end, never attaches.
+                        let mut short = bare.clone();
+                        proptest::prop_assert!(short.attach_entries(detached[1..].iter().cloned()).is_err());
+                        let n = detached.len() - 1;
+                        proptest::prop_assert!(short.attach_entries(detached[..n].iter().cloned()).is_err());
+                    }
+                    proptest::prop_assert!(bare.attach_entries(detached.into_iter().rev()).is_ok());
+                    proptest::prop_assert_eq!(&bare, later);
+                }
+            }
+        }
     }
 
     #[test]

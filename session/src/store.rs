@@ -79,6 +79,29 @@ pub struct Snapshot {
     pub awaiting: BTreeSet<u64>,
 }
 
+/// One write of the write-through's group commit ([`SnapshotStore::put_many`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotWrite {
+    /// What the store must hold after the write.
+    pub snapshot: Snapshot,
+    /// The last snapshot of the same session this writer had acknowledged by the store,
+    /// if it knows one: a store that writes deltas sends only the difference (changed
+    /// fields, replay entries added and dropped), which bounds what one message costs the
+    /// store whatever the replay buffer holds. `None` after a failed write: the next one is
+    /// whole.
+    pub since: Option<Box<Snapshot>>,
+}
+
+impl SnapshotWrite {
+    /// A write of the whole snapshot.
+    pub fn whole(snapshot: Snapshot) -> Self {
+        Self {
+            snapshot,
+            since: None,
+        }
+    }
+}
+
 /// An ERROR frame (PROTOCOL.md §3.9) waiting for the client to come back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PendingError {
@@ -150,12 +173,17 @@ pub trait SnapshotStore: Send + Sync + 'static {
     /// Writes (or overwrites) a snapshot that expires after `ttl`.
     async fn put(&self, snapshot: &Snapshot, ttl: Duration) -> Result<(), StoreError>;
     /// Writes many snapshots that expire after `ttl`, one result each in order (the
-    /// write-through's group commit). The default writes them one by one; a networked store
-    /// overrides it with one round trip.
-    async fn put_many(&self, snapshots: &[Snapshot], ttl: Duration) -> Vec<Result<(), StoreError>> {
-        let mut out = Vec::with_capacity(snapshots.len());
-        for s in snapshots {
-            out.push(self.put(s, ttl).await);
+    /// write-through's group commit). The default writes each whole, one by one; a
+    /// networked store overrides it with one round trip, and may write only what changed
+    /// since [`SnapshotWrite::since`] (it must check that its copy is still that one).
+    async fn put_many(
+        &self,
+        writes: &[SnapshotWrite],
+        ttl: Duration,
+    ) -> Vec<Result<(), StoreError>> {
+        let mut out = Vec::with_capacity(writes.len());
+        for w in writes {
+            out.push(self.put(&w.snapshot, ttl).await);
         }
         out
     }
@@ -524,8 +552,11 @@ mod tests {
     /// overwrite, TTL) on the in-memory implementations; Redis runs the same suite.
     #[tokio::test]
     async fn memory_stores_meet_the_store_contract() {
-        use crate::testkit::store_contract::{ownership_semantics, snapshot_store_semantics};
+        use crate::testkit::store_contract::{
+            ownership_semantics, snapshot_store_semantics, snapshot_store_write_through_semantics,
+        };
         snapshot_store_semantics(&MemorySnapshotStore::new()).await;
+        snapshot_store_write_through_semantics(&MemorySnapshotStore::new()).await;
         ownership_semantics(&MemoryOwnership::new()).await;
     }
 

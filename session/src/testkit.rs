@@ -197,7 +197,9 @@ pub mod store_contract {
     use crate::replay::{ReplayBuffer, ReplayLimits};
     use crate::resume::ResumeHash;
     use crate::seq::RecvWindow;
-    use crate::store::{OwnershipRegistry, Snapshot, SnapshotStore, TakeOutcome, SNAPSHOT_VERSION};
+    use crate::store::{
+        OwnershipRegistry, Snapshot, SnapshotStore, SnapshotWrite, TakeOutcome, SNAPSHOT_VERSION,
+    };
 
     /// Session id number `n` of `player`: its store tag (as [`new_session_id`] mints),
     /// then twelve bytes `n`.
@@ -355,6 +357,86 @@ pub mod store_contract {
             store.take(&s3.session_id, &cur).await,
             Ok(TakeOutcome::NotFound)
         );
+    }
+
+    /// Writes through [`SnapshotStore::put_many`] with [`SnapshotWrite::since`] (what a
+    /// store that writes deltas builds on): after every write the store holds exactly the
+    /// snapshot written, through replay pushes, acks, evictions and a declared loss,
+    /// changed bindings, a write whose `since` is not what the store holds (a write in
+    /// between was lost), one after the record was taken, and a new resume key.
+    pub async fn snapshot_store_write_through_semantics(store: &dyn SnapshotStore) {
+        let ttl = Duration::from_secs(10);
+        let mut s = snapshot(4, "wt", 1);
+        let id = s.session_id;
+        let mut since: Option<Box<Snapshot>> = None;
+        /// The write of `s` after the one `since` holds; `since` becomes `s`.
+        fn write(s: &Snapshot, since: &mut Option<Box<Snapshot>>) -> SnapshotWrite {
+            let w = SnapshotWrite {
+                snapshot: s.clone(),
+                since: since.take(),
+            };
+            *since = Some(Box::new(s.clone()));
+            w
+        }
+        for step in 0..40u32 {
+            match step % 8 {
+                0..=2 => {
+                    let body = Bytes::from(vec![step as u8; (step as usize * 37) % 300]);
+                    s.replay.push(TrafficClass::Normal, step, body);
+                }
+                3 => {
+                    let _ = s.replay.ack(s.replay.highest_sent().saturating_sub(1));
+                }
+                4 => {
+                    s.upstream.receive(u64::from(step) + 10);
+                    s.bindings.insert(format!("svc{step}"), "i-1".into());
+                }
+                5 if step == 13 => s.replay.declare_lost(2),
+                6 if step == 22 => {
+                    // A write the store never saw: the next one's `since` is not what it
+                    // holds.
+                    let _ = write(&s, &mut since);
+                    s.replay
+                        .push(TrafficClass::Critical, 99, Bytes::from_static(b"x"));
+                }
+                _ => {}
+            }
+            let w = write(&s, &mut since);
+            let results = store.put_many(std::slice::from_ref(&w), ttl).await;
+            assert_eq!(results, vec![Ok(())], "step {step}");
+            assert_eq!(store.get(&id).await, Ok(Some(s.clone())), "step {step}");
+        }
+        // Many entries held, one added: still exact.
+        for i in 0..50u32 {
+            s.replay
+                .push(TrafficClass::Normal, i, Bytes::from(vec![1; 64]));
+        }
+        let w = write(&s, &mut since);
+        assert_eq!(store.put_many(&[w], ttl).await, vec![Ok(())]);
+        s.replay
+            .push(TrafficClass::Normal, 7, Bytes::from(vec![2; 64]));
+        let w = write(&s, &mut since);
+        assert_eq!(store.put_many(&[w], ttl).await, vec![Ok(())]);
+        assert_eq!(store.get(&id).await, Ok(Some(s.clone())));
+        // Taken meanwhile (resumed elsewhere): a later write from this copy is whole.
+        assert!(matches!(
+            store.take(&id, &s.resume_hash).await,
+            Ok(TakeOutcome::Taken(t)) if *t == s
+        ));
+        s.replay
+            .push(TrafficClass::Normal, 8, Bytes::from_static(b"after"));
+        let w = write(&s, &mut since);
+        assert_eq!(store.put_many(&[w], ttl).await, vec![Ok(())]);
+        assert_eq!(store.get(&id).await, Ok(Some(s.clone())));
+        // A new resume key (a resume on this edge).
+        s.prev_resume_hash = Some(s.resume_hash);
+        s.resume_hash = ResumeHash::of(&[8; 16]);
+        s.last_resume_nonce += 1;
+        let _ = s.replay.ack(s.replay.highest_sent());
+        let w = write(&s, &mut since);
+        assert_eq!(store.put_many(&[w], ttl).await, vec![Ok(())]);
+        assert_eq!(store.get(&id).await, Ok(Some(s.clone())));
+        assert!(store.delete(&id, None).await.expect("delete"));
     }
 
     /// What every [`OwnershipRegistry`] does: claims with growing fencing tokens, the previous

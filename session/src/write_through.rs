@@ -18,14 +18,14 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::store::{Snapshot, SnapshotStore, StoreError};
+use crate::store::{SnapshotStore, SnapshotWrite, StoreError};
 
 /// Most snapshots one commit writes.
 pub const MAX_GROUP: usize = 256;
 /// Snapshots waiting for a commit, beyond which sessions wait for room.
 pub const QUEUE_CAPACITY: usize = 4 * MAX_GROUP;
 
-type Job = (Snapshot, oneshot::Sender<Result<(), StoreError>>);
+type Job = (SnapshotWrite, oneshot::Sender<Result<(), StoreError>>);
 
 /// Durable before visible: with a shared snapshot store, every batch of actions that
 /// shows the client new state (DATA with a seq, ACK, WELCOME, MIGRATE) is preceded by one
@@ -80,12 +80,12 @@ impl WriteThrough {
         self.failures.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Writes `snapshot` with the next group commit and waits for its outcome. A failure
+    /// Makes `write` with the next group commit and waits for its outcome. A failure
     /// other than [`StoreError::Fenced`] pauses writes for [`WriteThrough::pause`].
-    pub async fn commit(&self, snapshot: Snapshot) -> Result<(), StoreError> {
+    pub async fn commit(&self, write: SnapshotWrite) -> Result<(), StoreError> {
         let (tx, rx) = oneshot::channel();
         let gone = || StoreError::Unavailable("write-through committer stopped".into());
-        self.jobs.send((snapshot, tx)).await.map_err(|_| gone())?;
+        self.jobs.send((write, tx)).await.map_err(|_| gone())?;
         let result = rx.await.map_err(|_| gone())?;
         match &result {
             Ok(()) => {
@@ -118,21 +118,21 @@ async fn committer(
     let mut group: Vec<Job> = Vec::with_capacity(MAX_GROUP);
     // Ends when every sender is gone (the WriteThrough was dropped).
     while rx.recv_many(&mut group, MAX_GROUP).await > 0 {
+        let (writes, answers): (Vec<SnapshotWrite>, Vec<_>) = group.drain(..).unzip();
         // Groups queued before a failure paused the writes are not sent into the same
         // trouble (each would wait out the store's timeout): answered at once.
         if owner.upgrade().is_some_and(|wt| wt.paused()) {
-            for (_, answer) in group.drain(..) {
+            for answer in answers {
                 // Err only for a session whose task stopped waiting: nobody left to tell.
                 let _ = answer.send(Err(StoreError::Unavailable("write-through paused".into())));
             }
             continue;
         }
-        let snapshots: Vec<Snapshot> = group.iter().map(|(s, _)| s.clone()).collect();
-        let mut results = store.put_many(&snapshots, ttl).await.into_iter();
+        let mut results = store.put_many(&writes, ttl).await.into_iter();
         if let Some(wt) = owner.upgrade() {
             wt.commits.fetch_add(1, Ordering::Relaxed);
         }
-        for (_, answer) in group.drain(..) {
+        for answer in answers {
             let result = results.next().unwrap_or_else(|| {
                 Err(StoreError::Corrupt(
                     "the store answered fewer writes than asked".into(),
@@ -147,7 +147,7 @@ async fn committer(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{MemorySnapshotStore, TakeOutcome};
+    use crate::store::{MemorySnapshotStore, Snapshot, TakeOutcome};
     use crate::testkit::store_contract::snapshot;
     use async_trait::async_trait;
     use waygate_protocol::frame::SessionId;
@@ -167,7 +167,11 @@ mod tests {
         async fn put(&self, s: &Snapshot, ttl: Duration) -> Result<(), StoreError> {
             self.inner.put(s, ttl).await
         }
-        async fn put_many(&self, s: &[Snapshot], ttl: Duration) -> Vec<Result<(), StoreError>> {
+        async fn put_many(
+            &self,
+            s: &[SnapshotWrite],
+            ttl: Duration,
+        ) -> Vec<Result<(), StoreError>> {
             self.groups
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -176,7 +180,7 @@ mod tests {
                 p.forget();
             }
             let mut out = Vec::new();
-            for x in s {
+            for x in s.iter().map(|w| &w.snapshot) {
                 out.push(if x.fencing == 0 {
                     Err(StoreError::Fenced)
                 } else if x.fencing == 99 {
@@ -213,7 +217,7 @@ mod tests {
         // The first write is alone; 50 more arrive while it is in flight.
         let first = tokio::spawn({
             let wt = wt.clone();
-            async move { wt.commit(snapshot(1, "p0", 1)).await }
+            async move { wt.commit(SnapshotWrite::whole(snapshot(1, "p0", 1))).await }
         });
         while gate
             .groups
@@ -226,7 +230,10 @@ mod tests {
         let rest: Vec<_> = (2..=51u8)
             .map(|i| {
                 let wt = wt.clone();
-                tokio::spawn(async move { wt.commit(snapshot(i, &format!("p{i}"), 1)).await })
+                tokio::spawn(async move {
+                    wt.commit(SnapshotWrite::whole(snapshot(i, &format!("p{i}"), 1)))
+                        .await
+                })
             })
             .collect();
         for _ in 0..100 {
@@ -253,13 +260,15 @@ mod tests {
         // A fenced write is answered as such and pauses nobody; a timeout pauses writes.
         gate.release.add_permits(2);
         assert_eq!(
-            wt.commit(snapshot(60, "stale", 0)).await,
+            wt.commit(SnapshotWrite::whole(snapshot(60, "stale", 0)))
+                .await,
             Err(StoreError::Fenced)
         );
         assert!(!wt.paused());
         assert_eq!(wt.fenced.load(Ordering::Relaxed), 1);
         assert_eq!(
-            wt.commit(snapshot(61, "slow", 99)).await,
+            wt.commit(SnapshotWrite::whole(snapshot(61, "slow", 99)))
+                .await,
             Err(StoreError::Timeout)
         );
         assert!(wt.paused());
@@ -267,7 +276,8 @@ mod tests {
         // While paused, a queued write is answered at once, without the store.
         let groups = gate.groups.lock().unwrap_or_else(|e| e.into_inner()).len();
         assert!(matches!(
-            wt.commit(snapshot(62, "queued", 1)).await,
+            wt.commit(SnapshotWrite::whole(snapshot(62, "queued", 1)))
+                .await,
             Err(StoreError::Unavailable(_))
         ));
         assert_eq!(

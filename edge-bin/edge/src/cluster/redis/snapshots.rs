@@ -2,22 +2,35 @@
 //! snapshots that expire after the linger time (and makes a detached owner record expire
 //! with them), and takes a snapshot at most once across all edges (compare the resume-token
 //! hash and delete in one script).
+//!
+//! A snapshot is one Redis hash: the resume keys (`h`, `p`, `n`) and fencing token (`f`)
+//! as fields of their own, the snapshot without its replay entries (`d`, postcard), each
+//! replay entry in a field `e<seq>`, and the range of seqs those fields hold (`r`). The
+//! write-through writes a delta when it can ([`SnapshotWrite::since`]): the new `d`, the
+//! entries added and the names of those dropped, applied only if the stored range is still
+//! the one the delta starts from (else the write is made whole). So one message costs
+//! Redis its own bytes plus the session's small header, never the whole replay buffer.
 
 use std::time::Duration;
 
 use async_trait::async_trait;
 use redis::{AsyncCommands as _, Script};
 use waygate_protocol::frame::SessionId;
+use waygate_session::replay::ReplayEntry;
 use waygate_session::resume::{hex_id, player_store_tag, session_store_tag, ResumeHash};
-use waygate_session::store::{ResumeKeys, Snapshot, SnapshotStore, StoreError, TakeOutcome};
+use waygate_session::store::{
+    ResumeKeys, Snapshot, SnapshotStore, SnapshotWrite, StoreError, TakeOutcome,
+};
 
 use super::conn::{ms, Conn};
 use super::{RedisConfig, RedisError};
 
 /// KEYS: fence, snap, owner. ARGV: fencing, ttl ms, hash hex, prev hash hex or '', data,
-/// "<fencing> <session hex> ", last resume nonce. Returns 1 (written) or 0 (fenced: the player or the stored
+/// last resume nonce, entry range, then field and value pairs of the replay entries.
+/// Replaces the whole record. Returns 1 (written) or 0 (fenced: the player or the stored
 /// snapshot is newer). A written snapshot's session, if it owns the player, gets its owner
-/// record's expiry set to the snapshot's (the linger time starts now).
+/// record's expiry set to the snapshot's (the linger time starts now): the owner record
+/// starts with "<fencing> <session hex> ", the session hex ends the snapshot's key.
 const PUT_LUA: &str = r#"
 local f = tonumber(ARGV[1])
 local c = redis.call('GET', KEYS[1])
@@ -25,22 +38,52 @@ if c and tonumber(c) > f then return 0 end
 local sf = redis.call('HGET', KEYS[2], 'f')
 if sf and tonumber(sf) > f then return 0 end
 redis.call('DEL', KEYS[2])
-redis.call('HSET', KEYS[2], 'f', ARGV[1], 'h', ARGV[3], 'p', ARGV[4], 'n', ARGV[7], 'd', ARGV[5])
+redis.call('HSET', KEYS[2], 'f', ARGV[1], 'h', ARGV[3], 'p', ARGV[4], 'n', ARGV[6], 'd', ARGV[5], 'r', ARGV[7])
+for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
+local owner = ARGV[1] .. ' ' .. string.match(KEYS[2], '[^:]*$') .. ' '
 local cur = redis.call('GET', KEYS[3])
-if cur and string.sub(cur, 1, #ARGV[6]) == ARGV[6] then
+if cur and string.sub(cur, 1, #owner) == owner then
   redis.call('PEXPIRE', KEYS[3], ARGV[2])
 end
 return 1
 "#;
 
-/// KEYS: snap. ARGV: hash hex. Returns {0} not found, {2} mismatch, {1, data} taken.
+/// KEYS: fence, snap, owner. ARGV: fencing, ttl ms, the entry range the delta starts from,
+/// the new entry range, data, the number k of dropped entry fields, those k fields, then
+/// field and value pairs of the added entries. Returns 1 (applied), 0 (fenced) or 2 (the
+/// stored record is not the one the delta starts from: write it whole). The owner record's
+/// expiry as in PUT.
+const PUT_DELTA_LUA: &str = r#"
+local f = tonumber(ARGV[1])
+local c = redis.call('GET', KEYS[1])
+if c and tonumber(c) > f then return 0 end
+local v = redis.call('HMGET', KEYS[2], 'f', 'r')
+if not v[1] then return 2 end
+if tonumber(v[1]) > f then return 0 end
+if tonumber(v[1]) ~= f or v[2] ~= ARGV[3] then return 2 end
+local k = tonumber(ARGV[6])
+for i = 7, 6 + k do redis.call('HDEL', KEYS[2], ARGV[i]) end
+for i = 7 + k, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+redis.call('HSET', KEYS[2], 'd', ARGV[5], 'r', ARGV[4])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+local owner = ARGV[1] .. ' ' .. string.match(KEYS[2], '[^:]*$') .. ' '
+local cur = redis.call('GET', KEYS[3])
+if cur and string.sub(cur, 1, #owner) == owner then
+  redis.call('PEXPIRE', KEYS[3], ARGV[2])
+end
+return 1
+"#;
+
+/// KEYS: snap. ARGV: hash hex. Returns {0} not found, {2} mismatch, {1, the record's
+/// fields and values} taken (padded to two elements).
 const TAKE_LUA: &str = r#"
 local v = redis.call('HMGET', KEYS[1], 'h', 'p', 'd')
 if not v[3] then return {0, false} end
 if v[1] == ARGV[1] or (v[2] and v[2] ~= '' and v[2] == ARGV[1]) then
+  local all = redis.call('HGETALL', KEYS[1])
   redis.call('DEL', KEYS[1])
-  return {1, v[3]}
+  return {1, all}
 end
 return {2, false}
 "#;
@@ -55,28 +98,87 @@ end
 return 0
 "#;
 
-/// The PUT script's KEYS and ARGV for one snapshot.
+/// First byte of field `d` in the current layout: the snapshot without its replay
+/// entries, postcard-encoded; the entries are in fields `e<seq>`. (`{` starts the JSON an
+/// edge before 0.2.1 wrote, a CBOR map the whole snapshot of 0.2.1.)
+const LAYOUT_POSTCARD: u8 = 2;
+
+/// A PUT or PUT_DELTA invocation's KEYS and ARGV.
 struct PutArgs {
     keys: [String; 3],
-    args: [Vec<u8>; 7],
+    args: Vec<Vec<u8>>,
+    /// A delta (PUT_DELTA) rather than a whole record (PUT).
+    delta: bool,
 }
 
-/// The stored form of a snapshot (field `d`): CBOR, payloads as byte strings.
-fn encode(snapshot: &Snapshot) -> Result<Vec<u8>, RedisError> {
-    let mut out = Vec::with_capacity(256);
-    ciborium::into_writer(snapshot, &mut out)
-        .map_err(|e| RedisError::Invalid(format!("snapshot: {e}")))?;
-    Ok(out)
+/// Field `d`: the snapshot without its replay entries.
+fn encode_header(snapshot: &Snapshot) -> Result<Vec<u8>, RedisError> {
+    let mut bare = snapshot.clone();
+    bare.replay.detach_entries();
+    postcard::to_extend(&bare, vec![LAYOUT_POSTCARD])
+        .map_err(|e| RedisError::Invalid(format!("snapshot: {e}")))
 }
 
-/// Reads a stored snapshot: CBOR, or the JSON an edge before 0.2.1 wrote (a rolling upgrade
-/// resumes its sessions too).
-fn decode_any(data: &[u8]) -> Result<Snapshot, String> {
-    if data.first() == Some(&b'{') {
-        serde_json::from_slice(data).map_err(|e| e.to_string())
-    } else {
-        ciborium::from_reader(data).map_err(|e| e.to_string())
+/// A replay entry's field name and value.
+fn encode_entry(entry: &ReplayEntry) -> Result<(Vec<u8>, Vec<u8>), RedisError> {
+    let value = postcard::to_allocvec(entry)
+        .map_err(|e| RedisError::Invalid(format!("replay entry: {e}")))?;
+    Ok((entry_field(entry.seq), value))
+}
+
+fn entry_field(seq: u64) -> Vec<u8> {
+    format!("e{seq}").into_bytes()
+}
+
+/// Field `r`: the seqs of the entry fields a record holds.
+fn entry_range(snapshot: &Snapshot) -> Vec<u8> {
+    let mut entries = snapshot.replay.entries();
+    match (entries.next(), entries.next_back()) {
+        (Some(first), Some(last)) => format!("{}-{}", first.seq, last.seq),
+        (Some(only), None) => format!("{0}-{0}", only.seq),
+        _ => String::new(),
     }
+    .into_bytes()
+}
+
+/// Reads a stored record (its fields and values): the current layout, or the whole
+/// snapshot in `d` that older edges wrote (CBOR, or JSON before 0.2.1), so a rolling
+/// upgrade resumes their sessions too.
+fn decode_record(fields: Vec<(Vec<u8>, Vec<u8>)>) -> Result<Snapshot, String> {
+    let mut data = None;
+    let mut entries = Vec::new();
+    for (field, value) in fields {
+        if field == b"d" {
+            data = Some(value);
+        } else if field.first() == Some(&b'e') {
+            entries.push(
+                postcard::from_bytes::<ReplayEntry>(&value)
+                    .map_err(|e| format!("replay entry: {e}"))?,
+            );
+        }
+    }
+    let data = data.ok_or("no field d")?;
+    match data.split_first() {
+        Some((&LAYOUT_POSTCARD, rest)) => {
+            let mut s: Snapshot = postcard::from_bytes(rest).map_err(|e| e.to_string())?;
+            s.replay
+                .attach_entries(entries)
+                .map_err(|e| e.to_string())?;
+            Ok(s)
+        }
+        Some((b'{', _)) => serde_json::from_slice(&data).map_err(|e| e.to_string()),
+        _ => ciborium::from_reader(&data[..]).map_err(|e| e.to_string()),
+    }
+}
+
+/// A flat field, value, field, value... reply as pairs.
+fn pairs(flat: Vec<Vec<u8>>) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let mut out = Vec::with_capacity(flat.len() / 2);
+    let mut it = flat.into_iter();
+    while let (Some(f), Some(v)) = (it.next(), it.next()) {
+        out.push((f, v));
+    }
+    out
 }
 
 fn put_outcome(n: u8) -> Result<(), RedisError> {
@@ -100,6 +202,7 @@ pub struct RedisSnapshotStore {
 /// The snapshot scripts (hashed once; loaded into Redis on first use).
 struct Scripts {
     put: Script,
+    put_delta: Script,
     take: Script,
     delete: Script,
 }
@@ -108,10 +211,14 @@ fn scripts() -> &'static Scripts {
     static S: std::sync::OnceLock<Scripts> = std::sync::OnceLock::new();
     S.get_or_init(|| Scripts {
         put: Script::new(PUT_LUA),
+        put_delta: Script::new(PUT_DELTA_LUA),
         take: Script::new(TAKE_LUA),
         delete: Script::new(DELETE_LUA),
     })
 }
+
+/// What the PUT_DELTA script answers when the stored record is not the delta's base.
+const DELTA_BASE_MISSING: u8 = 2;
 
 impl RedisSnapshotStore {
     pub(super) fn from_conn(conn: Conn) -> Self {
@@ -125,25 +232,41 @@ impl RedisSnapshotStore {
         })
     }
 
-    /// Writes `snapshot` unless it is fenced; see [`SnapshotStore::put`].
+    /// Writes `snapshot` whole unless it is fenced; see [`SnapshotStore::put`].
     pub async fn put_fenced(&self, snapshot: &Snapshot, ttl: Duration) -> Result<(), RedisError> {
-        let put = self.put_args(snapshot, ttl)?;
-        let mut inv = scripts().put.prepare_invoke();
+        let put = self.put_args(snapshot, None, ttl)?;
+        put_outcome(self.invoke(&put).await?)
+    }
+
+    /// Runs one PUT or PUT_DELTA on its own (loading the script if Redis lost it).
+    async fn invoke(&self, put: &PutArgs) -> Result<u8, RedisError> {
+        let script = if put.delta {
+            &scripts().put_delta
+        } else {
+            &scripts().put
+        };
+        let mut inv = script.prepare_invoke();
         for k in &put.keys {
             inv.key(k);
         }
         for a in &put.args {
             inv.arg(a);
         }
-        let n: u8 = self
-            .conn
+        self.conn
             .run(|mut m| async move { inv.invoke_async(&mut m).await })
-            .await?;
-        put_outcome(n)
+            .await
     }
 
-    /// The PUT script's keys and arguments for `snapshot`.
-    fn put_args(&self, snapshot: &Snapshot, ttl: Duration) -> Result<PutArgs, RedisError> {
+    /// The keys and arguments that write `snapshot`: a delta from `since` when that is an
+    /// earlier write of the same session with the same fencing token and resume keys (only
+    /// the replay entries and the rest of the snapshot can change in a delta), else the
+    /// whole record.
+    fn put_args(
+        &self,
+        snapshot: &Snapshot,
+        since: Option<&Snapshot>,
+        ttl: Duration,
+    ) -> Result<PutArgs, RedisError> {
         let c = &self.conn;
         // The script touches the player's fence and owner records and the snapshot: one
         // slot only if the session id carries the player's store tag (as minted).
@@ -154,39 +277,77 @@ impl RedisSnapshotStore {
                 snapshot.player_id
             )));
         }
-        let data = encode(snapshot)?;
-        Ok(PutArgs {
-            keys: [
-                c.player_key("fence", &snapshot.player_id),
-                c.session_key("snap", &snapshot.session_id),
-                c.player_key("owner", &snapshot.player_id),
-            ],
-            args: [
+        let keys = [
+            c.player_key("fence", &snapshot.player_id),
+            c.session_key("snap", &snapshot.session_id),
+            c.player_key("owner", &snapshot.player_id),
+        ];
+        let base = since.filter(|b| {
+            b.session_id == snapshot.session_id
+                && b.player_id == snapshot.player_id
+                && b.fencing == snapshot.fencing
+                && b.resume_hash == snapshot.resume_hash
+                && b.prev_resume_hash == snapshot.prev_resume_hash
+                && b.last_resume_nonce == snapshot.last_resume_nonce
+        });
+        if let Some(base) = base {
+            let delta = snapshot.replay.delta_since(&base.replay);
+            let mut args = Vec::with_capacity(6 + delta.dropped.len() + 2 * delta.added.len());
+            args.extend([
                 snapshot.fencing.to_string().into_bytes(),
                 ms(ttl).to_string().into_bytes(),
-                hex_id(&snapshot.resume_hash.0).into_bytes(),
-                snapshot
-                    .prev_resume_hash
-                    .map_or(String::new(), |h| hex_id(&h.0))
-                    .into_bytes(),
-                data,
-                format!("{} {} ", snapshot.fencing, hex_id(&snapshot.session_id)).into_bytes(),
-                snapshot.last_resume_nonce.to_string().into_bytes(),
-            ],
+                entry_range(base),
+                entry_range(snapshot),
+                encode_header(snapshot)?,
+                delta.dropped.len().to_string().into_bytes(),
+            ]);
+            args.extend(delta.dropped.iter().map(|&seq| entry_field(seq)));
+            for e in delta.added {
+                let (field, value) = encode_entry(e)?;
+                args.extend([field, value]);
+            }
+            return Ok(PutArgs {
+                keys,
+                args,
+                delta: true,
+            });
+        }
+        let mut args = Vec::with_capacity(7 + 2 * snapshot.replay.len());
+        args.extend([
+            snapshot.fencing.to_string().into_bytes(),
+            ms(ttl).to_string().into_bytes(),
+            hex_id(&snapshot.resume_hash.0).into_bytes(),
+            snapshot
+                .prev_resume_hash
+                .map_or(String::new(), |h| hex_id(&h.0))
+                .into_bytes(),
+            encode_header(snapshot)?,
+            snapshot.last_resume_nonce.to_string().into_bytes(),
+            entry_range(snapshot),
+        ]);
+        for e in snapshot.replay.entries() {
+            let (field, value) = encode_entry(e)?;
+            args.extend([field, value]);
+        }
+        Ok(PutArgs {
+            keys,
+            args,
+            delta: false,
         })
     }
 
-    /// Writes many snapshots in one round trip (one pipeline of the PUT script, one per
-    /// hash tag on a cluster): the write-through's group commit. One result per snapshot.
+    /// Makes many writes in one round trip (one pipeline of the PUT and PUT_DELTA scripts,
+    /// one per hash tag on a cluster): the write-through's group commit. One result per
+    /// write. A delta whose base Redis no longer holds is made again whole.
     pub async fn put_many_fenced(
         &self,
-        snapshots: &[Snapshot],
+        writes: &[SnapshotWrite],
         ttl: Duration,
     ) -> Vec<Result<(), RedisError>> {
-        let mut results: Vec<Result<(), RedisError>> = Vec::with_capacity(snapshots.len());
-        let mut puts = Vec::with_capacity(snapshots.len());
-        for (i, s) in snapshots.iter().enumerate() {
-            match self.put_args(s, ttl) {
+        let mut results: Vec<Result<(), RedisError>> = Vec::with_capacity(writes.len());
+        let mut puts = Vec::with_capacity(writes.len());
+        for (i, w) in writes.iter().enumerate() {
+            match self.put_args(&w.snapshot, w.since.as_deref(), ttl) {
                 Ok(p) => {
                     results.push(Ok(()));
                     puts.push((i, p));
@@ -194,7 +355,8 @@ impl RedisSnapshotStore {
                 Err(e) => results.push(Err(e)),
             }
         }
-        let hash = scripts().put.get_hash().to_owned();
+        let put_hash = scripts().put.get_hash().to_owned();
+        let delta_hash = scripts().put_delta.get_hash().to_owned();
         let replies = self
             .conn
             .pipeline_each(
@@ -202,7 +364,7 @@ impl RedisSnapshotStore {
                 |(_, p)| p.keys[1].clone(),
                 |pipe, (_, p)| {
                     pipe.cmd("EVALSHA")
-                        .arg(&hash)
+                        .arg(if p.delta { &delta_hash } else { &put_hash })
                         .arg(p.keys.len())
                         .arg(&p.keys[..])
                         .arg(&p.args[..]);
@@ -218,24 +380,34 @@ impl RedisSnapshotStore {
                 return results;
             }
         };
-        for ((i, _), reply) in puts.iter().zip(replies) {
-            results[*i] = match reply.and_then(|v| Ok(redis::from_redis_value::<u8>(v)?)) {
-                Ok(n) => put_outcome(n),
+        for ((i, put), reply) in puts.iter().zip(replies) {
+            let answer = match reply.and_then(|v| Ok(redis::from_redis_value::<u8>(v)?)) {
+                Ok(n) => Ok(n),
                 // A Redis that lost its scripts (restarted, failed over): load it again
                 // through the one-by-one path, which does.
                 Err(e)
                     if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
                 {
-                    self.put_fenced(&snapshots[*i], ttl).await
+                    self.invoke(put).await
                 }
                 Err(e) => Err(e.into()),
+            };
+            results[*i] = match answer {
+                Ok(DELTA_BASE_MISSING) if put.delta => {
+                    self.put_fenced(&writes[*i].snapshot, ttl).await
+                }
+                Ok(n) => put_outcome(n),
+                Err(e) => Err(e),
             };
         }
         results
     }
 
-    fn decode(session_id: &SessionId, data: &[u8]) -> Result<Snapshot, RedisError> {
-        let s: Snapshot = decode_any(data)
+    fn decode(
+        session_id: &SessionId,
+        fields: Vec<(Vec<u8>, Vec<u8>)>,
+    ) -> Result<Snapshot, RedisError> {
+        let s: Snapshot = decode_record(fields)
             .map_err(|e| RedisError::Corrupt(format!("snapshot {}: {e}", hex_id(session_id))))?;
         if s.session_id != *session_id {
             return Err(RedisError::Corrupt(format!(
@@ -254,8 +426,12 @@ impl SnapshotStore for RedisSnapshotStore {
         Ok(self.put_fenced(snapshot, ttl).await?)
     }
 
-    async fn put_many(&self, snapshots: &[Snapshot], ttl: Duration) -> Vec<Result<(), StoreError>> {
-        self.put_many_fenced(snapshots, ttl)
+    async fn put_many(
+        &self,
+        writes: &[SnapshotWrite],
+        ttl: Duration,
+    ) -> Vec<Result<(), StoreError>> {
+        self.put_many_fenced(writes, ttl)
             .await
             .into_iter()
             .map(|r| r.map_err(StoreError::from))
@@ -264,11 +440,14 @@ impl SnapshotStore for RedisSnapshotStore {
 
     async fn get(&self, session_id: &SessionId) -> Result<Option<Snapshot>, StoreError> {
         let key = self.conn.session_key("snap", session_id);
-        let data: Option<Vec<u8>> = self
+        let flat: Vec<Vec<u8>> = self
             .conn
-            .run(|mut m| async move { m.hget(key, "d").await })
+            .run(|mut m| async move { m.hgetall(key).await })
             .await?;
-        Ok(data.map(|d| Self::decode(session_id, &d)).transpose()?)
+        if flat.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(Self::decode(session_id, pairs(flat))?))
     }
 
     async fn take(
@@ -280,11 +459,14 @@ impl SnapshotStore for RedisSnapshotStore {
         let mut inv = scripts().take.prepare_invoke();
         inv.key(c.session_key("snap", session_id))
             .arg(hex_id(&resume_hash.0));
-        let (code, data): (u8, Option<Vec<u8>>) = c
+        let (code, fields): (u8, Option<Vec<Vec<u8>>>) = c
             .run(|mut m| async move { inv.invoke_async(&mut m).await })
             .await?;
-        match (code, data) {
-            (1, Some(j)) => Ok(TakeOutcome::Taken(Box::new(Self::decode(session_id, &j)?))),
+        match (code, fields) {
+            (1, Some(f)) => Ok(TakeOutcome::Taken(Box::new(Self::decode(
+                session_id,
+                pairs(f),
+            )?))),
             (2, _) => Ok(TakeOutcome::Mismatch),
             (0, _) => Ok(TakeOutcome::NotFound),
             (other, _) => Err(RedisError::Corrupt(format!("take answered {other}")).into()),
