@@ -69,4 +69,10 @@ echo "checking that the edge builds without protoc"
 PROTOC=/nonexistent/protoc cargo build --locked -p waygate
 
 # --- Rust tests --------------------------------------------------------------------------
-cargo test --workspace --locked --no-fail-fast "$@"
+# Debug builds keep line tables only (Cargo.toml [profile.dev]): the whole suite's target
+# directory is ~6 GB. The free space is printed before and after, so a full disk shows.
+df -h . | tail -1 | awk '{print "disk before the tests: " $4 " free"}'
+status=0
+cargo test --workspace --locked --no-fail-fast "$@" || status=$?
+df -h . | tail -1 | awk '{print "disk after the tests: " $4 " free"}'
+exit $status
