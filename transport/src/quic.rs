@@ -317,101 +317,129 @@ impl Connection for QuicConnection {
     }
 }
 
-/// Reads the control stream, then every uni stream and datagram, into `tx`. Nothing from
-/// other streams is forwarded before the control stream's first frame.
+/// One receive stream of a connection: the control stream, or a uni stream the peer
+/// opened, with its partial frame.
+struct InboundStream {
+    stream: RecvStream,
+    buf: BytesMut,
+    /// A uni stream whose kind byte has not arrived yet.
+    needs_kind: bool,
+    /// The control stream.
+    control: bool,
+}
+
+/// Reads into `buf` of the first stream with data (or an end, or an error): which one, and
+/// what `poll_read` gave (0 bytes = finished).
+fn poll_streams(
+    cx: &mut std::task::Context<'_>,
+    streams: &mut [InboundStream],
+) -> std::task::Poll<(usize, Result<usize, quinn::ReadError>)> {
+    let mut scratch = [0u8; 4096];
+    for (i, s) in streams.iter_mut().enumerate() {
+        if let std::task::Poll::Ready(r) = s.stream.poll_read(cx, &mut scratch) {
+            if let Ok(n) = r {
+                s.buf.extend_from_slice(&scratch[..n]);
+            }
+            return std::task::Poll::Ready((i, r));
+        }
+    }
+    std::task::Poll::Pending
+}
+
+/// Reads the control stream, then every uni stream and datagram, into `tx`: one task per
+/// connection whatever the number of streams (an idle session holds one small future, not
+/// a task per stream: W4 in BENCHMARKS.md). Nothing from other streams or datagrams is
+/// forwarded before the control stream's first frame.
 async fn read_all(
     conn: quinn::Connection,
     control: RecvStream,
     max_frame_size: usize,
-    tx: mpsc::Sender<Result<Frame, TransportError>>,
-) {
-    let (first_tx, first_rx) = tokio::sync::oneshot::channel();
-    let control_task = tokio::spawn(read_stream(
-        control,
-        max_frame_size,
-        tx.clone(),
-        Some(first_tx),
-    ));
-    if first_rx.await.is_err() {
-        let _ = control_task.await;
-        return;
-    }
-    let uni_conn = conn.clone();
-    let uni_tx = tx.clone();
-    let mut tx = tx;
-    let uni_task = tokio::spawn(async move {
-        // One reader per open stream; finished ones are reaped as new ones arrive (a client
-        // that opens and closes streams for ever holds at most its concurrent streams).
-        let mut readers = tokio::task::JoinSet::new();
-        while let Ok(mut stream) = uni_conn.accept_uni().await {
-            while readers.try_join_next().is_some() {}
-            let mut tx = uni_tx.clone();
-            readers.spawn(async move {
-                let mut kind = [0u8; 1];
-                match stream.read_exact(&mut kind).await {
-                    Ok(()) if kind[0] == STREAM_NORMAL || kind[0] == STREAM_BEST_EFFORT => {
-                        read_stream(stream, max_frame_size, tx, None).await;
-                    }
-                    Ok(()) => {
-                        let _ = tx
-                            .send(Err(TransportError::Violation("unknown quic stream kind")))
-                            .await;
-                    }
-                    Err(_) => {}
-                }
-            });
-        }
-        readers.abort_all();
-    });
-    while let Ok(bytes) = conn.read_datagram().await {
-        let item = decode_message(bytes, max_frame_size).map_err(TransportError::from);
-        let stop = item.is_err();
-        if tx.send(item).await.is_err() || stop {
-            break;
-        }
-    }
-    uni_task.abort();
-    control_task.abort();
-}
-
-async fn read_stream(
-    mut stream: RecvStream,
-    max_frame_size: usize,
     mut tx: mpsc::Sender<Result<Frame, TransportError>>,
-    mut first: Option<tokio::sync::oneshot::Sender<()>>,
 ) {
     let codec = StreamCodec::new(max_frame_size);
-    let mut buf = BytesMut::new();
+    // The peer may open at most `max_concurrent_uni_streams` (4) at a time, plus control.
+    let mut streams = vec![InboundStream {
+        stream: control,
+        buf: BytesMut::new(),
+        needs_kind: false,
+        control: true,
+    }];
+    let mut started = false;
     loop {
-        match codec.decode(&mut buf) {
-            Ok(Some(frame)) => {
-                if tx.send(Ok(frame)).await.is_err() {
+        tokio::select! {
+            (i, read) = std::future::poll_fn(|cx| poll_streams(cx, &mut streams)),
+                if !streams.is_empty() =>
+            {
+                let s = &mut streams[i];
+                let mut items: Vec<Result<Frame, TransportError>> = Vec::new();
+                let mut done = false;
+                match read {
+                    Ok(0) => {
+                        if !s.buf.is_empty() {
+                            items.push(Err(TransportError::Violation("stream ended inside a frame")));
+                        }
+                        done = true;
+                    }
+                    Ok(_) => {
+                        if s.needs_kind {
+                            let kind = s.buf.split_to(1)[0];
+                            s.needs_kind = false;
+                            if kind != STREAM_NORMAL && kind != STREAM_BEST_EFFORT {
+                                items.push(Err(TransportError::Violation("unknown quic stream kind")));
+                                done = true;
+                            }
+                        }
+                        while !done {
+                            match codec.decode(&mut s.buf) {
+                                Ok(Some(frame)) => items.push(Ok(frame)),
+                                Ok(None) => break,
+                                Err(e) => {
+                                    items.push(Err(e.into()));
+                                    done = true;
+                                }
+                            }
+                        }
+                        if s.buf.is_empty() {
+                            // No partial frame: an idle stream holds no buffer.
+                            s.buf = BytesMut::new();
+                        }
+                    }
+                    Err(_) => done = true,
+                }
+                let control_ended_unstarted = done && s.control && !started;
+                if done {
+                    streams.swap_remove(i);
+                }
+                for item in items {
+                    started |= item.is_ok();
+                    if tx.send(item).await.is_err() {
+                        return;
+                    }
+                }
+                if control_ended_unstarted && !started {
                     return;
                 }
-                if let Some(first) = first.take() {
-                    let _ = first.send(());
+            }
+            uni = conn.accept_uni(), if started => match uni {
+                Ok(stream) => streams.push(InboundStream {
+                    stream,
+                    buf: BytesMut::new(),
+                    needs_kind: true,
+                    control: false,
+                }),
+                Err(_) => return,
+            },
+            datagram = conn.read_datagram(), if started => match datagram {
+                Ok(bytes) => {
+                    let item = decode_message(bytes, max_frame_size).map_err(TransportError::from);
+                    let stop = item.is_err();
+                    if tx.send(item).await.is_err() || stop {
+                        return;
+                    }
                 }
-                continue;
-            }
-            Ok(None) => {}
-            Err(e) => {
-                let _ = tx.send(Err(e.into())).await;
-                return;
-            }
-        }
-        match stream.read_chunk(64 * 1024, true).await {
-            Ok(Some(chunk)) => buf.extend_from_slice(&chunk.bytes),
-            Ok(None) => {
-                if !buf.is_empty() {
-                    let _ = tx
-                        .send(Err(TransportError::Violation(
-                            "stream ended inside a frame",
-                        )))
-                        .await;
-                }
-                return;
-            }
-            Err(_) => return,
+                Err(_) => return,
+            },
+            else => return,
         }
     }
 }
