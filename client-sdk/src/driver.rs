@@ -542,6 +542,8 @@ struct Driver {
 
 /// Events waiting for the application beyond which the link is not read.
 const EVENT_BACKLOG: usize = 4096;
+/// Most frames read without waiting before the timers run.
+const READY_BATCH: usize = 256;
 
 async fn run(
     options: ClientOptions,
@@ -710,6 +712,11 @@ async fn run(
                 }
             },
             () = sleep => {
+                // Frames that arrived while this task could not run (a busy or stalled
+                // runtime: its timer and its socket become ready together) count before
+                // the timers: the liveness rule must never call a link dead whose answer
+                // is already here.
+                d.read_ready();
                 let now = Instant::now().into_std();
                 for (p, e) in d.requests.expire(now) {
                     d.finish_request(p, Err(e));
@@ -854,6 +861,35 @@ impl Driver {
             code,
             retry_after_ms,
         });
+    }
+
+    /// Takes every frame the connection already holds, without waiting (at most
+    /// [`READY_BATCH`], and not past the event backlog).
+    fn read_ready(&mut self) {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        for _ in 0..READY_BATCH {
+            if self.pending.len() >= EVENT_BACKLOG {
+                return;
+            }
+            let Some(conn) = self.conn.as_mut() else {
+                return;
+            };
+            // `recv` is cancel-safe (the select loop drops it whenever another branch
+            // wins): a poll that finds nothing loses nothing.
+            let polled = conn.recv().as_mut().poll(&mut cx);
+            match polled {
+                std::task::Poll::Ready(Ok(frame)) => {
+                    if let Err(e) = self.session.handle_frame(Instant::now().into_std(), frame) {
+                        tracing::debug!(error = %e, "frame refused by the client session");
+                    }
+                }
+                std::task::Poll::Ready(Err(e)) => {
+                    self.link_down(e.close_code());
+                    return;
+                }
+                std::task::Poll::Pending => return,
+            }
+        }
     }
 
     fn link_down(&mut self, code: CloseCode) {

@@ -85,8 +85,8 @@ pub struct TransportRow {
     pub rtt_p50_us: u64,
     /// Round trip p99, microseconds.
     pub rtt_p99_us: u64,
-    /// Time to restore, p50, ms: from the last reply before the link was lost (so link-loss
-    /// detection is included) to the WELCOME of the restore.
+    /// Time to restore, p50, ms: from the last event heard from the edge before the link
+    /// was lost (so link-loss detection is included) to the WELCOME of the restore.
     pub restore_p50_ms: u64,
     /// Time to restore, p99, ms.
     pub restore_p99_ms: u64,
@@ -617,8 +617,11 @@ async fn client_task(
     let mut stop_deadline: Option<Instant> = None;
     let mut late_after: Option<Instant> = None;
     let mut joined = false;
-    // The last reply before a link loss: the restore time starts there.
-    let mut last_reply = Instant::now();
+    // The last thing heard from the edge before a link loss (a reply, a refusal, a channel
+    // event...): the restore time starts there, so the detection of the loss is included.
+    // (Not the last reply: a session whose messages are refused as `busy` for a while hears
+    // no reply and is not down.)
+    let mut last_heard = Instant::now();
     loop {
         if !sending && pending.is_empty() {
             if let Some(q) = quiesce.take() {
@@ -670,96 +673,100 @@ async fn client_task(
                     stop_deadline = Some(Instant::now() + Duration::from_secs(45));
                 }
             },
-            ev = client.next_event() => match ev {
-                Some(Event::Message { msg_id: ECHO_REPLY, payload, .. }) => {
-                    let text = String::from_utf8_lossy(&payload);
-                    let mut parts = text.rsplitn(2, '|');
-                    let n: Option<u64> = parts.next().and_then(|s| s.parse().ok());
-                    let backend = text.split('|').next().unwrap_or_default();
-                    if let Some(n) = n {
-                        last_reply = Instant::now();
-                        if let Some(t0) = pending.remove(&n) {
-                            r.received += 1;
-                            if late_after.is_some_and(|t| Instant::now() > t) {
-                                r.late += 1;
-                            }
-                            seen.insert(n);
-                            r.rtts.push(u32::try_from(t0.elapsed().as_micros()).unwrap_or(u32::MAX));
-                            if let Some(at) = drain_at.get() {
-                                if backend != drained_backend {
-                                    r.after_drain_other_backend += 1;
-                                } else if t0.saturating_duration_since(*at) > Duration::from_secs(1) {
-                                    r.late_from_drained += 1;
+            ev = client.next_event() => {
+                if !matches!(ev, Some(Event::Connected { .. } | Event::Disconnected { .. })) {
+                    last_heard = Instant::now();
+                }
+                match ev {
+                    Some(Event::Message { msg_id: ECHO_REPLY, payload, .. }) => {
+                        let text = String::from_utf8_lossy(&payload);
+                        let mut parts = text.rsplitn(2, '|');
+                        let n: Option<u64> = parts.next().and_then(|s| s.parse().ok());
+                        let backend = text.split('|').next().unwrap_or_default();
+                        if let Some(n) = n {
+                            if let Some(t0) = pending.remove(&n) {
+                                r.received += 1;
+                                if late_after.is_some_and(|t| Instant::now() > t) {
+                                    r.late += 1;
                                 }
+                                seen.insert(n);
+                                r.rtts.push(u32::try_from(t0.elapsed().as_micros()).unwrap_or(u32::MAX));
+                                if let Some(at) = drain_at.get() {
+                                    if backend != drained_backend {
+                                        r.after_drain_other_backend += 1;
+                                    } else if t0.saturating_duration_since(*at) > Duration::from_secs(1) {
+                                        r.late_from_drained += 1;
+                                    }
+                                }
+                            } else if seen.contains(&n) {
+                                r.duplicated += 1;
                             }
-                        } else if seen.contains(&n) {
-                            r.duplicated += 1;
                         }
                     }
-                }
-                Some(Event::Message { msg_id: JOINED, .. }) => joined = true,
-                Some(Event::Message { msg_id: ROOM_EVENT, .. }) => r.room_events += 1,
-                Some(Event::Channel(update)) => match update {
-                    ChannelUpdate::Joined { channel, position } => {
-                        next_offset.insert(channel, (position.epoch, position.offset + 1));
-                    }
-                    ChannelUpdate::HistoryLost { channel, position } => {
-                        r.channel_history_lost += 1;
-                        next_offset.insert(channel, (position.epoch, position.offset + 1));
-                    }
-                    ChannelUpdate::Publication { channel, position, .. } => {
-                        r.channel_publications += 1;
-                        if position.offset > 0 {
-                            let expected = next_offset.get(&channel).copied();
-                            if expected != Some((position.epoch, position.offset)) {
-                                r.channel_order_violations += 1;
-                                tracing::warn!(%player, %channel, ?expected, ?position, "channel publication out of order");
-                            }
+                    Some(Event::Message { msg_id: JOINED, .. }) => joined = true,
+                    Some(Event::Message { msg_id: ROOM_EVENT, .. }) => r.room_events += 1,
+                    Some(Event::Channel(update)) => match update {
+                        ChannelUpdate::Joined { channel, position } => {
                             next_offset.insert(channel, (position.epoch, position.offset + 1));
                         }
-                    }
-                    ChannelUpdate::Left { channel, .. } => {
-                        next_offset.remove(&channel);
-                    }
-                    _ => {}
-                },
-                Some(Event::Message { .. }) | Some(Event::Disconnected { .. }) | Some(Event::Rejected { .. }) | Some(Event::Migrating { .. }) => {}
-                Some(Event::Connected { outcome, endpoint, .. }) => {
-                    if matches!(outcome, WelcomeOutcome::Restored | WelcomeOutcome::RestoredWithGap) {
-                        r.restores += 1;
-                        r.restore_ms.push(u32::try_from(last_reply.elapsed().as_millis()).unwrap_or(u32::MAX));
-                        if endpoint != first_endpoint {
-                            r.switched = true;
+                        ChannelUpdate::HistoryLost { channel, position } => {
+                            r.channel_history_lost += 1;
+                            next_offset.insert(channel, (position.epoch, position.offset + 1));
+                        }
+                        ChannelUpdate::Publication { channel, position, .. } => {
+                            r.channel_publications += 1;
+                            if position.offset > 0 {
+                                let expected = next_offset.get(&channel).copied();
+                                if expected != Some((position.epoch, position.offset)) {
+                                    r.channel_order_violations += 1;
+                                    tracing::warn!(%player, %channel, ?expected, ?position, "channel publication out of order");
+                                }
+                                next_offset.insert(channel, (position.epoch, position.offset + 1));
+                            }
+                        }
+                        ChannelUpdate::Left { channel, .. } => {
+                            next_offset.remove(&channel);
+                        }
+                        _ => {}
+                    },
+                    Some(Event::Message { .. }) | Some(Event::Disconnected { .. }) | Some(Event::Rejected { .. }) | Some(Event::Migrating { .. }) => {}
+                    Some(Event::Connected { outcome, endpoint, .. }) => {
+                        if matches!(outcome, WelcomeOutcome::Restored | WelcomeOutcome::RestoredWithGap) {
+                            r.restores += 1;
+                            r.restore_ms.push(u32::try_from(last_heard.elapsed().as_millis()).unwrap_or(u32::MAX));
+                            if endpoint != first_endpoint {
+                                r.switched = true;
+                            }
+                        }
+                        if outcome == WelcomeOutcome::RestoredWithGap {
+                            r.gaps += 1;
                         }
                     }
-                    if outcome == WelcomeOutcome::RestoredWithGap {
-                        r.gaps += 1;
-                    }
-                }
-                Some(Event::Error(report)) => {
-                    // The message was refused (e.g. a backend unavailable): it will not be
-                    // answered; it is neither lost nor duplicated.
-                    tracing::debug!(player = %player, ?report, "message refused");
-                    if matches!(report.msg_id, CHAT | CHANNEL_JOIN) {
-                        r.channel_refused += 1;
-                    }
-                    if report.msg_id == ECHO {
-                        if let Some(n) = by_seq.remove(&report.client_seq) {
-                            if pending.remove(&n).is_some() {
-                                r.refused += 1;
+                    Some(Event::Error(report)) => {
+                        // The message was refused (e.g. a backend unavailable): it will not be
+                        // answered; it is neither lost nor duplicated.
+                        tracing::debug!(player = %player, ?report, "message refused");
+                        if matches!(report.msg_id, CHAT | CHANNEL_JOIN) {
+                            r.channel_refused += 1;
+                        }
+                        if report.msg_id == ECHO {
+                            if let Some(n) = by_seq.remove(&report.client_seq) {
+                                if pending.remove(&n).is_some() {
+                                    r.refused += 1;
+                                }
                             }
                         }
                     }
-                }
-                Some(Event::Closed { code }) => {
-                    if code == CloseCode::Kicked {
-                        r.kicked = true;
+                    Some(Event::Closed { code }) => {
+                        if code == CloseCode::Kicked {
+                            r.kicked = true;
+                        }
+                        break;
                     }
-                    break;
+                    Some(_) => {}
+                    None => break,
                 }
-                Some(_) => {}
-                None => break,
-            },
+            }
             () = tokio::time::sleep_until(deadline), if stop_deadline.is_some() => break,
         }
     }

@@ -444,6 +444,10 @@ export class WaygateClient {
   private lastRx = 0;
   /** Since when something has been outstanding with no frame received (liveness). */
   private waitingSince: number | null = null;
+  /** The liveness timeout ran out at the last tick: the link is called dead at the next one
+   * unless a frame arrives in between (input that queued while this page or process was
+   * stalled is read before the verdict). */
+  private livenessSuspect = false;
   private ticker: ReturnType<typeof setInterval> | null = null;
   private handshakeTimer: ReturnType<typeof setTimeout> | null = null;
   private reconnectTimer: ReturnType<typeof setTimeout> | null = null;
@@ -1559,11 +1563,18 @@ export class WaygateClient {
         this.failLink(CloseCode.idle_timeout, "nothing received within the idle timeout");
         return;
       }
-      if (
+      const overdue =
         this.opts.livenessMs > 0 &&
         this.waitingSince !== null &&
-        t - this.waitingSince >= this.opts.livenessMs
-      ) {
+        t - this.waitingSince >= this.opts.livenessMs;
+      if (overdue && !this.livenessSuspect) {
+        // After a stall the timer may run before the socket's queued frames are read: give
+        // them one tick (a frame resets `waitingSince`).
+        this.livenessSuspect = true;
+        return;
+      }
+      this.livenessSuspect = false;
+      if (overdue) {
         this.waitingSince = null;
         // The URL that went silent is tried last (a dead edge, a black-holed path).
         this.urlIndex = (this.urlIndex + 1) % this.urls.length;
