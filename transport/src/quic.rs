@@ -255,6 +255,8 @@ impl Connection for QuicConnection {
             return Err(TransportError::Closed);
         }
         let next = tokio::select! {
+            // Input first: after a stall, a frame that is already here beats the idle timer.
+            biased;
             next = self.rx.next() => next,
             err = self.idle.expired() => return Err(err),
         };

@@ -147,6 +147,8 @@ impl<S: AsyncRead + AsyncWrite + ReadReady + Unpin + Send + 'static> StreamConne
             self.read_buf.reserve(need);
             if !self.read_buf.is_empty() {
                 break tokio::select! {
+                    // Input first: after a stall, a frame that is already here beats the idle timer.
+                    biased;
                     n = self.io.read_buf(&mut self.read_buf) => n?,
                     err = self.idle.expired() => return Err(err),
                 };
@@ -165,6 +167,8 @@ impl<S: AsyncRead + AsyncWrite + ReadReady + Unpin + Send + 'static> StreamConne
             self.read_buf = BytesMut::new();
             let io = &self.io;
             tokio::select! {
+                // Input first: after a stall, a frame that is already here beats the idle timer.
+                biased;
                 r = std::future::poll_fn(|cx| io.poll_read_ready(cx)) => r?,
                 err = self.idle.expired() => return Err(err),
             }

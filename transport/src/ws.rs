@@ -143,6 +143,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Connection for WsConnec
                 return Err(TransportError::Closed);
             }
             let next = tokio::select! {
+                // Input first: after a stall, a frame that is already here beats the idle timer.
+                biased;
                 next = self.ws.next() => next,
                 err = self.idle.expired() => return Err(err),
             };

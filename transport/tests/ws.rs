@@ -227,3 +227,37 @@ async fn a_foreign_origin_is_refused_at_the_upgrade() {
     assert_eq!(attempt(Some("https://PLAY.example.com")).await, Ok(()));
     assert_eq!(attempt(None).await, Ok(()), "native clients send no Origin");
 }
+
+/// A frame that arrived while the receiving side could not run (its runtime stalled past the
+/// idle timeout) is read, not answered with an idle timeout: input comes before the idle
+/// verdict (before, `recv` chose between the expired timer and the ready frame at random).
+#[tokio::test]
+async fn a_frame_waiting_after_a_stall_wins_over_the_idle_timeout() {
+    let idle = Duration::from_millis(200);
+    let listener = ws::listen(
+        "127.0.0.1:0".parse().unwrap(),
+        None,
+        ConnConfig {
+            idle_timeout: Some(idle),
+            ..config()
+        },
+    )
+    .await
+    .unwrap();
+    let addr = listener.local_addr();
+    let mut listener: waygate_transport::BoxListener = Box::new(listener);
+    let mut client = connect_ws(addr, "127.0.0.1", "/", None, &config())
+        .await
+        .unwrap();
+    let mut server = common::timeout(listener.accept()).await.unwrap();
+    for i in 0..12u64 {
+        client.send(&Frame::Ping { timestamp: i }).await.unwrap();
+        // This (current-thread) runtime stalls past the idle timeout with the frame in the
+        // socket.
+        std::thread::sleep(idle * 2);
+        match common::timeout(server.recv()).await {
+            Ok(Frame::Ping { timestamp }) => assert_eq!(timestamp, i),
+            other => panic!("stall {i}: expected the PING, got {other:?}"),
+        }
+    }
+}
