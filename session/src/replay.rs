@@ -58,6 +58,20 @@ pub struct ReplayDelta<'a> {
     pub added: Vec<&'a ReplayEntry>,
 }
 
+/// A replay buffer's counters: what changes with every message besides its entries (a
+/// store that keeps the rest of a snapshot apart writes these on every write).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ReplayCounters {
+    /// The next seq to assign.
+    pub next_seq: u64,
+    /// Highest cumulative ack received.
+    pub acked: u64,
+    /// Highest seq evicted before it was acked.
+    pub evicted_through: u64,
+    /// Payload bytes held.
+    pub bytes: usize,
+}
+
 /// Entries a store kept apart do not fit the rest of its record ([`ReplayBuffer::attach_entries`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("{entries} replay entries ({bytes} bytes) do not match the buffer they were kept for")]
@@ -234,6 +248,25 @@ impl ReplayBuffer {
                 .filter(|e| !held(earlier, e.seq))
                 .collect(),
         }
+    }
+
+    /// The counters (see [`ReplayCounters`]).
+    pub fn counters(&self) -> ReplayCounters {
+        ReplayCounters {
+            next_seq: self.next_seq,
+            acked: self.acked,
+            evicted_through: self.evicted_through,
+            bytes: self.bytes,
+        }
+    }
+
+    /// Sets counters a store kept apart; [`attach_entries`](Self::attach_entries) then
+    /// checks the entries against them.
+    pub fn set_counters(&mut self, c: ReplayCounters) {
+        self.next_seq = c.next_seq;
+        self.acked = c.acked;
+        self.evicted_through = c.evicted_through;
+        self.bytes = c.bytes;
     }
 
     /// Takes the entries out (what a store keeps apart from the rest of the snapshot);

@@ -4,11 +4,12 @@
 //! hash and delete in one script).
 //!
 //! A snapshot is one Redis hash: the resume keys (`h`, `p`, `n`) and fencing token (`f`)
-//! as fields of their own, the snapshot without its replay entries (`d`, postcard), each
-//! replay entry in a field `e<seq>`, and the range of seqs those fields hold (`r`). The
-//! write-through writes a delta when it can ([`SnapshotWrite::since`]): the new `d`, the
-//! entries added and the names of those dropped, applied only if the stored range is still
-//! the one the delta starts from (else the write is made whole). So one message costs
+//! as fields of their own, the snapshot without its replay entries and counters (`d`,
+//! postcard), the replay counters and upstream window (`c`), each replay entry in a field
+//! `e<seq>`, and the range of seqs those fields hold (`r`). The write-through writes a
+//! delta when it can ([`SnapshotWrite::since`]): `c`, `d` only if it changed, the entries
+//! added and the names of those dropped, applied only if the stored range is still the one
+//! the delta starts from (else the write is made whole). So one message costs
 //! Redis its own bytes plus the session's small header, never the whole replay buffer.
 
 use std::time::Duration;
@@ -16,8 +17,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use redis::{AsyncCommands as _, Script};
 use waygate_protocol::frame::SessionId;
-use waygate_session::replay::ReplayEntry;
+use waygate_session::replay::{ReplayCounters, ReplayEntry};
 use waygate_session::resume::{hex_id, player_store_tag, session_store_tag, ResumeHash};
+use waygate_session::seq::RecvWindow;
 use waygate_session::store::{
     ResumeKeys, Snapshot, SnapshotStore, SnapshotWrite, StoreError, TakeOutcome,
 };
@@ -26,7 +28,8 @@ use super::conn::{ms, Conn};
 use super::{RedisConfig, RedisError};
 
 /// KEYS: fence, snap, owner. ARGV: fencing, ttl ms, hash hex, prev hash hex or '', data,
-/// last resume nonce, entry range, then field and value pairs of the replay entries.
+/// last resume nonce, entry range, counters, then field and value pairs of the replay
+/// entries.
 /// Replaces the whole record. Returns 1 (written) or 0 (fenced: the player or the stored
 /// snapshot is newer). A written snapshot's session, if it owns the player, gets its owner
 /// record's expiry set to the snapshot's (the linger time starts now): the owner record
@@ -38,8 +41,8 @@ if c and tonumber(c) > f then return 0 end
 local sf = redis.call('HGET', KEYS[2], 'f')
 if sf and tonumber(sf) > f then return 0 end
 redis.call('DEL', KEYS[2])
-redis.call('HSET', KEYS[2], 'f', ARGV[1], 'h', ARGV[3], 'p', ARGV[4], 'n', ARGV[6], 'd', ARGV[5], 'r', ARGV[7])
-for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+redis.call('HSET', KEYS[2], 'f', ARGV[1], 'h', ARGV[3], 'p', ARGV[4], 'n', ARGV[6], 'd', ARGV[5], 'r', ARGV[7], 'c', ARGV[8])
+for i = 9, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
 local owner = ARGV[1] .. ' ' .. string.match(KEYS[2], '[^:]*$') .. ' '
 local cur = redis.call('GET', KEYS[3])
@@ -50,8 +53,8 @@ return 1
 "#;
 
 /// KEYS: fence, snap, owner. ARGV: fencing, ttl ms, the entry range the delta starts from,
-/// the new entry range, data, the number k of dropped entry fields, those k fields, then
-/// field and value pairs of the added entries. Returns 1 (applied), 0 (fenced) or 2 (the
+/// the new entry range, data ('' = unchanged), counters, the number k of dropped entry
+/// fields, those k fields, then field and value pairs of the added entries. Returns 1 (applied), 0 (fenced) or 2 (the
 /// stored record is not the one the delta starts from: write it whole). The owner record's
 /// expiry as in PUT.
 const PUT_DELTA_LUA: &str = r#"
@@ -62,10 +65,11 @@ local v = redis.call('HMGET', KEYS[2], 'f', 'r')
 if not v[1] then return 2 end
 if tonumber(v[1]) > f then return 0 end
 if tonumber(v[1]) ~= f or v[2] ~= ARGV[3] then return 2 end
-local k = tonumber(ARGV[6])
-for i = 7, 6 + k do redis.call('HDEL', KEYS[2], ARGV[i]) end
-for i = 7 + k, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
-redis.call('HSET', KEYS[2], 'd', ARGV[5], 'r', ARGV[4])
+local k = tonumber(ARGV[7])
+for i = 8, 7 + k do redis.call('HDEL', KEYS[2], ARGV[i]) end
+for i = 8 + k, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+if ARGV[5] ~= '' then redis.call('HSET', KEYS[2], 'd', ARGV[5]) end
+redis.call('HSET', KEYS[2], 'r', ARGV[4], 'c', ARGV[6])
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
 local owner = ARGV[1] .. ' ' .. string.match(KEYS[2], '[^:]*$') .. ' '
 local cur = redis.call('GET', KEYS[3])
@@ -111,12 +115,22 @@ struct PutArgs {
     delta: bool,
 }
 
-/// Field `d`: the snapshot without its replay entries.
+/// Field `d`: the snapshot without its replay entries and without the counters that move
+/// with every message (those are field `c`), so a delta re-sends it only when something
+/// else changed (bindings, channels, pending errors...).
 fn encode_header(snapshot: &Snapshot) -> Result<Vec<u8>, RedisError> {
     let mut bare = snapshot.clone();
     bare.replay.detach_entries();
+    bare.replay.set_counters(ReplayCounters::default());
+    bare.upstream = RecvWindow::new();
     postcard::to_extend(&bare, vec![LAYOUT_POSTCARD])
         .map_err(|e| RedisError::Invalid(format!("snapshot: {e}")))
+}
+
+/// Field `c`: the replay counters and the upstream window.
+fn encode_counters(snapshot: &Snapshot) -> Result<Vec<u8>, RedisError> {
+    postcard::to_allocvec(&(snapshot.replay.counters(), &snapshot.upstream))
+        .map_err(|e| RedisError::Invalid(format!("snapshot counters: {e}")))
 }
 
 /// A replay entry's field name and value.
@@ -146,10 +160,16 @@ fn entry_range(snapshot: &Snapshot) -> Vec<u8> {
 /// upgrade resumes their sessions too.
 fn decode_record(fields: Vec<(Vec<u8>, Vec<u8>)>) -> Result<Snapshot, String> {
     let mut data = None;
+    let mut counters = None;
     let mut entries = Vec::new();
     for (field, value) in fields {
         if field == b"d" {
             data = Some(value);
+        } else if field == b"c" {
+            counters = Some(
+                postcard::from_bytes::<(ReplayCounters, RecvWindow)>(&value)
+                    .map_err(|e| format!("counters: {e}"))?,
+            );
         } else if field.first() == Some(&b'e') {
             entries.push(
                 postcard::from_bytes::<ReplayEntry>(&value)
@@ -161,6 +181,10 @@ fn decode_record(fields: Vec<(Vec<u8>, Vec<u8>)>) -> Result<Snapshot, String> {
     match data.split_first() {
         Some((&LAYOUT_POSTCARD, rest)) => {
             let mut s: Snapshot = postcard::from_bytes(rest).map_err(|e| e.to_string())?;
+            if let Some((replay, upstream)) = counters {
+                s.replay.set_counters(replay);
+                s.upstream = upstream;
+            }
             s.replay
                 .attach_entries(entries)
                 .map_err(|e| e.to_string())?;
@@ -292,13 +316,16 @@ impl RedisSnapshotStore {
         });
         if let Some(base) = base {
             let delta = snapshot.replay.delta_since(&base.replay);
-            let mut args = Vec::with_capacity(6 + delta.dropped.len() + 2 * delta.added.len());
+            let header = encode_header(snapshot)?;
+            let changed = header != encode_header(base)?;
+            let mut args = Vec::with_capacity(7 + delta.dropped.len() + 2 * delta.added.len());
             args.extend([
                 snapshot.fencing.to_string().into_bytes(),
                 ms(ttl).to_string().into_bytes(),
                 entry_range(base),
                 entry_range(snapshot),
-                encode_header(snapshot)?,
+                if changed { header } else { Vec::new() },
+                encode_counters(snapshot)?,
                 delta.dropped.len().to_string().into_bytes(),
             ]);
             args.extend(delta.dropped.iter().map(|&seq| entry_field(seq)));
@@ -312,7 +339,7 @@ impl RedisSnapshotStore {
                 delta: true,
             });
         }
-        let mut args = Vec::with_capacity(7 + 2 * snapshot.replay.len());
+        let mut args = Vec::with_capacity(8 + 2 * snapshot.replay.len());
         args.extend([
             snapshot.fencing.to_string().into_bytes(),
             ms(ttl).to_string().into_bytes(),
@@ -324,6 +351,7 @@ impl RedisSnapshotStore {
             encode_header(snapshot)?,
             snapshot.last_resume_nonce.to_string().into_bytes(),
             entry_range(snapshot),
+            encode_counters(snapshot)?,
         ]);
         for e in snapshot.replay.entries() {
             let (field, value) = encode_entry(e)?;
