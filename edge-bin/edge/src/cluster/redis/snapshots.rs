@@ -27,6 +27,23 @@ use waygate_session::store::{
 use super::conn::{ms, Conn};
 use super::{RedisConfig, RedisError};
 
+/// The end of both write scripts (KEYS: fence, snap, owner; ARGV[1] fencing, ARGV[2] ttl
+/// ms): the snapshot expires after the linger time, and so does the player's owner record
+/// if this session owns it (the owner record starts with "<fencing> <session hex> ", the
+/// session hex ends the snapshot's key). Returns 1 (written).
+macro_rules! expire_with_the_snapshot {
+    () => {
+        r#"redis.call('PEXPIRE', KEYS[2], ARGV[2])
+local owner = ARGV[1] .. ' ' .. string.match(KEYS[2], '[^:]*$') .. ' '
+local cur = redis.call('GET', KEYS[3])
+if cur and string.sub(cur, 1, #owner) == owner then
+  redis.call('PEXPIRE', KEYS[3], ARGV[2])
+end
+return 1
+"#
+    };
+}
+
 /// KEYS: fence, snap, owner. ARGV: fencing, ttl ms, hash hex, prev hash hex or '', data,
 /// last resume nonce, entry range, counters, then field and value pairs of the replay
 /// entries.
@@ -34,7 +51,8 @@ use super::{RedisConfig, RedisError};
 /// snapshot is newer). A written snapshot's session, if it owns the player, gets its owner
 /// record's expiry set to the snapshot's (the linger time starts now): the owner record
 /// starts with "<fencing> <session hex> ", the session hex ends the snapshot's key.
-const PUT_LUA: &str = r#"
+const PUT_LUA: &str = concat!(
+    r#"
 local f = tonumber(ARGV[1])
 local c = redis.call('GET', KEYS[1])
 if c and tonumber(c) > f then return 0 end
@@ -43,21 +61,17 @@ if sf and tonumber(sf) > f then return 0 end
 redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[2], 'f', ARGV[1], 'h', ARGV[3], 'p', ARGV[4], 'n', ARGV[6], 'd', ARGV[5], 'r', ARGV[7], 'c', ARGV[8])
 for i = 9, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
-redis.call('PEXPIRE', KEYS[2], ARGV[2])
-local owner = ARGV[1] .. ' ' .. string.match(KEYS[2], '[^:]*$') .. ' '
-local cur = redis.call('GET', KEYS[3])
-if cur and string.sub(cur, 1, #owner) == owner then
-  redis.call('PEXPIRE', KEYS[3], ARGV[2])
-end
-return 1
-"#;
+"#,
+    expire_with_the_snapshot!()
+);
 
 /// KEYS: fence, snap, owner. ARGV: fencing, ttl ms, the entry range the delta starts from,
 /// the new entry range, data ('' = unchanged), counters, the number k of dropped entry
-/// fields, those k fields, then field and value pairs of the added entries. Returns 1 (applied), 0 (fenced) or 2 (the
-/// stored record is not the one the delta starts from: write it whole). The owner record's
-/// expiry as in PUT.
-const PUT_DELTA_LUA: &str = r#"
+/// fields, those k fields, then field and value pairs of the added entries. Returns 1
+/// (applied), 0 (fenced) or 2 (the stored record is not the one the delta starts from:
+/// write it whole). The owner record's expiry as in PUT.
+const PUT_DELTA_LUA: &str = concat!(
+    r#"
 local f = tonumber(ARGV[1])
 local c = redis.call('GET', KEYS[1])
 if c and tonumber(c) > f then return 0 end
@@ -70,14 +84,9 @@ for i = 8, 7 + k do redis.call('HDEL', KEYS[2], ARGV[i]) end
 for i = 8 + k, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[2], 'd', ARGV[5]) end
 redis.call('HSET', KEYS[2], 'r', ARGV[4], 'c', ARGV[6])
-redis.call('PEXPIRE', KEYS[2], ARGV[2])
-local owner = ARGV[1] .. ' ' .. string.match(KEYS[2], '[^:]*$') .. ' '
-local cur = redis.call('GET', KEYS[3])
-if cur and string.sub(cur, 1, #owner) == owner then
-  redis.call('PEXPIRE', KEYS[3], ARGV[2])
-end
-return 1
-"#;
+"#,
+    expire_with_the_snapshot!()
+);
 
 /// KEYS: snap. ARGV: hash hex. Returns {0} not found, {2} mismatch, {1, the record's
 /// fields and values} taken (padded to two elements).
