@@ -654,17 +654,7 @@ async fn run(
                     permit.send(event);
                 }
             }
-            frame = recv(&mut d.conn), if d.pending.len() < EVENT_BACKLOG => {
-                let now = Instant::now().into_std();
-                match frame {
-                    Ok(frame) => {
-                        if let Err(e) = d.session.handle_frame(now, frame) {
-                            tracing::debug!(error = %e, "frame refused by the client session");
-                        }
-                    }
-                    Err(e) => d.link_down(e.close_code()),
-                }
-            }
+            frame = recv(&mut d.conn), if d.pending.len() < EVENT_BACKLOG => d.received(frame),
             cmd = cmds.recv() => match cmd {
                 Some(Cmd::Send(class, msg_id, payload, reply)) => {
                     let r = d.session.send(Instant::now().into_std(), class, msg_id, payload);
@@ -876,19 +866,22 @@ impl Driver {
             };
             // `recv` is cancel-safe (the select loop drops it whenever another branch
             // wins): a poll that finds nothing loses nothing.
-            let polled = conn.recv().as_mut().poll(&mut cx);
-            match polled {
-                std::task::Poll::Ready(Ok(frame)) => {
-                    if let Err(e) = self.session.handle_frame(Instant::now().into_std(), frame) {
-                        tracing::debug!(error = %e, "frame refused by the client session");
-                    }
+            let std::task::Poll::Ready(frame) = conn.recv().as_mut().poll(&mut cx) else {
+                return;
+            };
+            self.received(frame);
+        }
+    }
+
+    /// One frame from the connection, or its end.
+    fn received(&mut self, frame: Result<waygate_transport::Frame, TransportError>) {
+        match frame {
+            Ok(frame) => {
+                if let Err(e) = self.session.handle_frame(Instant::now().into_std(), frame) {
+                    tracing::debug!(error = %e, "frame refused by the client session");
                 }
-                std::task::Poll::Ready(Err(e)) => {
-                    self.link_down(e.close_code());
-                    return;
-                }
-                std::task::Poll::Pending => return,
             }
+            Err(e) => self.link_down(e.close_code()),
         }
     }
 

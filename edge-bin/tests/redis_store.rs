@@ -23,6 +23,15 @@ use waygate_session::testkit::store_contract::{
     snapshot_store_write_through_semantics,
 };
 
+/// A plain connection to `server`, for looking at what the stores wrote.
+async fn raw_connection(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(server.url())
+        .expect("url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect")
+}
+
 async fn stores(server: &RedisServer) -> RedisStores {
     RedisStores::connect(&server.url()).await.expect("connect")
 }
@@ -403,11 +412,7 @@ async fn many_snapshots_are_written_in_one_pipeline_with_a_result_each() {
     batch[5].fencing -= 1;
     batch[9].session_id = [9; 16];
     // Redis lost its scripts (a restart, a failover): the pipeline loads them again.
-    let mut c = redis::Client::open(server.url())
-        .expect("url")
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect");
+    let mut c = raw_connection(&server).await;
     let _: () = redis::cmd("SCRIPT")
         .arg("FLUSH")
         .query_async(&mut c)
@@ -446,11 +451,7 @@ async fn snapshots_are_stored_compactly_and_an_older_edges_json_is_still_read() 
         hex_id(&player_store_tag("old")),
         hex_id(&snap.session_id)
     );
-    let mut c = redis::Client::open(server.url())
-        .expect("url")
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect");
+    let mut c = raw_connection(&server).await;
     let stored: Vec<u8> = redis::cmd("HGET")
         .arg(&key)
         .arg("d")
@@ -501,11 +502,7 @@ async fn redis_input_bytes(c: &mut redis::aio::MultiplexedConnection) -> u64 {
 async fn a_write_through_sends_what_changed_not_the_whole_replay_buffer() {
     let server = RedisServer::start();
     let s = stores(&server).await;
-    let mut c = redis::Client::open(server.url())
-        .expect("url")
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect");
+    let mut c = raw_connection(&server).await;
     let g = s
         .ownership
         .claim("reader", &session_id_of("reader", 1), "e1")

@@ -327,27 +327,12 @@ fn an_idle_session_costs_the_edge_a_bounded_heap() {
         .unwrap();
     let tls = ClientTls::from_ca_file(&ca).unwrap();
     let mut player = 0usize;
-    let (_, tcp) = idle_session_heap(
-        &client_rt,
-        TransportKind::Tcp,
-        edge.addrs[&TransportKind::Tcp],
-        &tls,
-        &mut player,
-    );
-    let (ws_pending, ws) = idle_session_heap(
-        &client_rt,
-        TransportKind::Ws,
-        edge.addrs[&TransportKind::Ws],
-        &tls,
-        &mut player,
-    );
-    let (_, quic) = idle_session_heap(
-        &client_rt,
-        TransportKind::Quic,
-        edge.addrs[&TransportKind::Quic],
-        &tls,
-        &mut player,
-    );
+    let mut measure = |kind: TransportKind| {
+        idle_session_heap(&client_rt, kind, edge.addrs[&kind], &tls, &mut player)
+    };
+    let (_, tcp) = measure(TransportKind::Tcp);
+    let (ws_pending, ws) = measure(TransportKind::Ws);
+    let (_, quic) = measure(TransportKind::Quic);
     client_rt.block_on(async { drop(backend) });
     edge_rt.block_on(async { drop(edge) });
     // 14.0 KiB before the W4 work (a 4 KiB read buffer held while idle, a 4.1 KiB task

@@ -338,11 +338,18 @@ fn poll_streams(
 ) -> std::task::Poll<(usize, Result<usize, quinn::ReadError>)> {
     let mut scratch = [0u8; 4096];
     for (i, s) in streams.iter_mut().enumerate() {
-        if let std::task::Poll::Ready(r) = s.stream.poll_read(cx, &mut scratch) {
-            if let Ok(n) = r {
-                s.buf.extend_from_slice(&scratch[..n]);
+        match s.stream.poll_read(cx, &mut scratch) {
+            std::task::Poll::Ready(r) => {
+                if let Ok(n) = r {
+                    s.buf.extend_from_slice(&scratch[..n]);
+                }
+                return std::task::Poll::Ready((i, r));
             }
-            return std::task::Poll::Ready((i, r));
+            // Nothing to read and no partial frame: an idle stream holds no buffer.
+            std::task::Poll::Pending if s.buf.is_empty() && s.buf.capacity() > 0 => {
+                s.buf = BytesMut::new();
+            }
+            std::task::Poll::Pending => {}
         }
     }
     std::task::Poll::Pending
@@ -373,12 +380,14 @@ async fn read_all(
                 if !streams.is_empty() =>
             {
                 let s = &mut streams[i];
-                let mut items: Vec<Result<Frame, TransportError>> = Vec::new();
                 let mut done = false;
                 match read {
                     Ok(0) => {
                         if !s.buf.is_empty() {
-                            items.push(Err(TransportError::Violation("stream ended inside a frame")));
+                            let e = TransportError::Violation("stream ended inside a frame");
+                            if tx.send(Err(e)).await.is_err() {
+                                return;
+                            }
                         }
                         done = true;
                     }
@@ -387,38 +396,30 @@ async fn read_all(
                             let kind = s.buf.split_to(1)[0];
                             s.needs_kind = false;
                             if kind != STREAM_NORMAL && kind != STREAM_BEST_EFFORT {
-                                items.push(Err(TransportError::Violation("unknown quic stream kind")));
+                                let e = TransportError::Violation("unknown quic stream kind");
+                                if tx.send(Err(e)).await.is_err() {
+                                    return;
+                                }
                                 done = true;
                             }
                         }
                         while !done {
-                            match codec.decode(&mut s.buf) {
-                                Ok(Some(frame)) => items.push(Ok(frame)),
+                            let item = match codec.decode(&mut s.buf) {
+                                Ok(Some(frame)) => Ok(frame),
                                 Ok(None) => break,
-                                Err(e) => {
-                                    items.push(Err(e.into()));
-                                    done = true;
-                                }
+                                Err(e) => Err(e.into()),
+                            };
+                            done = item.is_err();
+                            started |= item.is_ok();
+                            if tx.send(item).await.is_err() {
+                                return;
                             }
-                        }
-                        if s.buf.is_empty() {
-                            // No partial frame: an idle stream holds no buffer.
-                            s.buf = BytesMut::new();
                         }
                     }
                     Err(_) => done = true,
                 }
-                let control_ended_unstarted = done && s.control && !started;
-                if done {
-                    streams.swap_remove(i);
-                }
-                for item in items {
-                    started |= item.is_ok();
-                    if tx.send(item).await.is_err() {
-                        return;
-                    }
-                }
-                if control_ended_unstarted && !started {
+                // A control stream that ends before its first frame ends the reading.
+                if done && streams.swap_remove(i).control && !started {
                     return;
                 }
             }
