@@ -32,6 +32,9 @@ async fn a_sigstopped_redis_blocks_no_session_and_recovery_needs_no_restart() {
         common::token("live"),
     ));
     assert_eq!(common::echo(&mut live, "before").await, Ok("b1".into()));
+    // A crowd echoing at once: many sessions wait on the same group commits, so a write
+    // that waits out the store's timeout holds all of them at the same time.
+    let (stop, crowd) = crowd(tcp, 20).await;
 
     redis.pause();
     let frozen_at = Instant::now();
@@ -68,6 +71,19 @@ async fn a_sigstopped_redis_blocks_no_session_and_recovery_needs_no_restart() {
     }
     eprintln!("Redis frozen 10 s: {echoes} echoes");
     assert!(echoes >= 5, "{echoes} echoes in 10 s");
+    // No session of the crowd called its link dead (its liveness is 1 s, PROTOCOL.md
+    // §7.5) during the freeze: a store in trouble holds a session's output for at most one
+    // store timeout (the write-through's pause; its regression test is the unit test
+    // `writes_queued_behind_a_failed_commit_are_not_sent_into_the_same_failure`).
+    let _ = stop.send(true);
+    for (i, t) in crowd.into_iter().enumerate() {
+        let (echoes, connects) = t.await.unwrap();
+        assert_eq!(
+            connects, 1,
+            "crowd-{i} reconnected during the freeze ({echoes} echoes)"
+        );
+        assert!(echoes > 0, "crowd-{i}: no echo during the freeze");
+    }
 
     redis.resume();
     // Converges without a restart: logins work again, the live session too.
@@ -83,6 +99,38 @@ async fn a_sigstopped_redis_blocks_no_session_and_recovery_needs_no_restart() {
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     assert_eq!(common::echo(&mut live, "after").await, Ok("b1".into()));
+}
+
+/// `n` SDK clients on `tcp`, each echoing in a loop until `stop`; each task answers its
+/// echoes and its client's connect count.
+async fn crowd(
+    tcp: std::net::SocketAddr,
+    n: usize,
+) -> (
+    tokio::sync::watch::Sender<bool>,
+    Vec<tokio::task::JoinHandle<(u64, u64)>>,
+) {
+    let (stop, rx) = tokio::sync::watch::channel(false);
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let mut c = Client::start(ClientOptions::new(
+            vec![Endpoint::new(TransportKind::Tcp, tcp)],
+            common::token(&format!("crowd-{i}")),
+        ));
+        assert_eq!(common::echo(&mut c, "hello").await, Ok("b1".into()));
+        let rx = rx.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut echoes = 0;
+            while !*rx.borrow() {
+                if common::echo(&mut c, &format!("e{echoes}")).await.is_ok() {
+                    echoes += 1;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            (echoes, c.stats().connects)
+        }));
+    }
+    (stop, tasks)
 }
 
 /// A hung etcd (SIGSTOP for 60 s, longer than the edge's registration lease): the edge keeps

@@ -494,6 +494,89 @@ async fn redis_input_bytes(c: &mut redis::aio::MultiplexedConnection) -> u64 {
         .expect("total_net_input_bytes")
 }
 
+/// Read events Redis has processed so far (`INFO stats`): one per client round trip
+/// (a small pipeline is read at once).
+async fn redis_reads(c: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("stats")
+        .query_async(c)
+        .await
+        .expect("info");
+    info.lines()
+        .find_map(|l| l.strip_prefix("total_reads_processed:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("total_reads_processed")
+}
+
+/// Regression (CI: every session of an edge called its link dead around a Redis restart):
+/// a Redis that comes back empty (no scripts, no records) costs a group commit of deltas a
+/// few round trips, not two per session. Before the fix each write whose script was lost
+/// was sent again alone, and each delta whose base was gone was written whole alone: a
+/// group of 50 cost ~100 sequential round trips while every session in it held its output.
+#[tokio::test]
+async fn a_redis_that_came_back_empty_costs_a_group_commit_a_few_round_trips() {
+    let server = RedisServer::start();
+    let s = stores(&server).await;
+    let mut c = raw_connection(&server).await;
+    let ttl = Duration::from_secs(60);
+    let mut snaps = Vec::new();
+    for i in 0..50u8 {
+        let p = format!("back-{i}");
+        let g = s
+            .ownership
+            .claim(&p, &session_id_of(&p, i), "e1")
+            .await
+            .expect("claim");
+        snaps.push(snapshot(i, &p, g.fencing));
+    }
+    let whole: Vec<SnapshotWrite> = snaps.iter().cloned().map(SnapshotWrite::whole).collect();
+    assert!(s
+        .snapshots
+        .put_many(&whole, ttl)
+        .await
+        .iter()
+        .all(Result::is_ok));
+    // The restart: records and scripts gone.
+    let _: () = redis::cmd("FLUSHALL")
+        .query_async(&mut c)
+        .await
+        .expect("flushall");
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut c)
+        .await
+        .expect("flush");
+    let deltas: Vec<SnapshotWrite> = snaps
+        .iter()
+        .map(|since| {
+            let mut now = since.clone();
+            now.replay.push(
+                TrafficClass::Normal,
+                7,
+                Bytes::from_static(b"after the restart"),
+            );
+            SnapshotWrite {
+                snapshot: now,
+                since: Some(Box::new(since.clone())),
+            }
+        })
+        .collect();
+    let before = redis_reads(&mut c).await;
+    let results = s.snapshots.put_many(&deltas, ttl).await;
+    let reads = redis_reads(&mut c).await - before;
+    assert_eq!(results, vec![Ok(()); 50]);
+    for w in &deltas {
+        assert_eq!(
+            s.snapshots.get(&w.snapshot.session_id).await,
+            Ok(Some(w.snapshot.clone()))
+        );
+    }
+    eprintln!("50 deltas into an emptied Redis: {reads} reads (one of them the INFO)");
+    // EVALSHA (scripts lost), EVAL (bases lost), EVAL of the whole records (~75 KiB of
+    // script text: a few reads), the INFO.
+    assert!(reads <= 25, "{reads} reads for one group commit");
+}
+
 /// Write-through cost is bounded by what changed (scale-out issue, item 2): a session whose
 /// client holds 200 unacknowledged messages of 1 KiB costs one whole write of them, and
 /// then each new message costs Redis its own bytes plus the session's header, not the

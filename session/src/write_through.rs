@@ -34,6 +34,8 @@ type Job = (SnapshotWrite, oneshot::Sender<Result<(), StoreError>>);
 /// edge. Writes of many sessions share one store round trip (group commit, module docs).
 /// A failed write does not hold the session back: writes pause for
 /// [`WriteThrough::pause`] (store down) and traffic flows undurably meanwhile (counted).
+/// So a store in trouble holds a session's output for at most one store timeout: the
+/// group in flight when the session asked; the groups after it are answered at once.
 #[derive(Debug)]
 pub struct WriteThrough {
     /// How long writes pause after a failure.
@@ -80,8 +82,8 @@ impl WriteThrough {
         self.failures.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Makes `write` with the next group commit and waits for its outcome. A failure
-    /// other than [`StoreError::Fenced`] pauses writes for [`WriteThrough::pause`].
+    /// Makes `write` with the next group commit and waits for its outcome. A failed
+    /// commit (other than [`StoreError::Fenced`]) pauses writes for [`WriteThrough::pause`].
     pub async fn commit(&self, write: SnapshotWrite) -> Result<(), StoreError> {
         let (tx, rx) = oneshot::channel();
         let gone = || StoreError::Unavailable("write-through committer stopped".into());
@@ -96,16 +98,19 @@ impl WriteThrough {
             }
             Err(_) => {
                 self.failures.fetch_add(1, Ordering::Relaxed);
-                // The first failure starts the pause; those answered during it (their group
-                // was queued before it, or skipped by the committer) do not extend it.
-                let mut until = self.paused_until.lock().unwrap_or_else(|e| e.into_inner());
-                let now = std::time::Instant::now();
-                if until.is_none_or(|t| t <= now) {
-                    *until = Some(now + self.pause);
-                }
             }
         }
         result
+    }
+
+    /// Starts the pause after a failed commit, unless one is running: writes answered
+    /// during it (queued before it, or skipped) do not extend it.
+    fn pause_after_failure(&self) {
+        let mut until = self.paused_until.lock().unwrap_or_else(|e| e.into_inner());
+        let now = std::time::Instant::now();
+        if until.is_none_or(|t| t <= now) {
+            *until = Some(now + self.pause);
+        }
     }
 }
 
@@ -128,10 +133,21 @@ async fn committer(
             }
             continue;
         }
-        let mut results = store.put_many(&writes, ttl).await.into_iter();
+        let results = store.put_many(&writes, ttl).await;
         if let Some(wt) = owner.upgrade() {
             wt.commits.fetch_add(1, Ordering::Relaxed);
+            // The pause starts here, before the next group is taken: were it left to the
+            // sessions answered below, the next group (queued meanwhile) would be sent into
+            // the same trouble before any of them ran, and its sessions' output held for a
+            // second store timeout (past a client's 1 s liveness, PROTOCOL.md §7.5).
+            if results
+                .iter()
+                .any(|r| matches!(r, Err(e) if *e != StoreError::Fenced))
+            {
+                wt.pause_after_failure();
+            }
         }
+        let mut results = results.into_iter();
         for answer in answers {
             let result = results.next().unwrap_or_else(|| {
                 Err(StoreError::Corrupt(
@@ -284,5 +300,67 @@ mod tests {
             gate.groups.lock().unwrap_or_else(|e| e.into_inner()).len(),
             groups
         );
+    }
+
+    /// Regression (CI: every session of a busy edge called its link dead while Redis was
+    /// down): the writes queued behind a commit that failed are answered at once, not sent
+    /// into the same trouble. Before the fix the pause started only when an answered
+    /// session's task ran, after the committer had taken the next group and sent it.
+    #[tokio::test(flavor = "current_thread")]
+    async fn writes_queued_behind_a_failed_commit_are_not_sent_into_the_same_failure() {
+        let gate = Arc::new(Gate {
+            inner: MemorySnapshotStore::new(),
+            groups: Mutex::new(Vec::new()),
+            release: tokio::sync::Semaphore::new(0),
+        });
+        let wt = WriteThrough::start(
+            gate.clone(),
+            Duration::from_secs(60),
+            Duration::from_secs(1),
+        );
+        // The first write times out in the store; ten more queue while it is in flight.
+        let first = tokio::spawn({
+            let wt = wt.clone();
+            async move {
+                wt.commit(SnapshotWrite::whole(snapshot(1, "slow", 99)))
+                    .await
+            }
+        });
+        while gate
+            .groups
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
+        {
+            tokio::task::yield_now().await;
+        }
+        let queued: Vec<_> = (2..=11u8)
+            .map(|i| {
+                let wt = wt.clone();
+                tokio::spawn(async move {
+                    wt.commit(SnapshotWrite::whole(snapshot(i, &format!("q{i}"), 1)))
+                        .await
+                })
+            })
+            .collect();
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        // Room for every group the committer might send: only the failing one is.
+        gate.release.add_permits(16);
+        assert_eq!(first.await.expect("join"), Err(StoreError::Timeout));
+        for q in queued {
+            assert!(matches!(
+                q.await.expect("join"),
+                Err(StoreError::Unavailable(_))
+            ));
+        }
+        assert_eq!(
+            *gate.groups.lock().unwrap_or_else(|e| e.into_inner()),
+            vec![1],
+            "only the failing group reached the store"
+        );
+        assert!(wt.paused());
+        assert_eq!(wt.failures.load(Ordering::Relaxed), 11);
     }
 }

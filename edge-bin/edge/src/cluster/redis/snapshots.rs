@@ -375,67 +375,88 @@ impl RedisSnapshotStore {
 
     /// Makes many writes in one round trip (one pipeline of the PUT and PUT_DELTA scripts,
     /// one per hash tag on a cluster): the write-through's group commit. One result per
-    /// write. A delta whose base Redis no longer holds is made again whole.
+    /// write. A delta whose base Redis no longer holds is made again whole, and a script
+    /// Redis lost (restarted, failed over) is sent again as its text (EVAL, which loads
+    /// it): both in one more pipeline for the whole group, never one round trip per write,
+    /// so a Redis that comes back empty costs a group three round trips at most, each
+    /// bounded by the op timeout.
     pub async fn put_many_fenced(
         &self,
         writes: &[SnapshotWrite],
         ttl: Duration,
     ) -> Vec<Result<(), RedisError>> {
         let mut results: Vec<Result<(), RedisError>> = Vec::with_capacity(writes.len());
-        let mut puts = Vec::with_capacity(writes.len());
+        // (write index, its script call, sent as the script's text)
+        let mut round: Vec<(usize, PutArgs, bool)> = Vec::with_capacity(writes.len());
         for (i, w) in writes.iter().enumerate() {
             match self.put_args(&w.snapshot, w.since.as_deref(), ttl) {
                 Ok(p) => {
                     results.push(Ok(()));
-                    puts.push((i, p));
+                    round.push((i, p, false));
                 }
                 Err(e) => results.push(Err(e)),
             }
         }
-        let put_hash = scripts().put.get_hash().to_owned();
-        let delta_hash = scripts().put_delta.get_hash().to_owned();
-        let replies = self
-            .conn
-            .pipeline_each(
-                &puts,
-                |(_, p)| p.keys[1].clone(),
-                |pipe, (_, p)| {
-                    pipe.cmd("EVALSHA")
-                        .arg(if p.delta { &delta_hash } else { &put_hash })
-                        .arg(p.keys.len())
-                        .arg(&p.keys[..])
-                        .arg(&p.args[..]);
-                },
-            )
-            .await;
-        let replies = match replies {
-            Ok(r) => r,
-            Err(e) => {
-                for (i, _) in &puts {
-                    results[*i] = Err(e.clone());
-                }
-                return results;
+        // EVALSHA; then EVAL for lost scripts and whole writes for lost bases (also lost
+        // scripts' deltas whose base is gone); a third round never needs a fourth.
+        for _ in 0..3 {
+            if round.is_empty() {
+                break;
             }
-        };
-        for ((i, put), reply) in puts.iter().zip(replies) {
-            let answer = match reply.and_then(|v| Ok(redis::from_redis_value::<u8>(v)?)) {
-                Ok(n) => Ok(n),
-                // A Redis that lost its scripts (restarted, failed over): load it again
-                // through the one-by-one path, which does.
-                Err(e)
-                    if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
-                {
-                    self.invoke(put).await
+            let replies = self
+                .conn
+                .pipeline_each(
+                    &round,
+                    |(_, p, _)| p.keys[1].clone(),
+                    |pipe, (_, p, text)| {
+                        let cmd = match (text, p.delta) {
+                            (false, delta) => pipe.cmd("EVALSHA").arg(if delta {
+                                scripts().put_delta.get_hash()
+                            } else {
+                                scripts().put.get_hash()
+                            }),
+                            (true, true) => pipe.cmd("EVAL").arg(PUT_DELTA_LUA),
+                            (true, false) => pipe.cmd("EVAL").arg(PUT_LUA),
+                        };
+                        cmd.arg(p.keys.len()).arg(&p.keys[..]).arg(&p.args[..]);
+                    },
+                )
+                .await;
+            let replies = match replies {
+                Ok(r) => r,
+                Err(e) => {
+                    for (i, _, _) in &round {
+                        results[*i] = Err(e.clone());
+                    }
+                    return results;
                 }
-                Err(e) => Err(e.into()),
             };
-            results[*i] = match answer {
-                Ok(DELTA_BASE_MISSING) if put.delta => {
-                    self.put_fenced(&writes[*i].snapshot, ttl).await
+            let mut again = Vec::new();
+            for ((i, put, text), reply) in round.into_iter().zip(replies) {
+                match reply.and_then(|v| Ok(redis::from_redis_value::<u8>(v)?)) {
+                    Err(e)
+                        if !text
+                            && e.kind()
+                                == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+                    {
+                        again.push((i, put, true));
+                    }
+                    Ok(DELTA_BASE_MISSING) if put.delta => {
+                        match self.put_args(&writes[i].snapshot, None, ttl) {
+                            Ok(whole) => again.push((i, whole, true)),
+                            Err(e) => results[i] = Err(e),
+                        }
+                    }
+                    Ok(n) => results[i] = put_outcome(n),
+                    Err(e) => results[i] = Err(e.into()),
                 }
-                Ok(n) => put_outcome(n),
-                Err(e) => Err(e),
-            };
+            }
+            round = again;
+        }
+        for (i, _, _) in round {
+            results[i] = Err(RedisError::Corrupt(
+                "a write still needed another round after three".into(),
+            ));
         }
         results
     }
