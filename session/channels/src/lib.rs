@@ -37,6 +37,8 @@ mod tests;
 
 /// Retry hint of a `queue_full` refusal: a channel's queue drains within milliseconds.
 pub const QUEUE_FULL_RETRY_MS: u32 = 100;
+/// Retry hint of an announcement the log did not take.
+pub const LOG_UNAVAILABLE_RETRY_MS: u32 = 1_000;
 
 /// How one kind of channel behaves (`[channels.kinds.<kind>]` in the edge configuration).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -209,6 +211,13 @@ pub enum ChannelError {
     /// their cap.
     #[error("channel cap reached")]
     Limit,
+    /// A retry of an announcement whose first publish is still being persisted.
+    #[error("announcement still being persisted")]
+    Persisting,
+    // ----- the edge's dependencies
+    /// The announcement log did not take the announcement: nothing was published.
+    #[error("announcement log unavailable")]
+    LogUnavailable,
 }
 
 impl ChannelError {
@@ -221,6 +230,8 @@ impl ChannelError {
             Self::RateLimited { .. } => CloseCode::RateLimited,
             Self::QueueFull => CloseCode::QueueFull,
             Self::Limit => CloseCode::ChannelLimit,
+            Self::Persisting => CloseCode::Busy,
+            Self::LogUnavailable => CloseCode::Unavailable,
         }
     }
 
@@ -228,20 +239,42 @@ impl ChannelError {
     pub fn retry_after_ms(self) -> u32 {
         match self {
             Self::RateLimited { retry_after_ms } => retry_after_ms,
-            Self::QueueFull => QUEUE_FULL_RETRY_MS,
+            Self::QueueFull | Self::Persisting => QUEUE_FULL_RETRY_MS,
+            Self::LogUnavailable => LOG_UNAVAILABLE_RETRY_MS,
             _ => 0,
         }
     }
 }
 
 /// A publish that was taken.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PublishReceipt {
     /// Its position (offset 0 for best-effort: never recoverable).
     pub position: ChannelPosition,
     /// A publish with the same id was taken before: this is that one's position, and
     /// nothing was published now.
     pub duplicate: bool,
+    /// An announcement held until the announcement log has it (hubs with
+    /// [`ChannelHub::set_announcement_log`]): write this record, then tell the hub with
+    /// [`ChannelHub::persisted`], and answer the publisher only then. Nothing of the
+    /// channel is delivered past it meanwhile.
+    pub persist: Option<AnnouncementRecord>,
+}
+
+/// An announcement for the announcement log: what a member that missed it needs to
+/// receive it from the log on any edge, later (PROTOCOL.md §12.4).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AnnouncementRecord {
+    /// The channel.
+    pub channel: Arc<str>,
+    /// Its position in the channel.
+    pub position: ChannelPosition,
+    /// The encoded PUBLICATION event, as members receive it.
+    pub event: Bytes,
+    /// How long the log keeps it (the kind's history TTL).
+    pub ttl: Duration,
+    /// How many of the channel's announcements the log keeps (the kind's history length).
+    pub keep: usize,
 }
 
 /// One channel event to push into some sessions' outbound queues (the DATA payload of
@@ -305,6 +338,9 @@ pub struct HubStats {
     pub recovered: u64,
     /// HISTORY_LOST markers queued.
     pub history_lost: u64,
+    /// Announcements of another epoch queued for joining members from the announcement
+    /// log (before their HISTORY_LOST).
+    pub logged_recovered: u64,
 }
 
 #[derive(Debug)]
@@ -322,6 +358,11 @@ enum PendingItem {
         class: TrafficClass,
         event: Bytes,
         at: Instant,
+        /// Its offset (0: best-effort).
+        offset: u64,
+        /// An announcement the log has not confirmed yet: the channel's deliveries stop
+        /// here until it does.
+        held: bool,
     },
     /// For one member only (recovery, markers), while it is the membership `joined` names.
     Direct {
@@ -375,6 +416,17 @@ struct Channel {
 }
 
 impl Channel {
+    /// Whether the next pending item waits for the announcement log.
+    fn blocked(&self) -> bool {
+        matches!(
+            self.pending.front(),
+            Some(Pending {
+                item: PendingItem::Publication { held: true, .. },
+                ..
+            })
+        )
+    }
+
     fn position(&self) -> ChannelPosition {
         ChannelPosition {
             epoch: self.epoch,
@@ -458,6 +510,8 @@ pub struct ChannelHub {
     ready: VecDeque<Arc<str>>,
     epoch_state: u64,
     stats: HubStats,
+    /// Announcements are held until the announcement log has them.
+    announcement_log: bool,
 }
 
 /// Splits a channel name into its kind, after checking it.
@@ -492,7 +546,72 @@ impl ChannelHub {
             ready: VecDeque::new(),
             epoch_state: seed,
             stats: HubStats::default(),
+            announcement_log: false,
         }
+    }
+
+    /// With an announcement log: every critical publication is held (not delivered, and
+    /// nothing of its channel after it) until [`ChannelHub::persisted`] says the log has it
+    /// (PROTOCOL.md §12.5). Without (the default), announcements are kept in memory only.
+    pub fn set_announcement_log(&mut self, on: bool) {
+        self.announcement_log = on;
+    }
+
+    /// The announcement log answered for the held announcement at `position` of `channel`:
+    /// with `written`, it is released for delivery; otherwise it is withdrawn as if never
+    /// published (out of the queue, the history and the dedup window: a retry publishes it
+    /// anew; its offset stays unused). Returns whether such an announcement was held.
+    pub fn persisted(&mut self, channel: &str, position: ChannelPosition, written: bool) -> bool {
+        let Some(ch) = self.channels.get_mut(channel) else {
+            return false;
+        };
+        if ch.epoch != position.epoch {
+            return false;
+        }
+        let Some(i) = ch.pending.iter().position(|p| {
+            matches!(p.item, PendingItem::Publication { held: true, offset, .. } if offset == position.offset)
+        }) else {
+            return false;
+        };
+        if written {
+            if let Some(Pending {
+                item: PendingItem::Publication { held, .. },
+                ..
+            }) = ch.pending.get_mut(i)
+            {
+                *held = false;
+            }
+        } else {
+            // Withdrawn everywhere: also from a joining member's recovery queued behind it.
+            if let Some(Pending {
+                item: PendingItem::Publication { class, event, .. },
+                ..
+            }) = ch.pending.remove(i)
+            {
+                ch.pending_by_class[class as usize] -= 1;
+                let before = ch.pending.len();
+                ch.pending.retain(
+                    |p| !matches!(&p.item, PendingItem::Direct { event: e, .. } if *e == event),
+                );
+                ch.pending_direct -= before - ch.pending.len();
+            }
+            ch.history.retain(|s| s.offset != position.offset);
+            let ids: Vec<u64> = ch
+                .recent
+                .iter()
+                .filter(|(_, p)| **p == position)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in ids {
+                ch.recent.remove(&id);
+                ch.recent_order.retain(|r| *r != id);
+            }
+        }
+        if !ch.scheduled && !ch.pending.is_empty() && !ch.blocked() {
+            ch.scheduled = true;
+            self.ready.push_back(ch.name.clone());
+        }
+        true
     }
 
     /// The configuration.
@@ -566,7 +685,7 @@ impl ChannelHub {
     }
 
     fn schedule(ready: &mut VecDeque<Arc<str>>, ch: &mut Channel) {
-        if !ch.scheduled && !ch.pending.is_empty() {
+        if !ch.scheduled && !ch.pending.is_empty() && !ch.blocked() {
             ch.scheduled = true;
             ready.push_back(ch.name.clone());
         }
@@ -586,10 +705,17 @@ impl ChannelHub {
     ) -> Result<PublishReceipt, ChannelError> {
         if let Some(ch) = self.channels.get(channel) {
             if let Some(position) = ch.recent.get(&request_id).filter(|_| request_id != 0) {
+                let held = ch.pending.iter().any(|p| {
+                    matches!(p.item, PendingItem::Publication { held: true, offset, .. } if offset == position.offset)
+                });
+                if held {
+                    return Err(ChannelError::Persisting);
+                }
                 self.stats.duplicates += 1;
                 return Ok(PublishReceipt {
                     position: *position,
                     duplicate: true,
+                    persist: None,
                 });
             }
         }
@@ -611,6 +737,7 @@ impl ChannelHub {
             });
         }
         let recoverable = class != TrafficClass::BestEffort;
+        let held = self.announcement_log && class == TrafficClass::Critical;
         let position = ChannelPosition {
             epoch: ch.epoch,
             offset: if recoverable { ch.last_offset + 1 } else { 0 },
@@ -634,10 +761,19 @@ impl ChannelHub {
                 ch.trim_history(now);
             }
         }
+        let persist = held.then(|| AnnouncementRecord {
+            channel: ch.name.clone(),
+            position,
+            event: event.clone(),
+            ttl: Duration::from_millis(ch.policy.history_ttl_ms),
+            keep: ch.policy.history_len,
+        });
         ch.enqueue(PendingItem::Publication {
             class,
             event,
             at: now,
+            offset: position.offset,
+            held,
         });
         if request_id != 0 && dedup_window > 0 {
             if ch.recent_order.len() >= dedup_window {
@@ -652,6 +788,7 @@ impl ChannelHub {
         Ok(PublishReceipt {
             position,
             duplicate: false,
+            persist,
         })
     }
 
@@ -668,6 +805,39 @@ impl ChannelHub {
         player: &str,
         channel: &str,
         since: Option<ChannelPosition>,
+    ) -> Result<(ChannelPosition, JoinOutcome), ChannelError> {
+        self.join_with_logged(now, session, player, channel, since, &[])
+    }
+
+    /// Whether a join from `since` would need the announcement log: the position is of
+    /// another epoch than the channel's here (another edge's, or before this edge
+    /// restarted), so only the log can still hold the announcements after it.
+    pub fn needs_logged(&self, channel: &str, since: Option<ChannelPosition>) -> bool {
+        let Some(since) = since else {
+            return false;
+        };
+        self.announcement_log
+            && since.epoch != 0
+            && self
+                .channels
+                .get(channel)
+                .is_none_or(|ch| ch.epoch != since.epoch)
+    }
+
+    /// As [`join`](Self::join), with `logged`: the announcements the announcement log holds
+    /// after `since` in `since`'s epoch (encoded PUBLICATION events in offset order, as
+    /// recorded; see [`needs_logged`](Self::needs_logged)). When `since` cannot be
+    /// recovered from the history, those are queued for the member before its
+    /// HISTORY_LOST: announcements are never lost with an edge, the rest is (PROTOCOL.md
+    /// §12.4). Anything else in `logged` is ignored.
+    pub fn join_with_logged(
+        &mut self,
+        now: Instant,
+        session: SessionId,
+        player: &str,
+        channel: &str,
+        since: Option<ChannelPosition>,
+        logged: &[AnnouncementRecord],
     ) -> Result<(ChannelPosition, JoinOutcome), ChannelError> {
         let per_session = self.config.max_channels_per_session;
         let already = self
@@ -724,7 +894,19 @@ impl ChannelHub {
                 direct.push((TrafficClass::Critical, ch.marker(ChannelEventKind::Joined)));
                 JoinOutcome::Recovered { publications }
             }
-            Some(_) => {
+            Some(p) => {
+                let mut last = p.offset;
+                for r in logged {
+                    if &*r.channel == channel
+                        && r.position.epoch == p.epoch
+                        && p.epoch != ch.epoch
+                        && r.position.offset > last
+                    {
+                        last = r.position.offset;
+                        direct.push((TrafficClass::Critical, r.event.clone()));
+                    }
+                }
+                self.stats.logged_recovered += direct.len() as u64;
                 direct.push((
                     TrafficClass::Critical,
                     ch.marker(ChannelEventKind::HistoryLost),
@@ -885,12 +1067,20 @@ impl ChannelHub {
     pub fn next_delivery(&mut self, channel: &str) -> Option<Delivery> {
         loop {
             let ch = self.channels.get_mut(channel)?;
+            if ch.blocked() {
+                // The announcement log has not confirmed the next one: `persisted` asks
+                // for a consumer again.
+                ch.scheduled = false;
+                return None;
+            }
             let Some(Pending { ticket, item }) = ch.pending.pop_front() else {
                 ch.scheduled = false;
                 return None;
             };
             match item {
-                PendingItem::Publication { class, event, at } => {
+                PendingItem::Publication {
+                    class, event, at, ..
+                } => {
                     ch.pending_by_class[class as usize] -= 1;
                     let to = ch
                         .members
@@ -1019,13 +1209,13 @@ impl ChannelHub {
             if ch.history.len() > ch.policy.history_len {
                 return Err(format!("{name}: history over its cap"));
             }
+            // Increasing up to the last offset (an announcement the log refused leaves its
+            // offset unused: a hole).
             let offsets: Vec<u64> = ch.history.iter().map(|s| s.offset).collect();
-            if offsets.windows(2).any(|w| w[1] != w[0] + 1)
-                || offsets.last().is_some_and(|&o| o != ch.last_offset)
+            if offsets.windows(2).any(|w| w[1] <= w[0])
+                || offsets.last().is_some_and(|&o| o > ch.last_offset)
             {
-                return Err(format!(
-                    "{name}: history not contiguous up to the last offset"
-                ));
+                return Err(format!("{name}: history out of order"));
             }
             if ch.members.len() > ch.policy.max_members {
                 return Err(format!("{name}: members over the cap"));
@@ -1035,7 +1225,7 @@ impl ChannelHub {
             {
                 return Err(format!("{name}: departed players over the cap"));
             }
-            if !ch.pending.is_empty() && !ch.scheduled {
+            if !ch.pending.is_empty() && !ch.scheduled && !ch.blocked() {
                 return Err(format!("{name}: pending work without a consumer"));
             }
             for s in ch.members.keys() {

@@ -2,7 +2,7 @@
 //! real hub with random publishes, joins (with and without recovery positions), leaves,
 //! ended sessions, partial drains and time, checking order, completeness and bounds.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -275,6 +275,142 @@ fn trimmed_history_or_another_epoch_answers_history_lost() {
     assert_eq!(o, JoinOutcome::HistoryLost, "trimmed by its TTL");
 }
 
+/// With an announcement log, an announcement is held until the log has it: nothing of its
+/// channel is delivered past it, a retry meanwhile is answered `busy`, the log's answer
+/// releases it (or withdraws it: delivered to nobody, and a retry publishes it anew).
+#[test]
+fn an_announcement_waits_for_the_log_and_a_refused_one_reaches_nobody() {
+    let now = Instant::now();
+    let mut hub = ChannelHub::new(small_config(), 4);
+    hub.set_announcement_log(true);
+    hub.join(now, sid(1), &player(1), "room:a", None).unwrap();
+    let a = hub
+        .publish(
+            now,
+            "room:a",
+            7,
+            TrafficClass::Critical,
+            Bytes::from_static(b"A"),
+        )
+        .unwrap();
+    let rec = a.persist.clone().expect("held for the log");
+    assert_eq!(rec.position, a.position);
+    assert_eq!(rec.keep, 4);
+    let n = hub
+        .publish(
+            now,
+            "room:a",
+            0,
+            TrafficClass::Normal,
+            Bytes::from_static(b"n"),
+        )
+        .unwrap();
+    assert!(n.persist.is_none(), "only announcements are logged");
+    // JOINED goes out; the announcement and what follows it wait.
+    let got = drain(&mut hub);
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].1.kind, ChannelEventKind::Joined);
+    assert_eq!(
+        hub.publish(
+            now,
+            "room:a",
+            7,
+            TrafficClass::Critical,
+            Bytes::from_static(b"A")
+        ),
+        Err(ChannelError::Persisting)
+    );
+    assert_eq!(ChannelError::Persisting.code(), CloseCode::Busy);
+    hub.check_invariants().unwrap();
+    assert!(hub.persisted("room:a", a.position, true));
+    assert!(!hub.persisted("room:a", a.position, true), "answered once");
+    assert_eq!(offsets_of(&drain(&mut hub), sid(1)), [1, 2]);
+    // Refused: withdrawn from the queue and the history; the next one goes on.
+    let b = hub
+        .publish(
+            now,
+            "room:a",
+            8,
+            TrafficClass::Critical,
+            Bytes::from_static(b"B"),
+        )
+        .unwrap();
+    hub.publish(now, "room:a", 0, TrafficClass::Normal, Bytes::new())
+        .unwrap();
+    assert!(drain(&mut hub).is_empty());
+    assert!(hub.persisted("room:a", b.position, false));
+    hub.check_invariants().unwrap();
+    assert_eq!(offsets_of(&drain(&mut hub), sid(1)), [4]);
+    let again = hub
+        .publish(
+            now,
+            "room:a",
+            8,
+            TrafficClass::Critical,
+            Bytes::from_static(b"B"),
+        )
+        .unwrap();
+    assert!(!again.duplicate, "a refused publish is published anew");
+    assert_eq!(again.position.offset, 5);
+    hub.persisted("room:a", again.position, true);
+    assert_eq!(offsets_of(&drain(&mut hub), sid(1)), [5]);
+}
+
+/// A member whose position is of another epoch (its channel was on an edge that died)
+/// receives the announcements the log holds after it, in order, then HISTORY_LOST:
+/// announcements survive the edge, the rest is declared lost.
+#[test]
+fn a_position_of_another_epoch_recovers_the_logged_announcements_before_history_lost() {
+    let now = Instant::now();
+    let mut old = ChannelHub::new(small_config(), 5);
+    old.set_announcement_log(true);
+    let mut log = Vec::new();
+    for i in 0..3u8 {
+        let r = old
+            .publish(
+                now,
+                "room:a",
+                0,
+                TrafficClass::Critical,
+                Bytes::from(vec![i]),
+            )
+            .unwrap();
+        log.push(r.persist.unwrap());
+        old.publish(now, "room:a", 0, TrafficClass::Normal, Bytes::new())
+            .unwrap();
+    }
+    // The member had seen offset 2 (the first announcement and a normal one).
+    let since = ChannelPosition {
+        epoch: log[0].position.epoch,
+        offset: 2,
+    };
+    let mut hub = ChannelHub::new(small_config(), 6);
+    hub.set_announcement_log(true);
+    assert!(hub.needs_logged("room:a", Some(since)));
+    assert!(!hub.needs_logged("room:a", None));
+    let (live, o) = hub
+        .join_with_logged(now, sid(1), &player(1), "room:a", Some(since), &log)
+        .unwrap();
+    assert_eq!(o, JoinOutcome::HistoryLost);
+    assert!(!hub.needs_logged("room:a", Some(live)), "its own epoch");
+    let got = drain(&mut hub);
+    let kinds: Vec<_> = got
+        .iter()
+        .map(|(_, e)| (e.kind, e.position.offset))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            (ChannelEventKind::Publication, 3),
+            (ChannelEventKind::Publication, 5),
+            (ChannelEventKind::HistoryLost, 0)
+        ]
+    );
+    assert_eq!(got[0].1.body, Bytes::from(vec![1u8]));
+    assert_eq!(got[0].1.position.epoch, since.epoch);
+    assert_eq!(hub.stats().logged_recovered, 2);
+}
+
 #[test]
 fn refusals_are_typed_and_take_nothing() {
     let now = Instant::now();
@@ -500,12 +636,34 @@ fn a_departed_member_of_a_kind_with_backlog_recovers_from_its_acknowledged_posit
 
 #[derive(Debug, Clone)]
 enum Op {
-    Publish { ch: u8, class: u8 },
-    Join { s: u8, ch: u8, since: u8 },
-    Leave { s: u8, ch: u8 },
-    End { s: u8 },
-    Drain { ch: u8, n: u8 },
-    Advance { ms: u16 },
+    Publish {
+        ch: u8,
+        class: u8,
+    },
+    Join {
+        s: u8,
+        ch: u8,
+        since: u8,
+    },
+    Leave {
+        s: u8,
+        ch: u8,
+    },
+    End {
+        s: u8,
+    },
+    Drain {
+        ch: u8,
+        n: u8,
+    },
+    Advance {
+        ms: u16,
+    },
+    /// The announcement log answers for the channel's oldest held announcement.
+    Persist {
+        ch: u8,
+        ok: bool,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -516,6 +674,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u8..4).prop_map(|s| Op::End { s }),
         3 => (0u8..3, 1u8..6).prop_map(|(ch, n)| Op::Drain { ch, n }),
         1 => (0u16..3000).prop_map(|ms| Op::Advance { ms }),
+        2 => (0u8..3, proptest::bool::weighted(0.8)).prop_map(|(ch, ok)| Op::Persist { ch, ok }),
     ]
 }
 
@@ -530,98 +689,202 @@ proptest! {
     /// hole; the hub's bounds and indexes hold after every step.
     #[test]
     fn members_see_each_channel_in_order_without_holes(ops in proptest::collection::vec(op(), 1..80)) {
-        let start = Instant::now();
-        let mut now = start;
-        let mut hub = ChannelHub::new(small_config(), 9);
-        // (session, channel) -> next offset it must receive, while it is a member.
-        let mut expect: HashMap<(SessionId, &str), u64> = HashMap::new();
-        let mut epochs: HashMap<&str, u64> = HashMap::new();
-        let mut consumers: HashSet<Arc<str>> = HashSet::new();
-        let check = |hub: &mut ChannelHub, deliveries: Vec<Delivery>,
-                         expect: &mut HashMap<(SessionId, &'static str), u64>| -> Result<(), TestCaseError> {
-            for d in deliveries {
-                let e = ChannelEvent::decode(d.event.clone()).expect("valid");
-                let name = NAMES.iter().copied().find(|n| *n == e.channel).expect("known");
-                for s in d.to {
-                    match e.kind {
-                        ChannelEventKind::Publication if e.position.offset > 0 => {
-                            if let Some(next) = expect.get_mut(&(s, name)) {
-                                prop_assert_eq!(e.position.offset, *next, "member {:?} of {}", s[0], name);
+        members_see_each_channel_in_order(ops, false)?;
+    }
+
+    /// The same with an announcement log that confirms or refuses held announcements at
+    /// random moments: nothing of a channel overtakes a held announcement, a refused one is
+    /// delivered to nobody (its offset is a hole every member skips), and nothing else is
+    /// missed.
+    #[test]
+    fn held_announcements_keep_each_channel_in_order(ops in proptest::collection::vec(op(), 1..80)) {
+        members_see_each_channel_in_order(ops, true)?;
+    }
+}
+
+fn members_see_each_channel_in_order(ops: Vec<Op>, log: bool) -> Result<(), TestCaseError> {
+    let start = Instant::now();
+    let mut now = start;
+    let mut hub = ChannelHub::new(small_config(), 9);
+    hub.set_announcement_log(log);
+    // Held announcements per channel, oldest first; those the log refused.
+    let mut held: HashMap<&str, VecDeque<ChannelPosition>> = HashMap::new();
+    let mut withdrawn: HashSet<(&str, ChannelPosition)> = HashSet::new();
+    // (session, channel) -> next offset it must receive, while it is a member.
+    let mut expect: HashMap<(SessionId, &str), u64> = HashMap::new();
+    let mut epochs: HashMap<&str, u64> = HashMap::new();
+    let mut consumers: HashSet<Arc<str>> = HashSet::new();
+    let check = |hub: &mut ChannelHub,
+                 deliveries: Vec<Delivery>,
+                 expect: &mut HashMap<(SessionId, &'static str), u64>,
+                 withdrawn: &HashSet<(&'static str, ChannelPosition)>|
+     -> Result<(), TestCaseError> {
+        for d in deliveries {
+            let e = ChannelEvent::decode(d.event.clone()).expect("valid");
+            let name = NAMES
+                .iter()
+                .copied()
+                .find(|n| *n == e.channel)
+                .expect("known");
+            for s in d.to {
+                match e.kind {
+                    ChannelEventKind::Publication if e.position.offset > 0 => {
+                        prop_assert!(
+                            !withdrawn.contains(&(name, e.position)),
+                            "a refused announcement was delivered"
+                        );
+                        if let Some(next) = expect.get_mut(&(s, name)) {
+                            // Offsets the log refused are holes nobody receives.
+                            while withdrawn.contains(&(
+                                name,
+                                ChannelPosition {
+                                    epoch: e.position.epoch,
+                                    offset: *next,
+                                },
+                            )) {
                                 *next += 1;
                             }
+                            prop_assert_eq!(
+                                e.position.offset,
+                                *next,
+                                "member {:?} of {}",
+                                s[0],
+                                name
+                            );
+                            *next += 1;
                         }
-                        ChannelEventKind::Left => { expect.remove(&(s, name)); }
-                        _ => {}
+                    }
+                    ChannelEventKind::Left => {
+                        expect.remove(&(s, name));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        hub.check_invariants().map_err(TestCaseError::fail)?;
+        Ok(())
+    };
+    for op in ops {
+        let mut deliveries = Vec::new();
+        match op {
+            Op::Publish { ch, class } => {
+                let class = TrafficClass::ALL[class as usize];
+                let name = NAMES[ch as usize];
+                if let Ok(r) = hub.publish(now, name, 0, class, Bytes::new()) {
+                    prop_assert_eq!(r.persist.is_some(), log && class == TrafficClass::Critical);
+                    if let Some(rec) = r.persist {
+                        held.entry(name).or_default().push_back(rec.position);
                     }
                 }
             }
-            hub.check_invariants().map_err(TestCaseError::fail)?;
-            Ok(())
-        };
-        for op in ops {
-            let mut deliveries = Vec::new();
-            match op {
-                Op::Publish { ch, class } => {
-                    let class = TrafficClass::ALL[class as usize];
-                    let _ = hub.publish(now, NAMES[ch as usize], 0, class, Bytes::new());
-                }
-                Op::Join { s, ch, since } => {
-                    let name = NAMES[ch as usize];
-                    let here = hub.position(name);
-                    let since = match (since, here) {
-                        (0, _) | (_, None) => None,
-                        (1, Some(p)) => Some(p),
-                        (2, Some(p)) => Some(ChannelPosition { epoch: p.epoch, offset: p.offset.saturating_sub(2) }),
-                        (_, Some(p)) => Some(ChannelPosition { epoch: p.epoch ^ 5, offset: p.offset }),
+            Op::Join { s, ch, since } => {
+                let name = NAMES[ch as usize];
+                let here = hub.position(name);
+                let since = match (since, here) {
+                    (0, _) | (_, None) => None,
+                    (1, Some(p)) => Some(p),
+                    (2, Some(p)) => Some(ChannelPosition {
+                        epoch: p.epoch,
+                        offset: p.offset.saturating_sub(2),
+                    }),
+                    (_, Some(p)) => Some(ChannelPosition {
+                        epoch: p.epoch ^ 5,
+                        offset: p.offset,
+                    }),
+                };
+                let was_member = expect.contains_key(&(sid(s), name));
+                if let Ok((live, outcome)) = hub.join(now, sid(s), &player(s), name, since) {
+                    let first = match outcome {
+                        JoinOutcome::Recovered { .. } => since.map(|p| p.offset + 1),
+                        JoinOutcome::Joined | JoinOutcome::HistoryLost => Some(live.offset + 1),
+                        JoinOutcome::AlreadyMember => None,
                     };
-                    let was_member = expect.contains_key(&(sid(s), name));
-                    if let Ok((live, outcome)) = hub.join(now, sid(s), &player(s), name, since) {
-                        let first = match outcome {
-                            JoinOutcome::Recovered { .. } => since.map(|p| p.offset + 1),
-                            JoinOutcome::Joined | JoinOutcome::HistoryLost => Some(live.offset + 1),
-                            JoinOutcome::AlreadyMember => None,
-                        };
-                        if let (Some(first), false) = (first, was_member) {
-                            expect.insert((sid(s), name), first);
-                        }
-                        epochs.insert(name, live.epoch);
+                    if let (Some(first), false) = (first, was_member) {
+                        expect.insert((sid(s), name), first);
                     }
+                    epochs.insert(name, live.epoch);
                 }
-                Op::Leave { s, ch } => { let _ = hub.leave(now, sid(s), NAMES[ch as usize]); }
-                Op::End { s } => {
-                    hub.session_ended(&sid(s));
-                    expect.retain(|(who, _), _| *who != sid(s));
+            }
+            Op::Leave { s, ch } => {
+                let _ = hub.leave(now, sid(s), NAMES[ch as usize]);
+            }
+            Op::End { s } => {
+                hub.session_ended(&sid(s));
+                expect.retain(|(who, _), _| *who != sid(s));
+            }
+            Op::Drain { ch, n } => {
+                while let Some(c) = hub.poll_ready() {
+                    consumers.insert(c);
                 }
-                Op::Drain { ch, n } => {
-                    while let Some(c) = hub.poll_ready() { consumers.insert(c); }
-                    let name: Arc<str> = NAMES[ch as usize].into();
-                    if consumers.contains(&name) {
-                        for _ in 0..n {
-                            match hub.next_delivery(&name) {
-                                Some(d) => deliveries.push(d),
-                                None => { consumers.remove(&name); break; }
+                let name: Arc<str> = NAMES[ch as usize].into();
+                if consumers.contains(&name) {
+                    for _ in 0..n {
+                        match hub.next_delivery(&name) {
+                            Some(d) => deliveries.push(d),
+                            None => {
+                                consumers.remove(&name);
+                                break;
                             }
                         }
                     }
                 }
-                Op::Advance { ms } => {
-                    now += Duration::from_millis(ms.into());
-                    hub.sweep(now);
+            }
+            Op::Advance { ms } => {
+                now += Duration::from_millis(ms.into());
+                hub.sweep(now);
+            }
+            Op::Persist { ch, ok } => {
+                let name = NAMES[ch as usize];
+                if let Some(p) = held.get_mut(name).and_then(VecDeque::pop_front) {
+                    prop_assert!(
+                        hub.persisted(name, p, ok),
+                        "a held announcement was not found"
+                    );
+                    if !ok {
+                        withdrawn.insert((name, p));
+                    }
                 }
             }
-            check(&mut hub, deliveries, &mut expect)?;
         }
-        // Drain everything: members that stayed have seen every offset up to the last.
-        while let Some(c) = hub.poll_ready() { consumers.insert(c); }
-        let mut rest = Vec::new();
-        for c in consumers.drain() {
-            while let Some(d) = hub.next_delivery(&c) { rest.push(d); }
-        }
-        check(&mut hub, rest, &mut expect)?;
-        for ((s, name), next) in &expect {
-            let last = hub.position(name).map_or(0, |p| p.offset);
-            prop_assert_eq!(*next, last + 1, "member {:?} of {} missed the tail", s[0], name);
-        }
-        prop_assert_eq!(hub.pending(), 0);
+        check(&mut hub, deliveries, &mut expect, &withdrawn)?;
     }
+    // The log confirms what it still holds; then drain everything: members that stayed
+    // have seen every offset up to the last.
+    for (name, ps) in held.drain() {
+        for p in ps {
+            prop_assert!(hub.persisted(name, p, true));
+        }
+    }
+    while let Some(c) = hub.poll_ready() {
+        consumers.insert(c);
+    }
+    let mut rest = Vec::new();
+    for c in consumers.drain() {
+        while let Some(d) = hub.next_delivery(&c) {
+            rest.push(d);
+        }
+    }
+    check(&mut hub, rest, &mut expect, &withdrawn)?;
+    for ((s, name), next) in &mut expect {
+        let here = hub.position(name).unwrap_or_default();
+        while withdrawn.contains(&(
+            *name,
+            ChannelPosition {
+                epoch: here.epoch,
+                offset: *next,
+            },
+        )) {
+            *next += 1;
+        }
+        let last = here.offset;
+        prop_assert_eq!(
+            *next,
+            last + 1,
+            "member {:?} of {} missed the tail",
+            s[0],
+            name
+        );
+    }
+    prop_assert_eq!(hub.pending(), 0);
+    Ok(())
 }
