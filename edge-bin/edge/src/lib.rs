@@ -11,6 +11,7 @@
 //! depended on by the transport, protocol, session or routing crates.
 
 pub mod admin;
+pub mod announcements;
 pub mod auth;
 pub mod cluster;
 pub mod config;

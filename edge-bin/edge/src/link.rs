@@ -132,10 +132,15 @@ pub struct LinkRefusal {
 /// kick, a key, a pin). One channel hop fewer for every push.
 pub trait LinkEventSink: Send + Sync + std::fmt::Debug + 'static {
     /// Carries `event` out without waiting; returns the frame to answer the backend with
-    /// (a channel request's CHANNEL_RESULT). Never given a stale-epoch refusal (that one
-    /// may need the table refreshed first: it goes to the async loop).
-    fn handle(&self, event: LinkEvent) -> Option<LinkFrame>;
+    /// (a channel request's CHANNEL_RESULT). An answer that must wait (an announcement
+    /// until the announcement log has it) is sent later on the link's writer, which
+    /// `later` gives (`None`: the link is down). Never given a stale-epoch refusal (that
+    /// one may need the table refreshed first: it goes to the async loop).
+    fn handle(&self, event: LinkEvent, later: &LinkWriter<'_>) -> Option<LinkFrame>;
 }
+
+/// Gives the link's writer, for an answer sent after the event was handled.
+pub type LinkWriter<'a> = dyn Fn() -> Option<mpsc::Sender<LinkFrame>> + Send + Sync + 'a;
 
 /// The ways out of a link: the non-blocking sink for what can be done at once, the bounded
 /// channel to the edge's async loop for the rest (and for everything without a sink).
@@ -180,9 +185,9 @@ enum Sent {
 impl LinkEvents {
     /// Delivers `event`. Without a fast sink, a channel request is answered `unavailable`
     /// here: the async loop has no way back to the link.
-    async fn send(&self, event: LinkEvent) -> Sent {
+    async fn send(&self, event: LinkEvent, later: &LinkWriter<'_>) -> Sent {
         match &self.fast {
-            Some(fast) if !needs_async(&event) => return Sent::Done(fast.handle(event)),
+            Some(fast) if !needs_async(&event) => return Sent::Done(fast.handle(event, later)),
             None => {
                 if let Some(answer) = channel_unavailable(&event) {
                     return Sent::Done(Some(answer));
@@ -589,7 +594,7 @@ fn take_now(
         Incoming::Done => FrameHandled::Taken,
         Incoming::Unexpected(other) => FrameHandled::Queue(other),
         Incoming::Event(event) => {
-            let answer = fast.handle(event);
+            let answer = fast.handle(event, &|| shared.tx.lock().ok().and_then(|g| g.clone()));
             let credit =
                 push_credit_due(shared, return_every).map(|credits| LinkFrame::Credit { credits });
             match (answer, credit) {
@@ -612,6 +617,8 @@ fn open_frame(meta: &SessionMeta) -> LinkFrame {
 
 async fn run(shared: Arc<LinkShared>) {
     let mut failures = 0u32;
+    // The events sent while the link is down carry no request to answer later.
+    let link_down = || None;
     loop {
         match connect_once(&shared).await {
             Ok(()) => failures = 0,
@@ -649,13 +656,13 @@ async fn run(shared: Arc<LinkShared>) {
                 refusal,
                 message: Some(m),
             };
-            if let Sent::EdgeGone = shared.events.send(event).await {
+            if let Sent::EdgeGone = shared.events.send(event, &link_down).await {
                 return;
             }
         }
         if let Sent::EdgeGone = shared
             .events
-            .send(LinkEvent::Down { addr: shared.addr })
+            .send(LinkEvent::Down { addr: shared.addr }, &link_down)
             .await
         {
             return;
@@ -819,12 +826,17 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
     tracing::info!(addr = %shared.addr, %instance_id, "backend link up");
     let _ = shared
         .events
-        .send(LinkEvent::Up {
-            addr: shared.addr,
-            instance_id,
-        })
+        .send(
+            LinkEvent::Up {
+                addr: shared.addr,
+                instance_id,
+            },
+            &|| None,
+        )
         .await;
 
+    // Answers that wait (announcements until logged) go out on the writer later.
+    let writer = io.tx.clone();
     while let Some(frame) = io.rx.recv().await {
         let event = match take_frame(shared, frame) {
             Incoming::Done => continue,
@@ -841,7 +853,7 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
                 return Err("unexpected frame from backend");
             }
         };
-        match shared.events.send(event).await {
+        match shared.events.send(event, &|| Some(writer.clone())).await {
             Sent::EdgeGone => return Ok(()),
             Sent::Done(Some(answer)) => {
                 if io.tx.send(answer).await.is_err() {

@@ -118,9 +118,28 @@ pub struct ChannelsConfig {
     /// Departed members remembered per channel of a kind with `backlog` (the oldest is
     /// forgotten first; an entry also goes when its kind's history TTL has passed).
     pub backlog_players: usize,
+    /// Where announcements are made durable before they are taken (PROTOCOL.md §12.5):
+    /// `auto` (the Redis stream when the edge uses Redis, else none), `off`, `redis`, or
+    /// the path of a file (the one-edge log).
+    pub announcement_log: String,
+    /// When the file log syncs to disk.
+    pub announcement_fsync: FsyncPolicy,
+    /// The file log's size cap in bytes: compacted when it reaches it (the announcements
+    /// that expire first are dropped when what is live exceeds half of it).
+    pub announcement_log_max_bytes: u64,
     /// The channel kinds, by the part of a channel name before `:` (`guild` for
     /// `guild:42`, `world` for `world`). Setting this replaces the default kinds.
     pub kinds: BTreeMap<String, KindPolicy>,
+}
+
+/// When the file announcement log syncs to disk (`channels.announcement_fsync`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FsyncPolicy {
+    /// After every batch, before any of it is answered: durable across a power loss.
+    Always,
+    /// Never explicitly: durable across a crash of the edge process, not of the machine.
+    Never,
 }
 
 impl Default for ChannelsConfig {
@@ -137,6 +156,9 @@ impl Default for ChannelsConfig {
             idle_reclaim_ms: 60_000,
             dedup_window: 1_024,
             backlog_players: 10_000,
+            announcement_log: "auto".to_owned(),
+            announcement_fsync: FsyncPolicy::Always,
+            announcement_log_max_bytes: 64 * 1024 * 1024,
             kinds: BTreeMap::from([
                 ("world".to_owned(), kind(100, 60_000, false)),
                 ("guild".to_owned(), kind(500, 3_600_000, true)),
@@ -155,6 +177,12 @@ impl ChannelsConfig {
         }
         if self.max_channels_per_session == 0 {
             return Err("channels.max_channels_per_session must be at least 1".into());
+        }
+        if self.announcement_log.is_empty() {
+            return Err("channels.announcement_log: `auto`, `off`, `redis` or a file path".into());
+        }
+        if self.announcement_log_max_bytes < 64 * 1024 {
+            return Err("channels.announcement_log_max_bytes must be at least 65536".into());
         }
         for (name, k) in &self.kinds {
             if name.is_empty() || name.contains(':') || name.len() > MAX_CHANNEL_NAME_LEN {

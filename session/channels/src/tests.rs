@@ -52,6 +52,7 @@ fn small_config() -> ChannelsConfig {
         ]
         .into_iter()
         .collect(),
+        ..ChannelsConfig::default()
     }
 }
 

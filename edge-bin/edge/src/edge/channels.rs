@@ -5,11 +5,17 @@
 //! pushes them into the members' session outbound queues (which the session layer delivers,
 //! acks and replays like any DATA). The hub's lock is never held while pushing, and no
 //! lock is held across an await.
+//!
+//! With an announcement log (PROTOCOL.md §12.5), an announcement is answered later: the
+//! hub holds it, one writer task appends what is held to the log in order (a batch per
+//! write), tells the hub, and answers each publisher on its link. A join from another
+//! epoch's position first reads the log (a task), then joins with what it found.
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use waygate_channels::{channel_kind, ChannelError, Delivery, JoinOutcome};
+use tokio::sync::mpsc;
+use waygate_channels::{channel_kind, AnnouncementRecord, ChannelError, Delivery, JoinOutcome};
 use waygate_protocol::channel::{ChannelPosition, CHANNEL_EVENT_MSG_ID};
 use waygate_protocol::link::LinkFrame;
 use waygate_session::driver::{Downstream, PushError};
@@ -21,6 +27,31 @@ use crate::metrics::{ChannelClassLabels, ChannelLabels};
 /// Members pushed per lock of the session registry (a big channel's fan-out lets other
 /// work in between).
 const PUSH_CHUNK: usize = 256;
+
+/// Announcements waiting for the log writer, over all channels (each channel's own cap is
+/// its `queue_critical`); beyond, a publish is answered `queue_full`.
+pub(super) const ANNOUNCEMENT_QUEUE: usize = 4096;
+/// Announcements the writer appends in one batch.
+const ANNOUNCEMENT_BATCH: usize = 256;
+/// How long one append may take before its announcements are refused (`unavailable`).
+const ANNOUNCEMENT_APPEND_DEADLINE: Duration = Duration::from_secs(5);
+/// Logged announcements read for one join (the log keeps a kind's history length).
+const LOGGED_READ_LIMIT: usize = 100_000;
+
+/// The edge's announcement log and its writer's queue.
+#[derive(Debug)]
+pub(super) struct Announcements {
+    pub(super) log: Arc<dyn crate::announcements::AnnouncementLog>,
+    pub(super) jobs: mpsc::Sender<AnnouncementJob>,
+}
+
+/// A held announcement and whom to answer once the log has it.
+#[derive(Debug)]
+pub(super) struct AnnouncementJob {
+    record: AnnouncementRecord,
+    request_id: u64,
+    reply: Option<mpsc::Sender<LinkFrame>>,
+}
 
 fn result(request_id: u64, outcome: Result<ChannelPosition, ChannelError>) -> LinkFrame {
     let (code, retry_after_ms, position) = match outcome {
@@ -74,7 +105,11 @@ impl Shared {
 
     /// Carries out one channel request from a backend and returns its CHANNEL_RESULT;
     /// `None` for a frame that is not a channel request.
-    pub(super) fn channel_request(self: &Arc<Self>, frame: LinkFrame) -> Option<LinkFrame> {
+    pub(super) fn channel_request(
+        self: &Arc<Self>,
+        frame: LinkFrame,
+        later: &crate::link::LinkWriter<'_>,
+    ) -> Option<LinkFrame> {
         let now = now_std();
         let reply = match frame {
             LinkFrame::ChannelPublish {
@@ -86,6 +121,12 @@ impl Shared {
                 let outcome = self
                     .hub()
                     .publish(now, &channel, request_id, class, payload);
+                if let Ok(receipt) = &outcome {
+                    if let Some(record) = receipt.persist.clone() {
+                        // Answered by the log writer once the log has it.
+                        return self.hold_announcement(record, request_id, later());
+                    }
+                }
                 let label = match &outcome {
                     Ok(r) if r.duplicate => "duplicate",
                     Ok(_) => "accepted",
@@ -118,6 +159,20 @@ impl Shared {
                 let Some(sid) = self.session_of_handle(handle) else {
                     return Some(member_offline(request_id));
                 };
+                if self.hub().needs_logged(&channel, since) {
+                    if let (Some(a), Some(since)) = (&self.announcements, since) {
+                        // Answered once the log was read.
+                        tokio::spawn(join_from_log(
+                            Arc::downgrade(self),
+                            a.log.clone(),
+                            sid,
+                            channel,
+                            since,
+                            Some((request_id, later())),
+                        ));
+                        return None;
+                    }
+                }
                 let player = self.session_layer().registry.player_of(&sid);
                 let player = player.as_deref().unwrap_or_default();
                 let outcome = self.hub().join(now, sid, player, &channel, since);
@@ -155,6 +210,44 @@ impl Shared {
         Some(reply)
     }
 
+    /// Hands a held announcement to the log writer; a full writer queue withdraws it at
+    /// once (`queue_full`).
+    fn hold_announcement(
+        self: &Arc<Self>,
+        record: AnnouncementRecord,
+        request_id: u64,
+        reply: Option<mpsc::Sender<LinkFrame>>,
+    ) -> Option<LinkFrame> {
+        let job = AnnouncementJob {
+            record,
+            request_id,
+            reply,
+        };
+        let refused = match &self.announcements {
+            Some(a) => match a.jobs.try_send(job) {
+                Ok(()) => return None,
+                Err(e) => e.into_inner(),
+            },
+            None => job,
+        };
+        self.hub()
+            .persisted(&refused.record.channel, refused.record.position, false);
+        self.count_publish(&refused.record.channel, Err(ChannelError::QueueFull));
+        self.start_channel_consumers();
+        Some(result(refused.request_id, Err(ChannelError::QueueFull)))
+    }
+
+    fn count_publish(&self, channel: &str, outcome: Result<(), ChannelError>) {
+        let label = match outcome {
+            Ok(()) => "accepted",
+            Err(e) => e.code().as_str(),
+        };
+        self.metrics
+            .channel_publishes
+            .get_or_create(&labels(channel, TrafficClass::Critical, label))
+            .inc();
+    }
+
     /// Starts a consumer for every channel that has work and none.
     pub(super) fn start_channel_consumers(self: &Arc<Self>) {
         let ready: Vec<Arc<str>> = {
@@ -183,6 +276,22 @@ impl Shared {
         {
             let mut hub = self.hub();
             for (name, position) in channels {
+                if let Some(a) = self
+                    .announcements
+                    .as_ref()
+                    .filter(|_| hub.needs_logged(&name, Some(position)))
+                {
+                    // Another epoch's position: what the log holds after it comes first.
+                    tokio::spawn(join_from_log(
+                        Arc::downgrade(self),
+                        a.log.clone(),
+                        session_id,
+                        name,
+                        position,
+                        None,
+                    ));
+                    continue;
+                }
                 match hub.join(now, session_id, player, &name, Some(position)) {
                     Ok((_, outcome)) => {
                         self.metrics
@@ -201,6 +310,16 @@ impl Shared {
                 }
             }
         }
+        self.end_refused_memberships(session_id, refused);
+        self.start_channel_consumers();
+    }
+
+    /// Restored memberships this edge refused end for the client with a LEFT event.
+    fn end_refused_memberships(
+        &self,
+        session_id: waygate_protocol::frame::SessionId,
+        refused: Vec<(String, ChannelPosition)>,
+    ) {
         for (channel, position) in refused {
             let left = waygate_protocol::channel::ChannelEvent {
                 kind: waygate_protocol::channel::ChannelEventKind::Left,
@@ -224,7 +343,6 @@ impl Shared {
                 tracing::info!(error = %e, "LEFT for a refused membership not queued");
             }
         }
-        self.start_channel_consumers();
     }
 
     /// A session ended for good: it is a member of no channel here any more; channels of a
@@ -289,6 +407,122 @@ impl Shared {
                     class: d.class.as_str().to_owned(),
                 })
                 .observe(now_std().saturating_duration_since(at).as_secs_f64());
+        }
+    }
+}
+
+/// Reads what the announcement log holds after `since` (another epoch's position), then
+/// joins `session` with it: the logged announcements, then HISTORY_LOST. `answer`: the
+/// backend's CHANNEL_JOIN to answer (a log that cannot be read answers it `unavailable`,
+/// nothing joined, so the game server retries); without, a restored membership (joined
+/// without the log's announcements if it cannot be read: the member still gets
+/// HISTORY_LOST, and the loss is logged and counted).
+async fn join_from_log(
+    shared: Weak<Shared>,
+    log: Arc<dyn crate::announcements::AnnouncementLog>,
+    session: waygate_protocol::frame::SessionId,
+    channel: String,
+    since: ChannelPosition,
+    answer: Option<(u64, Option<mpsc::Sender<LinkFrame>>)>,
+) {
+    let logged = log.after(&channel, since, LOGGED_READ_LIMIT).await;
+    let Some(shared) = shared.upgrade() else {
+        return;
+    };
+    let logged = match logged {
+        Ok(l) => l,
+        Err(e) => {
+            shared
+                .metrics
+                .channel_joins
+                .get_or_create(&labels(&channel, TrafficClass::Critical, "log_unavailable"))
+                .inc();
+            if let Some((request_id, reply)) = answer {
+                tracing::info!(%channel, error = %e, "join refused: the announcement log cannot be read");
+                if let Some(reply) = reply {
+                    let _ = reply
+                        .send(result(request_id, Err(ChannelError::LogUnavailable)))
+                        .await;
+                }
+                return;
+            }
+            tracing::warn!(%channel, error = %e, "restored membership joined without the announcements it missed: the log cannot be read");
+            Vec::new()
+        }
+    };
+    let player = shared.session_layer().registry.player_of(&session);
+    let player = player.as_deref().unwrap_or_default();
+    let outcome =
+        shared
+            .hub()
+            .join_with_logged(now_std(), session, player, &channel, Some(since), &logged);
+    let label = match &outcome {
+        Ok((_, o)) => join_label(o),
+        Err(e) => e.code().as_str(),
+    };
+    shared
+        .metrics
+        .channel_joins
+        .get_or_create(&labels(&channel, TrafficClass::Critical, label))
+        .inc();
+    match answer {
+        Some((request_id, reply)) => {
+            if let Some(reply) = reply {
+                let _ = reply
+                    .send(result(request_id, outcome.map(|(p, _)| p)))
+                    .await;
+            }
+        }
+        None => {
+            if let Err(e) = outcome {
+                tracing::info!(%channel, error = %e, "restored membership refused here");
+                shared.end_refused_memberships(session, vec![(channel, since)]);
+            }
+        }
+    }
+    shared.start_channel_consumers();
+}
+
+/// The announcement log's writer: appends what the hub holds, in order, a batch at a time,
+/// then releases (or withdraws) each announcement in the hub and answers its publisher.
+pub(super) async fn announcement_writer(
+    shared: Weak<Shared>,
+    log: Arc<dyn crate::announcements::AnnouncementLog>,
+    mut jobs: mpsc::Receiver<AnnouncementJob>,
+) {
+    let mut batch = Vec::with_capacity(ANNOUNCEMENT_BATCH);
+    while jobs.recv_many(&mut batch, ANNOUNCEMENT_BATCH).await > 0 {
+        let records: Vec<AnnouncementRecord> = batch.iter().map(|j| j.record.clone()).collect();
+        let written =
+            match tokio::time::timeout(ANNOUNCEMENT_APPEND_DEADLINE, log.append(&records)).await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err("no answer within the deadline".to_owned()),
+            };
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        if let Err(e) = &written {
+            tracing::warn!(error = %e, announcements = batch.len(), "announcement log append failed: refused");
+        }
+        {
+            let mut hub = shared.hub();
+            for j in &batch {
+                hub.persisted(&j.record.channel, j.record.position, written.is_ok());
+            }
+        }
+        shared.start_channel_consumers();
+        for j in batch.drain(..) {
+            let outcome = match written {
+                Ok(()) => Ok(j.record.position),
+                Err(_) => Err(ChannelError::LogUnavailable),
+            };
+            shared.count_publish(&j.record.channel, outcome.map(|_| ()));
+            if let Some(reply) = j.reply {
+                // The link may be gone: its backend learns nothing more on it (a retry on
+                // the next link with the same id is answered from the dedup window).
+                let _ = reply.send(result(j.request_id, outcome)).await;
+            }
         }
     }
 }

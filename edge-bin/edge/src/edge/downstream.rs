@@ -58,7 +58,7 @@ impl Shared {
 pub(super) struct EdgeLinkSink(pub(super) Weak<Shared>);
 
 impl LinkEventSink for EdgeLinkSink {
-    fn handle(&self, event: LinkEvent) -> Option<LinkFrame> {
+    fn handle(&self, event: LinkEvent, later: &crate::link::LinkWriter<'_>) -> Option<LinkFrame> {
         let shared = self.0.upgrade()?;
         if let LinkEvent::Backend(
             frame @ (LinkFrame::ChannelJoin { .. }
@@ -66,7 +66,7 @@ impl LinkEventSink for EdgeLinkSink {
             | LinkFrame::ChannelPublish { .. }),
         ) = event
         {
-            return shared.channel_request(frame);
+            return shared.channel_request(frame, later);
         }
         if let Some(LinkEvent::Refuse { refusal, .. }) = handle_now(&shared, event) {
             // The link gives stale-epoch refusals to the async loop; should one arrive here,

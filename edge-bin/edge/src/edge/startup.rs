@@ -207,6 +207,48 @@ impl Edge {
             listeners: bound.stats.clone(),
             kcp: bound.kcp_stats.clone(),
         });
+        // The announcement log (PROTOCOL.md §12.5): its writer starts once the edge exists.
+        let announcement_log: Option<Arc<dyn crate::announcements::AnnouncementLog>> =
+            match config.channels.announcement_log.as_str() {
+                "off" => None,
+                "auto" => redis.as_ref().map(|r| {
+                    r.announcements.clone() as Arc<dyn crate::announcements::AnnouncementLog>
+                }),
+                "redis" => Some(
+                    redis
+                        .as_ref()
+                        .ok_or_else(|| {
+                            EdgeError::Config(crate::config::ConfigError::Invalid {
+                                key: "channels.announcement_log",
+                                message: "`redis` needs cluster.redis_url or cluster.redis_cluster"
+                                    .into(),
+                            })
+                        })?
+                        .announcements
+                        .clone(),
+                ),
+                path => Some(Arc::new(
+                    crate::announcements::FileAnnouncementLog::open(
+                        std::path::Path::new(path),
+                        config.channels.announcement_fsync,
+                        config.channels.announcement_log_max_bytes,
+                    )
+                    .map_err(|e| {
+                        EdgeError::Config(crate::config::ConfigError::Invalid {
+                            key: "channels.announcement_log",
+                            message: format!("{path}: {e}"),
+                        })
+                    })?,
+                )),
+            };
+        let (announcement_jobs, announcement_rx) =
+            mpsc::channel(super::channels::ANNOUNCEMENT_QUEUE);
+        let announcements = announcement_log.map(|log| super::channels::Announcements {
+            log,
+            jobs: announcement_jobs,
+        });
+        let mut hub = waygate_channels::ChannelHub::new(config.channels.clone(), rand::random());
+        hub.set_announcement_log(announcements.is_some());
         let shared = Arc::new_cyclic(|weak| Shared {
             metrics,
             sessions,
@@ -233,12 +275,17 @@ impl Edge {
             link_secret,
             link_tls,
             revocations: waygate_session::auth::Revocations::default(),
-            channels: Mutex::new(waygate_channels::ChannelHub::new(
-                config.channels.clone(),
-                rand::random(),
-            )),
+            channels: Mutex::new(hub),
+            announcements,
             config,
         });
+        if let Some(a) = &shared.announcements {
+            tasks.push(tokio::spawn(super::channels::announcement_writer(
+                Arc::downgrade(&shared),
+                a.log.clone(),
+                announcement_rx,
+            )));
+        }
         shared.metrics.preset(shared.addrs.keys().copied());
         shared
             .metrics

@@ -87,6 +87,9 @@
 //!   ([`RedisOwnership`], [`Reassert`], [`KickNotice`]).
 //! - `snapshots`: the warm snapshot store ([`RedisSnapshotStore`]).
 //! - `presence`: presence records ([`RedisPresence`], [`Presence`]).
+//! - `announcements`: the channels' announcement log, a stream per channel epoch
+//!   ([`RedisAnnouncementLog`]; key `P:{T}:ann:<channel>:<epoch>`, T the channel name's
+//!   store tag).
 //! - `push`: cross-edge push over pub/sub ([`PushMessage`], [`DeliveryResult`],
 //!   [`PushHandler`], [`PushServer`]).
 //! - this file: [`RedisConfig`], [`RedisError`] and [`RedisStores`], the three backends on
@@ -101,12 +104,14 @@ use std::time::Duration;
 
 use waygate_session::store::StoreError;
 
+mod announcements;
 mod conn;
 mod ownership;
 mod presence;
 mod push;
 mod snapshots;
 
+pub use announcements::RedisAnnouncementLog;
 use conn::Conn;
 pub use ownership::{KickNotice, Reassert, RedisOwnership};
 pub use presence::{Presence, RedisPresence};
@@ -235,6 +240,8 @@ pub struct RedisStores {
     pub ownership: Arc<RedisOwnership>,
     /// Presence and cross-edge push.
     pub presence: Arc<RedisPresence>,
+    /// The announcement log (channels).
+    pub announcements: Arc<RedisAnnouncementLog>,
 }
 
 impl RedisStores {
@@ -258,7 +265,8 @@ impl RedisStores {
         Ok(Self {
             snapshots: Arc::new(RedisSnapshotStore::from_conn(conn.clone())),
             ownership: Arc::new(RedisOwnership::from_conn(conn.clone())),
-            presence: Arc::new(RedisPresence::from_conn(conn)),
+            presence: Arc::new(RedisPresence::from_conn(conn.clone())),
+            announcements: Arc::new(RedisAnnouncementLog::from_conn(conn)),
         })
     }
 }

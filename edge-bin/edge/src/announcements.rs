@@ -1,0 +1,465 @@
+//! The announcement log (PROTOCOL.md §12.5, SPEC F2): where an announcement (a critical
+//! channel publication) is made durable before its publisher is told it was taken, and
+//! where a member whose channel's epoch is gone (its edge died or restarted) finds the
+//! announcements it missed.
+//!
+//! [`AnnouncementLog`] is the interface; [`FileAnnouncementLog`] is the one-edge log (an
+//! append-only file with an fsync policy, compacted when it reaches its size cap); the Redis
+//! one (a stream per channel epoch, readable from every edge) is
+//! `cluster::redis::RedisAnnouncementLog`. The hold-until-logged rule is the channel hub's
+//! (`waygate_channels::ChannelHub::persisted`); the edge's writer task
+//! (`edge/channels.rs`) feeds the log in order and answers the publishers.
+//!
+//! What it must never do: reorder a channel's announcements, grow without bound (each
+//! channel epoch keeps its kind's history length for its history TTL; the file is compacted
+//! at its cap, oldest announcements first), or block a tokio worker on file I/O.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use waygate_channels::AnnouncementRecord;
+pub use waygate_channels::FsyncPolicy;
+use waygate_protocol::channel::ChannelPosition;
+
+/// Why the log did not take or give announcements.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AnnouncementLogError {
+    // ----- the log's medium
+    /// The file could not be written, synced or read.
+    #[error("announcement log I/O: {0}")]
+    Io(String),
+    /// The remote log (Redis) did not answer or refused.
+    #[error("announcement log unavailable: {0}")]
+    Unavailable(String),
+    // ----- the log's content
+    /// A record could not be decoded.
+    #[error("announcement log record corrupt: {0}")]
+    Corrupt(String),
+}
+
+/// Where announcements are made durable, in order, and read back (module docs).
+#[async_trait]
+pub trait AnnouncementLog: Send + Sync + std::fmt::Debug + 'static {
+    /// Appends `records` in this order (one batch: one fsync or one round trip). `Ok`: all
+    /// of them are durable; `Err`: none may be counted on.
+    async fn append(&self, records: &[AnnouncementRecord]) -> Result<(), AnnouncementLogError>;
+
+    /// The announcements of `channel` after `since`, in `since`'s epoch, in offset order,
+    /// at most `limit`.
+    async fn after(
+        &self,
+        channel: &str,
+        since: ChannelPosition,
+        limit: usize,
+    ) -> Result<Vec<AnnouncementRecord>, AnnouncementLogError>;
+}
+
+/// One record in the file: its length (u32 LE) before it.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct FileRecord {
+    channel: String,
+    epoch: u64,
+    offset: u64,
+    /// Unix milliseconds after which the record is dropped.
+    expires_ms: u64,
+    keep: u64,
+    event: Vec<u8>,
+}
+
+#[derive(Debug)]
+struct Kept {
+    offset: u64,
+    expires_ms: u64,
+    event: Bytes,
+}
+
+#[derive(Debug)]
+struct Epoch {
+    keep: usize,
+    entries: VecDeque<Kept>,
+}
+
+#[derive(Debug)]
+struct FileState {
+    path: PathBuf,
+    file: std::fs::File,
+    len: u64,
+    index: HashMap<(Arc<str>, u64), Epoch>,
+}
+
+/// The one-edge announcement log: an append-only file (module docs).
+#[derive(Debug, Clone)]
+pub struct FileAnnouncementLog {
+    state: Arc<Mutex<FileState>>,
+    fsync: FsyncPolicy,
+    max_bytes: u64,
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn io(e: std::io::Error) -> AnnouncementLogError {
+    AnnouncementLogError::Io(e.to_string())
+}
+
+fn encode(r: &FileRecord) -> Result<Vec<u8>, AnnouncementLogError> {
+    let body = postcard::to_allocvec(r)
+        .map_err(|e| AnnouncementLogError::Corrupt(format!("encode: {e}")))?;
+    let len = u32::try_from(body.len())
+        .map_err(|_| AnnouncementLogError::Corrupt("record above 4 GiB".into()))?;
+    let mut out = Vec::with_capacity(4 + body.len());
+    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+impl FileState {
+    fn remember(&mut self, r: FileRecord, now_ms: u64) {
+        if r.expires_ms <= now_ms {
+            return;
+        }
+        let e = self
+            .index
+            .entry((r.channel.as_str().into(), r.epoch))
+            .or_insert_with(|| Epoch {
+                keep: 1,
+                entries: VecDeque::new(),
+            });
+        e.keep = usize::try_from(r.keep).unwrap_or(usize::MAX).max(1);
+        if e.entries.back().is_some_and(|k| k.offset >= r.offset) {
+            return;
+        }
+        e.entries.push_back(Kept {
+            offset: r.offset,
+            expires_ms: r.expires_ms,
+            event: r.event.into(),
+        });
+        while e.entries.len() > e.keep {
+            e.entries.pop_front();
+        }
+    }
+
+    fn trim(&mut self, now_ms: u64) {
+        for e in self.index.values_mut() {
+            while e.entries.front().is_some_and(|k| k.expires_ms <= now_ms) {
+                e.entries.pop_front();
+            }
+        }
+        self.index.retain(|_, e| !e.entries.is_empty());
+    }
+
+    /// Rewrites the file with what the index still holds (a temporary file renamed over
+    /// it); when even that is above half the cap, the announcements that expire first go.
+    fn compact(&mut self, max_bytes: u64, now_ms: u64) -> Result<(), AnnouncementLogError> {
+        self.trim(now_ms);
+        let mut records: Vec<(u64, Vec<u8>)> = Vec::new();
+        for ((channel, epoch), e) in &self.index {
+            for k in &e.entries {
+                let bytes = encode(&FileRecord {
+                    channel: channel.to_string(),
+                    epoch: *epoch,
+                    offset: k.offset,
+                    expires_ms: k.expires_ms,
+                    keep: e.keep as u64,
+                    event: k.event.to_vec(),
+                })?;
+                records.push((k.expires_ms, bytes));
+            }
+        }
+        // Oldest expiry first; within one channel epoch that is offset order.
+        records.sort_by_key(|(at, _)| *at);
+        let mut total: u64 = records.iter().map(|(_, b)| b.len() as u64).sum();
+        let mut skip = 0;
+        while total > max_bytes / 2 && skip < records.len() {
+            total -= records[skip].1.len() as u64;
+            skip += 1;
+        }
+        let tmp = self.path.with_extension("compact");
+        {
+            let mut f = std::fs::File::create(&tmp).map_err(io)?;
+            for (_, b) in &records[skip..] {
+                f.write_all(b).map_err(io)?;
+            }
+            f.sync_all().map_err(io)?;
+        }
+        std::fs::rename(&tmp, &self.path).map_err(io)?;
+        self.file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&self.path)
+            .map_err(io)?;
+        self.len = total;
+        if skip > 0 {
+            tracing::warn!(
+                forgotten = skip,
+                "announcement log at its size cap: the announcements that expire first were dropped"
+            );
+            self.index.clear();
+            let now = unix_ms();
+            let kept: Vec<(u64, Vec<u8>)> = records.split_off(skip);
+            for (_, b) in kept {
+                if let Some(body) = b.get(4..) {
+                    if let Ok(r) = postcard::from_bytes::<FileRecord>(body) {
+                        self.remember(r, now);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl FileAnnouncementLog {
+    /// Opens (or creates) the log at `path` and reads what it holds. A record cut short
+    /// by a crash ends the file there (it was never answered).
+    pub fn open(
+        path: &Path,
+        fsync: FsyncPolicy,
+        max_bytes: u64,
+    ) -> Result<Self, AnnouncementLogError> {
+        let now = unix_ms();
+        let mut data = Vec::new();
+        match std::fs::File::open(path) {
+            Ok(mut f) => {
+                f.read_to_end(&mut data).map_err(io)?;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io(e)),
+        }
+        let mut state = FileState {
+            path: path.to_owned(),
+            file: std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map_err(io)?,
+            len: 0,
+            index: HashMap::new(),
+        };
+        let mut at = 0usize;
+        while let Some(len) = data.get(at..at + 4) {
+            let len = u32::from_le_bytes([len[0], len[1], len[2], len[3]]) as usize;
+            let Some(body) = data.get(at + 4..at + 4 + len) else {
+                break;
+            };
+            let Ok(r) = postcard::from_bytes::<FileRecord>(body) else {
+                break;
+            };
+            state.remember(r, now);
+            at += 4 + len;
+        }
+        if at < data.len() {
+            tracing::warn!(
+                path = %path.display(),
+                cut = data.len() - at,
+                "announcement log ends in a partial record (a crash while writing): cut"
+            );
+            state.file.set_len(at as u64).map_err(io)?;
+        }
+        state.len = at as u64;
+        let log = Self {
+            state: Arc::new(Mutex::new(state)),
+            fsync,
+            max_bytes: max_bytes.max(4096),
+        };
+        Ok(log)
+    }
+
+    fn append_now(&self, records: &[AnnouncementRecord]) -> Result<(), AnnouncementLogError> {
+        let now = unix_ms();
+        let mut out = Vec::new();
+        let mut file_records = Vec::with_capacity(records.len());
+        for r in records {
+            let ttl = u64::try_from(r.ttl.as_millis()).unwrap_or(u64::MAX);
+            let fr = FileRecord {
+                channel: r.channel.to_string(),
+                epoch: r.position.epoch,
+                offset: r.position.offset,
+                expires_ms: now.saturating_add(ttl),
+                keep: r.keep.max(1) as u64,
+                event: r.event.to_vec(),
+            };
+            out.extend(encode(&fr)?);
+            file_records.push(fr);
+        }
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let at = s.len;
+        let written = s.file.write_all(&out).and_then(|()| match self.fsync {
+            FsyncPolicy::Always => s.file.sync_data(),
+            FsyncPolicy::Never => Ok(()),
+        });
+        if let Err(e) = written {
+            // Nothing of a failed batch may stay to be read back at the next start.
+            let _ = s.file.set_len(at);
+            return Err(io(e));
+        }
+        s.len += out.len() as u64;
+        for fr in file_records {
+            s.remember(fr, now);
+        }
+        if s.len > self.max_bytes {
+            s.compact(self.max_bytes, now)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes in the file now.
+    pub fn len_bytes(&self) -> u64 {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).len
+    }
+}
+
+#[async_trait]
+impl AnnouncementLog for FileAnnouncementLog {
+    async fn append(&self, records: &[AnnouncementRecord]) -> Result<(), AnnouncementLogError> {
+        let log = self.clone();
+        let records = records.to_vec();
+        tokio::task::spawn_blocking(move || log.append_now(&records))
+            .await
+            .map_err(|e| AnnouncementLogError::Io(format!("writer task: {e}")))?
+    }
+
+    async fn after(
+        &self,
+        channel: &str,
+        since: ChannelPosition,
+        limit: usize,
+    ) -> Result<Vec<AnnouncementRecord>, AnnouncementLogError> {
+        let now = unix_ms();
+        let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let key: (Arc<str>, u64) = (channel.into(), since.epoch);
+        let Some(e) = s.index.get(&key) else {
+            return Ok(Vec::new());
+        };
+        Ok(e.entries
+            .iter()
+            .filter(|k| k.offset > since.offset && k.expires_ms > now)
+            .take(limit)
+            .map(|k| AnnouncementRecord {
+                channel: key.0.clone(),
+                position: ChannelPosition {
+                    epoch: since.epoch,
+                    offset: k.offset,
+                },
+                event: k.event.clone(),
+                ttl: Duration::from_millis(k.expires_ms.saturating_sub(now)),
+                keep: e.keep,
+            })
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(channel: &str, epoch: u64, offset: u64, keep: usize) -> AnnouncementRecord {
+        AnnouncementRecord {
+            channel: channel.into(),
+            position: ChannelPosition { epoch, offset },
+            event: Bytes::from(format!("{channel}/{epoch}/{offset}")),
+            ttl: Duration::from_secs(60),
+            keep,
+        }
+    }
+
+    fn since(epoch: u64, offset: u64) -> ChannelPosition {
+        ChannelPosition { epoch, offset }
+    }
+
+    #[tokio::test]
+    async fn announcements_survive_a_reopen_in_order_and_within_their_bounds() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ann.log");
+        let log = FileAnnouncementLog::open(&path, FsyncPolicy::Always, 1 << 20).unwrap();
+        log.append(&[record("guild:1", 7, 1, 3), record("world", 9, 2, 3)])
+            .await
+            .unwrap();
+        log.append(&[
+            record("guild:1", 7, 3, 3),
+            record("guild:1", 7, 4, 3),
+            record("guild:1", 7, 6, 3),
+        ])
+        .await
+        .unwrap();
+        drop(log);
+        let log = FileAnnouncementLog::open(&path, FsyncPolicy::Always, 1 << 20).unwrap();
+        let got = log.after("guild:1", since(7, 3), 10).await.unwrap();
+        let offsets: Vec<u64> = got.iter().map(|r| r.position.offset).collect();
+        assert_eq!(offsets, [4, 6]);
+        assert_eq!(got[0].event, Bytes::from("guild:1/7/4"));
+        // keep 3: offset 1 was dropped.
+        let all = log.after("guild:1", since(7, 0), 10).await.unwrap();
+        assert_eq!(all.len(), 3);
+        assert!(log
+            .after("guild:1", since(8, 0), 10)
+            .await
+            .unwrap()
+            .is_empty());
+        assert_eq!(log.after("world", since(9, 0), 10).await.unwrap().len(), 1);
+        assert_eq!(log.after("guild:1", since(7, 0), 1).await.unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_record_cut_short_by_a_crash_is_dropped_and_the_log_goes_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ann.log");
+        let log = FileAnnouncementLog::open(&path, FsyncPolicy::Never, 1 << 20).unwrap();
+        log.append(&[record("room:a", 1, 1, 10)]).await.unwrap();
+        let good = log.len_bytes();
+        drop(log);
+        // A crash in the middle of the next record.
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        f.write_all(&200u32.to_le_bytes()).unwrap();
+        f.write_all(b"half a record").unwrap();
+        drop(f);
+        let log = FileAnnouncementLog::open(&path, FsyncPolicy::Never, 1 << 20).unwrap();
+        assert_eq!(log.len_bytes(), good);
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), good);
+        log.append(&[record("room:a", 1, 2, 10)]).await.unwrap();
+        drop(log);
+        let log = FileAnnouncementLog::open(&path, FsyncPolicy::Never, 1 << 20).unwrap();
+        let offsets: Vec<u64> = log
+            .after("room:a", since(1, 0), 10)
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.position.offset)
+            .collect();
+        assert_eq!(offsets, [1, 2]);
+    }
+
+    #[tokio::test]
+    async fn the_file_stays_under_its_cap_and_keeps_the_newest() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ann.log");
+        let cap = 8 * 1024;
+        let log = FileAnnouncementLog::open(&path, FsyncPolicy::Never, cap).unwrap();
+        for i in 1..=2_000u64 {
+            log.append(&[record("system", 1, i, 100)]).await.unwrap();
+            assert!(log.len_bytes() <= cap, "{} bytes", log.len_bytes());
+        }
+        let kept = log.after("system", since(1, 0), 1_000).await.unwrap();
+        let offsets: Vec<u64> = kept.iter().map(|r| r.position.offset).collect();
+        assert_eq!(offsets.last(), Some(&2_000));
+        assert!(offsets.windows(2).all(|w| w[1] == w[0] + 1), "{offsets:?}");
+        drop(log);
+        assert!(std::fs::metadata(&path).unwrap().len() <= cap);
+        let log = FileAnnouncementLog::open(&path, FsyncPolicy::Never, cap).unwrap();
+        assert_eq!(
+            log.after("system", since(1, 0), 1_000).await.unwrap().len(),
+            kept.len()
+        );
+    }
+}

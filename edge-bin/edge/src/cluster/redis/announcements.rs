@@ -1,0 +1,133 @@
+//! The announcement log in Redis (PROTOCOL.md §12.5): one stream per channel epoch,
+//! `P:{T}:ann:<channel>:<epoch>` (T: the channel name's store tag, so each stream is one
+//! Redis Cluster slot), entry id `<offset>-1`, field `e` = the encoded PUBLICATION event;
+//! capped at the kind's history length (`MAXLEN`) and expiring after its history TTL.
+//! Every edge reads it, so a member whose edge died recovers the announcements it missed on
+//! the next one.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use waygate_channels::AnnouncementRecord;
+use waygate_protocol::channel::ChannelPosition;
+use waygate_session::resume::{hex_id, player_store_tag};
+
+use super::conn::{ms, Conn};
+use crate::announcements::{AnnouncementLog, AnnouncementLogError};
+
+/// KEYS: the stream. ARGV: max length, entry id, event, ttl ms. Appends the entry (an
+/// entry with that id already there is the same announcement written by an append that
+/// timed out: kept) and sets the stream's expiry. Returns 1.
+const APPEND_LUA: &str = r#"
+local r = redis.pcall('XADD', KEYS[1], 'MAXLEN', ARGV[1], ARGV[2], 'e', ARGV[3])
+if type(r) == 'table' and r.err then
+  if #redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2]) == 0 then return r end
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return 1
+"#;
+
+/// Redis [`AnnouncementLog`] (module docs).
+#[derive(Debug, Clone)]
+pub struct RedisAnnouncementLog {
+    conn: Conn,
+}
+
+impl RedisAnnouncementLog {
+    pub(super) fn from_conn(conn: Conn) -> Self {
+        Self { conn }
+    }
+
+    fn key(&self, channel: &str, epoch: u64) -> String {
+        format!(
+            "{}:{{{}}}:ann:{channel}:{epoch}",
+            self.conn.config.prefix,
+            hex_id(&player_store_tag(channel))
+        )
+    }
+}
+
+fn unavailable(e: impl std::fmt::Display) -> AnnouncementLogError {
+    AnnouncementLogError::Unavailable(e.to_string())
+}
+
+#[async_trait]
+impl AnnouncementLog for RedisAnnouncementLog {
+    async fn append(&self, records: &[AnnouncementRecord]) -> Result<(), AnnouncementLogError> {
+        let replies = self
+            .conn
+            .pipeline_each(
+                records,
+                |r| self.key(&r.channel, r.position.epoch),
+                |pipe, r| {
+                    pipe.cmd("EVAL")
+                        .arg(APPEND_LUA)
+                        .arg(1)
+                        .arg(self.key(&r.channel, r.position.epoch))
+                        .arg(r.keep.max(1))
+                        .arg(format!("{}-1", r.position.offset))
+                        .arg(&r.event[..])
+                        .arg(ms(r.ttl));
+                },
+            )
+            .await
+            .map_err(unavailable)?;
+        for reply in replies {
+            reply.map_err(unavailable)?;
+        }
+        Ok(())
+    }
+
+    async fn after(
+        &self,
+        channel: &str,
+        since: ChannelPosition,
+        limit: usize,
+    ) -> Result<Vec<AnnouncementRecord>, AnnouncementLogError> {
+        let key = self.key(channel, since.epoch);
+        let start = format!("{}-0", since.offset.saturating_add(1));
+        let entries: Vec<(String, Vec<Vec<u8>>)> = self
+            .conn
+            .run(|mut m| async move {
+                redis::cmd("XRANGE")
+                    .arg(key)
+                    .arg(start)
+                    .arg("+")
+                    .arg("COUNT")
+                    .arg(limit)
+                    .query_async(&mut m)
+                    .await
+            })
+            .await
+            .map_err(unavailable)?;
+        let channel: std::sync::Arc<str> = channel.into();
+        let mut out = Vec::with_capacity(entries.len());
+        for (id, fields) in entries {
+            let offset = id
+                .split('-')
+                .next()
+                .and_then(|o| o.parse::<u64>().ok())
+                .ok_or_else(|| AnnouncementLogError::Corrupt(format!("entry id {id}")))?;
+            let event = match fields.as_slice() {
+                [f, v] if f.as_slice() == b"e" => Bytes::from(v.clone()),
+                _ => {
+                    return Err(AnnouncementLogError::Corrupt(format!(
+                        "entry {id} has no event"
+                    )))
+                }
+            };
+            out.push(AnnouncementRecord {
+                channel: channel.clone(),
+                position: ChannelPosition {
+                    epoch: since.epoch,
+                    offset,
+                },
+                event,
+                ttl: Duration::ZERO,
+                keep: 0,
+            });
+        }
+        Ok(out)
+    }
+}
