@@ -616,3 +616,199 @@ async fn a_returning_member_of_a_kind_with_backlog_gets_what_it_missed_without_a
         ChannelUpdate::Joined { channel, position } if channel == "room:nobacklog" && position.offset == 2
     ));
 }
+
+/// One edge for the announcement tests: the backend keeping sessions, the edge configured
+/// by `tune` (its announcement log), a client of `player` whose session reached the backend.
+async fn announcement_edge(
+    tune: impl FnOnce(&mut waygate_edge::config::EdgeConfig),
+    player: &str,
+) -> (Setup, Client, BackendSession) {
+    let s = setup(tune).await;
+    let (client, session) = s.member(TransportKind::Tcp, player).await;
+    (s, client, session)
+}
+
+/// Publishes, on `session`'s edge, announcements a2 and a4 around a normal n3, after the
+/// member saw a1 (returned: its position), then closes the member.
+async fn announcements_while_away(mut client: Client, session: &BackendSession) -> ChannelPosition {
+    session.join_channel("system:news", None).await.unwrap();
+    let a1 = session
+        .publish(
+            "system:news",
+            TrafficClass::Critical,
+            Bytes::from_static(b"a1"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(a1.position.offset, 1);
+    next_update(&mut client).await; // JOINED
+    assert_eq!(body_of(&next_update(&mut client).await), (1, "a1".into()));
+    let seen = client.channel_positions()["system:news"];
+    client.close().await;
+    drop(client);
+    for (class, body) in [
+        (TrafficClass::Critical, "a2"),
+        (TrafficClass::Normal, "n3"),
+        (TrafficClass::Critical, "a4"),
+    ] {
+        session
+            .publish("system:news", class, Bytes::from(body))
+            .await
+            .unwrap();
+    }
+    seen
+}
+
+/// What a new session joined with `since` receives: the logged announcements after it, in
+/// order, then HISTORY_LOST (the normal publication n3 died with the channel's epoch).
+async fn expect_announcements_then_history_lost(client: &mut Client, since: ChannelPosition) {
+    for (offset, body) in [(2, "a2"), (4, "a4")] {
+        match next_update(client).await {
+            ChannelUpdate::Publication {
+                position, body: b, ..
+            } => {
+                assert_eq!(
+                    position,
+                    ChannelPosition {
+                        epoch: since.epoch,
+                        offset
+                    }
+                );
+                assert_eq!(b, Bytes::from(body));
+            }
+            other => panic!("expected announcement {body} from the log, got {other:?}"),
+        }
+    }
+    match next_update(client).await {
+        ChannelUpdate::HistoryLost { position, .. } => {
+            assert_ne!(
+                position.epoch, since.epoch,
+                "the channel here is a new epoch"
+            );
+        }
+        other => panic!("expected HISTORY_LOST after the logged announcements, got {other:?}"),
+    }
+}
+
+/// SPEC F2 with one edge (the file log): an announcement is taken once it is in the file;
+/// the edge restarts (its channels come back as new epochs) and a returning player joined
+/// from its last position receives the announcements it missed from the file, then
+/// HISTORY_LOST for the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn announcements_outlive_an_edge_restart_in_the_file_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("announcements.log");
+    let file = path.to_str().unwrap().to_owned();
+    let (s, client, session) =
+        announcement_edge(|c| c.channels.announcement_log = file.clone(), "reader").await;
+    let seen = announcements_while_away(client, &session).await;
+    assert!(std::fs::metadata(&path).unwrap().len() > 0);
+    drop(session);
+    drop(s);
+    // The restarted edge (same file).
+    let (_s, mut client, session) =
+        announcement_edge(|c| c.channels.announcement_log = file.clone(), "reader").await;
+    session
+        .join_channel("system:news", Some(seen))
+        .await
+        .unwrap();
+    expect_announcements_then_history_lost(&mut client, seen).await;
+}
+
+/// SPEC F2 with Redis: an announcement is answered only once it is in Redis, a Redis that
+/// cannot take it refuses it (`unavailable`, delivered to nobody), and a member joined on
+/// another edge from a position of the first edge's epoch receives the announcements it
+/// missed from Redis, then HISTORY_LOST.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn announcements_are_durable_in_redis_refused_without_it_and_recovered_on_another_edge() {
+    let mut redis = support_redis::RedisServer::start();
+    let url = redis.url();
+    let (s1, client, session) = announcement_edge(
+        |c| {
+            c.edge_id = "edge-1".into();
+            c.cluster.redis_url = url.clone();
+        },
+        "reader",
+    )
+    .await;
+    let seen = announcements_while_away(client, &session).await;
+    // In Redis: one stream for the channel's epoch, a1, a2 and a4 (not n3).
+    let c = redis::Client::open(url.as_str()).unwrap();
+    let mut raw = c.get_multiplexed_async_connection().await.unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*:ann:system:news:*")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    assert!(keys[0].ends_with(&format!(":{}", seen.epoch)));
+    let len: u64 = redis::cmd("XLEN")
+        .arg(&keys[0])
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(len, 3);
+
+    // Another edge on the same Redis: a new session joined from the old position.
+    let (_s2, mut client, session2) = announcement_edge(
+        |c| {
+            c.edge_id = "edge-2".into();
+            c.cluster.redis_url = url.clone();
+        },
+        "reader",
+    )
+    .await;
+    session2
+        .join_channel("system:news", Some(seen))
+        .await
+        .unwrap();
+    expect_announcements_then_history_lost(&mut client, seen).await;
+
+    // Redis gone: an announcement is refused, a normal publication still goes out, and the
+    // member never sees the refused one.
+    let (mut member, m) = s1.member(TransportKind::Tcp, "witness").await;
+    m.join_channel("system:news", None).await.unwrap();
+    assert!(matches!(
+        next_update(&mut member).await,
+        ChannelUpdate::Joined { .. }
+    ));
+    redis.stop();
+    match session
+        .publish(
+            "system:news",
+            TrafficClass::Critical,
+            Bytes::from_static(b"lost"),
+        )
+        .await
+    {
+        Err(BackendError::ChannelRefused {
+            code,
+            retry_after_ms,
+        }) => {
+            assert_eq!(code, CloseCode::Unavailable);
+            assert_eq!(retry_after_ms, 1_000);
+        }
+        other => {
+            panic!("expected `unavailable` for an announcement Redis cannot take, got {other:?}")
+        }
+    }
+    let n = session
+        .publish(
+            "system:news",
+            TrafficClass::Normal,
+            Bytes::from_static(b"n6"),
+        )
+        .await
+        .unwrap();
+    match next_update(&mut member).await {
+        ChannelUpdate::Publication { position, body, .. } => {
+            assert_eq!(
+                body,
+                Bytes::from_static(b"n6"),
+                "the refused announcement reached a member"
+            );
+            assert_eq!(position, n.position);
+        }
+        other => panic!("{other:?}"),
+    }
+}
