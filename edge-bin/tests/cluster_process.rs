@@ -67,8 +67,11 @@ async fn world(edges: usize) -> World {
 }
 
 /// `edges` edge processes over three demo backends: `waygate backend` processes, or with
-/// `slow`, in-process backends whose every message takes that long.
-async fn world_with(edges: usize, slow: Option<Duration>) -> World {
+/// `service`, in-process backends all running it.
+async fn world_with(
+    edges: usize,
+    service: Option<std::sync::Arc<dyn waygate_backend::Service>>,
+) -> World {
     let etcd = EtcdServer::start();
     let redis = RedisServer::start();
     let mut backends = Vec::new();
@@ -76,21 +79,17 @@ async fn world_with(edges: usize, slow: Option<Duration>) -> World {
     let mut addrs: Vec<SocketAddr> = Vec::new();
     for i in 1..=3 {
         let id = format!("b{i}");
-        match slow {
+        match &service {
             None => {
                 let (p, a) = backend(&id, &[]).await;
                 backends.push(p);
                 addrs.push(a);
             }
-            Some(delay) => {
-                let service = SlowDemo {
-                    inner: waygate_backend::demo::DemoService::new(),
-                    delay,
-                };
+            Some(service) => {
                 let b = waygate_backend::Backend::bind(
                     "127.0.0.1:0".parse().unwrap(),
                     waygate_backend::BackendConfig::new(id),
-                    std::sync::Arc::new(service),
+                    service.clone(),
                 )
                 .await
                 .unwrap();
@@ -426,7 +425,11 @@ async fn kill_9_while_backends_are_still_processing_loses_no_reply() {
     // A backend link handles one message at a time: 8 sessions per backend echoing every
     // 500 ms at 50 ms each keep it 80 % busy, so a few messages wait or run at any time.
     const SESSIONS: usize = 24;
-    let mut w = world_with(2, Some(Duration::from_millis(50))).await;
+    let slow = SlowDemo {
+        inner: waygate_backend::demo::DemoService::new(),
+        delay: Duration::from_millis(50),
+    };
+    let mut w = world_with(2, Some(std::sync::Arc::new(slow))).await;
     let f = fleet(&w, "slow", SESSIONS, 0, Duration::from_millis(500)).await;
     settle(&w, SESSIONS, 0).await;
     kill_first_edge_losing_nothing(&mut w, f, "kill -9 with slow backends").await;
@@ -837,4 +840,184 @@ async fn a_pinned_room_and_a_least_loaded_placement_survive_the_kill_of_their_ed
         "the same lobby instance"
     );
     drop(backends);
+}
+
+/// The demo game, keeping each player's latest backend session so the test can join it to
+/// channels and publish through it.
+#[derive(Default)]
+struct Recorder {
+    demo: waygate_backend::demo::DemoService,
+    sessions: std::sync::Mutex<std::collections::HashMap<String, waygate_backend::BackendSession>>,
+}
+
+#[async_trait::async_trait]
+impl waygate_backend::Service for Recorder {
+    async fn session_open(&self, session: &waygate_backend::BackendSession) {
+        self.sessions
+            .lock()
+            .unwrap()
+            .insert(session.player_id().to_owned(), session.clone());
+        self.demo.session_open(session).await;
+    }
+
+    async fn message(
+        &self,
+        session: &waygate_backend::BackendSession,
+        msg: waygate_backend::Incoming,
+    ) -> Result<(), waygate_backend::Refusal> {
+        self.demo.message(session, msg).await
+    }
+}
+
+impl Recorder {
+    fn get(&self, player: &str) -> Option<waygate_backend::BackendSession> {
+        self.sessions.lock().unwrap().get(player).cloned()
+    }
+}
+
+/// SPEC F2 across kill -9 (channels issue): 100 members of one channel on edge 1, four game
+/// server tasks publishing announcements there back to back, edge 1 killed with SIGKILL
+/// mid-run. Every
+/// member restores on edge 2 and receives every announcement edge 1 answered as taken —
+/// from its replay buffer (what was already its own) or from the announcement log in Redis
+/// (what edge 1 had taken but not yet handed to it) — each once, in order, then
+/// HISTORY_LOST for the channel on edge 2. Without the log (`announcement_log = "off"`)
+/// members missed up to 10 taken announcements each. Regression: 2 runs in 10 ended a
+/// member's membership (LEFT) on edge 2 because 100 recoveries at once filled the channel's
+/// queue for them (`queue_full`); restored memberships now retry that for up to 10 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_loses_no_announcement_a_member_was_owed() {
+    const MEMBERS: usize = 100;
+    let recorder = std::sync::Arc::new(Recorder::default());
+    let mut w = world_with(2, Some(recorder.clone())).await;
+    let mut members = Vec::new();
+    for i in 0..MEMBERS {
+        let player = format!("member-{i}");
+        let mut c = w.client(&player, 0).await;
+        assert!(echo(&mut c, "hello").await.is_ok());
+        let session = recorder.get(&player).expect("session reached the backend");
+        assert_eq!(session.edge_id(), "edge-1");
+        session.join_channel("system:all", None).await.unwrap();
+        members.push(c);
+    }
+    let publisher = recorder.get("member-0").unwrap();
+    // Each member collects its channel events from here on, in a task of its own.
+    let (stop, stopped) = watch::channel(false);
+    let tasks: Vec<_> = members
+        .into_iter()
+        .map(|mut c| {
+            let mut stopped = stopped.clone();
+            tokio::spawn(async move {
+                let mut got: Vec<String> = Vec::new();
+                let mut history_lost = 0;
+                let mut restored = 0;
+                loop {
+                    tokio::select! {
+                        ev = c.next_event() => match ev {
+                            Some(Event::Channel(waygate_client::ChannelUpdate::Publication { body, .. })) => {
+                                got.push(String::from_utf8(body.to_vec()).unwrap());
+                            }
+                            Some(Event::Channel(waygate_client::ChannelUpdate::HistoryLost { .. })) => history_lost += 1,
+                            Some(Event::Connected { outcome: WelcomeOutcome::Restored, .. }) => restored += 1,
+                            // Kept for the failure message (filtered out below).
+                            Some(other) => got.push(format!("!{other:?}")),
+                            None => break,
+                        },
+                        _ = stopped.changed() => break,
+                    }
+                }
+                (got, history_lost, restored)
+            })
+        })
+        .collect();
+    // Four publishers back to back (each waits for its answer): at the kill, announcements
+    // edge 1 answered are still on their way to members (fan-out, the members' queues,
+    // their snapshots' write-through).
+    let started = tokio::time::Instant::now();
+    let publishers: Vec<_> = (0..4)
+        .map(|k| {
+            let publisher = publisher.clone();
+            tokio::spawn(async move {
+                let mut taken = Vec::new();
+                for n in 0u64.. {
+                    if started.elapsed() > Duration::from_millis(2500) {
+                        break;
+                    }
+                    let body = format!("a{k}-{n}");
+                    match publisher
+                        .publish(
+                            "system:all",
+                            TrafficClass::Critical,
+                            Bytes::from(body.clone()),
+                        )
+                        .await
+                    {
+                        Ok(_) => taken.push(body),
+                        // Edge 1 is gone: what it never answered may or may not be taken.
+                        Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                    }
+                }
+                taken
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    w.edges[0].proc.kill9();
+    let mut taken: Vec<String> = Vec::new();
+    for p in publishers {
+        taken.extend(p.await.unwrap());
+    }
+    assert!(
+        taken.len() > 50,
+        "only {} announcements taken before the kill",
+        taken.len()
+    );
+    // Restores, then the log's announcements and HISTORY_LOST.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let _ = stop.send(true);
+    let mut recovered_late = 0usize;
+    for (i, t) in tasks.into_iter().enumerate() {
+        let (got, history_lost, restored) = t.await.unwrap();
+        if history_lost != 1 {
+            let others: Vec<&String> = got.iter().filter(|b| b.starts_with('!')).collect();
+            eprintln!("member-{i} events: {others:?}");
+        }
+        assert_eq!(restored, 1, "member-{i} restored on edge 2 once");
+        assert_eq!(
+            history_lost,
+            1,
+            "member-{i}: one HISTORY_LOST on edge 2 ({} publications received, last {:?})",
+            got.len(),
+            got.last()
+        );
+        let got: Vec<String> = got.into_iter().filter(|b| !b.starts_with('!')).collect();
+        let mut seen = std::collections::HashSet::new();
+        for b in &got {
+            assert!(seen.insert(b.clone()), "member-{i} received {b} twice");
+        }
+        for k in 0..4 {
+            let prefix = format!("a{k}-");
+            let numbers: Vec<u64> = got
+                .iter()
+                .filter_map(|b| b.strip_prefix(&prefix))
+                .map(|n| n.parse().unwrap())
+                .collect();
+            assert!(
+                numbers.windows(2).all(|w| w[0] < w[1]),
+                "member-{i}, publisher {k}: out of order: {numbers:?}"
+            );
+        }
+        let missing: Vec<&String> = taken.iter().filter(|b| !seen.contains(*b)).collect();
+        assert!(
+            missing.is_empty(),
+            "member-{i} never received {} taken announcements: {missing:?}",
+            missing.len()
+        );
+        recovered_late += got.len() - taken.len();
+    }
+    eprintln!(
+        "kill -9 with announcements: {} taken by edge 1, every one at each of {MEMBERS} members; \
+         {recovered_late} more received that edge 1 had logged but not answered",
+        taken.len()
+    );
 }

@@ -176,14 +176,7 @@ impl Shared {
                 let player = self.session_layer().registry.player_of(&sid);
                 let player = player.as_deref().unwrap_or_default();
                 let outcome = self.hub().join(now, sid, player, &channel, since);
-                let label = match &outcome {
-                    Ok((_, o)) => join_label(o),
-                    Err(e) => e.code().as_str(),
-                };
-                self.metrics
-                    .channel_joins
-                    .get_or_create(&labels(&channel, TrafficClass::Critical, label))
-                    .inc();
+                self.count_join(&channel, &outcome);
                 if let Ok((_, JoinOutcome::Recovered { publications })) = &outcome {
                     self.metrics.channel_recovered.inc_by(*publications as u64);
                 }
@@ -235,6 +228,21 @@ impl Shared {
         self.count_publish(&refused.record.channel, Err(ChannelError::QueueFull));
         self.start_channel_consumers();
         Some(result(refused.request_id, Err(ChannelError::QueueFull)))
+    }
+
+    fn count_join(
+        &self,
+        channel: &str,
+        outcome: &Result<(ChannelPosition, JoinOutcome), ChannelError>,
+    ) {
+        let label = match outcome {
+            Ok((_, o)) => join_label(o),
+            Err(e) => e.code().as_str(),
+        };
+        self.metrics
+            .channel_joins
+            .get_or_create(&labels(channel, TrafficClass::Critical, label))
+            .inc();
     }
 
     fn count_publish(&self, channel: &str, outcome: Result<(), ChannelError>) {
@@ -293,15 +301,17 @@ impl Shared {
                     continue;
                 }
                 match hub.join(now, session_id, player, &name, Some(position)) {
-                    Ok((_, outcome)) => {
-                        self.metrics
-                            .channel_joins
-                            .get_or_create(&labels(
-                                &name,
-                                TrafficClass::Critical,
-                                join_label(&outcome),
-                            ))
-                            .inc();
+                    Ok(joined) => self.count_join(&name, &Ok(joined)),
+                    Err(ChannelError::QueueFull) => {
+                        // Recoveries of many members at once fill the channel's queue for
+                        // them: transient, so the membership is joined again shortly.
+                        tokio::spawn(join_retrying(
+                            Arc::downgrade(self),
+                            session_id,
+                            name,
+                            position,
+                            Vec::new(),
+                        ));
                     }
                     Err(e) => {
                         tracing::info!(channel = %name, error = %e, "restored membership refused here");
@@ -426,7 +436,8 @@ async fn join_from_log(
     answer: Option<(u64, Option<mpsc::Sender<LinkFrame>>)>,
 ) {
     let logged = log.after(&channel, since, LOGGED_READ_LIMIT).await;
-    let Some(shared) = shared.upgrade() else {
+    let weak = shared;
+    let Some(shared) = weak.upgrade() else {
         return;
     };
     let logged = match logged {
@@ -450,37 +461,70 @@ async fn join_from_log(
             Vec::new()
         }
     };
+    let Some((request_id, reply)) = answer else {
+        drop(shared);
+        return join_retrying(weak, session, channel, since, logged).await;
+    };
     let player = shared.session_layer().registry.player_of(&session);
     let player = player.as_deref().unwrap_or_default();
     let outcome =
         shared
             .hub()
             .join_with_logged(now_std(), session, player, &channel, Some(since), &logged);
-    let label = match &outcome {
-        Ok((_, o)) => join_label(o),
-        Err(e) => e.code().as_str(),
-    };
-    shared
-        .metrics
-        .channel_joins
-        .get_or_create(&labels(&channel, TrafficClass::Critical, label))
-        .inc();
-    match answer {
-        Some((request_id, reply)) => {
-            if let Some(reply) = reply {
-                let _ = reply
-                    .send(result(request_id, outcome.map(|(p, _)| p)))
-                    .await;
-            }
-        }
-        None => {
-            if let Err(e) = outcome {
-                tracing::info!(%channel, error = %e, "restored membership refused here");
-                shared.end_refused_memberships(session, vec![(channel, since)]);
-            }
-        }
+    shared.count_join(&channel, &outcome);
+    if let Some(reply) = reply {
+        let _ = reply
+            .send(result(request_id, outcome.map(|(p, _)| p)))
+            .await;
     }
     shared.start_channel_consumers();
+}
+
+/// Rejoins a restored session's membership from `since` (with `logged`, the announcements
+/// the log holds after it): a channel queue full of other members' recoveries is retried
+/// every 100 ms for up to 10 s; any other refusal, or a queue still full, ends the
+/// membership for the client with LEFT (never silently).
+async fn join_retrying(
+    weak: Weak<Shared>,
+    session: waygate_protocol::frame::SessionId,
+    channel: String,
+    since: ChannelPosition,
+    logged: Vec<AnnouncementRecord>,
+) {
+    for attempt in 0..=100u32 {
+        let Some(shared) = weak.upgrade() else {
+            return;
+        };
+        let player = shared.session_layer().registry.player_of(&session);
+        let player = player.as_deref().unwrap_or_default();
+        let outcome = shared.hub().join_with_logged(
+            now_std(),
+            session,
+            player,
+            &channel,
+            Some(since),
+            &logged,
+        );
+        match outcome {
+            Err(ChannelError::QueueFull) if attempt < 100 => {}
+            Err(e) => {
+                shared.count_join(&channel, &Err(e));
+                tracing::info!(%channel, error = %e, "restored membership refused here");
+                shared.end_refused_memberships(session, vec![(channel, since)]);
+                return;
+            }
+            Ok(o) => {
+                shared.count_join(&channel, &Ok(o));
+                shared.start_channel_consumers();
+                return;
+            }
+        }
+        drop(shared);
+        tokio::time::sleep(Duration::from_millis(u64::from(
+            waygate_channels::QUEUE_FULL_RETRY_MS,
+        )))
+        .await;
+    }
 }
 
 /// The announcement log's writer: appends what the hub holds, in order, a batch at a time,
