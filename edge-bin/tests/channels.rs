@@ -706,13 +706,23 @@ async fn announcements_outlive_an_edge_restart_in_the_file_log() {
     drop(session);
     drop(s);
     // The restarted edge (same file).
-    let (_s, mut client, session) =
+    let (s, mut client, session) =
         announcement_edge(|c| c.channels.announcement_log = file.clone(), "reader").await;
     session
         .join_channel("system:news", Some(seen))
         .await
         .unwrap();
     expect_announcements_then_history_lost(&mut client, seen).await;
+    // Counted (the gauges and counters are updated once a second).
+    let admin = s.edge.admin_addr.unwrap();
+    let counted = poll_until(Duration::from_secs(5), || async {
+        let (_, m) = common::http(admin, "GET", "/metrics").await;
+        m.lines()
+            .find(|l| l.starts_with("waygate_announcements_recovered_total 2"))
+            .map(drop)
+    })
+    .await;
+    assert!(counted.is_some(), "waygate_announcements_recovered_total 2");
 }
 
 /// SPEC F2 with Redis: an announcement is answered only once it is in Redis, a Redis that

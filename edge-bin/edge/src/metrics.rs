@@ -162,6 +162,11 @@ pub struct EdgeMetrics {
     pub channels_active: Gauge,
     /// Channel items waiting for their consumer.
     pub channel_pending: Gauge,
+    /// Announcements held until the announcement log has them (PROTOCOL.md §12.5): stuck
+    /// above 0 means the log is slow or down (alert on it).
+    pub announcements_held: Gauge,
+    /// Announcements members received from the announcement log (their edge was gone).
+    pub announcements_recovered: Counter,
     /// Channel publications waiting for their consumer, by kind and class.
     pub channel_pending_by_class: Family<ChannelClassLabels, Gauge>,
 }
@@ -504,6 +509,8 @@ impl EdgeMetrics {
             channel_recovered: Counter::default(),
             channels_active: Gauge::default(),
             channel_pending: Gauge::default(),
+            announcements_held: Gauge::default(),
+            announcements_recovered: Counter::default(),
             channel_pending_by_class: Family::default(),
             registry: Registry::default(),
         };
@@ -662,6 +669,16 @@ impl EdgeMetrics {
             "channel_pending",
             "Channel items waiting for their consumer",
             m.channel_pending.clone(),
+        );
+        registry.register(
+            "announcements_held",
+            "Announcements held until the announcement log has them",
+            m.announcements_held.clone(),
+        );
+        registry.register(
+            "announcements_recovered",
+            "Announcements members received from the announcement log",
+            m.announcements_recovered.clone(),
         );
         registry.register(
             "channel_pending_by_class",

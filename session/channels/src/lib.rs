@@ -1196,6 +1196,15 @@ impl ChannelHub {
         self.channels.len()
     }
 
+    /// Announcements held until the announcement log has them, over all channels.
+    pub fn held(&self) -> usize {
+        self.channels
+            .values()
+            .flat_map(|c| &c.pending)
+            .filter(|p| matches!(p.item, PendingItem::Publication { held: true, .. }))
+            .count()
+    }
+
     /// Items waiting for delivery, over all channels.
     pub fn pending(&self) -> usize {
         self.channels.values().map(|c| c.pending.len()).sum()

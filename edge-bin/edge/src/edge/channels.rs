@@ -607,6 +607,13 @@ pub(super) async fn channel_sweep_loop(shared: Weak<Shared>) {
         hub.sweep(now_std());
         shared.metrics.channels_active.set(hub.channels() as i64);
         shared.metrics.channel_pending.set(hub.pending() as i64);
+        shared.metrics.announcements_held.set(hub.held() as i64);
+        let recovered = hub.stats().logged_recovered;
+        let counted = shared.metrics.announcements_recovered.get();
+        shared
+            .metrics
+            .announcements_recovered
+            .inc_by(recovered.saturating_sub(counted));
         let mut by_kind = hub.pending_by_kind();
         for kind in &kinds_seen {
             by_kind.entry(kind.clone()).or_default();
