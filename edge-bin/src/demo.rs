@@ -118,6 +118,12 @@ pub struct DemoReport {
     /// Publications that did not follow their channel's last offset for that member
     /// (expected: 0).
     pub channel_order_violations: u64,
+    /// Announcements received (world CHATs sent as critical: taken once in the edge's
+    /// announcement log when it has one, PROTOCOL.md §12.5).
+    pub channel_announcements: u64,
+    /// Announcements a member received from the announcement log after its edge was lost
+    /// (before its HISTORY_LOST; `demo --edges 3` with the kill).
+    pub channel_announcements_from_log: u64,
     /// CHANNEL_JOIN and CHAT messages refused explicitly (an ERROR from the edge or the
     /// backend, or the client could not queue them).
     pub channel_refused: u64,
@@ -229,7 +235,7 @@ impl DemoReport {
         out.push_str(&row("total", &self.total));
         out.push_str(&format!(
             "kicked by second login: {}   resumed on another endpoint (transport or edge): {}   room events: {}\n\
-             channels (world, guild): {} publications, {} out of order, {} history lost, {} chat/join refused\n\
+             channels (world, guild): {} publications, {} out of order, {} history lost, {} chat/join refused; {} announcements, {} of them from the log after an edge was lost\n\
              drain of b3: replies from other backends {}, from b3 to requests sent more than 1 s later {}\n",
             self.kicked,
             self.switched_transport,
@@ -238,6 +244,8 @@ impl DemoReport {
             self.channel_order_violations,
             self.channel_history_lost,
             self.channel_refused,
+            self.channel_announcements,
+            self.channel_announcements_from_log,
             self.migrated_replies_from_other_backends,
             self.replies_from_drained_backend_after_1s
         ));
@@ -274,6 +282,8 @@ struct ClientResult {
     channel_publications: u64,
     channel_history_lost: u64,
     channel_order_violations: u64,
+    channel_announcements: u64,
+    channel_announcements_from_log: u64,
     channel_refused: u64,
     after_drain_other_backend: u64,
     late_from_drained: u64,
@@ -503,6 +513,8 @@ async fn collect(tasks: Vec<tokio::task::JoinHandle<ClientResult>>) -> Result<De
         report.channel_publications += r.channel_publications;
         report.channel_history_lost += r.channel_history_lost;
         report.channel_order_violations += r.channel_order_violations;
+        report.channel_announcements += r.channel_announcements;
+        report.channel_announcements_from_log += r.channel_announcements_from_log;
         report.channel_refused += r.channel_refused;
         report.migrated_replies_from_other_backends += r.after_drain_other_backend;
         report.replies_from_drained_backend_after_1s += r.late_from_drained;
@@ -605,6 +617,10 @@ async fn client_task(
         }
     }
     let mut next_offset: HashMap<String, (u64, u64)> = HashMap::new();
+    // Channels whose edge was lost: until their HISTORY_LOST, announcements of the old epoch
+    // come from the announcement log, with the normal publications in between missing.
+    let mut from_log: HashSet<String> = HashSet::new();
+    let mut endpoint_now = first_endpoint.clone();
     let mut pending: HashMap<u64, Instant> = HashMap::new();
     let mut by_seq: HashMap<u64, u64> = HashMap::new();
     let mut seen: HashSet<u64> = HashSet::new();
@@ -646,7 +662,14 @@ async fn client_task(
                 }
                 if n % 10 == 7 {
                     let channel = if n % 20 == 7 { "world" } else { guild.as_str() };
-                    if client.send(TrafficClass::Normal, CHAT, Bytes::from(format!("{channel}|hi {n}"))).await.is_err() {
+                    // One world CHAT in five is an announcement (critical: taken once the
+                    // edge's announcement log has it).
+                    let (class, text) = if n % 100 == 7 {
+                        (TrafficClass::Critical, "announce")
+                    } else {
+                        (TrafficClass::Normal, "hi")
+                    };
+                    if client.send(class, CHAT, Bytes::from(format!("{channel}|{text} {n}"))).await.is_err() {
                         r.channel_refused += 1;
                     }
                 }
@@ -707,19 +730,37 @@ async fn client_task(
                     Some(Event::Message { msg_id: ROOM_EVENT, .. }) => r.room_events += 1,
                     Some(Event::Channel(update)) => match update {
                         ChannelUpdate::Joined { channel, position } => {
+                            from_log.remove(&channel);
                             next_offset.insert(channel, (position.epoch, position.offset + 1));
                         }
                         ChannelUpdate::HistoryLost { channel, position } => {
                             r.channel_history_lost += 1;
+                            from_log.remove(&channel);
                             next_offset.insert(channel, (position.epoch, position.offset + 1));
                         }
-                        ChannelUpdate::Publication { channel, position, .. } => {
+                        ChannelUpdate::Publication { channel, position, body } => {
                             r.channel_publications += 1;
-                            if position.offset > 0 {
-                                let expected = next_offset.get(&channel).copied();
+                            let announcement = body
+                                .split(|b| *b == b'|')
+                                .nth(1)
+                                .is_some_and(|t| t.starts_with(b"announce"));
+                            r.channel_announcements += u64::from(announcement);
+                            let expected = next_offset.get(&channel).copied();
+                            let logged = announcement
+                                && from_log.contains(&channel)
+                                && expected.is_some_and(|(e, o)| e == position.epoch && position.offset > o);
+                            if logged {
+                                // From the log: later offsets of the same old epoch.
+                                r.channel_announcements_from_log += 1;
+                                next_offset.insert(channel, (position.epoch, position.offset + 1));
+                            } else if position.offset > 0 {
                                 if expected != Some((position.epoch, position.offset)) {
                                     r.channel_order_violations += 1;
                                     tracing::warn!(%player, %channel, ?expected, ?position, "channel publication out of order");
+                                } else if !announcement {
+                                    // The live flow goes on where it was (restored on the
+                                    // same edge): nothing comes from the log here.
+                                    from_log.remove(&channel);
                                 }
                                 next_offset.insert(channel, (position.epoch, position.offset + 1));
                             }
@@ -732,6 +773,10 @@ async fn client_task(
                     Some(Event::Message { .. }) | Some(Event::Disconnected { .. }) | Some(Event::Rejected { .. }) | Some(Event::Migrating { .. }) => {}
                     Some(Event::Connected { outcome, endpoint, .. }) => {
                         if matches!(outcome, WelcomeOutcome::Restored | WelcomeOutcome::RestoredWithGap) {
+                            if endpoint != endpoint_now {
+                                // Perhaps another edge: its channels are other epochs.
+                                from_log.extend(next_offset.keys().cloned());
+                            }
                             r.restores += 1;
                             r.restore_ms.push(u32::try_from(last_heard.elapsed().as_millis()).unwrap_or(u32::MAX));
                             if endpoint != first_endpoint {
@@ -741,6 +786,7 @@ async fn client_task(
                         if outcome == WelcomeOutcome::RestoredWithGap {
                             r.gaps += 1;
                         }
+                        endpoint_now = endpoint;
                     }
                     Some(Event::Error(report)) => {
                         // The message was refused (e.g. a backend unavailable): it will not be

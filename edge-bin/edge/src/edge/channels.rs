@@ -33,8 +33,10 @@ const PUSH_CHUNK: usize = 256;
 pub(super) const ANNOUNCEMENT_QUEUE: usize = 4096;
 /// Announcements the writer appends in one batch.
 const ANNOUNCEMENT_BATCH: usize = 256;
-/// How long one append may take before its announcements are refused (`unavailable`).
-const ANNOUNCEMENT_APPEND_DEADLINE: Duration = Duration::from_secs(5);
+/// How long one append may take before its announcements are refused (`unavailable`): a
+/// job waits for the batch before its own, so a publisher is answered within twice this,
+/// inside the backend SDK's 5 s wait for a channel answer.
+const ANNOUNCEMENT_APPEND_DEADLINE: Duration = Duration::from_secs(2);
 /// Logged announcements read for one join (the log keeps a kind's history length).
 const LOGGED_READ_LIMIT: usize = 100_000;
 
