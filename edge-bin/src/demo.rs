@@ -40,6 +40,9 @@ pub struct DemoOptions {
     pub interval: Duration,
     /// Print progress lines to stderr.
     pub progress: bool,
+    /// Guild channels the clients are spread over (each client is a member of `world` and
+    /// of one guild).
+    pub guilds: usize,
 }
 
 impl Default for DemoOptions {
@@ -49,6 +52,7 @@ impl Default for DemoOptions {
             duration: Duration::from_secs(20),
             interval: Duration::from_millis(200),
             progress: true,
+            guilds: 5,
         }
     }
 }
@@ -387,7 +391,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoReport, String> {
                 player,
                 KINDS[kind_index],
                 opts,
-                options.interval,
+                (options.interval, options.guilds),
                 rx,
                 drained_backend.clone(),
                 drain_at.clone(),
@@ -580,7 +584,7 @@ async fn client_task(
     player: String,
     kind: TransportKind,
     options: ClientOptions,
-    interval: Duration,
+    (interval, guilds): (Duration, usize),
     mut cmds: mpsc::Receiver<Cmd>,
     drained_backend: String,
     drain_at: Arc<std::sync::OnceLock<Instant>>,
@@ -599,9 +603,9 @@ async fn client_task(
     let _ = client
         .send(TrafficClass::Critical, JOIN_ROOM, Bytes::from(room.clone()))
         .await;
-    // Channels: the world, and one of five guilds; each member checks that every channel's
+    // Channels: the world, and one of the guilds; each member checks that every channel's
     // publications follow each other (offset by offset) from its join on.
-    let guild = format!("guild:{}", index % 5);
+    let guild = format!("guild:{}", index % guilds.max(1));
     for channel in ["world", guild.as_str()] {
         // A join the client could not even queue is counted, never ignored.
         if client
@@ -962,7 +966,7 @@ pub async fn run_cluster(
             player,
             kind,
             opts,
-            options.interval,
+            (options.interval, options.guilds),
             rx,
             String::new(),
             never_drained.clone(),

@@ -170,6 +170,9 @@ enum Command {
         /// killed with SIGKILL midway and its clients resume on the others.
         #[arg(long, default_value_t = 1)]
         edges: usize,
+        /// Guild channels the clients are spread over (each client joins `world` and one).
+        #[arg(long, default_value_t = 5)]
+        guilds: usize,
     },
     /// Print the client protocol version and the close-code table.
     Protocol,
@@ -421,10 +424,12 @@ fn main() -> std::process::ExitCode {
                 duration,
                 json,
                 edges,
+                guilds,
             } => {
                 let options = waygate::demo::DemoOptions {
                     clients,
                     duration,
+                    guilds,
                     progress: !json,
                     ..waygate::demo::DemoOptions::default()
                 };

@@ -17,6 +17,7 @@ async fn short_demo_loses_and_duplicates_nothing() {
         duration: Duration::from_secs(6),
         interval: Duration::from_millis(100),
         progress: false,
+        guilds: 5,
     })
     .await
     .unwrap();
@@ -52,6 +53,7 @@ async fn cluster_demo_survives_a_killed_edge() {
             duration: Duration::from_secs(10),
             interval: Duration::from_millis(200),
             progress: false,
+            guilds: 5,
         },
         3,
         std::path::Path::new(env!("CARGO_BIN_EXE_waygate")),
