@@ -173,6 +173,9 @@ enum Command {
         /// Guild channels the clients are spread over (each client joins `world` and one).
         #[arg(long, default_value_t = 5)]
         guilds: usize,
+        /// How often each client sends an echo (chats ride on every tenth), e.g. `200ms`.
+        #[arg(long, default_value = "200ms", value_parser = parse_duration)]
+        interval: std::time::Duration,
     },
     /// Print the client protocol version and the close-code table.
     Protocol,
@@ -425,11 +428,13 @@ fn main() -> std::process::ExitCode {
                 json,
                 edges,
                 guilds,
+                interval,
             } => {
                 let options = waygate::demo::DemoOptions {
                     clients,
                     duration,
                     guilds,
+                    interval,
                     progress: !json,
                     ..waygate::demo::DemoOptions::default()
                 };

@@ -481,31 +481,27 @@ async fn snapshots_are_stored_compactly_and_an_older_edges_json_is_still_read() 
     assert_eq!(s.snapshots.get(&snap.session_id).await, Ok(Some(snap)));
 }
 
-/// Bytes Redis has read from its clients so far (`INFO stats`).
-async fn redis_input_bytes(c: &mut redis::aio::MultiplexedConnection) -> u64 {
+/// A counter of Redis' `INFO stats`: `total_net_input_bytes` (bytes read from clients) or
+/// `total_reads_processed` (read events: one per client round trip, a small pipeline being
+/// read at once).
+async fn redis_stat(c: &mut redis::aio::MultiplexedConnection, name: &str) -> u64 {
     let info: String = redis::cmd("INFO")
         .arg("stats")
         .query_async(c)
         .await
         .expect("info");
     info.lines()
-        .find_map(|l| l.strip_prefix("total_net_input_bytes:"))
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
         .and_then(|v| v.trim().parse().ok())
-        .expect("total_net_input_bytes")
+        .expect(name)
 }
 
-/// Read events Redis has processed so far (`INFO stats`): one per client round trip
-/// (a small pipeline is read at once).
+async fn redis_input_bytes(c: &mut redis::aio::MultiplexedConnection) -> u64 {
+    redis_stat(c, "total_net_input_bytes").await
+}
+
 async fn redis_reads(c: &mut redis::aio::MultiplexedConnection) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("stats")
-        .query_async(c)
-        .await
-        .expect("info");
-    info.lines()
-        .find_map(|l| l.strip_prefix("total_reads_processed:"))
-        .and_then(|v| v.trim().parse().ok())
-        .expect("total_reads_processed")
+    redis_stat(c, "total_reads_processed").await
 }
 
 /// Regression (CI: every session of an edge called its link dead around a Redis restart):

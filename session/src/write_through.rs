@@ -218,8 +218,10 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn writes_queued_behind_a_commit_share_the_next_one() {
+    type Answer = tokio::task::JoinHandle<Result<(), StoreError>>;
+
+    /// A write-through into a [`Gate`].
+    fn gated() -> (Arc<Gate>, Arc<WriteThrough>) {
         let gate = Arc::new(Gate {
             inner: MemorySnapshotStore::new(),
             groups: Mutex::new(Vec::new()),
@@ -230,10 +232,14 @@ mod tests {
             Duration::from_secs(60),
             Duration::from_secs(1),
         );
-        // The first write is alone; 50 more arrive while it is in flight.
+        (gate, wt)
+    }
+
+    /// Commits `s` and returns once its group is in the store (held at the gate).
+    async fn in_flight(gate: &Gate, wt: &Arc<WriteThrough>, s: Snapshot) -> Answer {
         let first = tokio::spawn({
             let wt = wt.clone();
-            async move { wt.commit(SnapshotWrite::whole(snapshot(1, "p0", 1))).await }
+            async move { wt.commit(SnapshotWrite::whole(s)).await }
         });
         while gate
             .groups
@@ -243,7 +249,12 @@ mod tests {
         {
             tokio::task::yield_now().await;
         }
-        let rest: Vec<_> = (2..=51u8)
+        first
+    }
+
+    /// Commits one snapshot per id of `ids` (fencing 1) and lets them queue.
+    async fn queued(wt: &Arc<WriteThrough>, ids: std::ops::RangeInclusive<u8>) -> Vec<Answer> {
+        let tasks = ids
             .map(|i| {
                 let wt = wt.clone();
                 tokio::spawn(async move {
@@ -255,6 +266,15 @@ mod tests {
         for _ in 0..100 {
             tokio::task::yield_now().await;
         }
+        tasks
+    }
+
+    #[tokio::test]
+    async fn writes_queued_behind_a_commit_share_the_next_one() {
+        let (gate, wt) = gated();
+        // The first write is alone; 50 more arrive while it is in flight.
+        let first = in_flight(&gate, &wt, snapshot(1, "p0", 1)).await;
+        let rest = queued(&wt, 2..=51).await;
         gate.release.add_permits(2);
         assert_eq!(first.await.expect("join"), Ok(()));
         for r in rest {
@@ -308,44 +328,10 @@ mod tests {
     /// session's task ran, after the committer had taken the next group and sent it.
     #[tokio::test(flavor = "current_thread")]
     async fn writes_queued_behind_a_failed_commit_are_not_sent_into_the_same_failure() {
-        let gate = Arc::new(Gate {
-            inner: MemorySnapshotStore::new(),
-            groups: Mutex::new(Vec::new()),
-            release: tokio::sync::Semaphore::new(0),
-        });
-        let wt = WriteThrough::start(
-            gate.clone(),
-            Duration::from_secs(60),
-            Duration::from_secs(1),
-        );
+        let (gate, wt) = gated();
         // The first write times out in the store; ten more queue while it is in flight.
-        let first = tokio::spawn({
-            let wt = wt.clone();
-            async move {
-                wt.commit(SnapshotWrite::whole(snapshot(1, "slow", 99)))
-                    .await
-            }
-        });
-        while gate
-            .groups
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_empty()
-        {
-            tokio::task::yield_now().await;
-        }
-        let queued: Vec<_> = (2..=11u8)
-            .map(|i| {
-                let wt = wt.clone();
-                tokio::spawn(async move {
-                    wt.commit(SnapshotWrite::whole(snapshot(i, &format!("q{i}"), 1)))
-                        .await
-                })
-            })
-            .collect();
-        for _ in 0..100 {
-            tokio::task::yield_now().await;
-        }
+        let first = in_flight(&gate, &wt, snapshot(1, "slow", 99)).await;
+        let queued = queued(&wt, 2..=11).await;
         // Room for every group the committer might send: only the failing one is.
         gate.release.add_permits(16);
         assert_eq!(first.await.expect("join"), Err(StoreError::Timeout));
