@@ -436,7 +436,6 @@ fn main() -> std::process::ExitCode {
                     guilds,
                     interval,
                     progress: !json,
-                    ..waygate::demo::DemoOptions::default()
                 };
                 let report = if edges > 1 {
                     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
