@@ -918,37 +918,6 @@ impl Task {
 
     /// The actions other than [`Action::Send`] and [`Action::Deliver`] (those two are
     /// passed on to the same handlers [`Task::action`] uses, so the match stays whole).
-    /// Whether the client closed its connection while the handshake waited (a client that
-    /// gave up on a slow edge and resumed elsewhere): then the handshake ends here as a
-    /// link loss (a snapshot already taken is put back) before it takes the session's
-    /// snapshot or the player's ownership from the copy the client uses now. Looks without
-    /// waiting (after one yield, so the runtime has taken in what the sockets reported); a
-    /// frame that arrived meanwhile is kept for the loop, in order.
-    async fn client_gone(&mut self) -> bool {
-        if self.held.is_some() {
-            return false;
-        }
-        tokio::task::yield_now().await;
-        let Some(conn) = self.conn.as_mut() else {
-            return false;
-        };
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        let looked = conn.recv().as_mut().poll(&mut cx);
-        match looked {
-            std::task::Poll::Pending => false,
-            std::task::Poll::Ready(Ok(frame)) => {
-                self.held = Some(Box::new((frame, tokio::time::Instant::now())));
-                false
-            }
-            std::task::Poll::Ready(Err(e)) => {
-                tracing::debug!(error = %e, "client gone during the handshake");
-                self.conn = None;
-                let _ = self.machine.handle_link_down(now(), e.close_code());
-                true
-            }
-        }
-    }
-
     async fn rare_action(&mut self, action: Action) {
         let edge = self.edge.clone();
         match action {
@@ -981,9 +950,6 @@ impl Task {
                 session_id,
                 attempt,
             } => {
-                if self.client_gone().await {
-                    return;
-                }
                 let t0 = tokio::time::Instant::now();
                 let start = edge
                     .registry
@@ -1024,9 +990,6 @@ impl Task {
                 player_id,
                 session_id,
             } => {
-                if self.client_gone().await {
-                    return;
-                }
                 let t0 = tokio::time::Instant::now();
                 let result = match edge
                     .ownership
