@@ -974,7 +974,8 @@ async fn kill_9_loses_no_announcement_a_member_was_owed() {
     );
     // Restores, then the log's announcements and HISTORY_LOST.
     tokio::time::sleep(Duration::from_secs(6)).await;
-    let _ = stop.send(true);
+    // Every member task stops (`send_replace`: no error even if one already ended).
+    stop.send_replace(true);
     let mut recovered_late = 0usize;
     for (i, t) in tasks.into_iter().enumerate() {
         let (got, history_lost, restored) = t.await.unwrap();

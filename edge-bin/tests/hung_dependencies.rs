@@ -75,7 +75,8 @@ async fn a_sigstopped_redis_blocks_no_session_and_recovery_needs_no_restart() {
     // §7.5) during the freeze: a store in trouble holds a session's output for at most one
     // store timeout (the write-through's pause; its regression test is the unit test
     // `writes_queued_behind_a_failed_commit_are_not_sent_into_the_same_failure`).
-    let _ = stop.send(true);
+    // Every crowd task stops (`send_replace`: no error even if one already ended).
+    stop.send_replace(true);
     for (i, t) in crowd.into_iter().enumerate() {
         let (echoes, connects) = t.await.unwrap();
         assert_eq!(

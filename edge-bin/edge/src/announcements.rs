@@ -333,18 +333,34 @@ impl AnnouncementLog for FileAnnouncementLog {
         since: ChannelPosition,
         limit: usize,
     ) -> Result<Vec<AnnouncementRecord>, AnnouncementLogError> {
+        // The index's lock is held by an append during its write and fsync: waited for
+        // off the tokio workers.
+        let log = self.clone();
+        let channel: Arc<str> = channel.into();
+        tokio::task::spawn_blocking(move || log.after_now(channel, since, limit))
+            .await
+            .map_err(|e| AnnouncementLogError::Io(format!("reader task: {e}")))
+    }
+}
+
+impl FileAnnouncementLog {
+    fn after_now(
+        &self,
+        channel: Arc<str>,
+        since: ChannelPosition,
+        limit: usize,
+    ) -> Vec<AnnouncementRecord> {
         let now = unix_ms();
         let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let key: (Arc<str>, u64) = (channel.into(), since.epoch);
-        let Some(e) = s.index.get(&key) else {
-            return Ok(Vec::new());
+        let Some(e) = s.index.get(&(channel.clone(), since.epoch)) else {
+            return Vec::new();
         };
-        Ok(e.entries
+        e.entries
             .iter()
             .filter(|k| k.offset > since.offset && k.expires_ms > now)
             .take(limit)
             .map(|k| AnnouncementRecord {
-                channel: key.0.clone(),
+                channel: channel.clone(),
                 position: ChannelPosition {
                     epoch: since.epoch,
                     offset: k.offset,
@@ -353,7 +369,7 @@ impl AnnouncementLog for FileAnnouncementLog {
                 ttl: Duration::from_millis(k.expires_ms.saturating_sub(now)),
                 keep: e.keep,
             })
-            .collect())
+            .collect()
     }
 }
 

@@ -444,6 +444,13 @@ struct Channel {
 }
 
 impl Channel {
+    /// Where the held announcement at `offset` waits in the queue.
+    fn held_at(&self, offset: u64) -> Option<usize> {
+        self.pending.iter().position(|p| {
+            matches!(p.item, PendingItem::Publication { held: true, offset: o, .. } if o == offset)
+        })
+    }
+
     /// Whether the next pending item waits for the announcement log.
     fn blocked(&self) -> bool {
         matches!(
@@ -540,6 +547,8 @@ pub struct ChannelHub {
     stats: HubStats,
     /// Announcements are held until the announcement log has them.
     announcement_log: bool,
+    /// Announcements held now, over all channels.
+    held: usize,
 }
 
 /// Splits a channel name into its kind, after checking it.
@@ -575,6 +584,7 @@ impl ChannelHub {
             epoch_state: seed,
             stats: HubStats::default(),
             announcement_log: false,
+            held: 0,
         }
     }
 
@@ -596,11 +606,10 @@ impl ChannelHub {
         if ch.epoch != position.epoch {
             return false;
         }
-        let Some(i) = ch.pending.iter().position(|p| {
-            matches!(p.item, PendingItem::Publication { held: true, offset, .. } if offset == position.offset)
-        }) else {
+        let Some(i) = ch.held_at(position.offset) else {
             return false;
         };
+        self.held -= 1;
         if written {
             if let Some(Pending {
                 item: PendingItem::Publication { held, .. },
@@ -733,10 +742,7 @@ impl ChannelHub {
     ) -> Result<PublishReceipt, ChannelError> {
         if let Some(ch) = self.channels.get(channel) {
             if let Some(position) = ch.recent.get(&request_id).filter(|_| request_id != 0) {
-                let held = ch.pending.iter().any(|p| {
-                    matches!(p.item, PendingItem::Publication { held: true, offset, .. } if offset == position.offset)
-                });
-                if held {
+                if ch.held_at(position.offset).is_some() {
                     return Err(ChannelError::Persisting);
                 }
                 self.stats.duplicates += 1;
@@ -803,6 +809,7 @@ impl ChannelHub {
             offset: position.offset,
             held,
         });
+        self.held += usize::from(held);
         if request_id != 0 && dedup_window > 0 {
             if ch.recent_order.len() >= dedup_window {
                 if let Some(old) = ch.recent_order.pop_front() {
@@ -1198,11 +1205,7 @@ impl ChannelHub {
 
     /// Announcements held until the announcement log has them, over all channels.
     pub fn held(&self) -> usize {
-        self.channels
-            .values()
-            .flat_map(|c| &c.pending)
-            .filter(|p| matches!(p.item, PendingItem::Publication { held: true, .. }))
-            .count()
+        self.held
     }
 
     /// Items waiting for delivery, over all channels.
@@ -1288,6 +1291,15 @@ impl ChannelHub {
                     return Err(format!("{c}: membership index lists a non-member"));
                 }
             }
+        }
+        let held = self
+            .channels
+            .values()
+            .flat_map(|c| &c.pending)
+            .filter(|p| matches!(p.item, PendingItem::Publication { held: true, .. }))
+            .count();
+        if held != self.held {
+            return Err(format!("{held} announcements held, {} counted", self.held));
         }
         if self.channels.len() > self.config.max_channels {
             return Err("channels over the cap".into());

@@ -69,6 +69,33 @@ fn result(request_id: u64, outcome: Result<ChannelPosition, ChannelError>) -> Li
     }
 }
 
+/// Sends a CHANNEL_RESULT decided after its request was taken (an announcement once
+/// logged, a join once the log was read) on the link the request came on. A full link
+/// writer is waited for in a task of its own, so one slow backend holds up no other
+/// answer. A link that is gone cannot be told: its backend's SDK has answered the request
+/// itself (link closed, or its 5 s wait), and a retry with the same id is answered from the
+/// channel's dedup window; logged here.
+fn answer_later(reply: Option<mpsc::Sender<LinkFrame>>, answer: LinkFrame) {
+    use mpsc::error::TrySendError;
+    let gone = || {
+        tracing::info!("a channel answer's link is gone; its backend's SDK answered the request")
+    };
+    let Some(reply) = reply else {
+        return gone();
+    };
+    match reply.try_send(answer) {
+        Ok(()) => {}
+        Err(TrySendError::Full(answer)) => {
+            tokio::spawn(async move {
+                if reply.send(answer).await.is_err() {
+                    gone();
+                }
+            });
+        }
+        Err(TrySendError::Closed(_)) => gone(),
+    }
+}
+
 /// The CHANNEL_RESULT for a session that is not on this edge.
 fn member_offline(request_id: u64) -> LinkFrame {
     LinkFrame::ChannelResult {
@@ -161,19 +188,10 @@ impl Shared {
                 let Some(sid) = self.session_of_handle(handle) else {
                     return Some(member_offline(request_id));
                 };
-                if self.hub().needs_logged(&channel, since) {
-                    if let (Some(a), Some(since)) = (&self.announcements, since) {
-                        // Answered once the log was read.
-                        tokio::spawn(join_from_log(
-                            Arc::downgrade(self),
-                            a.log.clone(),
-                            sid,
-                            channel,
-                            since,
-                            Some((request_id, later())),
-                        ));
-                        return None;
-                    }
+                if let Some(since) = since.filter(|s| self.hub().needs_logged(&channel, Some(*s))) {
+                    // Answered once the log was read.
+                    self.join_from_log(sid, channel, since, Some((request_id, later())));
+                    return None;
                 }
                 let player = self.session_layer().registry.player_of(&sid);
                 let player = player.as_deref().unwrap_or_default();
@@ -203,6 +221,28 @@ impl Shared {
         };
         self.start_channel_consumers();
         Some(reply)
+    }
+
+    /// Joins `session` from `since` (another epoch's position) once the announcement log
+    /// was read, in a task (see [`join_from_log`]). Only called when the hub has a log
+    /// (`needs_logged`), which it has exactly when the edge has one.
+    fn join_from_log(
+        self: &Arc<Self>,
+        session: waygate_protocol::frame::SessionId,
+        channel: String,
+        since: ChannelPosition,
+        answer: Option<(u64, Option<mpsc::Sender<LinkFrame>>)>,
+    ) {
+        if let Some(a) = &self.announcements {
+            tokio::spawn(join_from_log(
+                Arc::downgrade(self),
+                a.log.clone(),
+                session,
+                channel,
+                since,
+                answer,
+            ));
+        }
     }
 
     /// Hands a held announcement to the log writer; a full writer queue withdraws it at
@@ -286,20 +326,9 @@ impl Shared {
         {
             let mut hub = self.hub();
             for (name, position) in channels {
-                if let Some(a) = self
-                    .announcements
-                    .as_ref()
-                    .filter(|_| hub.needs_logged(&name, Some(position)))
-                {
+                if hub.needs_logged(&name, Some(position)) {
                     // Another epoch's position: what the log holds after it comes first.
-                    tokio::spawn(join_from_log(
-                        Arc::downgrade(self),
-                        a.log.clone(),
-                        session_id,
-                        name,
-                        position,
-                        None,
-                    ));
+                    self.join_from_log(session_id, name, position, None);
                     continue;
                 }
                 match hub.join(now, session_id, player, &name, Some(position)) {
@@ -452,11 +481,7 @@ async fn join_from_log(
                 .inc();
             if let Some((request_id, reply)) = answer {
                 tracing::info!(%channel, error = %e, "join refused: the announcement log cannot be read");
-                if let Some(reply) = reply {
-                    let _ = reply
-                        .send(result(request_id, Err(ChannelError::LogUnavailable)))
-                        .await;
-                }
+                answer_later(reply, result(request_id, Err(ChannelError::LogUnavailable)));
                 return;
             }
             tracing::warn!(%channel, error = %e, "restored membership joined without the announcements it missed: the log cannot be read");
@@ -474,11 +499,7 @@ async fn join_from_log(
             .hub()
             .join_with_logged(now_std(), session, player, &channel, Some(since), &logged);
     shared.count_join(&channel, &outcome);
-    if let Some(reply) = reply {
-        let _ = reply
-            .send(result(request_id, outcome.map(|(p, _)| p)))
-            .await;
-    }
+    answer_later(reply, result(request_id, outcome.map(|(p, _)| p)));
     shared.start_channel_consumers();
 }
 
@@ -564,11 +585,7 @@ pub(super) async fn announcement_writer(
                 Err(_) => Err(ChannelError::LogUnavailable),
             };
             shared.count_publish(&j.record.channel, outcome.map(|_| ()));
-            if let Some(reply) = j.reply {
-                // The link may be gone: its backend learns nothing more on it (a retry on
-                // the next link with the same id is answered from the dedup window).
-                let _ = reply.send(result(j.request_id, outcome)).await;
-            }
+            answer_later(j.reply, result(j.request_id, outcome));
         }
     }
 }
