@@ -916,6 +916,27 @@ impl Task {
         };
     }
 
+    /// Whether the client closed its connection while the handshake waited (a client that
+    /// gave up on a slow edge and resumed elsewhere): then the handshake ends here as a
+    /// link loss (a snapshot already taken is put back) before it takes the session's
+    /// snapshot or the player's ownership from the copy the client uses now. Looks without
+    /// waiting and without reading a frame ([`waygate_transport::Connection::peer_closed`]: what arrived stays
+    /// for the loop and is read under the limits in force then), after one yield so the
+    /// runtime has taken in what the sockets reported.
+    async fn client_gone(&mut self) -> bool {
+        tokio::task::yield_now().await;
+        let Some(conn) = self.conn.as_mut() else {
+            return false;
+        };
+        if !conn.peer_closed() {
+            return false;
+        }
+        tracing::debug!(conn = %conn.info().id, "client gone during the handshake");
+        self.conn = None;
+        let _ = self.machine.handle_link_down(now(), CloseCode::Normal);
+        true
+    }
+
     /// The actions other than [`Action::Send`] and [`Action::Deliver`] (those two are
     /// passed on to the same handlers [`Task::action`] uses, so the match stays whole).
     async fn rare_action(&mut self, action: Action) {
@@ -950,6 +971,9 @@ impl Task {
                 session_id,
                 attempt,
             } => {
+                if self.client_gone().await {
+                    return;
+                }
                 let t0 = tokio::time::Instant::now();
                 let start = edge
                     .registry
@@ -990,6 +1014,9 @@ impl Task {
                 player_id,
                 session_id,
             } => {
+                if self.client_gone().await {
+                    return;
+                }
                 let t0 = tokio::time::Instant::now();
                 let result = match edge
                     .ownership

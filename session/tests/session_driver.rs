@@ -260,3 +260,96 @@ async fn resume_on_another_edge_from_the_shared_store() {
         .expect("some");
     assert_eq!(owner.edge, "edge-2");
 }
+
+/// An authenticator that takes `delay` before it answers once `slow` is set (a busy edge).
+struct SlowAuth {
+    inner: Arc<dyn waygate_session::Authenticator>,
+    slow: Arc<std::sync::atomic::AtomicBool>,
+    delay: Duration,
+}
+
+#[async_trait::async_trait]
+impl waygate_session::Authenticator for SlowAuth {
+    async fn authenticate(
+        &self,
+        token: &[u8],
+        now_unix: u64,
+    ) -> Result<waygate_session::auth::AuthedPlayer, waygate_session::auth::AuthError> {
+        if self.slow.load(std::sync::atomic::Ordering::Relaxed) {
+            tokio::time::sleep(self.delay).await;
+        }
+        self.inner.authenticate(token, now_unix).await
+    }
+}
+
+/// Regression (channels-at-scale run: sessions ended `kicked` although their player logged
+/// in once): a client that gives up on a slow handshake and goes elsewhere leaves that
+/// handshake behind; it went on to claim the player (single login) and kick the session
+/// the client uses. A handshake whose connection closed while it waited now ends before it
+/// takes a snapshot or the ownership.
+#[tokio::test(start_paused = true)]
+async fn a_handshake_whose_client_left_takes_nothing_from_the_live_session() {
+    let config = SessionConfig {
+        linger: Duration::from_secs(60),
+        ..SessionConfig::default()
+    };
+    let (mut layer, _sink) = echo_edge("edge-t", config);
+    layer.unix_now = Arc::new(|| UNIX);
+    let slow = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    layer.authenticator = Arc::new(SlowAuth {
+        inner: layer.authenticator.clone(),
+        slow: slow.clone(),
+        delay: Duration::from_millis(500),
+    });
+    let edge = Arc::new(layer);
+    let (server_end, mut conn) = mem_pair();
+    edge.spawn(Box::new(server_end));
+    let mut c = client();
+    let mut events = Vec::new();
+    c.connect(Instant::now()).expect("hello");
+    exchange(&mut c, &mut conn, &mut events, |e| !welcomes(e).is_empty()).await;
+    let live = edge.registry.session_of("p").expect("registered");
+
+    // The same player's second handshake, now that the edge is busy: the client sends
+    // HELLO, waits, and leaves before the authenticator answers.
+    slow.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (server_end, mut ghost) = mem_pair();
+    let ghost_task = edge.spawn(Box::new(server_end));
+    let mut g = client();
+    g.connect(Instant::now()).expect("hello");
+    while let Some(f) = g.poll_transmit() {
+        ghost.send(&f).await.expect("hello sent");
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(ghost);
+    let end = ghost_task.await.expect("task");
+    assert!(
+        matches!(end, EndReason::HandshakeFailed(_)),
+        "the abandoned handshake ended: {end:?}"
+    );
+    assert_eq!(
+        edge.registry.session_of("p"),
+        Some(live),
+        "the live session still holds the player"
+    );
+    // And it still works.
+    slow.store(false, std::sync::atomic::Ordering::Relaxed);
+    let before = events.len();
+    c.send(
+        Instant::now(),
+        TrafficClass::Normal,
+        1,
+        Bytes::from_static(b"still here"),
+    )
+    .expect("send");
+    exchange(&mut c, &mut conn, &mut events, |e| {
+        e.iter().any(|e| matches!(e, ClientEvent::Message { .. }))
+    })
+    .await;
+    assert!(
+        !events[before..]
+            .iter()
+            .any(|e| matches!(e, ClientEvent::Disconnected { .. })),
+        "{events:?}"
+    );
+}

@@ -179,6 +179,17 @@ pub trait Connection: Send + 'static {
     /// and closes the transport. Idempotent.
     async fn close(&mut self, code: CloseCode, message: &str);
 
+    /// Whether the peer is known to have closed the connection, found without waiting and
+    /// without taking a frame: whatever the socket holds now is taken into the connection's
+    /// own bounded buffer and left there for [`Connection::recv`], which checks it against
+    /// the frame limit in force when it is read. `false` when it cannot tell (nothing
+    /// arrived, or more than a pre-auth frame is buffered already). Once `true`, `recv`
+    /// fails. For a handshake to see, before it takes anything, that its client gave up on
+    /// it; cheap enough to call once per handshake step, not meant for a loop.
+    fn peer_closed(&mut self) -> bool {
+        false
+    }
+
     /// The session on this connection is past its handshake (WELCOME sent): a server-side
     /// connection frees its admission slot (one of `max_handshakes`, held from the accept to
     /// here on every transport) and accepts frames up to the configured maximum instead of
@@ -243,6 +254,16 @@ impl PreAuth {
         self.slot = None;
         self.limited = false;
     }
+}
+
+/// Whether a message of a message transport (one frame per message: WebSocket, KCP)
+/// carries a CLOSE frame, judged by its type byte without decoding it.
+pub(crate) fn is_close_message(message: &[u8]) -> bool {
+    message
+        .first()
+        .copied()
+        .and_then(waygate_protocol::wire::FrameType::from_u8)
+        == Some(waygate_protocol::wire::FrameType::Close)
 }
 
 /// A boxed connection, as listeners yield them.

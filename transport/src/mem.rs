@@ -86,6 +86,11 @@ impl Connection for MemConnection {
         }
     }
 
+    /// The other end is dropped or has closed (frames it sent before stay readable).
+    fn peer_closed(&mut self) -> bool {
+        self.rx.is_closed()
+    }
+
     /// In-memory pairs have no listener slot and no pre-auth limit.
     fn handshake_done(&mut self) {}
 }

@@ -314,6 +314,12 @@ impl Connection for QuicConnection {
         );
     }
 
+    /// The connection is closed (by the peer, or timed out), as quinn knows without
+    /// reading a stream.
+    fn peer_closed(&mut self) -> bool {
+        !self.closed && self.conn.close_reason().is_some()
+    }
+
     fn handshake_done(&mut self) {
         self.pre_auth.done();
     }

@@ -16,7 +16,7 @@ use crate::conn::{ConnConfig, ConnInfo, Connection, IdleTimer, PreAuth};
 use crate::error::TransportError;
 use waygate_protocol::codec::StreamCodec;
 use waygate_protocol::frame::Frame;
-use waygate_protocol::wire::CloseCode;
+use waygate_protocol::wire::{CloseCode, MAX_PRE_AUTH_FRAME_SIZE};
 
 /// Size of each read from the socket.
 const READ_CHUNK: usize = 4096;
@@ -261,6 +261,29 @@ impl<S: AsyncRead + AsyncWrite + ReadReady + Unpin + Send + Sync + 'static> Conn
                 }
             }
         }
+    }
+
+    /// Reads what the socket holds now into the read buffer (frames stay undecoded, for
+    /// `recv` and the limit in force then) until a pre-auth frame's worth is buffered; the
+    /// end of the stream, or a reset, is the answer.
+    fn peer_closed(&mut self) -> bool {
+        if self.eof || self.closed {
+            return self.eof;
+        }
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        while self.read_buf.len() < MAX_PRE_AUTH_FRAME_SIZE {
+            self.read_buf.reserve(READ_CHUNK);
+            let read = std::pin::pin!(self.io.read_buf(&mut self.read_buf)).poll(&mut cx);
+            match read {
+                Poll::Pending => return false,
+                Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => {
+                    self.eof = true;
+                    return true;
+                }
+                Poll::Ready(Ok(_)) => self.idle.touch(),
+            }
+        }
+        false
     }
 
     async fn close(&mut self, code: CloseCode, message: &str) {

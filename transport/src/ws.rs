@@ -50,6 +50,8 @@ pub struct WsConnection<S> {
     pre_auth: PreAuth,
     idle: IdleTimer,
     closed: bool,
+    /// What [`Connection::peer_closed`] took off the stream, for `recv` to read first.
+    peeked: Option<Option<Result<Message, WsError>>>,
 }
 
 impl<S> std::fmt::Debug for WsConnection<S> {
@@ -70,6 +72,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> WsConnection<S> {
             pre_auth: PreAuth::none(),
             idle: IdleTimer::new(config.idle_timeout),
             closed: false,
+            peeked: None,
         }
     }
 
@@ -142,11 +145,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Connection for WsConnec
             if self.closed {
                 return Err(TransportError::Closed);
             }
-            let next = tokio::select! {
-                // Input first: after a stall, a frame that is already here beats the idle timer.
-                biased;
-                next = self.ws.next() => next,
-                err = self.idle.expired() => return Err(err),
+            let next = match self.peeked.take() {
+                Some(next) => next,
+                None => tokio::select! {
+                    // Input first: after a stall, a frame that is already here beats the idle timer.
+                    biased;
+                    next = self.ws.next() => next,
+                    err = self.idle.expired() => return Err(err),
+                },
             };
             self.idle.touch();
             match next {
@@ -226,6 +232,39 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Connection for WsConnec
             other => WsCloseCode::from(4000 + other.to_u16() % 1000),
         };
         self.close_as(code, ws_code, message).await;
+    }
+
+    /// Takes at most one message off the stream (kept for `recv`, which checks its size
+    /// then), skipping pings and pongs; the end of the stream, a close or an error is the
+    /// answer.
+    fn peer_closed(&mut self) -> bool {
+        if self.closed {
+            return false;
+        }
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        // Bounded: a peer sending pings only is looked at again on the next call.
+        for _ in 0..8 {
+            if self.peeked.is_none() {
+                match self.ws.poll_next_unpin(&mut cx) {
+                    std::task::Poll::Pending => return false,
+                    std::task::Poll::Ready(next) => {
+                        self.idle.touch();
+                        self.peeked = Some(next);
+                    }
+                }
+            }
+            match &self.peeked {
+                Some(None) | Some(Some(Ok(Message::Close(_)))) | Some(Some(Err(_))) => return true,
+                Some(Some(Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_)))) => {
+                    self.peeked = None;
+                }
+                Some(Some(Ok(Message::Binary(bytes)))) => {
+                    return crate::conn::is_close_message(bytes)
+                }
+                Some(Some(Ok(Message::Text(_)))) | None => return false,
+            }
+        }
+        false
     }
 
     fn handshake_done(&mut self) {

@@ -514,3 +514,15 @@ async fn a_panicking_driver_is_restarted_and_the_listener_keeps_working() {
     );
     assert_eq!(KcpStats::get(&stats.driver_restarts), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kcp_peer_closed_takes_no_frame_and_sees_the_close() {
+    let listener = listener(KcpConfig::default()).await;
+    let addr = listener.local_addr();
+    common::peer_closed_checks(
+        Box::new(listener),
+        move || async move { connect(addr, KcpConfig::default(), conn_config()).await },
+        MAX_FRAME,
+    )
+    .await;
+}

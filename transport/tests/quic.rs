@@ -348,3 +348,25 @@ async fn handshakes_in_flight_past_the_threshold_get_a_retry_and_real_clients_st
     common::exchange(&mut conn, 0, 10, MAX).await;
     drop(half_open);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_peer_closed_takes_no_frame_and_sees_the_close() {
+    let id = TlsIdentity::generate_dev(&[]).unwrap();
+    let listener = quic::listen(
+        "127.0.0.1:0".parse().unwrap(),
+        &id,
+        &QuicConfig::default(),
+        config(),
+    )
+    .unwrap();
+    let addr = listener.local_addr();
+    let tls = ClientTls::from_ca_pem(id.dev_ca_pem.as_deref().unwrap()).unwrap();
+    common::peer_closed_checks(
+        Box::new(listener),
+        move || async move {
+            connect_quic(addr, "localhost", &tls, &QuicConfig::default(), &config()).await
+        },
+        MAX,
+    )
+    .await;
+}

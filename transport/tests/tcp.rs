@@ -249,3 +249,33 @@ async fn names_resolve_every_address_is_tried_and_tls_defaults_to_system_roots()
         "the dev certificate is not trusted by the system roots"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_peer_closed_takes_no_frame_and_sees_the_close() {
+    let listener = tcp::listen("127.0.0.1:0".parse().unwrap(), None, config())
+        .await
+        .unwrap();
+    let addr = listener.local_addr();
+    common::peer_closed_checks(
+        Box::new(listener),
+        move || async move { connect_tcp(addr, &config()).await },
+        MAX,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_peer_closed_takes_no_frame_and_sees_the_close() {
+    let id = TlsIdentity::generate_dev(&[]).unwrap();
+    let listener = tcp::listen("127.0.0.1:0".parse().unwrap(), Some(&id), config())
+        .await
+        .unwrap();
+    let addr = listener.local_addr();
+    let client = ClientTls::from_ca_pem(id.dev_ca_pem.as_deref().unwrap()).unwrap();
+    common::peer_closed_checks(
+        Box::new(listener),
+        move || async move { connect_tls(addr, "localhost", &client, &config()).await },
+        MAX,
+    )
+    .await;
+}

@@ -261,3 +261,17 @@ async fn a_frame_waiting_after_a_stall_wins_over_the_idle_timeout() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ws_peer_closed_takes_no_frame_and_sees_the_close() {
+    let listener = ws::listen("127.0.0.1:0".parse().unwrap(), None, config())
+        .await
+        .unwrap();
+    let addr = listener.local_addr();
+    common::peer_closed_checks(
+        Box::new(listener),
+        move || async move { connect_ws(addr, "127.0.0.1", "/", None, &config()).await },
+        MAX,
+    )
+    .await;
+}

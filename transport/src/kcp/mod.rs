@@ -437,6 +437,23 @@ impl Connection for KcpConnection {
         }
     }
 
+    /// The driver has ended the session, or a CLOSE frame waits in the inbox (nothing is
+    /// taken off it).
+    fn peer_closed(&mut self) -> bool {
+        if self.peer_close.is_some() {
+            return true;
+        }
+        if self.closed {
+            return false;
+        }
+        let inbox = self.shared.inbox();
+        inbox.end.is_some()
+            || inbox
+                .messages
+                .iter()
+                .any(|m| crate::conn::is_close_message(m))
+    }
+
     async fn close(&mut self, code: CloseCode, message: &str) {
         if self.closed {
             return;

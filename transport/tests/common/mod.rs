@@ -191,3 +191,59 @@ pub async fn timeout<T>(fut: impl Future<Output = T>) -> T {
         .await
         .expect("operation finished in time")
 }
+
+/// [`waygate_transport::Connection::peer_closed`] on a connection accepted by `listener`,
+/// before its WELCOME: a PING and a DATA larger than the pre-auth limit (`max_frame` must
+/// allow it) that arrive meanwhile are not taken and not refused (both are read by `recv`
+/// once the handshake is done), and the client's close is seen without a read.
+pub async fn peer_closed_checks<F, Fut>(mut listener: BoxListener, connect: F, max_frame: usize)
+where
+    F: FnOnce() -> Fut,
+    Fut: Future<Output = Result<BoxConnection, TransportError>>,
+{
+    let accept = tokio::spawn(async move {
+        let conn = listener.accept().await;
+        (conn, listener)
+    });
+    let mut client = timeout(connect()).await.expect("connect");
+    let ping = Frame::Ping { timestamp: 7 };
+    client.send(&ping).await.expect("ping sent");
+    let (server, _listener) = timeout(accept).await.expect("accept task");
+    let mut server = server.expect("accepted");
+    let big_len = (waygate_protocol::wire::MAX_PRE_AUTH_FRAME_SIZE + 4096).min(max_frame);
+    assert!(big_len > waygate_protocol::wire::MAX_PRE_AUTH_FRAME_SIZE);
+    let big = Frame::Data(Data {
+        class: TrafficClass::Normal,
+        msg_id: 9,
+        seq: 1,
+        ack: None,
+        payload: Bytes::from(vec![0x5A; payload_for_frame_len(big_len, 0, 1)]),
+    });
+    client.send(&big).await.expect("big frame sent");
+    // Looked at again and again while both arrive: never closed, nothing refused.
+    for _ in 0..30 {
+        assert!(!server.peer_closed(), "an open connection looked closed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    server.handshake_done();
+    assert_eq!(timeout(server.recv()).await.expect("the ping"), ping);
+    assert_eq!(timeout(server.recv()).await.expect("the big frame"), big);
+
+    // The client closes: seen without a read.
+    let _ = client
+        .close(waygate_transport::CloseCode::Normal, "bye")
+        .await;
+    drop(client);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !server.peer_closed() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the client's close was never seen"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        timeout(server.recv()).await.is_err(),
+        "recv fails after a close"
+    );
+}

@@ -107,6 +107,10 @@ impl Connection for CountedConnection {
         self.inner.close(code, message).await;
     }
 
+    fn peer_closed(&mut self) -> bool {
+        self.inner.peer_closed()
+    }
+
     fn handshake_done(&mut self) {
         self.inner.handshake_done();
     }
