@@ -896,7 +896,12 @@ pub async fn run_cluster(
                 &config.to_string_lossy(),
                 "--ephemeral-ports",
             ])
-            .env("RUST_LOG", "warn")
+            // The edges log warnings (to the demo's stderr); WAYGATE_DEMO_EDGE_LOG overrides
+            // the filter when a run needs their story.
+            .env(
+                "RUST_LOG",
+                std::env::var("WAYGATE_DEMO_EDGE_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdout(std::process::Stdio::piped())
             .kill_on_drop(true)
             .spawn()

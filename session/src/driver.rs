@@ -23,7 +23,7 @@ use crate::auth::Authenticator;
 use crate::counters::SessionCounters;
 use crate::host::{
     apply_work, Answer, Command as HostCommand, ConnId, EstablishOutcome, HandOverStart, Reply,
-    SessionHost, Work,
+    SessionHost, SupersededKick, Work,
 };
 use crate::machine::{Action, EndReason, SessionConfig, SessionEnd, SessionMachine, Upstream};
 use crate::resume::hex_id;
@@ -328,6 +328,13 @@ impl SessionRegistry {
     /// Kicks a session held here (KICKED; e.g. a newer login on another edge). Never waits.
     pub fn kick(&self, session_id: &SessionId) -> bool {
         self.host(|h| h.kick(session_id))
+    }
+
+    /// Kicks a session held here whose copy with fencing token `fencing` a newer claim
+    /// superseded, unless the copy held here is newer or being restored
+    /// ([`SessionHost::kick_superseded`]). Never waits.
+    pub fn kick_superseded(&self, session_id: &SessionId, fencing: u64) -> SupersededKick {
+        self.host(|h| h.kick_superseded(session_id, fencing))
     }
 
     fn command(&self, session_id: &SessionId, command: HostCommand) -> bool {

@@ -229,6 +229,20 @@ pub enum EstablishOutcome {
     LostRace,
 }
 
+/// How [`SessionHost::kick_superseded`] went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SupersededKick {
+    /// The copy held here was the superseded one (or older): told to end KICKED.
+    Kicked,
+    /// Not held here (or already ending).
+    NotHeld,
+    /// The copy held here was claimed again since (a newer fencing token): it stays.
+    KeptNewer,
+    /// The copy is being restored here right now: it stays, and its own claim is checked
+    /// against the owner when it is established.
+    KeptRestoring,
+}
+
 /// Counters of the host.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HostStats {
@@ -751,6 +765,30 @@ impl SessionHost {
         self.end_session(session_id)
     }
 
+    /// Ends a session held here as KICKED because a newer claim superseded its copy with
+    /// fencing token `fencing` (a takeover notice from another edge, or the ownership sweep
+    /// finding a newer owner) — unless the copy held here is newer than that (the session
+    /// came back and was claimed again here since the notice was sent or the sweep looked)
+    /// or is being restored here right now (its own claim is checked when it is
+    /// established). Found by the channels-at-scale overload run: the sweep, seconds behind
+    /// under load, kicked sessions that had moved away and back.
+    pub fn kick_superseded(&mut self, session_id: &SessionId, fencing: u64) -> SupersededKick {
+        let Some(e) = self.sessions.get(session_id) else {
+            return SupersededKick::NotHeld;
+        };
+        if e.ending {
+            return SupersededKick::NotHeld;
+        }
+        if !e.established {
+            return SupersededKick::KeptRestoring;
+        }
+        if e.fencing > fencing {
+            return SupersededKick::KeptNewer;
+        }
+        self.end_session(session_id);
+        SupersededKick::Kicked
+    }
+
     /// The holder's answer to [`Command::Kick`]: the bindings it gave up (`None` when its
     /// machine had already ended).
     pub fn kicked(
@@ -1095,6 +1133,30 @@ mod tests {
             bytes_per_sec: 1 << 20,
             byte_burst: 1 << 20,
         }
+    }
+
+    /// A superseded copy is kicked; a copy claimed again here since (newer fencing token:
+    /// the session moved away and came back while a takeover notice or the ownership sweep
+    /// was on its way) stays.
+    #[test]
+    fn a_superseded_kick_spares_a_copy_claimed_again_since() {
+        let mut host = SessionHost::new(SessionHost::outbound_for_capacity(8));
+        let player: Arc<str> = "p".into();
+        assert_eq!(host.kick_superseded(&[1; 16], 3), SupersededKick::NotHeld);
+        host.open(1);
+        host.established(1, [1; 16], player.clone(), 3);
+        // Away and back: restored on connection 2 with a newer claim.
+        host.open(2);
+        host.established(2, [1; 16], player.clone(), 7);
+        assert_eq!(host.kick_superseded(&[1; 16], 3), SupersededKick::KeptNewer);
+        assert_eq!(host.session_of(&player), Some([1; 16]));
+        assert_eq!(host.kick_superseded(&[1; 16], 7), SupersededKick::Kicked);
+        assert_eq!(host.session_of(&player), None);
+        assert_eq!(
+            host.kick_superseded(&[1; 16], 9),
+            SupersededKick::NotHeld,
+            "ending"
+        );
     }
 
     /// The player's limiter outlives its sessions while it is drained (a new login gets the

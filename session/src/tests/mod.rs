@@ -1277,6 +1277,48 @@ fn ownership_store_down_rejects_unavailable_with_retry_after_and_puts_the_snapsh
         Action::Send(Frame::Reject(r)) if r.code == CloseCode::Unavailable && r.retry_after_ms > 0)));
 }
 
+/// Regression (channels-at-scale overload run: players ended `kicked` and acknowledged
+/// replies were lost): a resume whose snapshot lookup timed out went on, with a valid auth
+/// token, to a fresh session, whose claim then took the player from the session the
+/// client was resuming (single login). Now such a resume is refused with `unavailable` and
+/// a retry-after, token or not, and claims nothing.
+#[test]
+fn a_resume_the_store_could_not_answer_is_refused_and_claims_nothing() {
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "carol");
+    p.cut(c);
+    p.drive_all();
+    let (session_id, resume_token) = p.peers[c].client.session().expect("resume token");
+    let resume = ResumeRequest::proving(
+        session_id,
+        &resume_token,
+        p.peers[c].client.last_server_seq(),
+        FORGED_NONCE,
+    );
+    let m = machine_at_claim(&mut p, Some(resume));
+    let now = p.now;
+    let mach = &mut p.edge.machines[m];
+    let Some(Action::TakeSnapshot { .. }) = mach.poll_action() else {
+        panic!("take expected")
+    };
+    mach.handle_snapshot(now, Err(crate::store::StoreError::Timeout))
+        .expect("snapshot");
+    let actions: Vec<Action> = std::iter::from_fn(|| mach.poll_action()).collect();
+    assert!(
+        !actions.iter().any(|a| matches!(a, Action::Claim { .. })),
+        "{actions:?}"
+    );
+    assert!(
+        actions.iter().any(|a| matches!(a,
+            Action::Send(Frame::Reject(r)) if r.code == CloseCode::Unavailable && r.retry_after_ms > 0)),
+        "{actions:?}"
+    );
+    assert_eq!(
+        mach.end_reason(),
+        Some(&EndReason::Rejected(CloseCode::Unavailable))
+    );
+}
+
 /// PROTOCOL.md §9.6: with a backend that answers (FORWARD_DONE), a client's message is
 /// acknowledged only once answered, and the ack rides on the reply queued before the
 /// answer; a store copy counts only answered messages (so after the edge dies the client

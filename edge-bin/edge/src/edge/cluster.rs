@@ -7,6 +7,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 use waygate_protocol::frame::SessionId;
 use waygate_session::driver::PushError;
+use waygate_session::host::SupersededKick;
+use waygate_session::resume::hex_id;
 use waygate_transport::TransportKind;
 
 use super::Shared;
@@ -126,14 +128,14 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
     tasks.push(tokio::spawn(async move {
         while let Some(k) = kicks.recv().await {
             let Some(shared) = weak.upgrade() else { return };
-            let local = shared
-                .entries
-                .lock()
-                .ok()
-                .and_then(|e| e.by_id.get(&k.session_id).map(|en| en.meta.fencing));
-            // Kick only a copy that is not newer than the one taken over.
-            if local.is_none_or(|f| f <= k.fencing) {
-                shared.session_layer().registry.kick(&k.session_id);
+            // Only the copy taken over (or an older one): a copy claimed here again since
+            // the notice was sent stays (the session host holds its fencing token).
+            let outcome = shared
+                .session_layer()
+                .registry
+                .kick_superseded(&k.session_id, k.fencing);
+            if outcome == SupersededKick::Kicked {
+                tracing::debug!(session = %hex_id(&k.session_id), fencing = k.fencing, "taken over on another edge; kicked");
             }
         }
     }));
@@ -186,8 +188,16 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
                 {
                     Ok(Reassert::Owner) => {}
                     Ok(Reassert::Superseded(_)) => {
-                        superseded += 1;
-                        shared.session_layer().registry.kick(sid);
+                        // `fencing` is what this sweep read, maybe seconds ago: a copy
+                        // claimed here again since then is newer and stays.
+                        let outcome = shared
+                            .session_layer()
+                            .registry
+                            .kick_superseded(sid, *fencing);
+                        if outcome == SupersededKick::Kicked {
+                            tracing::info!(%player, session = %hex_id(sid), "ownership re-assert: superseded; kicked");
+                            superseded += 1;
+                        }
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "re-assert failed");
