@@ -18,6 +18,6 @@ bin=target/release/waygate
 ulimit -n 20000 2>/dev/null || true
 out=$("$bin" demo --edges 3 --clients "$clients" --guilds "$guilds" --duration "$duration" --interval "$interval" 2>/dev/null)
 rc=$?
-printf '%s\n' "$out" | tail -14
+printf '%s\n' "$out" | tail -15
 echo "clients $clients, guilds $guilds, duration $duration, interval $interval: rc $rc"
 exit $rc

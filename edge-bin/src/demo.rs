@@ -16,6 +16,7 @@ use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use waygate_client::{ChannelUpdate, Client, ClientOptions, Event};
+use waygate_protocol::channel::ChannelPosition;
 use waygate_protocol::frame::WelcomeOutcome;
 use waygate_session::auth::TokenClaims;
 use waygate_transport::endpoint::{ConnectOptions, Endpoint};
@@ -122,6 +123,17 @@ pub struct DemoReport {
     /// Publications that did not follow their channel's last offset for that member
     /// (expected: 0).
     pub channel_order_violations: u64,
+    /// Sessions the edges could not restore (WELCOME `RestoreFailedNewSession`, or a fresh
+    /// login after `resume_rejected`): the explicit answer that what they held is gone,
+    /// e.g. a session whose last copy died with a killed edge before the store had it.
+    pub session_restarts: u64,
+    /// Echo requests outstanding at such a restart whose reply never came: answered by the
+    /// restart, not counted in `lost`.
+    pub replies_lost_to_restart: u64,
+    /// Offsets a member saw skipped, each an announcement its edge withdrew because the
+    /// announcement log did not take it (PROTOCOL.md §12.5; checked against what the edges
+    /// answered the backends). A skip nobody withdrew counts as out of order.
+    pub channel_offsets_skipped: u64,
     /// Announcements received (world CHATs sent as critical: taken once in the edge's
     /// announcement log when it has one, PROTOCOL.md §12.5).
     pub channel_announcements: u64,
@@ -239,7 +251,8 @@ impl DemoReport {
         out.push_str(&row("total", &self.total));
         out.push_str(&format!(
             "kicked by second login: {}   resumed on another endpoint (transport or edge): {}   room events: {}\n\
-             channels (world, guild): {} publications, {} out of order, {} history lost, {} chat/join refused; {} announcements, {} of them from the log after an edge was lost\n\
+             channels (world, guild): {} publications, {} out of order, {} history lost, {} chat/join refused; {} announcements, {} of them from the log after an edge was lost; {} offsets skipped (announcements withdrawn: the log did not take them)\n\
+             sessions restarted (not restorable: RestoreFailedNewSession): {}, with {} echoes outstanding (answered by the restart)\n\
              drain of b3: replies from other backends {}, from b3 to requests sent more than 1 s later {}\n",
             self.kicked,
             self.switched_transport,
@@ -250,6 +263,9 @@ impl DemoReport {
             self.channel_refused,
             self.channel_announcements,
             self.channel_announcements_from_log,
+            self.channel_offsets_skipped,
+            self.session_restarts,
+            self.replies_lost_to_restart,
             self.migrated_replies_from_other_backends,
             self.replies_from_drained_backend_after_1s
         ));
@@ -286,6 +302,12 @@ struct ClientResult {
     channel_publications: u64,
     channel_history_lost: u64,
     channel_order_violations: u64,
+    session_restarts: u64,
+    lost_to_restart: u64,
+    /// Offsets skipped within an epoch (checked against the withdrawn announcements).
+    channel_skipped: Vec<(String, ChannelPosition)>,
+    /// Skips not kept (beyond [`SKIPS_KEPT`]): counted as out of order.
+    channel_skipped_beyond: u64,
     channel_announcements: u64,
     channel_announcements_from_log: u64,
     channel_refused: u64,
@@ -327,14 +349,20 @@ fn table_text(addrs: &[SocketAddr], epoch: u64, draining: Option<usize>) -> Stri
 
 const KINDS: [TransportKind; 6] = TransportKind::ALL;
 
+/// Skipped channel offsets a client keeps for the end-of-run check (beyond: out of order).
+const SKIPS_KEPT: usize = 10_000;
+
 /// Runs the demo; returns its report.
 pub async fn run(options: DemoOptions) -> Result<DemoReport, String> {
     let mut backends = Vec::new();
+    let mut services = Vec::new();
     for i in 1..=3 {
+        let service = Arc::new(DemoService::new());
+        services.push(service.clone());
         let b = Backend::bind(
             SocketAddr::from(([127, 0, 0, 1], 0)),
             BackendConfig::new(format!("b{i}")),
-            Arc::new(DemoService::new()),
+            service,
         )
         .await
         .map_err(|e| format!("demo backend: {e}"))?;
@@ -478,7 +506,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoReport, String> {
         let _ = c.send(Cmd::Stop).await;
     }
     progress("stopping; waiting for outstanding replies");
-    let report = collect(tasks).await?;
+    let report = collect(tasks, &services).await?;
     let _ = std::fs::remove_dir_all(&dir);
     drop(edge);
     drop(backends);
@@ -487,7 +515,10 @@ pub async fn run(options: DemoOptions) -> Result<DemoReport, String> {
 
 /// Waits for every client task and adds their results up, per starting transport and in
 /// total, with round-trip percentiles.
-async fn collect(tasks: Vec<tokio::task::JoinHandle<ClientResult>>) -> Result<DemoReport, String> {
+async fn collect(
+    tasks: Vec<tokio::task::JoinHandle<ClientResult>>,
+    services: &[Arc<DemoService>],
+) -> Result<DemoReport, String> {
     let mut report = DemoReport::default();
     let mut by_kind: HashMap<TransportKind, Vec<u32>> = HashMap::new();
     let mut restores_by_kind: HashMap<TransportKind, Vec<u32>> = HashMap::new();
@@ -517,6 +548,19 @@ async fn collect(tasks: Vec<tokio::task::JoinHandle<ClientResult>>) -> Result<De
         report.channel_publications += r.channel_publications;
         report.channel_history_lost += r.channel_history_lost;
         report.channel_order_violations += r.channel_order_violations;
+        report.session_restarts += r.session_restarts;
+        report.replies_lost_to_restart += r.lost_to_restart;
+        // A skipped offset is an announcement its edge withdrew (the log did not take it,
+        // PROTOCOL.md §12.5), or it is a publication this member lost.
+        for (channel, position) in &r.channel_skipped {
+            if services.iter().any(|s| s.was_withdrawn(channel, *position)) {
+                report.channel_offsets_skipped += 1;
+            } else {
+                report.channel_order_violations += 1;
+                tracing::warn!(%channel, ?position, "channel offset skipped that no edge withdrew");
+            }
+        }
+        report.channel_order_violations += r.channel_skipped_beyond;
         report.channel_announcements += r.channel_announcements;
         report.channel_announcements_from_log += r.channel_announcements_from_log;
         report.channel_refused += r.channel_refused;
@@ -626,6 +670,9 @@ async fn client_task(
     let mut from_log: HashSet<String> = HashSet::new();
     let mut endpoint_now = first_endpoint.clone();
     let mut pending: HashMap<u64, Instant> = HashMap::new();
+    // Echoes outstanding when the session was restarted (their answer: the restart).
+    let mut at_restart: HashSet<u64> = HashSet::new();
+    let mut had_session = false;
     let mut by_seq: HashMap<u64, u64> = HashMap::new();
     let mut seen: HashSet<u64> = HashSet::new();
     let mut next_n = 0u64;
@@ -758,10 +805,21 @@ async fn client_task(
                                 r.channel_announcements_from_log += 1;
                                 next_offset.insert(channel, (position.epoch, position.offset + 1));
                             } else if position.offset > 0 {
-                                if expected != Some((position.epoch, position.offset)) {
+                                let skipped = expected.filter(|&(e, o)| e == position.epoch && position.offset > o);
+                                if let Some((epoch, from)) = skipped {
+                                    // Offsets skipped: withdrawn announcements, checked
+                                    // once the run is over.
+                                    let n = position.offset - from;
+                                    if n > (SKIPS_KEPT - r.channel_skipped.len()) as u64 {
+                                        r.channel_skipped_beyond += n;
+                                    } else {
+                                        r.channel_skipped.extend((from..position.offset).map(|offset| (channel.clone(), ChannelPosition { epoch, offset })));
+                                    }
+                                } else if expected != Some((position.epoch, position.offset)) {
                                     r.channel_order_violations += 1;
                                     tracing::warn!(%player, %channel, ?expected, ?position, "channel publication out of order");
-                                } else if !announcement {
+                                }
+                                if expected == Some((position.epoch, position.offset)) && !announcement {
                                     // The live flow goes on where it was (restored on the
                                     // same edge): nothing comes from the log here.
                                     from_log.remove(&channel);
@@ -790,6 +848,11 @@ async fn client_task(
                         if outcome == WelcomeOutcome::RestoredWithGap {
                             r.gaps += 1;
                         }
+                        if had_session && matches!(outcome, WelcomeOutcome::NewSession | WelcomeOutcome::RestoreFailedNewSession) {
+                            r.session_restarts += 1;
+                            at_restart.extend(pending.keys().copied());
+                        }
+                        had_session = true;
                         endpoint_now = endpoint;
                     }
                     Some(Event::Error(report)) => {
@@ -820,7 +883,9 @@ async fn client_task(
             () = tokio::time::sleep_until(deadline), if stop_deadline.is_some() => break,
         }
     }
-    r.lost = pending.len() as u64;
+    let restarted = pending.keys().filter(|n| at_restart.contains(n)).count() as u64;
+    r.lost_to_restart = restarted;
+    r.lost = pending.len() as u64 - restarted;
     // What the client still holds unacknowledged may include these; the rest of them the
     // edge had taken (ROOM_SAY and CHAT count as unacknowledged too: a lower bound).
     let unacked = u64::try_from(client.stats().unacked).unwrap_or(u64::MAX);
@@ -860,12 +925,15 @@ pub async fn run_cluster(
     }
 
     let mut backends = Vec::new();
+    let mut services = Vec::new();
     for i in 1..=3 {
+        let service = Arc::new(DemoService::new());
+        services.push(service.clone());
         backends.push(
             Backend::bind(
                 SocketAddr::from(([127, 0, 0, 1], 0)),
                 BackendConfig::new(format!("b{i}")),
-                Arc::new(DemoService::new()),
+                service,
             )
             .await
             .map_err(|e| format!("demo backend: {e}"))?,
@@ -1002,7 +1070,7 @@ pub async fn run_cluster(
             start.elapsed().as_secs_f64()
         );
     }
-    let report = collect(tasks).await?;
+    let report = collect(tasks, &services).await?;
     drop(procs);
     let _ = std::fs::remove_dir_all(&dir);
     Ok(report)

@@ -783,7 +783,8 @@ async fn announcements_are_durable_in_redis_refused_without_it_and_recovered_on_
         ChannelUpdate::Joined { .. }
     ));
     redis.stop();
-    match session
+    // The refusal names the offset the members will see skipped (PROTOCOL.md §12.5).
+    let withdrawn = match session
         .publish(
             "system:news",
             TrafficClass::Critical,
@@ -791,17 +792,17 @@ async fn announcements_are_durable_in_redis_refused_without_it_and_recovered_on_
         )
         .await
     {
-        Err(BackendError::ChannelRefused {
-            code,
+        Err(BackendError::AnnouncementWithdrawn {
+            position,
             retry_after_ms,
         }) => {
-            assert_eq!(code, CloseCode::Unavailable);
             assert_eq!(retry_after_ms, 1_000);
+            position
         }
         other => {
             panic!("expected `unavailable` for an announcement Redis cannot take, got {other:?}")
         }
-    }
+    };
     let n = session
         .publish(
             "system:news",
@@ -818,6 +819,11 @@ async fn announcements_are_durable_in_redis_refused_without_it_and_recovered_on_
                 "the refused announcement reached a member"
             );
             assert_eq!(position, n.position);
+            assert_eq!(
+                (withdrawn.epoch, withdrawn.offset + 1),
+                (position.epoch, position.offset),
+                "the next publication skips exactly the withdrawn offset"
+            );
         }
         other => panic!("{other:?}"),
     }

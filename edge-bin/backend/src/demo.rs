@@ -17,6 +17,8 @@
 //!   publishes `<player>|<text>` in the CHAT's class on every edge linked to this instance; `CHANNEL_LEAVE` (1203, payload
 //!   `<channel>`) ends the membership. Success shows as channel events; a refusal is the
 //!   ERROR of the edge's code (`unknown_channel_kind`, `rate_limited`, `queue_full`...).
+//!   Announcements an edge withdrew (its announcement log did not take them) are recorded
+//!   with the offset their members see skipped ([`DemoService::was_withdrawn`]).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -65,6 +67,10 @@ fn channel_refusal(e: crate::BackendError) -> Refusal {
             code,
             retry_after_ms,
         },
+        crate::BackendError::AnnouncementWithdrawn { retry_after_ms, .. } => Refusal {
+            code: CloseCode::Unavailable,
+            retry_after_ms,
+        },
         crate::BackendError::NoCredit | crate::BackendError::NoAnswer => Refusal {
             code: CloseCode::Busy,
             retry_after_ms: 200,
@@ -100,17 +106,40 @@ struct Room {
     members: HashMap<[u8; 16], BackendSession>,
 }
 
+/// Withdrawn announcements a [`DemoService`] remembers (beyond: counted only).
+const WITHDRAWN_KEPT: usize = 100_000;
+
 /// The demo service. Room state lives here, per instance.
 #[derive(Debug, Default)]
 pub struct DemoService {
     rooms: Mutex<HashMap<String, Room>>,
     room_of: Mutex<HashMap<[u8; 16], String>>,
+    /// Announcements an edge withdrew: (channel, epoch, offset), the offsets members see
+    /// skipped.
+    withdrawn: Mutex<std::collections::HashSet<(String, u64, u64)>>,
 }
 
 impl DemoService {
     /// A fresh demo service.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Whether an edge withdrew an announcement this instance published to `channel` at
+    /// `position` (its announcement log did not take it: the members there see that offset
+    /// skipped, PROTOCOL.md §12.5). Remembers the last 100,000.
+    pub fn was_withdrawn(&self, channel: &str, position: ChannelPosition) -> bool {
+        self.withdrawn
+            .lock()
+            .is_ok_and(|w| w.contains(&(channel.to_owned(), position.epoch, position.offset)))
+    }
+
+    fn record_withdrawn(&self, channel: &str, position: ChannelPosition) {
+        if let Ok(mut w) = self.withdrawn.lock() {
+            if w.len() < WITHDRAWN_KEPT {
+                w.insert((channel.to_owned(), position.epoch, position.offset));
+            }
+        }
     }
 
     /// Number of messages said in `room` on this instance.
@@ -196,6 +225,13 @@ impl Service for DemoService {
                 let results = session
                     .publish_on_every_edge(channel, msg.class, body)
                     .await;
+                for r in &results {
+                    if let Err(crate::BackendError::AnnouncementWithdrawn { position, .. }) =
+                        &r.result
+                    {
+                        self.record_withdrawn(channel, *position);
+                    }
+                }
                 let own = results
                     .into_iter()
                     .find(|r| r.edge_id == session.edge_id())

@@ -155,6 +155,17 @@ pub enum BackendError {
         /// Retry hint (0 = none).
         retry_after_ms: u32,
     },
+    /// An announcement the edge's announcement log did not take (`unavailable`, 403):
+    /// published to nobody, and its offset `position` is never used — the channel's members
+    /// see their offsets skip it (PROTOCOL.md §12.5). Publish it again after
+    /// `retry_after_ms` (with the same request id: it gets a new offset).
+    #[error("announcement withdrawn: the announcement log did not take it (offset {} skipped; retry after {retry_after_ms} ms)", position.offset)]
+    AnnouncementWithdrawn {
+        /// The offset it had been given (and its channel's epoch on that edge).
+        position: ChannelPosition,
+        /// Retry hint.
+        retry_after_ms: u32,
+    },
     /// The edge did not answer a channel request in time; a publish may be retried with
     /// the same request id ([`BackendSession::publish_with_id`]) without being published
     /// twice.
@@ -330,6 +341,15 @@ impl LinkSender {
             } => Ok(PublishReceipt {
                 position,
                 duplicate,
+            }),
+            LinkFrame::ChannelResult {
+                code: CloseCode::Unavailable,
+                retry_after_ms,
+                position,
+                ..
+            } if position.offset != 0 => Err(BackendError::AnnouncementWithdrawn {
+                position,
+                retry_after_ms,
             }),
             LinkFrame::ChannelResult {
                 code,

@@ -585,7 +585,15 @@ pub(super) async fn announcement_writer(
                 Err(_) => Err(ChannelError::LogUnavailable),
             };
             shared.count_publish(&j.record.channel, outcome.map(|_| ()));
-            answer_later(j.reply, result(j.request_id, outcome));
+            let mut answer = result(j.request_id, outcome);
+            if written.is_err() {
+                // The offset it had been given, which its members will see skipped
+                // (PROTOCOL.md §12.5): the publisher can tell a skip from a loss.
+                if let LinkFrame::ChannelResult { position, .. } = &mut answer {
+                    *position = j.record.position;
+                }
+            }
+            answer_later(j.reply, answer);
         }
     }
 }
