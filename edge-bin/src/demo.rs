@@ -774,6 +774,7 @@ async fn client_task(
                                 }
                             } else if seen.contains(&n) {
                                 r.duplicated += 1;
+                                tracing::warn!(%player, n, %backend, endpoint = %endpoint_now, "echo reply duplicated");
                             }
                         }
                     }
