@@ -34,7 +34,9 @@ struct Server {
     _task: tokio::task::JoinHandle<()>,
 }
 
-fn quic_echo() -> Server {
+/// A QUIC listener on loopback with a fresh dev identity: it, its address, and a client
+/// trust for it.
+fn quic_listener() -> (waygate_transport::TransportListener, SocketAddr, ClientTls) {
     let id = TlsIdentity::generate_dev(&[]).unwrap();
     let listener = quic::listen(
         "127.0.0.1:0".parse().unwrap(),
@@ -44,9 +46,15 @@ fn quic_echo() -> Server {
     )
     .unwrap();
     let addr = listener.local_addr();
+    let tls = ClientTls::from_ca_pem(id.dev_ca_pem.as_deref().unwrap()).unwrap();
+    (listener, addr, tls)
+}
+
+fn quic_echo() -> Server {
+    let (listener, addr, client_tls) = quic_listener();
     Server {
         addr,
-        client_tls: ClientTls::from_ca_pem(id.dev_ca_pem.as_deref().unwrap()).unwrap(),
+        client_tls,
         _task: common::spawn_echo_server(Box::new(listener)),
     }
 }
@@ -189,17 +197,8 @@ async fn best_effort_travels_as_datagrams_and_classes_do_not_block_each_other() 
 
 #[tokio::test]
 async fn close_reaches_the_peer_with_its_code() {
-    let id = TlsIdentity::generate_dev(&[]).unwrap();
-    let listener = quic::listen(
-        "127.0.0.1:0".parse().unwrap(),
-        &id,
-        &QuicConfig::default(),
-        config(),
-    )
-    .unwrap();
-    let addr = listener.local_addr();
+    let (listener, addr, tls) = quic_listener();
     let mut listener: BoxListener = Box::new(listener);
-    let tls = ClientTls::from_ca_pem(id.dev_ca_pem.as_deref().unwrap()).unwrap();
     let mut client = connect_quic(addr, "localhost", &tls, &QuicConfig::default(), &config())
         .await
         .unwrap();
@@ -351,16 +350,7 @@ async fn handshakes_in_flight_past_the_threshold_get_a_retry_and_real_clients_st
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quic_peer_closed_takes_no_frame_and_sees_the_close() {
-    let id = TlsIdentity::generate_dev(&[]).unwrap();
-    let listener = quic::listen(
-        "127.0.0.1:0".parse().unwrap(),
-        &id,
-        &QuicConfig::default(),
-        config(),
-    )
-    .unwrap();
-    let addr = listener.local_addr();
-    let tls = ClientTls::from_ca_pem(id.dev_ca_pem.as_deref().unwrap()).unwrap();
+    let (listener, addr, tls) = quic_listener();
     common::peer_closed_checks(
         Box::new(listener),
         move || async move {

@@ -1209,6 +1209,17 @@ fn machine_at_claim(p: &mut Pair, resume: Option<ResumeRequest>) -> usize {
     m
 }
 
+/// A resume of peer `c`'s session, proving its resume token with a fresh nonce.
+fn resume_of(p: &Pair, c: usize) -> ResumeRequest {
+    let (session_id, resume_token) = p.peers[c].client.session().expect("resume token");
+    ResumeRequest::proving(
+        session_id,
+        &resume_token,
+        p.peers[c].client.last_server_seq(),
+        FORGED_NONCE,
+    )
+}
+
 #[test]
 fn ownership_store_down_rejects_unavailable_with_retry_after_and_puts_the_snapshot_back() {
     let mut p = Pair::new(SessionConfig::default());
@@ -1242,13 +1253,7 @@ fn ownership_store_down_rejects_unavailable_with_retry_after_and_puts_the_snapsh
         .get(&sid)
         .cloned()
         .expect("persisted on detach");
-    let (session_id, resume_token) = p.peers[c].client.session().expect("resume token");
-    let resume = ResumeRequest::proving(
-        session_id,
-        &resume_token,
-        p.peers[c].client.last_server_seq(),
-        FORGED_NONCE,
-    );
+    let resume = resume_of(&p, c);
     let m = machine_at_claim(&mut p, Some(resume));
     let now = p.now;
     let mach = &mut p.edge.machines[m];
@@ -1288,13 +1293,7 @@ fn a_resume_the_store_could_not_answer_is_refused_and_claims_nothing() {
     let c = login(&mut p, "carol");
     p.cut(c);
     p.drive_all();
-    let (session_id, resume_token) = p.peers[c].client.session().expect("resume token");
-    let resume = ResumeRequest::proving(
-        session_id,
-        &resume_token,
-        p.peers[c].client.last_server_seq(),
-        FORGED_NONCE,
-    );
+    let resume = resume_of(&p, c);
     let m = machine_at_claim(&mut p, Some(resume));
     let now = p.now;
     let mach = &mut p.edge.machines[m];
