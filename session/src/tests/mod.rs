@@ -1209,15 +1209,21 @@ fn machine_at_claim(p: &mut Pair, resume: Option<ResumeRequest>) -> usize {
     m
 }
 
-/// A resume of peer `c`'s session, proving its resume token with a fresh nonce.
-fn resume_of(p: &Pair, c: usize) -> ResumeRequest {
+/// A machine resuming peer `c`'s session (its resume token proven with a fresh nonce),
+/// authenticated and past its [`Action::TakeSnapshot`]: the store's answer is next.
+fn resume_at_take(p: &mut Pair, c: usize) -> usize {
     let (session_id, resume_token) = p.peers[c].client.session().expect("resume token");
-    ResumeRequest::proving(
+    let resume = ResumeRequest::proving(
         session_id,
         &resume_token,
         p.peers[c].client.last_server_seq(),
         FORGED_NONCE,
-    )
+    );
+    let m = machine_at_claim(p, Some(resume));
+    let Some(Action::TakeSnapshot { .. }) = p.edge.machines[m].poll_action() else {
+        panic!("take expected")
+    };
+    m
 }
 
 #[test]
@@ -1253,13 +1259,9 @@ fn ownership_store_down_rejects_unavailable_with_retry_after_and_puts_the_snapsh
         .get(&sid)
         .cloned()
         .expect("persisted on detach");
-    let resume = resume_of(&p, c);
-    let m = machine_at_claim(&mut p, Some(resume));
+    let m = resume_at_take(&mut p, c);
     let now = p.now;
     let mach = &mut p.edge.machines[m];
-    let Some(Action::TakeSnapshot { .. }) = mach.poll_action() else {
-        panic!("take expected")
-    };
     mach.handle_snapshot(
         now,
         Ok(crate::store::TakeOutcome::Taken(Box::new(snapshot.clone()))),
@@ -1293,13 +1295,9 @@ fn a_resume_the_store_could_not_answer_is_refused_and_claims_nothing() {
     let c = login(&mut p, "carol");
     p.cut(c);
     p.drive_all();
-    let resume = resume_of(&p, c);
-    let m = machine_at_claim(&mut p, Some(resume));
+    let m = resume_at_take(&mut p, c);
     let now = p.now;
     let mach = &mut p.edge.machines[m];
-    let Some(Action::TakeSnapshot { .. }) = mach.poll_action() else {
-        panic!("take expected")
-    };
     mach.handle_snapshot(now, Err(crate::store::StoreError::Timeout))
         .expect("snapshot");
     let actions: Vec<Action> = std::iter::from_fn(|| mach.poll_action()).collect();
