@@ -14,9 +14,11 @@ use tokio::sync::mpsc;
 use waygate_backend::demo::{DemoService, ECHO, ECHO_REPLY};
 use waygate_backend::{Backend, BackendConfig, BackendSession, Incoming, Refusal, Service};
 use waygate_edge::link::{
-    ForwardError, LinkClient, LinkConfig, LinkEvent, LinkRefusal, SessionMeta,
+    AnswerEnd, ForwardError, LinkClient, LinkConfig, LinkEvent, LinkRefusal, SessionMeta,
 };
-use waygate_protocol::link::{LinkFrame, LINK_FEATURE_FORWARD_DONE, LINK_VERSION};
+use waygate_protocol::link::{
+    LinkFrame, LINK_FEATURE_FORWARD_DONE, LINK_FEATURE_HELD_ANSWERS, LINK_VERSION,
+};
 use waygate_session::driver::Delivered;
 use waygate_transport::{CloseCode, TrafficClass};
 
@@ -55,6 +57,23 @@ async fn wait_up(rx: &mut mpsc::Receiver<LinkEvent>) -> String {
     }
 }
 
+/// The first push an event carries to the session: a PUSH, or the pushes held for an
+/// answer (ANSWER_PUSH, which the backend SDK sends from a handler): (handle, msg id, body).
+fn first_push(event: &LinkEvent) -> Option<(u64, u32, Bytes)> {
+    match event {
+        LinkEvent::Backend(LinkFrame::Push {
+            handle,
+            msg_id,
+            payload,
+            ..
+        }) => Some((*handle, *msg_id, payload.clone())),
+        LinkEvent::Answer { handle, pushes, .. } => pushes
+            .first()
+            .map(|p| (*handle, p.msg_id, p.payload.clone())),
+        _ => None,
+    }
+}
+
 async fn demo_backend(addr: SocketAddr, id: &str) -> Backend {
     Backend::bind(addr, BackendConfig::new(id), Arc::new(DemoService::new()))
         .await
@@ -79,17 +98,13 @@ async fn echo_over_the_link_and_reconnect_reopens_sessions() {
         Bytes::from_static(b"hi"),
     )
     .unwrap();
-    match next_event(&mut rx).await {
-        LinkEvent::Backend(LinkFrame::Push {
-            handle,
-            msg_id,
-            payload,
-            ..
-        }) => {
+    let event = next_event(&mut rx).await;
+    match first_push(&event) {
+        Some((handle, msg_id, payload)) => {
             assert_eq!((handle, msg_id), (7, ECHO_REPLY));
             assert_eq!(&payload[..], b"b1|alice|hi");
         }
-        other => panic!("unexpected {other:?}"),
+        None => panic!("unexpected {event:?}"),
     }
 
     // The backend dies: the link goes down and forwards fail fast with Unavailable.
@@ -117,11 +132,10 @@ async fn echo_over_the_link_and_reconnect_reopens_sessions() {
         Bytes::from_static(b"again"),
     )
     .unwrap();
-    match next_event(&mut rx).await {
-        LinkEvent::Backend(LinkFrame::Push { payload, .. }) => {
-            assert_eq!(&payload[..], b"b1|alice|again")
-        }
-        other => panic!("unexpected {other:?}"),
+    let event = next_event(&mut rx).await;
+    match first_push(&event) {
+        Some((_, _, payload)) => assert_eq!(&payload[..], b"b1|alice|again"),
+        None => panic!("unexpected {event:?}"),
     }
     drop(backend);
 }
@@ -326,9 +340,7 @@ async fn big_forward_credit_and_small_push_credit_do_not_deadlock() {
             }
         }
         match tokio::time::timeout(Duration::from_millis(50), rx.recv()).await {
-            Ok(Some(LinkEvent::Backend(LinkFrame::Push {
-                msg_id: ECHO_REPLY, ..
-            }))) => replies += 1,
+            Ok(Some(e)) if first_push(&e).is_some_and(|p| p.1 == ECHO_REPLY) => replies += 1,
             Ok(Some(LinkEvent::Refuse { refusal, .. })) => panic!("refused: {}", refusal.code),
             Ok(Some(_)) | Err(_) => {}
             Ok(None) => panic!("events closed"),
@@ -360,8 +372,7 @@ async fn the_backend_counts_its_sessions_and_messages() {
             Bytes::from_static(b"x"),
         )
         .unwrap();
-        let _ = next_event(&mut rx).await; // the echo
-        let _ = next_event(&mut rx).await; // its FORWARD_DONE
+        let _ = next_event(&mut rx).await; // the echo with its FORWARD_DONE
     }
     assert_eq!(backend.load().sessions(), 2);
     assert_eq!(backend.load().messages(), 2);
@@ -430,13 +441,7 @@ async fn link_works(edge_secret: Option<Arc<[u8]>>, backend: &Backend) -> bool {
                 Bytes::from_static(b"hi"),
             )
             .is_ok()
-        && matches!(
-            next_event(&mut rx).await,
-            LinkEvent::Backend(LinkFrame::Push {
-                msg_id: ECHO_REPLY,
-                ..
-            })
-        );
+        && first_push(&next_event(&mut rx).await).is_some_and(|p| p.1 == ECHO_REPLY);
     task.abort();
     echoed
 }
@@ -618,17 +623,15 @@ async fn a_processed_forward_is_answered_after_its_pushes_and_not_refused_when_t
         )
         .unwrap();
     assert_eq!(delivered, Delivered::AwaitingAnswer);
-    assert!(matches!(
-        next_event(&mut rx).await,
-        LinkEvent::Backend(LinkFrame::Push { handle: 9, .. })
-    ));
-    assert_eq!(
-        next_event(&mut rx).await,
-        LinkEvent::Backend(LinkFrame::ForwardDone {
+    // The handler's push comes with its answer, held by the edge until then (ANSWER_PUSH).
+    match next_event(&mut rx).await {
+        LinkEvent::Answer {
             handle: 9,
-            client_seq: 1
-        })
-    );
+            pushes,
+            end: AnswerEnd::Done(1),
+        } => assert_eq!(pushes.len(), 1),
+        other => panic!("expected the answer with its push, got {other:?}"),
+    }
     let best_effort = link
         .forward(&m, ECHO, 1, 0, TrafficClass::BestEffort, Bytes::new())
         .unwrap();
@@ -664,10 +667,8 @@ async fn forward_done_is_used_only_when_both_ends_have_it() {
         assert!(
             matches!(
                 hello,
-                Some(LinkFrame::Hello {
-                    features: LINK_FEATURE_FORWARD_DONE,
-                    ..
-                })
+                Some(LinkFrame::Hello { features, .. })
+                    if features == LINK_FEATURE_FORWARD_DONE | LINK_FEATURE_HELD_ANSWERS
             ),
             "{hello:?}"
         );
@@ -797,4 +798,85 @@ async fn a_forward_done_for_a_message_the_link_does_not_hold_is_ignored() {
     assert_eq!(seen, vec![1], "only the held forward's first answer counts");
     link.shutdown().await;
     let _ = tokio::time::timeout(Duration::from_secs(10), rogue).await;
+}
+
+/// A handler that pushes `reply`, then refuses the message or never returns.
+struct PushThen {
+    hang: bool,
+}
+
+#[async_trait]
+impl Service for PushThen {
+    async fn message(&self, session: &BackendSession, msg: Incoming) -> Result<(), Refusal> {
+        session
+            .push(ECHO_REPLY, TrafficClass::Critical, msg.payload)
+            .await
+            .unwrap();
+        if self.hang {
+            std::future::pending::<()>().await;
+        }
+        Err(Refusal {
+            code: CloseCode::RateLimited,
+            retry_after_ms: 0,
+        })
+    }
+}
+
+/// PROTOCOL.md §9.6: what a handler pushed before it refused its message, or before its
+/// link died under it, still reaches the session, with the refusal and in one event (the
+/// client sees the pushes and the ERROR together).
+#[tokio::test]
+async fn pushes_held_for_an_answer_come_with_a_refusal_or_the_links_loss() {
+    for hang in [false, true] {
+        let backend = Backend::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            BackendConfig::new("b1"),
+            Arc::new(PushThen { hang }),
+        )
+        .await
+        .unwrap();
+        let (tx, mut rx) = mpsc::channel(64);
+        let (link, _task) = LinkClient::spawn(
+            backend.local_addr(),
+            fast_config(),
+            Arc::new(AtomicU64::new(1)),
+            tx,
+        );
+        wait_up(&mut rx).await;
+        let m = meta(4, "dave");
+        link.forward(
+            &m,
+            ECHO,
+            1,
+            1,
+            TrafficClass::Normal,
+            Bytes::from_static(b"x"),
+        )
+        .unwrap();
+        if hang {
+            // The handler is stuck after its push: the edge holds the push.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            assert!(rx.try_recv().is_err(), "a push shown before its answer");
+            drop(backend);
+        }
+        let (pushes, refusal) = loop {
+            match next_event(&mut rx).await {
+                LinkEvent::Answer {
+                    handle: 4,
+                    pushes,
+                    end: AnswerEnd::Refused(r),
+                } => break (pushes, r),
+                LinkEvent::Down { .. } => panic!("hang {hang}: the held push was dropped"),
+                _ => {}
+            }
+        };
+        assert_eq!(pushes.len(), 1, "hang {hang}");
+        assert_eq!(pushes[0].payload, Bytes::from_static(b"x"));
+        let code = if hang {
+            CloseCode::Unavailable
+        } else {
+            CloseCode::RateLimited
+        };
+        assert_eq!((refusal.client_seq, refusal.code), (1, code), "hang {hang}");
+    }
 }

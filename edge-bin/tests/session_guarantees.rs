@@ -697,3 +697,65 @@ async fn answer(
     })
     .await
 }
+
+/// A handler that pushes its reply and then keeps working before it returns.
+struct ReplyThenWork;
+
+#[async_trait::async_trait]
+impl waygate_backend::Service for ReplyThenWork {
+    async fn message(
+        &self,
+        session: &waygate_backend::BackendSession,
+        msg: waygate_backend::Incoming,
+    ) -> Result<(), waygate_backend::Refusal> {
+        session
+            .push(msg.msg_id, msg.class, msg.payload)
+            .await
+            .map_err(|_| waygate_backend::Refusal {
+                code: waygate_transport::CloseCode::Busy,
+                retry_after_ms: 100,
+            })?;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        Ok(())
+    }
+}
+
+/// Defect 9 (scale-out issue, found by `scripts/demo-under-load.sh`: one echo reply
+/// duplicated after the SIGKILL of an edge): the edge showed a reply as soon as the backend
+/// pushed it, and acknowledged the message it answers only when FORWARD_DONE followed. With
+/// Redis the reply was durable and shown before the ack; an edge killed in between left the
+/// message unacknowledged, the client resent it on its resume elsewhere and got a second
+/// reply. Now the backend SDK sends a handler's pushes as ANSWER_PUSH, the edge holds them
+/// until the answer and shows both together (PROTOCOL.md §9.6): the reply's DATA carries
+/// the ack of the message it answers, even when the handler works on after its push.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_is_shown_only_with_the_ack_of_the_message_it_answers() {
+    let (edge, _backend, _dir) =
+        common::edge_over(std::sync::Arc::new(ReplyThenWork), |_| {}).await;
+    let tls = waygate_transport::tls::ClientTls::from_ca_pem(edge.dev_ca_pem.as_deref().unwrap())
+        .unwrap();
+    for kind in TransportKind::ALL {
+        let mut endpoint = waygate_transport::endpoint::Endpoint::new(kind, edge.addrs[&kind]);
+        endpoint.host = "localhost".into();
+        let options = ConnectOptions {
+            tls: Some(tls.clone()),
+            ..ConnectOptions::default()
+        };
+        let mut conn = connect(&endpoint, &options).await.unwrap();
+        hello(&mut conn, &format!("answered-{kind}"), None).await;
+        for seq in 1..=2u64 {
+            conn.send(&echo_data(seq)).await.unwrap();
+            match answer(&mut conn).await.unwrap() {
+                Ok(Frame::Data(d)) => {
+                    assert_eq!(d.payload, bytes::Bytes::from(seq.to_string()), "{kind}");
+                    assert_eq!(
+                        d.ack,
+                        Some(seq),
+                        "{kind}: the reply to message {seq} was shown before its ack"
+                    );
+                }
+                other => panic!("{kind}: expected the reply, got {other:?}"),
+            }
+        }
+    }
+}

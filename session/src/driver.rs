@@ -17,7 +17,7 @@ use async_trait::async_trait;
 use tokio::sync::Notify;
 use tracing::Instrument as _;
 use waygate_protocol::frame::{ErrorReport, SessionId, WelcomeOutcome};
-use waygate_transport::{BoxConnection, CloseCode};
+use waygate_transport::{BoxConnection, CloseCode, TrafficClass};
 
 use crate::auth::Authenticator;
 use crate::counters::SessionCounters;
@@ -151,7 +151,7 @@ pub trait UpstreamSink: Send + Sync + 'static {
     async fn session_event(&self, _event: SessionEvent) {}
 }
 
-pub use crate::host::{Downstream, PushError};
+pub use crate::host::{Downstream, OutboundItem, PushError};
 
 struct RegistryInner {
     host: SessionHost,
@@ -302,6 +302,28 @@ impl SessionRegistry {
     /// the client. Never waits.
     pub fn answered(&self, session_id: &SessionId, client_seq: u64) -> Result<(), PushError> {
         self.host(|h| h.answered(session_id, client_seq))
+    }
+
+    /// Queues `items` for a session under one lock, so its connection takes them in one
+    /// turn: the pushes a backend's handler sent as part of its answer, then the answer
+    /// (FORWARD_DONE or the refusal), reach the client in one durable write — never the
+    /// reply without the acknowledgement of the message it answers (PROTOCOL.md §9.6).
+    /// `result` hears how each item went, with the class of each message. Never waits.
+    pub fn queue_together(
+        &self,
+        session_id: &SessionId,
+        items: impl IntoIterator<Item = OutboundItem>,
+        mut result: impl FnMut(Option<TrafficClass>, Result<(), PushError>),
+    ) {
+        self.host(|h| {
+            for item in items {
+                let class = match &item {
+                    OutboundItem::Message(m) => Some(m.class),
+                    _ => None,
+                };
+                result(class, h.queue_item(session_id, item));
+            }
+        })
     }
 
     /// Tells a session's client that one of its upstream messages could not be delivered

@@ -907,6 +907,23 @@ impl SessionHost {
         self.queue(session_id, OutboundItem::Answered(client_seq))
     }
 
+    /// Queues `item` as its own method would ([`push`](Self::push) for a message, with its
+    /// best-effort shedding; [`answered`](Self::answered), [`report_error`](Self::report_error),
+    /// [`bind_key`](Self::bind_key) otherwise). Items queued one after the other without
+    /// releasing the host are taken by the session's connection in one [`Work`]: a
+    /// backend's answer and the replies its handler sent are made durable and shown
+    /// together (PROTOCOL.md §9.6).
+    pub fn queue_item(
+        &mut self,
+        session_id: &SessionId,
+        item: OutboundItem,
+    ) -> Result<(), PushError> {
+        match item {
+            OutboundItem::Message(message) => self.push(session_id, message),
+            other => self.queue(session_id, other),
+        }
+    }
+
     fn queue(&mut self, session_id: &SessionId, item: OutboundItem) -> Result<(), PushError> {
         let e = self
             .sessions

@@ -251,6 +251,8 @@ struct LinkSender {
     edge_id: String,
     /// Channel requests waiting for their CHANNEL_RESULT.
     answers: ChannelAnswers,
+    /// The edge holds a handler's pushes until its answer (ANSWER_PUSH, §9.6).
+    held_answers: bool,
 }
 
 /// The edge links of one backend process, for a publish on every edge.
@@ -366,6 +368,9 @@ impl LinkSender {
 
 #[derive(Debug)]
 struct SessionInner {
+    /// The client seq of the message whose handler is running (0: none): pushes meanwhile
+    /// go as ANSWER_PUSH of it when the edge holds answers (PROTOCOL.md §9.6).
+    answering: AtomicU64,
     handle: u64,
     session_id: SessionId,
     player_id: String,
@@ -431,13 +436,31 @@ impl BackendSession {
             return Err(BackendError::ReservedMsgId(msg_id));
         }
         self.inner.link.take_push_credit().await?;
-        self.send(LinkFrame::Push {
-            handle: self.inner.handle,
-            msg_id,
-            class,
-            payload,
-        })
-        .await
+        self.send(self.push_frame(msg_id, class, payload)).await
+    }
+
+    /// A PUSH, or an ANSWER_PUSH while this session's handler runs on a link whose edge
+    /// holds answers: a sequenced reply is then shown to the client with the
+    /// acknowledgement of the message it answers, never before it (PROTOCOL.md §9.6).
+    fn push_frame(&self, msg_id: u32, class: TrafficClass, payload: Bytes) -> LinkFrame {
+        let answering = self.inner.answering.load(Ordering::Acquire);
+        let handle = self.inner.handle;
+        if answering != 0 && self.inner.link.held_answers && class != TrafficClass::BestEffort {
+            LinkFrame::AnswerPush {
+                handle,
+                client_seq: answering,
+                msg_id,
+                class,
+                payload,
+            }
+        } else {
+            LinkFrame::Push {
+                handle,
+                msg_id,
+                class,
+                payload,
+            }
+        }
     }
 
     /// Answers the client's `request` (PROTOCOL.md §13) with `status` ([`STATUS_OK`] or
@@ -452,12 +475,11 @@ impl BackendSession {
         body: &[u8],
     ) -> Result<(), BackendError> {
         self.inner.link.take_push_credit().await?;
-        self.send(LinkFrame::Push {
-            handle: self.inner.handle,
-            msg_id: waygate_protocol::request::ANSWER_MSG_ID,
-            class: TrafficClass::Critical,
-            payload: waygate_protocol::request::encode_answer(request.id, status, body),
-        })
+        self.send(self.push_frame(
+            waygate_protocol::request::ANSWER_MSG_ID,
+            TrafficClass::Critical,
+            waygate_protocol::request::encode_answer(request.id, status, body),
+        ))
         .await
     }
 
@@ -880,8 +902,15 @@ where
     // FORWARD_DONE after every message processed, when the edge can use it (PROTOCOL.md
     // §9.6): the edge then acknowledges a client's message only once its handler returned,
     // so what the handler pushed is on the edge before the client stops keeping it.
-    let features = edge_features & waygate_protocol::link::LINK_FEATURE_FORWARD_DONE;
+    // And the handler's pushes as ANSWER_PUSH frames the edge holds until that answer, so
+    // the client is shown a reply and the acknowledgement of its message together.
+    use waygate_protocol::link::{LINK_FEATURE_FORWARD_DONE, LINK_FEATURE_HELD_ANSWERS};
+    let mut features = edge_features & LINK_FEATURE_FORWARD_DONE;
+    if features != 0 {
+        features |= edge_features & LINK_FEATURE_HELD_ANSWERS;
+    }
     let answers_done = features != 0;
+    let held_answers = features & LINK_FEATURE_HELD_ANSWERS != 0;
     io.tx
         .send(LinkFrame::Welcome {
             version: LINK_VERSION,
@@ -937,6 +966,7 @@ where
         push_credit,
         edge_id,
         answers,
+        held_answers,
     });
     all.add(&link);
     let mut sessions: HashMap<u64, BackendSession> = HashMap::new();
@@ -956,6 +986,7 @@ where
             } => {
                 let session = BackendSession {
                     inner: Arc::new(SessionInner {
+                        answering: AtomicU64::new(0),
                         handle,
                         session_id,
                         player_id,
@@ -990,19 +1021,26 @@ where
                         code: CloseCode::StaleEpoch,
                         retry_after_ms: 0,
                     }),
-                    Some(session) => service
-                        .message(
-                            session,
-                            Incoming {
-                                msg_id,
-                                client_seq,
-                                class,
-                                epoch: msg_epoch,
-                                payload,
-                            },
-                        )
-                        .await
-                        .err(),
+                    Some(session) => {
+                        // Its pushes until the answer are part of it (ANSWER_PUSH).
+                        if answers_done {
+                            session.inner.answering.store(client_seq, Ordering::Release);
+                        }
+                        let result = service
+                            .message(
+                                session,
+                                Incoming {
+                                    msg_id,
+                                    client_seq,
+                                    class,
+                                    epoch: msg_epoch,
+                                    payload,
+                                },
+                            )
+                            .await;
+                        session.inner.answering.store(0, Ordering::Release);
+                        result.err()
+                    }
                 };
                 // The answer goes on the same queue as the handler's pushes, after them.
                 let answer = match refusal {

@@ -16,9 +16,10 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use waygate_protocol::frame::SessionId;
 use waygate_protocol::link::{
-    LinkFrame, DEFAULT_MAX_LINK_FRAME, LINK_FEATURE_FORWARD_DONE, LINK_VERSION,
+    LinkFrame, DEFAULT_MAX_LINK_FRAME, LINK_FEATURE_FORWARD_DONE, LINK_FEATURE_HELD_ANSWERS,
+    LINK_VERSION,
 };
-use waygate_session::driver::Delivered;
+use waygate_session::driver::{Delivered, Downstream};
 use waygate_transport::{CloseCode, TrafficClass};
 
 use waygate_link::spawn_link_io;
@@ -96,6 +97,20 @@ pub enum LinkEvent {
         /// message that was not in flight).
         message: Option<InFlight>,
     },
+    /// The pushes a backend's handler sent as part of its answer to one client message
+    /// (ANSWER_PUSH, PROTOCOL.md §9.6), released with that answer: the edge queues them and
+    /// `end` for the session together, so the client is shown the replies and the
+    /// acknowledgement of the message they answer in one turn (one durable write), never
+    /// the replies alone. Only when the handler sent any; an answer without pushes is a
+    /// plain FORWARD_DONE or [`LinkEvent::Refuse`].
+    Answer {
+        /// The session.
+        handle: u64,
+        /// The held pushes, in the order the backend sent them.
+        pushes: Vec<Downstream>,
+        /// What follows them.
+        end: AnswerEnd,
+    },
     /// The link to `addr` is up (instance id from LINK_WELCOME).
     Up {
         /// Backend address.
@@ -109,6 +124,21 @@ pub enum LinkEvent {
         addr: SocketAddr,
     },
 }
+
+/// What ends a [`LinkEvent::Answer`]'s pushes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AnswerEnd {
+    /// FORWARD_DONE: the message with this client seq is answered.
+    Done(u64),
+    /// The message was refused (REFUSE), or lost with its link (`unavailable`).
+    Refused(LinkRefusal),
+    /// Nothing yet: the held pushes reached [`HELD_ANSWER_MAX_BYTES`] and go on their own.
+    Released,
+}
+
+/// Bytes of ANSWER_PUSH payloads the edge holds for one forwarded message; past them the
+/// held pushes are released without waiting for the answer (PROTOCOL.md §9.6).
+pub const HELD_ANSWER_MAX_BYTES: usize = 64 * 1024;
 
 /// A REFUSE as the edge handles it: the frame's fields, or a message lost with its link.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -244,6 +274,10 @@ struct Held {
     /// Its FORWARD_DONE arrived (it stays queued until CREDIT covers it, which keeps the
     /// count right, but is not refused when the link dies: it was processed).
     answered: bool,
+    /// ANSWER_PUSH frames for it, held until its answer.
+    answer: Vec<Downstream>,
+    /// Their payload bytes (at most [`HELD_ANSWER_MAX_BYTES`]).
+    answer_bytes: usize,
 }
 
 /// Why a forward was not sent.
@@ -411,6 +445,8 @@ impl LinkClient {
                     payload,
                 },
                 answered: false,
+                answer: Vec::new(),
+                answer_bytes: 0,
             });
             // Best-effort messages (client seq 0) are never acknowledged.
             Ok(
@@ -483,23 +519,60 @@ fn take_frame(shared: &LinkShared, frame: LinkFrame) -> Incoming {
             shared.pushes.fetch_add(1, Ordering::AcqRel);
             Incoming::Event(LinkEvent::Backend(frame))
         }
+        LinkFrame::AnswerPush {
+            handle,
+            client_seq,
+            msg_id,
+            class,
+            payload,
+        } => {
+            shared.pushes.fetch_add(1, Ordering::AcqRel);
+            let push = Downstream {
+                class,
+                msg_id,
+                payload,
+            };
+            let Ok(mut q) = shared.inflight.lock() else {
+                return Incoming::Event(plain_push(handle, push));
+            };
+            let Some(h) = unanswered(&mut q, handle, client_seq) else {
+                // Its answer came first (a push from another task of the backend that
+                // raced the handler's end), or it answers nothing held here: a push.
+                return Incoming::Event(plain_push(handle, push));
+            };
+            h.answer_bytes += push.payload.len();
+            h.answer.push(push);
+            if h.answer_bytes <= HELD_ANSWER_MAX_BYTES {
+                return Incoming::Done;
+            }
+            h.answer_bytes = 0;
+            Incoming::Event(LinkEvent::Answer {
+                handle,
+                pushes: std::mem::take(&mut h.answer),
+                end: AnswerEnd::Released,
+            })
+        }
         LinkFrame::ForwardDone { handle, client_seq } => {
             // Only a forward this link holds unanswered can be answered here (the SDK sends
             // FORWARD_DONE before the CREDIT that covers it): a backend answering another
             // link's message, or one twice, would let the client forget a message whose
             // reply is not here.
-            let held = shared.inflight.lock().ok().is_some_and(|mut q| {
-                q.iter_mut()
-                    .find(|h| {
-                        !h.answered
-                            && h.message.handle == handle
-                            && h.message.client_seq == client_seq
-                    })
-                    .map(|h| h.answered = true)
-                    .is_some()
+            let held = shared.inflight.lock().ok().and_then(|mut q| {
+                unanswered(&mut q, handle, client_seq).map(|h| {
+                    h.answered = true;
+                    std::mem::take(&mut h.answer)
+                })
             });
-            if held {
-                Incoming::Event(LinkEvent::Backend(frame))
+            if let Some(pushes) = held {
+                Incoming::Event(if pushes.is_empty() {
+                    LinkEvent::Backend(frame)
+                } else {
+                    LinkEvent::Answer {
+                        handle,
+                        pushes,
+                        end: AnswerEnd::Done(client_seq),
+                    }
+                })
             } else {
                 tracing::debug!(
                     addr = %shared.addr,
@@ -513,7 +586,16 @@ fn take_frame(shared: &LinkShared, frame: LinkFrame) -> Incoming {
         LinkFrame::Credit { credits } => {
             if let Ok(mut q) = shared.inflight.lock() {
                 let n = (credits as usize).min(q.len());
-                q.drain(..n);
+                for h in q.drain(..n).filter(|h| !h.answer.is_empty()) {
+                    // CREDIT before the answer it covers: the backend broke §9.6's order.
+                    tracing::warn!(
+                        addr = %shared.addr,
+                        handle = h.message.handle,
+                        client_seq = h.message.client_seq,
+                        pushes = h.answer.len(),
+                        "CREDIT covered a message whose answer had not come: its held pushes are dropped"
+                    );
+                }
             }
             shared.credit.fetch_add(credits.into(), Ordering::AcqRel);
             Incoming::Done
@@ -536,14 +618,19 @@ fn take_frame(shared: &LinkShared, frame: LinkFrame) -> Incoming {
             retry_after_ms,
             epoch,
         } => {
-            let message = shared.inflight.lock().ok().and_then(|q| {
-                q.iter()
-                    .map(|h| &h.message)
-                    .find(|m| {
-                        m.handle == handle && m.client_seq == client_seq && m.msg_id == msg_id
-                    })
-                    .cloned()
-            });
+            let (message, pushes) = shared
+                .inflight
+                .lock()
+                .ok()
+                .and_then(|mut q| {
+                    q.iter_mut()
+                        .find(|h| {
+                            let m = &h.message;
+                            m.handle == handle && m.client_seq == client_seq && m.msg_id == msg_id
+                        })
+                        .map(|h| (Some(h.message.clone()), std::mem::take(&mut h.answer)))
+                })
+                .unwrap_or_default();
             let refusal = LinkRefusal {
                 handle,
                 msg_id,
@@ -552,9 +639,42 @@ fn take_frame(shared: &LinkShared, frame: LinkFrame) -> Incoming {
                 retry_after_ms,
                 epoch,
             };
-            Incoming::Event(LinkEvent::Refuse { refusal, message })
+            Incoming::Event(refusal_event(refusal, message, pushes))
         }
         other => Incoming::Unexpected(other),
+    }
+}
+
+/// The unanswered forward of (`handle`, `client_seq`) in the link's in-flight queue.
+fn unanswered(q: &mut VecDeque<Held>, handle: u64, client_seq: u64) -> Option<&mut Held> {
+    q.iter_mut()
+        .find(|h| !h.answered && h.message.handle == handle && h.message.client_seq == client_seq)
+}
+
+/// An ANSWER_PUSH the edge does not hold, carried out as a PUSH.
+fn plain_push(handle: u64, push: Downstream) -> LinkEvent {
+    LinkEvent::Backend(LinkFrame::Push {
+        handle,
+        msg_id: push.msg_id,
+        class: push.class,
+        payload: push.payload,
+    })
+}
+
+/// A refusal, after the pushes held for the refused message if there are any.
+fn refusal_event(
+    refusal: LinkRefusal,
+    message: Option<InFlight>,
+    pushes: Vec<Downstream>,
+) -> LinkEvent {
+    if pushes.is_empty() {
+        LinkEvent::Refuse { refusal, message }
+    } else {
+        LinkEvent::Answer {
+            handle: refusal.handle,
+            pushes,
+            end: AnswerEnd::Refused(refusal),
+        }
     }
 }
 
@@ -633,17 +753,13 @@ async fn run(shared: Arc<LinkShared>) {
             *tx = None;
         }
         // Whatever the backend had not finished is reported, never dropped silently.
-        let lost: Vec<InFlight> = shared
+        let lost: Vec<Held> = shared
             .inflight
             .lock()
-            .map(|mut q| {
-                q.drain(..)
-                    .filter(|h| !h.answered)
-                    .map(|h| h.message)
-                    .collect()
-            })
+            .map(|mut q| q.drain(..).filter(|h| !h.answered).collect())
             .unwrap_or_default();
-        for m in lost {
+        for h in lost {
+            let m = h.message;
             let refusal = LinkRefusal {
                 handle: m.handle,
                 msg_id: m.msg_id,
@@ -652,10 +768,9 @@ async fn run(shared: Arc<LinkShared>) {
                 retry_after_ms: 0,
                 epoch: 0,
             };
-            let event = LinkEvent::Refuse {
-                refusal,
-                message: Some(m),
-            };
+            // The pushes its handler sent before the link died still reach the client,
+            // before the refusal.
+            let event = refusal_event(refusal, Some(m), h.answer);
             if let Sent::EdgeGone = shared.events.send(event, &link_down).await {
                 return;
             }
@@ -777,7 +892,7 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
             edge_id: config.edge_id.clone(),
             epoch: shared.epoch.load(Ordering::Relaxed),
             nonce: Some(edge_nonce),
-            features: LINK_FEATURE_FORWARD_DONE,
+            features: LINK_FEATURE_FORWARD_DONE | LINK_FEATURE_HELD_ANSWERS,
         })
         .await
         .map_err(|_| "link closed")?;

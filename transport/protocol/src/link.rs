@@ -24,6 +24,10 @@ pub const LINK_VERSION: u8 = 1;
 /// FORWARD it processed with FORWARD_DONE, sent after the PUSH frames its handler sent for
 /// it; the edge acknowledges a client's message only once it is answered (§9.6).
 pub const LINK_FEATURE_FORWARD_DONE: u64 = 1;
+/// Link feature bit (§9.3, §9.6): the edge holds the pushes a handler sent as part of its
+/// answer (ANSWER_PUSH) and shows them to the client together with the answer, so a reply
+/// is never durable and visible while the message it answers is still unacknowledged.
+pub const LINK_FEATURE_HELD_ANSWERS: u64 = 2;
 /// Default maximum link frame size.
 pub const DEFAULT_MAX_LINK_FRAME: usize = 1024 * 1024;
 /// Longest id, service name, key or attribute on the link.
@@ -166,6 +170,22 @@ pub enum LinkFrame {
         handle: u64,
         /// The processed message's client seq.
         client_seq: u64,
+    },
+    /// 0x56 backend -> edge (with [`LINK_FEATURE_HELD_ANSWERS`]): a push sent while the
+    /// FORWARD of (`handle`, `client_seq`) was being processed, part of its answer: the
+    /// edge holds it until that FORWARD's FORWARD_DONE (or REFUSE) and then queues the
+    /// held pushes and the answer for the session together.
+    AnswerPush {
+        /// The session.
+        handle: u64,
+        /// The client seq of the message being answered.
+        client_seq: u64,
+        /// Application message id.
+        msg_id: u32,
+        /// Delivery class.
+        class: TrafficClass,
+        /// Body.
+        payload: Bytes,
     },
     /// 0x4A backend -> edge: route this session's messages for `service` by `key` (e.g.
     /// the room the player joined).
@@ -314,6 +334,7 @@ impl LinkFrame {
             Self::ChannelResult { .. } => 0x53,
             Self::Auth { .. } => 0x54,
             Self::ForwardDone { .. } => 0x55,
+            Self::AnswerPush { .. } => 0x56,
         }
     }
 
@@ -394,6 +415,19 @@ impl LinkFrame {
             } => varint_len(*handle) + 2 + str_len(message),
             Self::ForwardDone { handle, client_seq } => {
                 varint_len(*handle) + varint_len(*client_seq)
+            }
+            Self::AnswerPush {
+                handle,
+                client_seq,
+                msg_id,
+                payload,
+                ..
+            } => {
+                varint_len(*handle)
+                    + varint_len(*client_seq)
+                    + varint_len((*msg_id).into())
+                    + 1
+                    + payload.len()
             }
             Self::Refuse {
                 handle,
@@ -500,6 +534,19 @@ impl LinkFrame {
             Self::ForwardDone { handle, client_seq } => {
                 put_varint(out, *handle);
                 put_varint(out, *client_seq);
+            }
+            Self::AnswerPush {
+                handle,
+                client_seq,
+                msg_id,
+                class,
+                payload,
+            } => {
+                put_varint(out, *handle);
+                put_varint(out, *client_seq);
+                put_varint(out, (*msg_id).into());
+                out.put_u8(*class as u8);
+                out.put_slice(payload);
             }
             Self::Auth { proof } => out.put_slice(proof),
             Self::SessionOpen {
@@ -705,6 +752,13 @@ impl LinkFrame {
             0x55 => Self::ForwardDone {
                 handle: r.varint("handle")?,
                 client_seq: r.varint("client_seq")?,
+            },
+            0x56 => Self::AnswerPush {
+                handle: r.varint("handle")?,
+                client_seq: r.varint("client_seq")?,
+                msg_id: r.varint_u32("msg_id")?,
+                class: get_class(&mut r)?,
+                payload: r.rest(),
             },
             0x54 => Self::Auth {
                 proof: r.array("proof")?,
@@ -1018,6 +1072,22 @@ mod tests {
                         msg_id,
                         epoch,
                         client_seq,
+                        class,
+                        payload,
+                    }
+                }),
+            (
+                any::<u64>(),
+                any::<u64>(),
+                any::<u32>(),
+                arb_class(),
+                payload()
+            )
+                .prop_map(|(handle, client_seq, msg_id, class, payload)| {
+                    LinkFrame::AnswerPush {
+                        handle,
+                        client_seq,
+                        msg_id,
                         class,
                         payload,
                     }

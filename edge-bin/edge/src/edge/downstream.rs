@@ -6,14 +6,14 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 
 use tokio::sync::mpsc;
-use waygate_protocol::frame::SessionId;
+use waygate_protocol::frame::{ErrorReport, SessionId};
 use waygate_protocol::link::LinkFrame;
 use waygate_routing::KeyKind;
-use waygate_session::driver::{DeliverError, Delivered, Downstream};
-use waygate_transport::CloseCode;
+use waygate_session::driver::{DeliverError, Delivered, Downstream, OutboundItem};
+use waygate_transport::{CloseCode, TrafficClass};
 
 use super::{apply_latest, SessionEntry, Shared};
-use crate::link::{InFlight, LinkEvent, LinkEventSink, LinkRefusal};
+use crate::link::{AnswerEnd, InFlight, LinkEvent, LinkEventSink, LinkRefusal};
 use crate::metrics::BackendLabel;
 
 impl Shared {
@@ -32,6 +32,52 @@ impl Shared {
         if let Err(e) = registry.answered(session_id, client_seq) {
             tracing::debug!(client_seq, error = %e, "answer not queued for its session");
         }
+    }
+
+    /// A handler's held pushes and what ends them (its answer, a refusal, or nothing when
+    /// they were released at their byte cap), queued for the session under one lock so its
+    /// connection shows them in one turn (PROTOCOL.md §9.6). Never waits.
+    fn answer_with_pushes(&self, handle: u64, pushes: Vec<Downstream>, end: AnswerEnd) {
+        let shed_best_effort = self.governor.shed_best_effort.load(Ordering::Acquire);
+        let count = |class: TrafficClass, ok: bool| {
+            let (queued, dropped) = &self.metrics.push_counters[class as usize];
+            if ok { queued } else { dropped }.inc();
+        };
+        let Some(sid) = self.session_of_handle(handle) else {
+            pushes.iter().for_each(|p| count(p.class, false));
+            return;
+        };
+        let end = match end {
+            AnswerEnd::Done(client_seq) => Some(OutboundItem::Answered(client_seq)),
+            AnswerEnd::Refused(r) => Some(OutboundItem::Error(ErrorReport {
+                code: r.code,
+                msg_id: r.msg_id,
+                client_seq: r.client_seq,
+                retry_after_ms: r.retry_after_ms,
+            })),
+            AnswerEnd::Released => None,
+        };
+        let items = pushes
+            .into_iter()
+            .filter(|p| {
+                let shed = p.class == TrafficClass::BestEffort && shed_best_effort;
+                if shed {
+                    self.metrics.overload_shed.inc();
+                }
+                !shed
+            })
+            .map(OutboundItem::Message)
+            .chain(end);
+        self.session_layer()
+            .registry
+            .queue_together(&sid, items, |class, result| match class {
+                Some(class) => count(class, result.is_ok()),
+                None => {
+                    if let Err(e) = result {
+                        tracing::debug!(error = %e, "answer not queued for its session");
+                    }
+                }
+            });
     }
 
     /// Answers a client's refused message with ERROR, in order with its pushes, never
@@ -114,6 +160,11 @@ fn handle_now(shared: &Arc<Shared>, event: LinkEvent) -> Option<LinkEvent> {
                 shared.answered(&sid, client_seq);
             }
         }
+        LinkEvent::Answer {
+            handle,
+            pushes,
+            end,
+        } => shared.answer_with_pushes(handle, pushes, end),
         LinkEvent::Backend(LinkFrame::Kick { handle, code, .. }) => {
             if let Some(sid) = shared.session_of_handle(handle) {
                 shared.session_layer().registry.close(&sid, code);
