@@ -880,3 +880,88 @@ async fn pushes_held_for_an_answer_come_with_a_refusal_or_the_links_loss() {
         assert_eq!((refusal.client_seq, refusal.code), (1, code), "hang {hang}");
     }
 }
+
+/// Holds the handler of player `slow` until the test opens the gate; echoes otherwise.
+struct SlowPlayer {
+    gate: Arc<tokio::sync::Notify>,
+}
+
+#[async_trait]
+impl Service for SlowPlayer {
+    async fn message(&self, session: &BackendSession, msg: Incoming) -> Result<(), Refusal> {
+        if session.player_id() == "slow" {
+            self.gate.notified().await;
+        }
+        session
+            .push(ECHO_REPLY, TrafficClass::Normal, msg.payload)
+            .await
+            .unwrap();
+        Ok(())
+    }
+}
+
+/// A handler that waits (a publish, a database) holds up only its own session: before,
+/// the backend SDK handled a link's FORWARDs one at a time, so every session on the link
+/// waited behind it (the demo's chat publishes, awaiting the announcement log, delayed
+/// echoes by seconds and ran the edge out of FORWARD credit: `busy`). A session's own
+/// messages still run one at a time, in order.
+#[tokio::test]
+async fn a_waiting_handler_holds_up_only_its_own_session() {
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let backend = Backend::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        BackendConfig::new("b1"),
+        Arc::new(SlowPlayer { gate: gate.clone() }),
+    )
+    .await
+    .unwrap();
+    let (tx, mut rx) = mpsc::channel(64);
+    let (link, _task) = LinkClient::spawn(
+        backend.local_addr(),
+        fast_config(),
+        Arc::new(AtomicU64::new(1)),
+        tx,
+    );
+    wait_up(&mut rx).await;
+    let (slow, fast) = (meta(1, "slow"), meta(2, "fast"));
+    for seq in 1..=2 {
+        link.forward(
+            &slow,
+            ECHO,
+            1,
+            seq,
+            TrafficClass::Normal,
+            Bytes::from(format!("s{seq}")),
+        )
+        .unwrap();
+    }
+    link.forward(
+        &fast,
+        ECHO,
+        1,
+        1,
+        TrafficClass::Normal,
+        Bytes::from_static(b"f1"),
+    )
+    .unwrap();
+    let event = next_event(&mut rx).await;
+    assert_eq!(
+        first_push(&event).map(|p| (p.0, p.2)),
+        Some((2, Bytes::from_static(b"f1"))),
+        "the fast session waited behind the slow one: {event:?}"
+    );
+    // The slow session's messages, in order, once its handler goes on.
+    let mut slow_replies = Vec::new();
+    while slow_replies.len() < 2 {
+        gate.notify_one();
+        if let Ok(Some(e)) = tokio::time::timeout(Duration::from_millis(200), rx.recv()).await {
+            if let Some((1, _, body)) = first_push(&e) {
+                slow_replies.push(body);
+            }
+        }
+    }
+    assert_eq!(
+        slow_replies,
+        [Bytes::from_static(b"s1"), Bytes::from_static(b"s2")]
+    );
+}

@@ -5,8 +5,10 @@
 //! [`Service`], call [`serve`] (or [`Backend::bind`]), and push to sessions through
 //! [`BackendSession`].
 //!
-//! Ordering: the frames of one link are handled one at a time, in order, so the messages of
-//! one session reach [`Service::message`] in the order the client sent them. Flow control:
+//! Ordering: each session has its own worker, so the messages and lifecycle calls of one
+//! session reach the [`Service`] one at a time, in the order the client sent them; handlers
+//! of different sessions run concurrently (your `Service` is shared: guard its state).
+//! Flow control:
 //! FORWARD credit is returned only after `message` returns, so a backend that is slow to
 //! handle messages makes the edge answer `busy` for it instead of queueing (B4); pushes wait
 //! for PUSH credit from the edge.
@@ -969,9 +971,19 @@ where
         held_answers,
     });
     all.add(&link);
-    let mut sessions: HashMap<u64, BackendSession> = HashMap::new();
-    let return_every = (config.forward_credits / 4).max(1);
-    let mut consumed = 0u32;
+    let work = Arc::new(LinkWork {
+        service,
+        tx: io.tx.clone(),
+        epoch,
+        load: load.clone(),
+        answers_done,
+        credit: Mutex::new(CreditReturn::default()),
+        return_every: (config.forward_credits / 4).max(1),
+    });
+    // One worker per session: a session's messages and lifecycle events are handled one at
+    // a time, in order; different sessions' handlers run concurrently, so one that waits
+    // (a publish, a database) holds up no other session on this link.
+    let mut sessions: HashMap<u64, mpsc::UnboundedSender<SessionJob>> = HashMap::new();
     let result = loop {
         let Some(frame) = io.rx.recv().await else {
             break Ok(());
@@ -996,13 +1008,24 @@ where
                         link: link.clone(),
                     }),
                 };
-                service.session_open(&session).await;
-                match sessions.insert(handle, session) {
-                    Some(old) => service.session_closed(&old, CloseCode::Normal).await,
+                // Opened again (the edge re-opens its sessions after a reconnect): the
+                // same worker opens the new one and closes the old, after its messages.
+                let session = match sessions.get(&handle) {
+                    Some(worker) => match worker.send(SessionJob::Reopened(session)) {
+                        Ok(()) => continue,
+                        Err(e) => match e.0 {
+                            SessionJob::Reopened(s) => s,
+                            _ => continue,
+                        },
+                    },
                     None => {
                         load.sessions.fetch_add(1, Ordering::Relaxed);
+                        session
                     }
-                }
+                };
+                let (tx, rx) = mpsc::unbounded_channel();
+                tokio::spawn(session_worker(work.clone(), session, rx));
+                sessions.insert(handle, tx);
             }
             LinkFrame::Forward {
                 handle,
@@ -1012,80 +1035,52 @@ where
                 class,
                 payload,
             } => {
-                let refusal = match sessions.get(&handle) {
-                    None => Some(Refusal {
-                        code: CloseCode::Unavailable,
-                        retry_after_ms: 0,
-                    }),
-                    Some(_) if msg_epoch < epoch.load(Ordering::Relaxed) => Some(Refusal {
-                        code: CloseCode::StaleEpoch,
-                        retry_after_ms: 0,
-                    }),
-                    Some(session) => {
-                        // Its pushes until the answer are part of it (ANSWER_PUSH).
-                        if answers_done {
-                            session.inner.answering.store(client_seq, Ordering::Release);
-                        }
-                        let result = service
-                            .message(
-                                session,
-                                Incoming {
-                                    msg_id,
-                                    client_seq,
-                                    class,
-                                    epoch: msg_epoch,
-                                    payload,
-                                },
-                            )
-                            .await;
-                        session.inner.answering.store(0, Ordering::Release);
-                        result.err()
-                    }
+                let id = work.arrive();
+                let job = SessionJob::Forward {
+                    id,
+                    incoming: Incoming {
+                        msg_id,
+                        client_seq,
+                        class,
+                        epoch: msg_epoch,
+                        payload,
+                    },
                 };
-                // The answer goes on the same queue as the handler's pushes, after them.
-                let answer = match refusal {
-                    Some(r) => Some(LinkFrame::Refuse {
+                // Bounded by the FORWARD credit this backend gave the edge.
+                let undelivered = match sessions.get(&handle) {
+                    Some(worker) => worker.send(job).err().map(|e| e.0),
+                    None => Some(job),
+                };
+                if undelivered.is_some() {
+                    let refusal = LinkFrame::Refuse {
                         handle,
                         msg_id,
                         client_seq,
-                        code: r.code,
-                        retry_after_ms: r.retry_after_ms,
-                        epoch: epoch.load(Ordering::Relaxed),
-                    }),
-                    // Best-effort messages (client seq 0) are never acknowledged.
-                    None if answers_done && client_seq != 0 => {
-                        Some(LinkFrame::ForwardDone { handle, client_seq })
-                    }
-                    None => None,
-                };
-                load.messages.fetch_add(1, Ordering::Relaxed);
-                if let Some(answer) = answer {
+                        code: CloseCode::Unavailable,
+                        retry_after_ms: 0,
+                        epoch: work.epoch.load(Ordering::Relaxed),
+                    };
                     // Fails only when the link is gone: the edge then answers every FORWARD
                     // it holds unanswered with ERROR `unavailable` (PROTOCOL.md §9.3).
-                    let _ = io.tx.send(answer).await;
-                }
-                consumed += 1;
-                if consumed >= return_every {
-                    let _ = io.tx.send(LinkFrame::Credit { credits: consumed }).await;
-                    consumed = 0;
+                    let _ = io.tx.send(refusal).await;
+                    work.completed(id).await;
                 }
             }
             LinkFrame::SessionDetached { handle, linger_ms } => {
-                if let Some(s) = sessions.get(&handle) {
-                    service
-                        .session_detached(s, Duration::from_millis(linger_ms.into()))
-                        .await;
+                if let Some(worker) = sessions.get(&handle) {
+                    let linger = Duration::from_millis(linger_ms.into());
+                    let _ = worker.send(SessionJob::Detached(linger));
                 }
             }
             LinkFrame::SessionReattached { handle, gap } => {
-                if let Some(s) = sessions.get(&handle) {
-                    service.session_reattached(s, gap).await;
+                if let Some(worker) = sessions.get(&handle) {
+                    let _ = worker.send(SessionJob::Reattached(gap));
                 }
             }
             LinkFrame::SessionClose { handle, code } => {
-                if let Some(s) = sessions.remove(&handle) {
+                if let Some(worker) = sessions.remove(&handle) {
                     load.sessions.fetch_sub(1, Ordering::Relaxed);
-                    service.session_closed(&s, code).await;
+                    let _ = worker.send(SessionJob::Closed(code));
                 }
             }
             LinkFrame::Credit { credits } => link.push_credit.add_permits(credits as usize),
@@ -1109,8 +1104,214 @@ where
     }
     load.sessions
         .fetch_sub(sessions.len() as u64, Ordering::Relaxed);
-    for (_, s) in sessions.drain() {
-        service.session_closed(&s, CloseCode::GoingAway).await;
+    for (_, worker) in sessions.drain() {
+        let _ = worker.send(SessionJob::Closed(CloseCode::GoingAway));
     }
     result
+}
+
+/// What a session's worker does next, in the order the link delivered it.
+enum SessionJob {
+    /// A FORWARD (`id`: its place in the link's credit order).
+    Forward {
+        id: u64,
+        incoming: Incoming,
+    },
+    Detached(Duration),
+    Reattached(bool),
+    /// SESSION_OPEN again for the same handle: open this one, close the old one.
+    Reopened(BackendSession),
+    Closed(CloseCode),
+}
+
+/// What a link's session workers share.
+struct LinkWork {
+    service: Arc<dyn Service>,
+    tx: mpsc::Sender<LinkFrame>,
+    epoch: Arc<AtomicU64>,
+    load: Arc<BackendLoad>,
+    /// The edge asked for FORWARD_DONE (PROTOCOL.md §9.6).
+    answers_done: bool,
+    credit: Mutex<CreditReturn>,
+    /// FORWARD credit is returned in batches of this many.
+    return_every: u32,
+}
+
+impl LinkWork {
+    fn arrive(&self) -> u64 {
+        self.credit.lock().map_or(0, |mut c| c.arrive())
+    }
+
+    /// Forward `id` is answered: return the credit now due, after that answer.
+    async fn completed(&self, id: u64) {
+        let due = self.credit.lock().ok().and_then(|mut c| {
+            c.complete(id);
+            c.take(self.return_every)
+        });
+        if let Some(credits) = due {
+            // Fails only when the link is gone (its credit starts anew with the next one).
+            let _ = self.tx.send(LinkFrame::Credit { credits }).await;
+        }
+    }
+}
+
+/// Handles one session's jobs in order until it closes.
+async fn session_worker(
+    work: Arc<LinkWork>,
+    mut session: BackendSession,
+    mut jobs: mpsc::UnboundedReceiver<SessionJob>,
+) {
+    work.service.session_open(&session).await;
+    while let Some(job) = jobs.recv().await {
+        match job {
+            SessionJob::Forward { id, incoming } => {
+                let (handle, msg_id, client_seq) =
+                    (session.inner.handle, incoming.msg_id, incoming.client_seq);
+                let refusal = if incoming.epoch < work.epoch.load(Ordering::Relaxed) {
+                    Some(Refusal {
+                        code: CloseCode::StaleEpoch,
+                        retry_after_ms: 0,
+                    })
+                } else {
+                    // Its pushes until the answer are part of it (ANSWER_PUSH).
+                    if work.answers_done {
+                        session.inner.answering.store(client_seq, Ordering::Release);
+                    }
+                    let result = work.service.message(&session, incoming).await;
+                    session.inner.answering.store(0, Ordering::Release);
+                    result.err()
+                };
+                // The answer goes on the same queue as the handler's pushes, after them.
+                let answer = match refusal {
+                    Some(r) => Some(LinkFrame::Refuse {
+                        handle,
+                        msg_id,
+                        client_seq,
+                        code: r.code,
+                        retry_after_ms: r.retry_after_ms,
+                        epoch: work.epoch.load(Ordering::Relaxed),
+                    }),
+                    // Best-effort messages (client seq 0) are never acknowledged.
+                    None if work.answers_done && client_seq != 0 => {
+                        Some(LinkFrame::ForwardDone { handle, client_seq })
+                    }
+                    None => None,
+                };
+                work.load.messages.fetch_add(1, Ordering::Relaxed);
+                if let Some(answer) = answer {
+                    // Fails only when the link is gone: the edge then answers every FORWARD
+                    // it holds unanswered with ERROR `unavailable` (PROTOCOL.md §9.3).
+                    let _ = work.tx.send(answer).await;
+                }
+                work.completed(id).await;
+            }
+            SessionJob::Detached(linger) => work.service.session_detached(&session, linger).await,
+            SessionJob::Reattached(gap) => work.service.session_reattached(&session, gap).await,
+            SessionJob::Reopened(new) => {
+                work.service.session_open(&new).await;
+                let old = std::mem::replace(&mut session, new);
+                work.service.session_closed(&old, CloseCode::Normal).await;
+            }
+            SessionJob::Closed(code) => {
+                work.service.session_closed(&session, code).await;
+                return;
+            }
+        }
+    }
+}
+
+/// FORWARD credit going back to the edge (PROTOCOL.md §9.4). Sessions' forwards complete
+/// out of order, but a CREDIT frees the edge's *oldest* forwards (it keeps them, in order,
+/// to refuse them if the link dies), so credit is returned only for the answered forwards
+/// at the head of the arrival order: never for a forward still being handled.
+#[derive(Debug, Default)]
+struct CreditReturn {
+    /// Id of the oldest forward whose credit is not returnable yet.
+    base: u64,
+    /// Whether each forward from `base` on, in arrival order, is answered.
+    answered: std::collections::VecDeque<bool>,
+    /// Answered forwards at the head, not returned yet.
+    returnable: u32,
+}
+
+impl CreditReturn {
+    /// A forward arrived: its id.
+    fn arrive(&mut self) -> u64 {
+        let id = self.base + self.answered.len() as u64;
+        self.answered.push_back(false);
+        id
+    }
+
+    /// Forward `id` was answered.
+    fn complete(&mut self, id: u64) {
+        let slot = id
+            .checked_sub(self.base)
+            .and_then(|i| usize::try_from(i).ok())
+            .and_then(|i| self.answered.get_mut(i));
+        if let Some(slot) = slot {
+            *slot = true;
+        }
+        while self.answered.front() == Some(&true) {
+            self.answered.pop_front();
+            self.base += 1;
+            self.returnable += 1;
+        }
+    }
+
+    /// The credit to return now, once at least `batch` is due.
+    fn take(&mut self, batch: u32) -> Option<u32> {
+        (self.returnable >= batch).then(|| std::mem::take(&mut self.returnable))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CreditReturn;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Whatever order forwards are answered in, the credit returned never covers a
+        /// forward not answered yet, covers exactly the answered prefix of the arrival
+        /// order, and in total every forward once all are answered.
+        #[test]
+        fn credit_covers_only_the_answered_head(
+            order in Just((0..64u64).collect::<Vec<_>>()).prop_shuffle(),
+            batch in 1u32..20,
+        ) {
+            let mut c = CreditReturn::default();
+            for expected in 0..64u64 {
+                prop_assert_eq!(c.arrive(), expected);
+            }
+            let mut answered = [false; 64];
+            let mut returned = 0u64;
+            for id in order {
+                c.complete(id);
+                answered[id as usize] = true;
+                if let Some(n) = c.take(batch) {
+                    prop_assert!(n >= batch);
+                    returned += u64::from(n);
+                }
+                let head = answered.iter().take_while(|a| **a).count() as u64;
+                prop_assert!(returned <= head, "returned {} with {} answered at the head", returned, head);
+                prop_assert_eq!(returned + u64::from(c.returnable), head);
+            }
+            returned += u64::from(c.take(1).unwrap_or(0));
+            prop_assert_eq!(returned, 64);
+        }
+    }
+
+    #[test]
+    fn an_unknown_or_repeated_completion_changes_nothing() {
+        let mut c = CreditReturn::default();
+        let a = c.arrive();
+        let b = c.arrive();
+        c.complete(b);
+        c.complete(b);
+        c.complete(99);
+        assert_eq!(c.take(1), None);
+        c.complete(a);
+        assert_eq!(c.take(1), Some(2));
+        c.complete(a);
+        assert_eq!(c.take(1), None);
+    }
 }
