@@ -123,6 +123,9 @@ pub struct DemoReport {
     /// Publications that did not follow their channel's last offset for that member
     /// (expected: 0).
     pub channel_order_violations: u64,
+    /// The first few of them, each with what the member had seen before (printed under
+    /// the table, so a failed run says what went wrong).
+    pub channel_order_samples: Vec<String>,
     /// Sessions the edges could not restore (WELCOME `RestoreFailedNewSession`, or a fresh
     /// login after `resume_rejected`): the explicit answer that what they held is gone,
     /// e.g. a session whose last copy died with a killed edge before the store had it.
@@ -269,6 +272,9 @@ impl DemoReport {
             self.migrated_replies_from_other_backends,
             self.replies_from_drained_backend_after_1s
         ));
+        for sample in &self.channel_order_samples {
+            out.push_str(&format!("  out of order: {sample}\n"));
+        }
         out.push_str(&self.verdict());
         out.push('\n');
         out
@@ -302,6 +308,8 @@ struct ClientResult {
     channel_publications: u64,
     channel_history_lost: u64,
     channel_order_violations: u64,
+    /// The first few violations this member saw, described.
+    channel_order_samples: Vec<String>,
     session_restarts: u64,
     lost_to_restart: u64,
     /// Offsets skipped within an epoch (checked against the withdrawn announcements).
@@ -348,6 +356,18 @@ fn table_text(addrs: &[SocketAddr], epoch: u64, draining: Option<usize>) -> Stri
 }
 
 const KINDS: [TransportKind; 6] = TransportKind::ALL;
+
+/// Appends `entry` to `channel`'s trail (the last 16 kept).
+fn trail(trails: &mut HashMap<String, Vec<String>>, channel: &str, entry: String) {
+    let t = trails.entry(channel.to_owned()).or_default();
+    if t.len() >= 16 {
+        t.remove(0);
+    }
+    t.push(entry);
+}
+
+/// Out-of-order samples a report keeps.
+const ORDER_SAMPLES: usize = 8;
 
 /// Skipped channel offsets a client keeps for the end-of-run check (beyond: out of order).
 const SKIPS_KEPT: usize = 10_000;
@@ -548,6 +568,11 @@ async fn collect(
         report.channel_publications += r.channel_publications;
         report.channel_history_lost += r.channel_history_lost;
         report.channel_order_violations += r.channel_order_violations;
+        for sample in &r.channel_order_samples {
+            if report.channel_order_samples.len() < ORDER_SAMPLES {
+                report.channel_order_samples.push(sample.clone());
+            }
+        }
         report.session_restarts += r.session_restarts;
         report.replies_lost_to_restart += r.lost_to_restart;
         // A skipped offset is an announcement its edge withdrew (the log did not take it,
@@ -558,6 +583,11 @@ async fn collect(
             } else {
                 report.channel_order_violations += 1;
                 tracing::warn!(%channel, ?position, "channel offset skipped that no edge withdrew");
+                if report.channel_order_samples.len() < ORDER_SAMPLES {
+                    report.channel_order_samples.push(format!(
+                        "{channel}: offset {position:?} skipped and not withdrawn"
+                    ));
+                }
             }
         }
         report.channel_order_violations += r.channel_skipped_beyond;
@@ -665,6 +695,12 @@ async fn client_task(
         }
     }
     let mut next_offset: HashMap<String, (u64, u64)> = HashMap::new();
+    // The last channel events per channel (and connections), for an out-of-order report.
+    let mut channel_trail: HashMap<String, Vec<String>> = HashMap::new();
+    // Channels whose join is recovering publications (no JOINED yet).
+    let mut recovering: HashSet<String> = HashSet::new();
+    // Channels joined whose JOINED or HISTORY_LOST has not come yet.
+    let mut awaiting_joined: HashSet<String> = ["world".to_owned(), guild.clone()].into();
     // Channels whose edge was lost: until their HISTORY_LOST, announcements of the old epoch
     // come from the announcement log, with the normal publications in between missing.
     let mut from_log: HashSet<String> = HashSet::new();
@@ -782,10 +818,28 @@ async fn client_task(
                     Some(Event::Message { msg_id: ROOM_EVENT, .. }) => r.room_events += 1,
                     Some(Event::Channel(update)) => match update {
                         ChannelUpdate::Joined { channel, position } => {
+                            trail(&mut channel_trail, &channel, format!("JOINED{position:?}"));
+                            awaiting_joined.remove(&channel);
+                            // After recovered publications, JOINED is the last of them.
+                            if recovering.remove(&channel)
+                                && next_offset.get(&channel) != Some(&(position.epoch, position.offset + 1))
+                            {
+                                r.channel_order_violations += 1;
+                                tracing::warn!(%player, %channel, ?position, "JOINED after a recovery not at its last publication");
+                                if r.channel_order_samples.len() < ORDER_SAMPLES {
+                                    r.channel_order_samples.push(format!(
+                                        "{player} {channel}: JOINED {position:?} after a recovery that reached {:?}",
+                                        next_offset.get(&channel)
+                                    ));
+                                }
+                            }
                             from_log.remove(&channel);
                             next_offset.insert(channel, (position.epoch, position.offset + 1));
                         }
                         ChannelUpdate::HistoryLost { channel, position } => {
+                            trail(&mut channel_trail, &channel, format!("HISTORY_LOST{position:?}"));
+                            awaiting_joined.remove(&channel);
+                            recovering.remove(&channel);
                             r.channel_history_lost += 1;
                             from_log.remove(&channel);
                             next_offset.insert(channel, (position.epoch, position.offset + 1));
@@ -805,6 +859,13 @@ async fn client_task(
                                 // From the log: later offsets of the same old epoch.
                                 r.channel_announcements_from_log += 1;
                                 next_offset.insert(channel, (position.epoch, position.offset + 1));
+                            } else if position.offset > 0 && expected.is_none() && awaiting_joined.contains(&channel) {
+                                // Before this join's JOINED: publications recovered for a
+                                // returning player (a kind with backlog, PROTOCOL.md §12.4:
+                                // "recovered publications then JOINED"). Followed from here;
+                                // the JOINED must end at the last of them.
+                                recovering.insert(channel.clone());
+                                next_offset.insert(channel, (position.epoch, position.offset + 1));
                             } else if position.offset > 0 {
                                 let skipped = expected.filter(|&(e, o)| e == position.epoch && position.offset > o);
                                 if let Some((epoch, from)) = skipped {
@@ -819,7 +880,14 @@ async fn client_task(
                                 } else if expected != Some((position.epoch, position.offset)) {
                                     r.channel_order_violations += 1;
                                     tracing::warn!(%player, %channel, ?expected, ?position, "channel publication out of order");
+                                    if r.channel_order_samples.len() < ORDER_SAMPLES {
+                                        r.channel_order_samples.push(format!(
+                                            "{player} {channel}: expected {expected:?}, got {position:?}; seen since its join: {}",
+                                            channel_trail.get(&channel).map(|t| t.join(" ")).unwrap_or_default()
+                                        ));
+                                    }
                                 }
+                                trail(&mut channel_trail, &channel, format!("{}{}", if announcement { "A" } else { "P" }, position.offset));
                                 if expected == Some((position.epoch, position.offset)) && !announcement {
                                     // The live flow goes on where it was (restored on the
                                     // same edge): nothing comes from the log here.
@@ -829,12 +897,17 @@ async fn client_task(
                             }
                         }
                         ChannelUpdate::Left { channel, .. } => {
+                            trail(&mut channel_trail, &channel, "LEFT".into());
                             next_offset.remove(&channel);
                         }
                         _ => {}
                     },
                     Some(Event::Message { .. }) | Some(Event::Disconnected { .. }) | Some(Event::Rejected { .. }) | Some(Event::Migrating { .. }) => {}
                     Some(Event::Connected { outcome, endpoint, .. }) => {
+                        let channels: Vec<String> = channel_trail.keys().cloned().collect();
+                        for channel in channels {
+                            trail(&mut channel_trail, &channel, format!("[{outcome:?} {endpoint}]"));
+                        }
                         if matches!(outcome, WelcomeOutcome::Restored | WelcomeOutcome::RestoredWithGap) {
                             if endpoint != endpoint_now {
                                 // Perhaps another edge: its channels are other epochs.
