@@ -74,6 +74,30 @@ fn first_push(event: &LinkEvent) -> Option<(u64, u32, Bytes)> {
     }
 }
 
+/// A backend running `service` and an edge link to it, up.
+async fn linked(service: Arc<dyn Service>) -> (Backend, LinkClient, mpsc::Receiver<LinkEvent>) {
+    linked_with(BackendConfig::new("b1"), service).await
+}
+
+/// As [`linked`], with the backend's settings.
+async fn linked_with(
+    config: BackendConfig,
+    service: Arc<dyn Service>,
+) -> (Backend, LinkClient, mpsc::Receiver<LinkEvent>) {
+    let backend = Backend::bind("127.0.0.1:0".parse().unwrap(), config, service)
+        .await
+        .unwrap();
+    let (tx, mut rx) = mpsc::channel(64);
+    let (link, _task) = LinkClient::spawn(
+        backend.local_addr(),
+        fast_config(),
+        Arc::new(AtomicU64::new(1)),
+        tx,
+    );
+    wait_up(&mut rx).await;
+    (backend, link, rx)
+}
+
 async fn demo_backend(addr: SocketAddr, id: &str) -> Backend {
     Backend::bind(addr, BackendConfig::new(id), Arc::new(DemoService::new()))
         .await
@@ -296,6 +320,8 @@ async fn messages_in_flight_when_a_backend_dies_come_back_as_unavailable() {
 async fn big_forward_credit_and_small_push_credit_do_not_deadlock() {
     let mut config = BackendConfig::new("b1");
     config.forward_credits = 4096;
+    // One session with thousands in flight: no per-session bound here.
+    config.session_queue = u32::MAX;
     let backend = Backend::bind(
         "127.0.0.1:0".parse().unwrap(),
         config,
@@ -602,15 +628,7 @@ async fn a_backend_beyond_loopback_needs_a_link_secret() {
 /// best-effort forwards are never awaited.
 #[tokio::test]
 async fn a_processed_forward_is_answered_after_its_pushes_and_not_refused_when_the_link_dies() {
-    let backend = demo_backend("127.0.0.1:0".parse().unwrap(), "b1").await;
-    let (tx, mut rx) = mpsc::channel(64);
-    let (link, _task) = LinkClient::spawn(
-        backend.local_addr(),
-        fast_config(),
-        Arc::new(AtomicU64::new(1)),
-        tx,
-    );
-    wait_up(&mut rx).await;
+    let (backend, link, mut rx) = linked(Arc::new(DemoService::new())).await;
     let m = meta(9, "carol");
     let delivered = link
         .forward(
@@ -828,21 +846,7 @@ impl Service for PushThen {
 #[tokio::test]
 async fn pushes_held_for_an_answer_come_with_a_refusal_or_the_links_loss() {
     for hang in [false, true] {
-        let backend = Backend::bind(
-            "127.0.0.1:0".parse().unwrap(),
-            BackendConfig::new("b1"),
-            Arc::new(PushThen { hang }),
-        )
-        .await
-        .unwrap();
-        let (tx, mut rx) = mpsc::channel(64);
-        let (link, _task) = LinkClient::spawn(
-            backend.local_addr(),
-            fast_config(),
-            Arc::new(AtomicU64::new(1)),
-            tx,
-        );
-        wait_up(&mut rx).await;
+        let (backend, link, mut rx) = linked(Arc::new(PushThen { hang })).await;
         let m = meta(4, "dave");
         link.forward(
             &m,
@@ -908,21 +912,7 @@ impl Service for SlowPlayer {
 #[tokio::test]
 async fn a_waiting_handler_holds_up_only_its_own_session() {
     let gate = Arc::new(tokio::sync::Notify::new());
-    let backend = Backend::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        BackendConfig::new("b1"),
-        Arc::new(SlowPlayer { gate: gate.clone() }),
-    )
-    .await
-    .unwrap();
-    let (tx, mut rx) = mpsc::channel(64);
-    let (link, _task) = LinkClient::spawn(
-        backend.local_addr(),
-        fast_config(),
-        Arc::new(AtomicU64::new(1)),
-        tx,
-    );
-    wait_up(&mut rx).await;
+    let (_backend, link, mut rx) = linked(Arc::new(SlowPlayer { gate: gate.clone() })).await;
     let (slow, fast) = (meta(1, "slow"), meta(2, "fast"));
     for seq in 1..=2 {
         link.forward(
@@ -962,6 +952,59 @@ async fn a_waiting_handler_holds_up_only_its_own_session() {
     }
     assert_eq!(
         slow_replies,
+        [Bytes::from_static(b"s1"), Bytes::from_static(b"s2")]
+    );
+}
+
+/// The messages waiting behind a session's running handler are bounded
+/// (`BackendConfig::session_queue`): beyond, the backend refuses them `busy` at once, so
+/// the client gets an answer instead of a reply seconds late.
+#[tokio::test]
+async fn a_session_queue_past_its_bound_is_refused_busy_at_once() {
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let mut config = BackendConfig::new("b1");
+    config.session_queue = 2;
+    let (_backend, link, mut rx) =
+        linked_with(config, Arc::new(SlowPlayer { gate: gate.clone() })).await;
+    let slow = meta(1, "slow");
+    for seq in 1..=4 {
+        link.forward(
+            &slow,
+            ECHO,
+            1,
+            seq,
+            TrafficClass::Normal,
+            Bytes::from(format!("s{seq}")),
+        )
+        .unwrap();
+    }
+    // One running, one waiting: the third and fourth are refused while the first still runs.
+    let mut refused = Vec::new();
+    while refused.len() < 2 {
+        match next_event(&mut rx).await {
+            LinkEvent::Refuse { refusal, .. } => {
+                assert_eq!(refusal.code, CloseCode::Busy);
+                assert_eq!(
+                    refusal.retry_after_ms,
+                    waygate_backend::SESSION_BUSY_RETRY_MS
+                );
+                refused.push(refusal.client_seq);
+            }
+            other => panic!("expected the refusals first, got {other:?}"),
+        }
+    }
+    assert_eq!(refused, [3, 4]);
+    let mut replies = Vec::new();
+    while replies.len() < 2 {
+        gate.notify_one();
+        if let Ok(Some(e)) = tokio::time::timeout(Duration::from_millis(200), rx.recv()).await {
+            if let Some((1, _, body)) = first_push(&e) {
+                replies.push(body);
+            }
+        }
+    }
+    assert_eq!(
+        replies,
         [Bytes::from_static(b"s1"), Bytes::from_static(b"s2")]
     );
 }

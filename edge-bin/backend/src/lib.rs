@@ -23,7 +23,7 @@ pub mod demo;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -47,6 +47,10 @@ pub struct BackendConfig {
     pub instance_id: String,
     /// FORWARD frames an edge may have in flight to this instance.
     pub forward_credits: u32,
+    /// Messages one session may have waiting behind its running handler; more are refused
+    /// `busy` (retry after [`SESSION_BUSY_RETRY_MS`]) at once, so a session whose handler
+    /// waits (a publish to a slow edge, a database) gets an answer, not a growing delay.
+    pub session_queue: u32,
     /// Link heartbeat interval.
     pub heartbeat: Duration,
     /// Largest link frame accepted.
@@ -70,6 +74,7 @@ impl BackendConfig {
         Self {
             instance_id: instance_id.into(),
             forward_credits: 256,
+            session_queue: 16,
             heartbeat: Duration::from_secs(2),
             max_link_frame: DEFAULT_MAX_LINK_FRAME,
             link_secret: None,
@@ -186,6 +191,10 @@ pub struct PublishReceipt {
     /// A publish with this request id was already taken: nothing was published now.
     pub duplicate: bool,
 }
+
+/// The retry-after of a `busy` refusal for a session whose queue is full
+/// ([`BackendConfig::session_queue`]).
+pub const SESSION_BUSY_RETRY_MS: u32 = 100;
 
 /// How long a channel request waits for the edge's CHANNEL_RESULT.
 const CHANNEL_ANSWER_WAIT: Duration = Duration::from_secs(5);
@@ -983,7 +992,8 @@ where
     // One worker per session: a session's messages and lifecycle events are handled one at
     // a time, in order; different sessions' handlers run concurrently, so one that waits
     // (a publish, a database) holds up no other session on this link.
-    let mut sessions: HashMap<u64, mpsc::UnboundedSender<SessionJob>> = HashMap::new();
+    let session_queue = config.session_queue.max(1);
+    let mut sessions: HashMap<u64, SessionWorker> = HashMap::new();
     let result = loop {
         let Some(frame) = io.rx.recv().await else {
             break Ok(());
@@ -1011,7 +1021,7 @@ where
                 // Opened again (the edge re-opens its sessions after a reconnect): the
                 // same worker opens the new one and closes the old, after its messages.
                 let session = match sessions.get(&handle) {
-                    Some(worker) => match worker.send(SessionJob::Reopened(session)) {
+                    Some(worker) => match worker.jobs.send(SessionJob::Reopened(session)) {
                         Ok(()) => continue,
                         Err(e) => match e.0 {
                             SessionJob::Reopened(s) => s,
@@ -1023,9 +1033,10 @@ where
                         session
                     }
                 };
-                let (tx, rx) = mpsc::unbounded_channel();
-                tokio::spawn(session_worker(work.clone(), session, rx));
-                sessions.insert(handle, tx);
+                let (jobs, rx) = mpsc::unbounded_channel();
+                let queued = Arc::new(AtomicU32::new(0));
+                tokio::spawn(session_worker(work.clone(), session, rx, queued.clone()));
+                sessions.insert(handle, SessionWorker { jobs, queued });
             }
             LinkFrame::Forward {
                 handle,
@@ -1046,18 +1057,28 @@ where
                         payload,
                     },
                 };
-                // Bounded by the FORWARD credit this backend gave the edge.
-                let undelivered = match sessions.get(&handle) {
-                    Some(worker) => worker.send(job).err().map(|e| e.0),
-                    None => Some(job),
+                // At most `session_queue` per session (and the link's FORWARD credit in
+                // all); beyond, `busy` at once.
+                let refused = match sessions.get(&handle) {
+                    Some(w) if w.queued.load(Ordering::Acquire) >= session_queue => {
+                        Some((CloseCode::Busy, SESSION_BUSY_RETRY_MS))
+                    }
+                    Some(w) => {
+                        w.queued.fetch_add(1, Ordering::AcqRel);
+                        w.jobs.send(job).err().map(|_| {
+                            w.queued.fetch_sub(1, Ordering::AcqRel);
+                            (CloseCode::Unavailable, 0)
+                        })
+                    }
+                    None => Some((CloseCode::Unavailable, 0)),
                 };
-                if undelivered.is_some() {
+                if let Some((code, retry_after_ms)) = refused {
                     let refusal = LinkFrame::Refuse {
                         handle,
                         msg_id,
                         client_seq,
-                        code: CloseCode::Unavailable,
-                        retry_after_ms: 0,
+                        code,
+                        retry_after_ms,
                         epoch: work.epoch.load(Ordering::Relaxed),
                     };
                     // Fails only when the link is gone: the edge then answers every FORWARD
@@ -1069,18 +1090,18 @@ where
             LinkFrame::SessionDetached { handle, linger_ms } => {
                 if let Some(worker) = sessions.get(&handle) {
                     let linger = Duration::from_millis(linger_ms.into());
-                    let _ = worker.send(SessionJob::Detached(linger));
+                    let _ = worker.jobs.send(SessionJob::Detached(linger));
                 }
             }
             LinkFrame::SessionReattached { handle, gap } => {
                 if let Some(worker) = sessions.get(&handle) {
-                    let _ = worker.send(SessionJob::Reattached(gap));
+                    let _ = worker.jobs.send(SessionJob::Reattached(gap));
                 }
             }
             LinkFrame::SessionClose { handle, code } => {
                 if let Some(worker) = sessions.remove(&handle) {
                     load.sessions.fetch_sub(1, Ordering::Relaxed);
-                    let _ = worker.send(SessionJob::Closed(code));
+                    let _ = worker.jobs.send(SessionJob::Closed(code));
                 }
             }
             LinkFrame::Credit { credits } => link.push_credit.add_permits(credits as usize),
@@ -1105,9 +1126,18 @@ where
     load.sessions
         .fetch_sub(sessions.len() as u64, Ordering::Relaxed);
     for (_, worker) in sessions.drain() {
-        let _ = worker.send(SessionJob::Closed(CloseCode::GoingAway));
+        let _ = worker.jobs.send(SessionJob::Closed(CloseCode::GoingAway));
     }
     result
+}
+
+/// A session's worker, as the link's reader sees it.
+struct SessionWorker {
+    /// Unbounded, but what is queued is bounded: FORWARDs by `session_queue` (and the
+    /// link's credit), lifecycle frames by the edge's own session lifecycle.
+    jobs: mpsc::UnboundedSender<SessionJob>,
+    /// FORWARDs queued or running.
+    queued: Arc<AtomicU32>,
 }
 
 /// What a session's worker does next, in the order the link delivered it.
@@ -1160,6 +1190,7 @@ async fn session_worker(
     work: Arc<LinkWork>,
     mut session: BackendSession,
     mut jobs: mpsc::UnboundedReceiver<SessionJob>,
+    queued: Arc<AtomicU32>,
 ) {
     work.service.session_open(&session).await;
     while let Some(job) = jobs.recv().await {
@@ -1203,6 +1234,7 @@ async fn session_worker(
                     // it holds unanswered with ERROR `unavailable` (PROTOCOL.md §9.3).
                     let _ = work.tx.send(answer).await;
                 }
+                queued.fetch_sub(1, Ordering::AcqRel);
                 work.completed(id).await;
             }
             SessionJob::Detached(linger) => work.service.session_detached(&session, linger).await,
