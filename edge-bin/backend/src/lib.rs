@@ -47,9 +47,12 @@ pub struct BackendConfig {
     pub instance_id: String,
     /// FORWARD frames an edge may have in flight to this instance.
     pub forward_credits: u32,
-    /// Messages one session may have waiting behind its running handler; more are refused
-    /// `busy` (retry after [`SESSION_BUSY_RETRY_MS`]) at once, so a session whose handler
-    /// waits (a publish to a slow edge, a database) gets an answer, not a growing delay.
+    /// Messages one session may have waiting or running; more are refused `busy` (retry
+    /// after [`SESSION_BUSY_RETRY_MS`]) at once, so a session whose handler waits (a
+    /// publish to a slow edge, a database) gets an answer, not a growing delay. Default:
+    /// the link's FORWARD credit (256), since a client legitimately sends bursts (a resume
+    /// resends everything unacknowledged, up to its send buffer); lower it for handlers
+    /// that may wait long.
     pub session_queue: u32,
     /// Link heartbeat interval.
     pub heartbeat: Duration,
@@ -74,7 +77,7 @@ impl BackendConfig {
         Self {
             instance_id: instance_id.into(),
             forward_credits: 256,
-            session_queue: 16,
+            session_queue: 256,
             heartbeat: Duration::from_secs(2),
             max_link_frame: DEFAULT_MAX_LINK_FRAME,
             link_secret: None,
