@@ -1176,6 +1176,36 @@ mod tests {
         );
     }
 
+    /// A backend's held pushes and its answer, queued together, are taken by the session's
+    /// connection in one `Work`, in the order given (PROTOCOL.md §9.6; that the ack then
+    /// rides on the reply is checked over real sockets in edge-bin/tests/session_guarantees.rs).
+    #[test]
+    fn items_queued_together_are_taken_in_one_turn_in_order() {
+        let mut host = SessionHost::new(SessionHost::outbound_for_capacity(8));
+        host.open(1);
+        host.established(1, [1; 16], "p".into(), 1);
+        let reply = |n: u8| {
+            OutboundItem::Message(Downstream {
+                class: TrafficClass::Normal,
+                msg_id: 7,
+                payload: Bytes::from(vec![n]),
+            })
+        };
+        for item in [reply(1), reply(2), OutboundItem::Answered(4)] {
+            assert_eq!(host.queue_item(&[1; 16], item), Ok(()));
+        }
+        let work = host.take_work(1);
+        assert_eq!(
+            work.items,
+            vec![reply(1), reply(2), OutboundItem::Answered(4)]
+        );
+        assert!(host.take_work(1).items.is_empty());
+        assert_eq!(
+            host.queue_item(&[9; 16], OutboundItem::Answered(1)),
+            Err(PushError::NotFound)
+        );
+    }
+
     /// The player's limiter outlives its sessions while it is drained (a new login gets the
     /// same bucket) and is swept once it is full again.
     #[test]
