@@ -941,19 +941,34 @@ async fn a_waiting_handler_holds_up_only_its_own_session() {
         "the fast session waited behind the slow one: {event:?}"
     );
     // The slow session's messages, in order, once its handler goes on.
-    let mut slow_replies = Vec::new();
-    while slow_replies.len() < 2 {
+    assert_eq!(
+        release_slow(&gate, &mut rx, 2).await,
+        [Bytes::from_static(b"s1"), Bytes::from_static(b"s2")]
+    );
+}
+
+/// Lets [`SlowPlayer`]'s handler go on until `n` replies to the slow session (handle 1)
+/// came back; returns their bodies in arrival order.
+async fn release_slow(
+    gate: &tokio::sync::Notify,
+    rx: &mut mpsc::Receiver<LinkEvent>,
+    n: usize,
+) -> Vec<Bytes> {
+    let mut replies = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while replies.len() < n {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "replies so far: {replies:?}"
+        );
         gate.notify_one();
         if let Ok(Some(e)) = tokio::time::timeout(Duration::from_millis(200), rx.recv()).await {
             if let Some((1, _, body)) = first_push(&e) {
-                slow_replies.push(body);
+                replies.push(body);
             }
         }
     }
-    assert_eq!(
-        slow_replies,
-        [Bytes::from_static(b"s1"), Bytes::from_static(b"s2")]
-    );
+    replies
 }
 
 /// The messages waiting behind a session's running handler are bounded
@@ -994,17 +1009,8 @@ async fn a_session_queue_past_its_bound_is_refused_busy_at_once() {
         }
     }
     assert_eq!(refused, [3, 4]);
-    let mut replies = Vec::new();
-    while replies.len() < 2 {
-        gate.notify_one();
-        if let Ok(Some(e)) = tokio::time::timeout(Duration::from_millis(200), rx.recv()).await {
-            if let Some((1, _, body)) = first_push(&e) {
-                replies.push(body);
-            }
-        }
-    }
     assert_eq!(
-        replies,
+        release_slow(&gate, &mut rx, 2).await,
         [Bytes::from_static(b"s1"), Bytes::from_static(b"s2")]
     );
 }
