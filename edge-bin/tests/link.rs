@@ -1014,3 +1014,57 @@ async fn a_session_queue_past_its_bound_is_refused_busy_at_once() {
         [Bytes::from_static(b"s1"), Bytes::from_static(b"s2")]
     );
 }
+
+/// Panics on the payload `boom`, echoes anything else.
+struct PanicsOnBoom;
+
+#[async_trait]
+impl Service for PanicsOnBoom {
+    async fn message(&self, session: &BackendSession, msg: Incoming) -> Result<(), Refusal> {
+        assert_ne!(&msg.payload[..], b"boom", "the game's bug");
+        session
+            .push(ECHO_REPLY, TrafficClass::Normal, msg.payload)
+            .await
+            .unwrap();
+        Ok(())
+    }
+}
+
+/// A handler that panics answers its message `internal` and its session goes on: with one
+/// worker per session, a panic used to end the worker silently, leaving the message
+/// unanswered and its FORWARD credit never returned (the link's credit stuck behind it).
+#[tokio::test]
+async fn a_panicking_handler_refuses_its_message_and_the_session_goes_on() {
+    let (_backend, link, mut rx) = linked(Arc::new(PanicsOnBoom)).await;
+    let m = meta(3, "erin");
+    link.forward(
+        &m,
+        ECHO,
+        1,
+        1,
+        TrafficClass::Normal,
+        Bytes::from_static(b"boom"),
+    )
+    .unwrap();
+    match next_event(&mut rx).await {
+        LinkEvent::Refuse { refusal, .. } => {
+            assert_eq!((refusal.client_seq, refusal.code), (1, CloseCode::Internal))
+        }
+        other => panic!("expected the refusal, got {other:?}"),
+    }
+    link.forward(
+        &m,
+        ECHO,
+        1,
+        2,
+        TrafficClass::Normal,
+        Bytes::from_static(b"ok"),
+    )
+    .unwrap();
+    let event = next_event(&mut rx).await;
+    assert_eq!(
+        first_push(&event).map(|p| p.2),
+        Some(Bytes::from_static(b"ok")),
+        "{event:?}"
+    );
+}

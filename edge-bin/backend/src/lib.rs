@@ -22,6 +22,7 @@
 pub mod demo;
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -1093,18 +1094,18 @@ where
             LinkFrame::SessionDetached { handle, linger_ms } => {
                 if let Some(worker) = sessions.get(&handle) {
                     let linger = Duration::from_millis(linger_ms.into());
-                    let _ = worker.jobs.send(SessionJob::Detached(linger));
+                    worker.tell(SessionJob::Detached(linger));
                 }
             }
             LinkFrame::SessionReattached { handle, gap } => {
                 if let Some(worker) = sessions.get(&handle) {
-                    let _ = worker.jobs.send(SessionJob::Reattached(gap));
+                    worker.tell(SessionJob::Reattached(gap));
                 }
             }
             LinkFrame::SessionClose { handle, code } => {
                 if let Some(worker) = sessions.remove(&handle) {
                     load.sessions.fetch_sub(1, Ordering::Relaxed);
-                    let _ = worker.jobs.send(SessionJob::Closed(code));
+                    worker.tell(SessionJob::Closed(code));
                 }
             }
             LinkFrame::Credit { credits } => link.push_credit.add_permits(credits as usize),
@@ -1129,7 +1130,7 @@ where
     load.sessions
         .fetch_sub(sessions.len() as u64, Ordering::Relaxed);
     for (_, worker) in sessions.drain() {
-        let _ = worker.jobs.send(SessionJob::Closed(CloseCode::GoingAway));
+        worker.tell(SessionJob::Closed(CloseCode::GoingAway));
     }
     result
 }
@@ -1141,6 +1142,17 @@ struct SessionWorker {
     jobs: mpsc::UnboundedSender<SessionJob>,
     /// FORWARDs queued or running.
     queued: Arc<AtomicU32>,
+}
+
+impl SessionWorker {
+    /// Hands a lifecycle frame to the worker. These ask for no answer; the worker takes
+    /// jobs until its session's `Closed` (service panics are caught: [`guarded`]), so a
+    /// send fails only when the runtime is shutting down: logged, nothing waits for it.
+    fn tell(&self, job: SessionJob) {
+        if self.jobs.send(job).is_err() {
+            tracing::debug!("session worker gone: lifecycle frame not delivered");
+        }
+    }
 }
 
 /// What a session's worker does next, in the order the link delivered it.
@@ -1188,6 +1200,18 @@ impl LinkWork {
     }
 }
 
+/// Runs one call into the game's [`Service`]; a panic in it is caught and logged (`None`),
+/// so a session's worker lives until its session closes: its messages are always
+/// answered and their credit returned (a dead worker would hold the link's credit).
+async fn guarded<T>(handle: u64, call: &'static str, fut: impl Future<Output = T>) -> Option<T> {
+    use futures_util::FutureExt as _;
+    let caught = std::panic::AssertUnwindSafe(fut).catch_unwind().await;
+    if caught.is_err() {
+        tracing::error!(handle, call, "the game's handler panicked");
+    }
+    caught.ok()
+}
+
 /// Handles one session's jobs in order until it closes.
 async fn session_worker(
     work: Arc<LinkWork>,
@@ -1195,12 +1219,12 @@ async fn session_worker(
     mut jobs: mpsc::UnboundedReceiver<SessionJob>,
     queued: Arc<AtomicU32>,
 ) {
-    work.service.session_open(&session).await;
+    let handle = session.inner.handle;
+    guarded(handle, "session_open", work.service.session_open(&session)).await;
     while let Some(job) = jobs.recv().await {
         match job {
             SessionJob::Forward { id, incoming } => {
-                let (handle, msg_id, client_seq) =
-                    (session.inner.handle, incoming.msg_id, incoming.client_seq);
+                let (msg_id, client_seq) = (incoming.msg_id, incoming.client_seq);
                 let refusal = if incoming.epoch < work.epoch.load(Ordering::Relaxed) {
                     Some(Refusal {
                         code: CloseCode::StaleEpoch,
@@ -1211,9 +1235,17 @@ async fn session_worker(
                     if work.answers_done {
                         session.inner.answering.store(client_seq, Ordering::Release);
                     }
-                    let result = work.service.message(&session, incoming).await;
+                    let result =
+                        guarded(handle, "message", work.service.message(&session, incoming)).await;
                     session.inner.answering.store(0, Ordering::Release);
-                    result.err()
+                    // A handler that panicked refuses its message `internal`: the client
+                    // is answered, the credit returns and the session's worker goes on.
+                    result
+                        .unwrap_or(Err(Refusal {
+                            code: CloseCode::Internal,
+                            retry_after_ms: 0,
+                        }))
+                        .err()
                 };
                 // The answer goes on the same queue as the handler's pushes, after them.
                 let answer = match refusal {
@@ -1240,15 +1272,23 @@ async fn session_worker(
                 queued.fetch_sub(1, Ordering::AcqRel);
                 work.completed(id).await;
             }
-            SessionJob::Detached(linger) => work.service.session_detached(&session, linger).await,
-            SessionJob::Reattached(gap) => work.service.session_reattached(&session, gap).await,
+            SessionJob::Detached(linger) => {
+                let call = work.service.session_detached(&session, linger);
+                guarded(handle, "session_detached", call).await;
+            }
+            SessionJob::Reattached(gap) => {
+                let call = work.service.session_reattached(&session, gap);
+                guarded(handle, "session_reattached", call).await;
+            }
             SessionJob::Reopened(new) => {
-                work.service.session_open(&new).await;
+                guarded(handle, "session_open", work.service.session_open(&new)).await;
                 let old = std::mem::replace(&mut session, new);
-                work.service.session_closed(&old, CloseCode::Normal).await;
+                let call = work.service.session_closed(&old, CloseCode::Normal);
+                guarded(handle, "session_closed", call).await;
             }
             SessionJob::Closed(code) => {
-                work.service.session_closed(&session, code).await;
+                let call = work.service.session_closed(&session, code);
+                guarded(handle, "session_closed", call).await;
                 return;
             }
         }
