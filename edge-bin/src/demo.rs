@@ -6,7 +6,7 @@
 //! backend drain that migrates players. Every echo is counted: the run fails (exit code 1)
 //! if any reply is lost or duplicated.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -357,13 +357,44 @@ fn table_text(addrs: &[SocketAddr], epoch: u64, draining: Option<usize>) -> Stri
 
 const KINDS: [TransportKind; 6] = TransportKind::ALL;
 
-/// Appends `entry` to `channel`'s trail (the last 16 kept).
-fn trail(trails: &mut HashMap<String, Vec<String>>, channel: &str, entry: String) {
-    let t = trails.entry(channel.to_owned()).or_default();
+/// Appends `entry` to `channel`'s trail.
+fn trail(trails: &mut HashMap<String, VecDeque<Seen>>, channel: &str, entry: Seen) {
+    let t = match trails.get_mut(channel) {
+        Some(t) => t,
+        None => trails.entry(channel.to_owned()).or_default(),
+    };
+    remember(t, entry);
+}
+
+/// Appends `entry` to a trail, keeping the last 16.
+fn remember(t: &mut VecDeque<Seen>, entry: Seen) {
     if t.len() >= 16 {
-        t.remove(0);
+        t.pop_front();
     }
-    t.push(entry);
+    t.push_back(entry);
+}
+
+/// A channel event a member saw (kept cheaply per event; formatted only for a report).
+enum Seen {
+    Joined(ChannelPosition),
+    HistoryLost(ChannelPosition),
+    Announcement(u64),
+    Publication(u64),
+    Left,
+    Connected(WelcomeOutcome),
+}
+
+impl std::fmt::Display for Seen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Seen::Joined(p) => write!(f, "JOINED({},{})", p.epoch, p.offset),
+            Seen::HistoryLost(p) => write!(f, "HISTORY_LOST({},{})", p.epoch, p.offset),
+            Seen::Announcement(offset) => write!(f, "A{offset}"),
+            Seen::Publication(offset) => write!(f, "P{offset}"),
+            Seen::Left => f.write_str("LEFT"),
+            Seen::Connected(outcome) => write!(f, "[{outcome:?}]"),
+        }
+    }
 }
 
 /// Out-of-order samples a report keeps.
@@ -696,7 +727,7 @@ async fn client_task(
     }
     let mut next_offset: HashMap<String, (u64, u64)> = HashMap::new();
     // The last channel events per channel (and connections), for an out-of-order report.
-    let mut channel_trail: HashMap<String, Vec<String>> = HashMap::new();
+    let mut channel_trail: HashMap<String, VecDeque<Seen>> = HashMap::new();
     // Channels whose join is recovering publications (no JOINED yet).
     let mut recovering: HashSet<String> = HashSet::new();
     // Channels joined whose JOINED or HISTORY_LOST has not come yet.
@@ -818,7 +849,7 @@ async fn client_task(
                     Some(Event::Message { msg_id: ROOM_EVENT, .. }) => r.room_events += 1,
                     Some(Event::Channel(update)) => match update {
                         ChannelUpdate::Joined { channel, position } => {
-                            trail(&mut channel_trail, &channel, format!("JOINED{position:?}"));
+                            trail(&mut channel_trail, &channel, Seen::Joined(position));
                             awaiting_joined.remove(&channel);
                             // After recovered publications, JOINED is the last of them.
                             if recovering.remove(&channel)
@@ -837,7 +868,7 @@ async fn client_task(
                             next_offset.insert(channel, (position.epoch, position.offset + 1));
                         }
                         ChannelUpdate::HistoryLost { channel, position } => {
-                            trail(&mut channel_trail, &channel, format!("HISTORY_LOST{position:?}"));
+                            trail(&mut channel_trail, &channel, Seen::HistoryLost(position));
                             awaiting_joined.remove(&channel);
                             recovering.remove(&channel);
                             r.channel_history_lost += 1;
@@ -883,11 +914,11 @@ async fn client_task(
                                     if r.channel_order_samples.len() < ORDER_SAMPLES {
                                         r.channel_order_samples.push(format!(
                                             "{player} {channel}: expected {expected:?}, got {position:?}; seen since its join: {}",
-                                            channel_trail.get(&channel).map(|t| t.join(" ")).unwrap_or_default()
+                                            channel_trail.get(&channel).map(|t| t.iter().map(Seen::to_string).collect::<Vec<_>>().join(" ")).unwrap_or_default()
                                         ));
                                     }
                                 }
-                                trail(&mut channel_trail, &channel, format!("{}{}", if announcement { "A" } else { "P" }, position.offset));
+                                trail(&mut channel_trail, &channel, if announcement { Seen::Announcement(position.offset) } else { Seen::Publication(position.offset) });
                                 if expected == Some((position.epoch, position.offset)) && !announcement {
                                     // The live flow goes on where it was (restored on the
                                     // same edge): nothing comes from the log here.
@@ -897,16 +928,15 @@ async fn client_task(
                             }
                         }
                         ChannelUpdate::Left { channel, .. } => {
-                            trail(&mut channel_trail, &channel, "LEFT".into());
+                            trail(&mut channel_trail, &channel, Seen::Left);
                             next_offset.remove(&channel);
                         }
                         _ => {}
                     },
                     Some(Event::Message { .. }) | Some(Event::Disconnected { .. }) | Some(Event::Rejected { .. }) | Some(Event::Migrating { .. }) => {}
                     Some(Event::Connected { outcome, endpoint, .. }) => {
-                        let channels: Vec<String> = channel_trail.keys().cloned().collect();
-                        for channel in channels {
-                            trail(&mut channel_trail, &channel, format!("[{outcome:?} {endpoint}]"));
+                        for t in channel_trail.values_mut() {
+                            remember(t, Seen::Connected(outcome));
                         }
                         if matches!(outcome, WelcomeOutcome::Restored | WelcomeOutcome::RestoredWithGap) {
                             if endpoint != endpoint_now {

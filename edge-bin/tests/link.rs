@@ -221,21 +221,8 @@ impl Service for Stuck {
 async fn a_backend_that_stops_handling_runs_out_of_credit_and_the_edge_answers_busy() {
     let mut config = BackendConfig::new("slow");
     config.forward_credits = 8;
-    let backend = Backend::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        config,
-        Arc::new(Stuck(tokio::sync::Semaphore::new(0))),
-    )
-    .await
-    .unwrap();
-    let (tx, mut rx) = mpsc::channel(64);
-    let (link, _task) = LinkClient::spawn(
-        backend.local_addr(),
-        fast_config(),
-        Arc::new(AtomicU64::new(0)),
-        tx,
-    );
-    wait_up(&mut rx).await;
+    let (_backend, link, _rx) =
+        linked_with(config, Arc::new(Stuck(tokio::sync::Semaphore::new(0)))).await;
     let m = meta(3, "carol");
     let mut sent = 0;
     let mut busy = 0;
@@ -263,21 +250,11 @@ async fn a_backend_that_stops_handling_runs_out_of_credit_and_the_edge_answers_b
 
 #[tokio::test]
 async fn messages_in_flight_when_a_backend_dies_come_back_as_unavailable() {
-    let backend = Backend::bind(
-        "127.0.0.1:0".parse().unwrap(),
+    let (backend, link, mut rx) = linked_with(
         BackendConfig::new("doomed"),
         Arc::new(Stuck(tokio::sync::Semaphore::new(0))),
     )
-    .await
-    .unwrap();
-    let (tx, mut rx) = mpsc::channel(64);
-    let (link, _task) = LinkClient::spawn(
-        backend.local_addr(),
-        fast_config(),
-        Arc::new(AtomicU64::new(0)),
-        tx,
-    );
-    wait_up(&mut rx).await;
+    .await;
     let m = meta(9, "dave");
     for seq in 1..=5 {
         link.forward(

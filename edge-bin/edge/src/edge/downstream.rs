@@ -34,17 +34,29 @@ impl Shared {
         }
     }
 
+    /// Whether the overload governor sheds a push of `class` (best-effort at level 1 and
+    /// above); counted when it does.
+    fn shed_by_governor(&self, class: TrafficClass) -> bool {
+        let shed = class == TrafficClass::BestEffort
+            && self.governor.shed_best_effort.load(Ordering::Acquire);
+        if shed {
+            self.metrics.overload_shed.inc();
+        }
+        shed
+    }
+
+    /// Counts a backend push queued for its session (`ok`) or dropped.
+    fn count_push(&self, class: TrafficClass, ok: bool) {
+        let (queued, dropped) = &self.metrics.push_counters[class as usize];
+        if ok { queued } else { dropped }.inc();
+    }
+
     /// A handler's held pushes and what ends them (its answer, a refusal, or nothing when
     /// they were released at their byte cap), queued for the session under one lock so its
     /// connection shows them in one turn (PROTOCOL.md §9.6). Never waits.
     fn answer_with_pushes(&self, handle: u64, pushes: Vec<Downstream>, end: AnswerEnd) {
-        let shed_best_effort = self.governor.shed_best_effort.load(Ordering::Acquire);
-        let count = |class: TrafficClass, ok: bool| {
-            let (queued, dropped) = &self.metrics.push_counters[class as usize];
-            if ok { queued } else { dropped }.inc();
-        };
         let Some(sid) = self.session_of_handle(handle) else {
-            pushes.iter().for_each(|p| count(p.class, false));
+            pushes.iter().for_each(|p| self.count_push(p.class, false));
             return;
         };
         let end = match end {
@@ -59,19 +71,13 @@ impl Shared {
         };
         let items = pushes
             .into_iter()
-            .filter(|p| {
-                let shed = p.class == TrafficClass::BestEffort && shed_best_effort;
-                if shed {
-                    self.metrics.overload_shed.inc();
-                }
-                !shed
-            })
+            .filter(|p| !self.shed_by_governor(p.class))
             .map(OutboundItem::Message)
             .chain(end);
         self.session_layer()
             .registry
             .queue_together(&sid, items, |class, result| match class {
-                Some(class) => count(class, result.is_ok()),
+                Some(class) => self.count_push(class, result.is_ok()),
                 None => {
                     if let Err(e) = result {
                         tracing::debug!(error = %e, "answer not queued for its session");
@@ -133,10 +139,7 @@ fn handle_now(shared: &Arc<Shared>, event: LinkEvent) -> Option<LinkEvent> {
             class,
             payload,
         }) => {
-            if class == waygate_transport::TrafficClass::BestEffort
-                && shared.governor.shed_best_effort.load(Ordering::Acquire)
-            {
-                shared.metrics.overload_shed.inc();
+            if shared.shed_by_governor(class) {
                 return None;
             }
             let pushed = shared.session_of_handle(handle).map(|sid| {
@@ -149,11 +152,7 @@ fn handle_now(shared: &Arc<Shared>, event: LinkEvent) -> Option<LinkEvent> {
                     },
                 )
             });
-            let (ok, dropped) = &shared.metrics.push_counters[class as usize];
-            match pushed {
-                Some(Ok(())) => ok.inc(),
-                _ => dropped.inc(),
-            };
+            shared.count_push(class, matches!(pushed, Some(Ok(()))));
         }
         LinkEvent::Backend(LinkFrame::ForwardDone { handle, client_seq }) => {
             if let Some(sid) = shared.session_of_handle(handle) {
