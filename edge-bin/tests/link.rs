@@ -862,6 +862,15 @@ async fn pushes_held_for_an_answer_come_with_a_refusal_or_the_links_loss() {
     }
 }
 
+/// Pushes `payload` back to `session` as an echo reply.
+async fn echo(session: &BackendSession, payload: Bytes) -> Result<(), Refusal> {
+    session
+        .push(ECHO_REPLY, TrafficClass::Normal, payload)
+        .await
+        .unwrap();
+    Ok(())
+}
+
 /// Holds the handler of player `slow` until the test opens the gate; echoes otherwise.
 struct SlowPlayer {
     gate: Arc<tokio::sync::Notify>,
@@ -873,19 +882,14 @@ impl Service for SlowPlayer {
         if session.player_id() == "slow" {
             self.gate.notified().await;
         }
-        session
-            .push(ECHO_REPLY, TrafficClass::Normal, msg.payload)
-            .await
-            .unwrap();
-        Ok(())
+        echo(session, msg.payload).await
     }
 }
 
 /// A handler that waits (a publish, a database) holds up only its own session: before,
 /// the backend SDK handled a link's FORWARDs one at a time, so every session on the link
-/// waited behind it (the demo's chat publishes, awaiting the announcement log, delayed
-/// echoes by seconds and ran the edge out of FORWARD credit: `busy`). A session's own
-/// messages still run one at a time, in order.
+/// waited behind it (the demo's chat publishes, awaiting every edge, ran the edge out of
+/// FORWARD credit: `busy`). A session's own messages still run one at a time, in order.
 #[tokio::test]
 async fn a_waiting_handler_holds_up_only_its_own_session() {
     let gate = Arc::new(tokio::sync::Notify::new());
@@ -999,11 +1003,7 @@ struct PanicsOnBoom;
 impl Service for PanicsOnBoom {
     async fn message(&self, session: &BackendSession, msg: Incoming) -> Result<(), Refusal> {
         assert_ne!(&msg.payload[..], b"boom", "the game's bug");
-        session
-            .push(ECHO_REPLY, TrafficClass::Normal, msg.payload)
-            .await
-            .unwrap();
-        Ok(())
+        echo(session, msg.payload).await
     }
 }
 
