@@ -545,6 +545,10 @@ struct Task {
     orphaned: Option<Box<Snapshot>>,
 }
 
+/// Most frames a session takes in one turn beyond the one that woke it (write-through:
+/// one commit covers them; see `Task::take_ready`).
+const MAX_READY_FRAMES: usize = 64;
+
 enum Event {
     Frame(Result<waygate_transport::Frame, CloseCode>),
     /// The held frame's tokens are back.
@@ -654,18 +658,15 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
                 t.conn = None;
                 let _ = t.machine.handle_link_down(now(), code);
             }
-            Event::Work => {
-                let registry = t.edge.registry.clone();
-                let mut work = Work::default();
-                registry.host(|h| h.take_work_into(t.id, &mut work));
-                t.stash(work);
-                t.do_work();
-            }
+            Event::Work => t.take_work(),
             Event::Timer => {
                 // Fired: the next deadline re-arms it, even if equal to this one.
                 armed = None;
                 t.machine.handle_timeout(now());
             }
+        }
+        if t.edge.write_through.is_some() {
+            t.take_ready().await;
         }
     }
     Box::pin(t.run_actions()).await;
@@ -745,6 +746,49 @@ impl Task {
         }
         if let Err(e) = self.machine.handle_frame(now(), frame) {
             tracing::debug!(error = %e, "session input refused");
+        }
+    }
+
+    /// With write-through, whatever else is ready now — frames the connection holds (at
+    /// most [`MAX_READY_FRAMES`]) and work from the host — is taken before the actions run,
+    /// so one commit covers it all. Without this a session read one frame per commit: with
+    /// a store slowed down by a busy machine (80–120 ms a commit) its client's frames piled
+    /// up in the transport faster than they were read, and replies came seconds late.
+    async fn take_ready(&mut self) {
+        let active = |t: &Self| t.machine.state() == crate::machine::State::Active;
+        for _ in 0..MAX_READY_FRAMES {
+            if !active(self) || self.held.is_some() {
+                break;
+            }
+            // Polled once: `recv` is cancel-safe, so a frame not complete yet stays in
+            // the connection for the next turn.
+            let ready = tokio::select! {
+                biased;
+                r = recv(&mut self.conn) => Some(r),
+                () = std::future::ready(()) => None,
+            };
+            match ready {
+                Some(Ok(frame)) => self.inbound_frame(frame).await,
+                Some(Err(code)) => {
+                    self.conn = None;
+                    let _ = self.machine.handle_link_down(now(), code);
+                }
+                None => break,
+            }
+        }
+        if active(self) {
+            self.take_work();
+        }
+    }
+
+    /// Takes this connection's work from the host and does it.
+    fn take_work(&mut self) {
+        let registry = self.edge.registry.clone();
+        let mut work = Work::default();
+        registry.host(|h| h.take_work_into(self.id, &mut work));
+        if !work.is_empty() {
+            self.stash(work);
+            self.do_work();
         }
     }
 

@@ -353,3 +353,104 @@ async fn a_handshake_whose_client_left_takes_nothing_from_the_live_session() {
         "{events:?}"
     );
 }
+
+/// A snapshot store whose every group commit takes `delay` (a Redis slowed down by a busy
+/// machine).
+struct SlowStore {
+    inner: waygate_session::store::MemorySnapshotStore,
+    delay: Duration,
+}
+
+#[async_trait::async_trait]
+impl waygate_session::store::SnapshotStore for SlowStore {
+    async fn put(
+        &self,
+        snapshot: &waygate_session::store::Snapshot,
+        ttl: Duration,
+    ) -> Result<(), waygate_session::store::StoreError> {
+        tokio::time::sleep(self.delay).await;
+        self.inner.put(snapshot, ttl).await
+    }
+    async fn get(
+        &self,
+        session_id: &waygate_protocol::frame::SessionId,
+    ) -> Result<Option<waygate_session::store::Snapshot>, waygate_session::store::StoreError> {
+        self.inner.get(session_id).await
+    }
+    async fn take(
+        &self,
+        session_id: &waygate_protocol::frame::SessionId,
+        resume_hash: &waygate_session::resume::ResumeHash,
+    ) -> Result<waygate_session::store::TakeOutcome, waygate_session::store::StoreError> {
+        self.inner.take(session_id, resume_hash).await
+    }
+    async fn delete(
+        &self,
+        session_id: &waygate_protocol::frame::SessionId,
+        fencing: Option<u64>,
+    ) -> Result<bool, waygate_session::store::StoreError> {
+        self.inner.delete(session_id, fencing).await
+    }
+}
+
+/// Regression (scale-out issue: replies over 15 s late in `demo --edges 3` beside a flood):
+/// with write-through, a session read one frame per commit, so when commits slowed down
+/// (80–120 ms on a busy machine) its client's frames piled up in the transport and every
+/// reply waited behind them. Now the frames ready when a turn starts are taken in that
+/// turn and one commit covers them all: a burst of 40 messages costs a few writes of the
+/// session's snapshot, not one per message.
+#[tokio::test(start_paused = true)]
+async fn a_burst_of_messages_shares_the_write_through_commits() {
+    let (mut e, sink) = echo_edge("edge-wt", SessionConfig::default());
+    e.unix_now = Arc::new(|| UNIX);
+    let store = Arc::new(SlowStore {
+        inner: waygate_session::store::MemorySnapshotStore::new(),
+        delay: Duration::from_millis(100),
+    });
+    let wt = waygate_session::write_through::WriteThrough::start(
+        store.clone(),
+        Duration::from_secs(60),
+        Duration::from_secs(1),
+    );
+    e.snapshots = store;
+    e.write_through = Some(wt.clone());
+    let edge = Arc::new(e);
+    let (server_end, mut conn) = mem_pair();
+    let _task = edge.spawn(Box::new(server_end));
+    let mut c = client();
+    let mut events = Vec::new();
+    c.connect(Instant::now()).expect("hello");
+    exchange(&mut c, &mut conn, &mut events, |e| !welcomes(e).is_empty()).await;
+    let before = wt.writes.load(std::sync::atomic::Ordering::Relaxed);
+    const BURST: usize = 40;
+    for n in 0..BURST {
+        c.send(
+            Instant::now(),
+            TrafficClass::Normal,
+            7,
+            Bytes::from(n.to_string()),
+        )
+        .expect("send");
+    }
+    let echoes = |e: &[ClientEvent]| {
+        e.iter()
+            .filter(|e| matches!(e, ClientEvent::Message { msg_id: 7, .. }))
+            .count()
+    };
+    waygate_session::testkit::drive_client(
+        &mut c,
+        &mut conn,
+        &mut events,
+        Duration::from_secs(30),
+        |e| echoes(e) == BURST,
+    )
+    .await;
+    assert_eq!(echoes(&events), BURST, "every echo came back");
+    assert_eq!(sink.received().len(), BURST);
+    let writes = wt.writes.load(std::sync::atomic::Ordering::Relaxed) - before;
+    eprintln!("{BURST} messages: {writes} snapshot writes");
+    assert!(
+        writes <= 6,
+        "{writes} snapshot writes for a burst of {BURST} messages"
+    );
+}
