@@ -105,12 +105,15 @@ impl WriteThrough {
 
     /// Starts the pause after a failed commit, unless one is running: writes answered
     /// during it (queued before it, or skipped) do not extend it.
-    fn pause_after_failure(&self) {
+    /// Returns whether a new pause started.
+    fn pause_after_failure(&self) -> bool {
         let mut until = self.paused_until.lock().unwrap_or_else(|e| e.into_inner());
         let now = std::time::Instant::now();
-        if until.is_none_or(|t| t <= now) {
+        let starts = until.is_none_or(|t| t <= now);
+        if starts {
             *until = Some(now + self.pause);
         }
+        starts
     }
 }
 
@@ -140,11 +143,19 @@ async fn committer(
             // sessions answered below, the next group (queued meanwhile) would be sent into
             // the same trouble before any of them ran, and its sessions' output held for a
             // second store timeout (past a client's 1 s liveness, PROTOCOL.md §7.5).
-            if results
-                .iter()
-                .any(|r| matches!(r, Err(e) if *e != StoreError::Fenced))
-            {
-                wt.pause_after_failure();
+            let failed =
+                |r: &Result<(), StoreError>| matches!(r, Err(e) if *e != StoreError::Fenced);
+            if let Some(Err(error)) = results.iter().find(|r| failed(r)) {
+                if wt.pause_after_failure() {
+                    tracing::warn!(
+                        %error,
+                        failed = results.iter().filter(|r| failed(r)).count(),
+                        of = writes.len(),
+                        pause_ms = wt.pause.as_millis() as u64,
+                        "write-through paused: sessions' output is shown undurably until it \
+                         resumes (a session its edge loses meanwhile may not restore)"
+                    );
+                }
             }
         }
         let mut results = results.into_iter();
