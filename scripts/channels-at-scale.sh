@@ -6,6 +6,8 @@
 # DURATION (default 60s); edge 0 is killed with SIGKILL 40 % into the run and its members
 # resume on the other edges. Prints the demo's summary: order violations (expected 0),
 # announcements received and those recovered from the announcement log, history lost.
+# WORLD_EVERY (default 2): one chat in WORLD_EVERY goes to `world` (its deliveries grow with
+# the clients squared; raise it for big runs).
 # Needs a release build (cargo build --release -p waygate) and redis-server on the PATH.
 set -u
 cd "$(dirname "$0")/.."
@@ -13,11 +15,12 @@ clients=${1:-3000}
 guilds=${2:-200}
 duration=${3:-60s}
 interval=${4:-1s}
+world_every=${5:-2}
 bin=target/release/waygate
 [ -x "$bin" ] || { echo "build first: cargo build --release -p waygate" >&2; exit 2; }
 ulimit -n 20000 2>/dev/null || true
-out=$("$bin" demo --edges 3 --clients "$clients" --guilds "$guilds" --duration "$duration" --interval "$interval" 2>/dev/null)
+out=$("$bin" demo --edges 3 --clients "$clients" --guilds "$guilds" --duration "$duration" --interval "$interval" --world-every "$world_every" 2>/dev/null)
 rc=$?
 printf '%s\n' "$out" | tail -15
-echo "clients $clients, guilds $guilds, duration $duration, interval $interval: rc $rc"
+echo "clients $clients, guilds $guilds, duration $duration, interval $interval, world every $world_every: rc $rc"
 exit $rc

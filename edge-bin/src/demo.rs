@@ -44,6 +44,10 @@ pub struct DemoOptions {
     /// Guild channels the clients are spread over (each client is a member of `world` and
     /// of one guild).
     pub guilds: usize,
+    /// One chat in this many goes to `world`, the others to the client's guild (world
+    /// deliveries grow with clients squared; a larger value keeps a big run's world channel
+    /// at what the machine carries).
+    pub world_every: u64,
 }
 
 impl Default for DemoOptions {
@@ -54,6 +58,7 @@ impl Default for DemoOptions {
             interval: Duration::from_millis(200),
             progress: true,
             guilds: 5,
+            world_every: 2,
         }
     }
 }
@@ -470,7 +475,12 @@ pub async fn run(options: DemoOptions) -> Result<DemoReport, String> {
                 player,
                 KINDS[kind_index],
                 opts,
-                (options.interval, options.guilds),
+                (
+                    options.interval,
+                    options.guilds,
+                    options.world_every,
+                    options.clients,
+                ),
                 rx,
                 drained_backend.clone(),
                 drain_at.clone(),
@@ -689,7 +699,7 @@ async fn client_task(
     player: String,
     kind: TransportKind,
     options: ClientOptions,
-    (interval, guilds): (Duration, usize),
+    (interval, guilds, world_every, clients): (Duration, usize, u64, usize),
     mut cmds: mpsc::Receiver<Cmd>,
     drained_backend: String,
     drain_at: Arc<std::sync::OnceLock<Instant>>,
@@ -704,7 +714,9 @@ async fn client_task(
         .map(|e| e.to_string())
         .unwrap_or_default();
     let mut client = Client::start(options);
-    let room = format!("room-{}", index % 10);
+    // Rooms of about 30 (at least 10 rooms): the backend broadcasts a room's events one
+    // push per member, so rooms do not grow with the run.
+    let room = format!("room-{}", index % (clients / 30).max(10));
     let _ = client
         .send(TrafficClass::Critical, JOIN_ROOM, Bytes::from(room.clone()))
         .await;
@@ -779,10 +791,12 @@ async fn client_task(
                     let _ = client.send(TrafficClass::Normal, ROOM_SAY, Bytes::from(format!("{room}|hello {n}"))).await;
                 }
                 if n % 10 == 7 {
-                    let channel = if n % 20 == 7 { "world" } else { guild.as_str() };
+                    let chat = n / 10;
+                    let world = chat % world_every.max(1) == 0;
+                    let channel = if world { "world" } else { guild.as_str() };
                     // One world CHAT in five is an announcement (critical: taken once the
                     // edge's announcement log has it).
-                    let (class, text) = if n % 100 == 7 {
+                    let (class, text) = if world && (chat / world_every.max(1)) % 5 == 0 {
                         (TrafficClass::Critical, "announce")
                     } else {
                         (TrafficClass::Normal, "hi")
@@ -1143,7 +1157,12 @@ pub async fn run_cluster(
             player,
             kind,
             opts,
-            (options.interval, options.guilds),
+            (
+                options.interval,
+                options.guilds,
+                options.world_every,
+                options.clients,
+            ),
             rx,
             String::new(),
             never_drained.clone(),

@@ -176,6 +176,10 @@ enum Command {
         /// How often each client sends an echo (chats ride on every tenth), e.g. `200ms`.
         #[arg(long, default_value = "200ms", value_parser = parse_duration)]
         interval: std::time::Duration,
+        /// One chat in N goes to `world`, the others to the client's guild (world
+        /// deliveries grow with the clients squared: raise it for big runs).
+        #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..))]
+        world_every: u64,
     },
     /// Print the client protocol version and the close-code table.
     Protocol,
@@ -429,12 +433,14 @@ fn main() -> std::process::ExitCode {
                 edges,
                 guilds,
                 interval,
+                world_every,
             } => {
                 let options = waygate::demo::DemoOptions {
                     clients,
                     duration,
                     guilds,
                     interval,
+                    world_every,
                     progress: !json,
                 };
                 let report = if edges > 1 {

@@ -18,6 +18,7 @@ async fn short_demo_loses_and_duplicates_nothing() {
         interval: Duration::from_millis(100),
         progress: false,
         guilds: 5,
+        world_every: 2,
     })
     .await
     .unwrap();
@@ -54,6 +55,7 @@ async fn cluster_demo_survives_a_killed_edge() {
             interval: Duration::from_millis(200),
             progress: false,
             guilds: 5,
+            world_every: 2,
         },
         3,
         std::path::Path::new(env!("CARGO_BIN_EXE_waygate")),
