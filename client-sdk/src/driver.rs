@@ -887,6 +887,7 @@ impl Driver {
 
     fn link_down(&mut self, code: CloseCode) {
         let welcomed = self.session.state() == ClientState::Active;
+        tracing::debug!(?code, welcomed, "link down (transport)");
         self.conn = None;
         self.session
             .handle_link_down(Instant::now().into_std(), code);
@@ -1144,6 +1145,7 @@ impl Driver {
                     }
                 }
                 ClientEvent::Disconnected { code } => {
+                    tracing::debug!(?code, "link down (session)");
                     self.conn = None;
                     if self.session.state() == ClientState::Closed {
                         self.closed = true;

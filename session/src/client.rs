@@ -22,6 +22,13 @@ use crate::seq::{AckPolicy, AckState, Received, RecvWindow};
 /// `machine::MAX_PENDING_ERRORS`).
 const ERRORED_SEQS_KEPT: usize = 1024;
 
+/// Most doublings of the liveness timeout after links it called dead (8x: 8 s by default).
+pub const LIVENESS_BACKOFF_MAX: u32 = 3;
+
+/// How long a link must go without the liveness rule firing before the timeout halves
+/// again (one step per period, back to [`ClientConfig::liveness`]).
+pub const LIVENESS_CALM: Duration = Duration::from_secs(30);
+
 /// Client settings.
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
@@ -32,7 +39,10 @@ pub struct ClientConfig {
     /// A connection is dead when something has been outstanding this long with no frame
     /// received: a sequenced message (the edge acks within its ack delay, 20 ms by default)
     /// or a PING (answered at once). Then the session drops the link and resumes
-    /// (PROTOCOL.md §7.5). Zero: only the transport's own errors end a connection.
+    /// (PROTOCOL.md §7.5). Zero: only the transport's own errors end a connection. Each
+    /// link the rule calls dead doubles the timeout for the next ones (at most
+    /// [`LIVENESS_BACKOFF_MAX`] times); it halves again after every [`LIVENESS_CALM`] of a
+    /// link on which it did not fire.
     pub liveness: Duration,
     /// A sequenced message sent while no session is up waits for the next one; when that
     /// session comes up, each such message never sent on any link and older than this is
@@ -212,6 +222,11 @@ pub struct ClientSession {
     transmit: VecDeque<Frame>,
     events: VecDeque<ClientEvent>,
     rtt: RttStats,
+    /// Doublings of the liveness timeout in force (links called dead lately).
+    liveness_backoff: u32,
+    /// Since when the liveness rule has not fired on the current link (set at WELCOME and
+    /// at each step down of the backoff).
+    calm_since: Option<Instant>,
 }
 
 impl ClientSession {
@@ -235,6 +250,28 @@ impl ClientSession {
             transmit: VecDeque::new(),
             events: VecDeque::new(),
             rtt: RttStats::default(),
+            liveness_backoff: 0,
+            calm_since: None,
+        }
+    }
+
+    /// The liveness timeout in force: [`ClientConfig::liveness`], doubled for each recent
+    /// link the rule called dead (an overloaded edge, or a stalled client, meets a calmer
+    /// reconnect wave instead of one that grows with every round; PROTOCOL.md §7.5).
+    pub fn liveness_timeout(&self) -> Duration {
+        self.config.liveness * (1u32 << self.liveness_backoff)
+    }
+
+    /// Halves the liveness timeout after [`LIVENESS_CALM`] of the link without it firing.
+    fn calm_down(&mut self, now: Instant) {
+        if self.liveness_backoff == 0 || self.state != ClientState::Active {
+            return;
+        }
+        if let Some(since) = self.calm_since {
+            if now.saturating_duration_since(since) >= LIVENESS_CALM {
+                self.liveness_backoff -= 1;
+                self.calm_since = Some(now);
+            }
         }
     }
 
@@ -334,7 +371,7 @@ impl ClientSession {
         if self.state != ClientState::Active || self.config.liveness.is_zero() {
             return None;
         }
-        self.waiting_since.map(|t| t + self.config.liveness)
+        self.waiting_since.map(|t| t + self.liveness_timeout())
     }
 
     /// The next frame to send.
@@ -369,9 +406,12 @@ impl ClientSession {
             return;
         }
         if self.dead_at().is_some_and(|t| now >= t) {
+            self.liveness_backoff = (self.liveness_backoff + 1).min(LIVENESS_BACKOFF_MAX);
+            self.calm_since = None;
             self.handle_link_down(now, CloseCode::IdleTimeout);
             return;
         }
+        self.calm_down(now);
         if self.down_ack.due(now, &self.config.ack) {
             self.send_ack(now);
         }
@@ -522,6 +562,7 @@ impl ClientSession {
     /// A frame arrived from the server.
     pub fn handle_frame(&mut self, now: Instant, frame: Frame) -> Result<(), ClientError> {
         let r = self.on_frame(now, frame);
+        self.calm_down(now);
         // Any frame proves the link alive; what is still unacked is outstanding from now.
         self.waiting_since =
             (self.state == ClientState::Active && !self.unacked.is_empty()).then_some(now);
@@ -562,6 +603,7 @@ impl ClientSession {
                     }
                 }
                 self.state = ClientState::Active;
+                self.calm_since = Some(now);
                 // Confirms the WELCOME (and so the new resume token) at once.
                 self.send_ack(now);
                 self.events.insert(

@@ -11,6 +11,7 @@ use futures_util::{SinkExt, StreamExt};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
+use tokio_tungstenite::tungstenite::error::ProtocolError;
 use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, Response};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode as WsCloseCode;
 use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
@@ -207,6 +208,16 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Connection for WsConnec
                     )
                     .await;
                     return Err(err);
+                }
+                Some(Err(WsError::Protocol(ProtocolError::ResetWithoutClosingHandshake))) => {
+                    // The peer's TCP connection ended without a closing handshake (a client
+                    // killed, a path dropped, an SDK dropping a link it found dead): gone,
+                    // like a reset on TCP, not a protocol violation.
+                    self.closed = true;
+                    return Err(TransportError::Io(std::io::Error::new(
+                        std::io::ErrorKind::ConnectionReset,
+                        "websocket ended without a closing handshake",
+                    )));
                 }
                 Some(Err(WsError::Protocol(p))) => {
                     tracing::debug!(conn = %self.info.id, error = %p, "websocket protocol error");

@@ -275,3 +275,21 @@ async fn ws_peer_closed_takes_no_frame_and_sees_the_close() {
     )
     .await;
 }
+
+/// Regression (5,000-client demo: a reconnect storm logged ~900 ws links as
+/// `protocol_error`): a client whose TCP connection ends without a closing handshake (killed,
+/// its path dropped, an SDK dropping a link it found dead) is gone, not a protocol violator:
+/// the server's `recv` fails `going_away`, as a reset TCP connection does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_gone_without_a_closing_handshake_is_going_away_not_a_protocol_error() {
+    let listener = ws::listen("127.0.0.1:0".parse().unwrap(), None, config())
+        .await
+        .unwrap();
+    let addr = listener.local_addr();
+    let mut listener: waygate_transport::BoxListener = Box::new(listener);
+    let sock = raw_upgrade(addr).await;
+    let mut server = common::timeout(listener.accept()).await.unwrap();
+    drop(sock);
+    let err = common::timeout(server.recv()).await.unwrap_err();
+    assert_eq!(err.close_code(), CloseCode::GoingAway, "{err}");
+}

@@ -72,6 +72,11 @@ const WS_OPEN = 1;
 /** ERROR answers remembered to drop a repeat (PROTOCOL.md §3.9; the edge repeats at most 256). */
 const ERRORED_SEQS_KEPT = 1024;
 
+/** Most doublings of the liveness timeout after links it called dead (8x; PROTOCOL.md §7.5). */
+export const LIVENESS_BACKOFF_MAX = 3;
+/** A link this long without the liveness rule firing halves the timeout again, ms. */
+export const LIVENESS_CALM_MS = 30_000;
+
 /** Client settings. Only `urls` and `token` are required. */
 export interface ClientOptions {
   /**
@@ -97,7 +102,9 @@ export interface ClientOptions {
   /**
    * A connection is dead when a sequenced message or a PING has been outstanding this long
    * with no frame received (PROTOCOL.md §7.5): the client drops it and resumes. Default 1000;
-   * 0 turns the rule off.
+   * 0 turns the rule off. Each link the rule calls dead doubles the timeout for the next ones
+   * (at most `LIVENESS_BACKOFF_MAX` times); every `LIVENESS_CALM_MS` of a link on which it
+   * did not fire halves it again.
    */
   livenessMs?: number;
   /**
@@ -448,6 +455,10 @@ export class WaygateClient {
    * unless a frame arrives in between (input that queued while this page or process was
    * stalled is read before the verdict). */
   private livenessSuspect = false;
+  /** Doublings of the liveness timeout in force (links called dead lately). */
+  private livenessBackoff = 0;
+  /** Since when the rule has not fired on the current link (WELCOME, each step down). */
+  private calmSince: number | null = null;
   private ticker: ReturnType<typeof setInterval> | null = null;
   private handshakeTimer: ReturnType<typeof setTimeout> | null = null;
   private reconnectTimer: ReturnType<typeof setTimeout> | null = null;
@@ -512,6 +523,14 @@ export class WaygateClient {
         // Connecting, handshaking or backing off: before the first session, or after one.
         return this.connects > 0 ? "reconnecting" : "connecting";
     }
+  }
+
+  /**
+   * The liveness timeout in force, ms: `livenessMs`, doubled for each recent link the rule
+   * called dead (an overloaded edge meets a calmer reconnect wave; PROTOCOL.md §7.5).
+   */
+  get livenessTimeoutMs(): number {
+    return this.opts.livenessMs * 2 ** this.livenessBackoff;
   }
 
   /** Subscribes to an event; returns a function that unsubscribes. */
@@ -1248,8 +1267,18 @@ export class WaygateClient {
     } catch (e) {
       this.violation(e);
     }
+    this.calmDown(now());
     // Any frame proves the link alive; what is still unacked is outstanding from now.
     this.waitingSince = this._state === "active" && this.unacked.length > 0 ? now() : null;
+  }
+
+  /** Halves the liveness timeout after `LIVENESS_CALM_MS` of the link without it firing. */
+  private calmDown(t: number): void {
+    if (this.livenessBackoff === 0 || this._state !== "active" || this.calmSince === null) return;
+    if (t - this.calmSince >= LIVENESS_CALM_MS) {
+      this.livenessBackoff--;
+      this.calmSince = t;
+    }
   }
 
   private violation(e: unknown): void {
@@ -1325,6 +1354,7 @@ export class WaygateClient {
     const held = this.session;
     const nonce = held !== null && sameId(held.id, w.sessionId) ? held.nonce : 0n;
     this.session = { id: w.sessionId, token: w.resumeToken, nonce };
+    this.calmSince = now();
     this.heartbeatMs = w.heartbeatIntervalMs;
     this.idleTimeoutMs = w.idleTimeoutMs;
     this.maxFrameSize = w.maxFrameSize > 0 ? w.maxFrameSize : DEFAULT_MAX_FRAME_SIZE;
@@ -1563,10 +1593,11 @@ export class WaygateClient {
         this.failLink(CloseCode.idle_timeout, "nothing received within the idle timeout");
         return;
       }
+      this.calmDown(t);
       const overdue =
         this.opts.livenessMs > 0 &&
         this.waitingSince !== null &&
-        t - this.waitingSince >= this.opts.livenessMs;
+        t - this.waitingSince >= this.livenessTimeoutMs;
       if (overdue && !this.livenessSuspect) {
         // After a stall the timer may run before the socket's queued frames are read: give
         // them one tick (a frame resets `waitingSince`).
@@ -1576,6 +1607,8 @@ export class WaygateClient {
       this.livenessSuspect = false;
       if (overdue) {
         this.waitingSince = null;
+        this.livenessBackoff = Math.min(this.livenessBackoff + 1, LIVENESS_BACKOFF_MAX);
+        this.calmSince = null;
         // The URL that went silent is tried last (a dead edge, a black-holed path).
         this.urlIndex = (this.urlIndex + 1) % this.urls.length;
         this.failLink(CloseCode.idle_timeout, "no answer within the liveness timeout");

@@ -4,6 +4,8 @@ export {
   SendError,
   type SendErrorReason,
   RECV_WINDOW,
+  LIVENESS_BACKOFF_MAX,
+  LIVENESS_CALM_MS,
   type ClientOptions,
   type ClientEvents,
   type ClientState,

@@ -596,6 +596,19 @@ test("liveness: a sequenced message unanswered for livenessMs means a dead link;
   ctx.client.close();
 });
 
+test("liveness: each link called dead doubles the timeout for the next (a reconnect storm does not feed itself)", async () => {
+  const ctx = setup({ livenessMs: 60 });
+  const { ws } = await connect(ctx, 0, { heartbeatIntervalMs: 10_000, idleTimeoutMs: 30_000 });
+  assert.equal(ctx.client.livenessTimeoutMs, 60);
+  ctx.client.send(1000, "hello");
+  // Silence: called dead, the next link's timeout is 120 ms.
+  await sleep(300);
+  assert.ok(ctx.WS.all.length >= 2, "reconnected");
+  assert.equal(ws.closed.code, 4103);
+  assert.equal(ctx.client.livenessTimeoutMs, 120);
+  ctx.client.close();
+});
+
 test("liveness: an ACK in time keeps the link", async () => {
   const ctx = setup({ livenessMs: 150 });
   const { ws } = await connect(ctx, 0, { heartbeatIntervalMs: 10_000, idleTimeoutMs: 30_000 });

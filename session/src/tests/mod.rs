@@ -210,6 +210,66 @@ fn a_client_declares_a_silent_link_dead_after_its_liveness_timeout() {
     assert_eq!(client.unacked_len(), 1, "kept for the resume");
 }
 
+/// A reconnect storm must not feed itself (5,000-client demo: an overloaded machine
+/// answered later than 1 s, every client called its link dead and reconnected, and the
+/// reconnects' handshakes overloaded it further: 18,042 restores in 60 s). Each link the
+/// liveness rule calls dead doubles the timeout for the next ones, up to 8x; every 30 s of a
+/// link on which it did not fire halves it again. The first silence is still found in 1 s.
+#[test]
+fn the_liveness_timeout_backs_off_after_links_it_called_dead_and_calms_down() {
+    use crate::client::{ClientConfig, ClientSession, LIVENESS_CALM};
+    use waygate_protocol::frame::Welcome;
+    let welcome = |outcome| {
+        Frame::Welcome(Welcome {
+            session_id: [1; 16],
+            resume_token: [2; 16],
+            outcome,
+            heartbeat_interval_ms: 10_000,
+            idle_timeout_ms: 30_000,
+            max_frame_size: 65_536,
+            server_seq_base: 0,
+            client_seq_ack: 0,
+        })
+    };
+    let mut now = std::time::Instant::now();
+    let mut client = ClientSession::new(token_for("alice"), ClientConfig::default());
+    client.connect(now).expect("connect");
+    client
+        .handle_frame(now, welcome(WelcomeOutcome::NewSession))
+        .expect("welcome");
+    client
+        .send(now, TrafficClass::Normal, 7, Bytes::from_static(b"x"))
+        .expect("send");
+    // Called dead at 1 s, then 2, 4, 8 and 8 s on the links after it.
+    for want_secs in [1u64, 2, 4, 8, 8] {
+        while client.poll_transmit().is_some() {}
+        assert_eq!(
+            client.poll_timeout(),
+            Some(now + Duration::from_secs(want_secs))
+        );
+        now += Duration::from_secs(want_secs);
+        client.handle_timeout(now);
+        assert_eq!(client.state(), ClientState::Disconnected);
+        client.connect(now).expect("reconnect");
+        client
+            .handle_frame(now, welcome(WelcomeOutcome::Restored))
+            .expect("welcome");
+    }
+    assert_eq!(client.liveness_timeout(), Duration::from_secs(8));
+    // A link that answers: the timeout halves after each calm period, back to 1 s.
+    client
+        .handle_frame(now, Frame::Ack { ack: 1 })
+        .expect("ack");
+    for want_secs in [4u64, 2, 1, 1] {
+        now += LIVENESS_CALM;
+        client
+            .handle_frame(now, Frame::Pong { timestamp: 0 })
+            .expect("pong");
+        assert_eq!(client.liveness_timeout(), Duration::from_secs(want_secs));
+    }
+    assert_eq!(client.state(), ClientState::Active);
+}
+
 #[test]
 fn heartbeats_keep_an_idle_session_alive() {
     let cfg = SessionConfig {
