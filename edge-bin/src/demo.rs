@@ -480,6 +480,8 @@ pub async fn run(options: DemoOptions) -> Result<DemoReport, String> {
                     options.guilds,
                     options.world_every,
                     options.clients,
+                    // One edge: a switch of endpoint is a switch of transport.
+                    Arc::new(HashMap::new()),
                 ),
                 rx,
                 drained_backend.clone(),
@@ -699,7 +701,13 @@ async fn client_task(
     player: String,
     kind: TransportKind,
     options: ClientOptions,
-    (interval, guilds, world_every, clients): (Duration, usize, u64, usize),
+    (interval, guilds, world_every, clients, edge_of_port): (
+        Duration,
+        usize,
+        u64,
+        usize,
+        Arc<HashMap<u16, usize>>,
+    ),
     mut cmds: mpsc::Receiver<Cmd>,
     drained_backend: String,
     drain_at: Arc<std::sync::OnceLock<Instant>>,
@@ -791,7 +799,9 @@ async fn client_task(
                     let _ = client.send(TrafficClass::Normal, ROOM_SAY, Bytes::from(format!("{room}|hello {n}"))).await;
                 }
                 if n % 10 == 7 {
-                    let chat = n / 10;
+                    // Clients take turns (by index): world chats spread over the run
+                    // instead of every client's first chat going to world at once.
+                    let chat = n / 10 + index as u64;
                     let world = chat % world_every.max(1) == 0;
                     let channel = if world { "world" } else { guild.as_str() };
                     // One world CHAT in five is an announcement (critical: taken once the
@@ -917,6 +927,13 @@ async fn client_task(
                                     // Offsets skipped: withdrawn announcements, checked
                                     // once the run is over.
                                     let n = position.offset - from;
+                                    if tracing::enabled!(tracing::Level::DEBUG) {
+                                        tracing::debug!(
+                                            %player, %channel, ?expected, ?position, announcement, from_log = from_log.contains(&channel), %endpoint_now,
+                                            trail = %channel_trail.get(&channel).map(|t| t.iter().map(Seen::to_string).collect::<Vec<_>>().join(" ")).unwrap_or_default(),
+                                            "channel offsets skipped"
+                                        );
+                                    }
                                     if n > (SKIPS_KEPT - r.channel_skipped.len()) as u64 {
                                         r.channel_skipped_beyond += n;
                                     } else {
@@ -933,11 +950,6 @@ async fn client_task(
                                     }
                                 }
                                 trail(&mut channel_trail, &channel, if announcement { Seen::Announcement(position.offset) } else { Seen::Publication(position.offset) });
-                                if expected == Some((position.epoch, position.offset)) && !announcement {
-                                    // The live flow goes on where it was (restored on the
-                                    // same edge): nothing comes from the log here.
-                                    from_log.remove(&channel);
-                                }
                                 next_offset.insert(channel, (position.epoch, position.offset + 1));
                             }
                         }
@@ -949,12 +961,17 @@ async fn client_task(
                     },
                     Some(Event::Message { .. }) | Some(Event::Disconnected { .. }) | Some(Event::Rejected { .. }) | Some(Event::Migrating { .. }) => {}
                     Some(Event::Connected { outcome, endpoint, .. }) => {
+                        tracing::debug!(%player, %endpoint, ?outcome, "connected");
                         for t in channel_trail.values_mut() {
                             remember(t, Seen::Connected(outcome));
                         }
                         if matches!(outcome, WelcomeOutcome::Restored | WelcomeOutcome::RestoredWithGap) {
-                            if endpoint != endpoint_now {
-                                // Perhaps another edge: its channels are other epochs.
+                            let edge = |e: &str| e.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).and_then(|p| edge_of_port.get(&p).copied());
+                            if edge(&endpoint) != edge(&endpoint_now) {
+                                // Another edge: its channels are other epochs. Until each
+                                // channel's HISTORY_LOST, what comes of the old epoch is the
+                                // session's replay (in order) and then the announcements
+                                // from the log (normal publications in between missing).
                                 from_log.extend(next_offset.keys().cloned());
                             }
                             r.restores += 1;
@@ -1129,6 +1146,15 @@ pub async fn run_cluster(
 
     let start = Instant::now();
     let never_drained: Arc<std::sync::OnceLock<Instant>> = Arc::new(std::sync::OnceLock::new());
+    // Which edge an endpoint's port belongs to (a client told apart a switch of edge, whose
+    // channels are other epochs, from a switch of transport on the same edge).
+    let edge_of_port: Arc<HashMap<u16, usize>> = Arc::new(
+        edge_addrs
+            .iter()
+            .enumerate()
+            .flat_map(|(i, m)| m.values().map(move |a| (a.port(), i)))
+            .collect(),
+    );
     let mut cmds = Vec::new();
     let mut tasks = Vec::new();
     for i in 0..options.clients {
@@ -1145,12 +1171,13 @@ pub async fn run_cluster(
             .collect();
         let player = format!("cluster-player-{i}");
         let mut opts = ClientOptions::new(list, token(&player));
-        // Edges here ask for a PING every second: a link silent for 3 s is dead, so UDP
-        // clients (no RST when an edge dies) notice a killed edge quickly.
+        // Edges here ask for a PING every heartbeat (1 s up to 1,000 clients): a link silent
+        // for three heartbeats is dead, so UDP clients (no RST when an edge dies) notice a
+        // killed edge quickly.
         opts.connect = ConnectOptions {
             tls: Some(tls.clone()),
             conn: waygate_transport::ConnConfig {
-                idle_timeout: Some(Duration::from_secs(3)),
+                idle_timeout: Some(Duration::from_millis(3 * heartbeat_ms)),
                 ..Default::default()
             },
             ..ConnectOptions::default()
@@ -1167,11 +1194,18 @@ pub async fn run_cluster(
                 options.guilds,
                 options.world_every,
                 options.clients,
+                edge_of_port.clone(),
             ),
             rx,
             String::new(),
             never_drained.clone(),
         )));
+        // Past 1,000 clients, logins are spread at 1,000 a second (a real fleet's clients do
+        // not all start in the same millisecond; an edge refuses such a burst beyond its
+        // admission rate, and each refused client retries).
+        if options.clients > 1_000 && i % 100 == 99 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
     let mut killed = false;
     while start.elapsed() < options.duration {
