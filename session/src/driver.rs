@@ -1201,8 +1201,16 @@ impl Task {
                 // Already written through unchanged: writing again could re-create a copy
                 // another edge has taken meanwhile (a migrated client restores at once).
                 if self.durable.as_deref() != Some(&*snapshot) {
-                    if let Err(e) = edge.snapshots.put(&snapshot, edge.config.linger).await {
-                        tracing::warn!(error = %e, "could not persist a session snapshot");
+                    match edge.snapshots.put(&snapshot, edge.config.linger).await {
+                        Ok(()) => {}
+                        // The session was claimed elsewhere since (it moved on): fencing
+                        // kept this stale copy out of the store, as it should.
+                        Err(crate::store::StoreError::Fenced) => tracing::info!(
+                            "stale copy not persisted: a newer owner holds the session"
+                        ),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "could not persist a session snapshot")
+                        }
                     }
                 }
                 edge.upstream
