@@ -960,8 +960,8 @@ async fn client_task(
                         _ => {}
                     },
                     Some(Event::Message { .. }) | Some(Event::Disconnected { .. }) | Some(Event::Rejected { .. }) | Some(Event::Migrating { .. }) => {}
-                    Some(Event::Connected { outcome, endpoint, .. }) => {
-                        tracing::debug!(%player, %endpoint, ?outcome, "connected");
+                    Some(Event::Connected { outcome, endpoint, session_id }) => {
+                        tracing::debug!(%player, %endpoint, ?outcome, session = %waygate_session::resume::hex_id(&session_id), "connected");
                         for t in channel_trail.values_mut() {
                             remember(t, Seen::Connected(outcome));
                         }

@@ -424,6 +424,11 @@ impl Shared {
         if !gone.is_empty() {
             let mut hub = self.hub();
             for sid in &gone {
+                tracing::debug!(
+                    channel = %d.channel,
+                    session = %waygate_session::resume::hex_id(sid),
+                    "a member's session is not held here: no longer a member"
+                );
                 hub.member_gone(&d.channel, sid);
             }
         }
