@@ -109,6 +109,15 @@ fn ws_err(e: WsError) -> TransportError {
         WsError::ConnectionClosed | WsError::AlreadyClosed => TransportError::ClosedByPeer {
             code: CloseCode::Normal,
         },
+        // The peer's TCP connection ended without a closing handshake (a client killed, a
+        // path dropped, an SDK dropping a link it found dead): gone, like a reset on TCP,
+        // not a protocol violation.
+        WsError::Protocol(ProtocolError::ResetWithoutClosingHandshake) => {
+            TransportError::Io(std::io::Error::new(
+                std::io::ErrorKind::ConnectionReset,
+                "websocket ended without a closing handshake",
+            ))
+        }
         other => TransportError::Handshake(other.to_string()),
     }
 }
@@ -209,17 +218,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Connection for WsConnec
                     .await;
                     return Err(err);
                 }
-                Some(Err(WsError::Protocol(ProtocolError::ResetWithoutClosingHandshake))) => {
-                    // The peer's TCP connection ended without a closing handshake (a client
-                    // killed, a path dropped, an SDK dropping a link it found dead): gone,
-                    // like a reset on TCP, not a protocol violation.
-                    self.closed = true;
-                    return Err(TransportError::Io(std::io::Error::new(
-                        std::io::ErrorKind::ConnectionReset,
-                        "websocket ended without a closing handshake",
-                    )));
-                }
-                Some(Err(WsError::Protocol(p))) => {
+                Some(Err(WsError::Protocol(p)))
+                    if p != ProtocolError::ResetWithoutClosingHandshake =>
+                {
                     tracing::debug!(conn = %self.info.id, error = %p, "websocket protocol error");
                     let err = TransportError::Violation("websocket protocol error");
                     return Err(self.fail(err, "websocket protocol error").await);
