@@ -750,7 +750,7 @@ impl Task {
     }
 
     /// With write-through, whatever else is ready now — frames the connection holds (at
-    /// most [`MAX_READY_FRAMES`]) and work from the host — is taken before the actions run,
+    /// most [`MAX_READY_FRAMES`]) and work the host woke it for — is taken before the actions run,
     /// so one commit covers it all. Without this a session read one frame per commit: with
     /// a store slowed down by a busy machine (80–120 ms a commit) its client's frames piled
     /// up in the transport faster than they were read, and replies came seconds late.
@@ -776,7 +776,17 @@ impl Task {
                 None => break,
             }
         }
-        if active(self) {
+        if !active(self) {
+            return;
+        }
+        // Work waits only if the host woke this connection since its last take (the wake's
+        // permit, consumed here): no host lock for a turn with nothing to take.
+        let woken = tokio::select! {
+            biased;
+            () = self.wake.notified() => true,
+            () = std::future::ready(()) => false,
+        };
+        if woken {
             self.take_work();
         }
     }
