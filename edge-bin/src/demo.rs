@@ -402,6 +402,50 @@ impl std::fmt::Display for Seen {
     }
 }
 
+/// What one simulated client does, the same for every client of a run.
+#[derive(Debug, Clone)]
+struct ClientPlan {
+    /// Echo interval (chats ride on every tenth tick).
+    interval: Duration,
+    /// Guild channels (a client is a member of `world` and of one guild).
+    guilds: usize,
+    /// One chat in this many goes to `world` (at least 1).
+    world_every: u64,
+    /// Rooms the clients are spread over.
+    rooms: usize,
+    /// Which edge an endpoint's port belongs to (empty with one edge): a switch of edge,
+    /// whose channels are other epochs, told apart from a switch of transport.
+    edge_of_port: Arc<HashMap<u16, usize>>,
+}
+
+impl ClientPlan {
+    fn new(options: &DemoOptions, edge_of_port: Arc<HashMap<u16, usize>>) -> Self {
+        Self {
+            interval: options.interval,
+            guilds: options.guilds.max(1),
+            world_every: options.world_every.max(1),
+            // Rooms of about 30 (at least 10): the backend broadcasts a room's events one
+            // push per member, so rooms do not grow with the run.
+            rooms: (options.clients / 30).max(10),
+            edge_of_port,
+        }
+    }
+
+    /// The edge of `endpoint` (a URL ending in `:port`), if known.
+    fn edge_of(&self, endpoint: &str) -> Option<usize> {
+        let port = endpoint.rsplit(':').next()?.parse::<u16>().ok()?;
+        self.edge_of_port.get(&port).copied()
+    }
+}
+
+/// A member's recent events in `channel`, for a report or a debug line.
+fn trail_text(trails: &HashMap<String, VecDeque<Seen>>, channel: &str) -> String {
+    trails
+        .get(channel)
+        .map(|t| t.iter().map(Seen::to_string).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
 /// Out-of-order samples a report keeps.
 const ORDER_SAMPLES: usize = 8;
 
@@ -454,6 +498,8 @@ pub async fn run(options: DemoOptions) -> Result<DemoReport, String> {
     let start = Instant::now();
     let mut cmds = Vec::new();
     let mut tasks = Vec::new();
+    // One edge: a switch of endpoint is a switch of transport.
+    let plan = ClientPlan::new(&options, Arc::new(HashMap::new()));
     let spawn_client =
         |i: usize,
          player: String,
@@ -475,14 +521,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoReport, String> {
                 player,
                 KINDS[kind_index],
                 opts,
-                (
-                    options.interval,
-                    options.guilds,
-                    options.world_every,
-                    options.clients,
-                    // One edge: a switch of endpoint is a switch of transport.
-                    Arc::new(HashMap::new()),
-                ),
+                plan.clone(),
                 rx,
                 drained_backend.clone(),
                 drain_at.clone(),
@@ -701,13 +740,7 @@ async fn client_task(
     player: String,
     kind: TransportKind,
     options: ClientOptions,
-    (interval, guilds, world_every, clients, edge_of_port): (
-        Duration,
-        usize,
-        u64,
-        usize,
-        Arc<HashMap<u16, usize>>,
-    ),
+    plan: ClientPlan,
     mut cmds: mpsc::Receiver<Cmd>,
     drained_backend: String,
     drain_at: Arc<std::sync::OnceLock<Instant>>,
@@ -722,15 +755,13 @@ async fn client_task(
         .map(|e| e.to_string())
         .unwrap_or_default();
     let mut client = Client::start(options);
-    // Rooms of about 30 (at least 10 rooms): the backend broadcasts a room's events one
-    // push per member, so rooms do not grow with the run.
-    let room = format!("room-{}", index % (clients / 30).max(10));
+    let room = format!("room-{}", index % plan.rooms);
     let _ = client
         .send(TrafficClass::Critical, JOIN_ROOM, Bytes::from(room.clone()))
         .await;
     // Channels: the world, and one of the guilds; each member checks that every channel's
     // publications follow each other (offset by offset) from its join on.
-    let guild = format!("guild:{}", index % guilds.max(1));
+    let guild = format!("guild:{}", index % plan.guilds);
     for channel in ["world", guild.as_str()] {
         // A join the client could not even queue is counted, never ignored.
         if client
@@ -764,8 +795,8 @@ async fn client_task(
     let mut seen: HashSet<u64> = HashSet::new();
     let mut next_n = 0u64;
     // Spread the clients' send times over the interval.
-    let offset = interval.mul_f64((index % 97) as f64 / 97.0);
-    let mut ticker = tokio::time::interval_at(Instant::now() + offset, interval);
+    let offset = plan.interval.mul_f64((index % 97) as f64 / 97.0);
+    let mut ticker = tokio::time::interval_at(Instant::now() + offset, plan.interval);
     let mut sending = true;
     let mut quiesce: Option<oneshot::Sender<()>> = None;
     let mut stop_deadline: Option<Instant> = None;
@@ -802,11 +833,11 @@ async fn client_task(
                     // Clients take turns (by index): world chats spread over the run
                     // instead of every client's first chat going to world at once.
                     let chat = n / 10 + index as u64;
-                    let world = chat % world_every.max(1) == 0;
+                    let world = chat % plan.world_every == 0;
                     let channel = if world { "world" } else { guild.as_str() };
                     // One world CHAT in five is an announcement (critical: taken once the
                     // edge's announcement log has it).
-                    let (class, text) = if world && (chat / world_every.max(1)) % 5 == 0 {
+                    let (class, text) = if world && (chat / plan.world_every) % 5 == 0 {
                         (TrafficClass::Critical, "announce")
                     } else {
                         (TrafficClass::Normal, "hi")
@@ -927,13 +958,11 @@ async fn client_task(
                                     // Offsets skipped: withdrawn announcements, checked
                                     // once the run is over.
                                     let n = position.offset - from;
-                                    if tracing::enabled!(tracing::Level::DEBUG) {
-                                        tracing::debug!(
-                                            %player, %channel, ?expected, ?position, announcement, from_log = from_log.contains(&channel), %endpoint_now,
-                                            trail = %channel_trail.get(&channel).map(|t| t.iter().map(Seen::to_string).collect::<Vec<_>>().join(" ")).unwrap_or_default(),
-                                            "channel offsets skipped"
-                                        );
-                                    }
+                                    tracing::debug!(
+                                        %player, %channel, ?expected, ?position, announcement, from_log = from_log.contains(&channel), %endpoint_now,
+                                        trail = %trail_text(&channel_trail, &channel),
+                                        "channel offsets skipped"
+                                    );
                                     if n > (SKIPS_KEPT - r.channel_skipped.len()) as u64 {
                                         r.channel_skipped_beyond += n;
                                     } else {
@@ -945,7 +974,7 @@ async fn client_task(
                                     if r.channel_order_samples.len() < ORDER_SAMPLES {
                                         r.channel_order_samples.push(format!(
                                             "{player} {channel}: expected {expected:?}, got {position:?}; seen since its join: {}",
-                                            channel_trail.get(&channel).map(|t| t.iter().map(Seen::to_string).collect::<Vec<_>>().join(" ")).unwrap_or_default()
+                                            trail_text(&channel_trail, &channel)
                                         ));
                                     }
                                 }
@@ -966,8 +995,7 @@ async fn client_task(
                             remember(t, Seen::Connected(outcome));
                         }
                         if matches!(outcome, WelcomeOutcome::Restored | WelcomeOutcome::RestoredWithGap) {
-                            let edge = |e: &str| e.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).and_then(|p| edge_of_port.get(&p).copied());
-                            if edge(&endpoint) != edge(&endpoint_now) {
+                            if plan.edge_of(&endpoint) != plan.edge_of(&endpoint_now) {
                                 // Another edge: its channels are other epochs. Until each
                                 // channel's HISTORY_LOST, what comes of the old epoch is the
                                 // session's replay (in order) and then the announcements
@@ -1146,14 +1174,15 @@ pub async fn run_cluster(
 
     let start = Instant::now();
     let never_drained: Arc<std::sync::OnceLock<Instant>> = Arc::new(std::sync::OnceLock::new());
-    // Which edge an endpoint's port belongs to (a client told apart a switch of edge, whose
-    // channels are other epochs, from a switch of transport on the same edge).
-    let edge_of_port: Arc<HashMap<u16, usize>> = Arc::new(
-        edge_addrs
-            .iter()
-            .enumerate()
-            .flat_map(|(i, m)| m.values().map(move |a| (a.port(), i)))
-            .collect(),
+    let plan = ClientPlan::new(
+        &options,
+        Arc::new(
+            edge_addrs
+                .iter()
+                .enumerate()
+                .flat_map(|(i, m)| m.values().map(move |a| (a.port(), i)))
+                .collect(),
+        ),
     );
     let mut cmds = Vec::new();
     let mut tasks = Vec::new();
@@ -1189,13 +1218,7 @@ pub async fn run_cluster(
             player,
             kind,
             opts,
-            (
-                options.interval,
-                options.guilds,
-                options.world_every,
-                options.clients,
-                edge_of_port.clone(),
-            ),
+            plan.clone(),
             rx,
             String::new(),
             never_drained.clone(),
