@@ -74,6 +74,12 @@ fn first_push(event: &LinkEvent) -> Option<(u64, u32, Bytes)> {
     }
 }
 
+/// A normal ECHO of `session` (epoch 1) with `client_seq`, which the link must take.
+fn forward_echo(link: &LinkClient, session: &Arc<SessionMeta>, client_seq: u64, payload: Bytes) {
+    link.forward(session, ECHO, 1, client_seq, TrafficClass::Normal, payload)
+        .unwrap();
+}
+
 /// A backend running `service` and an edge link to it, up.
 async fn linked(service: Arc<dyn Service>) -> (Backend, LinkClient, mpsc::Receiver<LinkEvent>) {
     linked_with(BackendConfig::new("b1"), service).await
@@ -113,15 +119,7 @@ async fn echo_over_the_link_and_reconnect_reopens_sessions() {
     assert_eq!(wait_up(&mut rx).await, "b1");
 
     let m = meta(7, "alice");
-    link.forward(
-        &m,
-        ECHO,
-        1,
-        1,
-        TrafficClass::Normal,
-        Bytes::from_static(b"hi"),
-    )
-    .unwrap();
+    forward_echo(&link, &m, 1, Bytes::from_static(b"hi"));
     let event = next_event(&mut rx).await;
     match first_push(&event) {
         Some((handle, msg_id, payload)) => {
@@ -147,15 +145,7 @@ async fn echo_over_the_link_and_reconnect_reopens_sessions() {
     // forward without a new open reaches it.
     let backend = demo_backend(addr, "b1").await;
     assert_eq!(wait_up(&mut rx).await, "b1");
-    link.forward(
-        &m,
-        ECHO,
-        1,
-        3,
-        TrafficClass::Normal,
-        Bytes::from_static(b"again"),
-    )
-    .unwrap();
+    forward_echo(&link, &m, 3, Bytes::from_static(b"again"));
     let event = next_event(&mut rx).await;
     match first_push(&event) {
         Some((_, _, payload)) => assert_eq!(&payload[..], b"b1|alice|again"),
@@ -366,15 +356,7 @@ async fn the_backend_counts_its_sessions_and_messages() {
     wait_up(&mut rx).await;
     for (handle, player) in [(1, "ann"), (2, "ben")] {
         let m = meta(handle, player);
-        link.forward(
-            &m,
-            ECHO,
-            1,
-            1,
-            TrafficClass::Normal,
-            Bytes::from_static(b"x"),
-        )
-        .unwrap();
+        forward_echo(&link, &m, 1, Bytes::from_static(b"x"));
         let _ = next_event(&mut rx).await; // the echo with its FORWARD_DONE
     }
     assert_eq!(backend.load().sessions(), 2);
@@ -825,15 +807,7 @@ async fn pushes_held_for_an_answer_come_with_a_refusal_or_the_links_loss() {
     for hang in [false, true] {
         let (backend, link, mut rx) = linked(Arc::new(PushThen { hang })).await;
         let m = meta(4, "dave");
-        link.forward(
-            &m,
-            ECHO,
-            1,
-            1,
-            TrafficClass::Normal,
-            Bytes::from_static(b"x"),
-        )
-        .unwrap();
+        forward_echo(&link, &m, 1, Bytes::from_static(b"x"));
         if hang {
             // The handler is stuck after its push: the edge holds the push.
             tokio::time::sleep(Duration::from_millis(200)).await;
@@ -896,25 +870,9 @@ async fn a_waiting_handler_holds_up_only_its_own_session() {
     let (_backend, link, mut rx) = linked(Arc::new(SlowPlayer { gate: gate.clone() })).await;
     let (slow, fast) = (meta(1, "slow"), meta(2, "fast"));
     for seq in 1..=2 {
-        link.forward(
-            &slow,
-            ECHO,
-            1,
-            seq,
-            TrafficClass::Normal,
-            Bytes::from(format!("s{seq}")),
-        )
-        .unwrap();
+        forward_echo(&link, &slow, seq, Bytes::from(format!("s{seq}")));
     }
-    link.forward(
-        &fast,
-        ECHO,
-        1,
-        1,
-        TrafficClass::Normal,
-        Bytes::from_static(b"f1"),
-    )
-    .unwrap();
+    forward_echo(&link, &fast, 1, Bytes::from_static(b"f1"));
     let event = next_event(&mut rx).await;
     assert_eq!(
         first_push(&event).map(|p| (p.0, p.2)),
@@ -964,15 +922,7 @@ async fn a_session_queue_past_its_bound_is_refused_busy_at_once() {
         linked_with(config, Arc::new(SlowPlayer { gate: gate.clone() })).await;
     let slow = meta(1, "slow");
     for seq in 1..=4 {
-        link.forward(
-            &slow,
-            ECHO,
-            1,
-            seq,
-            TrafficClass::Normal,
-            Bytes::from(format!("s{seq}")),
-        )
-        .unwrap();
+        forward_echo(&link, &slow, seq, Bytes::from(format!("s{seq}")));
     }
     // One running, one waiting: the third and fourth are refused while the first still runs.
     let mut refused = Vec::new();
@@ -1014,30 +964,14 @@ impl Service for PanicsOnBoom {
 async fn a_panicking_handler_refuses_its_message_and_the_session_goes_on() {
     let (_backend, link, mut rx) = linked(Arc::new(PanicsOnBoom)).await;
     let m = meta(3, "erin");
-    link.forward(
-        &m,
-        ECHO,
-        1,
-        1,
-        TrafficClass::Normal,
-        Bytes::from_static(b"boom"),
-    )
-    .unwrap();
+    forward_echo(&link, &m, 1, Bytes::from_static(b"boom"));
     match next_event(&mut rx).await {
         LinkEvent::Refuse { refusal, .. } => {
             assert_eq!((refusal.client_seq, refusal.code), (1, CloseCode::Internal))
         }
         other => panic!("expected the refusal, got {other:?}"),
     }
-    link.forward(
-        &m,
-        ECHO,
-        1,
-        2,
-        TrafficClass::Normal,
-        Bytes::from_static(b"ok"),
-    )
-    .unwrap();
+    forward_echo(&link, &m, 2, Bytes::from_static(b"ok"));
     let event = next_event(&mut rx).await;
     assert_eq!(
         first_push(&event).map(|p| p.2),
