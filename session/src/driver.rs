@@ -22,8 +22,8 @@ use waygate_transport::{BoxConnection, CloseCode, TrafficClass};
 use crate::auth::Authenticator;
 use crate::counters::SessionCounters;
 use crate::host::{
-    apply_work, Answer, Command as HostCommand, ConnId, EstablishOutcome, HandOverStart, Reply,
-    SessionHost, SupersededKick, Work,
+    apply_work, Command as HostCommand, ConnTaskId, EstablishOutcome, HandOverStart, HostAnswer,
+    Reply, SessionHost, SupersededKick, Work,
 };
 use crate::machine::{Action, EndReason, SessionConfig, SessionEnd, SessionMachine, Upstream};
 use crate::resume::hex_id;
@@ -156,7 +156,7 @@ pub use crate::host::{Downstream, OutboundItem, PushError};
 struct RegistryInner {
     host: SessionHost,
     /// Each connection task's wake-up (the host names connections, the driver wakes them).
-    wakers: HashMap<ConnId, Arc<Notify>>,
+    wakers: HashMap<ConnTaskId, Arc<Notify>>,
 }
 
 /// The edge's [`SessionHost`] behind one mutex (never held across an await), with the
@@ -210,7 +210,7 @@ impl SessionRegistry {
         r
     }
 
-    fn open(&self, conn: ConnId) -> Arc<Notify> {
+    fn open(&self, conn: ConnTaskId) -> Arc<Notify> {
         let notify = Arc::new(Notify::new());
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         inner.wakers.insert(conn, notify.clone());
@@ -218,7 +218,7 @@ impl SessionRegistry {
         notify
     }
 
-    fn close_conn(&self, conn: ConnId) {
+    fn close_conn(&self, conn: ConnTaskId) {
         self.host(|h| h.close(conn));
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         inner.wakers.remove(&conn);
@@ -520,7 +520,7 @@ struct Task {
     machine: SessionMachine,
     conn: Option<BoxConnection>,
     /// This connection as the host names it.
-    id: ConnId,
+    id: ConnTaskId,
     /// Woken by the host when there is work for this connection.
     wake: Arc<Notify>,
     /// Work taken from the host and not yet done (taken while waiting for an answer).
@@ -803,7 +803,7 @@ impl Task {
     }
 
     /// Adds work taken from the host to the backlog (the answer is the caller's).
-    fn stash(&mut self, work: Work) -> Option<Answer> {
+    fn stash(&mut self, work: Work) -> Option<HostAnswer> {
         let Work {
             commands,
             items,
@@ -850,7 +850,7 @@ impl Task {
 
     /// Waits for the answer to this connection's request (the host answers it or times it
     /// out); work arriving meanwhile goes to the backlog.
-    async fn answer(&mut self) -> Option<Answer> {
+    async fn answer(&mut self) -> Option<HostAnswer> {
         let registry = self.edge.registry.clone();
         loop {
             let mut work = Work::default();
@@ -1070,7 +1070,7 @@ impl Task {
                         Some(TakeOutcome::NotFound)
                     }
                     HandOverStart::Pending => match self.answer().await {
-                        Some(Answer::HandOver(Some(
+                        Some(HostAnswer::HandOver(Some(
                             o @ (TakeOutcome::Taken(_) | TakeOutcome::Mismatch),
                         ))) => Some(o),
                         _ => None,
@@ -1113,7 +1113,7 @@ impl Task {
                         });
                         let mut inherited = None;
                         if plan.kick_pending {
-                            if let Some(Answer::Kicked(bindings)) = self.answer().await {
+                            if let Some(HostAnswer::Kicked(bindings)) = self.answer().await {
                                 inherited = bindings;
                             }
                         }

@@ -5,7 +5,7 @@
 //! with `now`, polled for outputs, never touching a socket, a task or the clock. It owns:
 //!
 //! - the table of live and lingering sessions, by session id and by player, and which
-//!   connection ([`ConnId`]) holds each one (one [`SessionMachine`](crate::SessionMachine)
+//!   connection ([`ConnTaskId`]) holds each one (one [`SessionMachine`](crate::SessionMachine)
 //!   per connection, owned by that connection's driver);
 //! - each session's **outbound queue** (an [`OutboundQueue`], SPEC B3): backend pushes,
 //!   routing keys and refusals wait here, in order, until the holder takes them into its
@@ -42,7 +42,7 @@ use crate::machine::{ResumeAttempt, SessionMachine};
 use crate::store::{Owner, Snapshot, TakeOutcome};
 
 /// One connection (its driver and session machine) as the host names it.
-pub type ConnId = u64;
+pub type ConnTaskId = u64;
 
 /// How long a resume waits for a live local session to hand itself over, and a takeover for
 /// the kicked session's bindings.
@@ -155,7 +155,7 @@ pub enum Command {
 /// The answer to a request a connection made ([`SessionHost::request_hand_over`],
 /// [`SessionHost::take_over`]).
 #[derive(Debug, PartialEq, Eq)]
-pub enum Answer {
+pub enum HostAnswer {
     /// The live session's answer to a resume; `None`: it did not answer in time (ask the
     /// shared store).
     HandOver(Option<TakeOutcome>),
@@ -176,7 +176,7 @@ pub struct Work {
     /// after `items` (they were pushed after every one of those).
     pub lost: u64,
     /// The answer to this connection's pending request.
-    pub answer: Option<Answer>,
+    pub answer: Option<HostAnswer>,
 }
 
 impl Work {
@@ -195,7 +195,7 @@ pub enum HandOverStart {
     /// The session was told to end (a newer login took the player over): it must not be
     /// resumed, not even from a copy in the store.
     Ended,
-    /// The holder was asked; the answer comes as [`Answer::HandOver`] in [`Work`].
+    /// The holder was asked; the answer comes as [`HostAnswer::HandOver`] in [`Work`].
     Pending,
 }
 
@@ -216,7 +216,7 @@ pub struct Takeover {
     /// and (if the kick gave none) its bindings taken from it.
     pub previous: Option<SessionId>,
     /// Whether the previous session is held here and was told to end: its bindings come as
-    /// [`Answer::Kicked`].
+    /// [`HostAnswer::Kicked`].
     pub kick_pending: bool,
 }
 
@@ -263,13 +263,13 @@ struct SessionEntry {
     player: Arc<str>,
     fencing: u64,
     /// The connection holding the session (or about to: set when a hand-over succeeds).
-    holder: ConnId,
+    holder: ConnTaskId,
     /// Whether `holder` reached ACTIVE with it ([`SessionHost::established`]).
     established: bool,
     queue: OutboundQueue<OutboundItem>,
     lost: u64,
     /// A resume waiting for this session's hand-over: the requester.
-    handing_to: Option<ConnId>,
+    handing_to: Option<ConnTaskId>,
     /// Told to end (kicked or lost a race): no more hand-overs or player lookups.
     ending: bool,
 }
@@ -286,7 +286,7 @@ struct ConnSlot {
     /// The session this connection holds (at most one).
     session: Option<SessionId>,
     mailbox: VecDeque<Command>,
-    answer: Option<Answer>,
+    answer: Option<HostAnswer>,
     /// A request waiting for an answer: what, about which session, until when.
     waiting: Option<(Waiting, SessionId, Instant)>,
     woken: bool,
@@ -306,7 +306,7 @@ pub struct SessionHost {
     /// per session (performance issue, W4).
     sessions: HashMap<SessionId, Box<SessionEntry>>,
     players: HashMap<Arc<str>, SessionId>,
-    conns: HashMap<ConnId, ConnSlot>,
+    conns: HashMap<ConnTaskId, ConnSlot>,
     /// Inbound limiters per player (B2), shared by the player's sessions and kept while one
     /// of them is held here: a reconnect or a new login does not start a fresh bucket. The
     /// count is the player's sessions held.
@@ -316,7 +316,7 @@ pub struct SessionHost {
     drained: Vec<Arc<str>>,
     /// Inbound checks made (the limiter sweep runs every 1,024).
     inbound_checks: u64,
-    wakes: VecDeque<ConnId>,
+    wakes: VecDeque<ConnTaskId>,
     stats: HostStats,
 }
 
@@ -354,14 +354,14 @@ impl SessionHost {
     // ----- connections -----------------------------------------------------------------
 
     /// A connection's driver starts.
-    pub fn open(&mut self, conn: ConnId) {
+    pub fn open(&mut self, conn: ConnTaskId) {
         self.conns.entry(conn).or_default();
     }
 
     /// A connection's driver ended (its machine is terminal). Sessions it still holds end
     /// with it (their queues go: the machine already persisted what it had); a request it
     /// was waiting for is abandoned.
-    pub fn close(&mut self, conn: ConnId) {
+    pub fn close(&mut self, conn: ConnTaskId) {
         let Some(slot) = self.conns.remove(&conn) else {
             return;
         };
@@ -380,7 +380,7 @@ impl SessionHost {
     }
 
     /// Makes `conn` the holder of `id` (whose entry exists).
-    fn set_holder(&mut self, id: SessionId, conn: ConnId) {
+    fn set_holder(&mut self, id: SessionId, conn: ConnTaskId) {
         let Some(e) = self.sessions.get_mut(&id) else {
             return;
         };
@@ -467,7 +467,7 @@ impl SessionHost {
         Some(limiter.check(now, len))
     }
 
-    fn wake(&mut self, conn: ConnId) {
+    fn wake(&mut self, conn: ConnTaskId) {
         if let Some(slot) = self.conns.get_mut(&conn) {
             if !slot.woken {
                 slot.woken = true;
@@ -477,20 +477,20 @@ impl SessionHost {
     }
 
     /// The next connection with work to take ([`take_work`](Self::take_work)).
-    pub fn poll_wake(&mut self) -> Option<ConnId> {
+    pub fn poll_wake(&mut self) -> Option<ConnTaskId> {
         self.wakes.pop_front()
     }
 
     /// Everything waiting for `conn`: commands, its session's queued items and losses, the
     /// answer to its request.
-    pub fn take_work(&mut self, conn: ConnId) -> Work {
+    pub fn take_work(&mut self, conn: ConnTaskId) -> Work {
         let mut work = Work::default();
         self.take_work_into(conn, &mut work);
         work
     }
 
     /// [`take_work`](Self::take_work) into a reused `work` (cleared first).
-    pub fn take_work_into(&mut self, conn: ConnId, work: &mut Work) {
+    pub fn take_work_into(&mut self, conn: ConnTaskId, work: &mut Work) {
         work.commands.clear();
         work.items.clear();
         work.lost = 0;
@@ -512,7 +512,7 @@ impl SessionHost {
         }
     }
 
-    fn mail(&mut self, conn: ConnId, command: Command) -> Result<(), MailboxError> {
+    fn mail(&mut self, conn: ConnTaskId, command: Command) -> Result<(), MailboxError> {
         let slot = self.conns.get_mut(&conn).ok_or(MailboxError::NotFound)?;
         if slot.mailbox.len() >= MAILBOX_CAPACITY && matches!(command, Command::Close(_)) {
             // An end is never refused: it replaces what the ending session would no longer
@@ -534,7 +534,7 @@ impl SessionHost {
     /// hand-over's queue is kept; the player's other local session, if older, is told to end.
     pub fn established(
         &mut self,
-        conn: ConnId,
+        conn: ConnTaskId,
         session_id: SessionId,
         player: Arc<str>,
         fencing: u64,
@@ -615,7 +615,7 @@ impl SessionHost {
     /// A resume on `conn` wants `session_id` (`deadline`: when to give up waiting).
     pub fn request_hand_over(
         &mut self,
-        conn: ConnId,
+        conn: ConnTaskId,
         session_id: SessionId,
         attempt: ResumeAttempt,
         now: Instant,
@@ -647,13 +647,13 @@ impl SessionHost {
         }
     }
 
-    fn clear_waiting(&mut self, conn: ConnId) {
+    fn clear_waiting(&mut self, conn: ConnTaskId) {
         if let Some(slot) = self.conns.get_mut(&conn) {
             slot.waiting = None;
         }
     }
 
-    fn answer(&mut self, conn: ConnId, answer: Answer) -> bool {
+    fn answer(&mut self, conn: ConnTaskId, answer: HostAnswer) -> bool {
         let Some(slot) = self.conns.get_mut(&conn) else {
             return false;
         };
@@ -670,7 +670,7 @@ impl SessionHost {
     /// passes to the requester at once.
     pub fn handed_over(
         &mut self,
-        holder: ConnId,
+        holder: ConnTaskId,
         session_id: SessionId,
         outcome: TakeOutcome,
     ) -> HandedOver {
@@ -697,7 +697,7 @@ impl SessionHost {
                     e.established = false;
                 }
                 self.set_holder(session_id, r);
-                self.answer(r, Answer::HandOver(Some(TakeOutcome::Taken(s))));
+                self.answer(r, HostAnswer::HandOver(Some(TakeOutcome::Taken(s))));
                 HandedOver::Delivered
             }
             (None, TakeOutcome::Taken(s)) => {
@@ -707,7 +707,7 @@ impl SessionHost {
                 HandedOver::Orphaned(s)
             }
             (Some(r), other) => {
-                self.answer(r, Answer::HandOver(Some(other)));
+                self.answer(r, HostAnswer::HandOver(Some(other)));
                 HandedOver::Delivered
             }
             (None, _) => HandedOver::Delivered,
@@ -716,7 +716,7 @@ impl SessionHost {
 
     /// Feeds back one of `conn`'s [`Reply`]s; a snapshot nobody waits for any more comes back
     /// for the store.
-    pub fn reply(&mut self, conn: ConnId, reply: Reply) -> Option<Box<Snapshot>> {
+    pub fn reply(&mut self, conn: ConnTaskId, reply: Reply) -> Option<Box<Snapshot>> {
         match reply {
             Reply::Kicked(sid, bindings) => {
                 self.kicked(conn, sid, bindings);
@@ -734,7 +734,7 @@ impl SessionHost {
     /// ends that session if it is another one (kicked here if held here).
     pub fn take_over(
         &mut self,
-        conn: ConnId,
+        conn: ConnTaskId,
         session_id: SessionId,
         previous: Option<&Owner>,
         now: Instant,
@@ -793,7 +793,7 @@ impl SessionHost {
     /// machine had already ended).
     pub fn kicked(
         &mut self,
-        holder: ConnId,
+        holder: ConnTaskId,
         session_id: SessionId,
         bindings: Option<BTreeMap<String, String>>,
     ) {
@@ -811,12 +811,12 @@ impl SessionHost {
                 .map(|_| *c)
         });
         if let Some(w) = waiter {
-            self.answer(w, Answer::Kicked(bindings));
+            self.answer(w, HostAnswer::Kicked(bindings));
         }
     }
 
     /// When `conn`'s pending request times out (`None`: it waits for nothing).
-    pub fn waiting_deadline(&self, conn: ConnId) -> Option<Instant> {
+    pub fn waiting_deadline(&self, conn: ConnTaskId) -> Option<Instant> {
         self.conns.get(&conn)?.waiting.as_ref().map(|w| w.2)
     }
 
@@ -830,7 +830,7 @@ impl SessionHost {
 
     /// Answers every request past its deadline with "no answer".
     pub fn handle_timeout(&mut self, now: Instant) {
-        let expired: Vec<(ConnId, Waiting, SessionId)> = self
+        let expired: Vec<(ConnTaskId, Waiting, SessionId)> = self
             .conns
             .iter()
             .filter_map(|(c, s)| {
@@ -849,9 +849,9 @@ impl SessionHost {
                             e.handing_to = None;
                         }
                     }
-                    Answer::HandOver(None)
+                    HostAnswer::HandOver(None)
                 }
-                Waiting::Kick => Answer::Kicked(None),
+                Waiting::Kick => HostAnswer::Kicked(None),
             };
             self.answer(conn, answer);
         }
@@ -993,7 +993,7 @@ impl SessionHost {
     }
 
     /// The connection holding a session.
-    pub fn holder_of(&self, session_id: &SessionId) -> Option<ConnId> {
+    pub fn holder_of(&self, session_id: &SessionId) -> Option<ConnTaskId> {
         self.sessions.get(session_id).map(|e| e.holder)
     }
 

@@ -189,7 +189,7 @@ pub enum BackendError {
 
 /// How the edge took a publish.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PublishReceipt {
+pub struct PublishAnswer {
     /// The publication's position (offset 0 for best-effort).
     pub position: ChannelPosition,
     /// A publish with this request id was already taken: nothing was published now.
@@ -302,7 +302,7 @@ pub struct EdgePublish {
     /// The edge (its LINK_HELLO id).
     pub edge_id: String,
     /// What it answered.
-    pub result: Result<PublishReceipt, BackendError>,
+    pub result: Result<PublishAnswer, BackendError>,
 }
 
 impl LinkSender {
@@ -320,7 +320,7 @@ impl LinkSender {
         request_id: u64,
         frame: LinkFrame,
         uses_credit: bool,
-    ) -> Result<PublishReceipt, BackendError> {
+    ) -> Result<PublishAnswer, BackendError> {
         let (tx, rx) = oneshot::channel();
         {
             let mut answers = self.answers.lock().map_err(|_| BackendError::LinkClosed)?;
@@ -355,7 +355,7 @@ impl LinkSender {
                 position,
                 duplicate,
                 ..
-            } => Ok(PublishReceipt {
+            } => Ok(PublishAnswer {
                 position,
                 duplicate,
             }),
@@ -592,7 +592,7 @@ impl BackendSession {
         channel: &str,
         class: TrafficClass,
         payload: Bytes,
-    ) -> Result<PublishReceipt, BackendError> {
+    ) -> Result<PublishAnswer, BackendError> {
         self.publish_with_id(next_request_id(), channel, class, payload)
             .await
     }
@@ -655,7 +655,7 @@ impl BackendSession {
         channel: &str,
         class: TrafficClass,
         payload: Bytes,
-    ) -> Result<PublishReceipt, BackendError> {
+    ) -> Result<PublishAnswer, BackendError> {
         let frame = LinkFrame::ChannelPublish {
             request_id,
             channel: channel.into(),

@@ -15,7 +15,8 @@ use crate::auth::{mint_token, HmacAuthenticator, KeyRing, TokenClaims};
 use crate::client::{ClientConfig, ClientEvent, ClientSession};
 use crate::counters::SessionCounters;
 use crate::host::{
-    apply_work, Answer, ConnId, Downstream, EstablishOutcome, HandOverStart, Reply, SessionHost,
+    apply_work, ConnTaskId, Downstream, EstablishOutcome, HandOverStart, HostAnswer, Reply,
+    SessionHost,
 };
 use crate::machine::{Action, SessionConfig, SessionEnd, SessionMachine, State, Upstream};
 use crate::rng::SeededRng;
@@ -61,7 +62,7 @@ pub(crate) struct Edge {
     /// Work a connection took while waiting for an answer, not yet done.
     backlogs: HashMap<usize, crate::host::Work>,
     /// Answers to requests, by the connection that asked.
-    answers: HashMap<usize, Answer>,
+    answers: HashMap<usize, HostAnswer>,
     pub(crate) store: HashMap<SessionId, Snapshot>,
     /// The shared store and ownership registry fail every call (0: up; 1: unavailable;
     /// 2: timing out).
@@ -115,7 +116,7 @@ impl Edge {
         m.handle_link_up(now).expect("link up");
         self.machines.push(m);
         let i = self.machines.len() - 1;
-        self.host.open(i as ConnId);
+        self.host.open(i as ConnTaskId);
         i
     }
 
@@ -146,7 +147,7 @@ impl Edge {
             }
             for j in 0..self.machines.len() {
                 if self.machines[j].state().is_terminal() && self.closed.insert(j) {
-                    self.host.close(j as ConnId);
+                    self.host.close(j as ConnTaskId);
                     progressed = true;
                 }
             }
@@ -158,7 +159,7 @@ impl Edge {
     }
 
     fn work(&mut self, j: usize, now: Instant) {
-        let mut work = self.host.take_work(j as ConnId);
+        let mut work = self.host.take_work(j as ConnTaskId);
         if let Some(mut backlog) = self.backlogs.remove(&j) {
             backlog.items.append(&mut work.items);
             backlog.commands.append(&mut work.commands);
@@ -173,7 +174,7 @@ impl Edge {
                 let _ = self.machines[j].handle_link_down(now, CloseCode::GoingAway);
                 continue;
             }
-            if let Some(s) = self.host.reply(j as ConnId, reply) {
+            if let Some(s) = self.host.reply(j as ConnTaskId, reply) {
                 self.store.insert(s.session_id, *s);
             }
         }
@@ -206,12 +207,12 @@ impl Edge {
 
     /// The answer to connection `i`'s request: served at once, or — its holder stuck —
     /// after the host's deadline.
-    fn answer(&mut self, i: usize, now: Instant) -> Option<Answer> {
+    fn answer(&mut self, i: usize, now: Instant) -> Option<HostAnswer> {
         self.serve(now);
         if let Some(a) = self.own_answer(i) {
             return Some(a);
         }
-        let deadline = self.host.waiting_deadline(i as ConnId)?;
+        let deadline = self.host.waiting_deadline(i as ConnTaskId)?;
         self.host.handle_timeout(deadline);
         self.serve(now);
         self.own_answer(i)
@@ -220,11 +221,11 @@ impl Edge {
     /// Like the driver's `answer`: the asking connection takes its own work from the host
     /// (it is running, so never stuck); the rest of that work waits in its backlog until its
     /// actions are done.
-    fn own_answer(&mut self, i: usize) -> Option<Answer> {
+    fn own_answer(&mut self, i: usize) -> Option<HostAnswer> {
         if let Some(a) = self.answers.remove(&i) {
             return Some(a);
         }
-        let mut work = self.host.take_work(i as ConnId);
+        let mut work = self.host.take_work(i as ConnTaskId);
         let answer = work.answer.take();
         let backlog = self.backlogs.entry(i).or_default();
         backlog.items.append(&mut work.items);
@@ -269,9 +270,12 @@ impl Edge {
                     session_id,
                     attempt,
                 } => {
-                    let start =
-                        self.host
-                            .request_hand_over(i as ConnId, session_id, attempt.clone(), now);
+                    let start = self.host.request_hand_over(
+                        i as ConnTaskId,
+                        session_id,
+                        attempt.clone(),
+                        now,
+                    );
                     // As the driver: decided here, or ask the store.
                     let local = match start {
                         HandOverStart::NotLocal => None,
@@ -280,7 +284,7 @@ impl Edge {
                             Some(TakeOutcome::NotFound)
                         }
                         HandOverStart::Pending => match self.answer(i, now) {
-                            Some(Answer::HandOver(Some(
+                            Some(HostAnswer::HandOver(Some(
                                 o @ (TakeOutcome::Taken(_) | TakeOutcome::Mismatch),
                             ))) => Some(o),
                             _ => None,
@@ -316,7 +320,7 @@ impl Edge {
                     if self
                         .host
                         .holder_of(&s.session_id)
-                        .is_some_and(|h| h != i as ConnId) =>
+                        .is_some_and(|h| h != i as ConnTaskId) =>
                 {
                     // A stale copy (restored elsewhere while its driver was stuck): as the
                     // driver, never overwrite the live session's store copy.
@@ -346,12 +350,12 @@ impl Edge {
                         edge: "e1".into(),
                         fencing,
                     });
-                    let plan = self
-                        .host
-                        .take_over(i as ConnId, session_id, previous.as_ref(), now);
+                    let plan =
+                        self.host
+                            .take_over(i as ConnTaskId, session_id, previous.as_ref(), now);
                     let mut inherited = None;
                     if plan.kick_pending {
-                        if let Some(Answer::Kicked(b)) = self.answer(i, now) {
+                        if let Some(HostAnswer::Kicked(b)) = self.answer(i, now) {
                             inherited = b;
                         }
                     }
@@ -372,7 +376,7 @@ impl Edge {
                 } => {
                     let outcome =
                         self.host
-                            .established(i as ConnId, session_id, player_id, fencing);
+                            .established(i as ConnTaskId, session_id, player_id, fencing);
                     if outcome == EstablishOutcome::LostRace {
                         let _ = self.machines[i].kick(now);
                     }

@@ -13,7 +13,7 @@ use bytes::Bytes;
 use tokio::net::UdpSocket;
 use tokio::sync::{mpsc, oneshot, Notify};
 
-use super::endpoint::{CloseReason, KcpEndpoint, KcpEvent, SessionKey};
+use super::endpoint::{CloseReason, ConvKey, KcpEndpoint, KcpEvent};
 use super::KcpConnection;
 use crate::conn::{BoxConnection, ConnId, ConnInfo, TransportKind};
 use crate::error::TransportError;
@@ -28,10 +28,10 @@ const RECV_BATCH: usize = 64;
 #[derive(Debug)]
 pub(crate) enum Cmd {
     /// Queue one encoded frame.
-    Send { key: SessionKey, data: Bytes },
+    Send { key: ConvKey, data: Bytes },
     /// Close the session (see [`KcpEndpoint::close`]).
     Close {
-        key: SessionKey,
+        key: ConvKey,
         code: CloseCode,
         message: String,
         quiet: bool,
@@ -42,7 +42,7 @@ pub(crate) enum Cmd {
 /// in the list at most once (`Shared::wake_pending`), so the list is bounded by the sessions.
 #[derive(Debug, Default)]
 pub(crate) struct Attention {
-    list: Mutex<Vec<SessionKey>>,
+    list: Mutex<Vec<ConvKey>>,
     notify: Notify,
 }
 
@@ -61,7 +61,7 @@ pub(crate) struct Inbox {
 /// State shared by one session's connection and the driver.
 #[derive(Debug)]
 pub(crate) struct Shared {
-    pub(crate) key: SessionKey,
+    pub(crate) key: ConvKey,
     pub(crate) inbox: Mutex<Inbox>,
     pub(crate) readable: Notify,
     /// Messages read since the driver last returned credit.
@@ -79,7 +79,7 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    fn new(key: SessionKey, attention: Arc<Attention>) -> Self {
+    fn new(key: ConvKey, attention: Arc<Attention>) -> Self {
         Self {
             key,
             inbox: Mutex::new(Inbox::default()),
@@ -173,7 +173,7 @@ pub(crate) struct Driver {
     cmd_tx: mpsc::Sender<Cmd>,
     cmd_rx: mpsc::Receiver<Cmd>,
     attention: Arc<Attention>,
-    sessions: HashMap<SessionKey, Arc<Shared>>,
+    sessions: HashMap<ConvKey, Arc<Shared>>,
     params: ConnParams,
     done: bool,
     /// A chaos drill: panic at the top of the next loop turn (see
@@ -454,7 +454,7 @@ impl Driver {
         }
     }
 
-    fn on_connected(&mut self, now: Instant, key: SessionKey) {
+    fn on_connected(&mut self, now: Instant, key: ConvKey) {
         let shared = Arc::new(Shared::new(key, self.attention.clone()));
         self.sessions.insert(key, shared.clone());
         let mut conn = KcpConnection::new(

@@ -50,7 +50,7 @@ use waygate_protocol::wire::CloseCode;
 
 /// A session's identity: the peer's address and the conv.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SessionKey {
+pub struct ConvKey {
     /// The peer's address as the socket reports it.
     pub addr: SocketAddr,
     /// The KCP conversation id (nonzero).
@@ -145,16 +145,16 @@ impl HandshakeError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KcpEvent {
     /// A session exists (server: a valid CONNECT; client: the handshake completed).
-    Connected(SessionKey),
+    Connected(ConvKey),
     /// One whole message (one frame) for the session's reader.
-    Message(SessionKey, Bytes),
+    Message(ConvKey, Bytes),
     /// The session's send queue dropped below its cap: `send` may go on.
-    Writable(SessionKey),
+    Writable(ConvKey),
     /// The session ended for its reader (at most once per session). The endpoint may keep it
     /// a little longer to flush; `Released` follows.
-    Closed(SessionKey, CloseReason),
+    Closed(ConvKey, CloseReason),
     /// The endpoint forgot the session.
-    Released(SessionKey),
+    Released(ConvKey),
     /// Client role: the handshake failed; no session was created.
     HandshakeFailed(HandshakeError),
 }
@@ -343,9 +343,9 @@ pub struct KcpEndpoint {
     epoch: Instant,
     cookie_key: CookieKey,
     rng: StdRng,
-    sessions: HashMap<SessionKey, Session>,
+    sessions: HashMap<ConvKey, Session>,
     convs: HashMap<u32, SocketAddr>,
-    timers: BinaryHeap<Reverse<(Instant, SessionKey)>>,
+    timers: BinaryHeap<Reverse<(Instant, ConvKey)>>,
     out: OutQueue,
     events: VecDeque<KcpEvent>,
     cookie_bucket: TokenBucket,
@@ -361,7 +361,7 @@ pub struct KcpEndpoint {
     require_sealed: bool,
     stats: Arc<KcpStats>,
     #[cfg(test)]
-    inject_panic: Option<SessionKey>,
+    inject_panic: Option<ConvKey>,
 }
 
 impl std::fmt::Debug for KcpEndpoint {
@@ -492,7 +492,7 @@ impl KcpEndpoint {
     }
 
     /// Whether `key` is a session of this endpoint.
-    pub fn has_session(&self, key: SessionKey) -> bool {
+    pub fn has_session(&self, key: ConvKey) -> bool {
         self.sessions.contains_key(&key)
     }
 
@@ -576,13 +576,13 @@ impl KcpEndpoint {
     }
 
     /// Whether `key` is a session whose datagrams must be sealed.
-    fn is_sealed(&self, key: &SessionKey) -> bool {
+    fn is_sealed(&self, key: &ConvKey) -> bool {
         self.sessions.get(key).is_some_and(|s| s.opener.is_some())
     }
 
     /// A RESET that came as a plain control packet: honoured for a plain session only (a
     /// sealed session's RESET comes sealed, §8.9).
-    fn plain_reset(&mut self, now: Instant, key: SessionKey, code: CloseCode) {
+    fn plain_reset(&mut self, now: Instant, key: ConvKey, code: CloseCode) {
         if !self.sessions.contains_key(&key) {
             return;
         }
@@ -611,7 +611,7 @@ impl KcpEndpoint {
                 self.on_connect(now, from, cookie, connect_token(datagram));
             }
             Control::Reset { conv, code } => {
-                self.plain_reset(now, SessionKey { addr: from, conv }, code);
+                self.plain_reset(now, ConvKey { addr: from, conv }, code);
             }
             // Server-to-client packets sent to a server: ignored.
             Control::Cookie(_) | Control::Accept { .. } | Control::Busy { .. } => {
@@ -724,7 +724,7 @@ impl KcpEndpoint {
                 return;
             }
         }
-        let key = SessionKey {
+        let key = ConvKey {
             addr: from,
             conv: cookie.conv,
         };
@@ -773,7 +773,7 @@ impl KcpEndpoint {
     fn create_session(
         &mut self,
         now: Instant,
-        key: SessionKey,
+        key: ConvKey,
         session_key: Option<super::seal::SessionKey>,
     ) {
         let (sealer, opener) = match session_key {
@@ -897,7 +897,7 @@ impl KcpEndpoint {
                     }));
             }
             (Handshake::Done, Control::Reset { conv, code }) => {
-                self.plain_reset(now, SessionKey { addr: from, conv }, code);
+                self.plain_reset(now, ConvKey { addr: from, conv }, code);
             }
             // Late duplicates of an exchange already done.
             (Handshake::Done, Control::Accept { .. } | Control::Cookie(_)) => {}
@@ -910,7 +910,7 @@ impl KcpEndpoint {
             return;
         };
         client.state = Handshake::Done;
-        let key = SessionKey {
+        let key = ConvKey {
             addr: client.server,
             conv,
         };
@@ -933,7 +933,7 @@ impl KcpEndpoint {
                 return;
             }
         };
-        let key = SessionKey { addr: from, conv };
+        let key = ConvKey { addr: from, conv };
         if !self.sessions.contains_key(&key) {
             // Client: session data before ACCEPT means the ACCEPT was lost.
             let pending = self.client.as_ref().and_then(|c| match c.state {
@@ -989,7 +989,7 @@ impl KcpEndpoint {
     fn guarded<R>(
         &mut self,
         now: Instant,
-        key: SessionKey,
+        key: ConvKey,
         f: impl FnOnce(&mut Session, &mut VecDeque<KcpEvent>, &KcpStats) -> R,
     ) -> Option<R> {
         #[cfg(test)]
@@ -1015,7 +1015,7 @@ impl KcpEndpoint {
         }
     }
 
-    fn session_input(&mut self, now: Instant, key: SessionKey, datagram: &[u8]) {
+    fn session_input(&mut self, now: Instant, key: ConvKey, datagram: &[u8]) {
         let now_ms = self.now_ms(now);
         let ok = self.guarded(now, key, |s, _, stats| {
             let _ = s.kcp.update(now_ms);
@@ -1047,7 +1047,7 @@ impl KcpEndpoint {
     /// After an input (`after_input`) that delivered a message to an open session, the flush
     /// waits up to `ack_delay_ms` for a send to carry the ACK (one datagram instead of two
     /// for a request and its reply).
-    fn pump(&mut self, now: Instant, key: SessionKey, after_input: bool) {
+    fn pump(&mut self, now: Instant, key: ConvKey, after_input: bool) {
         let max = self.max_frame_size;
         // Servers only: a client's ACK held back measured as W1 p99 +1 ms (a server's did not).
         let ack_delay = match self.client {
@@ -1107,7 +1107,7 @@ impl KcpEndpoint {
     }
 
     /// Post-processing after any engine activity.
-    fn after(&mut self, now: Instant, key: SessionKey) {
+    fn after(&mut self, now: Instant, key: ConvKey) {
         let cap = self.config.send_queue_segments;
         let Some(s) = self.sessions.get_mut(&key) else {
             return;
@@ -1130,7 +1130,7 @@ impl KcpEndpoint {
         self.reschedule(now, key);
     }
 
-    fn reschedule(&mut self, now: Instant, key: SessionKey) {
+    fn reschedule(&mut self, now: Instant, key: ConvKey) {
         let now_ms = self.now_ms(now);
         let idle = self.idle_timeout;
         let Some(s) = self.sessions.get_mut(&key) else {
@@ -1229,7 +1229,7 @@ impl KcpEndpoint {
         self.send_control(server, packet);
     }
 
-    fn service(&mut self, now: Instant, key: SessionKey) {
+    fn service(&mut self, now: Instant, key: ConvKey) {
         let now_ms = self.now_ms(now);
         if self
             .guarded(now, key, |s, _, _| {
@@ -1259,7 +1259,7 @@ impl KcpEndpoint {
     }
 
     /// Queues one message (one encoded frame) on a session and flushes at once.
-    pub fn send(&mut self, now: Instant, key: SessionKey, message: &[u8]) -> Result<(), SendError> {
+    pub fn send(&mut self, now: Instant, key: ConvKey, message: &[u8]) -> Result<(), SendError> {
         if message.len() > self.max_frame_size {
             return Err(SendError::TooLarge);
         }
@@ -1291,14 +1291,14 @@ impl KcpEndpoint {
     }
 
     /// Whether `send` should go on (the session's send queue is below its cap).
-    pub fn can_send(&self, key: SessionKey) -> bool {
+    pub fn can_send(&self, key: ConvKey) -> bool {
         self.sessions
             .get(&key)
             .is_some_and(|s| s.state == State::Open && !s.send_blocked)
     }
 
     /// The reader took `n` messages: give the credit back and deliver what waits.
-    pub fn consumed(&mut self, now: Instant, key: SessionKey, n: usize) {
+    pub fn consumed(&mut self, now: Instant, key: ConvKey, n: usize) {
         let cap = self.config.inbound_queue_messages;
         let Some(s) = self.sessions.get_mut(&key) else {
             return;
@@ -1313,7 +1313,7 @@ impl KcpEndpoint {
     pub fn close(
         &mut self,
         now: Instant,
-        key: SessionKey,
+        key: ConvKey,
         code: CloseCode,
         message: &str,
         quiet: bool,
@@ -1328,7 +1328,7 @@ impl KcpEndpoint {
     fn begin_close(
         &mut self,
         now: Instant,
-        key: SessionKey,
+        key: ConvKey,
         code: CloseCode,
         message: &str,
         reason: CloseReason,
@@ -1340,7 +1340,7 @@ impl KcpEndpoint {
     fn begin_close_inner(
         &mut self,
         now: Instant,
-        key: SessionKey,
+        key: ConvKey,
         code: CloseCode,
         frame: Option<Bytes>,
         reason: CloseReason,
@@ -1377,7 +1377,7 @@ impl KcpEndpoint {
     /// The peer sent RESET: what the engine already received in order (and acknowledged, so
     /// the peer counts it as delivered) still goes to the reader, ignoring the credit (bounded
     /// by the receive window); then the session ends.
-    fn peer_reset(&mut self, now: Instant, key: SessionKey, code: CloseCode) {
+    fn peer_reset(&mut self, now: Instant, key: ConvKey, code: CloseCode) {
         let max = self.max_frame_size;
         let _ = self.guarded(now, key, |s, events, _| {
             if s.state != State::Open {
@@ -1401,7 +1401,7 @@ impl KcpEndpoint {
     }
 
     /// Forgets a session at once, sending RESET with `reset` if given.
-    fn forget(&mut self, key: SessionKey, reason: CloseReason, reset: Option<CloseCode>) {
+    fn forget(&mut self, key: ConvKey, reason: CloseReason, reset: Option<CloseCode>) {
         let Some(s) = self.sessions.remove(&key) else {
             return;
         };
@@ -1439,7 +1439,7 @@ impl KcpEndpoint {
     /// Ends every session at once (RESET with `GoingAway`), e.g. at shutdown.
     pub fn shutdown(&mut self) {
         self.accepting = false;
-        let keys: Vec<SessionKey> = self.sessions.keys().copied().collect();
+        let keys: Vec<ConvKey> = self.sessions.keys().copied().collect();
         for key in keys {
             self.forget(key, CloseReason::Shutdown, Some(CloseCode::GoingAway));
         }
@@ -1447,7 +1447,7 @@ impl KcpEndpoint {
     }
 
     #[cfg(test)]
-    fn inject_panic(&mut self, key: SessionKey) {
+    fn inject_panic(&mut self, key: ConvKey) {
         self.inject_panic = Some(key);
     }
 }

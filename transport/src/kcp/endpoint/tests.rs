@@ -222,14 +222,14 @@ impl Net {
         panic!("network did not settle");
     }
 
-    fn client_key(&self, n: usize) -> Option<SessionKey> {
+    fn client_key(&self, n: usize) -> Option<ConvKey> {
         self.client_events[n].iter().find_map(|e| match e {
             KcpEvent::Connected(k) => Some(*k),
             _ => None,
         })
     }
 
-    fn server_key_for(&self, n: usize) -> Option<SessionKey> {
+    fn server_key_for(&self, n: usize) -> Option<ConvKey> {
         let a = self.clients[n].0;
         self.server_events.iter().find_map(|e| match e {
             KcpEvent::Connected(k) if k.addr == a => Some(*k),
@@ -237,7 +237,7 @@ impl Net {
         })
     }
 
-    fn connect(&mut self, n: usize) -> (SessionKey, SessionKey) {
+    fn connect(&mut self, n: usize) -> (ConvKey, ConvKey) {
         self.run_until(|net| net.client_key(n).is_some() && net.server_key_for(n).is_some());
         (
             self.client_key(n).expect("client key"),
@@ -245,7 +245,7 @@ impl Net {
         )
     }
 
-    fn messages(events: &[KcpEvent], key: SessionKey) -> Vec<Bytes> {
+    fn messages(events: &[KcpEvent], key: ConvKey) -> Vec<Bytes> {
         events
             .iter()
             .filter_map(|e| match e {
@@ -255,16 +255,16 @@ impl Net {
             .collect()
     }
 
-    fn server_messages(&self, key: SessionKey) -> Vec<Bytes> {
+    fn server_messages(&self, key: ConvKey) -> Vec<Bytes> {
         Self::messages(&self.server_events, key)
     }
 
-    fn client_messages(&self, n: usize, key: SessionKey) -> Vec<Bytes> {
+    fn client_messages(&self, n: usize, key: ConvKey) -> Vec<Bytes> {
         Self::messages(&self.client_events[n], key)
     }
 }
 
-fn pair() -> (Net, SessionKey, SessionKey) {
+fn pair() -> (Net, ConvKey, ConvKey) {
     let mut net = Net::new(KcpConfig::fast(), conn_cfg());
     net.add_client(KcpConfig::fast(), conn_cfg());
     let (c, s) = net.connect(0);
@@ -294,7 +294,7 @@ fn cookie_exchange_creates_one_session_each_side_and_carries_messages() {
     let (mut net, ckey, skey) = pair();
     assert_eq!(
         ckey,
-        SessionKey {
+        ConvKey {
             addr: net.server_addr,
             conv: skey.conv
         }
@@ -570,7 +570,7 @@ fn handshake_times_out_without_a_server() {
 }
 
 /// Captures the next KCP segment the client sends.
-fn capture_client_segment(net: &mut Net, n: usize, key: SessionKey, i: u64) -> Vec<u8> {
+fn capture_client_segment(net: &mut Net, n: usize, key: ConvKey, i: u64) -> Vec<u8> {
     let now = net.now;
     net.clients[n]
         .1
@@ -776,7 +776,7 @@ fn ten_percent_loss_delivers_100_messages_in_order_both_ways() {
 impl Net {
     /// Client `n` sends message `i` on `key`; returns the mark of what the server sent so
     /// far (for [`Net::replies_since`]).
-    fn client_sends(&mut self, n: usize, key: SessionKey, i: u64) -> usize {
+    fn client_sends(&mut self, n: usize, key: ConvKey, i: u64) -> usize {
         let now = self.now;
         self.clients[n]
             .1
@@ -786,7 +786,7 @@ impl Net {
     }
 
     /// Client `n`'s session on `key`.
-    fn client_session(&self, n: usize, key: SessionKey) -> &Session {
+    fn client_session(&self, n: usize, key: ConvKey) -> &Session {
         self.clients[n]
             .1
             .sessions
