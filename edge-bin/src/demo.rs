@@ -6,7 +6,7 @@
 //! backend drain that migrates players. Every echo is counted: the run fails (exit code 1)
 //! if any reply is lost or duplicated.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,7 +16,6 @@ use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use waygate_client::{ChannelUpdate, Client, ClientOptions, Event};
-use waygate_protocol::channel::ChannelPosition;
 use waygate_protocol::frame::WelcomeOutcome;
 use waygate_session::auth::TokenClaims;
 use waygate_transport::endpoint::{ConnectOptions, Endpoint};
@@ -29,6 +28,10 @@ use waygate_backend::demo::{
 use waygate_backend::{Backend, BackendConfig};
 use waygate_edge::config::{EdgeConfig, DEV_KEY_ID, DEV_KEY_SECRET};
 use waygate_edge::edge::Edge;
+
+mod channel_check;
+
+use channel_check::{ChannelCheck, ORDER_SAMPLES};
 
 /// Demo settings.
 #[derive(Debug, Clone)]
@@ -145,9 +148,13 @@ pub struct DemoReport {
     /// Announcements received (world CHATs sent as critical: taken once in the edge's
     /// announcement log when it has one, PROTOCOL.md §12.5).
     pub channel_announcements: u64,
-    /// Announcements a member received from the announcement log after its edge was lost
-    /// (before its HISTORY_LOST; `demo --edges 3` with the kill).
-    pub channel_announcements_from_log: u64,
+    /// Stretches of the announcement log a member received after its session moved to
+    /// another edge: old-epoch announcements with holes where normal publications were,
+    /// ended by the new edge's HISTORY_LOST (PROTOCOL.md §12.4).
+    pub channel_log_stretches: u64,
+    /// Offsets skipped in those stretches, each checked to be no announcement an edge took
+    /// (the log holds every one; a skipped announcement counts as out of order).
+    pub channel_log_holes: u64,
     /// CHANNEL_JOIN and CHAT messages refused explicitly (an ERROR from the edge or the
     /// backend, or the client could not queue them).
     pub channel_refused: u64,
@@ -259,7 +266,7 @@ impl DemoReport {
         out.push_str(&row("total", &self.total));
         out.push_str(&format!(
             "kicked by second login: {}   resumed on another endpoint (transport or edge): {}   room events: {}\n\
-             channels (world, guild): {} publications, {} out of order, {} history lost, {} chat/join refused; {} announcements, {} of them from the log after an edge was lost; {} offsets skipped (announcements withdrawn: the log did not take them)\n\
+             channels (world, guild): {} publications, {} out of order, {} history lost, {} chat/join refused; {} announcements; {} stretches of the announcement log after a move to another edge, skipping {} normal publications; {} offsets skipped (announcements withdrawn: the log did not take them)\n\
              sessions restarted (not restorable: RestoreFailedNewSession): {}, with {} echoes outstanding (answered by the restart)\n\
              drain of b3: replies from other backends {}, from b3 to requests sent more than 1 s later {}\n",
             self.kicked,
@@ -270,7 +277,8 @@ impl DemoReport {
             self.channel_history_lost,
             self.channel_refused,
             self.channel_announcements,
-            self.channel_announcements_from_log,
+            self.channel_log_stretches,
+            self.channel_log_holes,
             self.channel_offsets_skipped,
             self.session_restarts,
             self.replies_lost_to_restart,
@@ -310,19 +318,10 @@ struct ClientResult {
     kicked: bool,
     switched: bool,
     room_events: u64,
-    channel_publications: u64,
-    channel_history_lost: u64,
-    channel_order_violations: u64,
-    /// The first few violations this member saw, described.
-    channel_order_samples: Vec<String>,
+    /// The member's channel events, checked.
+    channels: ChannelCheck,
     session_restarts: u64,
     lost_to_restart: u64,
-    /// Offsets skipped within an epoch (checked against the withdrawn announcements).
-    channel_skipped: Vec<(String, ChannelPosition)>,
-    /// Skips not kept (beyond [`SKIPS_KEPT`]): counted as out of order.
-    channel_skipped_beyond: u64,
-    channel_announcements: u64,
-    channel_announcements_from_log: u64,
     channel_refused: u64,
     after_drain_other_backend: u64,
     late_from_drained: u64,
@@ -362,46 +361,6 @@ fn table_text(addrs: &[SocketAddr], epoch: u64, draining: Option<usize>) -> Stri
 
 const KINDS: [TransportKind; 6] = TransportKind::ALL;
 
-/// Appends `entry` to `channel`'s trail.
-fn trail(trails: &mut HashMap<String, VecDeque<Seen>>, channel: &str, entry: Seen) {
-    let t = match trails.get_mut(channel) {
-        Some(t) => t,
-        None => trails.entry(channel.to_owned()).or_default(),
-    };
-    remember(t, entry);
-}
-
-/// Appends `entry` to a trail, keeping the last 16.
-fn remember(t: &mut VecDeque<Seen>, entry: Seen) {
-    if t.len() >= 16 {
-        t.pop_front();
-    }
-    t.push_back(entry);
-}
-
-/// A channel event a member saw (kept cheaply per event; formatted only for a report).
-enum Seen {
-    Joined(ChannelPosition),
-    HistoryLost(ChannelPosition),
-    Announcement(u64),
-    Publication(u64),
-    Left,
-    Connected(WelcomeOutcome),
-}
-
-impl std::fmt::Display for Seen {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Seen::Joined(p) => write!(f, "JOINED({},{})", p.epoch, p.offset),
-            Seen::HistoryLost(p) => write!(f, "HISTORY_LOST({},{})", p.epoch, p.offset),
-            Seen::Announcement(offset) => write!(f, "A{offset}"),
-            Seen::Publication(offset) => write!(f, "P{offset}"),
-            Seen::Left => f.write_str("LEFT"),
-            Seen::Connected(outcome) => write!(f, "[{outcome:?}]"),
-        }
-    }
-}
-
 /// What one simulated client does, the same for every client of a run.
 #[derive(Debug, Clone)]
 struct ClientPlan {
@@ -413,13 +372,10 @@ struct ClientPlan {
     world_every: u64,
     /// Rooms the clients are spread over.
     rooms: usize,
-    /// Which edge an endpoint's port belongs to (empty with one edge): a switch of edge,
-    /// whose channels are other epochs, told apart from a switch of transport.
-    edge_of_port: Arc<HashMap<u16, usize>>,
 }
 
 impl ClientPlan {
-    fn new(options: &DemoOptions, edge_of_port: Arc<HashMap<u16, usize>>) -> Self {
+    fn new(options: &DemoOptions) -> Self {
         Self {
             interval: options.interval,
             guilds: options.guilds.max(1),
@@ -427,30 +383,9 @@ impl ClientPlan {
             // Rooms of about 30 (at least 10): the backend broadcasts a room's events one
             // push per member, so rooms do not grow with the run.
             rooms: (options.clients / 30).max(10),
-            edge_of_port,
         }
     }
-
-    /// The edge of `endpoint` (a URL ending in `:port`), if known.
-    fn edge_of(&self, endpoint: &str) -> Option<usize> {
-        let port = endpoint.rsplit(':').next()?.parse::<u16>().ok()?;
-        self.edge_of_port.get(&port).copied()
-    }
 }
-
-/// A member's recent events in `channel`, for a report or a debug line.
-fn trail_text(trails: &HashMap<String, VecDeque<Seen>>, channel: &str) -> String {
-    trails
-        .get(channel)
-        .map(|t| t.iter().map(Seen::to_string).collect::<Vec<_>>().join(" "))
-        .unwrap_or_default()
-}
-
-/// Out-of-order samples a report keeps.
-const ORDER_SAMPLES: usize = 8;
-
-/// Skipped channel offsets a client keeps for the end-of-run check (beyond: out of order).
-const SKIPS_KEPT: usize = 10_000;
 
 /// Runs the demo; returns its report.
 pub async fn run(options: DemoOptions) -> Result<DemoReport, String> {
@@ -498,8 +433,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoReport, String> {
     let start = Instant::now();
     let mut cmds = Vec::new();
     let mut tasks = Vec::new();
-    // One edge: a switch of endpoint is a switch of transport.
-    let plan = ClientPlan::new(&options, Arc::new(HashMap::new()));
+    let plan = ClientPlan::new(&options);
     let spawn_client =
         |i: usize,
          player: String,
@@ -647,10 +581,11 @@ async fn collect(
         report.kicked += u64::from(r.kicked);
         report.switched_transport += u64::from(r.switched);
         report.room_events += r.room_events;
-        report.channel_publications += r.channel_publications;
-        report.channel_history_lost += r.channel_history_lost;
-        report.channel_order_violations += r.channel_order_violations;
-        for sample in &r.channel_order_samples {
+        let c = &r.channels;
+        report.channel_publications += c.publications;
+        report.channel_history_lost += c.history_lost;
+        report.channel_order_violations += c.order_violations;
+        for sample in &c.order_samples {
             if report.channel_order_samples.len() < ORDER_SAMPLES {
                 report.channel_order_samples.push(sample.clone());
             }
@@ -659,7 +594,7 @@ async fn collect(
         report.replies_lost_to_restart += r.lost_to_restart;
         // A skipped offset is an announcement its edge withdrew (the log did not take it,
         // PROTOCOL.md §12.5), or it is a publication this member lost.
-        for (channel, position) in &r.channel_skipped {
+        for (channel, position) in &c.skipped {
             if services.iter().any(|s| s.was_withdrawn(channel, *position)) {
                 report.channel_offsets_skipped += 1;
             } else {
@@ -672,9 +607,24 @@ async fn collect(
                 }
             }
         }
-        report.channel_order_violations += r.channel_skipped_beyond;
-        report.channel_announcements += r.channel_announcements;
-        report.channel_announcements_from_log += r.channel_announcements_from_log;
+        // A hole in the announcement log's stretch is a normal publication that went with
+        // its lost edge's epoch; an announcement there was lost.
+        for (channel, position) in &c.log_holes {
+            if services.iter().any(|s| s.was_announced(channel, *position)) {
+                report.channel_order_violations += 1;
+                tracing::warn!(%channel, ?position, "announcement missing from the announcement log's stretch");
+                if report.channel_order_samples.len() < ORDER_SAMPLES {
+                    report.channel_order_samples.push(format!(
+                        "{channel}: announcement {position:?} missing from the log's stretch"
+                    ));
+                }
+            } else {
+                report.channel_log_holes += 1;
+            }
+        }
+        report.channel_order_violations += c.skipped_beyond;
+        report.channel_announcements += c.announcements;
+        report.channel_log_stretches += c.log_stretches;
         report.channel_refused += r.channel_refused;
         report.migrated_replies_from_other_backends += r.after_drain_other_backend;
         report.replies_from_drained_backend_after_1s += r.late_from_drained;
@@ -776,16 +726,7 @@ async fn client_task(
             r.channel_refused += 1;
         }
     }
-    let mut next_offset: HashMap<String, (u64, u64)> = HashMap::new();
-    // The last channel events per channel (and connections), for an out-of-order report.
-    let mut channel_trail: HashMap<String, VecDeque<Seen>> = HashMap::new();
-    // Channels whose join is recovering publications (no JOINED yet).
-    let mut recovering: HashSet<String> = HashSet::new();
-    // Channels joined whose JOINED or HISTORY_LOST has not come yet.
-    let mut awaiting_joined: HashSet<String> = ["world".to_owned(), guild.clone()].into();
-    // Channels whose edge was lost: until their HISTORY_LOST, announcements of the old epoch
-    // come from the announcement log, with the normal publications in between missing.
-    let mut from_log: HashSet<String> = HashSet::new();
+    r.channels = ChannelCheck::new(&player, ["world".to_owned(), guild.clone()]);
     let mut endpoint_now = first_endpoint.clone();
     let mut pending: HashMap<u64, Instant> = HashMap::new();
     // Echoes outstanding when the session was restarted (their answer: the restart).
@@ -903,105 +844,23 @@ async fn client_task(
                     Some(Event::Message { msg_id: JOINED, .. }) => joined = true,
                     Some(Event::Message { msg_id: ROOM_EVENT, .. }) => r.room_events += 1,
                     Some(Event::Channel(update)) => match update {
-                        ChannelUpdate::Joined { channel, position } => {
-                            trail(&mut channel_trail, &channel, Seen::Joined(position));
-                            awaiting_joined.remove(&channel);
-                            // After recovered publications, JOINED is the last of them.
-                            if recovering.remove(&channel)
-                                && next_offset.get(&channel) != Some(&(position.epoch, position.offset + 1))
-                            {
-                                r.channel_order_violations += 1;
-                                tracing::warn!(%player, %channel, ?position, "JOINED after a recovery not at its last publication");
-                                if r.channel_order_samples.len() < ORDER_SAMPLES {
-                                    r.channel_order_samples.push(format!(
-                                        "{player} {channel}: JOINED {position:?} after a recovery that reached {:?}",
-                                        next_offset.get(&channel)
-                                    ));
-                                }
-                            }
-                            from_log.remove(&channel);
-                            next_offset.insert(channel, (position.epoch, position.offset + 1));
-                        }
-                        ChannelUpdate::HistoryLost { channel, position } => {
-                            trail(&mut channel_trail, &channel, Seen::HistoryLost(position));
-                            awaiting_joined.remove(&channel);
-                            recovering.remove(&channel);
-                            r.channel_history_lost += 1;
-                            from_log.remove(&channel);
-                            next_offset.insert(channel, (position.epoch, position.offset + 1));
-                        }
+                        ChannelUpdate::Joined { channel, position } => r.channels.joined(channel, position),
+                        ChannelUpdate::HistoryLost { channel, position } => r.channels.history_lost(channel, position),
                         ChannelUpdate::Publication { channel, position, body } => {
-                            r.channel_publications += 1;
                             let announcement = body
                                 .split(|b| *b == b'|')
                                 .nth(1)
                                 .is_some_and(|t| t.starts_with(b"announce"));
-                            r.channel_announcements += u64::from(announcement);
-                            let expected = next_offset.get(&channel).copied();
-                            let logged = announcement
-                                && from_log.contains(&channel)
-                                && expected.is_some_and(|(e, o)| e == position.epoch && position.offset > o);
-                            if logged {
-                                // From the log: later offsets of the same old epoch.
-                                r.channel_announcements_from_log += 1;
-                                next_offset.insert(channel, (position.epoch, position.offset + 1));
-                            } else if position.offset > 0 && expected.is_none() && awaiting_joined.contains(&channel) {
-                                // Before this join's JOINED: publications recovered for a
-                                // returning player (a kind with backlog, PROTOCOL.md §12.4:
-                                // "recovered publications then JOINED"). Followed from here;
-                                // the JOINED must end at the last of them.
-                                recovering.insert(channel.clone());
-                                next_offset.insert(channel, (position.epoch, position.offset + 1));
-                            } else if position.offset > 0 {
-                                let skipped = expected.filter(|&(e, o)| e == position.epoch && position.offset > o);
-                                if let Some((epoch, from)) = skipped {
-                                    // Offsets skipped: withdrawn announcements, checked
-                                    // once the run is over.
-                                    let n = position.offset - from;
-                                    tracing::debug!(
-                                        %player, %channel, ?expected, ?position, announcement, from_log = from_log.contains(&channel), %endpoint_now,
-                                        trail = %trail_text(&channel_trail, &channel),
-                                        "channel offsets skipped"
-                                    );
-                                    if n > (SKIPS_KEPT - r.channel_skipped.len()) as u64 {
-                                        r.channel_skipped_beyond += n;
-                                    } else {
-                                        r.channel_skipped.extend((from..position.offset).map(|offset| (channel.clone(), ChannelPosition { epoch, offset })));
-                                    }
-                                } else if expected != Some((position.epoch, position.offset)) {
-                                    r.channel_order_violations += 1;
-                                    tracing::warn!(%player, %channel, ?expected, ?position, "channel publication out of order");
-                                    if r.channel_order_samples.len() < ORDER_SAMPLES {
-                                        r.channel_order_samples.push(format!(
-                                            "{player} {channel}: expected {expected:?}, got {position:?}; seen since its join: {}",
-                                            trail_text(&channel_trail, &channel)
-                                        ));
-                                    }
-                                }
-                                trail(&mut channel_trail, &channel, if announcement { Seen::Announcement(position.offset) } else { Seen::Publication(position.offset) });
-                                next_offset.insert(channel, (position.epoch, position.offset + 1));
-                            }
+                            r.channels.publication(channel, position, announcement);
                         }
-                        ChannelUpdate::Left { channel, .. } => {
-                            trail(&mut channel_trail, &channel, Seen::Left);
-                            next_offset.remove(&channel);
-                        }
+                        ChannelUpdate::Left { channel, .. } => r.channels.left(channel),
                         _ => {}
                     },
                     Some(Event::Message { .. }) | Some(Event::Disconnected { .. }) | Some(Event::Rejected { .. }) | Some(Event::Migrating { .. }) => {}
                     Some(Event::Connected { outcome, endpoint, session_id }) => {
                         tracing::debug!(%player, %endpoint, ?outcome, session = %waygate_session::resume::hex_id(&session_id), "connected");
-                        for t in channel_trail.values_mut() {
-                            remember(t, Seen::Connected(outcome));
-                        }
+                        r.channels.connected(outcome);
                         if matches!(outcome, WelcomeOutcome::Restored | WelcomeOutcome::RestoredWithGap) {
-                            if plan.edge_of(&endpoint) != plan.edge_of(&endpoint_now) {
-                                // Another edge: its channels are other epochs. Until each
-                                // channel's HISTORY_LOST, what comes of the old epoch is the
-                                // session's replay (in order) and then the announcements
-                                // from the log (normal publications in between missing).
-                                from_log.extend(next_offset.keys().cloned());
-                            }
                             r.restores += 1;
                             r.restore_ms.push(u32::try_from(last_heard.elapsed().as_millis()).unwrap_or(u32::MAX));
                             if endpoint != first_endpoint {
@@ -1047,6 +906,7 @@ async fn client_task(
         }
     }
     let restarted = pending.keys().filter(|n| at_restart.contains(n)).count() as u64;
+    r.channels.finish();
     r.lost_to_restart = restarted;
     r.lost = pending.len() as u64 - restarted;
     // What the client still holds unacknowledged may include these; the rest of them the
@@ -1174,16 +1034,7 @@ pub async fn run_cluster(
 
     let start = Instant::now();
     let never_drained: Arc<std::sync::OnceLock<Instant>> = Arc::new(std::sync::OnceLock::new());
-    let plan = ClientPlan::new(
-        &options,
-        Arc::new(
-            edge_addrs
-                .iter()
-                .enumerate()
-                .flat_map(|(i, m)| m.values().map(move |a| (a.port(), i)))
-                .collect(),
-        ),
-    );
+    let plan = ClientPlan::new(&options);
     let mut cmds = Vec::new();
     let mut tasks = Vec::new();
     for i in 0..options.clients {

@@ -117,6 +117,9 @@ pub struct DemoService {
     /// Announcements an edge withdrew: (channel, epoch, offset), the offsets members see
     /// skipped.
     withdrawn: Mutex<std::collections::HashSet<(String, u64, u64)>>,
+    /// Announcements an edge took: (channel, epoch, offset). A member never sees one of
+    /// them skipped, not even in the announcement log's stretch after its edge was lost.
+    announced: Mutex<std::collections::HashSet<(String, u64, u64)>>,
 }
 
 impl DemoService {
@@ -134,8 +137,24 @@ impl DemoService {
             .is_ok_and(|w| w.contains(&(channel.to_owned(), position.epoch, position.offset)))
     }
 
+    /// Whether an edge took an announcement this instance published to `channel` at
+    /// `position` (remembers the first 100,000).
+    pub fn was_announced(&self, channel: &str, position: ChannelPosition) -> bool {
+        self.announced
+            .lock()
+            .is_ok_and(|a| a.contains(&(channel.to_owned(), position.epoch, position.offset)))
+    }
+
     fn record_withdrawn(&self, channel: &str, position: ChannelPosition) {
-        if let Ok(mut w) = self.withdrawn.lock() {
+        Self::record(&self.withdrawn, channel, position);
+    }
+
+    fn record(
+        set: &Mutex<std::collections::HashSet<(String, u64, u64)>>,
+        channel: &str,
+        position: ChannelPosition,
+    ) {
+        if let Ok(mut w) = set.lock() {
             if w.len() < WITHDRAWN_KEPT {
                 w.insert((channel.to_owned(), position.epoch, position.offset));
             }
@@ -226,10 +245,14 @@ impl Service for DemoService {
                     .publish_on_every_edge(channel, msg.class, body)
                     .await;
                 for r in &results {
-                    if let Err(crate::BackendError::AnnouncementWithdrawn { position, .. }) =
-                        &r.result
-                    {
-                        self.record_withdrawn(channel, *position);
+                    match &r.result {
+                        Err(crate::BackendError::AnnouncementWithdrawn { position, .. }) => {
+                            self.record_withdrawn(channel, *position);
+                        }
+                        Ok(receipt) if msg.class == TrafficClass::Critical => {
+                            Self::record(&self.announced, channel, receipt.position);
+                        }
+                        _ => {}
                     }
                 }
                 let own = results

@@ -332,7 +332,10 @@ impl Shared {
                     continue;
                 }
                 match hub.join(now, session_id, player, &name, Some(position)) {
-                    Ok(joined) => self.count_join(&name, &Ok(joined)),
+                    Ok(joined) => {
+                        tracing::debug!(edge = %self.config.edge_id, channel = %name, session = %waygate_session::resume::hex_id(&session_id), ?position, ?joined, "restored membership joined");
+                        self.count_join(&name, &Ok(joined))
+                    }
                     Err(ChannelError::QueueFull) => {
                         // Recoveries of many members at once fill the channel's queue for
                         // them: transient, so the membership is joined again shortly.
@@ -418,13 +421,23 @@ impl Shared {
                     gone.push(*sid);
                 }
                 Err(PushError::Shed) => shed += 1,
-                Err(_) => full += 1,
+                Err(e) => {
+                    full += 1;
+                    tracing::debug!(
+                        edge = %self.config.edge_id,
+                        channel = %d.channel,
+                        session = %waygate_session::resume::hex_id(sid),
+                        error = %e,
+                        "a channel event not queued for a member"
+                    );
+                }
             });
         }
         if !gone.is_empty() {
             let mut hub = self.hub();
             for sid in &gone {
                 tracing::debug!(
+                    edge = %self.config.edge_id,
                     channel = %d.channel,
                     session = %waygate_session::resume::hex_id(sid),
                     "a member's session is not held here: no longer a member"
@@ -542,6 +555,7 @@ async fn join_retrying(
                 return;
             }
             Ok(o) => {
+                tracing::debug!(edge = %shared.config.edge_id, %channel, session = %waygate_session::resume::hex_id(&session), ?since, joined = ?o, attempt, "restored membership joined");
                 shared.count_join(&channel, &Ok(o));
                 shared.start_channel_consumers();
                 return;

@@ -319,6 +319,12 @@ impl UpstreamSink for EdgeUpstream {
                 channels_acked,
                 ..
             } => {
+                tracing::debug!(
+                    edge = %shared.config.edge_id,
+                    session = %waygate_session::resume::hex_id(&session_id),
+                    ?reason,
+                    "session ended: a member of no channel here"
+                );
                 shared.channels_session_departed(&session_id, &player_id, &channels_acked);
                 let entry = shared
                     .entries
