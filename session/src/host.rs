@@ -190,10 +190,12 @@ impl Work {
 #[derive(Debug, PartialEq, Eq)]
 pub enum HandOverStart {
     /// Ask the shared store: the session is not held on this edge, or is not to be handed
-    /// over now (another resume of it is under way, or it is not ACTIVE yet).
+    /// over now (another resume of it is under way, or it is not ACTIVE yet), or its copy
+    /// here is ending because a newer claim of the same session superseded it (the newer
+    /// owner's snapshot is in the store).
     NotLocal,
-    /// The session was told to end (a newer login took the player over): it must not be
-    /// resumed, not even from a copy in the store.
+    /// The session was told to end because another session replaced it (a newer login took
+    /// the player over): it must not be resumed, not even from a copy in the store.
     Ended,
     /// The holder was asked; the answer comes as [`HostAnswer::HandOver`] in [`Work`].
     Pending,
@@ -272,6 +274,9 @@ struct SessionEntry {
     handing_to: Option<ConnTaskId>,
     /// Told to end (kicked or lost a race): no more hand-overs or player lookups.
     ending: bool,
+    /// Ending because a newer claim of this same session superseded it (it lives on
+    /// elsewhere, [`SessionHost::kick_superseded`]), not because another session replaced it.
+    superseded: bool,
 }
 
 /// A player's inbound limiter and how many of its sessions are held here.
@@ -562,12 +567,14 @@ impl SessionHost {
                 lost: 0,
                 handing_to: None,
                 ending: false,
+                superseded: false,
             })
         });
         entry.player = player.clone();
         entry.fencing = fencing;
         entry.established = true;
         entry.ending = false;
+        entry.superseded = false;
         let pending = !entry.queue.is_empty() || entry.lost > 0;
         let previous = std::mem::replace(&mut entry.holder, conn);
         if previous != conn {
@@ -624,7 +631,13 @@ impl SessionHost {
             return HandOverStart::NotLocal;
         };
         if e.ending {
-            return HandOverStart::Ended;
+            // A copy superseded by a newer claim of the session: the newer owner's snapshot
+            // is in the store (this copy's own writes were refused by fencing).
+            return if e.superseded {
+                HandOverStart::NotLocal
+            } else {
+                HandOverStart::Ended
+            };
         }
         if e.handing_to.is_some() || e.holder == conn || !e.established {
             return HandOverStart::NotLocal;
@@ -785,7 +798,11 @@ impl SessionHost {
         if e.fencing > fencing {
             return SupersededKick::KeptNewer;
         }
-        self.end_session(session_id);
+        if self.end_session(session_id) {
+            if let Some(e) = self.sessions.get_mut(session_id) {
+                e.superseded = true;
+            }
+        }
         SupersededKick::Kicked
     }
 
@@ -1173,6 +1190,41 @@ mod tests {
             host.kick_superseded(&[1; 16], 9),
             SupersededKick::NotHeld,
             "ending"
+        );
+    }
+
+    /// A resume of a session whose copy here was superseded by a newer claim of the same
+    /// session (it moved to another edge; the kick has not ended the copy yet) asks the
+    /// store, which holds the newer owner's snapshot. Before, the host answered `Ended` and
+    /// the driver deleted the stored snapshot unfenced — the live owner's — and refused the
+    /// resume. Only a copy another session replaced (a newer login) refuses it.
+    #[test]
+    fn a_resume_of_a_superseded_copy_asks_the_store() {
+        let mut host = SessionHost::new(SessionHost::outbound_for_capacity(8));
+        let attempt = ResumeAttempt::proving(&[9; 16], &[1; 16], 1);
+        host.open(1);
+        host.established(1, [1; 16], "p".into(), 3);
+        assert_eq!(host.kick_superseded(&[1; 16], 5), SupersededKick::Kicked);
+        host.open(2);
+        assert_eq!(
+            host.request_hand_over(2, [1; 16], attempt.clone(), Instant::now()),
+            HandOverStart::NotLocal
+        );
+        // Restored from the store on connection 2: the entry is its, no longer ending.
+        host.established(2, [1; 16], "p".into(), 6);
+        assert_eq!(host.holder_of(&[1; 16]), Some(2));
+        assert!(!host.is_ending(&[1; 16]));
+
+        // Replaced by a newer login: the old session is not resumable.
+        let mut host = SessionHost::new(SessionHost::outbound_for_capacity(8));
+        host.open(1);
+        host.established(1, [1; 16], "q".into(), 3);
+        host.open(3);
+        host.established(3, [2; 16], "q".into(), 4);
+        host.open(2);
+        assert_eq!(
+            host.request_hand_over(2, [1; 16], attempt, Instant::now()),
+            HandOverStart::Ended
         );
     }
 
