@@ -155,6 +155,11 @@ pub struct DemoReport {
     /// Offsets skipped in those stretches, each checked to be no announcement an edge took
     /// (the log holds every one; a skipped announcement counts as out of order).
     pub channel_log_holes: u64,
+    /// Publications a member received twice in one epoch: a CHAT its sender resent after
+    /// its edge died, handled again (backends see a message at least once, PROTOCOL.md
+    /// §9.6) and published again. The demo backend publishes with the message's own id
+    /// (`publish_id_for`), which the edges deduplicate (§12.5): expected 0.
+    pub channel_duplicates: u64,
     /// CHANNEL_JOIN and CHAT messages refused explicitly (an ERROR from the edge or the
     /// backend, or the client could not queue them).
     pub channel_refused: u64,
@@ -192,6 +197,12 @@ impl DemoReport {
                 self.channel_order_violations
             ));
         }
+        if self.channel_duplicates > 0 {
+            why.push(format!(
+                "{} channel publications received twice",
+                self.channel_duplicates
+            ));
+        }
         if self.replies_from_drained_backend_after_1s > 0 {
             why.push(format!(
                 "{} requests sent more than 1 s after the drain answered by the drained backend",
@@ -209,7 +220,7 @@ impl DemoReport {
             format!(
                 "PASS: {} sessions, {} messages, 0 lost, 0 duplicated, {} refused explicitly, \
                  {} restores (p99 {} ms), {} with a reported gap; {} channel publications \
-                 in order",
+                 in order, each once",
                 t.sessions,
                 t.sent,
                 t.refused,
@@ -270,7 +281,7 @@ impl DemoReport {
         out.push_str(&row("total", &self.total));
         out.push_str(&format!(
             "kicked by second login: {}   resumed on another endpoint (transport or edge): {}   room events: {}\n\
-             channels (world, guild): {} publications, {} out of order, {} history lost, {} chat/join refused; {} announcements; {} stretches of the announcement log after a move to another edge, skipping {} normal publications; {} offsets skipped (announcements withdrawn: the log did not take them)\n\
+             channels (world, guild): {} publications, {} out of order, {} history lost, {} chat/join refused; {} announcements; {} stretches of the announcement log after a move to another edge, skipping {} normal publications; {} offsets skipped (announcements withdrawn: the log did not take them); {} publications received twice\n\
              sessions restarted (not restorable: RestoreFailedNewSession): {}, with {} echoes outstanding (answered by the restart)\n\
              drain of b3: replies from other backends {}, from b3 to requests sent more than 1 s later {}\n",
             self.kicked,
@@ -284,6 +295,7 @@ impl DemoReport {
             self.channel_log_stretches,
             self.channel_log_holes,
             self.channel_offsets_skipped,
+            self.channel_duplicates,
             self.session_restarts,
             self.replies_lost_to_restart,
             self.migrated_replies_from_other_backends,
@@ -629,6 +641,7 @@ async fn collect(
         report.channel_order_violations += c.skipped_beyond;
         report.channel_announcements += c.announcements;
         report.channel_log_stretches += c.log_stretches;
+        report.channel_duplicates += c.duplicates;
         report.channel_refused += r.channel_refused;
         report.migrated_replies_from_other_backends += r.after_drain_other_backend;
         report.replies_from_drained_backend_after_1s += r.late_from_drained;
@@ -855,7 +868,7 @@ async fn client_task(
                                 .split(|b| *b == b'|')
                                 .nth(1)
                                 .is_some_and(|t| t.starts_with(b"announce"));
-                            r.channels.publication(channel, position, announcement);
+                            r.channels.publication(channel, position, &body, announcement);
                         }
                         ChannelUpdate::Left { channel, .. } => r.channels.left(channel),
                         _ => {}
@@ -1154,6 +1167,7 @@ mod tests {
             |r: &mut DemoReport| r.total.lost = 1,
             |r: &mut DemoReport| r.total.duplicated = 1,
             |r: &mut DemoReport| r.channel_order_violations = 1,
+            |r: &mut DemoReport| r.channel_duplicates = 1,
             |r: &mut DemoReport| r.replies_from_drained_backend_after_1s = 1,
             |r: &mut DemoReport| r.total.sent = 0,
         ] {

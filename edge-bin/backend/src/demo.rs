@@ -241,8 +241,11 @@ impl Service for DemoService {
                 let body = Bytes::from(format!("{}|{said}", session.player_id()));
                 // Every edge's members hear it (channels are per edge). The sayer's own
                 // edge decides the answer; another edge's refusal is that edge's to count.
+                // One id per message: a CHAT its client resent after its edge died is
+                // handled again, and publishes nothing twice (PROTOCOL.md §12.5).
+                let id = session.publish_id_for(msg.client_seq, 0);
                 let results = session
-                    .publish_on_every_edge(channel, msg.class, body)
+                    .publish_on_every_edge_with_id(id, channel, msg.class, body)
                     .await;
                 for r in &results {
                     match &r.result {

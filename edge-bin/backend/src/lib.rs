@@ -217,6 +217,24 @@ pub fn next_request_id() -> u64 {
     .max(1)
 }
 
+/// The publish request id of publication `part` made for `session`'s message `client_seq`
+/// (see [`BackendSession::publish_id_for`]): a splitmix64 of the message's identity, the
+/// same in every process, never 0.
+pub fn message_publish_id(session: &SessionId, client_seq: u64, part: u32) -> u64 {
+    let half = |b: &[u8]| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(b);
+        u64::from_le_bytes(w)
+    };
+    let mut z = half(&session[..8])
+        ^ half(&session[8..]).rotate_left(29)
+        ^ client_seq.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ u64::from(part).wrapping_mul(0xD1B5_4A32_D192_ED03);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    (z ^ (z >> 31)).max(1)
+}
+
 type ChannelAnswers = Arc<Mutex<HashMap<u64, oneshot::Sender<LinkFrame>>>>;
 
 /// The link reader's hook: a CHANNEL_RESULT completes its request on the reader's own task,
@@ -582,6 +600,20 @@ impl BackendSession {
             .channel_request(request_id, frame, false)
             .await
             .map(|r| r.position)
+    }
+
+    /// The request id for publication `part` (0, 1, ... for several in one channel) made
+    /// while handling this session's message `client_seq`: the same for every copy of the
+    /// message, in every backend process. A client resends a message its edge had not
+    /// acknowledged when it died, and the resend is handled again (PROTOCOL.md §9.6);
+    /// publishing with this id, the edges that took the first copy's publication answer
+    /// `duplicate` and publish nothing twice (§12.5). `client_seq` 0 (a best-effort
+    /// message, never resent) gets a fresh id.
+    pub fn publish_id_for(&self, client_seq: u64, part: u32) -> u64 {
+        if client_seq == 0 {
+            return next_request_id();
+        }
+        message_publish_id(&self.inner.session_id, client_seq, part)
     }
 
     /// Publishes to `channel` through this session's edge, to its members there; waits for
@@ -1341,8 +1373,27 @@ impl CreditReturn {
 
 #[cfg(test)]
 mod tests {
-    use super::CreditReturn;
+    use super::{message_publish_id, CreditReturn};
     use proptest::prelude::*;
+
+    /// A message's publish id is the same for every copy of it (a resend after its edge
+    /// died; the reference answer is fixed so it stays the same across processes and
+    /// releases), and differs between messages, parts and sessions.
+    #[test]
+    fn a_message_publish_id_is_its_identity() {
+        let s = [7u8; 16];
+        assert_eq!(message_publish_id(&s, 12, 0), message_publish_id(&s, 12, 0));
+        assert_eq!(message_publish_id(&s, 12, 0), 0x42bf_9400_1d5a_8225);
+        let mut ids = std::collections::HashSet::new();
+        for session in [[7u8; 16], [8u8; 16]] {
+            for seq in 1..200 {
+                for part in 0..3 {
+                    assert!(ids.insert(message_publish_id(&session, seq, part)));
+                }
+            }
+        }
+        assert!(!ids.contains(&0));
+    }
 
     proptest! {
         /// Whatever order forwards are answered in, the credit returned never covers a

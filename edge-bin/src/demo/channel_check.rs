@@ -61,6 +61,12 @@ pub(super) struct ChannelCheck {
     /// offsets to account for. A move alone does not say where the stretch begins: the
     /// session's replay may hold an earlier move's HISTORY_LOST and what followed it.
     unjudged: HashMap<String, Vec<ChannelPosition>>,
+    /// Per channel: the epoch followed and a hash of each publication body seen in it.
+    bodies: HashMap<String, (u64, HashSet<u64>)>,
+    /// Publications whose body this member had already received in the same epoch (a
+    /// message its sender resent after an edge died was published again: backends see a
+    /// message at least once, PROTOCOL.md §9.6).
+    pub duplicates: u64,
     /// Publications received (every channel).
     pub publications: u64,
     /// HISTORY_LOST markers received.
@@ -169,10 +175,28 @@ impl ChannelCheck {
         &mut self,
         channel: String,
         position: ChannelPosition,
+        body: &[u8],
         announcement: bool,
     ) {
         self.publications += 1;
         self.announcements += u64::from(announcement);
+        let hash = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            body.hash(&mut h);
+            h.finish()
+        };
+        let seen = match self.bodies.get_mut(&channel) {
+            Some(seen) => seen,
+            None => self.bodies.entry(channel.clone()).or_default(),
+        };
+        if seen.0 != position.epoch {
+            *seen = (position.epoch, HashSet::new());
+        }
+        if !seen.1.insert(hash) {
+            self.duplicates += 1;
+            tracing::debug!(player = %self.player, %channel, ?position, "publication body received twice");
+        }
         if position.offset == 0 {
             // Best-effort: no offset, nothing to follow.
             return;
@@ -292,7 +316,13 @@ mod tests {
 
     fn feed(c: &mut ChannelCheck, events: &[(u64, u64, bool)]) {
         for &(epoch, offset, announcement) in events {
-            c.publication("world".into(), at(epoch, offset), announcement);
+            let body = format!("p|{epoch} {offset}");
+            c.publication(
+                "world".into(),
+                at(epoch, offset),
+                body.as_bytes(),
+                announcement,
+            );
         }
     }
 
@@ -381,16 +411,31 @@ mod tests {
         assert_eq!(c.order_samples.len(), 3);
     }
 
+    /// The same body twice in one epoch is a duplicate publication; in another epoch (the
+    /// same chat published on another edge) it is not.
+    #[test]
+    fn a_body_received_twice_in_an_epoch_is_a_duplicate() {
+        let mut c = member_at(E1, 0);
+        c.publication("world".into(), at(E1, 1), b"p|hi 7", false);
+        c.publication("world".into(), at(E1, 2), b"p|hi 8", false);
+        c.publication("world".into(), at(E1, 3), b"p|hi 7", false);
+        assert_eq!(c.duplicates, 1);
+        c.history_lost("world".into(), at(E2, 40));
+        c.publication("world".into(), at(E2, 41), b"p|hi 7", false);
+        assert_eq!(c.duplicates, 1);
+        assert_eq!(c.order_violations, 0);
+    }
+
     /// Recovered publications come before JOINED, which must be at the last of them.
     #[test]
     fn a_recovery_ends_with_joined_at_its_last_publication() {
         let mut c = ChannelCheck::new("p", ["guild:1".to_owned()]);
-        c.publication("guild:1".into(), at(E1, 4), false);
-        c.publication("guild:1".into(), at(E1, 5), false);
+        c.publication("guild:1".into(), at(E1, 4), b"a", false);
+        c.publication("guild:1".into(), at(E1, 5), b"b", false);
         c.joined("guild:1".into(), at(E1, 5));
         assert_eq!(c.order_violations, 0);
         let mut c = ChannelCheck::new("p", ["guild:1".to_owned()]);
-        c.publication("guild:1".into(), at(E1, 4), false);
+        c.publication("guild:1".into(), at(E1, 4), b"a", false);
         c.joined("guild:1".into(), at(E1, 6));
         assert_eq!(c.order_violations, 1);
     }
