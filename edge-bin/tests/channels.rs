@@ -828,3 +828,63 @@ async fn announcements_are_durable_in_redis_refused_without_it_and_recovered_on_
         other => panic!("{other:?}"),
     }
 }
+
+/// The same request id again while the edge is still writing that announcement to its log
+/// (a retry after a lost answer, or a client's message handled twice after its edge died,
+/// PROTOCOL.md §12.5) is answered `busy` by the edge; the backend SDK asks again until the
+/// write is done and returns the first copy's position as a duplicate. Before, the second
+/// copy failed with `busy`: its handler refused a message whose announcement was taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_copy_of_an_announcement_being_written_is_its_duplicate() {
+    let redis = support_redis::RedisServer::start();
+    let url = redis.url();
+    let (_s, _client, session) = announcement_edge(
+        |c| {
+            c.edge_id = "edge-1".into();
+            c.cluster.redis_url = url.clone();
+        },
+        "writer",
+    )
+    .await;
+    let publish = |id: u64| {
+        let s = session.clone();
+        tokio::spawn(async move {
+            s.publish_with_id(
+                id,
+                "system:news",
+                TrafficClass::Critical,
+                Bytes::from_static(b"once"),
+            )
+            .await
+        })
+    };
+    // One announcement through the log first (the stream and the writer are warm).
+    publish(waygate_backend::next_request_id())
+        .await
+        .unwrap()
+        .unwrap();
+    redis.pause();
+    let id = waygate_backend::next_request_id();
+    let first = publish(id);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let second = publish(id);
+    // Inside the 500 ms a Redis call may take before the write is given up.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    redis.resume();
+    // Answers to one id go to its longest waiting request (both copies are the same
+    // publication): one of them is the publication, the other its duplicate.
+    let first = first.await.unwrap().expect("the first copy is answered");
+    let second = second
+        .await
+        .unwrap()
+        .expect("the second copy is answered, not refused");
+    assert_eq!(
+        [first.duplicate, second.duplicate]
+            .iter()
+            .filter(|d| **d)
+            .count(),
+        1,
+        "{first:?} {second:?}"
+    );
+    assert_eq!(first.position, second.position);
+}

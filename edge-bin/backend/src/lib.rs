@@ -21,7 +21,7 @@
 
 pub mod demo;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -203,6 +203,10 @@ pub const SESSION_BUSY_RETRY_MS: u32 = 100;
 /// How long a channel request waits for the edge's CHANNEL_RESULT.
 const CHANNEL_ANSWER_WAIT: Duration = Duration::from_secs(5);
 
+/// How long a publish answered `busy` (its announcement still being written to the edge's
+/// log) is asked again: the edge answers an announcement within 4 s (PROTOCOL.md §12.5).
+const PERSISTING_WAIT: Duration = Duration::from_secs(5);
+
 /// A fresh channel request id, unique in this process and unlikely to repeat across
 /// processes (the edge remembers publish ids per channel to answer retries).
 pub fn next_request_id() -> u64 {
@@ -235,7 +239,11 @@ pub fn message_publish_id(session: &SessionId, client_seq: u64, part: u32) -> u6
     (z ^ (z >> 31)).max(1)
 }
 
-type ChannelAnswers = Arc<Mutex<HashMap<u64, oneshot::Sender<LinkFrame>>>>;
+/// Channel requests waiting for their CHANNEL_RESULT, by request id. One id can have
+/// several waiters (two copies of one client message publishing with its id,
+/// [`BackendSession::publish_id_for`]); every answer to an id concerns the same publication,
+/// so each answer goes to the longest waiting (each waiter is tagged to leave on its own).
+type ChannelAnswers = Arc<Mutex<HashMap<u64, VecDeque<(u64, oneshot::Sender<LinkFrame>)>>>>;
 
 /// The link reader's hook: a CHANNEL_RESULT completes its request on the reader's own task,
 /// so a handler waiting for one (a publish inside [`Service::message`]) never waits for the
@@ -243,7 +251,14 @@ type ChannelAnswers = Arc<Mutex<HashMap<u64, oneshot::Sender<LinkFrame>>>>;
 fn answer_hook(answers: ChannelAnswers) -> waygate_link::OnFrame {
     Arc::new(move |frame| match frame {
         LinkFrame::ChannelResult { request_id, .. } => {
-            let waiting = answers.lock().ok().and_then(|mut a| a.remove(&request_id));
+            let waiting = answers.lock().ok().and_then(|mut a| {
+                let queue = a.get_mut(&request_id)?;
+                let first = queue.pop_front().map(|(_, tx)| tx);
+                if queue.is_empty() {
+                    a.remove(&request_id);
+                }
+                first
+            });
             if let Some(tx) = waiting {
                 // Err only when the requester's future was dropped (it stopped waiting);
                 // a publish it retries with the same id is answered `duplicate`.
@@ -333,20 +348,61 @@ impl LinkSender {
         Ok(())
     }
 
+    /// Sends a channel request and waits for its answer. A CHANNEL_PUBLISH answered `busy`
+    /// — the edge is still writing an announcement with this request id to its log (a
+    /// retry of one whose answer was lost, or a client's message handled twice,
+    /// PROTOCOL.md §12.5) — is asked again after the retry-after until the write is done
+    /// (at most [`PERSISTING_WAIT`]): the answer is then that publication's (`duplicate`),
+    /// or its withdrawal.
     async fn channel_request(
         &self,
         request_id: u64,
         frame: LinkFrame,
         uses_credit: bool,
     ) -> Result<PublishAnswer, BackendError> {
+        let publish = matches!(frame, LinkFrame::ChannelPublish { .. });
+        let until = tokio::time::Instant::now() + PERSISTING_WAIT;
+        loop {
+            let result = self
+                .channel_request_once(request_id, frame.clone(), uses_credit)
+                .await;
+            match result {
+                Err(BackendError::ChannelRefused {
+                    code: CloseCode::Busy,
+                    retry_after_ms,
+                }) if publish && tokio::time::Instant::now() < until => {
+                    tokio::time::sleep(Duration::from_millis(u64::from(retry_after_ms.max(10))))
+                        .await;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn channel_request_once(
+        &self,
+        request_id: u64,
+        frame: LinkFrame,
+        uses_credit: bool,
+    ) -> Result<PublishAnswer, BackendError> {
+        static WAITER: AtomicU64 = AtomicU64::new(0);
+        let waiter = WAITER.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         {
             let mut answers = self.answers.lock().map_err(|_| BackendError::LinkClosed)?;
-            answers.insert(request_id, tx);
+            answers
+                .entry(request_id)
+                .or_default()
+                .push_back((waiter, tx));
         }
         let forget = || {
             if let Ok(mut a) = self.answers.lock() {
-                a.remove(&request_id);
+                if let Some(queue) = a.get_mut(&request_id) {
+                    queue.retain(|(w, _)| *w != waiter);
+                    if queue.is_empty() {
+                        a.remove(&request_id);
+                    }
+                }
             }
         };
         if uses_credit {
