@@ -168,6 +168,16 @@ pub struct DemoReport {
 }
 
 impl DemoReport {
+    /// One channel publication out of order, found at the end of the run (logged; the first
+    /// few kept as samples).
+    fn order_violation(&mut self, sample: String) {
+        self.channel_order_violations += 1;
+        tracing::warn!("{sample}");
+        if self.channel_order_samples.len() < ORDER_SAMPLES {
+            self.channel_order_samples.push(sample);
+        }
+    }
+
     /// What failed (nothing: the run passed).
     fn failures(&self) -> Vec<String> {
         let t = &self.total;
@@ -614,26 +624,18 @@ async fn collect(
             if services.iter().any(|s| s.was_withdrawn(channel, *position)) {
                 report.channel_offsets_skipped += 1;
             } else {
-                report.channel_order_violations += 1;
-                tracing::warn!(%channel, ?position, "channel offset skipped that no edge withdrew");
-                if report.channel_order_samples.len() < ORDER_SAMPLES {
-                    report.channel_order_samples.push(format!(
-                        "{channel}: offset {position:?} skipped and not withdrawn"
-                    ));
-                }
+                report.order_violation(format!(
+                    "{channel}: offset {position:?} skipped and not withdrawn"
+                ));
             }
         }
         // A hole in the announcement log's stretch is a normal publication that went with
         // its lost edge's epoch; an announcement there was lost.
         for (channel, position) in &c.log_holes {
             if services.iter().any(|s| s.was_announced(channel, *position)) {
-                report.channel_order_violations += 1;
-                tracing::warn!(%channel, ?position, "announcement missing from the announcement log's stretch");
-                if report.channel_order_samples.len() < ORDER_SAMPLES {
-                    report.channel_order_samples.push(format!(
-                        "{channel}: announcement {position:?} missing from the log's stretch"
-                    ));
-                }
+                report.order_violation(format!(
+                    "{channel}: announcement {position:?} missing from the log's stretch"
+                ));
             } else {
                 report.channel_log_holes += 1;
             }

@@ -628,6 +628,22 @@ async fn announcement_edge(
     (s, client, session)
 }
 
+/// [`announcement_edge`] with id `edge_id`, its announcement log in the Redis at `url`.
+async fn redis_announcement_edge(
+    url: &str,
+    edge_id: &str,
+    player: &str,
+) -> (Setup, Client, BackendSession) {
+    announcement_edge(
+        |c| {
+            c.edge_id = edge_id.into();
+            c.cluster.redis_url = url.to_owned();
+        },
+        player,
+    )
+    .await
+}
+
 /// Publishes, on `session`'s edge, announcements a2 and a4 around a normal n3, after the
 /// member saw a1 (returned: its position), then closes the member.
 async fn announcements_while_away(mut client: Client, session: &BackendSession) -> ChannelPosition {
@@ -733,14 +749,7 @@ async fn announcements_outlive_an_edge_restart_in_the_file_log() {
 async fn announcements_are_durable_in_redis_refused_without_it_and_recovered_on_another_edge() {
     let mut redis = support_redis::RedisServer::start();
     let url = redis.url();
-    let (s1, client, session) = announcement_edge(
-        |c| {
-            c.edge_id = "edge-1".into();
-            c.cluster.redis_url = url.clone();
-        },
-        "reader",
-    )
-    .await;
+    let (s1, client, session) = redis_announcement_edge(&url, "edge-1", "reader").await;
     let seen = announcements_while_away(client, &session).await;
     // In Redis: one stream for the channel's epoch, a1, a2 and a4 (not n3).
     let c = redis::Client::open(url.as_str()).unwrap();
@@ -760,14 +769,7 @@ async fn announcements_are_durable_in_redis_refused_without_it_and_recovered_on_
     assert_eq!(len, 3);
 
     // Another edge on the same Redis: a new session joined from the old position.
-    let (_s2, mut client, session2) = announcement_edge(
-        |c| {
-            c.edge_id = "edge-2".into();
-            c.cluster.redis_url = url.clone();
-        },
-        "reader",
-    )
-    .await;
+    let (_s2, mut client, session2) = redis_announcement_edge(&url, "edge-2", "reader").await;
     session2
         .join_channel("system:news", Some(seen))
         .await
@@ -838,14 +840,7 @@ async fn announcements_are_durable_in_redis_refused_without_it_and_recovered_on_
 async fn a_second_copy_of_an_announcement_being_written_is_its_duplicate() {
     let redis = support_redis::RedisServer::start();
     let url = redis.url();
-    let (_s, _client, session) = announcement_edge(
-        |c| {
-            c.edge_id = "edge-1".into();
-            c.cluster.redis_url = url.clone();
-        },
-        "writer",
-    )
-    .await;
+    let (_s, _client, session) = redis_announcement_edge(&url, "edge-1", "writer").await;
     let publish = |id: u64| {
         let s = session.clone();
         tokio::spawn(async move {

@@ -106,8 +106,28 @@ struct Room {
     members: HashMap<[u8; 16], BackendSession>,
 }
 
-/// Withdrawn announcements a [`DemoService`] remembers (beyond: counted only).
-const WITHDRAWN_KEPT: usize = 100_000;
+/// Publication positions a [`DemoService`] remembers per kind (the first 100,000).
+const POSITIONS_KEPT: usize = 100_000;
+
+/// A bounded set of publication positions: (channel, epoch, offset).
+#[derive(Debug, Default)]
+struct PositionSet(Mutex<std::collections::HashSet<(String, u64, u64)>>);
+
+impl PositionSet {
+    fn insert(&self, channel: &str, position: ChannelPosition) {
+        if let Ok(mut set) = self.0.lock() {
+            if set.len() < POSITIONS_KEPT {
+                set.insert((channel.to_owned(), position.epoch, position.offset));
+            }
+        }
+    }
+
+    fn contains(&self, channel: &str, position: ChannelPosition) -> bool {
+        self.0
+            .lock()
+            .is_ok_and(|set| set.contains(&(channel.to_owned(), position.epoch, position.offset)))
+    }
+}
 
 /// The demo service. Room state lives here, per instance.
 #[derive(Debug, Default)]
@@ -116,10 +136,10 @@ pub struct DemoService {
     room_of: Mutex<HashMap<[u8; 16], String>>,
     /// Announcements an edge withdrew: (channel, epoch, offset), the offsets members see
     /// skipped.
-    withdrawn: Mutex<std::collections::HashSet<(String, u64, u64)>>,
+    withdrawn: PositionSet,
     /// Announcements an edge took: (channel, epoch, offset). A member never sees one of
     /// them skipped, not even in the announcement log's stretch after its edge was lost.
-    announced: Mutex<std::collections::HashSet<(String, u64, u64)>>,
+    announced: PositionSet,
 }
 
 impl DemoService {
@@ -130,35 +150,15 @@ impl DemoService {
 
     /// Whether an edge withdrew an announcement this instance published to `channel` at
     /// `position` (its announcement log did not take it: the members there see that offset
-    /// skipped, PROTOCOL.md §12.5). Remembers the last 100,000.
+    /// skipped, PROTOCOL.md §12.5). Remembers the first 100,000.
     pub fn was_withdrawn(&self, channel: &str, position: ChannelPosition) -> bool {
-        self.withdrawn
-            .lock()
-            .is_ok_and(|w| w.contains(&(channel.to_owned(), position.epoch, position.offset)))
+        self.withdrawn.contains(channel, position)
     }
 
     /// Whether an edge took an announcement this instance published to `channel` at
     /// `position` (remembers the first 100,000).
     pub fn was_announced(&self, channel: &str, position: ChannelPosition) -> bool {
-        self.announced
-            .lock()
-            .is_ok_and(|a| a.contains(&(channel.to_owned(), position.epoch, position.offset)))
-    }
-
-    fn record_withdrawn(&self, channel: &str, position: ChannelPosition) {
-        Self::record(&self.withdrawn, channel, position);
-    }
-
-    fn record(
-        set: &Mutex<std::collections::HashSet<(String, u64, u64)>>,
-        channel: &str,
-        position: ChannelPosition,
-    ) {
-        if let Ok(mut w) = set.lock() {
-            if w.len() < WITHDRAWN_KEPT {
-                w.insert((channel.to_owned(), position.epoch, position.offset));
-            }
-        }
+        self.announced.contains(channel, position)
     }
 
     /// Number of messages said in `room` on this instance.
@@ -250,10 +250,10 @@ impl Service for DemoService {
                 for r in &results {
                     match &r.result {
                         Err(crate::BackendError::AnnouncementWithdrawn { position, .. }) => {
-                            self.record_withdrawn(channel, *position);
+                            self.withdrawn.insert(channel, *position);
                         }
                         Ok(receipt) if msg.class == TrafficClass::Critical => {
-                            Self::record(&self.announced, channel, receipt.position);
+                            self.announced.insert(channel, receipt.position);
                         }
                         _ => {}
                     }

@@ -222,21 +222,17 @@ pub fn next_request_id() -> u64 {
 }
 
 /// The publish request id of publication `part` made for `session`'s message `client_seq`
-/// (see [`BackendSession::publish_id_for`]): a splitmix64 of the message's identity, the
-/// same in every process, never 0.
+/// (see [`BackendSession::publish_id_for`]): the first 8 bytes (little-endian) of SHA-256
+/// over the session id, `client_seq` (u64 little-endian) and `part` (u32 little-endian) —
+/// the same in every process and release — and never 0.
 pub fn message_publish_id(session: &SessionId, client_seq: u64, part: u32) -> u64 {
-    let half = |b: &[u8]| {
-        let mut w = [0u8; 8];
-        w.copy_from_slice(b);
-        u64::from_le_bytes(w)
-    };
-    let mut z = half(&session[..8])
-        ^ half(&session[8..]).rotate_left(29)
-        ^ client_seq.wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        ^ u64::from(part).wrapping_mul(0xD1B5_4A32_D192_ED03);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    (z ^ (z >> 31)).max(1)
+    let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+    ctx.update(session);
+    ctx.update(&client_seq.to_le_bytes());
+    ctx.update(&part.to_le_bytes());
+    let mut id = [0u8; 8];
+    id.copy_from_slice(&ctx.finish().as_ref()[..8]);
+    u64::from_le_bytes(id).max(1)
 }
 
 /// Channel requests waiting for their CHANNEL_RESULT, by request id. One id can have
@@ -1439,7 +1435,9 @@ mod tests {
     fn a_message_publish_id_is_its_identity() {
         let s = [7u8; 16];
         assert_eq!(message_publish_id(&s, 12, 0), message_publish_id(&s, 12, 0));
-        assert_eq!(message_publish_id(&s, 12, 0), 0x42bf_9400_1d5a_8225);
+        // Python: int.from_bytes(hashlib.sha256(bytes([7] * 16) + (12).to_bytes(8, "little")
+        //   + (0).to_bytes(4, "little")).digest()[:8], "little")
+        assert_eq!(message_publish_id(&s, 12, 0), 0xb728_44fb_d6c6_7a03);
         let mut ids = std::collections::HashSet::new();
         for session in [[7u8; 16], [8u8; 16]] {
             for seq in 1..200 {
