@@ -26,12 +26,21 @@ fn config() -> ConnConfig {
     }
 }
 
-async fn ws_echo() -> (SocketAddr, tokio::task::JoinHandle<()>) {
-    let listener = ws::listen("127.0.0.1:0".parse().unwrap(), None, config())
+/// A WebSocket listener on an ephemeral loopback port (`tls`: wss), and its address.
+async fn loopback_listener(
+    tls: Option<&TlsIdentity>,
+    cfg: ConnConfig,
+) -> (waygate_transport::BoxListener, SocketAddr) {
+    let listener = ws::listen("127.0.0.1:0".parse().unwrap(), tls, cfg)
         .await
         .unwrap();
     let addr = listener.local_addr();
-    (addr, common::spawn_echo_server(Box::new(listener)))
+    (Box::new(listener), addr)
+}
+
+async fn ws_echo() -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    let (listener, addr) = loopback_listener(None, config()).await;
+    (addr, common::spawn_echo_server(listener))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -49,11 +58,8 @@ async fn ws_100_connections_1000_frames_each() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wss_100_connections_1000_frames_each() {
     let id = TlsIdentity::generate_dev(&[]).unwrap();
-    let listener = ws::listen("127.0.0.1:0".parse().unwrap(), Some(&id), config())
-        .await
-        .unwrap();
-    let addr = listener.local_addr();
-    let _server = common::spawn_echo_server(Box::new(listener));
+    let (listener, addr) = loopback_listener(Some(&id), config()).await;
+    let _server = common::spawn_echo_server(listener);
     let client = ClientTls::from_ca_pem(id.dev_ca_pem.as_deref().unwrap()).unwrap();
     common::many_connections(
         move || {
@@ -207,11 +213,8 @@ async fn a_foreign_origin_is_refused_at_the_upgrade() {
     use tokio_tungstenite::tungstenite::client::IntoClientRequest;
     let mut cfg = config();
     cfg.allowed_origins = vec!["https://play.example.com".to_string()].into();
-    let listener = ws::listen("127.0.0.1:0".parse().unwrap(), None, cfg)
-        .await
-        .unwrap();
-    let addr = listener.local_addr();
-    let _server = common::spawn_echo_server(Box::new(listener));
+    let (listener, addr) = loopback_listener(None, cfg).await;
+    let _server = common::spawn_echo_server(listener);
     let attempt = |origin: Option<&'static str>| async move {
         let mut request = format!("ws://{addr}/").into_client_request().unwrap();
         if let Some(o) = origin {
@@ -245,7 +248,7 @@ async fn a_frame_waiting_after_a_stall_wins_over_the_idle_timeout() {
     .await
     .unwrap();
     let addr = listener.local_addr();
-    let mut listener: waygate_transport::BoxListener = Box::new(listener);
+    let mut listener = listener;
     let mut client = connect_ws(addr, "127.0.0.1", "/", None, &config())
         .await
         .unwrap();
@@ -264,12 +267,9 @@ async fn a_frame_waiting_after_a_stall_wins_over_the_idle_timeout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ws_peer_closed_takes_no_frame_and_sees_the_close() {
-    let listener = ws::listen("127.0.0.1:0".parse().unwrap(), None, config())
-        .await
-        .unwrap();
-    let addr = listener.local_addr();
+    let (listener, addr) = loopback_listener(None, config()).await;
     common::peer_closed_checks(
-        Box::new(listener),
+        listener,
         move || async move { connect_ws(addr, "127.0.0.1", "/", None, &config()).await },
         MAX,
     )
@@ -282,11 +282,7 @@ async fn ws_peer_closed_takes_no_frame_and_sees_the_close() {
 /// the server's `recv` fails `going_away`, as a reset TCP connection does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_gone_without_a_closing_handshake_is_going_away_not_a_protocol_error() {
-    let listener = ws::listen("127.0.0.1:0".parse().unwrap(), None, config())
-        .await
-        .unwrap();
-    let addr = listener.local_addr();
-    let mut listener: waygate_transport::BoxListener = Box::new(listener);
+    let (mut listener, addr) = loopback_listener(None, config()).await;
     let sock = raw_upgrade(addr).await;
     let mut server = common::timeout(listener.accept()).await.unwrap();
     drop(sock);
