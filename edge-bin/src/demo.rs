@@ -411,6 +411,28 @@ impl ClientPlan {
             rooms: (options.clients / 30).max(10),
         }
     }
+
+    /// The CHAT client `index` (a member of `guild`) sends at its `n`-th tick, if any
+    /// (every tenth): its class and payload `<channel>|<text>`. Clients take turns (by
+    /// index), so world chats spread over the run instead of every client's first chat
+    /// going to world at once; one world chat in five is an announcement (critical: taken
+    /// once the edge's announcement log has it). The text names the client (`index`), not
+    /// only its player: a second login of a player counts its ticks from 0 again, and the
+    /// members' check takes a body heard twice in an epoch for a publication made twice.
+    fn chat(&self, index: usize, n: u64, guild: &str) -> Option<(TrafficClass, String)> {
+        if n % 10 != 7 {
+            return None;
+        }
+        let chat = n / 10 + index as u64;
+        let world = chat % self.world_every == 0;
+        let channel = if world { "world" } else { guild };
+        let (class, text) = if world && (chat / self.world_every) % 5 == 0 {
+            (TrafficClass::Critical, "announce")
+        } else {
+            (TrafficClass::Normal, "hi")
+        };
+        Some((class, format!("{channel}|{text} {index}.{n}")))
+    }
 }
 
 /// Runs the demo; returns its report.
@@ -789,20 +811,8 @@ async fn client_task(
                 if joined && n % 10 == 5 {
                     let _ = client.send(TrafficClass::Normal, ROOM_SAY, Bytes::from(format!("{room}|hello {n}"))).await;
                 }
-                if n % 10 == 7 {
-                    // Clients take turns (by index): world chats spread over the run
-                    // instead of every client's first chat going to world at once.
-                    let chat = n / 10 + index as u64;
-                    let world = chat % plan.world_every == 0;
-                    let channel = if world { "world" } else { guild.as_str() };
-                    // One world CHAT in five is an announcement (critical: taken once the
-                    // edge's announcement log has it).
-                    let (class, text) = if world && (chat / plan.world_every) % 5 == 0 {
-                        (TrafficClass::Critical, "announce")
-                    } else {
-                        (TrafficClass::Normal, "hi")
-                    };
-                    if client.send(class, CHAT, Bytes::from(format!("{channel}|{text} {n}"))).await.is_err() {
+                if let Some((class, payload)) = plan.chat(index, n, &guild) {
+                    if client.send(class, CHAT, Bytes::from(payload)).await.is_err() {
                         r.channel_refused += 1;
                     }
                 }
@@ -1153,6 +1163,34 @@ async fn redis_ping(port: u16) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by CI: the short demo's second login of demo-player-0 (client 36) counted its
+    /// ticks from 0 again and sent `world|hi 27` as the player's first device (client 0)
+    /// had; the world's 35 other members each counted "a publication received twice". Two
+    /// clients of one player never send the same chat text to a channel.
+    #[test]
+    fn two_devices_of_a_player_never_chat_the_same_text() {
+        let plan = ClientPlan::new(&DemoOptions {
+            clients: 36,
+            guilds: 5,
+            world_every: 2,
+            ..DemoOptions::default()
+        });
+        let said = |index: usize| {
+            let guild = format!("guild:{}", index % plan.guilds);
+            (0..1_000)
+                .filter_map(|n| plan.chat(index, n, &guild))
+                .map(|(_, payload)| payload)
+                .collect::<HashSet<_>>()
+        };
+        let first = said(0);
+        let second = said(36);
+        assert_eq!(first.len(), 100);
+        assert!(first.iter().any(|p| p.starts_with("world|announce")));
+        assert!(first.iter().any(|p| p.starts_with("world|hi")));
+        assert!(first.iter().any(|p| p.starts_with("guild:0|hi")));
+        assert_eq!(first.intersection(&second).count(), 0);
+    }
 
     /// Found by a 10,000-member run: its verdict said "FAIL: 3822 replies late" while
     /// `waygate demo` exited 0 (the exit code did not count late replies). One list of
