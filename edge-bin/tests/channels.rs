@@ -304,6 +304,8 @@ async fn refusals_reach_the_publisher_as_typed_codes_and_a_retry_is_not_publishe
         let room = c.channels.kinds.get_mut("room").unwrap();
         room.publish_rate = 1;
         room.publish_burst = 3;
+        // The edge remembers 4 publish ids, each for the (15 min) window.
+        c.channels.dedup_max_ids = 4;
     })
     .await;
     let (mut client, session) = s.member(TransportKind::Tcp, "p").await;
@@ -352,7 +354,42 @@ async fn refusals_reach_the_publisher_as_typed_codes_and_a_retry_is_not_publishe
             .await,
     );
     assert_eq!(code, CloseCode::RateLimited);
-    assert!(retry > 0, "a rate refusal says when to retry");
+    assert!(
+        retry > 0 && retry <= 1_000,
+        "a rate refusal says when to retry: {retry}"
+    );
+    // The fourth id fills the edge's publish-id window; a fifth is refused until the
+    // oldest id expires (never forgotten early), while a retry of a remembered id is
+    // still answered.
+    tokio::time::sleep(Duration::from_millis(u64::from(retry))).await;
+    session
+        .publish("room:r", TrafficClass::Normal, Bytes::from_static(b"w"))
+        .await
+        .unwrap();
+    let (code, retry) = refused(
+        session
+            .publish("room:r", TrafficClass::Normal, Bytes::new())
+            .await,
+    );
+    assert_eq!(code, CloseCode::RateLimited);
+    assert!(
+        retry > 800_000,
+        "retry when the oldest id expires: {retry} ms"
+    );
+    let again = session
+        .publish_with_id(id, "room:r", TrafficClass::Normal, Bytes::from_static(b"x"))
+        .await
+        .unwrap();
+    assert!(again.duplicate);
+    let admin = s.edge.admin_addr.unwrap();
+    let counted = poll_until(Duration::from_secs(5), || async {
+        let (_, m) = common::http(admin, "GET", "/metrics").await;
+        m.lines()
+            .find(|l| l.starts_with("waygate_channel_publish_ids 4"))
+            .map(drop)
+    })
+    .await;
+    assert!(counted.is_some(), "waygate_channel_publish_ids 4");
     next_update(&mut client).await; // JOINED
     let got: Vec<_> = [
         next_update(&mut client).await,

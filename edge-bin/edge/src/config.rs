@@ -784,6 +784,19 @@ impl EdgeConfig {
                 key: "channels",
                 message,
             })?;
+        if self.channels.dedup_window_secs < self.session.linger_secs {
+            // A client resends what the edge had not acknowledged when it resumes, up to
+            // the linger after its link dropped; a backend publishes it again with the same
+            // id (PROTOCOL.md §12.5). A window shorter than that publishes it twice.
+            return Err(ConfigError::Invalid {
+                key: "channels.dedup_window_secs",
+                message: format!(
+                    "{} s is shorter than session.linger_secs ({} s): a message resent on a \
+                     resume would be published twice",
+                    self.channels.dedup_window_secs, self.session.linger_secs
+                ),
+            });
+        }
         for (kind, policy) in &self.channels.kinds {
             // A publication is one DATA frame: its body plus the event header must fit.
             let header = waygate_protocol::channel::MAX_EVENT_OVERHEAD;
@@ -1027,6 +1040,27 @@ mod tests {
         );
         let fits = EdgeConfig::from_toml(&fits, Path::new("e"));
         assert!(fits.is_ok(), "{fits:?}");
+    }
+
+    /// Issue 15: the publish-id window is sized to the client's retry horizon (a resume
+    /// within the session linger resends what was not acknowledged); a shorter one is
+    /// refused at load, naming both keys.
+    #[test]
+    fn a_publish_id_window_shorter_than_the_linger_is_refused() {
+        let short = "[session]\nlinger_secs = 120\n[channels]\ndedup_window_secs = 60\n";
+        let err = EdgeConfig::from_toml(short, Path::new("e"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("channels.dedup_window_secs"), "{err}");
+        assert!(err.contains("session.linger_secs"), "{err}");
+        let covered = "[session]\nlinger_secs = 120\n[channels]\ndedup_window_secs = 120\n";
+        let ok = EdgeConfig::from_toml(covered, Path::new("e"));
+        assert!(ok.is_ok(), "{ok:?}");
+        let longer_linger = "[session]\nlinger_secs = 3600\n";
+        let err = EdgeConfig::from_toml(longer_linger, Path::new("e"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("channels.dedup_window_secs"), "{err}");
     }
 }
 

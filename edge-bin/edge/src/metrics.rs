@@ -165,6 +165,9 @@ pub struct EdgeMetrics {
     /// Announcements held until the announcement log has them (PROTOCOL.md §12.5): stuck
     /// above 0 means the log is slow or down (alert on it).
     pub announcements_held: Gauge,
+    /// Publish ids the channels remember (the dedup window, PROTOCOL.md §12.7): at
+    /// `channels.dedup_max_ids`, publishes with a new id are refused `rate_limited`.
+    pub channel_publish_ids: Gauge,
     /// Announcements members received from the announcement log (their edge was gone).
     pub announcements_recovered: Counter,
     /// Channel publications waiting for their consumer, by kind and class.
@@ -510,6 +513,7 @@ impl EdgeMetrics {
             channels_active: Gauge::default(),
             channel_pending: Gauge::default(),
             announcements_held: Gauge::default(),
+            channel_publish_ids: Gauge::default(),
             announcements_recovered: Counter::default(),
             channel_pending_by_class: Family::default(),
             registry: Registry::default(),
@@ -674,6 +678,11 @@ impl EdgeMetrics {
             "announcements_held",
             "Announcements held until the announcement log has them",
             m.announcements_held.clone(),
+        );
+        registry.register(
+            "channel_publish_ids",
+            "Publish ids the channels remember for dedup (refusals at channels.dedup_max_ids)",
+            m.channel_publish_ids.clone(),
         );
         registry.register(
             "announcements_recovered",

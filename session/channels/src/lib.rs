@@ -112,9 +112,16 @@ pub struct ChannelsConfig {
     /// A channel with no members, nothing pending and no live history is dropped after
     /// being idle this long (its next use starts a new epoch).
     pub idle_reclaim_ms: u64,
-    /// Publish ids remembered per channel to answer a retried publish with its first
-    /// result (0 turns publish dedup off).
-    pub dedup_window: usize,
+    /// How long a channel remembers a publish id, to answer a retried publish with its
+    /// first result, in seconds. A client resends an unacknowledged message when it
+    /// resumes, up to the session linger after its link dropped, and a backend handles it
+    /// again with the same id (PROTOCOL.md §12.5): the edge refuses a window shorter than
+    /// `session.linger_secs` at load.
+    pub dedup_window_secs: u64,
+    /// Publish ids the edge remembers at once, over all channels (up to ~170 bytes each): a
+    /// publish that would remember one more is refused `rate_limited` until the oldest
+    /// expires (an id is never forgotten early, which would publish a resend twice).
+    pub dedup_max_ids: usize,
     /// Departed members remembered per channel of a kind with `backlog` (the oldest is
     /// forgotten first; an entry also goes when its kind's history TTL has passed).
     pub backlog_players: usize,
@@ -154,7 +161,8 @@ impl Default for ChannelsConfig {
             max_channels: 10_000,
             max_channels_per_session: 64,
             idle_reclaim_ms: 60_000,
-            dedup_window: 1_024,
+            dedup_window_secs: 15 * 60,
+            dedup_max_ids: 1_048_576,
             backlog_players: 10_000,
             announcement_log: "auto".to_owned(),
             announcement_fsync: FsyncPolicy::Always,
@@ -177,6 +185,9 @@ impl ChannelsConfig {
         }
         if self.max_channels_per_session == 0 {
             return Err("channels.max_channels_per_session must be at least 1".into());
+        }
+        if self.dedup_window_secs == 0 || self.dedup_max_ids == 0 {
+            return Err("channels.dedup_window_secs and dedup_max_ids must be at least 1".into());
         }
         if self.announcement_log.is_empty() {
             return Err("channels.announcement_log: `auto`, `off`, `redis` or a file path".into());
@@ -435,8 +446,9 @@ struct Channel {
     /// A consumer has been asked for (in `ready`) or is running.
     scheduled: bool,
     limiter: TokenBucket,
-    recent: HashMap<u64, ChannelPosition>,
-    recent_order: VecDeque<u64>,
+    /// Publish ids remembered (the dedup window): the position each got and when it
+    /// expires (the hub's `dedup_order` forgets it then).
+    recent: HashMap<u64, (ChannelPosition, Instant)>,
     last_used: Instant,
     /// Kinds with backlog: departed players' last acknowledged positions.
     departed: HashMap<Arc<str>, (ChannelPosition, Instant)>,
@@ -549,6 +561,10 @@ pub struct ChannelHub {
     announcement_log: bool,
     /// Announcements held now, over all channels.
     held: usize,
+    /// Every publish id remembered, in publish order: when it expires, its channel and the
+    /// id (capped by `dedup_max_ids`; an entry whose channel was reclaimed or whose id was
+    /// withdrawn stays until it expires, and counts).
+    dedup_order: VecDeque<(Instant, Arc<str>, u64)>,
 }
 
 /// Splits a channel name into its kind, after checking it.
@@ -585,6 +601,23 @@ impl ChannelHub {
             stats: HubStats::default(),
             announcement_log: false,
             held: 0,
+            dedup_order: VecDeque::new(),
+        }
+    }
+
+    /// Forgets the publish ids whose window has passed (an id is forgotten only by the
+    /// entry that remembered it: the channel may have been reclaimed since, or the id
+    /// withdrawn and taken again).
+    fn expire_publish_ids(&mut self, now: Instant) {
+        while let Some((until, channel, id)) =
+            self.dedup_order.front().filter(|(until, ..)| *until <= now)
+        {
+            if let Some(ch) = self.channels.get_mut(channel) {
+                if ch.recent.get(id).is_some_and(|(_, u)| u == until) {
+                    ch.recent.remove(id);
+                }
+            }
+            self.dedup_order.pop_front();
         }
     }
 
@@ -633,16 +666,7 @@ impl ChannelHub {
                 ch.pending_direct -= before - ch.pending.len();
             }
             ch.history.retain(|s| s.offset != position.offset);
-            let ids: Vec<u64> = ch
-                .recent
-                .iter()
-                .filter(|(_, p)| **p == position)
-                .map(|(id, _)| *id)
-                .collect();
-            for id in ids {
-                ch.recent.remove(&id);
-                ch.recent_order.retain(|r| *r != id);
-            }
+            ch.recent.retain(|_, (p, _)| *p != position);
         }
         if !ch.scheduled && !ch.pending.is_empty() && !ch.blocked() {
             ch.scheduled = true;
@@ -708,7 +732,6 @@ impl ChannelHub {
                     scheduled: false,
                     limiter,
                     recent: HashMap::new(),
-                    recent_order: VecDeque::new(),
                     last_used: now,
                     departed: HashMap::new(),
                     departed_order: VecDeque::new(),
@@ -740,8 +763,9 @@ impl ChannelHub {
         class: TrafficClass,
         body: Bytes,
     ) -> Result<PublishReceipt, ChannelError> {
+        self.expire_publish_ids(now);
         if let Some(ch) = self.channels.get(channel) {
-            if let Some(position) = ch.recent.get(&request_id).filter(|_| request_id != 0) {
+            if let Some((position, _)) = ch.recent.get(&request_id).filter(|_| request_id != 0) {
                 if ch.held_at(position.offset).is_some() {
                     return Err(ChannelError::Persisting);
                 }
@@ -753,7 +777,19 @@ impl ChannelHub {
                 });
             }
         }
-        let dedup_window = self.config.dedup_window;
+        if request_id != 0 && self.dedup_order.len() >= self.config.dedup_max_ids {
+            // The edge remembers as many ids as it may, all younger than the window: one
+            // more would forget one early (a resend of it published twice). Retry when the
+            // oldest expires.
+            let until = self.dedup_order.front().map_or(now, |(until, ..)| *until);
+            return Err(ChannelError::RateLimited {
+                retry_after_ms: waygate_backpressure::RetryAfter(
+                    until.saturating_duration_since(now),
+                )
+                .as_millis_ceil_u32(),
+            });
+        }
+        let dedup_until = now + Duration::from_secs(self.config.dedup_window_secs);
         self.ensure_channel(now, channel)?;
         let ch = self
             .channels
@@ -810,14 +846,10 @@ impl ChannelHub {
             held,
         });
         self.held += usize::from(held);
-        if request_id != 0 && dedup_window > 0 {
-            if ch.recent_order.len() >= dedup_window {
-                if let Some(old) = ch.recent_order.pop_front() {
-                    ch.recent.remove(&old);
-                }
-            }
-            ch.recent.insert(request_id, position);
-            ch.recent_order.push_back(request_id);
+        if request_id != 0 {
+            ch.recent.insert(request_id, (position, dedup_until));
+            self.dedup_order
+                .push_back((dedup_until, ch.name.clone(), request_id));
         }
         Self::schedule(&mut self.ready, ch);
         Ok(PublishReceipt {
@@ -1181,6 +1213,7 @@ impl ChannelHub {
             ch.trim_history(now);
             ch.trim_departed(now);
         }
+        self.expire_publish_ids(now);
         let before = self.channels.len();
         self.channels.retain(|_, ch| !ch.is_idle(now, idle));
         let dropped = before - self.channels.len();
@@ -1206,6 +1239,11 @@ impl ChannelHub {
     /// Announcements held until the announcement log has them, over all channels.
     pub fn held(&self) -> usize {
         self.held
+    }
+
+    /// Publish ids remembered for dedup, over all channels (at most `dedup_max_ids`).
+    pub fn publish_ids(&self) -> usize {
+        self.dedup_order.len()
     }
 
     /// Items waiting for delivery, over all channels.
@@ -1234,6 +1272,9 @@ impl ChannelHub {
 
     /// Checks the hub's internal consistency (tests call it after every step).
     pub fn check_invariants(&self) -> Result<(), String> {
+        if self.dedup_order.len() > self.config.dedup_max_ids {
+            return Err("publish ids remembered over dedup_max_ids".into());
+        }
         for (name, ch) in &self.channels {
             let mut by_class = [0usize; 3];
             let mut direct = 0;
@@ -1259,6 +1300,15 @@ impl ChannelHub {
             }
             if ch.members.len() > ch.policy.max_members {
                 return Err(format!("{name}: members over the cap"));
+            }
+            // Every id remembered is forgotten by an entry of the hub's queue.
+            if ch.recent.iter().any(|(id, (_, until))| {
+                !self
+                    .dedup_order
+                    .iter()
+                    .any(|(u, c, i)| u == until && c == name && i == id)
+            }) {
+                return Err(format!("{name}: a publish id no expiry will forget"));
             }
             if ch.departed.len() > self.config.backlog_players
                 || ch.departed_order.len() > 2 * self.config.backlog_players.max(1) + 1

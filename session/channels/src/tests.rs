@@ -37,7 +37,8 @@ fn small_config() -> ChannelsConfig {
         max_channels: 3,
         max_channels_per_session: 2,
         idle_reclaim_ms: 1_000,
-        dedup_window: 8,
+        dedup_window_secs: 60,
+        dedup_max_ids: 8,
         backlog_players: 2,
         kinds: [
             ("room".to_owned(), kind.clone()),
@@ -513,16 +514,85 @@ fn a_retried_publish_is_answered_with_its_first_result() {
     assert!(!first.duplicate && again.duplicate);
     assert_eq!(first.position, again.position);
     assert_eq!(offsets_of(&drain(&mut hub), sid(1)), [1]);
-    // The window is bounded (8): an id older than that is a new publish.
-    for id in 100..108 {
-        hub.publish(now, "room:a", id, TrafficClass::BestEffort, Bytes::new())
+    // Within the window (60 s) the id is remembered however many publish after it...
+    let later = now + Duration::from_secs(59);
+    for id in 100..107 {
+        hub.publish(later, "room:a", id, TrafficClass::BestEffort, Bytes::new())
             .unwrap();
         drain(&mut hub);
     }
+    let again = hub
+        .publish(later, "room:a", 77, TrafficClass::Normal, Bytes::new())
+        .unwrap();
+    assert!(again.duplicate);
+    hub.check_invariants().unwrap();
+    // ... and after it, the id is a new publish.
     let old = hub
-        .publish(now, "room:a", 77, TrafficClass::Normal, Bytes::new())
+        .publish(
+            now + Duration::from_secs(60),
+            "room:a",
+            77,
+            TrafficClass::Normal,
+            Bytes::new(),
+        )
         .unwrap();
     assert!(!old.duplicate);
+    hub.check_invariants().unwrap();
+}
+
+/// The window never forgets an id early: an edge holding `dedup_max_ids` (8) ids younger
+/// than the window, over all its channels, refuses a publish with a new id `rate_limited`
+/// until the oldest expires; a retry of a remembered id is still answered.
+#[test]
+fn a_full_publish_id_window_refuses_until_its_oldest_expires() {
+    let now = Instant::now();
+    let mut hub = ChannelHub::new(small_config(), 5);
+    hub.join(now, sid(1), &player(1), "room:a", None).unwrap();
+    hub.join(now, sid(1), &player(1), "room:b", None).unwrap();
+    for (i, id) in (1..=8).enumerate() {
+        let at = now + Duration::from_secs(i as u64);
+        let channel = if id % 2 == 0 { "room:b" } else { "room:a" };
+        hub.publish(at, channel, id, TrafficClass::Normal, Bytes::new())
+            .unwrap();
+        drain(&mut hub);
+    }
+    let at = now + Duration::from_secs(10);
+    let refused = hub.publish(at, "room:b", 9, TrafficClass::Normal, Bytes::new());
+    // The oldest (id 1) was published at `now` and expires at now + 60 s.
+    assert_eq!(
+        refused,
+        Err(ChannelError::RateLimited {
+            retry_after_ms: 50_000
+        })
+    );
+    let retry = hub
+        .publish(at, "room:b", 8, TrafficClass::Normal, Bytes::new())
+        .unwrap();
+    assert!(retry.duplicate);
+    hub.check_invariants().unwrap();
+    // The sweep forgets expired ids: the next publish is taken.
+    hub.sweep(now + Duration::from_secs(60));
+    hub.check_invariants().unwrap();
+    let taken = hub
+        .publish(
+            now + Duration::from_secs(60),
+            "room:a",
+            9,
+            TrafficClass::Normal,
+            Bytes::new(),
+        )
+        .unwrap();
+    assert!(!taken.duplicate);
+    let first_again = hub
+        .publish(
+            now + Duration::from_secs(61),
+            "room:a",
+            1,
+            TrafficClass::Normal,
+            Bytes::new(),
+        )
+        .unwrap();
+    assert!(!first_again.duplicate, "id 1's window has passed");
 }
 
 #[test]
@@ -888,4 +958,41 @@ fn members_see_each_channel_in_order(ops: Vec<Op>, log: bool) -> Result<(), Test
     }
     prop_assert_eq!(hub.pending(), 0);
     Ok(())
+}
+
+/// A reclaimed channel's ids expire without touching the channel that comes back under its
+/// name: an id taken again there is remembered for its own window.
+#[test]
+fn a_reclaimed_channels_ids_do_not_expire_its_successors() {
+    let now = Instant::now();
+    let mut hub = ChannelHub::new(small_config(), 5);
+    hub.publish(now, "room:a", 5, TrafficClass::Normal, Bytes::new())
+        .unwrap();
+    drain(&mut hub);
+    // No members; the history (10 s TTL) and the idle time (1 s) pass: reclaimed.
+    let later = now + Duration::from_secs(11);
+    assert_eq!(hub.sweep(later), 1);
+    let again = hub
+        .publish(later, "room:a", 5, TrafficClass::Normal, Bytes::new())
+        .unwrap();
+    assert!(
+        !again.duplicate,
+        "a new epoch: the first one's ids went with it"
+    );
+    // (Not drained: the channel stays while its publication is pending.)
+    hub.check_invariants().unwrap();
+    // The first id's window ends (now + 60 s); the second's (later + 60 s) has not.
+    hub.sweep(now + Duration::from_secs(60));
+    hub.check_invariants().unwrap();
+    let retry = hub
+        .publish(
+            now + Duration::from_secs(60),
+            "room:a",
+            5,
+            TrafficClass::Normal,
+            Bytes::new(),
+        )
+        .unwrap();
+    assert!(retry.duplicate);
+    assert_eq!(retry.position, again.position);
 }

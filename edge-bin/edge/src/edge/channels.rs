@@ -654,6 +654,10 @@ pub(super) async fn channel_sweep_loop(shared: Weak<Shared>) {
         shared.metrics.channels_active.set(hub.channels() as i64);
         shared.metrics.channel_pending.set(hub.pending() as i64);
         shared.metrics.announcements_held.set(hub.held() as i64);
+        shared
+            .metrics
+            .channel_publish_ids
+            .set(hub.publish_ids() as i64);
         let recovered = hub.stats().logged_recovered;
         let counted = shared.metrics.announcements_recovered.get();
         shared
