@@ -360,6 +360,69 @@ async fn overload_level_rises_at_the_session_cap_and_refuses_new_connections() {
         .contains("waygate_overload_level 3"));
 }
 
+/// Issue 18: an edge whose event loop is saturated answers new connections with an
+/// explicit refusal instead of taking on work its live sessions would wait for. The test
+/// holds the edge's only worker thread in 400 ms stretches (a saturated loop: every 200 ms
+/// tick of the overload loop runs ~200 ms late); with `refuse_at_loop_lag_ms` = 100 the
+/// level reaches 3, the lag shows on /healthz and /metrics, and a HELLO gets REJECT
+/// `overloaded` with a retry-after. Once the loop is free the level falls (after its 5 s
+/// dwell) and connections are taken again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn a_saturated_event_loop_refuses_new_connections_until_it_recovers() {
+    let (edge, _b, _d) = edge_with(|c| {
+        c.backpressure.refuse_at_loop_lag_ms = 100;
+    })
+    .await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let hog = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            for _ in 0..100 {
+                if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+                // Blocks the worker on purpose: the edge's loop cannot run meanwhile.
+                std::thread::sleep(Duration::from_millis(400));
+                tokio::task::yield_now().await;
+            }
+        }
+    });
+    // (This test's body runs on its own thread, not on the runtime's worker.)
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while edge.admin().health()["overload_level"] != 3 {
+        assert!(std::time::Instant::now() < deadline, "level did not rise");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let lag = edge.admin().health()["event_loop_lag_ms"].as_u64().unwrap();
+    assert!(lag >= 100, "lag {lag} ms");
+    let metrics = edge.admin().metrics_text();
+    let gauge = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("waygate_event_loop_lag_seconds "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap();
+    assert!(gauge >= 0.1, "{gauge}");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    hog.await.unwrap();
+    match raw_hello(edge.addrs[&TransportKind::Tcp], "while-saturated").await {
+        Some(Frame::Reject(r)) => {
+            assert_eq!(r.code, CloseCode::Overloaded);
+            assert!(r.retry_after_ms > 0);
+        }
+        other => panic!("expected REJECT overloaded, got {other:?}"),
+    }
+    // The loop is free: the level falls after its dwell and a new session is taken.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while edge.admin().health()["overload_level"] != 0 {
+        assert!(tokio::time::Instant::now() < deadline, "level did not fall");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    match raw_hello(edge.addrs[&TransportKind::Tcp], "after-recovery").await {
+        Some(Frame::Welcome(_)) => {}
+        other => panic!("expected WELCOME, got {other:?}"),
+    }
+}
+
 /// Hardening item 3: KCP goes through the admission gate. One source completing KCP
 /// handshakes as fast as it can (HELLO, then CONNECT with each cookie) used to take every
 /// session slot (here 40); its HELLOs now meet its per-source bucket first (answered BUSY,

@@ -464,6 +464,10 @@ pub struct BackpressureConfig {
     pub max_sessions: u64,
     /// Memory budget for the overload levels, MiB (B5); 0 = no memory signal.
     pub memory_budget_mb: u64,
+    /// Event-loop lag at which the edge refuses new connections (overload level 3), ms: a
+    /// loop this late on every timer tick for a second is saturated. A quarter of it sheds
+    /// best-effort pushes (level 1). 0 = no lag signal (B5).
+    pub refuse_at_loop_lag_ms: u64,
 }
 
 impl Default for BackpressureConfig {
@@ -481,6 +485,7 @@ impl Default for BackpressureConfig {
             send_deadline_ms: 5_000,
             max_sessions: 0,
             memory_budget_mb: 0,
+            refuse_at_loop_lag_ms: waygate_backpressure::DEFAULT_REFUSE_LAG_MS,
         }
     }
 }

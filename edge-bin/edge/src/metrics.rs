@@ -136,6 +136,9 @@ pub struct EdgeMetrics {
     pub draining: Gauge,
     /// Overload level 0..=3 (B5).
     pub overload_level: Gauge,
+    /// The event loop's sustained lag (the least of a second's timer ticks), seconds: one
+    /// of the overload level's inputs (`backpressure.refuse_at_loop_lag_ms`).
+    pub event_loop_lag_seconds: Gauge<f64, AtomicU64>,
     /// Connections refused by admission control (B1).
     pub admission_refused: Counter,
     /// Best-effort pushes shed at overload level 1+ (B5).
@@ -495,6 +498,7 @@ impl EdgeMetrics {
             migrations: Counter::default(),
             draining: Gauge::default(),
             overload_level: Gauge::default(),
+            event_loop_lag_seconds: Gauge::default(),
             admission_refused: Counter::default(),
             overload_shed: Counter::default(),
             accept_loop_restarts: Family::default(),
@@ -608,6 +612,11 @@ impl EdgeMetrics {
             "overload_level",
             "Overload level 0..=3",
             m.overload_level.clone(),
+        );
+        registry.register(
+            "event_loop_lag_seconds",
+            "How late the event loop runs a timer, sustained over a second",
+            m.event_loop_lag_seconds.clone(),
         );
         registry.register(
             "admission_refused",

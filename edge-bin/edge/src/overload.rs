@@ -113,7 +113,7 @@ pub fn inbound_limits(config: &BackpressureConfig) -> InboundLimits {
     }
 }
 
-/// The overload governor (B5) with the edge's session cap and memory budget.
+/// The overload governor (B5) with the edge's session cap, memory budget and loop-lag limit.
 #[derive(Debug)]
 pub struct Governor {
     governor: Mutex<OverloadGovernor>,
@@ -123,6 +123,8 @@ pub struct Governor {
     pub shed_best_effort: AtomicBool,
     /// The current level (0..=3), for metrics and /healthz.
     pub level: AtomicU32,
+    /// The event loop's sustained lag last observed, ms (for /healthz).
+    pub loop_lag_ms: AtomicU64,
 }
 
 impl Governor {
@@ -140,30 +142,33 @@ impl Governor {
         };
         Self {
             governor: Mutex::new(OverloadGovernor::new(
-                GovernorConfig::for_limits(session_cap, memory),
+                GovernorConfig::for_limits(session_cap, memory, config.refuse_at_loop_lag_ms),
                 std::time::Instant::now(),
             )),
             session_cap,
             shed_best_effort: AtomicBool::new(false),
             level: AtomicU32::new(0),
+            loop_lag_ms: AtomicU64::new(0),
         }
     }
 
-    /// Feeds the current load; returns the retry-after to refuse new connections with, if
-    /// the level says so.
-    pub fn observe(&self, sessions: u64, memory_bytes: u64) -> Option<Duration> {
+    /// Feeds the current load (`loop_lag_ms`: the event loop's sustained lag, from a
+    /// [`LoopLag`](waygate_backpressure::LoopLag)); returns the retry-after to refuse new
+    /// connections with, if the level says so.
+    pub fn observe(&self, sessions: u64, memory_bytes: u64, loop_lag_ms: u64) -> Option<Duration> {
         let Ok(mut g) = self.governor.lock() else {
             return None;
         };
         let level = g.observe(
             std::time::Instant::now(),
             OverloadInputs {
-                queued_bytes: 0,
+                loop_lag_ms,
                 sessions,
                 memory_bytes,
             },
         );
         self.level.store(level as u32, Ordering::Release);
+        self.loop_lag_ms.store(loop_lag_ms, Ordering::Relaxed);
         self.shed_best_effort
             .store(g.shed_best_effort(), Ordering::Release);
         g.refuse_new_connections()

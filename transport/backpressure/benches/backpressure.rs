@@ -25,7 +25,7 @@ fn limits() -> InboundLimits {
 
 fn inputs(i: u64) -> OverloadInputs {
     OverloadInputs {
-        queued_bytes: i & 0xffff,
+        loop_lag_ms: i & 0xffff,
         sessions: 1_000,
         memory_bytes: 100 << 20,
     }
@@ -84,7 +84,8 @@ fn stages(c: &mut Criterion) {
 
     g.bench_function("governor_observe", |b| {
         let mut now = Instant::now();
-        let mut gov = OverloadGovernor::new(GovernorConfig::for_limits(100_000, 8 << 30), now);
+        let mut gov =
+            OverloadGovernor::new(GovernorConfig::for_limits(100_000, 8 << 30, 1_000), now);
         let mut i = 0u64;
         b.iter(|| {
             now += STEP;
@@ -120,7 +121,8 @@ fn stages(c: &mut Criterion) {
         for i in 0..64u64 {
             let _ = q.push(TrafficClass::Normal, i, 64, None);
         }
-        let mut gov = OverloadGovernor::new(GovernorConfig::for_limits(100_000, 8 << 30), now);
+        let mut gov =
+            OverloadGovernor::new(GovernorConfig::for_limits(100_000, 8 << 30, 1_000), now);
         let mut i = 0u64;
         b.iter(|| {
             now += STEP;

@@ -1,4 +1,4 @@
-//! [`OverloadGovernor`] (SPEC B5): global overload levels 0..=3 from total queued bytes,
+//! [`OverloadGovernor`] (SPEC B5): global overload levels 0..=3 from the event loop's lag,
 //! session count and process memory, with per-level enter/exit thresholds (hysteresis) and a
 //! minimum dwell before falling. Level 1 sheds best-effort, level 2 also slows non-critical
 //! pushes, level 3 also refuses new connections. Plus the default session cap (B5): half the
@@ -75,8 +75,9 @@ impl Threshold {
 /// Thresholds of one level (any input at or above its `enter` raises the level).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LevelThresholds {
-    /// Total bytes queued in outbound queues.
-    pub queued_bytes: Threshold,
+    /// How late the edge's event loop runs a timer, milliseconds (sustained: the shell
+    /// passes the least lag of its recent samples).
+    pub loop_lag_ms: Threshold,
     /// Sessions on the edge.
     pub sessions: Threshold,
     /// Process resident memory, bytes.
@@ -86,14 +87,14 @@ pub struct LevelThresholds {
 impl LevelThresholds {
     /// No input triggers this level.
     pub const DISABLED: LevelThresholds = LevelThresholds {
-        queued_bytes: Threshold::DISABLED,
+        loop_lag_ms: Threshold::DISABLED,
         sessions: Threshold::DISABLED,
         memory_bytes: Threshold::DISABLED,
     };
 
     fn pairs(&self, inputs: &OverloadInputs) -> [(u64, Threshold); 3] {
         [
-            (inputs.queued_bytes, self.queued_bytes),
+            (inputs.loop_lag_ms, self.loop_lag_ms),
             (inputs.sessions, self.sessions),
             (inputs.memory_bytes, self.memory_bytes),
         ]
@@ -112,6 +113,11 @@ impl LevelThresholds {
     }
 }
 
+/// The event-loop lag at which [`GovernorConfig::default`] refuses new connections (level
+/// 3), milliseconds: a loop a second late on every timer for a while is saturated, and new
+/// sessions would only add to what its live sessions wait for.
+pub const DEFAULT_REFUSE_LAG_MS: u64 = 1_000;
+
 /// Configuration of the [`OverloadGovernor`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GovernorConfig {
@@ -127,25 +133,34 @@ pub struct GovernorConfig {
 
 impl Default for GovernorConfig {
     fn default() -> Self {
-        Self::for_limits(default_session_cap(), 1024 * 1024 * 1024)
+        Self::for_limits(
+            default_session_cap(),
+            1024 * 1024 * 1024,
+            DEFAULT_REFUSE_LAG_MS,
+        )
     }
 }
 
 impl GovernorConfig {
-    /// Thresholds derived from a session cap and a memory budget: sessions at 70/85/95 % of
-    /// the cap, memory at 60/75/90 % of the budget, queued bytes at 15/25/35 % of the budget;
-    /// each exits 10 points lower.
-    pub fn for_limits(session_cap: u64, memory_budget: u64) -> Self {
+    /// Thresholds derived from a session cap, a memory budget and an event-loop lag: sessions
+    /// at 70/85/95 % of the cap and memory at 60/75/90 % of the budget, each exiting 10
+    /// points lower; loop lag at a quarter, half and all of `refuse_lag_ms`, each exiting
+    /// below half its enter (0 turns the lag input off).
+    pub fn for_limits(session_cap: u64, memory_budget: u64, refuse_lag_ms: u64) -> Self {
         let pct = |total: u64, p: u64| (u128::from(total) * u128::from(p) / 100) as u64;
         let t =
             |total: u64, p: u64| Threshold::new(pct(total, p), pct(total, p.saturating_sub(10)));
-        let level = |s: u64, m: u64, q: u64| LevelThresholds {
-            queued_bytes: t(memory_budget, q),
+        let lag = |part: u64| match refuse_lag_ms / part {
+            0 => Threshold::DISABLED,
+            enter => Threshold::new(enter, enter / 2),
+        };
+        let level = |s: u64, m: u64, l: u64| LevelThresholds {
+            loop_lag_ms: lag(l),
             sessions: t(session_cap, s),
             memory_bytes: t(memory_budget, m),
         };
         Self {
-            levels: [level(70, 60, 15), level(85, 75, 25), level(95, 90, 35)],
+            levels: [level(70, 60, 4), level(85, 75, 2), level(95, 90, 1)],
             min_dwell: Duration::from_secs(5),
             slow_push_factor: 0.5,
             refuse_retry_after: Duration::from_secs(5),
@@ -156,7 +171,7 @@ impl GovernorConfig {
     pub fn validate(&self) -> Result<(), String> {
         for (i, l) in self.levels.iter().enumerate() {
             for (name, t) in [
-                ("queued_bytes", l.queued_bytes),
+                ("loop_lag_ms", l.loop_lag_ms),
                 ("sessions", l.sessions),
                 ("memory_bytes", l.memory_bytes),
             ] {
@@ -167,7 +182,7 @@ impl GovernorConfig {
         }
         for w in self.levels.windows(2) {
             let (a, b) = (&w[0], &w[1]);
-            if b.queued_bytes.enter < a.queued_bytes.enter
+            if b.loop_lag_ms.enter < a.loop_lag_ms.enter
                 || b.sessions.enter < a.sessions.enter
                 || b.memory_bytes.enter < a.memory_bytes.enter
             {
@@ -184,12 +199,44 @@ impl GovernorConfig {
 /// One observation of the governor's inputs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct OverloadInputs {
-    /// Total bytes queued in outbound queues.
-    pub queued_bytes: u64,
+    /// How late the event loop runs a timer, milliseconds (sustained).
+    pub loop_lag_ms: u64,
     /// Sessions on the edge.
     pub sessions: u64,
     /// Process resident memory, bytes (0 if unknown).
     pub memory_bytes: u64,
+}
+
+/// Samples one sustained lag is taken over ([`LoopLag`]).
+pub const LOOP_LAG_SAMPLES: usize = 5;
+
+/// The event loop's sustained lag, for [`OverloadInputs::loop_lag_ms`]: the shell ticks a
+/// timer and tells each tick when it was due and when it ran; the sustained lag is the
+/// *least* lag of the last [`LOOP_LAG_SAMPLES`] ticks, so one slow turn (a burst, a page
+/// fault) raises nothing, while a loop late on every tick for that long does.
+#[derive(Debug, Clone, Default)]
+pub struct LoopLag {
+    samples: [u64; LOOP_LAG_SAMPLES],
+    next: usize,
+    seen: usize,
+}
+
+impl LoopLag {
+    /// A tick due at `due` ran at `now`.
+    pub fn sample(&mut self, due: Instant, now: Instant) {
+        let lag = now.saturating_duration_since(due).as_millis();
+        self.samples[self.next] = u64::try_from(lag).unwrap_or(u64::MAX);
+        self.next = (self.next + 1) % LOOP_LAG_SAMPLES;
+        self.seen = (self.seen + 1).min(LOOP_LAG_SAMPLES);
+    }
+
+    /// The sustained lag in milliseconds (0 until the window is full).
+    pub fn sustained_ms(&self) -> u64 {
+        if self.seen < LOOP_LAG_SAMPLES {
+            return 0;
+        }
+        self.samples.iter().copied().min().unwrap_or(0)
+    }
 }
 
 /// Counters of the [`OverloadGovernor`].

@@ -46,8 +46,9 @@ pub use admission::{
 pub use bucket::{Rate, RetryAfter, TokenBucket};
 pub use governor::{
     default_session_cap, fd_soft_limit, parse_fd_soft_limit, parse_rss_bytes, process_rss_bytes,
-    session_cap_for_fd_limit, GovernorConfig, GovernorStats, LevelThresholds, OverloadGovernor,
-    OverloadInputs, OverloadLevel, Threshold, FALLBACK_SESSION_CAP, UNLIMITED_FDS_ASSUMED,
+    session_cap_for_fd_limit, GovernorConfig, GovernorStats, LevelThresholds, LoopLag,
+    OverloadGovernor, OverloadInputs, OverloadLevel, Threshold, DEFAULT_REFUSE_LAG_MS,
+    FALLBACK_SESSION_CAP, LOOP_LAG_SAMPLES, UNLIMITED_FDS_ASSUMED,
 };
 pub use inbound::{InboundLimiter, InboundLimits, InboundStats, InboundVerdict};
 pub use outbound::{ClassStats, OutboundConfig, OutboundQueue, OutboundStats, Popped, PushOutcome};

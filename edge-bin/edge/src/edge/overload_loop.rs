@@ -15,16 +15,36 @@ pub(super) async fn overload_loop(shared: Weak<Shared>) {
     let mut sweeps = 0u32;
     // After 512 connections or sessions went away, freed memory goes back to the system.
     let mut trim = crate::memory::TrimPolicy::new(512);
+    // How late this tick runs is the event loop's lag (what every session's task waits
+    // for a worker too).
+    let mut lag = waygate_backpressure::LoopLag::default();
     loop {
-        tick.tick().await;
+        let due = tick.tick().await;
+        lag.sample(due.into_std(), std::time::Instant::now());
         let Some(shared) = shared.upgrade() else {
             return;
         };
         let sessions = shared.session_layer().registry.len() as u64;
         let memory = waygate_backpressure::process_rss_bytes().unwrap_or(0);
-        let refuse = shared.governor.observe(sessions, memory);
+        let loop_lag_ms = lag.sustained_ms();
+        shared
+            .metrics
+            .event_loop_lag_seconds
+            .set(loop_lag_ms as f64 / 1_000.0);
+        let before = shared.governor.level.load(Ordering::Acquire);
+        let refuse = shared.governor.observe(sessions, memory, loop_lag_ms);
         shared.admission.refuse_all(refuse);
         let level = shared.governor.level.load(Ordering::Acquire);
+        if level != before {
+            tracing::warn!(
+                from = before,
+                to = level,
+                sessions,
+                memory,
+                loop_lag_ms,
+                "overload level changed"
+            );
+        }
         shared.metrics.overload_level.set(i64::from(level));
         let refused = shared.admission.refused.load(Ordering::Relaxed);
         let counted = shared.metrics.admission_refused.get();

@@ -4,10 +4,10 @@ use OverloadLevel::*;
 
 const S: Duration = Duration::from_secs(1);
 
-/// Queued-bytes thresholds only: level n enters at n*100 and exits below n*100 - 30.
+/// Loop-lag thresholds only: level n enters at n*100 and exits below n*100 - 30.
 fn config() -> GovernorConfig {
     let level = |n: u64| LevelThresholds {
-        queued_bytes: Threshold::new(n * 100, n * 100 - 30),
+        loop_lag_ms: Threshold::new(n * 100, n * 100 - 30),
         ..LevelThresholds::DISABLED
     };
     GovernorConfig {
@@ -20,7 +20,7 @@ fn config() -> GovernorConfig {
 
 fn q(bytes: u64) -> OverloadInputs {
     OverloadInputs {
-        queued_bytes: bytes,
+        loop_lag_ms: bytes,
         ..OverloadInputs::default()
     }
 }
@@ -59,7 +59,7 @@ fn rises_at_once_and_falls_after_dwell_below_exit() {
 #[test]
 fn any_input_raises_the_level() {
     let t0 = Instant::now();
-    let cfg = GovernorConfig::for_limits(1_000, 10_000);
+    let cfg = GovernorConfig::for_limits(1_000, 10_000, 1_000);
     cfg.validate().unwrap();
     let mut g = OverloadGovernor::new(cfg, t0);
     let sessions = |n| OverloadInputs {
@@ -75,7 +75,7 @@ fn any_input_raises_the_level() {
     };
     let mut g = OverloadGovernor::new(cfg, t0);
     assert_eq!(g.observe(t0, mem), SlowPushes);
-    assert_eq!(g.observe(t0, q(3_500)), RefuseConnections);
+    assert_eq!(g.observe(t0, q(1_000)), RefuseConnections);
 }
 
 #[test]
@@ -87,7 +87,7 @@ fn disabled_thresholds_never_trigger() {
     };
     let mut g = OverloadGovernor::new(cfg, t0);
     let max = OverloadInputs {
-        queued_bytes: u64::MAX,
+        loop_lag_ms: u64::MAX,
         sessions: u64::MAX,
         memory_bytes: u64::MAX,
     };
@@ -98,10 +98,10 @@ fn disabled_thresholds_never_trigger() {
 fn validation() {
     assert!(config().validate().is_ok());
     let mut c = config();
-    c.levels[0].queued_bytes = Threshold::new(10, 20);
+    c.levels[0].loop_lag_ms = Threshold::new(10, 20);
     assert!(c.validate().unwrap_err().contains("exit > enter"));
     let mut c = config();
-    c.levels[2].queued_bytes = Threshold::new(50, 10);
+    c.levels[2].loop_lag_ms = Threshold::new(50, 10);
     assert!(c.validate().unwrap_err().contains("decrease"));
     let mut c = config();
     c.slow_push_factor = 0.0;
@@ -181,4 +181,61 @@ proptest! {
             prop_assert_eq!(g.since(), last_change);
         }
     }
+}
+
+/// One slow tick raises nothing; a loop late on every tick of the window does, and one
+/// tick on time brings the sustained lag down again.
+#[test]
+fn the_sustained_loop_lag_is_the_least_of_the_window() {
+    let t0 = Instant::now();
+    let ms = Duration::from_millis;
+    let mut lag = LoopLag::default();
+    let tick = |lag: &mut LoopLag, i: u64, late: u64| {
+        let due = t0 + ms(200 * i);
+        lag.sample(due, due + ms(late));
+    };
+    for i in 0..4 {
+        tick(&mut lag, i, 2_000);
+    }
+    assert_eq!(lag.sustained_ms(), 0, "not a full window yet");
+    tick(&mut lag, 4, 1_500);
+    assert_eq!(lag.sustained_ms(), 1_500);
+    tick(&mut lag, 5, 3);
+    assert_eq!(lag.sustained_ms(), 3);
+    for i in 6..10 {
+        tick(&mut lag, i, 900);
+    }
+    assert_eq!(
+        lag.sustained_ms(),
+        3,
+        "the on-time tick is still in the window"
+    );
+    tick(&mut lag, 10, 950);
+    assert_eq!(lag.sustained_ms(), 900);
+    // A clock that went backwards is no lag.
+    lag.sample(t0 + ms(5_000), t0);
+    assert_eq!(lag.sustained_ms(), 0);
+}
+
+/// The default thresholds: a loop a quarter of `refuse_lag_ms` late sheds best-effort, all
+/// of it refuses connections; 0 turns the input off.
+#[test]
+fn loop_lag_thresholds_follow_the_refusal_lag() {
+    let c = GovernorConfig::for_limits(1_000, 1 << 30, 1_000);
+    assert!(c.validate().is_ok());
+    let t0 = Instant::now();
+    let mut g = OverloadGovernor::new(c, t0);
+    let lag = |ms: u64| OverloadInputs {
+        loop_lag_ms: ms,
+        ..OverloadInputs::default()
+    };
+    assert_eq!(g.observe(t0, lag(249)), Normal);
+    assert_eq!(g.observe(t0, lag(250)), ShedBestEffort);
+    assert_eq!(g.observe(t0, lag(1_000)), RefuseConnections);
+    // Held until below half the enter (500), after the dwell.
+    assert_eq!(g.observe(t0 + 10 * S, lag(500)), RefuseConnections);
+    assert_eq!(g.observe(t0 + 10 * S, lag(499)), SlowPushes);
+    let off = GovernorConfig::for_limits(1_000, 1 << 30, 0);
+    let mut g = OverloadGovernor::new(off, t0);
+    assert_eq!(g.observe(t0, lag(u64::MAX)), Normal);
 }
