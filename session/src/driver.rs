@@ -22,13 +22,13 @@ use waygate_transport::{BoxConnection, CloseCode, TrafficClass};
 use crate::auth::Authenticator;
 use crate::counters::SessionCounters;
 use crate::host::{
-    apply_work, Command as HostCommand, ConnTaskId, EstablishOutcome, HandOverStart, HostAnswer,
-    Reply, SessionHost, SupersededKick, Work,
+    apply_work, resume_from_store, Command as HostCommand, ConnTaskId, EstablishOutcome,
+    HandOverStart, HostAnswer, Reply, ResumeFromStore, SessionHost, SupersededKick, Work,
 };
 use crate::machine::{Action, EndReason, SessionConfig, SessionEnd, SessionMachine, Upstream};
 use crate::resume::hex_id;
 use crate::rng::{SessionRng, SystemRng};
-use crate::store::{OwnershipRegistry, Snapshot, SnapshotStore, SnapshotWrite, TakeOutcome};
+use crate::store::{OwnershipRegistry, Snapshot, SnapshotStore, SnapshotWrite};
 pub use crate::write_through::WriteThrough;
 
 /// Why the router could not take an upstream message (answered with an ERROR frame).
@@ -439,6 +439,9 @@ pub struct SessionLayer {
     pub trace_sample_rate: f64,
     /// Connections seen, for the sampling decision (an even spread, no RNG).
     traced: AtomicU64,
+    /// While not 0: new sessions are refused with this retry-after, ms
+    /// ([`SessionLayer::set_new_sessions_refused`]).
+    new_sessions_refused_ms: AtomicU64,
 }
 
 /// Whether the client sees state from this action (see [`WriteThrough`]).
@@ -489,6 +492,25 @@ impl SessionLayer {
             write_through: None,
             trace_sample_rate: 1.0,
             traced: AtomicU64::new(0),
+            new_sessions_refused_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// From now on, a HELLO without a resume request is refused `overloaded` with
+    /// `retry_after` (`None`: new sessions are taken again). The edge's overload level 2
+    /// sets it: the players already on the edge get back first.
+    pub fn set_new_sessions_refused(&self, retry_after: Option<Duration>) {
+        let ms = retry_after.map_or(0, |d| {
+            u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+        });
+        self.new_sessions_refused_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// The retry-after new sessions are refused with now, if they are.
+    pub fn new_sessions_refused(&self) -> Option<Duration> {
+        match self.new_sessions_refused_ms.load(Ordering::Relaxed) {
+            0 => None,
+            ms => Some(Duration::from_millis(ms)),
         }
     }
 
@@ -744,6 +766,11 @@ impl Task {
                 }
             }
         }
+        if let (waygate_transport::Frame::Hello(_), Some(retry_after)) =
+            (&frame, self.edge.new_sessions_refused())
+        {
+            self.machine.refuse_new_sessions(retry_after);
+        }
         if let Err(e) = self.machine.handle_frame(now(), frame) {
             tracing::debug!(error = %e, "session input refused");
         }
@@ -908,8 +935,7 @@ impl Task {
     fn held_elsewhere(&self, session_id: &SessionId) -> bool {
         self.edge
             .registry
-            .host(|h| h.holder_of(session_id))
-            .is_some_and(|holder| holder != self.id)
+            .host(|h| h.held_elsewhere(session_id, self.id))
     }
 
     /// Writes the session's snapshot to the store unless identical to the last one written.
@@ -1061,29 +1087,21 @@ impl Task {
                 let start = edge
                     .registry
                     .host(|h| h.request_hand_over(self.id, session_id, attempt.clone(), now()));
-                // Decided here (taken, mismatch, or ended by a takeover), or ask the store.
-                let local = match start {
-                    HandOverStart::NotLocal => None,
-                    HandOverStart::Ended => {
-                        // Taken over: a copy its old task may have stored is not resumable.
-                        let _ = edge.snapshots.delete(&session_id, None).await;
-                        Some(TakeOutcome::NotFound)
-                    }
-                    HandOverStart::Pending => match self.answer().await {
-                        Some(HostAnswer::HandOver(Some(
-                            o @ (TakeOutcome::Taken(_) | TakeOutcome::Mismatch),
-                        ))) => Some(o),
-                        _ => None,
-                    },
+                let answer = match start {
+                    HandOverStart::Pending => self.answer().await,
+                    HandOverStart::NotLocal | HandOverStart::Ended => None,
                 };
-                let result = match local {
-                    Some(TakeOutcome::Taken(s)) => {
-                        // The old task may have persisted it on detach: that copy is spent.
-                        let _ = edge.snapshots.delete(&session_id, Some(s.fencing)).await;
-                        Ok(TakeOutcome::Taken(s))
+                // Decided here (taken, mismatch, or ended by a takeover), or ask the store.
+                let result = match resume_from_store(start, answer) {
+                    ResumeFromStore::TakeProven => {
+                        edge.snapshots.take_proven(&session_id, &attempt).await
                     }
-                    Some(decided) => Ok(decided),
-                    None => edge.snapshots.take_proven(&session_id, &attempt).await,
+                    ResumeFromStore::Decided { outcome, delete } => {
+                        if let Some(fencing) = delete {
+                            let _ = edge.snapshots.delete(&session_id, fencing).await;
+                        }
+                        Ok(outcome)
+                    }
                 };
                 self.phases.restore += t0.elapsed();
                 let _ = self.machine.handle_snapshot(now(), result);
@@ -1251,6 +1269,12 @@ impl Task {
                     .await
                     .unwrap_or(false);
                 let _ = edge.snapshots.delete(&session_id, Some(fencing)).await;
+                if self.held_elsewhere(&session_id) {
+                    // Restored on another connection of this edge during the awaits above:
+                    // the router entry and channel memberships are that copy's now.
+                    tracing::info!(session = %hex_id(&session_id), "ended copy restored meanwhile");
+                    return;
+                }
                 edge.upstream
                     .session_event(SessionEvent::Ended {
                         session_id,

@@ -201,6 +201,54 @@ pub enum HandOverStart {
     Pending,
 }
 
+/// What a resume does with the shared store once the host has had its say
+/// ([`resume_from_store`]).
+#[derive(Debug, PartialEq, Eq)]
+pub enum ResumeFromStore {
+    /// Not decided on this edge: take the snapshot from the store, proving the attempt
+    /// (`SnapshotStore::take_proven`).
+    TakeProven,
+    /// Decided here: delete the store's copy of the session first (`Some(Some(fencing))`:
+    /// only the copy of that fencing; `Some(None)`: whatever copy), then answer `outcome`.
+    Decided {
+        /// The resume's outcome.
+        outcome: TakeOutcome,
+        /// Which store copy to delete, if any.
+        delete: Option<Option<u64>>,
+    },
+}
+
+/// The one rule for a resume's store step, after [`SessionHost::request_hand_over`]
+/// returned `start` (and, when that was [`HandOverStart::Pending`], the holder's `answer`):
+///
+/// - a session taken over by a newer login is not resumable, not even from a copy its old
+///   task may have stored (delete any copy; `NotFound`);
+/// - a live holder's snapshot (`Taken`) is the session: a copy it persisted on detach is
+///   spent (delete that fencing's copy); a `Mismatch` is final;
+/// - anything else (not held here, no answer in time, the holder had nothing to give) is
+///   the store's to decide.
+pub fn resume_from_store(start: HandOverStart, answer: Option<HostAnswer>) -> ResumeFromStore {
+    match (start, answer) {
+        (HandOverStart::Ended, _) => ResumeFromStore::Decided {
+            outcome: TakeOutcome::NotFound,
+            delete: Some(None),
+        },
+        (HandOverStart::Pending, Some(HostAnswer::HandOver(Some(TakeOutcome::Taken(s))))) => {
+            ResumeFromStore::Decided {
+                delete: Some(Some(s.fencing)),
+                outcome: TakeOutcome::Taken(s),
+            }
+        }
+        (HandOverStart::Pending, Some(HostAnswer::HandOver(Some(TakeOutcome::Mismatch)))) => {
+            ResumeFromStore::Decided {
+                outcome: TakeOutcome::Mismatch,
+                delete: None,
+            }
+        }
+        _ => ResumeFromStore::TakeProven,
+    }
+}
+
 /// What to do with a hand-over's outcome ([`SessionHost::handed_over`]).
 #[derive(Debug, PartialEq, Eq)]
 pub enum HandedOver {
@@ -1009,7 +1057,15 @@ impl SessionHost {
         self.sessions.get(session_id).map(|e| e.player.clone())
     }
 
-    /// The connection holding a session.
+    /// Whether `session_id` is held by another connection than `conn`: `conn`'s copy is
+    /// stale (the session was restored elsewhere while `conn` was stuck) and must not
+    /// write the store, end the session or touch its router entry.
+    pub fn held_elsewhere(&self, session_id: &SessionId, conn: ConnTaskId) -> bool {
+        self.holder_of(session_id)
+            .is_some_and(|holder| holder != conn)
+    }
+
+    /// The connection holding `session_id`, if any.
     pub fn holder_of(&self, session_id: &SessionId) -> Option<ConnTaskId> {
         self.sessions.get(session_id).map(|e| e.holder)
     }
@@ -1159,6 +1215,57 @@ pub fn apply_work(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The one rule both the tokio driver and the pair harness follow for a resume's store
+    /// step: a takeover ends resumability, a live holder's answer decides (its detach copy
+    /// spent), anything else is the store's.
+    #[test]
+    fn a_resume_asks_the_store_unless_this_edge_decided() {
+        let taken = crate::testkit::store_contract::snapshot(1, "p", 7);
+        assert_eq!(
+            resume_from_store(
+                HandOverStart::Pending,
+                Some(HostAnswer::HandOver(Some(TakeOutcome::Taken(Box::new(
+                    taken.clone()
+                )))))
+            ),
+            ResumeFromStore::Decided {
+                outcome: TakeOutcome::Taken(Box::new(taken)),
+                delete: Some(Some(7)),
+            }
+        );
+        assert_eq!(
+            resume_from_store(
+                HandOverStart::Pending,
+                Some(HostAnswer::HandOver(Some(TakeOutcome::Mismatch)))
+            ),
+            ResumeFromStore::Decided {
+                outcome: TakeOutcome::Mismatch,
+                delete: None,
+            }
+        );
+        assert_eq!(
+            resume_from_store(HandOverStart::Ended, None),
+            ResumeFromStore::Decided {
+                outcome: TakeOutcome::NotFound,
+                delete: Some(None),
+            }
+        );
+        for (start, answer) in [
+            (HandOverStart::NotLocal, None),
+            (HandOverStart::Pending, None),
+            (HandOverStart::Pending, Some(HostAnswer::HandOver(None))),
+            (
+                HandOverStart::Pending,
+                Some(HostAnswer::HandOver(Some(TakeOutcome::NotFound))),
+            ),
+        ] {
+            assert_eq!(
+                resume_from_store(start, answer),
+                ResumeFromStore::TakeProven
+            );
+        }
+    }
 
     fn limits() -> InboundLimits {
         InboundLimits {

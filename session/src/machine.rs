@@ -619,6 +619,9 @@ struct Pending {
     resume_token: Option<[u8; 16]>,
     /// The snapshot as taken, to put back unchanged if the handshake fails after it.
     taken: Option<Box<Snapshot>>,
+    /// The edge takes no new session now ([`SessionMachine::refuse_new_sessions`]): a
+    /// HELLO without a resume request is answered REJECT `overloaded` with this retry-after.
+    refuse_new: Option<Duration>,
 }
 
 /// [`Pending`], allocated only while a handshake is under way: an established session
@@ -855,7 +858,23 @@ impl SessionMachine {
         }
     }
 
+    /// The edge is taking no new session now (its overload level, B5): a HELLO that comes
+    /// without a resume request is refused `overloaded` with `retry_after`; a resume (and a
+    /// new session after a resume that failed) goes on. Call before the HELLO is handled.
+    pub fn refuse_new_sessions(&mut self, retry_after: Duration) {
+        self.pending.refuse_new = Some(retry_after);
+    }
+
     fn reject(&mut self, code: CloseCode, message: String) {
+        let retry_after = if code == CloseCode::Unavailable {
+            Duration::from_secs(1)
+        } else {
+            Duration::ZERO
+        };
+        self.reject_after(code, message, retry_after);
+    }
+
+    fn reject_after(&mut self, code: CloseCode, message: String, retry_after: Duration) {
         match code {
             CloseCode::AuthMalformed
             | CloseCode::AuthBadSignature
@@ -866,11 +885,7 @@ impl SessionMachine {
             CloseCode::ResumeRejected => SessionCounters::bump(&self.counters.rejected_resume),
             _ => SessionCounters::bump(&self.counters.rejected_other),
         }
-        let retry_after_ms = if code == CloseCode::Unavailable {
-            1000
-        } else {
-            0
-        };
+        let retry_after_ms = u32::try_from(retry_after.as_millis()).unwrap_or(u32::MAX);
         self.actions.push_back(Action::Send(Frame::Reject(Reject {
             code,
             retry_after_ms,
@@ -947,6 +962,16 @@ impl SessionMachine {
                 format!("protocol version {} not supported", hello.version),
             );
             return Err(SessionError::UnsupportedVersion(hello.version));
+        }
+        if hello.resume.is_none() {
+            if let Some(retry_after) = self.pending.refuse_new.take() {
+                self.reject_after(
+                    CloseCode::Overloaded,
+                    "overloaded: no new session now (a resume is taken)".into(),
+                    retry_after,
+                );
+                return Ok(());
+            }
         }
         self.pending.resume = hello.resume;
         if !hello.token.is_empty() {

@@ -113,6 +113,15 @@ pub fn inbound_limits(config: &BackpressureConfig) -> InboundLimits {
     }
 }
 
+/// What the overload level refuses now, each with its retry-after.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OverloadRefusals {
+    /// Every new connection, at accept (level 3).
+    pub connections: Option<Duration>,
+    /// New sessions: a HELLO without a resume request (level 2 and above).
+    pub new_sessions: Option<Duration>,
+}
+
 /// The overload governor (B5) with the edge's session cap, memory budget and loop-lag limit.
 #[derive(Debug)]
 pub struct Governor {
@@ -153,11 +162,10 @@ impl Governor {
     }
 
     /// Feeds the current load (`loop_lag_ms`: the event loop's sustained lag, from a
-    /// [`LoopLag`](waygate_backpressure::LoopLag)); returns the retry-after to refuse new
-    /// connections with, if the level says so.
-    pub fn observe(&self, sessions: u64, memory_bytes: u64, loop_lag_ms: u64) -> Option<Duration> {
+    /// [`LoopLag`](waygate_backpressure::LoopLag)); returns what the level refuses.
+    pub fn observe(&self, sessions: u64, memory_bytes: u64, loop_lag_ms: u64) -> OverloadRefusals {
         let Ok(mut g) = self.governor.lock() else {
-            return None;
+            return OverloadRefusals::default();
         };
         let level = g.observe(
             std::time::Instant::now(),
@@ -171,6 +179,9 @@ impl Governor {
         self.loop_lag_ms.store(loop_lag_ms, Ordering::Relaxed);
         self.shed_best_effort
             .store(g.shed_best_effort(), Ordering::Release);
-        g.refuse_new_connections()
+        OverloadRefusals {
+            connections: g.refuse_new_connections(),
+            new_sessions: g.refuse_new_sessions(),
+        }
     }
 }

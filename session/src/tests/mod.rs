@@ -521,6 +521,34 @@ fn resume_only_hello_restores_without_auth_token() {
     );
 }
 
+/// Overload level 2 (B5): an edge taking no new session refuses a fresh login `overloaded`
+/// with the retry-after, before any auth work, while a resume of an existing session (with
+/// or without an auth token) is taken, so the players already on the edge get back first.
+#[test]
+fn an_edge_refusing_new_sessions_still_takes_resumes() {
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "alice");
+    let sid = p.session(c);
+    p.cut(c);
+    p.edge.refuse_new_sessions = Some(Duration::from_secs(5));
+    let (_, frames) = raw_hello(&mut p, token_for("bob"), None);
+    match frames.iter().find(|f| matches!(f, Frame::Reject(_))) {
+        Some(Frame::Reject(r)) => {
+            assert_eq!(r.code, CloseCode::Overloaded);
+            assert_eq!(r.retry_after_ms, 5_000);
+        }
+        other => panic!("expected REJECT overloaded, got {other:?} in {frames:?}"),
+    }
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(welcomed(&p, c).last(), Some(&WelcomeOutcome::Restored));
+    assert_eq!(p.session(c), sid);
+    // Taking new sessions again: a login goes through.
+    p.edge.refuse_new_sessions = None;
+    let (_, frames) = raw_hello(&mut p, token_for("bob"), None);
+    assert_eq!(welcome_outcome(&frames), Some(WelcomeOutcome::NewSession));
+}
+
 /// Sends a raw HELLO on a fresh machine; returns the machine index and its frames.
 fn raw_hello(p: &mut Pair, token: Bytes, resume: Option<ResumeRequest>) -> (usize, Vec<Frame>) {
     let m = p.edge.new_machine(p.now);

@@ -15,8 +15,8 @@ use crate::auth::{mint_token, HmacAuthenticator, KeyRing, TokenClaims};
 use crate::client::{ClientConfig, ClientEvent, ClientSession};
 use crate::counters::SessionCounters;
 use crate::host::{
-    apply_work, ConnTaskId, Downstream, EstablishOutcome, HandOverStart, HostAnswer, Reply,
-    SessionHost,
+    apply_work, resume_from_store, ConnTaskId, Downstream, EstablishOutcome, HandOverStart,
+    HostAnswer, Reply, ResumeFromStore, SessionHost,
 };
 use crate::machine::{Action, SessionConfig, SessionEnd, SessionMachine, State, Upstream};
 use crate::rng::SeededRng;
@@ -74,6 +74,9 @@ pub(crate) struct Edge {
     pub(crate) backend_answers: bool,
     pub(crate) ended: Vec<SessionEnd>,
     pub(crate) closes: Vec<(usize, CloseCode)>,
+    /// New connections' machines refuse new sessions with this retry-after (the edge's
+    /// overload level 2).
+    pub(crate) refuse_new_sessions: Option<Duration>,
     seed: u64,
 }
 
@@ -102,6 +105,7 @@ impl Edge {
             backend_answers: false,
             ended: Vec::new(),
             closes: Vec::new(),
+            refuse_new_sessions: None,
             seed: 1,
         }
     }
@@ -114,6 +118,9 @@ impl Edge {
             Box::new(SeededRng::new(self.seed)),
         );
         m.handle_link_up(now).expect("link up");
+        if let Some(retry_after) = self.refuse_new_sessions {
+            m.refuse_new_sessions(retry_after);
+        }
         self.machines.push(m);
         let i = self.machines.len() - 1;
         self.host.open(i as ConnTaskId);
@@ -185,6 +192,17 @@ impl Edge {
             // No link: like its driver, it carries out what the work caused right away.
             let mut sink = VecDeque::new();
             self.run(j, now, &mut sink);
+        }
+    }
+
+    /// As `SnapshotStore::delete`: with `fencing`, only the copy of that fencing.
+    fn store_delete(&mut self, session_id: &SessionId, fencing: Option<u64>) {
+        if self
+            .store
+            .get(session_id)
+            .is_some_and(|s| fencing.is_none_or(|f| s.fencing == f))
+        {
+            self.store.remove(session_id);
         }
     }
 
@@ -276,34 +294,19 @@ impl Edge {
                         attempt.clone(),
                         now,
                     );
-                    // As the driver: decided here, or ask the store.
-                    let local = match start {
-                        HandOverStart::NotLocal => None,
-                        HandOverStart::Ended => {
-                            self.store.remove(&session_id);
-                            Some(TakeOutcome::NotFound)
-                        }
-                        HandOverStart::Pending => match self.answer(i, now) {
-                            Some(HostAnswer::HandOver(Some(
-                                o @ (TakeOutcome::Taken(_) | TakeOutcome::Mismatch),
-                            ))) => Some(o),
-                            _ => None,
-                        },
+                    let answer = match start {
+                        HandOverStart::Pending => self.answer(i, now),
+                        HandOverStart::NotLocal | HandOverStart::Ended => None,
                     };
-                    if self.store_down > 0 && local.is_none() {
-                        let err = self.store_error();
-                        self.machines[i]
-                            .handle_snapshot(now, Err(err))
-                            .expect("snapshot");
-                        continue;
-                    }
-                    let outcome = match local {
-                        Some(TakeOutcome::Taken(s)) => {
-                            self.store.remove(&session_id);
-                            TakeOutcome::Taken(s)
+                    let outcome = match resume_from_store(start, answer) {
+                        ResumeFromStore::TakeProven if self.store_down > 0 => {
+                            let err = self.store_error();
+                            self.machines[i]
+                                .handle_snapshot(now, Err(err))
+                                .expect("snapshot");
+                            continue;
                         }
-                        Some(decided) => decided,
-                        None => match self.store.get(&session_id) {
+                        ResumeFromStore::TakeProven => match self.store.get(&session_id) {
                             None => TakeOutcome::NotFound,
                             Some(s) if s.key_used(&attempt).is_some() => self
                                 .store
@@ -311,17 +314,18 @@ impl Edge {
                                 .map_or(TakeOutcome::NotFound, |s| TakeOutcome::Taken(Box::new(s))),
                             Some(_) => TakeOutcome::Mismatch,
                         },
+                        ResumeFromStore::Decided { outcome, delete } => {
+                            if let Some(fencing) = delete {
+                                self.store_delete(&session_id, fencing);
+                            }
+                            outcome
+                        }
                     };
                     self.machines[i]
                         .handle_snapshot(now, Ok(outcome))
                         .expect("snapshot");
                 }
-                Action::Persist(s)
-                    if self
-                        .host
-                        .holder_of(&s.session_id)
-                        .is_some_and(|h| h != i as ConnTaskId) =>
-                {
+                Action::Persist(s) if self.host.held_elsewhere(&s.session_id, i as ConnTaskId) => {
                     // A stale copy (restored elsewhere while its driver was stuck): as the
                     // driver, never overwrite the live session's store copy.
                 }
@@ -396,13 +400,7 @@ impl Edge {
                             e.1 = None;
                         }
                     }
-                    if self
-                        .store
-                        .get(&end.session_id)
-                        .is_some_and(|s| s.fencing == end.fencing)
-                    {
-                        self.store.remove(&end.session_id);
-                    }
+                    self.store_delete(&end.session_id, Some(end.fencing));
                     self.ended.push(end);
                 }
             }

@@ -1,12 +1,10 @@
 //! [`OverloadGovernor`] (SPEC B5): global overload levels 0..=3 from the event loop's lag,
 //! session count and process memory, with per-level enter/exit thresholds (hysteresis) and a
-//! minimum dwell before falling. Level 1 sheds best-effort, level 2 also slows non-critical
-//! pushes, level 3 also refuses new connections. Plus the default session cap (B5): half the
+//! minimum dwell before falling. Level 1 sheds best-effort, level 2 also refuses new sessions
+//! (resumes of existing ones are still taken), level 3 also refuses every new connection. Plus the default session cap (B5): half the
 //! file-descriptor soft limit, read by a separate non-sans-IO helper.
 
 use std::time::{Duration, Instant};
-
-use super::bucket::Rate;
 
 /// An overload level. Levels are cumulative: each does what the ones below do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -17,8 +15,8 @@ pub enum OverloadLevel {
     Normal = 0,
     /// Shed best-effort traffic.
     ShedBestEffort = 1,
-    /// Also slow non-critical pushes.
-    SlowPushes = 2,
+    /// Also refuse new sessions (logins); resumes of existing sessions are taken.
+    RefuseNewSessions = 2,
     /// Also refuse new connections.
     RefuseConnections = 3,
 }
@@ -28,7 +26,7 @@ impl OverloadLevel {
     pub const ALL: [OverloadLevel; 4] = [
         Self::Normal,
         Self::ShedBestEffort,
-        Self::SlowPushes,
+        Self::RefuseNewSessions,
         Self::RefuseConnections,
     ];
 
@@ -42,7 +40,7 @@ impl OverloadLevel {
         match self {
             Self::Normal => "normal",
             Self::ShedBestEffort => "shed_best_effort",
-            Self::SlowPushes => "slow_pushes",
+            Self::RefuseNewSessions => "refuse_new_sessions",
             Self::RefuseConnections => "refuse_connections",
         }
     }
@@ -125,9 +123,7 @@ pub struct GovernorConfig {
     pub levels: [LevelThresholds; 3],
     /// Least time at a level before falling (rising is immediate).
     pub min_dwell: Duration,
-    /// Factor applied to non-critical push rates at level >= 2, in (0, 1].
-    pub slow_push_factor: f64,
-    /// Retry-after hint for connections refused at level 3.
+    /// Retry-after hint for new sessions refused at level 2 and connections at level 3.
     pub refuse_retry_after: Duration,
 }
 
@@ -162,7 +158,6 @@ impl GovernorConfig {
         Self {
             levels: [level(70, 60, 4), level(85, 75, 2), level(95, 90, 1)],
             min_dwell: Duration::from_secs(5),
-            slow_push_factor: 0.5,
             refuse_retry_after: Duration::from_secs(5),
         }
     }
@@ -188,9 +183,6 @@ impl GovernorConfig {
             {
                 return Err("governor: thresholds must not decrease with the level".into());
             }
-        }
-        if !(self.slow_push_factor > 0.0 && self.slow_push_factor <= 1.0) {
-            return Err("governor: slow_push_factor must be in (0, 1]".into());
         }
         Ok(())
     }
@@ -337,27 +329,11 @@ impl OverloadGovernor {
         self.level >= OverloadLevel::ShedBestEffort
     }
 
-    /// The factor for non-critical push rates: 1.0 below level 2, else the configured
-    /// `slow_push_factor` (e.g. 0.5). Critical pushes are never slowed.
-    pub fn push_rate_factor(&self) -> f64 {
-        if self.level >= OverloadLevel::SlowPushes {
-            self.config.slow_push_factor
-        } else {
-            1.0
-        }
-    }
-
-    /// `base` scaled by [`push_rate_factor`](Self::push_rate_factor) (to per-mille
-    /// precision), for re-configuring a push-rate [`TokenBucket`](super::TokenBucket).
-    pub fn push_rate(&self, base: Rate) -> Rate {
-        let permille = (self.push_rate_factor() * 1000.0)
-            .round()
-            .clamp(1.0, 1000.0) as u64;
-        if permille == 1000 {
-            base
-        } else {
-            base.scaled(permille, 1000)
-        }
+    /// Level 2 and above: refuse a new session (a login) with OVERLOADED and this
+    /// retry-after; a resume of an existing session is still taken, so the players already
+    /// on the edge get back first.
+    pub fn refuse_new_sessions(&self) -> Option<Duration> {
+        (self.level >= OverloadLevel::RefuseNewSessions).then_some(self.config.refuse_retry_after)
     }
 
     /// Level 3: refuse new connections with OVERLOADED and this retry-after.

@@ -8,7 +8,8 @@ use std::time::Duration;
 use super::Shared;
 
 /// Feeds the overload governor (B5) and applies its decisions: level 1 sheds best-effort
-/// pushes, level 3 makes admission refuse every new connection with a retry-after.
+/// pushes, level 2 refuses new sessions (a resume is still taken), level 3 makes admission
+/// refuse every new connection with a retry-after.
 pub(super) async fn overload_loop(shared: Weak<Shared>) {
     let mut tick = tokio::time::interval(Duration::from_millis(200));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -33,7 +34,10 @@ pub(super) async fn overload_loop(shared: Weak<Shared>) {
             .set(loop_lag_ms as f64 / 1_000.0);
         let before = shared.governor.level.load(Ordering::Acquire);
         let refuse = shared.governor.observe(sessions, memory, loop_lag_ms);
-        shared.admission.refuse_all(refuse);
+        shared.admission.refuse_all(refuse.connections);
+        shared
+            .session_layer()
+            .set_new_sessions_refused(refuse.new_sessions);
         let level = shared.governor.level.load(Ordering::Acquire);
         if level != before {
             tracing::warn!(

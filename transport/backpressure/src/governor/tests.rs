@@ -13,7 +13,6 @@ fn config() -> GovernorConfig {
     GovernorConfig {
         levels: [level(1), level(2), level(3)],
         min_dwell: 5 * S,
-        slow_push_factor: 0.5,
         refuse_retry_after: 2 * S,
     }
 }
@@ -32,24 +31,28 @@ fn rises_at_once_and_falls_after_dwell_below_exit() {
     assert_eq!(g.observe(t0, q(99)), Normal);
     assert_eq!(g.observe(t0, q(100)), ShedBestEffort);
     assert!(g.shed_best_effort());
-    assert_eq!(g.push_rate_factor(), 1.0);
+    assert_eq!(g.refuse_new_sessions(), None);
     // Straight to 3.
     assert_eq!(g.observe(t0 + S, q(350)), RefuseConnections);
     assert_eq!(g.refuse_new_connections(), Some(2 * S));
-    assert_eq!(g.push_rate_factor(), 0.5);
-    assert_eq!(g.push_rate(Rate::per_second(100)), Rate::per_second(50));
+    assert_eq!(g.refuse_new_sessions(), Some(2 * S));
     // Below enter(3) but above exit(3) = 270: stays, whatever the time.
     assert_eq!(g.observe(t0 + 100 * S, q(280)), RefuseConnections);
     // Below exit: falls only once 5 s have passed since the level was entered.
     let entered3 = t0 + S;
     assert_eq!(g.observe(entered3 + 4 * S, q(0)), RefuseConnections);
     // (It has been at level 3 long enough by now.)
-    assert_eq!(g.observe(t0 + 101 * S, q(180)), SlowPushes);
+    assert_eq!(g.observe(t0 + 101 * S, q(180)), RefuseNewSessions);
     assert_eq!(g.refuse_new_connections(), None);
-    assert_eq!(g.observe(t0 + 102 * S, q(0)), SlowPushes, "dwell at 2");
+    assert_eq!(g.refuse_new_sessions(), Some(2 * S));
+    assert_eq!(
+        g.observe(t0 + 102 * S, q(0)),
+        RefuseNewSessions,
+        "dwell at 2"
+    );
     assert_eq!(g.observe(t0 + 106 * S, q(0)), Normal);
     assert!(!g.shed_best_effort());
-    assert_eq!(g.push_rate(Rate::per_second(100)), Rate::per_second(100));
+    assert_eq!(g.refuse_new_sessions(), None);
     let s = g.stats();
     assert_eq!(s.entered, [1, 1, 1, 1]);
     assert_eq!(s.changes, 4);
@@ -74,7 +77,7 @@ fn any_input_raises_the_level() {
         ..OverloadInputs::default()
     };
     let mut g = OverloadGovernor::new(cfg, t0);
-    assert_eq!(g.observe(t0, mem), SlowPushes);
+    assert_eq!(g.observe(t0, mem), RefuseNewSessions);
     assert_eq!(g.observe(t0, q(1_000)), RefuseConnections);
 }
 
@@ -103,9 +106,6 @@ fn validation() {
     let mut c = config();
     c.levels[2].loop_lag_ms = Threshold::new(50, 10);
     assert!(c.validate().unwrap_err().contains("decrease"));
-    let mut c = config();
-    c.slow_push_factor = 0.0;
-    assert!(c.validate().is_err());
 }
 
 #[test]
@@ -234,7 +234,7 @@ fn loop_lag_thresholds_follow_the_refusal_lag() {
     assert_eq!(g.observe(t0, lag(1_000)), RefuseConnections);
     // Held until below half the enter (500), after the dwell.
     assert_eq!(g.observe(t0 + 10 * S, lag(500)), RefuseConnections);
-    assert_eq!(g.observe(t0 + 10 * S, lag(499)), SlowPushes);
+    assert_eq!(g.observe(t0 + 10 * S, lag(499)), RefuseNewSessions);
     let off = GovernorConfig::for_limits(1_000, 1 << 30, 0);
     let mut g = OverloadGovernor::new(off, t0);
     assert_eq!(g.observe(t0, lag(u64::MAX)), Normal);
