@@ -342,23 +342,12 @@ async fn near_the_session_cap_new_logins_are_refused_and_resumes_taken() {
         }
         clients.push(c);
     }
-    // The governor ticks every 200 ms.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while edge.admin().health()["overload_level"] != 2 {
-        assert!(tokio::time::Instant::now() < deadline, "level did not rise");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_level(&edge, 2);
     assert!(edge
         .admin()
         .metrics_text()
         .contains("waygate_overload_level 2"));
-    match raw_hello(edge.addrs[&TransportKind::Tcp], "one-too-many").await {
-        Some(Frame::Reject(r)) => {
-            assert_eq!(r.code, CloseCode::Overloaded);
-            assert_eq!(r.retry_after_ms, 5_000);
-        }
-        other => panic!("expected REJECT overloaded, got {other:?}"),
-    }
+    assert_eq!(expect_overloaded(&edge, "one-too-many").await, 5_000);
     // A player already here whose link dropped gets back in.
     let c = &mut clients[0];
     c.drop_link().await.unwrap();
@@ -377,18 +366,33 @@ async fn near_the_session_cap_new_logins_are_refused_and_resumes_taken() {
     for i in 5..8 {
         assert!(edge.admin().kick(&format!("cap-{i}")).await);
     }
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while edge.admin().health()["overload_level"] != 0 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "level did not fall: {}",
-            edge.admin().health()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_for_level(&edge, 0);
     match raw_hello(edge.addrs[&TransportKind::Tcp], "welcome-again").await {
         Some(Frame::Welcome(_)) => {}
         other => panic!("expected WELCOME, got {other:?}"),
+    }
+}
+
+/// Waits (at most 20 s; the governor ticks every 200 ms and a level falls only after 5 s
+/// at it) until the edge's overload level is `level`. Blocks the calling thread: call it
+/// from a test's body, which does not run on the runtime's workers.
+fn wait_for_level(edge: &Edge, level: u64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while edge.admin().health()["overload_level"] != level {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "overload level never {level}: {}",
+            edge.admin().health()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A raw TCP HELLO from a new `player` is refused `overloaded`; returns the retry-after.
+async fn expect_overloaded(edge: &Edge, player: &str) -> u32 {
+    match raw_hello(edge.addrs[&TransportKind::Tcp], player).await {
+        Some(Frame::Reject(r)) if r.code == CloseCode::Overloaded => r.retry_after_ms,
+        other => panic!("expected REJECT overloaded, got {other:?}"),
     }
 }
 
@@ -420,11 +424,7 @@ async fn a_saturated_event_loop_refuses_new_connections_until_it_recovers() {
         }
     });
     // (This test's body runs on its own thread, not on the runtime's worker.)
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while edge.admin().health()["overload_level"] != 3 {
-        assert!(std::time::Instant::now() < deadline, "level did not rise");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_level(&edge, 3);
     let lag = edge.admin().health()["event_loop_lag_ms"].as_u64().unwrap();
     assert!(lag >= 100, "lag {lag} ms");
     let metrics = edge.admin().metrics_text();
@@ -436,19 +436,9 @@ async fn a_saturated_event_loop_refuses_new_connections_until_it_recovers() {
     assert!(gauge >= 0.1, "{gauge}");
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     hog.await.unwrap();
-    match raw_hello(edge.addrs[&TransportKind::Tcp], "while-saturated").await {
-        Some(Frame::Reject(r)) => {
-            assert_eq!(r.code, CloseCode::Overloaded);
-            assert!(r.retry_after_ms > 0);
-        }
-        other => panic!("expected REJECT overloaded, got {other:?}"),
-    }
+    assert!(expect_overloaded(&edge, "while-saturated").await > 0);
     // The loop is free: the level falls after its dwell and a new session is taken.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while edge.admin().health()["overload_level"] != 0 {
-        assert!(tokio::time::Instant::now() < deadline, "level did not fall");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_for_level(&edge, 0);
     match raw_hello(edge.addrs[&TransportKind::Tcp], "after-recovery").await {
         Some(Frame::Welcome(_)) => {}
         other => panic!("expected WELCOME, got {other:?}"),

@@ -128,6 +128,18 @@ async fn publish_range(
 }
 
 /// The next channel update of `client` (other events skipped).
+/// Waits (at most 5 s: the channel gauges and counters are updated once a second) for a
+/// line of the edge's /metrics that starts with `line`.
+async fn expect_metric_line(edge: &waygate_edge::edge::Edge, line: &str) {
+    let admin = edge.admin_addr.unwrap();
+    let found = poll_until(Duration::from_secs(5), || async {
+        let (_, m) = common::http(admin, "GET", "/metrics").await;
+        m.lines().find(|l| l.starts_with(line)).map(drop)
+    })
+    .await;
+    assert!(found.is_some(), "{line}");
+}
+
 async fn next_update(client: &mut Client) -> ChannelUpdate {
     loop {
         let event = timeout(Duration::from_secs(10), client.next_event())
@@ -340,19 +352,12 @@ async fn refusals_reach_the_publisher_as_typed_codes_and_a_retry_is_not_publishe
     assert!(!first.duplicate && again.duplicate);
     assert_eq!(first.position, again.position);
     // The channel's rate: burst 3, one taken; the third publish from now is refused.
-    session
-        .publish("room:r", TrafficClass::Normal, Bytes::from_static(b"y"))
-        .await
-        .unwrap();
-    session
-        .publish("room:r", TrafficClass::Normal, Bytes::from_static(b"z"))
-        .await
-        .unwrap();
-    let (code, retry) = refused(
-        session
-            .publish("room:r", TrafficClass::Normal, Bytes::new())
-            .await,
-    );
+    let say = |body: &'static [u8]| {
+        session.publish("room:r", TrafficClass::Normal, Bytes::from_static(body))
+    };
+    say(b"y").await.unwrap();
+    say(b"z").await.unwrap();
+    let (code, retry) = refused(say(b"").await);
     assert_eq!(code, CloseCode::RateLimited);
     assert!(
         retry > 0 && retry <= 1_000,
@@ -362,15 +367,8 @@ async fn refusals_reach_the_publisher_as_typed_codes_and_a_retry_is_not_publishe
     // oldest id expires (never forgotten early), while a retry of a remembered id is
     // still answered.
     tokio::time::sleep(Duration::from_millis(u64::from(retry))).await;
-    session
-        .publish("room:r", TrafficClass::Normal, Bytes::from_static(b"w"))
-        .await
-        .unwrap();
-    let (code, retry) = refused(
-        session
-            .publish("room:r", TrafficClass::Normal, Bytes::new())
-            .await,
-    );
+    say(b"w").await.unwrap();
+    let (code, retry) = refused(say(b"").await);
     assert_eq!(code, CloseCode::RateLimited);
     assert!(
         retry > 800_000,
@@ -381,15 +379,7 @@ async fn refusals_reach_the_publisher_as_typed_codes_and_a_retry_is_not_publishe
         .await
         .unwrap();
     assert!(again.duplicate);
-    let admin = s.edge.admin_addr.unwrap();
-    let counted = poll_until(Duration::from_secs(5), || async {
-        let (_, m) = common::http(admin, "GET", "/metrics").await;
-        m.lines()
-            .find(|l| l.starts_with("waygate_channel_publish_ids 4"))
-            .map(drop)
-    })
-    .await;
-    assert!(counted.is_some(), "waygate_channel_publish_ids 4");
+    expect_metric_line(&s.edge, "waygate_channel_publish_ids 4").await;
     next_update(&mut client).await; // JOINED
     let got: Vec<_> = [
         next_update(&mut client).await,
@@ -767,15 +757,7 @@ async fn announcements_outlive_an_edge_restart_in_the_file_log() {
         .unwrap();
     expect_announcements_then_history_lost(&mut client, seen).await;
     // Counted (the gauges and counters are updated once a second).
-    let admin = s.edge.admin_addr.unwrap();
-    let counted = poll_until(Duration::from_secs(5), || async {
-        let (_, m) = common::http(admin, "GET", "/metrics").await;
-        m.lines()
-            .find(|l| l.starts_with("waygate_announcements_recovered_total 2"))
-            .map(drop)
-    })
-    .await;
-    assert!(counted.is_some(), "waygate_announcements_recovered_total 2");
+    expect_metric_line(&s.edge, "waygate_announcements_recovered_total 2").await;
 }
 
 /// SPEC F2 with Redis: an announcement is answered only once it is in Redis, a Redis that

@@ -488,6 +488,16 @@ fn refusals_are_typed_and_take_nothing() {
     hub.check_invariants().unwrap();
 }
 
+/// Publishes an empty normal publication with publish id `id`.
+fn publish_id(
+    hub: &mut ChannelHub,
+    at: Instant,
+    channel: &str,
+    id: u64,
+) -> Result<PublishReceipt, ChannelError> {
+    hub.publish(at, channel, id, TrafficClass::Normal, Bytes::new())
+}
+
 #[test]
 fn a_retried_publish_is_answered_with_its_first_result() {
     let now = Instant::now();
@@ -521,21 +531,11 @@ fn a_retried_publish_is_answered_with_its_first_result() {
             .unwrap();
         drain(&mut hub);
     }
-    let again = hub
-        .publish(later, "room:a", 77, TrafficClass::Normal, Bytes::new())
-        .unwrap();
+    let again = publish_id(&mut hub, later, "room:a", 77).unwrap();
     assert!(again.duplicate);
     hub.check_invariants().unwrap();
     // ... and after it, the id is a new publish.
-    let old = hub
-        .publish(
-            now + Duration::from_secs(60),
-            "room:a",
-            77,
-            TrafficClass::Normal,
-            Bytes::new(),
-        )
-        .unwrap();
+    let old = publish_id(&mut hub, now + Duration::from_secs(60), "room:a", 77).unwrap();
     assert!(!old.duplicate);
     hub.check_invariants().unwrap();
 }
@@ -552,12 +552,11 @@ fn a_full_publish_id_window_refuses_until_its_oldest_expires() {
     for (i, id) in (1..=8).enumerate() {
         let at = now + Duration::from_secs(i as u64);
         let channel = if id % 2 == 0 { "room:b" } else { "room:a" };
-        hub.publish(at, channel, id, TrafficClass::Normal, Bytes::new())
-            .unwrap();
+        publish_id(&mut hub, at, channel, id).unwrap();
         drain(&mut hub);
     }
     let at = now + Duration::from_secs(10);
-    let refused = hub.publish(at, "room:b", 9, TrafficClass::Normal, Bytes::new());
+    let refused = publish_id(&mut hub, at, "room:b", 9);
     // The oldest (id 1) was published at `now` and expires at now + 60 s.
     assert_eq!(
         refused,
@@ -565,33 +564,15 @@ fn a_full_publish_id_window_refuses_until_its_oldest_expires() {
             retry_after_ms: 50_000
         })
     );
-    let retry = hub
-        .publish(at, "room:b", 8, TrafficClass::Normal, Bytes::new())
-        .unwrap();
+    let retry = publish_id(&mut hub, at, "room:b", 8).unwrap();
     assert!(retry.duplicate);
     hub.check_invariants().unwrap();
     // The sweep forgets expired ids: the next publish is taken.
     hub.sweep(now + Duration::from_secs(60));
     hub.check_invariants().unwrap();
-    let taken = hub
-        .publish(
-            now + Duration::from_secs(60),
-            "room:a",
-            9,
-            TrafficClass::Normal,
-            Bytes::new(),
-        )
-        .unwrap();
+    let taken = publish_id(&mut hub, now + Duration::from_secs(60), "room:a", 9).unwrap();
     assert!(!taken.duplicate);
-    let first_again = hub
-        .publish(
-            now + Duration::from_secs(61),
-            "room:a",
-            1,
-            TrafficClass::Normal,
-            Bytes::new(),
-        )
-        .unwrap();
+    let first_again = publish_id(&mut hub, now + Duration::from_secs(61), "room:a", 1).unwrap();
     assert!(!first_again.duplicate, "id 1's window has passed");
 }
 
@@ -966,15 +947,12 @@ fn members_see_each_channel_in_order(ops: Vec<Op>, log: bool) -> Result<(), Test
 fn a_reclaimed_channels_ids_do_not_expire_its_successors() {
     let now = Instant::now();
     let mut hub = ChannelHub::new(small_config(), 5);
-    hub.publish(now, "room:a", 5, TrafficClass::Normal, Bytes::new())
-        .unwrap();
+    publish_id(&mut hub, now, "room:a", 5).unwrap();
     drain(&mut hub);
     // No members; the history (10 s TTL) and the idle time (1 s) pass: reclaimed.
     let later = now + Duration::from_secs(11);
     assert_eq!(hub.sweep(later), 1);
-    let again = hub
-        .publish(later, "room:a", 5, TrafficClass::Normal, Bytes::new())
-        .unwrap();
+    let again = publish_id(&mut hub, later, "room:a", 5).unwrap();
     assert!(
         !again.duplicate,
         "a new epoch: the first one's ids went with it"
@@ -984,15 +962,7 @@ fn a_reclaimed_channels_ids_do_not_expire_its_successors() {
     // The first id's window ends (now + 60 s); the second's (later + 60 s) has not.
     hub.sweep(now + Duration::from_secs(60));
     hub.check_invariants().unwrap();
-    let retry = hub
-        .publish(
-            now + Duration::from_secs(60),
-            "room:a",
-            5,
-            TrafficClass::Normal,
-            Bytes::new(),
-        )
-        .unwrap();
+    let retry = publish_id(&mut hub, now + Duration::from_secs(60), "room:a", 5).unwrap();
     assert!(retry.duplicate);
     assert_eq!(retry.position, again.position);
 }

@@ -522,8 +522,8 @@ fn resume_only_hello_restores_without_auth_token() {
 }
 
 /// Overload level 2 (B5): an edge taking no new session refuses a fresh login `overloaded`
-/// with the retry-after, before any auth work, while a resume of an existing session (with
-/// or without an auth token) is taken, so the players already on the edge get back first.
+/// with the retry-after, before any auth work, while a resume of an existing session is
+/// taken, so the players already on the edge get back first.
 #[test]
 fn an_edge_refusing_new_sessions_still_takes_resumes() {
     let mut p = Pair::new(SessionConfig::default());
