@@ -777,18 +777,6 @@ impl ChannelHub {
                 });
             }
         }
-        if request_id != 0 && self.dedup_order.len() >= self.config.dedup_max_ids {
-            // The edge remembers as many ids as it may, all younger than the window: one
-            // more would forget one early (a resend of it published twice). Retry when the
-            // oldest expires.
-            let until = self.dedup_order.front().map_or(now, |(until, ..)| *until);
-            return Err(ChannelError::RateLimited {
-                retry_after_ms: waygate_backpressure::RetryAfter(
-                    until.saturating_duration_since(now),
-                )
-                .as_millis_ceil_u32(),
-            });
-        }
         let dedup_until = now + Duration::from_secs(self.config.dedup_window_secs);
         self.ensure_channel(now, channel)?;
         let ch = self
@@ -800,6 +788,18 @@ impl ChannelHub {
         }
         if ch.pending_by_class[class as usize] >= ch.policy.queue_cap(class) {
             return Err(ChannelError::QueueFull);
+        }
+        if request_id != 0 && self.dedup_order.len() >= self.config.dedup_max_ids {
+            // The edge remembers as many ids as it may, all younger than the window: one
+            // more would forget one early (a resend of it published twice). Retry when the
+            // oldest expires.
+            let until = self.dedup_order.front().map_or(now, |(until, ..)| *until);
+            return Err(ChannelError::RateLimited {
+                retry_after_ms: waygate_backpressure::RetryAfter(
+                    until.saturating_duration_since(now),
+                )
+                .as_millis_ceil_u32(),
+            });
         }
         if let Err(wait) = ch.limiter.try_take(now, 1) {
             return Err(ChannelError::RateLimited {
