@@ -503,7 +503,8 @@ impl Client {
         let _ = self.cmd.send(Cmd::Prefer(index)).await;
     }
 
-    /// Closes the session (CLOSE normal) and ends the task.
+    /// Sends CLOSE (normal) and ends the task. The edge keeps the session for its linger
+    /// (PROTOCOL.md §7.5: version 1 has no logout frame), then ends it.
     pub async fn close(&self) {
         let _ = self.cmd.send(Cmd::Close).await;
     }

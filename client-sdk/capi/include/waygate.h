@@ -705,8 +705,9 @@ enum waygate_result waygate_client_set_token(struct waygate_client *client,
                                              size_t token_len);
 
 /**
- * Closes the session (CLOSE normal): a `WAYGATE_EVENT_CLOSED` event follows, then polls
- * return `WAYGATE_CLOSED`. Closing a client that never connected ends it at once. Closing
+ * Sends CLOSE (normal) and ends the client: a `WAYGATE_EVENT_CLOSED` event follows, then
+ * polls return `WAYGATE_CLOSED`. The edge keeps the session for its linger (PROTOCOL.md
+ * §7.5: version 1 has no logout frame), then ends it. Closing a client that never connected ends it at once. Closing
  * twice is fine.
  *
  * # Safety
@@ -761,8 +762,8 @@ enum waygate_result waygate_client_channel_position(struct waygate_client *clien
                                                     uint64_t *out_offset);
 
 /**
- * Releases the handle: closes the session if it is still open (waiting up to one second
- * for the CLOSE to go out), stops the client thread and frees everything, including the
+ * Releases the handle: sends CLOSE if the connection is still open (waiting up to one
+ * second for it to go out), stops the client thread and frees everything, including the
  * last event's payload and text. NULL is ignored. The handle must not be used afterwards.
  *
  * # Safety

@@ -657,8 +657,9 @@ pub unsafe extern "C" fn waygate_client_set_token(
     })
 }
 
-/// Closes the session (CLOSE normal): a `WAYGATE_EVENT_CLOSED` event follows, then polls
-/// return `WAYGATE_CLOSED`. Closing a client that never connected ends it at once. Closing
+/// Sends CLOSE (normal) and ends the client: a `WAYGATE_EVENT_CLOSED` event follows, then
+/// polls return `WAYGATE_CLOSED`. The edge keeps the session for its linger (PROTOCOL.md
+/// §7.5: version 1 has no logout frame), then ends it. Closing a client that never connected ends it at once. Closing
 /// twice is fine.
 ///
 /// # Safety
@@ -832,8 +833,8 @@ pub unsafe extern "C" fn waygate_client_channel_position(
     })
 }
 
-/// Releases the handle: closes the session if it is still open (waiting up to one second
-/// for the CLOSE to go out), stops the client thread and frees everything, including the
+/// Releases the handle: sends CLOSE if the connection is still open (waiting up to one
+/// second for it to go out), stops the client thread and frees everything, including the
 /// last event's payload and text. NULL is ignored. The handle must not be used afterwards.
 ///
 /// # Safety
