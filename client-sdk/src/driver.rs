@@ -288,7 +288,7 @@ pub struct ClientStats {
     pub sim_retransmitted: u64,
 }
 
-/// A running client. Dropping it closes the session.
+/// A running client. Dropping it does what [`Client::close`] does (CLOSE, the task ends).
 #[derive(Debug)]
 pub struct Client {
     channels: Arc<Mutex<ChannelTracker>>,
