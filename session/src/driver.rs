@@ -766,10 +766,11 @@ impl Task {
                 }
             }
         }
-        if let (waygate_transport::Frame::Hello(_), Some(retry_after)) =
-            (&frame, self.edge.new_sessions_refused())
-        {
-            self.machine.refuse_new_sessions(retry_after);
+        // Only a HELLO asks whether new sessions are taken (not every frame of the hot path).
+        if matches!(frame, waygate_transport::Frame::Hello(_)) {
+            if let Some(retry_after) = self.edge.new_sessions_refused() {
+                self.machine.refuse_new_sessions(retry_after);
+            }
         }
         if let Err(e) = self.machine.handle_frame(now(), frame) {
             tracing::debug!(error = %e, "session input refused");

@@ -116,6 +116,12 @@ pub struct PendingError {
 }
 
 impl Snapshot {
+    /// Whether [`SnapshotStore::delete`] with `fencing` removes this copy: any copy without
+    /// one, only the copy of that fencing token with one.
+    pub fn deleted_by(&self, fencing: Option<u64>) -> bool {
+        fencing.is_none_or(|f| self.fencing == f)
+    }
+
     /// Whether a presented token's hash may resume this snapshot: the current token, or the
     /// previous one while its replacement is unconfirmed. Constant time in both compares.
     /// (The store's compare-and-take; the proof itself is checked with
@@ -428,7 +434,7 @@ impl SnapshotStore for MemorySnapshotStore {
         let mut map = self.lock();
         let hit = map
             .get(session_id)
-            .is_some_and(|(s, _)| fencing.is_none_or(|f| s.fencing == f));
+            .is_some_and(|(s, _)| s.deleted_by(fencing));
         if hit {
             map.remove(session_id);
         }

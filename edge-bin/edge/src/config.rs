@@ -465,8 +465,9 @@ pub struct BackpressureConfig {
     /// Memory budget for the overload levels, MiB (B5); 0 = no memory signal.
     pub memory_budget_mb: u64,
     /// Event-loop lag at which the edge refuses new connections (overload level 3), ms: a
-    /// loop this late on every timer tick for a second is saturated. A quarter of it sheds
-    /// best-effort pushes (level 1). 0 = no lag signal (B5).
+    /// loop this late on every timer tick for a second is saturated. Half of it refuses new
+    /// sessions (level 2), a quarter sheds best-effort pushes (level 1). 0 = no lag signal
+    /// (B5).
     pub refuse_at_loop_lag_ms: u64,
 }
 

@@ -132,8 +132,6 @@ pub struct Governor {
     pub shed_best_effort: AtomicBool,
     /// The current level (0..=3), for metrics and /healthz.
     pub level: AtomicU32,
-    /// The event loop's sustained lag last observed, ms (for /healthz).
-    pub loop_lag_ms: AtomicU64,
 }
 
 impl Governor {
@@ -157,7 +155,6 @@ impl Governor {
             session_cap,
             shed_best_effort: AtomicBool::new(false),
             level: AtomicU32::new(0),
-            loop_lag_ms: AtomicU64::new(0),
         }
     }
 
@@ -176,12 +173,18 @@ impl Governor {
             },
         );
         self.level.store(level as u32, Ordering::Release);
-        self.loop_lag_ms.store(loop_lag_ms, Ordering::Relaxed);
         self.shed_best_effort
             .store(g.shed_best_effort(), Ordering::Release);
         OverloadRefusals {
             connections: g.refuse_new_connections(),
             new_sessions: g.refuse_new_sessions(),
         }
+    }
+
+    /// The event loop's sustained lag the governor last observed, ms (for /healthz).
+    pub fn last_loop_lag_ms(&self) -> u64 {
+        self.governor
+            .lock()
+            .map_or(0, |g| g.last_inputs().loop_lag_ms)
     }
 }

@@ -200,7 +200,7 @@ impl Edge {
         if self
             .store
             .get(session_id)
-            .is_some_and(|s| fencing.is_none_or(|f| s.fencing == f))
+            .is_some_and(|s| s.deleted_by(fencing))
         {
             self.store.remove(session_id);
         }

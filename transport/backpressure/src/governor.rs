@@ -1,8 +1,9 @@
 //! [`OverloadGovernor`] (SPEC B5): global overload levels 0..=3 from the event loop's lag,
 //! session count and process memory, with per-level enter/exit thresholds (hysteresis) and a
 //! minimum dwell before falling. Level 1 sheds best-effort, level 2 also refuses new sessions
-//! (resumes of existing ones are still taken), level 3 also refuses every new connection. Plus the default session cap (B5): half the
-//! file-descriptor soft limit, read by a separate non-sans-IO helper.
+//! (resumes of existing ones are still taken), level 3 also refuses every new connection.
+//! Plus the default session cap (B5): half the file-descriptor soft limit, read by a separate
+//! non-sans-IO helper.
 
 use std::time::{Duration, Instant};
 
@@ -208,9 +209,10 @@ pub const LOOP_LAG_SAMPLES: usize = 5;
 /// fault) raises nothing, while a loop late on every tick for that long does.
 #[derive(Debug, Clone, Default)]
 pub struct LoopLag {
+    /// The last samples, ms (a slot not sampled yet holds 0: no sustained lag before the
+    /// window is full).
     samples: [u64; LOOP_LAG_SAMPLES],
     next: usize,
-    seen: usize,
 }
 
 impl LoopLag {
@@ -219,14 +221,10 @@ impl LoopLag {
         let lag = now.saturating_duration_since(due).as_millis();
         self.samples[self.next] = u64::try_from(lag).unwrap_or(u64::MAX);
         self.next = (self.next + 1) % LOOP_LAG_SAMPLES;
-        self.seen = (self.seen + 1).min(LOOP_LAG_SAMPLES);
     }
 
     /// The sustained lag in milliseconds (0 until the window is full).
     pub fn sustained_ms(&self) -> u64 {
-        if self.seen < LOOP_LAG_SAMPLES {
-            return 0;
-        }
         self.samples.iter().copied().min().unwrap_or(0)
     }
 }

@@ -27,7 +27,7 @@ impl AdminApi for EdgeAdmin {
             "draining": s.draining.load(Ordering::Acquire),
             "route_epoch": s.epoch.load(Ordering::Relaxed),
             "overload_level": s.governor.level.load(Ordering::Acquire),
-            "event_loop_lag_ms": s.governor.loop_lag_ms.load(Ordering::Relaxed),
+            "event_loop_lag_ms": s.governor.last_loop_lag_ms(),
             "session_cap": s.governor.session_cap,
             "listeners": s.addrs.iter().map(|(k, a)| (k.as_str().to_string(), a.to_string())).collect::<BTreeMap<_, _>>(),
         })
