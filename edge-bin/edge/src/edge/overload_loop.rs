@@ -55,7 +55,7 @@ pub(super) async fn overload_loop(shared: Weak<Shared>) {
         if refused > counted {
             shared.metrics.admission_refused.inc_by(refused - counted);
         }
-        if trim.observe(sessions + shared.admission.handshakes_in_flight()) {
+        if trim.observe(sessions + shared.admission.handshakes_in_flight()) || trim.follow_up() {
             let returned = crate::memory::give_back();
             tracing::debug!(
                 returned,
