@@ -32,8 +32,11 @@ use waygate_protocol::channel::{
 use waygate_protocol::frame::SessionId;
 use waygate_protocol::{CloseCode, TrafficClass};
 
+mod interest;
 #[cfg(test)]
 mod tests;
+
+pub use interest::{InterestLink, InterestNotice};
 
 /// Retry hint of a `queue_full` refusal: a channel's queue drains within milliseconds.
 pub const QUEUE_FULL_RETRY_MS: u32 = 100;
@@ -453,6 +456,9 @@ struct Channel {
     /// Kinds with backlog: departed players' last acknowledged positions.
     departed: HashMap<Arc<str>, (ChannelPosition, Instant)>,
     departed_order: VecDeque<Arc<str>>,
+    /// Links that have not yet acknowledged that this edge has the channel (see the
+    /// `interest` module): nothing of it is delivered until none is left.
+    awaiting: Vec<InterestLink>,
 }
 
 impl Channel {
@@ -463,9 +469,11 @@ impl Channel {
         })
     }
 
-    /// Whether the next pending item waits for the announcement log.
+    /// Whether the next pending item waits: for the announcement log, or the channel for
+    /// backends to acknowledge that this edge has it.
     fn blocked(&self) -> bool {
-        matches!(
+        !self.awaiting.is_empty()
+            || matches!(
             self.pending.front(),
             Some(Pending {
                 item: PendingItem::Publication { held: true, .. },
@@ -539,6 +547,7 @@ impl Channel {
 
     fn is_idle(&self, now: Instant, idle: Duration) -> bool {
         self.members.is_empty()
+            && self.awaiting.is_empty()
             && self.pending.is_empty()
             && !self.scheduled
             && self.history.is_empty()
@@ -565,6 +574,8 @@ pub struct ChannelHub {
     /// id (capped by `dedup_max_ids`; an entry whose channel was reclaimed or whose id was
     /// withdrawn stays until it expires, and counts).
     dedup_order: VecDeque<(Instant, Arc<str>, u64)>,
+    /// Backend links told which channels this edge has.
+    interest: interest::Interest,
 }
 
 /// Splits a channel name into its kind, after checking it.
@@ -602,6 +613,7 @@ impl ChannelHub {
             announcement_log: false,
             held: 0,
             dedup_order: VecDeque::new(),
+            interest: interest::Interest::default(),
         }
     }
 
@@ -716,6 +728,7 @@ impl ChannelHub {
                 now,
             );
             self.stats.channels_created += 1;
+            self.interest.changed(&name);
             self.channels.insert(
                 name.clone(),
                 Channel {
@@ -735,6 +748,7 @@ impl ChannelHub {
                     last_used: now,
                     departed: HashMap::new(),
                     departed_order: VecDeque::new(),
+                    awaiting: self.interest.registered(),
                 },
             );
         }
@@ -1214,9 +1228,17 @@ impl ChannelHub {
             ch.trim_departed(now);
         }
         self.expire_publish_ids(now);
-        let before = self.channels.len();
-        self.channels.retain(|_, ch| !ch.is_idle(now, idle));
-        let dropped = before - self.channels.len();
+        let idle_names: Vec<Arc<str>> = self
+            .channels
+            .values()
+            .filter(|ch| ch.is_idle(now, idle))
+            .map(|ch| ch.name.clone())
+            .collect();
+        for name in &idle_names {
+            self.channels.remove(name);
+            self.interest.changed(name);
+        }
+        let dropped = idle_names.len();
         self.stats.channels_reclaimed += dropped as u64;
         dropped
     }
@@ -1317,6 +1339,9 @@ impl ChannelHub {
             }
             if !ch.pending.is_empty() && !ch.scheduled && !ch.blocked() {
                 return Err(format!("{name}: pending work without a consumer"));
+            }
+            if ch.awaiting.iter().any(|l| !self.interest.is_registered(*l)) {
+                return Err(format!("{name}: waits for a link that is gone"));
             }
             for s in ch.members.keys() {
                 let listed = self

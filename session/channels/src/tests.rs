@@ -966,3 +966,275 @@ fn a_reclaimed_channels_ids_do_not_expire_its_successors() {
     assert!(retry.duplicate);
     assert_eq!(retry.position, again.position);
 }
+
+/// Every delivery of `channel` now (its consumer run to the end).
+fn deliveries_of(hub: &mut ChannelHub, channel: &str) -> Vec<Delivery> {
+    std::iter::from_fn(|| hub.next_delivery(channel)).collect()
+}
+
+fn notice(seq: u64, present: bool, channel: &str) -> InterestNotice {
+    InterestNotice {
+        seq,
+        present,
+        channel: channel.into(),
+    }
+}
+
+#[test]
+fn a_new_channel_is_delivered_only_once_every_link_acknowledged_it() {
+    let now = Instant::now();
+    let mut hub = ChannelHub::new(small_config(), 1);
+    let (a, b) = (hub.interest_link_up(), hub.interest_link_up());
+    assert_eq!(hub.poll_interest_wakeup(), None, "nothing to tell yet");
+    hub.join(now, sid(1), &player(1), "room:a", None).unwrap();
+    assert!(hub.awaiting_interest("room:a"));
+    let mut woken: Vec<_> = std::iter::from_fn(|| hub.poll_interest_wakeup()).collect();
+    woken.sort_unstable();
+    assert_eq!(woken, vec![a, b]);
+    // A publication while it waits is taken, queued behind the JOINED.
+    publish_n(&mut hub, now, "room:a", TrafficClass::Normal, 1);
+    assert_eq!(hub.poll_ready(), None, "nothing delivered before the acknowledgements");
+    assert_eq!(hub.interest_due(a, 10), vec![notice(1, true, "room:a")]);
+    assert_eq!(hub.interest_due(a, 10), vec![], "each change once");
+    hub.interest_acked(a, 1);
+    assert!(hub.awaiting_interest("room:a"), "b has not acknowledged");
+    assert_eq!(hub.poll_interest_settled(), None);
+    assert_eq!(hub.interest_due(b, 10), vec![notice(1, true, "room:a")]);
+    hub.interest_acked(b, 1);
+    assert!(!hub.awaiting_interest("room:a"));
+    assert_eq!(hub.poll_interest_settled().as_deref(), Some("room:a"));
+    assert_eq!(hub.poll_ready().as_deref(), Some("room:a"));
+    let kinds: Vec<ChannelEventKind> = deliveries_of(&mut hub, "room:a")
+        .iter()
+        .map(|d| ChannelEvent::decode(d.event.clone()).unwrap().kind)
+        .collect();
+    assert_eq!(
+        kinds,
+        vec![ChannelEventKind::Joined, ChannelEventKind::Publication]
+    );
+    // A second member of a settled channel waits for nobody.
+    hub.join(now, sid(2), &player(2), "room:a", None).unwrap();
+    assert!(!hub.awaiting_interest("room:a"));
+    hub.check_invariants().unwrap();
+}
+
+#[test]
+fn a_link_that_goes_down_owes_nothing_and_a_new_one_learns_every_channel() {
+    let now = Instant::now();
+    let mut hub = ChannelHub::new(small_config(), 1);
+    let a = hub.interest_link_up();
+    hub.join(now, sid(1), &player(1), "room:a", None).unwrap();
+    // Sent, not acknowledged, then the link dies: the channel stops waiting.
+    assert_eq!(hub.interest_due(a, 10).len(), 1);
+    hub.interest_link_down(a);
+    assert!(!hub.awaiting_interest("room:a"));
+    assert_eq!(hub.poll_interest_settled().as_deref(), Some("room:a"));
+    let b = hub.interest_link_up();
+    assert_eq!(hub.poll_interest_wakeup(), Some(b), "room:a is due on the new link");
+    hub.join(now, sid(1), &player(1), "room:b", None).unwrap();
+    assert!(hub.awaiting_interest("room:b"));
+    // The new link learns room:a (which does not wait for it) and room:b.
+    assert_eq!(
+        hub.interest_due(b, 10),
+        vec![notice(1, true, "room:a"), notice(2, true, "room:b")]
+    );
+    // A link that dies before its notice was even sent owes nothing either.
+    let c = hub.interest_link_up();
+    hub.publish(now, "world", 0, TrafficClass::Normal, Bytes::new())
+        .unwrap();
+    hub.interest_link_down(c);
+    assert!(hub.awaiting_interest("world"), "b still owes its ack");
+    hub.interest_acked(b, 1);
+    assert!(hub.awaiting_interest("room:b") && hub.awaiting_interest("world"));
+    hub.interest_acked(b, 2);
+    assert!(!hub.awaiting_interest("room:b"));
+    assert_eq!(hub.interest_due(b, 10), vec![notice(3, true, "world")]);
+    hub.interest_acked(b, 3);
+    assert!(!hub.awaiting_interest("world"));
+    hub.check_invariants().unwrap();
+}
+
+#[test]
+fn a_reclaimed_channel_is_told_absent_and_a_new_epoch_waits_again() {
+    let start = Instant::now();
+    let mut hub = ChannelHub::new(small_config(), 1);
+    let a = hub.interest_link_up();
+    hub.join(start, sid(1), &player(1), "room:a", None).unwrap();
+    assert_eq!(hub.interest_due(a, 10), vec![notice(1, true, "room:a")]);
+    hub.interest_acked(a, 1);
+    while let Some(c) = hub.poll_ready() {
+        deliveries_of(&mut hub, &c);
+    }
+    hub.leave(start, sid(1), "room:a").unwrap();
+    while let Some(c) = hub.poll_ready() {
+        deliveries_of(&mut hub, &c);
+    }
+    let later = start + Duration::from_secs(5);
+    assert_eq!(hub.sweep(later), 1);
+    assert_eq!(hub.poll_interest_wakeup(), Some(a));
+    assert_eq!(hub.interest_due(a, 10), vec![notice(2, false, "room:a")]);
+    // Reclaimed and created again before the link was told: one notice, the state now.
+    hub.join(later, sid(1), &player(1), "room:a", None).unwrap();
+    hub.leave(later, sid(1), "room:a").unwrap();
+    hub.interest_acked(a, 2);
+    assert!(hub.awaiting_interest("room:a"));
+    assert_eq!(hub.interest_due(a, 10), vec![notice(3, true, "room:a")]);
+    hub.interest_acked(a, 3);
+    assert!(!hub.awaiting_interest("room:a"));
+    hub.check_invariants().unwrap();
+}
+
+#[derive(Debug, Clone)]
+enum InterestOp {
+    LinkUp,
+    LinkDown { l: u8 },
+    /// The link's task sends up to `n` due notices (on the wire).
+    Send { l: u8, n: u8 },
+    /// The backend takes up to `n` notices off the wire.
+    Take { l: u8, n: u8 },
+    /// The backend acknowledges what it took.
+    Ack { l: u8 },
+    Join { s: u8, ch: u8 },
+    Leave { s: u8, ch: u8 },
+    Publish { ch: u8 },
+    Drain,
+    Advance { ms: u16 },
+}
+
+fn interest_op() -> impl Strategy<Value = InterestOp> {
+    prop_oneof![
+        1 => Just(InterestOp::LinkUp),
+        1 => (0u8..4).prop_map(|l| InterestOp::LinkDown { l }),
+        3 => (0u8..4, 1u8..4).prop_map(|(l, n)| InterestOp::Send { l, n }),
+        3 => (0u8..4, 1u8..4).prop_map(|(l, n)| InterestOp::Take { l, n }),
+        3 => (0u8..4).prop_map(|l| InterestOp::Ack { l }),
+        3 => (0u8..4, 0u8..3).prop_map(|(s, ch)| InterestOp::Join { s, ch }),
+        1 => (0u8..4, 0u8..3).prop_map(|(s, ch)| InterestOp::Leave { s, ch }),
+        2 => (0u8..3).prop_map(|ch| InterestOp::Publish { ch }),
+        2 => Just(InterestOp::Drain),
+        1 => (0u16..3000).prop_map(|ms| InterestOp::Advance { ms }),
+    ]
+}
+
+/// A backend's view of one edge, as it builds it from the notices it takes.
+#[derive(Debug, Default)]
+struct BackendView {
+    link: InterestLink,
+    present: HashSet<String>,
+    /// Sent by the edge, not taken yet.
+    wire: VecDeque<InterestNotice>,
+    /// The last notice taken (acknowledged on `Ack`).
+    taken: u64,
+    /// Its first CREDIT came: everything the edge had at link-up was taken.
+    synced: bool,
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Whatever the order of links coming and going, notices sent and acknowledged, joins,
+    /// publishes and reclaims: a channel that delivers (does not wait) is known as present
+    /// by every synced backend that is linked, so a backend that publishes only where a
+    /// channel is present never skips an edge whose members have been shown their JOINED.
+    #[test]
+    fn a_channel_delivers_only_once_every_linked_backend_knows_it(
+        ops in proptest::collection::vec(interest_op(), 1..80)
+    ) {
+        let mut now = Instant::now();
+        let mut hub = ChannelHub::new(small_config(), 3);
+        let mut views: Vec<BackendView> = Vec::new();
+        for op in ops {
+            match op {
+                InterestOp::LinkUp => {
+                    let link = hub.interest_link_up();
+                    let mut view = BackendView { link, ..BackendView::default() };
+                    // The shell sends everything due before the link's first CREDIT.
+                    loop {
+                        let due = hub.interest_due(link, 2);
+                        if due.is_empty() {
+                            break;
+                        }
+                        for n in due {
+                            prop_assert_eq!(n.seq, view.taken + 1);
+                            view.taken = n.seq;
+                            if n.present {
+                                view.present.insert(n.channel.to_string());
+                            } else {
+                                view.present.remove(&*n.channel);
+                            }
+                        }
+                    }
+                    view.synced = true;
+                    views.push(view);
+                }
+                InterestOp::LinkDown { l } => {
+                    if !views.is_empty() {
+                        let v = views.remove(l as usize % views.len());
+                        hub.interest_link_down(v.link);
+                    }
+                }
+                InterestOp::Send { l, n } => {
+                    if !views.is_empty() {
+                        let i = l as usize % views.len();
+                        let v = &mut views[i];
+                        v.wire.extend(hub.interest_due(v.link, n.into()));
+                    }
+                }
+                InterestOp::Take { l, n } => {
+                    if !views.is_empty() {
+                        let i = l as usize % views.len();
+                        let v = &mut views[i];
+                        for _ in 0..n {
+                            let Some(n) = v.wire.pop_front() else { break };
+                            prop_assert_eq!(n.seq, v.taken + 1);
+                            v.taken = n.seq;
+                            if n.present {
+                                v.present.insert(n.channel.to_string());
+                            } else {
+                                v.present.remove(&*n.channel);
+                            }
+                        }
+                    }
+                }
+                InterestOp::Ack { l } => {
+                    if !views.is_empty() {
+                        let i = l as usize % views.len();
+                        hub.interest_acked(views[i].link, views[i].taken);
+                    }
+                }
+                InterestOp::Join { s, ch } => {
+                    let _ = hub.join(now, sid(s), &player(s), NAMES[ch as usize], None);
+                }
+                InterestOp::Leave { s, ch } => {
+                    let _ = hub.leave(now, sid(s), NAMES[ch as usize]);
+                }
+                InterestOp::Publish { ch } => {
+                    let _ = hub.publish(now, NAMES[ch as usize], 0, TrafficClass::Normal, Bytes::new());
+                }
+                InterestOp::Drain => {
+                    while let Some(c) = hub.poll_ready() {
+                        prop_assert!(!hub.awaiting_interest(&c), "{} scheduled while it waits", c);
+                        deliveries_of(&mut hub, &c);
+                    }
+                }
+                InterestOp::Advance { ms } => {
+                    now += Duration::from_millis(ms.into());
+                    hub.sweep(now);
+                }
+            }
+            while hub.poll_interest_settled().is_some() {}
+            while hub.poll_interest_wakeup().is_some() {}
+            hub.check_invariants().map_err(TestCaseError::fail)?;
+            for name in NAMES {
+                if hub.position(name).is_some() && !hub.awaiting_interest(name) {
+                    for v in views.iter().filter(|v| v.synced) {
+                        prop_assert!(
+                            v.present.contains(name),
+                            "{} delivers but link {} does not know it", name, v.link
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -28,6 +28,12 @@ pub const LINK_FEATURE_FORWARD_DONE: u64 = 1;
 /// answer (ANSWER_PUSH) and shows them to the client together with the answer, so a reply
 /// is never durable and visible while the message it answers is still unacknowledged.
 pub const LINK_FEATURE_HELD_ANSWERS: u64 = 2;
+/// Link feature bit (§9.3, §12.6): the edge tells the backend which channels it has
+/// (CHANNEL_INTEREST, before its first CREDIT and whenever that changes); the backend acks
+/// each notice (CHANNEL_INTEREST_ACK) and publishes a channel on every edge only to the
+/// edges that have it. A channel's first members on an edge are answered (and shown their
+/// JOINED) only once every such backend acked its notice.
+pub const LINK_FEATURE_CHANNEL_INTEREST: u64 = 4;
 /// Default maximum link frame size.
 pub const DEFAULT_MAX_LINK_FRAME: usize = 1024 * 1024;
 /// Longest id, service name, key or attribute on the link.
@@ -270,6 +276,23 @@ pub enum LinkFrame {
         /// HMAC-SHA256 of the edge's side (see [`crate::link_auth`]).
         proof: LinkProof,
     },
+    /// 0x57 edge -> backend (with [`LINK_FEATURE_CHANNEL_INTEREST`]): the edge has the
+    /// channel (`present`: it was created here, by a join or a publish) or no longer has it
+    /// (reclaimed). `seq` grows by one per notice on the link, from 1.
+    ChannelInterest {
+        /// This notice's number on the link.
+        seq: u64,
+        /// Whether the edge has the channel now.
+        present: bool,
+        /// The channel.
+        channel: String,
+    },
+    /// 0x58 backend -> edge (with [`LINK_FEATURE_CHANNEL_INTEREST`]): every CHANNEL_INTEREST
+    /// up to `seq` was taken; every publish the backend decides after this follows them.
+    ChannelInterestAck {
+        /// The last notice taken.
+        seq: u64,
+    },
     /// 0x53 edge -> backend: how a channel request ended.
     ChannelResult {
         /// The request's id.
@@ -335,6 +358,8 @@ impl LinkFrame {
             Self::Auth { .. } => 0x54,
             Self::ForwardDone { .. } => 0x55,
             Self::AnswerPush { .. } => 0x56,
+            Self::ChannelInterest { .. } => 0x57,
+            Self::ChannelInterestAck { .. } => 0x58,
         }
     }
 
@@ -478,6 +503,8 @@ impl LinkFrame {
                 payload,
                 ..
             } => varint_len(*request_id) + str_len(channel) + 1 + payload.len(),
+            Self::ChannelInterest { seq, channel, .. } => varint_len(*seq) + 1 + str_len(channel),
+            Self::ChannelInterestAck { seq } => varint_len(*seq),
             Self::ChannelResult {
                 request_id,
                 retry_after_ms,
@@ -704,6 +731,16 @@ impl LinkFrame {
                 put_varint(out, position.offset);
                 out.put_u8(u8::from(*duplicate));
             }
+            Self::ChannelInterest {
+                seq,
+                present,
+                channel,
+            } => {
+                put_varint(out, *seq);
+                out.put_u8(u8::from(*present));
+                put_str(out, channel);
+            }
+            Self::ChannelInterestAck { seq } => put_varint(out, *seq),
         }
     }
 
@@ -916,6 +953,23 @@ impl LinkFrame {
                         })
                     }
                 },
+            },
+            0x57 => Self::ChannelInterest {
+                seq: r.varint("seq")?,
+                present: match r.u8("present")? {
+                    0 => false,
+                    1 => true,
+                    _ => {
+                        return Err(FrameError::Malformed {
+                            field: "present",
+                            what: "not 0 or 1",
+                        })
+                    }
+                },
+                channel: get_str(&mut r, "channel", MAX_CHANNEL_NAME_LEN)?,
+            },
+            0x58 => Self::ChannelInterestAck {
+                seq: r.varint("seq")?,
             },
             other => return Err(FrameError::UnknownType(other)),
         })
@@ -1187,6 +1241,14 @@ mod tests {
                         }
                     }
                 ),
+            (any::<u64>(), any::<bool>(), name()).prop_map(|(seq, present, channel)| {
+                LinkFrame::ChannelInterest {
+                    seq,
+                    present,
+                    channel,
+                }
+            }),
+            any::<u64>().prop_map(|seq| LinkFrame::ChannelInterestAck { seq }),
         ]
     }
 
