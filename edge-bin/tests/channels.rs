@@ -425,6 +425,14 @@ struct TwoEdges {
 }
 
 async fn two_edges(ids: [&str; 2], redis_url: Option<String>) -> TwoEdges {
+    two_edges_tuned(ids, redis_url, |_| {}).await
+}
+
+async fn two_edges_tuned(
+    ids: [&str; 2],
+    redis_url: Option<String>,
+    tune: impl Fn(&mut waygate_edge::config::EdgeConfig),
+) -> TwoEdges {
     let sessions = Arc::new(Sessions::default());
     let backend = waygate_backend::Backend::bind(
         "127.0.0.1:0".parse().unwrap(),
@@ -445,6 +453,7 @@ async fn two_edges(ids: [&str; 2], redis_url: Option<String>) -> TwoEdges {
         if let Some(url) = &redis_url {
             config.cluster.redis_url = url.clone();
         }
+        tune(&mut config);
         edges.push(waygate_edge::edge::Edge::start(config).await.unwrap());
     }
     TwoEdges {
@@ -901,4 +910,253 @@ async fn a_second_copy_of_an_announcement_being_written_is_its_duplicate() {
         "{first:?} {second:?}"
     );
     assert_eq!(first.position, second.position);
+}
+
+/// A client of `player` on `edge` over TCP and its session at the backend.
+async fn tcp_member(
+    sessions: &Sessions,
+    edge: &waygate_edge::edge::Edge,
+    player: &str,
+) -> (Client, BackendSession) {
+    let endpoint = Endpoint::new(TransportKind::Tcp, edge.addrs[&TransportKind::Tcp]);
+    let client = Client::start(ClientOptions::new(vec![endpoint], common::token(player)));
+    client
+        .send(TrafficClass::Normal, 1000, Bytes::from_static(b"hi"))
+        .await
+        .unwrap();
+    let session = poll_until(Duration::from_secs(10), || async { sessions.get(player) })
+        .await
+        .expect("session reached the backend");
+    (client, session)
+}
+
+/// Each edge tells its backends which channels it has (PROTOCOL.md §12.6): a publish on
+/// every edge reaches only the edges that have the channel (the other is `skipped`: sent
+/// nothing, and it creates no channel there); once a member joins on the other edge, the
+/// next publish reaches it; once that edge reclaims the channel, it is skipped again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_on_every_edge_goes_only_to_the_edges_that_have_the_channel() {
+    let two = two_edges_tuned(["edge-a", "edge-b"], None, |c| {
+        c.channels.idle_reclaim_ms = 100;
+        if let Some(room) = c.channels.kinds.get_mut("room") {
+            room.history_ttl_ms = 200;
+        }
+    })
+    .await;
+    let (sessions, edges) = (two.sessions.clone(), &two.edges);
+    let (mut client_a, member_a) = tcp_member(&sessions, &edges[0], "member-a").await;
+    member_a.join_channel("room:r", None).await.unwrap();
+    let results = member_a
+        .publish_on_every_edge("room:r", TrafficClass::Normal, Bytes::from_static(b"1"))
+        .await;
+    let by_edge: Vec<(&str, bool, u64)> = results
+        .iter()
+        .map(|r| {
+            let a = r.result.as_ref().unwrap();
+            (r.edge_id.as_str(), a.skipped, a.position.offset)
+        })
+        .collect();
+    assert_eq!(by_edge, [("edge-a", false, 1), ("edge-b", true, 0)]);
+    assert!(matches!(
+        next_update(&mut client_a).await,
+        ChannelUpdate::Joined { .. }
+    ));
+    assert_eq!(body_of(&next_update(&mut client_a).await), (1, "1".into()));
+
+    // A member on edge-b: its join is answered once the backend knows edge-b has the
+    // channel, so a publish made right after it reaches edge-b.
+    let (mut client_b, member_b) = tcp_member(&sessions, &edges[1], "member-b").await;
+    member_b.join_channel("room:r", None).await.unwrap();
+    let results = member_a
+        .publish_on_every_edge("room:r", TrafficClass::Normal, Bytes::from_static(b"2"))
+        .await;
+    assert!(results.iter().all(|r| !r.result.as_ref().unwrap().skipped));
+    assert_eq!(body_of(&next_update(&mut client_a).await), (2, "2".into()));
+    assert!(matches!(
+        next_update(&mut client_b).await,
+        ChannelUpdate::Joined { .. }
+    ));
+    assert_eq!(body_of(&next_update(&mut client_b).await), (1, "2".into()));
+
+    // edge-b's member leaves; once its history expired, edge-b reclaims the channel and
+    // says so: skipped again.
+    member_b.leave_channel("room:r").await.unwrap();
+    // A publish uses the channel: spaced wider than the idle time, so it can be reclaimed.
+    let mut skipped = false;
+    for _ in 0..40 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let results = member_a
+            .publish_on_every_edge("room:r", TrafficClass::BestEffort, Bytes::new())
+            .await;
+        skipped = results
+            .iter()
+            .any(|r| r.edge_id == "edge-b" && r.result.as_ref().unwrap().skipped);
+        if skipped {
+            break;
+        }
+    }
+    assert!(skipped, "edge-b never told it reclaimed the channel");
+    drop(two);
+}
+
+/// A backend link that takes channel notices and acknowledges them only when told to: a
+/// hand-made backend end (PROTOCOL.md §9.3) that welcomes the edge with
+/// `LINK_FEATURE_CHANNEL_INTEREST` and hands over what it receives.
+async fn silent_interest_backend(
+    listener: tokio::net::TcpListener,
+) -> (
+    waygate_link::LinkIo,
+    tokio::sync::mpsc::UnboundedReceiver<waygate_protocol::link::LinkFrame>,
+) {
+    use waygate_protocol::link::{LinkFrame, LINK_FEATURE_CHANNEL_INTEREST, LINK_VERSION};
+    let (stream, _) = timeout(Duration::from_secs(10), listener.accept())
+        .await
+        .expect("the edge links to every instance")
+        .unwrap();
+    let mut io = waygate_link::spawn_link_io(
+        stream,
+        1 << 20,
+        Duration::from_secs(5),
+        waygate_link::LinkIoOptions::default(),
+    );
+    let hello = timeout(Duration::from_secs(10), io.rx.recv())
+        .await
+        .unwrap();
+    let Some(LinkFrame::Hello { features, .. }) = hello else {
+        panic!("expected LINK_HELLO, got {hello:?}");
+    };
+    assert_ne!(
+        features & LINK_FEATURE_CHANNEL_INTEREST,
+        0,
+        "the edge offers notices"
+    );
+    io.tx
+        .send(LinkFrame::Welcome {
+            version: LINK_VERSION,
+            instance_id: "silent".into(),
+            credits: 16,
+            heartbeat_ms: 5000,
+            auth: None,
+            features: LINK_FEATURE_CHANNEL_INTEREST,
+        })
+        .await
+        .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut frames = std::mem::replace(&mut io.rx, tokio::sync::mpsc::channel(1).1);
+    tokio::spawn(async move {
+        while let Some(f) = frames.recv().await {
+            if tx.send(f).is_err() {
+                return;
+            }
+        }
+    });
+    (io, rx)
+}
+
+/// The first join of a channel on an edge is answered, and its member shown JOINED, only
+/// once every backend linked with notices acknowledged that the edge has the channel — a
+/// publish decided after the answer can then never skip this edge; a backend whose link
+/// dies owes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_channels_first_join_waits_until_every_backend_knows_the_edge_has_it() {
+    use waygate_protocol::link::LinkFrame;
+    let sessions = Arc::new(Sessions::default());
+    let backend = waygate_backend::Backend::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        waygate_backend::BackendConfig::new("b1"),
+        sessions.clone(),
+    )
+    .await
+    .unwrap();
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let routes = dir.path().join("routes.toml");
+    // Players go to b1 only; the silent backend is an instance of the room service, so the
+    // edge links to it.
+    let table = common::table(
+        &[backend.local_addr(), silent.local_addr().unwrap()],
+        1,
+        Some(1),
+    );
+    std::fs::write(&routes, table).unwrap();
+    // The edge starts once its links are up (or after its connect timeout).
+    let silent = tokio::spawn(silent_interest_backend(silent));
+    let mut config = waygate_edge::config::EdgeConfig::default();
+    config.use_ephemeral_ports();
+    config.routing.table = Some(routes.clone());
+    let edge = waygate_edge::edge::Edge::start(config).await.unwrap();
+    let (silent_io, mut notices) = silent.await.unwrap();
+    let (mut client, member) = tcp_member(&sessions, &edge, "joiner").await;
+
+    let joining = tokio::spawn({
+        let member = member.clone();
+        async move { member.join_channel("room:x", None).await }
+    });
+    let seq = loop {
+        let f = timeout(Duration::from_secs(10), notices.recv())
+            .await
+            .expect("a notice in time")
+            .unwrap();
+        if let LinkFrame::ChannelInterest {
+            seq,
+            present,
+            channel,
+        } = f
+        {
+            assert_eq!((present, channel.as_str()), (true, "room:x"));
+            break seq;
+        }
+    };
+    // Not acknowledged: neither shown nor answered.
+    assert!(
+        timeout(Duration::from_millis(300), next_update(&mut client))
+            .await
+            .is_err(),
+        "JOINED shown before the silent backend acknowledged"
+    );
+    assert!(
+        !joining.is_finished(),
+        "answered before the silent backend acknowledged"
+    );
+    silent_io
+        .tx
+        .send(LinkFrame::ChannelInterestAck { seq })
+        .await
+        .unwrap();
+    timeout(Duration::from_secs(10), joining)
+        .await
+        .expect("answered once acknowledged")
+        .unwrap()
+        .unwrap();
+    assert!(matches!(
+        next_update(&mut client).await,
+        ChannelUpdate::Joined { .. }
+    ));
+
+    // Another new channel; the silent backend's link dies instead of acknowledging.
+    let joining = tokio::spawn({
+        let member = member.clone();
+        async move { member.join_channel("room:y", None).await }
+    });
+    loop {
+        let f = timeout(Duration::from_secs(10), notices.recv())
+            .await
+            .expect("a notice in time")
+            .unwrap();
+        if matches!(f, LinkFrame::ChannelInterest { ref channel, .. } if channel == "room:y") {
+            break;
+        }
+    }
+    drop(silent_io);
+    drop(notices);
+    timeout(Duration::from_secs(20), joining)
+        .await
+        .expect("answered once the link is gone")
+        .unwrap()
+        .unwrap();
+    assert!(matches!(
+        next_update(&mut client).await,
+        ChannelUpdate::Joined { .. }
+    ));
+    drop((edge, backend, dir));
 }

@@ -194,6 +194,10 @@ pub struct PublishAnswer {
     pub position: ChannelPosition,
     /// A publish with this request id was already taken: nothing was published now.
     pub duplicate: bool,
+    /// Only in [`BackendSession::publish_on_every_edge`]'s results: the edge told this
+    /// backend it has no channel of that name (no members, no history: PROTOCOL.md §12.6),
+    /// so nothing was sent to it; `position` is then the default.
+    pub skipped: bool,
 }
 
 /// The retry-after of a `busy` refusal for a session whose queue is full
@@ -243,9 +247,19 @@ type ChannelAnswers = Arc<Mutex<HashMap<u64, VecDeque<(u64, oneshot::Sender<Link
 
 /// The link reader's hook: a CHANNEL_RESULT completes its request on the reader's own task,
 /// so a handler waiting for one (a publish inside [`Service::message`]) never waits for the
-/// frame loop it is blocking.
-fn answer_hook(answers: ChannelAnswers) -> waygate_link::OnFrame {
+/// frame loop it is blocking. A CHANNEL_INTEREST is taken and acknowledged there too, in
+/// the order it came with the CREDIT frames (which the reader applies as well).
+fn answer_hook(answers: ChannelAnswers, channels: Arc<EdgeChannels>) -> waygate_link::OnFrame {
     Arc::new(move |frame| match frame {
+        LinkFrame::ChannelInterest {
+            seq,
+            present,
+            channel,
+        } => {
+            channels.take(present, channel);
+            // Taken: every publish decided from now on sees it.
+            waygate_link::FrameHandled::Reply(vec![LinkFrame::ChannelInterestAck { seq }])
+        }
         LinkFrame::ChannelResult { request_id, .. } => {
             let waiting = answers.lock().ok().and_then(|mut a| {
                 let queue = a.get_mut(&request_id)?;
@@ -297,6 +311,40 @@ struct LinkSender {
     answers: ChannelAnswers,
     /// The edge holds a handler's pushes until its answer (ANSWER_PUSH, §9.6).
     held_answers: bool,
+    /// The channels the edge has, when it tells them (CHANNEL_INTEREST, §12.6).
+    channels: Option<Arc<EdgeChannels>>,
+}
+
+/// The channels one edge has, as its CHANNEL_INTEREST notices say (PROTOCOL.md §12.6).
+#[derive(Debug, Default)]
+struct EdgeChannels {
+    /// The edge's first CREDIT came: every channel it had at link-up was told before it.
+    synced: std::sync::atomic::AtomicBool,
+    present: Mutex<std::collections::HashSet<String>>,
+}
+
+impl EdgeChannels {
+    /// Whether a publish to `channel` is sent to this edge: unless the edge told (and is
+    /// synced) that it does not have it.
+    fn has(&self, channel: &str) -> bool {
+        if !self.synced.load(Ordering::Acquire) {
+            return true;
+        }
+        self.present
+            .lock()
+            .map(|p| p.contains(channel))
+            .unwrap_or(true)
+    }
+
+    fn take(&self, present: bool, channel: String) {
+        if let Ok(mut p) = self.present.lock() {
+            if present {
+                p.insert(channel);
+            } else {
+                p.remove(&channel);
+            }
+        }
+    }
 }
 
 /// The edge links of one backend process, for a publish on every edge.
@@ -428,6 +476,7 @@ impl LinkSender {
             } => Ok(PublishAnswer {
                 position,
                 duplicate,
+                skipped: false,
             }),
             LinkFrame::ChannelResult {
                 code: CloseCode::Unavailable,
@@ -681,9 +730,12 @@ impl BackendSession {
             .await
     }
 
-    /// Publishes to `channel` on every edge linked to this backend process, each edge
-    /// delivering to its own members (channels are per edge, PROTOCOL.md §12.6), with one
-    /// result per edge. The same request id goes to every edge: retrying the whole call
+    /// Publishes to `channel` on every edge linked to this backend process that has the
+    /// channel, each edge delivering to its own members (channels are per edge, PROTOCOL.md
+    /// §12.6), with one result per edge. An edge that told this backend it has no such
+    /// channel (no members, no history) is sent nothing: its result is `skipped`. An edge
+    /// whose first members join is answered only once this backend knows it has the
+    /// channel, so a publish made after a join was answered reaches the member. The same request id goes to every edge: retrying the whole call
     /// with [`publish_on_every_edge_with_id`](Self::publish_on_every_edge_with_id) after a
     /// partial failure publishes nothing twice (edges that took it answer `duplicate`).
     pub async fn publish_on_every_edge(
@@ -705,7 +757,19 @@ impl BackendSession {
         payload: Bytes,
     ) -> Vec<EdgePublish> {
         let mut tasks = tokio::task::JoinSet::new();
+        let mut out = Vec::new();
         for link in self.inner.link.all.live() {
+            if link.channels.as_ref().is_some_and(|c| !c.has(channel)) {
+                out.push(EdgePublish {
+                    edge_id: link.edge_id.clone(),
+                    result: Ok(PublishAnswer {
+                        position: ChannelPosition::default(),
+                        duplicate: false,
+                        skipped: true,
+                    }),
+                });
+                continue;
+            }
             let frame = LinkFrame::ChannelPublish {
                 request_id,
                 channel: channel.into(),
@@ -720,7 +784,6 @@ impl BackendSession {
                 }
             });
         }
-        let mut out = Vec::new();
         while let Some(done) = tasks.join_next().await {
             if let Ok(answer) = done {
                 out.push(answer);
@@ -940,14 +1003,21 @@ where
     let push_credit = Arc::new(Semaphore::new(0));
     let credit_sink = push_credit.clone();
     let answers: ChannelAnswers = Arc::default();
+    // The channels the edge has (PROTOCOL.md §12.6): its notices are taken on the reader
+    // too, in the order they came, so the first CREDIT finds every one before it.
+    let edge_channels = Arc::new(EdgeChannels::default());
+    let synced = edge_channels.clone();
     let mut io = spawn_link_io(
         stream,
         config.max_link_frame,
         config.heartbeat,
         waygate_link::LinkIoOptions {
             read_queue: config.forward_credits as usize + 1024,
-            on_credit: Some(Arc::new(move |n| credit_sink.add_permits(n as usize))),
-            on_frame: Some(answer_hook(answers.clone())),
+            on_credit: Some(Arc::new(move |n| {
+                synced.synced.store(true, Ordering::Release);
+                credit_sink.add_permits(n as usize)
+            })),
+            on_frame: Some(answer_hook(answers.clone(), edge_channels.clone())),
         },
     );
     let hello = tokio::time::timeout(Duration::from_secs(10), io.rx.recv())
@@ -1010,6 +1080,9 @@ where
     }
     let answers_done = features != 0;
     let held_answers = features & LINK_FEATURE_HELD_ANSWERS != 0;
+    // Which channels the edge has, so a publish on every edge skips the edges without it.
+    let channels = edge_features & waygate_protocol::link::LINK_FEATURE_CHANNEL_INTEREST != 0;
+    features |= edge_features & waygate_protocol::link::LINK_FEATURE_CHANNEL_INTEREST;
     io.tx
         .send(LinkFrame::Welcome {
             version: LINK_VERSION,
@@ -1066,6 +1139,7 @@ where
         edge_id,
         answers,
         held_answers,
+        channels: channels.then(|| edge_channels.clone()),
     });
     all.add(&link);
     let work = Arc::new(LinkWork {

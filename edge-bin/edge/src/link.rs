@@ -16,8 +16,8 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use waygate_protocol::frame::SessionId;
 use waygate_protocol::link::{
-    LinkFrame, DEFAULT_MAX_LINK_FRAME, LINK_FEATURE_FORWARD_DONE, LINK_FEATURE_HELD_ANSWERS,
-    LINK_VERSION,
+    LinkFrame, DEFAULT_MAX_LINK_FRAME, LINK_FEATURE_CHANNEL_INTEREST, LINK_FEATURE_FORWARD_DONE,
+    LINK_FEATURE_HELD_ANSWERS, LINK_VERSION,
 };
 use waygate_session::driver::{Delivered, Downstream};
 use waygate_transport::{CloseCode, TrafficClass};
@@ -169,6 +169,25 @@ pub trait LinkEventSink: Send + Sync + std::fmt::Debug + 'static {
     fn handle(&self, event: LinkEvent, later: &LinkWriter<'_>) -> Option<LinkFrame>;
 }
 
+/// Where a link learns which channels the edge has, for a backend that publishes a channel
+/// only to the edges that have it (PROTOCOL.md §12.6, link feature bit 2). The link sends
+/// the notices on its own task, so they keep their order; everything due at `link_up` goes
+/// out before the link's first CREDIT.
+pub trait ChannelInterestSink: Send + Sync + std::fmt::Debug + 'static {
+    /// Registers a link whose backend takes notices; `wake` is notified when notices are
+    /// due on it. Returns the link's name for the calls below.
+    fn link_up(&self, wake: Arc<tokio::sync::Notify>) -> u64;
+    /// Up to `max` notices due on `link` (CHANNEL_INTEREST frames), in order.
+    fn due(&self, link: u64, max: usize) -> Vec<LinkFrame>;
+    /// The backend took every notice up to `seq` (CHANNEL_INTEREST_ACK).
+    fn acked(&self, link: u64, seq: u64);
+    /// The link is gone.
+    fn link_down(&self, link: u64);
+}
+
+/// Notices sent per turn of a link's task.
+const INTEREST_BATCH: usize = 256;
+
 /// Gives the link's writer, for an answer sent after the event was handled.
 pub type LinkWriter<'a> = dyn Fn() -> Option<mpsc::Sender<LinkFrame>> + Send + Sync + 'a;
 
@@ -180,12 +199,18 @@ pub struct LinkEvents {
     pub fast: Option<Arc<dyn LinkEventSink>>,
     /// The async loop's channel.
     pub slow: mpsc::Sender<LinkEvent>,
+    /// Which channels the edge has, for backends that ask (`None`: never offered).
+    pub interest: Option<Arc<dyn ChannelInterestSink>>,
 }
 
 impl From<mpsc::Sender<LinkEvent>> for LinkEvents {
     /// Every event through the channel (no fast path).
     fn from(slow: mpsc::Sender<LinkEvent>) -> Self {
-        Self { fast: None, slow }
+        Self {
+            fast: None,
+            slow,
+            interest: None,
+        }
     }
 }
 
@@ -313,6 +338,8 @@ struct LinkShared {
     events: LinkEvents,
     /// PUSH frames received since PUSH credit was last returned.
     pushes: std::sync::atomic::AtomicU32,
+    /// This connection's name at the interest sink, while its backend takes notices.
+    interest_link: Mutex<Option<u64>>,
 }
 
 /// The edge's link to one backend address.
@@ -343,6 +370,7 @@ impl LinkClient {
             epoch,
             events,
             pushes: std::sync::atomic::AtomicU32::new(0),
+            interest_link: Mutex::new(None),
         });
         let task = tokio::spawn(run(shared.clone()));
         (Self { shared }, task)
@@ -600,6 +628,16 @@ fn take_frame(shared: &LinkShared, frame: LinkFrame) -> Incoming {
             shared.credit.fetch_add(credits.into(), Ordering::AcqRel);
             Incoming::Done
         }
+        LinkFrame::ChannelInterestAck { seq } => {
+            let link = shared.interest_link.lock().ok().and_then(|l| *l);
+            match (&shared.events.interest, link) {
+                (Some(sink), Some(link)) => sink.acked(link, seq),
+                _ => {
+                    tracing::debug!(addr = %shared.addr, seq, "CHANNEL_INTEREST_ACK on a link without notices: ignored")
+                }
+            }
+            Incoming::Done
+        }
         LinkFrame::ChannelPublish { .. } => {
             // A publish uses one PUSH credit, returned as it is taken (like a PUSH).
             shared.pushes.fetch_add(1, Ordering::AcqRel);
@@ -749,6 +787,10 @@ async fn run(shared: Arc<LinkShared>) {
         }
         shared.up.store(false, Ordering::Release);
         shared.credit.store(0, Ordering::Release);
+        let interest_link = shared.interest_link.lock().ok().and_then(|mut l| l.take());
+        if let (Some(sink), Some(link)) = (&shared.events.interest, interest_link) {
+            sink.link_down(link);
+        }
         if let Ok(mut tx) = shared.tx.lock() {
             *tx = None;
         }
@@ -792,6 +834,23 @@ async fn run(shared: Arc<LinkShared>) {
             shared.config.backoff_min.as_millis() as u64..=cap.as_millis().max(1) as u64,
         );
         tokio::time::sleep(Duration::from_millis(delay)).await;
+    }
+}
+
+/// Sends every channel interest notice due on `link`, in order.
+async fn send_interest(
+    sink: &dyn ChannelInterestSink,
+    link: u64,
+    tx: &mpsc::Sender<LinkFrame>,
+) -> Result<(), &'static str> {
+    loop {
+        let due = sink.due(link, INTEREST_BATCH);
+        if due.is_empty() {
+            return Ok(());
+        }
+        for frame in due {
+            tx.send(frame).await.map_err(|_| "link closed")?;
+        }
     }
 }
 
@@ -892,7 +951,13 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
             edge_id: config.edge_id.clone(),
             epoch: shared.epoch.load(Ordering::Relaxed),
             nonce: Some(edge_nonce),
-            features: LINK_FEATURE_FORWARD_DONE | LINK_FEATURE_HELD_ANSWERS,
+            features: LINK_FEATURE_FORWARD_DONE
+                | LINK_FEATURE_HELD_ANSWERS
+                | if shared.events.interest.is_some() {
+                    LINK_FEATURE_CHANNEL_INTEREST
+                } else {
+                    0
+                },
         })
         .await
         .map_err(|_| "link closed")?;
@@ -912,6 +977,19 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
         _ => return Err("unexpected answer to LINK_HELLO"),
     };
     link_handshake(&io.tx, config, &edge_nonce, &instance_id, auth).await?;
+    // Every channel the edge has, before the CREDIT that lets the backend publish.
+    let interest = match &shared.events.interest {
+        Some(sink) if features & LINK_FEATURE_CHANNEL_INTEREST != 0 => {
+            let wake = Arc::new(tokio::sync::Notify::new());
+            let link = sink.link_up(wake.clone());
+            if let Ok(mut l) = shared.interest_link.lock() {
+                *l = Some(link);
+            }
+            send_interest(sink.as_ref(), link, &io.tx).await?;
+            Some((sink.clone(), link, wake))
+        }
+        _ => None,
+    };
     io.tx
         .send(LinkFrame::Credit {
             credits: config.push_credits,
@@ -952,7 +1030,26 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
 
     // Answers that wait (announcements until logged) go out on the writer later.
     let writer = io.tx.clone();
-    while let Some(frame) = io.rx.recv().await {
+    loop {
+        let frame = tokio::select! {
+            frame = io.rx.recv() => match frame {
+                Some(frame) => frame,
+                None => break,
+            },
+            () = async {
+                match &interest {
+                    Some((_, _, wake)) => wake.notified().await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                if let Some((sink, link, _)) = &interest {
+                    if send_interest(sink.as_ref(), *link, &io.tx).await.is_err() {
+                        break;
+                    }
+                }
+                continue;
+            }
+        };
         let event = match take_frame(shared, frame) {
             Incoming::Done => continue,
             Incoming::Event(event) => event,

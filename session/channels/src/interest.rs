@@ -109,11 +109,7 @@ impl ChannelHub {
             return;
         };
         self.interest.wake.retain(|l| *l != link);
-        let waiting = notices
-            .owed
-            .into_iter()
-            .map(|(_, c)| c)
-            .chain(notices.due);
+        let waiting = notices.owed.into_iter().map(|(_, c)| c).chain(notices.due);
         for name in waiting {
             self.stop_waiting(&name, link);
         }

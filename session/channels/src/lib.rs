@@ -474,12 +474,12 @@ impl Channel {
     fn blocked(&self) -> bool {
         !self.awaiting.is_empty()
             || matches!(
-            self.pending.front(),
-            Some(Pending {
-                item: PendingItem::Publication { held: true, .. },
-                ..
-            })
-        )
+                self.pending.front(),
+                Some(Pending {
+                    item: PendingItem::Publication { held: true, .. },
+                    ..
+                })
+            )
     }
 
     fn position(&self) -> ChannelPosition {

@@ -993,7 +993,11 @@ fn a_new_channel_is_delivered_only_once_every_link_acknowledged_it() {
     assert_eq!(woken, vec![a, b]);
     // A publication while it waits is taken, queued behind the JOINED.
     publish_n(&mut hub, now, "room:a", TrafficClass::Normal, 1);
-    assert_eq!(hub.poll_ready(), None, "nothing delivered before the acknowledgements");
+    assert_eq!(
+        hub.poll_ready(),
+        None,
+        "nothing delivered before the acknowledgements"
+    );
     assert_eq!(hub.interest_due(a, 10), vec![notice(1, true, "room:a")]);
     assert_eq!(hub.interest_due(a, 10), vec![], "each change once");
     hub.interest_acked(a, 1);
@@ -1030,7 +1034,11 @@ fn a_link_that_goes_down_owes_nothing_and_a_new_one_learns_every_channel() {
     assert!(!hub.awaiting_interest("room:a"));
     assert_eq!(hub.poll_interest_settled().as_deref(), Some("room:a"));
     let b = hub.interest_link_up();
-    assert_eq!(hub.poll_interest_wakeup(), Some(b), "room:a is due on the new link");
+    assert_eq!(
+        hub.poll_interest_wakeup(),
+        Some(b),
+        "room:a is due on the new link"
+    );
     hub.join(now, sid(1), &player(1), "room:b", None).unwrap();
     assert!(hub.awaiting_interest("room:b"));
     // The new link learns room:a (which does not wait for it) and room:b.
@@ -1087,18 +1095,38 @@ fn a_reclaimed_channel_is_told_absent_and_a_new_epoch_waits_again() {
 #[derive(Debug, Clone)]
 enum InterestOp {
     LinkUp,
-    LinkDown { l: u8 },
+    LinkDown {
+        l: u8,
+    },
     /// The link's task sends up to `n` due notices (on the wire).
-    Send { l: u8, n: u8 },
+    Send {
+        l: u8,
+        n: u8,
+    },
     /// The backend takes up to `n` notices off the wire.
-    Take { l: u8, n: u8 },
+    Take {
+        l: u8,
+        n: u8,
+    },
     /// The backend acknowledges what it took.
-    Ack { l: u8 },
-    Join { s: u8, ch: u8 },
-    Leave { s: u8, ch: u8 },
-    Publish { ch: u8 },
+    Ack {
+        l: u8,
+    },
+    Join {
+        s: u8,
+        ch: u8,
+    },
+    Leave {
+        s: u8,
+        ch: u8,
+    },
+    Publish {
+        ch: u8,
+    },
     Drain,
-    Advance { ms: u16 },
+    Advance {
+        ms: u16,
+    },
 }
 
 fn interest_op() -> impl Strategy<Value = InterestOp> {

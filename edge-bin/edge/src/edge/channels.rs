@@ -10,7 +10,14 @@
 //! hub holds it, one writer task appends what is held to the log in order (a batch per
 //! write), tells the hub, and answers each publisher on its link. A join from another
 //! epoch's position first reads the log (a task), then joins with what it found.
+//!
+//! Backends that publish a channel only to the edges that have it (PROTOCOL.md §12.6) are
+//! told which channels this edge has: the hub decides what each link is told and when a new
+//! channel may deliver; each link's task sends its notices ([`ChannelInterestSink`]); a join
+//! that made a channel, or joined one still waiting for the backends' acknowledgements, is
+//! answered once it stops waiting.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -22,7 +29,20 @@ use waygate_session::driver::{Downstream, PushError};
 use waygate_transport::{CloseCode, TrafficClass};
 
 use super::{now_std, Shared};
+use crate::link::ChannelInterestSink;
 use crate::metrics::{ChannelClassLabels, ChannelLabels};
+
+/// The links' side of channel interest (PROTOCOL.md §12.6): whom to wake when notices are
+/// due, and the join answers held until their channel stops waiting. Locked after the hub,
+/// never across an await.
+#[derive(Debug, Default)]
+pub(super) struct InterestLinks {
+    wakers: HashMap<u64, Arc<tokio::sync::Notify>>,
+    held_joins: HashMap<Arc<str>, Vec<HeldJoin>>,
+}
+
+/// A join's answer and the link it goes to (`None`: the link was down when it came).
+type HeldJoin = (Option<mpsc::Sender<LinkFrame>>, LinkFrame);
 
 /// Members pushed per lock of the session registry (a big channel's fan-out lets other
 /// work in between).
@@ -195,12 +215,24 @@ impl Shared {
                 }
                 let player = self.session_layer().registry.player_of(&sid);
                 let player = player.as_deref().unwrap_or_default();
-                let outcome = self.hub().join(now, sid, player, &channel, since);
+                let (outcome, held) = {
+                    let mut hub = self.hub();
+                    let outcome = hub.join(now, sid, player, &channel, since);
+                    let answer = result(request_id, outcome.map(|(p, _)| p));
+                    let held = self.hold_join(&hub, &channel, later(), answer);
+                    (outcome, held)
+                };
                 self.count_join(&channel, &outcome);
                 if let Ok((_, JoinOutcome::Recovered { publications })) = &outcome {
                     self.metrics.channel_recovered.inc_by(*publications as u64);
                 }
-                result(request_id, outcome.map(|(p, _)| p))
+                match held {
+                    Some(answer) => answer,
+                    None => {
+                        self.start_channel_consumers();
+                        return None;
+                    }
+                }
             }
             LinkFrame::ChannelLeave {
                 request_id,
@@ -221,6 +253,73 @@ impl Shared {
         };
         self.start_channel_consumers();
         Some(reply)
+    }
+
+    /// The answer to a join, unless its channel still waits for backends to acknowledge
+    /// that this edge has it: then it is held (and `None` returned) until the channel stops
+    /// waiting ([`Shared::interest_settled`]). Called with the hub locked, so the channel
+    /// cannot settle in between.
+    fn hold_join(
+        &self,
+        hub: &waygate_channels::ChannelHub,
+        channel: &str,
+        reply: Option<mpsc::Sender<LinkFrame>>,
+        answer: LinkFrame,
+    ) -> Option<LinkFrame> {
+        let waits = matches!(
+            answer,
+            LinkFrame::ChannelResult {
+                code: CloseCode::Normal,
+                ..
+            }
+        ) && hub.awaiting_interest(channel);
+        if !waits {
+            return Some(answer);
+        }
+        self.interest_links()
+            .held_joins
+            .entry(channel.into())
+            .or_default()
+            .push((reply, answer));
+        None
+    }
+
+    fn interest_links(&self) -> std::sync::MutexGuard<'_, InterestLinks> {
+        self.interest_links
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Wakes the links that have interest notices due (call with the hub locked, after
+    /// anything that may create or reclaim a channel).
+    fn wake_interest_links(&self, hub: &mut waygate_channels::ChannelHub) {
+        let mut links = None;
+        while let Some(link) = hub.poll_interest_wakeup() {
+            let links = links.get_or_insert_with(|| self.interest_links());
+            if let Some(wake) = links.wakers.get(&link) {
+                wake.notify_one();
+            }
+        }
+    }
+
+    /// Answers the joins held for channels that stopped waiting, and starts their
+    /// consumers.
+    fn interest_settled(
+        self: &Arc<Self>,
+        mut hub: std::sync::MutexGuard<'_, waygate_channels::ChannelHub>,
+    ) {
+        let mut answers = Vec::new();
+        {
+            let mut links = self.interest_links();
+            while let Some(name) = hub.poll_interest_settled() {
+                answers.extend(links.held_joins.remove(&name).unwrap_or_default());
+            }
+        }
+        drop(hub);
+        for (reply, answer) in answers {
+            answer_later(reply, answer);
+        }
+        self.start_channel_consumers();
     }
 
     /// Joins `session` from `since` (another epoch's position) once the announcement log
@@ -302,6 +401,7 @@ impl Shared {
     pub(super) fn start_channel_consumers(self: &Arc<Self>) {
         let ready: Vec<Arc<str>> = {
             let mut hub = self.hub();
+            self.wake_interest_links(&mut hub);
             std::iter::from_fn(|| hub.poll_ready()).collect()
         };
         for name in ready {
@@ -512,12 +612,20 @@ async fn join_from_log(
     };
     let player = shared.session_layer().registry.player_of(&session);
     let player = player.as_deref().unwrap_or_default();
-    let outcome =
-        shared
-            .hub()
-            .join_with_logged(now_std(), session, player, &channel, Some(since), &logged);
+    let (outcome, answer) = {
+        let mut hub = shared.hub();
+        let outcome =
+            hub.join_with_logged(now_std(), session, player, &channel, Some(since), &logged);
+        let answer = result(request_id, outcome.map(|(p, _)| p));
+        (
+            outcome,
+            shared.hold_join(&hub, &channel, reply.clone(), answer),
+        )
+    };
     shared.count_join(&channel, &outcome);
-    answer_later(reply, result(request_id, outcome.map(|(p, _)| p)));
+    if let Some(answer) = answer {
+        answer_later(reply, answer);
+    }
     shared.start_channel_consumers();
 }
 
@@ -651,6 +759,8 @@ pub(super) async fn channel_sweep_loop(shared: Weak<Shared>) {
         };
         let mut hub = shared.hub();
         hub.sweep(now_std());
+        // Reclaimed channels are told to the links that take notices.
+        shared.wake_interest_links(&mut hub);
         shared.metrics.channels_active.set(hub.channels() as i64);
         shared.metrics.channel_pending.set(hub.pending() as i64);
         shared.metrics.announcements_held.set(hub.held() as i64);
@@ -683,5 +793,51 @@ pub(super) async fn channel_sweep_loop(shared: Weak<Shared>) {
                     .set(n);
             }
         }
+    }
+}
+
+/// The edge's side of channel interest (PROTOCOL.md §12.6) for its links.
+impl ChannelInterestSink for super::downstream::EdgeLinkSink {
+    fn link_up(&self, wake: Arc<tokio::sync::Notify>) -> u64 {
+        let Some(shared) = self.0.upgrade() else {
+            return u64::MAX;
+        };
+        let mut hub = shared.hub();
+        let link = hub.interest_link_up();
+        shared.interest_links().wakers.insert(link, wake);
+        link
+    }
+
+    fn due(&self, link: u64, max: usize) -> Vec<LinkFrame> {
+        let Some(shared) = self.0.upgrade() else {
+            return Vec::new();
+        };
+        let due = shared.hub().interest_due(link, max);
+        due.into_iter()
+            .map(|n| LinkFrame::ChannelInterest {
+                seq: n.seq,
+                present: n.present,
+                channel: n.channel.to_string(),
+            })
+            .collect()
+    }
+
+    fn acked(&self, link: u64, seq: u64) {
+        let Some(shared) = self.0.upgrade() else {
+            return;
+        };
+        let mut hub = shared.hub();
+        hub.interest_acked(link, seq);
+        shared.interest_settled(hub);
+    }
+
+    fn link_down(&self, link: u64) {
+        let Some(shared) = self.0.upgrade() else {
+            return;
+        };
+        let mut hub = shared.hub();
+        hub.interest_link_down(link);
+        shared.interest_links().wakers.remove(&link);
+        shared.interest_settled(hub);
     }
 }

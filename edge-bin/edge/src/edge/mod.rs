@@ -127,6 +127,8 @@ struct Shared {
     link_tls: Option<(Arc<rustls::ClientConfig>, Option<String>)>,
     /// The channels of this edge (sans-IO; never locked across an await or a push).
     channels: Mutex<waygate_channels::ChannelHub>,
+    /// The links told which channels this edge has (locked after `channels`).
+    interest_links: Mutex<channels::InterestLinks>,
     /// The announcement log and its writer's queue, when announcements are persisted.
     announcements: Option<channels::Announcements>,
 }

@@ -263,6 +263,7 @@ impl Edge {
             link_events: crate::link::LinkEvents {
                 fast: Some(Arc::new(EdgeLinkSink(weak.clone()))),
                 slow: link_tx,
+                interest: Some(Arc::new(EdgeLinkSink(weak.clone()))),
             },
             entries: Mutex::new(Sessions::default()),
             draining: AtomicBool::new(false),
@@ -276,6 +277,7 @@ impl Edge {
             link_tls,
             revocations: waygate_session::auth::Revocations::default(),
             channels: Mutex::new(hub),
+            interest_links: Mutex::new(Default::default()),
             announcements,
             config,
         });
