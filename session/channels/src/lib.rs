@@ -4,7 +4,8 @@
 //! members of which channel, each channel's epoch, offsets and bounded history, its pending
 //! queue (bounded per class), its publish rate limit and publish-id dedup window, recovery
 //! of what a joining member missed (or an explicit "history lost"), and reclaiming idle
-//! channels.
+//! channels, and which backend links know that this edge has a channel (a new channel
+//! delivers nothing until they acknowledged it, PROTOCOL.md §12.6).
 //!
 //! [`ChannelHub`] is sans-IO, like the session host and the KCP endpoint: a plain struct
 //! driven by calls with `now` passed in, polled for work. A publish is checked and given its
