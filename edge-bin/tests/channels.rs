@@ -1160,3 +1160,95 @@ async fn a_new_channels_first_join_waits_until_every_backend_knows_the_edge_has_
     ));
     drop((edge, backend, dir));
 }
+
+/// Announcements of one channel published at the same time by two backends (two links, two
+/// reader tasks) reach the Redis log in offset order: none is refused. Found by `waygate
+/// demo --edges 3` (4 announcements refused `unavailable`: "The ID specified in XADD is
+/// equal or smaller than the target stream top item"): the edge gave offsets under the
+/// hub's lock but queued them for the log writer after it, so two links could queue them
+/// out of order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn announcements_from_two_backends_at_once_reach_the_log_in_order() {
+    let redis = support_redis::RedisServer::start();
+    let sessions = Arc::new(Sessions::default());
+    let mut backends = Vec::new();
+    for id in ["b1", "b2"] {
+        backends.push(
+            waygate_backend::Backend::bind(
+                "127.0.0.1:0".parse().unwrap(),
+                waygate_backend::BackendConfig::new(id),
+                sessions.clone(),
+            )
+            .await
+            .unwrap(),
+        );
+    }
+    let addrs: Vec<_> = backends.iter().map(|b| b.local_addr()).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let routes = dir.path().join("routes.toml");
+    std::fs::write(&routes, common::table(&addrs, 1, None)).unwrap();
+    let mut config = waygate_edge::config::EdgeConfig::default();
+    config.use_ephemeral_ports();
+    config.routing.table = Some(routes);
+    config.cluster.redis_url = redis.url();
+    let edge = waygate_edge::edge::Edge::start(config).await.unwrap();
+    // Players until one session is on each backend.
+    let mut publishers: HashMap<String, BackendSession> = HashMap::new();
+    let mut clients = Vec::new();
+    for i in 0..64 {
+        let (client, session) = tcp_member(&sessions, &edge, &format!("publisher-{i}")).await;
+        clients.push(client);
+        publishers
+            .entry(session.instance_id().to_owned())
+            .or_insert(session);
+        if publishers.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(publishers.len(), 2, "sessions on both backends");
+    let mut tasks = tokio::task::JoinSet::new();
+    for session in publishers.into_values() {
+        for t in 0..8 {
+            let session = session.clone();
+            tasks.spawn(async move {
+                let mut withdrawn = 0;
+                for i in 0..150 {
+                    let body = Bytes::from(format!("a{t}.{i}"));
+                    let id = waygate_backend::next_request_id();
+                    // A publisher waits out the channel's rate and queue answers.
+                    for _ in 0..1000 {
+                        match session
+                            .publish_with_id(
+                                id,
+                                "system:news",
+                                TrafficClass::Critical,
+                                body.clone(),
+                            )
+                            .await
+                        {
+                            Ok(_) => break,
+                            Err(BackendError::AnnouncementWithdrawn { .. }) => {
+                                withdrawn += 1;
+                                break;
+                            }
+                            Err(BackendError::ChannelRefused { retry_after_ms, .. })
+                                if retry_after_ms > 0 =>
+                            {
+                                let wait = Duration::from_millis(retry_after_ms.into());
+                                tokio::time::sleep(wait).await;
+                            }
+                            Err(e) => panic!("announcement {i} refused: {e}"),
+                        }
+                    }
+                }
+                withdrawn
+            });
+        }
+    }
+    let mut withdrawn = 0;
+    while let Some(done) = tasks.join_next().await {
+        withdrawn += done.unwrap();
+    }
+    assert_eq!(withdrawn, 0, "announcements refused by the log");
+    drop((edge, backends, dir, clients));
+}

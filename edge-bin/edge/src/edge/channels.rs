@@ -167,14 +167,26 @@ impl Shared {
                 class,
                 payload,
             } => {
-                let outcome = self
-                    .hub()
-                    .publish(now, &channel, request_id, class, payload);
-                if let Ok(receipt) = &outcome {
-                    if let Some(record) = receipt.persist.clone() {
-                        // Answered by the log writer once the log has it.
-                        return self.hold_announcement(record, request_id, later());
+                let (outcome, held) = {
+                    let mut hub = self.hub();
+                    let outcome = hub.publish(now, &channel, request_id, class, payload);
+                    // Queued for the log writer under the hub's lock, so the log gets a
+                    // channel's announcements in offset order whatever link they came on.
+                    let held = match &outcome {
+                        Ok(receipt) => receipt.persist.clone().map(|record| {
+                            self.hold_announcement(&mut hub, record, request_id, later())
+                        }),
+                        Err(_) => None,
+                    };
+                    (outcome, held)
+                };
+                if let Some(refused) = held {
+                    // Answered by the log writer once the log has it, or refused now.
+                    if refused.is_some() {
+                        self.count_publish(&channel, Err(ChannelError::QueueFull));
                     }
+                    self.start_channel_consumers();
+                    return refused;
                 }
                 let label = match &outcome {
                     Ok(r) if r.duplicate => "duplicate",
@@ -344,10 +356,12 @@ impl Shared {
         }
     }
 
-    /// Hands a held announcement to the log writer; a full writer queue withdraws it at
-    /// once (`queue_full`).
+    /// Hands a held announcement to the log writer (with the hub locked: the writer's queue
+    /// is in offset order); a full writer queue withdraws it at once (`queue_full`, the
+    /// answer returned).
     fn hold_announcement(
-        self: &Arc<Self>,
+        &self,
+        hub: &mut waygate_channels::ChannelHub,
         record: AnnouncementRecord,
         request_id: u64,
         reply: Option<mpsc::Sender<LinkFrame>>,
@@ -364,10 +378,7 @@ impl Shared {
             },
             None => job,
         };
-        self.hub()
-            .persisted(&refused.record.channel, refused.record.position, false);
-        self.count_publish(&refused.record.channel, Err(ChannelError::QueueFull));
-        self.start_channel_consumers();
+        hub.persisted(&refused.record.channel, refused.record.position, false);
         Some(result(refused.request_id, Err(ChannelError::QueueFull)))
     }
 
