@@ -1118,6 +1118,12 @@ async fn a_new_channels_first_join_waits_until_every_backend_knows_the_edge_has_
         !joining.is_finished(),
         "answered before the silent backend acknowledged"
     );
+    // Operators see it waiting.
+    expect_metric_line(&edge, "waygate_channels_awaiting_backends 1").await;
+    assert!(
+        !joining.is_finished(),
+        "answered before the silent backend acknowledged"
+    );
     silent_io
         .tx
         .send(LinkFrame::ChannelInterestAck { seq })
@@ -1132,6 +1138,7 @@ async fn a_new_channels_first_join_waits_until_every_backend_knows_the_edge_has_
         next_update(&mut client).await,
         ChannelUpdate::Joined { .. }
     ));
+    expect_metric_line(&edge, "waygate_channels_awaiting_backends 0").await;
 
     // Another new channel; the silent backend's link dies instead of acknowledging.
     let joining = tokio::spawn({

@@ -163,6 +163,10 @@ pub struct EdgeMetrics {
     pub channel_recovered: Counter,
     /// Channels on this edge.
     pub channels_active: Gauge,
+    /// New channels waiting for backends to acknowledge that this edge has them (PROTOCOL.md
+    /// §12.6): nothing of them is delivered meanwhile; stuck above 0 means a backend does
+    /// not acknowledge (its link is declared dead after three heartbeats).
+    pub channels_awaiting_backends: Gauge,
     /// Channel items waiting for their consumer.
     pub channel_pending: Gauge,
     /// Announcements held until the announcement log has them (PROTOCOL.md §12.5): stuck
@@ -515,6 +519,7 @@ impl EdgeMetrics {
             }),
             channel_recovered: Counter::default(),
             channels_active: Gauge::default(),
+            channels_awaiting_backends: Gauge::default(),
             channel_pending: Gauge::default(),
             announcements_held: Gauge::default(),
             channel_publish_ids: Gauge::default(),
@@ -677,6 +682,11 @@ impl EdgeMetrics {
             "channels_active",
             "Channels on this edge",
             m.channels_active.clone(),
+        );
+        registry.register(
+            "channels_awaiting_backends",
+            "New channels waiting for backends to acknowledge that this edge has them (nothing of them delivered meanwhile)",
+            m.channels_awaiting_backends.clone(),
         );
         registry.register(
             "channel_pending",

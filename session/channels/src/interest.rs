@@ -174,9 +174,12 @@ impl ChannelHub {
             .is_some_and(|c| !c.awaiting.is_empty())
     }
 
-    /// Registered links (for tests and metrics).
-    pub fn interest_links(&self) -> usize {
-        self.interest.links.len()
+    /// Channels that wait for a backend's acknowledgement now (for metrics).
+    pub fn awaiting_channels(&self) -> usize {
+        self.channels
+            .values()
+            .filter(|c| !c.awaiting.is_empty())
+            .count()
     }
 
     fn stop_waiting(&mut self, name: &Arc<str>, link: InterestLink) {

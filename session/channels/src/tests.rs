@@ -988,6 +988,7 @@ fn a_new_channel_is_delivered_only_once_every_link_acknowledged_it() {
     assert_eq!(hub.poll_interest_wakeup(), None, "nothing to tell yet");
     hub.join(now, sid(1), &player(1), "room:a", None).unwrap();
     assert!(hub.awaiting_interest("room:a"));
+    assert_eq!(hub.awaiting_channels(), 1);
     let mut woken: Vec<_> = std::iter::from_fn(|| hub.poll_interest_wakeup()).collect();
     woken.sort_unstable();
     assert_eq!(woken, vec![a, b]);
@@ -1006,6 +1007,7 @@ fn a_new_channel_is_delivered_only_once_every_link_acknowledged_it() {
     assert_eq!(hub.interest_due(b, 10), vec![notice(1, true, "room:a")]);
     hub.interest_acked(b, 1);
     assert!(!hub.awaiting_interest("room:a"));
+    assert_eq!(hub.awaiting_channels(), 0);
     assert_eq!(hub.poll_interest_settled().as_deref(), Some("room:a"));
     assert_eq!(hub.poll_ready().as_deref(), Some("room:a"));
     let kinds: Vec<ChannelEventKind> = deliveries_of(&mut hub, "room:a")

@@ -773,6 +773,10 @@ pub(super) async fn channel_sweep_loop(shared: Weak<Shared>) {
         // Reclaimed channels are told to the links that take notices.
         shared.wake_interest_links(&mut hub);
         shared.metrics.channels_active.set(hub.channels() as i64);
+        shared
+            .metrics
+            .channels_awaiting_backends
+            .set(hub.awaiting_channels() as i64);
         shared.metrics.channel_pending.set(hub.pending() as i64);
         shared.metrics.announcements_held.set(hub.held() as i64);
         shared
