@@ -108,6 +108,10 @@ impl RedisCluster {
                     "1000",
                     "--cluster-replica-validity-factor",
                     "0",
+                    // A replica's first sync starts at once (Redis waits 5 s by default to
+                    // batch replicas), so tests that read replicas need not race it.
+                    "--repl-diskless-sync-delay",
+                    "0",
                     "--dir",
                     dir.path().to_str().expect("utf-8 path"),
                 ]
@@ -131,7 +135,35 @@ impl RedisCluster {
         redis_cli(&args).expect("redis-cli --cluster create");
         let cluster = Self { nodes, _dir: dir };
         cluster.wait_ok(Duration::from_secs(30));
+        cluster.wait_replicas_synced(Duration::from_secs(30));
         cluster
+    }
+
+    /// Waits until every running replica has finished its sync with its master
+    /// (`master_link_status:up`, no sync in progress).
+    pub fn wait_replicas_synced(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            let synced = self
+                .nodes
+                .iter()
+                .filter(|n| n.server.is_running())
+                .all(|n| {
+                    port_cli(n.server.port(), &["info", "replication"]).is_some_and(|i| {
+                        i.contains("role:master")
+                            || (i.contains("master_link_status:up")
+                                && i.contains("master_sync_in_progress:0"))
+                    })
+                });
+            if synced {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "redis cluster replicas not synced in {within:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// Waits until every running node reports `cluster_state:ok` and agrees on the masters.
