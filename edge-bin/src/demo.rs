@@ -163,6 +163,11 @@ pub struct DemoReport {
     /// CHANNEL_JOIN and CHAT messages refused explicitly (an ERROR from the edge or the
     /// backend, or the client could not queue them).
     pub channel_refused: u64,
+    /// CHAT publishes the backends sent to an edge (one per edge that has the channel).
+    pub channel_edge_publishes: u64,
+    /// CHAT publishes the backends did not send to an edge because it told them it has no
+    /// such channel (no members, no history: PROTOCOL.md §12.6).
+    pub channel_edge_publishes_skipped: u64,
     /// Totals.
     pub total: TransportRow,
 }
@@ -291,7 +296,7 @@ impl DemoReport {
         out.push_str(&row("total", &self.total));
         out.push_str(&format!(
             "kicked by second login: {}   resumed on another endpoint (transport or edge): {}   room events: {}\n\
-             channels (world, guild): {} publications, {} out of order, {} history lost, {} chat/join refused; {} announcements; {} stretches of the announcement log after a move to another edge, skipping {} normal publications; {} offsets skipped (announcements withdrawn: the log did not take them); {} publications received twice\n\
+             channels (world, guild): {} publications, {} out of order, {} history lost, {} chat/join refused; {} announcements; {} stretches of the announcement log after a move to another edge, skipping {} normal publications; {} offsets skipped (announcements withdrawn: the log did not take them); {} publications received twice; publishes to edges: {} sent, {} skipped (the edge has no such channel)\n\
              sessions restarted (not restorable: RestoreFailedNewSession): {}, with {} echoes outstanding (answered by the restart)\n\
              drain of b3: replies from other backends {}, from b3 to requests sent more than 1 s later {}\n",
             self.kicked,
@@ -306,6 +311,8 @@ impl DemoReport {
             self.channel_log_holes,
             self.channel_offsets_skipped,
             self.channel_duplicates,
+            self.channel_edge_publishes,
+            self.channel_edge_publishes_skipped,
             self.session_restarts,
             self.replies_lost_to_restart,
             self.migrated_replies_from_other_backends,
@@ -604,6 +611,11 @@ async fn collect(
     services: &[Arc<DemoService>],
 ) -> Result<DemoReport, String> {
     let mut report = DemoReport::default();
+    for s in services {
+        let (sent, skipped) = s.edge_publishes();
+        report.channel_edge_publishes += sent;
+        report.channel_edge_publishes_skipped += skipped;
+    }
     let mut by_kind: HashMap<TransportKind, Vec<u32>> = HashMap::new();
     let mut restores_by_kind: HashMap<TransportKind, Vec<u32>> = HashMap::new();
     for t in tasks {
@@ -1063,7 +1075,11 @@ pub async fn run_cluster(
 
     let start = Instant::now();
     let never_drained: Arc<std::sync::OnceLock<Instant>> = Arc::new(std::sync::OnceLock::new());
-    let plan = ClientPlan::new(&options);
+    let mut plan = ClientPlan::new(&options);
+    // A multiple of the edges: client `i` starts on edge `i % edges` and is in guild
+    // `i % guilds`, so each guild's members start on one edge, and a guild's chats go only
+    // to the edge that has its channel (PROTOCOL.md §12.6) until the kill moves members.
+    plan.guilds = plan.guilds.div_ceil(edges) * edges;
     let mut cmds = Vec::new();
     let mut tasks = Vec::new();
     for i in 0..options.clients {

@@ -170,7 +170,9 @@ enum Command {
         /// killed with SIGKILL midway and its clients resume on the others.
         #[arg(long, default_value_t = 1)]
         edges: usize,
-        /// Guild channels the clients are spread over (each client joins `world` and one).
+        /// Guild channels the clients are spread over (each client joins `world` and one;
+        /// with --edges N, rounded up to a multiple of N so each guild's members start on
+        /// one edge).
         #[arg(long, default_value_t = 5)]
         guilds: usize,
         /// How often each client sends an echo (chats ride on every tenth), e.g. `200ms`.

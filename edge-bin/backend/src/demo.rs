@@ -140,6 +140,10 @@ pub struct DemoService {
     /// Announcements an edge took: (channel, epoch, offset). A member never sees one of
     /// them skipped, not even in the announcement log's stretch after its edge was lost.
     announced: PositionSet,
+    /// CHAT publishes sent to an edge, and those not sent because the edge told it has no
+    /// such channel (PROTOCOL.md §12.6).
+    edge_publishes: std::sync::atomic::AtomicU64,
+    edge_publishes_skipped: std::sync::atomic::AtomicU64,
 }
 
 impl DemoService {
@@ -159,6 +163,16 @@ impl DemoService {
     /// `position` (remembers the first 100,000).
     pub fn was_announced(&self, channel: &str, position: ChannelPosition) -> bool {
         self.announced.contains(channel, position)
+    }
+
+    /// CHAT publishes this instance sent to edges, and those it did not send to an edge that
+    /// told it has no such channel (PROTOCOL.md §12.6): (sent, skipped).
+    pub fn edge_publishes(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (
+            self.edge_publishes.load(Relaxed),
+            self.edge_publishes_skipped.load(Relaxed),
+        )
     }
 
     /// Number of messages said in `room` on this instance.
@@ -248,6 +262,13 @@ impl Service for DemoService {
                     .publish_on_every_edge_with_id(id, channel, msg.class, body)
                     .await;
                 for r in &results {
+                    let skipped = matches!(&r.result, Ok(a) if a.skipped);
+                    let counter = if skipped {
+                        &self.edge_publishes_skipped
+                    } else {
+                        &self.edge_publishes
+                    };
+                    counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     match &r.result {
                         Err(crate::BackendError::AnnouncementWithdrawn { position, .. }) => {
                             self.withdrawn.insert(channel, *position);
