@@ -58,15 +58,6 @@ impl Rate {
     pub fn period(self) -> Duration {
         Duration::from_nanos(self.period_ns)
     }
-
-    /// This rate scaled by `num / den` (for example the governor's push-rate factor),
-    /// exactly: the period is stretched instead of rounding the token count.
-    pub fn scaled(self, num: u64, den: u64) -> Self {
-        Self::reduced(
-            u128::from(self.tokens) * u128::from(num),
-            u128::from(self.period_ns) * u128::from(den.max(1)),
-        )
-    }
 }
 
 fn gcd(mut a: u128, mut b: u128) -> u128 {
@@ -345,13 +336,12 @@ mod tests {
     }
 
     #[test]
-    fn scaled_rates_are_exact() {
-        let r = Rate::per_second(3).scaled(1, 2);
+    fn rates_are_exact() {
+        // 3 tokens per 2 s: no rounding to 1 or 2 per second.
+        let r = Rate::new(3, 2 * S);
         let t0 = Instant::now();
         let mut b = TokenBucket::new_empty(r, 10, t0);
         assert_eq!(b.available(t0 + 2 * S), 3);
-        assert_eq!(Rate::per_second(3).scaled(0, 2), Rate::never());
-        assert_eq!(Rate::per_second(100).scaled(1, 2), Rate::per_second(50));
         assert_eq!(Rate::new(2, 2 * S), Rate::per_second(1));
         assert_eq!(Rate::per_second(1).period(), S);
     }
