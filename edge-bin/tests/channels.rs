@@ -424,6 +424,17 @@ struct TwoEdges {
     _dir: tempfile::TempDir,
 }
 
+/// A backend instance `id` on loopback whose service is `sessions`.
+async fn sessions_backend(id: &str, sessions: &Arc<Sessions>) -> waygate_backend::Backend {
+    waygate_backend::Backend::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        waygate_backend::BackendConfig::new(id),
+        sessions.clone(),
+    )
+    .await
+    .unwrap()
+}
+
 async fn two_edges(ids: [&str; 2], redis_url: Option<String>) -> TwoEdges {
     two_edges_tuned(ids, redis_url, |_| {}).await
 }
@@ -434,13 +445,7 @@ async fn two_edges_tuned(
     tune: impl Fn(&mut waygate_edge::config::EdgeConfig),
 ) -> TwoEdges {
     let sessions = Arc::new(Sessions::default());
-    let backend = waygate_backend::Backend::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        waygate_backend::BackendConfig::new("b1"),
-        sessions.clone(),
-    )
-    .await
-    .unwrap();
+    let backend = sessions_backend("b1", &sessions).await;
     let dir = tempfile::tempdir().unwrap();
     let routes = dir.path().join("routes.toml");
     std::fs::write(&routes, common::table(&[backend.local_addr()], 1, None)).unwrap();
@@ -1061,13 +1066,7 @@ async fn silent_interest_backend(
 async fn a_new_channels_first_join_waits_until_every_backend_knows_the_edge_has_it() {
     use waygate_protocol::link::LinkFrame;
     let sessions = Arc::new(Sessions::default());
-    let backend = waygate_backend::Backend::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        waygate_backend::BackendConfig::new("b1"),
-        sessions.clone(),
-    )
-    .await
-    .unwrap();
+    let backend = sessions_backend("b1", &sessions).await;
     let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let routes = dir.path().join("routes.toml");
@@ -1180,15 +1179,7 @@ async fn announcements_from_two_backends_at_once_reach_the_log_in_order() {
     let sessions = Arc::new(Sessions::default());
     let mut backends = Vec::new();
     for id in ["b1", "b2"] {
-        backends.push(
-            waygate_backend::Backend::bind(
-                "127.0.0.1:0".parse().unwrap(),
-                waygate_backend::BackendConfig::new(id),
-                sessions.clone(),
-            )
-            .await
-            .unwrap(),
-        );
+        backends.push(sessions_backend(id, &sessions).await);
     }
     let addrs: Vec<_> = backends.iter().map(|b| b.local_addr()).collect();
     let dir = tempfile::tempdir().unwrap();

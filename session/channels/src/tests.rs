@@ -1159,6 +1159,20 @@ struct BackendView {
     synced: bool,
 }
 
+impl BackendView {
+    /// Takes the next notice off the wire, in order.
+    fn take(&mut self, n: InterestNotice) -> Result<(), TestCaseError> {
+        prop_assert_eq!(n.seq, self.taken + 1);
+        self.taken = n.seq;
+        if n.present {
+            self.present.insert(n.channel.to_string());
+        } else {
+            self.present.remove(&*n.channel);
+        }
+        Ok(())
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
 
@@ -1185,13 +1199,7 @@ proptest! {
                             break;
                         }
                         for n in due {
-                            prop_assert_eq!(n.seq, view.taken + 1);
-                            view.taken = n.seq;
-                            if n.present {
-                                view.present.insert(n.channel.to_string());
-                            } else {
-                                view.present.remove(&*n.channel);
-                            }
+                            view.take(n)?;
                         }
                     }
                     view.synced = true;
@@ -1216,13 +1224,7 @@ proptest! {
                         let v = &mut views[i];
                         for _ in 0..n {
                             let Some(n) = v.wire.pop_front() else { break };
-                            prop_assert_eq!(n.seq, v.taken + 1);
-                            v.taken = n.seq;
-                            if n.present {
-                                v.present.insert(n.channel.to_string());
-                            } else {
-                                v.present.remove(&*n.channel);
-                            }
+                            v.take(n)?;
                         }
                     }
                 }
