@@ -142,48 +142,40 @@ impl RedisCluster {
     /// Waits until every running replica has finished its sync with its master
     /// (`master_link_status:up`, no sync in progress).
     pub fn wait_replicas_synced(&self, within: Duration) {
-        let deadline = Instant::now() + within;
-        loop {
-            let synced = self
-                .nodes
-                .iter()
-                .filter(|n| n.server.is_running())
-                .all(|n| {
-                    port_cli(n.server.port(), &["info", "replication"]).is_some_and(|i| {
-                        i.contains("role:master")
-                            || (i.contains("master_link_status:up")
-                                && i.contains("master_sync_in_progress:0"))
-                    })
-                });
-            if synced {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "redis cluster replicas not synced in {within:?}"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        self.wait_every_node(within, "replicas synced", &["info", "replication"], |i| {
+            i.contains("role:master")
+                || (i.contains("master_link_status:up") && i.contains("master_sync_in_progress:0"))
+        });
     }
 
     /// Waits until every running node reports `cluster_state:ok` and agrees on the masters.
     pub fn wait_ok(&self, within: Duration) {
+        self.wait_every_node(within, "cluster ok", &["cluster", "info"], |i| {
+            i.contains("cluster_state:ok")
+        });
+    }
+
+    /// Waits until `ok` holds for the answer of every running node to `command`.
+    fn wait_every_node(
+        &self,
+        within: Duration,
+        what: &str,
+        command: &[&str],
+        ok: impl Fn(&str) -> bool,
+    ) {
         let deadline = Instant::now() + within;
         loop {
-            let ok = self
+            let all = self
                 .nodes
                 .iter()
                 .filter(|n| n.server.is_running())
-                .all(|n| {
-                    port_cli(n.server.port(), &["cluster", "info"])
-                        .is_some_and(|i| i.contains("cluster_state:ok"))
-                });
-            if ok {
+                .all(|n| port_cli(n.server.port(), command).is_some_and(|i| ok(&i)));
+            if all {
                 return;
             }
             assert!(
                 Instant::now() < deadline,
-                "redis cluster not ok in {within:?}"
+                "redis cluster: not {what} in {within:?}"
             );
             std::thread::sleep(Duration::from_millis(100));
         }
