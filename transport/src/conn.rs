@@ -132,6 +132,10 @@ pub struct ConnConfig {
     /// then holds at most this much in the kernel, and the session's own bounded queue and
     /// slow-consumer rule decide (B3). `None`: the kernel's autotuning (megabytes).
     pub send_buffer: Option<usize>,
+    /// WebSocket connections: the most bytes one read takes from the socket, and what the
+    /// connection's read buffer keeps allocated while it is idle (tungstenite's
+    /// `read_buffer_size`). A larger message is read in several reads of this size.
+    pub ws_read_buffer: usize,
 }
 
 impl Default for ConnConfig {
@@ -145,6 +149,7 @@ impl Default for ConnConfig {
             connect_keys: None,
             kcp_credentials: None,
             send_buffer: None,
+            ws_read_buffer: crate::ws::DEFAULT_READ_BUFFER,
         }
     }
 }

@@ -29,13 +29,17 @@ use waygate_protocol::frame::Frame;
 use waygate_protocol::wire::{CloseCode, WS_SUBPROTOCOL};
 use waygate_protocol::FrameError;
 
-const READ_BUFFER: usize = 4 * 1024;
+/// Default of [`ConnConfig::ws_read_buffer`]: 1 KiB. An idle connection keeps it allocated
+/// (4 KiB cost 3 KiB more per idle session, BENCHMARKS.md W4); a message above it takes
+/// several reads (512 B cost ~10% more CPU per 8 KiB message; 1 KiB nothing measurable).
+pub const DEFAULT_READ_BUFFER: usize = 1024;
 const CLOSE_FLUSH: std::time::Duration = std::time::Duration::from_millis(500);
 
-/// The tungstenite configuration for a given maximum frame size.
-pub fn ws_config(max_frame_size: usize) -> WebSocketConfig {
+/// The tungstenite configuration for a connection's limits.
+pub fn ws_config(config: &ConnConfig) -> WebSocketConfig {
+    let max_frame_size = config.max_frame_size;
     WebSocketConfig::default()
-        .read_buffer_size(READ_BUFFER)
+        .read_buffer_size(config.ws_read_buffer)
         // 0: every message is written through at once (no batching delay).
         .write_buffer_size(0)
         .max_write_buffer_size(max_frame_size.saturating_mul(4).max(64 * 1024))
@@ -448,13 +452,10 @@ async fn upgrade<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
         check_origin(&origins, request)?;
         negotiate(request, response)
     };
-    let ws = tokio_tungstenite::accept_hdr_async_with_config(
-        stream,
-        callback,
-        Some(ws_config(config.max_frame_size)),
-    )
-    .await
-    .map_err(|e| TransportError::Handshake(e.to_string()))?;
+    let ws =
+        tokio_tungstenite::accept_hdr_async_with_config(stream, callback, Some(ws_config(config)))
+            .await
+            .map_err(|e| TransportError::Handshake(e.to_string()))?;
     Ok(WsConnection::new(ws, info, config))
 }
 
@@ -483,7 +484,7 @@ pub async fn connect_ws(
     if let Ok(v) = WS_SUBPROTOCOL.parse() {
         request.headers_mut().insert("sec-websocket-protocol", v);
     }
-    let cfg = Some(ws_config(config.max_frame_size));
+    let cfg = Some(ws_config(config));
     let connect = async {
         let tcp = TcpStream::connect(addr).await?;
         let _ = tcp.set_nodelay(true);

@@ -82,6 +82,23 @@ async fn ws_max_frame_passes_and_max_plus_one_is_refused() {
     common::max_frame_checks(&mut conn, MAX).await;
 }
 
+/// A read buffer far below the frame size (`ConnConfig::ws_read_buffer`) only splits a
+/// message into more reads: the largest frame still passes both ways, and the one above it
+/// is still refused.
+#[tokio::test]
+async fn a_small_read_buffer_still_carries_the_largest_frame() {
+    let small = || ConnConfig {
+        ws_read_buffer: 64,
+        ..config()
+    };
+    let (listener, addr) = loopback_listener(None, small()).await;
+    let _server = common::spawn_echo_server(listener);
+    let mut conn = connect_ws(addr, "127.0.0.1", "/", None, &small())
+        .await
+        .unwrap();
+    common::max_frame_checks(&mut conn, MAX).await;
+}
+
 /// Opens a raw tungstenite client, sends `msg`, and returns the waygate CLOSE code the
 /// server answered with (from the binary CLOSE frame it sends before the WebSocket close).
 async fn raw_send_and_read_close(addr: SocketAddr, msg: Message) -> Option<CloseCode> {

@@ -142,6 +142,9 @@ pub struct LimitsConfig {
     /// Linux doubles it): what a client that stops reading can hold in the kernel before the
     /// session's own queue and slow-consumer rule decide. 0: the kernel's autotuning.
     pub send_buffer_bytes: usize,
+    /// WebSocket (ws, wss) connections: the most bytes one read takes from the socket,
+    /// which an idle connection keeps allocated; larger messages take several reads.
+    pub ws_read_buffer_bytes: usize,
 }
 
 impl Default for LimitsConfig {
@@ -153,6 +156,7 @@ impl Default for LimitsConfig {
             tls_timeout_ms: 5_000,
             upgrade_timeout_ms: 7_000,
             send_buffer_bytes: 32 * 1024,
+            ws_read_buffer_bytes: waygate_transport::ws::DEFAULT_READ_BUFFER,
         }
     }
 }
@@ -673,6 +677,7 @@ impl EdgeConfig {
             allowed_origins: self.listeners.ws_allowed_origins.clone().into(),
             send_buffer: (self.limits.send_buffer_bytes > 0)
                 .then_some(self.limits.send_buffer_bytes),
+            ws_read_buffer: self.limits.ws_read_buffer_bytes,
             ..Default::default()
         }
     }
@@ -767,6 +772,12 @@ impl EdgeConfig {
                      one backend link frame of {} bytes)",
                     waygate_protocol::link::DEFAULT_MAX_LINK_FRAME
                 ),
+            });
+        }
+        if !(64..=MAX_CLIENT_FRAME).contains(&self.limits.ws_read_buffer_bytes) {
+            return Err(ConfigError::Invalid {
+                key: "limits.ws_read_buffer_bytes",
+                message: format!("must be between 64 and {MAX_CLIENT_FRAME} bytes"),
             });
         }
         if self.tls.cert.is_some() != self.tls.key.is_some() {
@@ -1051,6 +1062,18 @@ mod tests {
     /// Issue 15: the publish-id window is sized to the client's retry horizon (a resume
     /// within the session linger resends what was not acknowledged); a shorter one is
     /// refused at load, naming both keys.
+    #[test]
+    fn the_websocket_read_buffer_is_checked_and_reaches_the_transport() {
+        let tiny = "[limits]\nws_read_buffer_bytes = 32\n";
+        let err = EdgeConfig::from_toml(tiny, Path::new("e"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("limits.ws_read_buffer_bytes"), "{err}");
+        let big = "[limits]\nws_read_buffer_bytes = 4096\n";
+        let config = EdgeConfig::from_toml(big, Path::new("e")).unwrap();
+        assert_eq!(config.conn_config().ws_read_buffer, 4096);
+    }
+
     #[test]
     fn a_publish_id_window_shorter_than_the_linger_is_refused() {
         let short = "[session]\nlinger_secs = 120\n[channels]\ndedup_window_secs = 60\n";
