@@ -183,6 +183,9 @@ pub trait ChannelInterestSink: Send + Sync + std::fmt::Debug + 'static {
     fn acked(&self, link: u64, seq: u64);
     /// The link is gone.
     fn link_down(&self, link: u64);
+    /// Whether the backend on `link` has kept a new channel waiting past the deadline (it
+    /// takes frames but does not acknowledge notices): the link is then closed.
+    fn overdue(&self, link: u64) -> bool;
 }
 
 /// Notices sent per turn of a link's task.
@@ -1043,6 +1046,17 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
                 }
             } => {
                 if let Some((sink, link, _)) = &interest {
+                    if sink.overdue(*link) {
+                        tracing::warn!(addr = %shared.addr, "backend does not acknowledge channel notices: link closed");
+                        let _ = io
+                            .tx
+                            .send(LinkFrame::Close {
+                                code: CloseCode::ProtocolError,
+                                message: "CHANNEL_INTEREST not acknowledged in time".into(),
+                            })
+                            .await;
+                        return Err("channel notices not acknowledged");
+                    }
                     if send_interest(sink.as_ref(), *link, &io.tx).await.is_err() {
                         break;
                     }

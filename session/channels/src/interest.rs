@@ -17,6 +17,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::ChannelHub;
 
@@ -172,6 +173,21 @@ impl ChannelHub {
         self.channels
             .get(channel)
             .is_some_and(|c| !c.awaiting.is_empty())
+    }
+
+    /// The links that have kept a channel waiting `deadline` or longer since its creation:
+    /// their backends take frames but do not acknowledge notices (the shell closes those
+    /// links; a link that goes down owes nothing). Call it about once a second.
+    pub fn interest_overdue(&self, now: Instant, deadline: Duration) -> Vec<InterestLink> {
+        let mut out: Vec<InterestLink> = self
+            .channels
+            .values()
+            .filter(|c| now.saturating_duration_since(c.created) >= deadline)
+            .flat_map(|c| c.awaiting.iter().copied())
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
     }
 
     /// Channels that wait for a backend's acknowledgement now (for metrics).

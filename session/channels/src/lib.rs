@@ -460,6 +460,8 @@ struct Channel {
     /// Links that have not yet acknowledged that this edge has the channel (see the
     /// `interest` module): nothing of it is delivered until none is left.
     awaiting: Vec<InterestLink>,
+    /// When the channel was created (how long `awaiting` has waited).
+    created: Instant,
 }
 
 impl Channel {
@@ -750,6 +752,7 @@ impl ChannelHub {
                     departed: HashMap::new(),
                     departed_order: VecDeque::new(),
                     awaiting: self.interest.registered(),
+                    created: now,
                 },
             );
         }

@@ -1001,7 +1001,17 @@ fn a_new_channel_is_delivered_only_once_every_link_acknowledged_it() {
     );
     assert_eq!(hub.interest_due(a, 10), vec![notice(1, true, "room:a")]);
     assert_eq!(hub.interest_due(a, 10), vec![], "each change once");
+    // Waiting past the deadline names the links that owe it, not before.
+    let deadline = Duration::from_secs(5);
+    assert_eq!(
+        hub.interest_overdue(now + Duration::from_secs(4), deadline),
+        Vec::<InterestLink>::new()
+    );
+    let mut overdue = hub.interest_overdue(now + deadline, deadline);
+    overdue.sort_unstable();
+    assert_eq!(overdue, vec![a, b]);
     hub.interest_acked(a, 1);
+    assert_eq!(hub.interest_overdue(now + deadline, deadline), vec![b]);
     assert!(hub.awaiting_interest("room:a"), "b has not acknowledged");
     assert_eq!(hub.poll_interest_settled(), None);
     assert_eq!(hub.interest_due(b, 10), vec![notice(1, true, "room:a")]);
@@ -1017,6 +1027,11 @@ fn a_new_channel_is_delivered_only_once_every_link_acknowledged_it() {
     assert_eq!(
         kinds,
         vec![ChannelEventKind::Joined, ChannelEventKind::Publication]
+    );
+    assert_eq!(
+        hub.interest_overdue(now + Duration::from_secs(60), Duration::from_secs(5)),
+        Vec::<InterestLink>::new(),
+        "nothing owed any more"
     );
     // A second member of a settled channel waits for nobody.
     hub.join(now, sid(2), &player(2), "room:a", None).unwrap();

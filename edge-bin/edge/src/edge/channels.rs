@@ -39,7 +39,17 @@ use crate::metrics::{ChannelClassLabels, ChannelLabels};
 pub(super) struct InterestLinks {
     wakers: HashMap<u64, Arc<tokio::sync::Notify>>,
     held_joins: HashMap<Arc<str>, Vec<HeldJoin>>,
+    /// Links to close: their backends kept a new channel waiting past
+    /// [`INTEREST_ACK_DEADLINE`].
+    overdue: std::collections::HashSet<u64>,
 }
+
+/// How long a backend may keep a new channel waiting for its acknowledgement before the
+/// edge closes its link (PROTOCOL.md §12.6): a link that goes down owes nothing.
+/// As long as a link's liveness allows a silent backend (three 2 s heartbeats, about): a
+/// healthy backend acknowledges within a round trip, and closing a link costs every session
+/// on it an `unavailable` answer for what was in flight.
+pub(super) const INTEREST_ACK_DEADLINE: Duration = Duration::from_secs(5);
 
 /// A join's answer and the link it goes to (`None`: the link was down when it came).
 type HeldJoin = (Option<mpsc::Sender<LinkFrame>>, LinkFrame);
@@ -772,6 +782,17 @@ pub(super) async fn channel_sweep_loop(shared: Weak<Shared>) {
         hub.sweep(now_std());
         // Reclaimed channels are told to the links that take notices.
         shared.wake_interest_links(&mut hub);
+        // Links whose backends keep a new channel waiting are closed by their task.
+        let overdue = hub.interest_overdue(now_std(), INTEREST_ACK_DEADLINE);
+        if !overdue.is_empty() {
+            let mut links = shared.interest_links();
+            for link in overdue {
+                if let Some(wake) = links.wakers.get(&link).cloned() {
+                    links.overdue.insert(link);
+                    wake.notify_one();
+                }
+            }
+        }
         shared.metrics.channels_active.set(hub.channels() as i64);
         shared
             .metrics
@@ -852,7 +873,17 @@ impl ChannelInterestSink for super::downstream::EdgeLinkSink {
         };
         let mut hub = shared.hub();
         hub.interest_link_down(link);
-        shared.interest_links().wakers.remove(&link);
+        {
+            let mut links = shared.interest_links();
+            links.wakers.remove(&link);
+            links.overdue.remove(&link);
+        }
         shared.interest_settled(hub);
+    }
+
+    fn overdue(&self, link: u64) -> bool {
+        self.0
+            .upgrade()
+            .is_some_and(|shared| shared.interest_links().overdue.contains(&link))
     }
 }
