@@ -857,6 +857,21 @@ async fn send_interest(
     }
 }
 
+/// Closes the link with LINK_CLOSE `code` and fails the connection with `message`.
+async fn refuse(
+    tx: &mpsc::Sender<LinkFrame>,
+    code: CloseCode,
+    message: &'static str,
+) -> Result<(), &'static str> {
+    let _ = tx
+        .send(LinkFrame::Close {
+            code,
+            message: message.into(),
+        })
+        .await;
+    Err(message)
+}
+
 /// The edge's half of the link secret handshake (PROTOCOL.md §9.3): checks the backend's
 /// proof and sends LINK_AUTH, or refuses the link.
 async fn link_handshake(
@@ -867,15 +882,6 @@ async fn link_handshake(
     auth: Option<waygate_protocol::link::LinkWelcomeAuth>,
 ) -> Result<(), &'static str> {
     use waygate_protocol::link_auth::{edge_proof, verify_backend};
-    let refuse = |code: CloseCode, message: &'static str| async move {
-        let _ = tx
-            .send(LinkFrame::Close {
-                code,
-                message: message.into(),
-            })
-            .await;
-        Err(message)
-    };
     match (&config.secret, auth) {
         (None, None) => Ok(()),
         (None, Some(_)) => Err(
@@ -883,13 +889,19 @@ async fn link_handshake(
         ),
         (Some(_), None) => {
             refuse(
+                tx,
                 CloseCode::AuthRejected,
                 "backend without the link secret refused (no proof in LINK_WELCOME)",
             )
             .await
         }
         (Some(secret), Some(a)) if !verify_backend(secret, edge_nonce, &a, instance_id) => {
-            refuse(CloseCode::AuthBadSignature, "backend's link proof is wrong").await
+            refuse(
+                tx,
+                CloseCode::AuthBadSignature,
+                "backend's link proof is wrong",
+            )
+            .await
         }
         (Some(secret), Some(a)) => tx
             .send(LinkFrame::Auth {
@@ -1048,14 +1060,12 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
                 if let Some((sink, link, _)) = &interest {
                     if sink.overdue(*link) {
                         tracing::warn!(addr = %shared.addr, "backend does not acknowledge channel notices: link closed");
-                        let _ = io
-                            .tx
-                            .send(LinkFrame::Close {
-                                code: CloseCode::ProtocolError,
-                                message: "CHANNEL_INTEREST not acknowledged in time".into(),
-                            })
-                            .await;
-                        return Err("channel notices not acknowledged");
+                        return refuse(
+                            &io.tx,
+                            CloseCode::ProtocolError,
+                            "CHANNEL_INTEREST not acknowledged in time",
+                        )
+                        .await;
                     }
                     if send_interest(sink.as_ref(), *link, &io.tx).await.is_err() {
                         break;
@@ -1069,14 +1079,12 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
             Incoming::Event(event) => event,
             Incoming::Unexpected(other) => {
                 tracing::warn!(addr = %shared.addr, frame = ?other, "unexpected frame from backend");
-                let _ = io
-                    .tx
-                    .send(LinkFrame::Close {
-                        code: CloseCode::UnexpectedFrame,
-                        message: "frame not allowed from a backend".into(),
-                    })
-                    .await;
-                return Err("unexpected frame from backend");
+                return refuse(
+                    &io.tx,
+                    CloseCode::UnexpectedFrame,
+                    "frame not allowed from a backend",
+                )
+                .await;
             }
         };
         match shared.events.send(event, &|| Some(writer.clone())).await {

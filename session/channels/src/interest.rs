@@ -182,7 +182,9 @@ impl ChannelHub {
         let mut out: Vec<InterestLink> = self
             .channels
             .values()
-            .filter(|c| now.saturating_duration_since(c.created) >= deadline)
+            .filter(|c| {
+                !c.awaiting.is_empty() && now.saturating_duration_since(c.created) >= deadline
+            })
             .flat_map(|c| c.awaiting.iter().copied())
             .collect();
         out.sort_unstable();

@@ -249,37 +249,41 @@ impl Edge {
         });
         let mut hub = waygate_channels::ChannelHub::new(config.channels.clone(), rand::random());
         hub.set_announcement_log(announcements.is_some());
-        let shared = Arc::new_cyclic(|weak| Shared {
-            metrics,
-            sessions,
-            router: Mutex::new(router),
-            source,
-            source_kind,
-            etcd,
-            etcd_registry,
-            redis,
-            epoch,
-            links: Mutex::new(HashMap::new()),
-            link_events: crate::link::LinkEvents {
-                fast: Some(Arc::new(EdgeLinkSink(weak.clone()))),
-                slow: link_tx,
-                interest: Some(Arc::new(EdgeLinkSink(weak.clone()))),
-            },
-            entries: Mutex::new(Sessions::default()),
-            draining: AtomicBool::new(false),
-            started: Instant::now(),
-            addrs: bound.addrs.clone(),
-            instance_addrs: Mutex::new(HashMap::new()),
-            admission,
-            governor,
-            chaos_accept_panic: AtomicBool::new(false),
-            link_secret,
-            link_tls,
-            revocations: waygate_session::auth::Revocations::default(),
-            channels: Mutex::new(hub),
-            interest_links: Mutex::new(Default::default()),
-            announcements,
-            config,
+        let shared = Arc::new_cyclic(|weak| {
+            // One sink carries out the links' events and tells them the edge's channels.
+            let sink = Arc::new(EdgeLinkSink(weak.clone()));
+            Shared {
+                metrics,
+                sessions,
+                router: Mutex::new(router),
+                source,
+                source_kind,
+                etcd,
+                etcd_registry,
+                redis,
+                epoch,
+                links: Mutex::new(HashMap::new()),
+                link_events: crate::link::LinkEvents {
+                    fast: Some(sink.clone()),
+                    slow: link_tx,
+                    interest: Some(sink),
+                },
+                entries: Mutex::new(Sessions::default()),
+                draining: AtomicBool::new(false),
+                started: Instant::now(),
+                addrs: bound.addrs.clone(),
+                instance_addrs: Mutex::new(HashMap::new()),
+                admission,
+                governor,
+                chaos_accept_panic: AtomicBool::new(false),
+                link_secret,
+                link_tls,
+                revocations: waygate_session::auth::Revocations::default(),
+                channels: Mutex::new(hub),
+                interest_links: Mutex::new(Default::default()),
+                announcements,
+                config,
+            }
         });
         if let Some(a) = &shared.announcements {
             tasks.push(tokio::spawn(super::channels::announcement_writer(
