@@ -48,6 +48,13 @@ enum Command {
         /// of `--redis` (`cluster.redis_cluster`).
         #[arg(long, value_delimiter = ',')]
         redis_cluster: Vec<String>,
+        /// Redis Sentinel URLs, comma-separated (`redis://10.0.0.5:26379,...`), instead of
+        /// `--redis`: the edge asks them for the primary (`cluster.redis_sentinels`).
+        #[arg(long, value_delimiter = ',', conflicts_with_all = ["redis", "redis_cluster"])]
+        redis_sentinels: Vec<String>,
+        /// The master name the sentinels monitor (`cluster.redis_sentinel_master`).
+        #[arg(long, requires = "redis_sentinels")]
+        redis_sentinel_master: Option<String>,
         /// Accept the public development key although a listener is beyond loopback
         /// (`auth.insecure_dev_key`). Only on a closed test network.
         #[arg(long)]
@@ -241,6 +248,8 @@ fn main() -> std::process::ExitCode {
                 etcd,
                 redis,
                 redis_cluster,
+                redis_sentinels,
+                redis_sentinel_master,
                 insecure_dev_key,
             } => {
                 let mut config = match config.as_deref() {
@@ -266,6 +275,12 @@ fn main() -> std::process::ExitCode {
                 }
                 if !redis_cluster.is_empty() {
                     config.cluster.redis_cluster = redis_cluster;
+                }
+                if !redis_sentinels.is_empty() {
+                    config.cluster.redis_sentinels = redis_sentinels;
+                }
+                if let Some(name) = redis_sentinel_master {
+                    config.cluster.redis_sentinel_master = name;
                 }
                 config.validate().map_err(|e| e.to_string())?;
                 let edge = waygate_edge::edge::Edge::start(config)

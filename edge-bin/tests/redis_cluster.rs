@@ -21,8 +21,8 @@ use std::io::Write as _;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::failover::{new_logins_welcomed, LiveSessions};
 use support_redis::cluster::RedisCluster;
-use waygate_client::{Client, ClientOptions, Event};
 use waygate_edge::cluster::redis::{DeliveryResult, PushMessage, RedisConfig, RedisStores};
 use waygate_session::resume::{hex_id, player_store_tag};
 use waygate_session::store::{MemoryOwnership, OwnershipRegistry as _};
@@ -30,7 +30,6 @@ use waygate_session::testkit::store_contract::{
     ownership_semantics, session_id_of, snapshot_store_semantics,
     snapshot_store_write_through_semantics,
 };
-use waygate_transport::endpoint::Endpoint;
 use waygate_transport::{TrafficClass, TransportKind};
 
 async fn cluster_stores(cluster: &RedisCluster) -> RedisStores {
@@ -261,101 +260,26 @@ async fn a_killed_master_drops_no_session_of_a_live_edge() {
     })
     .await;
     let tcp = edge.addrs[&TransportKind::Tcp];
-    let mut clients = Vec::new();
-    let mut sessions = Vec::new();
-    for i in 0..24 {
-        let player = format!("live-{i}");
-        let mut c = Client::start(ClientOptions::new(
-            vec![Endpoint::new(TransportKind::Tcp, tcp)],
-            common::token(&player),
-        ));
-        match common::wait_for(&mut c, Duration::from_secs(10), |e| {
-            matches!(e, Event::Connected { .. })
-        })
-        .await
-        {
-            Event::Connected { session_id, .. } => sessions.push(session_id),
-            _ => unreachable!(),
-        }
-        assert_eq!(common::echo(&mut c, "hello").await, Ok("b1".into()));
-        clients.push((player, c));
-    }
-    let slot = cluster.slot(&player_key("owner", &clients[0].0));
+    let mut live = LiveSessions::start(tcp, 24).await;
+    let slot = cluster.slot(&player_key("owner", &live.clients[0].0));
     let (master, replicas) = cluster.serving(slot);
-    let on_master = clients
+    let on_master = live
+        .clients
         .iter()
         .filter(|(p, _)| cluster.serving(cluster.slot(&player_key("owner", p))).0 == master)
         .count();
     eprintln!("{on_master} of 24 players have their records on the master to be killed");
 
-    let killed_at = Instant::now();
     cluster.node(master).stop();
-    let mut round = 0;
     // Traffic through the failover (and a little after it).
-    while killed_at.elapsed() < Duration::from_secs(8) {
-        for (player, c) in clients.iter_mut() {
-            let tag = format!("r{round}");
-            let seq = c
-                .send(
-                    TrafficClass::Normal,
-                    waygate_backend::demo::ECHO,
-                    tag.clone().into(),
-                )
-                .await
-                .unwrap()
-                .unwrap();
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-            loop {
-                let ev = tokio::time::timeout_at(deadline, c.next_event())
-                    .await
-                    .unwrap_or_else(|_| panic!("{player}: no reply to {tag} in 10 s"))
-                    .expect("client running");
-                match ev {
-                    Event::Message {
-                        msg_id, payload, ..
-                    } if msg_id == waygate_backend::demo::ECHO_REPLY
-                        && payload.ends_with(tag.as_bytes()) =>
-                    {
-                        break
-                    }
-                    Event::Error(r) if r.client_seq == seq => {
-                        panic!("{player}: {tag} refused {:?}", r.code)
-                    }
-                    Event::Connected { .. } | Event::Disconnected { .. } | Event::Closed { .. } => {
-                        panic!("{player}: the session was disturbed: {ev:?}")
-                    }
-                    _ => {}
-                }
-            }
-        }
-        round += 1;
-    }
-    eprintln!("{round} echo rounds of 24 sessions through the failover");
+    let rounds = live.echo_rounds(Duration::from_secs(8)).await;
+    eprintln!("{rounds} echo rounds of 24 sessions through the failover");
     cluster.wait_master(slot, replicas[0], Duration::from_secs(30));
 
     // New logins (some on the failed-over slots) are welcomed again.
-    let deadline = Instant::now() + Duration::from_secs(15);
-    for i in 0..12 {
-        loop {
-            match common::raw_hello(tcp, common::token(&format!("after-{i}"))).await {
-                waygate_transport::Frame::Welcome(_) => break,
-                other => assert!(Instant::now() < deadline, "login after failover: {other:?}"),
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
+    new_logins_welcomed(tcp, 12, Duration::from_secs(15)).await;
     // One owner each, the live session (the re-assert sweep restores what the failover lost).
     let s = cluster_stores(&cluster).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    for ((player, c), sid) in clients.iter().zip(&sessions) {
-        assert_eq!(c.stats().connects, 1, "{player} reconnected");
-        loop {
-            let owner = s.ownership.owner(player).await.ok().flatten();
-            if owner.as_ref().map(|o| o.session_id) == Some(*sid) {
-                break;
-            }
-            assert!(Instant::now() < deadline, "{player}: owner {owner:?}");
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
+    live.assert_owners(&s.ownership, Duration::from_secs(10))
+        .await;
 }

@@ -576,6 +576,11 @@ pub struct ClusterConfig {
     /// Redis Cluster seed nodes (`redis://host:port`), instead of `redis_url`; the edge
     /// learns the slot map from them and follows failovers.
     pub redis_cluster: Vec<String>,
+    /// Redis Sentinel URLs (`redis://host:26379`), instead of `redis_url`: the edge asks
+    /// them where the primary of `redis_sentinel_master` is, and again after a failover.
+    pub redis_sentinels: Vec<String>,
+    /// The master name the sentinels monitor (with `redis_sentinels`).
+    pub redis_sentinel_master: String,
     /// Redis key and channel prefix.
     pub redis_prefix: String,
     /// Write every session's snapshot through to Redis before the client sees new state
@@ -599,6 +604,8 @@ impl Default for ClusterConfig {
             advertise: String::new(),
             redis_url: String::new(),
             redis_cluster: Vec::new(),
+            redis_sentinels: Vec::new(),
+            redis_sentinel_master: "mymaster".into(),
             redis_prefix: "waygate".into(),
             write_through: true,
             quiesce_ms: 300,
@@ -751,10 +758,28 @@ impl EdgeConfig {
 
     /// Checks ranges and consistency.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if !self.cluster.redis_url.is_empty() && !self.cluster.redis_cluster.is_empty() {
+        let deployments = [
+            !self.cluster.redis_url.is_empty(),
+            !self.cluster.redis_cluster.is_empty(),
+            !self.cluster.redis_sentinels.is_empty(),
+        ];
+        if deployments.iter().filter(|named| **named).count() > 1 {
             return Err(ConfigError::Invalid {
-                key: "cluster.redis_cluster",
-                message: "name one Redis (redis_url) or a Redis Cluster (redis_cluster), not both"
+                key: if self.cluster.redis_sentinels.is_empty() {
+                    "cluster.redis_cluster"
+                } else {
+                    "cluster.redis_sentinels"
+                },
+                message: "name one Redis (redis_url), a Redis Cluster (redis_cluster) or the \
+                          sentinels of one (redis_sentinels), not several"
+                    .into(),
+            });
+        }
+        if !self.cluster.redis_sentinels.is_empty() && self.cluster.redis_sentinel_master.is_empty()
+        {
+            return Err(ConfigError::Invalid {
+                key: "cluster.redis_sentinel_master",
+                message: "the master name the sentinels monitor is needed with redis_sentinels"
                     .into(),
             });
         }
@@ -968,6 +993,20 @@ mod tests {
         c.cluster.redis_url = "redis://127.0.0.1:6379".into();
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("cluster.redis_cluster"), "{err}");
+    }
+
+    #[test]
+    fn sentinels_alone_and_with_a_master_name() {
+        let mut c = EdgeConfig::default();
+        c.cluster.redis_sentinels = vec!["redis://127.0.0.1:26379".into()];
+        c.validate().expect("sentinels alone, default master name");
+        c.cluster.redis_sentinel_master = String::new();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("cluster.redis_sentinel_master"), "{err}");
+        c.cluster.redis_sentinel_master = "games".into();
+        c.cluster.redis_url = "redis://127.0.0.1:6379".into();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("cluster.redis_sentinels"), "{err}");
     }
 
     #[test]

@@ -10,6 +10,7 @@
 )]
 
 pub mod cluster;
+pub mod failover;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

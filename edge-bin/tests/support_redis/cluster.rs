@@ -39,7 +39,7 @@ pub fn redis_cli(args: &[&str]) -> Option<String> {
         .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-fn port_cli(port: u16, args: &[&str]) -> Option<String> {
+pub fn port_cli(port: u16, args: &[&str]) -> Option<String> {
     let p = port.to_string();
     let mut all = vec!["-h", "127.0.0.1", "-p", &p];
     all.extend_from_slice(args);

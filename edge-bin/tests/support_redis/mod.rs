@@ -4,6 +4,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod cluster;
+pub mod sentinel;
 
 use std::io::{Read as _, Write as _};
 use std::net::{TcpListener, TcpStream};
@@ -66,6 +67,18 @@ impl RedisServer {
                 child: None,
             };
             if s.try_start() {
+                return s;
+            }
+        }
+        panic!("redis-server did not start on any of 5 free ports");
+    }
+
+    /// Starts redis-server with extra arguments on a free port and waits until it
+    /// answers PING.
+    pub fn start_with_args(extra: &[String]) -> Self {
+        for _ in 0..5 {
+            let mut s = Self::unstarted(free_port());
+            if s.try_start_with(extra) {
                 return s;
             }
         }

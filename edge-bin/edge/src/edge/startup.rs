@@ -176,6 +176,11 @@ impl Edge {
         };
         let servers = if !config.cluster.redis_cluster.is_empty() {
             Some(RedisServers::Cluster(config.cluster.redis_cluster.clone()))
+        } else if !config.cluster.redis_sentinels.is_empty() {
+            Some(RedisServers::Sentinel {
+                sentinels: config.cluster.redis_sentinels.clone(),
+                master: config.cluster.redis_sentinel_master.clone(),
+            })
         } else if !config.cluster.redis_url.is_empty() {
             Some(RedisServers::Single(config.cluster.redis_url.clone()))
         } else {

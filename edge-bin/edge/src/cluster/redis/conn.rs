@@ -1,16 +1,19 @@
-//! The connection the Redis backends share: one Redis through a `ConnectionManager`, or a
-//! Redis Cluster through redis' cluster client (slot map, redirections, failover), both
-//! reconnecting by themselves; every call bounded by [`RedisConfig::op_timeout`]; key names
-//! hash-tagged by player so every script touches one slot; and the pub/sub subscription
-//! loop (kicks, pushes, push replies) kept up with backoff.
+//! The connection the Redis backends share: one Redis through a `ConnectionManager`, a
+//! Redis Cluster through redis' cluster client (slot map, redirections, failover), or the
+//! primary that Redis Sentinel names ([`SentinelLink`]), all reconnecting by themselves;
+//! every call bounded by [`RedisConfig::op_timeout`]; key names hash-tagged by player so
+//! every script touches one slot; and the pub/sub subscription loop (kicks, pushes, push
+//! replies) kept up with backoff.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::StreamExt as _;
-use redis::aio::ConnectionManager;
+use redis::aio::{ConnectionManager, MultiplexedConnection};
 use redis::cluster_async::ClusterConnection;
+use redis::sentinel::{SentinelClient, SentinelServerType};
 use tokio::sync::watch;
 use waygate_protocol::frame::SessionId;
 use waygate_session::resume::{hex_id, player_store_tag, session_store_tag};
@@ -23,6 +26,7 @@ use super::{RedisConfig, RedisError, RedisServers};
 pub(super) enum Link {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
+    Sentinel(SentinelLink),
 }
 
 impl redis::aio::ConnectionLike for Link {
@@ -33,6 +37,9 @@ impl redis::aio::ConnectionLike for Link {
         match self {
             Self::Single(c) => c.req_packed_command(cmd),
             Self::Cluster(c) => c.req_packed_command(cmd),
+            Self::Sentinel(c) => {
+                Box::pin(c.run(move |mut conn| async move { conn.req_packed_command(cmd).await }))
+            }
         }
     }
 
@@ -45,6 +52,9 @@ impl redis::aio::ConnectionLike for Link {
         match self {
             Self::Single(c) => c.req_packed_commands(pipeline, offset, count),
             Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            Self::Sentinel(c) => Box::pin(c.run(move |mut conn| async move {
+                conn.req_packed_commands(pipeline, offset, count).await
+            })),
         }
     }
 
@@ -52,15 +62,164 @@ impl redis::aio::ConnectionLike for Link {
         match self {
             Self::Single(c) => c.get_db(),
             Self::Cluster(c) => c.get_db(),
+            Self::Sentinel(_) => 0,
         }
     }
+}
+
+/// The primary that Redis Sentinel names for a master name, over one multiplexed
+/// connection. The connection is opened on first use (asking the sentinels where the
+/// primary is; redis checks that the node says it is one) and dropped when a call fails
+/// for a reason that says it is gone or no longer the primary (I/O error, dropped
+/// connection, timeout, `READONLY` after a failover demoted it, `MASTERDOWN`); the next
+/// call asks the sentinels again. A call that failed before it could have run (no
+/// connection, refused, `READONLY`, `MASTERDOWN`) is retried on the new primary up to 4
+/// times, 50 ms to 500 ms apart; one that may have run is not (the caller sees the
+/// error, as with the other links). [`Conn::run`] bounds the whole.
+#[derive(Clone)]
+pub(super) struct SentinelLink {
+    inner: Arc<SentinelInner>,
+}
+
+struct SentinelInner {
+    /// Asks the sentinels; locked while a connection is being opened, so a failure seen by
+    /// many calls at once reconnects once.
+    sentinels: tokio::sync::Mutex<SentinelClient>,
+    /// The open connection and its generation.
+    current: Mutex<Option<(u64, MultiplexedConnection)>>,
+    generation: AtomicU64,
+    config: redis::AsyncConnectionConfig,
+}
+
+impl SentinelLink {
+    fn new(sentinels: &[String], master: &str, op_timeout: Duration) -> redis::RedisResult<Self> {
+        let client = SentinelClient::build(
+            sentinels.to_vec(),
+            master.to_owned(),
+            None,
+            SentinelServerType::Master,
+        )?;
+        Ok(Self {
+            inner: Arc::new(SentinelInner {
+                sentinels: tokio::sync::Mutex::new(client),
+                current: Mutex::new(None),
+                generation: AtomicU64::new(0),
+                config: redis::AsyncConnectionConfig::new()
+                    .set_connection_timeout(Some(op_timeout))
+                    .set_response_timeout(Some(op_timeout)),
+            }),
+        })
+    }
+
+    fn current(&self) -> Option<(u64, MultiplexedConnection)> {
+        self.inner
+            .current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The open connection, or a new one to the primary the sentinels name now.
+    async fn connection(&self) -> redis::RedisResult<(u64, MultiplexedConnection)> {
+        if let Some(c) = self.current() {
+            return Ok(c);
+        }
+        let mut sentinels = self.inner.sentinels.lock().await;
+        if let Some(c) = self.current() {
+            return Ok(c); // opened by another call meanwhile
+        }
+        let conn = sentinels
+            .async_get_client()
+            .await?
+            .get_multiplexed_async_connection_with_config(&self.inner.config)
+            .await?;
+        let generation = self.inner.generation.fetch_add(1, Ordering::Relaxed) + 1;
+        *self
+            .inner
+            .current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((generation, conn.clone()));
+        Ok((generation, conn))
+    }
+
+    /// A client for the primary the sentinels name now (pub/sub subscriptions).
+    pub(super) async fn primary_client(&self) -> redis::RedisResult<redis::Client> {
+        self.inner.sentinels.lock().await.async_get_client().await
+    }
+
+    /// Forgets connection `generation` (a newer one stays).
+    fn failed(&self, generation: u64) {
+        let mut current = self
+            .inner
+            .current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if current.as_ref().map(|(g, _)| *g) == Some(generation) {
+            *current = None;
+        }
+    }
+
+    async fn run<T, F, Fut>(&self, call: F) -> redis::RedisResult<T>
+    where
+        F: Fn(MultiplexedConnection) -> Fut,
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        let mut backoff = Duration::from_millis(50);
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            // (the error, whether the command certainly did not run)
+            let (e, retry) = match self.connection().await {
+                Ok((generation, conn)) => match call(conn).await {
+                    Err(e) if primary_gone(&e) => {
+                        self.failed(generation);
+                        let retry = not_run(&e);
+                        (e, retry)
+                    }
+                    other => return other,
+                },
+                // No primary to send it to (the sentinels' lookup or the connect failed).
+                Err(e) => (e, true),
+            };
+            match e {
+                e if attempt < 5 && retry => {
+                    tracing::debug!(error = %e, attempt, "redis primary unavailable; asking the sentinels again");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                }
+                e => return Err(e),
+            }
+        }
+    }
+}
+
+/// The error says the connection is gone or its node is not the primary any more.
+fn primary_gone(e: &redis::RedisError) -> bool {
+    e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_timeout()
+        || not_run(e)
+}
+
+/// The error says the command did not run: no connection could be opened, or the node
+/// refused it as a replica or a primary without its replicas.
+fn not_run(e: &redis::RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
+    e.is_connection_refusal()
+        || matches!(
+            e.kind(),
+            ErrorKind::Server(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown)
+        )
+        || e.to_string().contains("READONLY")
 }
 
 /// Shared connection, key names and the per-call bound.
 #[derive(Clone)]
 pub(super) struct Conn {
     /// Where subscriptions connect: the one Redis, or every cluster seed in turn (classic
-    /// pub/sub in a cluster reaches subscribers on any node).
+    /// pub/sub in a cluster reaches subscribers on any node); empty behind Sentinel, where
+    /// each subscription asks for the primary of the moment.
     pubsub: Arc<[redis::Client]>,
     link: Link,
     pub(super) config: Arc<RedisConfig>,
@@ -120,6 +279,16 @@ impl Conn {
                     seeds,
                     Link::Cluster(client.get_pending_async_connection_with_config(cc)),
                 )
+            }
+            RedisServers::Sentinel { sentinels, master } => {
+                if sentinels.is_empty() || master.is_empty() {
+                    return Err(RedisError::Invalid(
+                        "redis sentinel needs sentinel URLs and a master name".into(),
+                    ));
+                }
+                let link = SentinelLink::new(sentinels, master, config.op_timeout)
+                    .map_err(|e| RedisError::Invalid(format!("redis sentinel: {e}")))?;
+                (Vec::new(), Link::Sentinel(link))
             }
         };
         Ok(Self {
@@ -289,8 +458,11 @@ pub(super) async fn subscribe_loop<F, Fut>(
     let mut backoff = Duration::from_millis(50);
     // On a cluster, a seed that fails gives its turn to the next one.
     for turn in 0usize.. {
-        let client = &conn.pubsub[turn % conn.pubsub.len()];
         let subscribed = tokio::time::timeout(conn.config.op_timeout, async {
+            let client = match &conn.link {
+                Link::Sentinel(s) => s.primary_client().await?,
+                _ => conn.pubsub[turn % conn.pubsub.len()].clone(),
+            };
             let mut ps = client.get_async_pubsub().await?;
             ps.subscribe(&channel).await?;
             Ok::<_, redis::RedisError>(ps)

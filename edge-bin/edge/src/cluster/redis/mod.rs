@@ -79,6 +79,14 @@
 //! no subscriber *on the node that took it* still waits for an answer (the count is the
 //! node's, not the cluster's).
 //!
+//! [`RedisServers::Sentinel`] (sentinel URLs and a master name): one primary as with
+//! `Single`, found through the sentinels and found again after a failover (a call that
+//! fails because the primary is gone, or answers `READONLY` because it was demoted, makes
+//! the next call ask the sentinels; calls that certainly did not run are retried on the
+//! new primary within the op timeout). Subscriptions connect to the primary of the moment.
+//! Authentication to the primary is not configurable yet (the sentinels' URLs may carry
+//! their own).
+//!
 //! # Where things are
 //!
 //! - `conn`: the shared connection (`ConnectionManager`, per-call bound, key and channel
@@ -126,6 +134,15 @@ pub enum RedisServers {
     /// Redis Cluster: seed node URLs (`redis://host:port`); the client learns the slot map
     /// from them, follows MOVED/ASK redirections and failovers by itself.
     Cluster(Vec<String>),
+    /// One primary with replicas watched by Redis Sentinel: the sentinels' URLs
+    /// (`redis://host:26379`) and the master name they monitor. The edge asks them where
+    /// the primary is, and again whenever it fails or turns out to be a replica.
+    Sentinel {
+        /// Sentinel URLs.
+        sentinels: Vec<String>,
+        /// The master name (`sentinel monitor <name> ...`).
+        master: String,
+    },
 }
 
 impl RedisServers {
@@ -134,6 +151,9 @@ impl RedisServers {
         match self {
             Self::Single(url) => url.clone(),
             Self::Cluster(nodes) => format!("cluster {}", nodes.join(",")),
+            Self::Sentinel { sentinels, master } => {
+                format!("sentinel {master} at {}", sentinels.join(","))
+            }
         }
     }
 }

@@ -1,0 +1,112 @@
+//! Scale-out issue item 1 (Sentinel): the Redis backends behind Redis Sentinel (a primary,
+//! a replica and three sentinels on loopback). The stores behave as on one Redis (the same
+//! generic checks), and a kill -9 of the primary under a live edge with write-through
+//! drops no session: the sentinels promote the replica and the edge finds it; so does a
+//! SIGSTOP of the primary (it comes back as a replica, and nothing is written to it).
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    missing_docs,
+    unreachable_pub
+)]
+
+mod common;
+mod support_redis;
+
+use std::time::Duration;
+
+use common::failover::{new_logins_welcomed, LiveSessions};
+use support_redis::sentinel::{RedisSentinels, MASTER};
+use waygate_edge::cluster::redis::{RedisConfig, RedisServers, RedisStores};
+use waygate_session::testkit::store_contract::{
+    ownership_semantics, snapshot_store_semantics, snapshot_store_write_through_semantics,
+};
+use waygate_transport::TransportKind;
+
+async fn sentinel_stores(s: &RedisSentinels) -> RedisStores {
+    RedisStores::connect_with(RedisConfig::with_servers(RedisServers::Sentinel {
+        sentinels: s.urls(),
+        master: MASTER.into(),
+    }))
+    .await
+    .expect("connect through the sentinels")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stores_work_behind_sentinel_as_on_one_redis() {
+    let redis = RedisSentinels::start();
+    let s = sentinel_stores(&redis).await;
+    snapshot_store_semantics(s.snapshots.as_ref()).await;
+    snapshot_store_write_through_semantics(s.snapshots.as_ref()).await;
+    ownership_semantics(s.ownership.as_ref()).await;
+    // A wrong master name is an error, not a hang.
+    let wrong = RedisStores::connect_with(RedisConfig::with_servers(RedisServers::Sentinel {
+        sentinels: redis.urls(),
+        master: "no-such-master".into(),
+    }))
+    .await;
+    assert!(
+        wrong.is_err(),
+        "connected to a master the sentinels do not know"
+    );
+}
+
+/// How the primary fails.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Failure {
+    /// kill -9.
+    Killed,
+    /// SIGSTOP until the replica was promoted, then SIGCONT: the old primary comes back
+    /// and the sentinels turn it into a replica (writes to it would be `READONLY`).
+    Hung,
+}
+
+/// An edge behind the sentinels with write-through on, 24 live sessions echoing; the
+/// primary fails. Every session keeps its session (no new WELCOME, no close), every echo
+/// gets its reply, and once the sentinels promoted the replica, new logins work and every
+/// player's owner record on the new primary names its live session.
+async fn a_failed_primary_drops_no_session_of_a_live_edge(failure: Failure) {
+    let mut redis = RedisSentinels::start();
+    let urls = redis.urls();
+    let (edge, _b, _d) = common::demo_edge(move |c| {
+        c.cluster.redis_sentinels = urls;
+        c.cluster.redis_sentinel_master = MASTER.into();
+        c.cluster.reassert_ms = 1_000;
+    })
+    .await;
+    let tcp = edge.addrs[&TransportKind::Tcp];
+    let mut live = LiveSessions::start(tcp, 24).await;
+    let replica = redis.servers[1].port();
+
+    match failure {
+        Failure::Killed => redis.servers[0].stop(),
+        Failure::Hung => redis.servers[0].pause(),
+    }
+    // Traffic through the failover: the sentinels need 1 s to call the primary down, then
+    // elect a leader and promote the replica.
+    let rounds = live.echo_rounds(Duration::from_secs(8)).await;
+    eprintln!("{failure:?}: {rounds} echo rounds of 24 sessions through the failover");
+    redis.wait_primary(replica, Duration::from_secs(30));
+    if failure == Failure::Hung {
+        redis.servers[0].resume();
+        redis.wait_replica_of(redis.servers[0].port(), replica, Duration::from_secs(30));
+        let rounds = live.echo_rounds(Duration::from_secs(2)).await;
+        eprintln!("{rounds} echo rounds with the old primary back as a replica");
+    }
+
+    new_logins_welcomed(tcp, 12, Duration::from_secs(15)).await;
+    let s = sentinel_stores(&redis).await;
+    live.assert_owners(&s.ownership, Duration::from_secs(10))
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_primary_drops_no_session_of_a_live_edge() {
+    a_failed_primary_drops_no_session_of_a_live_edge(Failure::Killed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_primary_drops_no_session_of_a_live_edge() {
+    a_failed_primary_drops_no_session_of_a_live_edge(Failure::Hung).await;
+}

@@ -1,0 +1,220 @@
+//! Test harness: one Redis primary, one replica and three Redis Sentinels on loopback
+//! (`redis-server <conf> --sentinel`, quorum 2, a primary unreachable for 1 s is down), each
+//! process killable by port. Fails (never skips) when the binaries are missing.
+
+use std::io::{Read as _, Write as _};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::cluster::port_cli;
+use super::{free_port, RedisServer};
+
+/// The master name the sentinels monitor.
+pub const MASTER: &str = "mymaster";
+
+/// One sentinel process (killed on drop).
+pub struct SentinelProcess {
+    pub port: u16,
+    child: Option<Child>,
+}
+
+impl Drop for SentinelProcess {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A primary, a replica and three sentinels owned by a test.
+pub struct RedisSentinels {
+    /// `servers[0]` starts as the primary, `servers[1]` as its replica.
+    pub servers: Vec<RedisServer>,
+    pub sentinels: Vec<SentinelProcess>,
+    _dir: tempfile::TempDir,
+}
+
+fn answers_ping(port: u16) -> bool {
+    let Ok(mut s) =
+        TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200))
+    else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+    let mut buf = [0u8; 7];
+    s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
+}
+
+fn start_sentinel(dir: &std::path::Path, primary: u16) -> Option<SentinelProcess> {
+    let port = free_port();
+    let conf = dir.join(format!("sentinel-{port}.conf"));
+    std::fs::write(
+        &conf,
+        format!(
+            "port {port}\nbind 127.0.0.1\ndaemonize no\nlogfile \"\"\ndir {dir}\n\
+             sentinel monitor {MASTER} 127.0.0.1 {primary} 2\n\
+             sentinel down-after-milliseconds {MASTER} 1000\n\
+             sentinel failover-timeout {MASTER} 5000\n\
+             sentinel parallel-syncs {MASTER} 1\n",
+            dir = dir.display()
+        ),
+    )
+    .expect("write the sentinel config");
+    let binary = std::env::var("WAYGATE_REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
+    let mut child = Command::new(&binary)
+        .arg(&conf)
+        .arg("--sentinel")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("could not run {binary} --sentinel: {e}"));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return None; // port taken?
+        }
+        if answers_ping(port) {
+            return Some(SentinelProcess {
+                port,
+                child: Some(child),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
+
+/// The `SENTINEL MASTER` fields as a sentinel reports them (name, value pairs).
+fn master_fields(sentinel: u16) -> Option<Vec<(String, String)>> {
+    let text = port_cli(sentinel, &["sentinel", "master", MASTER])?;
+    let lines: Vec<&str> = text.lines().collect();
+    Some(
+        lines
+            .chunks(2)
+            .filter(|c| c.len() == 2)
+            .map(|c| (c[0].to_owned(), c[1].to_owned()))
+            .collect(),
+    )
+}
+
+impl RedisSentinels {
+    /// Starts the primary, its replica (synced) and three sentinels, and waits until every
+    /// sentinel sees the replica and the two other sentinels.
+    pub fn start() -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let no_delay = ["--repl-diskless-sync-delay".to_owned(), "0".to_owned()];
+        let primary = RedisServer::start_with_args(&no_delay);
+        let mut replica_args = no_delay.to_vec();
+        replica_args.extend([
+            "--replicaof".into(),
+            "127.0.0.1".into(),
+            primary.port().to_string(),
+        ]);
+        let replica = RedisServer::start_with_args(&replica_args);
+        let sentinels = (0..3)
+            .map(|_| {
+                (0..5)
+                    .find_map(|_| start_sentinel(dir.path(), primary.port()))
+                    .expect("a sentinel started on one of 5 ports")
+            })
+            .collect();
+        let all = Self {
+            servers: vec![primary, replica],
+            sentinels,
+            _dir: dir,
+        };
+        all.wait_sentinels(Duration::from_secs(30), "replica and peers known", |f| {
+            let get = |k: &str| f.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+            get("num-slaves") == Some("1") && get("num-other-sentinels") == Some("2")
+        });
+        all.wait_replica_synced(all.servers[1].port(), Duration::from_secs(30));
+        all
+    }
+
+    /// The sentinels' URLs.
+    pub fn urls(&self) -> Vec<String> {
+        self.sentinels
+            .iter()
+            .map(|s| format!("redis://127.0.0.1:{}", s.port))
+            .collect()
+    }
+
+    /// Waits until `ok` holds for every sentinel's view of the master.
+    fn wait_sentinels(
+        &self,
+        within: Duration,
+        what: &str,
+        ok: impl Fn(&[(String, String)]) -> bool,
+    ) {
+        let deadline = Instant::now() + within;
+        loop {
+            if self
+                .sentinels
+                .iter()
+                .all(|s| master_fields(s.port).is_some_and(|f| ok(&f)))
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "sentinels: not {what} in {within:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn wait_replica_synced(&self, port: u16, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            if port_cli(port, &["info", "replication"]).is_some_and(|i| {
+                i.contains("master_link_status:up") && i.contains("master_sync_in_progress:0")
+            }) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "replica {port} not synced in {within:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Waits until the node on `port` is a synced replica of the primary on `primary`.
+    pub fn wait_replica_of(&self, port: u16, primary: u16, within: Duration) {
+        let deadline = Instant::now() + within;
+        let of = format!("master_port:{primary}");
+        loop {
+            if port_cli(port, &["info", "replication"]).is_some_and(|i| {
+                i.contains("role:slave") && i.contains(&of) && i.contains("master_link_status:up")
+            }) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{port} did not become a replica of {primary} in {within:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Waits until every sentinel names `port` as the primary and the node says it is one.
+    pub fn wait_primary(&self, port: u16, within: Duration) {
+        let p = port.to_string();
+        self.wait_sentinels(within, "agreed on the new primary", |f| {
+            f.iter().any(|(n, v)| n == "port" && *v == p)
+        });
+        let deadline = Instant::now() + within;
+        while !port_cli(port, &["role"]).is_some_and(|r| r.starts_with("master")) {
+            assert!(
+                Instant::now() < deadline,
+                "{port} is not a primary in {within:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
