@@ -1,4 +1,5 @@
-//! Channels over real sockets (PROTOCOL.md §12; SPEC F1, F2, F5): a backend joins sessions
+//! Channels over real sockets (PROTOCOL.md §12; SPEC F1, F2, F4, F5), and pushes to a player
+//! anywhere (PLAYER_PUSH, §9.7): a backend joins sessions
 //! on every transport and publishes; every member sees every recoverable publication once,
 //! in offset order, through link drops; a new session recovers what it missed from the
 //! history, or is told the history is lost; refusals reach the publisher as typed codes.
@@ -1263,4 +1264,165 @@ async fn announcements_from_two_backends_at_once_reach_the_log_in_order() {
     }
     assert_eq!(withdrawn, 0, "announcements refused by the log");
     drop((edge, backends, dir, clients));
+}
+
+/// The next message `msg_id` `client` receives, within 10 s.
+async fn next_message(client: &mut Client, msg_id: u32) -> Bytes {
+    match common::wait_for(
+        client,
+        Duration::from_secs(10),
+        |e| matches!(e, Event::Message { msg_id: m, .. } if *m == msg_id),
+    )
+    .await
+    {
+        Event::Message { payload, .. } => payload,
+        _ => unreachable!(),
+    }
+}
+
+/// A backend pushes to a player wherever it is (PLAYER_PUSH, PROTOCOL.md §9.7; SPEC F4)
+/// through the edge of the session it is handling: a player on that edge gets it at once,
+/// one on the other edge through Redis presence, and every push has its own result — one
+/// batch holding pushes to a connected player, to a player whose session just ended and
+/// to an unknown one answers each on its own (`delivered`, `offline`, `offline`), and
+/// nothing delivered is sent again. With Redis down, a push to another edge's player is
+/// answered `unreachable`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_to_a_player_reaches_it_on_any_edge_with_a_result_per_message() {
+    use waygate_backend::PlayerPushOutcome as Outcome;
+    let mut redis = support_redis::RedisServer::start();
+    let two = two_edges(["edge-1", "edge-2"], Some(redis.url())).await;
+    let (sessions, edges) = (two.sessions.clone(), &two.edges);
+    let (mut alice, from) = tcp_member(&sessions, &edges[0], "alice").await;
+    let (mut bob, _) = tcp_member(&sessions, &edges[1], "bob").await;
+    let (carol, carol_session) = tcp_member(&sessions, &edges[1], "carol").await;
+    let push = |player: &'static str, body: &'static str| {
+        let from = from.clone();
+        async move {
+            from.push_to_player(
+                player,
+                42,
+                TrafficClass::Normal,
+                Bytes::from_static(body.as_bytes()),
+            )
+            .await
+            .unwrap()
+        }
+    };
+
+    // On the same edge: at once.
+    assert_eq!(push("alice", "to self").await, Outcome::Delivered);
+    assert_eq!(next_message(&mut alice, 42).await, "to self");
+    // On the other edge: once its presence is in Redis (set as the session is established).
+    let first = poll_until(Duration::from_secs(10), || async {
+        match push("bob", "hello bob").await {
+            Outcome::Offline => None,
+            other => Some(other),
+        }
+    })
+    .await;
+    assert_eq!(first, Some(Outcome::Delivered));
+    assert_eq!(next_message(&mut bob, 42).await, "hello bob");
+    // In order, one after another.
+    for i in 0..5 {
+        let body: &'static str = Box::leak(format!("in order {i}").into_boxed_str());
+        assert_eq!(push("bob", body).await, Outcome::Delivered);
+    }
+    for i in 0..5 {
+        assert_eq!(next_message(&mut bob, 42).await, format!("in order {i}"));
+    }
+
+    // Carol's session ends (the backend kicks her): her presence goes with it.
+    carol_session.kick(CloseCode::Kicked, "bye").await.unwrap();
+    drop(carol);
+    poll_until(Duration::from_secs(10), || async {
+        (push("carol", "probe").await == Outcome::Offline).then_some(())
+    })
+    .await
+    .expect("carol's presence removed with her session");
+    // One batch to the other edge: a result per message.
+    let (b, c, n) = tokio::join!(
+        push("bob", "batched"),
+        push("carol", "to nobody"),
+        push("nobody", "to nobody")
+    );
+    assert_eq!(
+        (b, c, n),
+        (Outcome::Delivered, Outcome::Offline, Outcome::Offline)
+    );
+    assert_eq!(next_message(&mut bob, 42).await, "batched");
+    // Many at once: every one delivered exactly once.
+    let many: Vec<_> = (0..50)
+        .map(|i| {
+            let body: &'static str = Box::leak(format!("many {i}").into_boxed_str());
+            push("bob", body)
+        })
+        .collect();
+    let outcomes = futures_util::future::join_all(many).await;
+    assert!(
+        outcomes.iter().all(|o| *o == Outcome::Delivered),
+        "{outcomes:?}"
+    );
+    let mut got = std::collections::BTreeSet::new();
+    for _ in 0..50 {
+        let body = next_message(&mut bob, 42).await;
+        assert!(got.insert(body.clone()), "{body:?} twice");
+    }
+    assert!(
+        timeout(Duration::from_millis(300), async {
+            loop {
+                if let Some(Event::Message {
+                    msg_id: 42,
+                    payload,
+                    ..
+                }) = bob.next_event().await
+                {
+                    return payload;
+                }
+            }
+        })
+        .await
+        .is_err(),
+        "a push delivered twice"
+    );
+    expect_metric_line(
+        &edges[0],
+        "waygate_player_pushes_total{outcome=\"delivered\"} ",
+    )
+    .await;
+
+    // Redis down: the other edge cannot be asked; a player here still can.
+    redis.stop();
+    assert_eq!(push("bob", "no redis").await, Outcome::Unreachable);
+    assert_eq!(push("alice", "still here").await, Outcome::Delivered);
+    assert_eq!(next_message(&mut alice, 42).await, "still here");
+}
+
+/// One edge without Redis: a player without a session on it is offline everywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_to_a_player_on_one_edge_without_redis_is_delivered_or_offline() {
+    use waygate_backend::PlayerPushOutcome as Outcome;
+    let s = setup(|_| {}).await;
+    let (mut alice, from) = s.member(TransportKind::Ws, "alice").await;
+    let outcome = from
+        .push_to_player(
+            "alice",
+            7,
+            TrafficClass::Critical,
+            Bytes::from_static(b"hi"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(outcome, Outcome::Delivered);
+    assert_eq!(next_message(&mut alice, 7).await, "hi");
+    let outcome = from
+        .push_to_player("nobody", 7, TrafficClass::Normal, Bytes::from_static(b"?"))
+        .await
+        .unwrap();
+    assert_eq!(outcome, Outcome::Offline);
+    assert!(matches!(
+        from.push_to_player("alice", 0xFFFF_FF01, TrafficClass::Normal, Bytes::new())
+            .await,
+        Err(BackendError::ReservedMsgId(_))
+    ));
 }

@@ -34,6 +34,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use waygate_protocol::channel::{ChannelPosition, RESERVED_MSG_IDS_START};
 use waygate_protocol::frame::SessionId;
+pub use waygate_protocol::link::PlayerPushOutcome;
 use waygate_protocol::link::{LinkFrame, PinKind, DEFAULT_MAX_LINK_FRAME, LINK_VERSION};
 use waygate_protocol::{CloseCode, TrafficClass};
 
@@ -239,7 +240,8 @@ pub fn message_publish_id(session: &SessionId, client_seq: u64, part: u32) -> u6
     u64::from_le_bytes(id).max(1)
 }
 
-/// Channel requests waiting for their CHANNEL_RESULT, by request id. One id can have
+/// Channel requests waiting for their CHANNEL_RESULT (and pushes to players for their
+/// PLAYER_PUSH_RESULT), by request id. One id can have
 /// several waiters (two copies of one client message publishing with its id,
 /// [`BackendSession::publish_id_for`]); every answer to an id concerns the same publication,
 /// so each answer goes to the longest waiting (each waiter is tagged to leave on its own).
@@ -260,7 +262,8 @@ fn answer_hook(answers: ChannelAnswers, channels: Arc<EdgeChannels>) -> waygate_
             // Taken: every publish decided from now on sees it.
             waygate_link::FrameHandled::Reply(vec![LinkFrame::ChannelInterestAck { seq }])
         }
-        LinkFrame::ChannelResult { request_id, .. } => {
+        LinkFrame::ChannelResult { request_id, .. }
+        | LinkFrame::PlayerPushResult { request_id, .. } => {
             let waiting = answers.lock().ok().and_then(|mut a| {
                 let queue = a.get_mut(&request_id)?;
                 let first = queue.pop_front().map(|(_, tx)| tx);
@@ -429,6 +432,46 @@ impl LinkSender {
         frame: LinkFrame,
         uses_credit: bool,
     ) -> Result<PublishAnswer, BackendError> {
+        match self.request(request_id, frame, uses_credit).await? {
+            LinkFrame::ChannelResult {
+                code: CloseCode::Normal,
+                position,
+                duplicate,
+                ..
+            } => Ok(PublishAnswer {
+                position,
+                duplicate,
+                skipped: false,
+            }),
+            LinkFrame::ChannelResult {
+                code: CloseCode::Unavailable,
+                retry_after_ms,
+                position,
+                ..
+            } if position.offset != 0 => Err(BackendError::AnnouncementWithdrawn {
+                position,
+                retry_after_ms,
+            }),
+            LinkFrame::ChannelResult {
+                code,
+                retry_after_ms,
+                ..
+            } => Err(BackendError::ChannelRefused {
+                code,
+                retry_after_ms,
+            }),
+            _ => Err(BackendError::LinkClosed),
+        }
+    }
+
+    /// Sends `frame` (after one PUSH credit when `uses_credit`) and waits up to
+    /// [`CHANNEL_ANSWER_WAIT`] for the frame answering `request_id`.
+    async fn request(
+        &self,
+        request_id: u64,
+        frame: LinkFrame,
+        uses_credit: bool,
+    ) -> Result<LinkFrame, BackendError> {
         static WAITER: AtomicU64 = AtomicU64::new(0);
         let waiter = WAITER.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
@@ -459,43 +502,13 @@ impl LinkSender {
             forget();
             return Err(BackendError::LinkClosed);
         }
-        let answer = match tokio::time::timeout(CHANNEL_ANSWER_WAIT, rx).await {
-            Ok(Ok(answer)) => answer,
-            Ok(Err(_)) => return Err(BackendError::LinkClosed),
+        match tokio::time::timeout(CHANNEL_ANSWER_WAIT, rx).await {
+            Ok(Ok(answer)) => Ok(answer),
+            Ok(Err(_)) => Err(BackendError::LinkClosed),
             Err(_) => {
                 forget();
-                return Err(BackendError::NoAnswer);
+                Err(BackendError::NoAnswer)
             }
-        };
-        match answer {
-            LinkFrame::ChannelResult {
-                code: CloseCode::Normal,
-                position,
-                duplicate,
-                ..
-            } => Ok(PublishAnswer {
-                position,
-                duplicate,
-                skipped: false,
-            }),
-            LinkFrame::ChannelResult {
-                code: CloseCode::Unavailable,
-                retry_after_ms,
-                position,
-                ..
-            } if position.offset != 0 => Err(BackendError::AnnouncementWithdrawn {
-                position,
-                retry_after_ms,
-            }),
-            LinkFrame::ChannelResult {
-                code,
-                retry_after_ms,
-                ..
-            } => Err(BackendError::ChannelRefused {
-                code,
-                retry_after_ms,
-            }),
-            _ => Err(BackendError::LinkClosed),
         }
     }
 }
@@ -571,6 +584,39 @@ impl BackendSession {
         }
         self.inner.link.take_push_credit().await?;
         self.send(self.push_frame(msg_id, class, payload)).await
+    }
+
+    /// Sends a message to `player` wherever its session is: through this session's edge,
+    /// which delivers it to the player's session there or, with Redis, on the edge the
+    /// player's presence names (PLAYER_PUSH, PROTOCOL.md §9.7). Waits (bounded) for PUSH
+    /// credit and for the answer: [`PlayerPushOutcome::Delivered`] when it was queued on the
+    /// player's session, or why not (`Offline`, `QueueFull`, `Busy`, `Unreachable`; and
+    /// `Unknown` when the player's edge did not answer in time: it may have been
+    /// delivered). [`BackendError::NoAnswer`] after 5 s without an answer (it may have been
+    /// delivered too). Two pushes to one player through one edge arrive in the order they
+    /// were sent.
+    pub async fn push_to_player(
+        &self,
+        player: &str,
+        msg_id: u32,
+        class: TrafficClass,
+        payload: Bytes,
+    ) -> Result<PlayerPushOutcome, BackendError> {
+        if msg_id >= RESERVED_MSG_IDS_START {
+            return Err(BackendError::ReservedMsgId(msg_id));
+        }
+        let request_id = next_request_id();
+        let frame = LinkFrame::PlayerPush {
+            request_id,
+            player: player.to_owned(),
+            msg_id,
+            class,
+            payload,
+        };
+        match self.inner.link.request(request_id, frame, true).await? {
+            LinkFrame::PlayerPushResult { outcome, .. } => Ok(outcome),
+            _ => Err(BackendError::LinkClosed),
+        }
     }
 
     /// A PUSH, or an ANSWER_PUSH while this session's handler runs on a link whose edge

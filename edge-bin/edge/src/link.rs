@@ -260,8 +260,15 @@ impl LinkEvents {
     }
 }
 
-/// The CHANNEL_RESULT `unavailable` for a channel request nobody on this edge can carry out.
+/// The CHANNEL_RESULT `unavailable` for a channel request nobody on this edge can carry out
+/// (PLAYER_PUSH_RESULT `unreachable` for a push to a player).
 fn channel_unavailable(event: &LinkEvent) -> Option<LinkFrame> {
+    if let LinkEvent::Backend(LinkFrame::PlayerPush { request_id, .. }) = event {
+        return Some(LinkFrame::PlayerPushResult {
+            request_id: *request_id,
+            outcome: waygate_protocol::link::PlayerPushOutcome::Unreachable,
+        });
+    }
     let request_id = match event {
         LinkEvent::Backend(
             LinkFrame::ChannelJoin { request_id, .. }
@@ -641,8 +648,9 @@ fn take_frame(shared: &LinkShared, frame: LinkFrame) -> Incoming {
             }
             Incoming::Done
         }
-        LinkFrame::ChannelPublish { .. } => {
-            // A publish uses one PUSH credit, returned as it is taken (like a PUSH).
+        LinkFrame::ChannelPublish { .. } | LinkFrame::PlayerPush { .. } => {
+            // A publish or a push to a player uses one PUSH credit, returned as it is
+            // taken (like a PUSH).
             shared.pushes.fetch_add(1, Ordering::AcqRel);
             Incoming::Event(LinkEvent::Backend(frame))
         }

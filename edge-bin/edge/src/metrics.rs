@@ -51,6 +51,13 @@ pub struct CodeLabel {
     pub code: String,
 }
 
+/// Label: what became of a backend's push to a player (PLAYER_PUSH).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabel {
+    /// `delivered`, `offline`, `queue_full`, `busy`, `unreachable`, `unknown`.
+    pub outcome: String,
+}
+
 /// Label: traffic class.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ClassLabel {
@@ -111,6 +118,13 @@ pub struct EdgeMetrics {
     /// Downstream messages not queued: session gone, best-effort shed, or a full queue (a
     /// sequenced one is then declared lost in the session: slow_consumer close, gap on resume).
     pub push_dropped: Family<ClassLabel, Counter>,
+    /// Backends' pushes to players (PLAYER_PUSH) by outcome, and the same counters
+    /// indexed by `PlayerPushOutcome as usize` (taken once).
+    pub player_pushes: Family<OutcomeLabel, Counter>,
+    /// `player_pushes`' counters by outcome byte.
+    pub player_push_outcomes: [Counter; 6],
+    /// Backends' pushes to players waiting for another edge (and the batch out).
+    pub player_pushes_waiting: Gauge,
     /// Backend PINs applied to the router (R3).
     pub pins_applied: Counter,
     /// Backend PINs refused (unknown instance, not pinnable, too many pins).
@@ -472,7 +486,18 @@ impl EdgeMetrics {
                 push_dropped.get_or_create(&label).clone(),
             )
         });
+        let player_pushes: Family<OutcomeLabel, Counter> = Family::default();
+        let player_push_outcomes = waygate_protocol::link::PlayerPushOutcome::ALL.map(|o| {
+            player_pushes
+                .get_or_create(&OutcomeLabel {
+                    outcome: o.as_str().into(),
+                })
+                .clone()
+        });
         let m = Self {
+            player_pushes,
+            player_push_outcomes,
+            player_pushes_waiting: Gauge::default(),
             connections_accepted: Family::default(),
             connections_open: Family::default(),
             session_phase_seconds: Family::new_with_constructor(|| {
@@ -566,6 +591,16 @@ impl EdgeMetrics {
             "pushed",
             "Downstream messages handed to sessions",
             m.pushed.clone(),
+        );
+        registry.register(
+            "player_pushes",
+            "Backends' pushes to a player wherever it is (PLAYER_PUSH, PROTOCOL.md §9.7), by outcome",
+            m.player_pushes.clone(),
+        );
+        registry.register(
+            "player_pushes_waiting",
+            "Backends' pushes to players waiting for another edge's answer (bounded: busy beyond)",
+            m.player_pushes_waiting.clone(),
         );
         registry.register(
             "push_dropped",

@@ -51,6 +51,66 @@ pub enum PinKind {
     Room = 1,
 }
 
+/// What became of a PLAYER_PUSH (PROTOCOL.md §9.7): the `outcome` byte of
+/// PLAYER_PUSH_RESULT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+#[non_exhaustive]
+pub enum PlayerPushOutcome {
+    /// Queued on the player's session, on this edge or the one holding it.
+    Delivered = 0,
+    /// The player has no session on any edge (or not on the edge its presence named).
+    Offline = 1,
+    /// The player's session has a full outbound queue: not delivered.
+    QueueFull = 2,
+    /// Not sent: this edge holds as many player pushes waiting for another edge as it may,
+    /// or sheds best-effort traffic (overload). Retry later.
+    Busy = 3,
+    /// Not delivered: the player's edge could not be asked (shared store unreachable, or
+    /// that edge is not listening), or this edge has no shared store for another edge's
+    /// players.
+    Unreachable = 4,
+    /// No answer from the player's edge in time: it may or may not have been delivered.
+    Unknown = 5,
+}
+
+impl PlayerPushOutcome {
+    /// The outcome of an `outcome` byte, if it is one.
+    pub fn from_u8(b: u8) -> Option<Self> {
+        Some(match b {
+            0 => Self::Delivered,
+            1 => Self::Offline,
+            2 => Self::QueueFull,
+            3 => Self::Busy,
+            4 => Self::Unreachable,
+            5 => Self::Unknown,
+            _ => return None,
+        })
+    }
+
+    /// Its name in metrics and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Delivered => "delivered",
+            Self::Offline => "offline",
+            Self::QueueFull => "queue_full",
+            Self::Busy => "busy",
+            Self::Unreachable => "unreachable",
+            Self::Unknown => "unknown",
+        }
+    }
+
+    /// Every outcome, in byte order.
+    pub const ALL: [Self; 6] = [
+        Self::Delivered,
+        Self::Offline,
+        Self::QueueFull,
+        Self::Busy,
+        Self::Unreachable,
+        Self::Unknown,
+    ];
+}
+
 /// One frame of the backend link protocol.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LinkFrame {
@@ -293,6 +353,27 @@ pub enum LinkFrame {
         /// The last notice taken.
         seq: u64,
     },
+    /// 0x59 backend -> edge: push to a player wherever its session is (this edge, or the
+    /// edge its presence names); uses one PUSH credit; answered by PLAYER_PUSH_RESULT.
+    PlayerPush {
+        /// Names the request in its answer.
+        request_id: u64,
+        /// The player.
+        player: String,
+        /// Application message id.
+        msg_id: u32,
+        /// Traffic class.
+        class: TrafficClass,
+        /// Body.
+        payload: Bytes,
+    },
+    /// 0x5A edge -> backend: what became of a PLAYER_PUSH.
+    PlayerPushResult {
+        /// The request's id.
+        request_id: u64,
+        /// What became of it.
+        outcome: PlayerPushOutcome,
+    },
     /// 0x53 edge -> backend: how a channel request ended.
     ChannelResult {
         /// The request's id.
@@ -360,6 +441,8 @@ impl LinkFrame {
             Self::AnswerPush { .. } => 0x56,
             Self::ChannelInterest { .. } => 0x57,
             Self::ChannelInterestAck { .. } => 0x58,
+            Self::PlayerPush { .. } => 0x59,
+            Self::PlayerPushResult { .. } => 0x5A,
         }
     }
 
@@ -505,6 +588,20 @@ impl LinkFrame {
             } => varint_len(*request_id) + str_len(channel) + 1 + payload.len(),
             Self::ChannelInterest { seq, channel, .. } => varint_len(*seq) + 1 + str_len(channel),
             Self::ChannelInterestAck { seq } => varint_len(*seq),
+            Self::PlayerPush {
+                request_id,
+                player,
+                msg_id,
+                payload,
+                ..
+            } => {
+                varint_len(*request_id)
+                    + str_len(player)
+                    + varint_len((*msg_id).into())
+                    + 1
+                    + payload.len()
+            }
+            Self::PlayerPushResult { request_id, .. } => varint_len(*request_id) + 1,
             Self::ChannelResult {
                 request_id,
                 retry_after_ms,
@@ -741,6 +838,26 @@ impl LinkFrame {
                 put_str(out, channel);
             }
             Self::ChannelInterestAck { seq } => put_varint(out, *seq),
+            Self::PlayerPush {
+                request_id,
+                player,
+                msg_id,
+                class,
+                payload,
+            } => {
+                put_varint(out, *request_id);
+                put_str(out, player);
+                put_varint(out, (*msg_id).into());
+                out.put_u8(*class as u8);
+                out.put_slice(payload);
+            }
+            Self::PlayerPushResult {
+                request_id,
+                outcome,
+            } => {
+                put_varint(out, *request_id);
+                out.put_u8(*outcome as u8);
+            }
         }
     }
 
@@ -970,6 +1087,22 @@ impl LinkFrame {
             },
             0x58 => Self::ChannelInterestAck {
                 seq: r.varint("seq")?,
+            },
+            0x59 => Self::PlayerPush {
+                request_id: r.varint("request_id")?,
+                player: get_str(&mut r, "player", MAX_NAME_LEN)?,
+                msg_id: r.varint_u32("msg_id")?,
+                class: get_class(&mut r)?,
+                payload: r.rest(),
+            },
+            0x5A => Self::PlayerPushResult {
+                request_id: r.varint("request_id")?,
+                outcome: PlayerPushOutcome::from_u8(r.u8("outcome")?).ok_or(
+                    FrameError::Malformed {
+                        field: "outcome",
+                        what: "unknown player push outcome",
+                    },
+                )?,
             },
             other => return Err(FrameError::UnknownType(other)),
         })
@@ -1249,6 +1382,23 @@ mod tests {
                 }
             }),
             any::<u64>().prop_map(|seq| LinkFrame::ChannelInterestAck { seq }),
+            (any::<u64>(), name(), any::<u32>(), arb_class(), payload()).prop_map(
+                |(request_id, player, msg_id, class, payload)| LinkFrame::PlayerPush {
+                    request_id,
+                    player,
+                    msg_id,
+                    class,
+                    payload,
+                }
+            ),
+            (
+                any::<u64>(),
+                proptest::sample::select(PlayerPushOutcome::ALL.to_vec())
+            )
+                .prop_map(|(request_id, outcome)| LinkFrame::PlayerPushResult {
+                    request_id,
+                    outcome,
+                }),
         ]
     }
 

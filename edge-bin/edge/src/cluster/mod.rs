@@ -6,4 +6,5 @@ pub use waygate_routing_etcd as etcd;
 pub use waygate_routing_etcd::{spawn_load_meter, RateMeter};
 
 pub mod login;
+pub mod player_push;
 pub mod redis;

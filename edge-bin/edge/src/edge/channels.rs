@@ -105,11 +105,10 @@ fn result(request_id: u64, outcome: Result<ChannelPosition, ChannelError>) -> Li
 /// answer. A link that is gone cannot be told: its backend's SDK has answered the request
 /// itself (link closed, or its 5 s wait), and a retry with the same id is answered from the
 /// channel's dedup window; logged here.
-fn answer_later(reply: Option<mpsc::Sender<LinkFrame>>, answer: LinkFrame) {
+pub(super) fn answer_later(reply: Option<mpsc::Sender<LinkFrame>>, answer: LinkFrame) {
     use mpsc::error::TrySendError;
-    let gone = || {
-        tracing::info!("a channel answer's link is gone; its backend's SDK answered the request")
-    };
+    let gone =
+        || tracing::info!("an answer's link is gone; its backend's SDK answered the request");
     let Some(reply) = reply else {
         return gone();
     };

@@ -6,14 +6,13 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use waygate_protocol::frame::SessionId;
-use waygate_session::driver::PushError;
 use waygate_session::host::SupersededKick;
 use waygate_session::resume::hex_id;
 use waygate_transport::TransportKind;
 
 use super::Shared;
 use crate::cluster::etcd::{EdgeInfo, Load};
-use crate::cluster::redis::{DeliveryResult, PushMessage, Reassert};
+use crate::cluster::redis::{PushMessage, Reassert};
 
 impl Shared {
     /// The address clients use to reach this edge (etcd registration, MIGRATE target).
@@ -143,12 +142,8 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
     let registry = shared.session_layer().registry.clone();
     let server = redis
         .presence
-        .serve_pushes(&edge_id, move |player: &str, m: PushMessage| match registry
-            .push_to_player(player, m.into())
-        {
-            Ok(()) => DeliveryResult::Delivered,
-            Err(PushError::QueueFull) => DeliveryResult::QueueFull,
-            Err(_) => DeliveryResult::Offline,
+        .serve_pushes(&edge_id, move |player: &str, m: PushMessage| {
+            super::player_push::delivery_result(registry.push_to_player(player, m.into()))
         });
     tasks.push(tokio::spawn(async move {
         let _server = server;

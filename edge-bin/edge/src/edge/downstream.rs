@@ -36,7 +36,7 @@ impl Shared {
 
     /// Whether the overload governor sheds a push of `class` (best-effort at level 1 and
     /// above); counted when it does.
-    fn shed_by_governor(&self, class: TrafficClass) -> bool {
+    pub(super) fn shed_by_governor(&self, class: TrafficClass) -> bool {
         let shed = class == TrafficClass::BestEffort
             && self.governor.shed_best_effort.load(Ordering::Acquire);
         if shed {
@@ -119,6 +119,9 @@ impl LinkEventSink for EdgeLinkSink {
         ) = event
         {
             return shared.channel_request(frame, later);
+        }
+        if let LinkEvent::Backend(frame @ LinkFrame::PlayerPush { .. }) = event {
+            return shared.player_push(frame, later);
         }
         if let Some(LinkEvent::Refuse { refusal, .. }) = handle_now(&shared, event) {
             // The link gives stale-epoch refusals to the async loop; should one arrive here,

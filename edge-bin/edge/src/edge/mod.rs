@@ -19,6 +19,8 @@
 //! - `downstream`: backend link events -> sessions (push, kick, refuse, bind);
 //! - `channels`: backend channel requests -> the channel hub -> one consumer per active
 //!   channel -> members' session queues;
+//! - `player_push`: a backend's push to a player anywhere -> the player's session here, or
+//!   a batch to the player's edge over Redis (PLAYER_PUSH);
 //! - `route_loop`: route table updates, health, migrations; `overload_loop`: the governor;
 //! - `cluster`: etcd registration and load feed, Redis kicks, cross-edge pushes, re-assert;
 //! - `admin`: the admin API over a running edge.
@@ -58,6 +60,7 @@ mod cluster;
 mod downstream;
 mod links;
 mod overload_loop;
+mod player_push;
 mod route_loop;
 mod startup;
 mod table;
@@ -131,6 +134,8 @@ struct Shared {
     interest_links: Mutex<channels::InterestLinks>,
     /// The announcement log and its writer's queue, when announcements are persisted.
     announcements: Option<channels::Announcements>,
+    /// Backends' pushes to players on other edges, waiting for their batch.
+    player_pushes: player_push::PlayerPushes,
 }
 
 /// A running edge.

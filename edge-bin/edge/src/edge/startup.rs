@@ -287,6 +287,7 @@ impl Edge {
                 channels: Mutex::new(hub),
                 interest_links: Mutex::new(Default::default()),
                 announcements,
+                player_pushes: super::player_push::PlayerPushes::new(),
                 config,
             }
         });
@@ -412,6 +413,11 @@ impl Edge {
         tasks.push(tokio::spawn(super::channels::channel_sweep_loop(
             Arc::downgrade(&shared),
         )));
+        if shared.redis.is_some() {
+            tasks.push(tokio::spawn(super::player_push::player_push_loop(
+                Arc::downgrade(&shared),
+            )));
+        }
         let admin_addr = if shared.config.admin.enabled {
             let api: Arc<dyn AdminApi> = Arc::new(EdgeAdmin(shared.clone()));
             let a = &shared.config.admin;

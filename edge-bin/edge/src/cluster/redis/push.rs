@@ -110,6 +110,12 @@ where
 /// Messages for one edge, each with its player.
 type PushBatch = Vec<(String, PushMessage)>;
 
+/// A batch that failed, and whether its request may have reached the edge anyway.
+struct BatchFailure {
+    error: RedisError,
+    maybe_sent: bool,
+}
+
 type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Vec<DeliveryResult>>>>>;
 
 /// The sending side's state in [`RedisPresence`]: replies awaited by request id, the next
@@ -227,18 +233,37 @@ impl RedisPresence {
         edge_id: &str,
         items: Vec<(String, PushMessage)>,
     ) -> Result<Vec<DeliveryResult>, RedisError> {
+        self.send_batch(edge_id, items).await.map_err(|f| f.error)
+    }
+
+    /// [`RedisPresence::push_batch`], telling on failure whether the request may have
+    /// reached the edge (the PUBLISH was attempted).
+    async fn send_batch(
+        &self,
+        edge_id: &str,
+        items: Vec<(String, PushMessage)>,
+    ) -> Result<Vec<DeliveryResult>, BatchFailure> {
         if items.is_empty() {
             return Ok(Vec::new());
         }
         let n = items.len();
-        let listener = self.listener().await?;
+        let not_sent = |error| BatchFailure {
+            error,
+            maybe_sent: false,
+        };
+        let maybe_sent = |error| BatchFailure {
+            error,
+            maybe_sent: true,
+        };
+        let listener = self.listener().await.map_err(not_sent)?;
         let id = self.push.next_id.fetch_add(1, Ordering::Relaxed);
         let req = PushRequest {
             id,
             reply: listener.channel.clone(),
             items,
         };
-        let body = serde_json::to_vec(&req).map_err(|e| RedisError::Invalid(e.to_string()))?;
+        let body =
+            serde_json::to_vec(&req).map_err(|e| not_sent(RedisError::Invalid(e.to_string())))?;
         let (tx, rx) = oneshot::channel();
         self.push
             .pending
@@ -260,7 +285,7 @@ impl RedisPresence {
         match receivers {
             Err(e) => {
                 forget();
-                return Err(e);
+                return Err(maybe_sent(e));
             }
             // On one Redis, no subscriber means the edge is not there. A cluster counts
             // only the receiving node's subscribers: the target may listen elsewhere.
@@ -272,10 +297,10 @@ impl RedisPresence {
         }
         match tokio::time::timeout(self.conn.config.push_timeout, rx).await {
             Ok(Ok(results)) if results.len() == n => Ok(results),
-            Ok(Ok(results)) => Err(RedisError::Corrupt(format!(
+            Ok(Ok(results)) => Err(maybe_sent(RedisError::Corrupt(format!(
                 "push reply has {} results for {n} messages",
                 results.len()
-            ))),
+            )))),
             _ => {
                 forget();
                 Ok(vec![DeliveryResult::Timeout; n])
@@ -285,7 +310,10 @@ impl RedisPresence {
 
     /// Pushes to players wherever they are: looks up presence (one round trip), sends one
     /// batch per edge concurrently, and returns one result per message in order (players
-    /// without presence: [`DeliveryResult::Offline`]).
+    /// without presence: [`DeliveryResult::Offline`]). Fails only when the lookup does
+    /// (nothing was sent); a batch that failed has its own messages answered
+    /// [`DeliveryResult::EdgeUnreachable`] (not sent) or [`DeliveryResult::Timeout`] (its
+    /// request may have arrived), and the other batches' results stand.
     pub async fn push(
         &self,
         items: Vec<(String, PushMessage)>,
@@ -303,9 +331,17 @@ impl RedisPresence {
         }
         let sends = per_edge
             .into_iter()
-            .map(|(edge, (idx, batch))| async move { (idx, self.push_batch(&edge, batch).await) });
+            .map(|(edge, (idx, batch))| async move { (idx, self.send_batch(&edge, batch).await) });
         for (idx, r) in futures_util::future::join_all(sends).await {
-            let r = r?;
+            let r = r.unwrap_or_else(|f| {
+                tracing::debug!(error = %f.error, maybe_sent = f.maybe_sent, "a cross-edge push batch failed");
+                let each = if f.maybe_sent {
+                    DeliveryResult::Timeout
+                } else {
+                    DeliveryResult::EdgeUnreachable
+                };
+                vec![each; idx.len()]
+            });
             for (i, res) in idx.into_iter().zip(r) {
                 results[i] = res;
             }
