@@ -1142,6 +1142,10 @@ impl KcpEndpoint {
             // Something in flight: the engine's next resend/flush time.
             let delay = s.kcp.check(now_ms).max(1);
             consider(now + Duration::from_millis(delay.into()));
+        } else if s.ack_due.is_none() {
+            // Nothing to send, resend or acknowledge: an idle session keeps no buffers
+            // (the engine's output staging buffer is ~3 MTUs; the next flush takes it back).
+            s.kcp.release_idle_memory();
         }
         if let Some(due) = s.ack_due {
             consider(due);

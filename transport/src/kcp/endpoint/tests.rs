@@ -904,6 +904,51 @@ fn an_idle_session_schedules_no_timer_work() {
     );
 }
 
+/// An idle session gives its engine's output buffer back (issue 17, W4: ~4.2 KiB of an
+/// idle KCP session), and the next message both ways still goes through.
+#[test]
+fn an_idle_session_keeps_no_output_buffer_and_takes_one_when_it_sends() {
+    let (mut net, ckey, skey) = pair();
+    let staged = |net: &Net| {
+        (
+            net.server.sessions[&skey].kcp.output_buffer_capacity(),
+            net.clients[0].1.sessions[&ckey]
+                .kcp
+                .output_buffer_capacity(),
+        )
+    };
+    for round in 1..=3u64 {
+        let now = net.now;
+        net.clients[0]
+            .1
+            .send(now, ckey, &frame_bytes(round, 100))
+            .expect("send");
+        net.server
+            .send(now, skey, &frame_bytes(round + 100, 200))
+            .expect("send");
+        net.run_until(|n| {
+            n.server_messages(skey).len() == round as usize
+                && n.client_messages(0, ckey).len() == round as usize
+        });
+        net.settle(Duration::from_millis(500));
+        assert_eq!(
+            staged(&net),
+            (0, 0),
+            "round {round}: idle, buffers given back"
+        );
+    }
+    assert_eq!(
+        net.server_messages(skey),
+        (1..=3).map(|r| frame_bytes(r, 100)).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        net.client_messages(0, ckey),
+        (1..=3)
+            .map(|r| frame_bytes(r + 100, 200))
+            .collect::<Vec<_>>()
+    );
+}
+
 #[test]
 fn idle_timeout_closes_the_session_then_resets_it() {
     let (mut net, ckey, skey) = pair();
