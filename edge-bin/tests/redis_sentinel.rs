@@ -18,19 +18,27 @@ use std::time::Duration;
 
 use common::failover::{new_logins_welcomed, LiveSessions};
 use support_redis::sentinel::{RedisSentinels, MASTER};
-use waygate_edge::cluster::redis::{RedisConfig, RedisServers, RedisStores};
+use waygate_edge::cluster::redis::{RedisConfig, RedisServers, RedisStores, SentinelPrimaryAuth};
 use waygate_session::testkit::store_contract::{
     ownership_semantics, snapshot_store_semantics, snapshot_store_write_through_semantics,
 };
 use waygate_transport::TransportKind;
 
-async fn sentinel_stores(s: &RedisSentinels) -> RedisStores {
-    RedisStores::connect_with(RedisConfig::with_servers(RedisServers::Sentinel {
+fn servers(s: &RedisSentinels, password: Option<&str>) -> RedisServers {
+    RedisServers::Sentinel {
         sentinels: s.urls(),
         master: MASTER.into(),
-    }))
-    .await
-    .expect("connect through the sentinels")
+        primary_auth: password.map(|p| SentinelPrimaryAuth {
+            username: None,
+            password: p.into(),
+        }),
+    }
+}
+
+async fn sentinel_stores(s: &RedisSentinels) -> RedisStores {
+    RedisStores::connect_with(RedisConfig::with_servers(servers(s, s.password.as_deref())))
+        .await
+        .expect("connect through the sentinels")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -44,12 +52,27 @@ async fn the_stores_work_behind_sentinel_as_on_one_redis() {
     let wrong = RedisStores::connect_with(RedisConfig::with_servers(RedisServers::Sentinel {
         sentinels: redis.urls(),
         master: "no-such-master".into(),
+        primary_auth: None,
     }))
     .await;
     assert!(
         wrong.is_err(),
         "connected to a master the sentinels do not know"
     );
+}
+
+/// A primary that requires a password: the edge's credentials reach it (and not the
+/// sentinels, which have none here); without them, or with a wrong one, nothing connects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stores_authenticate_to_a_primary_that_requires_a_password() {
+    let redis = RedisSentinels::start_with_password(Some("s3cret"));
+    let s = sentinel_stores(&redis).await;
+    ownership_semantics(s.ownership.as_ref()).await;
+    for password in [None, Some("wrong")] {
+        let refused =
+            RedisStores::connect_with(RedisConfig::with_servers(servers(&redis, password))).await;
+        assert!(refused.is_err(), "connected with {password:?}");
+    }
 }
 
 /// How the primary fails.
@@ -67,11 +90,14 @@ enum Failure {
 /// gets its reply, and once the sentinels promoted the replica, new logins work and every
 /// player's owner record on the new primary names its live session.
 async fn a_failed_primary_drops_no_session_of_a_live_edge(failure: Failure) {
-    let mut redis = RedisSentinels::start();
+    // The hung primary's deployment requires a password (the edge's config carries it).
+    let password = (failure == Failure::Hung).then_some("s3cret");
+    let mut redis = RedisSentinels::start_with_password(password);
     let urls = redis.urls();
     let (edge, _b, _d) = common::demo_edge(move |c| {
         c.cluster.redis_sentinels = urls;
         c.cluster.redis_sentinel_master = MASTER.into();
+        c.cluster.redis_sentinel_master_password = password.unwrap_or_default().into();
         c.cluster.reassert_ms = 1_000;
     })
     .await;

@@ -581,6 +581,11 @@ pub struct ClusterConfig {
     pub redis_sentinels: Vec<String>,
     /// The master name the sentinels monitor (with `redis_sentinels`).
     pub redis_sentinel_master: String,
+    /// ACL user for the primary the sentinels name; empty: the default user.
+    pub redis_sentinel_master_username: String,
+    /// Password for the primary the sentinels name (`requirepass`); empty: no AUTH. The
+    /// sentinels' own credentials go in their URLs.
+    pub redis_sentinel_master_password: String,
     /// Redis key and channel prefix.
     pub redis_prefix: String,
     /// Write every session's snapshot through to Redis before the client sees new state
@@ -606,6 +611,8 @@ impl Default for ClusterConfig {
             redis_cluster: Vec::new(),
             redis_sentinels: Vec::new(),
             redis_sentinel_master: "mymaster".into(),
+            redis_sentinel_master_username: String::new(),
+            redis_sentinel_master_password: String::new(),
             redis_prefix: "waygate".into(),
             write_through: true,
             quiesce_ms: 300,

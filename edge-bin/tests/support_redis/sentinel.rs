@@ -33,6 +33,8 @@ pub struct RedisSentinels {
     /// `servers[0]` starts as the primary, `servers[1]` as its replica.
     pub servers: Vec<RedisServer>,
     pub sentinels: Vec<SentinelProcess>,
+    /// The servers' password (`requirepass`), when they have one.
+    pub password: Option<String>,
     _dir: tempfile::TempDir,
 }
 
@@ -106,6 +108,13 @@ impl RedisSentinels {
     /// Starts the primary, its replica (synced) and three sentinels, and waits until every
     /// sentinel sees the replica and the two other sentinels.
     pub fn start() -> Self {
+        Self::start_with_password(None)
+    }
+
+    /// As [`RedisSentinels::start`]; with a password, the servers then require it
+    /// (`requirepass`, and `masterauth` for their replication) and the sentinels use it
+    /// (`auth-pass`).
+    pub fn start_with_password(password: Option<&str>) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let no_delay = ["--repl-diskless-sync-delay".to_owned(), "0".to_owned()];
         let primary = RedisServer::start_with_args(&no_delay);
@@ -123,9 +132,10 @@ impl RedisSentinels {
                     .expect("a sentinel started on one of 5 ports")
             })
             .collect();
-        let all = Self {
+        let mut all = Self {
             servers: vec![primary, replica],
             sentinels,
+            password: None,
             _dir: dir,
         };
         all.wait_sentinels(Duration::from_secs(30), "replica and peers known", |f| {
@@ -133,7 +143,31 @@ impl RedisSentinels {
             get("num-slaves") == Some("1") && get("num-other-sentinels") == Some("2")
         });
         all.wait_replica_synced(all.servers[1].port(), Duration::from_secs(30));
+        if let Some(pw) = password {
+            for s in &all.servers {
+                for (key, value) in [("masterauth", pw), ("requirepass", pw)] {
+                    port_cli(s.port(), &["config", "set", key, value]).expect("config set");
+                }
+            }
+            for s in &all.sentinels {
+                port_cli(s.port, &["sentinel", "set", MASTER, "auth-pass", pw])
+                    .expect("sentinel set auth-pass");
+            }
+            all.password = Some(pw.to_owned());
+        }
         all
+    }
+
+    /// redis-cli on a server (with the password, when there is one).
+    fn server_cli(&self, port: u16, args: &[&str]) -> Option<String> {
+        match &self.password {
+            Some(pw) => {
+                let mut all = vec!["--no-auth-warning", "-a", pw.as_str()];
+                all.extend_from_slice(args);
+                port_cli(port, &all)
+            }
+            None => port_cli(port, args),
+        }
     }
 
     /// The sentinels' URLs.
@@ -171,9 +205,12 @@ impl RedisSentinels {
     fn wait_replica_synced(&self, port: u16, within: Duration) {
         let deadline = Instant::now() + within;
         loop {
-            if port_cli(port, &["info", "replication"]).is_some_and(|i| {
-                i.contains("master_link_status:up") && i.contains("master_sync_in_progress:0")
-            }) {
+            if self
+                .server_cli(port, &["info", "replication"])
+                .is_some_and(|i| {
+                    i.contains("master_link_status:up") && i.contains("master_sync_in_progress:0")
+                })
+            {
                 return;
             }
             assert!(
@@ -189,9 +226,14 @@ impl RedisSentinels {
         let deadline = Instant::now() + within;
         let of = format!("master_port:{primary}");
         loop {
-            if port_cli(port, &["info", "replication"]).is_some_and(|i| {
-                i.contains("role:slave") && i.contains(&of) && i.contains("master_link_status:up")
-            }) {
+            if self
+                .server_cli(port, &["info", "replication"])
+                .is_some_and(|i| {
+                    i.contains("role:slave")
+                        && i.contains(&of)
+                        && i.contains("master_link_status:up")
+                })
+            {
                 return;
             }
             assert!(
@@ -209,7 +251,10 @@ impl RedisSentinels {
             f.iter().any(|(n, v)| n == "port" && *v == p)
         });
         let deadline = Instant::now() + within;
-        while !port_cli(port, &["role"]).is_some_and(|r| r.starts_with("master")) {
+        while !self
+            .server_cli(port, &["role"])
+            .is_some_and(|r| r.starts_with("master"))
+        {
             assert!(
                 Instant::now() < deadline,
                 "{port} is not a primary in {within:?}"

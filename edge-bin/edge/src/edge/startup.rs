@@ -22,7 +22,7 @@ use super::{
 };
 use crate::admin::AdminApi;
 use crate::cluster::etcd::{EtcdRegistry, EtcdRouteSource};
-use crate::cluster::redis::{RedisConfig, RedisServers, RedisStores};
+use crate::cluster::redis::{RedisConfig, RedisServers, RedisStores, SentinelPrimaryAuth};
 use crate::config::EdgeConfig;
 use crate::link::LinkClient;
 use crate::listeners::bind_all;
@@ -177,9 +177,17 @@ impl Edge {
         let servers = if !config.cluster.redis_cluster.is_empty() {
             Some(RedisServers::Cluster(config.cluster.redis_cluster.clone()))
         } else if !config.cluster.redis_sentinels.is_empty() {
+            let c = &config.cluster;
             Some(RedisServers::Sentinel {
-                sentinels: config.cluster.redis_sentinels.clone(),
-                master: config.cluster.redis_sentinel_master.clone(),
+                sentinels: c.redis_sentinels.clone(),
+                master: c.redis_sentinel_master.clone(),
+                primary_auth: (!c.redis_sentinel_master_password.is_empty()).then(|| {
+                    SentinelPrimaryAuth {
+                        username: (!c.redis_sentinel_master_username.is_empty())
+                            .then(|| c.redis_sentinel_master_username.clone()),
+                        password: c.redis_sentinel_master_password.clone(),
+                    }
+                }),
             })
         } else if !config.cluster.redis_url.is_empty() {
             Some(RedisServers::Single(config.cluster.redis_url.clone()))

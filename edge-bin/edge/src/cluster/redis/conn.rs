@@ -92,11 +92,23 @@ struct SentinelInner {
 }
 
 impl SentinelLink {
-    fn new(sentinels: &[String], master: &str, op_timeout: Duration) -> redis::RedisResult<Self> {
+    fn new(
+        sentinels: &[String],
+        master: &str,
+        auth: Option<&super::SentinelPrimaryAuth>,
+        op_timeout: Duration,
+    ) -> redis::RedisResult<Self> {
+        let primary = auth.map(|a| {
+            let mut info = redis::RedisConnectionInfo::default().set_password(a.password.clone());
+            if let Some(user) = &a.username {
+                info = info.set_username(user.clone());
+            }
+            redis::sentinel::SentinelNodeConnectionInfo::default().set_redis_connection_info(info)
+        });
         let client = SentinelClient::build(
             sentinels.to_vec(),
             master.to_owned(),
-            None,
+            primary,
             SentinelServerType::Master,
         )?;
         Ok(Self {
@@ -280,14 +292,19 @@ impl Conn {
                     Link::Cluster(client.get_pending_async_connection_with_config(cc)),
                 )
             }
-            RedisServers::Sentinel { sentinels, master } => {
+            RedisServers::Sentinel {
+                sentinels,
+                master,
+                primary_auth,
+            } => {
                 if sentinels.is_empty() || master.is_empty() {
                     return Err(RedisError::Invalid(
                         "redis sentinel needs sentinel URLs and a master name".into(),
                     ));
                 }
-                let link = SentinelLink::new(sentinels, master, config.op_timeout)
-                    .map_err(|e| RedisError::Invalid(format!("redis sentinel: {e}")))?;
+                let link =
+                    SentinelLink::new(sentinels, master, primary_auth.as_ref(), config.op_timeout)
+                        .map_err(|e| RedisError::Invalid(format!("redis sentinel: {e}")))?;
                 (Vec::new(), Link::Sentinel(link))
             }
         };

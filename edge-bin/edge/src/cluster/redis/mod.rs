@@ -84,8 +84,8 @@
 //! fails because the primary is gone, or answers `READONLY` because it was demoted, makes
 //! the next call ask the sentinels; calls that certainly did not run are retried on the
 //! new primary within the op timeout). Subscriptions connect to the primary of the moment.
-//! Authentication to the primary is not configurable yet (the sentinels' URLs may carry
-//! their own).
+//! Credentials for the primary ([`SentinelPrimaryAuth`]) are given apart from the
+//! sentinels' own (in their URLs).
 //!
 //! # Where things are
 //!
@@ -142,7 +142,29 @@ pub enum RedisServers {
         sentinels: Vec<String>,
         /// The master name (`sentinel monitor <name> ...`).
         master: String,
+        /// Credentials for the primary and replicas the sentinels name (the sentinels'
+        /// own go in their URLs); `None`: no AUTH.
+        primary_auth: Option<SentinelPrimaryAuth>,
     },
+}
+
+/// How the edge authenticates to the primary the sentinels name (`AUTH [username]
+/// password`). Its `Debug` does not show the password.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SentinelPrimaryAuth {
+    /// ACL user; `None`: the default user.
+    pub username: Option<String>,
+    /// Password.
+    pub password: String,
+}
+
+impl std::fmt::Debug for SentinelPrimaryAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SentinelPrimaryAuth")
+            .field("username", &self.username)
+            .field("password", &"<redacted>")
+            .finish()
+    }
 }
 
 impl RedisServers {
@@ -151,7 +173,9 @@ impl RedisServers {
         match self {
             Self::Single(url) => url.clone(),
             Self::Cluster(nodes) => format!("cluster {}", nodes.join(",")),
-            Self::Sentinel { sentinels, master } => {
+            Self::Sentinel {
+                sentinels, master, ..
+            } => {
                 format!("sentinel {master} at {}", sentinels.join(","))
             }
         }
