@@ -2,8 +2,6 @@
 //! (`redis-server <conf> --sentinel`, quorum 2, a primary unreachable for 1 s is down), each
 //! process killable by port. Fails (never skips) when the binaries are missing.
 
-use std::io::{Read as _, Write as _};
-use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -38,17 +36,6 @@ pub struct RedisSentinels {
     _dir: tempfile::TempDir,
 }
 
-fn answers_ping(port: u16) -> bool {
-    let Ok(mut s) =
-        TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200))
-    else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
-    let mut buf = [0u8; 7];
-    s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
-}
-
 fn start_sentinel(dir: &std::path::Path, primary: u16) -> Option<SentinelProcess> {
     let port = free_port();
     let conf = dir.join(format!("sentinel-{port}.conf"));
@@ -78,7 +65,7 @@ fn start_sentinel(dir: &std::path::Path, primary: u16) -> Option<SentinelProcess
         if let Ok(Some(_)) = child.try_wait() {
             return None; // port taken?
         }
-        if answers_ping(port) {
+        if super::ping(port) {
             return Some(SentinelProcess {
                 port,
                 child: Some(child),
