@@ -123,7 +123,7 @@ pub struct EdgeMetrics {
     pub player_pushes: Family<OutcomeLabel, Counter>,
     /// `player_pushes`' counters by outcome byte.
     pub player_push_outcomes: [Counter; 6],
-    /// Backends' pushes to players waiting for another edge (and the batch out).
+    /// Backends' pushes to players waiting to be sent to another edge (not the batch out).
     pub player_pushes_waiting: Gauge,
     /// Backend PINs applied to the router (R3).
     pub pins_applied: Counter,
@@ -599,7 +599,7 @@ impl EdgeMetrics {
         );
         registry.register(
             "player_pushes_waiting",
-            "Backends' pushes to players waiting for another edge's answer (bounded: busy beyond)",
+            "Backends' pushes to players waiting to be sent to another edge (at most 4,096: busy beyond)",
             m.player_pushes_waiting.clone(),
         );
         registry.register(
