@@ -1280,6 +1280,26 @@ async fn next_message(client: &mut Client, msg_id: u32) -> Bytes {
     }
 }
 
+/// No message `msg_id` reaches `client` within 300 ms (none delivered twice).
+async fn no_message(client: &mut Client, msg_id: u32) {
+    let twice = timeout(Duration::from_millis(300), async {
+        loop {
+            match client.next_event().await {
+                Some(Event::Message {
+                    msg_id: m, payload, ..
+                }) if m == msg_id => return payload,
+                Some(_) => {}
+                None => std::future::pending::<()>().await,
+            }
+        }
+    })
+    .await;
+    assert!(
+        twice.is_err(),
+        "message {msg_id} delivered twice: {twice:?}"
+    );
+}
+
 /// A backend pushes to a player wherever it is (PLAYER_PUSH, PROTOCOL.md §9.7; SPEC F4)
 /// through the edge of the session it is handling: a player on that edge gets it at once,
 /// one on the other edge through Redis presence, and every push has its own result — one
@@ -1332,6 +1352,29 @@ async fn a_push_to_a_player_reaches_it_on_any_edge_with_a_result_per_message() {
         assert_eq!(next_message(&mut bob, 42).await, format!("in order {i}"));
     }
 
+    // A push sent again with its id (its first answer lost, say) is delivered once, on
+    // either edge: the second copy is answered `delivered` and not queued again.
+    let id = waygate_backend::next_request_id();
+    for player in ["bob", "alice"] {
+        for _ in 0..2 {
+            let outcome = from
+                .push_to_player_with_id(
+                    id,
+                    player,
+                    43,
+                    TrafficClass::Normal,
+                    Bytes::from_static(b"once"),
+                )
+                .await
+                .unwrap();
+            assert_eq!(outcome, Outcome::Delivered, "{player}");
+        }
+    }
+    assert_eq!(next_message(&mut bob, 43).await, "once");
+    assert_eq!(next_message(&mut alice, 43).await, "once");
+    no_message(&mut bob, 43).await;
+    no_message(&mut alice, 43).await;
+
     // Carol's session ends (the backend kicks her): her presence goes with it.
     carol_session.kick(CloseCode::Kicked, "bye").await.unwrap();
     drop(carol);
@@ -1368,23 +1411,7 @@ async fn a_push_to_a_player_reaches_it_on_any_edge_with_a_result_per_message() {
         let body = next_message(&mut bob, 42).await;
         assert!(got.insert(body.clone()), "{body:?} twice");
     }
-    assert!(
-        timeout(Duration::from_millis(300), async {
-            loop {
-                if let Some(Event::Message {
-                    msg_id: 42,
-                    payload,
-                    ..
-                }) = bob.next_event().await
-                {
-                    return payload;
-                }
-            }
-        })
-        .await
-        .is_err(),
-        "a push delivered twice"
-    );
+    no_message(&mut bob, 42).await;
     expect_metric_line(
         &edges[0],
         "waygate_player_pushes_total{outcome=\"delivered\"} ",

@@ -154,6 +154,7 @@ async fn the_stores_work_on_a_redis_cluster_as_on_one_redis() {
         class: TrafficClass::Normal,
         msg_id: 1,
         payload: bytes::Bytes::from_static(b"hi"),
+        id: 0,
     };
     let r = s
         .presence

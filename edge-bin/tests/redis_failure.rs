@@ -82,6 +82,7 @@ async fn redis_down_fails_fast_and_recovery_needs_no_new_client() {
                         class: TrafficClass::Normal,
                         msg_id: 1,
                         payload: bytes::Bytes::from_static(b"x"),
+                        id: 0,
                     },
                 )],
             )
@@ -180,6 +181,7 @@ async fn redis_down_fails_fast_and_recovery_needs_no_new_client() {
                     class: TrafficClass::Critical,
                     msg_id: 2,
                     payload: bytes::Bytes::from_static(b"y"),
+                    id: 0,
                 },
             )],
         )

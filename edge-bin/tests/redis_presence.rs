@@ -18,6 +18,7 @@ fn msg(i: u32) -> PushMessage {
         class: TrafficClass::Normal,
         msg_id: i,
         payload: Bytes::from(format!("m{i}\x00\u{ff}")),
+        id: 0,
     }
 }
 

@@ -593,10 +593,26 @@ impl BackendSession {
     /// player's session, or why not (`Offline`, `QueueFull`, `Busy`, `Unreachable`; and
     /// `Unknown` when the player's edge did not answer in time: it may have been
     /// delivered). [`BackendError::NoAnswer`] after 5 s without an answer (it may have been
-    /// delivered too). Two pushes to one player through one edge arrive in the order they
-    /// were sent.
+    /// delivered too: retry with [`BackendSession::push_to_player_with_id`] and the same
+    /// id). Two pushes to one player through one edge arrive in the order they were sent.
     pub async fn push_to_player(
         &self,
+        player: &str,
+        msg_id: u32,
+        class: TrafficClass,
+        payload: Bytes,
+    ) -> Result<PlayerPushOutcome, BackendError> {
+        self.push_to_player_with_id(next_request_id(), player, msg_id, class, payload)
+            .await
+    }
+
+    /// [`BackendSession::push_to_player`] with the push's id (non-zero; e.g. from
+    /// [`next_request_id`], kept to retry): an edge that delivered a push with this id within
+    /// the last 120 s answers `delivered` again without delivering it twice (PROTOCOL.md
+    /// §9.7), so a push answered `Unknown` or [`BackendError::NoAnswer`] can be retried.
+    pub async fn push_to_player_with_id(
+        &self,
+        request_id: u64,
         player: &str,
         msg_id: u32,
         class: TrafficClass,
@@ -605,7 +621,6 @@ impl BackendSession {
         if msg_id >= RESERVED_MSG_IDS_START {
             return Err(BackendError::ReservedMsgId(msg_id));
         }
-        let request_id = next_request_id();
         let frame = LinkFrame::PlayerPush {
             request_id,
             player: player.to_owned(),

@@ -10,9 +10,15 @@
 //! backend to one player leave in the order they came. What waits is bounded: past
 //! `max_waiting` a push is handed back at once to be answered `busy`.
 //!
+//! [`DeliveredPushIds`] is the receiving side's memory: the ids of the pushes an edge
+//! delivered to its sessions, kept for a window, so a push sent again with its id (a
+//! backend that got `unknown` or no answer, or a batch that was applied although its answer
+//! was lost) is answered `delivered` without being delivered twice.
+//!
 //! It never does I/O, never waits, and never answers a push it did not get an outcome for.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
+use std::time::{Duration, Instant};
 
 use waygate_protocol::link::PlayerPushOutcome;
 use waygate_session::driver::Downstream;
@@ -24,6 +30,7 @@ use super::redis::DeliveryResult;
 struct WaitingPush<R> {
     reply: R,
     player: String,
+    id: u64,
     message: Downstream,
 }
 
@@ -32,8 +39,8 @@ struct WaitingPush<R> {
 pub struct PlayerPushBatch {
     /// Names the batch in [`PlayerPushQueue::batch_done`].
     pub id: u64,
-    /// (player, message), in order.
-    pub items: Vec<(String, Downstream)>,
+    /// (player, push id, message), in order.
+    pub items: Vec<(String, u64, Downstream)>,
 }
 
 /// The pushes waiting for other edges; `R` is how a push is answered (the requesting
@@ -62,13 +69,20 @@ impl<R> PlayerPushQueue<R> {
     }
 
     /// Queues a push; hands `reply` back when the queue is full (answer it `busy`).
-    pub fn submit(&mut self, reply: R, player: String, message: Downstream) -> Result<(), R> {
+    pub fn submit(
+        &mut self,
+        reply: R,
+        player: String,
+        id: u64,
+        message: Downstream,
+    ) -> Result<(), R> {
         if self.waiting.len() >= self.max_waiting {
             return Err(reply);
         }
         self.waiting.push_back(WaitingPush {
             reply,
             player,
+            id,
             message,
         });
         Ok(())
@@ -84,7 +98,7 @@ impl<R> PlayerPushQueue<R> {
         let mut items = Vec::with_capacity(n);
         for w in self.waiting.drain(..n) {
             replies.push(w.reply);
-            items.push((w.player, w.message));
+            items.push((w.player, w.id, w.message));
         }
         let id = self.next_batch;
         self.next_batch += 1;
@@ -128,6 +142,83 @@ impl<R> PlayerPushQueue<R> {
     }
 }
 
+/// The ids of pushes delivered on this edge, each remembered for `window`, at most `cap` at
+/// once (an id is never forgotten early: when full, a new id is refused until the oldest
+/// expires).
+#[derive(Debug)]
+pub struct DeliveredPushIds {
+    window: Duration,
+    cap: usize,
+    ids: HashSet<u64>,
+    /// (expiry, id), oldest first.
+    expiry: VecDeque<(Instant, u64)>,
+}
+
+/// What [`DeliveredPushIds::check`] says about a push's id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PushIdCheck {
+    /// Not delivered here within the window (or no id): deliver it, then
+    /// [`DeliveredPushIds::delivered`].
+    New,
+    /// Delivered here already: answer `delivered`, deliver nothing.
+    Duplicate,
+    /// As many ids remembered as allowed: answer `busy`.
+    Full,
+}
+
+impl DeliveredPushIds {
+    /// Remembers each id for `window`, at most `cap` (at least 1) at once.
+    pub fn new(window: Duration, cap: usize) -> Self {
+        Self {
+            window,
+            cap: cap.max(1),
+            ids: HashSet::new(),
+            expiry: VecDeque::new(),
+        }
+    }
+
+    fn expire(&mut self, now: Instant) {
+        while let Some(&(at, id)) = self.expiry.front() {
+            if at > now {
+                break;
+            }
+            self.expiry.pop_front();
+            self.ids.remove(&id);
+        }
+    }
+
+    /// Whether a push with `id` (0: none) may be delivered at `now`.
+    pub fn check(&mut self, now: Instant, id: u64) -> PushIdCheck {
+        self.expire(now);
+        if id == 0 {
+            PushIdCheck::New
+        } else if self.ids.contains(&id) {
+            PushIdCheck::Duplicate
+        } else if self.ids.len() >= self.cap {
+            PushIdCheck::Full
+        } else {
+            PushIdCheck::New
+        }
+    }
+
+    /// The push with `id` was delivered at `now` (after [`PushIdCheck::New`]).
+    pub fn delivered(&mut self, now: Instant, id: u64) {
+        if id != 0 && self.ids.len() < self.cap && self.ids.insert(id) {
+            self.expiry.push_back((now + self.window, id));
+        }
+    }
+
+    /// Ids remembered.
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+}
+
 /// The link's outcome for a cross-edge delivery result.
 pub fn outcome_of(result: DeliveryResult) -> PlayerPushOutcome {
     match result {
@@ -136,6 +227,7 @@ pub fn outcome_of(result: DeliveryResult) -> PlayerPushOutcome {
         DeliveryResult::QueueFull => PlayerPushOutcome::QueueFull,
         DeliveryResult::EdgeUnreachable => PlayerPushOutcome::Unreachable,
         DeliveryResult::Timeout => PlayerPushOutcome::Unknown,
+        DeliveryResult::Busy => PlayerPushOutcome::Busy,
     }
 }
 
@@ -158,12 +250,12 @@ mod tests {
     fn one_batch_out_at_a_time_and_what_came_meanwhile_goes_next() {
         let mut q = PlayerPushQueue::new(8, 3);
         for i in 0..5 {
-            q.submit(i, format!("p{i}"), msg(i)).unwrap();
+            q.submit(i, format!("p{i}"), u64::from(i), msg(i)).unwrap();
         }
         let b1 = q.poll_batch().unwrap();
         assert_eq!(b1.items.len(), 3, "capped at max_batch");
         assert_eq!(q.poll_batch(), None, "one batch out at a time");
-        q.submit(5, "p5".into(), msg(5)).unwrap();
+        q.submit(5, "p5".into(), 5, msg(5)).unwrap();
         let answers = q.batch_done(
             b1.id,
             Some(vec![
@@ -181,7 +273,7 @@ mod tests {
             ]
         );
         let b2 = q.poll_batch().unwrap();
-        let players: Vec<&str> = b2.items.iter().map(|(p, _)| p.as_str()).collect();
+        let players: Vec<&str> = b2.items.iter().map(|(p, _, _)| p.as_str()).collect();
         assert_eq!(players, ["p3", "p4", "p5"], "in the order they came");
         assert!(
             q.batch_done(b1.id, None).is_empty(),
@@ -202,11 +294,11 @@ mod tests {
     #[test]
     fn a_full_queue_hands_the_push_back_and_a_short_answer_is_unknown() {
         let mut q = PlayerPushQueue::new(2, 10);
-        q.submit(1, "a".into(), msg(1)).unwrap();
-        q.submit(2, "b".into(), msg(2)).unwrap();
-        assert_eq!(q.submit(3, "c".into(), msg(3)), Err(3));
+        q.submit(1, "a".into(), 1, msg(1)).unwrap();
+        q.submit(2, "b".into(), 2, msg(2)).unwrap();
+        assert_eq!(q.submit(3, "c".into(), 3, msg(3)), Err(3));
         let b = q.poll_batch().unwrap();
-        q.submit(3, "c".into(), msg(3)).unwrap();
+        q.submit(3, "c".into(), 3, msg(3)).unwrap();
         assert_eq!(
             q.batch_done(b.id, Some(vec![DeliveryResult::Delivered])),
             vec![
@@ -217,7 +309,72 @@ mod tests {
         assert_eq!(q.waiting(), 1);
     }
 
+    #[test]
+    fn a_delivered_id_is_a_duplicate_for_its_window_and_never_forgotten_early() {
+        let t0 = Instant::now();
+        let mut ids = DeliveredPushIds::new(Duration::from_secs(10), 2);
+        assert_eq!(ids.check(t0, 7), PushIdCheck::New);
+        ids.delivered(t0, 7);
+        assert_eq!(
+            ids.check(t0 + Duration::from_secs(9), 7),
+            PushIdCheck::Duplicate
+        );
+        assert_eq!(
+            ids.check(t0, 0),
+            PushIdCheck::New,
+            "no id: never a duplicate"
+        );
+        ids.delivered(t0, 0);
+        ids.delivered(t0 + Duration::from_secs(1), 8);
+        assert_eq!(
+            ids.check(t0 + Duration::from_secs(2), 9),
+            PushIdCheck::Full,
+            "full: refused, nothing forgotten"
+        );
+        assert_eq!(
+            ids.check(t0 + Duration::from_secs(2), 7),
+            PushIdCheck::Duplicate
+        );
+        assert_eq!(ids.check(t0 + Duration::from_secs(10), 7), PushIdCheck::New);
+        assert_eq!(ids.check(t0 + Duration::from_secs(10), 9), PushIdCheck::New);
+        assert_eq!(ids.len(), 1, "8 is still remembered");
+    }
+
     proptest! {
+        /// Any sequence of pushes with repeated ids and advancing time: an id is delivered
+        /// at most once within any window after its delivery, and never more than `cap`
+        /// are remembered.
+        #[test]
+        fn an_id_is_delivered_at_most_once_per_window(
+            steps in proptest::collection::vec((0u64..6, 0u64..4_000), 1..300),
+            cap in 1usize..6,
+        ) {
+            let window = Duration::from_secs(5);
+            let t0 = Instant::now();
+            let mut now = t0;
+            let mut ids = DeliveredPushIds::new(window, cap);
+            let mut last: std::collections::HashMap<u64, Instant> = Default::default();
+            for (id, advance_ms) in steps {
+                now += Duration::from_millis(advance_ms);
+                match ids.check(now, id) {
+                    PushIdCheck::New => {
+                        if id != 0 {
+                            if let Some(at) = last.get(&id) {
+                                prop_assert!(now >= *at + window, "{id} again within the window");
+                            }
+                            last.insert(id, now);
+                        }
+                        ids.delivered(now, id);
+                    }
+                    PushIdCheck::Duplicate => {
+                        prop_assert!(last.get(&id).is_some_and(|at| now < *at + window));
+                    }
+                    PushIdCheck::Full => prop_assert_eq!(ids.len(), cap),
+                }
+                prop_assert!(ids.len() <= cap);
+            }
+        }
+
         /// Whatever the interleaving of submits, batches and results: every accepted push
         /// is answered exactly once, batches keep the submission order, and no more than
         /// the bound waits.
@@ -234,7 +391,7 @@ mod tests {
             for (op, k) in ops {
                 match op {
                     0 => {
-                        if q.submit(next, format!("p{next}"), msg(next)).is_ok() {
+                        if q.submit(next, format!("p{next}"), u64::from(next), msg(next)).is_ok() {
                             accepted.push(next);
                         }
                         next += 1;
@@ -243,7 +400,7 @@ mod tests {
                     1 => {
                         if let Some(b) = q.poll_batch() {
                             prop_assert!(out.is_none() && b.items.len() <= max_batch);
-                            sent.extend(b.items.iter().map(|(_, m)| m.msg_id));
+                            sent.extend(b.items.iter().map(|(_, _, m)| m.msg_id));
                             out = Some(b);
                         }
                     }
@@ -263,7 +420,7 @@ mod tests {
                 answered.extend(q.batch_done(b.id, None).into_iter().map(|(r, _)| r));
             }
             while let Some(b) = q.poll_batch() {
-                sent.extend(b.items.iter().map(|(_, m)| m.msg_id));
+                sent.extend(b.items.iter().map(|(_, _, m)| m.msg_id));
                 answered.extend(q.batch_done(b.id, None).into_iter().map(|(r, _)| r));
             }
             prop_assert_eq!(&sent, &accepted, "sent in submission order, each once");

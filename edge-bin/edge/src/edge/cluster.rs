@@ -139,11 +139,14 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
         }
     }));
     // Pushes from other edges (F4).
-    let registry = shared.session_layer().registry.clone();
+    let weak = Arc::downgrade(shared);
     let server = redis
         .presence
         .serve_pushes(&edge_id, move |player: &str, m: PushMessage| {
-            super::player_push::delivery_result(registry.push_to_player(player, m.into()))
+            let outcome = weak
+                .upgrade()
+                .and_then(|s| s.deliver_push_here(player, m.id, m.into()));
+            super::player_push::delivery_result(outcome)
         });
     tasks.push(tokio::spawn(async move {
         let _server = server;

@@ -14,7 +14,7 @@ use waygate_session::driver::{Downstream, PushError};
 
 use super::channels::answer_later;
 use super::Shared;
-use crate::cluster::player_push::PlayerPushQueue;
+use crate::cluster::player_push::{DeliveredPushIds, PlayerPushQueue, PushIdCheck};
 use crate::cluster::redis::PushMessage;
 use crate::link::LinkWriter;
 
@@ -22,15 +22,21 @@ use crate::link::LinkWriter;
 const MAX_WAITING: usize = 4_096;
 /// Pushes sent in one batch.
 const MAX_BATCH: usize = 512;
+/// How long an edge remembers the id of a push it delivered (PROTOCOL.md §9.7).
+pub(super) const DELIVERED_ID_WINDOW: std::time::Duration = std::time::Duration::from_secs(120);
+/// Most ids of delivered pushes remembered at once (beyond: `busy`).
+const MAX_DELIVERED_IDS: usize = 1_048_576;
 
 /// How a waiting push is answered: the link it came on and its request id.
 type PushReply = (Option<mpsc::Sender<LinkFrame>>, u64);
 
-/// The pushes waiting for other edges and the wake-up of their task.
+/// The pushes waiting for other edges and the wake-up of their task; the ids of the pushes
+/// delivered here.
 #[derive(Debug)]
 pub(super) struct PlayerPushes {
     queue: Mutex<PlayerPushQueue<PushReply>>,
     wake: Arc<Notify>,
+    delivered: Mutex<DeliveredPushIds>,
 }
 
 impl PlayerPushes {
@@ -38,6 +44,10 @@ impl PlayerPushes {
         Self {
             queue: Mutex::new(PlayerPushQueue::new(MAX_WAITING, MAX_BATCH)),
             wake: Arc::new(Notify::new()),
+            delivered: Mutex::new(DeliveredPushIds::new(
+                DELIVERED_ID_WINDOW,
+                MAX_DELIVERED_IDS,
+            )),
         }
     }
 }
@@ -53,17 +63,48 @@ fn local_outcome(result: Result<(), PushError>) -> Option<PlayerPushOutcome> {
 
 /// The cross-edge result of a push taken from another edge (the receiving side).
 pub(super) fn delivery_result(
-    result: Result<(), PushError>,
+    outcome: Option<PlayerPushOutcome>,
 ) -> crate::cluster::redis::DeliveryResult {
     use crate::cluster::redis::DeliveryResult;
-    match local_outcome(result) {
+    match outcome {
         Some(PlayerPushOutcome::Delivered) => DeliveryResult::Delivered,
+        Some(PlayerPushOutcome::Busy) => DeliveryResult::Busy,
         Some(_) => DeliveryResult::QueueFull,
         None => DeliveryResult::Offline,
     }
 }
 
 impl Shared {
+    /// Delivers a push to `player`'s session on this edge, unless a push with the same
+    /// `id` was delivered here within the window (then `delivered`, nothing queued) or the
+    /// edge remembers as many ids as it may (`busy`). `None`: the player has no session
+    /// here.
+    pub(super) fn deliver_push_here(
+        &self,
+        player: &str,
+        id: u64,
+        message: Downstream,
+    ) -> Option<PlayerPushOutcome> {
+        let now = std::time::Instant::now();
+        let Ok(mut ids) = self.player_pushes.delivered.lock() else {
+            return Some(PlayerPushOutcome::Busy);
+        };
+        match ids.check(now, id) {
+            PushIdCheck::Duplicate => return Some(PlayerPushOutcome::Delivered),
+            PushIdCheck::Full => return Some(PlayerPushOutcome::Busy),
+            PushIdCheck::New => {}
+        }
+        let outcome = local_outcome(
+            self.session_layer()
+                .registry
+                .push_to_player(player, message),
+        );
+        if outcome == Some(PlayerPushOutcome::Delivered) {
+            ids.delivered(now, id);
+        }
+        outcome
+    }
+
     /// A backend's PLAYER_PUSH: answered now when the player is on this edge (or there is
     /// no other edge to ask), else queued for the player's edge and answered later.
     pub(super) fn player_push(
@@ -96,11 +137,7 @@ impl Shared {
             msg_id,
             payload,
         };
-        let here = self
-            .session_layer()
-            .registry
-            .push_to_player(&player, message.clone());
-        if let Some(outcome) = local_outcome(here) {
+        if let Some(outcome) = self.deliver_push_here(&player, request_id, message.clone()) {
             return answer(outcome);
         }
         if self.redis.is_none() {
@@ -112,7 +149,7 @@ impl Shared {
             .queue
             .lock()
             .map(|mut q| {
-                let r = q.submit((later(), request_id), player, message);
+                let r = q.submit((later(), request_id), player, request_id, message);
                 self.metrics.player_pushes_waiting.set(q.waiting() as i64);
                 r
             })
@@ -148,11 +185,12 @@ pub(super) async fn player_push_loop(weak: Weak<Shared>) {
             let items = batch
                 .items
                 .into_iter()
-                .map(|(player, m)| {
+                .map(|(player, id, m)| {
                     let message = PushMessage {
                         class: m.class,
                         msg_id: m.msg_id,
                         payload: m.payload,
+                        id,
                     };
                     (player, message)
                 })

@@ -27,6 +27,14 @@ pub struct PushMessage {
     /// Body (hex on the wire).
     #[serde(with = "hex_bytes")]
     pub payload: Bytes,
+    /// The push's id (a backend's PLAYER_PUSH request id): the receiving edge delivers one
+    /// id once within its window (PROTOCOL.md §9.7); 0 = none (absent from older edges).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub id: u64,
+}
+
+fn is_zero(id: &u64) -> bool {
+    *id == 0
 }
 
 impl From<PushMessage> for Downstream {
@@ -76,6 +84,9 @@ pub enum DeliveryResult {
     /// No answer within [`RedisConfig::push_timeout`](super::RedisConfig::push_timeout): may
     /// or may not have been delivered.
     Timeout,
+    /// The receiving edge remembers as many delivered push ids as it may: not delivered,
+    /// retry later.
+    Busy,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -405,7 +416,15 @@ mod tests {
             class: TrafficClass::Normal,
             msg_id: 9,
             payload: Bytes::from_static(b"\x00\xffhi"),
+            id: 0,
         };
+        let json = serde_json::to_string(&m).expect("ser");
+        assert!(
+            !json.contains("\"id\""),
+            "no id field when there is none: {json}"
+        );
+        assert_eq!(serde_json::from_str::<PushMessage>(&json).expect("de"), m);
+        let m = PushMessage { id: 77, ..m };
         let json = serde_json::to_string(&m).expect("ser");
         assert_eq!(serde_json::from_str::<PushMessage>(&json).expect("de"), m);
     }
