@@ -739,10 +739,16 @@ namespace Waygate
             }
         }
 
-        /// <summary>Closes the session: a Closed event follows, then Poll returns false with IsClosed set.</summary>
+        /// <summary>Closes the session: a Closed event follows, then Poll returns false with IsClosed set. The edge keeps the session lingering (PROTOCOL.md §7.5); Logout() ends it.</summary>
         public WaygateResult Close()
         {
             return Call(h => Native.waygate_client_close(h));
+        }
+
+        /// <summary>As Close(), but sends CLOSE logout: the edge ends the session at once instead of letting it linger (PROTOCOL.md §7.5).</summary>
+        public WaygateResult Logout()
+        {
+            return Call(h => Native.waygate_client_logout(h));
         }
 
         /// <summary>Where the client is now (for a "connecting / reconnecting" screen; ConnectFailed events say why an attempt failed).</summary>
@@ -999,6 +1005,9 @@ namespace Waygate
 
         [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
         public static extern WaygateResult waygate_client_close(IntPtr client);
+
+        [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
+        public static extern WaygateResult waygate_client_logout(IntPtr client);
 
         [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
         public static extern WaygateResult waygate_client_stats(IntPtr client, ref WaygateStats out_stats);

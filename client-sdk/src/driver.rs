@@ -191,7 +191,8 @@ enum Cmd {
     Pause(oneshot::Sender<()>),
     Prefer(usize),
     SetToken(Bytes),
-    Close,
+    /// Send CLOSE with this code (`normal`, or `logout`) and end.
+    Close(CloseCode),
 }
 
 /// A request to send: its outcome goes to a waiting caller or to the event stream.
@@ -504,9 +505,18 @@ impl Client {
     }
 
     /// Sends CLOSE (normal) and ends the task. The edge keeps the session for its linger
-    /// (PROTOCOL.md §7.5: version 1 has no logout frame), then ends it.
+    /// (PROTOCOL.md §7.5), so the player can come back to it; use [`Client::logout`] to end
+    /// it.
     pub async fn close(&self) {
-        let _ = self.cmd.send(Cmd::Close).await;
+        let _ = self.cmd.send(Cmd::Close(CloseCode::Normal)).await;
+    }
+
+    /// Ends the session for good: sends CLOSE `logout` and ends the task; the edge ends the
+    /// session at once (its player is offline, its ownership and stored copy released)
+    /// instead of letting it linger (PROTOCOL.md §7.5). Messages not yet acknowledged may
+    /// or may not have been handled. Without a connection the session lingers out.
+    pub async fn logout(&self) {
+        let _ = self.cmd.send(Cmd::Close(CloseCode::Logout)).await;
     }
 }
 
@@ -690,12 +700,17 @@ async fn run(
                 }
                 Some(Cmd::Prefer(i)) => d.preferred = i.min(d.options.endpoints.len().saturating_sub(1)),
                 Some(Cmd::SetToken(token)) => d.session.set_token(token),
-                Some(Cmd::Close) | None => {
+                cmd @ (Some(Cmd::Close(_)) | None) => {
+                    let code = match cmd {
+                        Some(Cmd::Close(code)) => code,
+                        _ => CloseCode::Normal,
+                    };
                     if let Some(mut c) = d.conn.take() {
-                        c.close(CloseCode::Normal, "client closed").await;
+                        let why = if code == CloseCode::Logout { "logged out" } else { "client closed" };
+                        c.close(code, why).await;
                     }
                     d.end_requests();
-                    d.pending.push_back(Event::Closed { code: CloseCode::Normal });
+                    d.pending.push_back(Event::Closed { code });
                     d.closed = true;
                     d.publish_stats();
                     d.hand_over_pending().await;

@@ -26,9 +26,13 @@ use waygate_transport::endpoint::{ConnectOptions, Endpoint};
 use waygate_transport::tls::ClientTls;
 use waygate_transport::{CloseCode, TrafficClass, TransportKind};
 
-/// Keeps each player's latest session, so the test can join and publish through it.
+/// Keeps each player's latest session, so the test can join and publish through it, and
+/// how each player's sessions ended or detached.
 #[derive(Default)]
-struct Sessions(Mutex<HashMap<String, BackendSession>>);
+struct Sessions(
+    Mutex<HashMap<String, BackendSession>>,
+    Mutex<Vec<(String, &'static str, CloseCode)>>,
+);
 
 #[async_trait]
 impl Service for Sessions {
@@ -42,11 +46,34 @@ impl Service for Sessions {
     async fn message(&self, _session: &BackendSession, _msg: Incoming) -> Result<(), Refusal> {
         Ok(())
     }
+
+    async fn session_detached(&self, session: &BackendSession, _linger: Duration) {
+        let player = session.player_id().to_owned();
+        self.1
+            .lock()
+            .unwrap()
+            .push((player, "detached", CloseCode::Normal));
+    }
+
+    async fn session_closed(&self, session: &BackendSession, code: CloseCode) {
+        let player = session.player_id().to_owned();
+        self.1.lock().unwrap().push((player, "closed", code));
+    }
 }
 
 impl Sessions {
     fn get(&self, player: &str) -> Option<BackendSession> {
         self.0.lock().unwrap().get(player).cloned()
+    }
+
+    /// How `player`'s session ended or detached, when it did.
+    fn end_of(&self, player: &str) -> Option<(&'static str, CloseCode)> {
+        self.1
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(p, ..)| p == player)
+            .map(|(_, what, code)| (*what, *code))
     }
 }
 
@@ -1452,4 +1479,39 @@ async fn a_push_to_a_player_on_one_edge_without_redis_is_delivered_or_offline() 
             .await,
         Err(BackendError::ReservedMsgId(_))
     ));
+}
+
+/// A client's logout ends its session at once on every transport (PROTOCOL.md §7.5): the
+/// backend gets SESSION_CLOSE `logout` within seconds, not after the 15 min linger; a
+/// client's close() leaves it lingering (SESSION_DETACHED).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_logout_ends_the_session_on_every_transport_and_a_close_lingers() {
+    let s = setup(|_| {}).await;
+    let kinds = [
+        TransportKind::Tcp,
+        TransportKind::Tls,
+        TransportKind::Ws,
+        TransportKind::Wss,
+        TransportKind::Quic,
+        TransportKind::Kcp,
+    ];
+    for kind in kinds {
+        let player = format!("leaving-{kind:?}");
+        let (client, _) = s.member(kind, &player).await;
+        client.logout().await;
+        let end = poll_until(Duration::from_secs(10), || async {
+            s.sessions.end_of(&player)
+        })
+        .await;
+        assert_eq!(end, Some(("closed", CloseCode::Logout)), "{kind:?}");
+
+        let player = format!("staying-{kind:?}");
+        let (client, _) = s.member(kind, &player).await;
+        client.close().await;
+        let end = poll_until(Duration::from_secs(10), || async {
+            s.sessions.end_of(&player)
+        })
+        .await;
+        assert_eq!(end, Some(("detached", CloseCode::Normal)), "{kind:?}");
+    }
 }

@@ -51,6 +51,7 @@ TEXT_MESSAGE = 106
 CLOSE_CODES = {
     0: "normal",
     1: "going_away",
+    2: "logout",
     100: "protocol_error",
     101: "frame_too_large",
     102: "unsupported_version",

@@ -168,6 +168,8 @@ pub enum EndReason {
     ClosedByServer(CloseCode),
     /// Nobody resumed it within the linger time.
     LingerExpired,
+    /// The client logged out (CLOSE `logout`): ended at once, no linger.
+    LoggedOut,
 }
 
 /// A delivered upstream message, for the router.
@@ -1369,6 +1371,13 @@ impl SessionMachine {
             }
             Frame::Ack { ack } => self.on_ack(now, ack),
             Frame::Pong { .. } => Ok(()),
+            Frame::Close {
+                code: CloseCode::Logout,
+                ..
+            } => {
+                self.log_out();
+                Ok(())
+            }
             Frame::Close { code, .. } => {
                 self.link_lost(now, code, "");
                 Ok(())
@@ -1437,9 +1446,15 @@ impl SessionMachine {
     }
 
     /// The connection is gone (peer closed, transport error, slow consumer). An ACTIVE
-    /// session detaches and lingers; a handshake in progress ends.
+    /// session detaches and lingers — unless the client closed with `logout`: it then
+    /// ends; a handshake in progress ends.
     pub fn handle_link_down(&mut self, now: Instant, code: CloseCode) -> Result<(), SessionError> {
         match self.state {
+            // The client's CLOSE `logout` (the transports report a peer's CLOSE this way).
+            State::Active if code == CloseCode::Logout => {
+                self.log_out();
+                Ok(())
+            }
             State::Active => {
                 self.detach(now, code);
                 Ok(())
@@ -1806,6 +1821,24 @@ impl SessionMachine {
         }
         self.end_with(State::Closed, EndReason::Superseded);
         Ok(TakeOutcome::Taken(Box::new(snapshot)))
+    }
+
+    /// The client logged out (CLOSE `logout`, PROTOCOL.md §7.5): the session ends now, as if
+    /// its linger had run out — ownership, stored copy and backend bindings released — and
+    /// the connection closes without a CLOSE back (the client sent one).
+    fn log_out(&mut self) {
+        if let Some(core) = &self.core {
+            tracing::info!(session = %hex_id(&core.id), "client logged out, session ends");
+            self.actions.push_back(Action::Ended(SessionEnd {
+                session_id: core.id,
+                player_id: core.player_id.clone(),
+                fencing: core.fencing,
+                bindings: core.bindings.clone(),
+                reason: EndReason::LoggedOut,
+                channels_acked: core.acked_memberships(),
+            }));
+        }
+        self.end_with(State::Closed, EndReason::LoggedOut);
     }
 
     /// Ends the session for good from the server side (admin, logout, shutdown without

@@ -138,6 +138,11 @@ pub struct ConnConfig {
     pub ws_read_buffer: usize,
 }
 
+/// Default of [`ConnConfig::ws_read_buffer`]: 1 KiB. An idle connection keeps it allocated
+/// (4 KiB cost 3 KiB more per idle session, BENCHMARKS.md W4); a message above it takes
+/// several reads (512 B cost ~10% more CPU per 8 KiB message; 1 KiB nothing measurable).
+pub const DEFAULT_WS_READ_BUFFER: usize = 1024;
+
 impl Default for ConnConfig {
     fn default() -> Self {
         Self {
@@ -149,7 +154,7 @@ impl Default for ConnConfig {
             connect_keys: None,
             kcp_credentials: None,
             send_buffer: None,
-            ws_read_buffer: crate::ws::DEFAULT_READ_BUFFER,
+            ws_read_buffer: DEFAULT_WS_READ_BUFFER,
         }
     }
 }

@@ -29,10 +29,9 @@ use waygate_protocol::frame::Frame;
 use waygate_protocol::wire::{CloseCode, WS_SUBPROTOCOL};
 use waygate_protocol::FrameError;
 
-/// Default of [`ConnConfig::ws_read_buffer`]: 1 KiB. An idle connection keeps it allocated
-/// (4 KiB cost 3 KiB more per idle session, BENCHMARKS.md W4); a message above it takes
-/// several reads (512 B cost ~10% more CPU per 8 KiB message; 1 KiB nothing measurable).
-pub const DEFAULT_READ_BUFFER: usize = 1024;
+/// Default of [`ConnConfig::ws_read_buffer`] (defined beside it, so the config builds
+/// without the `ws` feature).
+pub const DEFAULT_READ_BUFFER: usize = crate::conn::DEFAULT_WS_READ_BUFFER;
 const CLOSE_FLUSH: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// The tungstenite configuration for a connection's limits.

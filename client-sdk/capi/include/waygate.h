@@ -707,8 +707,8 @@ enum waygate_result waygate_client_set_token(struct waygate_client *client,
 /**
  * Sends CLOSE (normal) and ends the client: a `WAYGATE_EVENT_CLOSED` event follows, then
  * polls return `WAYGATE_CLOSED`. The edge keeps the session for its linger (PROTOCOL.md
- * §7.5: version 1 has no logout frame), then ends it. Closing a client that never connected ends it at once. Closing
- * twice is fine.
+ * §7.5), so the player can come back to it; `waygate_client_logout` ends it instead.
+ * Closing a client that never connected ends it at once. Closing twice is fine.
  *
  * # Safety
  *
@@ -716,6 +716,18 @@ enum waygate_result waygate_client_set_token(struct waygate_client *client,
  * thread is not running a tokio runtime.
  */
 enum waygate_result waygate_client_close(struct waygate_client *client);
+
+/**
+ * As `waygate_client_close`, but sends CLOSE `logout`: the edge ends the session at once
+ * (the player is offline, its ownership released) instead of letting it linger
+ * (PROTOCOL.md §7.5). The `WAYGATE_EVENT_CLOSED` event carries code 2 (`logout`).
+ *
+ * # Safety
+ *
+ * `client` is NULL or a live handle used by no other thread during the call; the calling
+ * thread is not running a tokio runtime.
+ */
+enum waygate_result waygate_client_logout(struct waygate_client *client);
 
 /**
  * Where the client is now: a game's "connecting... / reconnecting, attempt 3" screen reads

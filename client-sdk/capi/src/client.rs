@@ -659,8 +659,8 @@ pub unsafe extern "C" fn waygate_client_set_token(
 
 /// Sends CLOSE (normal) and ends the client: a `WAYGATE_EVENT_CLOSED` event follows, then
 /// polls return `WAYGATE_CLOSED`. The edge keeps the session for its linger (PROTOCOL.md
-/// §7.5: version 1 has no logout frame), then ends it. Closing a client that never connected ends it at once. Closing
-/// twice is fine.
+/// §7.5), so the player can come back to it; `waygate_client_logout` ends it instead.
+/// Closing a client that never connected ends it at once. Closing twice is fine.
 ///
 /// # Safety
 ///
@@ -674,6 +674,32 @@ pub unsafe extern "C" fn waygate_client_close(client: *mut waygate_client) -> wa
         let h = unsafe { handle(client) };
         match h.client.as_ref() {
             Some(c) if !h.ended => h.rt.block_on(c.close()),
+            Some(_) => {}
+            None => {
+                h.pending = None;
+                h.ended = true;
+            }
+        }
+        WAYGATE_OK
+    })
+}
+
+/// As `waygate_client_close`, but sends CLOSE `logout`: the edge ends the session at once
+/// (the player is offline, its ownership released) instead of letting it linger
+/// (PROTOCOL.md §7.5). The `WAYGATE_EVENT_CLOSED` event carries code 2 (`logout`).
+///
+/// # Safety
+///
+/// `client` is NULL or a live handle used by no other thread during the call; the calling
+/// thread is not running a tokio runtime.
+#[no_mangle]
+pub unsafe extern "C" fn waygate_client_logout(client: *mut waygate_client) -> waygate_result {
+    ffi_body!(WAYGATE_PANIC => {
+        non_null!(client, WAYGATE_INVALID_ARGUMENT);
+        // SAFETY: not NULL; the caller promises a live handle used only by this thread.
+        let h = unsafe { handle(client) };
+        match h.client.as_ref() {
+            Some(c) if !h.ended => h.rt.block_on(c.logout()),
             Some(_) => {}
             None => {
                 h.pending = None;

@@ -79,7 +79,7 @@ mod sized;
 pub use client::{
     waygate_client, waygate_client_channel_position, waygate_client_clock_offset,
     waygate_client_close, waygate_client_connect, waygate_client_drop_link, waygate_client_free,
-    waygate_client_new, waygate_client_pause, waygate_client_poll_event,
+    waygate_client_logout, waygate_client_new, waygate_client_pause, waygate_client_poll_event,
     waygate_client_reconnect_now, waygate_client_request, waygate_client_send,
     waygate_client_set_token, waygate_client_state, waygate_client_stats,
     waygate_client_sync_clock, waygate_client_tick, waygate_client_wait_event, waygate_state,

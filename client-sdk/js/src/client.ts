@@ -742,16 +742,30 @@ export class WaygateClient {
 
   /**
    * Closes for good: sends CLOSE(normal) and closes the socket. The session lingers on the
-   * server until its linger time runs out (v1 has no logout, §7.5).
+   * server until its linger time runs out (§7.5), so the player can come back to it; use
+   * `logout()` to end it.
    */
   close(reason = "client closed"): void {
+    this.closeWith(CloseCode.normal, reason);
+  }
+
+  /**
+   * Ends the session for good: sends CLOSE(logout) and closes the socket; the edge ends the
+   * session at once (the player is offline) instead of letting it linger (§7.5). Without an
+   * open socket the session lingers out.
+   */
+  logout(reason = "logged out"): void {
+    this.closeWith(CloseCode.logout, reason);
+  }
+
+  private closeWith(code: number, reason: string): void {
     if (this._state === "closed") return;
     const ws = this.ws;
     if (ws && ws.readyState === WS_OPEN) {
-      this.transmit({ type: "close", code: CloseCode.normal, message: reason.slice(0, 200) });
+      this.transmit({ type: "close", code, message: reason.slice(0, 200) });
     }
     this.dropSocket(1000, "closed");
-    this.terminate(CloseCode.normal, reason);
+    this.terminate(code, reason);
   }
 
   /** Test hook: drops the socket as a network failure would (no CLOSE); the client resumes. */

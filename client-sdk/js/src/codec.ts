@@ -63,6 +63,7 @@ export type WelcomeOutcome = (typeof WelcomeOutcome)[keyof typeof WelcomeOutcome
 export const CloseCode = {
   normal: 0,
   going_away: 1,
+  logout: 2,
   protocol_error: 100,
   frame_too_large: 101,
   unsupported_version: 102,

@@ -1417,6 +1417,26 @@ test("closed: close() (or a kick) fails every waiting request with `closed`, out
   assert.equal(k.client.stats().requestsPending, 0);
 });
 
+test("logout(): CLOSE logout on the socket, then closed (code 2) and no reconnect; close() sends CLOSE normal", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx);
+  ws.take();
+  ctx.client.logout();
+  assert.deepEqual(ws.take().at(-1), { type: "close", code: CloseCode.logout, message: "logged out" });
+  assert.equal(ctx.client.state, "closed");
+  assert.deepEqual(ctx.named("closed").map((e) => [e.code, e.label]), [[2, "logout"]]);
+  ctx.client.logout(); // twice: nothing more
+  assert.equal(ctx.named("closed").length, 1);
+  await sleep(30);
+  assert.equal(ctx.WS.all.length, 1, "no reconnect after a logout");
+
+  const c2 = setup();
+  const { ws: ws2 } = await connect(c2);
+  ws2.take();
+  c2.client.close();
+  assert.deepEqual(ws2.take().at(-1), { type: "close", code: CloseCode.normal, message: "client closed" });
+});
+
 test("session_lost: a resume keeps requests; a new session (restore failed, or new_session after a session) fails them", async () => {
   const ctx = setup();
   const { ws } = await connect(ctx);

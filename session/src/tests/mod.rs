@@ -995,6 +995,66 @@ fn linger_expiry_ends_the_session_and_resume_gets_a_new_one() {
     assert!(p.edge.holder(&sid2).is_none());
 }
 
+/// A client's CLOSE `logout` ends its session at once (PROTOCOL.md §7.5): no linger, the
+/// bindings handed to the end, the stored copy and the ownership released, and the next
+/// connect is a new session; a CLOSE with another code still lingers. Both ways a CLOSE
+/// reaches the machine: as a frame, and as the link going down with its code.
+#[test]
+fn a_logout_ends_the_session_at_once_and_other_closes_linger() {
+    for as_frame in [false, true] {
+        let mut p = Pair::new(SessionConfig::default());
+        let c = login(&mut p, "alice");
+        let sid = p.session(c);
+        let m = p.peers[c].conn.expect("linked");
+        p.edge.machines[m].bind("world", "w-3").expect("bind");
+        if as_frame {
+            let close = Frame::Close {
+                code: CloseCode::Logout,
+                message: "bye".into(),
+            };
+            p.edge.machines[m]
+                .handle_frame(p.now, close)
+                .expect("close");
+            let mut out = std::collections::VecDeque::new();
+            p.edge.run(m, p.now, &mut out);
+            p.cut(c);
+        } else {
+            p.cut_with(c, CloseCode::Logout);
+        }
+        assert_eq!(
+            p.edge.machines[m].state(),
+            State::Closed,
+            "as frame: {as_frame}"
+        );
+        assert_eq!(p.edge.machines[m].end_reason(), Some(&EndReason::LoggedOut));
+        assert_eq!(p.edge.ended.len(), 1);
+        assert_eq!(
+            p.edge.ended[0].bindings.get("world").map(String::as_str),
+            Some("w-3")
+        );
+        assert!(!p.edge.store.contains_key(&sid), "stored copy deleted");
+        assert!(p.edge.owners["alice"].1.is_none(), "ownership released");
+        p.connect(c);
+        p.drive(c);
+        assert_eq!(
+            welcomed(&p, c).last(),
+            Some(&WelcomeOutcome::RestoreFailedNewSession)
+        );
+        assert_ne!(p.session(c), sid);
+    }
+    // Any other close: the session lingers and resumes.
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "bob");
+    let sid = p.session(c);
+    p.cut_with(c, CloseCode::Normal);
+    assert_eq!(p.edge.machines[0].state(), State::Detached);
+    assert!(p.edge.ended.is_empty());
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(welcomed(&p, c).last(), Some(&WelcomeOutcome::Restored));
+    assert_eq!(p.session(c), sid);
+}
+
 #[test]
 fn replay_overflow_restores_with_gap() {
     let cfg = SessionConfig {

@@ -566,13 +566,19 @@ impl Pair {
 
     /// Cuts client `c`'s link: frames in flight are lost, both ends learn.
     pub(crate) fn cut(&mut self, c: usize) {
+        self.cut_with(c, CloseCode::GoingAway);
+    }
+
+    /// Cuts client `c`'s link as a peer's close with `code` would (the transports report a
+    /// received CLOSE as the link going down with its code).
+    pub(crate) fn cut_with(&mut self, c: usize, code: CloseCode) {
         let now = self.now;
         let p = &mut self.peers[c];
         p.to_server.clear();
         p.to_client.clear();
         if let Some(m) = p.conn.take() {
             self.edge.linked.remove(&m);
-            let _ = self.edge.machines[m].handle_link_down(now, CloseCode::GoingAway);
+            let _ = self.edge.machines[m].handle_link_down(now, code);
             let mut sink = VecDeque::new();
             self.edge.run(m, now, &mut sink);
         }

@@ -162,6 +162,9 @@ close_codes! {
     Normal = 0, "normal";
     /// The server is shutting down or the client is leaving.
     GoingAway = 1, "going_away";
+    /// The client ends its session for good (its CLOSE): the edge ends the session at once
+    /// instead of letting it linger for a resume.
+    Logout = 2, "logout";
     /// A frame could not be parsed, or a field had an invalid value.
     ProtocolError = 100, "protocol_error";
     /// A frame exceeded the negotiated maximum size.

@@ -335,6 +335,7 @@ impl UpstreamSink for EdgeUpstream {
                     let code = match reason {
                         waygate_session::EndReason::Kicked => CloseCode::Kicked,
                         waygate_session::EndReason::LingerExpired => CloseCode::SessionExpired,
+                        waygate_session::EndReason::LoggedOut => CloseCode::Logout,
                         waygate_session::EndReason::ClosedByServer(c) => c,
                         _ => CloseCode::Normal,
                     };
