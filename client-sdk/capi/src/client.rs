@@ -672,16 +672,23 @@ pub unsafe extern "C" fn waygate_client_close(client: *mut waygate_client) -> wa
         non_null!(client, WAYGATE_INVALID_ARGUMENT);
         // SAFETY: not NULL; the caller promises a live handle used only by this thread.
         let h = unsafe { handle(client) };
-        match h.client.as_ref() {
-            Some(c) if !h.ended => h.rt.block_on(c.close()),
-            Some(_) => {}
-            None => {
-                h.pending = None;
-                h.ended = true;
-            }
-        }
+        end(h, false);
         WAYGATE_OK
     })
+}
+
+/// Ends a client: CLOSE `normal`, or `logout` (`logout`), on a running client; a client that
+/// never connected ends at once.
+fn end(h: &mut waygate_client, logout: bool) {
+    match h.client.as_ref() {
+        Some(c) if !h.ended && logout => h.rt.block_on(c.logout()),
+        Some(c) if !h.ended => h.rt.block_on(c.close()),
+        Some(_) => {}
+        None => {
+            h.pending = None;
+            h.ended = true;
+        }
+    }
 }
 
 /// As `waygate_client_close`, but sends CLOSE `logout`: the edge ends the session at once
@@ -698,14 +705,7 @@ pub unsafe extern "C" fn waygate_client_logout(client: *mut waygate_client) -> w
         non_null!(client, WAYGATE_INVALID_ARGUMENT);
         // SAFETY: not NULL; the caller promises a live handle used only by this thread.
         let h = unsafe { handle(client) };
-        match h.client.as_ref() {
-            Some(c) if !h.ended => h.rt.block_on(c.logout()),
-            Some(_) => {}
-            None => {
-                h.pending = None;
-                h.ended = true;
-            }
-        }
+        end(h, true);
         WAYGATE_OK
     })
 }
