@@ -465,6 +465,15 @@ var WaygateWebGLLibrary = {
     return 0;
   },
 
+  // Ends the session for good (CLOSE logout, PROTOCOL.md §7.5): the edge ends it at once
+  // instead of letting it linger; a `closed` event (code 2) follows, as for Close.
+  WaygateWebGL_Logout: function (handle) {
+    var rec = WG_get(handle);
+    if (!rec) return 2;
+    rec.client["logout"]();
+    return 0;
+  },
+
   // Releases the handle (closing the session if it is still open): it must not be used
   // again. Unknown handles are ignored.
   WaygateWebGL_Free: function (handle) {

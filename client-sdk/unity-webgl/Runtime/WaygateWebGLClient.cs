@@ -828,6 +828,12 @@ namespace Waygate.WebGL
             return (WebGLResult)Native.WaygateWebGL_Close(Live());
         }
 
+        /// <summary>Ends the session for good (CLOSE logout): the edge ends it at once instead of letting it linger (PROTOCOL.md §7.5); a Closed event (code 2) follows.</summary>
+        public WebGLResult Logout()
+        {
+            return (WebGLResult)Native.WaygateWebGL_Logout(Live());
+        }
+
         /// <summary>
         /// Live statistics as a flat JSON object: state, rttLatestMs, rttSmoothedMs, rttMinMs,
         /// rttSamples, unacked, lastServerSeq, connects, sessionId, queuedEvents, droppedEvents,
@@ -1043,6 +1049,7 @@ namespace Waygate.WebGL
         [DllImport("__Internal")] public static extern int WaygateWebGL_Pause(int handle);
         [DllImport("__Internal")] public static extern int WaygateWebGL_SetToken(int handle, IntPtr token, int len);
         [DllImport("__Internal")] public static extern int WaygateWebGL_Close(int handle);
+        [DllImport("__Internal")] public static extern int WaygateWebGL_Logout(int handle);
         [DllImport("__Internal")] public static extern void WaygateWebGL_Free(int handle);
         [DllImport("__Internal")] public static extern int WaygateWebGL_Stats(int handle, IntPtr buf, int len);
         [DllImport("__Internal")] public static extern int WaygateWebGL_LastError(IntPtr buf, int len);
@@ -1067,6 +1074,7 @@ namespace Waygate.WebGL
         public static int WaygateWebGL_Pause(int handle) { throw NotHere(); }
         public static int WaygateWebGL_SetToken(int handle, IntPtr token, int len) { throw NotHere(); }
         public static int WaygateWebGL_Close(int handle) { throw NotHere(); }
+        public static int WaygateWebGL_Logout(int handle) { throw NotHere(); }
         public static void WaygateWebGL_Free(int handle) { }
         public static int WaygateWebGL_Stats(int handle, IntPtr buf, int len) { throw NotHere(); }
         public static int WaygateWebGL_LastError(IntPtr buf, int len) { return 0; }
