@@ -3,7 +3,8 @@
 //! The backend SDK: what a game server written in Rust uses to accept links from
 //! waygate edges and handle the sessions routed to it (PROTOCOL.md §9). Implement
 //! [`Service`], call [`serve`] (or [`Backend::bind`]), and push to sessions through
-//! [`BackendSession`].
+//! [`BackendSession`] — or to any player, on whichever edge its session is, with
+//! [`BackendSession::push_to_player`] (a result per push; PROTOCOL.md §9.7).
 //!
 //! Ordering: each session has its own worker, so the messages and lifecycle calls of one
 //! session reach the [`Service`] one at a time, in the order the client sent them; handlers
