@@ -661,7 +661,7 @@ impl BackendSession {
 
     /// Answers the client's `request` (PROTOCOL.md §13) with `status` ([`STATUS_OK`] or
     /// your own error code) and `body`: a critical DATA the client SDK hands to the caller
-    /// waiting on that request. Parse requests with [`Request::parse`].
+    /// waiting on that request. Get requests with [`Incoming::request`].
     ///
     /// [`STATUS_OK`]: waygate_protocol::request::STATUS_OK
     pub async fn answer(
