@@ -1515,3 +1515,43 @@ async fn a_logout_ends_the_session_on_every_transport_and_a_close_lingers() {
         assert_eq!(end, Some(("detached", CloseCode::Normal)), "{kind:?}");
     }
 }
+
+/// A backend's push too large for the client's max frame size (regression: it took a seq,
+/// its send failed, the client went on with the next seq and the message was lost without
+/// a word to anyone): the session declares it lost — the connection closes with
+/// `frame_too_large`, the resume reports `RestoredWithGap`, the backend learns the gap from
+/// SESSION_REATTACHED — and what follows arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_too_large_for_the_client_is_a_declared_gap_not_a_silent_loss() {
+    use waygate_protocol::frame::WelcomeOutcome;
+    let s = setup(|_| {}).await;
+    let (mut client, session) = s.member(TransportKind::Tcp, "big").await;
+    session
+        .push(7, TrafficClass::Normal, Bytes::from(vec![b'x'; 70_000]))
+        .await
+        .unwrap();
+    session
+        .push(8, TrafficClass::Normal, Bytes::from_static(b"after"))
+        .await
+        .unwrap();
+    let mut outcomes = Vec::new();
+    let after = timeout(Duration::from_secs(10), async {
+        loop {
+            match client.next_event().await.expect("client running") {
+                Event::Connected { outcome, .. } => outcomes.push(outcome),
+                Event::Message { msg_id: 7, .. } => panic!("a frame above the max was sent"),
+                Event::Message {
+                    msg_id: 8, payload, ..
+                } => return payload,
+                _ => {}
+            }
+        }
+    })
+    .await
+    .expect("the next push arrives");
+    assert_eq!(after, "after");
+    assert!(
+        outcomes.contains(&WelcomeOutcome::RestoredWithGap),
+        "the client was told of the gap: {outcomes:?}"
+    );
+}

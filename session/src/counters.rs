@@ -100,6 +100,10 @@ named_counters! {
     /// Sequenced downstream messages a full session queue refused: declared lost in the
     /// session (slow_consumer close, RestoredWithGap on resume), never dropped silently (B3).
     downstream_overflowed,
+    /// Downstream messages whose DATA frame could exceed the max frame size (a backend's
+    /// push too large for the client): sequenced ones declared lost in the session (CLOSE
+    /// frame_too_large, RestoredWithGap on resume), best-effort ones dropped.
+    downstream_too_large,
 }
 
 impl SessionCounters {

@@ -1519,7 +1519,7 @@ impl SessionMachine {
     /// dropped.
     pub fn send_downstream(
         &mut self,
-        _now: Instant,
+        now: Instant,
         class: TrafficClass,
         msg_id: u32,
         payload: Bytes,
@@ -1529,6 +1529,29 @@ impl SessionMachine {
             State::Detached => false,
             _ => return Err(self.misuse("downstream message")),
         };
+        if payload.len() + waygate_protocol::wire::DATA_HEADER_MAX
+            > self.config.max_frame_size as usize
+        {
+            // Too large for any DATA frame the client takes: never sent half way, never
+            // dropped silently — a sequenced one is declared lost like an overflow (the
+            // resume reports the gap; the backend learns it from SESSION_REATTACHED).
+            SessionCounters::bump(&self.counters.downstream_too_large);
+            tracing::warn!(
+                msg_id,
+                len = payload.len(),
+                max_frame = self.config.max_frame_size,
+                "downstream message larger than the max frame size"
+            );
+            if class.is_sequenced() {
+                self.declare_lost(
+                    now,
+                    1,
+                    CloseCode::FrameTooLarge,
+                    "downstream message too large",
+                )?;
+            }
+            return Ok(None);
+        }
         let Some(core) = self.core.as_mut() else {
             return Err(self.misuse("downstream message"));
         };
@@ -1649,6 +1672,23 @@ impl SessionMachine {
     /// `RestoredWithGap`), and a live connection is closed as `slow_consumer` before any
     /// later message could arrive with a seq jump. The session lingers.
     pub fn lose_downstream(&mut self, now: Instant, count: u64) -> Result<(), SessionError> {
+        self.declare_lost(
+            now,
+            count,
+            CloseCode::SlowConsumer,
+            "downstream queue overflow",
+        )
+    }
+
+    /// `count` downstream messages are lost: each takes a seq the resume reports as a gap,
+    /// and a live connection closes with `code` before any later DATA.
+    fn declare_lost(
+        &mut self,
+        now: Instant,
+        count: u64,
+        code: CloseCode,
+        why: &str,
+    ) -> Result<(), SessionError> {
         let state = self.state;
         let Some(core) = self.core.as_mut() else {
             return Err(self.misuse("lose downstream"));
@@ -1658,8 +1698,10 @@ impl SessionMachine {
                 core.replay.declare_lost(count);
                 SessionCounters::add(&self.counters.replay_evicted, count);
                 if state == State::Active {
-                    SessionCounters::bump(&self.counters.slow_consumer);
-                    self.link_lost(now, CloseCode::SlowConsumer, "downstream queue overflow");
+                    if code == CloseCode::SlowConsumer {
+                        SessionCounters::bump(&self.counters.slow_consumer);
+                    }
+                    self.link_lost(now, code, why);
                 }
                 Ok(())
             }

@@ -1055,6 +1055,67 @@ fn a_logout_ends_the_session_at_once_and_other_closes_linger() {
     assert_eq!(p.session(c), sid);
 }
 
+/// A downstream message whose DATA could exceed the max frame size is never sent: a
+/// sequenced one is declared lost (CLOSE frame_too_large, RestoredWithGap on resume), a
+/// best-effort one dropped, and either is counted.
+#[test]
+fn a_downstream_message_above_the_max_frame_size_is_a_declared_gap() {
+    let cfg = SessionConfig {
+        max_frame_size: 1024,
+        ..SessionConfig::default()
+    };
+    let mut p = Pair::new(cfg);
+    let c = login(&mut p, "alice");
+    let m = p.peers[c].conn.expect("linked");
+    let fits = Bytes::from(vec![1u8; 1024 - waygate_protocol::wire::DATA_HEADER_MAX]);
+    let too_big = Bytes::from(vec![
+        1u8;
+        1024 - waygate_protocol::wire::DATA_HEADER_MAX + 1
+    ]);
+    let now = p.now;
+    let best_effort = p.edge.machines[m]
+        .send_downstream(now, TrafficClass::BestEffort, 5, too_big.clone())
+        .expect("taken");
+    assert_eq!(best_effort, None, "dropped");
+    assert_eq!(
+        p.edge.machines[m].state(),
+        State::Active,
+        "best-effort: no close"
+    );
+    let seq = p.edge.machines[m]
+        .send_downstream(now, TrafficClass::Normal, 5, fits)
+        .expect("taken");
+    assert_eq!(seq, Some(1));
+    let big = p.edge.machines[m]
+        .send_downstream(now, TrafficClass::Normal, 6, too_big)
+        .expect("taken");
+    assert_eq!(big, None);
+    let mut out = std::collections::VecDeque::new();
+    p.edge.run(m, now, &mut out);
+    assert!(
+        out.iter().any(|f| matches!(
+            f,
+            Frame::Close {
+                code: CloseCode::FrameTooLarge,
+                ..
+            }
+        )),
+        "{out:?}"
+    );
+    assert_eq!(p.edge.machines[m].state(), State::Detached);
+    assert_eq!(
+        crate::counters::SessionCounters::get(&p.edge.counters.downstream_too_large),
+        2
+    );
+    p.cut(c);
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(
+        welcomed(&p, c).last(),
+        Some(&WelcomeOutcome::RestoredWithGap)
+    );
+}
+
 #[test]
 fn replay_overflow_restores_with_gap() {
     let cfg = SessionConfig {

@@ -10,6 +10,11 @@ pub const PROTOCOL_VERSION: u8 = 1;
 /// Default maximum size of one frame (type byte through payload), in bytes.
 pub const DEFAULT_MAX_FRAME_SIZE: usize = 64 * 1024;
 
+/// The most bytes a DATA frame adds to its payload: type, flags, msg_id (5), seq (10) and
+/// ack (10) varints at their largest. A downstream payload longer than the max frame size
+/// less this is not sent (PROTOCOL.md §10.2).
+pub const DATA_HEADER_MAX: usize = 1 + 1 + 5 + 10 + 10;
+
 /// Largest frame an edge accepts from a client before its WELCOME (PROTOCOL.md §10.1): room
 /// for the largest HELLO (a 4,096-byte token and the resume part) with space for extension
 /// fields. Larger pre-auth frames are refused like any oversized frame (CLOSE 101).
