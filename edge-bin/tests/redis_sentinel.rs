@@ -83,6 +83,9 @@ enum Failure {
     /// SIGSTOP until the replica was promoted, then SIGCONT: the old primary comes back
     /// and the sentinels turn it into a replica (writes to it would be `READONLY`).
     Hung,
+    /// kill -9 while the first sentinel the edge asks is frozen (its port takes
+    /// connections and answers nothing): the other two elect and are asked in time.
+    KilledWithAHungSentinel,
 }
 
 /// An edge behind the sentinels with write-through on, 24 live sessions echoing; the
@@ -108,6 +111,10 @@ async fn a_failed_primary_drops_no_session_of_a_live_edge(failure: Failure) {
     match failure {
         Failure::Killed => redis.servers[0].stop(),
         Failure::Hung => redis.servers[0].pause(),
+        Failure::KilledWithAHungSentinel => {
+            redis.sentinels[0].pause();
+            redis.servers[0].stop();
+        }
     }
     // Traffic through the failover: the sentinels need 1 s to call the primary down, then
     // elect a leader and promote the replica.
@@ -130,6 +137,11 @@ async fn a_failed_primary_drops_no_session_of_a_live_edge(failure: Failure) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_primary_drops_no_session_of_a_live_edge() {
     a_failed_primary_drops_no_session_of_a_live_edge(Failure::Killed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_primary_with_a_hung_sentinel_drops_no_session_of_a_live_edge() {
+    a_failed_primary_drops_no_session_of_a_live_edge(Failure::KilledWithAHungSentinel).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -15,6 +15,31 @@ pub const MASTER: &str = "mymaster";
 pub struct SentinelProcess {
     pub port: u16,
     child: Option<Child>,
+    /// Frozen by [`SentinelProcess::pause`] (the harness's waits skip it).
+    paused: std::cell::Cell<bool>,
+}
+
+impl SentinelProcess {
+    /// Freezes the sentinel (SIGSTOP): its port accepts connections, nothing is answered.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+        self.paused.set(true);
+    }
+
+    /// Thaws it (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("-CONT");
+        self.paused.set(false);
+    }
+
+    fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().expect("running").id().to_string();
+        let ok = Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill {sig} {pid}");
+    }
 }
 
 impl Drop for SentinelProcess {
@@ -69,6 +94,7 @@ fn start_sentinel(dir: &std::path::Path, primary: u16) -> Option<SentinelProcess
             return Some(SentinelProcess {
                 port,
                 child: Some(child),
+                paused: std::cell::Cell::new(false),
             });
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -177,6 +203,7 @@ impl RedisSentinels {
             if self
                 .sentinels
                 .iter()
+                .filter(|s| !s.paused.get())
                 .all(|s| master_fields(s.port).is_some_and(|f| ok(&f)))
             {
                 return;

@@ -82,9 +82,12 @@ pub(super) struct SentinelLink {
 }
 
 struct SentinelInner {
-    /// Asks the sentinels; locked while a connection is being opened, so a failure seen by
-    /// many calls at once reconnects once.
-    sentinels: tokio::sync::Mutex<SentinelClient>,
+    /// One client per sentinel, asked at once: the first answer wins, so a sentinel that
+    /// is down or hung (its port takes connections, nothing answers) holds nothing up.
+    sentinels: Vec<tokio::sync::Mutex<SentinelClient>>,
+    /// Held while a connection is being opened, so a failure seen by many calls at once
+    /// reconnects once.
+    connecting: tokio::sync::Mutex<()>,
     /// The open connection and its generation.
     current: Mutex<Option<(u64, MultiplexedConnection)>>,
     generation: AtomicU64,
@@ -105,15 +108,22 @@ impl SentinelLink {
             }
             redis::sentinel::SentinelNodeConnectionInfo::default().set_redis_connection_info(info)
         });
-        let client = SentinelClient::build(
-            sentinels.to_vec(),
-            master.to_owned(),
-            primary,
-            SentinelServerType::Master,
-        )?;
+        let clients = sentinels
+            .iter()
+            .map(|url| {
+                SentinelClient::build(
+                    vec![url.clone()],
+                    master.to_owned(),
+                    primary.clone(),
+                    SentinelServerType::Master,
+                )
+                .map(tokio::sync::Mutex::new)
+            })
+            .collect::<redis::RedisResult<Vec<_>>>()?;
         Ok(Self {
             inner: Arc::new(SentinelInner {
-                sentinels: tokio::sync::Mutex::new(client),
+                sentinels: clients,
+                connecting: tokio::sync::Mutex::new(()),
                 current: Mutex::new(None),
                 generation: AtomicU64::new(0),
                 config: redis::AsyncConnectionConfig::new()
@@ -136,12 +146,12 @@ impl SentinelLink {
         if let Some(c) = self.current() {
             return Ok(c);
         }
-        let mut sentinels = self.inner.sentinels.lock().await;
+        let _connecting = self.inner.connecting.lock().await;
         if let Some(c) = self.current() {
             return Ok(c); // opened by another call meanwhile
         }
-        let conn = sentinels
-            .async_get_client()
+        let conn = self
+            .primary_client()
             .await?
             .get_multiplexed_async_connection_with_config(&self.inner.config)
             .await?;
@@ -154,9 +164,17 @@ impl SentinelLink {
         Ok((generation, conn))
     }
 
-    /// A client for the primary the sentinels name now (pub/sub subscriptions).
+    /// A client for the primary the sentinels name now (redis checks that the node says it
+    /// is one): the first sentinel to answer wins; an error only when every one failed.
     pub(super) async fn primary_client(&self) -> redis::RedisResult<redis::Client> {
-        self.inner.sentinels.lock().await.async_get_client().await
+        let asks = self
+            .inner
+            .sentinels
+            .iter()
+            .map(|s| Box::pin(async move { s.lock().await.async_get_client().await }));
+        futures_util::future::select_ok(asks)
+            .await
+            .map(|(client, _)| client)
     }
 
     /// Forgets connection `generation` (a newer one stays).

@@ -82,7 +82,7 @@
 //! [`RedisServers::Sentinel`] (sentinel URLs and a master name): one primary as with
 //! `Single`, found through the sentinels and found again after a failover (a call that
 //! fails because the primary is gone, or answers `READONLY` because it was demoted, makes
-//! the next call ask the sentinels; calls that certainly did not run are retried on the
+//! the next call ask the sentinels (all at once: the first answer wins); calls that certainly did not run are retried on the
 //! new primary within the op timeout). Subscriptions connect to the primary of the moment.
 //! Credentials for the primary ([`SentinelPrimaryAuth`]) are given apart from the
 //! sentinels' own (in their URLs).
