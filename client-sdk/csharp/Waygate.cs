@@ -745,7 +745,7 @@ namespace Waygate
             return Call(h => Native.waygate_client_close(h));
         }
 
-        /// <summary>As Close(), but sends CLOSE logout: the edge ends the session at once instead of letting it linger (PROTOCOL.md §7.5).</summary>
+        /// <summary>As Close(), but sends CLOSE logout: the edge ends the session at once instead of letting it linger (PROTOCOL.md §7.5). InvalidState: no session was up on a link (it lingers out); Closed: the client had already ended.</summary>
         public WaygateResult Logout()
         {
             return Call(h => Native.waygate_client_logout(h));

@@ -175,6 +175,10 @@ pub enum SdkError {
     /// The client task has ended (closed or kicked).
     #[error("client is closed")]
     Closed,
+    /// No link was up to carry it (a logout while reconnecting): the client ended, and the
+    /// edge keeps the session until its linger runs out.
+    #[error("no link is up")]
+    NotConnected,
 }
 
 enum Cmd {
@@ -191,8 +195,9 @@ enum Cmd {
     Pause(oneshot::Sender<()>),
     Prefer(usize),
     SetToken(Bytes),
-    /// Send CLOSE with this code (`normal`, or `logout`) and end.
-    Close(CloseCode),
+    /// Send CLOSE with this code (`normal`, or `logout`) and end; answered with whether a
+    /// link was up to carry it.
+    Close(CloseCode, Option<oneshot::Sender<bool>>),
 }
 
 /// A request to send: its outcome goes to a waiting caller or to the event stream.
@@ -508,15 +513,26 @@ impl Client {
     /// (PROTOCOL.md §7.5), so the player can come back to it; use [`Client::logout`] to end
     /// it.
     pub async fn close(&self) {
-        let _ = self.cmd.send(Cmd::Close(CloseCode::Normal)).await;
+        // Refused only when the task has already ended: the client is closed either way,
+        // which is all this asks (the session lingers on the edge in both cases).
+        let _ = self.cmd.send(Cmd::Close(CloseCode::Normal, None)).await;
     }
 
     /// Ends the session for good: sends CLOSE `logout` and ends the task; the edge ends the
     /// session at once (its player is offline, its ownership and stored copy released)
     /// instead of letting it linger (PROTOCOL.md §7.5). Messages not yet acknowledged may
-    /// or may not have been handled. Without a connection the session lingers out.
-    pub async fn logout(&self) {
-        let _ = self.cmd.send(Cmd::Close(CloseCode::Logout)).await;
+    /// or may not have been handled. [`SdkError::NotConnected`]: no session was up on a link
+    /// (reconnecting, or its handshake not done: the client ended, the session lingers out);
+    /// [`SdkError::Closed`]: the client had already ended.
+    pub async fn logout(&self) -> Result<(), SdkError> {
+        let (tx, rx) = oneshot::channel();
+        self.command(Cmd::Close(CloseCode::Logout, Some(tx)))
+            .await?;
+        match rx.await {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(SdkError::NotConnected),
+            Err(_) => Err(SdkError::Closed),
+        }
     }
 }
 
@@ -700,14 +716,20 @@ async fn run(
                 }
                 Some(Cmd::Prefer(i)) => d.preferred = i.min(d.options.endpoints.len().saturating_sub(1)),
                 Some(Cmd::SetToken(token)) => d.session.set_token(token),
-                cmd @ (Some(Cmd::Close(_)) | None) => {
-                    let code = match cmd {
-                        Some(Cmd::Close(code)) => code,
-                        _ => CloseCode::Normal,
+                cmd @ (Some(Cmd::Close(..)) | None) => {
+                    let (code, answer) = match cmd {
+                        Some(Cmd::Close(code, answer)) => (code, answer),
+                        _ => (CloseCode::Normal, None),
                     };
+                    // A session the edge holds on this link (past its WELCOME).
+                    let linked = d.conn.is_some() && d.session.state() == ClientState::Active;
                     if let Some(mut c) = d.conn.take() {
                         let why = if code == CloseCode::Logout { "logged out" } else { "client closed" };
                         c.close(code, why).await;
+                    }
+                    if let Some(answer) = answer {
+                        // The caller may have stopped waiting: the outcome stands anyway.
+                        let _ = answer.send(linked);
                     }
                     d.end_requests();
                     d.pending.push_back(Event::Closed { code });

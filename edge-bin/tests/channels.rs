@@ -1498,7 +1498,11 @@ async fn a_logout_ends_the_session_on_every_transport_and_a_close_lingers() {
     for kind in kinds {
         let player = format!("leaving-{kind:?}");
         let (client, _) = s.member(kind, &player).await;
-        client.logout().await;
+        client.logout().await.expect("logged out on a live link");
+        assert!(
+            matches!(client.logout().await, Err(waygate_client::SdkError::Closed)),
+            "a second logout is answered: the client has ended"
+        );
         let end = poll_until(Duration::from_secs(10), || async {
             s.sessions.end_of(&player)
         })
@@ -1514,6 +1518,19 @@ async fn a_logout_ends_the_session_on_every_transport_and_a_close_lingers() {
         .await;
         assert_eq!(end, Some(("detached", CloseCode::Normal)), "{kind:?}");
     }
+    // No session up on a link (nothing listens there): the logout says it did not go out.
+    let nowhere = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let client = Client::start(ClientOptions::new(
+        vec![Endpoint::new(TransportKind::Tcp, nowhere)],
+        common::token("nowhere"),
+    ));
+    assert!(matches!(
+        client.logout().await,
+        Err(waygate_client::SdkError::NotConnected)
+    ));
 }
 
 /// A backend's push too large for the client's max frame size (regression: it took a seq,

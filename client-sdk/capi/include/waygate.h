@@ -720,7 +720,11 @@ enum waygate_result waygate_client_close(struct waygate_client *client);
 /**
  * As `waygate_client_close`, but sends CLOSE `logout`: the edge ends the session at once
  * (the player is offline, its ownership released) instead of letting it linger
- * (PROTOCOL.md §7.5). The `WAYGATE_EVENT_CLOSED` event carries code 2 (`logout`).
+ * (PROTOCOL.md §7.5). The `WAYGATE_EVENT_CLOSED` event carries code 2 (`logout`). Returns
+ * `WAYGATE_OK` when the CLOSE went out on a live session's link; `WAYGATE_INVALID_STATE`
+ * when no session was up on a link (reconnecting: the client ends anyway and the session
+ * lingers out on the edge); `WAYGATE_CLOSED` when the client had already ended. A client
+ * that never connected ends at once (`WAYGATE_OK`: there is no session).
  *
  * # Safety
  *

@@ -672,28 +672,51 @@ pub unsafe extern "C" fn waygate_client_close(client: *mut waygate_client) -> wa
         non_null!(client, WAYGATE_INVALID_ARGUMENT);
         // SAFETY: not NULL; the caller promises a live handle used only by this thread.
         let h = unsafe { handle(client) };
-        end(h, false);
-        WAYGATE_OK
+        end(h, false)
     })
 }
 
 /// Ends a client: CLOSE `normal`, or `logout` (`logout`), on a running client; a client that
-/// never connected ends at once.
-fn end(h: &mut waygate_client, logout: bool) {
+/// never connected ends at once. A logout says whether it reached the edge:
+/// `WAYGATE_INVALID_STATE` when no session was up on a link, `WAYGATE_CLOSED` when the
+/// client had already ended (the session lingers out in both cases).
+fn end(h: &mut waygate_client, logout: bool) -> waygate_result {
     match h.client.as_ref() {
-        Some(c) if !h.ended && logout => h.rt.block_on(c.logout()),
-        Some(c) if !h.ended => h.rt.block_on(c.close()),
-        Some(_) => {}
+        Some(c) if !h.ended && logout => match h.rt.block_on(c.logout()) {
+            Ok(()) => WAYGATE_OK,
+            Err(SdkError::NotConnected) => {
+                set_last_error("no session was up on a link: it lingers out on the edge");
+                WAYGATE_INVALID_STATE
+            }
+            Err(_) => {
+                set_last_error("the client is closed");
+                WAYGATE_CLOSED
+            }
+        },
+        Some(c) if !h.ended => {
+            h.rt.block_on(c.close());
+            WAYGATE_OK
+        }
+        Some(_) if logout => {
+            set_last_error("the client is closed");
+            WAYGATE_CLOSED
+        }
+        Some(_) => WAYGATE_OK,
         None => {
             h.pending = None;
             h.ended = true;
+            WAYGATE_OK
         }
     }
 }
 
 /// As `waygate_client_close`, but sends CLOSE `logout`: the edge ends the session at once
 /// (the player is offline, its ownership released) instead of letting it linger
-/// (PROTOCOL.md §7.5). The `WAYGATE_EVENT_CLOSED` event carries code 2 (`logout`).
+/// (PROTOCOL.md §7.5). The `WAYGATE_EVENT_CLOSED` event carries code 2 (`logout`). Returns
+/// `WAYGATE_OK` when the CLOSE went out on a live session's link; `WAYGATE_INVALID_STATE`
+/// when no session was up on a link (reconnecting: the client ends anyway and the session
+/// lingers out on the edge); `WAYGATE_CLOSED` when the client had already ended. A client
+/// that never connected ends at once (`WAYGATE_OK`: there is no session).
 ///
 /// # Safety
 ///
@@ -705,8 +728,7 @@ pub unsafe extern "C" fn waygate_client_logout(client: *mut waygate_client) -> w
         non_null!(client, WAYGATE_INVALID_ARGUMENT);
         // SAFETY: not NULL; the caller promises a live handle used only by this thread.
         let h = unsafe { handle(client) };
-        end(h, true);
-        WAYGATE_OK
+        end(h, true)
     })
 }
 

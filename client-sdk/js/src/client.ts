@@ -746,26 +746,31 @@ export class WaygateClient {
    * `logout()` to end it.
    */
   close(reason = "client closed"): void {
+    // Ends the client whatever the link: nothing to report (the session lingers either way).
     this.closeWith(CloseCode.normal, reason);
   }
 
   /**
    * Ends the session for good: sends CLOSE(logout) and closes the socket; the edge ends the
-   * session at once (the player is offline) instead of letting it linger (§7.5). Without an
-   * open socket the session lingers out.
+   * session at once (the player is offline) instead of letting it linger (§7.5). Returns
+   * whether it went out on a live session's socket: false when the client had already
+   * ended, or no session was up (reconnecting: the client ends and the session lingers out).
    */
-  logout(reason = "logged out"): void {
-    this.closeWith(CloseCode.logout, reason);
+  logout(reason = "logged out"): boolean {
+    return this.closeWith(CloseCode.logout, reason);
   }
 
-  private closeWith(code: number, reason: string): void {
-    if (this._state === "closed") return;
+  /** Sends CLOSE(code) on a live session's socket, if there is one (the result), and ends. */
+  private closeWith(code: number, reason: string): boolean {
+    if (this._state === "closed") return false;
     const ws = this.ws;
+    const live = this._state === "active" && ws !== null && ws.readyState === WS_OPEN;
     if (ws && ws.readyState === WS_OPEN) {
       this.transmit({ type: "close", code, message: reason.slice(0, 200) });
     }
     this.dropSocket(1000, "closed");
     this.terminate(code, reason);
+    return live;
   }
 
   /** Test hook: drops the socket as a network failure would (no CLOSE); the client resumes. */

@@ -1421,11 +1421,11 @@ test("logout(): CLOSE logout on the socket, then closed (code 2) and no reconnec
   const ctx = setup();
   const { ws } = await connect(ctx);
   ws.take();
-  ctx.client.logout();
+  assert.equal(ctx.client.logout(), true, "sent on the live session's socket");
   assert.deepEqual(ws.take().at(-1), { type: "close", code: CloseCode.logout, message: "logged out" });
   assert.equal(ctx.client.state, "closed");
   assert.deepEqual(ctx.named("closed").map((e) => [e.code, e.label]), [[2, "logout"]]);
-  ctx.client.logout(); // twice: nothing more
+  assert.equal(ctx.client.logout(), false, "twice: already ended, nothing more");
   assert.equal(ctx.named("closed").length, 1);
   await sleep(30);
   assert.equal(ctx.WS.all.length, 1, "no reconnect after a logout");

@@ -466,12 +466,12 @@ var WaygateWebGLLibrary = {
   },
 
   // Ends the session for good (CLOSE logout, PROTOCOL.md §7.5): the edge ends it at once
-  // instead of letting it linger; a `closed` event (code 2) follows, as for Close.
+  // instead of letting it linger; a `closed` event (code 2) follows, as for Close. 3 (invalid
+  // state): no session was up on a socket, or the client had ended (it lingers out).
   WaygateWebGL_Logout: function (handle) {
     var rec = WG_get(handle);
     if (!rec) return 2;
-    rec.client["logout"]();
-    return 0;
+    return rec.client["logout"]() ? 0 : 3;
   },
 
   // Releases the handle (closing the session if it is still open): it must not be used

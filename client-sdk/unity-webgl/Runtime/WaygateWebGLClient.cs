@@ -828,7 +828,7 @@ namespace Waygate.WebGL
             return (WebGLResult)Native.WaygateWebGL_Close(Live());
         }
 
-        /// <summary>Ends the session for good (CLOSE logout): the edge ends it at once instead of letting it linger (PROTOCOL.md §7.5); a Closed event (code 2) follows.</summary>
+        /// <summary>Ends the session for good (CLOSE logout): the edge ends it at once instead of letting it linger (PROTOCOL.md §7.5); a Closed event (code 2) follows. InvalidState: no session was up on a socket, or the client had ended (the session lingers out).</summary>
         public WebGLResult Logout()
         {
             return (WebGLResult)Native.WaygateWebGL_Logout(Live());
