@@ -831,6 +831,23 @@ impl SessionMachine {
         self.transition(to);
     }
 
+    /// An established session ends for good: the driver is told (`Ended`, with the
+    /// bindings the session still holds, its acknowledged channel positions) so it releases
+    /// ownership, the stored copy and the router entry; then the machine stops.
+    fn end_session(&mut self, to: State, reason: EndReason) {
+        if let Some(core) = &self.core {
+            self.actions.push_back(Action::Ended(SessionEnd {
+                session_id: core.id,
+                player_id: core.player_id.clone(),
+                fencing: core.fencing,
+                bindings: core.bindings.clone(),
+                reason: reason.clone(),
+                channels_acked: core.acked_memberships(),
+            }));
+        }
+        self.end_with(to, reason);
+    }
+
     /// The transport finished its handshake: DISCONNECTED -> HANDSHAKING.
     pub fn handle_link_up(&mut self, now: Instant) -> Result<(), SessionError> {
         self.handle_link_up_since(now, now)
@@ -1497,17 +1514,7 @@ impl SessionMachine {
             }
             State::Detached if self.linger_deadline.is_some_and(|d| now >= d) => {
                 SessionCounters::bump(&self.counters.expired);
-                if let Some(core) = &self.core {
-                    self.actions.push_back(Action::Ended(SessionEnd {
-                        session_id: core.id,
-                        player_id: core.player_id.clone(),
-                        fencing: core.fencing,
-                        bindings: core.bindings.clone(),
-                        reason: EndReason::LingerExpired,
-                        channels_acked: core.acked_memberships(),
-                    }));
-                }
-                self.end_with(State::Expired, EndReason::LingerExpired);
+                self.end_session(State::Expired, EndReason::LingerExpired);
             }
             _ => {}
         }
@@ -1805,18 +1812,9 @@ impl SessionMachine {
             .unwrap_or_default();
         // Ended: its ownership is not released (a newer owner holds the player; the fencing
         // token tells), a copy of it in the store is deleted (it must not be resumable), and
-        // the router and backends learn it is gone. Its bindings pass to the new session.
-        if let Some(core) = &self.core {
-            self.actions.push_back(Action::Ended(SessionEnd {
-                session_id: core.id,
-                player_id: core.player_id.clone(),
-                fencing: core.fencing,
-                bindings: BTreeMap::new(),
-                reason: EndReason::Kicked,
-                channels_acked: core.acked_memberships(),
-            }));
-        }
-        self.end_with(State::Closed, EndReason::Kicked);
+        // the router and backends learn it is gone. Its bindings pass to the new session
+        // (taken above: the end carries none).
+        self.end_session(State::Closed, EndReason::Kicked);
         Ok(bindings)
     }
 
@@ -1871,16 +1869,8 @@ impl SessionMachine {
     fn log_out(&mut self) {
         if let Some(core) = &self.core {
             tracing::info!(session = %hex_id(&core.id), "client logged out, session ends");
-            self.actions.push_back(Action::Ended(SessionEnd {
-                session_id: core.id,
-                player_id: core.player_id.clone(),
-                fencing: core.fencing,
-                bindings: core.bindings.clone(),
-                reason: EndReason::LoggedOut,
-                channels_acked: core.acked_memberships(),
-            }));
         }
-        self.end_with(State::Closed, EndReason::LoggedOut);
+        self.end_session(State::Closed, EndReason::LoggedOut);
     }
 
     /// Ends the session for good from the server side (admin, logout, shutdown without
@@ -1895,17 +1885,7 @@ impl SessionMachine {
                 message: "session closed by server".into(),
             });
         }
-        if let Some(core) = &self.core {
-            self.actions.push_back(Action::Ended(SessionEnd {
-                session_id: core.id,
-                player_id: core.player_id.clone(),
-                fencing: core.fencing,
-                bindings: core.bindings.clone(),
-                reason: EndReason::ClosedByServer(code),
-                channels_acked: core.acked_memberships(),
-            }));
-        }
-        self.end_with(State::Closed, EndReason::ClosedByServer(code));
+        self.end_session(State::Closed, EndReason::ClosedByServer(code));
         Ok(())
     }
 }

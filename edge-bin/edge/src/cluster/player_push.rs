@@ -125,7 +125,7 @@ impl<R> PlayerPushQueue<R> {
         let n = replies.len();
         let outcomes: Vec<PlayerPushOutcome> = match results {
             None => vec![PlayerPushOutcome::Unreachable; n],
-            Some(r) if r.len() == n => r.into_iter().map(outcome_of).collect(),
+            Some(r) if r.len() == n => r.into_iter().map(PlayerPushOutcome::from).collect(),
             Some(_) => vec![PlayerPushOutcome::Unknown; n],
         };
         replies.into_iter().zip(outcomes).collect()
@@ -216,18 +216,6 @@ impl DeliveredPushIds {
     /// Whether none is.
     pub fn is_empty(&self) -> bool {
         self.ids.is_empty()
-    }
-}
-
-/// The link's outcome for a cross-edge delivery result.
-pub fn outcome_of(result: DeliveryResult) -> PlayerPushOutcome {
-    match result {
-        DeliveryResult::Delivered => PlayerPushOutcome::Delivered,
-        DeliveryResult::Offline => PlayerPushOutcome::Offline,
-        DeliveryResult::QueueFull => PlayerPushOutcome::QueueFull,
-        DeliveryResult::EdgeUnreachable => PlayerPushOutcome::Unreachable,
-        DeliveryResult::Timeout => PlayerPushOutcome::Unknown,
-        DeliveryResult::Busy => PlayerPushOutcome::Busy,
     }
 }
 

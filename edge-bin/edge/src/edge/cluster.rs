@@ -12,7 +12,7 @@ use waygate_transport::TransportKind;
 
 use super::Shared;
 use crate::cluster::etcd::{EdgeInfo, Load};
-use crate::cluster::redis::{PushMessage, Reassert};
+use crate::cluster::redis::{DeliveryResult, PushMessage, Reassert};
 
 impl Shared {
     /// The address clients use to reach this edge (etcd registration, MIGRATE target).
@@ -146,7 +146,8 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
             let outcome = weak
                 .upgrade()
                 .and_then(|s| s.deliver_push_here(player, m.id, m.into()));
-            super::player_push::delivery_result(outcome)
+            // No session here: offline on this edge.
+            outcome.map_or(DeliveryResult::Offline, DeliveryResult::from)
         });
     tasks.push(tokio::spawn(async move {
         let _server = server;

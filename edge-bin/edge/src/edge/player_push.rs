@@ -61,19 +61,6 @@ fn local_outcome(result: Result<(), PushError>) -> Option<PlayerPushOutcome> {
     }
 }
 
-/// The cross-edge result of a push taken from another edge (the receiving side).
-pub(super) fn delivery_result(
-    outcome: Option<PlayerPushOutcome>,
-) -> crate::cluster::redis::DeliveryResult {
-    use crate::cluster::redis::DeliveryResult;
-    match outcome {
-        Some(PlayerPushOutcome::Delivered) => DeliveryResult::Delivered,
-        Some(PlayerPushOutcome::Busy) => DeliveryResult::Busy,
-        Some(_) => DeliveryResult::QueueFull,
-        None => DeliveryResult::Offline,
-    }
-}
-
 impl Shared {
     /// Delivers a push to `player`'s session on this edge, unless a push with the same
     /// `id` was delivered here within the window (then `delivered`, nothing queued) or the

@@ -89,6 +89,36 @@ pub enum DeliveryResult {
     Busy,
 }
 
+/// A delivery result as a backend's PLAYER_PUSH is answered (PROTOCOL.md §9.7).
+impl From<DeliveryResult> for waygate_protocol::link::PlayerPushOutcome {
+    fn from(result: DeliveryResult) -> Self {
+        match result {
+            DeliveryResult::Delivered => Self::Delivered,
+            DeliveryResult::Offline => Self::Offline,
+            DeliveryResult::QueueFull => Self::QueueFull,
+            DeliveryResult::EdgeUnreachable => Self::Unreachable,
+            DeliveryResult::Timeout => Self::Unknown,
+            DeliveryResult::Busy => Self::Busy,
+        }
+    }
+}
+
+/// The result a receiving edge sends back for its own outcome of a push.
+impl From<waygate_protocol::link::PlayerPushOutcome> for DeliveryResult {
+    fn from(outcome: waygate_protocol::link::PlayerPushOutcome) -> Self {
+        use waygate_protocol::link::PlayerPushOutcome as O;
+        match outcome {
+            O::Delivered => Self::Delivered,
+            O::Offline => Self::Offline,
+            O::QueueFull => Self::QueueFull,
+            O::Busy => Self::Busy,
+            O::Unreachable => Self::EdgeUnreachable,
+            // Not an outcome a receiving edge reaches; answered as what it means.
+            _ => Self::Timeout,
+        }
+    }
+}
+
 #[derive(serde::Serialize, serde::Deserialize)]
 struct PushRequest {
     id: u64,
