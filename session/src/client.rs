@@ -718,8 +718,9 @@ impl ClientSession {
             }
             (ClientState::Active, Frame::Error(e)) => {
                 // The server sends an ERROR again after a resume when it cannot know the
-                // first one arrived (PROTOCOL.md §3.9): one answer per message.
-                if self.errored.insert(e.client_seq) {
+                // first one arrived (PROTOCOL.md §3.9): one answer per message. Every
+                // best-effort refusal carries client_seq 0 and is sent once: each reported.
+                if e.client_seq == 0 || self.errored.insert(e.client_seq) {
                     if self.errored.len() > ERRORED_SEQS_KEPT {
                         self.errored.pop_first();
                     }

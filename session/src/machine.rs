@@ -1652,6 +1652,22 @@ impl SessionMachine {
             client_seq,
             retry_after_ms,
         };
+        if client_seq == 0 {
+            // A best-effort message's refusal: sent once, like the message (which may be
+            // lost), never kept for a resume — every one carries client_seq 0, so a client
+            // could not tell a repeat from the next (PROTOCOL.md §3.9).
+            return match self.state {
+                State::Active => {
+                    self.actions.push_back(Action::Send(Frame::Error(report)));
+                    Ok(())
+                }
+                State::Detached => {
+                    SessionCounters::bump(&self.counters.best_effort_dropped);
+                    Ok(())
+                }
+                _ => Err(self.misuse("error report")),
+            };
+        }
         match (self.state, self.core.as_mut()) {
             (State::Active, Some(core)) => {
                 // Kept until known to have arrived: the link may die with it in flight.

@@ -1334,12 +1334,15 @@ export class WaygateClient {
           return this.onMigrate(f.target, f.deadlineMs, f.sessionId, f.resumeToken);
         case "error":
           // §3.9: after a resume the edge sends again every ERROR it cannot know arrived;
-          // one answer per message.
-          if (this.errored.has(f.clientSeq)) return;
-          this.errored.add(f.clientSeq);
-          if (this.errored.size > ERRORED_SEQS_KEPT) {
-            const oldest = this.errored.values().next().value;
-            if (oldest !== undefined) this.errored.delete(oldest);
+          // one answer per message. Every best-effort refusal carries client_seq 0 and is
+          // sent once: each one is reported.
+          if (f.clientSeq !== 0n) {
+            if (this.errored.has(f.clientSeq)) return;
+            this.errored.add(f.clientSeq);
+            if (this.errored.size > ERRORED_SEQS_KEPT) {
+              const oldest = this.errored.values().next().value;
+              if (oldest !== undefined) this.errored.delete(oldest);
+            }
           }
           {
             // §13: an ERROR for a request's seq is that request's outcome, not an `error`.

@@ -566,6 +566,11 @@ test("ERROR frames are reported, the connection stays", async () => {
   // PROTOCOL.md §3.9: the edge may send the same ERROR again after a resume: reported once.
   ws.deliver({ type: "error", code: CloseCode.busy, msgId: 1000, clientSeq: 1n, retryAfterMs: 200 });
   assert.equal(ctx.named("error").length, 1, "a repeated ERROR is dropped");
+  // Best-effort refusals all carry client_seq 0 and are sent once: each one is reported
+  // (regression: the second was dropped as a repeat).
+  ws.deliver({ type: "error", code: CloseCode.no_route, msgId: 7, clientSeq: 0n, retryAfterMs: 0 });
+  ws.deliver({ type: "error", code: CloseCode.no_route, msgId: 7, clientSeq: 0n, retryAfterMs: 0 });
+  assert.equal(ctx.named("error").length, 3, "every best-effort refusal reported");
   ctx.client.close();
 });
 

@@ -504,6 +504,36 @@ fn an_error_in_flight_when_the_link_dies_arrives_after_the_resume_exactly_once()
     );
 }
 
+/// Regression (found by an audit of PROTOCOL.md, 2026-12-04): ERRORs for best-effort
+/// messages all carry client_seq 0, and the client reported one ERROR per client_seq, so
+/// every best-effort refusal after the first in a session was swallowed; the edge also
+/// kept them for resending after a resume, which with the dedup fixed would report one
+/// twice. A best-effort message may be lost, and so may its ERROR: it is sent once (not
+/// kept while the client is away), and the client reports each one it receives.
+#[test]
+fn every_best_effort_refusal_is_reported_once() {
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "alice");
+    let sid = p.session(c);
+    p.edge.refuse(&sid, p.now, 0);
+    p.edge.refuse(&sid, p.now, 0);
+    p.drive(c);
+    assert_eq!(errors_of(&p, c), vec![0, 0], "both refusals reported");
+    let kept = p.server(c).core().map(SessionCore::errors_kept);
+    assert_eq!(kept, Some(0), "not kept for a resume");
+    // Refused while away: nobody to tell.
+    p.cut(c);
+    p.edge.refuse(&sid, p.now, 0);
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(
+        errors_of(&p, c),
+        vec![0, 0],
+        "none sent again after the resume"
+    );
+    assert_eq!(welcomed(&p, c).last(), Some(&WelcomeOutcome::Restored));
+}
+
 #[test]
 fn resume_only_hello_restores_without_auth_token() {
     let mut p = Pair::new(SessionConfig::default());
