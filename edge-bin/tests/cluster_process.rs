@@ -616,6 +616,102 @@ async fn a_room_joined_on_a_killed_edge_is_reached_from_the_edge_that_resumes() 
     );
 }
 
+/// Regression (2026-12-04): room events pushed to a player whose client was away (its
+/// session lingering on edge A) lived only in edge A's memory — write-through wrote before
+/// showing, and nothing is shown to a detached session — so a SIGKILL of edge A before the
+/// client came back lost them without a word: the client restored on edge B, `Restored`
+/// and no gap. Now they are written through as they are taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn room_events_for_an_away_player_survive_the_kill_of_its_edge() {
+    use waygate_backend::demo::{JOINED, JOIN_ROOM, ROOM_SAY};
+    let mut w = world(2).await;
+    let mut away = w.client("away", 0).await;
+    let mut speaker = w.client("speaker", 1).await;
+    for (c, name) in [(&mut away, "away"), (&mut speaker, "speaker")] {
+        wait_for(c, Duration::from_secs(20), |e| {
+            matches!(e, Event::Connected { .. })
+        })
+        .await;
+        c.send(
+            TrafficClass::Critical,
+            JOIN_ROOM,
+            Bytes::from_static(b"pier"),
+        )
+        .await
+        .unwrap();
+        wait_for(c, Duration::from_secs(20), |e| {
+            matches!(e, Event::Message { msg_id: JOINED, .. })
+        })
+        .await;
+        // The demo's room instance counts a player as a member once it said something.
+        c.send(
+            TrafficClass::Critical,
+            ROOM_SAY,
+            Bytes::from(format!("pier|hi from {name}")),
+        )
+        .await
+        .unwrap();
+        let heard = next_room_event(c, Duration::from_secs(20)).await;
+        assert!(
+            heard
+                .as_deref()
+                .is_ok_and(|e| e.ends_with(&format!("|{name}|hi from {name}"))),
+            "{heard:?}"
+        );
+    }
+    // The away player's app goes to the background: its session lingers on edge A.
+    away.pause().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for n in 1..=3 {
+        speaker
+            .send(
+                TrafficClass::Critical,
+                ROOM_SAY,
+                Bytes::from(format!("pier|while away {n}")),
+            )
+            .await
+            .unwrap();
+        let heard = next_room_event(&mut speaker, Duration::from_secs(20))
+            .await
+            .expect("the speaker hears its own message");
+        assert!(
+            heard.ends_with(&format!("|speaker|while away {n}")),
+            "{heard}"
+        );
+    }
+    // The room backend pushed the same events to the away player's session on edge A.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    w.edges[0].proc.kill9();
+    away.reconnect_now().await.unwrap();
+    let restored = wait_for(&mut away, Duration::from_secs(30), |e| {
+        matches!(e, Event::Connected { .. })
+    })
+    .await;
+    assert!(
+        matches!(
+            restored,
+            Event::Connected {
+                outcome: WelcomeOutcome::Restored,
+                ..
+            }
+        ),
+        "{restored:?}"
+    );
+    // The speaker's greeting may come first (it reached the away player's edge before the
+    // pause); then the three events said while it was away, once each and in order.
+    let mut heard = Vec::new();
+    while heard.len() < 3 {
+        let event = next_room_event(&mut away, Duration::from_secs(10)).await;
+        let Ok(event) = event else {
+            panic!("an ERROR instead of a room event: {event:?}; heard {heard:?}");
+        };
+        if !event.ends_with("|speaker|hi from speaker") {
+            heard.push(event.rsplit('|').next().unwrap_or_default().to_string());
+        }
+    }
+    assert_eq!(heard, ["while away 1", "while away 2", "while away 3"]);
+}
+
 /// The edge's load report in etcd carries its real message rate (newcomer issue, item 3:
 /// it was a hard-coded 0.0), beside its live sessions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

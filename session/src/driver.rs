@@ -565,6 +565,9 @@ struct Task {
     /// A snapshot this connection handed over after its requester gave up: back to the
     /// store, so a later resume finds it.
     orphaned: Option<Box<Snapshot>>,
+    /// Work entered the machine while the session was detached (write-through): nothing
+    /// is shown then, so no send triggers the write; it is made durable on its own.
+    unsaved: bool,
 }
 
 /// Most frames a session takes in one turn beyond the one that woke it (write-through:
@@ -620,6 +623,7 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
         },
         heard: false,
         orphaned: None,
+        unsaved: false,
     };
     t.inbound = t
         .edge
@@ -637,6 +641,11 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
             // Boxed: the state of sending and of the rare actions lives only while they
             // run, not in every idle session's task (performance issue, W4).
             Box::pin(t.run_actions()).await;
+        }
+        if std::mem::take(&mut t.unsaved) {
+            // Pushes taken while the client is away are written through too: its edge may
+            // die before the client comes back, and the copy it resumes from must hold them.
+            Box::pin(t.write_through()).await;
         }
         if !t.backlog.is_empty() {
             t.do_work();
@@ -850,6 +859,11 @@ impl Task {
         let mut work = std::mem::take(&mut self.backlog);
         let mut replies = Vec::new();
         let lost = apply_work(&mut self.machine, &mut work, now(), &mut replies);
+        if self.edge.write_through.is_some()
+            && self.machine.state() == crate::machine::State::Detached
+        {
+            self.unsaved = true;
+        }
         if lost > 0 {
             SessionCounters::add(&self.edge.counters.downstream_overflowed, lost);
             tracing::info!(
@@ -1227,10 +1241,14 @@ impl Task {
                 tracing::info!(session = %hex_id(&snapshot.session_id), "stale copy not persisted");
             }
             Action::Persist(snapshot) => {
+                let session_id = snapshot.session_id;
                 // Already written through unchanged: writing again could re-create a copy
                 // another edge has taken meanwhile (a migrated client restores at once).
                 if self.durable.as_deref() != Some(&*snapshot) {
                     match edge.snapshots.put(&snapshot, edge.config.linger).await {
+                        // What the store holds now: the base of the next write-through's
+                        // delta (pushes taken while the session lingers).
+                        Ok(()) if edge.write_through.is_some() => self.durable = Some(snapshot),
                         Ok(()) => {}
                         // The session was claimed elsewhere since (it moved on): fencing
                         // kept this stale copy out of the store, as it should.
@@ -1244,7 +1262,7 @@ impl Task {
                 }
                 edge.upstream
                     .session_event(SessionEvent::Detached {
-                        session_id: snapshot.session_id,
+                        session_id,
                         linger: edge.config.linger,
                     })
                     .await;

@@ -454,3 +454,93 @@ async fn a_burst_of_messages_shares_the_write_through_commits() {
         "{writes} snapshot writes for a burst of {BURST} messages"
     );
 }
+
+/// Regression (found reading the write-through, 2026-12-04): pushes taken for a session
+/// whose client was away (lingering) went into its replay buffer in memory only — nothing
+/// is shown while detached, and write-through wrote only before showing — so an edge that
+/// died before the client came back lost them without a word: the client restored on
+/// another edge from the snapshot of its detach, `Restored` and no gap, and the seqs of the
+/// lost pushes were given to later ones. A lingering session's pushes are now written
+/// through as they are taken.
+#[tokio::test(start_paused = true)]
+async fn pushes_to_a_lingering_session_outlive_its_edge() {
+    let write_through_edge =
+        |name: &str, store: Arc<waygate_session::store::MemorySnapshotStore>| {
+            let (mut e, sink) = echo_edge(
+                name,
+                SessionConfig {
+                    linger: Duration::from_secs(60),
+                    ..SessionConfig::default()
+                },
+            );
+            e.unix_now = Arc::new(|| UNIX);
+            let wt = waygate_session::write_through::WriteThrough::start(
+                store.clone(),
+                Duration::from_secs(60),
+                Duration::from_secs(1),
+            );
+            e.snapshots = store;
+            e.write_through = Some(wt);
+            (e, sink)
+        };
+    let store = Arc::new(waygate_session::store::MemorySnapshotStore::new());
+    let (edge1, _sink1) = write_through_edge("edge-1", store.clone());
+    let edge1 = Arc::new(edge1);
+    let (mut edge2, _sink2) = write_through_edge("edge-2", store);
+    edge2.ownership = edge1.ownership.clone();
+    let edge2 = Arc::new(edge2);
+
+    let (server_end, mut conn) = mem_pair();
+    let task1 = edge1.spawn(Box::new(server_end));
+    let mut c = client();
+    let mut events = Vec::new();
+    c.connect(Instant::now()).expect("hello");
+    exchange(&mut c, &mut conn, &mut events, |e| !welcomes(e).is_empty()).await;
+    let sid = edge1.registry.session_of("p").expect("registered");
+    // The client goes away; its session lingers on edge 1 and takes three pushes.
+    drop(conn);
+    c.handle_link_down(Instant::now(), CloseCode::GoingAway);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    for n in 1..=3u8 {
+        edge1
+            .registry
+            .push(
+                &sid,
+                Downstream {
+                    class: TrafficClass::Normal,
+                    msg_id: 5,
+                    payload: Bytes::from(vec![n]),
+                },
+            )
+            .expect("push to the lingering session");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Edge 1 dies (kill -9: its tasks stop, nothing more is written); the client comes
+    // back on edge 2.
+    task1.abort();
+    let _ = task1.await;
+    let (server_end, mut conn2) = mem_pair();
+    let _task2 = edge2.spawn(Box::new(server_end));
+    c.connect(Instant::now()).expect("hello");
+    let pushed = |e: &[ClientEvent]| {
+        e.iter()
+            .filter_map(|e| match e {
+                ClientEvent::Message {
+                    msg_id: 5, payload, ..
+                } => Some(payload.to_vec()),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    exchange(&mut c, &mut conn2, &mut events, |e| {
+        welcomes(e).len() == 2 && pushed(e).len() == 3
+    })
+    .await;
+    assert_eq!(welcomes(&events)[1], WelcomeOutcome::Restored, "{events:?}");
+    assert_eq!(
+        pushed(&events),
+        vec![vec![1], vec![2], vec![3]],
+        "every push taken while the client was away, once and in order"
+    );
+}
