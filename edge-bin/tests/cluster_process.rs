@@ -536,6 +536,12 @@ async fn etcd_down_drops_no_session_logins_still_routed_staleness_rises() {
 /// (outcome `Restored`, no gap).
 async fn kill_and_resume(edge: &mut EdgeProc, client: &mut Client) {
     edge.proc.kill9();
+    expect_restored(client).await;
+}
+
+/// Waits until `client` is connected again and asserts its session was restored (outcome
+/// `Restored`, no gap).
+async fn expect_restored(client: &mut Client) {
     let restored = wait_for(client, Duration::from_secs(30), |e| {
         matches!(e, Event::Connected { .. })
     })
@@ -683,20 +689,7 @@ async fn room_events_for_an_away_player_survive_the_kill_of_its_edge() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     w.edges[0].proc.kill9();
     away.reconnect_now().await.unwrap();
-    let restored = wait_for(&mut away, Duration::from_secs(30), |e| {
-        matches!(e, Event::Connected { .. })
-    })
-    .await;
-    assert!(
-        matches!(
-            restored,
-            Event::Connected {
-                outcome: WelcomeOutcome::Restored,
-                ..
-            }
-        ),
-        "{restored:?}"
-    );
+    expect_restored(&mut away).await;
     // The speaker's greeting may come first (it reached the away player's edge before the
     // pause); then the three events said while it was away, once each and in order.
     let mut heard = Vec::new();

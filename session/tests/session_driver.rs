@@ -42,6 +42,26 @@ async fn exchange(
 
 use waygate_session::testkit::welcomes;
 
+/// A session layer with write-through to `store` (linger 60 s).
+fn write_through_layer(
+    name: &str,
+    store: Arc<dyn waygate_session::store::SnapshotStore>,
+) -> (SessionLayer, Arc<EchoSink>) {
+    let config = SessionConfig {
+        linger: Duration::from_secs(60),
+        ..SessionConfig::default()
+    };
+    let (mut e, sink) = echo_edge(name, config);
+    e.unix_now = Arc::new(|| UNIX);
+    e.write_through = Some(waygate_session::write_through::WriteThrough::start(
+        store.clone(),
+        Duration::from_secs(60),
+        Duration::from_secs(1),
+    ));
+    e.snapshots = store;
+    (e, sink)
+}
+
 #[tokio::test(start_paused = true)]
 async fn linger_expiry_releases_ownership_bindings_and_snapshot() {
     let (edge, sink) = edge();
@@ -401,19 +421,12 @@ impl waygate_session::store::SnapshotStore for SlowStore {
 /// session's snapshot, not one per message.
 #[tokio::test(start_paused = true)]
 async fn a_burst_of_messages_shares_the_write_through_commits() {
-    let (mut e, sink) = echo_edge("edge-wt", SessionConfig::default());
-    e.unix_now = Arc::new(|| UNIX);
     let store = Arc::new(SlowStore {
         inner: waygate_session::store::MemorySnapshotStore::new(),
         delay: Duration::from_millis(100),
     });
-    let wt = waygate_session::write_through::WriteThrough::start(
-        store.clone(),
-        Duration::from_secs(60),
-        Duration::from_secs(1),
-    );
-    e.snapshots = store;
-    e.write_through = Some(wt.clone());
+    let (e, sink) = write_through_layer("edge-wt", store);
+    let wt = e.write_through.clone().expect("write-through on");
     let edge = Arc::new(e);
     let (server_end, mut conn) = mem_pair();
     let _task = edge.spawn(Box::new(server_end));
@@ -464,29 +477,10 @@ async fn a_burst_of_messages_shares_the_write_through_commits() {
 /// through as they are taken.
 #[tokio::test(start_paused = true)]
 async fn pushes_to_a_lingering_session_outlive_its_edge() {
-    let write_through_edge =
-        |name: &str, store: Arc<waygate_session::store::MemorySnapshotStore>| {
-            let (mut e, sink) = echo_edge(
-                name,
-                SessionConfig {
-                    linger: Duration::from_secs(60),
-                    ..SessionConfig::default()
-                },
-            );
-            e.unix_now = Arc::new(|| UNIX);
-            let wt = waygate_session::write_through::WriteThrough::start(
-                store.clone(),
-                Duration::from_secs(60),
-                Duration::from_secs(1),
-            );
-            e.snapshots = store;
-            e.write_through = Some(wt);
-            (e, sink)
-        };
     let store = Arc::new(waygate_session::store::MemorySnapshotStore::new());
-    let (edge1, _sink1) = write_through_edge("edge-1", store.clone());
+    let (edge1, _sink1) = write_through_layer("edge-1", store.clone());
     let edge1 = Arc::new(edge1);
-    let (mut edge2, _sink2) = write_through_edge("edge-2", store);
+    let (mut edge2, _sink2) = write_through_layer("edge-2", store);
     edge2.ownership = edge1.ownership.clone();
     let edge2 = Arc::new(edge2);
 
