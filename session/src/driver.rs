@@ -93,6 +93,18 @@ pub enum SessionEvent {
         /// channel -> the last position queued to the client.
         channels: BTreeMap<String, waygate_protocol::channel::ChannelPosition>,
     },
+    /// Receipts queued after pushes ([`OutboundItem::Receipt`]) reached the session, and its
+    /// state with those pushes was written through (`stored`), or could not be (`false`:
+    /// write-through off, paused or failed, or the session ended or moved meanwhile; the
+    /// pushes may still reach the client).
+    ///
+    /// [`OutboundItem::Receipt`]: crate::host::OutboundItem::Receipt
+    PushesWritten {
+        /// The receipts, in the order they were queued.
+        receipts: Vec<u64>,
+        /// Whether the session's stored copy holds the pushes before them.
+        stored: bool,
+    },
     /// The session ended for good; when `released`, unbind `bindings`.
     Ended {
         /// Session.
@@ -283,6 +295,19 @@ impl SessionRegistry {
     /// Queues a downstream message for a player's session.
     pub fn push_to_player(&self, player_id: &str, message: Downstream) -> Result<(), PushError> {
         self.host(|h| h.push_to_player(player_id, message))
+    }
+
+    /// Queues a downstream message for a player's session, followed by `receipt`: the
+    /// session reports it ([`SessionEvent::PushesWritten`]) once its stored copy holds the
+    /// message (or could not). `Ok(false)`: queued, but no report will come (no room for
+    /// the receipt). Never waits.
+    pub fn push_to_player_with_receipt(
+        &self,
+        player_id: &str,
+        message: Downstream,
+        receipt: u64,
+    ) -> Result<bool, PushError> {
+        self.host(|h| h.push_to_player_with_receipt(player_id, message, receipt))
     }
 
     /// Records a routing key a backend bound for a session (service -> business key, e.g.
@@ -568,6 +593,8 @@ struct Task {
     /// Work entered the machine while the session was detached (write-through): nothing
     /// is shown then, so no send triggers the write; it is made durable on its own.
     unsaved: bool,
+    /// Receipts of pushes that entered the machine, reported after the next write-through.
+    receipts: Vec<u64>,
 }
 
 /// Most frames a session takes in one turn beyond the one that woke it (write-through:
@@ -624,6 +651,7 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
         heard: false,
         orphaned: None,
         unsaved: false,
+        receipts: Vec::new(),
     };
     t.inbound = t
         .edge
@@ -642,9 +670,10 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
             // run, not in every idle session's task (performance issue, W4).
             Box::pin(t.run_actions()).await;
         }
-        if std::mem::take(&mut t.unsaved) {
+        if std::mem::take(&mut t.unsaved) || !t.receipts.is_empty() {
             // Pushes taken while the client is away are written through too: its edge may
             // die before the client comes back, and the copy it resumes from must hold them.
+            // So are pushes whose pusher waits for a receipt and that nothing showed yet.
             Box::pin(t.write_through()).await;
         }
         if !t.backlog.is_empty() {
@@ -701,6 +730,7 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
         }
     }
     Box::pin(t.run_actions()).await;
+    t.report_receipts(false).await;
     if let Some(conn) = t.conn.as_mut() {
         conn.close(CloseCode::Normal, "").await;
     }
@@ -846,6 +876,7 @@ impl Task {
             items,
             lost,
             answer,
+            receipts: _,
         } = work;
         self.backlog.items.extend(items);
         self.backlog.lost += lost;
@@ -859,6 +890,7 @@ impl Task {
         let mut work = std::mem::take(&mut self.backlog);
         let mut replies = Vec::new();
         let lost = apply_work(&mut self.machine, &mut work, now(), &mut replies);
+        self.receipts.append(&mut work.receipts);
         if self.edge.write_through.is_some()
             && self.machine.state() == crate::machine::State::Detached
         {
@@ -953,20 +985,42 @@ impl Task {
             .host(|h| h.held_elsewhere(session_id, self.id))
     }
 
-    /// Writes the session's snapshot to the store unless identical to the last one written.
+    /// Writes the session's snapshot to the store unless identical to the last one written,
+    /// then reports the receipts waiting for it.
     async fn write_through(&mut self) {
-        let Some(wt) = self.edge.write_through.clone() else {
+        let stored = self.write_snapshot().await;
+        self.report_receipts(stored).await;
+    }
+
+    /// Tells the edge the receipts taken so far ([`SessionEvent::PushesWritten`]).
+    async fn report_receipts(&mut self, stored: bool) {
+        if self.receipts.is_empty() {
             return;
+        }
+        let receipts = std::mem::take(&mut self.receipts);
+        self.edge
+            .upstream
+            .session_event(SessionEvent::PushesWritten { receipts, stored })
+            .await;
+    }
+
+    /// The write of [`Self::write_through`]: whether the store holds the session's state now.
+    async fn write_snapshot(&mut self) -> bool {
+        let Some(wt) = self.edge.write_through.clone() else {
+            return false;
         };
         let Some(snapshot) = self.machine.checkpoint() else {
-            return;
+            return false;
         };
-        if self.durable.as_deref() == Some(&snapshot) || self.held_elsewhere(&snapshot.session_id) {
-            return;
+        if self.held_elsewhere(&snapshot.session_id) {
+            return false;
+        }
+        if self.durable.as_deref() == Some(&snapshot) {
+            return true;
         }
         if wt.paused() {
             wt.skipped();
-            return;
+            return false;
         }
         // The store may write only what changed since the last acknowledged write; after
         // a failure it is not known what the store holds, so the next write is whole.
@@ -975,8 +1029,14 @@ impl Task {
             since: self.durable.take(),
         };
         match wt.commit(write).await {
-            Ok(()) => self.durable = Some(Box::new(snapshot)),
-            Err(e) => tracing::debug!(error = %e, "write-through failed"),
+            Ok(()) => {
+                self.durable = Some(Box::new(snapshot));
+                true
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "write-through failed");
+                false
+            }
         }
     }
 

@@ -81,6 +81,12 @@ pub enum OutboundItem {
     /// One of the client's messages (its client seq) was processed by its backend
     /// (FORWARD_DONE): it may be acknowledged now, after the pushes queued before it.
     Answered(u64),
+    /// A receipt the pusher waits for: everything queued before it is in the session, and
+    /// the session's connection reports it ([`SessionEvent::PushesWritten`]) once that state
+    /// is written through (or could not be).
+    ///
+    /// [`SessionEvent::PushesWritten`]: crate::driver::SessionEvent::PushesWritten
+    Receipt(u64),
 }
 
 impl OutboundItem {
@@ -88,7 +94,9 @@ impl OutboundItem {
     fn class(&self) -> TrafficClass {
         match self {
             Self::Message(m) => m.class,
-            Self::RoutingKey { .. } | Self::Error(_) | Self::Answered(_) => TrafficClass::Critical,
+            Self::RoutingKey { .. } | Self::Error(_) | Self::Answered(_) | Self::Receipt(_) => {
+                TrafficClass::Critical
+            }
         }
     }
 
@@ -98,7 +106,7 @@ impl OutboundItem {
             Self::Message(m) => m.payload.len() + 16,
             Self::RoutingKey { service, key } => service.len() + key.len() + 16,
             Self::Error(_) => 32,
-            Self::Answered(_) => 16,
+            Self::Answered(_) | Self::Receipt(_) => 16,
         }
     }
 }
@@ -177,6 +185,8 @@ pub struct Work {
     pub lost: u64,
     /// The answer to this connection's pending request.
     pub answer: Option<HostAnswer>,
+    /// Output of [`apply_work`]: the receipts of the items it applied, in order.
+    pub receipts: Vec<u64>,
 }
 
 impl Work {
@@ -943,6 +953,28 @@ impl SessionHost {
         self.push(&id, message)
     }
 
+    /// Queues a downstream message for a player's session followed by `receipt`
+    /// ([`OutboundItem::Receipt`]), which is queued only if the message was. A full queue
+    /// declares the message lost as [`push`](Self::push) does. `Ok(false)`: the message was
+    /// queued but the queue had no room left for its receipt (nothing is declared lost for
+    /// a receipt): no report will come.
+    pub fn push_to_player_with_receipt(
+        &mut self,
+        player: &str,
+        message: Downstream,
+        receipt: u64,
+    ) -> Result<bool, PushError> {
+        let id = *self.players.get(player).ok_or(PushError::NotFound)?;
+        self.push(&id, message)?;
+        let e = self.sessions.get_mut(&id).ok_or(PushError::NotFound)?;
+        let item = OutboundItem::Receipt(receipt);
+        let (class, len) = (item.class(), item.len());
+        Ok(matches!(
+            e.queue.push(class, item, len, None),
+            PushOutcome::Queued | PushOutcome::Coalesced
+        ))
+    }
+
     /// Records a routing key a backend bound (in order with the session's pushes).
     pub fn bind_key(
         &mut self,
@@ -1156,9 +1188,14 @@ pub fn apply_work(
             }
         }
     }
+    let mut receipts = std::mem::take(&mut work.receipts);
     for item in work.items.drain(..) {
         let refused = match item {
             OutboundItem::Answered(_) => Ok(()),
+            OutboundItem::Receipt(id) => {
+                receipts.push(id);
+                Ok(())
+            }
             OutboundItem::Message(msg) => machine
                 .send_downstream(now, msg.class, msg.msg_id, msg.payload)
                 .map(|_| ()),
@@ -1171,6 +1208,7 @@ pub fn apply_work(
             tracing::debug!(error = %e, "downstream item refused");
         }
     }
+    work.receipts = receipts;
     let lost = std::mem::take(&mut work.lost);
     if lost > 0 {
         if let Err(e) = machine.lose_downstream(now, lost) {

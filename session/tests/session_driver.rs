@@ -538,3 +538,63 @@ async fn pushes_to_a_lingering_session_outlive_its_edge() {
         "every push taken while the client was away, once and in order"
     );
 }
+
+/// A push queued with a receipt is reported once the session's stored copy holds it, not
+/// before (SPEC F4: a backend's PLAYER_PUSH is answered `delivered` only then, so an edge
+/// killed in between cannot have answered `delivered` for a push it lost).
+#[tokio::test(start_paused = true)]
+async fn a_push_receipt_is_reported_after_the_write_through() {
+    let store = Arc::new(SlowStore {
+        inner: waygate_session::store::MemorySnapshotStore::new(),
+        delay: Duration::from_millis(100),
+    });
+    let (e, sink) = write_through_layer("edge-r", store);
+    let edge = Arc::new(e);
+    let (server_end, mut conn) = mem_pair();
+    let _task = edge.spawn(Box::new(server_end));
+    let mut c = client();
+    let mut events = Vec::new();
+    c.connect(Instant::now()).expect("hello");
+    exchange(&mut c, &mut conn, &mut events, |e| !welcomes(e).is_empty()).await;
+    let written = |sink: &EchoSink| {
+        sink.events()
+            .into_iter()
+            .filter_map(|e| match e {
+                SessionEvent::PushesWritten { receipts, stored } => Some((receipts, stored)),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    let pushed = edge.registry.push_to_player_with_receipt(
+        "p",
+        Downstream {
+            class: TrafficClass::Normal,
+            msg_id: 5,
+            payload: Bytes::from_static(b"for the record"),
+        },
+        7,
+    );
+    assert_eq!(pushed, Ok(true));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(written(&sink).is_empty(), "not before the commit ends");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(written(&sink), vec![(vec![7], true)]);
+    exchange(&mut c, &mut conn, &mut events, |e| {
+        e.iter()
+            .any(|e| matches!(e, ClientEvent::Message { msg_id: 5, .. }))
+    })
+    .await;
+    // No session for the player: nothing queued, no receipt.
+    assert_eq!(
+        edge.registry.push_to_player_with_receipt(
+            "nobody",
+            Downstream {
+                class: TrafficClass::Normal,
+                msg_id: 5,
+                payload: Bytes::new(),
+            },
+            8,
+        ),
+        Err(PushError::NotFound)
+    );
+}

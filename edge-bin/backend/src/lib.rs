@@ -591,9 +591,10 @@ impl BackendSession {
     /// which delivers it to the player's session there or, with Redis, on the edge the
     /// player's presence names (PLAYER_PUSH, PROTOCOL.md §9.7). Waits (bounded) for PUSH
     /// credit and for the answer: [`PlayerPushOutcome::Delivered`] when it was queued on the
-    /// player's session, or why not (`Offline`, `QueueFull`, `Busy`, `Unreachable`; and
-    /// `Unknown` when the player's edge did not answer in time: it may have been
-    /// delivered). [`BackendError::NoAnswer`] after 5 s without an answer (it may have been
+    /// player's session (with Redis, a critical or normal one once the session's stored
+    /// copy holds it, so it survives the death of that edge), or why not (`Offline`,
+    /// `QueueFull`, `Busy`, `Unreachable`; and `Unknown` when the player's edge did not
+    /// answer in time or could not store it: it may have been delivered). [`BackendError::NoAnswer`] after 5 s without an answer (it may have been
     /// delivered too: retry with [`BackendSession::push_to_player_with_id`] and the same
     /// id). Two pushes to one player through one edge arrive in the order they were sent.
     pub async fn push_to_player(

@@ -10,9 +10,10 @@ use waygate_session::host::SupersededKick;
 use waygate_session::resume::hex_id;
 use waygate_transport::TransportKind;
 
+use super::player_push::LocalPush;
 use super::Shared;
 use crate::cluster::etcd::{EdgeInfo, Load};
-use crate::cluster::redis::{DeliveryResult, PushMessage, Reassert};
+use crate::cluster::redis::{DeliveryResult, PushDelivery, PushMessage, Reassert};
 
 impl Shared {
     /// The address clients use to reach this edge (etcd registration, MIGRATE target).
@@ -143,11 +144,17 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
     let server = redis
         .presence
         .serve_pushes(&edge_id, move |player: &str, m: PushMessage| {
-            let outcome = weak
+            let local = weak
                 .upgrade()
                 .and_then(|s| s.deliver_push_here(player, m.id, m.into()));
-            // No session here: offline on this edge.
-            outcome.map_or(DeliveryResult::Offline, DeliveryResult::from)
+            match local {
+                // No session here: offline on this edge.
+                None => PushDelivery::Now(DeliveryResult::Offline),
+                Some(LocalPush::Answered(outcome)) => PushDelivery::Now(outcome.into()),
+                Some(LocalPush::Queued(outcome)) => {
+                    PushDelivery::Later(Box::pin(async move { outcome.await.into() }))
+                }
+            }
         });
     tasks.push(tokio::spawn(async move {
         let _server = server;

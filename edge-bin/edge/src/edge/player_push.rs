@@ -6,9 +6,12 @@
 //! one task of its own ([`player_push_loop`]). Every push is answered once with
 //! PLAYER_PUSH_RESULT, on the link it came on.
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::{mpsc, oneshot, Notify};
 use waygate_protocol::link::{LinkFrame, PlayerPushOutcome};
 use waygate_session::driver::{Downstream, PushError};
 
@@ -26,6 +29,11 @@ const MAX_BATCH: usize = 512;
 pub(super) const DELIVERED_ID_WINDOW: std::time::Duration = std::time::Duration::from_secs(120);
 /// Most ids of delivered pushes remembered at once (beyond: `busy`).
 const MAX_DELIVERED_IDS: usize = 1_048_576;
+/// Pushes waiting for their session's write-through at once (beyond: `busy`).
+const MAX_RECEIPTS_WAITING: usize = 4_096;
+/// How long a push waits for its session's write-through before it is answered `unknown`
+/// (below the sending edge's 1 s wait for a batch's answer, PROTOCOL.md §9.7).
+const RECEIPT_WAIT: Duration = Duration::from_millis(600);
 
 /// How a waiting push is answered: the link it came on and its request id.
 type PushReply = (Option<mpsc::Sender<LinkFrame>>, u64);
@@ -37,6 +45,70 @@ pub(super) struct PlayerPushes {
     queue: Mutex<PlayerPushQueue<PushReply>>,
     wake: Arc<Notify>,
     delivered: Mutex<DeliveredPushIds>,
+    receipts: Arc<PushReceipts>,
+}
+
+/// Pushes queued on a session here that wait until its stored copy holds them (with
+/// write-through): receipt -> whom to tell.
+#[derive(Debug, Default)]
+pub(super) struct PushReceipts {
+    next: AtomicU64,
+    waiting: Mutex<HashMap<u64, oneshot::Sender<bool>>>,
+}
+
+impl PushReceipts {
+    /// A new receipt and what will say how it went; `None` when too many wait.
+    fn take(&self) -> Option<(u64, oneshot::Receiver<bool>)> {
+        let mut waiting = self.waiting.lock().ok()?;
+        if waiting.len() >= MAX_RECEIPTS_WAITING {
+            return None;
+        }
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        waiting.insert(id, tx);
+        Some((id, rx))
+    }
+
+    /// Forgets `id` (its push was not queued, or its waiter gave up).
+    fn forget(&self, id: u64) {
+        if let Ok(mut w) = self.waiting.lock() {
+            w.remove(&id);
+        }
+    }
+
+    /// The session reported `ids` (`stored`: its stored copy holds their pushes).
+    pub(super) fn written(&self, ids: &[u64], stored: bool) {
+        let Ok(mut waiting) = self.waiting.lock() else {
+            return;
+        };
+        for id in ids {
+            if let Some(tx) = waiting.remove(id) {
+                let _ = tx.send(stored);
+            }
+        }
+    }
+
+    /// What became of a push queued with receipt `id`: `delivered` once the session's stored
+    /// copy holds it, else (not written through within [`RECEIPT_WAIT`], or could not be)
+    /// `unknown`: it may still reach the client.
+    async fn outcome(self: Arc<Self>, id: u64, rx: oneshot::Receiver<bool>) -> PlayerPushOutcome {
+        match tokio::time::timeout(RECEIPT_WAIT, rx).await {
+            Ok(Ok(true)) => PlayerPushOutcome::Delivered,
+            Ok(Ok(false)) => PlayerPushOutcome::Unknown,
+            Ok(Err(_)) | Err(_) => {
+                self.forget(id);
+                PlayerPushOutcome::Unknown
+            }
+        }
+    }
+}
+
+/// How a push for a player with a session here went.
+pub(super) enum LocalPush {
+    /// Answered now.
+    Answered(PlayerPushOutcome),
+    /// Queued; answered once the session's stored copy holds it.
+    Queued(std::pin::Pin<Box<dyn std::future::Future<Output = PlayerPushOutcome> + Send>>),
 }
 
 impl PlayerPushes {
@@ -48,7 +120,13 @@ impl PlayerPushes {
                 DELIVERED_ID_WINDOW,
                 MAX_DELIVERED_IDS,
             )),
+            receipts: Arc::default(),
         }
+    }
+
+    /// The session reported receipts (`SessionEvent::PushesWritten`).
+    pub(super) fn written(&self, ids: &[u64], stored: bool) {
+        self.receipts.written(ids, stored);
     }
 }
 
@@ -65,31 +143,56 @@ impl Shared {
     /// Delivers a push to `player`'s session on this edge, unless a push with the same
     /// `id` was delivered here within the window (then `delivered`, nothing queued) or the
     /// edge remembers as many ids as it may (`busy`). `None`: the player has no session
-    /// here.
+    /// here. With write-through a sequenced push is `delivered` only once the session's
+    /// stored copy holds it ([`LocalPush::Queued`]): an edge killed before that could not
+    /// answer `delivered` for a push it then lost.
     pub(super) fn deliver_push_here(
         &self,
         player: &str,
         id: u64,
         message: Downstream,
-    ) -> Option<PlayerPushOutcome> {
+    ) -> Option<LocalPush> {
         let now = std::time::Instant::now();
         let Ok(mut ids) = self.player_pushes.delivered.lock() else {
-            return Some(PlayerPushOutcome::Busy);
+            return Some(LocalPush::Answered(PlayerPushOutcome::Busy));
         };
         match ids.check(now, id) {
-            PushIdCheck::Duplicate => return Some(PlayerPushOutcome::Delivered),
-            PushIdCheck::Full => return Some(PlayerPushOutcome::Busy),
+            PushIdCheck::Duplicate => {
+                return Some(LocalPush::Answered(PlayerPushOutcome::Delivered))
+            }
+            PushIdCheck::Full => return Some(LocalPush::Answered(PlayerPushOutcome::Busy)),
             PushIdCheck::New => {}
         }
-        let outcome = local_outcome(
-            self.session_layer()
-                .registry
-                .push_to_player(player, message),
-        );
-        if outcome == Some(PlayerPushOutcome::Delivered) {
-            ids.delivered(now, id);
+        let layer = self.session_layer();
+        if layer.write_through.is_none() || !message.class.is_sequenced() {
+            let outcome = local_outcome(layer.registry.push_to_player(player, message))?;
+            if outcome == PlayerPushOutcome::Delivered {
+                ids.delivered(now, id);
+            }
+            return Some(LocalPush::Answered(outcome));
         }
-        outcome
+        let receipts = self.player_pushes.receipts.clone();
+        let Some((receipt, rx)) = receipts.take() else {
+            return Some(LocalPush::Answered(PlayerPushOutcome::Busy));
+        };
+        match layer
+            .registry
+            .push_to_player_with_receipt(player, message, receipt)
+        {
+            Ok(with_receipt) => {
+                ids.delivered(now, id);
+                if !with_receipt {
+                    // Queued, but its queue had no room left for the receipt.
+                    receipts.forget(receipt);
+                    return Some(LocalPush::Answered(PlayerPushOutcome::Unknown));
+                }
+                Some(LocalPush::Queued(Box::pin(receipts.outcome(receipt, rx))))
+            }
+            Err(e) => {
+                receipts.forget(receipt);
+                local_outcome(Err(e)).map(LocalPush::Answered)
+            }
+        }
     }
 
     /// A backend's PLAYER_PUSH: answered now when the player is on this edge (or there is
@@ -124,8 +227,24 @@ impl Shared {
             msg_id,
             payload,
         };
-        if let Some(outcome) = self.deliver_push_here(&player, request_id, message.clone()) {
-            return answer(outcome);
+        match self.deliver_push_here(&player, request_id, message.clone()) {
+            Some(LocalPush::Answered(outcome)) => return answer(outcome),
+            Some(LocalPush::Queued(outcome)) => {
+                let (reply, outcomes) = (later(), self.metrics.player_push_outcomes.clone());
+                tokio::spawn(async move {
+                    let outcome = outcome.await;
+                    outcomes[outcome as usize].inc();
+                    answer_later(
+                        reply,
+                        LinkFrame::PlayerPushResult {
+                            request_id,
+                            outcome,
+                        },
+                    );
+                });
+                return None;
+            }
+            None => {}
         }
         if self.redis.is_none() {
             // One edge: a player without a session here has none anywhere.

@@ -293,6 +293,9 @@ impl UpstreamSink for EdgeUpstream {
                 session_id,
                 channels,
             } => shared.rejoin_channels(session_id, channels),
+            SessionEvent::PushesWritten { receipts, stored } => {
+                shared.player_pushes.written(&receipts, stored);
+            }
             SessionEvent::Detached { session_id, linger } => {
                 let entry = shared
                     .entries

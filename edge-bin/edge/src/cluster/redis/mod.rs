@@ -123,7 +123,7 @@ pub use announcements::RedisAnnouncementLog;
 use conn::Conn;
 pub use ownership::{KickNotice, Reassert, RedisOwnership};
 pub use presence::{Presence, RedisPresence};
-pub use push::{DeliveryResult, PushHandler, PushMessage, PushServer};
+pub use push::{DeliveryResult, PushDelivery, PushHandler, PushMessage, PushServer};
 pub use snapshots::RedisSnapshotStore;
 
 /// Which Redis deployment the backends talk to.

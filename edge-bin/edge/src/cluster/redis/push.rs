@@ -133,18 +133,36 @@ struct PushReply {
 }
 
 /// What an edge does with pushes from other edges (see [`RedisPresence::serve_pushes`]).
-/// Called once per message; must not block (queue, do not wait).
+/// Called once per message, in the order they came; must not block (queue, do not wait):
+/// a result known only later is a [`PushDelivery::Later`].
 pub trait PushHandler: Send + Sync + 'static {
     /// Delivers `msg` to `player_id`'s session on this edge.
-    fn deliver(&self, player_id: &str, msg: PushMessage) -> DeliveryResult;
+    fn deliver(&self, player_id: &str, msg: PushMessage) -> PushDelivery;
 }
 
-impl<F> PushHandler for F
+impl<F, R> PushHandler for F
 where
-    F: Fn(&str, PushMessage) -> DeliveryResult + Send + Sync + 'static,
+    F: Fn(&str, PushMessage) -> R + Send + Sync + 'static,
+    R: Into<PushDelivery>,
 {
-    fn deliver(&self, player_id: &str, msg: PushMessage) -> DeliveryResult {
-        self(player_id, msg)
+    fn deliver(&self, player_id: &str, msg: PushMessage) -> PushDelivery {
+        self(player_id, msg).into()
+    }
+}
+
+/// A [`PushHandler`]'s result: known now, or once the message is written through (a
+/// future that must end by itself within the sender's
+/// [`push_timeout`](super::RedisConfig::push_timeout)).
+pub enum PushDelivery {
+    /// Decided when the message was handled.
+    Now(DeliveryResult),
+    /// Decided later (the message is queued; the future says what became of it).
+    Later(std::pin::Pin<Box<dyn std::future::Future<Output = DeliveryResult> + Send>>),
+}
+
+impl From<DeliveryResult> for PushDelivery {
+    fn from(result: DeliveryResult) -> Self {
+        Self::Now(result)
     }
 }
 
@@ -410,24 +428,41 @@ impl RedisPresence {
                         tracing::warn!("malformed push request ignored");
                         return;
                     };
-                    let results = req
+                    // Every message is queued first, in order; results that come later
+                    // (written through) are awaited on a task of their own, so one request
+                    // does not hold up the next (such tasks are bounded by the handler's
+                    // receipts waiting, beyond which it answers at once).
+                    let deliveries: Vec<PushDelivery> = req
                         .items
                         .into_iter()
                         .map(|(player, m)| handler.deliver(&player, m))
                         .collect();
-                    let reply = PushReply {
-                        id: req.id,
-                        results,
+                    let (id, to) = (req.id, req.reply);
+                    let waits = deliveries
+                        .iter()
+                        .any(|d| matches!(d, PushDelivery::Later(_)));
+                    let answer = async move {
+                        let mut results = Vec::with_capacity(deliveries.len());
+                        for d in deliveries {
+                            results.push(match d {
+                                PushDelivery::Now(r) => r,
+                                PushDelivery::Later(r) => r.await,
+                            });
+                        }
+                        let Ok(body) = serde_json::to_vec(&PushReply { id, results }) else {
+                            return;
+                        };
+                        if let Err(e) = conn
+                            .run(|mut m| async move { m.publish::<_, _, u64>(to, body).await })
+                            .await
+                        {
+                            tracing::warn!(error = %e, "could not answer a push batch");
+                        }
                     };
-                    let Ok(body) = serde_json::to_vec(&reply) else {
-                        return;
-                    };
-                    let to = req.reply;
-                    if let Err(e) = conn
-                        .run(|mut m| async move { m.publish::<_, _, u64>(to, body).await })
-                        .await
-                    {
-                        tracing::warn!(error = %e, "could not answer a push batch");
+                    if waits {
+                        tokio::spawn(answer);
+                    } else {
+                        answer.await;
                     }
                 }
             },
