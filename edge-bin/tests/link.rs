@@ -979,3 +979,90 @@ async fn a_panicking_handler_refuses_its_message_and_the_session_goes_on() {
         "{event:?}"
     );
 }
+
+/// A handler that pushes `oversized` messages too large for a link frame, recording each
+/// result, then one ordinary push.
+struct OversizedPusher {
+    oversized: usize,
+    results: std::sync::Mutex<Vec<String>>,
+}
+
+#[async_trait::async_trait]
+impl Service for OversizedPusher {
+    async fn message(
+        &self,
+        session: &waygate_backend::BackendSession,
+        _msg: waygate_backend::Incoming,
+    ) -> Result<(), waygate_backend::Refusal> {
+        let huge = Bytes::from(vec![0u8; waygate_protocol::link::DEFAULT_MAX_LINK_FRAME]);
+        for _ in 0..self.oversized {
+            let r = session.push(7, TrafficClass::Normal, huge.clone()).await;
+            self.results
+                .lock()
+                .unwrap()
+                .push(format!("{:?}", r.map_err(|e| e.to_string())));
+        }
+        let r = session
+            .push(8, TrafficClass::Normal, Bytes::from_static(b"after"))
+            .await;
+        self.results
+            .lock()
+            .unwrap()
+            .push(format!("{:?}", r.map_err(|e| e.to_string())));
+        Ok(())
+    }
+}
+
+/// Regression (bounds audit, 2026-12-04): a push larger than a link frame was taken by the
+/// backend SDK (`Ok`), then dropped by the link's writer with a log line, and the PUSH credit
+/// it took was never returned; after as many such pushes as the edge granted credits, every
+/// push of that link waited 5 s and failed `NoCredit`. Now it is refused `TooLarge` before it
+/// takes credit, and the link goes on.
+#[tokio::test]
+async fn a_push_too_large_for_a_link_frame_is_refused_and_costs_no_credit() {
+    let service = Arc::new(OversizedPusher {
+        oversized: 6,
+        results: std::sync::Mutex::new(Vec::new()),
+    });
+    let backend = Backend::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        BackendConfig::new("b1"),
+        service.clone(),
+    )
+    .await
+    .unwrap();
+    let (tx, mut rx) = mpsc::channel(64);
+    let (link, _task) = LinkClient::spawn(
+        backend.local_addr(),
+        LinkConfig {
+            push_credits: 4,
+            ..fast_config()
+        },
+        Arc::new(AtomicU64::new(1)),
+        tx,
+    );
+    wait_up(&mut rx).await;
+    let m = meta(9, "big");
+    forward_echo(&link, &m, 1, Bytes::from_static(b"go"));
+    let after = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let event = next_event(&mut rx).await;
+            if let Some((_, 8, body)) = first_push(&event) {
+                return body;
+            }
+        }
+    })
+    .await;
+    let results = service.results.lock().unwrap().clone();
+    assert_eq!(
+        after.ok(),
+        Some(Bytes::from_static(b"after")),
+        "{results:?}"
+    );
+    assert_eq!(results.len(), 7, "{results:?}");
+    assert!(
+        results[..6].iter().all(|r| r.contains("does not fit")),
+        "{results:?}"
+    );
+    assert_eq!(results[6], "Ok(())");
+}

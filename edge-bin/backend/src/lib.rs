@@ -153,6 +153,16 @@ pub enum BackendError {
     /// The link to the session's edge is gone.
     #[error("link to the edge is closed")]
     LinkClosed,
+    /// The message does not fit one link frame (`BackendConfig::max_link_frame`): nothing
+    /// was sent (before, the link's writer dropped it with a log line and the PUSH credit it
+    /// took was never returned).
+    #[error("a frame of {len} bytes does not fit the link's {max}-byte frames")]
+    TooLarge {
+        /// Encoded size of the frame.
+        len: usize,
+        /// The link's largest frame.
+        max: usize,
+    },
     /// No PUSH credit from the edge within the wait.
     #[error("edge granted no push credit in time")]
     NoCredit,
@@ -317,6 +327,8 @@ struct LinkSender {
     held_answers: bool,
     /// The channels the edge has, when it tells them (CHANNEL_INTEREST, §12.6).
     channels: Option<Arc<EdgeChannels>>,
+    /// The link's largest frame.
+    max_frame: usize,
 }
 
 /// The channels one edge has, as its CHANNEL_INTEREST notices say (PROTOCOL.md §12.6).
@@ -387,6 +399,29 @@ pub struct EdgePublish {
 }
 
 impl LinkSender {
+    /// Refuses a frame the link could not carry, before it takes credit or a queue slot.
+    fn check_fits(&self, frame: &LinkFrame) -> Result<(), BackendError> {
+        let len = frame.encoded_len();
+        if len > self.max_frame {
+            return Err(BackendError::TooLarge {
+                len,
+                max: self.max_frame,
+            });
+        }
+        Ok(())
+    }
+
+    /// Sends a message frame that uses PUSH credit (PUSH, ANSWER_PUSH), waiting (bounded)
+    /// for the credit.
+    async fn send_with_credit(&self, frame: LinkFrame) -> Result<(), BackendError> {
+        self.check_fits(&frame)?;
+        self.take_push_credit().await?;
+        self.tx
+            .send(frame)
+            .await
+            .map_err(|_| BackendError::LinkClosed)
+    }
+
     async fn take_push_credit(&self) -> Result<(), BackendError> {
         let permit = tokio::time::timeout(PUSH_CREDIT_WAIT, self.push_credit.acquire())
             .await
@@ -474,6 +509,7 @@ impl LinkSender {
         uses_credit: bool,
     ) -> Result<LinkFrame, BackendError> {
         static WAITER: AtomicU64 = AtomicU64::new(0);
+        self.check_fits(&frame)?;
         let waiter = WAITER.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         {
@@ -583,8 +619,10 @@ impl BackendSession {
         if msg_id >= RESERVED_MSG_IDS_START {
             return Err(BackendError::ReservedMsgId(msg_id));
         }
-        self.inner.link.take_push_credit().await?;
-        self.send(self.push_frame(msg_id, class, payload)).await
+        self.inner
+            .link
+            .send_with_credit(self.push_frame(msg_id, class, payload))
+            .await
     }
 
     /// Sends a message to `player` wherever its session is: through this session's edge,
@@ -671,13 +709,14 @@ impl BackendSession {
         status: u16,
         body: &[u8],
     ) -> Result<(), BackendError> {
-        self.inner.link.take_push_credit().await?;
-        self.send(self.push_frame(
-            waygate_protocol::request::ANSWER_MSG_ID,
-            TrafficClass::Critical,
-            waygate_protocol::request::encode_answer(request.id, status, body),
-        ))
-        .await
+        self.inner
+            .link
+            .send_with_credit(self.push_frame(
+                waygate_protocol::request::ANSWER_MSG_ID,
+                TrafficClass::Critical,
+                waygate_protocol::request::encode_answer(request.id, status, body),
+            ))
+            .await
     }
 
     /// Routes this session's messages for `service` by `key` from now on (e.g. a room).
@@ -1203,6 +1242,7 @@ where
         answers,
         held_answers,
         channels: channels.then(|| edge_channels.clone()),
+        max_frame: config.max_link_frame,
     });
     all.add(&link);
     let work = Arc::new(LinkWork {
