@@ -365,6 +365,23 @@ async fn refusals_reach_the_publisher_as_typed_codes_and_a_retry_is_not_publishe
             .await,
     );
     assert_eq!(code, CloseCode::UnknownChannelKind);
+    // Regression (bounds audit): the refused kind became a metric label, so a backend
+    // naming ever new kinds made ever new series; they are all `unknown` now.
+    for kind in ["nosuch2", "nosuch3"] {
+        let (code, _) = refused(
+            session
+                .publish(&format!("{kind}:1"), TrafficClass::Normal, Bytes::new())
+                .await,
+        );
+        assert_eq!(code, CloseCode::UnknownChannelKind);
+    }
+    expect_metric_line(
+        &s.edge,
+        "waygate_channel_publishes_total{kind=\"unknown\",class=\"normal\",result=\"unknown_channel_kind\"} 3",
+    )
+    .await;
+    let (_, metrics) = common::http(s.edge.admin_addr.unwrap(), "GET", "/metrics").await;
+    assert!(!metrics.contains("nosuch"), "a backend's kind as a label");
     let (code, _) = refused(session.join_channel("bad name", None).await);
     assert_eq!(code, CloseCode::ProtocolError);
     // A retried publish (same id) is answered with the first result, published once.

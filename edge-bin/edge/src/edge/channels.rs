@@ -146,15 +146,22 @@ fn join_label(outcome: &JoinOutcome) -> &'static str {
     }
 }
 
-fn labels(channel: &str, class: TrafficClass, result: &str) -> ChannelLabels {
-    ChannelLabels {
-        kind: channel_kind(channel).unwrap_or("invalid").to_owned(),
-        class: class.as_str().to_owned(),
-        result: result.to_owned(),
-    }
-}
-
 impl Shared {
+    /// Metric labels of a channel request. The kind label is a configured kind, `unknown`
+    /// or `invalid`: never a string a backend chose (each would be a new series, forever).
+    fn channel_labels(&self, channel: &str, class: TrafficClass, result: &str) -> ChannelLabels {
+        let kind = match channel_kind(channel) {
+            Ok(k) if self.config.channels.kinds.contains_key(k) => k,
+            Ok(_) => "unknown",
+            Err(_) => "invalid",
+        };
+        ChannelLabels {
+            kind: kind.to_owned(),
+            class: class.as_str().to_owned(),
+            result: result.to_owned(),
+        }
+    }
+
     /// The channel hub. A panic while it was held leaves its state consistent (every
     /// method checks before it changes anything), so a poisoned lock is taken over.
     fn hub(&self) -> std::sync::MutexGuard<'_, waygate_channels::ChannelHub> {
@@ -204,7 +211,7 @@ impl Shared {
                 };
                 self.metrics
                     .channel_publishes
-                    .get_or_create(&labels(&channel, class, label))
+                    .get_or_create(&self.channel_labels(&channel, class, label))
                     .inc();
                 match outcome {
                     Ok(receipt) => LinkFrame::ChannelResult {
@@ -402,7 +409,7 @@ impl Shared {
         };
         self.metrics
             .channel_joins
-            .get_or_create(&labels(channel, TrafficClass::Critical, label))
+            .get_or_create(&self.channel_labels(channel, TrafficClass::Critical, label))
             .inc();
     }
 
@@ -413,7 +420,7 @@ impl Shared {
         };
         self.metrics
             .channel_publishes
-            .get_or_create(&labels(channel, TrafficClass::Critical, label))
+            .get_or_create(&self.channel_labels(channel, TrafficClass::Critical, label))
             .inc();
     }
 
@@ -574,7 +581,7 @@ impl Shared {
             if n > 0 {
                 self.metrics
                     .channel_deliveries
-                    .get_or_create(&labels(&d.channel, d.class, result))
+                    .get_or_create(&self.channel_labels(&d.channel, d.class, result))
                     .inc_by(n);
             }
         }
@@ -615,7 +622,11 @@ async fn join_from_log(
             shared
                 .metrics
                 .channel_joins
-                .get_or_create(&labels(&channel, TrafficClass::Critical, "log_unavailable"))
+                .get_or_create(&shared.channel_labels(
+                    &channel,
+                    TrafficClass::Critical,
+                    "log_unavailable",
+                ))
                 .inc();
             if let Some((request_id, reply)) = answer {
                 tracing::info!(%channel, error = %e, "join refused: the announcement log cannot be read");
