@@ -901,7 +901,10 @@ impl ChannelHub {
         let Some(since) = since else {
             return false;
         };
-        self.announcement_log
+        // A name or kind the join will refuse reads nothing (the join answers the refusal).
+        let known_kind = channel_kind(channel).is_ok_and(|k| self.config.kinds.contains_key(k));
+        known_kind
+            && self.announcement_log
             && since.epoch != 0
             && self
                 .channels

@@ -390,6 +390,10 @@ fn a_position_of_another_epoch_recovers_the_logged_announcements_before_history_
     hub.set_announcement_log(true);
     assert!(hub.needs_logged("room:a", Some(since)));
     assert!(!hub.needs_logged("room:a", None));
+    // A kind the join would refuse, or an invalid name, reads nothing (bounds audit: each
+    // such join from a backend cost a read of the log).
+    assert!(!hub.needs_logged("nosuch:a", Some(since)));
+    assert!(!hub.needs_logged("bad name", Some(since)));
     let (live, o) = hub
         .join_with_logged(now, sid(1), &player(1), "room:a", Some(since), &log)
         .unwrap();

@@ -75,7 +75,13 @@ const LOGGED_READ_LIMIT: usize = 100_000;
 pub(super) struct Announcements {
     pub(super) log: Arc<dyn crate::announcements::AnnouncementLog>,
     pub(super) jobs: mpsc::Sender<AnnouncementJob>,
+    /// Reads of the log for joins at once ([`LOG_READS`]): a backend's join beyond them is
+    /// refused `unavailable` (retry), a restored membership waits its turn.
+    pub(super) reads: Arc<tokio::sync::Semaphore>,
 }
+
+/// Reads of the announcement log for joins in flight at once.
+pub(super) const LOG_READS: usize = 64;
 
 /// A held announcement and whom to answer once the log has it.
 #[derive(Debug)]
@@ -352,7 +358,9 @@ impl Shared {
 
     /// Joins `session` from `since` (another epoch's position) once the announcement log
     /// was read, in a task (see [`join_from_log`]). Only called when the hub has a log
-    /// (`needs_logged`), which it has exactly when the edge has one.
+    /// (`needs_logged`), which it has exactly when the edge has one. At most [`LOG_READS`]
+    /// reads run at once: a backend's join beyond them is refused `unavailable` at once (it
+    /// retries), a restored membership waits for a read.
     fn join_from_log(
         self: &Arc<Self>,
         session: waygate_protocol::frame::SessionId,
@@ -360,16 +368,40 @@ impl Shared {
         since: ChannelPosition,
         answer: Option<(u64, Option<mpsc::Sender<LinkFrame>>)>,
     ) {
-        if let Some(a) = &self.announcements {
-            tokio::spawn(join_from_log(
-                Arc::downgrade(self),
-                a.log.clone(),
-                session,
-                channel,
-                since,
-                answer,
-            ));
-        }
+        let Some(a) = &self.announcements else {
+            return;
+        };
+        let permit = match (a.reads.clone().try_acquire_owned(), answer) {
+            (Ok(permit), answer) => (Some(permit), answer),
+            // A backend's join: refused at once, it retries after the hint.
+            (Err(_), Some((request_id, reply))) => {
+                self.metrics
+                    .channel_joins
+                    .get_or_create(&self.channel_labels(
+                        &channel,
+                        TrafficClass::Critical,
+                        "log_busy",
+                    ))
+                    .inc();
+                answer_later(reply, result(request_id, Err(ChannelError::LogUnavailable)));
+                return;
+            }
+            // A restored membership: waits for a read (in its task).
+            (Err(_), None) => (None, None),
+        };
+        let (permit, answer) = permit;
+        let reads = a.reads.clone();
+        let (weak, log) = (Arc::downgrade(self), a.log.clone());
+        tokio::spawn(async move {
+            let permit = match permit {
+                Some(p) => p,
+                None => match reads.acquire_owned().await {
+                    Ok(p) => p,
+                    Err(_) => return,
+                },
+            };
+            join_from_log(weak, log, permit, session, channel, since, answer).await;
+        });
     }
 
     /// Hands a held announcement to the log writer (with the hub locked: the writer's queue
@@ -606,12 +638,14 @@ impl Shared {
 async fn join_from_log(
     shared: Weak<Shared>,
     log: Arc<dyn crate::announcements::AnnouncementLog>,
+    read: tokio::sync::OwnedSemaphorePermit,
     session: waygate_protocol::frame::SessionId,
     channel: String,
     since: ChannelPosition,
     answer: Option<(u64, Option<mpsc::Sender<LinkFrame>>)>,
 ) {
     let logged = log.after(&channel, since, LOGGED_READ_LIMIT).await;
+    drop(read);
     let weak = shared;
     let Some(shared) = weak.upgrade() else {
         return;

@@ -259,6 +259,7 @@ impl Edge {
         let announcements = announcement_log.map(|log| super::channels::Announcements {
             log,
             jobs: announcement_jobs,
+            reads: Arc::new(tokio::sync::Semaphore::new(super::channels::LOG_READS)),
         });
         let mut hub = waygate_channels::ChannelHub::new(config.channels.clone(), rand::random());
         hub.set_announcement_log(announcements.is_some());
