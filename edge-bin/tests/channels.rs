@@ -1591,3 +1591,17 @@ async fn a_push_too_large_for_the_client_is_a_declared_gap_not_a_silent_loss() {
         "the client was told of the gap: {outcomes:?}"
     );
 }
+
+/// Regression (bounds audit, 2026-12-04): a backend's BIND was recorded for any service
+/// name, so a session's routing keys (kept in its entry and in every snapshot) grew with
+/// whatever a backend named. A service the route table does not have is refused now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bind_for_a_service_the_table_does_not_have_is_refused() {
+    let s = setup(|_| {}).await;
+    let (_client, session) = s.member(TransportKind::Tcp, "binder").await;
+    for n in 0..3 {
+        session.bind(&format!("nosuch{n}"), "k").await.unwrap();
+    }
+    session.bind("room", "lobby").await.unwrap();
+    expect_metric_line(&s.edge, "waygate_binds_refused_total 3").await;
+}

@@ -129,6 +129,8 @@ pub struct EdgeMetrics {
     pub pins_applied: Counter,
     /// Backend PINs refused (unknown instance, not pinnable, too many pins).
     pub pins_refused: Counter,
+    /// Backend BINDs refused (a service the route table does not have).
+    pub binds_refused: Counter,
     /// `forwarded`'s counter per routed instance, found without building a label.
     forwarded_by_target: Mutex<HashMap<ServiceInstance, Counter>>,
     /// `pushed` and `push_dropped` per class (indexed by `TrafficClass as usize`), taken
@@ -519,6 +521,7 @@ impl EdgeMetrics {
             forwarded_by_target: Mutex::new(HashMap::new()),
             pins_applied: Counter::default(),
             pins_refused: Counter::default(),
+            binds_refused: Counter::default(),
             backend_up: Family::default(),
             link_forward_credits: Family::default(),
             route_epoch: Gauge::default(),
@@ -636,6 +639,11 @@ impl EdgeMetrics {
             "pins_refused",
             "Backend PIN frames refused (instance not in the table for that key, or too many pins)",
             m.pins_refused.clone(),
+        );
+        registry.register(
+            "binds_refused",
+            "Backend BIND frames refused (a service the route table does not have): the session's routing keys are bounded by the table's services",
+            m.binds_refused.clone(),
         );
         registry.register(
             "stale_epoch_reroutes",

@@ -187,6 +187,19 @@ fn handle_now(shared: &Arc<Shared>, event: LinkEvent) -> Option<LinkEvent> {
             key,
         }) => {
             let sid = shared.session_of_handle(handle)?;
+            // Only a service of the route table: the session's keys (kept in its entry and
+            // every snapshot) are bounded by the table, never by what a backend names.
+            let known = shared
+                .router
+                .lock()
+                .ok()
+                .and_then(|r| r.table().map(|t| t.service(&service).is_some()))
+                .unwrap_or(false);
+            if !known {
+                shared.metrics.binds_refused.inc();
+                tracing::warn!(%service, "backend BIND refused: no such service in the route table");
+                return None;
+            }
             // In order with the session's pushes, into its snapshot: the key travels
             // with the session to whichever edge restores it.
             if let Err(e) = shared
