@@ -337,13 +337,19 @@ struct EdgeChannels {
     /// The edge's first CREDIT came: every channel it had at link-up was told before it.
     synced: std::sync::atomic::AtomicBool,
     present: Mutex<std::collections::HashSet<String>>,
+    /// More notices than [`MAX_EDGE_CHANNELS`] came: the set is no longer trusted.
+    overflowed: std::sync::atomic::AtomicBool,
 }
+
+/// Channels remembered per edge link from its notices (an edge has at most
+/// `channels.max_channels`, 10,000 by default): the set is bounded whatever a peer sends.
+const MAX_EDGE_CHANNELS: usize = 1_048_576;
 
 impl EdgeChannels {
     /// Whether a publish to `channel` is sent to this edge: unless the edge told (and is
     /// synced) that it does not have it.
     fn has(&self, channel: &str) -> bool {
-        if !self.synced.load(Ordering::Acquire) {
+        if !self.synced.load(Ordering::Acquire) || self.overflowed.load(Ordering::Acquire) {
             return true;
         }
         self.present
@@ -354,10 +360,14 @@ impl EdgeChannels {
 
     fn take(&self, present: bool, channel: String) {
         if let Ok(mut p) = self.present.lock() {
-            if present {
+            if !present {
+                p.remove(&channel);
+            } else if p.len() < MAX_EDGE_CHANNELS {
                 p.insert(channel);
             } else {
-                p.remove(&channel);
+                // Far above any edge's channel cap (`channels.max_channels`): not an edge
+                // this link should believe. Publishes to it are then sent (never skipped).
+                self.overflowed.store(true, Ordering::Release);
             }
         }
     }
@@ -1602,8 +1612,24 @@ impl CreditReturn {
 
 #[cfg(test)]
 mod tests {
-    use super::{message_publish_id, CreditReturn};
+    use super::{message_publish_id, CreditReturn, EdgeChannels, MAX_EDGE_CHANNELS};
     use proptest::prelude::*;
+
+    /// Regression (bounds audit): the channels an edge link told were kept without a bound
+    /// (notices are taken on the reader, before the handshake completes too). Past
+    /// [`MAX_EDGE_CHANNELS`] nothing more is kept and no publish is skipped for that link.
+    #[test]
+    fn the_channels_an_edge_tells_are_bounded() {
+        let c = EdgeChannels::default();
+        c.synced.store(true, std::sync::atomic::Ordering::Release);
+        c.take(true, "world".into());
+        assert!(c.has("world") && !c.has("guild:1"));
+        for n in 0..MAX_EDGE_CHANNELS {
+            c.take(true, format!("room:{n}"));
+        }
+        assert!(c.present.lock().unwrap().len() <= MAX_EDGE_CHANNELS);
+        assert!(c.has("guild:1"), "an overflowed set skips nothing");
+    }
 
     /// A message's publish id is the same for every copy of it (a resend after its edge
     /// died; the reference answer is fixed so it stays the same across processes and
