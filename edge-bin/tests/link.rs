@@ -1066,3 +1066,33 @@ async fn a_push_too_large_for_a_link_frame_is_refused_and_costs_no_credit() {
     );
     assert_eq!(results[6], "Ok(())");
 }
+
+/// Regression (bounds audit): a backend took any number of connections, each with its
+/// task and read queue for up to 10 s before the link handshake. At most 1,024 links are
+/// served at once now; a connection beyond is closed at once.
+#[tokio::test]
+async fn a_backend_serves_a_bounded_number_of_links() {
+    use tokio::io::AsyncReadExt as _;
+    let backend = demo_backend("127.0.0.1:0".parse().unwrap(), "b-cap").await;
+    let mut open = Vec::new();
+    for _ in 0..1_024 {
+        open.push(
+            tokio::net::TcpStream::connect(backend.local_addr())
+                .await
+                .unwrap(),
+        );
+    }
+    let mut extra = tokio::net::TcpStream::connect(backend.local_addr())
+        .await
+        .unwrap();
+    let mut byte = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(5), extra.read(&mut byte)).await;
+    assert!(
+        matches!(read, Ok(Ok(0)) | Ok(Err(_))),
+        "the connection beyond the cap is closed at once: {read:?}"
+    );
+    // The ones within the cap wait for their LINK_HELLO (nothing read yet).
+    let mut first = open.swap_remove(0);
+    let waiting = tokio::time::timeout(Duration::from_millis(200), first.read(&mut byte)).await;
+    assert!(waiting.is_err(), "{waiting:?}");
+}

@@ -1031,7 +1031,12 @@ impl Drop for Backend {
     }
 }
 
-/// Accepts links on `listener` forever, counting the instance's load into `load`.
+/// Links a backend process serves at once (one per edge: a fleet of 100 edges needs 100);
+/// a connection beyond is closed at once (logged).
+const MAX_LINKS: usize = 1_024;
+
+/// Accepts links on `listener` forever, counting the instance's load into `load`. At most
+/// [`MAX_LINKS`] at once.
 pub async fn serve(
     listener: TcpListener,
     config: BackendConfig,
@@ -1060,6 +1065,12 @@ pub async fn serve(
                 continue;
             }
         };
+        if links.len() >= MAX_LINKS {
+            // Edges are few (one link each); a flood of connections is not an edge.
+            tracing::warn!(%peer, "link refused: {MAX_LINKS} links open");
+            drop(stream);
+            continue;
+        }
         let _ = stream.set_nodelay(true);
         let service = service.clone();
         let config = config.clone();
