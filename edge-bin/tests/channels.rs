@@ -1605,3 +1605,27 @@ async fn a_bind_for_a_service_the_table_does_not_have_is_refused() {
     session.bind("room", "lobby").await.unwrap();
     expect_metric_line(&s.edge, "waygate_binds_refused_total 3").await;
 }
+
+/// Regression (bounds audit, 2026-12-04): a player taken over by a login on another edge
+/// left its routing binding on the first edge for good (the key was released only when the
+/// ending session still owned the player), so an edge's router grew with every player that
+/// moved away, and the leaked bindings counted against instance capacity. Now the key is
+/// released unless another session of the player lives on that edge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_player_that_moves_to_another_edge_leaves_no_binding_behind() {
+    let redis = support_redis::RedisServer::start();
+    let two = two_edges(["edge-1", "edge-2"], Some(redis.url())).await;
+    let (first, _) = tcp_member(&two.sessions, &two.edges[0], "mover").await;
+    expect_metric_line(&two.edges[0], "waygate_route_bindings 1").await;
+    // The client goes away (its session lingers on edge 1), then logs in on edge 2: the
+    // login takes the player over and edge 1's session ends, no longer its owner.
+    first.close().await;
+    let endpoint = Endpoint::new(TransportKind::Tcp, two.edges[1].addrs[&TransportKind::Tcp]);
+    let second = Client::start(ClientOptions::new(vec![endpoint], common::token("mover")));
+    second
+        .send(TrafficClass::Normal, 1000, Bytes::from_static(b"hi"))
+        .await
+        .unwrap();
+    expect_metric_line(&two.edges[1], "waygate_route_bindings 1").await;
+    expect_metric_line(&two.edges[0], "waygate_route_bindings 0").await;
+}

@@ -165,6 +165,8 @@ pub struct EdgeMetrics {
     pub backend_sessions: Family<BackendLabel, Gauge>,
     /// Binding moves queued and not yet carried out (R4).
     pub migrations_pending: Gauge,
+    /// Keys bound to an instance on this edge's router (players with a session here, rooms).
+    pub route_bindings: Gauge,
     /// Share of this edge's bound keys the last table change queued for a move.
     pub route_keys_moved_ratio: Gauge<f64, AtomicU64>,
     /// Channel publishes by kind, class and result (taken or the refusal's reason).
@@ -536,6 +538,7 @@ impl EdgeMetrics {
             accept_loop_restarts: Family::default(),
             backend_sessions: Family::default(),
             migrations_pending: Gauge::default(),
+            route_bindings: Gauge::default(),
             route_keys_moved_ratio: Gauge::default(),
             channel_publishes: Family::default(),
             channel_deliveries: Family::default(),
@@ -680,6 +683,11 @@ impl EdgeMetrics {
             "migrations_pending",
             "Binding moves queued and not yet carried out",
             m.migrations_pending.clone(),
+        );
+        registry.register(
+            "route_bindings",
+            "Keys bound to an instance on this edge's router (players with a session here, rooms, orders): rising without bound means bindings are not released",
+            m.route_bindings.clone(),
         );
         registry.register(
             "route_keys_moved_ratio",

@@ -181,6 +181,8 @@ impl Shared {
         if let Ok(router) = self.router.lock() {
             let pending = i64::try_from(router.pending_migrations()).unwrap_or(i64::MAX);
             self.metrics.migrations_pending.set(pending);
+            let bound = i64::try_from(router.bindings().len()).unwrap_or(i64::MAX);
+            self.metrics.route_bindings.set(bound);
         }
     }
 }

@@ -351,7 +351,16 @@ impl UpstreamSink for EdgeUpstream {
                         let _ = presence.remove(&player, &session_id).await;
                     });
                 }
-                if released {
+                // The player's key is this edge's to release unless another session of
+                // the player lives here (a newer login on this edge inherits it). Whether
+                // this session still owned the player (`released`) does not decide it: a
+                // player taken over by another edge left its binding here for good.
+                let other_here = shared
+                    .session_layer()
+                    .registry
+                    .session_of(&player_id)
+                    .is_some_and(|s| s != session_id);
+                if released || !other_here {
                     if let Ok(mut router) = shared.router.lock() {
                         router.release_key(&player_id);
                     }
