@@ -569,6 +569,10 @@ struct Driver {
 
 /// Events waiting for the application beyond which the link is not read.
 const EVENT_BACKLOG: usize = 4096;
+
+/// The longest a write to the link may take; past it the link is dropped and the session
+/// resumes on a new one (as the edge does with a client that does not read, §10.2).
+const SEND_DEADLINE: Duration = Duration::from_secs(5);
 /// Most frames read without waiting before the timers run.
 const READY_BATCH: usize = 256;
 
@@ -952,8 +956,15 @@ impl Driver {
         if frames.is_empty() {
             return;
         }
-        if let Err(e) = conn.send_batch(&frames).await {
-            self.link_down(e.close_code());
+        match tokio::time::timeout(SEND_DEADLINE, conn.send_batch(&frames)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => self.link_down(e.close_code()),
+            Err(_) => {
+                // A link that takes no more (a transport's flow control never reopening)
+                // must not freeze the client: every command waits behind this write.
+                tracing::info!("a write did not complete within {SEND_DEADLINE:?}: link down");
+                self.link_down(CloseCode::SlowConsumer);
+            }
         }
     }
 

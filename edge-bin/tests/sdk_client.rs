@@ -909,3 +909,84 @@ async fn a_stalled_client_reads_what_arrived_before_calling_the_link_dead() {
         "{stalls} stalls of a client with its answer waiting in the socket"
     );
 }
+
+/// Regression (a channels test hung in a CI rehearsal, every task parked): the SDK's task
+/// awaited its writes to the link without a deadline, so a link whose writes stopped
+/// completing (a peer that stops reading, a transport whose flow control never reopens)
+/// froze the whole client: no liveness timer, no command — a `logout()` or `send()` waited
+/// forever. A write now has 5 s; past it the link is dropped (`slow_consumer`) and the
+/// client goes on (reconnects, answers its commands).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_that_never_completes_does_not_freeze_the_client() {
+    use tokio::io::AsyncReadExt as _;
+    // A fake edge: WELCOMEs every connection, then never reads again.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            let mut hello = [0u8; 512];
+            let _ = sock.read(&mut hello).await;
+            let welcome = Frame::Welcome(waygate_protocol::frame::Welcome {
+                session_id: [1; 16],
+                resume_token: [2; 16],
+                outcome: waygate_protocol::frame::WelcomeOutcome::NewSession,
+                heartbeat_interval_ms: 10_000,
+                idle_timeout_ms: 30_000,
+                max_frame_size: 65_536,
+                server_seq_base: 0,
+                client_seq_ack: 0,
+            });
+            let mut out = bytes::BytesMut::new();
+            waygate_protocol::codec::StreamCodec::new(65_536)
+                .encode(&welcome, &mut out)
+                .unwrap();
+            let _ = sock.write_all(&out).await;
+            held.push(sock);
+        }
+    });
+    let mut client = Client::start(ClientOptions::new(
+        vec![Endpoint::new(TransportKind::Tcp, addr)],
+        token("writer"),
+    ));
+    common::wait_for(&mut client, Duration::from_secs(10), |e| {
+        matches!(e, Event::Connected { .. })
+    })
+    .await;
+    // Far more than the socket buffers hold: the writes stop completing. (Bounded: before
+    // the fix the client stopped taking commands, and these sends waited forever.)
+    let sent = tokio::time::timeout(Duration::from_secs(30), async {
+        for _ in 0..300 {
+            client
+                .send(TrafficClass::Normal, ECHO, Bytes::from(vec![7u8; 60_000]))
+                .await
+                .unwrap();
+        }
+    })
+    .await;
+    assert!(
+        sent.is_ok(),
+        "the client takes commands while its link is stuck"
+    );
+    let down = tokio::time::timeout(Duration::from_secs(15), async {
+        loop {
+            match client.next_event().await {
+                Some(Event::Disconnected { code }) => return Some(code),
+                Some(_) => {}
+                None => return None,
+            }
+        }
+    })
+    .await;
+    assert_eq!(
+        down,
+        Ok(Some(CloseCode::SlowConsumer)),
+        "the stuck link was dropped"
+    );
+    // And the client still answers its commands.
+    let logout = tokio::time::timeout(Duration::from_secs(10), client.logout()).await;
+    assert!(logout.is_ok(), "logout answered");
+}
