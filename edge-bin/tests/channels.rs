@@ -1514,12 +1514,24 @@ async fn a_logout_ends_the_session_on_every_transport_and_a_close_lingers() {
         TransportKind::Quic,
         TransportKind::Kcp,
     ];
+    // Every step bounded: a step that never ends fails with its name (one run hung here
+    // with every task parked; see the SDK's write deadline).
+    async fn step<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+        timeout(Duration::from_secs(20), f)
+            .await
+            .unwrap_or_else(|_| panic!("{what} did not finish within 20 s"))
+    }
     for kind in kinds {
         let player = format!("leaving-{kind:?}");
-        let (client, _) = s.member(kind, &player).await;
-        client.logout().await.expect("logged out on a live link");
+        let (client, _) = step(&format!("member {kind:?}"), s.member(kind, &player)).await;
+        step(&format!("logout {kind:?}"), client.logout())
+            .await
+            .expect("logged out on a live link");
         assert!(
-            matches!(client.logout().await, Err(waygate_client::SdkError::Closed)),
+            matches!(
+                step(&format!("second logout {kind:?}"), client.logout()).await,
+                Err(waygate_client::SdkError::Closed)
+            ),
             "a second logout is answered: the client has ended"
         );
         let end = poll_until(Duration::from_secs(10), || async {
@@ -1529,8 +1541,8 @@ async fn a_logout_ends_the_session_on_every_transport_and_a_close_lingers() {
         assert_eq!(end, Some(("closed", CloseCode::Logout)), "{kind:?}");
 
         let player = format!("staying-{kind:?}");
-        let (client, _) = s.member(kind, &player).await;
-        client.close().await;
+        let (client, _) = step(&format!("member {kind:?}"), s.member(kind, &player)).await;
+        step(&format!("close {kind:?}"), client.close()).await;
         let end = poll_until(Duration::from_secs(10), || async {
             s.sessions.end_of(&player)
         })
@@ -1547,7 +1559,7 @@ async fn a_logout_ends_the_session_on_every_transport_and_a_close_lingers() {
         common::token("nowhere"),
     ));
     assert!(matches!(
-        client.logout().await,
+        step("logout with nothing listening", client.logout()).await,
         Err(waygate_client::SdkError::NotConnected)
     ));
 }

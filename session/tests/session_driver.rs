@@ -42,6 +42,25 @@ async fn exchange(
 
 use waygate_session::testkit::welcomes;
 
+/// Player `p`'s client logged in on `edge` over an in-memory link: the session's task, the
+/// client, its end of the link and its events so far (the WELCOME included).
+async fn logged_in(
+    edge: &Arc<SessionLayer>,
+) -> (
+    tokio::task::JoinHandle<EndReason>,
+    ClientSession,
+    MemConn,
+    Vec<ClientEvent>,
+) {
+    let (server_end, mut conn) = mem_pair();
+    let task = edge.spawn(Box::new(server_end));
+    let mut c = client();
+    let mut events = Vec::new();
+    c.connect(Instant::now()).expect("hello");
+    exchange(&mut c, &mut conn, &mut events, |e| !welcomes(e).is_empty()).await;
+    (task, c, conn, events)
+}
+
 /// A session layer with write-through to `store` (linger 60 s).
 fn write_through_layer(
     name: &str,
@@ -65,12 +84,7 @@ fn write_through_layer(
 #[tokio::test(start_paused = true)]
 async fn linger_expiry_releases_ownership_bindings_and_snapshot() {
     let (edge, sink) = edge();
-    let (server_end, mut conn) = mem_pair();
-    let task = edge.spawn(Box::new(server_end));
-    let mut c = client();
-    let mut events = Vec::new();
-    c.connect(Instant::now()).expect("hello");
-    exchange(&mut c, &mut conn, &mut events, |e| !welcomes(e).is_empty()).await;
+    let (task, _c, conn, _events) = logged_in(&edge).await;
     let sid = edge.registry.session_of("p").expect("registered");
     assert!(edge.registry.bind(&sid, "world", "w-1"));
     drop(conn); // the link dies without a CLOSE
@@ -228,12 +242,7 @@ async fn resume_on_another_edge_from_the_shared_store() {
         e.ownership = edge1.ownership.clone();
         (Arc::new(e), sink)
     };
-    let (server_end, mut conn) = mem_pair();
-    let task1 = edge1.spawn(Box::new(server_end));
-    let mut c = client();
-    let mut events = Vec::new();
-    c.connect(Instant::now()).expect("hello");
-    exchange(&mut c, &mut conn, &mut events, |e| !welcomes(e).is_empty()).await;
+    let (task1, mut c, conn, mut events) = logged_in(&edge1).await;
     let sid = edge1.registry.session_of("p").expect("registered");
     edge1
         .registry
@@ -428,12 +437,7 @@ async fn a_burst_of_messages_shares_the_write_through_commits() {
     let (e, sink) = write_through_layer("edge-wt", store);
     let wt = e.write_through.clone().expect("write-through on");
     let edge = Arc::new(e);
-    let (server_end, mut conn) = mem_pair();
-    let _task = edge.spawn(Box::new(server_end));
-    let mut c = client();
-    let mut events = Vec::new();
-    c.connect(Instant::now()).expect("hello");
-    exchange(&mut c, &mut conn, &mut events, |e| !welcomes(e).is_empty()).await;
+    let (_task, mut c, mut conn, mut events) = logged_in(&edge).await;
     let before = wt.writes.load(std::sync::atomic::Ordering::Relaxed);
     const BURST: usize = 40;
     for n in 0..BURST {
@@ -484,12 +488,7 @@ async fn pushes_to_a_lingering_session_outlive_its_edge() {
     edge2.ownership = edge1.ownership.clone();
     let edge2 = Arc::new(edge2);
 
-    let (server_end, mut conn) = mem_pair();
-    let task1 = edge1.spawn(Box::new(server_end));
-    let mut c = client();
-    let mut events = Vec::new();
-    c.connect(Instant::now()).expect("hello");
-    exchange(&mut c, &mut conn, &mut events, |e| !welcomes(e).is_empty()).await;
+    let (task1, mut c, conn, mut events) = logged_in(&edge1).await;
     let sid = edge1.registry.session_of("p").expect("registered");
     // The client goes away; its session lingers on edge 1 and takes three pushes.
     drop(conn);
@@ -550,12 +549,7 @@ async fn a_push_receipt_is_reported_after_the_write_through() {
     });
     let (e, sink) = write_through_layer("edge-r", store);
     let edge = Arc::new(e);
-    let (server_end, mut conn) = mem_pair();
-    let _task = edge.spawn(Box::new(server_end));
-    let mut c = client();
-    let mut events = Vec::new();
-    c.connect(Instant::now()).expect("hello");
-    exchange(&mut c, &mut conn, &mut events, |e| !welcomes(e).is_empty()).await;
+    let (_task, mut c, mut conn, mut events) = logged_in(&edge).await;
     let written = |sink: &EchoSink| {
         sink.events()
             .into_iter()
