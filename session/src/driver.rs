@@ -1012,11 +1012,12 @@ impl Task {
         let Some(snapshot) = self.machine.checkpoint() else {
             return false;
         };
-        if self.held_elsewhere(&snapshot.session_id) {
-            return false;
-        }
+        // Identical first: it needs no host lock (the hot path of a busy session).
         if self.durable.as_deref() == Some(&snapshot) {
             return true;
+        }
+        if self.held_elsewhere(&snapshot.session_id) {
+            return false;
         }
         if wt.paused() {
             wt.skipped();
