@@ -1096,3 +1096,79 @@ async fn a_backend_serves_a_bounded_number_of_links() {
     let waiting = tokio::time::timeout(Duration::from_millis(200), first.read(&mut byte)).await;
     assert!(waiting.is_err(), "{waiting:?}");
 }
+
+/// Regression (bounds audit, 2026-12-04): a session's lifecycle frames (its close, detach,
+/// reattach) waited without a bound for room in the link's write queue, so a backend that
+/// stopped reading its link stalled whoever sent them — the route loop (every table update,
+/// health beat and migration of the edge) and every session ending there. They wait at
+/// most `LIFECYCLE_SEND_WAIT` now (then the frame is dropped and logged).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_that_stops_reading_does_not_stall_session_closes() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    // A hand-made backend: grants plenty of credit, then never reads again.
+    let backend = tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        let mut io = waygate_link::spawn_link_io(
+            stream,
+            1 << 20,
+            Duration::from_secs(5),
+            waygate_link::LinkIoOptions {
+                read_queue: 1,
+                ..waygate_link::LinkIoOptions::default()
+            },
+        );
+        let _hello = next_frame(&mut io.rx).await;
+        io.tx
+            .send(LinkFrame::Welcome {
+                version: LINK_VERSION,
+                instance_id: "stuck".into(),
+                credits: 1_000_000,
+                heartbeat_ms: 5000,
+                auth: None,
+                features: 0,
+            })
+            .await
+            .unwrap();
+        // Holds the link open without reading it.
+        tokio::time::sleep(Duration::from_secs(120)).await;
+        drop(io);
+    });
+    let (tx, mut rx) = mpsc::channel(64);
+    let (link, _task) = LinkClient::spawn(addr, fast_config(), Arc::new(AtomicU64::new(1)), tx);
+    wait_up(&mut rx).await;
+    let m = meta(3, "stuck");
+    // Forward until the link takes no more (its write queue and the socket are full).
+    let mut taken = 0u64;
+    for seq in 1..=100_000u64 {
+        let r = link.forward(
+            &m,
+            ECHO,
+            1,
+            seq,
+            TrafficClass::Normal,
+            Bytes::from(vec![1u8; 60_000]),
+        );
+        if r.is_err() {
+            break;
+        }
+        taken += 1;
+        if seq % 64 == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    assert!(taken > 0);
+    let closed = tokio::time::timeout(
+        Duration::from_secs(15),
+        link.session_event(LinkFrame::SessionClose {
+            handle: 3,
+            code: CloseCode::Normal,
+        }),
+    )
+    .await;
+    assert!(
+        closed.is_ok(),
+        "the close waited on the stuck backend ({taken} forwards taken)"
+    );
+    backend.abort();
+}

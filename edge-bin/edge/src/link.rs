@@ -24,6 +24,10 @@ use waygate_transport::{CloseCode, TrafficClass};
 
 use waygate_link::spawn_link_io;
 
+/// The longest [`LinkClient::session_event`] waits for room in a link's write queue: a
+/// backend that has not read its link that long is not told (the frame is logged).
+pub const LIFECYCLE_SEND_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Settings of the edge's links.
 #[derive(Debug, Clone)]
 pub struct LinkConfig {
@@ -502,7 +506,8 @@ impl LinkClient {
     }
 
     /// Sends a session lifecycle frame (DETACHED, REATTACHED, CLOSE) if the session is open
-    /// on this link; CLOSE also forgets it.
+    /// on this link; CLOSE also forgets it. Waits at most [`LIFECYCLE_SEND_WAIT`] for room
+    /// in the link's write queue (then the frame is dropped and logged).
     pub async fn session_event(&self, frame: LinkFrame) {
         let handle = match &frame {
             LinkFrame::SessionClose { handle, .. }
@@ -522,7 +527,18 @@ impl LinkClient {
         };
         if known {
             if let Some(tx) = self.sender() {
-                let _ = tx.send(frame).await;
+                // Bounded: the route loop and session ends call this, and a backend that
+                // stopped reading its link must not stall them (its write queue full).
+                if tokio::time::timeout(LIFECYCLE_SEND_WAIT, tx.send(frame))
+                    .await
+                    .is_err()
+                {
+                    tracing::warn!(
+                        backend = %self.addr(),
+                        handle,
+                        "session lifecycle frame dropped: the backend has not read its link for {LIFECYCLE_SEND_WAIT:?}"
+                    );
+                }
             }
         }
     }
