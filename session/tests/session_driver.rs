@@ -383,6 +383,18 @@ async fn a_handshake_whose_client_left_takes_nothing_from_the_live_session() {
     );
 }
 
+/// A session layer with write-through to an in-memory store whose every commit takes
+/// 100 ms (a Redis slowed down by a busy machine).
+fn write_through_layer_slow(name: &str) -> (SessionLayer, Arc<EchoSink>) {
+    write_through_layer(
+        name,
+        Arc::new(SlowStore {
+            inner: waygate_session::store::MemorySnapshotStore::new(),
+            delay: Duration::from_millis(100),
+        }),
+    )
+}
+
 /// A snapshot store whose every group commit takes `delay` (a Redis slowed down by a busy
 /// machine).
 struct SlowStore {
@@ -430,11 +442,7 @@ impl waygate_session::store::SnapshotStore for SlowStore {
 /// session's snapshot, not one per message.
 #[tokio::test(start_paused = true)]
 async fn a_burst_of_messages_shares_the_write_through_commits() {
-    let store = Arc::new(SlowStore {
-        inner: waygate_session::store::MemorySnapshotStore::new(),
-        delay: Duration::from_millis(100),
-    });
-    let (e, sink) = write_through_layer("edge-wt", store);
+    let (e, sink) = write_through_layer_slow("edge-wt");
     let wt = e.write_through.clone().expect("write-through on");
     let edge = Arc::new(e);
     let (_task, mut c, mut conn, mut events) = logged_in(&edge).await;
@@ -543,11 +551,7 @@ async fn pushes_to_a_lingering_session_outlive_its_edge() {
 /// killed in between cannot have answered `delivered` for a push it lost).
 #[tokio::test(start_paused = true)]
 async fn a_push_receipt_is_reported_after_the_write_through() {
-    let store = Arc::new(SlowStore {
-        inner: waygate_session::store::MemorySnapshotStore::new(),
-        delay: Duration::from_millis(100),
-    });
-    let (e, sink) = write_through_layer("edge-r", store);
+    let (e, sink) = write_through_layer_slow("edge-r");
     let edge = Arc::new(e);
     let (_task, mut c, mut conn, mut events) = logged_in(&edge).await;
     let written = |sink: &EchoSink| {

@@ -154,8 +154,7 @@ pub enum BackendError {
     #[error("link to the edge is closed")]
     LinkClosed,
     /// The message does not fit one link frame (`BackendConfig::max_link_frame`): nothing
-    /// was sent (before, the link's writer dropped it with a log line and the PUSH credit it
-    /// took was never returned).
+    /// was sent and no credit taken.
     #[error("a frame of {len} bytes does not fit the link's {max}-byte frames")]
     TooLarge {
         /// Encoded size of the frame.

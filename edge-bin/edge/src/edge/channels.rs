@@ -371,10 +371,10 @@ impl Shared {
         let Some(a) = &self.announcements else {
             return;
         };
-        let permit = match (a.reads.clone().try_acquire_owned(), answer) {
-            (Ok(permit), answer) => (Some(permit), answer),
+        let permit = a.reads.clone().try_acquire_owned().ok();
+        let answer = match (&permit, answer) {
             // A backend's join: refused at once, it retries after the hint.
-            (Err(_), Some((request_id, reply))) => {
+            (None, Some((request_id, reply))) => {
                 self.metrics
                     .channel_joins
                     .get_or_create(&self.channel_labels(
@@ -386,10 +386,10 @@ impl Shared {
                 answer_later(reply, result(request_id, Err(ChannelError::LogUnavailable)));
                 return;
             }
-            // A restored membership: waits for a read (in its task).
-            (Err(_), None) => (None, None),
+            // Otherwise it reads now, or (a restored membership) waits for a read in its
+            // task.
+            (_, answer) => answer,
         };
-        let (permit, answer) = permit;
         let reads = a.reads.clone();
         let (weak, log) = (Arc::downgrade(self), a.log.clone());
         tokio::spawn(async move {

@@ -10,7 +10,6 @@ use waygate_session::host::SupersededKick;
 use waygate_session::resume::hex_id;
 use waygate_transport::TransportKind;
 
-use super::player_push::LocalPush;
 use super::Shared;
 use crate::cluster::etcd::{EdgeInfo, Load};
 use crate::cluster::redis::{DeliveryResult, PushDelivery, PushMessage, Reassert};
@@ -144,17 +143,12 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
     let server = redis
         .presence
         .serve_pushes(&edge_id, move |player: &str, m: PushMessage| {
-            let local = weak
-                .upgrade()
-                .and_then(|s| s.deliver_push_here(player, m.id, m.into()));
-            match local {
+            weak.upgrade()
+                .and_then(|s| s.deliver_push_here(player, m.id, m.into()))
                 // No session here: offline on this edge.
-                None => PushDelivery::Now(DeliveryResult::Offline),
-                Some(LocalPush::Answered(outcome)) => PushDelivery::Now(outcome.into()),
-                Some(LocalPush::Queued(outcome)) => {
-                    PushDelivery::Later(Box::pin(async move { outcome.await.into() }))
-                }
-            }
+                .map_or(PushDelivery::Now(DeliveryResult::Offline), |d| {
+                    d.map(DeliveryResult::from)
+                })
         });
     tasks.push(tokio::spawn(async move {
         let _server = server;

@@ -18,7 +18,7 @@ use waygate_session::driver::{Downstream, PushError};
 use super::channels::answer_later;
 use super::Shared;
 use crate::cluster::player_push::{DeliveredPushIds, PlayerPushQueue, PushIdCheck};
-use crate::cluster::redis::PushMessage;
+use crate::cluster::redis::{PushDelivery, PushMessage};
 use crate::link::LinkWriter;
 
 /// Pushes that may wait for other edges at once (beyond: `busy`).
@@ -83,7 +83,14 @@ impl PushReceipts {
         };
         for id in ids {
             if let Some(tx) = waiting.remove(id) {
-                let _ = tx.send(stored);
+                // Fails only when the waiter is gone: it gave up at RECEIPT_WAIT and
+                // answered `unknown` itself, so the push is answered either way.
+                if tx.send(stored).is_err() {
+                    tracing::debug!(
+                        receipt = id,
+                        "push receipt after its waiter answered unknown"
+                    );
+                }
             }
         }
     }
@@ -103,13 +110,9 @@ impl PushReceipts {
     }
 }
 
-/// How a push for a player with a session here went.
-pub(super) enum LocalPush {
-    /// Answered now.
-    Answered(PlayerPushOutcome),
-    /// Queued; answered once the session's stored copy holds it.
-    Queued(std::pin::Pin<Box<dyn std::future::Future<Output = PlayerPushOutcome> + Send>>),
-}
+/// How a push for a player with a session here went: answered now, or (queued with a
+/// receipt) once the session's stored copy holds it.
+type LocalPush = PushDelivery<PlayerPushOutcome>;
 
 impl PlayerPushes {
     pub(super) fn new() -> Self {
@@ -144,7 +147,7 @@ impl Shared {
     /// `id` was delivered here within the window (then `delivered`, nothing queued) or the
     /// edge remembers as many ids as it may (`busy`). `None`: the player has no session
     /// here. With write-through a sequenced push is `delivered` only once the session's
-    /// stored copy holds it ([`LocalPush::Queued`]): an edge killed before that could not
+    /// stored copy holds it ([`PushDelivery::Later`]): an edge killed before that could not
     /// answer `delivered` for a push it then lost.
     pub(super) fn deliver_push_here(
         &self,
@@ -154,13 +157,11 @@ impl Shared {
     ) -> Option<LocalPush> {
         let now = std::time::Instant::now();
         let Ok(mut ids) = self.player_pushes.delivered.lock() else {
-            return Some(LocalPush::Answered(PlayerPushOutcome::Busy));
+            return Some(LocalPush::Now(PlayerPushOutcome::Busy));
         };
         match ids.check(now, id) {
-            PushIdCheck::Duplicate => {
-                return Some(LocalPush::Answered(PlayerPushOutcome::Delivered))
-            }
-            PushIdCheck::Full => return Some(LocalPush::Answered(PlayerPushOutcome::Busy)),
+            PushIdCheck::Duplicate => return Some(LocalPush::Now(PlayerPushOutcome::Delivered)),
+            PushIdCheck::Full => return Some(LocalPush::Now(PlayerPushOutcome::Busy)),
             PushIdCheck::New => {}
         }
         let layer = self.session_layer();
@@ -169,11 +170,11 @@ impl Shared {
             if outcome == PlayerPushOutcome::Delivered {
                 ids.delivered(now, id);
             }
-            return Some(LocalPush::Answered(outcome));
+            return Some(LocalPush::Now(outcome));
         }
         let receipts = self.player_pushes.receipts.clone();
         let Some((receipt, rx)) = receipts.take() else {
-            return Some(LocalPush::Answered(PlayerPushOutcome::Busy));
+            return Some(LocalPush::Now(PlayerPushOutcome::Busy));
         };
         match layer
             .registry
@@ -184,13 +185,13 @@ impl Shared {
                 if !with_receipt {
                     // Queued, but its queue had no room left for the receipt.
                     receipts.forget(receipt);
-                    return Some(LocalPush::Answered(PlayerPushOutcome::Unknown));
+                    return Some(LocalPush::Now(PlayerPushOutcome::Unknown));
                 }
-                Some(LocalPush::Queued(Box::pin(receipts.outcome(receipt, rx))))
+                Some(LocalPush::Later(Box::pin(receipts.outcome(receipt, rx))))
             }
             Err(e) => {
                 receipts.forget(receipt);
-                local_outcome(Err(e)).map(LocalPush::Answered)
+                local_outcome(Err(e)).map(LocalPush::Now)
             }
         }
     }
@@ -228,11 +229,11 @@ impl Shared {
             payload,
         };
         match self.deliver_push_here(&player, request_id, message.clone()) {
-            Some(LocalPush::Answered(outcome)) => return answer(outcome),
-            Some(LocalPush::Queued(outcome)) => {
+            Some(LocalPush::Now(outcome)) => return answer(outcome),
+            Some(queued) => {
                 let (reply, outcomes) = (later(), self.metrics.player_push_outcomes.clone());
                 tokio::spawn(async move {
-                    let outcome = outcome.await;
+                    let outcome = queued.resolve().await;
                     outcomes[outcome as usize].inc();
                     answer_later(
                         reply,

@@ -318,7 +318,7 @@ impl UpstreamSink for EdgeUpstream {
                 session_id,
                 player_id,
                 reason,
-                released,
+                released: _,
                 channels_acked,
                 ..
             } => {
@@ -360,7 +360,7 @@ impl UpstreamSink for EdgeUpstream {
                     .registry
                     .session_of(&player_id)
                     .is_some_and(|s| s != session_id);
-                if released || !other_here {
+                if !other_here {
                     if let Ok(mut router) = shared.router.lock() {
                         router.release_key(&player_id);
                     }

@@ -150,14 +150,33 @@ where
     }
 }
 
-/// A [`PushHandler`]'s result: known now, or once the message is written through (a
-/// future that must end by itself within the sender's
-/// [`push_timeout`](super::RedisConfig::push_timeout)).
-pub enum PushDelivery {
+/// What became of a pushed message: known now, or once the message is written through
+/// (a future that must end by itself; for a [`PushHandler`], within the sender's
+/// [`push_timeout`](super::RedisConfig::push_timeout)). `T` is the answer's type: a
+/// [`DeliveryResult`] between edges, a PLAYER_PUSH outcome on a backend's link.
+pub enum PushDelivery<T = DeliveryResult> {
     /// Decided when the message was handled.
-    Now(DeliveryResult),
+    Now(T),
     /// Decided later (the message is queued; the future says what became of it).
-    Later(std::pin::Pin<Box<dyn std::future::Future<Output = DeliveryResult> + Send>>),
+    Later(std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>),
+}
+
+impl<T: Send + 'static> PushDelivery<T> {
+    /// The same delivery with its answer converted.
+    pub fn map<U>(self, f: impl FnOnce(T) -> U + Send + 'static) -> PushDelivery<U> {
+        match self {
+            Self::Now(t) => PushDelivery::Now(f(t)),
+            Self::Later(later) => PushDelivery::Later(Box::pin(async move { f(later.await) })),
+        }
+    }
+
+    /// The answer, once known.
+    pub async fn resolve(self) -> T {
+        match self {
+            Self::Now(t) => t,
+            Self::Later(later) => later.await,
+        }
+    }
 }
 
 impl From<DeliveryResult> for PushDelivery {
@@ -444,10 +463,7 @@ impl RedisPresence {
                     let answer = async move {
                         let mut results = Vec::with_capacity(deliveries.len());
                         for d in deliveries {
-                            results.push(match d {
-                                PushDelivery::Now(r) => r,
-                                PushDelivery::Later(r) => r.await,
-                            });
+                            results.push(d.resolve().await);
                         }
                         let Ok(body) = serde_json::to_vec(&PushReply { id, results }) else {
                             return;
