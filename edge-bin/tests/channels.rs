@@ -1618,6 +1618,57 @@ async fn a_bind_for_a_service_the_table_does_not_have_is_refused() {
     expect_metric_line(&s.edge, "waygate_binds_refused_total 3").await;
 }
 
+/// Sends a room message (2000) until the edge's router holds `bindings` (a BIND reaches
+/// the edge on the backend's link, unordered with the client's messages).
+async fn route_room(admin: std::net::SocketAddr, client: &Client, bindings: usize) {
+    let line = format!("waygate_route_bindings {bindings}");
+    let bound = poll_until(Duration::from_secs(10), || async {
+        let _ = client
+            .send(
+                TrafficClass::Normal,
+                2000,
+                Bytes::from_static(b"in the room"),
+            )
+            .await;
+        let (_, m) = common::http(admin, "GET", "/metrics").await;
+        m.lines().find(|l| l.starts_with(&line)).map(drop)
+    })
+    .await;
+    assert!(bound.is_some(), "{line}");
+}
+
+/// Regression (bounds, 2026-12-04, second stop): a room, guild or order key that a
+/// backend BINDs a session to was bound in the edge's router by the first message routed
+/// with it and stayed there for good, one binding per room ever played on the edge. Now a
+/// key no session on the edge holds any more (its sessions ended or were bound elsewhere)
+/// is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_room_nobody_here_is_in_any_more_leaves_no_binding_behind() {
+    let s = setup(|_| {}).await;
+    let admin = s.edge.admin_addr.unwrap();
+    let mut members = Vec::new();
+    for (n, room) in ["match-0", "match-1", "match-0"].into_iter().enumerate() {
+        let (client, session) = s.member(TransportKind::Tcp, &format!("roomer{n}")).await;
+        session.bind("room", room).await.unwrap();
+        members.push((client, session));
+    }
+    // Three players and two rooms.
+    route_room(admin, &members[0].0, 4).await;
+    route_room(admin, &members[1].0, 5).await;
+    route_room(admin, &members[2].0, 5).await;
+    // roomer1 moves to match-2: match-1 has nobody here any more.
+    members[1].1.bind("room", "match-2").await.unwrap();
+    expect_metric_line(&s.edge, "waygate_route_bindings 4").await;
+    route_room(admin, &members[1].0, 5).await;
+    // roomer0 leaves: match-0 still holds roomer2 (4: two players, match-0, match-2).
+    members[0].1.kick(CloseCode::Kicked, "").await.unwrap();
+    expect_metric_line(&s.edge, "waygate_route_bindings 4").await;
+    for (_, session) in &members[1..] {
+        session.kick(CloseCode::Kicked, "").await.unwrap();
+    }
+    expect_metric_line(&s.edge, "waygate_route_bindings 0").await;
+}
+
 /// Regression (bounds audit, 2026-12-04): a player taken over by a login on another edge
 /// left its routing binding on the first edge for good (the key was released only when the
 /// ending session still owned the player), so an edge's router grew with every player that

@@ -209,11 +209,11 @@ fn handle_now(shared: &Arc<Shared>, event: LinkEvent) -> Option<LinkEvent> {
             {
                 tracing::warn!(%service, error = %e, "routing key not recorded in the session");
             }
-            if let Ok(mut e) = shared.entries.lock() {
-                if let Some(entry) = e.by_id.get_mut(&sid) {
-                    Arc::make_mut(&mut entry.keys).insert(service, key);
-                }
-            }
+            let released = match shared.entries.lock() {
+                Ok(mut e) => e.set_keys(&sid, [(service, key)]),
+                Err(_) => Vec::new(),
+            };
+            shared.release_keys(released);
         }
         LinkEvent::Backend(LinkFrame::Pin {
             kind,

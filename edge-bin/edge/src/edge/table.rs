@@ -30,7 +30,14 @@ pub(super) struct Sessions {
     /// Sessions opened on each backend link (the `backend_sessions` gauge), kept with the
     /// entries' `links` so the gauge never scans the table.
     per_link: HashMap<SocketAddr, i64>,
+    /// Sessions here holding each BIND key, (service, key): a room, guild or order nobody
+    /// here is in any more is released from the router (its binding stayed for good, one
+    /// per room ever played on this edge).
+    key_holders: HashMap<(String, String), u32>,
 }
+
+/// A BIND key (service, key) that no session here holds any more.
+pub(super) type ReleasedKey = (String, String);
 
 impl Sessions {
     /// The session's entry, created on first use.
@@ -84,14 +91,51 @@ impl Sessions {
         }
     }
 
-    /// Removes the session's entry.
-    pub(super) fn remove(&mut self, session_id: &SessionId) -> Option<SessionEntry> {
+    /// Records the session's BIND keys (service -> key; a service's previous key is
+    /// replaced). Returns the keys no session here holds any more.
+    pub(super) fn set_keys(
+        &mut self,
+        session_id: &SessionId,
+        keys: impl IntoIterator<Item = (String, String)>,
+    ) -> Vec<ReleasedKey> {
+        let mut released = Vec::new();
+        let Some(en) = self.by_id.get_mut(session_id) else {
+            return released;
+        };
+        for (service, key) in keys {
+            if en.keys.get(&service) == Some(&key) {
+                continue;
+            }
+            *self
+                .key_holders
+                .entry((service.clone(), key.clone()))
+                .or_default() += 1;
+            if let Some(old) = Arc::make_mut(&mut en.keys).insert(service.clone(), key) {
+                unhold(&mut self.key_holders, (service, old), &mut released);
+            }
+        }
+        released
+    }
+
+    /// Removes the session's entry; with it, the keys no session here holds any more.
+    pub(super) fn remove(
+        &mut self,
+        session_id: &SessionId,
+    ) -> Option<(SessionEntry, Vec<ReleasedKey>)> {
         let entry = self.by_id.remove(session_id)?;
         self.by_handle.remove(&entry.meta.handle);
         for addr in entry.links.iter() {
             self.uncount(*addr);
         }
-        Some(entry)
+        let mut released = Vec::new();
+        for (service, key) in entry.keys.iter() {
+            unhold(
+                &mut self.key_holders,
+                (service.clone(), key.clone()),
+                &mut released,
+            );
+        }
+        Some((entry, released))
     }
 
     fn uncount(&mut self, addr: SocketAddr) {
@@ -109,7 +153,49 @@ impl Sessions {
     }
 }
 
+fn unhold(
+    holders: &mut HashMap<(String, String), u32>,
+    held: (String, String),
+    released: &mut Vec<ReleasedKey>,
+) {
+    if let Some(n) = holders.get_mut(&held) {
+        *n -= 1;
+        if *n == 0 {
+            holders.remove(&held);
+            released.push(held);
+        }
+    }
+}
+
 impl Shared {
+    /// Releases the router's bindings of BIND keys no session here holds any more: only
+    /// for services keyed by room, guild or order (a player's binding is released with its
+    /// last session here, `EdgeUpstream`).
+    pub(super) fn release_keys(&self, released: Vec<ReleasedKey>) {
+        if released.is_empty() {
+            return;
+        }
+        let Ok(mut router) = self.router.lock() else {
+            return;
+        };
+        for (service, key) in released {
+            let keyed = router
+                .table()
+                .and_then(|t| t.service(&service))
+                .is_some_and(|s| {
+                    matches!(
+                        s.key,
+                        waygate_routing::KeyKind::Room
+                            | waygate_routing::KeyKind::Guild
+                            | waygate_routing::KeyKind::Order
+                    )
+                });
+            if keyed {
+                router.release(&key, &service);
+            }
+        }
+    }
+
     pub(super) fn entry(&self, session_id: &SessionId, player: &str) -> SessionEntry {
         let mut e = match self.entries.lock() {
             Ok(e) => e,
@@ -153,6 +239,7 @@ mod tests {
         Open(u8),
         AddLink(u8, u8),
         RemoveLink(u8, u8),
+        Bind(u8, u8, u8),
         Remove(u8),
     }
 
@@ -161,28 +248,53 @@ mod tests {
             (0u8..6).prop_map(Op::Open),
             (0u8..6, 0u8..3).prop_map(|(s, l)| Op::AddLink(s, l)),
             (0u8..6, 0u8..3).prop_map(|(s, l)| Op::RemoveLink(s, l)),
+            (0u8..6, 0u8..2, 0u8..3).prop_map(|(s, v, k)| Op::Bind(s, v, k)),
             (0u8..6).prop_map(Op::Remove),
         ]
     }
 
     proptest! {
-        /// The per-link counts always equal a scan of the entries' links.
+        /// The per-link counts always equal a scan of the entries' links; the key holders
+        /// a scan of the entries' keys, and a key is reported released exactly when its
+        /// last holder lets it go.
         #[test]
-        fn link_counts_match_the_entries(ops in proptest::collection::vec(op(), 0..64)) {
+        fn link_and_key_counts_match_the_entries(ops in proptest::collection::vec(op(), 0..64)) {
             let mut t = Sessions::default();
             let addr = |l: u8| SocketAddr::from(([127, 0, 0, 1], 9000 + u16::from(l)));
             for op in ops {
-                match op {
-                    Op::Open(s) => { t.open(&[s; 16], "p", "e"); }
-                    Op::AddLink(s, l) => t.add_link(&[s; 16], addr(l)),
-                    Op::RemoveLink(s, l) => t.remove_link(&[s; 16], addr(l)),
-                    Op::Remove(s) => { t.remove(&[s; 16]); }
-                }
+                let before = t.key_holders.clone();
+                let released = match op {
+                    Op::Open(s) => { t.open(&[s; 16], "p", "e"); Vec::new() }
+                    Op::AddLink(s, l) => { t.add_link(&[s; 16], addr(l)); Vec::new() }
+                    Op::RemoveLink(s, l) => { t.remove_link(&[s; 16], addr(l)); Vec::new() }
+                    Op::Bind(s, v, k) => t.set_keys(
+                        &[s; 16],
+                        [(format!("svc{v}"), format!("key{k}"))],
+                    ),
+                    Op::Remove(s) => t.remove(&[s; 16]).map(|(_, r)| r).unwrap_or_default(),
+                };
                 for l in 0..3 {
                     let scanned = t.by_id.values().filter(|e| e.links.contains(&addr(l))).count();
                     prop_assert_eq!(t.sessions_on_link(&addr(l)), scanned as i64);
                 }
                 prop_assert_eq!(t.by_handle.len(), t.by_id.len());
+                let mut scanned: HashMap<(String, String), u32> = HashMap::new();
+                for e in t.by_id.values() {
+                    for (service, key) in e.keys.iter() {
+                        *scanned.entry((service.clone(), key.clone())).or_default() += 1;
+                    }
+                }
+                prop_assert_eq!(&t.key_holders, &scanned);
+                let gone: Vec<_> = before
+                    .keys()
+                    .filter(|k| !t.key_holders.contains_key(*k))
+                    .cloned()
+                    .collect();
+                let mut released = released;
+                released.sort();
+                let mut gone = gone;
+                gone.sort();
+                prop_assert_eq!(released, gone);
             }
         }
     }

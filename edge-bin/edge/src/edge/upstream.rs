@@ -283,11 +283,11 @@ impl UpstreamSink for EdgeUpstream {
             }
             SessionEvent::RoutingKeys { session_id, keys } => {
                 // A restored session's keys (BIND from backends, possibly on another edge).
-                if let Ok(mut e) = shared.entries.lock() {
-                    if let Some(entry) = e.by_id.get_mut(&session_id) {
-                        Arc::make_mut(&mut entry.keys).extend(keys);
-                    }
-                }
+                let released = match shared.entries.lock() {
+                    Ok(mut e) => e.set_keys(&session_id, keys),
+                    Err(_) => Vec::new(),
+                };
+                shared.release_keys(released);
             }
             SessionEvent::Channels {
                 session_id,
@@ -329,12 +329,13 @@ impl UpstreamSink for EdgeUpstream {
                     "session ended: a member of no channel here"
                 );
                 shared.channels_session_departed(&session_id, &player_id, &channels_acked);
-                let entry = shared
+                let removed = shared
                     .entries
                     .lock()
                     .ok()
                     .and_then(|mut e| e.remove(&session_id));
-                if let Some(entry) = entry {
+                if let Some((entry, released)) = removed {
+                    shared.release_keys(released);
                     let code = match reason {
                         waygate_session::EndReason::Kicked => CloseCode::Kicked,
                         waygate_session::EndReason::LingerExpired => CloseCode::SessionExpired,
