@@ -632,3 +632,59 @@ async fn a_write_through_sends_what_changed_not_the_whole_replay_buffer() {
         assert!(*b < 1024, "a 64 B message cost Redis {b} bytes");
     }
 }
+
+/// Bounds (2026-12-04, second stop): the redis crate buffers what a subscription receives
+/// without a bound, so a subscriber that did not keep up (here: kicks nobody takes) made the
+/// edge's memory grow with every notice published to it. A subscription now holds at most
+/// its queue (4,096) plus what its handler holds; beyond that a notice is dropped and
+/// counted, and every notice is either delivered, in order, or counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_that_does_not_keep_up_holds_a_bounded_queue() {
+    const QUEUE: u64 = 4096;
+    let server = RedisServer::start();
+    let s = stores(&server).await;
+    let dropped = s.pubsub_dropped();
+    let (mut kicks, mut up) = s.ownership.subscribe_kicks_with_status("e1");
+    tokio::time::timeout(Duration::from_secs(5), up.wait_for(|u| *u))
+        .await
+        .expect("subscribed")
+        .expect("watch");
+    // Nobody reads `kicks` (a channel of 4,096) while 3 x 4,096 + 500 notices arrive.
+    let n: u64 = 3 * QUEUE + 500;
+    let mut raw = raw_connection(&server).await;
+    for chunk in (1..=n).collect::<Vec<_>>().chunks(1000) {
+        let mut pipe = redis::pipe();
+        for i in chunk {
+            let notice = format!("{i} {} e1\n{}\ne2\nplayer{i}", "ab".repeat(16), i + 1);
+            pipe.publish("waygate:edge:e1:kick", notice).ignore();
+        }
+        let () = pipe.query_async(&mut raw).await.expect("publish");
+    }
+    // Held: the kicks channel, the one notice its handler waits to hand over, the queue.
+    let held = QUEUE + 1 + QUEUE;
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while dropped.get() < n - held {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("what the queues cannot hold is dropped and counted");
+    // Everything else arrives, in order.
+    let mut received = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while received.len() as u64 + dropped.get() < n {
+            if let Ok(Some(k)) =
+                tokio::time::timeout(Duration::from_millis(200), kicks.recv()).await
+            {
+                received.push(k.fencing);
+            }
+        }
+    })
+    .await
+    .expect("every notice is delivered or counted");
+    assert_eq!(received.len() as u64 + dropped.get(), n);
+    assert!(
+        received.windows(2).all(|w| w[0] < w[1]),
+        "delivered in order"
+    );
+}

@@ -220,6 +220,13 @@ impl Edge {
             listeners: bound.stats.clone(),
             kcp: bound.kcp_stats.clone(),
         });
+        if let Some(r) = &redis {
+            metrics.registry.register(
+                "redis_pubsub_dropped",
+                "Redis pub/sub notices (kicks, cross-edge push requests and replies) dropped because a subscription's queue of 4,096 was full; a kick is caught by the ownership sweep, a push by its sender's timeout",
+                r.pubsub_dropped(),
+            );
+        }
         // The announcement log (PROTOCOL.md §12.5): its writer starts once the edge exists.
         let announcement_log: Option<Arc<dyn crate::announcements::AnnouncementLog>> =
             match config.channels.announcement_log.as_str() {

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::StreamExt as _;
+use prometheus_client::metrics::counter::Counter;
 use redis::aio::{ConnectionManager, MultiplexedConnection};
 use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{SentinelClient, SentinelServerType};
@@ -253,6 +254,8 @@ pub(super) struct Conn {
     pubsub: Arc<[redis::Client]>,
     link: Link,
     pub(super) config: Arc<RedisConfig>,
+    /// Notices dropped because a subscription's queue was full (`SUBSCRIPTION_QUEUE`).
+    pub(super) pubsub_dropped: Counter,
 }
 
 impl std::fmt::Debug for Conn {
@@ -330,6 +333,7 @@ impl Conn {
             pubsub: pubsub.into(),
             link,
             config: Arc::new(config),
+            pubsub_dropped: Counter::default(),
         })
     }
 
@@ -474,8 +478,17 @@ pub(super) fn parse_hex<const N: usize>(s: &str) -> Option<[u8; N]> {
     Some(out)
 }
 
+/// Notices a subscription holds for its handler. The redis crate buffers what a
+/// subscription receives without a bound, so the receiving loop only moves each notice into
+/// this queue; a notice that finds it full is dropped, logged and counted
+/// (`waygate_redis_pubsub_dropped_total`). Pub/sub is at-most-once anyway: a dropped kick
+/// is caught by the ownership sweep, a dropped push request or reply is its sender's
+/// `timeout` for each message.
+pub(super) const SUBSCRIPTION_QUEUE: usize = 4096;
+
 /// Keeps a pub/sub subscription to `channel` up (reconnecting with backoff) and calls
-/// `on_msg` for every message. `up` tracks whether the subscription is live. Never returns.
+/// `on_msg` for every message, one at a time, through a queue of [`SUBSCRIPTION_QUEUE`].
+/// `up` tracks whether the subscription is live. Never returns.
 pub(super) async fn subscribe_loop<F, Fut>(
     conn: Conn,
     channel: String,
@@ -485,42 +498,67 @@ pub(super) async fn subscribe_loop<F, Fut>(
     F: Fn(redis::Msg) -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
-    let set_up = |v: bool| {
-        if let Some(up) = &up {
-            up.send_replace(v);
+    let (queue, mut taken) = tokio::sync::mpsc::channel::<redis::Msg>(SUBSCRIPTION_QUEUE);
+    let handle = async move {
+        while let Some(msg) = taken.recv().await {
+            on_msg(msg).await;
         }
     };
-    let mut backoff = Duration::from_millis(50);
-    // On a cluster, a seed that fails gives its turn to the next one.
-    for turn in 0usize.. {
-        let subscribed = tokio::time::timeout(conn.config.op_timeout, async {
-            let client = match &conn.link {
-                Link::Sentinel(s) => s.primary_client().await?,
-                _ => conn.pubsub[turn % conn.pubsub.len()].clone(),
-            };
-            let mut ps = client.get_async_pubsub().await?;
-            ps.subscribe(&channel).await?;
-            Ok::<_, redis::RedisError>(ps)
-        })
-        .await;
-        match subscribed {
-            Ok(Ok(mut ps)) => {
-                backoff = Duration::from_millis(50);
-                set_up(true);
-                tracing::debug!(%channel, "redis subscription up");
-                let mut stream = ps.on_message();
-                while let Some(msg) = stream.next().await {
-                    on_msg(msg).await;
-                }
-                set_up(false);
-                tracing::warn!(%channel, "redis subscription lost; reconnecting");
+    let receive = async move {
+        let set_up = |v: bool| {
+            if let Some(up) = &up {
+                up.send_replace(v);
             }
-            Ok(Err(e)) => tracing::debug!(%channel, error = %e, "redis subscribe failed"),
-            Err(_) => tracing::debug!(%channel, "redis subscribe timed out"),
+        };
+        let mut dropped_here = 0u64;
+        let mut backoff = Duration::from_millis(50);
+        // On a cluster, a seed that fails gives its turn to the next one.
+        for turn in 0usize.. {
+            let subscribed = tokio::time::timeout(conn.config.op_timeout, async {
+                let client = match &conn.link {
+                    Link::Sentinel(s) => s.primary_client().await?,
+                    _ => conn.pubsub[turn % conn.pubsub.len()].clone(),
+                };
+                let mut ps = client.get_async_pubsub().await?;
+                ps.subscribe(&channel).await?;
+                Ok::<_, redis::RedisError>(ps)
+            })
+            .await;
+            match subscribed {
+                Ok(Ok(mut ps)) => {
+                    backoff = Duration::from_millis(50);
+                    set_up(true);
+                    tracing::debug!(%channel, "redis subscription up");
+                    let mut stream = ps.on_message();
+                    while let Some(msg) = stream.next().await {
+                        match queue.try_send(msg) {
+                            Ok(()) if dropped_here > 0 => {
+                                tracing::warn!(%channel, dropped = dropped_here, "redis subscription queue has room again");
+                                dropped_here = 0;
+                            }
+                            Ok(()) => {}
+                            Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => {
+                                if dropped_here == 0 {
+                                    tracing::warn!(%channel, capacity = SUBSCRIPTION_QUEUE, "redis subscription queue full; dropping notices");
+                                }
+                                dropped_here += 1;
+                                conn.pubsub_dropped.inc();
+                            }
+                            Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => return,
+                        }
+                    }
+                    set_up(false);
+                    tracing::warn!(%channel, "redis subscription lost; reconnecting");
+                }
+                Ok(Err(e)) => tracing::debug!(%channel, error = %e, "redis subscribe failed"),
+                Err(_) => tracing::debug!(%channel, "redis subscribe timed out"),
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(1));
         }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(1));
-    }
+    };
+    // One task: the receiving loop keeps draining the connection while a notice is handled.
+    tokio::join!(receive, handle);
 }
 
 #[cfg(test)]

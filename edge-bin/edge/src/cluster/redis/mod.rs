@@ -313,4 +313,10 @@ impl RedisStores {
             announcements: Arc::new(RedisAnnouncementLog::from_conn(conn)),
         })
     }
+
+    /// Notices dropped because a subscription's queue was full (kicks, cross-edge push
+    /// requests and their replies): the counter behind `waygate_redis_pubsub_dropped_total`.
+    pub fn pubsub_dropped(&self) -> prometheus_client::metrics::counter::Counter {
+        self.ownership.conn.pubsub_dropped.clone()
+    }
 }

@@ -221,8 +221,10 @@ impl RedisOwnership {
             let run = subscribe_loop(conn, channel, Some(up_tx), move |msg| {
                 let tx = sink.clone();
                 async move {
-                    // A full channel waits (the notices are not dropped); a closed one
-                    // means the subscriber is gone and `tx.closed()` below ends the task.
+                    // A full channel waits (the subscription's queue fills meanwhile,
+                    // and beyond it notices are dropped and counted: SUBSCRIPTION_QUEUE); a
+                    // closed one means the subscriber is gone and `tx.closed()` below ends
+                    // the task.
                     match KickNotice::parse(msg.get_payload_bytes()) {
                         Some(k) => {
                             let _ = tx.send(k).await;
