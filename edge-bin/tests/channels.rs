@@ -1669,6 +1669,67 @@ async fn a_room_nobody_here_is_in_any_more_leaves_no_binding_behind() {
     expect_metric_line(&s.edge, "waygate_route_bindings 0").await;
 }
 
+/// Whether the edge's `/metrics` has a line starting with `prefix`.
+async fn has_metric_line(edge: &waygate_edge::edge::Edge, prefix: &str) -> bool {
+    let (_, m) = common::http(edge.admin_addr.unwrap(), "GET", "/metrics").await;
+    m.lines().any(|l| l.starts_with(prefix))
+}
+
+/// Regression (bounds, 2026-12-04, second stop): every backend address a route table ever
+/// named kept its link for good (a task reconnecting to a gone backend, and its metric
+/// series), so an edge in front of autoscaled backends grew with every instance ever
+/// started. A link to an address the table no longer names is retired once no session
+/// and no binding uses it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_that_left_the_table_has_its_link_retired() {
+    let sessions = Arc::new(Sessions::default());
+    let b1 = sessions_backend("b1", &sessions).await;
+    let b2 = sessions_backend("b2", &sessions).await;
+    let dir = tempfile::tempdir().unwrap();
+    let routes = dir.path().join("routes.toml");
+    std::fs::write(
+        &routes,
+        common::table(&[b1.local_addr(), b2.local_addr()], 1, None),
+    )
+    .unwrap();
+    let mut config = waygate_edge::config::EdgeConfig::default();
+    config.use_ephemeral_ports();
+    config.routing.table = Some(routes.clone());
+    config.routing.poll_ms = 100;
+    let edge = waygate_edge::edge::Edge::start(config).await.unwrap();
+    // Players until one is on b2.
+    let mut on_b2 = 0;
+    let mut clients = Vec::new();
+    for i in 0..64 {
+        let (client, session) = tcp_member(&sessions, &edge, &format!("retiree-{i}")).await;
+        clients.push(client);
+        if session.instance_id() == "b2" {
+            on_b2 += 1;
+            break;
+        }
+    }
+    assert_eq!(on_b2, 1, "a session on b2");
+    let b2_up = format!("waygate_backend_up{{backend=\"{}\"}}", b2.local_addr());
+    expect_metric_line(&edge, &format!("{b2_up} 1")).await;
+    // b2 leaves the table: its session's binding migrates to b1 (the edge closes it on
+    // b2's link), after which nothing here uses b2: the link is retired, its series go.
+    std::fs::write(&routes, common::table(&[b1.local_addr()], 2, None)).unwrap();
+    expect_metric_line(&edge, "waygate_route_epoch 2").await;
+    let gone = poll_until(Duration::from_secs(10), || async {
+        (!has_metric_line(&edge, &b2_up).await).then_some(())
+    })
+    .await;
+    assert!(gone.is_some(), "{b2_up} still exported");
+    let b2_sessions = format!(
+        "waygate_backend_sessions{{backend=\"{}\"}}",
+        b2.local_addr()
+    );
+    assert!(!has_metric_line(&edge, &b2_sessions).await);
+    // b1's link is untouched.
+    let b1_up = format!("waygate_backend_up{{backend=\"{}\"}} 1", b1.local_addr());
+    assert!(has_metric_line(&edge, &b1_up).await);
+}
+
 /// Regression (bounds audit, 2026-12-04): a player taken over by a login on another edge
 /// left its routing binding on the first edge for good (the key was released only when the
 /// ending session still owned the player), so an edge's router grew with every player that

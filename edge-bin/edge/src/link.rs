@@ -354,6 +354,10 @@ struct LinkShared {
     pushes: std::sync::atomic::AtomicU32,
     /// This connection's name at the interest sink, while its backend takes notices.
     interest_link: Mutex<Option<u64>>,
+    /// Set by [`LinkClient::retire`]: the task ends (LINK_CLOSE `going_away` on a live
+    /// connection) instead of reconnecting.
+    retired: AtomicBool,
+    retire: tokio::sync::Notify,
 }
 
 /// The edge's link to one backend address.
@@ -385,9 +389,19 @@ impl LinkClient {
             events,
             pushes: std::sync::atomic::AtomicU32::new(0),
             interest_link: Mutex::new(None),
+            retired: AtomicBool::new(false),
+            retire: tokio::sync::Notify::new(),
         });
         let task = tokio::spawn(run(shared.clone()));
         (Self { shared }, task)
+    }
+
+    /// Ends the link for good: a live connection is closed (LINK_CLOSE `going_away`, what
+    /// was in flight reported like any link loss) and no reconnection follows. For a
+    /// backend that left the route table and that nothing uses any more.
+    pub fn retire(&self) {
+        self.shared.retired.store(true, Ordering::Release);
+        self.shared.retire.notify_one();
     }
 
     /// The backend address.
@@ -805,6 +819,10 @@ async fn run(shared: Arc<LinkShared>) {
     // The events sent while the link is down carry no request to answer later.
     let link_down = || None;
     loop {
+        if shared.retired.load(Ordering::Acquire) {
+            tracing::info!(addr = %shared.addr, "backend link retired");
+            return;
+        }
         match connect_once(&shared).await {
             Ok(()) => failures = 0,
             Err(e) => {
@@ -860,7 +878,10 @@ async fn run(shared: Arc<LinkShared>) {
         let delay = rand::rng().random_range(
             shared.config.backoff_min.as_millis() as u64..=cap.as_millis().max(1) as u64,
         );
-        tokio::time::sleep(Duration::from_millis(delay)).await;
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_millis(delay)) => {}
+            () = shared.retire.notified() => {}
+        }
     }
 }
 
@@ -1075,6 +1096,16 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
                 Some(frame) => frame,
                 None => break,
             },
+            () = shared.retire.notified() => {
+                let _ = io
+                    .tx
+                    .send(LinkFrame::Close {
+                        code: CloseCode::GoingAway,
+                        message: "backend left the route table".into(),
+                    })
+                    .await;
+                break;
+            }
             () = async {
                 match &interest {
                     Some((_, _, wake)) => wake.notified().await,

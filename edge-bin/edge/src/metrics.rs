@@ -776,6 +776,31 @@ impl EdgeMetrics {
         out
     }
 
+    /// Drops the series of a backend address whose link was retired, and the `forwarded`
+    /// series of its instances `ids` that left the table.
+    pub fn forget_backend(&self, addr: std::net::SocketAddr, ids: &[String]) {
+        let label = BackendLabel {
+            backend: addr.to_string(),
+        };
+        self.backend_up.remove(&label);
+        self.link_forward_credits.remove(&label);
+        self.backend_sessions.remove(&label);
+        let mut cache = self
+            .forwarded_by_target
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        cache.retain(|(service, instance), _| {
+            let gone = ids.iter().any(|id| **id == **instance);
+            if gone {
+                self.forwarded.remove(&RouteLabels {
+                    service: service.to_string(),
+                    instance: instance.to_string(),
+                });
+            }
+            !gone
+        });
+    }
+
     /// The `forwarded` counter of a routed instance (a label is built once per instance).
     pub fn forwarded_to(&self, target: &waygate_routing::TargetInstance) -> Counter {
         let key = (target.service.clone(), target.instance_id.clone());

@@ -254,13 +254,20 @@ fn handle_now(shared: &Arc<Shared>, event: LinkEvent) -> Option<LinkEvent> {
                 .set(1);
         }
         LinkEvent::Down { addr } => {
-            shared
-                .metrics
-                .backend_up
-                .get_or_create(&BackendLabel {
-                    backend: addr.to_string(),
-                })
-                .set(0);
+            let label = BackendLabel {
+                backend: addr.to_string(),
+            };
+            // A retired link's last word: its series is gone, not down.
+            let retired = shared
+                .links
+                .lock()
+                .map(|l| !l.contains_key(&addr))
+                .unwrap_or(false);
+            if retired {
+                shared.metrics.backend_up.remove(&label);
+            } else {
+                shared.metrics.backend_up.get_or_create(&label).set(0);
+            }
         }
     }
     None

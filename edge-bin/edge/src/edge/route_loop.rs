@@ -73,6 +73,7 @@ pub(super) async fn route_loop(shared: Weak<Shared>) {
         }
         ticks += 1;
         if ticks % 10 == 1 {
+            shared.retire_unused_links();
             shared.publish_backend_sessions();
         }
         // Link credits (B4) as the operator sees them.
