@@ -1101,38 +1101,49 @@ async fn a_backend_serves_a_bounded_number_of_links() {
 /// reattach) waited without a bound for room in the link's write queue, so a backend that
 /// stopped reading its link stalled whoever sent them — the route loop (every table update,
 /// health beat and migration of the edge) and every session ending there. They wait at
-/// most `LIFECYCLE_SEND_WAIT` now (then the frame is dropped and logged).
+/// most `LIFECYCLE_SEND_WAIT` now. And then (second stop the same day) the link is reset:
+/// dropping the frame alone left the backend believing the session open for good.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backend_that_stops_reading_does_not_stall_session_closes() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    // A hand-made backend: grants plenty of credit, then never reads again.
+    // A hand-made backend: grants plenty of credit, then stays alive (a LINK_PING every
+    // 100 ms, so the edge never finds the link dead) but reads a byte at a time.
     let backend = tokio::spawn(async move {
-        let (stream, _) = listener.accept().await.unwrap();
-        let mut io = waygate_link::spawn_link_io(
-            stream,
-            1 << 20,
-            Duration::from_secs(5),
-            waygate_link::LinkIoOptions {
-                read_queue: 1,
-                ..waygate_link::LinkIoOptions::default()
-            },
-        );
-        let _hello = next_frame(&mut io.rx).await;
-        io.tx
-            .send(LinkFrame::Welcome {
-                version: LINK_VERSION,
-                instance_id: "stuck".into(),
-                credits: 1_000_000,
-                heartbeat_ms: 5000,
-                auth: None,
-                features: 0,
-            })
-            .await
-            .unwrap();
-        // Holds the link open without reading it.
-        tokio::time::sleep(Duration::from_secs(120)).await;
-        drop(io);
+        use bytes::BytesMut;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let codec = waygate_protocol::link::LinkCodec::new(1 << 20);
+        let mut buf = BytesMut::new();
+        while codec.decode(&mut buf).unwrap().is_none() {
+            assert!(stream.read_buf(&mut buf).await.unwrap() > 0, "LINK_HELLO");
+        }
+        let mut out = BytesMut::new();
+        let welcome = LinkFrame::Welcome {
+            version: LINK_VERSION,
+            instance_id: "stuck".into(),
+            credits: 1_000_000,
+            heartbeat_ms: 5000,
+            auth: None,
+            features: 0,
+        };
+        codec.encode(&welcome, &mut out).unwrap();
+        stream.write_all(&out).await.unwrap();
+        let mut byte = [0u8; 1];
+        for timestamp in 0..1200u64 {
+            out.clear();
+            codec
+                .encode(&LinkFrame::Ping { timestamp }, &mut out)
+                .unwrap();
+            if stream.write_all(&out).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let read = tokio::time::timeout(Duration::from_millis(1), stream.read(&mut byte)).await;
+            if let Ok(Ok(0) | Err(_)) = read {
+                return;
+            }
+        }
     });
     let (tx, mut rx) = mpsc::channel(64);
     let (link, _task) = LinkClient::spawn(addr, fast_config(), Arc::new(AtomicU64::new(1)), tx);
@@ -1170,5 +1181,18 @@ async fn a_backend_that_stops_reading_does_not_stall_session_closes() {
         closed.is_ok(),
         "the close waited on the stuck backend ({taken} forwards taken)"
     );
+    // The close could not be queued: the link is reset (what was in flight is refused,
+    // then the link is down), not left open with the backend believing the session open.
+    let down = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match rx.recv().await {
+                Some(LinkEvent::Down { .. }) => return,
+                Some(_) => {}
+                None => panic!("link events ended"),
+            }
+        }
+    })
+    .await;
+    assert!(down.is_ok(), "the link to the stuck backend stayed up");
     backend.abort();
 }

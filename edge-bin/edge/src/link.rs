@@ -358,6 +358,10 @@ struct LinkShared {
     /// connection) instead of reconnecting.
     retired: AtomicBool,
     retire: tokio::sync::Notify,
+    /// Wakes the live connection to end it (a lifecycle frame could not be queued: the
+    /// backend would otherwise go on believing what the frame was to change). One per
+    /// connection, so a wake-up meant for a connection never ends the next one.
+    reset: Mutex<Option<Arc<tokio::sync::Notify>>>,
 }
 
 /// The edge's link to one backend address.
@@ -391,6 +395,7 @@ impl LinkClient {
             interest_link: Mutex::new(None),
             retired: AtomicBool::new(false),
             retire: tokio::sync::Notify::new(),
+            reset: Mutex::new(None),
         });
         let task = tokio::spawn(run(shared.clone()));
         (Self { shared }, task)
@@ -521,7 +526,8 @@ impl LinkClient {
 
     /// Sends a session lifecycle frame (DETACHED, REATTACHED, CLOSE) if the session is open
     /// on this link; CLOSE also forgets it. Waits at most [`LIFECYCLE_SEND_WAIT`] for room
-    /// in the link's write queue (then the frame is dropped and logged).
+    /// in the link's write queue; then the connection is reset (the backend forgets every
+    /// session of it, the edge re-opens those still open once it reconnects).
     pub async fn session_event(&self, frame: LinkFrame) {
         let handle = match &frame {
             LinkFrame::SessionClose { handle, .. }
@@ -547,11 +553,19 @@ impl LinkClient {
                     .await
                     .is_err()
                 {
+                    // The backend would go on believing what the frame was to change (a
+                    // session open that ended here): the connection is reset, and the
+                    // backend forgets its sessions with it; the edge re-opens those still
+                    // open after it reconnects (PROTOCOL.md §9.3).
                     tracing::warn!(
                         backend = %self.addr(),
                         handle,
-                        "session lifecycle frame dropped: the backend has not read its link for {LIFECYCLE_SEND_WAIT:?}"
+                        "session lifecycle frame not taken: the backend has not read its link for {LIFECYCLE_SEND_WAIT:?}; link reset"
                     );
+                    let reset = self.shared.reset.lock().ok().and_then(|r| r.clone());
+                    if let Some(reset) = reset {
+                        reset.notify_one();
+                    }
                 }
             }
         }
@@ -1071,6 +1085,10 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
     if let Ok(mut tx) = shared.tx.lock() {
         *tx = Some(io.tx.clone());
     }
+    let reset = Arc::new(tokio::sync::Notify::new());
+    if let Ok(mut r) = shared.reset.lock() {
+        *r = Some(reset.clone());
+    }
     shared
         .answers
         .store(features & LINK_FEATURE_FORWARD_DONE != 0, Ordering::Release);
@@ -1096,6 +1114,14 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
                 Some(frame) => frame,
                 None => break,
             },
+            () = reset.notified() => {
+                tracing::warn!(addr = %shared.addr, "backend link reset: it stopped reading");
+                break;
+            }
+            () = reset.notified() => {
+                tracing::warn!(addr = %shared.addr, "backend link reset: it stopped reading");
+                break;
+            }
             () = shared.retire.notified() => {
                 let _ = io
                     .tx

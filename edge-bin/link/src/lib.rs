@@ -208,7 +208,13 @@ async fn write_loop<W: AsyncWrite + Unpin>(
                 Err(_) => break,
             }
         }
-        if w.write_all(&buf).await.is_err() {
+        // A peer that stopped reading must not keep the socket open once the owner let
+        // the link go (the write would wait for it for good).
+        let wrote = tokio::select! {
+            wrote = w.write_all(&buf) => wrote.is_ok(),
+            _ = alive.changed() => false,
+        };
+        if !wrote {
             return;
         }
         buf.clear();
@@ -366,6 +372,43 @@ mod tests {
             ]
         );
         drop(hooked.tx);
+    }
+
+    /// Regression (2026-12-04, second stop): a write to a peer that stopped reading held the
+    /// socket's write half, so dropping the owner's side did not close the socket (the
+    /// edge could not reset a link to a stuck backend).
+    #[tokio::test]
+    async fn dropping_the_owner_closes_the_socket_even_while_a_write_waits() {
+        use tokio::io::AsyncWriteExt as _;
+        let (a, mut b) = tokio::io::duplex(1024);
+        let io = spawn_link_io(
+            a,
+            DEFAULT_TEST_FRAME,
+            Duration::from_secs(5),
+            LinkIoOptions::default(),
+        );
+        // More than the pipe holds: the writer waits for a reader that never comes.
+        io.tx
+            .send(LinkFrame::Push {
+                handle: 1,
+                msg_id: 7,
+                class: waygate_protocol::wire::TrafficClass::Normal,
+                payload: bytes::Bytes::from(vec![0u8; 16 * 1024]),
+            })
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        drop(io);
+        let closed = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                if b.write_all(b"x").await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        assert!(closed.is_ok(), "the socket stayed open");
     }
 
     const DEFAULT_TEST_FRAME: usize = 64 * 1024;
