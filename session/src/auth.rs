@@ -469,16 +469,29 @@ pub trait Authenticator: Send + Sync + 'static {
 
 /// Players refused from now on (bans, revoked logins), shared between the authenticator
 /// that enforces them ([`AuthPolicy`]) and whoever manages them (the edge's admin API).
-/// Bounded only by its users; entries with an end time expire by themselves.
+/// Holds the players refused at the last `revoke` and those revoked since: each `revoke`
+/// forgets the entries whose end time has passed.
 #[derive(Debug, Clone, Default)]
 pub struct Revocations(Arc<std::sync::RwLock<HashMap<String, u64>>>);
 
 impl Revocations {
-    /// Refuses `player` until `until_unix` (unix seconds; `None`: until lifted).
-    pub fn revoke(&self, player: &str, until_unix: Option<u64>) {
+    /// Refuses `player` until `until_unix` (unix seconds; `None`: until lifted), and
+    /// forgets the revocations that ran out by `now_unix`.
+    pub fn revoke(&self, player: &str, until_unix: Option<u64>, now_unix: u64) {
         if let Ok(mut m) = self.0.write() {
+            m.retain(|_, until| now_unix < *until);
             m.insert(player.to_owned(), until_unix.unwrap_or(u64::MAX));
         }
+    }
+
+    /// Revocations held (some may have run out since the last `revoke`).
+    pub fn len(&self) -> usize {
+        self.0.read().map(|m| m.len()).unwrap_or(0)
+    }
+
+    /// Whether none is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// Lifts a revocation; whether there was one.
@@ -733,7 +746,7 @@ mod tests {
         // No issue time: counted from now.
         assert!(policy.check(&player(0, 4600), 1000).is_ok());
         assert!(policy.check(&player(0, 4601), 1000).is_err());
-        revocations.revoke("p", Some(2000));
+        revocations.revoke("p", Some(2000), 1000);
         assert_eq!(
             policy
                 .check(&player(1000, 2000), 1500)
@@ -744,6 +757,22 @@ mod tests {
             policy.check(&player(1000, 4000), 2000).is_ok(),
             "the ban ran out"
         );
+    }
+
+    /// Regression (bounds, 2026-12-04, second stop): bans with an end time stayed in the
+    /// list after it, for good. A new ban forgets the ones that ran out.
+    #[test]
+    fn bans_that_ran_out_are_forgotten() {
+        let revocations = Revocations::default();
+        for i in 0..1000 {
+            revocations.revoke(&format!("p{i}"), Some(2000), 1000);
+        }
+        revocations.revoke("forever", None, 1500);
+        assert_eq!(revocations.len(), 1001, "none ran out yet");
+        revocations.revoke("late", Some(5000), 2000);
+        assert_eq!(revocations.len(), 2, "the thousand that ran out are gone");
+        assert!(revocations.is_revoked("forever", 2000) && revocations.is_revoked("late", 2000));
+        assert!(!revocations.is_revoked("p1", 2000));
     }
 
     /// The worked example of PROTOCOL.md §7.2.3: pinned bytes, so a refactor cannot

@@ -302,11 +302,23 @@ pub trait OwnershipRegistry: Send + Sync + 'static {
 type Clock = Box<dyn Fn() -> Instant + Send + Sync>;
 
 /// In-memory [`SnapshotStore`] (hot tier, embedded default). Expired entries are dropped on
-/// access and by [`MemorySnapshotStore::purge_expired`].
+/// access, by [`MemorySnapshotStore::purge_expired`], and by a `put` that finds the store
+/// twice as full as after the last purge (so expired entries nobody asks for again never
+/// outnumber the live ones by much: amortized O(1) per put).
 pub struct MemorySnapshotStore {
-    map: Mutex<HashMap<SessionId, (Snapshot, Instant)>>,
+    map: Mutex<Entries>,
     clock: Clock,
 }
+
+#[derive(Default)]
+struct Entries {
+    map: HashMap<SessionId, (Snapshot, Instant)>,
+    /// A `put` that finds this many entries purges the expired ones first.
+    purge_at: usize,
+}
+
+/// The smallest store a `put` purges.
+const PURGE_FLOOR: usize = 1024;
 
 impl std::fmt::Debug for MemorySnapshotStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -330,32 +342,39 @@ impl MemorySnapshotStore {
     /// A store on a caller-supplied clock.
     pub fn with_clock(clock: impl Fn() -> Instant + Send + Sync + 'static) -> Self {
         Self {
-            map: Mutex::new(HashMap::new()),
+            map: Mutex::new(Entries {
+                map: HashMap::new(),
+                purge_at: PURGE_FLOOR,
+            }),
             clock: Box::new(clock),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<SessionId, (Snapshot, Instant)>> {
+    fn entries(&self) -> std::sync::MutexGuard<'_, Entries> {
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Drops expired entries; returns how many.
     pub fn purge_expired(&self) -> usize {
         let now = (self.clock)();
-        let mut map = self.lock();
-        let before = map.len();
-        map.retain(|_, (_, exp)| *exp > now);
-        before - map.len()
+        Self::purge(&mut self.entries(), now)
+    }
+
+    fn purge(entries: &mut Entries, now: Instant) -> usize {
+        let before = entries.map.len();
+        entries.map.retain(|_, (_, exp)| *exp > now);
+        entries.purge_at = (entries.map.len() * 2).max(PURGE_FLOOR);
+        before - entries.map.len()
     }
 
     /// Entries held (expired ones included until purged).
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.entries().map.len()
     }
 
     /// Whether nothing is held.
     pub fn is_empty(&self) -> bool {
-        self.lock().is_empty()
+        self.entries().map.is_empty()
     }
 
     fn live<'a>(
@@ -373,15 +392,20 @@ impl MemorySnapshotStore {
 #[async_trait]
 impl SnapshotStore for MemorySnapshotStore {
     async fn put(&self, snapshot: &Snapshot, ttl: Duration) -> Result<(), StoreError> {
-        let exp = (self.clock)() + ttl;
-        self.lock()
-            .insert(snapshot.session_id, (snapshot.clone(), exp));
+        let now = (self.clock)();
+        let mut entries = self.entries();
+        if entries.map.len() >= entries.purge_at {
+            Self::purge(&mut entries, now);
+        }
+        entries
+            .map
+            .insert(snapshot.session_id, (snapshot.clone(), now + ttl));
         Ok(())
     }
 
     async fn get(&self, session_id: &SessionId) -> Result<Option<Snapshot>, StoreError> {
         let now = (self.clock)();
-        Ok(Self::live(&mut self.lock(), session_id, now).cloned())
+        Ok(Self::live(&mut self.entries().map, session_id, now).cloned())
     }
 
     /// Checked and taken under one lock: no copy of the snapshot to read its keys.
@@ -391,8 +415,9 @@ impl SnapshotStore for MemorySnapshotStore {
         attempt: &crate::machine::ResumeAttempt,
     ) -> Result<TakeOutcome, StoreError> {
         let now = (self.clock)();
-        let mut map = self.lock();
-        let proven = match Self::live(&mut map, session_id, now) {
+        let mut entries = self.entries();
+        let map = &mut entries.map;
+        let proven = match Self::live(map, session_id, now) {
             None => return Ok(TakeOutcome::NotFound),
             Some(s) => s.key_used(attempt).is_some(),
         };
@@ -412,8 +437,9 @@ impl SnapshotStore for MemorySnapshotStore {
         resume_hash: &ResumeHash,
     ) -> Result<TakeOutcome, StoreError> {
         let now = (self.clock)();
-        let mut map = self.lock();
-        let matches = match Self::live(&mut map, session_id, now) {
+        let mut entries = self.entries();
+        let map = &mut entries.map;
+        let matches = match Self::live(map, session_id, now) {
             None => return Ok(TakeOutcome::NotFound),
             Some(s) => s.accepts(resume_hash),
         };
@@ -431,7 +457,8 @@ impl SnapshotStore for MemorySnapshotStore {
         session_id: &SessionId,
         fencing: Option<u64>,
     ) -> Result<bool, StoreError> {
-        let mut map = self.lock();
+        let mut entries = self.entries();
+        let map = &mut entries.map;
         let hit = map
             .get(session_id)
             .is_some_and(|(s, _)| s.deleted_by(fencing));
@@ -586,6 +613,36 @@ mod tests {
             offset.store(30, Ordering::Relaxed);
             assert_eq!(store.purge_expired(), 1);
             assert!(store.is_empty());
+        });
+    }
+
+    /// Regression (bounds, 2026-12-04, second stop): `purge_expired` had no caller, so
+    /// snapshots nobody asked for again (their session gone elsewhere or never back) stayed
+    /// after their TTL for good. A `put` that finds the store twice as full as after the
+    /// last purge purges it: expired entries never outnumber the live ones by much.
+    #[test]
+    fn expired_snapshots_nobody_asks_for_do_not_pile_up() {
+        let t0 = Instant::now();
+        let offset = Arc::new(AtomicU64::new(0));
+        let o = offset.clone();
+        let store = MemorySnapshotStore::with_clock(move || {
+            t0 + Duration::from_secs(o.load(Ordering::Relaxed))
+        });
+        block_on(async {
+            let mut most = 0;
+            for round in 0..50u64 {
+                // 500 sessions detach with a 10 s TTL, and are never asked for again.
+                for i in 0..500u32 {
+                    let mut s = snapshot(1);
+                    s.session_id[..8].copy_from_slice(&round.to_be_bytes());
+                    s.session_id[8..12].copy_from_slice(&i.to_be_bytes());
+                    store.put(&s, Duration::from_secs(10)).await.expect("put");
+                    most = most.max(store.len());
+                }
+                offset.fetch_add(60, Ordering::Relaxed);
+            }
+            // 25,000 puts; at most 500 live at a time.
+            assert!(most <= 2 * PURGE_FLOOR, "{most} entries held at once");
         });
     }
 

@@ -935,7 +935,7 @@ fn a_revoked_player_cannot_resume_without_or_with_a_token() {
     let c = login(&mut p, "mallory");
     let sid = p.session(c);
     p.cut(c);
-    p.edge.revocations.revoke("mallory", None);
+    p.edge.revocations.revoke("mallory", None, 0);
     p.peers[c].client.set_token(Bytes::new());
     p.connect(c);
     p.drive(c);

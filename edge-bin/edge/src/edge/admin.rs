@@ -149,7 +149,7 @@ impl AdminApi for EdgeAdmin {
     async fn ban(&self, player: &str, for_secs: Option<u64>) -> bool {
         let now = (self.0.session_layer().unix_now)();
         let until = for_secs.map(|s| now.saturating_add(s));
-        self.0.revocations.revoke(player, until);
+        self.0.revocations.revoke(player, until, now);
         tracing::info!(%player, ?for_secs, "player banned on this edge");
         let registry = &self.0.session_layer().registry;
         match registry.session_of(player) {
