@@ -777,6 +777,124 @@ async fn a_forward_done_for_a_message_the_link_does_not_hold_is_ignored() {
     let _ = tokio::time::timeout(Duration::from_secs(10), rogue).await;
 }
 
+/// Regression (2026-12-04, second stop): a CREDIT covering a message before its answer
+/// (against §9.6's order) dropped the pushes held for it with a warning and left the
+/// message unacknowledged for good: the client never saw its reply nor an error. The link
+/// now closes with `protocol_error`, and the message is answered like on any link loss:
+/// its held pushes, then `unavailable`.
+#[tokio::test]
+async fn a_credit_before_the_answer_closes_the_link_and_loses_nothing() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let rogue = tokio::spawn(async move {
+        let features = LINK_FEATURE_FORWARD_DONE | LINK_FEATURE_HELD_ANSWERS;
+        let (_hello, mut io) = raw_backend_link(listener, "rogue", features).await;
+        loop {
+            match next_frame(&mut io.rx).await {
+                Some(LinkFrame::Forward { .. }) => break,
+                Some(_) => continue,
+                None => return None,
+            }
+        }
+        io.tx
+            .send(LinkFrame::AnswerPush {
+                handle: 7,
+                client_seq: 1,
+                msg_id: ECHO_REPLY,
+                class: TrafficClass::Normal,
+                payload: Bytes::from_static(b"reply"),
+            })
+            .await
+            .unwrap();
+        // The credit for it, without its FORWARD_DONE.
+        io.tx.send(LinkFrame::Credit { credits: 1 }).await.unwrap();
+        // The edge closes the link (its LINK_CLOSE ends the reader, which keeps it).
+        while next_frame(&mut io.rx).await.is_some() {}
+        Some(())
+    });
+    let (tx, mut rx) = mpsc::channel(64);
+    let (link, _task) = LinkClient::spawn(addr, fast_config(), Arc::new(AtomicU64::new(1)), tx);
+    wait_up(&mut rx).await;
+    forward_echo(&link, &meta(7, "gina"), 1, Bytes::new());
+    let answered = loop {
+        match next_event(&mut rx).await {
+            LinkEvent::Answer {
+                handle: 7,
+                pushes,
+                end: AnswerEnd::Refused(refusal),
+            } => break (pushes, refusal),
+            LinkEvent::Refuse { refusal, .. } => panic!("refused without its push: {refusal:?}"),
+            _ => {}
+        }
+    };
+    let (pushes, refusal) = answered;
+    assert_eq!(pushes.len(), 1);
+    assert_eq!(pushes[0].payload, Bytes::from_static(b"reply"));
+    assert_eq!(
+        (refusal.client_seq, refusal.code),
+        (1, CloseCode::Unavailable)
+    );
+    let closed = tokio::time::timeout(Duration::from_secs(10), rogue)
+        .await
+        .expect("the edge closed the rogue backend's link")
+        .unwrap();
+    assert_eq!(closed, Some(()), "the link closed after the credit");
+    link.shutdown().await;
+}
+
+/// Regression (2026-12-04, second stop): a refused message stayed unanswered in the
+/// link's in-flight queue until CREDIT covered it, so a link lost before that credit
+/// refused it a second time (`unavailable`): two ERRORs for one client seq.
+#[tokio::test]
+async fn a_refused_message_is_not_refused_again_when_its_link_dies() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let backend = tokio::spawn(async move {
+        let (_hello, mut io) =
+            raw_backend_link(listener, "refuser", LINK_FEATURE_FORWARD_DONE).await;
+        loop {
+            match next_frame(&mut io.rx).await {
+                Some(LinkFrame::Forward { .. }) => break,
+                Some(_) => continue,
+                None => return,
+            }
+        }
+        io.tx
+            .send(LinkFrame::Refuse {
+                handle: 8,
+                msg_id: ECHO,
+                client_seq: 1,
+                code: CloseCode::RateLimited,
+                retry_after_ms: 50,
+                epoch: 1,
+            })
+            .await
+            .unwrap();
+        // Gone before its CREDIT.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        drop(io);
+    });
+    let (tx, mut rx) = mpsc::channel(64);
+    let (link, _task) = LinkClient::spawn(addr, fast_config(), Arc::new(AtomicU64::new(1)), tx);
+    wait_up(&mut rx).await;
+    forward_echo(&link, &meta(8, "hal"), 1, Bytes::new());
+    let mut refusals = Vec::new();
+    loop {
+        match next_event(&mut rx).await {
+            LinkEvent::Refuse { refusal, .. } => refusals.push(refusal.code),
+            LinkEvent::Down { .. } => break,
+            _ => {}
+        }
+    }
+    assert_eq!(
+        refusals,
+        vec![CloseCode::RateLimited],
+        "one answer per message"
+    );
+    backend.await.unwrap();
+    link.shutdown().await;
+}
+
 /// A handler that pushes `reply`, then refuses the message or never returns.
 struct PushThen {
     hang: bool,

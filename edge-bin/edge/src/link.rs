@@ -592,6 +592,9 @@ enum Incoming {
     Event(LinkEvent),
     /// Not allowed from a backend: the link closes.
     Unexpected(LinkFrame),
+    /// Allowed, but breaks the link's rules here (nothing of it was applied): the link
+    /// closes with `protocol_error`.
+    Violation(LinkFrame, &'static str),
 }
 
 /// Applies a CREDIT, counts a PUSH, finds the held message of a REFUSE.
@@ -666,18 +669,24 @@ fn take_frame(shared: &LinkShared, frame: LinkFrame) -> Incoming {
             }
         }
         LinkFrame::Credit { credits } => {
+            let answers = shared.answers.load(Ordering::Acquire);
             if let Ok(mut q) = shared.inflight.lock() {
                 let n = (credits as usize).min(q.len());
-                for h in q.drain(..n).filter(|h| !h.answer.is_empty()) {
-                    // CREDIT before the answer it covers: the backend broke §9.6's order.
-                    tracing::warn!(
-                        addr = %shared.addr,
-                        handle = h.message.handle,
-                        client_seq = h.message.client_seq,
-                        pushes = h.answer.len(),
-                        "CREDIT covered a message whose answer had not come: its held pushes are dropped"
+                // CREDIT before the answer it covers breaks §9.6's order: taking it would
+                // drop the message's held pushes and leave it unacknowledged for good. The
+                // link closes instead; its unanswered messages are refused `unavailable`,
+                // after their held pushes, like on any link loss.
+                let early = answers
+                    && q.iter()
+                        .take(n)
+                        .any(|h| !h.answered && h.message.client_seq != 0);
+                if early {
+                    return Incoming::Violation(
+                        frame,
+                        "CREDIT covered a message before its answer",
                     );
                 }
+                q.drain(..n);
             }
             shared.credit.fetch_add(credits.into(), Ordering::AcqRel);
             Incoming::Done
@@ -719,9 +728,16 @@ fn take_frame(shared: &LinkShared, frame: LinkFrame) -> Incoming {
                     q.iter_mut()
                         .find(|h| {
                             let m = &h.message;
-                            m.handle == handle && m.client_seq == client_seq && m.msg_id == msg_id
+                            !h.answered
+                                && m.handle == handle
+                                && m.client_seq == client_seq
+                                && m.msg_id == msg_id
                         })
-                        .map(|h| (Some(h.message.clone()), std::mem::take(&mut h.answer)))
+                        .map(|h| {
+                            // Answered (refused): not refused again if the link dies.
+                            h.answered = true;
+                            (Some(h.message.clone()), std::mem::take(&mut h.answer))
+                        })
                 })
                 .unwrap_or_default();
             let refusal = LinkRefusal {
@@ -805,7 +821,7 @@ fn take_now(
     }
     match take_frame(shared, frame) {
         Incoming::Done => FrameHandled::Taken,
-        Incoming::Unexpected(other) => FrameHandled::Queue(other),
+        Incoming::Unexpected(other) | Incoming::Violation(other, _) => FrameHandled::Queue(other),
         Incoming::Event(event) => {
             let answer = fast.handle(event, &|| shared.tx.lock().ok().and_then(|g| g.clone()));
             let credit =
@@ -1166,6 +1182,10 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
                     "frame not allowed from a backend",
                 )
                 .await;
+            }
+            Incoming::Violation(frame, why) => {
+                tracing::warn!(addr = %shared.addr, ?frame, why, "backend broke the link's rules: link closed");
+                return refuse(&io.tx, CloseCode::ProtocolError, why).await;
             }
         };
         match shared.events.send(event, &|| Some(writer.clone())).await {

@@ -181,7 +181,9 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     let mut buf = BytesMut::new();
     let mut ping = 0u64;
     loop {
+        // Biased: what was queued before the owner let go (a LINK_CLOSE) is still written.
         let first = tokio::select! {
+            biased;
             next = tokio::time::timeout(heartbeat, rx.recv()) => match next {
                 Ok(Some(frame)) => frame,
                 Ok(None) => break,
@@ -209,8 +211,10 @@ async fn write_loop<W: AsyncWrite + Unpin>(
             }
         }
         // A peer that stopped reading must not keep the socket open once the owner let
-        // the link go (the write would wait for it for good).
+        // the link go (the write would wait for it for good). Biased: what the socket takes
+        // at once is still written.
         let wrote = tokio::select! {
+            biased;
             wrote = w.write_all(&buf) => wrote.is_ok(),
             _ = alive.changed() => false,
         };
