@@ -12,7 +12,9 @@
 //!
 //! What it must never do: reorder a channel's announcements, grow without bound (each
 //! channel epoch keeps its kind's history length for its history TTL; the file is compacted
-//! at its cap, oldest announcements first), or block a tokio worker on file I/O.
+//! at its cap, and when what is unexpired needs more than half of it, new announcements are
+//! refused: an accepted announcement is never dropped before its TTL), or block a tokio
+//! worker on file I/O.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
@@ -37,6 +39,16 @@ pub enum AnnouncementLogError {
     /// The remote log (Redis) did not answer or refused.
     #[error("announcement log unavailable: {0}")]
     Unavailable(String),
+    // ----- the log's capacity
+    /// The file log's unexpired announcements need more than half its size cap: new ones
+    /// are refused until some expire (the accepted ones are never dropped early).
+    #[error("announcement log full: {live} bytes of unexpired announcements, cap {cap}")]
+    Full {
+        /// Bytes the unexpired announcements take, with the refused batch.
+        live: u64,
+        /// The size cap.
+        cap: u64,
+    },
     // ----- the log's content
     /// A record could not be decoded.
     #[error("announcement log record corrupt: {0}")]
@@ -77,6 +89,8 @@ struct Kept {
     offset: u64,
     expires_ms: u64,
     event: Bytes,
+    /// Its record's size in the file.
+    bytes: u64,
 }
 
 #[derive(Debug)]
@@ -90,6 +104,8 @@ struct FileState {
     path: PathBuf,
     file: std::fs::File,
     len: u64,
+    /// Bytes of the records the index holds (what a compaction keeps).
+    live: u64,
     index: HashMap<(Arc<str>, u64), Epoch>,
 }
 
@@ -123,7 +139,8 @@ fn encode(r: &FileRecord) -> Result<Vec<u8>, AnnouncementLogError> {
 }
 
 impl FileState {
-    fn remember(&mut self, r: FileRecord, now_ms: u64) {
+    /// Indexes a record of `bytes` in the file.
+    fn remember(&mut self, r: FileRecord, bytes: u64, now_ms: u64) {
         if r.expires_ms <= now_ms {
             return;
         }
@@ -142,51 +159,48 @@ impl FileState {
             offset: r.offset,
             expires_ms: r.expires_ms,
             event: r.event.into(),
+            bytes,
         });
+        self.live += bytes;
         while e.entries.len() > e.keep {
-            e.entries.pop_front();
+            if let Some(k) = e.entries.pop_front() {
+                self.live -= k.bytes;
+            }
         }
     }
 
     fn trim(&mut self, now_ms: u64) {
+        let mut freed = 0;
         for e in self.index.values_mut() {
             while e.entries.front().is_some_and(|k| k.expires_ms <= now_ms) {
-                e.entries.pop_front();
+                if let Some(k) = e.entries.pop_front() {
+                    freed += k.bytes;
+                }
             }
         }
+        self.live -= freed;
         self.index.retain(|_, e| !e.entries.is_empty());
     }
 
-    /// Rewrites the file with what the index still holds (a temporary file renamed over
-    /// it); when even that is above half the cap, the announcements that expire first go.
-    fn compact(&mut self, max_bytes: u64, now_ms: u64) -> Result<(), AnnouncementLogError> {
-        self.trim(now_ms);
-        let mut records: Vec<(u64, Vec<u8>)> = Vec::new();
+    /// Rewrites the file with what the index holds (a temporary file renamed over it).
+    fn compact(&mut self) -> Result<(), AnnouncementLogError> {
+        let mut records: Vec<Vec<u8>> = Vec::new();
         for ((channel, epoch), e) in &self.index {
             for k in &e.entries {
-                let bytes = encode(&FileRecord {
+                records.push(encode(&FileRecord {
                     channel: channel.to_string(),
                     epoch: *epoch,
                     offset: k.offset,
                     expires_ms: k.expires_ms,
                     keep: e.keep as u64,
                     event: k.event.to_vec(),
-                })?;
-                records.push((k.expires_ms, bytes));
+                })?);
             }
-        }
-        // Oldest expiry first; within one channel epoch that is offset order.
-        records.sort_by_key(|(at, _)| *at);
-        let mut total: u64 = records.iter().map(|(_, b)| b.len() as u64).sum();
-        let mut skip = 0;
-        while total > max_bytes / 2 && skip < records.len() {
-            total -= records[skip].1.len() as u64;
-            skip += 1;
         }
         let tmp = self.path.with_extension("compact");
         {
             let mut f = std::fs::File::create(&tmp).map_err(io)?;
-            for (_, b) in &records[skip..] {
+            for b in &records {
                 f.write_all(b).map_err(io)?;
             }
             f.sync_all().map_err(io)?;
@@ -196,24 +210,30 @@ impl FileState {
             .append(true)
             .open(&self.path)
             .map_err(io)?;
-        self.len = total;
-        if skip > 0 {
-            tracing::warn!(
-                forgotten = skip,
-                "announcement log at its size cap: the announcements that expire first were dropped"
-            );
-            self.index.clear();
-            let now = unix_ms();
-            let kept: Vec<(u64, Vec<u8>)> = records.split_off(skip);
-            for (_, b) in kept {
-                if let Some(body) = b.get(4..) {
-                    if let Ok(r) = postcard::from_bytes::<FileRecord>(body) {
-                        self.remember(r, now);
-                    }
-                }
-            }
-        }
+        self.len = records.iter().map(|b| b.len() as u64).sum();
         Ok(())
+    }
+
+    /// Makes room for `need` more bytes under `max_bytes`: compacts when the file would
+    /// pass the cap, and refuses when the unexpired announcements and `need` take more
+    /// than half of it (so a compaction always halves the file: no rewrite per append).
+    fn make_room(
+        &mut self,
+        need: u64,
+        max_bytes: u64,
+        now_ms: u64,
+    ) -> Result<(), AnnouncementLogError> {
+        if self.len + need <= max_bytes {
+            return Ok(());
+        }
+        self.trim(now_ms);
+        if self.live + need > max_bytes / 2 {
+            return Err(AnnouncementLogError::Full {
+                live: self.live + need,
+                cap: max_bytes,
+            });
+        }
+        self.compact()
     }
 }
 
@@ -242,6 +262,7 @@ impl FileAnnouncementLog {
                 .open(path)
                 .map_err(io)?,
             len: 0,
+            live: 0,
             index: HashMap::new(),
         };
         let mut at = 0usize;
@@ -253,7 +274,7 @@ impl FileAnnouncementLog {
             let Ok(r) = postcard::from_bytes::<FileRecord>(body) else {
                 break;
             };
-            state.remember(r, now);
+            state.remember(r, 4 + len as u64, now);
             at += 4 + len;
         }
         if at < data.len() {
@@ -287,10 +308,12 @@ impl FileAnnouncementLog {
                 keep: r.keep.max(1) as u64,
                 event: r.event.to_vec(),
             };
-            out.extend(encode(&fr)?);
-            file_records.push(fr);
+            let bytes = encode(&fr)?;
+            file_records.push((fr, bytes.len() as u64));
+            out.extend(bytes);
         }
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.make_room(out.len() as u64, self.max_bytes, now)?;
         let at = s.len;
         let written = s.file.write_all(&out).and_then(|()| match self.fsync {
             FsyncPolicy::Always => s.file.sync_data(),
@@ -302,11 +325,8 @@ impl FileAnnouncementLog {
             return Err(io(e));
         }
         s.len += out.len() as u64;
-        for fr in file_records {
-            s.remember(fr, now);
-        }
-        if s.len > self.max_bytes {
-            s.compact(self.max_bytes, now)?;
+        for (fr, bytes) in file_records {
+            s.remember(fr, bytes, now);
         }
         Ok(())
     }
@@ -476,6 +496,46 @@ mod tests {
         assert_eq!(
             log.after("system", since(1, 0), 1_000).await.unwrap().len(),
             kept.len()
+        );
+    }
+
+    /// Regression (2026-12-04, second stop): at its cap the file dropped the announcements
+    /// that expired first, accepted ones included, long before their TTL. Now new ones are
+    /// refused while the unexpired ones need more than half the cap; every accepted one
+    /// stays readable until it expires, and once they expire the log takes new ones again.
+    #[tokio::test]
+    async fn a_full_log_refuses_new_announcements_and_keeps_every_accepted_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ann.log");
+        let cap = 8 * 1024;
+        let log = FileAnnouncementLog::open(&path, FsyncPolicy::Never, cap).unwrap();
+        let short = |offset| AnnouncementRecord {
+            ttl: Duration::from_millis(400),
+            ..record("system", 1, offset, 100_000)
+        };
+        let mut accepted = 0;
+        for i in 1..=2_000u64 {
+            match log.append(&[short(i)]).await {
+                Ok(()) => accepted = i,
+                Err(AnnouncementLogError::Full { live, cap: c }) => {
+                    assert!(live > c / 2 && c == cap);
+                    break;
+                }
+                Err(e) => panic!("{e}"),
+            }
+            assert!(log.len_bytes() <= cap, "{} bytes", log.len_bytes());
+        }
+        assert!(accepted > 0 && accepted < 2_000, "{accepted}");
+        let kept = log.after("system", since(1, 0), 10_000).await.unwrap();
+        let offsets: Vec<u64> = kept.iter().map(|r| r.position.offset).collect();
+        assert_eq!(offsets, (1..=accepted).collect::<Vec<_>>(), "none dropped");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        log.append(&[short(accepted + 1)]).await.unwrap();
+        let after = log.after("system", since(1, 0), 10_000).await.unwrap();
+        assert_eq!(
+            after.len(),
+            1,
+            "the expired ones are gone, the new one is in"
         );
     }
 }

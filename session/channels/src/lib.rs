@@ -135,8 +135,8 @@ pub struct ChannelsConfig {
     pub announcement_log: String,
     /// When the file log syncs to disk.
     pub announcement_fsync: FsyncPolicy,
-    /// The file log's size cap in bytes: compacted when it reaches it (the announcements
-    /// that expire first are dropped when what is live exceeds half of it).
+    /// The file log's size cap in bytes: compacted when it reaches it; new announcements
+    /// are refused while the unexpired ones need more than half of it.
     pub announcement_log_max_bytes: u64,
     /// The channel kinds, by the part of a channel name before `:` (`guild` for
     /// `guild:42`, `world` for `world`). Setting this replaces the default kinds.
