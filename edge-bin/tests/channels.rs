@@ -1469,6 +1469,25 @@ async fn a_push_to_a_player_reaches_it_on_any_edge_with_a_result_per_message() {
     assert_eq!(push("bob", "no redis").await, Outcome::Unreachable);
     assert_eq!(push("alice", "still here").await, Outcome::Unknown);
     assert_eq!(next_message(&mut alice, 42).await, "still here");
+    // Regression (2026-12-04, second stop): a copy sent again after `unknown` was answered
+    // `delivered` (its id was remembered as delivered when queued), though nothing made
+    // it durable. A copy is answered what its first copy is, and queued once.
+    let id = waygate_backend::next_request_id();
+    for _ in 0..2 {
+        let outcome = from
+            .push_to_player_with_id(
+                id,
+                "alice",
+                44,
+                TrafficClass::Normal,
+                Bytes::from_static(b"unsure"),
+            )
+            .await
+            .unwrap();
+        assert_eq!(outcome, Outcome::Unknown);
+    }
+    assert_eq!(next_message(&mut alice, 44).await, "unsure");
+    no_message(&mut alice, 44).await;
 }
 
 /// One edge without Redis: a player without a session on it is offline everywhere.

@@ -11,13 +11,15 @@
 //! `max_waiting` a push is handed back at once to be answered `busy`.
 //!
 //! [`DeliveredPushIds`] is the receiving side's memory: the ids of the pushes an edge
-//! delivered to its sessions, kept for a window, so a push sent again with its id (a
+//! queued on its sessions, kept for a window, with what became of each (delivered, waiting
+//! for its session's write-through, or unknown), so a push sent again with its id (a
 //! backend that got `unknown` or no answer, or a batch that was applied although its answer
-//! was lost) is answered `delivered` without being delivered twice.
+//! was lost) is never queued twice and is answered what the first copy was: `delivered`
+//! only once that is true.
 //!
 //! It never does I/O, never waits, and never answers a push it did not get an outcome for.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use waygate_protocol::link::PlayerPushOutcome;
@@ -149,19 +151,34 @@ impl<R> PlayerPushQueue<R> {
 pub struct DeliveredPushIds {
     window: Duration,
     cap: usize,
-    ids: HashSet<u64>,
+    ids: HashMap<u64, TakenPush>,
     /// (expiry, id), oldest first.
     expiry: VecDeque<(Instant, u64)>,
+}
+
+/// What became of a push an edge queued on one of its sessions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TakenPush {
+    Delivered,
+    /// Waiting for its session's write-through (the shell's receipt).
+    Pending(u64),
+    /// Queued, but not known to be stored: it may reach the client (unless its edge dies).
+    Unknown,
 }
 
 /// What [`DeliveredPushIds::check`] says about a push's id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PushIdCheck {
-    /// Not delivered here within the window (or no id): deliver it, then
-    /// [`DeliveredPushIds::delivered`].
+    /// Not taken here within the window (or no id): deliver it, then
+    /// [`DeliveredPushIds::delivered`] or [`DeliveredPushIds::pending`].
     New,
     /// Delivered here already: answer `delivered`, deliver nothing.
     Duplicate,
+    /// Its first copy waits for receipt `.0`: answer what that copy is answered, deliver
+    /// nothing.
+    Pending(u64),
+    /// Its first copy was answered `unknown`: answer `unknown` again, deliver nothing.
+    Unknown,
     /// As many ids remembered as allowed: answer `busy`.
     Full,
 }
@@ -172,7 +189,7 @@ impl DeliveredPushIds {
         Self {
             window,
             cap: cap.max(1),
-            ids: HashSet::new(),
+            ids: HashMap::new(),
             expiry: VecDeque::new(),
         }
     }
@@ -191,20 +208,50 @@ impl DeliveredPushIds {
     pub fn check(&mut self, now: Instant, id: u64) -> PushIdCheck {
         self.expire(now);
         if id == 0 {
-            PushIdCheck::New
-        } else if self.ids.contains(&id) {
-            PushIdCheck::Duplicate
-        } else if self.ids.len() >= self.cap {
-            PushIdCheck::Full
-        } else {
-            PushIdCheck::New
+            return PushIdCheck::New;
         }
+        match self.ids.get(&id) {
+            Some(TakenPush::Delivered) => PushIdCheck::Duplicate,
+            Some(TakenPush::Pending(receipt)) => PushIdCheck::Pending(*receipt),
+            Some(TakenPush::Unknown) => PushIdCheck::Unknown,
+            None if self.ids.len() >= self.cap => PushIdCheck::Full,
+            None => PushIdCheck::New,
+        }
+    }
+
+    fn take(&mut self, now: Instant, id: u64, what: TakenPush) {
+        if id == 0 || self.ids.len() >= self.cap || self.ids.contains_key(&id) {
+            return;
+        }
+        self.ids.insert(id, what);
+        self.expiry.push_back((now + self.window, id));
     }
 
     /// The push with `id` was delivered at `now` (after [`PushIdCheck::New`]).
     pub fn delivered(&mut self, now: Instant, id: u64) {
-        if id != 0 && self.ids.len() < self.cap && self.ids.insert(id) {
-            self.expiry.push_back((now + self.window, id));
+        self.take(now, id, TakenPush::Delivered);
+    }
+
+    /// The push with `id` was queued at `now` and waits for `receipt` (after
+    /// [`PushIdCheck::New`]).
+    pub fn pending(&mut self, now: Instant, id: u64, receipt: u64) {
+        self.take(now, id, TakenPush::Pending(receipt));
+    }
+
+    /// The push with `id` was queued at `now`, not known to be stored (after
+    /// [`PushIdCheck::New`]).
+    pub fn unknown(&mut self, now: Instant, id: u64) {
+        self.take(now, id, TakenPush::Unknown);
+    }
+
+    /// The receipt of the pending push `id` came: `stored` (delivered) or not (unknown).
+    pub fn resolved(&mut self, id: u64, stored: bool) {
+        if let Some(t @ TakenPush::Pending(_)) = self.ids.get_mut(&id) {
+            *t = if stored {
+                TakenPush::Delivered
+            } else {
+                TakenPush::Unknown
+            };
         }
     }
 
@@ -328,36 +375,81 @@ mod tests {
         assert_eq!(ids.len(), 1, "8 is still remembered");
     }
 
+    /// Regression (2026-12-04, second stop): a copy of a push whose first copy was still
+    /// waiting for its session's write-through, or had been answered `unknown` (the write
+    /// failed), was answered `delivered`. A copy is answered what the first copy is.
+    #[test]
+    fn a_copy_is_answered_what_its_first_copy_is() {
+        let t0 = Instant::now();
+        let mut ids = DeliveredPushIds::new(Duration::from_secs(10), 8);
+        ids.pending(t0, 7, 70);
+        ids.pending(t0, 8, 80);
+        assert_eq!(ids.check(t0, 7), PushIdCheck::Pending(70));
+        ids.resolved(7, true);
+        ids.resolved(8, false);
+        assert_eq!(ids.check(t0, 7), PushIdCheck::Duplicate);
+        assert_eq!(ids.check(t0, 8), PushIdCheck::Unknown);
+        ids.resolved(8, true);
+        assert_eq!(ids.check(t0, 8), PushIdCheck::Unknown, "resolved once");
+        ids.unknown(t0, 9);
+        assert_eq!(ids.check(t0, 9), PushIdCheck::Unknown);
+        ids.delivered(t0, 9);
+        assert_eq!(ids.check(t0, 9), PushIdCheck::Unknown, "taken once");
+        assert_eq!(
+            ids.check(t0 + Duration::from_secs(10), 7),
+            PushIdCheck::New,
+            "forgotten after the window, whatever became of it"
+        );
+    }
+
     proptest! {
-        /// Any sequence of pushes with repeated ids and advancing time: an id is delivered
-        /// at most once within any window after its delivery, and never more than `cap`
-        /// are remembered.
+        /// Any sequence of pushes with repeated ids, receipts and advancing time: an id is
+        /// taken at most once within any window after it was taken, a copy is answered
+        /// what its first copy is (delivered, pending, unknown: a model follows it), and
+        /// never more than `cap` are remembered.
         #[test]
-        fn an_id_is_delivered_at_most_once_per_window(
-            steps in proptest::collection::vec((0u64..6, 0u64..4_000), 1..300),
+        fn an_id_is_taken_at_most_once_per_window_and_copies_follow_it(
+            steps in proptest::collection::vec((0u64..6, 0u64..4_000, 0u8..5), 1..300),
             cap in 1usize..6,
         ) {
+            #[derive(Debug, Clone, Copy, PartialEq)]
+            enum Model { Delivered, Pending, Unknown }
             let window = Duration::from_secs(5);
             let t0 = Instant::now();
             let mut now = t0;
             let mut ids = DeliveredPushIds::new(window, cap);
-            let mut last: std::collections::HashMap<u64, Instant> = Default::default();
-            for (id, advance_ms) in steps {
+            let mut model: std::collections::HashMap<u64, (Instant, Model)> = Default::default();
+            for (id, advance_ms, action) in steps {
                 now += Duration::from_millis(advance_ms);
-                match ids.check(now, id) {
-                    PushIdCheck::New => {
+                model.retain(|_, (at, _)| now < *at + window);
+                if action >= 3 {
+                    // A receipt comes (stored or not) for whatever is pending.
+                    ids.resolved(id, action == 3);
+                    if let Some((_, m @ Model::Pending)) = model.get_mut(&id) {
+                        *m = if action == 3 { Model::Delivered } else { Model::Unknown };
+                    }
+                    continue;
+                }
+                let check = ids.check(now, id);
+                match (check, model.get(&id).map(|(_, m)| *m)) {
+                    (PushIdCheck::New, None) => {
                         if id != 0 {
-                            if let Some(at) = last.get(&id) {
-                                prop_assert!(now >= *at + window, "{id} again within the window");
-                            }
-                            last.insert(id, now);
+                            let m = [Model::Delivered, Model::Pending, Model::Unknown][action as usize];
+                            model.insert(id, (now, m));
                         }
-                        ids.delivered(now, id);
+                        match action {
+                            0 => ids.delivered(now, id),
+                            1 => ids.pending(now, id, id * 100),
+                            _ => ids.unknown(now, id),
+                        }
                     }
-                    PushIdCheck::Duplicate => {
-                        prop_assert!(last.get(&id).is_some_and(|at| now < *at + window));
+                    (PushIdCheck::Duplicate, Some(Model::Delivered))
+                    | (PushIdCheck::Unknown, Some(Model::Unknown)) => {}
+                    (PushIdCheck::Pending(receipt), Some(Model::Pending)) => {
+                        prop_assert_eq!(receipt, id * 100);
                     }
-                    PushIdCheck::Full => prop_assert_eq!(ids.len(), cap),
+                    (PushIdCheck::Full, None) => prop_assert_eq!(ids.len(), cap),
+                    (c, m) => prop_assert!(false, "id {} checked {:?}, model {:?}", id, c, m),
                 }
                 prop_assert!(ids.len() <= cap);
             }

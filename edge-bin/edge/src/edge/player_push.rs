@@ -38,72 +38,76 @@ const RECEIPT_WAIT: Duration = Duration::from_millis(600);
 /// How a waiting push is answered: the link it came on and its request id.
 type PushReply = (Option<mpsc::Sender<LinkFrame>>, u64);
 
-/// The pushes waiting for other edges and the wake-up of their task; the ids of the pushes
-/// delivered here.
+/// The pushes waiting for other edges and the wake-up of their task; the pushes taken
+/// here.
 #[derive(Debug)]
 pub(super) struct PlayerPushes {
     queue: Mutex<PlayerPushQueue<PushReply>>,
     wake: Arc<Notify>,
-    delivered: Mutex<DeliveredPushIds>,
-    receipts: Arc<PushReceipts>,
+    taken: Arc<PushLedger>,
 }
 
-/// Pushes queued on a session here that wait until its stored copy holds them (with
-/// write-through): receipt -> whom to tell.
-#[derive(Debug, Default)]
-pub(super) struct PushReceipts {
+/// The pushes taken here: their ids (what became of each, for copies sent again) and those
+/// queued on a session that wait until its stored copy holds them (with write-through):
+/// receipt -> (push id, whom to tell). One lock, so a copy never finds an id waiting for a
+/// receipt that was already reported.
+#[derive(Debug)]
+pub(super) struct PushLedger {
     next: AtomicU64,
-    waiting: Mutex<HashMap<u64, oneshot::Sender<bool>>>,
+    state: Mutex<Ledger>,
 }
 
-impl PushReceipts {
-    /// A new receipt and what will say how it went; `None` when too many wait.
-    fn take(&self) -> Option<(u64, oneshot::Receiver<bool>)> {
-        let mut waiting = self.waiting.lock().ok()?;
-        if waiting.len() >= MAX_RECEIPTS_WAITING {
-            return None;
-        }
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = oneshot::channel();
-        waiting.insert(id, tx);
-        Some((id, rx))
+#[derive(Debug)]
+struct Ledger {
+    ids: DeliveredPushIds,
+    waiting: HashMap<u64, (u64, Vec<oneshot::Sender<bool>>)>,
+}
+
+impl PushLedger {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Ledger> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Forgets `id` (its push was not queued, or its waiter gave up).
-    fn forget(&self, id: u64) {
-        if let Ok(mut w) = self.waiting.lock() {
-            w.remove(&id);
+    /// The receipt is over without being reported (its push was not queued after all, or
+    /// its first waiter gave up): the push is `unknown`, and so is every copy waiting.
+    fn forget(&self, receipt: u64) {
+        let mut ledger = self.lock();
+        if let Some((id, _waiters)) = ledger.waiting.remove(&receipt) {
+            ledger.ids.resolved(id, false);
         }
     }
 
-    /// The session reported `ids` (`stored`: its stored copy holds their pushes).
-    pub(super) fn written(&self, ids: &[u64], stored: bool) {
-        let Ok(mut waiting) = self.waiting.lock() else {
-            return;
-        };
-        for id in ids {
-            if let Some(tx) = waiting.remove(id) {
+    /// The session reported `receipts` (`stored`: its stored copy holds their pushes).
+    pub(super) fn written(&self, receipts: &[u64], stored: bool) {
+        let mut ledger = self.lock();
+        for receipt in receipts {
+            let Some((id, waiters)) = ledger.waiting.remove(receipt) else {
+                continue;
+            };
+            ledger.ids.resolved(id, stored);
+            for tx in waiters {
                 // Fails only when the waiter is gone: it gave up at RECEIPT_WAIT and
                 // answered `unknown` itself, so the push is answered either way.
                 if tx.send(stored).is_err() {
-                    tracing::debug!(
-                        receipt = id,
-                        "push receipt after its waiter answered unknown"
-                    );
+                    tracing::debug!(receipt, "push receipt after its waiter answered unknown");
                 }
             }
         }
     }
 
-    /// What became of a push queued with receipt `id`: `delivered` once the session's stored
+    /// What became of a push queued with `receipt`: `delivered` once the session's stored
     /// copy holds it, else (not written through within [`RECEIPT_WAIT`], or could not be)
     /// `unknown`: it may still reach the client.
-    async fn outcome(self: Arc<Self>, id: u64, rx: oneshot::Receiver<bool>) -> PlayerPushOutcome {
+    async fn outcome(
+        self: Arc<Self>,
+        receipt: u64,
+        rx: oneshot::Receiver<bool>,
+    ) -> PlayerPushOutcome {
         match tokio::time::timeout(RECEIPT_WAIT, rx).await {
             Ok(Ok(true)) => PlayerPushOutcome::Delivered,
             Ok(Ok(false)) => PlayerPushOutcome::Unknown,
             Ok(Err(_)) | Err(_) => {
-                self.forget(id);
+                self.forget(receipt);
                 PlayerPushOutcome::Unknown
             }
         }
@@ -119,17 +123,19 @@ impl PlayerPushes {
         Self {
             queue: Mutex::new(PlayerPushQueue::new(MAX_WAITING, MAX_BATCH)),
             wake: Arc::new(Notify::new()),
-            delivered: Mutex::new(DeliveredPushIds::new(
-                DELIVERED_ID_WINDOW,
-                MAX_DELIVERED_IDS,
-            )),
-            receipts: Arc::default(),
+            taken: Arc::new(PushLedger {
+                next: AtomicU64::new(1),
+                state: Mutex::new(Ledger {
+                    ids: DeliveredPushIds::new(DELIVERED_ID_WINDOW, MAX_DELIVERED_IDS),
+                    waiting: HashMap::new(),
+                }),
+            }),
         }
     }
 
     /// The session reported receipts (`SessionEvent::PushesWritten`).
-    pub(super) fn written(&self, ids: &[u64], stored: bool) {
-        self.receipts.written(ids, stored);
+    pub(super) fn written(&self, receipts: &[u64], stored: bool) {
+        self.taken.written(receipts, stored);
     }
 }
 
@@ -144,11 +150,13 @@ fn local_outcome(result: Result<(), PushError>) -> Option<PlayerPushOutcome> {
 
 impl Shared {
     /// Delivers a push to `player`'s session on this edge, unless a push with the same
-    /// `id` was delivered here within the window (then `delivered`, nothing queued) or the
-    /// edge remembers as many ids as it may (`busy`). `None`: the player has no session
-    /// here. With write-through a sequenced push is `delivered` only once the session's
-    /// stored copy holds it ([`PushDelivery::Later`]): an edge killed before that could not
-    /// answer `delivered` for a push it then lost.
+    /// `id` was taken here within the window (then nothing is queued and it is answered
+    /// what that push is: `delivered`, `unknown`, or — still waiting for its session's
+    /// write-through — whatever that brings) or the edge remembers as many ids as it may
+    /// (`busy`). `None`: the player has no session here. With write-through a sequenced
+    /// push is `delivered` only once the session's stored copy holds it
+    /// ([`PushDelivery::Later`]): an edge killed before that could not answer `delivered`
+    /// for a push it then lost.
     pub(super) fn deliver_push_here(
         &self,
         player: &str,
@@ -156,41 +164,55 @@ impl Shared {
         message: Downstream,
     ) -> Option<LocalPush> {
         let now = std::time::Instant::now();
-        let Ok(mut ids) = self.player_pushes.delivered.lock() else {
-            return Some(LocalPush::Now(PlayerPushOutcome::Busy));
-        };
-        match ids.check(now, id) {
+        let ledger = self.player_pushes.taken.clone();
+        let mut state = ledger.lock();
+        match state.ids.check(now, id) {
             PushIdCheck::Duplicate => return Some(LocalPush::Now(PlayerPushOutcome::Delivered)),
+            PushIdCheck::Unknown => return Some(LocalPush::Now(PlayerPushOutcome::Unknown)),
             PushIdCheck::Full => return Some(LocalPush::Now(PlayerPushOutcome::Busy)),
+            PushIdCheck::Pending(receipt) => {
+                let Some((_, waiters)) = state.waiting.get_mut(&receipt) else {
+                    return Some(LocalPush::Now(PlayerPushOutcome::Unknown));
+                };
+                let (tx, rx) = oneshot::channel();
+                waiters.push(tx);
+                drop(state);
+                return Some(LocalPush::Later(Box::pin(ledger.outcome(receipt, rx))));
+            }
             PushIdCheck::New => {}
         }
         let layer = self.session_layer();
         if layer.write_through.is_none() || !message.class.is_sequenced() {
             let outcome = local_outcome(layer.registry.push_to_player(player, message))?;
             if outcome == PlayerPushOutcome::Delivered {
-                ids.delivered(now, id);
+                state.ids.delivered(now, id);
             }
             return Some(LocalPush::Now(outcome));
         }
-        let receipts = self.player_pushes.receipts.clone();
-        let Some((receipt, rx)) = receipts.take() else {
+        if state.waiting.len() >= MAX_RECEIPTS_WAITING {
             return Some(LocalPush::Now(PlayerPushOutcome::Busy));
-        };
+        }
+        // Registered before the push: the session reports the receipt under this lock.
+        let receipt = ledger.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        state.waiting.insert(receipt, (id, vec![tx]));
         match layer
             .registry
             .push_to_player_with_receipt(player, message, receipt)
         {
-            Ok(with_receipt) => {
-                ids.delivered(now, id);
-                if !with_receipt {
-                    // Queued, but its queue had no room left for the receipt.
-                    receipts.forget(receipt);
-                    return Some(LocalPush::Now(PlayerPushOutcome::Unknown));
-                }
-                Some(LocalPush::Later(Box::pin(receipts.outcome(receipt, rx))))
+            Ok(true) => {
+                state.ids.pending(now, id, receipt);
+                drop(state);
+                Some(LocalPush::Later(Box::pin(ledger.outcome(receipt, rx))))
+            }
+            Ok(false) => {
+                // Queued, but its queue had no room left for the receipt.
+                state.waiting.remove(&receipt);
+                state.ids.unknown(now, id);
+                Some(LocalPush::Now(PlayerPushOutcome::Unknown))
             }
             Err(e) => {
-                receipts.forget(receipt);
+                state.waiting.remove(&receipt);
                 local_outcome(Err(e)).map(LocalPush::Now)
             }
         }
