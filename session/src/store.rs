@@ -593,16 +593,22 @@ mod tests {
         ownership_semantics(&MemoryOwnership::new()).await;
     }
 
-    /// What the contract cannot check with a real clock: expiry on a virtual clock and
-    /// `purge_expired`.
-    #[test]
-    fn memory_store_ttl_expires_on_its_clock() {
+    /// A memory store on a clock that moves when the returned seconds are set.
+    fn store_on_a_clock() -> (MemorySnapshotStore, Arc<AtomicU64>) {
         let t0 = Instant::now();
         let offset = Arc::new(AtomicU64::new(0));
         let o = offset.clone();
         let store = MemorySnapshotStore::with_clock(move || {
             t0 + Duration::from_secs(o.load(Ordering::Relaxed))
         });
+        (store, offset)
+    }
+
+    /// What the contract cannot check with a real clock: expiry on a virtual clock and
+    /// `purge_expired`.
+    #[test]
+    fn memory_store_ttl_expires_on_its_clock() {
+        let (store, offset) = store_on_a_clock();
         block_on(async {
             let s = snapshot(1);
             // TTL.
@@ -622,12 +628,7 @@ mod tests {
     /// last purge purges it: expired entries never outnumber the live ones by much.
     #[test]
     fn expired_snapshots_nobody_asks_for_do_not_pile_up() {
-        let t0 = Instant::now();
-        let offset = Arc::new(AtomicU64::new(0));
-        let o = offset.clone();
-        let store = MemorySnapshotStore::with_clock(move || {
-            t0 + Duration::from_secs(o.load(Ordering::Relaxed))
-        });
+        let (store, offset) = store_on_a_clock();
         block_on(async {
             let mut most = 0;
             for round in 0..50u64 {

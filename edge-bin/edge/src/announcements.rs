@@ -216,7 +216,8 @@ impl FileState {
 
     /// Makes room for `need` more bytes under `max_bytes`: compacts when the file would
     /// pass the cap, and refuses when the unexpired announcements and `need` take more
-    /// than half of it (so a compaction always halves the file: no rewrite per append).
+    /// than half of it (so a compaction always halves the file: no rewrite per append) —
+    /// unless nothing is unexpired: a batch larger than half a small cap still goes in.
     fn make_room(
         &mut self,
         need: u64,
@@ -227,7 +228,7 @@ impl FileState {
             return Ok(());
         }
         self.trim(now_ms);
-        if self.live + need > max_bytes / 2 {
+        if self.live > 0 && self.live + need > max_bytes / 2 {
             return Err(AnnouncementLogError::Full {
                 live: self.live + need,
                 cap: max_bytes,
