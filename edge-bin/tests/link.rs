@@ -511,7 +511,7 @@ async fn an_impostor_edge_is_closed_before_anything_reaches_the_game() {
 /// A hand-made backend end of a link: takes one edge's connection on `listener`, reads its
 /// LINK_HELLO (returned) and answers LINK_WELCOME with `features`, without a secret.
 async fn raw_backend_link(
-    listener: tokio::net::TcpListener,
+    listener: &tokio::net::TcpListener,
     instance_id: &str,
     features: u64,
 ) -> (Option<LinkFrame>, waygate_link::LinkIo) {
@@ -640,7 +640,7 @@ async fn forward_done_is_used_only_when_both_ends_have_it() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let old_backend = tokio::spawn(async move {
-        let (hello, mut io) = raw_backend_link(listener, "old", 0).await;
+        let (hello, mut io) = raw_backend_link(&listener, "old", 0).await;
         assert!(
             matches!(
                 hello,
@@ -720,7 +720,8 @@ async fn a_forward_done_for_a_message_the_link_does_not_hold_is_ignored() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let rogue = tokio::spawn(async move {
-        let (_hello, mut io) = raw_backend_link(listener, "rogue", LINK_FEATURE_FORWARD_DONE).await;
+        let (_hello, mut io) =
+            raw_backend_link(&listener, "rogue", LINK_FEATURE_FORWARD_DONE).await;
         // Wait for the edge's one FORWARD (client seq 1), then answer seq 2 (never sent),
         // seq 1, seq 1 again, and push once: only the first answer of seq 1 may count.
         loop {
@@ -788,7 +789,7 @@ async fn a_credit_before_the_answer_closes_the_link_and_loses_nothing() {
     let addr = listener.local_addr().unwrap();
     let rogue = tokio::spawn(async move {
         let features = LINK_FEATURE_FORWARD_DONE | LINK_FEATURE_HELD_ANSWERS;
-        let (_hello, mut io) = raw_backend_link(listener, "rogue", features).await;
+        let (_hello, mut io) = raw_backend_link(&listener, "rogue", features).await;
         loop {
             match next_frame(&mut io.rx).await {
                 Some(LinkFrame::Forward { .. }) => break,
@@ -851,7 +852,7 @@ async fn a_refused_message_is_not_refused_again_when_its_link_dies() {
     let addr = listener.local_addr().unwrap();
     let backend = tokio::spawn(async move {
         let (_hello, mut io) =
-            raw_backend_link(listener, "refuser", LINK_FEATURE_FORWARD_DONE).await;
+            raw_backend_link(&listener, "refuser", LINK_FEATURE_FORWARD_DONE).await;
         loop {
             match next_frame(&mut io.rx).await {
                 Some(LinkFrame::Forward { .. }) => break,
@@ -892,6 +893,62 @@ async fn a_refused_message_is_not_refused_again_when_its_link_dies() {
         "one answer per message"
     );
     backend.await.unwrap();
+    link.shutdown().await;
+}
+
+/// Regression (2026-12-04, second stop): after a reconnect the edge re-opened every open
+/// session with SESSION_OPEN alone, so the backend believed a session whose client was
+/// away attached again until its linger ended. A session that is away is told so again
+/// (SESSION_DETACHED, with what is left of its linger) right after its SESSION_OPEN.
+#[tokio::test]
+async fn a_session_away_is_told_away_again_after_a_reconnect() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let backend = tokio::spawn(async move {
+        // First link: the session opens and detaches; then the link is lost.
+        let (_hello, mut io) = raw_backend_link(&listener, "b", 0).await;
+        loop {
+            match next_frame(&mut io.rx).await {
+                Some(LinkFrame::SessionDetached { handle: 9, .. }) => break,
+                Some(_) => continue,
+                None => panic!("first link ended early"),
+            }
+        }
+        drop(io);
+        // Second link: what the edge tells about its sessions first.
+        let (_hello, mut io) = raw_backend_link(&listener, "b", 0).await;
+        let mut told = Vec::new();
+        while told.len() < 2 {
+            match next_frame(&mut io.rx).await {
+                Some(LinkFrame::SessionOpen { handle, .. }) => told.push((handle, None)),
+                Some(LinkFrame::SessionDetached { handle, linger_ms }) => {
+                    told.push((handle, Some(linger_ms)));
+                }
+                Some(_) => continue,
+                None => break,
+            }
+        }
+        told
+    });
+    let (tx, mut rx) = mpsc::channel(64);
+    let (link, _task) = LinkClient::spawn(addr, fast_config(), Arc::new(AtomicU64::new(1)), tx);
+    wait_up(&mut rx).await;
+    link.ensure_open(&meta(9, "ivy")).unwrap();
+    link.session_event(LinkFrame::SessionDetached {
+        handle: 9,
+        linger_ms: 30_000,
+    })
+    .await;
+    let told = tokio::time::timeout(Duration::from_secs(10), backend)
+        .await
+        .expect("the edge reconnected")
+        .unwrap();
+    assert_eq!(told.len(), 2, "{told:?}");
+    assert_eq!(told[0], (9, None), "re-opened first");
+    assert!(
+        matches!(told[1], (9, Some(ms)) if ms > 25_000 && ms <= 30_000),
+        "then told away, with what is left of its linger: {told:?}"
+    );
     link.shutdown().await;
 }
 

@@ -25,7 +25,8 @@ use waygate_transport::{CloseCode, TrafficClass};
 use waygate_link::spawn_link_io;
 
 /// The longest [`LinkClient::session_event`] waits for room in a link's write queue: a
-/// backend that has not read its link that long is not told (the frame is logged).
+/// backend that has not read its link that long has its connection reset (PROTOCOL.md
+/// §9.3).
 pub const LIFECYCLE_SEND_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Settings of the edge's links.
@@ -348,6 +349,9 @@ struct LinkShared {
     /// Sessions opened on this link (re-opened after a reconnect): the edge's own entry,
     /// shared, not a copy per link.
     open: Mutex<HashMap<u64, Arc<SessionMeta>>>,
+    /// Sessions of `open` whose client is away (SESSION_DETACHED sent), with the end of
+    /// their linger: told again after a reconnect's SESSION_OPEN.
+    away: Mutex<HashMap<u64, tokio::time::Instant>>,
     epoch: Arc<AtomicU64>,
     events: LinkEvents,
     /// PUSH frames received since PUSH credit was last returned.
@@ -389,6 +393,7 @@ impl LinkClient {
             up: AtomicBool::new(false),
             answers: AtomicBool::new(false),
             open: Mutex::new(HashMap::new()),
+            away: Mutex::new(HashMap::new()),
             epoch,
             events,
             pushes: std::sync::atomic::AtomicU32::new(0),
@@ -545,6 +550,17 @@ impl LinkClient {
             }
             Err(_) => false,
         };
+        if let Ok(mut away) = self.shared.away.lock() {
+            match &frame {
+                LinkFrame::SessionDetached { linger_ms, .. } if known => {
+                    let linger = Duration::from_millis(u64::from(*linger_ms));
+                    away.insert(handle, tokio::time::Instant::now() + linger);
+                }
+                _ => {
+                    away.remove(&handle);
+                }
+            }
+        }
         if known {
             if let Some(tx) = self.sender() {
                 // Bounded: the route loop and session ends call this, and a backend that
@@ -1098,6 +1114,21 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
             .await
             .map_err(|_| "link closed")?;
     }
+    // Those whose client is away are told so again, with what is left of their linger.
+    let away: Vec<(u64, tokio::time::Instant)> = shared
+        .away
+        .lock()
+        .map(|a| a.iter().map(|(h, until)| (*h, *until)).collect())
+        .unwrap_or_default();
+    let now = tokio::time::Instant::now();
+    for (handle, until) in away {
+        let left = until.saturating_duration_since(now).as_millis();
+        let frame = LinkFrame::SessionDetached {
+            handle,
+            linger_ms: u32::try_from(left).unwrap_or(u32::MAX).max(1),
+        };
+        io.tx.send(frame).await.map_err(|_| "link closed")?;
+    }
     if let Ok(mut tx) = shared.tx.lock() {
         *tx = Some(io.tx.clone());
     }
@@ -1130,10 +1161,6 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
                 Some(frame) => frame,
                 None => break,
             },
-            () = reset.notified() => {
-                tracing::warn!(addr = %shared.addr, "backend link reset: it stopped reading");
-                break;
-            }
             () = reset.notified() => {
                 tracing::warn!(addr = %shared.addr, "backend link reset: it stopped reading");
                 break;
