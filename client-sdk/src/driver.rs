@@ -798,6 +798,7 @@ async fn connect_round(
     udp_timeout: Duration,
 ) -> (ConnectOutcome, Vec<(String, String)>) {
     let mut failures = Vec::new();
+    let mut auth_refusal = None;
     for endpoint in list {
         let limit = if endpoint.kind.is_udp() {
             udp_timeout
@@ -806,6 +807,16 @@ async fn connect_round(
         };
         let reason = match tokio::time::timeout(limit, connect(&endpoint, &options)).await {
             Ok(Ok(conn)) => return (ConnectOutcome::Up(conn, endpoint.to_string()), failures),
+            // An endpoint that refuses the token (sealed KCP checks it in CONNECT, and an
+            // expired or dropped token is refused there) may still take the resume on the
+            // next one, which asks only for the resume token (PROTOCOL.md §7.1.1).
+            Ok(Err(TransportError::Refused {
+                code,
+                retry_after_ms,
+            })) if code.to_u16() / 100 == 2 => {
+                auth_refusal.get_or_insert((code, retry_after_ms));
+                format!("refused: {code}")
+            }
             Ok(Err(TransportError::Refused {
                 code,
                 retry_after_ms,
@@ -816,7 +827,10 @@ async fn connect_round(
         tracing::debug!(%endpoint, %reason, "connect failed; trying the next endpoint");
         failures.push((endpoint.to_string(), reason));
     }
-    (ConnectOutcome::Failed, failures)
+    match auth_refusal {
+        Some((code, retry_after_ms)) => (ConnectOutcome::Refused(code, retry_after_ms), failures),
+        None => (ConnectOutcome::Failed, failures),
+    }
 }
 
 async fn recv(
@@ -1002,6 +1016,9 @@ impl Driver {
             }
             Err(ClientError::SendBufferFull(_)) => {
                 let _ = r.started.send(Err(RequestError::SendBufferFull));
+            }
+            Err(ClientError::TooLarge { size, max }) => {
+                let _ = r.started.send(Err(RequestError::TooLarge { size, max }));
             }
             Err(_) => {
                 let _ = r.started.send(Err(RequestError::Closed));

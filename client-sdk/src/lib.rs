@@ -38,4 +38,4 @@ pub use clock::ClockEstimate;
 pub use driver::{Client, ClientOptions, ClientStats, ConnectionState, Event, SdkError};
 pub use requests::{RequestAnswer, RequestError};
 pub use waygate_protocol::channel::ChannelPosition;
-pub use waygate_session::client::{ClientSession, RttStats};
+pub use waygate_session::client::{ClientError, ClientSession, RttStats};

@@ -50,6 +50,14 @@ pub enum RequestError {
     /// later.
     #[error("not sent: the send buffer is full")]
     SendBufferFull,
+    /// Not sent: its DATA frame (request id and body) would exceed the max frame size.
+    #[error("not sent: a frame of {size} bytes is above the max frame size {max}")]
+    TooLarge {
+        /// The frame's size.
+        size: usize,
+        /// The max frame size in force.
+        max: usize,
+    },
     /// Not sent: a request must be sequenced (critical or normal class).
     #[error("not sent: a request must be critical or normal, not best-effort")]
     NotSequenced,

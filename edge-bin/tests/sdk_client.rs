@@ -19,7 +19,9 @@ use common::token;
 use rand::{RngExt, SeedableRng};
 use tokio::io::AsyncWriteExt;
 use waygate_backend::demo::{ECHO, ECHO_REPLY};
-use waygate_client::{Client, ClientOptions, ConnectionState, Event, RequestError};
+use waygate_client::{
+    Client, ClientError, ClientOptions, ConnectionState, Event, RequestError, SdkError,
+};
 use waygate_protocol::frame::Reject;
 use waygate_transport::endpoint::{ConnectOptions, Endpoint};
 use waygate_transport::{CloseCode, Frame, TrafficClass, TransportKind};
@@ -989,4 +991,120 @@ async fn a_write_that_never_completes_does_not_freeze_the_client() {
     // And the client still answers its commands.
     let logout = tokio::time::timeout(Duration::from_secs(10), client.logout()).await;
     assert!(logout.is_ok(), "logout answered");
+}
+
+/// Regression (2026-12-04, second stop, an audit of the client SDK): a message whose frame
+/// was above the max frame size was taken (`Ok(seq)`), then closed the link (the edge's
+/// CLOSE `frame_too_large`, or the transport refusing the batch) and was resent with every
+/// resume: a reconnect loop, and no answer for the message. The SDK refuses it now
+/// (`TooLarge`, no seq taken), and the session goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_above_the_max_frame_size_is_refused_not_sent() {
+    let (edge, _b, _d) = common::demo_edge(|_| {}).await;
+    let mut client = Client::start(ClientOptions::new(
+        vec![Endpoint::new(
+            TransportKind::Tcp,
+            edge.addrs[&TransportKind::Tcp],
+        )],
+        token("bigmouth"),
+    ));
+    assert!(echo_ok(&mut client).await);
+    let huge = Bytes::from(vec![b'x'; 70_000]);
+    let refused = client
+        .send(TrafficClass::Critical, ECHO, huge.clone())
+        .await;
+    assert!(
+        matches!(
+            refused,
+            Err(SdkError::Session(ClientError::TooLarge { max: 65_536, .. }))
+        ),
+        "{refused:?}"
+    );
+    let refused = client
+        .request(TrafficClass::Normal, ECHO, huge, Duration::from_secs(1))
+        .await;
+    assert!(
+        matches!(refused, Err(RequestError::TooLarge { max: 65_536, .. })),
+        "{refused:?}"
+    );
+    // The link was never dropped: what follows is answered, and no reconnect happened.
+    assert!(echo_ok(&mut client).await);
+    let reconnects = tokio::time::timeout(Duration::from_millis(500), async {
+        loop {
+            if let Some(Event::Connected { .. }) = client.next_event().await {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(reconnects.is_err(), "the client reconnected");
+}
+
+/// Regression (2026-12-04, second stop, an audit of the client SDK): a session begun over
+/// sealed KCP could not resume once its connect token expired. The KCP CONNECT carries the
+/// token, the edge refused it there (BUSY `auth_expired`, then BUSY 205 for the plain
+/// CONNECT without a token), and the SDK ended each round at that first refusal: TCP,
+/// which takes a resume with the resume token alone, was never tried, and the session
+/// lingered out. An auth refusal of one endpoint now lets the round go on to the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sealed_kcp_session_resumes_over_tcp_after_its_token_expired() {
+    let (edge, _backend, _dir) = common::demo_edge(|c| {
+        c.auth.leeway_secs = 0;
+        c.kcp.packet_auth = waygate_transport::kcp::config::PacketAuth::Required;
+    })
+    .await;
+    let key: [u8; 32] = rand::random();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let token = waygate_session::auth::mint_connect_token(
+        waygate_edge::config::DEV_KEY_ID,
+        waygate_edge::config::DEV_KEY_SECRET.as_bytes(),
+        &waygate_session::auth::TokenClaims {
+            player_id: "sealed-short".into(),
+            issuer: "test".into(),
+            issued_at: now,
+            expires_at: now + 1,
+            extensions: Vec::new(),
+        },
+        &key,
+        rand::random(),
+    )
+    .unwrap();
+    let mut options = ClientOptions::new(
+        vec![
+            Endpoint::new(TransportKind::Kcp, edge.addrs[&TransportKind::Kcp]),
+            Endpoint::new(TransportKind::Tcp, edge.addrs[&TransportKind::Tcp]),
+        ],
+        token,
+    );
+    options.session_key = Some(key);
+    let mut client = Client::start(options);
+    async fn connected(client: &mut Client) -> (waygate_protocol::frame::WelcomeOutcome, String) {
+        let next = async {
+            loop {
+                match client.next_event().await.expect("client running") {
+                    Event::Connected {
+                        outcome, endpoint, ..
+                    } => return (outcome, endpoint),
+                    Event::Closed { code } => panic!("ended for good: {code}"),
+                    _ => {}
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(20), next)
+            .await
+            .expect("connected within 20 s")
+    }
+    let (_, first) = connected(&mut client).await;
+    assert!(first.starts_with("kcp://"), "{first}");
+    assert!(echo_ok(&mut client).await, "first echo");
+    // The token runs out while the link is down.
+    tokio::time::sleep(Duration::from_millis(2_200)).await;
+    client.drop_link().await.expect("client running");
+    let (outcome, endpoint) = connected(&mut client).await;
+    assert_eq!(outcome, waygate_protocol::frame::WelcomeOutcome::Restored);
+    assert!(endpoint.starts_with("tcp://"), "{endpoint}");
+    assert!(echo_ok(&mut client).await, "the restored session works");
 }

@@ -49,6 +49,11 @@ pub struct ClientConfig {
     /// dropped instead of sent ([`ClientEvent::Expired`]), and the later ones take its seq
     /// (the server never saw them). `None`: no bound (the session's linger bounds it).
     pub max_offline_age: Option<Duration>,
+    /// The largest frame this client's transports send (type byte to end). `send` refuses
+    /// a message whose DATA frame would exceed it, or the max frame size of the last
+    /// WELCOME ([`ClientError::TooLarge`]): sent, it would close the link and come back
+    /// with every resume.
+    pub max_frame_size: usize,
 }
 
 impl Default for ClientConfig {
@@ -58,6 +63,7 @@ impl Default for ClientConfig {
             max_unacked: 4096,
             liveness: Duration::from_secs(1),
             max_offline_age: None,
+            max_frame_size: waygate_protocol::wire::DEFAULT_MAX_FRAME_SIZE,
         }
     }
 }
@@ -151,6 +157,14 @@ pub enum ClientError {
     /// The unacked upstream buffer is full.
     #[error("upstream send buffer full ({0} unacked messages)")]
     SendBufferFull(usize),
+    /// The message's DATA frame would exceed the max frame size: not sent, no seq taken.
+    #[error("a frame of {size} bytes is above the max frame size {max}")]
+    TooLarge {
+        /// The frame's size (type byte to end).
+        size: usize,
+        /// The max frame size in force.
+        max: usize,
+    },
     /// The call is not valid in this state.
     #[error("{input} is not valid in state {state:?}")]
     InvalidState {
@@ -214,6 +228,8 @@ pub struct ClientSession {
     /// Client seqs already answered by an ERROR (the latest [`ERRORED_SEQS_KEPT`]).
     errored: std::collections::BTreeSet<u64>,
     heartbeat: Option<Duration>,
+    /// The max frame size of the last WELCOME (0: none yet).
+    server_max_frame: usize,
     last_tx: Option<Instant>,
     /// Since when something has been outstanding with no frame received (liveness).
     waiting_since: Option<Instant>,
@@ -244,6 +260,7 @@ impl ClientSession {
             unacked: VecDeque::new(),
             errored: std::collections::BTreeSet::new(),
             heartbeat: None,
+            server_max_frame: 0,
             last_tx: None,
             waiting_since: None,
             epoch: None,
@@ -444,6 +461,7 @@ impl ClientSession {
         if self.state == ClientState::Closed {
             return Err(self.invalid("send"));
         }
+        self.check_fits(class, msg_id, &payload)?;
         let active = self.state == ClientState::Active;
         if !class.is_sequenced() {
             if !active {
@@ -489,6 +507,40 @@ impl ClientSession {
             );
         }
         Ok(Some(seq))
+    }
+
+    /// The max frame size in force: the client's own, and the last WELCOME's.
+    pub fn max_frame_size(&self) -> usize {
+        match self.server_max_frame {
+            0 => self.config.max_frame_size,
+            server => self.config.max_frame_size.min(server),
+        }
+    }
+
+    /// `Err(TooLarge)` when the message's DATA frame (with its seq and the largest ack it
+    /// could carry when resent) would exceed the max frame size.
+    fn check_fits(
+        &self,
+        class: TrafficClass,
+        msg_id: u32,
+        payload: &Bytes,
+    ) -> Result<(), ClientError> {
+        let frame = Frame::Data(Data {
+            class,
+            msg_id,
+            seq: if class.is_sequenced() {
+                self.next_up_seq
+            } else {
+                0
+            },
+            ack: Some(u64::MAX),
+            payload: payload.clone(),
+        });
+        let (size, max) = (frame.encoded_len(), self.max_frame_size());
+        if size > max {
+            return Err(ClientError::TooLarge { size, max });
+        }
+        Ok(())
     }
 
     /// Drops the messages queued while no session was up that waited longer than
@@ -583,6 +635,7 @@ impl ClientSession {
                 }
                 self.session = Some((w.session_id, w.resume_token));
                 self.heartbeat = Some(Duration::from_millis(w.heartbeat_interval_ms.into()));
+                self.server_max_frame = usize::try_from(w.max_frame_size).unwrap_or(usize::MAX);
                 // Events of this WELCOME (expiries) follow the Welcomed event.
                 let welcome_events_at = self.events.len();
                 match w.outcome {

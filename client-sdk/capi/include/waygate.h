@@ -578,7 +578,8 @@ enum waygate_result waygate_client_wait_event(struct waygate_client *client,
  * Sequenced messages (critical, normal) sent while disconnected are kept and go out after
  * the resume; they are kept until the server acks them, so none is lost or duplicated.
  * Returns `WAYGATE_BUFFER_FULL` when too many are unacked, `WAYGATE_DROPPED` for a
- * best-effort message while no link is up, `WAYGATE_CLOSED` after the end.
+ * best-effort message while no link is up, `WAYGATE_CLOSED` after the end,
+ * `WAYGATE_INVALID_ARGUMENT` when its frame would exceed the max frame size (nothing sent).
  *
  * It waits until the client thread has taken the message: microseconds. The client thread
  * never waits for the caller (connect attempts run beside it; events the caller has not
@@ -604,7 +605,8 @@ enum waygate_result waygate_client_send(struct waygate_client *client,
  * Its outcome comes as one event with that `request_id`: `WAYGATE_EVENT_ANSWER` (the game
  * server's status and body) or `WAYGATE_EVENT_REQUEST_FAILED` (timeout after `timeout_ms`,
  * refused, expired offline, session lost, closed). `WAYGATE_BUFFER_FULL` when too many
- * messages are unacked; `WAYGATE_INVALID_ARGUMENT` for a best-effort class.
+ * messages are unacked; `WAYGATE_INVALID_ARGUMENT` for a best-effort class or a frame
+ * above the max frame size.
  *
  * # Safety
  *

@@ -341,7 +341,8 @@ pub unsafe extern "C" fn waygate_client_wait_event(
 /// Sequenced messages (critical, normal) sent while disconnected are kept and go out after
 /// the resume; they are kept until the server acks them, so none is lost or duplicated.
 /// Returns `WAYGATE_BUFFER_FULL` when too many are unacked, `WAYGATE_DROPPED` for a
-/// best-effort message while no link is up, `WAYGATE_CLOSED` after the end.
+/// best-effort message while no link is up, `WAYGATE_CLOSED` after the end,
+/// `WAYGATE_INVALID_ARGUMENT` when its frame would exceed the max frame size (nothing sent).
 ///
 /// It waits until the client thread has taken the message: microseconds. The client thread
 /// never waits for the caller (connect attempts run beside it; events the caller has not
@@ -403,6 +404,7 @@ pub unsafe extern "C" fn waygate_client_send(
                 set_last_error(e.to_string());
                 match e {
                     SdkError::Session(ClientError::SendBufferFull(_)) => WAYGATE_BUFFER_FULL,
+                    SdkError::Session(ClientError::TooLarge { .. }) => WAYGATE_INVALID_ARGUMENT,
                     SdkError::Closed | SdkError::Session(ClientError::InvalidState { .. }) => {
                         WAYGATE_CLOSED
                     }
@@ -418,7 +420,8 @@ pub unsafe extern "C" fn waygate_client_send(
 /// Its outcome comes as one event with that `request_id`: `WAYGATE_EVENT_ANSWER` (the game
 /// server's status and body) or `WAYGATE_EVENT_REQUEST_FAILED` (timeout after `timeout_ms`,
 /// refused, expired offline, session lost, closed). `WAYGATE_BUFFER_FULL` when too many
-/// messages are unacked; `WAYGATE_INVALID_ARGUMENT` for a best-effort class.
+/// messages are unacked; `WAYGATE_INVALID_ARGUMENT` for a best-effort class or a frame
+/// above the max frame size.
 ///
 /// # Safety
 ///
@@ -510,7 +513,9 @@ where
             set_last_error(e.to_string());
             match e {
                 RequestError::SendBufferFull => WAYGATE_BUFFER_FULL,
-                RequestError::NotSequenced => WAYGATE_INVALID_ARGUMENT,
+                RequestError::NotSequenced | RequestError::TooLarge { .. } => {
+                    WAYGATE_INVALID_ARGUMENT
+                }
                 _ => WAYGATE_CLOSED,
             }
         }

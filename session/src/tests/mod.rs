@@ -12,7 +12,7 @@ use waygate_protocol::frame::{Hello, ResumeRequest, WelcomeOutcome};
 use waygate_protocol::wire::PROTOCOL_VERSION;
 use waygate_transport::{CloseCode, Frame, TrafficClass};
 
-use crate::client::{ClientConfig, ClientEvent, ClientState};
+use crate::client::{ClientConfig, ClientError, ClientEvent, ClientState};
 use crate::machine::{
     Action, EndReason, SessionConfig, SessionCore, SessionError, SessionMachine, State,
 };
@@ -1083,6 +1083,60 @@ fn a_logout_ends_the_session_at_once_and_other_closes_linger() {
     p.drive(c);
     assert_eq!(welcomed(&p, c).last(), Some(&WelcomeOutcome::Restored));
     assert_eq!(p.session(c), sid);
+}
+
+/// Regression (2026-12-04, second stop): the client took a message whose DATA frame was
+/// above the max frame size, which then closed its link at every resume. It is refused
+/// (`TooLarge`, no seq taken) against its own limit before WELCOME and the smaller of its
+/// own and the WELCOME's after; what fits goes out.
+#[test]
+fn a_client_refuses_a_message_above_the_max_frame_size() {
+    let cfg = SessionConfig {
+        max_frame_size: 1024,
+        ..SessionConfig::default()
+    };
+    let mut p = Pair::new(cfg);
+    let c = p.add_client(token_for("alice"));
+    let now = p.now;
+    let big = Bytes::from(vec![1u8; 2000]);
+    assert_eq!(
+        p.peers[c].client.max_frame_size(),
+        65_536,
+        "its own before WELCOME"
+    );
+    let huge = Bytes::from(vec![1u8; 70_000]);
+    assert!(p.peers[c]
+        .client
+        .send(now, TrafficClass::Normal, 1, huge)
+        .is_err());
+    p.connect(c);
+    p.drive(c);
+    assert_eq!(
+        p.peers[c].client.max_frame_size(),
+        1024,
+        "the WELCOME's, smaller"
+    );
+    for class in [TrafficClass::Critical, TrafficClass::BestEffort] {
+        let refused = p.peers[c].client.send(now, class, 1, big.clone());
+        assert!(
+            matches!(refused, Err(ClientError::TooLarge { max: 1024, .. })),
+            "{refused:?}"
+        );
+    }
+    // The largest that fits: its seq, and the largest ack it could carry (10 bytes).
+    let fits = Bytes::from(vec![1u8; 1024 - 1 - 1 - 1 - 1 - 10]);
+    assert_eq!(
+        p.peers[c]
+            .client
+            .send(now, TrafficClass::Normal, 1, fits.clone()),
+        Ok(Some(1)),
+        "no seq was taken by the refusals"
+    );
+    let one_more = Bytes::from(vec![1u8; fits.len() + 1]);
+    assert!(p.peers[c]
+        .client
+        .send(now, TrafficClass::Normal, 1, one_more)
+        .is_err());
 }
 
 /// A downstream message whose DATA could exceed the max frame size is never sent: a
