@@ -43,6 +43,16 @@ pub const STREAM_BEST_EFFORT: u8 = 2;
 /// allocates per frame queued, not up front: a tokio channel would hold a 3.6 KiB block per
 /// idle connection (W4).
 const RX_QUEUE: usize = 64;
+/// Bytes of frames read ahead: at least this, and two frames of the maximum size. Beyond it
+/// the reader waits (QUIC flow control then holds the peer): without it a peer sending
+/// maximum-size frames faster than the session took them had 64 of them held here.
+const RX_QUEUE_BYTES: usize = 128 * 1024;
+
+/// A frame read ahead, with its share of the read-ahead bytes (released when taken).
+type ReadAhead = (
+    Result<Frame, TransportError>,
+    Option<tokio::sync::OwnedSemaphorePermit>,
+);
 const CLOSE_FLUSH: Duration = Duration::from_millis(500);
 
 /// QUIC knobs sized for game sessions rather than bulk transfer (quinn's defaults allow
@@ -125,7 +135,7 @@ pub struct QuicConnection {
     control: SendStream,
     normal: Option<SendStream>,
     best_effort: Option<SendStream>,
-    rx: mpsc::Receiver<Result<Frame, TransportError>>,
+    rx: mpsc::Receiver<ReadAhead>,
     reader: tokio::task::JoinHandle<()>,
     codec: StreamCodec,
     pre_auth: PreAuth,
@@ -257,7 +267,7 @@ impl Connection for QuicConnection {
         let next = tokio::select! {
             // Input first: after a stall, a frame that is already here beats the idle timer.
             biased;
-            next = self.rx.next() => next,
+            next = self.rx.next() => next.map(|(item, _bytes)| item),
             err = self.idle.expired() => return Err(err),
         };
         self.idle.touch();
@@ -369,9 +379,15 @@ async fn read_all(
     conn: quinn::Connection,
     control: RecvStream,
     max_frame_size: usize,
-    mut tx: mpsc::Sender<Result<Frame, TransportError>>,
+    tx: mpsc::Sender<ReadAhead>,
 ) {
     let codec = StreamCodec::new(max_frame_size);
+    let budget = RX_QUEUE_BYTES.max(2 * max_frame_size);
+    let mut tx = ReadAheadSender {
+        tx,
+        bytes: Arc::new(tokio::sync::Semaphore::new(budget)),
+        budget,
+    };
     // The peer may open at most `max_concurrent_uni_streams` (4) at a time, plus control.
     let mut streams = vec![InboundStream {
         stream: control,
@@ -450,6 +466,34 @@ async fn read_all(
             },
             else => return,
         }
+    }
+}
+
+/// The reader's end of the read-ahead queue: at most [`RX_QUEUE`] frames and their bytes.
+struct ReadAheadSender {
+    tx: mpsc::Sender<ReadAhead>,
+    bytes: Arc<tokio::sync::Semaphore>,
+    budget: usize,
+}
+
+impl ReadAheadSender {
+    /// Queues `item` once its bytes fit the budget (a frame larger than the whole budget
+    /// waits until nothing is read ahead). Err: the connection's owner is gone.
+    async fn send(&mut self, item: Result<Frame, TransportError>) -> Result<(), ()> {
+        let cost = item
+            .as_ref()
+            .map_or(0, |f| f.encoded_len().min(self.budget));
+        let permit = match u32::try_from(cost) {
+            Ok(0) | Err(_) => None,
+            Ok(n) => Some(
+                self.bytes
+                    .clone()
+                    .acquire_many_owned(n)
+                    .await
+                    .map_err(drop)?,
+            ),
+        };
+        self.tx.send((item, permit)).await.map_err(drop)
     }
 }
 
@@ -703,6 +747,58 @@ async fn connect_quic_on(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn data(len: usize) -> Frame {
+        Frame::Data(waygate_protocol::frame::Data {
+            class: TrafficClass::Normal,
+            msg_id: 1,
+            seq: 1,
+            ack: None,
+            payload: bytes::Bytes::from(vec![0u8; len]),
+        })
+    }
+
+    /// Regression (2026-12-04, second stop, a transport audit): frames read ahead were
+    /// bounded by count only (64), so a peer sending maximum-size frames faster than the
+    /// session took them had 64 of them held per connection. The read-ahead holds at most
+    /// its byte budget; a frame larger than the budget goes alone; taking frames makes room.
+    #[tokio::test]
+    async fn the_read_ahead_holds_at_most_its_byte_budget() {
+        let (tx, mut rx) = mpsc::channel(RX_QUEUE);
+        let budget = 32 * 1024;
+        let mut sender = ReadAheadSender {
+            tx,
+            bytes: Arc::new(tokio::sync::Semaphore::new(budget)),
+            budget,
+        };
+        let size = data(10_000).encoded_len();
+        let mut queued = 0;
+        while tokio::time::timeout(Duration::from_millis(50), sender.send(Ok(data(10_000))))
+            .await
+            .is_ok()
+        {
+            queued += 1;
+            assert!(queued <= RX_QUEUE, "never blocked");
+        }
+        assert_eq!(queued, budget / size, "{} bytes read ahead at most", budget);
+        // Taking one frame makes room for the next.
+        let (_frame, permit) = rx.next().await.expect("queued");
+        drop(permit);
+        let next = tokio::time::timeout(Duration::from_millis(500), sender.send(Ok(data(10_000))));
+        assert!(next.await.is_ok(), "room after a frame was taken");
+        // A frame larger than the whole budget waits until nothing is read ahead, then goes.
+        let big = tokio::spawn(async move { sender.send(Ok(data(40_000))).await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!big.is_finished());
+        for _ in 0..queued {
+            drop(rx.next().await.expect("queued"));
+        }
+        tokio::time::timeout(Duration::from_secs(1), big)
+            .await
+            .expect("the big frame went once the rest was taken")
+            .expect("task")
+            .expect("sent");
+    }
 
     fn idle_of(conn: &ConnConfig) -> String {
         let t = QuicConfig::default()

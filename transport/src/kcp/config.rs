@@ -69,6 +69,10 @@ pub struct KcpConfig {
     /// Messages delivered to a connection but not yet read by it; beyond that the endpoint
     /// leaves messages in the engine, whose receive window then stops the peer.
     pub inbound_queue_messages: usize,
+    /// Bytes of those messages: the same, counted in bytes (one message always goes when
+    /// nothing is outstanding, whatever its size), so a client sending maximum-size
+    /// messages faster than the edge reads holds this much here, not 64 of them.
+    pub inbound_queue_bytes: usize,
     /// After a close, how long the session lingers to get its last data (the CLOSE frame)
     /// acknowledged before it is reset anyway, in ms.
     pub linger_ms: u64,
@@ -135,6 +139,7 @@ impl KcpConfig {
             busy_retry_after_ms: 1_000,
             send_queue_segments: 512,
             inbound_queue_messages: 64,
+            inbound_queue_bytes: 128 * 1024,
             linger_ms: 2_000,
             ack_delay_ms: 2,
             handshake_resend_ms: 200,
@@ -194,8 +199,13 @@ impl KcpConfig {
         if self.send_queue_segments < MAX_FRAGMENTS {
             return fail("send_queue_segments must be >= 127".into());
         }
-        if self.inbound_queue_messages == 0 || self.max_sessions == 0 {
-            return fail("inbound_queue_messages and max_sessions must be > 0".into());
+        if self.inbound_queue_messages == 0
+            || self.inbound_queue_bytes == 0
+            || self.max_sessions == 0
+        {
+            return fail(
+                "inbound_queue_messages, inbound_queue_bytes and max_sessions must be > 0".into(),
+            );
         }
         if self.cookie_rate_per_sec == 0 || self.cookie_burst == 0 {
             return fail("cookie rate and burst must be > 0".into());

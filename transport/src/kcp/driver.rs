@@ -66,6 +66,8 @@ pub(crate) struct Shared {
     pub(crate) readable: Notify,
     /// Messages read since the driver last returned credit.
     pub(crate) consumed: AtomicUsize,
+    /// Their bytes.
+    pub(crate) consumed_bytes: AtomicUsize,
     wake_pending: AtomicBool,
     pub(crate) dropped: AtomicBool,
     pub(crate) peer_closed: AtomicBool,
@@ -85,6 +87,7 @@ impl Shared {
             inbox: Mutex::new(Inbox::default()),
             readable: Notify::new(),
             consumed: AtomicUsize::new(0),
+            consumed_bytes: AtomicUsize::new(0),
             wake_pending: AtomicBool::new(false),
             dropped: AtomicBool::new(false),
             peer_closed: AtomicBool::new(false),
@@ -160,6 +163,7 @@ impl Channels {
 pub(crate) struct ConnParams {
     pub(crate) max_frame_size: usize,
     pub(crate) inbound_queue: usize,
+    pub(crate) inbound_queue_bytes: usize,
     pub(crate) close_wait: Duration,
     /// The edge's admission gate (B1): asked for every HELLO before the endpoint sees it.
     pub(crate) admission: Option<Arc<dyn crate::listener::AdmissionGate>>,
@@ -399,8 +403,9 @@ impl Driver {
             // counted now or raises a new request.
             shared.wake_pending.store(false, Ordering::SeqCst);
             let n = shared.consumed.swap(0, Ordering::SeqCst);
-            if n > 0 {
-                self.ep.consumed(now, key, n);
+            let bytes = shared.consumed_bytes.swap(0, Ordering::SeqCst);
+            if n > 0 || bytes > 0 {
+                self.ep.consumed(now, key, n, bytes);
             }
             if shared.dropped.load(Ordering::SeqCst) {
                 let quiet = shared.peer_closed.load(Ordering::SeqCst);

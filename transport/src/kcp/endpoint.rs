@@ -298,6 +298,8 @@ struct Session {
     last_rx: Instant,
     /// Messages the reader can still take before the endpoint stops draining the engine.
     credit: usize,
+    /// Bytes of messages the reader can still take (`inbound_queue_bytes`).
+    credit_bytes: usize,
     send_blocked: bool,
     /// The earliest live timer entry of this session.
     scheduled: Option<Instant>,
@@ -815,6 +817,7 @@ impl KcpEndpoint {
                 state: State::Open,
                 last_rx: now,
                 credit: self.config.inbound_queue_messages,
+                credit_bytes: self.config.inbound_queue_bytes,
                 send_blocked: false,
                 scheduled: None,
                 ack_due: None,
@@ -1049,6 +1052,7 @@ impl KcpEndpoint {
     /// for a request and its reply).
     fn pump(&mut self, now: Instant, key: ConvKey, after_input: bool) {
         let max = self.max_frame_size;
+        let all_bytes = self.config.inbound_queue_bytes;
         // Servers only: a client's ACK held back measured as W1 p99 +1 ms (a server's did not).
         let ack_delay = match self.client {
             None => Duration::from_millis(self.config.ack_delay_ms),
@@ -1067,6 +1071,11 @@ impl KcpEndpoint {
                         out.too_large = Some(size);
                         break;
                     }
+                    // What is left of the byte credit, unless nothing is outstanding: one
+                    // message of any allowed size always goes.
+                    if size > s.credit_bytes && s.credit_bytes < all_bytes {
+                        break;
+                    }
                 }
                 let mut buf = vec![0u8; size];
                 match s.kcp.recv(&mut buf) {
@@ -1075,6 +1084,7 @@ impl KcpEndpoint {
                         if !closing {
                             buf.truncate(n);
                             s.credit -= 1;
+                            s.credit_bytes = s.credit_bytes.saturating_sub(n);
                             delivered = true;
                             events.push_back(KcpEvent::Message(key, Bytes::from(buf)));
                         }
@@ -1301,13 +1311,16 @@ impl KcpEndpoint {
             .is_some_and(|s| s.state == State::Open && !s.send_blocked)
     }
 
-    /// The reader took `n` messages: give the credit back and deliver what waits.
-    pub fn consumed(&mut self, now: Instant, key: ConvKey, n: usize) {
+    /// The reader took `n` messages of `bytes` in all: give the credit back and deliver
+    /// what waits.
+    pub fn consumed(&mut self, now: Instant, key: ConvKey, n: usize, bytes: usize) {
         let cap = self.config.inbound_queue_messages;
+        let cap_bytes = self.config.inbound_queue_bytes;
         let Some(s) = self.sessions.get_mut(&key) else {
             return;
         };
         s.credit = (s.credit + n).min(cap);
+        s.credit_bytes = s.credit_bytes.saturating_add(bytes).min(cap_bytes);
         self.pump(now, key, false);
     }
 

@@ -77,6 +77,7 @@ fn conn_params(kcp: &KcpConfig, conn: &ConnConfig) -> ConnParams {
     ConnParams {
         max_frame_size: conn.max_frame_size,
         inbound_queue: kcp.inbound_queue_messages,
+        inbound_queue_bytes: kcp.inbound_queue_bytes,
         close_wait: Duration::from_millis(kcp.linger_ms) + Duration::from_millis(500),
         admission: conn.admission.clone(),
     }
@@ -364,9 +365,17 @@ impl KcpConnection {
         }
     }
 
-    fn returned_credit(&self, inbox_empty: bool) {
+    fn returned_credit(&self, inbox_empty: bool, bytes: usize) {
         let consumed = self.shared.consumed.fetch_add(1, Ordering::SeqCst) + 1;
-        if inbox_empty || consumed >= (self.params.inbound_queue / 4).max(1) {
+        let consumed_bytes = self
+            .shared
+            .consumed_bytes
+            .fetch_add(bytes, Ordering::SeqCst)
+            + bytes;
+        if inbox_empty
+            || consumed >= (self.params.inbound_queue / 4).max(1)
+            || consumed_bytes >= (self.params.inbound_queue_bytes / 4).max(1)
+        {
             self.shared.request_attention();
         }
     }
@@ -415,7 +424,7 @@ impl Connection for KcpConnection {
             };
             match next {
                 Ok((message, empty)) => {
-                    self.returned_credit(empty);
+                    self.returned_credit(empty, message.len());
                     let limit = self.pre_auth.frame_limit(self.params.max_frame_size);
                     return match decode_message(message, limit) {
                         Ok(Frame::Close { code, .. }) => {

@@ -743,8 +743,8 @@ fn ten_percent_loss_delivers_100_messages_in_order_both_ways() {
                 net.client_messages(0, ckey).len(),
             );
             let now = net.now;
-            net.server.consumed(now, skey, sn);
-            net.clients[0].1.consumed(now, ckey, cn);
+            net.server.consumed(now, skey, sn, usize::MAX);
+            net.clients[0].1.consumed(now, ckey, cn, usize::MAX);
         }
         net.run_until(|n| {
             let (sn, cn) = (
@@ -752,8 +752,8 @@ fn ten_percent_loss_delivers_100_messages_in_order_both_ways() {
                 n.client_messages(0, ckey).len(),
             );
             let now = n.now;
-            n.server.consumed(now, skey, 100);
-            n.clients[0].1.consumed(now, ckey, 100);
+            n.server.consumed(now, skey, 100, usize::MAX);
+            n.clients[0].1.consumed(now, ckey, 100, usize::MAX);
             sn == 100 && cn == 100
         });
         let expect: Vec<Bytes> = (0..100u64)
@@ -998,7 +998,7 @@ fn a_stalled_reader_pushes_back_through_the_receive_window() {
             if got == taken {
                 break;
             }
-            n.server.consumed(now, skey, got - taken);
+            n.server.consumed(now, skey, got - taken, usize::MAX);
             taken = got;
         }
         while queued < 600 && n.clients[0].1.can_send(ckey) {
@@ -1011,6 +1011,80 @@ fn a_stalled_reader_pushes_back_through_the_receive_window() {
         n.server_messages(skey).len() == 600
     });
     let expect: Vec<Bytes> = (0..600).map(|i| frame_bytes(i, 50)).collect();
+    assert_eq!(net.server_messages(skey), expect);
+}
+
+/// Regression (2026-12-04, second stop, a transport audit): the inbox credit counted
+/// messages only, so a peer sending maximum-size messages faster than the reader took them
+/// had 64 of them (4 MiB at a 64 KiB max frame) held per session. It counts bytes too: what
+/// is delivered and unread stays within `inbound_queue_bytes` (one message always goes when
+/// nothing is outstanding), the rest waits in the engine, and everything arrives in order
+/// as the reader takes it.
+#[test]
+fn a_stalled_reader_holds_at_most_the_byte_credit() {
+    let mut config = KcpConfig::fast();
+    config.inbound_queue_bytes = 12 * 1024;
+    let mut net = Net::new(config, conn_cfg());
+    net.add_client(KcpConfig::fast(), conn_cfg());
+    let (ckey, skey) = net.connect(0);
+    let size = frame_bytes(0, 10_000).len();
+    let mut queued = 0u64;
+    for _ in 0..400 {
+        while queued < 20 && net.clients[0].1.can_send(ckey) {
+            let now = net.now;
+            net.clients[0]
+                .1
+                .send(now, ckey, &frame_bytes(queued, 10_000))
+                .expect("send");
+            queued += 1;
+        }
+        if !net.step(Duration::from_millis(50)) {
+            break;
+        }
+    }
+    // One ~10 KiB message fits 12 KiB, a 2nd does not: it waits in the engines.
+    assert_eq!(net.server_messages(skey).len(), 12 * 1024 / size);
+    // A message larger than the whole byte credit (within the max frame size) still goes
+    // when nothing is outstanding.
+    let mut taken = 0;
+    net.run_until(|n| {
+        let now = n.now;
+        for _ in 0..1000 {
+            n.collect();
+            let got = n.server_messages(skey).len();
+            if got == taken {
+                break;
+            }
+            let unread: usize = n.server_messages(skey)[taken..]
+                .iter()
+                .map(Bytes::len)
+                .sum();
+            assert!(
+                unread <= 12 * 1024 || got - taken == 1,
+                "{unread} bytes delivered and unread"
+            );
+            n.server.consumed(now, skey, got - taken, unread);
+            taken = got;
+        }
+        let got = taken;
+        while queued < 20 && n.clients[0].1.can_send(ckey) {
+            n.clients[0]
+                .1
+                .send(now, ckey, &frame_bytes(queued, 10_000))
+                .expect("send");
+            queued += 1;
+        }
+        if queued == 20 && got == 20 && n.clients[0].1.can_send(ckey) {
+            n.clients[0]
+                .1
+                .send(now, ckey, &frame_bytes(20, 15_000))
+                .expect("send");
+            queued += 1;
+        }
+        n.server_messages(skey).len() == 21
+    });
+    let mut expect: Vec<Bytes> = (0..20).map(|i| frame_bytes(i, 10_000)).collect();
+    expect.push(frame_bytes(20, 15_000));
     assert_eq!(net.server_messages(skey), expect);
 }
 
@@ -1034,7 +1108,7 @@ fn send_waits_when_the_send_queue_is_full_and_resumes_on_acks() {
     assert!(net.clients[0].1.can_send(ckey));
     net.run_until(|n| {
         let now = n.now;
-        n.server.consumed(now, skey, 64);
+        n.server.consumed(now, skey, 64, usize::MAX);
         n.server_messages(skey).len() == sent as usize
     });
 }
@@ -1095,7 +1169,7 @@ fn an_oversized_message_closes_with_frame_too_large() {
     );
     // ... and closes the session when a peer sends it anyway.
     let now = net.now;
-    net.server.consumed(now, skey, 1);
+    net.server.consumed(now, skey, 1, usize::MAX);
     net.clients[0]
         .1
         .send(now, ckey, &vec![7u8; MAX_FRAME + 1])
