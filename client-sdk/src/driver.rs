@@ -1102,7 +1102,20 @@ impl Driver {
         });
     }
 
+    /// Hands the session's events over until it has none: handling one may queue another
+    /// (a MIGRATE drops the link, which queues its `Disconnected`), and one left for the
+    /// next turn would act on whatever link is up by then (a `Disconnected` taken after the
+    /// migration's new link came up dropped that link).
     async fn drain_events(&mut self) {
+        for _ in 0..8 {
+            if !self.drain_events_once().await {
+                return;
+            }
+        }
+    }
+
+    /// One pass of [`drain_events`](Self::drain_events); whether there was any event.
+    async fn drain_events_once(&mut self) -> bool {
         // Stats first: an application that reads them after an event sees at least the
         // state that produced the event.
         let pending: Vec<ClientEvent> = std::iter::from_fn(|| self.session.poll_event()).collect();
@@ -1111,6 +1124,9 @@ impl Driver {
             .filter(|e| matches!(e, ClientEvent::Welcomed { .. }))
             .count() as u64;
         self.publish_stats();
+        if pending.is_empty() {
+            return false;
+        }
         // Messages dropped before they were sent (`max_offline_age`): the requests among them
         // fail, and the requests queued after them follow their new seqs.
         let expired: Vec<u64> = pending
@@ -1250,6 +1266,7 @@ impl Driver {
             self.pending.push_back(event);
         }
         self.publish_stats();
+        true
     }
 
     /// At the end: what the application has not taken yet, while it takes it (bounded: a
