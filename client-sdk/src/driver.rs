@@ -728,7 +728,14 @@ async fn run(
                     // A session the edge holds on this link (past its WELCOME).
                     let linked = d.conn.is_some() && d.session.state() == ClientState::Active;
                     if let Some(mut c) = d.conn.take() {
-                        let why = if code == CloseCode::Logout { "logged out" } else { "client closed" };
+                        // A logout before the WELCOME is answered `NotConnected` (the session
+                        // lingers out): the edge, whose WELCOME may be on its way, must not
+                        // end the session on a CLOSE `logout` the caller was told failed.
+                        let (code, why) = match code {
+                            CloseCode::Logout if linked => (code, "logged out"),
+                            CloseCode::Logout => (CloseCode::Normal, "client closed"),
+                            _ => (code, "client closed"),
+                        };
                         c.close(code, why).await;
                     }
                     if let Some(answer) = answer {

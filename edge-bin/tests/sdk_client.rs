@@ -1108,3 +1108,54 @@ async fn a_sealed_kcp_session_resumes_over_tcp_after_its_token_expired() {
     assert!(endpoint.starts_with("tcp://"), "{endpoint}");
     assert!(echo_ok(&mut client).await, "the restored session works");
 }
+
+/// Regression (2026-12-04, second stop, an audit of the client SDK): a logout while the
+/// handshake was still going was answered `NotConnected` (the session lingers out) but the
+/// SDK sent CLOSE `logout` anyway, which an edge whose WELCOME was on its way takes as the
+/// end of the session: the caller was told the opposite of what happened. Before the
+/// WELCOME it closes with `normal`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_logout_before_the_welcome_does_not_log_the_session_out() {
+    use tokio::io::AsyncReadExt as _;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    // A fake edge that reads the HELLO, never answers it, and reports the CLOSE it gets.
+    let (hello_tx, hello_rx) = tokio::sync::oneshot::channel();
+    let edge = tokio::spawn(async move {
+        let (mut sock, _) = listener.accept().await.unwrap();
+        let codec = waygate_protocol::codec::StreamCodec::new(65536);
+        let mut buf = bytes::BytesMut::new();
+        let mut hello_tx = Some(hello_tx);
+        loop {
+            while let Some(frame) = codec.decode(&mut buf).unwrap() {
+                match frame {
+                    Frame::Hello(_) => {
+                        if let Some(tx) = hello_tx.take() {
+                            let _ = tx.send(());
+                        }
+                    }
+                    Frame::Close { code, .. } => return Some(code),
+                    _ => {}
+                }
+            }
+            if sock.read_buf(&mut buf).await.unwrap_or(0) == 0 {
+                return None;
+            }
+        }
+    });
+    let client = Client::start(ClientOptions::new(
+        vec![Endpoint::new(TransportKind::Tcp, addr)],
+        token("early-leaver"),
+    ));
+    // The HELLO is out: the link is up, no WELCOME yet.
+    tokio::time::timeout(Duration::from_secs(5), hello_rx)
+        .await
+        .expect("a HELLO in time")
+        .unwrap();
+    assert!(matches!(client.logout().await, Err(SdkError::NotConnected)));
+    let code = tokio::time::timeout(Duration::from_secs(5), edge)
+        .await
+        .expect("the fake edge saw the end")
+        .unwrap();
+    assert_eq!(code, Some(CloseCode::Normal));
+}

@@ -766,7 +766,10 @@ export class WaygateClient {
     const ws = this.ws;
     const live = this._state === "active" && ws !== null && ws.readyState === WS_OPEN;
     if (ws && ws.readyState === WS_OPEN) {
-      this.transmit({ type: "close", code, message: reason.slice(0, 200) });
+      // A logout before the WELCOME returns false (the session lingers out): an edge whose
+      // WELCOME is on its way must not end the session on a CLOSE(logout).
+      const sent = code === CloseCode.logout && !live ? CloseCode.normal : code;
+      this.transmit({ type: "close", code: sent, message: reason.slice(0, 200) });
     }
     this.dropSocket(1000, "closed");
     this.terminate(code, reason);

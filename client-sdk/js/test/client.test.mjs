@@ -1440,6 +1440,16 @@ test("logout(): CLOSE logout on the socket, then closed (code 2) and no reconnec
   ws2.take();
   c2.client.close();
   assert.deepEqual(ws2.take().at(-1), { type: "close", code: CloseCode.normal, message: "client closed" });
+
+  // Regression (2026-12-04): a logout before the WELCOME returned false but sent
+  // CLOSE(logout), which an edge whose WELCOME was on its way takes as the session's end.
+  const c3 = setup();
+  c3.client.connect();
+  const ws3 = c3.WS.all.at(-1);
+  await ws3.open();
+  ws3.take(); // the HELLO; no WELCOME yet
+  assert.equal(c3.client.logout(), false, "no session up yet");
+  assert.deepEqual(ws3.take().at(-1), { type: "close", code: CloseCode.normal, message: "logged out" });
 });
 
 test("session_lost: a resume keeps requests; a new session (restore failed, or new_session after a session) fails them", async () => {
