@@ -939,11 +939,23 @@ impl Driver {
     /// One frame from the connection, or its end.
     fn received(&mut self, frame: Result<waygate_transport::Frame, TransportError>) {
         match frame {
-            Ok(frame) => {
-                if let Err(e) = self.session.handle_frame(Instant::now().into_std(), frame) {
-                    tracing::debug!(error = %e, "frame refused by the client session");
+            Ok(frame) => match self.session.handle_frame(Instant::now().into_std(), frame) {
+                Ok(()) => {}
+                // A server seq of 0 or beyond the window: the edge broke §7.4.1, and the
+                // DATA cannot be taken; the rule is CLOSE `protocol_error` and a resume,
+                // after which the edge replays from what this client acknowledged.
+                Err(e @ ClientError::SeqOutOfWindow(_)) => {
+                    tracing::warn!(error = %e, "the edge broke the protocol: link closed");
+                    if let Some(mut c) = self.conn.take() {
+                        tokio::spawn(async move {
+                            c.close(CloseCode::ProtocolError, "server seq out of window")
+                                .await;
+                        });
+                    }
+                    self.link_down(CloseCode::ProtocolError);
                 }
-            }
+                Err(e) => tracing::debug!(error = %e, "frame refused by the client session"),
+            },
             Err(e) => self.link_down(e.close_code()),
         }
     }

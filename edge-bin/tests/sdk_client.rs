@@ -1159,3 +1159,86 @@ async fn a_logout_before_the_welcome_does_not_log_the_session_out() {
         .unwrap();
     assert_eq!(code, Some(CloseCode::Normal));
 }
+
+/// Regression (2026-12-04, second stop, an audit of the client SDK): DATA from the edge
+/// with a seq beyond the window (PROTOCOL.md §7.4.1: a protocol violation) was only logged;
+/// the link stayed up and the DATA was lost until some later resume. The client now closes
+/// the link with `protocol_error` and resumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_seq_beyond_the_window_closes_the_link_and_resumes() {
+    use tokio::io::AsyncReadExt as _;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    // A faulty edge: WELCOME, then DATA seq 10,000; reports the CLOSE code it gets and
+    // whether the client came back with a resume.
+    let edge = tokio::spawn(async move {
+        let codec = waygate_protocol::codec::StreamCodec::new(65536);
+        async fn read_frame(
+            sock: &mut tokio::net::TcpStream,
+            buf: &mut bytes::BytesMut,
+        ) -> Option<Frame> {
+            let codec = waygate_protocol::codec::StreamCodec::new(65536);
+            loop {
+                if let Some(frame) = codec.decode(buf).unwrap() {
+                    return Some(frame);
+                }
+                if sock.read_buf(buf).await.unwrap_or(0) == 0 {
+                    return None;
+                }
+            }
+        }
+        let (mut sock, _) = listener.accept().await.unwrap();
+        let mut buf = bytes::BytesMut::new();
+        assert!(matches!(
+            read_frame(&mut sock, &mut buf).await,
+            Some(Frame::Hello(_))
+        ));
+        let mut out = bytes::BytesMut::new();
+        for frame in [
+            Frame::Welcome(waygate_protocol::frame::Welcome {
+                session_id: [7; 16],
+                resume_token: [8; 16],
+                outcome: waygate_protocol::frame::WelcomeOutcome::NewSession,
+                heartbeat_interval_ms: 10_000,
+                idle_timeout_ms: 30_000,
+                max_frame_size: 65_536,
+                server_seq_base: 0,
+                client_seq_ack: 0,
+            }),
+            Frame::Data(waygate_protocol::frame::Data {
+                class: TrafficClass::Normal,
+                msg_id: 7,
+                seq: 10_000,
+                ack: None,
+                payload: Bytes::from_static(b"far ahead"),
+            }),
+        ] {
+            codec.encode(&frame, &mut out).unwrap();
+        }
+        sock.write_all(&out).await.unwrap();
+        let mut close = None;
+        while let Some(frame) = read_frame(&mut sock, &mut buf).await {
+            if let Frame::Close { code, .. } = frame {
+                close = Some(code);
+                break;
+            }
+        }
+        let (mut again, _) = listener.accept().await.unwrap();
+        let mut buf = bytes::BytesMut::new();
+        let resumed = matches!(
+            read_frame(&mut again, &mut buf).await,
+            Some(Frame::Hello(h)) if h.resume.is_some()
+        );
+        (close, resumed)
+    });
+    let _client = Client::start(ClientOptions::new(
+        vec![Endpoint::new(TransportKind::Tcp, addr)],
+        token("strict"),
+    ));
+    let (close, resumed) = tokio::time::timeout(Duration::from_secs(10), edge)
+        .await
+        .expect("the client closed the link and came back")
+        .unwrap();
+    assert_eq!(close, Some(CloseCode::ProtocolError));
+    assert!(resumed, "the client resumes after closing");
+}
