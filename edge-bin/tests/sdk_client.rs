@@ -125,6 +125,17 @@ async fn udp_blocked_falls_back_to_tcp_then_websocket() {
     assert!(echo_ok(&mut client).await);
 }
 
+/// Options for `player` over the edge's TCP listener.
+fn tcp_options(edge: &waygate_edge::edge::Edge, player: &str) -> ClientOptions {
+    ClientOptions::new(
+        vec![Endpoint::new(
+            TransportKind::Tcp,
+            edge.addrs[&TransportKind::Tcp],
+        )],
+        token(player),
+    )
+}
+
 async fn echo_ok(client: &mut Client) -> bool {
     client
         .send(TrafficClass::Normal, ECHO, Bytes::from_static(b"x"))
@@ -595,13 +606,7 @@ async fn state_names_and_messages_queued_offline_expire_past_their_bound() {
 async fn requests_are_answered_refused_or_timed_out_and_the_clock_is_synced() {
     use waygate_backend::demo::{ASK, ASK_EMPTY, TIME};
     let (edge, _b, _d) = common::demo_edge(|_| {}).await;
-    let mut client = Client::start(ClientOptions::new(
-        vec![Endpoint::new(
-            TransportKind::Tcp,
-            edge.addrs[&TransportKind::Tcp],
-        )],
-        token("asker"),
-    ));
+    let mut client = Client::start(tcp_options(&edge, "asker"));
     let second = Duration::from_secs(10);
     let a = client
         .request(
@@ -774,13 +779,7 @@ async fn resume_at_ten_percent_simulated_loss_loses_and_duplicates_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_holds_off_reconnects_until_reconnect_now_resumes() {
     let (edge, _b, _d) = common::demo_edge(|_| {}).await;
-    let mut options = ClientOptions::new(
-        vec![Endpoint::new(
-            TransportKind::Tcp,
-            edge.addrs[&TransportKind::Tcp],
-        )],
-        token("pausing"),
-    );
+    let mut options = tcp_options(&edge, "pausing");
     options.give_up_after = Some(Duration::from_millis(500));
     let mut client = Client::start(options);
     assert!(echo_ok(&mut client).await);
@@ -1001,13 +1000,7 @@ async fn a_write_that_never_completes_does_not_freeze_the_client() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_above_the_max_frame_size_is_refused_not_sent() {
     let (edge, _b, _d) = common::demo_edge(|_| {}).await;
-    let mut client = Client::start(ClientOptions::new(
-        vec![Endpoint::new(
-            TransportKind::Tcp,
-            edge.addrs[&TransportKind::Tcp],
-        )],
-        token("bigmouth"),
-    ));
+    let mut client = Client::start(tcp_options(&edge, "bigmouth"));
     assert!(echo_ok(&mut client).await);
     let huge = Bytes::from(vec![b'x'; 70_000]);
     let refused = client

@@ -30,6 +30,19 @@ fn conn_cfg() -> ConnConfig {
     }
 }
 
+/// The first client sends `frame_bytes(i, len)` for i from `*queued` while its send queue
+/// takes them, up to `total`.
+fn send_while_room(net: &mut Net, ckey: ConvKey, queued: &mut u64, total: u64, len: usize) {
+    while *queued < total && net.clients[0].1.can_send(ckey) {
+        let now = net.now;
+        net.clients[0]
+            .1
+            .send(now, ckey, &frame_bytes(*queued, len))
+            .expect("send");
+        *queued += 1;
+    }
+}
+
 fn frame_bytes(i: u64, len: usize) -> Bytes {
     Frame::Data(Data {
         class: TrafficClass::Normal,
@@ -972,14 +985,7 @@ fn a_stalled_reader_pushes_back_through_the_receive_window() {
     // 600 messages of 1 segment each: far more than the server's 256-segment window.
     let mut queued = 0u64;
     for _ in 0..2000 {
-        while queued < 600 && net.clients[0].1.can_send(ckey) {
-            let now = net.now;
-            net.clients[0]
-                .1
-                .send(now, ckey, &frame_bytes(queued, 50))
-                .expect("send");
-            queued += 1;
-        }
+        send_while_room(&mut net, ckey, &mut queued, 600, 50);
         if !net.step(Duration::from_millis(50)) {
             break;
         }
@@ -1001,13 +1007,7 @@ fn a_stalled_reader_pushes_back_through_the_receive_window() {
             n.server.consumed(now, skey, got - taken, usize::MAX);
             taken = got;
         }
-        while queued < 600 && n.clients[0].1.can_send(ckey) {
-            n.clients[0]
-                .1
-                .send(now, ckey, &frame_bytes(queued, 50))
-                .expect("send");
-            queued += 1;
-        }
+        send_while_room(n, ckey, &mut queued, 600, 50);
         n.server_messages(skey).len() == 600
     });
     let expect: Vec<Bytes> = (0..600).map(|i| frame_bytes(i, 50)).collect();
@@ -1030,14 +1030,7 @@ fn a_stalled_reader_holds_at_most_the_byte_credit() {
     let size = frame_bytes(0, 10_000).len();
     let mut queued = 0u64;
     for _ in 0..400 {
-        while queued < 20 && net.clients[0].1.can_send(ckey) {
-            let now = net.now;
-            net.clients[0]
-                .1
-                .send(now, ckey, &frame_bytes(queued, 10_000))
-                .expect("send");
-            queued += 1;
-        }
+        send_while_room(&mut net, ckey, &mut queued, 20, 10_000);
         if !net.step(Duration::from_millis(50)) {
             break;
         }
@@ -1067,13 +1060,7 @@ fn a_stalled_reader_holds_at_most_the_byte_credit() {
             taken = got;
         }
         let got = taken;
-        while queued < 20 && n.clients[0].1.can_send(ckey) {
-            n.clients[0]
-                .1
-                .send(now, ckey, &frame_bytes(queued, 10_000))
-                .expect("send");
-            queued += 1;
-        }
+        send_while_room(n, ckey, &mut queued, 20, 10_000);
         if queued == 20 && got == 20 && n.clients[0].1.can_send(ckey) {
             n.clients[0]
                 .1
