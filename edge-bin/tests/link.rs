@@ -1371,3 +1371,117 @@ async fn a_backend_that_stops_reading_does_not_stall_session_closes() {
     assert!(down.is_ok(), "the link to the stuck backend stayed up");
     backend.abort();
 }
+
+/// A service whose handler waits for `release`, recording the detaches (`true`) and
+/// reattaches (`false`, with their gap) it hears.
+struct Bouncing {
+    release: Arc<tokio::sync::Notify>,
+    heard: Arc<std::sync::Mutex<Vec<(bool, bool)>>>,
+}
+
+#[async_trait]
+impl Service for Bouncing {
+    async fn message(&self, _session: &BackendSession, _msg: Incoming) -> Result<(), Refusal> {
+        self.release.notified().await;
+        Ok(())
+    }
+    async fn session_detached(&self, _session: &BackendSession, _linger: Duration) {
+        self.heard.lock().unwrap().push((true, false));
+    }
+    async fn session_reattached(&self, _session: &BackendSession, gap: bool) {
+        self.heard.lock().unwrap().push((false, gap));
+    }
+}
+
+/// Regression (bounds, 2026-12-04, second stop): the backend SDK queued every
+/// SESSION_DETACHED and SESSION_REATTACHED for a session's worker without a bound, so a
+/// client bouncing on and off while the session's handler was busy grew the queue with
+/// every bounce. Past 64 of them, a stretch is folded into one job: the service hears its
+/// first change and its last (the state the session ends in), and any gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn detaches_and_reattaches_behind_a_busy_handler_are_folded() {
+    let release = Arc::new(tokio::sync::Notify::new());
+    let heard = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let backend = Backend::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        BackendConfig::new("b"),
+        Arc::new(Bouncing {
+            release: release.clone(),
+            heard: heard.clone(),
+        }),
+    )
+    .await
+    .unwrap();
+    let mut io = raw_edge_link(backend.local_addr(), "bouncer-edge").await;
+    assert!(matches!(
+        next_frame(&mut io.rx).await,
+        Some(LinkFrame::Welcome { .. })
+    ));
+    let m = meta(5, "bouncer");
+    io.tx
+        .send(LinkFrame::SessionOpen {
+            handle: 5,
+            session_id: m.session_id,
+            player_id: m.player_id.clone(),
+            fencing: 1,
+            attrs: Vec::new(),
+        })
+        .await
+        .unwrap();
+    io.tx
+        .send(LinkFrame::Forward {
+            handle: 5,
+            msg_id: ECHO,
+            epoch: 1,
+            client_seq: 1,
+            class: TrafficClass::Normal,
+            payload: Bytes::new(),
+        })
+        .await
+        .unwrap();
+    // 1,000 bounces while the handler waits; one reattach reports a gap.
+    for i in 0..1000 {
+        io.tx
+            .send(LinkFrame::SessionDetached {
+                handle: 5,
+                linger_ms: 30_000,
+            })
+            .await
+            .unwrap();
+        io.tx
+            .send(LinkFrame::SessionReattached {
+                handle: 5,
+                gap: i == 700,
+            })
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    release.notify_one();
+    let done = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if heard.lock().unwrap().last() == Some(&(false, true)) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let heard = heard.lock().unwrap().clone();
+    assert!(
+        done.is_ok(),
+        "{} heard, last {:?}",
+        heard.len(),
+        heard.last()
+    );
+    assert!(
+        heard.len() <= 100,
+        "{} calls for 2,000 frames: not folded",
+        heard.len()
+    );
+    assert_eq!(
+        heard.last(),
+        Some(&(false, true)),
+        "ends attached, with the gap"
+    );
+}

@@ -1305,9 +1305,12 @@ where
                 };
                 // Opened again (the edge re-opens its sessions after a reconnect): the
                 // same worker opens the new one and closes the old, after its messages.
-                let session = match sessions.get(&handle) {
+                let session = match sessions.get_mut(&handle) {
                     Some(worker) => match worker.jobs.send(SessionJob::Reopened(session)) {
-                        Ok(()) => continue,
+                        Ok(()) => {
+                            worker.folding = None;
+                            continue;
+                        }
                         Err(e) => match e.0 {
                             SessionJob::Reopened(s) => s,
                             _ => continue,
@@ -1320,8 +1323,23 @@ where
                 };
                 let (jobs, rx) = mpsc::unbounded_channel();
                 let queued = Arc::new(AtomicU32::new(0));
-                tokio::spawn(session_worker(work.clone(), session, rx, queued.clone()));
-                sessions.insert(handle, SessionWorker { jobs, queued });
+                let away_jobs = Arc::new(AtomicU32::new(0));
+                tokio::spawn(session_worker(
+                    work.clone(),
+                    session,
+                    rx,
+                    queued.clone(),
+                    away_jobs.clone(),
+                ));
+                sessions.insert(
+                    handle,
+                    SessionWorker {
+                        jobs,
+                        queued,
+                        away_jobs,
+                        folding: None,
+                    },
+                );
             }
             LinkFrame::Forward {
                 handle,
@@ -1344,11 +1362,13 @@ where
                 };
                 // At most `session_queue` per session (and the link's FORWARD credit in
                 // all); beyond, `busy` at once.
-                let refused = match sessions.get(&handle) {
+                let refused = match sessions.get_mut(&handle) {
                     Some(w) if w.queued.load(Ordering::Acquire) >= session_queue => {
                         Some((CloseCode::Busy, SESSION_BUSY_RETRY_MS))
                     }
                     Some(w) => {
+                        // A detach or reattach after this is not folded into one before.
+                        w.folding = None;
                         w.queued.fetch_add(1, Ordering::AcqRel);
                         w.jobs.send(job).err().map(|_| {
                             w.queued.fetch_sub(1, Ordering::AcqRel);
@@ -1373,18 +1393,18 @@ where
                 }
             }
             LinkFrame::SessionDetached { handle, linger_ms } => {
-                if let Some(worker) = sessions.get(&handle) {
+                if let Some(worker) = sessions.get_mut(&handle) {
                     let linger = Duration::from_millis(linger_ms.into());
-                    worker.tell(SessionJob::Detached(linger));
+                    worker.tell_away(Some(linger), false);
                 }
             }
             LinkFrame::SessionReattached { handle, gap } => {
-                if let Some(worker) = sessions.get(&handle) {
-                    worker.tell(SessionJob::Reattached(gap));
+                if let Some(worker) = sessions.get_mut(&handle) {
+                    worker.tell_away(None, gap);
                 }
             }
             LinkFrame::SessionClose { handle, code } => {
-                if let Some(worker) = sessions.remove(&handle) {
+                if let Some(mut worker) = sessions.remove(&handle) {
                     load.sessions.fetch_sub(1, Ordering::Relaxed);
                     worker.tell(SessionJob::Closed(code));
                 }
@@ -1410,29 +1430,101 @@ where
     }
     load.sessions
         .fetch_sub(sessions.len() as u64, Ordering::Relaxed);
-    for (_, worker) in sessions.drain() {
+    for (_, mut worker) in sessions.drain() {
         worker.tell(SessionJob::Closed(CloseCode::GoingAway));
     }
     result
 }
 
+/// SESSION_DETACHED / SESSION_REATTACHED frames queued one by one for a session's worker;
+/// beyond, while its handler is busy, they are folded into one [`SessionJob::AwayChanges`]
+/// per stretch of them (a client bouncing on and off while the handler waits).
+const AWAY_JOBS_QUEUED: u32 = 64;
+
 /// A session's worker, as the link's reader sees it.
 struct SessionWorker {
     /// Unbounded, but what is queued is bounded: FORWARDs by `session_queue` (and the
-    /// link's credit), lifecycle frames by the edge's own session lifecycle.
+    /// link's credit), SESSION_DETACHED / SESSION_REATTACHED by [`AWAY_JOBS_QUEUED`] plus
+    /// one folded job per stretch of them between FORWARDs, the rest by the session's
+    /// lifecycle (one close; a re-open per reconnect of the edge's link).
     jobs: mpsc::UnboundedSender<SessionJob>,
     /// FORWARDs queued or running.
     queued: Arc<AtomicU32>,
+    /// Detach and reattach jobs queued one by one, not yet taken.
+    away_jobs: Arc<AtomicU32>,
+    /// The folded job queued last, while nothing was queued after it.
+    folding: Option<Arc<Mutex<Option<AwayChanges>>>>,
+}
+
+/// Detaches and reattaches folded together: the first and the last change, whether any
+/// reattach had a gap, and the last linger. The service hears the first, then the last
+/// when it differs: the state it ends in, and the gap, are kept.
+#[derive(Debug, Clone, Copy)]
+struct AwayChanges {
+    first_detached: bool,
+    last_detached: bool,
+    gap: bool,
+    linger: Duration,
+}
+
+impl AwayChanges {
+    fn new(detached: Option<Duration>, gap: bool) -> Self {
+        Self {
+            first_detached: detached.is_some(),
+            last_detached: detached.is_some(),
+            gap,
+            linger: detached.unwrap_or_default(),
+        }
+    }
+
+    fn and_then(&mut self, detached: Option<Duration>, gap: bool) {
+        self.last_detached = detached.is_some();
+        self.gap |= gap;
+        if let Some(linger) = detached {
+            self.linger = linger;
+        }
+    }
 }
 
 impl SessionWorker {
     /// Hands a lifecycle frame to the worker. These ask for no answer; the worker takes
     /// jobs until its session's `Closed` (service panics are caught: [`guarded`]), so a
     /// send fails only when the runtime is shutting down: logged, nothing waits for it.
-    fn tell(&self, job: SessionJob) {
+    fn tell(&mut self, job: SessionJob) {
+        self.folding = None;
+        self.send(job);
+    }
+
+    fn send(&self, job: SessionJob) {
         if self.jobs.send(job).is_err() {
             tracing::debug!("session worker gone: lifecycle frame not delivered");
         }
+    }
+
+    /// A SESSION_DETACHED (`detached`: its linger) or SESSION_REATTACHED (`gap`): queued
+    /// as it is while fewer than [`AWAY_JOBS_QUEUED`] wait, else folded into the last
+    /// folded job when nothing was queued after it (and the worker has not taken it), else
+    /// into a new one.
+    fn tell_away(&mut self, detached: Option<Duration>, gap: bool) {
+        if self.away_jobs.load(Ordering::Acquire) < AWAY_JOBS_QUEUED {
+            self.away_jobs.fetch_add(1, Ordering::AcqRel);
+            let job = match detached {
+                Some(linger) => SessionJob::Detached(linger),
+                None => SessionJob::Reattached(gap),
+            };
+            self.tell(job);
+            return;
+        }
+        if let Some(folding) = &self.folding {
+            let mut changes = folding.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(changes) = changes.as_mut() {
+                changes.and_then(detached, gap);
+                return;
+            }
+        }
+        let folding = Arc::new(Mutex::new(Some(AwayChanges::new(detached, gap))));
+        self.send(SessionJob::AwayChanges(folding.clone()));
+        self.folding = Some(folding);
     }
 }
 
@@ -1445,6 +1537,9 @@ enum SessionJob {
     },
     Detached(Duration),
     Reattached(bool),
+    /// Detaches and reattaches folded together while the handler was busy (the worker
+    /// takes them out: `None` afterwards).
+    AwayChanges(Arc<Mutex<Option<AwayChanges>>>),
     /// SESSION_OPEN again for the same handle: open this one, close the old one.
     Reopened(BackendSession),
     Closed(CloseCode),
@@ -1499,6 +1594,7 @@ async fn session_worker(
     mut session: BackendSession,
     mut jobs: mpsc::UnboundedReceiver<SessionJob>,
     queued: Arc<AtomicU32>,
+    away_jobs: Arc<AtomicU32>,
 ) {
     let handle = session.inner.handle;
     guarded(handle, "session_open", work.service.session_open(&session)).await;
@@ -1554,12 +1650,31 @@ async fn session_worker(
                 work.completed(id).await;
             }
             SessionJob::Detached(linger) => {
+                away_jobs.fetch_sub(1, Ordering::AcqRel);
                 let call = work.service.session_detached(&session, linger);
                 guarded(handle, "session_detached", call).await;
             }
             SessionJob::Reattached(gap) => {
+                away_jobs.fetch_sub(1, Ordering::AcqRel);
                 let call = work.service.session_reattached(&session, gap);
                 guarded(handle, "session_reattached", call).await;
+            }
+            SessionJob::AwayChanges(folded) => {
+                let changes = folded.lock().unwrap_or_else(|e| e.into_inner()).take();
+                let Some(c) = changes else { continue };
+                let mut calls = vec![c.first_detached];
+                if c.last_detached != c.first_detached {
+                    calls.push(c.last_detached);
+                }
+                for detached in calls {
+                    if detached {
+                        let call = work.service.session_detached(&session, c.linger);
+                        guarded(handle, "session_detached", call).await;
+                    } else {
+                        let call = work.service.session_reattached(&session, c.gap);
+                        guarded(handle, "session_reattached", call).await;
+                    }
+                }
             }
             SessionJob::Reopened(new) => {
                 guarded(handle, "session_open", work.service.session_open(&new)).await;
