@@ -466,27 +466,8 @@ async fn an_impostor_edge_is_closed_before_anything_reaches_the_game() {
             io.tx.send(LinkFrame::Auth { proof }).await.unwrap();
         }
         let m = meta(5, "victim");
-        io.tx
-            .send(LinkFrame::SessionOpen {
-                handle: m.handle,
-                session_id: m.session_id,
-                player_id: m.player_id.clone(),
-                fencing: 1,
-                attrs: Vec::new(),
-            })
-            .await
-            .unwrap();
-        io.tx
-            .send(LinkFrame::Forward {
-                handle: 5,
-                msg_id: ECHO,
-                epoch: 1,
-                client_seq: 1,
-                class: TrafficClass::Normal,
-                payload: Bytes::from_static(b"steal"),
-            })
-            .await
-            .unwrap();
+        open_session(&io.tx, &m).await;
+        forward_raw_echo(&io.tx, 5, 1, Bytes::from_static(b"steal")).await;
         let want = if auth.is_some() {
             CloseCode::AuthBadSignature
         } else {
@@ -558,6 +539,49 @@ async fn raw_edge_link(backend: SocketAddr, edge_id: &str) -> waygate_link::Link
         .await
         .unwrap();
     io
+}
+
+/// A hand-made edge opens `m`'s session on its link (fencing 1, no attributes).
+async fn open_session(tx: &mpsc::Sender<LinkFrame>, m: &SessionMeta) {
+    tx.send(LinkFrame::SessionOpen {
+        handle: m.handle,
+        session_id: m.session_id,
+        player_id: m.player_id.clone(),
+        fencing: 1,
+        attrs: Vec::new(),
+    })
+    .await
+    .unwrap();
+}
+
+/// A hand-made edge forwards a normal ECHO of session `handle` (epoch 1).
+async fn forward_raw_echo(
+    tx: &mpsc::Sender<LinkFrame>,
+    handle: u64,
+    client_seq: u64,
+    payload: Bytes,
+) {
+    tx.send(LinkFrame::Forward {
+        handle,
+        msg_id: ECHO,
+        epoch: 1,
+        client_seq,
+        class: TrafficClass::Normal,
+        payload,
+    })
+    .await
+    .unwrap();
+}
+
+/// A hand-made backend waits for the edge's first FORWARD; false when the link ended first.
+async fn until_forward(rx: &mut mpsc::Receiver<LinkFrame>) -> bool {
+    loop {
+        match next_frame(rx).await {
+            Some(LinkFrame::Forward { .. }) => return true,
+            Some(_) => continue,
+            None => return false,
+        }
+    }
 }
 
 async fn next_frame(rx: &mut mpsc::Receiver<LinkFrame>) -> Option<LinkFrame> {
@@ -679,28 +703,9 @@ async fn forward_done_is_used_only_when_both_ends_have_it() {
     ));
     io.tx.send(LinkFrame::Credit { credits: 16 }).await.unwrap();
     let m = meta(4, "erin");
-    io.tx
-        .send(LinkFrame::SessionOpen {
-            handle: m.handle,
-            session_id: m.session_id,
-            player_id: m.player_id.clone(),
-            fencing: 1,
-            attrs: Vec::new(),
-        })
-        .await
-        .unwrap();
+    open_session(&io.tx, &m).await;
     for client_seq in 1..=2 {
-        io.tx
-            .send(LinkFrame::Forward {
-                handle: 4,
-                msg_id: ECHO,
-                epoch: 1,
-                client_seq,
-                class: TrafficClass::Normal,
-                payload: Bytes::new(),
-            })
-            .await
-            .unwrap();
+        forward_raw_echo(&io.tx, 4, client_seq, Bytes::new()).await;
     }
     for _ in 0..2 {
         let frame = next_frame(&mut io.rx).await;
@@ -724,12 +729,8 @@ async fn a_forward_done_for_a_message_the_link_does_not_hold_is_ignored() {
             raw_backend_link(&listener, "rogue", LINK_FEATURE_FORWARD_DONE).await;
         // Wait for the edge's one FORWARD (client seq 1), then answer seq 2 (never sent),
         // seq 1, seq 1 again, and push once: only the first answer of seq 1 may count.
-        loop {
-            match next_frame(&mut io.rx).await {
-                Some(LinkFrame::Forward { .. }) => break,
-                Some(_) => continue,
-                None => return,
-            }
+        if !until_forward(&mut io.rx).await {
+            return;
         }
         for client_seq in [2, 1, 1] {
             io.tx
@@ -790,12 +791,8 @@ async fn a_credit_before_the_answer_closes_the_link_and_loses_nothing() {
     let rogue = tokio::spawn(async move {
         let features = LINK_FEATURE_FORWARD_DONE | LINK_FEATURE_HELD_ANSWERS;
         let (_hello, mut io) = raw_backend_link(&listener, "rogue", features).await;
-        loop {
-            match next_frame(&mut io.rx).await {
-                Some(LinkFrame::Forward { .. }) => break,
-                Some(_) => continue,
-                None => return None,
-            }
+        if !until_forward(&mut io.rx).await {
+            return None;
         }
         io.tx
             .send(LinkFrame::AnswerPush {
@@ -853,12 +850,8 @@ async fn a_refused_message_is_not_refused_again_when_its_link_dies() {
     let backend = tokio::spawn(async move {
         let (_hello, mut io) =
             raw_backend_link(&listener, "refuser", LINK_FEATURE_FORWARD_DONE).await;
-        loop {
-            match next_frame(&mut io.rx).await {
-                Some(LinkFrame::Forward { .. }) => break,
-                Some(_) => continue,
-                None => return,
-            }
+        if !until_forward(&mut io.rx).await {
+            return;
         }
         io.tx
             .send(LinkFrame::Refuse {
@@ -1418,27 +1411,8 @@ async fn detaches_and_reattaches_behind_a_busy_handler_are_folded() {
         Some(LinkFrame::Welcome { .. })
     ));
     let m = meta(5, "bouncer");
-    io.tx
-        .send(LinkFrame::SessionOpen {
-            handle: 5,
-            session_id: m.session_id,
-            player_id: m.player_id.clone(),
-            fencing: 1,
-            attrs: Vec::new(),
-        })
-        .await
-        .unwrap();
-    io.tx
-        .send(LinkFrame::Forward {
-            handle: 5,
-            msg_id: ECHO,
-            epoch: 1,
-            client_seq: 1,
-            class: TrafficClass::Normal,
-            payload: Bytes::new(),
-        })
-        .await
-        .unwrap();
+    open_session(&io.tx, &m).await;
+    forward_raw_echo(&io.tx, 5, 1, Bytes::new()).await;
     // 1,000 bounces while the handler waits; one reattach reports a gap.
     for i in 0..1000 {
         io.tx

@@ -125,6 +125,21 @@ async fn udp_blocked_falls_back_to_tcp_then_websocket() {
     assert!(echo_ok(&mut client).await);
 }
 
+/// A fake edge's WELCOME of a new session (`id`: the session id's bytes, `token`: the
+/// resume token's), with the default heartbeat, idle timeout and max frame size.
+fn new_session_welcome(id: u8, token: u8) -> Frame {
+    Frame::Welcome(waygate_protocol::frame::Welcome {
+        session_id: [id; 16],
+        resume_token: [token; 16],
+        outcome: waygate_protocol::frame::WelcomeOutcome::NewSession,
+        heartbeat_interval_ms: 10_000,
+        idle_timeout_ms: 30_000,
+        max_frame_size: 65_536,
+        server_seq_base: 0,
+        client_seq_ack: 0,
+    })
+}
+
 /// Options for `player` over the edge's TCP listener.
 fn tcp_options(edge: &waygate_edge::edge::Edge, player: &str) -> ClientOptions {
     ClientOptions::new(
@@ -931,16 +946,7 @@ async fn a_write_that_never_completes_does_not_freeze_the_client() {
             };
             let mut hello = [0u8; 512];
             let _ = sock.read(&mut hello).await;
-            let welcome = Frame::Welcome(waygate_protocol::frame::Welcome {
-                session_id: [1; 16],
-                resume_token: [2; 16],
-                outcome: waygate_protocol::frame::WelcomeOutcome::NewSession,
-                heartbeat_interval_ms: 10_000,
-                idle_timeout_ms: 30_000,
-                max_frame_size: 65_536,
-                server_seq_base: 0,
-                client_seq_ack: 0,
-            });
+            let welcome = new_session_welcome(1, 2);
             let mut out = bytes::BytesMut::new();
             waygate_protocol::codec::StreamCodec::new(65_536)
                 .encode(&welcome, &mut out)
@@ -1188,16 +1194,7 @@ async fn a_server_seq_beyond_the_window_closes_the_link_and_resumes() {
         ));
         let mut out = bytes::BytesMut::new();
         for frame in [
-            Frame::Welcome(waygate_protocol::frame::Welcome {
-                session_id: [7; 16],
-                resume_token: [8; 16],
-                outcome: waygate_protocol::frame::WelcomeOutcome::NewSession,
-                heartbeat_interval_ms: 10_000,
-                idle_timeout_ms: 30_000,
-                max_frame_size: 65_536,
-                server_seq_base: 0,
-                client_seq_ack: 0,
-            }),
+            new_session_welcome(7, 8),
             Frame::Data(waygate_protocol::frame::Data {
                 class: TrafficClass::Normal,
                 msg_id: 7,

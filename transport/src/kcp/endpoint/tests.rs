@@ -272,6 +272,30 @@ impl Net {
         Self::messages(&self.server_events, key)
     }
 
+    /// The server's reader takes every message delivered to `key` after the first `taken`,
+    /// giving their credit (count and bytes) back, until no more arrive; `unread` sees each
+    /// batch as it was delivered and not yet read.
+    fn take_delivered(
+        &mut self,
+        now: Instant,
+        key: ConvKey,
+        taken: &mut usize,
+        mut unread: impl FnMut(&[Bytes]),
+    ) {
+        for _ in 0..1000 {
+            self.collect();
+            let delivered = self.server_messages(key);
+            if delivered.len() == *taken {
+                return;
+            }
+            let batch = &delivered[*taken..];
+            unread(batch);
+            let bytes = batch.iter().map(Bytes::len).sum();
+            self.server.consumed(now, key, batch.len(), bytes);
+            *taken = delivered.len();
+        }
+    }
+
     fn client_messages(&self, n: usize, key: ConvKey) -> Vec<Bytes> {
         Self::messages(&self.client_events[n], key)
     }
@@ -998,15 +1022,7 @@ fn a_stalled_reader_pushes_back_through_the_receive_window() {
     let mut taken = 0;
     net.run_until(|n| {
         let now = n.now;
-        for _ in 0..1000 {
-            n.collect();
-            let got = n.server_messages(skey).len();
-            if got == taken {
-                break;
-            }
-            n.server.consumed(now, skey, got - taken, usize::MAX);
-            taken = got;
-        }
+        n.take_delivered(now, skey, &mut taken, |_| {});
         send_while_room(n, ckey, &mut queued, 600, 50);
         n.server_messages(skey).len() == 600
     });
@@ -1042,23 +1058,13 @@ fn a_stalled_reader_holds_at_most_the_byte_credit() {
     let mut taken = 0;
     net.run_until(|n| {
         let now = n.now;
-        for _ in 0..1000 {
-            n.collect();
-            let got = n.server_messages(skey).len();
-            if got == taken {
-                break;
-            }
-            let unread: usize = n.server_messages(skey)[taken..]
-                .iter()
-                .map(Bytes::len)
-                .sum();
+        n.take_delivered(now, skey, &mut taken, |unread| {
+            let bytes: usize = unread.iter().map(Bytes::len).sum();
             assert!(
-                unread <= 12 * 1024 || got - taken == 1,
-                "{unread} bytes delivered and unread"
+                bytes <= 12 * 1024 || unread.len() == 1,
+                "{bytes} bytes delivered and unread"
             );
-            n.server.consumed(now, skey, got - taken, unread);
-            taken = got;
-        }
+        });
         let got = taken;
         send_while_room(n, ckey, &mut queued, 20, 10_000);
         if queued == 20 && got == 20 && n.clients[0].1.can_send(ckey) {
