@@ -928,11 +928,17 @@ impl Task {
         let registry = self.edge.registry.clone();
         loop {
             let mut work = Work::default();
-            registry.host(|h| h.take_work_into(self.id, &mut work));
+            // One turn of the host: an answer that arrived after taking the work but before
+            // reading the deadline would be left behind (found by the C echo example under
+            // load: the live session's snapshot was dropped and the resume read the store).
+            let deadline = registry.host(|h| {
+                h.take_work_into(self.id, &mut work);
+                h.waiting_deadline(self.id)
+            });
             if let Some(answer) = self.stash(work) {
                 return Some(answer);
             }
-            let deadline = registry.host(|h| h.waiting_deadline(self.id))?;
+            let deadline = deadline?;
             let deadline = tokio::time::Instant::from_std(deadline);
             tokio::select! {
                 _ = self.wake.notified() => {}
@@ -1165,10 +1171,16 @@ impl Task {
                     .host(|h| h.request_hand_over(self.id, session_id, attempt.clone(), now()));
                 let answer = match start {
                     HandOverStart::Pending => self.answer().await,
-                    HandOverStart::NotLocal | HandOverStart::Ended => None,
+                    HandOverStart::NotLocal | HandOverStart::Ended | HandOverStart::Busy => None,
                 };
-                // Decided here (taken, mismatch, or ended by a takeover), or ask the store.
+                // Decided here (taken, mismatch, ended by a takeover, or busy), or ask the
+                // store.
                 let result = match resume_from_store(start, answer) {
+                    ResumeFromStore::Busy => {
+                        self.phases.restore += t0.elapsed();
+                        let _ = self.machine.handle_hand_over_busy(now());
+                        return;
+                    }
                     ResumeFromStore::TakeProven => {
                         edge.snapshots.take_proven(&session_id, &attempt).await
                     }

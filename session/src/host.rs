@@ -199,11 +199,16 @@ impl Work {
 /// How [`SessionHost::request_hand_over`] went.
 #[derive(Debug, PartialEq, Eq)]
 pub enum HandOverStart {
-    /// Ask the shared store: the session is not held on this edge, or is not to be handed
-    /// over now (another resume of it is under way, or it is not ACTIVE yet), or its copy
-    /// here is ending because a newer claim of the same session superseded it (the newer
-    /// owner's snapshot is in the store).
+    /// Ask the shared store: the session is not held on this edge, or its copy here is
+    /// ending because a newer claim of the same session superseded it (the newer owner's
+    /// snapshot is in the store).
     NotLocal,
+    /// The session lives on this edge but cannot be handed over now: another resume of it
+    /// is under way, or the connection it was handed to has not established it yet, or its
+    /// holder's mailbox is full. The store's copy may be older than the live session (a
+    /// lingering holder sequences replies it never persists), so the resume is refused
+    /// with a retry-after, never served from the store.
+    Busy,
     /// The session was told to end because another session replaced it (a newer login took
     /// the player over): it must not be resumed, not even from a copy in the store.
     Ended,
@@ -218,6 +223,12 @@ pub enum ResumeFromStore {
     /// Not decided on this edge: take the snapshot from the store, proving the attempt
     /// (`SnapshotStore::take_proven`).
     TakeProven,
+    /// The session lives on this edge and could not be handed over now (another resume
+    /// under way, or its holder did not answer in time): refuse the resume with a
+    /// retry-after (`SessionMachine::handle_hand_over_busy`). The store's copy is not the
+    /// session: serving it would lose, without a gap, what the live holder sequenced since
+    /// it was written.
+    Busy,
     /// Decided here: delete the store's copy of the session first (`Some(Some(fencing))`:
     /// only the copy of that fencing; `Some(None)`: whatever copy), then answer `outcome`.
     Decided {
@@ -235,10 +246,17 @@ pub enum ResumeFromStore {
 ///   task may have stored (delete any copy; `NotFound`);
 /// - a live holder's snapshot (`Taken`) is the session: a copy it persisted on detach is
 ///   spent (delete that fencing's copy); a `Mismatch` is final;
-/// - anything else (not held here, no answer in time, the holder had nothing to give) is
-///   the store's to decide.
+/// - a session live here that cannot be handed over now ([`HandOverStart::Busy`]), or
+///   whose holder did not answer in time, is busy: the resume is refused with a
+///   retry-after (the store's copy may be older than the live session);
+/// - anything else (not held here, the holder had nothing to give) is the store's to
+///   decide.
 pub fn resume_from_store(start: HandOverStart, answer: Option<HostAnswer>) -> ResumeFromStore {
     match (start, answer) {
+        (HandOverStart::Busy, _)
+        | (HandOverStart::Pending, None | Some(HostAnswer::HandOver(None))) => {
+            ResumeFromStore::Busy
+        }
         (HandOverStart::Ended, _) => ResumeFromStore::Decided {
             outcome: TakeOutcome::NotFound,
             delete: Some(None),
@@ -636,8 +654,9 @@ impl SessionHost {
         let pending = !entry.queue.is_empty() || entry.lost > 0;
         let previous = std::mem::replace(&mut entry.holder, conn);
         if previous != conn {
-            // Restored from the store while its old holder did not answer the hand-over
-            // (stuck): that copy must end, or two machines would hold one session.
+            // Restored from the store while a superseded copy of it still ends here (its
+            // holder not yet done): that copy must end, or two machines would hold one
+            // session. (A live copy here is never bypassed: its resume is `Busy`.)
             let _ = self.mail(previous, Command::Close(CloseCode::GoingAway));
             if let Some(slot) = self.conns.get_mut(&previous) {
                 if slot.session == Some(session_id) {
@@ -697,8 +716,11 @@ impl SessionHost {
                 HandOverStart::Ended
             };
         }
-        if e.handing_to.is_some() || e.holder == conn || !e.established {
+        if e.holder == conn {
             return HandOverStart::NotLocal;
+        }
+        if e.handing_to.is_some() || !e.established {
+            return HandOverStart::Busy;
         }
         e.handing_to = Some(conn);
         let holder = e.holder;
@@ -713,7 +735,7 @@ impl SessionHost {
                 if let Some(e) = self.sessions.get_mut(&session_id) {
                     e.handing_to = None;
                 }
-                HandOverStart::NotLocal
+                HandOverStart::Busy
             }
         }
     }
@@ -751,7 +773,7 @@ impl SessionHost {
         };
         if e.holder != holder {
             // A stale answer: the session was restored elsewhere meanwhile (from the store,
-            // while this holder was stuck); that connection holds it now.
+            // its copy here superseded); that connection holds it now.
             return HandedOver::Delivered;
         }
         let requester = e.handing_to.take();
@@ -1256,7 +1278,8 @@ mod tests {
 
     /// The one rule both the tokio driver and the pair harness follow for a resume's store
     /// step: a takeover ends resumability, a live holder's answer decides (its detach copy
-    /// spent), anything else is the store's.
+    /// spent), a session live here but busy refuses the resume for now, anything else is the
+    /// store's.
     #[test]
     fn a_resume_asks_the_store_unless_this_edge_decided() {
         let taken = crate::testkit::store_contract::snapshot(1, "p", 7);
@@ -1290,9 +1313,14 @@ mod tests {
             }
         );
         for (start, answer) in [
-            (HandOverStart::NotLocal, None),
+            (HandOverStart::Busy, None),
             (HandOverStart::Pending, None),
             (HandOverStart::Pending, Some(HostAnswer::HandOver(None))),
+        ] {
+            assert_eq!(resume_from_store(start, answer), ResumeFromStore::Busy);
+        }
+        for (start, answer) in [
+            (HandOverStart::NotLocal, None),
             (
                 HandOverStart::Pending,
                 Some(HostAnswer::HandOver(Some(TakeOutcome::NotFound))),

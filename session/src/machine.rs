@@ -1079,6 +1079,23 @@ impl SessionMachine {
         });
     }
 
+    /// The session to resume lives on this edge but could not be handed over now (after
+    /// [`Action::TakeSnapshot`]; `host::ResumeFromStore::Busy`): another resume of it is
+    /// under way, or its holder did not answer in time. Refused `unavailable` with a
+    /// retry-after, with or without an auth token — the session is left as it was (a fresh
+    /// session would take the player from it, and the store's copy may be older than it).
+    pub fn handle_hand_over_busy(&mut self, _now: Instant) -> Result<(), SessionError> {
+        if self.state != State::Restoring || self.core.is_some() {
+            return Err(self.misuse("hand-over busy"));
+        }
+        tracing::info!("resume refused: the session is busy on this edge (a hand-over under way or not answered in time)");
+        self.reject(
+            CloseCode::Unavailable,
+            "session busy on this edge (being handed over); resume again".into(),
+        );
+        Ok(())
+    }
+
     /// The snapshot lookup answered (after [`Action::TakeSnapshot`]).
     pub fn handle_snapshot(
         &mut self,

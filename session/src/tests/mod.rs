@@ -1687,3 +1687,53 @@ fn a_message_is_acknowledged_only_once_its_backend_answered_it() {
     assert_eq!(p.peers[c].client.unacked_len(), 0);
     assert_eq!(errors_of(&p, c), vec![3]);
 }
+
+/// A lingering session's holder takes pushes after its detach copy was stored, then gets
+/// stuck; a resume must not be served from that stale copy while the live session (with
+/// those pushes sequenced in its replay buffer) is held here: they would be lost without a
+/// gap (the restored copy numbers new pushes with the lost ones' seqs). Found by the C echo
+/// example's link drill under load (replies sent before the drop never arrived).
+#[test]
+fn a_resume_is_never_served_a_stale_copy_while_the_live_session_is_held_here() {
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "alice");
+    let sid = p.session(c);
+    let old = p.peers[c].conn.expect("conn");
+    p.edge.push(&sid, p.now, TrafficClass::Normal, b"before");
+    p.drive(c);
+    p.cut(c);
+    // Lingering: replies arrive and the holder sequences them (no link to send them on).
+    p.edge.push(&sid, p.now, TrafficClass::Normal, b"away-1");
+    p.edge.push(&sid, p.now, TrafficClass::Normal, b"away-2");
+    p.edge.stalled.insert(old);
+    p.connect(c);
+    p.drive(c);
+    p.edge.release(old, p.now);
+    for _ in 0..5 {
+        if p.peers[c].client.state() != crate::client::ClientState::Active {
+            p.connect(c);
+        }
+        p.drive(c);
+        p.advance(Duration::from_millis(500));
+    }
+    p.edge.push(&sid, p.now, TrafficClass::Normal, b"after");
+    p.drive(c);
+    let got: Vec<Bytes> = p.received(c).into_iter().map(|m| m.1).collect();
+    assert_eq!(
+        got,
+        vec![
+            Bytes::from_static(b"before"),
+            Bytes::from_static(b"away-1"),
+            Bytes::from_static(b"away-2"),
+            Bytes::from_static(b"after")
+        ],
+        "welcomes {:?}",
+        welcomed(&p, c)
+    );
+    assert_eq!(
+        welcomed(&p, c),
+        vec![WelcomeOutcome::NewSession, WelcomeOutcome::Restored]
+    );
+    // The resume the stuck holder could not answer was refused for now, not served.
+    assert_eq!(rejected(&p, c), vec![CloseCode::Unavailable]);
+}

@@ -296,9 +296,15 @@ impl Edge {
                     );
                     let answer = match start {
                         HandOverStart::Pending => self.answer(i, now),
-                        HandOverStart::NotLocal | HandOverStart::Ended => None,
+                        HandOverStart::NotLocal | HandOverStart::Ended | HandOverStart::Busy => {
+                            None
+                        }
                     };
                     let outcome = match resume_from_store(start, answer) {
+                        ResumeFromStore::Busy => {
+                            self.machines[i].handle_hand_over_busy(now).expect("busy");
+                            continue;
+                        }
                         ResumeFromStore::TakeProven if self.store_down > 0 => {
                             let err = self.store_error();
                             self.machines[i]
