@@ -130,6 +130,17 @@ fn received_by_session(p: &Pair, c: usize) -> Vec<SessionReceived> {
     out
 }
 
+/// The server connection whose driver `Op::Stall(c)` sticks: the holder of client `c`'s
+/// session if one holds it (lingering after a cut too), else `c`'s connection.
+fn stall_target(p: &Pair, c: usize) -> Option<usize> {
+    p.peers[c]
+        .client
+        .session()
+        .and_then(|(sid, _)| p.edge.host.holder_of(&sid))
+        .map(|m| m as usize)
+        .or(p.peers[c].conn)
+}
+
 fn check_invariants(p: &Pair, ledger: &Ledger) -> Result<(), TestCaseError> {
     let host = &p.edge.host;
     host.check_invariants().map_err(TestCaseError::fail)?;
@@ -206,7 +217,7 @@ fn check_invariants(p: &Pair, ledger: &Ledger) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(300))]
+    #![proptest_config(ProptestConfig::with_cases(500))]
 
     #[test]
     fn session_host_keeps_every_guarantee(
@@ -287,8 +298,10 @@ proptest! {
                     let mut out = std::collections::VecDeque::new();
                     p.edge.run(m, p.now, &mut out);
                 }
-                Op::Stall(c) => if let Some(m) = p.peers[c].conn { p.edge.stalled.insert(m); },
-                Op::Release(c) => if let Some(m) = p.peers[c].conn { p.edge.release(m, p.now); },
+                // The driver holding the client's session (a lingering one too, after a
+                // cut), else the client's connection's.
+                Op::Stall(c) => if let Some(m) = stall_target(&p, c) { p.edge.stalled.insert(m); },
+                Op::Release(c) => if let Some(m) = stall_target(&p, c) { p.edge.release(m, p.now); },
                 Op::Advance(ms) => p.advance(Duration::from_millis(ms.into())),
                 Op::Store(state) => p.edge.store_down = state,
             }
