@@ -143,8 +143,9 @@ pub enum Event {
         result: Result<RequestAnswer, RequestError>,
     },
     /// A message sent while no session was up waited longer than
-    /// `session.max_offline_age` for one: dropped, never sent (the messages queued after it
-    /// moved down one seq each).
+    /// `session.max_offline_age` for one, or is above the max frame size that session's
+    /// WELCOME announced: dropped, never sent (the messages queued after it moved down one
+    /// seq each).
     Expired {
         /// Its message id.
         msg_id: u32,

@@ -127,8 +127,9 @@ pub enum ClientEvent {
     /// One upstream message was not delivered.
     Error(ErrorReport),
     /// A message queued while no session was up waited longer than
-    /// [`ClientConfig::max_offline_age`]: it was dropped, never sent. The messages queued
-    /// after it moved down one seq each.
+    /// [`ClientConfig::max_offline_age`], or its DATA frame is above the max frame size the
+    /// session's WELCOME announced: it was dropped, never sent. The messages queued after
+    /// it moved down one seq each.
     Expired {
         /// Its message id.
         msg_id: u32,
@@ -173,6 +174,19 @@ pub enum ClientError {
         /// The call.
         input: &'static str,
     },
+}
+
+/// The encoded size of a DATA frame carrying `payload` as `seq`, with the largest ack it
+/// could carry when resent.
+fn data_frame_len(class: TrafficClass, msg_id: u32, seq: u64, payload: &Bytes) -> usize {
+    Frame::Data(Data {
+        class,
+        msg_id,
+        seq,
+        ack: Some(u64::MAX),
+        payload: payload.clone(),
+    })
+    .encoded_len()
 }
 
 #[derive(Debug, Clone)]
@@ -525,48 +539,50 @@ impl ClientSession {
         msg_id: u32,
         payload: &Bytes,
     ) -> Result<(), ClientError> {
-        let frame = Frame::Data(Data {
-            class,
-            msg_id,
-            seq: if class.is_sequenced() {
-                self.next_up_seq
-            } else {
-                0
-            },
-            ack: Some(u64::MAX),
-            payload: payload.clone(),
-        });
-        let (size, max) = (frame.encoded_len(), self.max_frame_size());
+        let seq = if class.is_sequenced() {
+            self.next_up_seq
+        } else {
+            0
+        };
+        let (size, max) = (
+            data_frame_len(class, msg_id, seq, payload),
+            self.max_frame_size(),
+        );
         if size > max {
             return Err(ClientError::TooLarge { size, max });
         }
         Ok(())
     }
 
-    /// Drops the messages queued while no session was up that waited longer than
-    /// `max_offline_age` (never sent: the server has not seen their seqs) and renumbers the
-    /// ones queued after them, so the seqs on the wire stay contiguous. Queued in order, the
-    /// stale ones are the oldest of the never-sent tail.
+    /// Drops the messages queued while no session was up (never sent: the server has not
+    /// seen their seqs) that waited longer than `max_offline_age`, or whose DATA frame is
+    /// above the max frame size the WELCOME just announced (checked when sent against the
+    /// client's own limit only: sent, it would close the link at every resume), and
+    /// renumbers the ones left, so the seqs on the wire stay contiguous. Each dropped one
+    /// is reported as [`ClientEvent::Expired`].
     fn expire_offline(&mut self, now: Instant) {
-        let Some(max_age) = self.config.max_offline_age else {
-            return;
-        };
         let Some(first_unsent) = self.unacked.iter().position(|u| !u.sent) else {
             return;
         };
+        let max_frame = self.max_frame_size();
+        let max_age = self.config.max_offline_age;
         let base = self.unacked[first_unsent].seq;
         let mut expired = 0u64;
-        while let Some(u) = self.unacked.get(first_unsent) {
+        let mut i = first_unsent;
+        while let Some(u) = self.unacked.get(i) {
             let age = now.saturating_duration_since(u.queued_at);
-            if age <= max_age {
-                break;
+            let too_old = max_age.is_some_and(|max| age > max);
+            let too_large = data_frame_len(u.class, u.msg_id, u.seq, &u.payload) > max_frame;
+            if !(too_old || too_large) {
+                i += 1;
+                continue;
             }
             self.events.push_back(ClientEvent::Expired {
                 msg_id: u.msg_id,
                 seq: u.seq,
                 age,
             });
-            self.unacked.remove(first_unsent);
+            self.unacked.remove(i);
             expired += 1;
         }
         if expired == 0 {

@@ -198,7 +198,8 @@ typedef enum waygate_event_kind {
   WAYGATE_EVENT_CONNECT_FAILED = 16,
   /**
    * A message sent while no session was up waited longer than
-   * `options.max_offline_age_ms`: dropped, never sent. `msg_id`, `seq` (what
+   * `options.max_offline_age_ms`, or is above the max frame size the next session's
+   * WELCOME announced: dropped, never sent. `msg_id`, `seq` (what
    * `waygate_client_send` returned for it), `age_ms`. The messages sent after it moved
    * down one seq each.
    */

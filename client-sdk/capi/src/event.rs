@@ -57,7 +57,8 @@ pub enum waygate_event_kind {
     /// certificate...), `seq` the round since the last session was up (1 = the first).
     WAYGATE_EVENT_CONNECT_FAILED = 16,
     /// A message sent while no session was up waited longer than
-    /// `options.max_offline_age_ms`: dropped, never sent. `msg_id`, `seq` (what
+    /// `options.max_offline_age_ms`, or is above the max frame size the next session's
+    /// WELCOME announced: dropped, never sent. `msg_id`, `seq` (what
     /// `waygate_client_send` returned for it), `age_ms`. The messages sent after it moved
     /// down one seq each.
     WAYGATE_EVENT_EXPIRED = 17,

@@ -71,6 +71,8 @@ export type WebSocketConstructor = new (url: string, protocols?: string | string
 const WS_OPEN = 1;
 /** ERROR answers remembered to drop a repeat (PROTOCOL.md §3.9; the edge repeats at most 256). */
 const ERRORED_SEQS_KEPT = 1024;
+/** The largest ack a resent DATA frame could carry (the size check counts it). */
+const MAX_U64 = 2n ** 64n - 1n;
 
 /** Most doublings of the liveness timeout after links it called dead (8x; PROTOCOL.md §7.5). */
 export const LIVENESS_BACKOFF_MAX = 3;
@@ -202,7 +204,8 @@ export interface ClientEvents {
   stateChange: { from: ConnectionState; to: ConnectionState };
   /**
    * A sequenced message queued while no session was up was dropped on a resume because it
-   * was older than `maxOfflineAgeMs`; it never went out on any link. `seq` is the client seq
+   * was older than `maxOfflineAgeMs`, or above the max frame size the WELCOME announced; it
+   * never went out on any link. `seq` is the client seq
    * it had (`send()`'s return value); the messages queued after it were renumbered down.
    */
   expired: { msgId: number; seq: bigint; ageMs: number };
@@ -1472,22 +1475,29 @@ export class WaygateClient {
    * prefix of that tail. Returns what was dropped, for the `expired` events.
    */
   private expireStale(): { msgId: number; seq: bigint; ageMs: number }[] {
+    // Never sent (the server has not seen their seqs): dropped when older than
+    // `maxOfflineAgeMs`, or when their DATA frame is above the max frame size the WELCOME
+    // just announced (checked when sent against the client's own limit only: sent, it
+    // would close the link at every resume). The ones left are renumbered.
     const bound = this.opts.maxOfflineAgeMs;
-    if (bound <= 0) return [];
     let start = this.unacked.length;
     while (start > 0 && !this.unacked[start - 1].transmitted) start--;
     const t = now();
     const dropped: { msgId: number; seq: bigint; ageMs: number }[] = [];
-    let i = start;
-    for (; i < this.unacked.length; i++) {
+    const kept: Unacked[] = [];
+    for (let i = start; i < this.unacked.length; i++) {
       const m = this.unacked[i];
       const age = t - m.queuedAt;
-      if (age <= bound) break;
-      dropped.push({ msgId: m.msgId, seq: m.seq, ageMs: Math.floor(age) });
+      const tooOld = bound > 0 && age > bound;
+      const tooLarge =
+        m.payload.length + 27 > this.maxFrameSize &&
+        encodeFrame({ type: "data", cls: m.cls, msgId: m.msgId, seq: m.seq, ack: MAX_U64, payload: m.payload }).length >
+          this.maxFrameSize;
+      if (tooOld || tooLarge) dropped.push({ msgId: m.msgId, seq: m.seq, ageMs: Math.floor(age) });
+      else kept.push(m);
     }
     if (dropped.length === 0) return dropped;
     const firstSeq = this.unacked[start].seq;
-    const kept = this.unacked.slice(i);
     kept.forEach((m, k) => {
       m.seq = firstSeq + BigInt(k);
     });

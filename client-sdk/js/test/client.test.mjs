@@ -1165,6 +1165,26 @@ test("maxOfflineAgeMs: on a resume, offline messages older than the bound expire
   ctx.client.close();
 });
 
+test("a message queued before the WELCOME above the max frame size it announces is dropped as expired, never sent; later ones renumbered", async () => {
+  const ctx = setup();
+  assert.equal(ctx.client.send(1000, "small-1"), 1n);
+  assert.equal(ctx.client.send(1001, new Uint8Array(200)), 2n); // fits the client's own 65,536
+  assert.equal(ctx.client.send(1002, "small-3"), 3n);
+  ctx.client.connect();
+  const ws = ctx.WS.all.at(-1);
+  await ws.open();
+  ws.take();
+  ws.deliver(welcome(0, { maxFrameSize: 100 }));
+  assert.deepEqual(upstream(ws.take()), [
+    [1n, "small-1"],
+    [2n, "small-3"],
+  ]);
+  assert.deepEqual(ctx.named("expired").map((e) => [e.msgId, e.seq]), [[1001, 2n]]);
+  assert.equal(ctx.client.send(1003, "next"), 3n);
+  assert.deepEqual(ctx.named("error"), [], "no protocol error");
+  ctx.client.close();
+});
+
 test("maxOfflineAgeMs: restored_with_gap expires too; messages acked by client_seq_ack are simply gone", async (t) => {
   const clock = fakeClock(t);
   const ctx = setup({ maxOfflineAgeMs: 100 });

@@ -1139,6 +1139,62 @@ fn a_client_refuses_a_message_above_the_max_frame_size() {
         .is_err());
 }
 
+/// A message queued before the first WELCOME fits the client's own limit only; above the
+/// max frame size that WELCOME announces it is dropped unsent (`Expired`), the later ones
+/// renumbered. Before, it was sent and the edge closed the link for it at every resume.
+#[test]
+fn a_message_queued_before_the_welcome_above_its_max_frame_size_is_dropped_unsent() {
+    let cfg = SessionConfig {
+        max_frame_size: 1024,
+        ..SessionConfig::default()
+    };
+    let mut p = Pair::new(cfg);
+    let c = p.add_client(token_for("alice"));
+    let now = p.now;
+    for (i, body) in [vec![1u8; 10], vec![2u8; 2000], vec![3u8; 10]]
+        .into_iter()
+        .enumerate()
+    {
+        assert_eq!(
+            p.peers[c]
+                .client
+                .send(now, TrafficClass::Normal, 7 + i as u32, Bytes::from(body)),
+            Ok(Some(i as u64 + 1))
+        );
+    }
+    p.connect(c);
+    p.drive(c);
+    let expired: Vec<(u32, u64)> = p.peers[c]
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            ClientEvent::Expired { msg_id, seq, .. } => Some((*msg_id, *seq)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(expired, vec![(8, 2)]);
+    let delivered: Vec<(u64, Bytes)> = p
+        .edge
+        .delivered
+        .iter()
+        .map(|u| (u.seq, u.payload.clone()))
+        .collect();
+    assert_eq!(
+        delivered,
+        vec![
+            (1, Bytes::from(vec![1u8; 10])),
+            (2, Bytes::from(vec![3u8; 10]))
+        ]
+    );
+    assert_eq!(p.edge.closes, vec![], "no link closed");
+    assert_eq!(
+        p.peers[c]
+            .client
+            .send(now, TrafficClass::Normal, 1, Bytes::from_static(b"next")),
+        Ok(Some(3))
+    );
+}
+
 /// A downstream message whose DATA could exceed the max frame size is never sent: a
 /// sequenced one is declared lost (CLOSE frame_too_large, RestoredWithGap on resume), a
 /// best-effort one dropped, and either is counted.
