@@ -14,8 +14,12 @@
 //!   drops a sequenced item silently: the item is counted as lost for the holder, which then
 //!   closes as `slow_consumer` and reports the gap on resume;
 //! - **hand-over** (a resume finding its session live here): one request at a time per
-//!   session, answered by the holder, with a deadline; a snapshot handed over after its
-//!   requester gave up comes back as [`HandedOver::Orphaned`] for the store, never lost;
+//!   session, answered by the holder, with a deadline (once extended when the holder has
+//!   taken the request; taken back from its mailbox when it has not); a resume meanwhile,
+//!   or after the deadline, is `Busy` (refused with a retry-after, never served the store's
+//!   older copy); a snapshot handed over after its requester closed comes back as
+//!   [`HandedOver::Orphaned`] for the store, never lost, and the session stays busy until
+//!   its old holder has written it;
 //! - **takeover** (single login): after a claim names a previous owner, whom to kick and
 //!   whether the new login must wait for the kicked session's bindings;
 //! - **login races** between two local sessions of one player (the older fencing yields);
@@ -353,6 +357,11 @@ struct SessionEntry {
     /// Ending because a newer claim of this same session superseded it (it lives on
     /// elsewhere, [`SessionHost::kick_superseded`]), not because another session replaced it.
     superseded: bool,
+    /// Handed over to nobody (its requester had gone): the snapshot is on its way to the
+    /// store ([`HandedOver::Orphaned`]); until the old holder's connection closes (after
+    /// that write) a resume is `Busy` — the store's copy is not yet the session — and pushes
+    /// are refused `NotFound`.
+    storing: bool,
 }
 
 /// A player's inbound limiter and how many of its sessions are held here.
@@ -370,6 +379,9 @@ struct ConnSlot {
     answer: Option<HostAnswer>,
     /// A request waiting for an answer: what, about which session, until when.
     waiting: Option<(Waiting, SessionId, Instant)>,
+    /// The waiting hand-over's deadline was extended once (its holder had taken the
+    /// request: it answers after the actions it is doing).
+    extended: bool,
     woken: bool,
 }
 
@@ -452,12 +464,42 @@ impl SessionHost {
             }
         }
         if let Some((Waiting::HandOver, id, _)) = slot.waiting {
-            if let Some(e) = self.sessions.get_mut(&id) {
-                if e.handing_to == Some(conn) {
-                    e.handing_to = None;
-                }
-            }
+            self.withdraw_hand_over(conn, &id);
         }
+    }
+
+    /// `requester`'s hand-over request of `id` ends unanswered (it timed out, or the
+    /// requester closed): the session is no longer being handed, and a request its holder
+    /// has not taken yet is taken back, so the holder never hands the session to nobody.
+    /// (A request the holder took already is answered when it gets to it: to nobody, then
+    /// [`HandedOver::Orphaned`].)
+    fn withdraw_hand_over(&mut self, requester: ConnTaskId, id: &SessionId) {
+        let Some(e) = self.sessions.get_mut(id) else {
+            return;
+        };
+        if e.handing_to != Some(requester) {
+            return;
+        }
+        e.handing_to = None;
+        let holder = e.holder;
+        if let Some(slot) = self.conns.get_mut(&holder) {
+            slot.mailbox.retain(|c| !matches!(c, Command::HandOver(_)));
+        }
+    }
+
+    /// Whether `requester`'s hand-over request of `id` is with its holder already (taken
+    /// from the mailbox, not yet answered).
+    fn hand_over_taken(&self, requester: ConnTaskId, id: &SessionId) -> bool {
+        let Some(e) = self.sessions.get(id) else {
+            return false;
+        };
+        e.handing_to == Some(requester)
+            && self.conns.get(&e.holder).is_some_and(|slot| {
+                !slot
+                    .mailbox
+                    .iter()
+                    .any(|c| matches!(c, Command::HandOver(_)))
+            })
     }
 
     /// Makes `conn` the holder of `id` (whose entry exists).
@@ -644,6 +686,7 @@ impl SessionHost {
                 handing_to: None,
                 ending: false,
                 superseded: false,
+                storing: false,
             })
         });
         entry.player = player.clone();
@@ -651,6 +694,7 @@ impl SessionHost {
         entry.established = true;
         entry.ending = false;
         entry.superseded = false;
+        entry.storing = false;
         let pending = !entry.queue.is_empty() || entry.lost > 0;
         let previous = std::mem::replace(&mut entry.holder, conn);
         if previous != conn {
@@ -719,13 +763,14 @@ impl SessionHost {
         if e.holder == conn {
             return HandOverStart::NotLocal;
         }
-        if e.handing_to.is_some() || !e.established {
+        if e.handing_to.is_some() || !e.established || e.storing {
             return HandOverStart::Busy;
         }
         e.handing_to = Some(conn);
         let holder = e.holder;
         if let Some(slot) = self.conns.get_mut(&conn) {
             slot.waiting = Some((Waiting::HandOver, session_id, now + ANSWER_TIMEOUT));
+            slot.extended = false;
             slot.answer = None;
         }
         match self.mail(holder, Command::HandOver(attempt)) {
@@ -794,9 +839,17 @@ impl SessionHost {
                 HandedOver::Delivered
             }
             (None, TakeOutcome::Taken(s)) => {
-                // Nobody to take it: the session lives on in the store only.
+                // Nobody to take it: the session lives on in the store only, once the old
+                // holder has written it there (the entry goes when that connection closes;
+                // meanwhile a resume is busy, never served the store's older copy).
                 self.stats.orphaned += 1;
-                self.remove_session(&session_id);
+                if let Some(e) = self.sessions.get_mut(&session_id) {
+                    e.storing = true;
+                    let player = e.player.clone();
+                    if self.players.get(&player) == Some(&session_id) {
+                        self.players.remove(&player);
+                    }
+                }
                 HandedOver::Orphaned(s)
             }
             (Some(r), other) => {
@@ -938,18 +991,29 @@ impl SessionHost {
             })
             .collect();
         for (conn, what, session) in expired {
-            self.stats.answer_timeouts += 1;
             let answer = match what {
                 Waiting::HandOver => {
-                    if let Some(e) = self.sessions.get_mut(&session) {
-                        if e.handing_to == Some(conn) {
-                            e.handing_to = None;
+                    // A holder that took the request answers once the actions it is doing
+                    // are done: it gets one more deadline (an answer then reaches the
+                    // requester instead of orphaning the session). A request still in its
+                    // mailbox is taken back.
+                    if self.hand_over_taken(conn, &session) {
+                        if let Some(slot) = self.conns.get_mut(&conn) {
+                            if !slot.extended {
+                                slot.extended = true;
+                                if let Some(w) = slot.waiting.as_mut() {
+                                    w.2 = now + ANSWER_TIMEOUT;
+                                }
+                                continue;
+                            }
                         }
                     }
+                    self.withdraw_hand_over(conn, &session);
                     HostAnswer::HandOver(None)
                 }
                 Waiting::Kick => HostAnswer::Kicked(None),
             };
+            self.stats.answer_timeouts += 1;
             self.answer(conn, answer);
         }
     }
@@ -961,6 +1025,7 @@ impl SessionHost {
         let e = self
             .sessions
             .get_mut(session_id)
+            .filter(|e| !e.storing)
             .ok_or(PushError::NotFound)?;
         if message.class == TrafficClass::BestEffort && e.queue.is_congested() {
             self.stats.shed += 1;
@@ -1364,6 +1429,106 @@ mod tests {
             SupersededKick::NotHeld,
             "ending"
         );
+    }
+
+    /// A hand-over request that times out before its holder took it is taken back, so the
+    /// holder never hands the session to nobody (before, it did when it woke up: the entry
+    /// and its queue were dropped and a retried resume read the store's older copy while
+    /// the orphaned snapshot was still being written). One the holder took gets one more
+    /// deadline, and its answer reaches the requester.
+    #[test]
+    fn a_timed_out_hand_over_is_taken_back_or_waited_for_once() {
+        let t0 = Instant::now();
+        let attempt = ResumeAttempt::proving(&[9; 16], &[1; 16], 1);
+        let mut host = SessionHost::new(SessionHost::outbound_for_capacity(8));
+        host.open(1);
+        host.established(1, [1; 16], "p".into(), 3);
+        host.open(2);
+        assert_eq!(
+            host.request_hand_over(2, [1; 16], attempt.clone(), t0),
+            HandOverStart::Pending
+        );
+        // The holder is stuck: the request times out in its mailbox.
+        host.handle_timeout(t0 + ANSWER_TIMEOUT);
+        assert_eq!(host.take_work(2).answer, Some(HostAnswer::HandOver(None)));
+        assert!(
+            host.take_work(1).commands.is_empty(),
+            "the request was taken back"
+        );
+        assert_eq!(host.holder_of(&[1; 16]), Some(1), "still the holder's");
+
+        // Taken by the holder, answered late: within the one extension it reaches the
+        // requester.
+        host.open(3);
+        assert_eq!(
+            host.request_hand_over(3, [1; 16], attempt, t0),
+            HandOverStart::Pending
+        );
+        assert_eq!(host.take_work(1).commands.len(), 1, "the holder takes it");
+        host.handle_timeout(t0 + ANSWER_TIMEOUT);
+        assert_eq!(host.take_work(3).answer, None, "extended, not answered");
+        assert_eq!(host.stats().answer_timeouts, 1);
+        let snapshot = crate::testkit::store_contract::snapshot(1, "p", 3);
+        assert_eq!(
+            host.reply(
+                1,
+                Reply::HandedOver([1; 16], TakeOutcome::Taken(Box::new(snapshot)))
+            ),
+            None,
+            "delivered, not orphaned"
+        );
+        assert!(matches!(
+            host.take_work(3).answer,
+            Some(HostAnswer::HandOver(Some(TakeOutcome::Taken(_))))
+        ));
+        assert_eq!(host.holder_of(&[1; 16]), Some(3));
+    }
+
+    /// A snapshot handed over after its requester gave up goes to the store by its old
+    /// holder; until that connection closes (after the write), a resume is busy and a push
+    /// is refused, never served the store's older copy or queued to be dropped.
+    #[test]
+    fn an_orphaned_session_is_busy_until_its_snapshot_is_stored() {
+        let t0 = Instant::now();
+        let attempt = ResumeAttempt::proving(&[9; 16], &[1; 16], 1);
+        let mut host = SessionHost::new(SessionHost::outbound_for_capacity(8));
+        host.open(1);
+        host.established(1, [1; 16], "p".into(), 3);
+        host.open(2);
+        assert_eq!(
+            host.request_hand_over(2, [1; 16], attempt.clone(), t0),
+            HandOverStart::Pending
+        );
+        assert_eq!(host.take_work(1).commands.len(), 1);
+        // The requester's client went away after the holder took the request.
+        host.close(2);
+        let snapshot = crate::testkit::store_contract::snapshot(1, "p", 3);
+        assert!(host
+            .reply(
+                1,
+                Reply::HandedOver([1; 16], TakeOutcome::Taken(Box::new(snapshot)))
+            )
+            .is_some());
+        host.open(3);
+        assert_eq!(
+            host.request_hand_over(3, [1; 16], attempt.clone(), t0),
+            HandOverStart::Busy
+        );
+        let message = Downstream {
+            class: TrafficClass::Normal,
+            msg_id: 1,
+            payload: bytes::Bytes::from_static(b"x"),
+        };
+        assert_eq!(host.push(&[1; 16], message), Err(PushError::NotFound));
+        assert_eq!(host.session_of("p"), None);
+        // Written; its old holder's connection closes.
+        host.close(1);
+        assert_eq!(
+            host.request_hand_over(3, [1; 16], attempt, t0),
+            HandOverStart::NotLocal
+        );
+        assert_eq!(host.len(), 0);
+        host.check_invariants().unwrap();
     }
 
     /// A resume of a session whose copy here was superseded by a newer claim of the same
