@@ -56,12 +56,17 @@ async fn presence_records_expire_refresh_and_are_removed_only_by_their_session()
     );
     // A newer session of "a" elsewhere: the old session's removal leaves it.
     p.set("a", &[9; 16], "e3").await.expect("set");
-    assert_eq!(p.remove("a", &[1; 16]).await, Ok(false));
+    assert_eq!(p.remove("a", &[1; 16], "e1").await, Ok(false));
     assert_eq!(
         p.lookup("a").await.expect("lookup").map(|x| x.edge),
         Some("e3".into())
     );
-    assert_eq!(p.remove("a", &[9; 16]).await, Ok(true));
+    // The same session moved to e3: its superseded copy ending on e1 (or on an edge whose
+    // id is a prefix of e3's) leaves the record where it lives now.
+    assert_eq!(p.remove("a", &[9; 16], "e1").await, Ok(false));
+    assert_eq!(p.remove("a", &[9; 16], "e").await, Ok(false));
+    assert!(p.lookup("a").await.expect("lookup").is_some());
+    assert_eq!(p.remove("a", &[9; 16], "e3").await, Ok(true));
     assert_eq!(p.lookup("a").await, Ok(None));
     // TTL: refreshed records stay, others expire.
     for _ in 0..4 {

@@ -348,8 +348,9 @@ impl UpstreamSink for EdgeUpstream {
                 if let Some(r) = &shared.redis {
                     let presence = r.presence.clone();
                     let player = player_id.to_string();
+                    let edge = shared.config.edge_id.clone();
                     tokio::spawn(async move {
-                        let _ = presence.remove(&player, &session_id).await;
+                        let _ = presence.remove(&player, &session_id, &edge).await;
                     });
                 }
                 // The player's key is this edge's to release unless another session of

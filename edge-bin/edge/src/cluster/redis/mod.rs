@@ -42,7 +42,7 @@
 //!     }
 //! }); // keep `_server` alive
 //! // On SessionEvent::Established: presence.set(player, session, edge);
-//! // on Ended: presence.remove(player, session).
+//! // on Ended: presence.remove(player, session, edge).
 //! // Every owner_ttl/3 (and right after Redis recovers), for each live session:
 //! //   ownership.reassert(player, session, edge, fencing) -> Superseded => registry.kick
 //! //   presence.set_many(edge, live) (presence_ttl/3)

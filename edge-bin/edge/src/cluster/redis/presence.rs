@@ -7,12 +7,20 @@ use waygate_protocol::frame::SessionId;
 use waygate_session::resume::hex_id;
 
 use super::conn::{check_edge, ms, parse_hex, Conn};
-use super::ownership::RELEASE_LUA;
 use super::push::PushState;
 use super::{RedisConfig, RedisError};
 
 /// KEYS: presence. ARGV: "<session hex> ". Deletes the record if it is this session's.
-const PRESENCE_REMOVE_LUA: &str = RELEASE_LUA;
+/// KEYS: presence. ARGV: the whole record ("session-hex edge"). Deletes it only if it is
+/// exactly that record: a newer session's, or the same session's written by another edge
+/// (it moved there), stays.
+const PRESENCE_REMOVE_LUA: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"#;
 
 /// The presence removal script (hashed once; loaded into Redis on first use).
 fn remove_script() -> &'static Script {
@@ -111,16 +119,19 @@ impl RedisPresence {
             .try_for_each(|r| r.map(drop).map_err(RedisError::from))
     }
 
-    /// Removes the presence record if it still names `session_id` (a newer session's
-    /// record stays). Returns whether it did.
+    /// Removes the presence record if it still names `session_id` on `edge` (a newer
+    /// session's record stays, and so does the same session's written by another edge: a
+    /// copy superseded here after the session moved must not remove where it lives now).
+    /// Returns whether it did.
     pub async fn remove(
         &self,
         player_id: &str,
         session_id: &SessionId,
+        edge: &str,
     ) -> Result<bool, RedisError> {
         let mut inv = remove_script().prepare_invoke();
         inv.key(self.conn.player_key("presence", player_id))
-            .arg(format!("{} ", hex_id(session_id)));
+            .arg(format!("{} {edge}", hex_id(session_id)));
         let n: u8 = self
             .conn
             .run(|mut m| async move { inv.invoke_async(&mut m).await })
