@@ -1459,3 +1459,99 @@ async fn detaches_and_reattaches_behind_a_busy_handler_are_folded() {
         "ends attached, with the gap"
     );
 }
+
+/// A session's SESSION_OPEN that the link's full write queue did not take is sent again
+/// with its next forward. Before, the session counted as open anyway, and its later
+/// FORWARDs went to a backend that never heard of it (refused `unavailable` until the link
+/// reconnected). Helper audit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_open_a_full_write_queue_refused_is_sent_again() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, mut rx) = mpsc::channel(64);
+    let (link, _task) = LinkClient::spawn(addr, fast_config(), Arc::new(AtomicU64::new(1)), tx);
+    // A hand-made backend with plenty of credit that does not read for now (its reader's
+    // queue fills, then the socket, then the edge's write queue).
+    let (stream, _) = listener.accept().await.unwrap();
+    let mut io = waygate_link::spawn_link_io(
+        stream,
+        1 << 20,
+        Duration::from_secs(30),
+        waygate_link::LinkIoOptions::default(),
+    );
+    assert!(matches!(
+        next_frame(&mut io.rx).await,
+        Some(LinkFrame::Hello { .. })
+    ));
+    io.tx
+        .send(LinkFrame::Welcome {
+            version: LINK_VERSION,
+            instance_id: "slow".into(),
+            credits: 1_000_000,
+            heartbeat_ms: 30_000,
+            auth: None,
+            features: 0,
+        })
+        .await
+        .unwrap();
+    wait_up(&mut rx).await;
+    let (a, b) = (meta(1, "a"), meta(2, "b"));
+    let big = Bytes::from(vec![1u8; 60_000]);
+    let mut full = false;
+    for seq in 1..=100_000u64 {
+        if let Err(e) = link.forward(&a, ECHO, 1, seq, TrafficClass::Normal, big.clone()) {
+            assert!(matches!(e, ForwardError::Busy { .. }), "{e:?}");
+            full = true;
+            break;
+        }
+    }
+    assert!(full, "the write queue filled");
+    let refused = link.forward(
+        &b,
+        ECHO,
+        1,
+        1,
+        TrafficClass::Normal,
+        Bytes::from_static(b"b1"),
+    );
+    assert!(
+        matches!(refused, Err(ForwardError::Busy { .. })),
+        "{refused:?}"
+    );
+    // The backend reads again; b's message is forwarded again once there is room.
+    let reader = tokio::spawn(async move {
+        let mut opened_b = false;
+        loop {
+            match next_frame(&mut io.rx).await {
+                Some(LinkFrame::SessionOpen { handle: 2, .. }) => opened_b = true,
+                Some(LinkFrame::Forward { handle: 2, .. }) => return opened_b,
+                Some(_) => {}
+                None => panic!("the link ended"),
+            }
+        }
+    });
+    let mut sent = false;
+    for _ in 0..500 {
+        match link.forward(
+            &b,
+            ECHO,
+            1,
+            1,
+            TrafficClass::Normal,
+            Bytes::from_static(b"b1"),
+        ) {
+            Ok(_) => {
+                sent = true;
+                break;
+            }
+            Err(ForwardError::Busy { .. }) => tokio::time::sleep(Duration::from_millis(20)).await,
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+    assert!(sent, "b's message taken once the queue drained");
+    let opened_b = tokio::time::timeout(Duration::from_secs(20), reader)
+        .await
+        .expect("b's FORWARD in time")
+        .unwrap();
+    assert!(opened_b, "SESSION_OPEN of b came before its FORWARD");
+}

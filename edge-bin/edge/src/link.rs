@@ -440,26 +440,27 @@ impl LinkClient {
             .is_ok()
     }
 
-    /// Sends SESSION_OPEN unless the session is already open on this link.
+    /// Sends SESSION_OPEN unless the session is already open on this link. The session
+    /// counts as open only once its SESSION_OPEN is queued (under the same lock): a full
+    /// write queue answers `Busy` and the next forward sends it again. (Before, it counted
+    /// as open at once, and after a full queue every later FORWARD of the session went to a
+    /// backend that never heard of it, refused `unavailable` until the link reconnected.)
     pub fn ensure_open(&self, meta: &Arc<SessionMeta>) -> Result<(), ForwardError> {
-        let newly = match self.shared.open.lock() {
-            Ok(mut open) => {
-                // Only a new session is inserted: nothing is copied per forwarded message.
-                let newly = !open.contains_key(&meta.handle);
-                if newly {
-                    open.insert(meta.handle, meta.clone());
-                }
-                newly
-            }
-            Err(_) => return Err(ForwardError::Unavailable),
-        };
-        if newly {
-            let tx = self.sender().ok_or(ForwardError::Unavailable)?;
-            tx.try_send(open_frame(meta))
-                .map_err(|_| ForwardError::Busy {
-                    retry_after_ms: self.shared.config.busy_retry_after_ms,
-                })?;
+        let mut open = self
+            .shared
+            .open
+            .lock()
+            .map_err(|_| ForwardError::Unavailable)?;
+        // Only a new session is inserted: nothing is copied per forwarded message.
+        if open.contains_key(&meta.handle) {
+            return Ok(());
         }
+        let tx = self.sender().ok_or(ForwardError::Unavailable)?;
+        tx.try_send(open_frame(meta))
+            .map_err(|_| ForwardError::Busy {
+                retry_after_ms: self.shared.config.busy_retry_after_ms,
+            })?;
+        open.insert(meta.handle, meta.clone());
         Ok(())
     }
 
@@ -485,14 +486,17 @@ impl LinkClient {
             return Err(busy);
         }
         let result = self.ensure_open(meta).and_then(|()| {
-            let tx = self.sender().ok_or(ForwardError::Unavailable)?;
             // The in-flight queue and the link's write queue must see forwards in the same
-            // order: hold the queue's lock across the (non-blocking) send.
+            // order: hold the queue's lock across the (non-blocking) send. The sender is
+            // read under it too: the link going down clears the sender and drains the queue
+            // under this lock, so a forward is either refused here or drained (answered
+            // `unavailable`), never queued after the drain on a dead link's sender.
             let mut inflight = self
                 .shared
                 .inflight
                 .lock()
                 .map_err(|_| ForwardError::Unavailable)?;
+            let tx = self.sender().ok_or(ForwardError::Unavailable)?;
             tx.try_send(LinkFrame::Forward {
                 handle: meta.handle,
                 msg_id,
@@ -882,14 +886,17 @@ async fn run(shared: Arc<LinkShared>) {
         if let (Some(sink), Some(link)) = (&shared.events.interest, interest_link) {
             sink.link_down(link);
         }
-        if let Ok(mut tx) = shared.tx.lock() {
-            *tx = None;
-        }
-        // Whatever the backend had not finished is reported, never dropped silently.
+        // Whatever the backend had not finished is reported, never dropped silently. The
+        // sender goes under the in-flight queue's lock (see `forward`).
         let lost: Vec<Held> = shared
             .inflight
             .lock()
-            .map(|mut q| q.drain(..).filter(|h| !h.answered).collect())
+            .map(|mut q| {
+                if let Ok(mut tx) = shared.tx.lock() {
+                    *tx = None;
+                }
+                q.drain(..).filter(|h| !h.answered).collect()
+            })
             .unwrap_or_default();
         for h in lost {
             let m = h.message;
