@@ -280,3 +280,62 @@ async fn a_banned_player_is_ended_and_refused_until_the_ban_is_lifted() {
         Frame::Welcome(_)
     ));
 }
+
+/// A connection whose handshake was under way when a drain started is migrated once its
+/// session is established. Before, the drain listed only the sessions established then, and
+/// such a session was left to be cut at the drain's end (helper audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_established_after_a_drain_started_is_migrated_too() {
+    use bytes::BytesMut;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use waygate_protocol::codec::StreamCodec;
+    use waygate_transport::{Frame, TransportKind};
+    let edge = edge().await;
+    let app = waygate_edge::admin::router(edge.admin(), AdminAccess::default());
+    let mut sock = tokio::net::TcpStream::connect(edge.addrs[&TransportKind::Tcp])
+        .await
+        .unwrap();
+    // Accepted before the drain: the edge counts the connection open.
+    let mut accepted = false;
+    for _ in 0..200 {
+        let (_, body) = call(app.clone(), "GET", "/metrics").await;
+        accepted = parse_metrics(&body).samples.iter().any(|s| {
+            s.metric == "waygate_connections_open"
+                && matches!(s.value, prometheus_parse::Value::Gauge(v) if v >= 1.0)
+        });
+        if accepted {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(accepted, "the connection was accepted");
+    let (status, _) = call(app.clone(), "POST", "/drain").await;
+    assert_eq!(status, StatusCode::OK);
+    let codec = StreamCodec::new(65536);
+    let mut out = BytesMut::new();
+    let hello = Frame::Hello(waygate_protocol::frame::Hello {
+        version: waygate_protocol::wire::PROTOCOL_VERSION,
+        token: common::token("late-handshake"),
+        resume: None,
+    });
+    codec.encode(&hello, &mut out).unwrap();
+    sock.write_all(&out).await.unwrap();
+    let mut buf = BytesMut::new();
+    let mut seen = Vec::new();
+    let migrated = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            while let Some(f) = codec.decode(&mut buf).unwrap() {
+                seen.push(format!("{:?}", f.frame_type()));
+                if matches!(f, Frame::Migrate(_)) {
+                    return true;
+                }
+            }
+            if sock.read_buf(&mut buf).await.unwrap() == 0 {
+                return false;
+            }
+        }
+    })
+    .await;
+    assert_eq!(migrated, Ok(true), "frames seen: {seen:?}");
+    assert_eq!(seen.first().map(String::as_str), Some("Welcome"));
+}

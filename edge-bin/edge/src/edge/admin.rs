@@ -102,22 +102,8 @@ impl AdminApi for EdgeAdmin {
                 }
             }
             target = s.drain_target();
-            let registry = s.session_layer().registry.clone();
-            let ids = registry.session_ids();
-            if s.redis.is_some() {
-                // Hard migration (S8): hold upstream, let replies in flight land here and be
-                // written through, then MIGRATE (its rotated token is written first), so
-                // the client restores on the target from the warm tier with nothing lost.
-                for sid in &ids {
-                    registry.quiesce(sid);
-                }
-                tokio::time::sleep(Duration::from_millis(s.config.cluster.quiesce_ms)).await;
-            }
-            for sid in ids {
-                if registry.migrate(&sid, &target, deadline) {
-                    migrated += 1;
-                }
-            }
+            let ids = s.session_layer().registry.session_ids();
+            migrated = s.migrate_away(&ids, &target, deadline).await;
             tracing::warn!(migrated, "drain started");
         }
         json!({
@@ -160,5 +146,29 @@ impl AdminApi for EdgeAdmin {
 
     fn unban(&self, player: &str) -> bool {
         self.0.revocations.lift(player)
+    }
+}
+
+impl Shared {
+    /// Moves `ids` to `target` for a drain; returns how many were told. With Redis, a hard
+    /// migration (S8): hold upstream, let replies in flight land here and be written
+    /// through, then MIGRATE (its rotated token is written first), so the client restores
+    /// on the target from the warm tier with nothing lost.
+    pub(super) async fn migrate_away(
+        &self,
+        ids: &[waygate_protocol::frame::SessionId],
+        target: &str,
+        deadline: Duration,
+    ) -> usize {
+        let registry = self.session_layer().registry.clone();
+        if self.redis.is_some() {
+            for sid in ids {
+                registry.quiesce(sid);
+            }
+            tokio::time::sleep(Duration::from_millis(self.config.cluster.quiesce_ms)).await;
+        }
+        ids.iter()
+            .filter(|sid| registry.migrate(sid, target, deadline))
+            .count()
     }
 }

@@ -148,12 +148,15 @@ pub(super) async fn route_loop(shared: Weak<Shared>) {
                 .unwrap_or_default();
             if let Some(from) = from_addr {
                 for entry in entries {
-                    shared
-                        .close_on_links(&entry, CloseCode::GoingAway, Some(from))
-                        .await;
+                    // Forgotten first, then closed: a forward routed there before the move
+                    // that opens the session again after the close records the link again
+                    // (`route_and_forward`), so the session's end closes it there.
                     if let Ok(mut e) = shared.entries.lock() {
                         e.remove_link(&entry.meta.session_id, from);
                     }
+                    shared
+                        .close_on_links(&entry, CloseCode::GoingAway, Some(from))
+                        .await;
                 }
             }
         }

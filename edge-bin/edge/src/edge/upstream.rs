@@ -104,10 +104,12 @@ impl Shared {
                         &target.instance_id,
                     );
                 }
-                if !entry.links.contains(&addr) {
-                    if let Ok(mut e) = self.entries.lock() {
-                        e.add_link(&entry.meta.session_id, addr);
-                    }
+                // Recorded under the table's lock whatever this message's copy of the entry
+                // says: a migration may have closed the session on this link since the copy
+                // was taken, and the forward just opened it there again (`ensure_open`);
+                // left out, its end would never close it there.
+                if let Ok(mut e) = self.entries.lock() {
+                    e.add_link(&entry.meta.session_id, addr);
                 }
                 self.metrics.forwarded_to(target).inc();
                 Ok(delivered)
@@ -245,6 +247,18 @@ impl UpstreamSink for EdgeUpstream {
                             },
                         )
                         .await;
+                }
+                if shared.draining.load(std::sync::atomic::Ordering::Acquire) {
+                    // Established after a drain listed this edge's sessions (its handshake
+                    // was under way then): it moves too, rather than being cut at the
+                    // drain's end.
+                    let deadline =
+                        std::time::Duration::from_millis(shared.config.drain.deadline_ms);
+                    let shared = shared.clone();
+                    tokio::spawn(async move {
+                        let target = shared.drain_target();
+                        shared.migrate_away(&[session_id], &target, deadline).await;
+                    });
                 }
             }
             SessionEvent::Bound {
