@@ -554,6 +554,10 @@ impl Channel {
             && self.pending.is_empty()
             && !self.scheduled
             && self.history.is_empty()
+            // A departed member's backlog position (kinds with backlog) is kept until it
+            // expires: reclaimed, the channel's next epoch would answer its return JOINED
+            // instead of HISTORY_LOST.
+            && self.departed.is_empty()
             && now.saturating_duration_since(self.last_used) >= idle
     }
 }
@@ -953,10 +957,13 @@ impl ChannelHub {
         if ch.members.len() >= ch.policy.max_members {
             return Err(ChannelError::Limit);
         }
-        // A returning member of a kind with backlog recovers from where it left.
+        // A returning member of a kind with backlog recovers from where it left. (Its
+        // departed entry goes only once the join is taken: a join refused `queue_full`
+        // below is retried, and must recover then too.)
+        let from_backlog = since.is_none() && ch.policy.backlog;
         let since = match since {
             Some(p) => Some(p),
-            None if ch.policy.backlog => ch.departed.remove(player).map(|(p, _)| p),
+            None if from_backlog => ch.departed.get(player).map(|(p, _)| *p),
             None => None,
         };
         // What this join queues for the member alone, before its live publications.
@@ -1004,6 +1011,9 @@ impl ChannelHub {
         };
         if ch.pending_direct + direct.len() > ch.policy.direct_cap() {
             return Err(ChannelError::QueueFull);
+        }
+        if from_backlog {
+            ch.departed.remove(player);
         }
         let joined = ch.next_ticket + direct.len() as u64;
         for (class, event) in direct {

@@ -690,6 +690,78 @@ fn a_departed_member_of_a_kind_with_backlog_recovers_from_its_acknowledged_posit
     hub.check_invariants().unwrap();
 }
 
+/// A returning member's join refused `queue_full` keeps its backlog position: the retry
+/// recovers. Before, the position was taken before the check, and the retry was a plain
+/// JOINED that skipped what the member had missed (channels audit).
+#[test]
+fn a_backlog_join_refused_queue_full_recovers_when_retried() {
+    let now = Instant::now();
+    let mut config = small_config();
+    if let Some(k) = config.kinds.get_mut("guild") {
+        k.max_members = 5_000;
+    }
+    let mut hub = ChannelHub::new(config, 8);
+    hub.join(now, sid(1), &player(1), "guild:g", None).unwrap();
+    publish_n(&mut hub, now, "guild:g", TrafficClass::Normal, 3);
+    drain(&mut hub);
+    let epoch = hub.position("guild:g").unwrap().epoch;
+    let acked = [("guild:g".to_owned(), ChannelPosition { epoch, offset: 1 })].into();
+    hub.session_departed(now, &sid(1), &player(1), &acked);
+    // Other joins fill the channel's queue of direct deliveries (one JOINED each).
+    let mut n = 0u16;
+    let refused = loop {
+        n += 1;
+        assert!(n < 5_000, "the direct queue never filled");
+        let mut s = [7u8; 16];
+        s[..2].copy_from_slice(&n.to_be_bytes());
+        if let Err(e) = hub.join(now, s, &format!("crowd-{n}"), "guild:g", None) {
+            break e;
+        }
+    };
+    assert_eq!(refused, ChannelError::QueueFull);
+    assert_eq!(
+        hub.join(now, sid(9), &player(1), "guild:g", None),
+        Err(ChannelError::QueueFull)
+    );
+    drain(&mut hub);
+    let (_, o) = hub.join(now, sid(9), &player(1), "guild:g", None).unwrap();
+    assert_eq!(o, JoinOutcome::Recovered { publications: 2 });
+    assert_eq!(offsets_of(&drain(&mut hub), sid(9)), [2, 3]);
+    hub.check_invariants().unwrap();
+}
+
+/// A channel whose history expired but that still remembers a departed member's position
+/// (kinds with backlog) is not reclaimed until that memory expires: the member's return is
+/// HISTORY_LOST, not a JOINED of a new epoch that hides what it missed (channels audit).
+#[test]
+fn a_remembered_departed_member_keeps_its_channel_from_being_reclaimed() {
+    let t0 = Instant::now();
+    let mut hub = ChannelHub::new(small_config(), 8);
+    hub.join(t0, sid(1), &player(1), "guild:g", None).unwrap();
+    publish_n(&mut hub, t0, "guild:g", TrafficClass::Normal, 3);
+    drain(&mut hub);
+    let epoch = hub.position("guild:g").unwrap().epoch;
+    let acked = [("guild:g".to_owned(), ChannelPosition { epoch, offset: 1 })].into();
+    let left = t0 + Duration::from_secs(5);
+    hub.session_departed(left, &sid(1), &player(1), &acked);
+    // The history (10 s) has expired; the departed position (10 s from its departure) not.
+    let later = t0 + Duration::from_secs(12);
+    hub.sweep(later);
+    assert_eq!(hub.position("guild:g").map(|p| p.epoch), Some(epoch));
+    let (_, o) = hub
+        .join(later, sid(9), &player(1), "guild:g", None)
+        .unwrap();
+    assert_eq!(o, JoinOutcome::HistoryLost);
+    drain(&mut hub);
+    hub.session_ended(&sid(9));
+    // Once nothing is remembered, it goes.
+    let much_later = t0 + Duration::from_secs(30);
+    hub.sweep(much_later);
+    hub.sweep(much_later + Duration::from_secs(2));
+    assert_eq!(hub.position("guild:g"), None);
+    hub.check_invariants().unwrap();
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Publish {
