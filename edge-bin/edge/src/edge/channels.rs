@@ -58,11 +58,14 @@ type HeldJoin = (Option<mpsc::Sender<LinkFrame>>, LinkFrame);
 /// work in between).
 const PUSH_CHUNK: usize = 256;
 
-/// Announcements waiting for the log writer, over all channels (each channel's own cap is
-/// its `queue_critical`); beyond, a publish is answered `queue_full`.
-pub(super) const ANNOUNCEMENT_QUEUE: usize = 4096;
 /// Announcements the writer appends in one batch.
 const ANNOUNCEMENT_BATCH: usize = 256;
+/// Announcements waiting for the log writer, over all channels (each channel's own cap is
+/// its `queue_critical`); beyond, a publish is answered `queue_full`. One batch: a job
+/// waits at most for the batch being written and then its own, so its publisher is
+/// answered within twice [`ANNOUNCEMENT_APPEND_DEADLINE`] (PROTOCOL.md §12.5's 4 s). With
+/// 4,096 a slow log could make an answer wait ~34 s (channels audit).
+pub(super) const ANNOUNCEMENT_QUEUE: usize = ANNOUNCEMENT_BATCH;
 /// How long one append may take before its announcements are refused (`unavailable`): a
 /// job waits for the batch before its own, so a publisher is answered within twice this,
 /// inside the backend SDK's 5 s wait for a channel answer.
@@ -191,7 +194,20 @@ impl Shared {
             } => {
                 let (outcome, held) = {
                     let mut hub = self.hub();
-                    let outcome = hub.publish(now, &channel, request_id, class, payload);
+                    // An announcement the log writer's full queue could not take would be
+                    // given an offset and withdrawn at once, its members seeing it skipped
+                    // and its publisher not told which: refused before it takes one. (Jobs
+                    // are queued only under the hub's lock, so the room seen here stays.)
+                    let writer_full = class == TrafficClass::Critical
+                        && self
+                            .announcements
+                            .as_ref()
+                            .is_some_and(|a| a.jobs.capacity() == 0);
+                    let outcome = if writer_full {
+                        Err(ChannelError::QueueFull)
+                    } else {
+                        hub.publish(now, &channel, request_id, class, payload)
+                    };
                     // Queued for the log writer under the hub's lock, so the log gets a
                     // channel's announcements in offset order whatever link they came on.
                     let held = match &outcome {
