@@ -1431,13 +1431,9 @@ mod tests {
         );
     }
 
-    /// A hand-over request that times out before its holder took it is taken back, so the
-    /// holder never hands the session to nobody (before, it did when it woke up: the entry
-    /// and its queue were dropped and a retried resume read the store's older copy while
-    /// the orphaned snapshot was still being written). One the holder took gets one more
-    /// deadline, and its answer reaches the requester.
-    #[test]
-    fn a_timed_out_hand_over_is_taken_back_or_waited_for_once() {
+    /// Session [1; 16] of player "p" held by connection 1; connection 2 asked for its
+    /// hand-over at the returned instant with the returned attempt.
+    fn hand_over_asked() -> (SessionHost, ResumeAttempt, Instant) {
         let t0 = Instant::now();
         let attempt = ResumeAttempt::proving(&[9; 16], &[1; 16], 1);
         let mut host = SessionHost::new(SessionHost::outbound_for_capacity(8));
@@ -1448,6 +1444,17 @@ mod tests {
             host.request_hand_over(2, [1; 16], attempt.clone(), t0),
             HandOverStart::Pending
         );
+        (host, attempt, t0)
+    }
+
+    /// A hand-over request that times out before its holder took it is taken back, so the
+    /// holder never hands the session to nobody (before, it did when it woke up: the entry
+    /// and its queue were dropped and a retried resume read the store's older copy while
+    /// the orphaned snapshot was still being written). One the holder took gets one more
+    /// deadline, and its answer reaches the requester.
+    #[test]
+    fn a_timed_out_hand_over_is_taken_back_or_waited_for_once() {
+        let (mut host, attempt, t0) = hand_over_asked();
         // The holder is stuck: the request times out in its mailbox.
         host.handle_timeout(t0 + ANSWER_TIMEOUT);
         assert_eq!(host.take_work(2).answer, Some(HostAnswer::HandOver(None)));
@@ -1489,16 +1496,7 @@ mod tests {
     /// is refused, never served the store's older copy or queued to be dropped.
     #[test]
     fn an_orphaned_session_is_busy_until_its_snapshot_is_stored() {
-        let t0 = Instant::now();
-        let attempt = ResumeAttempt::proving(&[9; 16], &[1; 16], 1);
-        let mut host = SessionHost::new(SessionHost::outbound_for_capacity(8));
-        host.open(1);
-        host.established(1, [1; 16], "p".into(), 3);
-        host.open(2);
-        assert_eq!(
-            host.request_hand_over(2, [1; 16], attempt.clone(), t0),
-            HandOverStart::Pending
-        );
+        let (mut host, attempt, t0) = hand_over_asked();
         assert_eq!(host.take_work(1).commands.len(), 1);
         // The requester's client went away after the holder took the request.
         host.close(2);

@@ -1085,18 +1085,24 @@ fn a_logout_ends_the_session_at_once_and_other_closes_linger() {
     assert_eq!(p.session(c), sid);
 }
 
-/// Regression (2026-12-04, second stop): the client took a message whose DATA frame was
-/// above the max frame size, which then closed its link at every resume. It is refused
-/// (`TooLarge`, no seq taken) against its own limit before WELCOME and the smaller of its
-/// own and the WELCOME's after; what fits goes out.
-#[test]
-fn a_client_refuses_a_message_above_the_max_frame_size() {
+/// An edge whose max frame size is 1,024, and client "alice" (not connected).
+fn pair_with_max_frame_1024() -> (Pair, usize) {
     let cfg = SessionConfig {
         max_frame_size: 1024,
         ..SessionConfig::default()
     };
     let mut p = Pair::new(cfg);
     let c = p.add_client(token_for("alice"));
+    (p, c)
+}
+
+/// Regression (2026-12-04, second stop): the client took a message whose DATA frame was
+/// above the max frame size, which then closed its link at every resume. It is refused
+/// (`TooLarge`, no seq taken) against its own limit before WELCOME and the smaller of its
+/// own and the WELCOME's after; what fits goes out.
+#[test]
+fn a_client_refuses_a_message_above_the_max_frame_size() {
+    let (mut p, c) = pair_with_max_frame_1024();
     let now = p.now;
     let big = Bytes::from(vec![1u8; 2000]);
     assert_eq!(
@@ -1144,12 +1150,7 @@ fn a_client_refuses_a_message_above_the_max_frame_size() {
 /// renumbered. Before, it was sent and the edge closed the link for it at every resume.
 #[test]
 fn a_message_queued_before_the_welcome_above_its_max_frame_size_is_dropped_unsent() {
-    let cfg = SessionConfig {
-        max_frame_size: 1024,
-        ..SessionConfig::default()
-    };
-    let mut p = Pair::new(cfg);
-    let c = p.add_client(token_for("alice"));
+    let (mut p, c) = pair_with_max_frame_1024();
     let now = p.now;
     for (i, body) in [vec![1u8; 10], vec![2u8; 2000], vec![3u8; 10]]
         .into_iter()
