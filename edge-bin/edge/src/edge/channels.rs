@@ -691,12 +691,16 @@ async fn join_from_log(
         drop(shared);
         return join_retrying(weak, session, channel, since, logged).await;
     };
-    let player = shared.session_layer().registry.player_of(&session);
-    let player = player.as_deref().unwrap_or_default();
+    // The session may have ended during the read: then it is a member of nothing here
+    // (a membership added now would be a dead session's, the join answered as taken).
+    let Some(player) = shared.session_layer().registry.player_of(&session) else {
+        answer_later(reply, member_offline(request_id));
+        return;
+    };
     let (outcome, answer) = {
         let mut hub = shared.hub();
         let outcome =
-            hub.join_with_logged(now_std(), session, player, &channel, Some(since), &logged);
+            hub.join_with_logged(now_std(), session, &player, &channel, Some(since), &logged);
         let answer = result(request_id, outcome.map(|(p, _)| p));
         (
             outcome,
@@ -725,12 +729,13 @@ async fn join_retrying(
         let Some(shared) = weak.upgrade() else {
             return;
         };
-        let player = shared.session_layer().registry.player_of(&session);
-        let player = player.as_deref().unwrap_or_default();
+        let Some(player) = shared.session_layer().registry.player_of(&session) else {
+            return; // the session ended: nothing to rejoin
+        };
         let outcome = shared.hub().join_with_logged(
             now_std(),
             session,
-            player,
+            &player,
             &channel,
             Some(since),
             &logged,
