@@ -800,6 +800,16 @@ impl ChannelHub {
             }
         }
         let dedup_until = now + Duration::from_secs(self.config.dedup_window_secs);
+        // A publish refused for its size creates no channel (each creation uses up one of
+        // `max_channels` and is told to every backend link).
+        let kind = channel_kind(channel)?;
+        if self
+            .kinds
+            .get(kind)
+            .is_some_and(|policy| body.len() > policy.max_body)
+        {
+            return Err(ChannelError::TooLarge);
+        }
         self.ensure_channel(now, channel)?;
         let ch = self
             .channels

@@ -762,6 +762,34 @@ fn a_remembered_departed_member_keeps_its_channel_from_being_reclaimed() {
     hub.check_invariants().unwrap();
 }
 
+/// A publish refused for its size creates no channel (channels audit).
+#[test]
+fn a_publish_too_large_creates_no_channel() {
+    let now = Instant::now();
+    let mut hub = ChannelHub::new(small_config(), 8);
+    assert_eq!(
+        hub.publish(
+            now,
+            "room:a",
+            0,
+            TrafficClass::Normal,
+            Bytes::from(vec![0u8; 65])
+        ),
+        Err(ChannelError::TooLarge)
+    );
+    assert_eq!(hub.position("room:a"), None);
+    assert!(hub
+        .publish(
+            now,
+            "room:a",
+            0,
+            TrafficClass::Normal,
+            Bytes::from(vec![0u8; 64])
+        )
+        .is_ok());
+    hub.check_invariants().unwrap();
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Publish {
