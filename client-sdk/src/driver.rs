@@ -337,7 +337,7 @@ impl Client {
             .send(Cmd::Send(class, msg_id, payload, tx))
             .await
             .map_err(|_| SdkError::Closed)?;
-        Ok(rx.await.map_err(|_| SdkError::Closed)??)
+        Ok(self.reply(rx).await.ok_or(SdkError::Closed)??)
     }
 
     /// Sends a request (PROTOCOL.md §13) to message id `msg_id` and waits for its answer, at
@@ -362,7 +362,7 @@ impl Client {
             RequestReply::Caller(tx),
         )
         .await?;
-        rx.await.unwrap_or(Err(RequestError::Closed))
+        self.reply(rx).await.unwrap_or(Err(RequestError::Closed))
     }
 
     /// Sends a request without waiting: returns its id at once; its outcome comes as
@@ -397,7 +397,7 @@ impl Client {
             RequestReply::Caller(tx),
         )
         .await?;
-        rx.await.unwrap_or(Err(RequestError::Closed))?;
+        self.reply(rx).await.unwrap_or(Err(RequestError::Closed))?;
         self.stats().clock.ok_or(RequestError::Closed)
     }
 
@@ -442,7 +442,7 @@ impl Client {
             .send(Cmd::Request(cmd))
             .await
             .map_err(|_| RequestError::Closed)?;
-        rx.await.unwrap_or(Err(RequestError::Closed))
+        self.reply(rx).await.unwrap_or(Err(RequestError::Closed))
     }
 
     /// The next event; `None` once the client task has ended.
@@ -479,6 +479,28 @@ impl Client {
         self.cmd.send(cmd).await.map_err(|_| SdkError::Closed)
     }
 
+    /// The client task's reply on `rx`, or `None` when the task ended without one. Not
+    /// `rx.await` alone: a command whose send raced the task's end (tokio's bounded send
+    /// takes its permit, the receiver closes and drains, then the command lands) stays in
+    /// the channel with its reply sender for as long as this client lives, and a wait on
+    /// it never ended (found as a second `logout()` over KCP hanging in the channels tests,
+    /// every runtime thread idle). The task's end is seen on the stats channel, whose
+    /// sender ends with it.
+    async fn reply<T>(&self, mut rx: oneshot::Receiver<T>) -> Option<T> {
+        let mut task = self.stats.clone();
+        loop {
+            tokio::select! {
+                biased;
+                r = &mut rx => return r.ok(),
+                changed = task.changed() => {
+                    if changed.is_err() {
+                        return rx.try_recv().ok();
+                    }
+                }
+            }
+        }
+    }
+
     /// Replaces the auth token (refreshed from the login service): used by the next HELLO.
     /// An expired token never ends a session that can still be resumed (the SDK resumes
     /// with the resume token alone); a fresh one is needed only for a new login.
@@ -502,7 +524,7 @@ impl Client {
     pub async fn pause(&self) -> Result<(), SdkError> {
         let (tx, rx) = oneshot::channel();
         self.command(Cmd::Pause(tx)).await?;
-        rx.await.map_err(|_| SdkError::Closed)
+        self.reply(rx).await.ok_or(SdkError::Closed)
     }
 
     /// Makes endpoint `index` the first one tried on the next connect.
@@ -529,10 +551,10 @@ impl Client {
         let (tx, rx) = oneshot::channel();
         self.command(Cmd::Close(CloseCode::Logout, Some(tx)))
             .await?;
-        match rx.await {
-            Ok(true) => Ok(()),
-            Ok(false) => Err(SdkError::NotConnected),
-            Err(_) => Err(SdkError::Closed),
+        match self.reply(rx).await {
+            Some(true) => Ok(()),
+            Some(false) => Err(SdkError::NotConnected),
+            None => Err(SdkError::Closed),
         }
     }
 }
