@@ -1232,3 +1232,28 @@ async fn a_server_seq_beyond_the_window_closes_the_link_and_resumes() {
     assert_eq!(close, Some(CloseCode::ProtocolError));
     assert!(resumed, "the client resumes after closing");
 }
+
+/// A call racing the client task's end is answered. Its command could land in the task's
+/// channel after the task's receiver had closed and drained it, and the call then waited
+/// for a reply for as long as the `Client` lived (seen as a second `logout()` over KCP that
+/// never returned, in the channels tests). Many races of `close()` against `logout()` and
+/// `pause()`: every call returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_racing_the_client_task_s_end_are_answered() {
+    let nowhere = Endpoint::new(TransportKind::Tcp, "127.0.0.1:9".parse().unwrap());
+    for _ in 0..2_000 {
+        let client = std::sync::Arc::new(Client::start(ClientOptions::new(
+            vec![nowhere.clone()],
+            token("racer"),
+        )));
+        let closer = client.clone();
+        let close = tokio::spawn(async move { closer.close().await });
+        let (logout, pause) = tokio::join!(
+            tokio::time::timeout(Duration::from_secs(5), client.logout()),
+            tokio::time::timeout(Duration::from_secs(5), client.pause()),
+        );
+        assert!(logout.is_ok(), "a logout racing the end was never answered");
+        assert!(pause.is_ok(), "a pause racing the end was never answered");
+        close.await.unwrap();
+    }
+}
