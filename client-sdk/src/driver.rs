@@ -484,20 +484,12 @@ impl Client {
     /// takes its permit, the receiver closes and drains, then the command lands) stays in
     /// the channel with its reply sender for as long as this client lives, and a wait on
     /// it never ended (found as a second `logout()` over KCP hanging in the channels tests,
-    /// every runtime thread idle). The task's end is seen on the stats channel, whose
-    /// sender ends with it.
+    /// every runtime thread idle). The task's end is its command receiver's drop.
     async fn reply<T>(&self, mut rx: oneshot::Receiver<T>) -> Option<T> {
-        let mut task = self.stats.clone();
-        loop {
-            tokio::select! {
-                biased;
-                r = &mut rx => return r.ok(),
-                changed = task.changed() => {
-                    if changed.is_err() {
-                        return rx.try_recv().ok();
-                    }
-                }
-            }
+        tokio::select! {
+            biased;
+            r = &mut rx => r.ok(),
+            () = self.cmd.closed() => rx.try_recv().ok(),
         }
     }
 

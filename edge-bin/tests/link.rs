@@ -496,6 +496,16 @@ async fn raw_backend_link(
     instance_id: &str,
     features: u64,
 ) -> (Option<LinkFrame>, waygate_link::LinkIo) {
+    raw_backend_link_with_credits(listener, instance_id, features, 16).await
+}
+
+/// [`raw_backend_link`] granting `credits` FORWARD credits.
+async fn raw_backend_link_with_credits(
+    listener: &tokio::net::TcpListener,
+    instance_id: &str,
+    features: u64,
+    credits: u32,
+) -> (Option<LinkFrame>, waygate_link::LinkIo) {
     let (stream, _) = listener.accept().await.unwrap();
     let mut io = waygate_link::spawn_link_io(
         stream,
@@ -508,7 +518,7 @@ async fn raw_backend_link(
         .send(LinkFrame::Welcome {
             version: LINK_VERSION,
             instance_id: instance_id.into(),
-            credits: 16,
+            credits,
             heartbeat_ms: 5000,
             auth: None,
             features,
@@ -1472,28 +1482,8 @@ async fn a_session_open_a_full_write_queue_refused_is_sent_again() {
     let (link, _task) = LinkClient::spawn(addr, fast_config(), Arc::new(AtomicU64::new(1)), tx);
     // A hand-made backend with plenty of credit that does not read for now (its reader's
     // queue fills, then the socket, then the edge's write queue).
-    let (stream, _) = listener.accept().await.unwrap();
-    let mut io = waygate_link::spawn_link_io(
-        stream,
-        1 << 20,
-        Duration::from_secs(30),
-        waygate_link::LinkIoOptions::default(),
-    );
-    assert!(matches!(
-        next_frame(&mut io.rx).await,
-        Some(LinkFrame::Hello { .. })
-    ));
-    io.tx
-        .send(LinkFrame::Welcome {
-            version: LINK_VERSION,
-            instance_id: "slow".into(),
-            credits: 1_000_000,
-            heartbeat_ms: 30_000,
-            auth: None,
-            features: 0,
-        })
-        .await
-        .unwrap();
+    let (hello, mut io) = raw_backend_link_with_credits(&listener, "slow", 0, 1_000_000).await;
+    assert!(matches!(hello, Some(LinkFrame::Hello { .. })));
     wait_up(&mut rx).await;
     let (a, b) = (meta(1, "a"), meta(2, "b"));
     let big = Bytes::from(vec![1u8; 60_000]);

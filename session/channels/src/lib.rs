@@ -800,14 +800,15 @@ impl ChannelHub {
             }
         }
         let dedup_until = now + Duration::from_secs(self.config.dedup_window_secs);
-        // A publish refused for its size creates no channel (each creation uses up one of
-        // `max_channels` and is told to every backend link).
+        // Checked before the channel is created: a publish refused for its size creates
+        // none (each creation uses up one of `max_channels` and is told to every backend
+        // link).
         let kind = channel_kind(channel)?;
-        if self
-            .kinds
-            .get(kind)
-            .is_some_and(|policy| body.len() > policy.max_body)
-        {
+        let max_body = match self.channels.get(channel) {
+            Some(ch) => Some(ch.policy.max_body),
+            None => self.kinds.get(kind).map(|policy| policy.max_body),
+        };
+        if max_body.is_some_and(|max| body.len() > max) {
             return Err(ChannelError::TooLarge);
         }
         self.ensure_channel(now, channel)?;
@@ -815,9 +816,6 @@ impl ChannelHub {
             .channels
             .get_mut(channel)
             .ok_or(ChannelError::InvalidName)?;
-        if body.len() > ch.policy.max_body {
-            return Err(ChannelError::TooLarge);
-        }
         if ch.pending_by_class[class as usize] >= ch.policy.queue_cap(class) {
             return Err(ChannelError::QueueFull);
         }

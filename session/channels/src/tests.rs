@@ -630,20 +630,33 @@ fn an_ended_session_is_dropped_from_every_channel_and_a_rejoin_cancels_a_leave()
     hub.check_invariants().unwrap();
 }
 
+/// Session 1 of player 1 joins `guild:g` at `joined` (a kind with backlog), three normal
+/// publications follow and are delivered, and the session departs at `left` having
+/// acknowledged up to offset `acked`. Returns the channel's epoch.
+fn guild_member_departed(hub: &mut ChannelHub, joined: Instant, left: Instant, acked: u64) -> u64 {
+    hub.join(joined, sid(1), &player(1), "guild:g", None)
+        .unwrap();
+    publish_n(hub, joined, "guild:g", TrafficClass::Normal, 3);
+    drain(hub);
+    let epoch = hub.position("guild:g").unwrap().epoch;
+    let acked = [(
+        "guild:g".to_owned(),
+        ChannelPosition {
+            epoch,
+            offset: acked,
+        },
+    )]
+    .into();
+    hub.session_departed(left, &sid(1), &player(1), &acked);
+    epoch
+}
+
 #[test]
 fn a_departed_member_of_a_kind_with_backlog_recovers_from_its_acknowledged_position() {
     let now = Instant::now();
     let mut hub = ChannelHub::new(small_config(), 8);
-    hub.join(now, sid(1), &player(1), "guild:g", None).unwrap();
-    for _ in 0..3 {
-        hub.publish(now, "guild:g", 0, TrafficClass::Normal, Bytes::new())
-            .unwrap();
-    }
-    drain(&mut hub);
-    let epoch = hub.position("guild:g").unwrap().epoch;
     // The client acknowledged up to offset 2 when its session ended.
-    let acked = [("guild:g".to_owned(), ChannelPosition { epoch, offset: 2 })].into();
-    hub.session_departed(now, &sid(1), &player(1), &acked);
+    let epoch = guild_member_departed(&mut hub, now, now, 2);
     assert_eq!(hub.members("guild:g"), 0);
     hub.publish(now, "guild:g", 0, TrafficClass::Normal, Bytes::new())
         .unwrap();
@@ -701,12 +714,7 @@ fn a_backlog_join_refused_queue_full_recovers_when_retried() {
         k.max_members = 5_000;
     }
     let mut hub = ChannelHub::new(config, 8);
-    hub.join(now, sid(1), &player(1), "guild:g", None).unwrap();
-    publish_n(&mut hub, now, "guild:g", TrafficClass::Normal, 3);
-    drain(&mut hub);
-    let epoch = hub.position("guild:g").unwrap().epoch;
-    let acked = [("guild:g".to_owned(), ChannelPosition { epoch, offset: 1 })].into();
-    hub.session_departed(now, &sid(1), &player(1), &acked);
+    guild_member_departed(&mut hub, now, now, 1);
     // Other joins fill the channel's queue of direct deliveries (one JOINED each).
     let mut n = 0u16;
     let refused = loop {
@@ -737,13 +745,7 @@ fn a_backlog_join_refused_queue_full_recovers_when_retried() {
 fn a_remembered_departed_member_keeps_its_channel_from_being_reclaimed() {
     let t0 = Instant::now();
     let mut hub = ChannelHub::new(small_config(), 8);
-    hub.join(t0, sid(1), &player(1), "guild:g", None).unwrap();
-    publish_n(&mut hub, t0, "guild:g", TrafficClass::Normal, 3);
-    drain(&mut hub);
-    let epoch = hub.position("guild:g").unwrap().epoch;
-    let acked = [("guild:g".to_owned(), ChannelPosition { epoch, offset: 1 })].into();
-    let left = t0 + Duration::from_secs(5);
-    hub.session_departed(left, &sid(1), &player(1), &acked);
+    let epoch = guild_member_departed(&mut hub, t0, t0 + Duration::from_secs(5), 1);
     // The history (10 s) has expired; the departed position (10 s from its departure) not.
     let later = t0 + Duration::from_secs(12);
     hub.sweep(later);

@@ -43,6 +43,18 @@ fn rejected(p: &Pair, c: usize) -> Vec<CloseCode> {
         .collect()
 }
 
+/// Client `c`'s `Expired` events: (msg id, seq, age).
+fn expired_of(p: &Pair, c: usize) -> Vec<(u32, u64, Duration)> {
+    p.peers[c]
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            ClientEvent::Expired { msg_id, seq, age } => Some((*msg_id, *seq, *age)),
+            _ => None,
+        })
+        .collect()
+}
+
 fn login(p: &mut Pair, player: &str) -> usize {
     let c = p.add_client(token_for(player));
     p.connect(c);
@@ -391,13 +403,9 @@ fn messages_queued_offline_past_their_bound_expire_and_the_rest_are_renumbered()
         p.drive(c);
         send_up(&mut p, c, 1, "after");
         p.drive(c);
-        let expired: Vec<(u64, Duration)> = p.peers[c]
-            .events
-            .iter()
-            .filter_map(|e| match e {
-                ClientEvent::Expired { seq, age, .. } => Some((*seq, *age)),
-                _ => None,
-            })
+        let expired: Vec<(u64, Duration)> = expired_of(&p, c)
+            .into_iter()
+            .map(|(_, seq, age)| (seq, age))
             .collect();
         let up: Vec<(u64, Bytes)> = p
             .edge
@@ -1165,13 +1173,9 @@ fn a_message_queued_before_the_welcome_above_its_max_frame_size_is_dropped_unsen
     }
     p.connect(c);
     p.drive(c);
-    let expired: Vec<(u32, u64)> = p.peers[c]
-        .events
-        .iter()
-        .filter_map(|e| match e {
-            ClientEvent::Expired { msg_id, seq, .. } => Some((*msg_id, *seq)),
-            _ => None,
-        })
+    let expired: Vec<(u32, u64)> = expired_of(&p, c)
+        .into_iter()
+        .map(|(msg_id, seq, _)| (msg_id, seq))
         .collect();
     assert_eq!(expired, vec![(8, 2)]);
     let delivered: Vec<(u64, Bytes)> = p
