@@ -1490,6 +1490,82 @@ async fn a_push_to_a_player_reaches_it_on_any_edge_with_a_result_per_message() {
     no_message(&mut alice, 44).await;
 }
 
+/// A push sent again after its player's session moved to another edge is delivered once
+/// (PROTOCOL.md §9.7): the session's stored copy carries the ids of its last pushes, so the
+/// edge it is restored on answers the copy `delivered` and queues nothing, as does the edge
+/// that delivered the first copy; a new push still arrives. Before the ids travelled with
+/// the session, the copy through the session's new edge was delivered a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_sent_again_after_its_player_moved_to_another_edge_is_delivered_once() {
+    use waygate_backend::PlayerPushOutcome as Outcome;
+    let redis = support_redis::RedisServer::start();
+    let two = two_edges(["edge-1", "edge-2"], Some(redis.url())).await;
+    let (sessions, edges) = (two.sessions.clone(), &two.edges);
+    let endpoints: Vec<Endpoint> = edges
+        .iter()
+        .map(|e| Endpoint::new(TransportKind::Tcp, e.addrs[&TransportKind::Tcp]))
+        .collect();
+    let mut client = Client::start(ClientOptions::new(endpoints, common::token("mover")));
+    client
+        .send(TrafficClass::Normal, 1000, Bytes::from_static(b"hi"))
+        .await
+        .unwrap();
+    let on_edge1 = poll_until(Duration::from_secs(10), || async { sessions.get("mover") })
+        .await
+        .unwrap();
+    assert_eq!(on_edge1.edge_id(), "edge-1");
+    let id = waygate_backend::next_request_id();
+    let push_copy = |via: &BackendSession| {
+        let via = via.clone();
+        async move {
+            via.push_to_player_with_id(
+                id,
+                "mover",
+                45,
+                TrafficClass::Normal,
+                Bytes::from_static(b"once"),
+            )
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(push_copy(&on_edge1).await, Outcome::Delivered);
+    assert_eq!(next_message(&mut client, 45).await, "once");
+    // The client moves to edge 2 (its link to edge 1 drops); it resumes from Redis there.
+    client.prefer_endpoint(1).await;
+    client.drop_link().await.expect("client running");
+    client
+        .send(TrafficClass::Normal, 1000, Bytes::from_static(b"again"))
+        .await
+        .unwrap();
+    let on_edge2 = poll_until(Duration::from_secs(10), || async {
+        sessions.get("mover").filter(|s| s.edge_id() == "edge-2")
+    })
+    .await
+    .unwrap();
+    for via in [&on_edge2, &on_edge1] {
+        assert_eq!(
+            push_copy(via).await,
+            Outcome::Delivered,
+            "{}",
+            via.edge_id()
+        );
+    }
+    no_message(&mut client, 45).await;
+    let fresh = on_edge2
+        .push_to_player(
+            "mover",
+            45,
+            TrafficClass::Normal,
+            Bytes::from_static(b"new"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(fresh, Outcome::Delivered);
+    assert_eq!(next_message(&mut client, 45).await, "new");
+    drop(two);
+}
+
 /// One edge without Redis: a player without a session on it is offline everywhere.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_push_to_a_player_on_one_edge_without_redis_is_delivered_or_offline() {

@@ -299,15 +299,16 @@ impl SessionRegistry {
 
     /// Queues a downstream message for a player's session, followed by `receipt`: the
     /// session reports it ([`SessionEvent::PushesWritten`]) once its stored copy holds the
-    /// message (or could not). `Ok(false)`: queued, but no report will come (no room for
-    /// the receipt). Never waits.
+    /// message (or could not), and remembers `push_id` (0: none) in its snapshot.
+    /// `Ok(false)`: queued, but no report will come (no room for the receipt). Never waits.
     pub fn push_to_player_with_receipt(
         &self,
         player_id: &str,
         message: Downstream,
         receipt: u64,
+        push_id: u64,
     ) -> Result<bool, PushError> {
-        self.host(|h| h.push_to_player_with_receipt(player_id, message, receipt))
+        self.host(|h| h.push_to_player_with_receipt(player_id, message, receipt, push_id))
     }
 
     /// Records a routing key a backend bound for a session (service -> business key, e.g.
@@ -1251,9 +1252,12 @@ impl Task {
                 fencing,
                 outcome,
             } => {
-                let outcome_here = edge
-                    .registry
-                    .host(|h| h.established(self.id, session_id, player_id.clone(), fencing));
+                let pushes = self.machine.push_ids();
+                let outcome_here = edge.registry.host(|h| {
+                    let outcome = h.established(self.id, session_id, player_id.clone(), fencing);
+                    h.restored_pushes(&session_id, pushes);
+                    outcome
+                });
                 if outcome_here == EstablishOutcome::LostRace {
                     tracing::info!(player = %player_id, "a newer local login holds the player; kicked");
                     let _ = self.machine.kick(now());

@@ -90,7 +90,13 @@ pub enum OutboundItem {
     /// is written through (or could not be).
     ///
     /// [`SessionEvent::PushesWritten`]: crate::driver::SessionEvent::PushesWritten
-    Receipt(u64),
+    Receipt {
+        /// The receipt.
+        receipt: u64,
+        /// The id of the push before it (PLAYER_PUSH, PROTOCOL.md §9.7; 0: none), which the
+        /// session remembers in its snapshot ([`SessionMachine::remember_push`]).
+        push_id: u64,
+    },
 }
 
 impl OutboundItem {
@@ -98,7 +104,7 @@ impl OutboundItem {
     fn class(&self) -> TrafficClass {
         match self {
             Self::Message(m) => m.class,
-            Self::RoutingKey { .. } | Self::Error(_) | Self::Answered(_) | Self::Receipt(_) => {
+            Self::RoutingKey { .. } | Self::Error(_) | Self::Answered(_) | Self::Receipt { .. } => {
                 TrafficClass::Critical
             }
         }
@@ -110,7 +116,7 @@ impl OutboundItem {
             Self::Message(m) => m.payload.len() + 16,
             Self::RoutingKey { service, key } => service.len() + key.len() + 16,
             Self::Error(_) => 32,
-            Self::Answered(_) | Self::Receipt(_) => 16,
+            Self::Answered(_) | Self::Receipt { .. } => 16,
         }
     }
 }
@@ -129,6 +135,10 @@ pub enum PushError {
     /// A best-effort message shed because the session's queue is congested (B3).
     #[error("best-effort message shed (queue congested)")]
     Shed,
+    /// A push with this id was queued on the session before it came to this edge (its
+    /// stored copy holds it): nothing was queued again.
+    #[error("push already queued on this session")]
+    Duplicate,
 }
 
 /// Why a command could not be queued for a session.
@@ -362,6 +372,9 @@ struct SessionEntry {
     /// that write) a resume is `Busy` — the store's copy is not yet the session — and pushes
     /// are refused `NotFound`.
     storing: bool,
+    /// The ids of the pushes its stored copy held when it was restored here
+    /// ([`SessionHost::restored_pushes`]): a copy of one is not queued again.
+    restored_push_ids: Vec<u64>,
 }
 
 /// A player's inbound limiter and how many of its sessions are held here.
@@ -687,6 +700,7 @@ impl SessionHost {
                 ending: false,
                 superseded: false,
                 storing: false,
+                restored_push_ids: Vec::new(),
             })
         });
         entry.player = player.clone();
@@ -714,6 +728,16 @@ impl SessionHost {
             self.wake(conn);
         }
         EstablishOutcome::Registered
+    }
+
+    /// `session_id` was established holding the pushes with `ids` (its restored copy's
+    /// [`SessionMachine::push_ids`]): a push with one of them is not queued again
+    /// ([`push_to_player_with_receipt`](Self::push_to_player_with_receipt)). Call it in the
+    /// same host turn as [`established`](Self::established), before any push can find it.
+    pub fn restored_pushes(&mut self, session_id: &SessionId, ids: &[u64]) {
+        if let Some(e) = self.sessions.get_mut(session_id) {
+            e.restored_push_ids = ids.to_vec();
+        }
     }
 
     /// Tells a session's holder to end (kick). False when not held here or already ending.
@@ -1041,20 +1065,31 @@ impl SessionHost {
     }
 
     /// Queues a downstream message for a player's session followed by `receipt`
-    /// ([`OutboundItem::Receipt`]), which is queued only if the message was. A full queue
-    /// declares the message lost as [`push`](Self::push) does. `Ok(false)`: the message was
-    /// queued but the queue had no room left for its receipt (nothing is declared lost for
-    /// a receipt): no report will come.
+    /// ([`OutboundItem::Receipt`], carrying `push_id`, 0 for none), which is queued only if
+    /// the message was. A full queue declares the message lost as [`push`](Self::push)
+    /// does; a push whose id the session's restored copy holds is not queued
+    /// ([`PushError::Duplicate`]). `Ok(false)`: the message was queued but the queue had no
+    /// room left for its receipt (nothing is declared lost for a receipt): no report will
+    /// come.
     pub fn push_to_player_with_receipt(
         &mut self,
         player: &str,
         message: Downstream,
         receipt: u64,
+        push_id: u64,
     ) -> Result<bool, PushError> {
         let id = *self.players.get(player).ok_or(PushError::NotFound)?;
+        if push_id != 0
+            && self
+                .sessions
+                .get(&id)
+                .is_some_and(|e| e.restored_push_ids.contains(&push_id))
+        {
+            return Err(PushError::Duplicate);
+        }
         self.push(&id, message)?;
         let e = self.sessions.get_mut(&id).ok_or(PushError::NotFound)?;
-        let item = OutboundItem::Receipt(receipt);
+        let item = OutboundItem::Receipt { receipt, push_id };
         let (class, len) = (item.class(), item.len());
         Ok(matches!(
             e.queue.push(class, item, len, None),
@@ -1279,9 +1314,9 @@ pub fn apply_work(
     for item in work.items.drain(..) {
         let refused = match item {
             OutboundItem::Answered(_) => Ok(()),
-            OutboundItem::Receipt(id) => {
-                receipts.push(id);
-                Ok(())
+            OutboundItem::Receipt { receipt, push_id } => {
+                receipts.push(receipt);
+                machine.remember_push(push_id)
             }
             OutboundItem::Message(msg) => machine
                 .send_downstream(now, msg.class, msg.msg_id, msg.payload)
@@ -1428,6 +1463,51 @@ mod tests {
             host.kick_superseded(&[1; 16], 9),
             SupersededKick::NotHeld,
             "ending"
+        );
+    }
+
+    /// A push whose id the session's restored copy held (it was queued on the session on
+    /// another edge) is not queued again; any other id is, with its receipt carrying the id
+    /// for the machine to remember.
+    #[test]
+    fn a_push_the_restored_copy_held_is_not_queued_again() {
+        let mut host = SessionHost::new(SessionHost::outbound_for_capacity(8));
+        host.open(1);
+        host.established(1, [1; 16], "p".into(), 3);
+        host.restored_pushes(&[1; 16], &[41, 42]);
+        let message = |n: u32| Downstream {
+            class: TrafficClass::Normal,
+            msg_id: n,
+            payload: Bytes::new(),
+        };
+        assert_eq!(
+            host.push_to_player_with_receipt("p", message(1), 7, 42),
+            Err(PushError::Duplicate)
+        );
+        assert_eq!(host.queued(&[1; 16]), 0, "nothing queued");
+        assert_eq!(
+            host.push_to_player_with_receipt("p", message(2), 8, 43),
+            Ok(true)
+        );
+        assert_eq!(
+            host.push_to_player_with_receipt("p", message(3), 9, 0),
+            Ok(true)
+        );
+        let work = host.take_work(1);
+        assert_eq!(
+            work.items,
+            vec![
+                OutboundItem::Message(message(2)),
+                OutboundItem::Receipt {
+                    receipt: 8,
+                    push_id: 43
+                },
+                OutboundItem::Message(message(3)),
+                OutboundItem::Receipt {
+                    receipt: 9,
+                    push_id: 0
+                },
+            ]
         );
     }
 

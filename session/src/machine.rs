@@ -47,7 +47,9 @@ use crate::replay::{AckBeyondSent, ReplayBuffer, ReplayLimits};
 use crate::resume::{hex_id, new_resume_token, new_session_id, ResumeHash};
 use crate::rng::SessionRng;
 use crate::seq::{AckPolicy, AckState, Received, RecvWindow};
-use crate::store::{ClaimGrant, PendingError, Snapshot, StoreError, TakeOutcome, SNAPSHOT_VERSION};
+use crate::store::{
+    ClaimGrant, PendingError, Snapshot, StoreError, TakeOutcome, MAX_PUSH_IDS, SNAPSHOT_VERSION,
+};
 use waygate_protocol::resume_proof::{resume_key, resume_proof, ResumeProof};
 
 /// ERROR answers a detached session keeps for its client (see
@@ -453,6 +455,8 @@ pub struct SessionCore {
     upstream: RecvWindow,
     /// Upstream seqs delivered, not answered yet (see [`Snapshot::awaiting`]).
     awaiting: BTreeSet<u64>,
+    /// The ids of the session's last pushes with an id (see [`Snapshot::push_ids`]).
+    push_ids: Vec<u64>,
 }
 
 impl SessionCore {
@@ -473,6 +477,7 @@ impl SessionCore {
             channels: self.channels.clone(),
             channels_acked: self.channels_acked.clone(),
             pending_errors: self.errors.iter().map(|(e, _)| *e).collect(),
+            push_ids: self.push_ids.clone(),
         }
     }
 
@@ -589,6 +594,7 @@ impl SessionCore {
                 .into_iter()
                 .map(|e| (e, ErrorDelivery::Waiting))
                 .collect(),
+            push_ids: s.push_ids,
         }
     }
 
@@ -1072,6 +1078,7 @@ impl SessionMachine {
             channels: BTreeMap::new(),
             channels_acked: BTreeMap::new(),
             errors: Vec::new(),
+            push_ids: Vec::new(),
         });
         self.actions.push_back(Action::Claim {
             player_id,
@@ -1763,6 +1770,29 @@ impl SessionMachine {
             }
             _ => Err(self.misuse("bind key")),
         }
+    }
+
+    /// Records the id of a push queued on the session (PLAYER_PUSH, PROTOCOL.md §9.7), kept
+    /// in its snapshot among its last [`MAX_PUSH_IDS`], so a copy sent again after the session
+    /// moved to another edge is recognised there. 0 (no id) is not recorded.
+    pub fn remember_push(&mut self, id: u64) -> Result<(), SessionError> {
+        match (self.state, self.core.as_mut()) {
+            (State::Active | State::Detached, Some(core)) => {
+                if id != 0 && !core.push_ids.contains(&id) {
+                    if core.push_ids.len() >= MAX_PUSH_IDS {
+                        core.push_ids.remove(0);
+                    }
+                    core.push_ids.push(id);
+                }
+                Ok(())
+            }
+            _ => Err(self.misuse("remember push")),
+        }
+    }
+
+    /// The ids of the session's last pushes with an id, oldest first (restored with it).
+    pub fn push_ids(&self) -> &[u64] {
+        self.core.as_ref().map_or(&[], |c| &c.push_ids)
     }
 
     /// Records a placement (service -> instance), kept across reconnects and carried in the

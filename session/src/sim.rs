@@ -264,6 +264,7 @@ pub fn run(ops: &[SimOp]) -> SimOutcome {
             channels: BTreeMap::new(),
             channels_acked: BTreeMap::new(),
             pending_errors: Vec::new(),
+            push_ids: Vec::new(),
         },
     );
     let start = Instant::now();

@@ -77,7 +77,16 @@ pub struct Snapshot {
     /// towards backends; PROTOCOL.md §9.6).
     #[serde(skip)]
     pub awaiting: BTreeSet<u64>,
+    /// The ids of the last [`MAX_PUSH_IDS`] pushes with an id (PLAYER_PUSH, PROTOCOL.md
+    /// §9.7) queued on the session, oldest first: a copy sent again after the session moved
+    /// to another edge is recognised there and not delivered twice. Kept out of the serde
+    /// layout (a store writes it as a field of its own, so older records still decode).
+    #[serde(skip)]
+    pub push_ids: Vec<u64>,
 }
+
+/// Most push ids a session remembers ([`Snapshot::push_ids`]).
+pub const MAX_PUSH_IDS: usize = 64;
 
 /// One write of the write-through's group commit ([`SnapshotStore::put_many`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -563,6 +572,7 @@ mod tests {
             .into(),
             channels_acked: BTreeMap::new(),
             pending_errors: Vec::new(),
+            push_ids: Vec::new(),
         }
     }
 

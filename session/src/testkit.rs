@@ -242,6 +242,7 @@ pub mod store_contract {
                 client_seq: 3,
                 retry_after_ms: 200,
             }],
+            push_ids: vec![7, u64::MAX, 1],
         }
     }
 
@@ -362,7 +363,7 @@ pub mod store_contract {
     /// Writes through [`SnapshotStore::put_many`] with [`SnapshotWrite::since`] (what a
     /// store that writes deltas builds on): after every write the store holds exactly the
     /// snapshot written, through replay pushes, acks, evictions and a declared loss,
-    /// changed bindings, a write whose `since` is not what the store holds (a write in
+    /// changed bindings and push ids, a write whose `since` is not what the store holds (a write in
     /// between was lost), one after the record was taken, and a new resume key.
     pub async fn snapshot_store_write_through_semantics(store: &dyn SnapshotStore) {
         let ttl = Duration::from_secs(10);
@@ -383,6 +384,10 @@ pub mod store_contract {
                 0..=2 => {
                     let body = Bytes::from(vec![step as u8; (step as usize * 37) % 300]);
                     s.replay.push(TrafficClass::Normal, step, body);
+                    if step % 8 == 1 {
+                        // A push with an id (PLAYER_PUSH): its id goes with it.
+                        s.push_ids.push(u64::from(step) << 40);
+                    }
                 }
                 3 => {
                     let _ = s.replay.ack(s.replay.highest_sent().saturating_sub(1));

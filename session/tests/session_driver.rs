@@ -571,6 +571,7 @@ async fn a_push_receipt_is_reported_after_the_write_through() {
             payload: Bytes::from_static(b"for the record"),
         },
         7,
+        70,
     );
     assert_eq!(pushed, Ok(true));
     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -592,6 +593,7 @@ async fn a_push_receipt_is_reported_after_the_write_through() {
                 payload: Bytes::new(),
             },
             8,
+            0,
         ),
         Err(PushError::NotFound)
     );

@@ -808,8 +808,13 @@ fn routing_keys_and_channel_memberships_travel_with_the_session() {
             )
             .expect("queued");
     }
+    // So do the ids of the pushes queued on it (PLAYER_PUSH; 0 is no id), each once.
+    for id in [0, 9, 9, 10] {
+        p.edge.machines[m].remember_push(id).expect("remembered");
+    }
     let snap = p.server(c).checkpoint().expect("snapshot");
     assert_eq!(snap.keys.get("room").map(String::as_str), Some("harbour"));
+    assert_eq!(snap.push_ids, [9, 10]);
     let expected_channels: std::collections::BTreeMap<_, _> = [(
         "guild:1".to_owned(),
         ChannelPosition {
@@ -878,6 +883,13 @@ fn routing_keys_and_channel_memberships_travel_with_the_session() {
         _ => None,
     });
     assert_eq!(channels, Some(expected_channels));
+    assert_eq!(fresh.push_ids(), [9, 10]);
+    // The last MAX_PUSH_IDS are kept, oldest first.
+    for id in 100..100 + crate::store::MAX_PUSH_IDS as u64 {
+        fresh.remember_push(id).expect("remembered");
+    }
+    assert_eq!(fresh.push_ids().len(), crate::store::MAX_PUSH_IDS);
+    assert_eq!(fresh.push_ids()[0], 100);
 }
 
 /// What the client acknowledged of each channel ends up in the session's end (for a kind

@@ -142,7 +142,8 @@ impl PlayerPushes {
 /// The outcome of a push into a session's queue on this edge (`None`: no session here).
 fn local_outcome(result: Result<(), PushError>) -> Option<PlayerPushOutcome> {
     match result {
-        Ok(()) => Some(PlayerPushOutcome::Delivered),
+        // A copy of a push the session's stored copy held when it came to this edge.
+        Ok(()) | Err(PushError::Duplicate) => Some(PlayerPushOutcome::Delivered),
         Err(PushError::QueueFull | PushError::Shed) => Some(PlayerPushOutcome::QueueFull),
         Err(_) => None,
     }
@@ -198,7 +199,7 @@ impl Shared {
         state.waiting.insert(receipt, (id, vec![tx]));
         match layer
             .registry
-            .push_to_player_with_receipt(player, message, receipt)
+            .push_to_player_with_receipt(player, message, receipt, id)
         {
             Ok(true) => {
                 state.ids.pending(now, id, receipt);
@@ -213,6 +214,9 @@ impl Shared {
             }
             Err(e) => {
                 state.waiting.remove(&receipt);
+                if e == PushError::Duplicate {
+                    state.ids.delivered(now, id);
+                }
                 local_outcome(Err(e)).map(LocalPush::Now)
             }
         }

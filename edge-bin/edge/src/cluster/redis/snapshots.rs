@@ -6,10 +6,11 @@
 //! A snapshot is one Redis hash: the resume keys (`h`, `p`, `n`) and fencing token (`f`)
 //! as fields of their own, the snapshot without its replay entries and counters (`d`,
 //! postcard), the replay counters and upstream window (`c`), each replay entry in a field
-//! `e<seq>`, and the range of seqs those fields hold (`r`). The write-through writes a
-//! delta when it can ([`SnapshotWrite::since`]): `c`, `d` only if it changed, the entries
-//! added and the names of those dropped, applied only if the stored range is still the one
-//! the delta starts from (else the write is made whole). So one message costs
+//! `e<seq>`, the range of seqs those fields hold (`r`), and the ids of the session's last
+//! pushes (`u`, postcard, when it has any). The write-through writes a delta when it can
+//! ([`SnapshotWrite::since`]): `c`, `d` and `u` only if they changed, the entries added and
+//! the names of those dropped, applied only if the stored range is still the one the delta
+//! starts from (else the write is made whole). So one message costs
 //! Redis its own bytes plus the session's small header, never the whole replay buffer.
 
 use std::time::Duration;
@@ -46,7 +47,7 @@ return 1
 
 /// KEYS: fence, snap, owner. ARGV: fencing, ttl ms, hash hex, prev hash hex or '', data,
 /// last resume nonce, entry range, counters, then field and value pairs of the replay
-/// entries.
+/// entries (and `u`).
 /// Replaces the whole record. Returns 1 (written) or 0 (fenced: the player or the stored
 /// snapshot is newer). A written snapshot's session, if it owns the player, gets its owner
 /// record's expiry set to the snapshot's (the linger time starts now): the owner record
@@ -67,9 +68,9 @@ for i = 9, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
 
 /// KEYS: fence, snap, owner. ARGV: fencing, ttl ms, the entry range the delta starts from,
 /// the new entry range, data ('' = unchanged), counters, the number k of dropped entry
-/// fields, those k fields, then field and value pairs of the added entries. Returns 1
-/// (applied), 0 (fenced) or 2 (the stored record is not the one the delta starts from:
-/// write it whole). The owner record's expiry as in PUT.
+/// fields, those k fields, then field and value pairs of the added entries (and `u` if it
+/// changed). Returns 1 (applied), 0 (fenced) or 2 (the stored record is not the one the
+/// delta starts from: write it whole). The owner record's expiry as in PUT.
 const PUT_DELTA_LUA: &str = concat!(
     r#"
 local f = tonumber(ARGV[1])
@@ -149,6 +150,14 @@ fn encode_entry(entry: &ReplayEntry) -> Result<(Vec<u8>, Vec<u8>), RedisError> {
     Ok((entry_field(entry.seq), value))
 }
 
+/// Field `u`: the ids of the session's last pushes ([`Snapshot::push_ids`]).
+const PUSH_IDS_FIELD: &[u8] = b"u";
+
+fn encode_push_ids(snapshot: &Snapshot) -> Result<Vec<u8>, RedisError> {
+    postcard::to_allocvec(&snapshot.push_ids)
+        .map_err(|e| RedisError::Invalid(format!("push ids: {e}")))
+}
+
 fn entry_field(seq: u64) -> Vec<u8> {
     format!("e{seq}").into_bytes()
 }
@@ -171,8 +180,11 @@ fn decode_record(fields: Vec<(Vec<u8>, Vec<u8>)>) -> Result<Snapshot, String> {
     let mut data = None;
     let mut counters = None;
     let mut entries = Vec::new();
+    let mut push_ids = Vec::new();
     for (field, value) in fields {
-        if field == b"d" {
+        if field == PUSH_IDS_FIELD {
+            push_ids = postcard::from_bytes(&value).map_err(|e| format!("push ids: {e}"))?;
+        } else if field == b"d" {
             data = Some(value);
         } else if field == b"c" {
             counters = Some(
@@ -187,7 +199,7 @@ fn decode_record(fields: Vec<(Vec<u8>, Vec<u8>)>) -> Result<Snapshot, String> {
         }
     }
     let data = data.ok_or("no field d")?;
-    match data.split_first() {
+    let mut s: Snapshot = match data.split_first() {
         Some((&LAYOUT_POSTCARD, rest)) => {
             let mut s: Snapshot = postcard::from_bytes(rest).map_err(|e| e.to_string())?;
             if let Some((replay, upstream)) = counters {
@@ -197,11 +209,13 @@ fn decode_record(fields: Vec<(Vec<u8>, Vec<u8>)>) -> Result<Snapshot, String> {
             s.replay
                 .attach_entries(entries)
                 .map_err(|e| e.to_string())?;
-            Ok(s)
+            s
         }
-        Some((b'{', _)) => serde_json::from_slice(&data).map_err(|e| e.to_string()),
-        _ => ciborium::from_reader(&data[..]).map_err(|e| e.to_string()),
-    }
+        Some((b'{', _)) => serde_json::from_slice(&data).map_err(|e| e.to_string())?,
+        _ => ciborium::from_reader(&data[..]).map_err(|e| e.to_string())?,
+    };
+    s.push_ids = push_ids;
+    Ok(s)
 }
 
 /// A flat field, value, field, value... reply as pairs.
@@ -342,6 +356,9 @@ impl RedisSnapshotStore {
                 let (field, value) = encode_entry(e)?;
                 args.extend([field, value]);
             }
+            if snapshot.push_ids != base.push_ids {
+                args.extend([PUSH_IDS_FIELD.to_vec(), encode_push_ids(snapshot)?]);
+            }
             return Ok(PutArgs {
                 keys,
                 args,
@@ -365,6 +382,9 @@ impl RedisSnapshotStore {
         for e in snapshot.replay.entries() {
             let (field, value) = encode_entry(e)?;
             args.extend([field, value]);
+        }
+        if !snapshot.push_ids.is_empty() {
+            args.extend([PUSH_IDS_FIELD.to_vec(), encode_push_ids(snapshot)?]);
         }
         Ok(PutArgs {
             keys,
