@@ -481,13 +481,13 @@ async fn sessions_backend(id: &str, sessions: &Arc<Sessions>) -> waygate_backend
 }
 
 async fn two_edges(ids: [&str; 2], redis_url: Option<String>) -> TwoEdges {
-    two_edges_tuned(ids, redis_url, |_| {}).await
+    two_edges_tuned(ids, redis_url, |_, _| {}).await
 }
 
 async fn two_edges_tuned(
     ids: [&str; 2],
     redis_url: Option<String>,
-    tune: impl Fn(&mut waygate_edge::config::EdgeConfig),
+    tune: impl Fn(&mut waygate_edge::config::EdgeConfig, std::net::SocketAddr),
 ) -> TwoEdges {
     let sessions = Arc::new(Sessions::default());
     let backend = sessions_backend("b1", &sessions).await;
@@ -503,7 +503,7 @@ async fn two_edges_tuned(
         if let Some(url) = &redis_url {
             config.cluster.redis_url = url.clone();
         }
-        tune(&mut config);
+        tune(&mut config, backend.local_addr());
         edges.push(waygate_edge::edge::Edge::start(config).await.unwrap());
     }
     TwoEdges {
@@ -574,6 +574,74 @@ async fn memberships_travel_with_a_session_resumed_on_another_edge() {
         .await
         .unwrap();
     assert_eq!(body_of(&next_update(&mut client).await), (1, "two".into()));
+    drop(two);
+}
+
+/// A backend's join is in its session's snapshot from the moment the edge takes it, not
+/// only once its JOINED reaches the session: a session restored on another edge while its
+/// first join of a new channel still waits for the backends' acknowledgements (PROTOCOL.md
+/// §12.6) is a member there (HISTORY_LOST: another edge's epoch), then gets that edge's
+/// publications. Channels audit: before, the membership was lost on the way (no JOINED, no
+/// LEFT, nothing more), while the backend had it joined.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_still_waiting_travels_with_a_session_resumed_on_another_edge() {
+    let redis = support_redis::RedisServer::start();
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_addr = silent.local_addr().unwrap();
+    let silent = tokio::spawn(silent_interest_backend(silent));
+    let dir = tempfile::tempdir().unwrap();
+    let routes = dir.path().join("routes-edge-1.toml");
+    // Edge 1 also links to a backend that never acknowledges a channel notice (an instance
+    // of the room service no player is routed to), so its new channels wait.
+    let two = two_edges_tuned(["edge-1", "edge-2"], Some(redis.url()), |c, b1| {
+        if c.edge_id == "edge-1" {
+            std::fs::write(&routes, common::table(&[b1, silent_addr], 1, Some(1))).unwrap();
+            c.routing.table = Some(routes.clone());
+        }
+    })
+    .await;
+    let (_silent_io, _notices) = silent.await.unwrap();
+    let (sessions, edges) = (two.sessions.clone(), &two.edges);
+    let endpoints: Vec<Endpoint> = edges
+        .iter()
+        .map(|e| Endpoint::new(TransportKind::Tcp, e.addrs[&TransportKind::Tcp]))
+        .collect();
+    let mut client = Client::start(ClientOptions::new(endpoints, common::token("mover")));
+    client
+        .send(TrafficClass::Normal, 1000, Bytes::from_static(b"hi"))
+        .await
+        .unwrap();
+    let on_edge1 = poll_until(Duration::from_secs(10), || async { sessions.get("mover") })
+        .await
+        .unwrap();
+    assert_eq!(on_edge1.edge_id(), "edge-1");
+    let joining = tokio::spawn({
+        let member = on_edge1.clone();
+        async move { member.join_channel("guild:g", None).await }
+    });
+    expect_metric_line(&edges[0], "waygate_channels_awaiting_backends 1").await;
+    // The client moves to edge 2 (its link to edge 1 drops); it resumes from Redis there.
+    client.prefer_endpoint(1).await;
+    client.drop_link().await.expect("client running");
+    match next_update(&mut client).await {
+        ChannelUpdate::HistoryLost { channel, .. } => assert_eq!(channel, "guild:g"),
+        other => panic!("expected HISTORY_LOST for guild:g on edge 2, got {other:?}"),
+    }
+    client
+        .send(TrafficClass::Normal, 1000, Bytes::from_static(b"again"))
+        .await
+        .unwrap();
+    let on_edge2 = poll_until(Duration::from_secs(10), || async {
+        sessions.get("mover").filter(|s| s.edge_id() == "edge-2")
+    })
+    .await
+    .unwrap();
+    on_edge2
+        .publish("guild:g", TrafficClass::Normal, Bytes::from_static(b"two"))
+        .await
+        .unwrap();
+    assert_eq!(body_of(&next_update(&mut client).await), (1, "two".into()));
+    joining.abort();
     drop(two);
 }
 
@@ -986,7 +1054,7 @@ async fn tcp_member(
 /// next publish reaches it; once that edge reclaims the channel, it is skipped again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publish_on_every_edge_goes_only_to_the_edges_that_have_the_channel() {
-    let two = two_edges_tuned(["edge-a", "edge-b"], None, |c| {
+    let two = two_edges_tuned(["edge-a", "edge-b"], None, |c, _| {
         c.channels.idle_reclaim_ms = 100;
         if let Some(room) = c.channels.kinds.get_mut("room") {
             room.history_ttl_ms = 200;

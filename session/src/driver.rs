@@ -292,6 +292,22 @@ impl SessionRegistry {
         })
     }
 
+    /// Queues a channel membership change the edge's channels took for a session
+    /// ([`OutboundItem::Membership`]: `Some` the position a join starts from, `None` a
+    /// leave), ahead of its JOINED or LEFT. Never waits.
+    pub fn track_membership(
+        &self,
+        session_id: &SessionId,
+        channel: &str,
+        joined: Option<waygate_protocol::channel::ChannelPosition>,
+    ) -> Result<(), PushError> {
+        let item = OutboundItem::Membership {
+            channel: channel.to_owned(),
+            joined,
+        };
+        self.host(|h| h.queue_item(session_id, item))
+    }
+
     /// Queues a downstream message for a player's session.
     pub fn push_to_player(&self, player_id: &str, message: Downstream) -> Result<(), PushError> {
         self.host(|h| h.push_to_player(player_id, message))

@@ -85,6 +85,16 @@ pub enum OutboundItem {
     /// One of the client's messages (its client seq) was processed by its backend
     /// (FORWARD_DONE): it may be acknowledged now, after the pushes queued before it.
     Answered(u64),
+    /// A backend's join or leave of a channel the edge's channels took, queued at once
+    /// (its JOINED or LEFT comes later, in the channel's order): the session's snapshot
+    /// holds the membership from here on ([`SessionMachine::track_membership`]), so a
+    /// restore elsewhere before that event still joins it there (or, left, does not).
+    Membership {
+        /// The channel.
+        channel: String,
+        /// The position the member starts from (`None`: the backend left it).
+        joined: Option<waygate_protocol::channel::ChannelPosition>,
+    },
     /// A receipt the pusher waits for: everything queued before it is in the session, and
     /// the session's connection reports it ([`SessionEvent::PushesWritten`]) once that state
     /// is written through (or could not be).
@@ -104,9 +114,11 @@ impl OutboundItem {
     fn class(&self) -> TrafficClass {
         match self {
             Self::Message(m) => m.class,
-            Self::RoutingKey { .. } | Self::Error(_) | Self::Answered(_) | Self::Receipt { .. } => {
-                TrafficClass::Critical
-            }
+            Self::RoutingKey { .. }
+            | Self::Membership { .. }
+            | Self::Error(_)
+            | Self::Answered(_)
+            | Self::Receipt { .. } => TrafficClass::Critical,
         }
     }
 
@@ -115,6 +127,7 @@ impl OutboundItem {
         match self {
             Self::Message(m) => m.payload.len() + 16,
             Self::RoutingKey { service, key } => service.len() + key.len() + 16,
+            Self::Membership { channel, .. } => channel.len() + 32,
             Self::Error(_) => 32,
             Self::Answered(_) | Self::Receipt { .. } => 16,
         }
@@ -1322,6 +1335,9 @@ pub fn apply_work(
                 .send_downstream(now, msg.class, msg.msg_id, msg.payload)
                 .map(|_| ()),
             OutboundItem::RoutingKey { service, key } => machine.bind_key(&service, &key),
+            OutboundItem::Membership { channel, joined } => {
+                machine.track_membership(&channel, joined)
+            }
             OutboundItem::Error(e) => {
                 machine.report_error(now, e.code, e.msg_id, e.client_seq, e.retry_after_ms)
             }

@@ -368,9 +368,16 @@ fn acked_channel_event(
 /// nothing. Reads the header in place: no allocation for a channel already known (this runs
 /// for every event of every member).
 fn follow_channel_event(positions: &mut BTreeMap<String, ChannelPosition>, payload: &[u8]) {
-    let Some(e) = ChannelEvent::peek(payload) else {
-        return;
-    };
+    if let Some(e) = ChannelEvent::peek(payload) {
+        follow_peeked_channel_event(positions, &e);
+    }
+}
+
+/// [`follow_channel_event`] of an event whose header was read.
+fn follow_peeked_channel_event(
+    positions: &mut BTreeMap<String, ChannelPosition>,
+    e: &waygate_protocol::channel::ChannelEventHeader<'_>,
+) {
     match e.kind {
         ChannelEventKind::Left => {
             positions.remove(e.channel);
@@ -442,6 +449,10 @@ pub struct SessionCore {
     keys: BTreeMap<String, String>,
     /// Channel memberships and the last position queued for each (PROTOCOL.md §12).
     channels: BTreeMap<String, ChannelPosition>,
+    /// Memberships a backend ended whose LEFT has not been queued yet (their last
+    /// publications still come): followed like `channels`, but not in the snapshot — a
+    /// restore elsewhere does not join them again.
+    leaving: BTreeMap<String, ChannelPosition>,
     /// The last position of each channel the client acknowledged (what a departed member
     /// is known to have; PROTOCOL.md §12.4 backlog).
     channels_acked: BTreeMap<String, ChannelPosition>,
@@ -571,7 +582,35 @@ impl SessionCore {
     /// Follows the channel events queued to the client: a marker or publication moves the
     /// channel's position, LEFT ends the membership.
     fn track_channel_event(&mut self, payload: &Bytes) {
-        follow_channel_event(&mut self.channels, payload);
+        let Some(e) = ChannelEvent::peek(payload) else {
+            return;
+        };
+        let positions = if self.leaving.contains_key(e.channel) {
+            &mut self.leaving
+        } else {
+            &mut self.channels
+        };
+        follow_peeked_channel_event(positions, &e);
+    }
+
+    /// A backend's join (`Some`: the position the member starts from) or leave (`None`) of
+    /// `channel` was taken, before its events reach the session: the membership is in the
+    /// snapshot from now on (a channel already followed keeps its own position; one being
+    /// left is a member again), or leaves it.
+    fn track_membership(&mut self, channel: &str, joined: Option<ChannelPosition>) {
+        match joined {
+            Some(position) => {
+                if !self.channels.contains_key(channel) {
+                    let p = self.leaving.remove(channel).unwrap_or(position);
+                    self.channels.insert(channel.to_owned(), p);
+                }
+            }
+            None => {
+                if let Some(p) = self.channels.remove(channel) {
+                    self.leaving.insert(channel.to_owned(), p);
+                }
+            }
+        }
     }
 
     fn from_snapshot(s: Snapshot) -> Self {
@@ -588,6 +627,7 @@ impl SessionCore {
             awaiting: s.awaiting,
             keys: s.keys,
             channels: s.channels,
+            leaving: BTreeMap::new(),
             channels_acked: s.channels_acked,
             errors: s
                 .pending_errors
@@ -1076,6 +1116,7 @@ impl SessionMachine {
             awaiting: BTreeSet::new(),
             keys: BTreeMap::new(),
             channels: BTreeMap::new(),
+            leaving: BTreeMap::new(),
             channels_acked: BTreeMap::new(),
             errors: Vec::new(),
             push_ids: Vec::new(),
@@ -1787,6 +1828,24 @@ impl SessionMachine {
                 Ok(())
             }
             _ => Err(self.misuse("remember push")),
+        }
+    }
+
+    /// A backend's join (`Some`: the position the member starts from) or leave (`None`) of
+    /// `channel` was taken by the edge's channels, ahead of its events: the snapshot holds
+    /// the membership from now on (or no longer), so a restore on another edge meanwhile
+    /// joins it there (or does not).
+    pub fn track_membership(
+        &mut self,
+        channel: &str,
+        joined: Option<ChannelPosition>,
+    ) -> Result<(), SessionError> {
+        match (self.state, self.core.as_mut()) {
+            (State::Active | State::Detached, Some(core)) => {
+                core.track_membership(channel, joined);
+                Ok(())
+            }
+            _ => Err(self.misuse("track membership")),
         }
     }
 

@@ -892,6 +892,68 @@ fn routing_keys_and_channel_memberships_travel_with_the_session() {
     assert_eq!(fresh.push_ids()[0], 100);
 }
 
+/// A backend's join or leave reaches the session's snapshot when the edge takes it
+/// (`OutboundItem::Membership`), ahead of its JOINED or LEFT: a leaving channel's last
+/// publications do not make it a member again, and a join before its LEFT does, at the
+/// position it had.
+#[test]
+fn channel_joins_and_leaves_reach_the_snapshot_before_their_events() {
+    use waygate_protocol::channel::{
+        ChannelEvent, ChannelEventKind, ChannelPosition, CHANNEL_EVENT_MSG_ID,
+    };
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "alice");
+    let m = p.peers[c].conn.expect("conn");
+    let pos = |offset| ChannelPosition { epoch: 5, offset };
+    let show = |p: &mut Pair, kind, offset| {
+        let event = ChannelEvent {
+            kind,
+            channel: "guild:1".into(),
+            position: pos(offset),
+            body: Bytes::new(),
+        };
+        let now = p.now;
+        p.edge.machines[m]
+            .send_downstream(
+                now,
+                TrafficClass::Normal,
+                CHANNEL_EVENT_MSG_ID,
+                event.to_bytes(),
+            )
+            .expect("queued");
+    };
+    let track = |p: &mut Pair, joined: Option<u64>| {
+        p.edge.machines[m]
+            .track_membership("guild:1", joined.map(pos))
+            .expect("tracked");
+    };
+    let stored = |p: &mut Pair| {
+        let snap = p.server(c).checkpoint().expect("snapshot");
+        snap.channels.get("guild:1").copied()
+    };
+    track(&mut p, Some(3));
+    assert_eq!(stored(&mut p), Some(pos(3)), "a member before its JOINED");
+    show(&mut p, ChannelEventKind::Joined, 3);
+    show(&mut p, ChannelEventKind::Publication, 4);
+    assert_eq!(stored(&mut p), Some(pos(4)));
+    track(&mut p, Some(9));
+    assert_eq!(
+        stored(&mut p),
+        Some(pos(4)),
+        "a second join keeps its position"
+    );
+    track(&mut p, None);
+    assert_eq!(stored(&mut p), None, "left before its LEFT");
+    show(&mut p, ChannelEventKind::Publication, 5);
+    assert_eq!(stored(&mut p), None, "its last publications");
+    track(&mut p, Some(9));
+    assert_eq!(stored(&mut p), Some(pos(5)), "joined again: where it was");
+    track(&mut p, None);
+    show(&mut p, ChannelEventKind::Left, 5);
+    track(&mut p, Some(7));
+    assert_eq!(stored(&mut p), Some(pos(7)), "a new membership");
+}
+
 /// What the client acknowledged of each channel ends up in the session's end (for a kind
 /// with backlog, PROTOCOL.md §12.4): events sent but never acked do not count.
 #[test]

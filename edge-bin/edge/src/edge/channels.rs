@@ -268,6 +268,9 @@ impl Shared {
                 let (outcome, held) = {
                     let mut hub = self.hub();
                     let outcome = hub.join(now, sid, player, &channel, since);
+                    if let Ok((position, _)) = &outcome {
+                        self.track_membership(sid, &channel, Some(since.unwrap_or(*position)));
+                    }
                     let answer = result(request_id, outcome.map(|(p, _)| p));
                     let held = self.hold_join(&hub, &channel, later(), answer);
                     (outcome, held)
@@ -294,8 +297,12 @@ impl Shared {
                 };
                 let outcome = {
                     let mut hub = self.hub();
-                    hub.leave(now, sid, &channel)
-                        .map(|_| hub.position(&channel).unwrap_or_default())
+                    hub.leave(now, sid, &channel).map(|member| {
+                        if member {
+                            self.track_membership(sid, &channel, None);
+                        }
+                        hub.position(&channel).unwrap_or_default()
+                    })
                 };
                 result(request_id, outcome)
             }
@@ -533,6 +540,28 @@ impl Shared {
         self.start_channel_consumers();
     }
 
+    /// Queues a membership change the hub took for a backend's join (`Some`: the position
+    /// the member starts from) or leave (`None`) in the session's queue, ahead of its
+    /// JOINED or LEFT, so its snapshot holds it at once (a restore elsewhere meanwhile
+    /// joins it there, or does not). Called with the hub locked: the session gets its
+    /// joins and leaves in the hub's order.
+    fn track_membership(
+        &self,
+        session: waygate_protocol::frame::SessionId,
+        channel: &str,
+        joined: Option<ChannelPosition>,
+    ) {
+        let tracked = self
+            .session_layer()
+            .registry
+            .track_membership(&session, channel, joined);
+        // Not found: the session ended meanwhile (its membership goes with it). Queue
+        // full: the session declares the loss itself (slow_consumer, RestoredWithGap).
+        if let Err(e) = tracked {
+            tracing::debug!(%channel, error = %e, "a membership change not queued for its session");
+        }
+    }
+
     /// Restored memberships this edge refused end for the client with a LEFT event.
     fn end_refused_memberships(
         &self,
@@ -701,6 +730,9 @@ async fn join_from_log(
         let mut hub = shared.hub();
         let outcome =
             hub.join_with_logged(now_std(), session, &player, &channel, Some(since), &logged);
+        if outcome.is_ok() {
+            shared.track_membership(session, &channel, Some(since));
+        }
         let answer = result(request_id, outcome.map(|(p, _)| p));
         (
             outcome,
