@@ -887,6 +887,48 @@ async fn announcements_outlive_an_edge_restart_in_the_file_log() {
     expect_metric_line(&s.edge, "waygate_announcements_recovered_total 2").await;
 }
 
+/// A LEAVE sent right after a JOIN that reads the announcement log first (a position of
+/// another epoch) is carried out after that join, as the backend sent them: the member sees
+/// HISTORY_LOST, then LEFT, and nothing published later. Channels audit: the LEAVE found no
+/// member yet (the join was still reading the log), was answered as taken, and the join then
+/// made the session a member the backend had left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leave_sent_after_a_join_reading_the_log_follows_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("announcements.log");
+    let file = path.to_str().unwrap().to_owned();
+    let (_s, mut client, session) =
+        announcement_edge(|c| c.channels.announcement_log = file.clone(), "leaver").await;
+    let elsewhere = ChannelPosition {
+        epoch: 12_345,
+        offset: 7,
+    };
+    let (joined, left) = tokio::join!(
+        session.join_channel("room:x", Some(elsewhere)),
+        session.leave_channel("room:x")
+    );
+    joined.unwrap();
+    left.unwrap();
+    match next_update(&mut client).await {
+        ChannelUpdate::HistoryLost { channel, .. } => assert_eq!(channel, "room:x"),
+        other => panic!("expected HISTORY_LOST, got {other:?}"),
+    }
+    match next_update(&mut client).await {
+        ChannelUpdate::Left { channel, .. } => assert_eq!(channel, "room:x"),
+        other => panic!("expected LEFT after the join, got {other:?}"),
+    }
+    session
+        .publish("room:x", TrafficClass::Normal, Bytes::from_static(b"after"))
+        .await
+        .unwrap();
+    assert!(
+        timeout(Duration::from_millis(300), next_update(&mut client))
+            .await
+            .is_err(),
+        "a member after its LEAVE"
+    );
+}
+
 /// SPEC F2 with Redis: an announcement is answered only once it is in Redis, a Redis that
 /// cannot take it refuses it (`unavailable`, delivered to nobody), and a member joined on
 /// another edge from a position of the first edge's epoch receives the announcements it

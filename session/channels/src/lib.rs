@@ -583,6 +583,18 @@ pub struct ChannelHub {
     dedup_order: VecDeque<(Instant, Arc<str>, u64)>,
     /// Backend links told which channels this edge has.
     interest: interest::Interest,
+    /// Joins that read the announcement log first, per session: (channel, reads in flight,
+    /// a LEAVE taken meanwhile), so the LEAVE is carried out after the join
+    /// ([`ChannelHub::logged_join_started`]).
+    logged_joins: HashMap<SessionId, Vec<LoggedJoin>>,
+}
+
+/// A session's joins of one channel waiting for the announcement log.
+#[derive(Debug)]
+struct LoggedJoin {
+    channel: Arc<str>,
+    reads: u32,
+    leave_after: bool,
 }
 
 /// Splits a channel name into its kind, after checking it.
@@ -621,7 +633,46 @@ impl ChannelHub {
             held: 0,
             dedup_order: VecDeque::new(),
             interest: interest::Interest::default(),
+            logged_joins: HashMap::new(),
         }
+    }
+
+    /// A join of `session` to `channel` that first reads the announcement log
+    /// ([`needs_logged`](Self::needs_logged)) started: until it is carried out
+    /// ([`logged_join_done`](Self::logged_join_done)), a LEAVE of that membership is taken
+    /// and deferred until after it, so the two happen in the order the backend sent them.
+    pub fn logged_join_started(&mut self, session: SessionId, channel: &str) {
+        let joins = self.logged_joins.entry(session).or_default();
+        match joins.iter_mut().find(|j| &*j.channel == channel) {
+            Some(j) => j.reads += 1,
+            None => joins.push(LoggedJoin {
+                channel: channel.into(),
+                reads: 1,
+                leave_after: false,
+            }),
+        }
+    }
+
+    /// The join [`logged_join_started`](Self::logged_join_started) announced was carried
+    /// out (or refused, or dropped: the session ended). A LEAVE taken meanwhile is carried
+    /// out now; returns whether it was (the session was a member, and now leaves).
+    pub fn logged_join_done(&mut self, now: Instant, session: SessionId, channel: &str) -> bool {
+        let Some(joins) = self.logged_joins.get_mut(&session) else {
+            return false;
+        };
+        let Some(i) = joins.iter().position(|j| &*j.channel == channel) else {
+            return false;
+        };
+        let j = &mut joins[i];
+        j.reads = j.reads.saturating_sub(1);
+        let leave = std::mem::take(&mut j.leave_after);
+        if j.reads == 0 {
+            joins.swap_remove(i);
+            if joins.is_empty() {
+                self.logged_joins.remove(&session);
+            }
+        }
+        leave && self.leave_now(now, session, channel).unwrap_or(false)
     }
 
     /// Forgets the publish ids whose window has passed (an id is forgotten only by the
@@ -1056,7 +1107,9 @@ impl ChannelHub {
     }
 
     /// Ends `session`'s membership of `channel`: it still receives what was queued before,
-    /// then a LEFT marker. Not a member: nothing happens (`Ok(false)`).
+    /// then a LEFT marker. Not a member: nothing happens (`Ok(false)`). While a join of that
+    /// membership reads the announcement log, the leave is taken (`Ok(true)`) and carried
+    /// out right after the join ([`logged_join_done`](Self::logged_join_done)).
     pub fn leave(
         &mut self,
         now: Instant,
@@ -1064,6 +1117,25 @@ impl ChannelHub {
         channel: &str,
     ) -> Result<bool, ChannelError> {
         channel_kind(channel)?;
+        let pending = self
+            .logged_joins
+            .get_mut(&session)
+            .and_then(|joins| joins.iter_mut().find(|j| &*j.channel == channel));
+        if let Some(j) = pending {
+            // A join reading the log came first: this leave follows it.
+            j.leave_after = true;
+            return Ok(true);
+        }
+        self.leave_now(now, session, channel)
+    }
+
+    /// [`leave`](Self::leave), not deferred.
+    fn leave_now(
+        &mut self,
+        now: Instant,
+        session: SessionId,
+        channel: &str,
+    ) -> Result<bool, ChannelError> {
         let Some(ch) = self.channels.get_mut(channel) else {
             return Ok(false);
         };

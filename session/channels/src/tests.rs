@@ -417,6 +417,44 @@ fn a_position_of_another_epoch_recovers_the_logged_announcements_before_history_
     assert_eq!(hub.stats().logged_recovered, 2);
 }
 
+/// A LEAVE taken while a join of the same membership reads the announcement log follows
+/// that join: the member gets the join's events, then LEFT, and is a member of nothing.
+/// Channels audit: before, the leave found no member (answered as taken) and the join,
+/// carried out after the read, left the session a member the backend had left.
+#[test]
+fn a_leave_taken_while_a_join_reads_the_log_follows_the_join() {
+    let now = Instant::now();
+    let mut hub = ChannelHub::new(small_config(), 6);
+    hub.set_announcement_log(true);
+    let since = ChannelPosition {
+        epoch: 99,
+        offset: 2,
+    };
+    assert!(hub.needs_logged("room:a", Some(since)));
+    hub.logged_join_started(sid(1), "room:a");
+    assert_eq!(hub.leave(now, sid(1), "room:a"), Ok(true), "taken");
+    assert_eq!(hub.members("room:a"), 0, "not carried out before the join");
+    hub.join_with_logged(now, sid(1), &player(1), "room:a", Some(since), &[])
+        .unwrap();
+    assert!(hub.logged_join_done(now, sid(1), "room:a"), "left after it");
+    let got = drain(&mut hub);
+    let kinds: Vec<_> = got.iter().map(|(_, e)| e.kind).collect();
+    assert_eq!(
+        kinds,
+        [ChannelEventKind::HistoryLost, ChannelEventKind::Left]
+    );
+    assert_eq!(hub.members("room:a"), 0);
+    // Once the join is over, a leave is carried out at once again, and a done without a
+    // start changes nothing.
+    hub.join(now, sid(1), &player(1), "room:a", None).unwrap();
+    assert!(!hub.logged_join_done(now, sid(1), "room:a"));
+    assert_eq!(hub.leave(now, sid(1), "room:a"), Ok(true));
+    let got = drain(&mut hub);
+    let kinds: Vec<_> = got.iter().map(|(_, e)| e.kind).collect();
+    assert_eq!(kinds, [ChannelEventKind::Joined, ChannelEventKind::Left]);
+    hub.check_invariants().unwrap();
+}
+
 #[test]
 fn refusals_are_typed_and_take_nothing() {
     let now = Instant::now();

@@ -258,10 +258,14 @@ impl Shared {
                 let Some(sid) = self.session_of_handle(handle) else {
                     return Some(member_offline(request_id));
                 };
-                if let Some(since) = since.filter(|s| self.hub().needs_logged(&channel, Some(*s))) {
-                    // Answered once the log was read.
-                    self.join_from_log(sid, channel, since, Some((request_id, later())));
-                    return None;
+                if let Some(since) = since {
+                    let mut hub = self.hub();
+                    if hub.needs_logged(&channel, Some(since)) {
+                        // Answered once the log was read.
+                        let answer = Some((request_id, later()));
+                        self.join_from_log(&mut hub, sid, channel, since, answer);
+                        return None;
+                    }
                 }
                 let player = self.session_layer().registry.player_of(&sid);
                 let player = player.as_deref().unwrap_or_default();
@@ -383,9 +387,14 @@ impl Shared {
     /// was read, in a task (see [`join_from_log`]). Only called when the hub has a log
     /// (`needs_logged`), which it has exactly when the edge has one. At most [`LOG_READS`]
     /// reads run at once: a backend's join beyond them is refused `unavailable` at once (it
-    /// retries), a restored membership waits for a read.
+    /// retries), a restored membership waits for a read. Called with the hub locked: the
+    /// hub learns of the join before any later LEAVE ([`ChannelHub::logged_join_started`]),
+    /// which then follows it.
+    ///
+    /// [`ChannelHub::logged_join_started`]: waygate_channels::ChannelHub::logged_join_started
     fn join_from_log(
         self: &Arc<Self>,
+        hub: &mut waygate_channels::ChannelHub,
         session: waygate_protocol::frame::SessionId,
         channel: String,
         since: ChannelPosition,
@@ -415,12 +424,19 @@ impl Shared {
         };
         let reads = a.reads.clone();
         let (weak, log) = (Arc::downgrade(self), a.log.clone());
+        // A LEAVE the backend sends after this join waits for it.
+        hub.logged_join_started(session, &channel);
         tokio::spawn(async move {
             let permit = match permit {
                 Some(p) => p,
                 None => match reads.acquire_owned().await {
                     Ok(p) => p,
-                    Err(_) => return,
+                    Err(_) => {
+                        if let Some(shared) = weak.upgrade() {
+                            shared.logged_join_done(session, &channel);
+                        }
+                        return;
+                    }
                 },
             };
             join_from_log(weak, log, permit, session, channel, since, answer).await;
@@ -510,7 +526,7 @@ impl Shared {
             for (name, position) in channels {
                 if hub.needs_logged(&name, Some(position)) {
                     // Another epoch's position: what the log holds after it comes first.
-                    self.join_from_log(session_id, name, position, None);
+                    self.join_from_log(&mut hub, session_id, name, position, None);
                     continue;
                 }
                 match hub.join(now, session_id, player, &name, Some(position)) {
@@ -527,6 +543,7 @@ impl Shared {
                             name,
                             position,
                             Vec::new(),
+                            false,
                         ));
                     }
                     Err(e) => {
@@ -560,6 +577,25 @@ impl Shared {
         if let Err(e) = tracked {
             tracing::debug!(%channel, error = %e, "a membership change not queued for its session");
         }
+    }
+
+    /// A join announced as reading the log ([`join_from_log`]) is over: a LEAVE taken
+    /// meanwhile is carried out now, after it (with the hub locked, as every join and
+    /// leave, so the session's snapshot follows the hub's order).
+    fn leave_deferred_by(
+        &self,
+        hub: &mut waygate_channels::ChannelHub,
+        session: waygate_protocol::frame::SessionId,
+        channel: &str,
+    ) {
+        if hub.logged_join_done(now_std(), session, channel) {
+            self.track_membership(session, channel, None);
+        }
+    }
+
+    /// [`leave_deferred_by`](Self::leave_deferred_by), locking the hub.
+    fn logged_join_done(&self, session: waygate_protocol::frame::SessionId, channel: &str) {
+        self.leave_deferred_by(&mut self.hub(), session, channel);
     }
 
     /// Restored memberships this edge refused end for the client with a LEFT event.
@@ -710,6 +746,7 @@ async fn join_from_log(
             if let Some((request_id, reply)) = answer {
                 tracing::info!(%channel, error = %e, "join refused: the announcement log cannot be read");
                 answer_later(reply, result(request_id, Err(ChannelError::LogUnavailable)));
+                shared.logged_join_done(session, &channel);
                 return;
             }
             tracing::warn!(%channel, error = %e, "restored membership joined without the announcements it missed: the log cannot be read");
@@ -718,12 +755,13 @@ async fn join_from_log(
     };
     let Some((request_id, reply)) = answer else {
         drop(shared);
-        return join_retrying(weak, session, channel, since, logged).await;
+        return join_retrying(weak, session, channel, since, logged, true).await;
     };
     // The session may have ended during the read: then it is a member of nothing here
     // (a membership added now would be a dead session's, the join answered as taken).
     let Some(player) = shared.session_layer().registry.player_of(&session) else {
         answer_later(reply, member_offline(request_id));
+        shared.logged_join_done(session, &channel);
         return;
     };
     let (outcome, answer) = {
@@ -733,6 +771,7 @@ async fn join_from_log(
         if outcome.is_ok() {
             shared.track_membership(session, &channel, Some(since));
         }
+        shared.leave_deferred_by(&mut hub, session, &channel);
         let answer = result(request_id, outcome.map(|(p, _)| p));
         (
             outcome,
@@ -749,29 +788,36 @@ async fn join_from_log(
 /// Rejoins a restored session's membership from `since` (with `logged`, the announcements
 /// the log holds after it): a channel queue full of other members' recoveries is retried
 /// every 100 ms for up to 10 s; any other refusal, or a queue still full, ends the
-/// membership for the client with LEFT (never silently).
+/// membership for the client with LEFT (never silently). `after_log`: the join was
+/// announced to the hub as reading the log (a LEAVE taken meanwhile follows it).
 async fn join_retrying(
     weak: Weak<Shared>,
     session: waygate_protocol::frame::SessionId,
     channel: String,
     since: ChannelPosition,
     logged: Vec<AnnouncementRecord>,
+    after_log: bool,
 ) {
     for attempt in 0..=100u32 {
         let Some(shared) = weak.upgrade() else {
             return;
         };
         let Some(player) = shared.session_layer().registry.player_of(&session) else {
-            return; // the session ended: nothing to rejoin
+            // The session ended: nothing to rejoin.
+            if after_log {
+                shared.logged_join_done(session, &channel);
+            }
+            return;
         };
-        let outcome = shared.hub().join_with_logged(
-            now_std(),
-            session,
-            &player,
-            &channel,
-            Some(since),
-            &logged,
-        );
+        let outcome = {
+            let mut hub = shared.hub();
+            let outcome =
+                hub.join_with_logged(now_std(), session, &player, &channel, Some(since), &logged);
+            if after_log && !matches!(outcome, Err(ChannelError::QueueFull) if attempt < 100) {
+                shared.leave_deferred_by(&mut hub, session, &channel);
+            }
+            outcome
+        };
         match outcome {
             Err(ChannelError::QueueFull) if attempt < 100 => {}
             Err(e) => {
