@@ -1072,6 +1072,69 @@ async fn a_second_copy_of_an_announcement_being_written_is_its_duplicate() {
     assert_eq!(first.position, second.position);
 }
 
+/// An announcement refused because Redis did not answer its append in time is withdrawn
+/// from the log: the append, which Redis carries out once it answers again, leaves no entry
+/// behind, so the log holds only the retry's copy (PROTOCOL.md §12.5). Channels audit:
+/// before, the log kept both copies, and a member recovering from it received the
+/// announcement twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_announcement_refused_while_its_append_was_under_way_is_withdrawn_from_the_log() {
+    let redis = support_redis::RedisServer::start();
+    let url = redis.url();
+    let (_s, _client, session) = redis_announcement_edge(&url, "edge-1", "writer").await;
+    let publish = |id: u64| {
+        let s = session.clone();
+        async move {
+            s.publish_with_id(
+                id,
+                "system:news",
+                TrafficClass::Critical,
+                Bytes::from_static(b"twice?"),
+            )
+            .await
+        }
+    };
+    // One announcement through the log first (the stream and the writer are warm).
+    publish(waygate_backend::next_request_id()).await.unwrap();
+    redis.pause();
+    let id = waygate_backend::next_request_id();
+    let refused = publish(id).await;
+    assert!(refused.is_err(), "{refused:?}");
+    redis.resume();
+    let retried = publish(id).await.expect("the retry is taken");
+    assert!(!retried.duplicate);
+    let c = redis::Client::open(url.as_str()).unwrap();
+    let mut c = c.get_multiplexed_async_connection().await.unwrap();
+    let stream = format!("*:ann:system:news:{}", retried.position.epoch);
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(&stream)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    // The withdrawal is told to the log in the background (within a few seconds).
+    let expected = vec!["1-1".to_owned(), format!("{}-1", retried.position.offset)];
+    let mut held = Vec::new();
+    for _ in 0..100 {
+        let entries: Vec<(String, Vec<Vec<u8>>)> = redis::cmd("XRANGE")
+            .arg(&keys[0])
+            .arg("-")
+            .arg("+")
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        held = entries.into_iter().map(|(id, _)| id).collect();
+        if held == expected {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        held, expected,
+        "the warm-up and the retry, not the refused copy"
+    );
+}
+
 /// A client of `player` on `edge` over TCP and its session at the backend.
 async fn tcp_member(
     sessions: &Sessions,

@@ -688,3 +688,41 @@ async fn a_subscriber_that_does_not_keep_up_holds_a_bounded_queue() {
         "delivered in order"
     );
 }
+
+/// The Redis announcement log's withdrawals (PROTOCOL.md §12.5): an announcement refused
+/// because its append failed or did not answer in time is withdrawn, and a withdrawn offset
+/// is never read back — whether its append landed before the withdrawal or lands after it.
+#[tokio::test]
+async fn a_withdrawn_announcement_is_never_read_back_from_redis() {
+    use waygate_edge::announcements::{AnnouncementLog, AnnouncementRecord};
+    use waygate_protocol::channel::ChannelPosition;
+    let server = RedisServer::start();
+    let s = stores(&server).await;
+    let log = s.announcements.clone();
+    let record = |offset: u64| AnnouncementRecord {
+        channel: "room:a".into(),
+        position: ChannelPosition { epoch: 1, offset },
+        event: Bytes::from(format!("event {offset}")),
+        ttl: Duration::from_secs(60),
+        keep: 10,
+    };
+    log.append(&[record(1), record(2)]).await.unwrap();
+    // Offset 2's append landed although it was refused; offset 3's lands later.
+    log.withdraw(&[record(2), record(3)]).await.unwrap();
+    log.append(&[record(3)]).await.unwrap();
+    log.append(&[record(4)]).await.unwrap();
+    let got = log
+        .after(
+            "room:a",
+            ChannelPosition {
+                epoch: 1,
+                offset: 0,
+            },
+            10,
+        )
+        .await
+        .unwrap();
+    let offsets: Vec<u64> = got.iter().map(|r| r.position.offset).collect();
+    assert_eq!(offsets, [1, 4]);
+    assert_eq!(got[1].event, Bytes::from("event 4"));
+}

@@ -24,8 +24,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use waygate_channels::AnnouncementRecord;
-pub use waygate_channels::FsyncPolicy;
+pub use waygate_channels::{AnnouncementRecord, FsyncPolicy};
 use waygate_protocol::channel::ChannelPosition;
 
 /// Why the log did not take or give announcements.
@@ -62,6 +61,11 @@ pub trait AnnouncementLog: Send + Sync + std::fmt::Debug + 'static {
     /// of them are durable; `Err`: none may be counted on.
     async fn append(&self, records: &[AnnouncementRecord]) -> Result<(), AnnouncementLogError>;
 
+    /// Withdraws `records`, whose append failed or did not answer in time (so it may still
+    /// land): [`after`](Self::after) never returns them, whether their append landed before
+    /// the withdrawal or lands after it. `Ok`: the withdrawal is durable.
+    async fn withdraw(&self, records: &[AnnouncementRecord]) -> Result<(), AnnouncementLogError>;
+
     /// The announcements of `channel` after `since`, in `since`'s epoch, in offset order,
     /// at most `limit`.
     async fn after(
@@ -72,7 +76,8 @@ pub trait AnnouncementLog: Send + Sync + std::fmt::Debug + 'static {
     ) -> Result<Vec<AnnouncementRecord>, AnnouncementLogError>;
 }
 
-/// One record in the file: its length (u32 LE) before it.
+/// One record in the file: its length (u32 LE) before it. A record with an empty event
+/// withdraws that offset (an event is never empty: it has its header).
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 struct FileRecord {
     channel: String,
@@ -97,6 +102,18 @@ struct Kept {
 struct Epoch {
     keep: usize,
     entries: VecDeque<Kept>,
+    /// Offsets withdrawn (their append failed or timed out), kept until they expire: never
+    /// read back, also when their append landed before the withdrawal in the file or lands
+    /// after it.
+    withdrawn: Vec<Withdrawn>,
+}
+
+/// A withdrawal's record in the file.
+#[derive(Debug)]
+struct Withdrawn {
+    offset: u64,
+    expires_ms: u64,
+    bytes: u64,
 }
 
 #[derive(Debug)]
@@ -150,9 +167,28 @@ impl FileState {
             .or_insert_with(|| Epoch {
                 keep: 1,
                 entries: VecDeque::new(),
+                withdrawn: Vec::new(),
             });
         e.keep = usize::try_from(r.keep).unwrap_or(usize::MAX).max(1);
-        if e.entries.back().is_some_and(|k| k.offset >= r.offset) {
+        if r.event.is_empty() {
+            if let Some(i) = e.entries.iter().position(|k| k.offset == r.offset) {
+                if let Some(k) = e.entries.remove(i) {
+                    self.live -= k.bytes;
+                }
+            }
+            if !e.withdrawn.iter().any(|w| w.offset == r.offset) {
+                e.withdrawn.push(Withdrawn {
+                    offset: r.offset,
+                    expires_ms: r.expires_ms,
+                    bytes,
+                });
+                self.live += bytes;
+            }
+            return;
+        }
+        if e.withdrawn.iter().any(|w| w.offset == r.offset)
+            || e.entries.back().is_some_and(|k| k.offset >= r.offset)
+        {
             return;
         }
         e.entries.push_back(Kept {
@@ -177,9 +213,17 @@ impl FileState {
                     freed += k.bytes;
                 }
             }
+            e.withdrawn.retain(|w| {
+                let keep = w.expires_ms > now_ms;
+                if !keep {
+                    freed += w.bytes;
+                }
+                keep
+            });
         }
         self.live -= freed;
-        self.index.retain(|_, e| !e.entries.is_empty());
+        self.index
+            .retain(|_, e| !e.entries.is_empty() || !e.withdrawn.is_empty());
     }
 
     /// Rewrites the file with what the index holds (a temporary file renamed over it).
@@ -194,6 +238,16 @@ impl FileState {
                     expires_ms: k.expires_ms,
                     keep: e.keep as u64,
                     event: k.event.to_vec(),
+                })?);
+            }
+            for w in &e.withdrawn {
+                records.push(encode(&FileRecord {
+                    channel: channel.to_string(),
+                    epoch: *epoch,
+                    offset: w.offset,
+                    expires_ms: w.expires_ms,
+                    keep: e.keep as u64,
+                    event: Vec::new(),
                 })?);
             }
         }
@@ -295,7 +349,12 @@ impl FileAnnouncementLog {
         Ok(log)
     }
 
-    fn append_now(&self, records: &[AnnouncementRecord]) -> Result<(), AnnouncementLogError> {
+    /// Writes `records` (`withdraw`: their withdrawals instead) in one write and fsync.
+    fn write_now(
+        &self,
+        records: &[AnnouncementRecord],
+        withdraw: bool,
+    ) -> Result<(), AnnouncementLogError> {
         let now = unix_ms();
         let mut out = Vec::new();
         let mut file_records = Vec::with_capacity(records.len());
@@ -307,7 +366,11 @@ impl FileAnnouncementLog {
                 offset: r.position.offset,
                 expires_ms: now.saturating_add(ttl),
                 keep: r.keep.max(1) as u64,
-                event: r.event.to_vec(),
+                event: if withdraw {
+                    Vec::new()
+                } else {
+                    r.event.to_vec()
+                },
             };
             let bytes = encode(&fr)?;
             file_records.push((fr, bytes.len() as u64));
@@ -343,7 +406,15 @@ impl AnnouncementLog for FileAnnouncementLog {
     async fn append(&self, records: &[AnnouncementRecord]) -> Result<(), AnnouncementLogError> {
         let log = self.clone();
         let records = records.to_vec();
-        tokio::task::spawn_blocking(move || log.append_now(&records))
+        tokio::task::spawn_blocking(move || log.write_now(&records, false))
+            .await
+            .map_err(|e| AnnouncementLogError::Io(format!("writer task: {e}")))?
+    }
+
+    async fn withdraw(&self, records: &[AnnouncementRecord]) -> Result<(), AnnouncementLogError> {
+        let log = self.clone();
+        let records = records.to_vec();
+        tokio::task::spawn_blocking(move || log.write_now(&records, true))
             .await
             .map_err(|e| AnnouncementLogError::Io(format!("writer task: {e}")))?
     }
@@ -443,6 +514,38 @@ mod tests {
             .is_empty());
         assert_eq!(log.after("world", since(9, 0), 10).await.unwrap().len(), 1);
         assert_eq!(log.after("guild:1", since(7, 0), 1).await.unwrap().len(), 1);
+    }
+
+    /// A withdrawn announcement is never read back: not when its append landed before the
+    /// withdrawal, not when it lands after it, not after a reopen or a compaction.
+    #[tokio::test]
+    async fn a_withdrawn_announcement_is_never_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ann.log");
+        let log = FileAnnouncementLog::open(&path, FsyncPolicy::Never, 1 << 20).unwrap();
+        let offsets = |got: Vec<AnnouncementRecord>| -> Vec<u64> {
+            got.iter().map(|r| r.position.offset).collect()
+        };
+        log.append(&[record("room:a", 1, 1, 10), record("room:a", 1, 2, 10)])
+            .await
+            .unwrap();
+        // Offset 2's append landed although it was refused; offset 3's lands later.
+        log.withdraw(&[record("room:a", 1, 2, 10), record("room:a", 1, 3, 10)])
+            .await
+            .unwrap();
+        log.append(&[record("room:a", 1, 3, 10)]).await.unwrap();
+        log.append(&[record("room:a", 1, 4, 10)]).await.unwrap();
+        let read = |log: FileAnnouncementLog| async move {
+            log.after("room:a", since(1, 0), 10).await.unwrap()
+        };
+        assert_eq!(offsets(read(log.clone()).await), [1, 4]);
+        drop(log);
+        let log = FileAnnouncementLog::open(&path, FsyncPolicy::Never, 1 << 20).unwrap();
+        assert_eq!(offsets(read(log.clone()).await), [1, 4], "after a reopen");
+        log.state.lock().unwrap().compact().unwrap();
+        drop(log);
+        let log = FileAnnouncementLog::open(&path, FsyncPolicy::Never, 1 << 20).unwrap();
+        assert_eq!(offsets(read(log).await), [1, 4], "after a compaction");
     }
 
     #[tokio::test]

@@ -195,6 +195,9 @@ pub struct EdgeMetrics {
     pub channel_publish_ids: Gauge,
     /// Announcements members received from the announcement log (their edge was gone).
     pub announcements_recovered: Counter,
+    /// Refused announcements the log could not be told to withdraw (their append may have
+    /// landed: a member recovering from the log may receive them).
+    pub announcement_withdrawals_failed: Counter,
     /// Channel publications waiting for their consumer, by kind and class.
     pub channel_pending_by_class: Family<ChannelClassLabels, Gauge>,
 }
@@ -555,6 +558,7 @@ impl EdgeMetrics {
             announcements_held: Gauge::default(),
             channel_publish_ids: Gauge::default(),
             announcements_recovered: Counter::default(),
+            announcement_withdrawals_failed: Counter::default(),
             channel_pending_by_class: Family::default(),
             registry: Registry::default(),
         };
@@ -758,6 +762,11 @@ impl EdgeMetrics {
             "announcements_recovered",
             "Announcements members received from the announcement log",
             m.announcements_recovered.clone(),
+        );
+        registry.register(
+            "announcement_withdrawals_failed",
+            "Refused announcements the log could not be told to withdraw (a member recovering from the log may receive them)",
+            m.announcement_withdrawals_failed.clone(),
         );
         registry.register(
             "channel_pending_by_class",

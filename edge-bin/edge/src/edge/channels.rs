@@ -862,6 +862,13 @@ pub(super) async fn announcement_writer(
         };
         if let Err(e) = &written {
             tracing::warn!(error = %e, announcements = batch.len(), "announcement log append failed: refused");
+            // The append may still land (a write that did not answer in time is not
+            // undone): the log is told they are withdrawn, so no recovery reads them.
+            tokio::spawn(withdraw_refused(
+                log.clone(),
+                records,
+                shared.metrics.announcement_withdrawals_failed.clone(),
+            ));
         }
         {
             let mut hub = shared.hub();
@@ -887,6 +894,40 @@ pub(super) async fn announcement_writer(
             answer_later(j.reply, answer);
         }
     }
+}
+
+/// Attempts to tell the log a refused batch is withdrawn.
+const WITHDRAW_ATTEMPTS: u32 = 3;
+
+/// Tells the log that `records`, refused because their append failed or did not answer in
+/// time, are withdrawn (up to [`WITHDRAW_ATTEMPTS`] tries, each bounded by
+/// [`ANNOUNCEMENT_APPEND_DEADLINE`]); a log that cannot be told is logged and counted: a
+/// member recovering from it may then receive them (PROTOCOL.md §12.5).
+async fn withdraw_refused(
+    log: Arc<dyn crate::announcements::AnnouncementLog>,
+    records: Vec<AnnouncementRecord>,
+    failed: prometheus_client::metrics::counter::Counter,
+) {
+    for attempt in 1..=WITHDRAW_ATTEMPTS {
+        match tokio::time::timeout(ANNOUNCEMENT_APPEND_DEADLINE, log.withdraw(&records)).await {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => {
+                tracing::info!(error = %e, attempt, "refused announcements not withdrawn yet");
+            }
+            Err(_) => {
+                tracing::info!(
+                    attempt,
+                    "refused announcements not withdrawn yet: no answer"
+                );
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    tracing::warn!(
+        announcements = records.len(),
+        "refused announcements could not be withdrawn from the log: a recovery may read them"
+    );
+    failed.inc_by(records.len() as u64);
 }
 
 /// One channel's consumer: takes its deliveries in order until none is pending (the hub

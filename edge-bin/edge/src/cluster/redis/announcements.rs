@@ -3,7 +3,9 @@
 //! Redis Cluster slot), entry id `<offset>-1`, field `e` = the encoded PUBLICATION event;
 //! capped at the kind's history length (`MAXLEN`) and expiring after its history TTL.
 //! Every edge reads it, so a member whose edge died recovers the announcements it missed on
-//! the next one.
+//! the next one. Withdrawn offsets (an append that failed or timed out, which may still
+//! land) are a set beside the stream, `P:{T}:annw:<channel>:<epoch>`: a withdrawal deletes
+//! the entry if it is there, and an append of a withdrawn offset adds nothing.
 
 use std::time::Duration;
 
@@ -16,15 +18,26 @@ use waygate_session::resume::{hex_id, player_store_tag};
 use super::conn::{ms, Conn};
 use crate::announcements::{AnnouncementLog, AnnouncementLogError};
 
-/// KEYS: the stream. ARGV: max length, entry id, event, ttl ms. Appends the entry (an
-/// entry with that id already there is the same announcement written by an append that
-/// timed out: kept) and sets the stream's expiry. Returns 1.
+/// KEYS: the stream, its withdrawn set. ARGV: max length, entry id, event, ttl ms, offset.
+/// Appends the entry (an entry with that id already there is the same announcement written
+/// by an append that timed out: kept; a withdrawn offset: nothing added) and sets the
+/// stream's expiry. Returns 1.
 const APPEND_LUA: &str = r#"
+if redis.call('SISMEMBER', KEYS[2], ARGV[5]) == 1 then return 1 end
 local r = redis.pcall('XADD', KEYS[1], 'MAXLEN', ARGV[1], ARGV[2], 'e', ARGV[3])
 if type(r) == 'table' and r.err then
   if #redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2]) == 0 then return r end
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return 1
+"#;
+
+/// KEYS: the stream, its withdrawn set. ARGV: offset, ttl ms. Withdraws the offset: its
+/// entry goes if it landed, and a later append of it adds nothing. Returns 1.
+const WITHDRAW_LUA: &str = r#"
+redis.call('SADD', KEYS[2], ARGV[1])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[1] .. '-1')
 return 1
 "#;
 
@@ -40,8 +53,17 @@ impl RedisAnnouncementLog {
     }
 
     fn key(&self, channel: &str, epoch: u64) -> String {
+        self.key_of("ann", channel, epoch)
+    }
+
+    /// The withdrawn set of a stream (the same slot).
+    fn withdrawn_key(&self, channel: &str, epoch: u64) -> String {
+        self.key_of("annw", channel, epoch)
+    }
+
+    fn key_of(&self, what: &str, channel: &str, epoch: u64) -> String {
         format!(
-            "{}:{{{}}}:ann:{channel}:{epoch}",
+            "{}:{{{}}}:{what}:{channel}:{epoch}",
             self.conn.config.prefix,
             hex_id(&player_store_tag(channel))
         )
@@ -63,12 +85,38 @@ impl AnnouncementLog for RedisAnnouncementLog {
                 |pipe, r| {
                     pipe.cmd("EVAL")
                         .arg(APPEND_LUA)
-                        .arg(1)
+                        .arg(2)
                         .arg(self.key(&r.channel, r.position.epoch))
+                        .arg(self.withdrawn_key(&r.channel, r.position.epoch))
                         .arg(r.keep.max(1))
                         .arg(format!("{}-1", r.position.offset))
                         .arg(&r.event[..])
-                        .arg(ms(r.ttl));
+                        .arg(ms(r.ttl))
+                        .arg(r.position.offset);
+                },
+            )
+            .await
+            .map_err(unavailable)?;
+        for reply in replies {
+            reply.map_err(unavailable)?;
+        }
+        Ok(())
+    }
+
+    async fn withdraw(&self, records: &[AnnouncementRecord]) -> Result<(), AnnouncementLogError> {
+        let replies = self
+            .conn
+            .pipeline_each(
+                records,
+                |r| self.key(&r.channel, r.position.epoch),
+                |pipe, r| {
+                    pipe.cmd("EVAL")
+                        .arg(WITHDRAW_LUA)
+                        .arg(2)
+                        .arg(self.key(&r.channel, r.position.epoch))
+                        .arg(self.withdrawn_key(&r.channel, r.position.epoch))
+                        .arg(r.position.offset)
+                        .arg(ms(r.ttl).max(1));
                 },
             )
             .await

@@ -97,7 +97,7 @@
 //! - `presence`: presence records ([`RedisPresence`], [`Presence`]).
 //! - `announcements`: the channels' announcement log, a stream per channel epoch
 //!   ([`RedisAnnouncementLog`]; key `P:{T}:ann:<channel>:<epoch>`, T the channel name's
-//!   store tag).
+//!   store tag), and beside it the set of offsets withdrawn, `P:{T}:annw:<channel>:<epoch>`.
 //! - `push`: cross-edge push over pub/sub ([`PushMessage`], [`DeliveryResult`],
 //!   [`PushHandler`], [`PushServer`]).
 //! - this file: [`RedisConfig`], [`RedisError`] and [`RedisStores`], the three backends on
