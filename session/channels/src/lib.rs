@@ -1107,7 +1107,8 @@ impl ChannelHub {
     }
 
     /// Ends `session`'s membership of `channel`: it still receives what was queued before,
-    /// then a LEFT marker. Not a member: nothing happens (`Ok(false)`). While a join of that
+    /// then a LEFT marker. Not a member: nothing happens (`Ok(false)`); a kind this edge
+    /// does not have is [`ChannelError::UnknownKind`], as for a join. While a join of that
     /// membership reads the announcement log, the leave is taken (`Ok(true)`) and carried
     /// out right after the join ([`logged_join_done`](Self::logged_join_done)).
     pub fn leave(
@@ -1116,7 +1117,9 @@ impl ChannelHub {
         session: SessionId,
         channel: &str,
     ) -> Result<bool, ChannelError> {
-        channel_kind(channel)?;
+        if !self.kinds.contains_key(channel_kind(channel)?) {
+            return Err(ChannelError::UnknownKind);
+        }
         let pending = self
             .logged_joins
             .get_mut(&session)

@@ -462,6 +462,11 @@ fn refusals_are_typed_and_take_nothing() {
     let e = hub.publish(now, "clan:1", 0, TrafficClass::Normal, Bytes::new());
     assert_eq!(e, Err(ChannelError::UnknownKind));
     assert_eq!(e.unwrap_err().code(), CloseCode::UnknownChannelKind);
+    // A leave too, not a quiet `normal` (channels audit).
+    assert_eq!(
+        hub.leave(now, sid(1), "clan:1"),
+        Err(ChannelError::UnknownKind)
+    );
     for bad in ["", "room a", ":x", "room\n"] {
         assert_eq!(
             hub.publish(now, bad, 0, TrafficClass::Normal, Bytes::new()),
