@@ -24,6 +24,7 @@ use waygate_transport::{CloseCode, TrafficClass, TransportKind};
 
 use waygate_backend::demo::{
     DemoService, CHANNEL_JOIN, CHAT, ECHO, ECHO_REPLY, JOINED, JOIN_ROOM, ROOM_EVENT, ROOM_SAY,
+    WHISPER, WHISPER_IN,
 };
 use waygate_backend::{Backend, BackendConfig};
 use waygate_edge::config::{EdgeConfig, DEV_KEY_ID, DEV_KEY_SECRET};
@@ -168,6 +169,24 @@ pub struct DemoReport {
     /// CHAT publishes the backends did not send to an edge because it told them it has no
     /// such channel (no members, no history: PROTOCOL.md §12.6).
     pub channel_edge_publishes_skipped: u64,
+    /// WHISPERs sent (a push to another player wherever its session is, PLAYER_PUSH,
+    /// PROTOCOL.md §9.7).
+    pub whispers_sent: u64,
+    /// WHISPERs refused explicitly (an ERROR: the player offline, its queue full, or its
+    /// edge not answering in time).
+    pub whispers_refused: u64,
+    /// Whispers the backends had delivered (answered `delivered`).
+    pub whispers_delivered: u64,
+    /// Whispers received.
+    pub whispers_received: u64,
+    /// Of the delivered ones, those whose recipient's session did not last the run (kicked,
+    /// restarted or restored with a gap: told explicitly), not checked.
+    pub whispers_unchecked: u64,
+    /// Delivered whispers their recipient never received, its session intact (expected: 0).
+    pub whispers_lost: u64,
+    /// Whispers a client received twice (expected: 0; a WHISPER handled twice, or asked
+    /// again after an answer that may change, reaches its player once).
+    pub whispers_duplicated: u64,
     /// Totals.
     pub total: TransportRow,
 }
@@ -218,6 +237,18 @@ impl DemoReport {
                 self.channel_duplicates
             ));
         }
+        if self.whispers_lost > 0 {
+            why.push(format!(
+                "{} delivered whispers never received",
+                self.whispers_lost
+            ));
+        }
+        if self.whispers_duplicated > 0 {
+            why.push(format!(
+                "{} whispers received twice",
+                self.whispers_duplicated
+            ));
+        }
         if self.replies_from_drained_backend_after_1s > 0 {
             why.push(format!(
                 "{} requests sent more than 1 s after the drain answered by the drained backend",
@@ -235,14 +266,15 @@ impl DemoReport {
             format!(
                 "PASS: {} sessions, {} messages, 0 lost, 0 duplicated, {} refused explicitly, \
                  {} restores (p99 {} ms), {} with a reported gap; {} channel publications \
-                 in order, each once",
+                 in order, each once; {} whispers delivered, each received once",
                 t.sessions,
                 t.sent,
                 t.refused,
                 t.restores,
                 t.restore_p99_ms,
                 t.gaps,
-                self.channel_publications
+                self.channel_publications,
+                self.whispers_delivered
             )
         } else {
             format!("FAIL: {}", why.join(", "))
@@ -297,6 +329,7 @@ impl DemoReport {
         out.push_str(&format!(
             "kicked by second login: {}   resumed on another endpoint (transport or edge): {}   room events: {}\n\
              channels (world, guild): {} publications, {} out of order, {} history lost, {} chat/join refused; {} announcements; {} stretches of the announcement log after a move to another edge, skipping {} normal publications; {} offsets skipped (announcements withdrawn: the log did not take them); {} publications received twice; publishes to edges: {} sent, {} skipped (the edge has no such channel)\n\
+             whispers (PLAYER_PUSH to a player on any edge): {} sent, {} refused, {} delivered, {} received, {} lost, {} received twice, {} not checked (the recipient's session did not last)\n\
              sessions restarted (not restorable: RestoreFailedNewSession): {}, with {} echoes outstanding (answered by the restart)\n\
              drain of b3: replies from other backends {}, from b3 to requests sent more than 1 s later {}\n",
             self.kicked,
@@ -313,6 +346,13 @@ impl DemoReport {
             self.channel_duplicates,
             self.channel_edge_publishes,
             self.channel_edge_publishes_skipped,
+            self.whispers_sent,
+            self.whispers_refused,
+            self.whispers_delivered,
+            self.whispers_received,
+            self.whispers_lost,
+            self.whispers_duplicated,
+            self.whispers_unchecked,
             self.session_restarts,
             self.replies_lost_to_restart,
             self.migrated_replies_from_other_backends,
@@ -338,6 +378,8 @@ enum Cmd {
 
 #[derive(Debug, Default)]
 struct ClientResult {
+    /// The client's player.
+    player: String,
     kind: Option<TransportKind>,
     sent: u64,
     received: u64,
@@ -361,6 +403,11 @@ struct ClientResult {
     rtts: Vec<u32>,
     /// Times to restore, ms (see `TransportRow::restore_p99_ms`).
     restore_ms: Vec<u32>,
+    whispers_sent: u64,
+    whispers_refused: u64,
+    /// WHISPER_IN payloads received.
+    whispers_received: HashSet<Bytes>,
+    whispers_duplicated: u64,
 }
 
 fn token(player: &str) -> Bytes {
@@ -405,6 +452,12 @@ struct ClientPlan {
     world_every: u64,
     /// Rooms the clients are spread over.
     rooms: usize,
+    /// Clients, and the prefix of their player ids (`<prefix><index>`): whisper recipients.
+    clients: usize,
+    players: &'static str,
+    /// Whispers are sent until then: every one is delivered (or refused) well before the
+    /// stop, while its recipient still reads.
+    whispers_until: Instant,
 }
 
 impl ClientPlan {
@@ -416,7 +469,26 @@ impl ClientPlan {
             // Rooms of about 30 (at least 10): the backend broadcasts a room's events one
             // push per member, so rooms do not grow with the run.
             rooms: (options.clients / 30).max(10),
+            clients: options.clients,
+            players: "demo-player-",
+            whispers_until: Instant::now()
+                + options
+                    .duration
+                    .saturating_sub(Duration::from_secs(8))
+                    .max(options.duration / 2),
         }
+    }
+
+    /// The WHISPER client `index` sends at its `n`-th tick, if any (every tenth, until
+    /// `whispers_until`): payload `<player>|<text>`, to another client's player (a different
+    /// one each time); the text names the client and the tick, so every whisper is unique.
+    fn whisper(&self, index: usize, n: u64) -> Option<String> {
+        if n % 10 != 3 || self.clients < 2 || Instant::now() >= self.whispers_until {
+            return None;
+        }
+        let step = 1 + (n / 10) as usize % (self.clients - 1);
+        let to = (index % self.clients + step) % self.clients;
+        Some(format!("{}{to}|w {index}.{n}", self.players))
     }
 
     /// The CHAT client `index` (a member of `guild`) sends at its `n`-th tick, if any
@@ -618,8 +690,18 @@ async fn collect(
     }
     let mut by_kind: HashMap<TransportKind, Vec<u32>> = HashMap::new();
     let mut restores_by_kind: HashMap<TransportKind, Vec<u32>> = HashMap::new();
+    // Per player (a second login makes two clients of one): whispers received, and whether
+    // a session of it did not last (kicked, restarted, restored with a gap).
+    let mut whispered: HashMap<String, (HashSet<Bytes>, bool)> = HashMap::new();
     for t in tasks {
-        let r = t.await.map_err(|e| format!("client task: {e}"))?;
+        let mut r = t.await.map_err(|e| format!("client task: {e}"))?;
+        report.whispers_sent += r.whispers_sent;
+        report.whispers_refused += r.whispers_refused;
+        report.whispers_received += r.whispers_received.len() as u64;
+        report.whispers_duplicated += r.whispers_duplicated;
+        let w = whispered.entry(std::mem::take(&mut r.player)).or_default();
+        w.0.extend(r.whispers_received.drain());
+        w.1 |= r.kicked || r.session_restarts > 0 || r.gaps > 0;
         let Some(kind) = r.kind else { continue };
         let row = report
             .transports
@@ -687,6 +769,22 @@ async fn collect(
             .or_default()
             .extend(r.restore_ms);
     }
+    // A whisper handled twice (by two backends after its sender's edge died) is one.
+    let delivered: HashSet<(String, Bytes)> = services
+        .iter()
+        .flat_map(|s| s.delivered_whispers())
+        .collect();
+    for (to, body) in delivered {
+        report.whispers_delivered += 1;
+        match whispered.get(&to) {
+            Some((_, true)) => report.whispers_unchecked += 1,
+            Some((got, false)) if got.contains(&body) => {}
+            _ => {
+                report.whispers_lost += 1;
+                tracing::warn!(%to, whisper = %String::from_utf8_lossy(&body), "delivered whisper never received");
+            }
+        }
+    }
     let mut all_restores = Vec::new();
     for (kind, mut ms) in restores_by_kind {
         ms.sort_unstable();
@@ -749,6 +847,7 @@ async fn client_task(
     drain_at: Arc<std::sync::OnceLock<Instant>>,
 ) -> ClientResult {
     let mut r = ClientResult {
+        player: player.clone(),
         kind: Some(kind),
         ..ClientResult::default()
     };
@@ -828,6 +927,12 @@ async fn client_task(
                         r.channel_refused += 1;
                     }
                 }
+                if let Some(payload) = plan.whisper(index, n) {
+                    match client.send(TrafficClass::Normal, WHISPER, Bytes::from(payload)).await {
+                        Ok(_) => r.whispers_sent += 1,
+                        Err(_) => r.whispers_refused += 1,
+                    }
+                }
             }
             cmd = cmds.recv() => match cmd {
                 Some(Cmd::Drop { prefer }) => {
@@ -882,6 +987,12 @@ async fn client_task(
                             }
                         }
                     }
+                    Some(Event::Message { msg_id: WHISPER_IN, payload, .. }) => {
+                        if !r.whispers_received.insert(payload.clone()) {
+                            r.whispers_duplicated += 1;
+                            tracing::warn!(%player, whisper = %String::from_utf8_lossy(&payload), "whisper received twice");
+                        }
+                    }
                     Some(Event::Message { msg_id: JOINED, .. }) => joined = true,
                     Some(Event::Message { msg_id: ROOM_EVENT, .. }) => r.room_events += 1,
                     Some(Event::Channel(update)) => match update {
@@ -924,6 +1035,9 @@ async fn client_task(
                         tracing::debug!(player = %player, ?report, "message refused");
                         if matches!(report.msg_id, CHAT | CHANNEL_JOIN) {
                             r.channel_refused += 1;
+                        }
+                        if report.msg_id == WHISPER {
+                            r.whispers_refused += 1;
                         }
                         if report.msg_id == ECHO {
                             if let Some(n) = by_seq.remove(&report.client_seq) {
@@ -1076,6 +1190,7 @@ pub async fn run_cluster(
     let start = Instant::now();
     let never_drained: Arc<std::sync::OnceLock<Instant>> = Arc::new(std::sync::OnceLock::new());
     let mut plan = ClientPlan::new(&options);
+    plan.players = "cluster-player-";
     // A multiple of the edges: client `i` starts on edge `i % edges` and is in guild
     // `i % guilds`, so each guild's members start on one edge, and a guild's chats go only
     // to the edge that has its channel (PROTOCOL.md §12.6) until the kill moves members.
@@ -1225,6 +1340,8 @@ mod tests {
             |r: &mut DemoReport| r.channel_order_violations = 1,
             |r: &mut DemoReport| r.channel_duplicates = 1,
             |r: &mut DemoReport| r.replies_from_drained_backend_after_1s = 1,
+            |r: &mut DemoReport| r.whispers_lost = 1,
+            |r: &mut DemoReport| r.whispers_duplicated = 1,
             |r: &mut DemoReport| r.total.sent = 0,
         ] {
             let mut r = report.clone();

@@ -19,6 +19,13 @@
 //!   ERROR of the edge's code (`unknown_channel_kind`, `rate_limited`, `queue_full`...).
 //!   Announcements an edge withdrew (its announcement log did not take them) are recorded
 //!   with the offset their members see skipped ([`DemoService::was_withdrawn`]).
+//! - **whispers** (player service, PROTOCOL.md §9.7): `WHISPER` (1300, payload
+//!   `<player>|<text>`) pushes `WHISPER_IN` (1301, payload `<sender>|<text>`) to that player
+//!   wherever its session is (PLAYER_PUSH), with an id taken from the message, so a WHISPER
+//!   handled twice (resent after its edge died) reaches the player once; an answer that
+//!   may change (`busy`, `unreachable`, `unknown`, none) is asked again with the same id,
+//!   three tries 300 ms apart. Delivered: no other answer; otherwise the ERROR of
+//!   [`whisper_refusal`]. Whispers delivered are recorded ([`DemoService::delivered_whispers`]).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -56,6 +63,33 @@ pub const TIME: u32 = 1010;
 pub const ASK: u32 = 1011;
 /// The status of an ASK with an empty body.
 pub const ASK_EMPTY: u16 = 400;
+/// Whisper to a player anywhere (player service); payload `<player>|<text>`.
+pub const WHISPER: u32 = 1300;
+/// A whisper received; payload `<sender>|<text>`, in the WHISPER's class.
+pub const WHISPER_IN: u32 = 1301;
+/// Tries of a whisper whose answer may change (`busy`, `unreachable`, `unknown`, none).
+const WHISPER_TRIES: u32 = 3;
+
+/// The ERROR a client gets for a WHISPER that was not delivered: `offline` 409
+/// `member_offline`; `queue_full` 407 `queue_full` (retry after 100 ms); after the tries,
+/// `busy` 402 `busy` (200 ms), `unreachable` 403 `unavailable` (1,000 ms), `unknown` or no
+/// answer 403 `unavailable` (1,000 ms: it may still arrive, PROTOCOL.md §9.7).
+pub fn whisper_refusal(outcome: Option<crate::PlayerPushOutcome>) -> Refusal {
+    use crate::PlayerPushOutcome as O;
+    let (code, retry_after_ms) = match outcome {
+        Some(O::Offline) => (CloseCode::MemberOffline, 0),
+        Some(O::QueueFull) => (CloseCode::QueueFull, 100),
+        Some(O::Busy) => (CloseCode::Busy, 200),
+        _ => (CloseCode::Unavailable, 1_000),
+    };
+    Refusal {
+        code,
+        retry_after_ms,
+    }
+}
+
+/// Whispers a [`DemoService`] remembers as delivered (the first 100,000).
+const WHISPERS_KEPT: usize = 100_000;
 
 /// The ERROR a client gets for a channel request the edge refused (its code and hint).
 fn channel_refusal(e: crate::BackendError) -> Refusal {
@@ -144,6 +178,8 @@ pub struct DemoService {
     /// such channel (PROTOCOL.md §12.6).
     edge_publishes: std::sync::atomic::AtomicU64,
     edge_publishes_skipped: std::sync::atomic::AtomicU64,
+    /// Whispers answered `delivered`: (recipient, WHISPER_IN payload).
+    whispers: Mutex<std::collections::HashSet<(String, Bytes)>>,
 }
 
 impl DemoService {
@@ -173,6 +209,50 @@ impl DemoService {
             self.edge_publishes.load(Relaxed),
             self.edge_publishes_skipped.load(Relaxed),
         )
+    }
+
+    /// Whispers this instance had delivered, as (recipient, WHISPER_IN payload): the first
+    /// 100,000 (a whisper handled twice is one).
+    pub fn delivered_whispers(&self) -> Vec<(String, Bytes)> {
+        self.whispers
+            .lock()
+            .map(|w| w.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Pushes a whisper to `to` (see the module docs), recording it once delivered.
+    async fn whisper(
+        &self,
+        session: &BackendSession,
+        msg: &Incoming,
+        to: &str,
+        body: Bytes,
+    ) -> Result<(), Refusal> {
+        use crate::PlayerPushOutcome as O;
+        let id = session.publish_id_for(msg.client_seq, 1);
+        let mut last = None;
+        for attempt in 1..=WHISPER_TRIES {
+            let outcome = session
+                .push_to_player_with_id(id, to, WHISPER_IN, msg.class, body.clone())
+                .await
+                .ok();
+            match outcome {
+                Some(O::Delivered) => {
+                    if let Ok(mut w) = self.whispers.lock() {
+                        if w.len() < WHISPERS_KEPT {
+                            w.insert((to.to_owned(), body));
+                        }
+                    }
+                    return Ok(());
+                }
+                Some(O::Offline | O::QueueFull) => return Err(whisper_refusal(outcome)),
+                _ => last = outcome,
+            }
+            if attempt < WHISPER_TRIES {
+                tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            }
+        }
+        Err(whisper_refusal(last))
     }
 
     /// Number of messages said in `room` on this instance.
@@ -240,6 +320,12 @@ impl Service for DemoService {
                     .await
                     .map(drop)
                     .map_err(channel_refusal)
+            }
+            WHISPER => {
+                let text = std::str::from_utf8(&msg.payload).map_err(|_| BAD_REQUEST)?;
+                let (to, said) = text.split_once('|').ok_or(BAD_REQUEST)?;
+                let body = Bytes::from(format!("{}|{said}", session.player_id()));
+                self.whisper(session, &msg, to, body).await
             }
             CHANNEL_LEAVE => {
                 let channel = std::str::from_utf8(&msg.payload).map_err(|_| BAD_REQUEST)?;
