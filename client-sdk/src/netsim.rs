@@ -306,7 +306,10 @@ impl Connection for SimConnection {
     }
 
     async fn close(&mut self, code: CloseCode, message: &str) {
-        let _ = self.up.send(Up::Close(code, message.to_owned())).await;
+        // Bounded like the real transports' close: a pump that stopped draining (its
+        // downstream full, nobody reading) must not hold the caller for ever.
+        let close = self.up.send(Up::Close(code, message.to_owned()));
+        let _ = tokio::time::timeout(std::time::Duration::from_millis(500), close).await;
     }
 
     fn handshake_done(&mut self) {}

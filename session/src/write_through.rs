@@ -88,7 +88,13 @@ impl WriteThrough {
         let (tx, rx) = oneshot::channel();
         let gone = || StoreError::Unavailable("write-through committer stopped".into());
         self.jobs.send((write, tx)).await.map_err(|_| gone())?;
-        let result = rx.await.map_err(|_| gone())?;
+        // Also watched: the committer's end (a panic in a store). A job that landed in
+        // the queue after the committer drained it would keep its answer for ever, the
+        // queue living on in `jobs` (the client SDK's `Client::reply` race).
+        let result = tokio::select! {
+            r = rx => r.map_err(|_| gone())?,
+            () = self.jobs.closed() => return Err(gone()),
+        };
         match &result {
             Ok(()) => {
                 self.writes.fetch_add(1, Ordering::Relaxed);

@@ -226,6 +226,9 @@ impl Drop for Driver {
     fn drop(&mut self) {
         for shared in self.sessions.values() {
             shared.set_end(CloseReason::Shutdown);
+            // Released too: a `close` waiting for the driver returns now, not at its
+            // `close_wait` bound.
+            shared.released.store(true, Ordering::SeqCst);
             shared.released_notify.notify_waiters();
         }
     }
