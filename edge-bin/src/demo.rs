@@ -184,8 +184,9 @@ pub struct DemoReport {
     pub whispers_unchecked: u64,
     /// Delivered whispers their recipient never received, its session intact (expected: 0).
     pub whispers_lost: u64,
-    /// Whispers a client received twice (expected: 0; a WHISPER handled twice, or asked
-    /// again after an answer that may change, reaches its player once).
+    /// Whispers a client whose session lasted received twice (expected: 0; a WHISPER
+    /// handled twice, or asked again after an answer that may change, reaches its player
+    /// once).
     pub whispers_duplicated: u64,
     /// Totals.
     pub total: TransportRow,
@@ -698,10 +699,15 @@ async fn collect(
         report.whispers_sent += r.whispers_sent;
         report.whispers_refused += r.whispers_refused;
         report.whispers_received += r.whispers_received.len() as u64;
-        report.whispers_duplicated += r.whispers_duplicated;
+        let cut = r.kicked || r.session_restarts > 0 || r.gaps > 0;
+        if !cut {
+            // A new session may get a second copy of a whisper its first one was shown
+            // but could not store (answered `unknown`, asked again): told, not counted.
+            report.whispers_duplicated += r.whispers_duplicated;
+        }
         let w = whispered.entry(std::mem::take(&mut r.player)).or_default();
         w.0.extend(r.whispers_received.drain());
-        w.1 |= r.kicked || r.session_restarts > 0 || r.gaps > 0;
+        w.1 |= cut;
         let Some(kind) = r.kind else { continue };
         let row = report
             .transports

@@ -514,6 +514,46 @@ async fn two_edges_tuned(
     }
 }
 
+impl TwoEdges {
+    /// Player "mover"'s client over TCP (edge 1 first, then edge 2) and its session at the
+    /// backend, on edge 1.
+    async fn mover(&self) -> (Client, BackendSession) {
+        let endpoints: Vec<Endpoint> = self
+            .edges
+            .iter()
+            .map(|e| Endpoint::new(TransportKind::Tcp, e.addrs[&TransportKind::Tcp]))
+            .collect();
+        let client = Client::start(ClientOptions::new(endpoints, common::token("mover")));
+        client
+            .send(TrafficClass::Normal, 1000, Bytes::from_static(b"hi"))
+            .await
+            .unwrap();
+        let sessions = &self.sessions;
+        let on_edge1 = poll_until(Duration::from_secs(10), || async { sessions.get("mover") })
+            .await
+            .unwrap();
+        assert_eq!(on_edge1.edge_id(), "edge-1");
+        (client, on_edge1)
+    }
+
+    /// Moves `client` to edge 2 (its link to edge 1 drops; it resumes from Redis there) and
+    /// returns its session there, once a message of it reached the backend through edge 2.
+    async fn move_to_edge2(&self, client: &mut Client) -> BackendSession {
+        client.prefer_endpoint(1).await;
+        client.drop_link().await.expect("client running");
+        client
+            .send(TrafficClass::Normal, 1000, Bytes::from_static(b"again"))
+            .await
+            .unwrap();
+        let sessions = &self.sessions;
+        poll_until(Duration::from_secs(10), || async {
+            sessions.get("mover").filter(|s| s.edge_id() == "edge-2")
+        })
+        .await
+        .unwrap()
+    }
+}
+
 /// A session's channel memberships travel in its snapshot: resumed on another edge (through
 /// Redis), it is a member there too. That edge's channel is another epoch, so the client is
 /// told HISTORY_LOST (never a silent loss of its membership or of what it missed), then
@@ -522,20 +562,7 @@ async fn two_edges_tuned(
 async fn memberships_travel_with_a_session_resumed_on_another_edge() {
     let redis = support_redis::RedisServer::start();
     let two = two_edges(["edge-1", "edge-2"], Some(redis.url())).await;
-    let (sessions, edges) = (two.sessions.clone(), &two.edges);
-    let endpoints: Vec<Endpoint> = edges
-        .iter()
-        .map(|e| Endpoint::new(TransportKind::Tcp, e.addrs[&TransportKind::Tcp]))
-        .collect();
-    let mut client = Client::start(ClientOptions::new(endpoints, common::token("mover")));
-    client
-        .send(TrafficClass::Normal, 1000, Bytes::from_static(b"hi"))
-        .await
-        .unwrap();
-    let on_edge1 = poll_until(Duration::from_secs(10), || async { sessions.get("mover") })
-        .await
-        .unwrap();
-    assert_eq!(on_edge1.edge_id(), "edge-1");
+    let (mut client, on_edge1) = two.mover().await;
     on_edge1.join_channel("guild:g", None).await.unwrap();
     let r = on_edge1
         .publish("guild:g", TrafficClass::Normal, Bytes::from_static(b"one"))
@@ -546,11 +573,8 @@ async fn memberships_travel_with_a_session_resumed_on_another_edge() {
         ChannelUpdate::Joined { .. }
     ));
     assert_eq!(body_of(&next_update(&mut client).await), (1, "one".into()));
-    // The client moves to edge 2 (its link to edge 1 drops); it resumes from Redis there.
-    client.prefer_endpoint(1).await;
-    client.drop_link().await.expect("client running");
-    let lost = next_update(&mut client).await;
-    match lost {
+    let on_edge2 = two.move_to_edge2(&mut client).await;
+    match next_update(&mut client).await {
         ChannelUpdate::HistoryLost { channel, position } => {
             assert_eq!(channel, "guild:g");
             assert_ne!(
@@ -560,15 +584,6 @@ async fn memberships_travel_with_a_session_resumed_on_another_edge() {
         }
         other => panic!("expected HISTORY_LOST on edge 2, got {other:?}"),
     }
-    client
-        .send(TrafficClass::Normal, 1000, Bytes::from_static(b"again"))
-        .await
-        .unwrap();
-    let on_edge2 = poll_until(Duration::from_secs(10), || async {
-        sessions.get("mover").filter(|s| s.edge_id() == "edge-2")
-    })
-    .await
-    .unwrap();
     on_edge2
         .publish("guild:g", TrafficClass::Normal, Bytes::from_static(b"two"))
         .await
@@ -601,41 +616,17 @@ async fn a_join_still_waiting_travels_with_a_session_resumed_on_another_edge() {
     })
     .await;
     let (_silent_io, _notices) = silent.await.unwrap();
-    let (sessions, edges) = (two.sessions.clone(), &two.edges);
-    let endpoints: Vec<Endpoint> = edges
-        .iter()
-        .map(|e| Endpoint::new(TransportKind::Tcp, e.addrs[&TransportKind::Tcp]))
-        .collect();
-    let mut client = Client::start(ClientOptions::new(endpoints, common::token("mover")));
-    client
-        .send(TrafficClass::Normal, 1000, Bytes::from_static(b"hi"))
-        .await
-        .unwrap();
-    let on_edge1 = poll_until(Duration::from_secs(10), || async { sessions.get("mover") })
-        .await
-        .unwrap();
-    assert_eq!(on_edge1.edge_id(), "edge-1");
+    let (mut client, on_edge1) = two.mover().await;
     let joining = tokio::spawn({
         let member = on_edge1.clone();
         async move { member.join_channel("guild:g", None).await }
     });
-    expect_metric_line(&edges[0], "waygate_channels_awaiting_backends 1").await;
-    // The client moves to edge 2 (its link to edge 1 drops); it resumes from Redis there.
-    client.prefer_endpoint(1).await;
-    client.drop_link().await.expect("client running");
+    expect_metric_line(&two.edges[0], "waygate_channels_awaiting_backends 1").await;
+    let on_edge2 = two.move_to_edge2(&mut client).await;
     match next_update(&mut client).await {
         ChannelUpdate::HistoryLost { channel, .. } => assert_eq!(channel, "guild:g"),
         other => panic!("expected HISTORY_LOST for guild:g on edge 2, got {other:?}"),
     }
-    client
-        .send(TrafficClass::Normal, 1000, Bytes::from_static(b"again"))
-        .await
-        .unwrap();
-    let on_edge2 = poll_until(Duration::from_secs(10), || async {
-        sessions.get("mover").filter(|s| s.edge_id() == "edge-2")
-    })
-    .await
-    .unwrap();
     on_edge2
         .publish("guild:g", TrafficClass::Normal, Bytes::from_static(b"two"))
         .await
@@ -1673,20 +1664,7 @@ async fn a_push_sent_again_after_its_player_moved_to_another_edge_is_delivered_o
     use waygate_backend::PlayerPushOutcome as Outcome;
     let redis = support_redis::RedisServer::start();
     let two = two_edges(["edge-1", "edge-2"], Some(redis.url())).await;
-    let (sessions, edges) = (two.sessions.clone(), &two.edges);
-    let endpoints: Vec<Endpoint> = edges
-        .iter()
-        .map(|e| Endpoint::new(TransportKind::Tcp, e.addrs[&TransportKind::Tcp]))
-        .collect();
-    let mut client = Client::start(ClientOptions::new(endpoints, common::token("mover")));
-    client
-        .send(TrafficClass::Normal, 1000, Bytes::from_static(b"hi"))
-        .await
-        .unwrap();
-    let on_edge1 = poll_until(Duration::from_secs(10), || async { sessions.get("mover") })
-        .await
-        .unwrap();
-    assert_eq!(on_edge1.edge_id(), "edge-1");
+    let (mut client, on_edge1) = two.mover().await;
     let id = waygate_backend::next_request_id();
     let push_copy = |via: &BackendSession| {
         let via = via.clone();
@@ -1704,18 +1682,7 @@ async fn a_push_sent_again_after_its_player_moved_to_another_edge_is_delivered_o
     };
     assert_eq!(push_copy(&on_edge1).await, Outcome::Delivered);
     assert_eq!(next_message(&mut client, 45).await, "once");
-    // The client moves to edge 2 (its link to edge 1 drops); it resumes from Redis there.
-    client.prefer_endpoint(1).await;
-    client.drop_link().await.expect("client running");
-    client
-        .send(TrafficClass::Normal, 1000, Bytes::from_static(b"again"))
-        .await
-        .unwrap();
-    let on_edge2 = poll_until(Duration::from_secs(10), || async {
-        sessions.get("mover").filter(|s| s.edge_id() == "edge-2")
-    })
-    .await
-    .unwrap();
+    let on_edge2 = two.move_to_edge2(&mut client).await;
     for via in [&on_edge2, &on_edge1] {
         assert_eq!(
             push_copy(via).await,

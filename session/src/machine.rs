@@ -587,6 +587,12 @@ impl SessionCore {
         };
         let positions = if self.leaving.contains_key(e.channel) {
             &mut self.leaving
+        } else if e.kind == ChannelEventKind::Publication && !self.channels.contains_key(e.channel)
+        {
+            // Not a member (a join makes it one before its first event, `track_membership`):
+            // the last publications of a channel it left, which a hand-over to another
+            // connection forgot it was leaving. They make it no member again.
+            return;
         } else {
             &mut self.channels
         };

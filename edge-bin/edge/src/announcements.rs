@@ -105,16 +105,19 @@ struct Epoch {
     /// Offsets withdrawn (their append failed or timed out), kept until they expire: never
     /// read back, also when their append landed before the withdrawal in the file or lands
     /// after it.
-    withdrawn: Vec<Withdrawn>,
+    withdrawn: std::collections::BTreeMap<u64, Withdrawn>,
 }
 
 /// A withdrawal's record in the file.
 #[derive(Debug)]
 struct Withdrawn {
-    offset: u64,
     expires_ms: u64,
     bytes: u64,
 }
+
+/// How much longer a withdrawal lives than the announcement it withdraws: an append that
+/// did not answer in time may start after its withdrawal, and its record must expire first.
+const WITHDRAWAL_MARGIN_MS: u64 = 60_000;
 
 #[derive(Debug)]
 struct FileState {
@@ -167,7 +170,7 @@ impl FileState {
             .or_insert_with(|| Epoch {
                 keep: 1,
                 entries: VecDeque::new(),
-                withdrawn: Vec::new(),
+                withdrawn: std::collections::BTreeMap::new(),
             });
         e.keep = usize::try_from(r.keep).unwrap_or(usize::MAX).max(1);
         if r.event.is_empty() {
@@ -176,9 +179,8 @@ impl FileState {
                     self.live -= k.bytes;
                 }
             }
-            if !e.withdrawn.iter().any(|w| w.offset == r.offset) {
-                e.withdrawn.push(Withdrawn {
-                    offset: r.offset,
+            if let std::collections::btree_map::Entry::Vacant(v) = e.withdrawn.entry(r.offset) {
+                v.insert(Withdrawn {
                     expires_ms: r.expires_ms,
                     bytes,
                 });
@@ -186,7 +188,7 @@ impl FileState {
             }
             return;
         }
-        if e.withdrawn.iter().any(|w| w.offset == r.offset)
+        if e.withdrawn.contains_key(&r.offset)
             || e.entries.back().is_some_and(|k| k.offset >= r.offset)
         {
             return;
@@ -213,7 +215,7 @@ impl FileState {
                     freed += k.bytes;
                 }
             }
-            e.withdrawn.retain(|w| {
+            e.withdrawn.retain(|_, w| {
                 let keep = w.expires_ms > now_ms;
                 if !keep {
                     freed += w.bytes;
@@ -230,24 +232,20 @@ impl FileState {
     fn compact(&mut self) -> Result<(), AnnouncementLogError> {
         let mut records: Vec<Vec<u8>> = Vec::new();
         for ((channel, epoch), e) in &self.index {
-            for k in &e.entries {
+            // The kept announcements, then the withdrawals (an empty event).
+            let kept = e
+                .entries
+                .iter()
+                .map(|k| (k.offset, k.expires_ms, &k.event[..]));
+            let withdrawn = e.withdrawn.iter().map(|(o, w)| (*o, w.expires_ms, &[][..]));
+            for (offset, expires_ms, event) in kept.chain(withdrawn) {
                 records.push(encode(&FileRecord {
                     channel: channel.to_string(),
                     epoch: *epoch,
-                    offset: k.offset,
-                    expires_ms: k.expires_ms,
+                    offset,
+                    expires_ms,
                     keep: e.keep as u64,
-                    event: k.event.to_vec(),
-                })?);
-            }
-            for w in &e.withdrawn {
-                records.push(encode(&FileRecord {
-                    channel: channel.to_string(),
-                    epoch: *epoch,
-                    offset: w.offset,
-                    expires_ms: w.expires_ms,
-                    keep: e.keep as u64,
-                    event: Vec::new(),
+                    event: event.to_vec(),
                 })?);
             }
         }
@@ -360,6 +358,11 @@ impl FileAnnouncementLog {
         let mut file_records = Vec::with_capacity(records.len());
         for r in records {
             let ttl = u64::try_from(r.ttl.as_millis()).unwrap_or(u64::MAX);
+            let ttl = if withdraw {
+                ttl.saturating_add(WITHDRAWAL_MARGIN_MS)
+            } else {
+                ttl
+            };
             let fr = FileRecord {
                 channel: r.channel.to_string(),
                 epoch: r.position.epoch,

@@ -583,17 +583,19 @@ pub struct ChannelHub {
     dedup_order: VecDeque<(Instant, Arc<str>, u64)>,
     /// Backend links told which channels this edge has.
     interest: interest::Interest,
-    /// Joins that read the announcement log first, per session: (channel, reads in flight,
-    /// a LEAVE taken meanwhile), so the LEAVE is carried out after the join
-    /// ([`ChannelHub::logged_join_started`]).
-    logged_joins: HashMap<SessionId, Vec<LoggedJoin>>,
+    /// Joins taken but carried out later (they read the announcement log first, or wait
+    /// for room in the channel's queue), per session, so a LEAVE taken meanwhile follows
+    /// them ([`ChannelHub::deferred_join_started`]).
+    deferred_joins: HashMap<SessionId, Vec<DeferredJoin>>,
 }
 
-/// A session's joins of one channel waiting for the announcement log.
+/// A session's joins of one channel taken and not carried out yet.
 #[derive(Debug)]
-struct LoggedJoin {
+struct DeferredJoin {
     channel: Arc<str>,
-    reads: u32,
+    /// How many.
+    joins: u32,
+    /// A LEAVE taken after the last of them: carried out once they all are.
     leave_after: bool,
 }
 
@@ -633,44 +635,59 @@ impl ChannelHub {
             held: 0,
             dedup_order: VecDeque::new(),
             interest: interest::Interest::default(),
-            logged_joins: HashMap::new(),
+            deferred_joins: HashMap::new(),
         }
     }
 
-    /// A join of `session` to `channel` that first reads the announcement log
-    /// ([`needs_logged`](Self::needs_logged)) started: until it is carried out
-    /// ([`logged_join_done`](Self::logged_join_done)), a LEAVE of that membership is taken
-    /// and deferred until after it, so the two happen in the order the backend sent them.
-    pub fn logged_join_started(&mut self, session: SessionId, channel: &str) {
-        let joins = self.logged_joins.entry(session).or_default();
-        match joins.iter_mut().find(|j| &*j.channel == channel) {
-            Some(j) => j.reads += 1,
-            None => joins.push(LoggedJoin {
+    /// The session's deferred joins of `channel`, if any.
+    fn deferred_join(&mut self, session: &SessionId, channel: &str) -> Option<&mut DeferredJoin> {
+        self.deferred_joins
+            .get_mut(session)?
+            .iter_mut()
+            .find(|j| &*j.channel == channel)
+    }
+
+    /// A join of `session` to `channel` was taken and is carried out later (it reads the
+    /// announcement log first, [`needs_logged`](Self::needs_logged), or waits for room in
+    /// the channel's queue): until it is ([`deferred_join_done`](Self::deferred_join_done)),
+    /// a LEAVE of that membership is taken and carried out after it, so joins and leaves
+    /// keep the order the backend sent them in. A join cancels a LEAVE taken before it.
+    pub fn deferred_join_started(&mut self, session: SessionId, channel: &str) {
+        if let Some(j) = self.deferred_join(&session, channel) {
+            j.joins += 1;
+            j.leave_after = false;
+            return;
+        }
+        self.deferred_joins
+            .entry(session)
+            .or_default()
+            .push(DeferredJoin {
                 channel: channel.into(),
-                reads: 1,
+                joins: 1,
                 leave_after: false,
-            }),
-        }
+            });
     }
 
-    /// The join [`logged_join_started`](Self::logged_join_started) announced was carried
-    /// out (or refused, or dropped: the session ended). A LEAVE taken meanwhile is carried
-    /// out now; returns whether it was (the session was a member, and now leaves).
-    pub fn logged_join_done(&mut self, now: Instant, session: SessionId, channel: &str) -> bool {
-        let Some(joins) = self.logged_joins.get_mut(&session) else {
+    /// A join [`deferred_join_started`](Self::deferred_join_started) announced was carried
+    /// out (or refused, or dropped: the session ended). Once the last of them is, a LEAVE
+    /// taken after them is carried out; returns whether it was now (the session was a
+    /// member, and leaves).
+    pub fn deferred_join_done(&mut self, now: Instant, session: SessionId, channel: &str) -> bool {
+        let Some(joins) = self.deferred_joins.get_mut(&session) else {
             return false;
         };
         let Some(i) = joins.iter().position(|j| &*j.channel == channel) else {
             return false;
         };
         let j = &mut joins[i];
-        j.reads = j.reads.saturating_sub(1);
-        let leave = std::mem::take(&mut j.leave_after);
-        if j.reads == 0 {
-            joins.swap_remove(i);
-            if joins.is_empty() {
-                self.logged_joins.remove(&session);
-            }
+        j.joins = j.joins.saturating_sub(1);
+        if j.joins > 0 {
+            return false;
+        }
+        let leave = j.leave_after;
+        joins.swap_remove(i);
+        if joins.is_empty() {
+            self.deferred_joins.remove(&session);
         }
         leave && self.leave_now(now, session, channel).unwrap_or(false)
     }
@@ -954,6 +971,10 @@ impl ChannelHub {
         channel: &str,
         since: Option<ChannelPosition>,
     ) -> Result<(ChannelPosition, JoinOutcome), ChannelError> {
+        // A join cancels a LEAVE taken (and deferred) before it.
+        if let Some(j) = self.deferred_join(&session, channel) {
+            j.leave_after = false;
+        }
         self.join_with_logged(now, session, player, channel, since, &[])
     }
 
@@ -1109,8 +1130,8 @@ impl ChannelHub {
     /// Ends `session`'s membership of `channel`: it still receives what was queued before,
     /// then a LEFT marker. Not a member: nothing happens (`Ok(false)`); a kind this edge
     /// does not have is [`ChannelError::UnknownKind`], as for a join. While a join of that
-    /// membership reads the announcement log, the leave is taken (`Ok(true)`) and carried
-    /// out right after the join ([`logged_join_done`](Self::logged_join_done)).
+    /// membership is deferred, the leave is taken (`Ok(true)`) and carried out right after
+    /// it ([`deferred_join_done`](Self::deferred_join_done)).
     pub fn leave(
         &mut self,
         now: Instant,
@@ -1120,12 +1141,8 @@ impl ChannelHub {
         if !self.kinds.contains_key(channel_kind(channel)?) {
             return Err(ChannelError::UnknownKind);
         }
-        let pending = self
-            .logged_joins
-            .get_mut(&session)
-            .and_then(|joins| joins.iter_mut().find(|j| &*j.channel == channel));
-        if let Some(j) = pending {
-            // A join reading the log came first: this leave follows it.
+        if let Some(j) = self.deferred_join(&session, channel) {
+            // A join carried out later came first: this leave follows it.
             j.leave_after = true;
             return Ok(true);
         }

@@ -431,12 +431,15 @@ fn a_leave_taken_while_a_join_reads_the_log_follows_the_join() {
         offset: 2,
     };
     assert!(hub.needs_logged("room:a", Some(since)));
-    hub.logged_join_started(sid(1), "room:a");
+    hub.deferred_join_started(sid(1), "room:a");
     assert_eq!(hub.leave(now, sid(1), "room:a"), Ok(true), "taken");
     assert_eq!(hub.members("room:a"), 0, "not carried out before the join");
     hub.join_with_logged(now, sid(1), &player(1), "room:a", Some(since), &[])
         .unwrap();
-    assert!(hub.logged_join_done(now, sid(1), "room:a"), "left after it");
+    assert!(
+        hub.deferred_join_done(now, sid(1), "room:a"),
+        "left after it"
+    );
     let got = drain(&mut hub);
     let kinds: Vec<_> = got.iter().map(|(_, e)| e.kind).collect();
     assert_eq!(
@@ -447,11 +450,40 @@ fn a_leave_taken_while_a_join_reads_the_log_follows_the_join() {
     // Once the join is over, a leave is carried out at once again, and a done without a
     // start changes nothing.
     hub.join(now, sid(1), &player(1), "room:a", None).unwrap();
-    assert!(!hub.logged_join_done(now, sid(1), "room:a"));
+    assert!(!hub.deferred_join_done(now, sid(1), "room:a"));
     assert_eq!(hub.leave(now, sid(1), "room:a"), Ok(true));
     let got = drain(&mut hub);
     let kinds: Vec<_> = got.iter().map(|(_, e)| e.kind).collect();
     assert_eq!(kinds, [ChannelEventKind::Joined, ChannelEventKind::Left]);
+    assert_eq!(hub.members("room:a"), 0);
+    // Two deferred joins, then a LEAVE: carried out after both, not between them (the
+    // second would cancel it).
+    hub.deferred_join_started(sid(1), "room:a");
+    hub.deferred_join_started(sid(1), "room:a");
+    assert_eq!(hub.leave(now, sid(1), "room:a"), Ok(true));
+    hub.join_with_logged(now, sid(1), &player(1), "room:a", None, &[])
+        .unwrap();
+    assert!(
+        !hub.deferred_join_done(now, sid(1), "room:a"),
+        "one still out"
+    );
+    hub.join_with_logged(now, sid(1), &player(1), "room:a", None, &[])
+        .unwrap();
+    assert!(hub.deferred_join_done(now, sid(1), "room:a"));
+    drain(&mut hub);
+    assert_eq!(hub.members("room:a"), 0);
+    // A deferred join, a LEAVE, then a join at once: the last word is the join.
+    hub.deferred_join_started(sid(1), "room:a");
+    assert_eq!(hub.leave(now, sid(1), "room:a"), Ok(true));
+    hub.join(now, sid(1), &player(1), "room:a", None).unwrap();
+    hub.join_with_logged(now, sid(1), &player(1), "room:a", None, &[])
+        .unwrap();
+    assert!(
+        !hub.deferred_join_done(now, sid(1), "room:a"),
+        "the leave was cancelled"
+    );
+    drain(&mut hub);
+    assert_eq!(hub.members("room:a"), 1);
     hub.check_invariants().unwrap();
 }
 

@@ -768,13 +768,38 @@ fn a_captured_resume_hello_replayed_is_refused() {
     assert_eq!(welcome_outcome(&frames), Some(WelcomeOutcome::Restored));
 }
 
+/// Queues a channel event of `channel` (epoch 5, `offset`) to machine `m`, as the edge's
+/// channels do (a DATA of `CHANNEL_EVENT_MSG_ID`).
+fn show_channel_event(
+    p: &mut Pair,
+    m: usize,
+    kind: waygate_protocol::channel::ChannelEventKind,
+    channel: &str,
+    offset: u64,
+) {
+    use waygate_protocol::channel::{ChannelEvent, ChannelPosition, CHANNEL_EVENT_MSG_ID};
+    let event = ChannelEvent {
+        kind,
+        channel: channel.into(),
+        position: ChannelPosition { epoch: 5, offset },
+        body: Bytes::new(),
+    };
+    let now = p.now;
+    p.edge.machines[m]
+        .send_downstream(
+            now,
+            TrafficClass::Normal,
+            CHANNEL_EVENT_MSG_ID,
+            event.to_bytes(),
+        )
+        .expect("queued");
+}
+
 /// Routing keys a backend bound (BIND) are part of the session: in its snapshot, and
 /// announced (`RoutingKeys`) when a restore re-establishes it, wherever that happens.
 #[test]
 fn routing_keys_and_channel_memberships_travel_with_the_session() {
-    use waygate_protocol::channel::{
-        ChannelEvent, ChannelEventKind, ChannelPosition, CHANNEL_EVENT_MSG_ID,
-    };
+    use waygate_protocol::channel::{ChannelEventKind, ChannelPosition};
     let mut p = Pair::new(SessionConfig::default());
     let c = login(&mut p, "alice");
     let m = p.peers[c].conn.expect("conn");
@@ -782,15 +807,6 @@ fn routing_keys_and_channel_memberships_travel_with_the_session() {
         .bind_key("room", "harbour")
         .expect("bind key");
     // Channel events queued to the client move each channel's position; LEFT ends one.
-    let event = |kind, channel: &str, offset| {
-        ChannelEvent {
-            kind,
-            channel: channel.into(),
-            position: ChannelPosition { epoch: 5, offset },
-            body: Bytes::new(),
-        }
-        .to_bytes()
-    };
     for (kind, channel, offset) in [
         (ChannelEventKind::Joined, "guild:1", 0),
         (ChannelEventKind::Publication, "guild:1", 1),
@@ -798,15 +814,7 @@ fn routing_keys_and_channel_memberships_travel_with_the_session() {
         (ChannelEventKind::Publication, "guild:1", 0), // best-effort: no position
         (ChannelEventKind::Left, "room:x", 3),
     ] {
-        let now = p.now;
-        p.edge.machines[m]
-            .send_downstream(
-                now,
-                TrafficClass::Normal,
-                CHANNEL_EVENT_MSG_ID,
-                event(kind, channel, offset),
-            )
-            .expect("queued");
+        show_channel_event(&mut p, m, kind, channel, offset);
     }
     // So do the ids of the pushes queued on it (PLAYER_PUSH; 0 is no id), each once.
     for id in [0, 9, 9, 10] {
@@ -898,30 +906,12 @@ fn routing_keys_and_channel_memberships_travel_with_the_session() {
 /// position it had.
 #[test]
 fn channel_joins_and_leaves_reach_the_snapshot_before_their_events() {
-    use waygate_protocol::channel::{
-        ChannelEvent, ChannelEventKind, ChannelPosition, CHANNEL_EVENT_MSG_ID,
-    };
+    use waygate_protocol::channel::{ChannelEventKind, ChannelPosition};
     let mut p = Pair::new(SessionConfig::default());
     let c = login(&mut p, "alice");
     let m = p.peers[c].conn.expect("conn");
     let pos = |offset| ChannelPosition { epoch: 5, offset };
-    let show = |p: &mut Pair, kind, offset| {
-        let event = ChannelEvent {
-            kind,
-            channel: "guild:1".into(),
-            position: pos(offset),
-            body: Bytes::new(),
-        };
-        let now = p.now;
-        p.edge.machines[m]
-            .send_downstream(
-                now,
-                TrafficClass::Normal,
-                CHANNEL_EVENT_MSG_ID,
-                event.to_bytes(),
-            )
-            .expect("queued");
-    };
+    let show = |p: &mut Pair, kind, offset| show_channel_event(p, m, kind, "guild:1", offset);
     let track = |p: &mut Pair, joined: Option<u64>| {
         p.edge.machines[m]
             .track_membership("guild:1", joined.map(pos))
@@ -958,9 +948,7 @@ fn channel_joins_and_leaves_reach_the_snapshot_before_their_events() {
 /// with backlog, PROTOCOL.md §12.4): events sent but never acked do not count.
 #[test]
 fn a_session_ends_with_the_channel_positions_its_client_acknowledged() {
-    use waygate_protocol::channel::{
-        ChannelEvent, ChannelEventKind, ChannelPosition, CHANNEL_EVENT_MSG_ID,
-    };
+    use waygate_protocol::channel::{ChannelEventKind, ChannelPosition};
     let cfg = SessionConfig {
         linger: Duration::from_secs(60),
         ..SessionConfig::default()
@@ -968,26 +956,7 @@ fn a_session_ends_with_the_channel_positions_its_client_acknowledged() {
     let mut p = Pair::new(cfg);
     let c = login(&mut p, "alice");
     let m = p.peers[c].conn.expect("conn");
-    let event = |kind, offset| {
-        ChannelEvent {
-            kind,
-            channel: "guild:1".into(),
-            position: ChannelPosition { epoch: 9, offset },
-            body: Bytes::new(),
-        }
-        .to_bytes()
-    };
-    let queue = |p: &mut Pair, kind, offset| {
-        let now = p.now;
-        p.edge.machines[m]
-            .send_downstream(
-                now,
-                TrafficClass::Normal,
-                CHANNEL_EVENT_MSG_ID,
-                event(kind, offset),
-            )
-            .expect("queued");
-    };
+    let queue = |p: &mut Pair, kind, offset| show_channel_event(p, m, kind, "guild:1", offset);
     queue(&mut p, ChannelEventKind::Joined, 0);
     queue(&mut p, ChannelEventKind::Publication, 1);
     queue(&mut p, ChannelEventKind::Publication, 2);
@@ -1002,7 +971,7 @@ fn a_session_ends_with_the_channel_positions_its_client_acknowledged() {
     assert_eq!(
         acked.get("guild:1"),
         Some(&ChannelPosition {
-            epoch: 9,
+            epoch: 5,
             offset: 2
         })
     );

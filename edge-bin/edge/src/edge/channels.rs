@@ -388,10 +388,10 @@ impl Shared {
     /// (`needs_logged`), which it has exactly when the edge has one. At most [`LOG_READS`]
     /// reads run at once: a backend's join beyond them is refused `unavailable` at once (it
     /// retries), a restored membership waits for a read. Called with the hub locked: the
-    /// hub learns of the join before any later LEAVE ([`ChannelHub::logged_join_started`]),
+    /// hub learns of the join before any later LEAVE ([`ChannelHub::deferred_join_started`]),
     /// which then follows it.
     ///
-    /// [`ChannelHub::logged_join_started`]: waygate_channels::ChannelHub::logged_join_started
+    /// [`ChannelHub::deferred_join_started`]: waygate_channels::ChannelHub::deferred_join_started
     fn join_from_log(
         self: &Arc<Self>,
         hub: &mut waygate_channels::ChannelHub,
@@ -425,7 +425,7 @@ impl Shared {
         let reads = a.reads.clone();
         let (weak, log) = (Arc::downgrade(self), a.log.clone());
         // A LEAVE the backend sends after this join waits for it.
-        hub.logged_join_started(session, &channel);
+        hub.deferred_join_started(session, &channel);
         tokio::spawn(async move {
             let permit = match permit {
                 Some(p) => p,
@@ -433,7 +433,7 @@ impl Shared {
                     Ok(p) => p,
                     Err(_) => {
                         if let Some(shared) = weak.upgrade() {
-                            shared.logged_join_done(session, &channel);
+                            shared.deferred_join_dropped(session, &channel);
                         }
                         return;
                     }
@@ -536,14 +536,15 @@ impl Shared {
                     }
                     Err(ChannelError::QueueFull) => {
                         // Recoveries of many members at once fill the channel's queue for
-                        // them: transient, so the membership is joined again shortly.
+                        // them: transient, so the membership is joined again shortly (a
+                        // LEAVE meanwhile follows that join).
+                        hub.deferred_join_started(session_id, &name);
                         tokio::spawn(join_retrying(
                             Arc::downgrade(self),
                             session_id,
                             name,
                             position,
                             Vec::new(),
-                            false,
                         ));
                     }
                     Err(e) => {
@@ -579,23 +580,29 @@ impl Shared {
         }
     }
 
-    /// A join announced as reading the log ([`join_from_log`]) is over: a LEAVE taken
-    /// meanwhile is carried out now, after it (with the hub locked, as every join and
-    /// leave, so the session's snapshot follows the hub's order).
-    fn leave_deferred_by(
+    /// A deferred join (it read the log, or waited for room in the channel's queue) is
+    /// over, `joined` from that position (`None`: refused, dropped, or a restored
+    /// membership the session's snapshot holds already). A LEAVE taken after it is
+    /// carried out now; the session's snapshot learns the one outcome (with the hub
+    /// locked, as every join and leave, so it follows the hub's order).
+    fn deferred_join_over(
         &self,
         hub: &mut waygate_channels::ChannelHub,
         session: waygate_protocol::frame::SessionId,
         channel: &str,
+        joined: Option<ChannelPosition>,
     ) {
-        if hub.logged_join_done(now_std(), session, channel) {
+        if hub.deferred_join_done(now_std(), session, channel) {
             self.track_membership(session, channel, None);
+        } else if joined.is_some() {
+            self.track_membership(session, channel, joined);
         }
     }
 
-    /// [`leave_deferred_by`](Self::leave_deferred_by), locking the hub.
-    fn logged_join_done(&self, session: waygate_protocol::frame::SessionId, channel: &str) {
-        self.leave_deferred_by(&mut self.hub(), session, channel);
+    /// A deferred join was dropped (refused, or its session ended): a LEAVE taken after it
+    /// is carried out now.
+    fn deferred_join_dropped(&self, session: waygate_protocol::frame::SessionId, channel: &str) {
+        self.deferred_join_over(&mut self.hub(), session, channel, None);
     }
 
     /// Restored memberships this edge refused end for the client with a LEFT event.
@@ -746,7 +753,7 @@ async fn join_from_log(
             if let Some((request_id, reply)) = answer {
                 tracing::info!(%channel, error = %e, "join refused: the announcement log cannot be read");
                 answer_later(reply, result(request_id, Err(ChannelError::LogUnavailable)));
-                shared.logged_join_done(session, &channel);
+                shared.deferred_join_dropped(session, &channel);
                 return;
             }
             tracing::warn!(%channel, error = %e, "restored membership joined without the announcements it missed: the log cannot be read");
@@ -755,23 +762,21 @@ async fn join_from_log(
     };
     let Some((request_id, reply)) = answer else {
         drop(shared);
-        return join_retrying(weak, session, channel, since, logged, true).await;
+        return join_retrying(weak, session, channel, since, logged).await;
     };
     // The session may have ended during the read: then it is a member of nothing here
     // (a membership added now would be a dead session's, the join answered as taken).
     let Some(player) = shared.session_layer().registry.player_of(&session) else {
         answer_later(reply, member_offline(request_id));
-        shared.logged_join_done(session, &channel);
+        shared.deferred_join_dropped(session, &channel);
         return;
     };
     let (outcome, answer) = {
         let mut hub = shared.hub();
         let outcome =
             hub.join_with_logged(now_std(), session, &player, &channel, Some(since), &logged);
-        if outcome.is_ok() {
-            shared.track_membership(session, &channel, Some(since));
-        }
-        shared.leave_deferred_by(&mut hub, session, &channel);
+        let joined = outcome.is_ok().then_some(since);
+        shared.deferred_join_over(&mut hub, session, &channel, joined);
         let answer = result(request_id, outcome.map(|(p, _)| p));
         (
             outcome,
@@ -788,15 +793,14 @@ async fn join_from_log(
 /// Rejoins a restored session's membership from `since` (with `logged`, the announcements
 /// the log holds after it): a channel queue full of other members' recoveries is retried
 /// every 100 ms for up to 10 s; any other refusal, or a queue still full, ends the
-/// membership for the client with LEFT (never silently). `after_log`: the join was
-/// announced to the hub as reading the log (a LEAVE taken meanwhile follows it).
+/// membership for the client with LEFT (never silently). The join was announced to the
+/// hub as deferred (a LEAVE taken meanwhile follows it).
 async fn join_retrying(
     weak: Weak<Shared>,
     session: waygate_protocol::frame::SessionId,
     channel: String,
     since: ChannelPosition,
     logged: Vec<AnnouncementRecord>,
-    after_log: bool,
 ) {
     for attempt in 0..=100u32 {
         let Some(shared) = weak.upgrade() else {
@@ -804,17 +808,16 @@ async fn join_retrying(
         };
         let Some(player) = shared.session_layer().registry.player_of(&session) else {
             // The session ended: nothing to rejoin.
-            if after_log {
-                shared.logged_join_done(session, &channel);
-            }
+            shared.deferred_join_dropped(session, &channel);
             return;
         };
         let outcome = {
             let mut hub = shared.hub();
             let outcome =
                 hub.join_with_logged(now_std(), session, &player, &channel, Some(since), &logged);
-            if after_log && !matches!(outcome, Err(ChannelError::QueueFull) if attempt < 100) {
-                shared.leave_deferred_by(&mut hub, session, &channel);
+            if !matches!(outcome, Err(ChannelError::QueueFull) if attempt < 100) {
+                // The snapshot holds the restored membership already.
+                shared.deferred_join_over(&mut hub, session, &channel, None);
             }
             outcome
         };

@@ -74,25 +74,28 @@ fn unavailable(e: impl std::fmt::Display) -> AnnouncementLogError {
     AnnouncementLogError::Unavailable(e.to_string())
 }
 
-#[async_trait]
-impl AnnouncementLog for RedisAnnouncementLog {
-    async fn append(&self, records: &[AnnouncementRecord]) -> Result<(), AnnouncementLogError> {
+impl RedisAnnouncementLog {
+    /// Runs `script` once per record in one pipeline (per slot on a cluster), with KEYS the
+    /// record's stream and withdrawn set and the ARGV `args` gives; `Ok` if every run did.
+    async fn run_each(
+        &self,
+        records: &[AnnouncementRecord],
+        script: &str,
+        args: impl Fn(&mut redis::Pipeline, &AnnouncementRecord),
+    ) -> Result<(), AnnouncementLogError> {
         let replies = self
             .conn
             .pipeline_each(
                 records,
                 |r| self.key(&r.channel, r.position.epoch),
                 |pipe, r| {
-                    pipe.cmd("EVAL")
-                        .arg(APPEND_LUA)
+                    let cmd = pipe
+                        .cmd("EVAL")
+                        .arg(script)
                         .arg(2)
                         .arg(self.key(&r.channel, r.position.epoch))
-                        .arg(self.withdrawn_key(&r.channel, r.position.epoch))
-                        .arg(r.keep.max(1))
-                        .arg(format!("{}-1", r.position.offset))
-                        .arg(&r.event[..])
-                        .arg(ms(r.ttl))
-                        .arg(r.position.offset);
+                        .arg(self.withdrawn_key(&r.channel, r.position.epoch));
+                    args(cmd, r);
                 },
             )
             .await
@@ -102,29 +105,26 @@ impl AnnouncementLog for RedisAnnouncementLog {
         }
         Ok(())
     }
+}
+
+#[async_trait]
+impl AnnouncementLog for RedisAnnouncementLog {
+    async fn append(&self, records: &[AnnouncementRecord]) -> Result<(), AnnouncementLogError> {
+        self.run_each(records, APPEND_LUA, |cmd, r| {
+            cmd.arg(r.keep.max(1))
+                .arg(format!("{}-1", r.position.offset))
+                .arg(&r.event[..])
+                .arg(ms(r.ttl))
+                .arg(r.position.offset);
+        })
+        .await
+    }
 
     async fn withdraw(&self, records: &[AnnouncementRecord]) -> Result<(), AnnouncementLogError> {
-        let replies = self
-            .conn
-            .pipeline_each(
-                records,
-                |r| self.key(&r.channel, r.position.epoch),
-                |pipe, r| {
-                    pipe.cmd("EVAL")
-                        .arg(WITHDRAW_LUA)
-                        .arg(2)
-                        .arg(self.key(&r.channel, r.position.epoch))
-                        .arg(self.withdrawn_key(&r.channel, r.position.epoch))
-                        .arg(r.position.offset)
-                        .arg(ms(r.ttl).max(1));
-                },
-            )
-            .await
-            .map_err(unavailable)?;
-        for reply in replies {
-            reply.map_err(unavailable)?;
-        }
-        Ok(())
+        self.run_each(records, WITHDRAW_LUA, |cmd, r| {
+            cmd.arg(r.position.offset).arg(ms(r.ttl).max(1));
+        })
+        .await
     }
 
     async fn after(

@@ -183,7 +183,11 @@ fn decode_record(fields: Vec<(Vec<u8>, Vec<u8>)>) -> Result<Snapshot, String> {
     let mut push_ids = Vec::new();
     for (field, value) in fields {
         if field == PUSH_IDS_FIELD {
-            push_ids = postcard::from_bytes(&value).map_err(|e| format!("push ids: {e}"))?;
+            // Only a retry's dedup depends on them: a session is not lost for them.
+            push_ids = postcard::from_bytes(&value).unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "snapshot push ids unreadable: dropped");
+                Vec::new()
+            });
         } else if field == b"d" {
             data = Some(value);
         } else if field == b"c" {
