@@ -1158,6 +1158,44 @@ async fn a_panicking_handler_refuses_its_message_and_the_session_goes_on() {
     );
 }
 
+/// Never answers the payload `hang` (a handler stuck on a dependency), echoes anything else.
+struct HangsOnHang;
+
+#[async_trait]
+impl Service for HangsOnHang {
+    async fn message(&self, session: &BackendSession, msg: Incoming) -> Result<(), Refusal> {
+        if &msg.payload[..] == b"hang" {
+            std::future::pending::<()>().await;
+        }
+        echo(session, msg.payload).await
+    }
+}
+
+/// A handler that runs past the backend's `handler_timeout` is cancelled and its message
+/// refused `internal`, and the session's next message is handled: before, one stuck
+/// handler held its session's messages (and their FORWARD credit) for ever.
+#[tokio::test]
+async fn a_handler_past_its_deadline_refuses_its_message_and_the_session_goes_on() {
+    let mut config = BackendConfig::new("b1");
+    config.handler_timeout = Some(Duration::from_millis(200));
+    let (_backend, link, mut rx) = linked_with(config, Arc::new(HangsOnHang)).await;
+    let m = meta(3, "erin");
+    forward_echo(&link, &m, 1, Bytes::from_static(b"hang"));
+    forward_echo(&link, &m, 2, Bytes::from_static(b"ok"));
+    match next_event(&mut rx).await {
+        LinkEvent::Refuse { refusal, .. } => {
+            assert_eq!((refusal.client_seq, refusal.code), (1, CloseCode::Internal))
+        }
+        other => panic!("expected the refusal, got {other:?}"),
+    }
+    let event = next_event(&mut rx).await;
+    assert_eq!(
+        first_push(&event).map(|p| p.2),
+        Some(Bytes::from_static(b"ok")),
+        "{event:?}"
+    );
+}
+
 /// A handler that pushes `oversized` messages too large for a link frame, recording each
 /// result, then one ordinary push.
 struct OversizedPusher {

@@ -57,6 +57,12 @@ pub struct BackendConfig {
     /// resends everything unacknowledged, up to its send buffer); lower it for handlers
     /// that may wait long.
     pub session_queue: u32,
+    /// How long one call into the game's [`Service`] may run (`None`: no bound). A message
+    /// whose handler runs past it is cancelled and refused `internal`, as one that panics,
+    /// and the session's next messages go on; a lifecycle call past it is cancelled and
+    /// logged. Without a bound, one stuck handler would hold its session's messages (and
+    /// the client's acknowledgements) for ever. Default: 30 s.
+    pub handler_timeout: Option<Duration>,
     /// Link heartbeat interval.
     pub heartbeat: Duration,
     /// Largest link frame accepted.
@@ -81,6 +87,7 @@ impl BackendConfig {
             instance_id: instance_id.into(),
             forward_credits: 256,
             session_queue: 256,
+            handler_timeout: Some(Duration::from_secs(30)),
             heartbeat: Duration::from_secs(2),
             max_link_frame: DEFAULT_MAX_LINK_FRAME,
             link_secret: None,
@@ -1273,6 +1280,7 @@ where
         answers_done,
         credit: Mutex::new(CreditReturn::default()),
         return_every: (config.forward_credits / 4).max(1),
+        handler_timeout: config.handler_timeout,
     });
     // One worker per session: a session's messages and lifecycle events are handled one at
     // a time, in order; different sessions' handlers run concurrently, so one that waits
@@ -1556,6 +1564,8 @@ struct LinkWork {
     credit: Mutex<CreditReturn>,
     /// FORWARD credit is returned in batches of this many.
     return_every: u32,
+    /// [`BackendConfig::handler_timeout`].
+    handler_timeout: Option<Duration>,
 }
 
 impl LinkWork {
@@ -1577,11 +1587,27 @@ impl LinkWork {
 }
 
 /// Runs one call into the game's [`Service`]; a panic in it is caught and logged (`None`),
-/// so a session's worker lives until its session closes: its messages are always
-/// answered and their credit returned (a dead worker would hold the link's credit).
-async fn guarded<T>(handle: u64, call: &'static str, fut: impl Future<Output = T>) -> Option<T> {
+/// and so is a call that runs past `deadline` (cancelled), so a session's worker lives
+/// until its session closes: its messages are always answered and their credit returned
+/// (a dead or stuck worker would hold the link's credit).
+async fn guarded<T>(
+    handle: u64,
+    deadline: Option<Duration>,
+    call: &'static str,
+    fut: impl Future<Output = T>,
+) -> Option<T> {
     use futures_util::FutureExt as _;
-    let caught = std::panic::AssertUnwindSafe(fut).catch_unwind().await;
+    let caught = std::panic::AssertUnwindSafe(fut).catch_unwind();
+    let caught = match deadline {
+        Some(d) => match tokio::time::timeout(d, caught).await {
+            Ok(c) => c,
+            Err(_) => {
+                tracing::error!(handle, call, deadline = ?d, "the game's handler ran past its deadline: cancelled");
+                return None;
+            }
+        },
+        None => caught.await,
+    };
     if caught.is_err() {
         tracing::error!(handle, call, "the game's handler panicked");
     }
@@ -1597,7 +1623,13 @@ async fn session_worker(
     away_jobs: Arc<AtomicU32>,
 ) {
     let handle = session.inner.handle;
-    guarded(handle, "session_open", work.service.session_open(&session)).await;
+    guarded(
+        handle,
+        work.handler_timeout,
+        "session_open",
+        work.service.session_open(&session),
+    )
+    .await;
     while let Some(job) = jobs.recv().await {
         match job {
             SessionJob::Forward { id, incoming } => {
@@ -1612,11 +1644,17 @@ async fn session_worker(
                     if work.answers_done {
                         session.inner.answering.store(client_seq, Ordering::Release);
                     }
-                    let result =
-                        guarded(handle, "message", work.service.message(&session, incoming)).await;
+                    let result = guarded(
+                        handle,
+                        work.handler_timeout,
+                        "message",
+                        work.service.message(&session, incoming),
+                    )
+                    .await;
                     session.inner.answering.store(0, Ordering::Release);
-                    // A handler that panicked refuses its message `internal`: the client
-                    // is answered, the credit returns and the session's worker goes on.
+                    // A handler that panicked or ran past its deadline refuses its message
+                    // `internal`: the client is answered, the credit returns and the
+                    // session's worker goes on.
                     result
                         .unwrap_or(Err(Refusal {
                             code: CloseCode::Internal,
@@ -1652,12 +1690,12 @@ async fn session_worker(
             SessionJob::Detached(linger) => {
                 away_jobs.fetch_sub(1, Ordering::AcqRel);
                 let call = work.service.session_detached(&session, linger);
-                guarded(handle, "session_detached", call).await;
+                guarded(handle, work.handler_timeout, "session_detached", call).await;
             }
             SessionJob::Reattached(gap) => {
                 away_jobs.fetch_sub(1, Ordering::AcqRel);
                 let call = work.service.session_reattached(&session, gap);
-                guarded(handle, "session_reattached", call).await;
+                guarded(handle, work.handler_timeout, "session_reattached", call).await;
             }
             SessionJob::AwayChanges(folded) => {
                 let changes = folded.lock().unwrap_or_else(|e| e.into_inner()).take();
@@ -1669,22 +1707,28 @@ async fn session_worker(
                 for detached in calls {
                     if detached {
                         let call = work.service.session_detached(&session, c.linger);
-                        guarded(handle, "session_detached", call).await;
+                        guarded(handle, work.handler_timeout, "session_detached", call).await;
                     } else {
                         let call = work.service.session_reattached(&session, c.gap);
-                        guarded(handle, "session_reattached", call).await;
+                        guarded(handle, work.handler_timeout, "session_reattached", call).await;
                     }
                 }
             }
             SessionJob::Reopened(new) => {
-                guarded(handle, "session_open", work.service.session_open(&new)).await;
+                guarded(
+                    handle,
+                    work.handler_timeout,
+                    "session_open",
+                    work.service.session_open(&new),
+                )
+                .await;
                 let old = std::mem::replace(&mut session, new);
                 let call = work.service.session_closed(&old, CloseCode::Normal);
-                guarded(handle, "session_closed", call).await;
+                guarded(handle, work.handler_timeout, "session_closed", call).await;
             }
             SessionJob::Closed(code) => {
                 let call = work.service.session_closed(&session, code);
-                guarded(handle, "session_closed", call).await;
+                guarded(handle, work.handler_timeout, "session_closed", call).await;
                 return;
             }
         }
