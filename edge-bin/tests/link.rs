@@ -11,7 +11,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::sync::mpsc;
-use waygate_backend::demo::{DemoService, ECHO, ECHO_REPLY};
+use waygate_backend::demo::{DemoService, CHANNEL_JOIN, ECHO, ECHO_REPLY, JOIN_ROOM, WHISPER};
 use waygate_backend::{Backend, BackendConfig, BackendSession, Incoming, Refusal, Service};
 use waygate_edge::link::{
     AnswerEnd, ForwardError, LinkClient, LinkConfig, LinkEvent, LinkRefusal, SessionMeta,
@@ -1154,6 +1154,49 @@ async fn a_panicking_handler_refuses_its_message_and_the_session_goes_on() {
     assert_eq!(
         first_push(&event).map(|p| p.2),
         Some(Bytes::from_static(b"ok")),
+        "{event:?}"
+    );
+}
+
+/// A name longer than the link carries — a client's 300-byte room id, channel or whisper
+/// recipient, which the demo backend passes on in a BIND, a CHANNEL_JOIN or a PLAYER_PUSH —
+/// is refused `protocol_error` by the backend SDK before it is sent, and the link stays up
+/// for every session on it. Found by the PROTOCOL.md audit: the edge took such a frame for
+/// a malformed one and closed the link.
+#[tokio::test]
+async fn a_name_too_long_for_the_link_is_refused_and_the_link_stays_up() {
+    let (_backend, link, mut rx) = linked(Arc::new(DemoService::new())).await;
+    let m = meta(3, "erin");
+    let long = "x".repeat(300);
+    let requests = [
+        (1, JOIN_ROOM, long.clone()),
+        (2, CHANNEL_JOIN, format!("room:{long}")),
+        (3, WHISPER, format!("{long}|hi")),
+    ];
+    for (seq, msg_id, payload) in requests {
+        link.forward(
+            &m,
+            msg_id,
+            1,
+            seq,
+            TrafficClass::Normal,
+            Bytes::from(payload),
+        )
+        .unwrap();
+        match next_event(&mut rx).await {
+            LinkEvent::Refuse { refusal, .. } => {
+                assert_eq!(
+                    (refusal.client_seq, refusal.code),
+                    (seq, CloseCode::ProtocolError)
+                )
+            }
+            other => panic!("expected the refusal of {msg_id}, got {other:?}"),
+        }
+    }
+    forward_echo(&link, &m, 4, Bytes::from_static(b"still up"));
+    let event = next_event(&mut rx).await;
+    assert!(
+        first_push(&event).is_some_and(|p| p.2.ends_with(b"still up")),
         "{event:?}"
     );
 }

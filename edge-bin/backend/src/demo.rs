@@ -24,8 +24,9 @@
 //!   wherever its session is (PLAYER_PUSH), with an id taken from the message, so a WHISPER
 //!   handled twice (resent after its edge died) reaches the player once; an answer that
 //!   may change (`busy`, `unreachable`, `unknown`, none) is asked again with the same id,
-//!   three tries 300 ms apart. Delivered: no other answer; otherwise the ERROR of
-//!   [`whisper_refusal`]. Whispers delivered are recorded ([`DemoService::delivered_whispers`]).
+//!   three tries 300 ms apart, all within 10 s. Delivered: no other answer; otherwise the
+//!   ERROR of [`whisper_refusal`] (100 for a malformed payload or a name over 256 bytes).
+//!   Whispers delivered are recorded ([`DemoService::delivered_whispers`]).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -69,6 +70,9 @@ pub const WHISPER: u32 = 1300;
 pub const WHISPER_IN: u32 = 1301;
 /// Tries of a whisper whose answer may change (`busy`, `unreachable`, `unknown`, none).
 const WHISPER_TRIES: u32 = 3;
+/// All of a whisper's tries end within this (each may wait 5 s for credit and 5 s for the
+/// answer); past it: 403 `unavailable`. The session's later messages wait meanwhile.
+const WHISPER_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The ERROR a client gets for a WHISPER that was not delivered: `offline` 409
 /// `member_offline`; `queue_full` 407 `queue_full` (retry after 100 ms); after the tries,
@@ -91,8 +95,10 @@ pub fn whisper_refusal(outcome: Option<crate::PlayerPushOutcome>) -> Refusal {
 /// Whispers a [`DemoService`] remembers as delivered (the first 100,000).
 const WHISPERS_KEPT: usize = 100_000;
 
-/// The ERROR a client gets for a channel request the edge refused (its code and hint).
-fn channel_refusal(e: crate::BackendError) -> Refusal {
+/// The ERROR a client gets for a request its message made that failed: the edge's refusal
+/// of a channel request (its code and hint), `protocol_error` for a name the link cannot
+/// carry (over 256 bytes), `busy` when the edge did not answer in time.
+fn refusal_of(e: crate::BackendError) -> Refusal {
     match e {
         crate::BackendError::ChannelRefused {
             code,
@@ -109,6 +115,7 @@ fn channel_refusal(e: crate::BackendError) -> Refusal {
             code: CloseCode::Busy,
             retry_after_ms: 200,
         },
+        crate::BackendError::FieldTooLong(_) => BAD_REQUEST,
         _ => INTERNAL,
     }
 }
@@ -230,29 +237,38 @@ impl DemoService {
     ) -> Result<(), Refusal> {
         use crate::PlayerPushOutcome as O;
         let id = session.publish_id_for(msg.client_seq, 1);
-        let mut last = None;
-        for attempt in 1..=WHISPER_TRIES {
-            let outcome = session
-                .push_to_player_with_id(id, to, WHISPER_IN, msg.class, body.clone())
-                .await
-                .ok();
-            match outcome {
-                Some(O::Delivered) => {
-                    if let Ok(mut w) = self.whispers.lock() {
-                        if w.len() < WHISPERS_KEPT {
-                            w.insert((to.to_owned(), body));
+        let tries = async {
+            let mut last = None;
+            for attempt in 1..=WHISPER_TRIES {
+                let outcome = match session
+                    .push_to_player_with_id(id, to, WHISPER_IN, msg.class, body.clone())
+                    .await
+                {
+                    Ok(o) => Some(o),
+                    Err(crate::BackendError::FieldTooLong(_)) => return Err(BAD_REQUEST),
+                    Err(_) => None,
+                };
+                match outcome {
+                    Some(O::Delivered) => {
+                        if let Ok(mut w) = self.whispers.lock() {
+                            if w.len() < WHISPERS_KEPT {
+                                w.insert((to.to_owned(), body));
+                            }
                         }
+                        return Ok(());
                     }
-                    return Ok(());
+                    Some(O::Offline | O::QueueFull) => return Err(whisper_refusal(outcome)),
+                    _ => last = outcome,
                 }
-                Some(O::Offline | O::QueueFull) => return Err(whisper_refusal(outcome)),
-                _ => last = outcome,
+                if attempt < WHISPER_TRIES {
+                    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+                }
             }
-            if attempt < WHISPER_TRIES {
-                tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-            }
-        }
-        Err(whisper_refusal(last))
+            Err(whisper_refusal(last))
+        };
+        tokio::time::timeout(WHISPER_DEADLINE, tries)
+            .await
+            .unwrap_or_else(|_| Err(whisper_refusal(None)))
     }
 
     /// Number of messages said in `room` on this instance.
@@ -307,7 +323,7 @@ impl Service for DemoService {
             }
             JOIN_ROOM => {
                 let room = String::from_utf8_lossy(&msg.payload).into_owned();
-                session.bind("room", &room).await.map_err(|_| INTERNAL)?;
+                session.bind("room", &room).await.map_err(refusal_of)?;
                 session
                     .push(JOINED, TrafficClass::Critical, msg.payload)
                     .await
@@ -319,7 +335,7 @@ impl Service for DemoService {
                     .join_channel(&channel, since)
                     .await
                     .map(drop)
-                    .map_err(channel_refusal)
+                    .map_err(refusal_of)
             }
             WHISPER => {
                 let text = std::str::from_utf8(&msg.payload).map_err(|_| BAD_REQUEST)?;
@@ -333,7 +349,7 @@ impl Service for DemoService {
                     .leave_channel(channel)
                     .await
                     .map(drop)
-                    .map_err(channel_refusal)
+                    .map_err(refusal_of)
             }
             CHAT => {
                 let text = std::str::from_utf8(&msg.payload).map_err(|_| BAD_REQUEST)?;
@@ -371,8 +387,8 @@ impl Service for DemoService {
                     .map(|r| r.result);
                 match own {
                     Some(Ok(_)) => Ok(()),
-                    Some(Err(e)) => Err(channel_refusal(e)),
-                    None => Err(channel_refusal(crate::BackendError::LinkClosed)),
+                    Some(Err(e)) => Err(refusal_of(e)),
+                    None => Err(refusal_of(crate::BackendError::LinkClosed)),
                 }
             }
             ROOM_SAY => {

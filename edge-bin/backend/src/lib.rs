@@ -169,6 +169,11 @@ pub enum BackendError {
         /// The link's largest frame.
         max: usize,
     },
+    /// A name in the request (a channel, a player, a routing key...) is longer than the
+    /// link carries (256 bytes; 1,024 for a reason): nothing was sent (the edge would take
+    /// the frame for a malformed one and close the link, every session on it).
+    #[error("{0} longer than the link carries: nothing was sent")]
+    FieldTooLong(&'static str),
     /// No PUSH credit from the edge within the wait.
     #[error("edge granted no push credit in time")]
     NoCredit,
@@ -415,8 +420,12 @@ pub struct EdgePublish {
 }
 
 impl LinkSender {
-    /// Refuses a frame the link could not carry, before it takes credit or a queue slot.
+    /// Refuses a frame the link could not carry (too large, or a name too long for its
+    /// field), before it takes credit or a queue slot.
     fn check_fits(&self, frame: &LinkFrame) -> Result<(), BackendError> {
+        if let Some(field) = frame.oversized_field() {
+            return Err(BackendError::FieldTooLong(field));
+        }
         let len = frame.encoded_len();
         if len > self.max_frame {
             return Err(BackendError::TooLarge {
@@ -934,6 +943,7 @@ impl BackendSession {
     }
 
     async fn send(&self, frame: LinkFrame) -> Result<(), BackendError> {
+        self.inner.link.check_fits(&frame)?;
         self.inner
             .link
             .tx

@@ -446,6 +446,32 @@ impl LinkFrame {
         }
     }
 
+    /// The first text field of a frame a backend sends that is longer than the decoder
+    /// takes ([`MAX_NAME_LEN`] for names and keys, [`MAX_CHANNEL_NAME_LEN`] for channels,
+    /// [`MAX_REASON_LEN`] for reasons), if any: the edge would take such a frame for a
+    /// malformed one and close the link (every session on it), so a sender refuses it first.
+    pub fn oversized_field(&self) -> Option<&'static str> {
+        let over = |s: &str, max: usize| s.len() > max;
+        match self {
+            Self::Kick { message, .. } if over(message, MAX_REASON_LEN) => Some("message"),
+            Self::Close { message, .. } if over(message, MAX_REASON_LEN) => Some("message"),
+            Self::Bind { service, .. } if over(service, MAX_NAME_LEN) => Some("service"),
+            Self::Bind { key, .. } | Self::Pin { key, .. } if over(key, MAX_NAME_LEN) => {
+                Some("key")
+            }
+            Self::Pin { instance_id, .. } if over(instance_id, MAX_NAME_LEN) => Some("instance_id"),
+            Self::ChannelJoin { channel, .. }
+            | Self::ChannelLeave { channel, .. }
+            | Self::ChannelPublish { channel, .. }
+                if over(channel, MAX_CHANNEL_NAME_LEN) =>
+            {
+                Some("channel")
+            }
+            Self::PlayerPush { player, .. } if over(player, MAX_NAME_LEN) => Some("player"),
+            _ => None,
+        }
+    }
+
     /// Exact number of bytes [`LinkFrame::encode`] writes.
     pub fn encoded_len(&self) -> usize {
         1 + match self {
@@ -1415,6 +1441,58 @@ mod tests {
                 got.push(f);
             }
             prop_assert_eq!(got, frames);
+        }
+
+        /// `oversized_field` names exactly the frames the decoder refuses for a text
+        /// field's length (the edge would close the link for them): a backend refuses
+        /// those before it sends (found by the PROTOCOL.md audit: a client's 300-byte room
+        /// id, passed on in a BIND, closed the link of every session on it).
+        #[test]
+        fn oversized_field_names_what_the_decoder_refuses(frame in prop_oneof![
+            ("[a-z]{0,300}", "[a-z]{0,300}").prop_map(|(service, key)| LinkFrame::Bind {
+                handle: 1,
+                service,
+                key,
+            }),
+            ("[a-z]{0,300}", "[a-z]{0,300}").prop_map(|(key, instance_id)| LinkFrame::Pin {
+                kind: PinKind::Room,
+                key,
+                instance_id,
+            }),
+            "[a-z]{0,300}".prop_map(|channel| LinkFrame::ChannelJoin {
+                request_id: 1,
+                handle: 2,
+                channel,
+                since: None,
+            }),
+            "[a-z]{0,300}".prop_map(|channel| LinkFrame::ChannelLeave {
+                request_id: 1,
+                handle: 2,
+                channel,
+            }),
+            "[a-z]{0,300}".prop_map(|channel| LinkFrame::ChannelPublish {
+                request_id: 1,
+                channel,
+                class: TrafficClass::Normal,
+                payload: Bytes::new(),
+            }),
+            "[a-z]{0,300}".prop_map(|player| LinkFrame::PlayerPush {
+                request_id: 1,
+                player,
+                msg_id: 5,
+                class: TrafficClass::Normal,
+                payload: Bytes::new(),
+            }),
+            "[a-z]{1000,1100}".prop_map(|message| LinkFrame::Kick {
+                handle: 1,
+                code: CloseCode::Kicked,
+                message,
+            }),
+        ]) {
+            let mut bytes = BytesMut::new();
+            frame.encode(&mut bytes);
+            let decoded = LinkFrame::decode(bytes.freeze());
+            prop_assert_eq!(frame.oversized_field().is_none(), decoded.is_ok(), "{:?}", decoded);
         }
 
         #[test]
