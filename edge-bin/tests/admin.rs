@@ -198,6 +198,14 @@ async fn admin_mutations_need_the_header_or_the_token_and_a_known_host() {
     )
     .await;
     assert_eq!(status, StatusCode::UNAUTHORIZED, "reads protected");
+    for probe in ["/healthz", "/readyz"] {
+        let (status, _) = call_with(guarded.clone(), "GET", probe, &[local]).await;
+        assert_ne!(
+            status,
+            StatusCode::UNAUTHORIZED,
+            "{probe}: an orchestrator's probe carries no token"
+        );
+    }
     let (status, _) = call_with(
         guarded.clone(),
         "GET",

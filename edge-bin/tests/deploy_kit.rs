@@ -137,10 +137,20 @@ fn the_kubernetes_manifests_match_the_config_they_embed() {
     std::fs::write(&token, "a-long-enough-admin-token-for-the-test\n").unwrap();
     let link_secret = dir.path().join("link-secret");
     std::fs::write(&link_secret, "a-long-enough-link-secret-for-the-test\n").unwrap();
-    let text = embedded_config(&manifest)
+    let placeholder = embedded_config(&manifest)
         .replace("/etc/waygate/admin-token", token.to_str().unwrap())
         .replace("/etc/waygate/link-secret", link_secret.to_str().unwrap());
-    assert!(!text.is_empty(), "edge.toml block found");
+    assert!(!placeholder.is_empty(), "edge.toml block found");
+    // As shipped, the key is a placeholder anyone can read here: refused (secure-by-default
+    // audit: it used to be accepted). With a key of the operator's own, accepted.
+    let placeholder_path = dir.path().join("placeholder.toml");
+    std::fs::write(&placeholder_path, &placeholder).unwrap();
+    let err = EdgeConfig::load(&placeholder_path).unwrap_err().to_string();
+    assert!(err.contains("placeholder"), "{err}");
+    let text = placeholder.replace(
+        "replace-with-the-output-of-waygate-keygen",
+        "an-operator-key-of-their-own-32-bytes",
+    );
     let path = dir.path().join("edge.toml");
     std::fs::write(&path, &text).unwrap();
     let config = EdgeConfig::load(&path).expect("the embedded config is accepted");
@@ -150,7 +160,7 @@ fn the_kubernetes_manifests_match_the_config_they_embed() {
     );
     // The same with the public development key is refused.
     let dev = text.replace(
-        "secret = \"replace-with-the-output-of-waygate-keygen\"",
+        "secret = \"an-operator-key-of-their-own-32-bytes\"",
         &format!("secret = {:?}", waygate_edge::config::DEV_KEY_SECRET),
     );
     let dev_path = dir.path().join("dev.toml");

@@ -97,6 +97,7 @@ impl AdminAccess {
     fn check(
         &self,
         method: &axum::http::Method,
+        path: &str,
         headers: &HeaderMap,
     ) -> Option<(StatusCode, &'static str)> {
         let host = headers
@@ -110,8 +111,11 @@ impl AdminAccess {
             ));
         }
         let mutating = method != axum::http::Method::GET && method != axum::http::Method::HEAD;
+        // Health probes (an orchestrator's, which carry no token) stay open.
+        let probe = matches!(path, "/healthz" | "/readyz");
+        let protected = mutating || (self.protect_reads && !probe);
         match &self.token {
-            Some(_) if (mutating || self.protect_reads) && !self.token_ok(headers) => Some((
+            Some(_) if protected && !self.token_ok(headers) => Some((
                 StatusCode::UNAUTHORIZED,
                 "admin token required (Authorization: Bearer)",
             )),
@@ -129,7 +133,7 @@ async fn guard(
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    match access.check(request.method(), request.headers()) {
+    match access.check(request.method(), request.uri().path(), request.headers()) {
         Some((status, why)) => {
             tracing::info!(path = %request.uri().path(), %status, why, "admin request refused");
             (status, Json(json!({"error": why}))).into_response()

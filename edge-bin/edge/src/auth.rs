@@ -277,6 +277,24 @@ mod tests {
     use super::*;
     use jsonwebtoken::{EncodingKey, Header};
 
+    /// Secure-by-default audit: a keys file skipped the development-key check that
+    /// `auth.keys` has, so an edge beyond loopback could start (or reload) with it.
+    #[test]
+    fn a_keys_file_with_the_development_key_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys.toml");
+        let own = "[[keys]]\nid = 5\nsecret = \"a key of our own, thirty-two byte\"\n";
+        std::fs::write(&path, own).unwrap();
+        assert!(keys_file_keys(&path).is_ok());
+        let dev = format!(
+            "{own}[[keys]]\nid = 1\nsecret = \"{}\"\n",
+            crate::config::DEV_KEY_SECRET
+        );
+        std::fs::write(&path, dev).unwrap();
+        let refused = keys_file_keys(&path).unwrap_err();
+        assert!(refused.contains("development key"), "{refused}");
+    }
+
     fn authenticator(dir: &std::path::Path) -> JwtAuthenticator {
         let jwks = dir.join("jwks.json");
         // "c2VjcmV0" = base64url("secret")
@@ -372,6 +390,20 @@ fn keys_file_keys(
     let file: KeysFile = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
     if file.keys.is_empty() {
         return Err(format!("{}: no keys", path.display()));
+    }
+    // A keys file is what an edge beyond loopback uses: the public development key has no
+    // place in it (anyone can mint a token for any player with it). Refused at start, and
+    // on a reload the keys in force stay.
+    if file
+        .keys
+        .iter()
+        .any(|k| k.secret == crate::config::DEV_KEY_SECRET)
+    {
+        return Err(format!(
+            "{}: holds the public development key (anyone can mint tokens with it): put keys \
+             of your own there (`waygate keygen`)",
+            path.display()
+        ));
     }
     Ok((file.keys, modified))
 }

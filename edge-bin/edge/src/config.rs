@@ -507,7 +507,8 @@ pub struct AdminConfig {
     /// variable `WAYGATE_ADMIN_TOKEN`. Without a token the admin server may only listen on
     /// loopback.
     pub token_file: Option<PathBuf>,
-    /// Whether reads (`/metrics`, `/routes`, `/sessions`...) need the token too.
+    /// Whether reads (`/metrics`, `/routes`, `/sessions`...) need the token too (always
+    /// when `addr` is not loopback; `/healthz` and `/readyz` never do).
     pub protect_reads: bool,
     /// Host names accepted in requests besides the loopback ones and the bound address
     /// (DNS-rebinding defence), e.g. the name Prometheus scrapes the edge by.
@@ -527,11 +528,26 @@ impl Default for AdminConfig {
 }
 
 impl AdminConfig {
-    /// The admin token: `WAYGATE_ADMIN_TOKEN`, else the first line of `token_file`.
+    /// The admin token: `WAYGATE_ADMIN_TOKEN`, else the first line of `token_file`; at least
+    /// 16 characters either way.
     pub fn token(&self) -> Result<Option<String>, ConfigError> {
+        let placeholder = || ConfigError::Invalid {
+            key: "admin.token_file",
+            message: "the token is the deploy kit's placeholder: put a random one there".into(),
+        };
         if let Ok(t) = std::env::var("WAYGATE_ADMIN_TOKEN") {
-            if !t.trim().is_empty() {
-                return Ok(Some(t.trim().to_owned()));
+            let t = t.trim();
+            if waygate_link::is_placeholder_secret(t) {
+                return Err(placeholder());
+            }
+            if t.len() >= 16 {
+                return Ok(Some(t.to_owned()));
+            }
+            if !t.is_empty() {
+                return Err(ConfigError::Invalid {
+                    key: "WAYGATE_ADMIN_TOKEN",
+                    message: "the token must be at least 16 characters".into(),
+                });
             }
         }
         let Some(path) = &self.token_file else {
@@ -542,6 +558,9 @@ impl AdminConfig {
             source,
         })?;
         let token = text.lines().next().unwrap_or("").trim().to_owned();
+        if waygate_link::is_placeholder_secret(&token) {
+            return Err(placeholder());
+        }
         if token.len() < 16 {
             return Err(ConfigError::Invalid {
                 key: "admin.token_file",
@@ -890,6 +909,19 @@ impl EdgeConfig {
                      admin.token_file or WAYGATE_ADMIN_TOKEN, or bind it to loopback",
                     self.admin.addr
                 ),
+            });
+        }
+        if self
+            .auth
+            .keys
+            .iter()
+            .any(|k| waygate_link::is_placeholder_secret(&k.secret))
+        {
+            return Err(ConfigError::Invalid {
+                key: "auth.keys",
+                message: "a key is still the deploy kit's placeholder (anyone who read the \
+                          repository knows it): put the output of `waygate keygen` there"
+                    .into(),
             });
         }
         if self.auth.uses_dev_key() && !self.auth.insecure_dev_key {

@@ -57,7 +57,20 @@ pub fn load_link_secret(
             "the link secret from {source} must be at least {MIN_LINK_SECRET_LEN} bytes"
         ));
     }
+    if is_placeholder_secret(&secret) {
+        return Err(format!(
+            "the link secret from {source} is the deploy kit's placeholder: put a random \
+             secret there (e.g. `openssl rand -hex 32`)"
+        ));
+    }
     Ok(Some(secret.into_bytes().into()))
+}
+
+/// Whether `secret` is still one of the deploy kit's placeholders (`replace-with-...`, in
+/// `edge-bin/deploy/`): a value anyone who read the repository knows, refused like the
+/// development key.
+pub fn is_placeholder_secret(secret: &str) -> bool {
+    secret.trim_start().starts_with("replace-with")
 }
 
 /// A handler for CREDIT frames, called by the reader itself.

@@ -439,7 +439,8 @@ impl Edge {
             let a = &shared.config.admin;
             let access = crate::admin::AdminAccess {
                 token: a.token()?,
-                protect_reads: a.protect_reads,
+                // Beyond loopback, reads (routes, sessions, metrics) need the token too.
+                protect_reads: a.protect_reads || !a.addr.ip().is_loopback(),
                 allowed_hosts: a.allowed_hosts.clone(),
             };
             if access.token.is_none() && !a.addr.ip().is_loopback() {
