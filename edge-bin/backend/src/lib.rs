@@ -544,32 +544,44 @@ impl LinkSender {
                 .or_default()
                 .push_back((waiter, tx));
         }
-        let forget = || {
-            if let Ok(mut a) = self.answers.lock() {
-                if let Some(queue) = a.get_mut(&request_id) {
-                    queue.retain(|(w, _)| *w != waiter);
-                    if queue.is_empty() {
-                        a.remove(&request_id);
-                    }
-                }
-            }
+        // Whatever ends this call — an error, the timeout, or the caller dropping it (a
+        // handler cancelled at its deadline) — its waiter goes, so it can neither linger
+        // until the link closes nor take the answer of a later request with the same id.
+        let _forget = ForgetWaiter {
+            answers: &self.answers,
+            request_id,
+            waiter,
         };
         if uses_credit {
-            if let Err(e) = self.take_push_credit().await {
-                forget();
-                return Err(e);
-            }
+            self.take_push_credit().await?;
         }
         if self.tx.send(frame).await.is_err() {
-            forget();
             return Err(BackendError::LinkClosed);
         }
         match tokio::time::timeout(CHANNEL_ANSWER_WAIT, rx).await {
             Ok(Ok(answer)) => Ok(answer),
             Ok(Err(_)) => Err(BackendError::LinkClosed),
-            Err(_) => {
-                forget();
-                Err(BackendError::NoAnswer)
+            Err(_) => Err(BackendError::NoAnswer),
+        }
+    }
+}
+
+/// Removes one request's waiter from the answers map when dropped (see
+/// [`LinkSender::request`]); a waiter already answered is gone, and nothing happens.
+struct ForgetWaiter<'a> {
+    answers: &'a ChannelAnswers,
+    request_id: u64,
+    waiter: u64,
+}
+
+impl Drop for ForgetWaiter<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut a) = self.answers.lock() {
+            if let Some(queue) = a.get_mut(&self.request_id) {
+                queue.retain(|(w, _)| *w != self.waiter);
+                if queue.is_empty() {
+                    a.remove(&self.request_id);
+                }
             }
         }
     }

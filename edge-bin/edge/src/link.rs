@@ -950,23 +950,36 @@ async fn send_interest(
             return Ok(());
         }
         for frame in due {
-            tx.send(frame).await.map_err(|_| "link closed")?;
+            send_bounded(tx, frame).await?;
         }
     }
 }
 
-/// Closes the link with LINK_CLOSE `code` and fails the connection with `message`.
+/// Why [`send_bounded`] failed on a backend that stopped reading.
+const NOT_READING: &str = "the backend has not read its link for 5 s: link reset";
+
+/// Queues `frame` on the link's writer, waiting at most [`LIFECYCLE_SEND_WAIT`] for room: a
+/// backend that stopped reading its link fails the link (it is reset) instead of holding
+/// its task — and every new channel waiting for its acknowledgement — for ever.
+async fn send_bounded(tx: &mpsc::Sender<LinkFrame>, frame: LinkFrame) -> Result<(), &'static str> {
+    match tokio::time::timeout(LIFECYCLE_SEND_WAIT, tx.send(frame)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(_)) => Err("link closed"),
+        Err(_) => Err(NOT_READING),
+    }
+}
+
+/// Closes the link with LINK_CLOSE `code` (if its writer has room: the link ends either
+/// way) and fails the connection with `message`.
 async fn refuse(
     tx: &mpsc::Sender<LinkFrame>,
     code: CloseCode,
     message: &'static str,
 ) -> Result<(), &'static str> {
-    let _ = tx
-        .send(LinkFrame::Close {
-            code,
-            message: message.into(),
-        })
-        .await;
+    let _ = tx.try_send(LinkFrame::Close {
+        code,
+        message: message.into(),
+    });
     Err(message)
 }
 
@@ -1198,8 +1211,10 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
                         )
                         .await;
                     }
-                    if send_interest(sink.as_ref(), *link, &io.tx).await.is_err() {
-                        break;
+                    match send_interest(sink.as_ref(), *link, &io.tx).await {
+                        Ok(()) => {}
+                        Err(NOT_READING) => return Err(NOT_READING),
+                        Err(_) => break,
                     }
                 }
                 continue;
@@ -1224,18 +1239,20 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
         };
         match shared.events.send(event, &|| Some(writer.clone())).await {
             Sent::EdgeGone => return Ok(()),
-            Sent::Done(Some(answer)) => {
-                if io.tx.send(answer).await.is_err() {
-                    break;
-                }
-            }
+            Sent::Done(Some(answer)) => match send_bounded(&io.tx, answer).await {
+                Ok(()) => {}
+                Err(NOT_READING) => return Err(NOT_READING),
+                Err(_) => break,
+            },
             Sent::Done(None) => {}
         }
         if let Some(credits) = push_credit_due(shared, return_every) {
-            if io.tx.send(LinkFrame::Credit { credits }).await.is_err() {
+            match send_bounded(&io.tx, LinkFrame::Credit { credits }).await {
+                Ok(()) => {}
+                Err(NOT_READING) => return Err(NOT_READING),
                 // The writer is gone: the link is down (the backend's credit starts anew
                 // with the next LINK_WELCOME), so end it here and reconnect.
-                break;
+                Err(_) => break,
             }
         }
     }

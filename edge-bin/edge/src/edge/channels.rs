@@ -108,6 +108,9 @@ fn result(request_id: u64, outcome: Result<ChannelPosition, ChannelError>) -> Li
     }
 }
 
+/// How long an answer decided later waits for room in its link's writer.
+const ANSWER_LATER_WAIT: Duration = Duration::from_secs(5);
+
 /// Sends a CHANNEL_RESULT decided after its request was taken (an announcement once
 /// logged, a join once the log was read) on the link the request came on. A full link
 /// writer is waited for in a task of its own, so one slow backend holds up no other
@@ -124,9 +127,15 @@ pub(super) fn answer_later(reply: Option<mpsc::Sender<LinkFrame>>, answer: LinkF
     match reply.try_send(answer) {
         Ok(()) => {}
         Err(TrySendError::Full(answer)) => {
+            // Bounded: past the backend SDK's own wait for an answer (5 s) nobody waits
+            // for it any more (a link that stopped reading would otherwise keep the task).
             tokio::spawn(async move {
-                if reply.send(answer).await.is_err() {
-                    gone();
+                match tokio::time::timeout(ANSWER_LATER_WAIT, reply.send(answer)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) => gone(),
+                    Err(_) => tracing::info!(
+                        "an answer's link took nothing for 5 s; its backend's SDK answered the request"
+                    ),
                 }
             });
         }

@@ -31,6 +31,9 @@ pub(super) const DELIVERED_ID_WINDOW: std::time::Duration = std::time::Duration:
 const MAX_DELIVERED_IDS: usize = 1_048_576;
 /// Pushes waiting for their session's write-through at once (beyond: `busy`).
 const MAX_RECEIPTS_WAITING: usize = 4_096;
+/// Copies of one push (its id sent again) waiting with it for its write-through (beyond:
+/// `busy`).
+const MAX_COPIES_WAITING: usize = 16;
 /// How long a push waits for its session's write-through before it is answered `unknown`
 /// (below the sending edge's 1 s wait for a batch's answer, PROTOCOL.md §9.7).
 const RECEIPT_WAIT: Duration = Duration::from_millis(600);
@@ -175,6 +178,10 @@ impl Shared {
                 let Some((_, waiters)) = state.waiting.get_mut(&receipt) else {
                     return Some(LocalPush::Now(PlayerPushOutcome::Unknown));
                 };
+                if waiters.len() >= MAX_COPIES_WAITING {
+                    // Copies of one push resent faster than its write-through: `busy`.
+                    return Some(LocalPush::Now(PlayerPushOutcome::Busy));
+                }
                 let (tx, rx) = oneshot::channel();
                 waiters.push(tx);
                 drop(state);
