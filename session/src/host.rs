@@ -395,6 +395,9 @@ struct SessionEntry {
 struct PlayerInbound {
     limiter: Option<InboundLimiter>,
     held: usize,
+    /// In `SessionHost::drained` already (listed once, however often its sessions drain
+    /// between two sweeps).
+    listed: bool,
 }
 
 #[derive(Debug, Default)]
@@ -558,7 +561,8 @@ impl SessionHost {
                 if p.held == 0 {
                     if p.limiter.is_none() {
                         self.limiters.remove(&e.player);
-                    } else {
+                    } else if !p.listed {
+                        p.listed = true;
                         self.drained.push(e.player.clone());
                     }
                 }
@@ -577,6 +581,7 @@ impl SessionHost {
                 return false; // swept already (a player listed twice), or gone
             };
             if p.held > 0 {
+                p.listed = false;
                 return false; // back: listed again when its sessions drain
             }
             if p.limiter.as_mut().is_some_and(|l| !l.is_idle(now)) {
@@ -1723,6 +1728,11 @@ mod tests {
             Some(InboundVerdict::Wait(_))
         ));
         host.close(2);
+        assert_eq!(
+            host.drained.len(),
+            1,
+            "listed once, however often it drains"
+        );
         // Full again after burst / rate: swept.
         host.sweep_limiters(t0 + Duration::from_millis(400));
         assert_eq!(host.limiters(), 1, "not full yet");

@@ -640,7 +640,12 @@ impl SessionCore {
                 .into_iter()
                 .map(|e| (e, ErrorDelivery::Waiting))
                 .collect(),
-            push_ids: s.push_ids,
+            // At most the last MAX_PUSH_IDS, whatever a store handed back.
+            push_ids: {
+                let mut ids = s.push_ids;
+                ids.drain(..ids.len().saturating_sub(MAX_PUSH_IDS));
+                ids
+            },
         }
     }
 

@@ -111,7 +111,7 @@ impl Edge {
             now_std(),
         );
         let mut etcd: Option<Arc<EtcdRouteSource>> = None;
-        let mut tasks = Vec::new();
+        let mut tasks = StartTasks(Vec::new());
         let mut source_kind = "embedded";
         let source: Option<Arc<dyn RouteSource>> = match &config.routing.table {
             _ if !config.cluster.etcd_endpoints.is_empty() => {
@@ -416,6 +416,30 @@ impl Edge {
             tracing::warn!("starting with some backend links still down");
         }
 
+        // The admin server's access is settled before anything serves clients: a token that
+        // cannot be read (or is missing beyond loopback) stops the start here.
+        let admin_access = if shared.config.admin.enabled {
+            let a = &shared.config.admin;
+            let access = crate::admin::AdminAccess {
+                token: a.token()?,
+                // Beyond loopback, reads (routes, sessions, metrics) need the token too.
+                protect_reads: a.protect_reads || !a.addr.ip().is_loopback(),
+                allowed_hosts: a.allowed_hosts.clone(),
+            };
+            if access.token.is_none() && !a.addr.ip().is_loopback() {
+                return Err(EdgeError::Config(crate::config::ConfigError::Invalid {
+                    key: "admin.addr",
+                    message: format!(
+                        "the admin server would listen on {} without a token: set \
+                         admin.token_file or WAYGATE_ADMIN_TOKEN, or bind it to loopback",
+                        a.addr
+                    ),
+                }));
+            }
+            Some(access)
+        } else {
+            None
+        };
         tasks.extend(start_cluster_tasks(&shared).await);
         for listener in bound.listeners {
             tasks.push(tokio::spawn(accept_loop(shared.clone(), listener)));
@@ -434,30 +458,19 @@ impl Edge {
                 Arc::downgrade(&shared),
             )));
         }
-        let admin_addr = if shared.config.admin.enabled {
-            let api: Arc<dyn AdminApi> = Arc::new(EdgeAdmin(shared.clone()));
-            let a = &shared.config.admin;
-            let access = crate::admin::AdminAccess {
-                token: a.token()?,
-                // Beyond loopback, reads (routes, sessions, metrics) need the token too.
-                protect_reads: a.protect_reads || !a.addr.ip().is_loopback(),
-                allowed_hosts: a.allowed_hosts.clone(),
-            };
-            if access.token.is_none() && !a.addr.ip().is_loopback() {
-                return Err(EdgeError::Config(crate::config::ConfigError::Invalid {
-                    key: "admin.addr",
-                    message: format!(
-                        "the admin server would listen on {} without a token: set \
-                         admin.token_file or WAYGATE_ADMIN_TOKEN, or bind it to loopback",
-                        a.addr
-                    ),
-                }));
+        let admin_addr = match admin_access {
+            Some(access) => {
+                let api: Arc<dyn AdminApi> = Arc::new(EdgeAdmin(shared.clone()));
+                match crate::admin::serve(shared.config.admin.addr, api, access).await {
+                    Ok((addr, task)) => {
+                        tasks.push(task);
+                        Some(addr)
+                    }
+                    // What the start spawned ends with it (`StartTasks`).
+                    Err(e) => return Err(e.into()),
+                }
             }
-            let (addr, task) = crate::admin::serve(a.addr, api, access).await?;
-            tasks.push(task);
-            Some(addr)
-        } else {
-            None
+            None => None,
         };
         tracing::info!(edge = %shared.config.edge_id, addrs = ?bound.addrs, admin = ?admin_addr, "edge started");
         Ok(Edge {
@@ -465,7 +478,7 @@ impl Edge {
             admin_addr,
             dev_ca_pem: bound.tls.dev_ca_pem.clone(),
             shared,
-            tasks,
+            tasks: std::mem::take(&mut tasks.0),
         })
     }
 }
@@ -481,5 +494,30 @@ async fn reload_auth_keys(auth: std::sync::Weak<crate::auth::EdgeHmacAuth>) {
             return;
         };
         auth.reload_if_changed();
+    }
+}
+
+/// The tasks a start spawned: aborted when the start fails on the way (nothing it started
+/// may go on serving without the rest), handed to the [`Edge`] when it succeeds.
+struct StartTasks(Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for StartTasks {
+    fn drop(&mut self) {
+        for t in &self.0 {
+            t.abort();
+        }
+    }
+}
+
+impl std::ops::Deref for StartTasks {
+    type Target = Vec<tokio::task::JoinHandle<()>>;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for StartTasks {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
     }
 }
