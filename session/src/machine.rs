@@ -1811,16 +1811,28 @@ impl SessionMachine {
     /// Records a routing key a backend bound (service -> business key, e.g. the room the
     /// player joined), kept across reconnects and edges (it is in the snapshot).
     pub fn bind_key(&mut self, service: &str, key: &str) -> Result<(), SessionError> {
+        self.with_held_core("bind key", |core| {
+            let previous = core.keys.insert(service.to_owned(), key.to_owned());
+            if previous.as_deref() != Some(key) {
+                // The placement recorded for the old key is not this key's.
+                core.bindings.remove(service);
+            }
+        })
+    }
+
+    /// Applies `change` to the session's state while a connection holds it (active or
+    /// detached); otherwise `input` is a misuse and nothing changes.
+    fn with_held_core(
+        &mut self,
+        input: &'static str,
+        change: impl FnOnce(&mut SessionCore),
+    ) -> Result<(), SessionError> {
         match (self.state, self.core.as_mut()) {
             (State::Active | State::Detached, Some(core)) => {
-                let previous = core.keys.insert(service.to_owned(), key.to_owned());
-                if previous.as_deref() != Some(key) {
-                    // The placement recorded for the old key is not this key's.
-                    core.bindings.remove(service);
-                }
+                change(core);
                 Ok(())
             }
-            _ => Err(self.misuse("bind key")),
+            _ => Err(self.misuse(input)),
         }
     }
 
@@ -1828,18 +1840,14 @@ impl SessionMachine {
     /// in its snapshot among its last [`MAX_PUSH_IDS`], so a copy sent again after the session
     /// moved to another edge is recognised there. 0 (no id) is not recorded.
     pub fn remember_push(&mut self, id: u64) -> Result<(), SessionError> {
-        match (self.state, self.core.as_mut()) {
-            (State::Active | State::Detached, Some(core)) => {
-                if id != 0 && !core.push_ids.contains(&id) {
-                    if core.push_ids.len() >= MAX_PUSH_IDS {
-                        core.push_ids.remove(0);
-                    }
-                    core.push_ids.push(id);
+        self.with_held_core("remember push", |core| {
+            if id != 0 && !core.push_ids.contains(&id) {
+                if core.push_ids.len() >= MAX_PUSH_IDS {
+                    core.push_ids.remove(0);
                 }
-                Ok(())
+                core.push_ids.push(id);
             }
-            _ => Err(self.misuse("remember push")),
-        }
+        })
     }
 
     /// A backend's join (`Some`: the position the member starts from) or leave (`None`) of
@@ -1851,13 +1859,9 @@ impl SessionMachine {
         channel: &str,
         joined: Option<ChannelPosition>,
     ) -> Result<(), SessionError> {
-        match (self.state, self.core.as_mut()) {
-            (State::Active | State::Detached, Some(core)) => {
-                core.track_membership(channel, joined);
-                Ok(())
-            }
-            _ => Err(self.misuse("track membership")),
-        }
+        self.with_held_core("track membership", |core| {
+            core.track_membership(channel, joined)
+        })
     }
 
     /// The ids of the session's last pushes with an id, oldest first (restored with it).
@@ -1868,14 +1872,10 @@ impl SessionMachine {
     /// Records a placement (service -> instance), kept across reconnects and carried in the
     /// snapshot; a new routing key for the service forgets it.
     pub fn bind(&mut self, service: &str, instance: &str) -> Result<(), SessionError> {
-        match (self.state, self.core.as_mut()) {
-            (State::Active | State::Detached, Some(core)) => {
-                core.bindings
-                    .insert(service.to_owned(), instance.to_owned());
-                Ok(())
-            }
-            _ => Err(self.misuse("bind")),
-        }
+        self.with_held_core("bind", |core| {
+            core.bindings
+                .insert(service.to_owned(), instance.to_owned());
+        })
     }
 
     /// Soft migration (S8): tells the client to reconnect to `target` within `deadline` and

@@ -976,10 +976,17 @@ async fn refuse(
     code: CloseCode,
     message: &'static str,
 ) -> Result<(), &'static str> {
-    let _ = tx.try_send(LinkFrame::Close {
+    let close = LinkFrame::Close {
         code,
         message: message.into(),
-    });
+    };
+    if tx.try_send(close).is_err() {
+        // The backend learns it from the connection closing (the caller drops it).
+        tracing::info!(
+            message,
+            "link closed without LINK_CLOSE: its writer is full or gone"
+        );
+    }
     Err(message)
 }
 

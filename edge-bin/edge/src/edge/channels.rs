@@ -108,9 +108,6 @@ fn result(request_id: u64, outcome: Result<ChannelPosition, ChannelError>) -> Li
     }
 }
 
-/// How long an answer decided later waits for room in its link's writer.
-const ANSWER_LATER_WAIT: Duration = Duration::from_secs(5);
-
 /// Sends a CHANNEL_RESULT decided after its request was taken (an announcement once
 /// logged, a join once the log was read) on the link the request came on. A full link
 /// writer is waited for in a task of its own, so one slow backend holds up no other
@@ -127,10 +124,12 @@ pub(super) fn answer_later(reply: Option<mpsc::Sender<LinkFrame>>, answer: LinkF
     match reply.try_send(answer) {
         Ok(()) => {}
         Err(TrySendError::Full(answer)) => {
-            // Bounded: past the backend SDK's own wait for an answer (5 s) nobody waits
-            // for it any more (a link that stopped reading would otherwise keep the task).
+            // Bounded as every wait for room in a link's writer: past it the backend SDK
+            // has stopped waiting for the answer (5 s), and a link that stopped reading
+            // would otherwise keep the task.
             tokio::spawn(async move {
-                match tokio::time::timeout(ANSWER_LATER_WAIT, reply.send(answer)).await {
+                let wait = crate::link::LIFECYCLE_SEND_WAIT;
+                match tokio::time::timeout(wait, reply.send(answer)).await {
                     Ok(Ok(())) => {}
                     Ok(Err(_)) => gone(),
                     Err(_) => tracing::info!(
