@@ -121,6 +121,8 @@ enum Command {
         /// The etcd key prefix (the edges' `cluster.etcd_prefix`).
         #[arg(long, default_value = "/waygate")]
         etcd_prefix: String,
+        #[command(flatten)]
+        etcd_user: EtcdUserArgs,
         /// Services this instance serves (the demo game: player and room).
         #[arg(long, value_delimiter = ',', default_value = "player,room")]
         services: Vec<String>,
@@ -156,6 +158,8 @@ enum Command {
         /// The etcd key prefix (the edges' `cluster.etcd_prefix`).
         #[arg(long, default_value = "/waygate")]
         etcd_prefix: String,
+        #[command(flatten)]
+        etcd_user: EtcdUserArgs,
         /// Address to serve on.
         #[arg(long, default_value = "127.0.0.1:9200")]
         addr: SocketAddr,
@@ -390,9 +394,13 @@ fn main() -> std::process::ExitCode {
             Command::Login {
                 etcd,
                 etcd_prefix,
+                etcd_user,
                 addr,
             } => {
-                let client = etcd_client::Client::connect(&etcd, None)
+                let mut source =
+                    waygate_edge::cluster::etcd::EtcdSourceConfig::new(etcd.clone(), "");
+                source.credentials = etcd_user.credentials()?;
+                let client = waygate_edge::cluster::etcd::connect_client(&source)
                     .await
                     .map_err(|e| format!("etcd {etcd:?}: {e}"))?;
                 let app = waygate_edge::cluster::login::login_router(client, etcd_prefix);
@@ -409,6 +417,7 @@ fn main() -> std::process::ExitCode {
                 epoch,
                 etcd,
                 etcd_prefix,
+                etcd_user,
                 services,
                 advertise,
                 link_secret_file,
@@ -433,8 +442,12 @@ fn main() -> std::process::ExitCode {
                 let backend = Arc::new(backend);
                 if !etcd.is_empty() {
                     let address = advertise.unwrap_or_else(|| backend.local_addr().to_string());
-                    register_backend(&backend, &id, &address, &etcd, &etcd_prefix, &services)
-                        .await?;
+                    let etcd = EtcdPlace {
+                        endpoints: &etcd,
+                        prefix: &etcd_prefix,
+                        credentials: etcd_user.credentials()?,
+                    };
+                    register_backend(&backend, &id, &address, etcd, &services).await?;
                 }
                 println!(
                     "{}",
@@ -541,21 +554,49 @@ async fn admin_post(
     Ok((status, body))
 }
 
+/// The etcd user a backend or the login service signs in as (etcd's authentication).
+#[derive(Debug, clap::Args)]
+struct EtcdUserArgs {
+    /// The etcd user to sign in as (etcd with authentication enabled); its password comes
+    /// from `--etcd-password-file` or `WAYGATE_ETCD_PASSWORD`.
+    #[arg(long, default_value = "")]
+    etcd_user: String,
+    /// A file whose first line is the etcd user's password.
+    #[arg(long, requires = "etcd_user")]
+    etcd_password_file: Option<std::path::PathBuf>,
+}
+
+impl EtcdUserArgs {
+    fn credentials(&self) -> Result<Option<waygate_edge::cluster::etcd::EtcdCredentials>, String> {
+        waygate_edge::cluster::etcd::EtcdCredentials::load(
+            &self.etcd_user,
+            self.etcd_password_file.as_deref(),
+        )
+        .map_err(|e| e.to_string())
+    }
+}
+
+/// Where a backend registers: etcd's endpoints, key prefix and user.
+struct EtcdPlace<'a> {
+    endpoints: &'a [String],
+    prefix: &'a str,
+    credentials: Option<waygate_edge::cluster::etcd::EtcdCredentials>,
+}
+
 /// Registers a backend instance in etcd under a lease for each service and keeps its load
 /// report fresh (sessions, messages/s; R10). The leases die with the process.
 async fn register_backend(
     backend: &Arc<waygate_backend::Backend>,
     id: &str,
     address: &str,
-    etcd: &[String],
-    prefix: &str,
+    etcd: EtcdPlace<'_>,
     services: &[String],
 ) -> Result<(), String> {
     use waygate_edge::cluster::etcd::EtcdRegistry;
     let registry = Arc::new(
-        EtcdRegistry::connect(etcd, prefix)
+        EtcdRegistry::connect(etcd.endpoints, etcd.prefix, etcd.credentials)
             .await
-            .map_err(|e| format!("etcd {etcd:?}: {e}"))?,
+            .map_err(|e| format!("etcd {:?}: {e}", etcd.endpoints))?,
     );
     let spec = waygate_routing::InstanceSpec {
         id: id.to_owned(),

@@ -137,20 +137,46 @@ fn the_kubernetes_manifests_match_the_config_they_embed() {
     std::fs::write(&token, "a-long-enough-admin-token-for-the-test\n").unwrap();
     let link_secret = dir.path().join("link-secret");
     std::fs::write(&link_secret, "a-long-enough-link-secret-for-the-test\n").unwrap();
+    let etcd_password = dir.path().join("etcd-password");
+    std::fs::write(&etcd_password, "an-etcd-password-for-the-test\n").unwrap();
     let placeholder = embedded_config(&manifest)
         .replace("/etc/waygate/admin-token", token.to_str().unwrap())
-        .replace("/etc/waygate/link-secret", link_secret.to_str().unwrap());
+        .replace("/etc/waygate/link-secret", link_secret.to_str().unwrap())
+        .replace(
+            "/etc/waygate/etcd-password",
+            etcd_password.to_str().unwrap(),
+        );
     assert!(!placeholder.is_empty(), "edge.toml block found");
-    // As shipped, the key is a placeholder anyone can read here: refused (secure-by-default
-    // audit: it used to be accepted). With a key of the operator's own, accepted.
+    // As shipped, the key and the Redis password are placeholders anyone can read here:
+    // refused (secure-by-default audits: they used to be accepted). With values of the
+    // operator's own, accepted.
     let placeholder_path = dir.path().join("placeholder.toml");
     std::fs::write(&placeholder_path, &placeholder).unwrap();
     let err = EdgeConfig::load(&placeholder_path).unwrap_err().to_string();
     assert!(err.contains("placeholder"), "{err}");
-    let text = placeholder.replace(
+    let own_key = placeholder.replace(
         "replace-with-the-output-of-waygate-keygen",
         "an-operator-key-of-their-own-32-bytes",
     );
+    std::fs::write(&placeholder_path, &own_key).unwrap();
+    let err = EdgeConfig::load(&placeholder_path).unwrap_err().to_string();
+    assert!(
+        err.contains("Redis password") && err.contains("placeholder"),
+        "{err}"
+    );
+    let text = own_key.replace("replace-with-the-redis-password", "a-redis-password");
+    // etcd and Redis are beyond loopback: without their credentials the edge refuses too.
+    for (open, key) in [
+        (
+            text.replace("etcd_username = \"waygate\"", ""),
+            "cluster.etcd_username",
+        ),
+        (text.replace(":a-redis-password@", ""), "cluster.redis_url"),
+    ] {
+        std::fs::write(&placeholder_path, open).unwrap();
+        let err = EdgeConfig::load(&placeholder_path).unwrap_err().to_string();
+        assert!(err.contains(key), "{err}");
+    }
     let path = dir.path().join("edge.toml");
     std::fs::write(&path, &text).unwrap();
     let config = EdgeConfig::load(&path).expect("the embedded config is accepted");
@@ -179,6 +205,15 @@ fn the_kubernetes_manifests_match_the_config_they_embed() {
     assert!(
         config.links.secret().unwrap().is_some(),
         "the secret file is read"
+    );
+    assert_eq!(
+        config
+            .cluster
+            .etcd_credentials()
+            .unwrap()
+            .map(|c| (c.user, c.password)),
+        Some(("waygate".into(), "an-etcd-password-for-the-test".into())),
+        "the etcd password file is read"
     );
 
     // Every listener's port with its protocol, and the admin port, in the Deployment and

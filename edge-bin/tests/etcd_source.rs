@@ -599,3 +599,99 @@ async fn graceful_revoke_disables_at_once_then_removes_after_the_window() {
         t0.elapsed()
     );
 }
+
+/// etcd with authentication enabled (secure-by-default audit: the control plane had no
+/// credentials at all): the route source, the registry and an edge started from its config
+/// sign in as their user and work; without a user, or with a wrong password, nothing is
+/// read from etcd (so an edge does not start on a table it could not read).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_etcd_with_authentication_serves_its_user_and_no_one_else() {
+    use etcd_client::Permission;
+    use waygate_edge::cluster::etcd::EtcdCredentials;
+
+    let etcd = EtcdServer::start();
+    let mut root = client(&etcd).await;
+    put(&root, "table", BASE).await;
+    root.user_add("root", "root-password-for-the-test", None)
+        .await
+        .unwrap();
+    root.user_grant_role("root", "root").await.unwrap();
+    root.role_add("waygate").await.unwrap();
+    root.role_grant_permission("waygate", Permission::read_write(PREFIX).with_prefix())
+        .await
+        .unwrap();
+    root.user_add("edge", "edge-password-for-the-test", None)
+        .await
+        .unwrap();
+    root.user_grant_role("edge", "waygate").await.unwrap();
+    root.auth_enable().await.unwrap();
+    let edge_user = EtcdCredentials {
+        user: "edge".into(),
+        password: "edge-password-for-the-test".into(),
+    };
+
+    // The source with the user lists the table; the registry with it registers.
+    let mut signed_in = cfg(&etcd, Duration::from_millis(500));
+    signed_in.credentials = Some(edge_user.clone());
+    let src = EtcdRouteSource::open(signed_in).await.unwrap();
+    let _task = src.spawn();
+    let mut rx = src.watch();
+    wait_for(
+        &mut rx,
+        Duration::from_secs(5),
+        "the table, signed in",
+        |u| has(u, "g1"),
+    )
+    .await;
+    let reg = EtcdRegistry::connect(&etcd.endpoints(), PREFIX, Some(edge_user.clone()))
+        .await
+        .unwrap();
+    reg.register_instance("game", &inst("g7", 7007), Duration::from_secs(3))
+        .await
+        .unwrap();
+    wait_for(&mut rx, Duration::from_secs(5), "g7 registered", |u| {
+        has(u, "g7")
+    })
+    .await;
+
+    // Without a user: nothing is listed (the source keeps no table).
+    let anonymous = EtcdRouteSource::open(cfg(&etcd, Duration::from_millis(500)))
+        .await
+        .unwrap();
+    let _anonymous_task = anonymous.spawn();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        anonymous.watch().borrow().table.is_none(),
+        "an anonymous client read the table"
+    );
+    // A wrong password is refused when connecting.
+    let mut wrong = cfg(&etcd, Duration::from_millis(500));
+    wrong.credentials = Some(EtcdCredentials {
+        user: "edge".into(),
+        password: "not-the-password".into(),
+    });
+    assert!(EtcdRouteSource::open(wrong).await.is_err());
+
+    // An edge whose config names the user and a password file starts on the table; the
+    // same edge without the user does not.
+    let dir = tempfile::tempdir().unwrap();
+    let password_file = dir.path().join("etcd-password");
+    std::fs::write(&password_file, "edge-password-for-the-test\n").unwrap();
+    let mut config = waygate_edge::config::EdgeConfig::default();
+    config.use_ephemeral_ports();
+    config.cluster.etcd_endpoints = etcd.endpoints();
+    config.cluster.etcd_prefix = PREFIX.into();
+    config.cluster.etcd_username = "edge".into();
+    config.cluster.etcd_password_file = Some(password_file);
+    let edge = waygate_edge::edge::Edge::start(config.clone())
+        .await
+        .expect("the edge signs in and starts");
+    drop(edge);
+    config.cluster.etcd_username = String::new();
+    config.cluster.etcd_password_file = None;
+    let err = waygate_edge::edge::Edge::start(config)
+        .await
+        .expect_err("no table without signing in")
+        .to_string();
+    assert!(err.contains("table"), "{err}");
+}

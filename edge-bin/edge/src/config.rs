@@ -579,6 +579,17 @@ pub struct ClusterConfig {
     /// etcd client URLs (`http://host:2379`); empty: the route table comes from
     /// `routing.table` (or the embedded default). `routing.persist` keeps the last good table.
     pub etcd_endpoints: Vec<String>,
+    /// The etcd user the edge signs in as (etcd's authentication); empty: none. Required
+    /// when an endpoint is beyond loopback (see `insecure_no_auth`).
+    pub etcd_username: String,
+    /// A file whose first line is that user's password. Also from the environment variable
+    /// `WAYGATE_ETCD_PASSWORD`.
+    pub etcd_password_file: Option<PathBuf>,
+    /// Use an etcd endpoint or a Redis server beyond loopback without authentication (only on
+    /// a closed network). By default the edge refuses to start that way: anyone reaching
+    /// Redis could read the sessions' resume keys and take over players' sessions, anyone
+    /// reaching etcd could rewrite the route table.
+    pub insecure_no_auth: bool,
     /// etcd key prefix (tables, instances, switches, edges).
     pub etcd_prefix: String,
     /// How long a vanished registration stays in the table (flap damping, R7), ms.
@@ -621,6 +632,9 @@ impl Default for ClusterConfig {
     fn default() -> Self {
         Self {
             etcd_endpoints: Vec::new(),
+            etcd_username: String::new(),
+            etcd_password_file: None,
+            insecure_no_auth: false,
             etcd_prefix: "/waygate".into(),
             damping_ms: 10_000,
             lease_ttl_ms: 6_000,
@@ -638,6 +652,170 @@ impl Default for ClusterConfig {
             reassert_ms: 30_000,
         }
     }
+}
+
+impl ClusterConfig {
+    /// The etcd user and password the edge signs in with (`etcd_username`, with
+    /// `etcd_password_file` or `WAYGATE_ETCD_PASSWORD`); `None` without a user.
+    pub fn etcd_credentials(
+        &self,
+    ) -> Result<Option<waygate_routing_etcd::EtcdCredentials>, ConfigError> {
+        let invalid = |message: String| ConfigError::Invalid {
+            key: "cluster.etcd_password_file",
+            message,
+        };
+        let credentials = waygate_routing_etcd::EtcdCredentials::load(
+            &self.etcd_username,
+            self.etcd_password_file.as_deref(),
+        )
+        .map_err(|e| invalid(e.to_string()))?;
+        if credentials
+            .as_ref()
+            .is_some_and(|c| waygate_link::is_placeholder_secret(&c.password))
+        {
+            return Err(invalid(
+                "the etcd password is still the deploy kit's placeholder".into(),
+            ));
+        }
+        Ok(credentials)
+    }
+
+    /// Refuses etcd or Redis beyond loopback without authentication (unless
+    /// `insecure_no_auth`), and Redis passwords left at the deploy kit's placeholder.
+    fn check_authentication(&self) -> Result<(), ConfigError> {
+        let closed_network = "Only on a closed network: cluster.insecure_no_auth = true";
+        let redis_urls = std::iter::once(&self.redis_url)
+            .filter(|u| !u.is_empty())
+            .chain(&self.redis_cluster);
+        let placeholder = |key| ConfigError::Invalid {
+            key,
+            message: "a Redis password is still the deploy kit's placeholder".into(),
+        };
+        for url in redis_urls.clone().chain(&self.redis_sentinels) {
+            if redis_target(url)?
+                .1
+                .is_some_and(waygate_link::is_placeholder_secret)
+            {
+                return Err(placeholder("cluster.redis_url"));
+            }
+        }
+        if waygate_link::is_placeholder_secret(&self.redis_sentinel_master_password) {
+            return Err(placeholder("cluster.redis_sentinel_master_password"));
+        }
+        if self.insecure_no_auth {
+            return Ok(());
+        }
+        for url in redis_urls {
+            let (local, password) = redis_target(url)?;
+            if !local && password.is_none() {
+                return Err(ConfigError::Invalid {
+                    key: "cluster.redis_url",
+                    message: format!(
+                        "Redis at {} is beyond loopback and has no password: anyone reaching \
+                         it could read the sessions' resume keys and take players' sessions \
+                         over. Put the password in the URL (redis://:PASSWORD@host:6379, or \
+                         redis://USER:PASSWORD@host:6379 with an ACL user). {closed_network}",
+                        redact_redis_url(url)
+                    ),
+                });
+            }
+        }
+        if self.redis_sentinel_master_password.is_empty() {
+            for url in &self.redis_sentinels {
+                if !redis_target(url)?.0 {
+                    return Err(ConfigError::Invalid {
+                        key: "cluster.redis_sentinel_master_password",
+                        message: format!(
+                            "the sentinel {} is beyond loopback and the primary it names has \
+                             no password. {closed_network}",
+                            redact_redis_url(url)
+                        ),
+                    });
+                }
+            }
+        }
+        if self.etcd_username.trim().is_empty() {
+            if let Some(open) = self
+                .etcd_endpoints
+                .iter()
+                .find(|e| !host_is_loopback(etcd_host(e)))
+            {
+                return Err(ConfigError::Invalid {
+                    key: "cluster.etcd_username",
+                    message: format!(
+                        "etcd at {open} is beyond loopback and the edge signs in as no user: \
+                         anyone reaching it could rewrite the route table. Enable etcd's \
+                         authentication and set cluster.etcd_username with \
+                         cluster.etcd_password_file (or WAYGATE_ETCD_PASSWORD). \
+                         {closed_network}"
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether a Redis URL's server is on loopback (or a Unix socket), and its password.
+fn redis_target(url: &str) -> Result<(bool, Option<&str>), ConfigError> {
+    use redis::{ConnectionAddr, IntoConnectionInfo};
+    let info = url
+        .into_connection_info()
+        .map_err(|e| ConfigError::Invalid {
+            key: "cluster.redis_url",
+            message: format!("{}: {e}", redact_redis_url(url)),
+        })?;
+    let local = match info.addr() {
+        ConnectionAddr::Tcp(host, _) | ConnectionAddr::TcpTls { host, .. } => {
+            host_is_loopback(host)
+        }
+        _ => true,
+    };
+    // The password as it appears in the URL (what the placeholder check compares).
+    let password = info
+        .redis_settings()
+        .password()
+        .map(|_| {
+            url.split_once("://")
+                .and_then(|(_, rest)| rest.split_once('@'))
+                .and_then(|(userinfo, _)| userinfo.rsplit_once(':'))
+                .map_or("", |(_, p)| p)
+        })
+        .filter(|p| !p.is_empty());
+    Ok((local, password))
+}
+
+/// A Redis URL without its password, for messages.
+fn redact_redis_url(url: &str) -> String {
+    match url.split_once("://").and_then(|(scheme, rest)| {
+        rest.split_once('@')
+            .map(|(_, host)| format!("{scheme}://***@{host}"))
+    }) {
+        Some(redacted) => redacted,
+        None => url.to_owned(),
+    }
+}
+
+/// The host of an etcd endpoint (`http://host:port`, `host:port`, `[v6]:port`).
+fn etcd_host(endpoint: &str) -> &str {
+    let rest = endpoint.split_once("://").map_or(endpoint, |(_, r)| r);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    match authority.find(']') {
+        Some(end) => &authority[..=end],
+        None => authority
+            .rsplit_once(':')
+            .map_or(authority, |(host, _)| host),
+    }
+}
+
+/// Whether `host` (a name, or an IP literal with or without brackets) is this machine's
+/// loopback.
+fn host_is_loopback(host: &str) -> bool {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// The whole edge configuration.
@@ -891,6 +1069,25 @@ impl EdgeConfig {
                 message: "at least one key is needed".into(),
             });
         }
+        let kcp = &self.listeners.kcp;
+        if kcp.enabled
+            && self.auth.kind == AuthKind::Jwt
+            && self.kcp.packet_auth.required_at(kcp.addr)
+        {
+            // Sealed sessions open with connect tokens signed with `auth.keys` (PROTOCOL.md
+            // §7.2.2, §8.9); a JWT edge has none, so it would refuse every CONNECT.
+            return Err(ConfigError::Invalid {
+                key: "kcp.packet_auth",
+                message: format!(
+                    "the kcp listener ({}) requires sealed sessions ({:?}; `auto` requires \
+                     them beyond loopback), which open with connect tokens signed with \
+                     auth.keys, and auth.kind = \"jwt\" has none: every CONNECT would be \
+                     refused. Disable listeners.kcp, or set kcp.packet_auth = \"optional\" \
+                     (plain KCP: datagrams neither authenticated nor encrypted)",
+                    kcp.addr, self.kcp.packet_auth
+                ),
+            });
+        }
         if self.auth.kind == AuthKind::Jwt && self.auth.jwt.jwks_file.is_none() {
             return Err(ConfigError::Invalid {
                 key: "auth.jwt.jwks_file",
@@ -958,6 +1155,7 @@ impl EdgeConfig {
                 });
             }
         }
+        self.cluster.check_authentication()?;
         if !(self.routing.migration_rate > 0.0 && self.routing.migration_rate.is_finite()) {
             return Err(ConfigError::Invalid {
                 key: "routing.migration_rate",
@@ -1022,8 +1220,6 @@ impl EdgeConfig {
 mod tests {
     use super::*;
 
-    /// The public development key works on loopback only; beyond it the edge refuses to
-    /// start and says how to set a key, unless the operator explicitly asks for it.
     #[test]
     fn one_redis_or_a_redis_cluster_not_both() {
         let mut c = EdgeConfig::default();
@@ -1048,6 +1244,8 @@ mod tests {
         assert!(err.contains("cluster.redis_sentinels"), "{err}");
     }
 
+    /// The public development key works on loopback only; beyond it the edge refuses to
+    /// start and says how to set a key, unless the operator explicitly asks for it.
     #[test]
     fn the_dev_key_is_refused_beyond_loopback() {
         let mut c = EdgeConfig::default();
@@ -1093,6 +1291,97 @@ mod tests {
         c.links.insecure_no_secret = false;
         c.links.secret_file = Some("/etc/waygate/link-secret".into());
         c.validate().expect("with a secret");
+    }
+
+    /// etcd and Redis beyond loopback need authentication (secure-by-default audit: a Redis
+    /// reader could resume lingering sessions with the resume keys in their snapshots),
+    /// unless the operator explicitly asks otherwise; loopback ones do not.
+    #[test]
+    fn etcd_and_redis_beyond_loopback_need_authentication() {
+        let mut c = EdgeConfig::default();
+        c.cluster.redis_url = "redis://127.0.0.1:6379/0".into();
+        c.cluster.etcd_endpoints = vec!["http://localhost:2379".into(), "[::1]:2379".into()];
+        c.validate().expect("loopback: fine");
+
+        c.cluster.redis_url = "redis://10.0.0.3:6379/0".into();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("cluster.redis_url"), "{err}");
+        assert!(err.contains("redis://:PASSWORD@"), "{err}");
+        c.cluster.redis_url = "redis://:s3cret-password@10.0.0.3:6379/0".into();
+        c.validate().expect("with a password");
+        c.cluster.redis_url = "redis://:replace-with-the-redis-password@redis:6379".into();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("placeholder"), "{err}");
+        assert!(
+            !err.contains("replace-with"),
+            "the password is not echoed: {err}"
+        );
+        c.cluster.redis_url = String::new();
+        c.cluster.redis_cluster = vec![
+            "redis://:pw-one-for-the-test@10.0.0.3:7000".into(),
+            "redis://10.0.0.4:7000".into(),
+        ];
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("10.0.0.4"), "{err}");
+        c.cluster.redis_cluster.clear();
+        c.cluster.redis_sentinels = vec!["redis://sentinel-1:26379".into()];
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("redis_sentinel_master_password"), "{err}");
+        c.cluster.redis_sentinel_master_password = "primary-password".into();
+        c.validate().expect("the primary has a password");
+
+        c.cluster.etcd_endpoints = vec!["http://etcd:2379".into()];
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("cluster.etcd_username"), "{err}");
+        assert!(err.contains("http://etcd:2379"), "{err}");
+        c.cluster.etcd_username = "edge".into();
+        c.validate().expect("a user");
+
+        c.cluster.etcd_username = String::new();
+        c.cluster.redis_sentinel_master_password = String::new();
+        c.cluster.insecure_no_auth = true;
+        c.validate().expect("explicitly insecure");
+    }
+
+    /// A JWT edge has no keys to open KCP connect tokens with: a KCP listener that requires
+    /// sealed sessions would refuse every CONNECT, so the edge says so at start instead.
+    #[test]
+    fn jwt_auth_with_a_kcp_listener_requiring_sealed_sessions_is_refused() {
+        let mut c = EdgeConfig::default();
+        c.auth.kind = AuthKind::Jwt;
+        c.auth.jwt.jwks_file = Some("/etc/waygate/jwks.json".into());
+        c.validate().expect("loopback: plain KCP, fine");
+        c.kcp.packet_auth = waygate_transport::kcp::config::PacketAuth::Required;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("kcp.packet_auth"), "{err}");
+        assert!(err.contains("every CONNECT would be refused"), "{err}");
+        c.listeners.kcp.enabled = false;
+        c.validate().expect("no kcp listener");
+        c.listeners.kcp.enabled = true;
+        c.kcp.packet_auth = waygate_transport::kcp::config::PacketAuth::Optional;
+        c.validate().expect("plain KCP, explicitly");
+    }
+
+    #[test]
+    fn an_etcd_password_comes_from_its_file_and_is_never_a_placeholder() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("etcd-password");
+        let mut c = ClusterConfig::default();
+        assert_eq!(c.etcd_credentials().unwrap(), None, "no user, no sign-in");
+        c.etcd_username = "edge".into();
+        let err = c.etcd_credentials().unwrap_err().to_string();
+        assert!(err.contains("no password"), "{err}");
+        c.etcd_password_file = Some(file.clone());
+        std::fs::write(&file, "replace-with-the-etcd-password\n").unwrap();
+        let err = c.etcd_credentials().unwrap_err().to_string();
+        assert!(err.contains("placeholder"), "{err}");
+        std::fs::write(&file, "the-password\nignored\n").unwrap();
+        let credentials = c.etcd_credentials().unwrap().unwrap();
+        assert_eq!(
+            (credentials.user.as_str(), credentials.password.as_str()),
+            ("edge", "the-password")
+        );
+        assert!(!format!("{credentials:?}").contains("the-password"));
     }
 
     #[test]

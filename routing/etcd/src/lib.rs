@@ -73,7 +73,7 @@
 //! [`SourceUpdate::revision`]: waygate_routing::source::SourceUpdate::revision
 //! [`SourceStatus::staleness`]: waygate_routing::source::SourceStatus::staleness
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use etcd_client::{Client, ConnectOptions};
@@ -130,6 +130,68 @@ impl EtcdError {
 
 // ---- the client -------------------------------------------------------------------------
 
+/// The environment variable an etcd password may come from instead of a file (edges,
+/// backends and the login service alike).
+pub const ETCD_PASSWORD_ENV: &str = "WAYGATE_ETCD_PASSWORD";
+
+/// An etcd user and its password: etcd's own authentication (`etcdctl auth enable`), which
+/// every client of the control plane (edge, backend registration, login service) signs in
+/// with when one is configured. `Debug` never shows the password.
+#[derive(Clone, PartialEq, Eq)]
+pub struct EtcdCredentials {
+    /// The etcd user.
+    pub user: String,
+    /// Its password.
+    pub password: String,
+}
+
+impl std::fmt::Debug for EtcdCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdCredentials")
+            .field("user", &self.user)
+            .field("password", &"<redacted>")
+            .finish()
+    }
+}
+
+impl EtcdCredentials {
+    /// `user` with its password: [`ETCD_PASSWORD_ENV`] when set and not empty, else the
+    /// first line of `password_file`. An empty `user` is no authentication (`None`); a user
+    /// without a password, or a file that cannot be read, is an error naming its source.
+    pub fn load(user: &str, password_file: Option<&Path>) -> Result<Option<Self>, EtcdError> {
+        let user = user.trim();
+        if user.is_empty() {
+            return Ok(None);
+        }
+        let password = match std::env::var(ETCD_PASSWORD_ENV) {
+            Ok(v) if !v.trim().is_empty() => v.trim().to_owned(),
+            _ => {
+                let Some(path) = password_file else {
+                    return Err(EtcdError::Config(format!(
+                        "etcd user {user:?} has no password: set a password file or \
+                         {ETCD_PASSWORD_ENV}"
+                    )));
+                };
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    EtcdError::Config(format!("etcd password file {}: {e}", path.display()))
+                })?;
+                let line = text.lines().next().unwrap_or_default().trim().to_owned();
+                if line.is_empty() {
+                    return Err(EtcdError::Config(format!(
+                        "etcd password file {} is empty",
+                        path.display()
+                    )));
+                }
+                line
+            }
+        };
+        Ok(Some(Self {
+            user: user.to_owned(),
+            password,
+        }))
+    }
+}
+
 /// The etcd client with a `Debug` impl (the client has none).
 #[derive(Clone)]
 struct Etcd(Client);
@@ -140,13 +202,23 @@ impl std::fmt::Debug for Etcd {
     }
 }
 
-/// Client options of the source and the registry: connect timeout and keep-alive from the
-/// request timeout.
+/// Client options of the source, the registry and the login service: connect timeout and
+/// keep-alive from the request timeout, the user when one is configured.
 fn connect_options(cfg: &EtcdSourceConfig) -> ConnectOptions {
-    ConnectOptions::new()
+    let options = ConnectOptions::new()
         .with_connect_timeout(cfg.request_timeout)
         .with_keep_alive(cfg.request_timeout, cfg.request_timeout)
-        .with_keep_alive_while_idle(true)
+        .with_keep_alive_while_idle(true);
+    match &cfg.credentials {
+        Some(c) => options.with_user(c.user.clone(), c.password.clone()),
+        None => options,
+    }
+}
+
+/// A client of `cfg.endpoints` with [`connect_options`] (lazily connected: etcd may be
+/// down; a wrong user or password fails here when etcd is up).
+pub async fn connect_client(cfg: &EtcdSourceConfig) -> Result<Client, EtcdError> {
+    Ok(Client::connect(&cfg.endpoints, Some(connect_options(cfg))).await?)
 }
 
 /// `f` bounded by `d` ([`EtcdError::Timeout`] naming `what` when exceeded).

@@ -14,7 +14,7 @@ use tokio::sync::watch;
 use waygate_routing::source::{InstanceRegistry, LeaseId};
 use waygate_routing::{InstanceSpec, InstanceState, LoadReport, RoutingError};
 
-use crate::{connect_options, timed, Etcd, EtcdError, EtcdSourceConfig, Keys};
+use crate::{connect_client, timed, Etcd, EtcdCredentials, EtcdError, EtcdSourceConfig, Keys};
 
 // ---- records ------------------------------------------------------------------------------
 
@@ -174,11 +174,16 @@ impl EtcdRegistry {
         }
     }
 
-    /// Connects to `endpoints` (lazily: etcd may be down) and writes under `prefix`.
-    pub async fn connect(endpoints: &[String], prefix: &str) -> Result<Self, EtcdError> {
-        let cfg = EtcdSourceConfig::new(endpoints.to_vec(), prefix);
-        let client = Client::connect(endpoints, Some(connect_options(&cfg))).await?;
-        Ok(Self::new(client, prefix))
+    /// Connects to `endpoints` (lazily: etcd may be down) as `credentials` (`None`: etcd
+    /// without authentication) and writes under `prefix`.
+    pub async fn connect(
+        endpoints: &[String],
+        prefix: &str,
+        credentials: Option<EtcdCredentials>,
+    ) -> Result<Self, EtcdError> {
+        let mut cfg = EtcdSourceConfig::new(endpoints.to_vec(), prefix);
+        cfg.credentials = credentials;
+        Ok(Self::new(connect_client(&cfg).await?, prefix))
     }
 
     /// The etcd client.

@@ -20,7 +20,8 @@ use waygate_routing::source::{
 use waygate_routing::{InstanceState, RouteTable, RoutingError, TableFormat};
 
 use crate::{
-    connect_options, timed, EdgeInfo, Etcd, EtcdError, EtcdKey, InstanceRecord, Keys, Load,
+    connect_client, timed, EdgeInfo, Etcd, EtcdCredentials, EtcdError, EtcdKey, InstanceRecord,
+    Keys, Load,
 };
 
 // ---- records ------------------------------------------------------------------------------
@@ -362,6 +363,8 @@ pub struct EtcdSourceConfig {
     pub backoff_min: Duration,
     /// Largest reconnect delay.
     pub backoff_max: Duration,
+    /// The etcd user to sign in as; `None`: etcd without authentication.
+    pub credentials: Option<EtcdCredentials>,
 }
 
 impl EtcdSourceConfig {
@@ -377,6 +380,7 @@ impl EtcdSourceConfig {
             progress_interval: Duration::from_secs(1),
             backoff_min: Duration::from_millis(100),
             backoff_max: Duration::from_secs(5),
+            credentials: None,
         }
     }
 }
@@ -419,17 +423,19 @@ pub struct EtcdSourceStats {
 }
 
 impl EtcdRouteSource {
-    /// Wiring hook for the edge: [`EtcdSourceConfig::new`] with `persist` and `damping`,
-    /// then [`EtcdRouteSource::open`].
+    /// Wiring hook for the edge: [`EtcdSourceConfig::new`] with `persist`, `damping` and
+    /// `credentials`, then [`EtcdRouteSource::open`].
     pub async fn connect(
         endpoints: Vec<String>,
         prefix: String,
         persist: Option<PathBuf>,
         damping: Duration,
+        credentials: Option<EtcdCredentials>,
     ) -> Result<Arc<Self>, EtcdError> {
         let mut cfg = EtcdSourceConfig::new(endpoints, prefix);
         cfg.persist_path = persist;
         cfg.damping = damping;
+        cfg.credentials = credentials;
         Self::open(cfg).await.map(Arc::new)
     }
 
@@ -447,7 +453,7 @@ impl EtcdRouteSource {
                 cfg.prefix
             )));
         }
-        let client = Client::connect(&cfg.endpoints, Some(connect_options(&cfg))).await?;
+        let client = connect_client(&cfg).await?;
         let last_good = LastGoodTable::new(cfg.persist_path.clone());
         let (loads, _) = watch::channel(Arc::new(BTreeMap::new()));
         let status = SourceStatus {

@@ -68,6 +68,7 @@ impl Edge {
                 );
             }
         }
+        warn_of_loopback_only_settings(&config);
         let l = &config.limits;
         let admission = Arc::new(EdgeAdmission::new(
             &config.backpressure,
@@ -121,6 +122,7 @@ impl Edge {
                     c.etcd_prefix.clone(),
                     config.routing.persist.clone(),
                     Duration::from_millis(c.damping_ms),
+                    c.etcd_credentials()?,
                 )
                 .await
                 .map_err(|e| EdgeError::Cluster(e.to_string()))?;
@@ -519,5 +521,33 @@ impl std::ops::Deref for StartTasks {
 impl std::ops::DerefMut for StartTasks {
     fn deref_mut(&mut self) -> &mut Self::Target {
         &mut self.0
+    }
+}
+
+/// Warns of settings that are fine for a demo on loopback and weak beyond it, but that an
+/// operator may have chosen: the generated development certificate (new at every start,
+/// its CA known to no client) and plain KCP sessions (`kcp.packet_auth = "optional"`).
+fn warn_of_loopback_only_settings(config: &EdgeConfig) {
+    let l = &config.listeners;
+    let exposed_tls = [("tls", &l.tls), ("wss", &l.wss), ("quic", &l.quic)]
+        .into_iter()
+        .find(|(_, c)| c.enabled && !c.addr.ip().is_loopback());
+    if let (Some((kind, listener)), None) = (exposed_tls, &config.tls.cert) {
+        tracing::warn!(
+            listener = kind,
+            addr = %listener.addr,
+            "the TLS certificate is a development one generated at start (a new CA at every \
+             start, trusted by no client unless given tls.dev_ca_out): set tls.cert and tls.key"
+        );
+    }
+    if l.kcp.enabled
+        && !l.kcp.addr.ip().is_loopback()
+        && !config.kcp.packet_auth.required_at(l.kcp.addr)
+    {
+        tracing::warn!(
+            addr = %l.kcp.addr,
+            "kcp.packet_auth = \"optional\" beyond loopback: KCP sessions without a connect \
+             token are plain (datagrams neither authenticated nor encrypted)"
+        );
     }
 }
