@@ -99,6 +99,8 @@ namespace Waygate
         Answer = 18,
         /// <summary>A request has no answer: RequestId; Text: why ("timeout", "refused", "expired", "session_lost", "closed", "bad_answer"); Code and RetryAfterMs: the refusal's code and hint when refused, else 0. Exactly one Answer or RequestFailed per request. (Since 0.2.)</summary>
         RequestFailed = 19,
+        /// <summary>Seq status events (ConnectFailed, Rejected, Disconnected, Migrating) were dropped here because the caller was not polling: past 256 events waiting beside the 4,096 the handle holds, status events are counted instead of kept (every other kind is always kept). (Since 0.2.)</summary>
+        EventsDropped = 20,
     }
 
     /// <summary>How a session came up (<c>waygate_outcome</c>); the names are the same in every SDK.</summary>
@@ -213,7 +215,7 @@ namespace Waygate
         public uint MsgId { get; private set; }
         /// <summary>Retry hint in milliseconds (rejected, error), else 0.</summary>
         public uint RetryAfterMs { get; private set; }
-        /// <summary>Server seq of a message (0 for best-effort); client seq of an undelivered message; the round of a failed connect.</summary>
+        /// <summary>Server seq of a message (0 for best-effort); client seq of an undelivered message; the round of a failed connect; how many were dropped (EventsDropped).</summary>
         public ulong Seq { get; private set; }
         /// <summary>Message or publication body (an empty array when none; never null).</summary>
         public byte[] Payload { get; private set; }

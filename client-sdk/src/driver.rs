@@ -131,6 +131,18 @@ pub enum Event {
         /// Target endpoint (empty: the configured list).
         target: String,
     },
+    /// `count` status events (`ConnectFailed`, `Rejected`, `Disconnected`, `Migrating`) were
+    /// dropped here because the application was not taking events: past 256 events waiting
+    /// in the client task (beside the 4,096 the event channel holds), status events are
+    /// counted instead of kept, so a client that fails to connect for hours while nobody
+    /// reads its events holds a bounded backlog. It stands where they were lost, before
+    /// the next event kept. Every other event (messages, channel events, `Connected`,
+    /// answers, `Expired`, `Error`, `Closed`) is always kept. Also in
+    /// [`ClientStats::events_dropped`].
+    EventsDropped {
+        /// How many were dropped since the previous `EventsDropped`.
+        count: u64,
+    },
     /// One upstream message was not delivered (busy, unavailable, no route...).
     Error(ErrorReport),
     /// The outcome of a request started with [`Client::start_request`] or
@@ -293,6 +305,9 @@ pub struct ClientStats {
     pub sim_dropped: u64,
     /// See `sim_dropped`.
     pub sim_retransmitted: u64,
+    /// Status events dropped because the application was not taking events (the sum of
+    /// every [`Event::EventsDropped`] count so far, including those not yet taken).
+    pub events_dropped: u64,
 }
 
 /// A running client. Dropping it does what [`Client::close`] does (CLOSE, the task ends).
@@ -565,8 +580,14 @@ struct Driver {
     /// Events not yet taken by the application. The worker never waits for the
     /// application: it hands these over as the channel has room, and stops reading the
     /// link while [`EVENT_BACKLOG`] of them wait (the server then sees a slow consumer, a
-    /// typed outcome the session resumes from), but always serves commands.
+    /// typed outcome the session resumes from), but always serves commands. Events are
+    /// added by [`Driver::queue`] only, which bounds the status events (connect failures
+    /// keep coming without any frame read).
     pending: std::collections::VecDeque<Event>,
+    /// Status events dropped since the last [`Event::EventsDropped`] queued.
+    dropped: u64,
+    /// Status events dropped in all ([`ClientStats::events_dropped`]).
+    dropped_total: u64,
     /// Since when no session has been up (`None` while one is).
     down_since: Option<Instant>,
     stats: watch::Sender<ClientStats>,
@@ -584,6 +605,24 @@ struct Driver {
 
 /// Events waiting for the application beyond which the link is not read.
 const EVENT_BACKLOG: usize = 4096;
+/// Events waiting in the driver (beyond the event channel's 4,096) from which status events
+/// ([`is_status`]) are dropped and counted, not queued: they need no frame (a connect
+/// failure every backoff step, for hours), so the link's backlog bound does not hold them.
+/// The application learns of the loss by [`Event::EventsDropped`].
+const STATUS_BACKLOG: usize = 256;
+
+/// A status notice the application can afford to lose (counted in
+/// [`Event::EventsDropped`] instead): the client acts on it by itself. Never a message, a
+/// channel event, `Connected`, an answer, `Expired`, `Error` or `Closed`.
+fn is_status(event: &Event) -> bool {
+    matches!(
+        event,
+        Event::ConnectFailed { .. }
+            | Event::Rejected { .. }
+            | Event::Disconnected { .. }
+            | Event::Migrating { .. }
+    )
+}
 
 /// The longest a write to the link may take; past it the link is dropped and the session
 /// resumes on a new one (as the edge does with a client that does not read, §10.2).
@@ -611,6 +650,8 @@ async fn run(
         failures: 0,
         events,
         pending: std::collections::VecDeque::new(),
+        dropped: 0,
+        dropped_total: 0,
         down_since: Some(Instant::now()),
         stats,
         connects: 0,
@@ -636,7 +677,7 @@ async fn run(
         if out_of_attempts && d.conn.is_none() && connecting.is_none() {
             tracing::info!(failures = d.failures, "every attempt failed: giving up");
             d.closed = true;
-            d.pending.push_back(Event::Closed {
+            d.queue(Event::Closed {
                 code: CloseCode::Unavailable,
             });
             break;
@@ -645,7 +686,7 @@ async fn run(
             if since.elapsed() >= limit && d.conn.is_none() {
                 tracing::info!(?limit, "no session for too long: giving up");
                 d.closed = true;
-                d.pending.push_back(Event::Closed {
+                d.queue(Event::Closed {
                     code: CloseCode::Unavailable,
                 });
                 break;
@@ -691,7 +732,7 @@ async fn run(
                 connecting = None;
                 let attempt = d.failures.saturating_add(1);
                 for (endpoint, reason) in failures {
-                    d.pending.push_back(Event::ConnectFailed { endpoint, reason, attempt });
+                    d.queue(Event::ConnectFailed { endpoint, reason, attempt });
                 }
                 d.connected(outcome).await;
             }
@@ -758,7 +799,7 @@ async fn run(
                         let _ = answer.send(linked);
                     }
                     d.end_requests();
-                    d.pending.push_back(Event::Closed { code });
+                    d.queue(Event::Closed { code });
                     d.closed = true;
                     d.publish_stats();
                     d.hand_over_pending().await;
@@ -921,11 +962,32 @@ impl Driver {
         self.next_connect = Instant::now() + delay;
     }
 
+    /// Queues an event for the application (the only way into `pending`). A status event
+    /// ([`is_status`]) while [`STATUS_BACKLOG`] events wait is dropped and counted; the
+    /// next event kept is preceded by [`Event::EventsDropped`] with that count, so the
+    /// marker stands where the events were lost (before `Closed` at the end too).
+    fn queue(&mut self, event: Event) {
+        if is_status(&event) && self.pending.len() >= STATUS_BACKLOG {
+            self.dropped += 1;
+            self.dropped_total += 1;
+            return;
+        }
+        if self.dropped > 0 {
+            let count = std::mem::take(&mut self.dropped);
+            tracing::debug!(
+                count,
+                "status events dropped: the application takes no events"
+            );
+            self.pending.push_back(Event::EventsDropped { count });
+        }
+        self.pending.push_back(event);
+    }
+
     fn refused(&mut self, code: CloseCode, retry_after_ms: u32) {
         self.failures = self.failures.saturating_add(1);
         self.schedule_backoff(retry_after_ms);
         // Queued behind the events before it: the worker never waits for the application.
-        self.pending.push_back(Event::Rejected {
+        self.queue(Event::Rejected {
             code,
             retry_after_ms,
         });
@@ -1088,7 +1150,7 @@ impl Driver {
                 // A caller that stopped waiting gave up on the outcome.
                 let _ = tx.send(result);
             }
-            RequestReply::Event => self.pending.push_back(Event::Answered {
+            RequestReply::Event => self.queue(Event::Answered {
                 request_id: p.id,
                 result,
             }),
@@ -1105,7 +1167,9 @@ impl Driver {
         for (p, e) in self.requests.fail_all(&RequestError::Closed) {
             self.finish_request(p, Err(e));
         }
-        self.pending.extend(closed);
+        if let Some(closed) = closed {
+            self.queue(closed);
+        }
     }
 
     fn state(&self) -> ConnectionState {
@@ -1133,6 +1197,7 @@ impl Driver {
                 .sim
                 .retransmitted
                 .load(std::sync::atomic::Ordering::Relaxed),
+            events_dropped: self.dropped_total,
         });
     }
 
@@ -1297,7 +1362,7 @@ impl Driver {
                 ClientEvent::Expired { seq, .. } if expired_requests.contains(&seq) => continue,
                 ClientEvent::Expired { msg_id, seq, age } => Event::Expired { msg_id, seq, age },
             };
-            self.pending.push_back(event);
+            self.queue(event);
         }
         self.publish_stats();
         true

@@ -501,6 +501,100 @@ async fn sticky_fallback_reconnect_now_and_giving_up() {
     assert_eq!(attempts, [1, 2, 3]);
 }
 
+/// A client that keeps failing to connect while the application takes no events holds a
+/// bounded backlog: past the event channel (4,096) and 256 more waiting in the client task
+/// (`STATUS_BACKLOG`), connect failures are counted, not kept, and one `EventsDropped`
+/// stands where they were lost (also before the final `Closed`). Before the fix every
+/// failure was kept: one per endpoint per backoff step, for as long as nobody read them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_failures_nobody_takes_are_bounded_and_counted() {
+    const CHANNEL: usize = 4096;
+    const STATUS_BACKLOG: usize = 256;
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_addr = dead.local_addr().unwrap();
+    drop(dead);
+    // The dead port several times per round: the backlog fills within a second or two.
+    let mut options = ClientOptions::new(
+        vec![Endpoint::new(TransportKind::Tcp, dead_addr); 8],
+        token("nobody-reads"),
+    );
+    options.backoff_min = Duration::from_millis(1);
+    options.backoff_max = Duration::from_millis(1);
+    let mut client = Client::start(options);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while client.stats().events_dropped == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "nothing dropped within 10 s: the backlog grows without bound ({:?})",
+            client.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // More rounds fail meanwhile, still taken by nobody.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    // What waited before the first marker: at most the channel and the status backlog.
+    let mut waiting = 0usize;
+    let mut dropped = 0u64;
+    loop {
+        match next(&mut client).await {
+            Event::ConnectFailed { .. } => {
+                waiting += 1;
+                assert!(
+                    waiting <= CHANNEL + STATUS_BACKLOG,
+                    "more than {} events waited",
+                    CHANNEL + STATUS_BACKLOG
+                );
+            }
+            Event::EventsDropped { count } => {
+                assert!(count > 0);
+                dropped += count;
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    // One marker, then the failures kept again.
+    match next(&mut client).await {
+        Event::ConnectFailed { .. } => {}
+        other => panic!("a ConnectFailed after the marker, got {other:?}"),
+    }
+
+    // Closing still ends with `Closed`; every drop is in some marker, never two in a row.
+    client.close().await;
+    let mut after_marker = false;
+    let mut taken = 0usize;
+    loop {
+        taken += 1;
+        assert!(
+            taken <= 2 * (CHANNEL + STATUS_BACKLOG),
+            "no Closed after {taken} events"
+        );
+        match next(&mut client).await {
+            Event::ConnectFailed { .. } => after_marker = false,
+            Event::EventsDropped { count } => {
+                assert!(count > 0 && !after_marker, "an empty or repeated marker");
+                dropped += count;
+                after_marker = true;
+            }
+            Event::Closed { code } => {
+                assert_eq!(code, CloseCode::Normal);
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let end = tokio::time::timeout(Duration::from_secs(10), client.next_event())
+        .await
+        .expect("the event stream ends");
+    assert!(end.is_none(), "{end:?} after Closed");
+    assert_eq!(
+        dropped,
+        client.stats().events_dropped,
+        "the markers count every dropped event"
+    );
+}
+
 /// A TCP forwarder to the edge that the test can close (its connections cut, new ones
 /// accepted and dropped at once, as a network that went away) and open again.
 struct TcpGate {

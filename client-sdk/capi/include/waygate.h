@@ -217,6 +217,13 @@ typedef enum waygate_event_kind {
    * request. (Since 0.2.)
    */
   WAYGATE_EVENT_REQUEST_FAILED = 19,
+  /**
+   * `seq` status events (connect failed, rejected, disconnected, migrating) were dropped
+   * here because the caller was not polling: past 256 events waiting beside the 4,096 the
+   * handle holds, status events are counted instead of kept (every other kind is always
+   * kept). It stands where they were lost, before the next event kept. (Since 0.2.)
+   */
+  WAYGATE_EVENT_EVENTS_DROPPED = 20,
 } waygate_event_kind;
 
 /**
@@ -418,7 +425,8 @@ typedef struct waygate_event {
    */
   uint32_t retry_after_ms;
   /**
-   * Server seq of a message (0 for best-effort); client seq of an undelivered message.
+   * Server seq of a message (0 for best-effort); client seq of an undelivered message;
+   * the round of a failed connect; how many were dropped (`WAYGATE_EVENT_EVENTS_DROPPED`).
    */
   uint64_t seq;
   /**
@@ -585,7 +593,9 @@ enum waygate_result waygate_client_wait_event(struct waygate_client *client,
  * It waits until the client thread has taken the message: microseconds. The client thread
  * never waits for the caller (connect attempts run beside it; events the caller has not
  * polled wait in the handle, and past 4,096 of them the thread stops reading the link
- * instead), so a caller that has not polled for minutes is not blocked here.
+ * instead; status events such as connect failures, which need no link, are dropped past
+ * 256 more and counted in one `WAYGATE_EVENT_EVENTS_DROPPED`), so a caller that has not
+ * polled for minutes is not blocked here, and its backlog stays bounded.
  *
  * # Safety
  *

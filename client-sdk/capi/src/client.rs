@@ -347,7 +347,9 @@ pub unsafe extern "C" fn waygate_client_wait_event(
 /// It waits until the client thread has taken the message: microseconds. The client thread
 /// never waits for the caller (connect attempts run beside it; events the caller has not
 /// polled wait in the handle, and past 4,096 of them the thread stops reading the link
-/// instead), so a caller that has not polled for minutes is not blocked here.
+/// instead; status events such as connect failures, which need no link, are dropped past
+/// 256 more and counted in one `WAYGATE_EVENT_EVENTS_DROPPED`), so a caller that has not
+/// polled for minutes is not blocked here, and its backlog stays bounded.
 ///
 /// # Safety
 ///

@@ -71,6 +71,11 @@ pub enum waygate_event_kind {
     /// code and hint when refused, else 0. Exactly one ANSWER or REQUEST_FAILED per
     /// request. (Since 0.2.)
     WAYGATE_EVENT_REQUEST_FAILED = 19,
+    /// `seq` status events (connect failed, rejected, disconnected, migrating) were dropped
+    /// here because the caller was not polling: past 256 events waiting beside the 4,096 the
+    /// handle holds, status events are counted instead of kept (every other kind is always
+    /// kept). It stands where they were lost, before the next event kept. (Since 0.2.)
+    WAYGATE_EVENT_EVENTS_DROPPED = 20,
 }
 
 /// How a session came up (`waygate_event.outcome` of `WAYGATE_EVENT_CONNECTED`); the names
@@ -109,7 +114,8 @@ pub struct waygate_event {
     pub msg_id: u32,
     /// Retry hint in milliseconds (rejected, error), else 0.
     pub retry_after_ms: u32,
-    /// Server seq of a message (0 for best-effort); client seq of an undelivered message.
+    /// Server seq of a message (0 for best-effort); client seq of an undelivered message;
+    /// the round of a failed connect; how many were dropped (`WAYGATE_EVENT_EVENTS_DROPPED`).
     pub seq: u64,
     /// Message body (NULL when empty).
     pub payload: *const u8,
@@ -291,6 +297,11 @@ pub(crate) fn flatten(event: &Event) -> Option<(waygate_event, String)> {
                 }
             }
         }
+        Event::EventsDropped { count } => {
+            e.kind = K::WAYGATE_EVENT_EVENTS_DROPPED;
+            e.seq = *count;
+            String::new()
+        }
         Event::Closed { code } => {
             e.kind = if *code == CloseCode::Kicked {
                 K::WAYGATE_EVENT_KICKED
@@ -351,6 +362,7 @@ pub extern "C" fn waygate_event_kind_str(kind: c_int) -> *const c_char {
             17 => c"expired",
             18 => c"answer",
             19 => c"request_failed",
+            20 => c"events_dropped",
             _ => c"unknown",
         };
         s.as_ptr()
@@ -445,6 +457,11 @@ mod tests {
         assert_eq!((e.channel_epoch, e.channel_offset), (300, 7));
         assert_eq!((e.payload, e.payload_len), (body.as_ptr(), 2));
         assert_eq!(text, "guild:42");
+
+        let (e, text) = flatten(&Event::EventsDropped { count: 12 }).unwrap();
+        assert_eq!(e.kind, waygate_event_kind::WAYGATE_EVENT_EVENTS_DROPPED);
+        assert_eq!(e.seq, 12);
+        assert_eq!(text, "");
     }
 
     #[test]
@@ -454,6 +471,10 @@ mod tests {
             (waygate_event_kind::WAYGATE_EVENT_CONNECTED, "connected"),
             (waygate_event_kind::WAYGATE_EVENT_EXPIRED, "expired"),
             (waygate_event_kind::WAYGATE_EVENT_CLOSED, "closed"),
+            (
+                waygate_event_kind::WAYGATE_EVENT_EVENTS_DROPPED,
+                "events_dropped",
+            ),
             (
                 waygate_event_kind::WAYGATE_EVENT_CHANNEL_HISTORY_LOST,
                 "channel_history_lost",

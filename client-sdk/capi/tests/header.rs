@@ -66,6 +66,7 @@ fn header_declares_the_whole_api() {
         "waygate_client_sync_clock",
         "waygate_client_clock_offset",
         "WAYGATE_EVENT_REQUEST_FAILED",
+        "WAYGATE_EVENT_EVENTS_DROPPED",
         "waygate_set_log_callback",
         "waygate_client_pause",
         "WAYGATE_STATE_PAUSED",
