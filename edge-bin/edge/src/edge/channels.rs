@@ -83,8 +83,18 @@ pub(super) struct Announcements {
     pub(super) reads: Arc<tokio::sync::Semaphore>,
 }
 
-/// Reads of the announcement log for joins in flight at once.
+/// Reads of the announcement log for joins in flight at once. A restored membership holds
+/// its read's result (and so its slot) until it has joined, so at most this many results
+/// are in memory at once.
 pub(super) const LOG_READS: usize = 64;
+/// How long one read of the announcement log may take; past it the join goes on as when
+/// the log cannot be read (a backend's join answered `unavailable`, a restored membership
+/// joined with HISTORY_LOST only). Inside the backend SDK's 5 s wait for an answer.
+const LOG_READ_DEADLINE: Duration = Duration::from_secs(2);
+/// How long a restored membership waits for a read slot ([`LOG_READS`]) before it joins
+/// without the log's announcements (HISTORY_LOST only): a restore storm on a slow log is
+/// over within this, not after every read in turn.
+const RESTORED_READ_WAIT: Duration = Duration::from_secs(10);
 
 /// A held announcement and whom to answer once the log has it.
 #[derive(Debug)]
@@ -436,8 +446,8 @@ impl Shared {
         hub.deferred_join_started(session, &channel);
         tokio::spawn(async move {
             let permit = match permit {
-                Some(p) => p,
-                None => match reads.acquire_owned().await {
+                Some(p) => Some(p),
+                None => match read_slot(&reads, RESTORED_READ_WAIT).await {
                     Ok(p) => p,
                     Err(_) => {
                         if let Some(shared) = weak.upgrade() {
@@ -553,6 +563,7 @@ impl Shared {
                             name,
                             position,
                             Vec::new(),
+                            None,
                         ));
                     }
                     Err(e) => {
@@ -734,14 +745,13 @@ impl Shared {
 async fn join_from_log(
     shared: Weak<Shared>,
     log: Arc<dyn crate::announcements::AnnouncementLog>,
-    read: tokio::sync::OwnedSemaphorePermit,
+    read: Option<tokio::sync::OwnedSemaphorePermit>,
     session: waygate_protocol::frame::SessionId,
     channel: String,
     since: ChannelPosition,
     answer: Option<(u64, Option<mpsc::Sender<LinkFrame>>)>,
 ) {
-    let logged = log.after(&channel, since, LOGGED_READ_LIMIT).await;
-    drop(read);
+    let logged = read_logged(log.as_ref(), read.is_some(), &channel, since).await;
     let weak = shared;
     let Some(shared) = weak.upgrade() else {
         return;
@@ -770,8 +780,11 @@ async fn join_from_log(
     };
     let Some((request_id, reply)) = answer else {
         drop(shared);
-        return join_retrying(weak, session, channel, since, logged).await;
+        // The read's slot is held until the membership has joined: the results of at most
+        // LOG_READS reads wait in memory, however many memberships a storm restores.
+        return join_retrying(weak, session, channel, since, logged, read).await;
     };
+    drop(read);
     // The session may have ended during the read: then it is a member of nothing here
     // (a membership added now would be a dead session's, the join answered as taken).
     let Some(player) = shared.session_layer().registry.player_of(&session) else {
@@ -798,6 +811,47 @@ async fn join_from_log(
     shared.start_channel_consumers();
 }
 
+/// A read slot of `reads`, waiting at most `wait`: `Ok(None)` when none came free in time
+/// (the membership then joins without the log's announcements); `Err` when the edge is
+/// shutting down (the semaphore closed).
+async fn read_slot(
+    reads: &Arc<tokio::sync::Semaphore>,
+    wait: Duration,
+) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, tokio::sync::AcquireError> {
+    match tokio::time::timeout(wait, reads.clone().acquire_owned()).await {
+        Ok(permit) => permit.map(Some),
+        Err(_) => Ok(None),
+    }
+}
+
+/// What `log` holds for `channel` after `since`, within [`LOG_READ_DEADLINE`]; without a
+/// read slot (`has_slot` false: none came free within [`RESTORED_READ_WAIT`]) nothing is
+/// read and the log counts as unavailable.
+async fn read_logged(
+    log: &dyn crate::announcements::AnnouncementLog,
+    has_slot: bool,
+    channel: &str,
+    since: ChannelPosition,
+) -> Result<Vec<AnnouncementRecord>, crate::announcements::AnnouncementLogError> {
+    use crate::announcements::AnnouncementLogError;
+    if !has_slot {
+        return Err(AnnouncementLogError::Unavailable(format!(
+            "no read of the log free within {RESTORED_READ_WAIT:?}"
+        )));
+    }
+    match tokio::time::timeout(
+        LOG_READ_DEADLINE,
+        log.after(channel, since, LOGGED_READ_LIMIT),
+    )
+    .await
+    {
+        Ok(read) => read,
+        Err(_) => Err(AnnouncementLogError::Unavailable(format!(
+            "no answer within {LOG_READ_DEADLINE:?}"
+        ))),
+    }
+}
+
 /// Rejoins a restored session's membership from `since` (with `logged`, the announcements
 /// the log holds after it): a channel queue full of other members' recoveries is retried
 /// every 100 ms for up to 10 s; any other refusal, or a queue still full, ends the
@@ -809,6 +863,7 @@ async fn join_retrying(
     channel: String,
     since: ChannelPosition,
     logged: Vec<AnnouncementRecord>,
+    _read: Option<tokio::sync::OwnedSemaphorePermit>,
 ) {
     for attempt in 0..=100u32 {
         let Some(shared) = weak.upgrade() else {
@@ -1080,5 +1135,83 @@ impl ChannelInterestSink for super::downstream::EdgeLinkSink {
         self.0
             .upgrade()
             .is_some_and(|shared| shared.interest_links().overdue.contains(&link))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::announcements::{AnnouncementLog, AnnouncementLogError};
+
+    /// A log whose reads never answer (a hung Redis, a file log behind a stuck fsync).
+    #[derive(Debug)]
+    struct HungLog;
+
+    #[async_trait::async_trait]
+    impl AnnouncementLog for HungLog {
+        async fn append(&self, _: &[AnnouncementRecord]) -> Result<(), AnnouncementLogError> {
+            std::future::pending().await
+        }
+        async fn withdraw(&self, _: &[AnnouncementRecord]) -> Result<(), AnnouncementLogError> {
+            std::future::pending().await
+        }
+        async fn after(
+            &self,
+            _: &str,
+            _: ChannelPosition,
+            _: usize,
+        ) -> Result<Vec<AnnouncementRecord>, AnnouncementLogError> {
+            std::future::pending().await
+        }
+    }
+
+    /// Audit: a restored membership's read of the log had no deadline, so a hung log held
+    /// its join (and any LEAVE behind it) for ever. It now ends at LOG_READ_DEADLINE as a
+    /// log that cannot be read (HISTORY_LOST only for a restored membership).
+    #[tokio::test(start_paused = true)]
+    async fn a_log_read_that_never_answers_ends_at_its_deadline() {
+        let start = tokio::time::Instant::now();
+        let read = tokio::time::timeout(
+            Duration::from_secs(600),
+            read_logged(&HungLog, true, "system:all", ChannelPosition::default()),
+        )
+        .await
+        .expect("the read ends by itself");
+        assert!(
+            matches!(read, Err(AnnouncementLogError::Unavailable(_))),
+            "{read:?}"
+        );
+        assert_eq!(start.elapsed(), LOG_READ_DEADLINE);
+        // Without a read slot nothing is read at all.
+        let read = read_logged(&HungLog, false, "system:all", ChannelPosition::default()).await;
+        assert!(matches!(read, Err(AnnouncementLogError::Unavailable(_))));
+    }
+
+    /// Audit: a restored membership waited for a read slot with no deadline, behind every
+    /// other read of a restore storm. It now waits RESTORED_READ_WAIT at most; a slot
+    /// that comes free in time is taken.
+    #[tokio::test(start_paused = true)]
+    async fn a_restored_membership_waits_for_a_read_slot_only_so_long() {
+        let reads = Arc::new(tokio::sync::Semaphore::new(0));
+        let start = tokio::time::Instant::now();
+        let slot = tokio::time::timeout(
+            Duration::from_secs(600),
+            read_slot(&reads, RESTORED_READ_WAIT),
+        )
+        .await
+        .expect("the wait ends by itself");
+        assert!(matches!(slot, Ok(None)), "no slot came free");
+        assert_eq!(start.elapsed(), RESTORED_READ_WAIT);
+        let freed = reads.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            freed.add_permits(1);
+        });
+        assert!(matches!(
+            read_slot(&reads, RESTORED_READ_WAIT).await,
+            Ok(Some(_))
+        ));
+        reads.close();
+        assert!(read_slot(&reads, RESTORED_READ_WAIT).await.is_err());
     }
 }
