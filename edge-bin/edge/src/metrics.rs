@@ -200,6 +200,16 @@ pub struct EdgeMetrics {
     pub announcement_withdrawals_failed: Counter,
     /// Channel publications waiting for their consumer, by kind and class.
     pub channel_pending_by_class: Family<ChannelClassLabels, Gauge>,
+    /// Bytes of publications kept for recovery over all channels (at most
+    /// `channels.history_budget_bytes`).
+    pub channel_history_bytes: Gauge,
+    /// Bytes of publications waiting for their consumers over all channels (at
+    /// `channels.pending_budget_bytes`, publishes are refused `queue_full`).
+    pub channel_pending_bytes: Gauge,
+    /// Kept publications forgotten early because the histories reached
+    /// `channels.history_budget_bytes` (members recovering from before them get
+    /// HISTORY_LOST).
+    pub channel_history_evicted: Counter,
 }
 
 impl Default for EdgeMetrics {
@@ -560,6 +570,9 @@ impl EdgeMetrics {
             announcements_recovered: Counter::default(),
             announcement_withdrawals_failed: Counter::default(),
             channel_pending_by_class: Family::default(),
+            channel_history_bytes: Gauge::default(),
+            channel_pending_bytes: Gauge::default(),
+            channel_history_evicted: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -772,6 +785,21 @@ impl EdgeMetrics {
             "channel_pending_by_class",
             "Channel publications waiting for their consumer, by channel kind and class",
             m.channel_pending_by_class.clone(),
+        );
+        registry.register(
+            "channel_history_bytes",
+            "Bytes of publications kept for recovery over all channels (channels.history_budget_bytes)",
+            m.channel_history_bytes.clone(),
+        );
+        registry.register(
+            "channel_pending_bytes",
+            "Bytes of publications waiting for their consumers over all channels (channels.pending_budget_bytes: queue_full)",
+            m.channel_pending_bytes.clone(),
+        );
+        registry.register(
+            "channel_history_evicted",
+            "Kept publications forgotten early because the histories reached channels.history_budget_bytes",
+            m.channel_history_evicted.clone(),
         );
         Self { registry, ..m }
     }

@@ -138,6 +138,15 @@ pub struct ChannelsConfig {
     /// The file log's size cap in bytes: compacted when it reaches it; new announcements
     /// are refused while the unexpired ones need more than half of it.
     pub announcement_log_max_bytes: u64,
+    /// Bytes of publications kept for recovery over all channels (each kind's
+    /// `history_len` and `history_ttl_ms` bound one channel; this bounds them all): past
+    /// it the oldest kept publications are forgotten first (a member recovering from
+    /// before them gets HISTORY_LOST).
+    pub history_budget_bytes: u64,
+    /// Bytes of publications waiting for their channel's consumer over all channels (each
+    /// kind's queue caps bound one channel): a publish that would need more is refused
+    /// `queue_full`.
+    pub pending_budget_bytes: u64,
     /// The channel kinds, by the part of a channel name before `:` (`guild` for
     /// `guild:42`, `world` for `world`). Setting this replaces the default kinds.
     pub kinds: BTreeMap<String, KindPolicy>,
@@ -171,6 +180,8 @@ impl Default for ChannelsConfig {
             announcement_log: "auto".to_owned(),
             announcement_fsync: FsyncPolicy::Always,
             announcement_log_max_bytes: 64 * 1024 * 1024,
+            history_budget_bytes: 256 * 1024 * 1024,
+            pending_budget_bytes: 64 * 1024 * 1024,
             kinds: BTreeMap::from([
                 ("world".to_owned(), kind(100, 60_000, false)),
                 ("guild".to_owned(), kind(500, 3_600_000, true)),
@@ -198,6 +209,15 @@ impl ChannelsConfig {
         }
         if self.announcement_log_max_bytes < 64 * 1024 {
             return Err("channels.announcement_log_max_bytes must be at least 65536".into());
+        }
+        // One publication of the largest body (with its event header) must fit each budget.
+        let largest = self.kinds.values().map(|k| k.max_body).max().unwrap_or(0) as u64
+            + waygate_protocol::channel::MAX_EVENT_OVERHEAD as u64;
+        if self.history_budget_bytes < largest || self.pending_budget_bytes < largest {
+            return Err(format!(
+                "channels.history_budget_bytes and pending_budget_bytes must be at least \
+                 {largest} (the largest max_body with its event header)"
+            ));
         }
         for (name, k) in &self.kinds {
             if name.is_empty() || name.contains(':') || name.len() > MAX_CHANNEL_NAME_LEN {
@@ -384,6 +404,9 @@ pub struct HubStats {
     /// Announcements of another epoch queued for joining members from the announcement
     /// log (before their HISTORY_LOST).
     pub logged_recovered: u64,
+    /// Kept publications forgotten early because every channel's history together reached
+    /// `history_budget_bytes`.
+    pub history_evicted: u64,
 }
 
 #[derive(Debug)]
@@ -513,18 +536,19 @@ impl Channel {
         ticket
     }
 
-    fn trim_history(&mut self, now: Instant) {
+    /// Drops what is past the kind's history length and TTL; returns the bytes freed.
+    fn trim_history(&mut self, now: Instant) -> u64 {
         let ttl = Duration::from_millis(self.policy.history_ttl_ms);
-        while self.history.len() > self.policy.history_len {
-            self.history.pop_front();
-        }
-        while self
-            .history
-            .front()
-            .is_some_and(|s| now.saturating_duration_since(s.at) >= ttl)
+        let mut freed = 0;
+        while self.history.len() > self.policy.history_len
+            || self
+                .history
+                .front()
+                .is_some_and(|s| now.saturating_duration_since(s.at) >= ttl)
         {
-            self.history.pop_front();
+            freed += self.history.pop_front().map_or(0, |s| s.event.len() as u64);
         }
+        freed
     }
 
     /// Forgets departed players whose entries are older than the history TTL.
@@ -577,6 +601,11 @@ pub struct ChannelHub {
     announcement_log: bool,
     /// Announcements held now, over all channels.
     held: usize,
+    /// Bytes of the publications in every channel's history (`history_budget_bytes`).
+    history_bytes: u64,
+    /// Bytes of the publications waiting in every channel's queue
+    /// (`pending_budget_bytes`).
+    pending_bytes: u64,
     /// Every publish id remembered, in publish order: when it expires, its channel and the
     /// id (capped by `dedup_max_ids`; an entry whose channel was reclaimed or whose id was
     /// withdrawn stays until it expires, and counts).
@@ -597,6 +626,12 @@ struct DeferredJoin {
     joins: u32,
     /// A LEAVE taken after the last of them: carried out once they all are.
     leave_after: bool,
+}
+
+/// The most bytes the publication event of `body` on `channel` takes (its kind, the
+/// name with its length, epoch and offset as varints of at most 10 bytes each, the body).
+fn publication_len_bound(channel: &str, body: usize) -> u64 {
+    (1 + 2 + channel.len() + 10 + 10 + body) as u64
 }
 
 /// Splits a channel name into its kind, after checking it.
@@ -633,6 +668,8 @@ impl ChannelHub {
             stats: HubStats::default(),
             announcement_log: false,
             held: 0,
+            history_bytes: 0,
+            pending_bytes: 0,
             dedup_order: VecDeque::new(),
             interest: interest::Interest::default(),
             deferred_joins: HashMap::new(),
@@ -746,13 +783,16 @@ impl ChannelHub {
             }) = ch.pending.remove(i)
             {
                 ch.pending_by_class[class as usize] -= 1;
+                self.pending_bytes -= event.len() as u64;
                 let before = ch.pending.len();
                 ch.pending.retain(
                     |p| !matches!(&p.item, PendingItem::Direct { event: e, .. } if *e == event),
                 );
                 ch.pending_direct -= before - ch.pending.len();
             }
-            ch.history.retain(|s| s.offset != position.offset);
+            if let Some(i) = ch.history.iter().position(|s| s.offset == position.offset) {
+                self.history_bytes -= ch.history.remove(i).map_or(0, |s| s.event.len() as u64);
+            }
             ch.recent.retain(|_, (p, _)| *p != position);
         }
         if !ch.scheduled && !ch.pending.is_empty() && !ch.blocked() {
@@ -884,7 +924,10 @@ impl ChannelHub {
             .channels
             .get_mut(channel)
             .ok_or(ChannelError::InvalidName)?;
-        if ch.pending_by_class[class as usize] >= ch.policy.queue_cap(class) {
+        if ch.pending_by_class[class as usize] >= ch.policy.queue_cap(class)
+            || self.pending_bytes + publication_len_bound(channel, body.len())
+                > self.config.pending_budget_bytes
+        {
             return Err(ChannelError::QueueFull);
         }
         if request_id != 0 && self.dedup_order.len() >= self.config.dedup_max_ids {
@@ -920,15 +963,17 @@ impl ChannelHub {
         if recoverable {
             ch.last_offset += 1;
             if ch.policy.history_len > 0 {
+                self.history_bytes += event.len() as u64;
                 ch.history.push_back(Stored {
                     offset: ch.last_offset,
                     at: now,
                     class,
                     event: event.clone(),
                 });
-                ch.trim_history(now);
+                self.history_bytes -= ch.trim_history(now);
             }
         }
+        self.pending_bytes += event.len() as u64;
         let persist = held.then(|| AnnouncementRecord {
             channel: ch.name.clone(),
             position,
@@ -950,11 +995,42 @@ impl ChannelHub {
                 .push_back((dedup_until, ch.name.clone(), request_id));
         }
         Self::schedule(&mut self.ready, ch);
+        self.keep_history_budget(channel);
         Ok(PublishReceipt {
             position,
             duplicate: false,
             persist,
         })
+    }
+
+    /// Forgets kept publications until every channel's history fits
+    /// `history_budget_bytes`: the oldest of `publishing` first (one that publishes past
+    /// the budget recycles its own history), then the oldest of any channel. Its newest
+    /// publication stays (the budget holds at least one of the largest).
+    fn keep_history_budget(&mut self, publishing: &str) {
+        while self.history_bytes > self.config.history_budget_bytes {
+            let own = self
+                .channels
+                .get(publishing)
+                .filter(|ch| ch.history.len() > 1)
+                .map(|ch| ch.name.clone());
+            let victim = own.or_else(|| {
+                self.channels
+                    .values()
+                    .filter(|ch| &*ch.name != publishing)
+                    .filter_map(|ch| ch.history.front().map(|s| (s.at, ch.name.clone())))
+                    .min_by_key(|(at, _)| *at)
+                    .map(|(_, name)| name)
+            });
+            let Some(stored) = victim
+                .and_then(|name| self.channels.get_mut(&name))
+                .and_then(|ch| ch.history.pop_front())
+            else {
+                return;
+            };
+            self.history_bytes -= stored.event.len() as u64;
+            self.stats.history_evicted += 1;
+        }
     }
 
     /// Makes `session` a member of `channel`. With `since`, what it missed after that
@@ -1029,7 +1105,7 @@ impl ChannelHub {
             .channels
             .get_mut(channel)
             .ok_or(ChannelError::InvalidName)?;
-        ch.trim_history(now);
+        self.history_bytes -= ch.trim_history(now);
         if let Some(m) = ch.members.get_mut(&session) {
             m.leaving_at = None;
             return Ok((ch.position(), JoinOutcome::AlreadyMember));
@@ -1280,6 +1356,7 @@ impl ChannelHub {
                     class, event, at, ..
                 } => {
                     ch.pending_by_class[class as usize] -= 1;
+                    self.pending_bytes -= event.len() as u64;
                     let to = ch
                         .members
                         .iter()
@@ -1341,7 +1418,7 @@ impl ChannelHub {
     pub fn sweep(&mut self, now: Instant) -> usize {
         let idle = Duration::from_millis(self.config.idle_reclaim_ms);
         for ch in self.channels.values_mut() {
-            ch.trim_history(now);
+            self.history_bytes -= ch.trim_history(now);
             ch.trim_departed(now);
         }
         self.expire_publish_ids(now);
@@ -1404,6 +1481,18 @@ impl ChannelHub {
         out
     }
 
+    /// Bytes of the publications kept for recovery over all channels (at most
+    /// `history_budget_bytes`).
+    pub fn history_bytes(&self) -> u64 {
+        self.history_bytes
+    }
+
+    /// Bytes of the publications waiting for their channels' consumers (at most
+    /// `pending_budget_bytes`).
+    pub fn pending_bytes(&self) -> u64 {
+        self.pending_bytes
+    }
+
     /// Counters since the hub started.
     pub fn stats(&self) -> HubStats {
         self.stats
@@ -1413,6 +1502,30 @@ impl ChannelHub {
     pub fn check_invariants(&self) -> Result<(), String> {
         if self.dedup_order.len() > self.config.dedup_max_ids {
             return Err("publish ids remembered over dedup_max_ids".into());
+        }
+        let (mut history, mut pending) = (0u64, 0u64);
+        for ch in self.channels.values() {
+            history += ch.history.iter().map(|s| s.event.len() as u64).sum::<u64>();
+            pending += ch
+                .pending
+                .iter()
+                .map(|p| match &p.item {
+                    PendingItem::Publication { event, .. } => event.len() as u64,
+                    PendingItem::Direct { .. } => 0,
+                })
+                .sum::<u64>();
+        }
+        if history != self.history_bytes || pending != self.pending_bytes {
+            return Err(format!(
+                "byte counts drifted: history {history} counted {}, pending {pending} \
+                 counted {}",
+                self.history_bytes, self.pending_bytes
+            ));
+        }
+        if self.history_bytes > self.config.history_budget_bytes
+            || self.pending_bytes > self.config.pending_budget_bytes
+        {
+            return Err("channel bytes over their budget".into());
         }
         for (name, ch) in &self.channels {
             let mut by_class = [0usize; 3];

@@ -57,6 +57,17 @@ fn small_config() -> ChannelsConfig {
     }
 }
 
+/// [`small_config`] with budgets the random runs reach: an empty publication's event is 9
+/// or 10 bytes (29 or 30 as the hub bounds it before building it), so about 10 are kept and
+/// 10 wait over all channels, fewer than the kinds' caps allow (12 kept, 36 waiting).
+fn tight_budgets() -> ChannelsConfig {
+    ChannelsConfig {
+        history_budget_bytes: 100,
+        pending_budget_bytes: 300,
+        ..small_config()
+    }
+}
+
 /// Publishes `n` empty publications of `class` to `channel`; returns the last position.
 fn publish_n(
     hub: &mut ChannelHub,
@@ -938,7 +949,7 @@ proptest! {
 fn members_see_each_channel_in_order(ops: Vec<Op>, log: bool) -> Result<(), TestCaseError> {
     let start = Instant::now();
     let mut now = start;
-    let mut hub = ChannelHub::new(small_config(), 9);
+    let mut hub = ChannelHub::new(tight_budgets(), 9);
     hub.set_announcement_log(log);
     // Held announcements per channel, oldest first; those the log refused.
     let mut held: HashMap<&str, VecDeque<ChannelPosition>> = HashMap::new();
@@ -1487,4 +1498,94 @@ proptest! {
         }
         prop_assert_eq!(hub.pending(), 0);
     }
+}
+
+/// Every channel's history together keeps to `history_budget_bytes` (bounded-everything
+/// audit: only each channel's own caps bounded it, 10,000 channels x 500 x 16 KiB): a
+/// channel publishing past the budget recycles its own oldest first, a channel with
+/// nothing of its own to give takes the oldest of another, and a member recovering from
+/// before what was forgotten gets HISTORY_LOST.
+#[test]
+fn histories_keep_to_their_budget_oldest_first() {
+    let now = Instant::now();
+    let body = Bytes::from(vec![7u8; 50]);
+    // One publication's bytes, measured on a hub like the one under test.
+    let mut probe = ChannelHub::new(small_config(), 3);
+    probe
+        .publish(now, "room:a", 0, TrafficClass::Normal, body.clone())
+        .unwrap();
+    let one = probe.history_bytes();
+    let mut config = small_config();
+    // Four and a half: room:a's four fit, not a fifth publication anywhere.
+    config.history_budget_bytes = 4 * one + one / 2;
+    let mut hub = ChannelHub::new(config, 3);
+    let mut at = now;
+    let mut publish = |hub: &mut ChannelHub, name: &str| {
+        at += Duration::from_millis(10);
+        hub.publish(at, name, 0, TrafficClass::Normal, body.clone())
+            .unwrap();
+        drain(hub);
+        hub.check_invariants().unwrap();
+        at
+    };
+    for _ in 0..4 {
+        publish(&mut hub, "room:a");
+    }
+    assert_eq!(hub.stats().history_evicted, 0, "within the budget");
+    // room:b's first needs room and room:b has nothing else to give: room:a's oldest
+    // goes. Then room:b recycles its own oldest.
+    publish(&mut hub, "room:b");
+    assert_eq!(hub.stats().history_evicted, 1);
+    publish(&mut hub, "room:b");
+    let at = publish(&mut hub, "room:b");
+    assert_eq!(hub.stats().history_evicted, 3);
+    let since = |hub: &ChannelHub, name: &str, offset| {
+        Some(ChannelPosition {
+            epoch: hub.position(name).unwrap().epoch,
+            offset,
+        })
+    };
+    let s = since(&hub, "room:a", 0);
+    let (_, a) = hub.join(at, sid(1), &player(1), "room:a", s).unwrap();
+    assert_eq!(a, JoinOutcome::HistoryLost, "room:a's first was forgotten");
+    let s = since(&hub, "room:a", 1);
+    let (_, a) = hub.join(at, sid(2), &player(2), "room:a", s).unwrap();
+    assert!(matches!(a, JoinOutcome::Recovered { .. }), "{a:?}");
+    let s = since(&hub, "room:b", 1);
+    let (_, b) = hub.join(at, sid(3), &player(3), "room:b", s).unwrap();
+    assert_eq!(
+        b,
+        JoinOutcome::HistoryLost,
+        "room:b recycled its own oldest"
+    );
+    assert!(hub.history_bytes() <= 4 * one + one / 2);
+    hub.check_invariants().unwrap();
+}
+
+/// Publications waiting for their consumers over all channels keep to
+/// `pending_budget_bytes`: past it a publish is refused `queue_full` (a typed answer,
+/// nothing queued) even where the channel's own queue has room, and taken again once the
+/// consumers have delivered.
+#[test]
+fn waiting_publications_keep_to_their_budget() {
+    let now = Instant::now();
+    let body = Bytes::from(vec![7u8; 50]);
+    let mut config = small_config();
+    config.pending_budget_bytes = 3 * publication_len_bound("room:a", body.len());
+    let mut hub = ChannelHub::new(config, 3);
+    for name in ["room:a", "room:b", "room:a"] {
+        hub.publish(now, name, 0, TrafficClass::Normal, body.clone())
+            .unwrap();
+    }
+    assert_eq!(
+        hub.publish(now, "room:b", 0, TrafficClass::Normal, body.clone())
+            .unwrap_err(),
+        ChannelError::QueueFull,
+        "the channel's queue has room, the edge's budget not"
+    );
+    hub.check_invariants().unwrap();
+    drain(&mut hub);
+    hub.publish(now, "room:b", 0, TrafficClass::Normal, body.clone())
+        .unwrap();
+    hub.check_invariants().unwrap();
 }

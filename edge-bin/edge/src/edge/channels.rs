@@ -1054,12 +1054,26 @@ pub(super) async fn channel_sweep_loop(shared: Weak<Shared>) {
             .metrics
             .channel_publish_ids
             .set(hub.publish_ids() as i64);
-        let recovered = hub.stats().logged_recovered;
+        let stats = hub.stats();
         let counted = shared.metrics.announcements_recovered.get();
         shared
             .metrics
             .announcements_recovered
-            .inc_by(recovered.saturating_sub(counted));
+            .inc_by(stats.logged_recovered.saturating_sub(counted));
+        let counted = shared.metrics.channel_history_evicted.get();
+        shared
+            .metrics
+            .channel_history_evicted
+            .inc_by(stats.history_evicted.saturating_sub(counted));
+        let bytes = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        shared
+            .metrics
+            .channel_history_bytes
+            .set(bytes(hub.history_bytes()));
+        shared
+            .metrics
+            .channel_pending_bytes
+            .set(bytes(hub.pending_bytes()));
         let mut by_kind = hub.pending_by_kind();
         for kind in &kinds_seen {
             by_kind.entry(kind.clone()).or_default();
