@@ -3,6 +3,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -12,12 +14,16 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::sync::mpsc;
 use waygate_backend::demo::{DemoService, CHANNEL_JOIN, ECHO, ECHO_REPLY, JOIN_ROOM, WHISPER};
-use waygate_backend::{Backend, BackendConfig, BackendSession, Incoming, Refusal, Service};
+use waygate_backend::{
+    Backend, BackendConfig, BackendError, BackendSession, Incoming, PinKind, PinOutcome, Refusal,
+    Service,
+};
 use waygate_edge::link::{
     AnswerEnd, ForwardError, LinkClient, LinkConfig, LinkEvent, LinkRefusal, SessionMeta,
 };
 use waygate_protocol::link::{
-    LinkFrame, LINK_FEATURE_FORWARD_DONE, LINK_FEATURE_HELD_ANSWERS, LINK_VERSION,
+    LinkFrame, LINK_FEATURE_FORWARD_DONE, LINK_FEATURE_HELD_ANSWERS, LINK_FEATURE_PIN_RESULT,
+    LINK_VERSION,
 };
 use waygate_session::driver::Delivered;
 use waygate_transport::{CloseCode, TrafficClass};
@@ -679,7 +685,9 @@ async fn forward_done_is_used_only_when_both_ends_have_it() {
             matches!(
                 hello,
                 Some(LinkFrame::Hello { features, .. })
-                    if features == LINK_FEATURE_FORWARD_DONE | LINK_FEATURE_HELD_ANSWERS
+                    if features == LINK_FEATURE_FORWARD_DONE
+                        | LINK_FEATURE_HELD_ANSWERS
+                        | LINK_FEATURE_PIN_RESULT
             ),
             "{hello:?}"
         );
@@ -1625,4 +1633,201 @@ async fn a_session_open_a_full_write_queue_refused_is_sent_again() {
         .expect("b's FORWARD in time")
         .unwrap();
     assert!(opened_b, "SESSION_OPEN of b came before its FORWARD");
+}
+
+/// Keeps each player's latest session, so a test can act through it.
+#[derive(Default)]
+struct Keeper(std::sync::Mutex<std::collections::HashMap<String, BackendSession>>);
+
+#[async_trait]
+impl Service for Keeper {
+    async fn session_open(&self, session: &BackendSession) {
+        self.0
+            .lock()
+            .unwrap()
+            .insert(session.player_id().to_owned(), session.clone());
+    }
+
+    async fn message(&self, _session: &BackendSession, _msg: Incoming) -> Result<(), Refusal> {
+        Ok(())
+    }
+}
+
+impl Keeper {
+    /// `player`'s session, once it reached the backend (at most 10 s).
+    async fn session(&self, player: &str) -> BackendSession {
+        for _ in 0..500 {
+            if let Some(s) = self.0.lock().unwrap().get(player).cloned() {
+                return s;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("{player}'s session never reached the backend");
+    }
+}
+
+/// A route table over one backend at `addr`: player service (p1), room service (r1, and r2
+/// when `with_r2`, at the same address).
+fn pin_table(addr: SocketAddr, epoch: u64, with_r2: bool) -> String {
+    let mut t = format!(
+        "epoch = {epoch}\nupdated_at = 0\n\
+         [[services]]\nname = \"player\"\nmessages = [[1000, 1999]]\nkey = \"player\"\n\
+         [[services.instances]]\nid = \"p1\"\naddress = \"{addr}\"\n\
+         [[services]]\nname = \"room\"\nmessages = [[2000, 2999]]\nkey = \"room\"\n\
+         [[services.instances]]\nid = \"r1\"\naddress = \"{addr}\"\n"
+    );
+    if with_r2 {
+        t.push_str(&format!(
+            "[[services.instances]]\nid = \"r2\"\naddress = \"{addr}\"\n"
+        ));
+    }
+    t
+}
+
+/// Waits (at most 10 s) for a line of the edge's /metrics equal to `line`.
+async fn expect_metric(edge: &waygate_edge::edge::Edge, line: &str) {
+    let admin = edge.admin_addr.unwrap();
+    let mut last = String::new();
+    for _ in 0..100 {
+        let (_, body) = common::http(admin, "GET", "/metrics").await;
+        if body.lines().any(|l| l == line) {
+            return;
+        }
+        last = body;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("no `{line}` in /metrics:\n{last}");
+}
+
+/// PIN and UNPIN are answered (PIN_RESULT, PROTOCOL.md §9.5) by a real edge over real
+/// sockets: a pin to an instance the edge's table does not have is refused with its reason
+/// (it used to be `Ok` while the edge dropped it), an unpin removes the pin once, and the
+/// pins of an instance the route table loses are dropped when the edge applies that table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pins_are_confirmed_refused_removed_and_dropped_with_their_instance() {
+    let keeper = Arc::new(Keeper::default());
+    let backend = Backend::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        BackendConfig::new("b1"),
+        keeper.clone(),
+    )
+    .await
+    .unwrap();
+    let addr = backend.local_addr();
+    let dir = tempfile::tempdir().unwrap();
+    let routes = dir.path().join("routes.toml");
+    std::fs::write(&routes, pin_table(addr, 1, true)).unwrap();
+    let mut config = waygate_edge::config::EdgeConfig::default();
+    config.use_ephemeral_ports();
+    config.routing.table = Some(routes.clone());
+    config.routing.poll_ms = 100;
+    let edge = waygate_edge::edge::Edge::start(config).await.unwrap();
+    let endpoint = waygate_transport::endpoint::Endpoint::new(
+        waygate_transport::TransportKind::Tcp,
+        edge.addrs[&waygate_transport::TransportKind::Tcp],
+    );
+    let client = waygate_client::Client::start(waygate_client::ClientOptions::new(
+        vec![endpoint],
+        common::token("pinner"),
+    ));
+    // SESSION_OPEN reaches the backend with the session's first upstream message.
+    client
+        .send(TrafficClass::Normal, 1000, Bytes::from_static(b"hi"))
+        .await
+        .unwrap();
+    let session = keeper.session("pinner").await;
+    assert!(session.edge_confirms_pins(), "the edge offers PIN_RESULT");
+
+    // Refusals, typed: no such instance, or not one of a service of that key kind.
+    for (kind, instance) in [(PinKind::Room, "nope"), (PinKind::Player, "r1")] {
+        let refused = session.pin_to(kind, "harbour", instance).await;
+        assert!(
+            matches!(
+                refused,
+                Err(BackendError::PinRefused(PinOutcome::UnknownInstance))
+            ),
+            "{kind:?} on {instance}: {refused:?}"
+        );
+    }
+    // A pin, then its removal: once.
+    session
+        .pin_to(PinKind::Room, "harbour", "r1")
+        .await
+        .unwrap();
+    assert!(session.unpin(PinKind::Room, "harbour").await.unwrap());
+    assert!(!session.unpin(PinKind::Room, "harbour").await.unwrap());
+    expect_metric(&edge, "waygate_pins_refused_total 2").await;
+
+    // Pins of r2 go when a table without r2 is applied; r1's stay.
+    session.pin_to(PinKind::Room, "fort", "r2").await.unwrap();
+    session.pin_to(PinKind::Room, "keep", "r1").await.unwrap();
+    expect_metric(&edge, "waygate_pinned_keys{kind=\"room\"} 2").await;
+    common::write_atomically(&routes, &pin_table(addr, 2, false));
+    expect_metric(&edge, "waygate_route_epoch 2").await;
+    assert!(
+        !session.unpin(PinKind::Room, "fort").await.unwrap(),
+        "the pin went with its instance"
+    );
+    expect_metric(&edge, "waygate_pinned_keys{kind=\"room\"} 1").await;
+    assert!(session.unpin(PinKind::Room, "keep").await.unwrap());
+    // One UNPIN of "harbour", r2's pin dropped, one UNPIN of "keep".
+    expect_metric(&edge, "waygate_pins_removed_total 3").await;
+    drop(client);
+}
+
+/// Without a fast sink (an edge library whose links only feed a channel) nothing on the
+/// link can answer a PIN: it is answered `unavailable`, never left without an answer.
+#[tokio::test]
+async fn a_pin_on_a_link_without_a_sink_is_answered_unavailable() {
+    let keeper = Arc::new(Keeper::default());
+    let (_backend, link, _rx) = linked(keeper.clone()).await;
+    let m = meta(1, "ann");
+    forward_echo(&link, &m, 1, Bytes::new());
+    let session = keeper.session("ann").await;
+    let refused = session.pin(PinKind::Room, "harbour").await;
+    assert!(
+        matches!(
+            refused,
+            Err(BackendError::PinRefused(PinOutcome::Unavailable))
+        ),
+        "{refused:?}"
+    );
+}
+
+/// Against an edge that predates PIN_RESULT (no feature bit in its LINK_HELLO) a pin is
+/// sent as before — no request id, `Ok` once queued, unconfirmed — and an unpin is refused
+/// before anything is sent (an unknown frame would close that edge's link).
+#[tokio::test]
+async fn an_edge_without_pin_results_gets_the_old_pin_and_no_unpin() {
+    let keeper = Arc::new(Keeper::default());
+    let backend = Backend::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        BackendConfig::new("b1"),
+        keeper.clone(),
+    )
+    .await
+    .unwrap();
+    let mut io = raw_edge_link(backend.local_addr(), "old-edge").await;
+    assert!(matches!(
+        next_frame(&mut io.rx).await,
+        Some(LinkFrame::Welcome { features: 0, .. })
+    ));
+    open_session(&io.tx, &meta(5, "old")).await;
+    let session = keeper.session("old").await;
+    assert!(!session.edge_confirms_pins());
+    session.pin(PinKind::Room, "harbour").await.unwrap();
+    let unpin = session.unpin(PinKind::Room, "harbour").await;
+    assert!(
+        matches!(unpin, Err(BackendError::NotSupportedByEdge(_))),
+        "{unpin:?}"
+    );
+    assert_eq!(
+        next_frame(&mut io.rx).await,
+        Some(LinkFrame::Pin {
+            kind: PinKind::Room,
+            key: "harbour".into(),
+            instance_id: "b1".into(),
+            request_id: 0,
+        })
+    );
 }

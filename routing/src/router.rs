@@ -240,6 +240,9 @@ pub struct ApplyReport {
     pub assignment_migrations: Vec<Migration>,
     /// Bindings newly queued in the migration planner.
     pub queued_migrations: usize,
+    /// Backend pins dropped because their instance is no longer in a service of the pin's
+    /// key kind ([`Router::pin`]): a pin never outlives its instance.
+    pub pins_dropped: usize,
 }
 
 /// Result of [`Router::tick`].
@@ -414,6 +417,7 @@ impl Router {
             }
         }
         let known: BTreeSet<&str> = ids().collect();
+        let pins_dropped = self.prune_pins(&table);
         self.ramps.retain(|k, _| known.contains(k.as_str()));
         self.loads.retain(|k, _| known.contains(k.as_str()));
         if let Some(h) = &mut self.health {
@@ -431,13 +435,40 @@ impl Router {
         self.last_rebuild = Some(now);
         let queued_migrations = self.plan_migrations();
         let epoch = self.epoch().unwrap_or_default();
-        tracing::info!(epoch, previous = ?previous.as_ref().map(|p| p.epoch), queued_migrations, "route table applied");
+        tracing::info!(epoch, previous = ?previous.as_ref().map(|p| p.epoch), queued_migrations, pins_dropped, "route table applied");
         Ok(ApplyReport {
             epoch,
             previous_epoch: previous.map(|p| p.epoch),
             assignment_migrations,
             queued_migrations,
+            pins_dropped,
         })
+    }
+
+    /// Forgets the pins whose instance `table` no longer has in a service of the pin's key
+    /// kind (players: player or least-loaded services; rooms: room services). A disabled or
+    /// draining instance keeps its pins (routing skips them while it is); one removed from
+    /// the table loses them, so they neither count toward the cap for ever nor come back
+    /// with a later instance of that id. Returns how many were dropped.
+    fn prune_pins(&mut self, table: &RouteTable) -> usize {
+        let ids_of = |kinds: &[KeyKind]| -> BTreeSet<&str> {
+            table
+                .services
+                .iter()
+                .filter(|s| kinds.contains(&s.key))
+                .flat_map(|s| s.instances.iter().map(|i| i.id.as_str()))
+                .collect()
+        };
+        let players = ids_of(&[KeyKind::Player, KeyKind::LeastLoaded]);
+        let rooms = ids_of(&[KeyKind::Room]);
+        let before = self.pins.players.len() + self.pins.rooms.len();
+        self.pins
+            .players
+            .retain(|_, instance| players.contains(instance.as_str()));
+        self.pins
+            .rooms
+            .retain(|_, instance| rooms.contains(instance.as_str()));
+        before - (self.pins.players.len() + self.pins.rooms.len())
     }
 
     fn compile(&self, table: Arc<RouteTable>, now: Instant) -> Compiled {
@@ -791,7 +822,10 @@ impl Router {
         Ok(())
     }
 
-    /// Forgets a pin (the room ended); true when there was one.
+    /// Forgets a backend's pin of `key` (the room ended; a backend's UNPIN); true when there
+    /// was one. The key's current binding, if any, stays where it is (nothing moves
+    /// silently); its next placement is decided by the table (its assignments, else the
+    /// service's policy), as for a key never pinned.
     pub fn unpin(&mut self, kind: KeyKind, key: &str) -> bool {
         match kind {
             KeyKind::Room => self.pins.rooms.remove(key).is_some(),

@@ -669,6 +669,103 @@ fn a_backend_pin_places_the_room_and_moves_its_binding() {
     assert_eq!(d.instance_id, "r1");
 }
 
+/// A backend's UNPIN: the pin is forgotten (true once, then false); the key's binding made
+/// by the pin stays until released, and its next placement goes by the hash again.
+#[test]
+fn an_unpinned_key_is_placed_by_the_hash_again() {
+    let now = Instant::now();
+    let mut r = router(base_table(1), now);
+    let room = "harbour";
+    let req = RouteRequest::player("a").room(room);
+    let hashed = r.route(2000, &req).expect("route").instance_id;
+    r.release_key(room);
+    let other = if hashed == "r1" { "r2" } else { "r1" };
+    r.pin(KeyKind::Room, room, other).expect("pin");
+    let d = r.route(2000, &req).expect("route");
+    assert_eq!(
+        (d.instance_id.as_str(), d.reason),
+        (other, RouteReason::RoomAssigned)
+    );
+    assert!(r.unpin(KeyKind::Room, room), "the pin was there");
+    assert!(!r.unpin(KeyKind::Room, room), "and is gone");
+    assert_eq!(r.pinned(), (0, 0));
+    // Nothing moves silently: the binding the pin made holds until it is released.
+    let d = r.route(2000, &req).expect("route");
+    assert_eq!(
+        (d.instance_id.as_str(), d.reason),
+        (other, RouteReason::Bound)
+    );
+    r.release_key(room);
+    let d = r.route(2000, &req).expect("route");
+    assert_eq!(
+        (d.instance_id.as_str(), d.reason),
+        (hashed.as_str(), RouteReason::Hashed)
+    );
+    // Players the same way; an unpin of a key of the other kind removes nothing.
+    let player = "player-pinned";
+    r.pin(KeyKind::Player, player, "p2").expect("pin player");
+    assert!(!r.unpin(KeyKind::Room, player));
+    assert!(r.unpin(KeyKind::Player, player));
+}
+
+/// At most `MAX_DYNAMIC_PINS` keys of each kind are pinned: one more is refused `Full` (a
+/// key already pinned may still be moved), and an unpin makes room again.
+#[test]
+fn pins_past_the_cap_are_refused_until_one_is_removed() {
+    let now = Instant::now();
+    let mut r = router(base_table(1), now);
+    for i in 0..waygate_routing::MAX_DYNAMIC_PINS {
+        r.pin(KeyKind::Room, &format!("room-{i}"), "r1")
+            .expect("below the cap");
+    }
+    assert_eq!(r.pinned(), (0, waygate_routing::MAX_DYNAMIC_PINS));
+    assert_eq!(
+        r.pin(KeyKind::Room, "one-more", "r1"),
+        Err(PlacementError::Full)
+    );
+    // Re-pinning a pinned key is no new key; the other kind has its own cap.
+    r.pin(KeyKind::Room, "room-7", "r2")
+        .expect("a pinned key moves");
+    r.pin(KeyKind::Player, "one-more", "p1")
+        .expect("players apart");
+    assert!(r.unpin(KeyKind::Room, "room-7"));
+    r.pin(KeyKind::Room, "one-more", "r1").expect("room again");
+    assert_eq!(r.pinned(), (1, waygate_routing::MAX_DYNAMIC_PINS));
+}
+
+/// A table without a pin's instance (for the pin's key kind) drops the pin: it no longer
+/// counts toward the cap and does not come back with a later instance of that id. A
+/// disabled instance keeps its pins (routing skips them while it is disabled).
+#[test]
+fn pins_of_an_instance_removed_from_the_table_are_dropped() {
+    let now = Instant::now();
+    let mut r = router(base_table(1), now);
+    r.pin(KeyKind::Room, "fort", "r2").expect("pin");
+    r.pin(KeyKind::Room, "keep", "r1").expect("pin");
+    r.pin(KeyKind::Player, "hero", "p3").expect("pin");
+    // Disabled: kept.
+    let mut t = base_table(2);
+    instance_mut(&mut t, "r2").state = InstanceState::Disabled;
+    let report = r.apply_table(t, now).expect("newer table");
+    assert_eq!((report.pins_dropped, r.pinned()), (0, (1, 2)));
+    // r2 removed, and p3 now serves rooms only: both pins go, r1's stays.
+    let mut t = base_table(3);
+    t.services[1].instances.retain(|i| i.id != "r2");
+    t.services[0].instances.retain(|i| i.id != "p3");
+    t.services[1].instances.push(inst("p3", 1.0));
+    let report = r.apply_table(t, now).expect("newer table");
+    assert_eq!((report.pins_dropped, r.pinned()), (2, (0, 1)));
+    assert!(!r.unpin(KeyKind::Room, "fort"));
+    assert!(!r.unpin(KeyKind::Player, "hero"));
+    // r2 back: "fort" is placed by the hash, not by the old pin.
+    r.apply_table(base_table(4), now).expect("newer table");
+    let d = r
+        .route(2000, &RouteRequest::player("b").room("fort"))
+        .expect("route");
+    assert_eq!(d.reason, RouteReason::Hashed);
+    assert!(r.unpin(KeyKind::Room, "keep"));
+}
+
 /// A placement carried in a session's snapshot is re-established on another edge's router
 /// (session-host issue, defect 6), unless that edge already decided, or the instance no
 /// longer takes keys.

@@ -35,8 +35,8 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use waygate_protocol::channel::{ChannelPosition, RESERVED_MSG_IDS_START};
 use waygate_protocol::frame::SessionId;
-pub use waygate_protocol::link::PlayerPushOutcome;
-use waygate_protocol::link::{LinkFrame, PinKind, DEFAULT_MAX_LINK_FRAME, LINK_VERSION};
+use waygate_protocol::link::{LinkFrame, DEFAULT_MAX_LINK_FRAME, LINK_VERSION};
+pub use waygate_protocol::link::{PinKind, PinOutcome, PlayerPushOutcome};
 use waygate_protocol::{CloseCode, TrafficClass};
 
 use waygate_link::spawn_link_io;
@@ -200,11 +200,20 @@ pub enum BackendError {
         /// Retry hint.
         retry_after_ms: u32,
     },
-    /// The edge did not answer a channel request in time; a publish may be retried with
-    /// the same request id ([`BackendSession::publish_with_id`]) without being published
-    /// twice.
+    /// The edge did not answer a channel request (or a pin) in time; a publish may be
+    /// retried with the same request id ([`BackendSession::publish_with_id`]) without being
+    /// published twice.
     #[error("no answer from the edge in time")]
     NoAnswer,
+    /// The edge did not carry out a PIN or UNPIN ([`BackendSession::pin`],
+    /// [`BackendSession::unpin`]): its PIN_RESULT says why (`unknown_instance`, `full`,
+    /// `no_table`, `unavailable`).
+    #[error("pin refused by the edge: {0}")]
+    PinRefused(PinOutcome),
+    /// The session's edge predates this request (its LINK_HELLO lacks the feature, e.g.
+    /// UNPIN): nothing was sent (an unknown frame would close the link).
+    #[error("the edge does not support {0}: nothing was sent")]
+    NotSupportedByEdge(&'static str),
     /// Socket error.
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
@@ -262,8 +271,8 @@ pub fn message_publish_id(session: &SessionId, client_seq: u64, part: u32) -> u6
     u64::from_le_bytes(id).max(1)
 }
 
-/// Channel requests waiting for their CHANNEL_RESULT (and pushes to players for their
-/// PLAYER_PUSH_RESULT), by request id. One id can have
+/// Channel requests waiting for their CHANNEL_RESULT (pushes to players for their
+/// PLAYER_PUSH_RESULT, pins for their PIN_RESULT), by request id. One id can have
 /// several waiters (two copies of one client message publishing with its id,
 /// [`BackendSession::publish_id_for`]); every answer to an id concerns the same publication,
 /// so each answer goes to the longest waiting (each waiter is tagged to leave on its own).
@@ -285,7 +294,8 @@ fn answer_hook(answers: ChannelAnswers, channels: Arc<EdgeChannels>) -> waygate_
             waygate_link::FrameHandled::Reply(vec![LinkFrame::ChannelInterestAck { seq }])
         }
         LinkFrame::ChannelResult { request_id, .. }
-        | LinkFrame::PlayerPushResult { request_id, .. } => {
+        | LinkFrame::PlayerPushResult { request_id, .. }
+        | LinkFrame::PinResult { request_id, .. } => {
             let waiting = answers.lock().ok().and_then(|mut a| {
                 let queue = a.get_mut(&request_id)?;
                 let first = queue.pop_front().map(|(_, tx)| tx);
@@ -338,6 +348,8 @@ struct LinkSender {
     held_answers: bool,
     /// The channels the edge has, when it tells them (CHANNEL_INTEREST, §12.6).
     channels: Option<Arc<EdgeChannels>>,
+    /// The edge answers PIN and UNPIN with PIN_RESULT (§9.5): pins are confirmed.
+    pin_results: bool,
     /// The link's largest frame.
     max_frame: usize,
 }
@@ -766,31 +778,97 @@ impl BackendSession {
         .await
     }
 
-    /// Pins `key` to this instance (a room created here).
+    /// Pins `key` to this instance (a room created here) on this session's edge (PIN,
+    /// PROTOCOL.md §9.5): the edge routes the key here from now on, until [`unpin`] or until
+    /// the instance leaves its route table. Waits for the edge's answer: `Ok` once the pin
+    /// is in force there, [`BackendError::PinRefused`] with why not (`unknown_instance`: the
+    /// edge's table has no such instance for that kind of key; `full`: the edge holds
+    /// 100,000 pins of that kind; `no_table`), [`BackendError::NoAnswer`] after 5 s.
+    ///
+    /// Against an edge that predates the answer ([`edge_confirms_pins`] false) the PIN is
+    /// only sent: `Ok` then means queued on the link, unconfirmed — the edge may have
+    /// refused it (it logs and counts that).
+    ///
+    /// [`unpin`]: BackendSession::unpin
+    /// [`edge_confirms_pins`]: BackendSession::edge_confirms_pins
     pub async fn pin(&self, kind: PinKind, key: &str) -> Result<(), BackendError> {
-        self.send(LinkFrame::Pin {
-            kind,
-            key: key.into(),
-            instance_id: self.inner.instance_id.to_string(),
-        })
-        .await
+        self.pin_to(kind, key, &self.inner.instance_id).await
     }
 
-    /// Pins `key` to `instance_id`, an instance of this process in another service (an
-    /// instance id names one service: a process serving a lobby and the rooms it creates
-    /// has one id for each).
+    /// [`pin`](BackendSession::pin) to `instance_id`, an instance of this process in another
+    /// service (an instance id names one service: a process serving a lobby and the rooms it
+    /// creates has one id for each). The same answer and the same caveat.
     pub async fn pin_to(
         &self,
         kind: PinKind,
         key: &str,
         instance_id: &str,
     ) -> Result<(), BackendError> {
-        self.send(LinkFrame::Pin {
+        let link = &self.inner.link;
+        if !link.pin_results {
+            return self
+                .send(LinkFrame::Pin {
+                    kind,
+                    key: key.into(),
+                    instance_id: instance_id.into(),
+                    request_id: 0,
+                })
+                .await;
+        }
+        let request_id = next_request_id();
+        let frame = LinkFrame::Pin {
             kind,
             key: key.into(),
             instance_id: instance_id.into(),
-        })
-        .await
+            request_id,
+        };
+        match link.request(request_id, frame, false).await? {
+            LinkFrame::PinResult {
+                outcome: PinOutcome::Pinned,
+                ..
+            } => Ok(()),
+            LinkFrame::PinResult { outcome, .. } => Err(BackendError::PinRefused(outcome)),
+            _ => Err(BackendError::LinkClosed),
+        }
+    }
+
+    /// Forgets the pin of `key` on this session's edge (UNPIN, PROTOCOL.md §9.5; the room
+    /// ended): `true` when the edge had one, `false` when not (never pinned there, removed
+    /// already, or dropped when its instance left the route table). Sessions the pin placed
+    /// stay where they are; the key's next placement goes by the route table. Waits for the
+    /// answer like [`pin`](BackendSession::pin);
+    /// [`BackendError::NotSupportedByEdge`] from an edge that predates UNPIN (nothing sent;
+    /// its pins last as long as it runs).
+    pub async fn unpin(&self, kind: PinKind, key: &str) -> Result<bool, BackendError> {
+        let link = &self.inner.link;
+        if !link.pin_results {
+            return Err(BackendError::NotSupportedByEdge("UNPIN"));
+        }
+        let request_id = next_request_id();
+        let frame = LinkFrame::Unpin {
+            request_id,
+            kind,
+            key: key.into(),
+        };
+        match link.request(request_id, frame, false).await? {
+            LinkFrame::PinResult {
+                outcome: PinOutcome::Unpinned,
+                ..
+            } => Ok(true),
+            LinkFrame::PinResult {
+                outcome: PinOutcome::NotPinned,
+                ..
+            } => Ok(false),
+            LinkFrame::PinResult { outcome, .. } => Err(BackendError::PinRefused(outcome)),
+            _ => Err(BackendError::LinkClosed),
+        }
+    }
+
+    /// Whether this session's edge answers pins (link feature PIN_RESULT, PROTOCOL.md
+    /// §9.5): [`pin`](BackendSession::pin) is then confirmed and
+    /// [`unpin`](BackendSession::unpin) available.
+    pub fn edge_confirms_pins(&self) -> bool {
+        self.inner.link.pin_results
     }
 
     /// Ends the session; the client gets CLOSE with `code`.
@@ -1234,6 +1312,9 @@ where
     // Which channels the edge has, so a publish on every edge skips the edges without it.
     let channels = edge_features & waygate_protocol::link::LINK_FEATURE_CHANNEL_INTEREST != 0;
     features |= edge_features & waygate_protocol::link::LINK_FEATURE_CHANNEL_INTEREST;
+    // Pins confirmed by PIN_RESULT, and UNPIN, when the edge has them (§9.5).
+    let pin_results = edge_features & waygate_protocol::link::LINK_FEATURE_PIN_RESULT != 0;
+    features |= edge_features & waygate_protocol::link::LINK_FEATURE_PIN_RESULT;
     io.tx
         .send(LinkFrame::Welcome {
             version: LINK_VERSION,
@@ -1291,6 +1372,7 @@ where
         answers,
         held_answers,
         channels: channels.then(|| edge_channels.clone()),
+        pin_results,
         max_frame: config.max_link_frame,
     });
     all.add(&link);

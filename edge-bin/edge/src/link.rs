@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use waygate_protocol::frame::SessionId;
 use waygate_protocol::link::{
     LinkFrame, DEFAULT_MAX_LINK_FRAME, LINK_FEATURE_CHANNEL_INTEREST, LINK_FEATURE_FORWARD_DONE,
-    LINK_FEATURE_HELD_ANSWERS, LINK_VERSION,
+    LINK_FEATURE_HELD_ANSWERS, LINK_FEATURE_PIN_RESULT, LINK_VERSION,
 };
 use waygate_session::driver::{Delivered, Downstream};
 use waygate_transport::{CloseCode, TrafficClass};
@@ -89,8 +89,9 @@ pub struct SessionMeta {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LinkEvent {
     /// A frame the backend sent for the edge to carry out, as it arrived: PUSH (a message
-    /// for a session), KICK (end a session), BIND (route a session's service by a key) or
-    /// PIN (pin a key to an instance). Credits and refusals are handled by the link itself.
+    /// for a session), KICK (end a session), BIND (route a session's service by a key),
+    /// PIN (pin a key to an instance) or UNPIN (forget a pin). Credits and refusals are
+    /// handled by the link itself.
     Backend(LinkFrame),
     /// A forwarded message was refused by the backend, or lost with its link (then `code`
     /// is `Unavailable`). The message comes back so it can be routed again (stale epoch)
@@ -246,8 +247,9 @@ enum Sent {
 }
 
 impl LinkEvents {
-    /// Delivers `event`. Without a fast sink, a channel request is answered `unavailable`
-    /// here: the async loop has no way back to the link.
+    /// Delivers `event`. Without a fast sink, a channel request (and a PIN or UNPIN that
+    /// asks for an answer) is answered `unavailable` here: the async loop has no way back
+    /// to the link.
     async fn send(&self, event: LinkEvent, later: &LinkWriter<'_>) -> Sent {
         match &self.fast {
             Some(fast) if !needs_async(&event) => return Sent::Done(fast.handle(event, later)),
@@ -266,8 +268,18 @@ impl LinkEvents {
 }
 
 /// The CHANNEL_RESULT `unavailable` for a channel request nobody on this edge can carry out
-/// (PLAYER_PUSH_RESULT `unreachable` for a push to a player).
+/// (PLAYER_PUSH_RESULT `unreachable` for a push to a player; PIN_RESULT `unavailable` for a
+/// PIN or UNPIN that asks for an answer: without a fast sink nothing here can give one).
 fn channel_unavailable(event: &LinkEvent) -> Option<LinkFrame> {
+    if let LinkEvent::Backend(
+        LinkFrame::Pin { request_id, .. } | LinkFrame::Unpin { request_id, .. },
+    ) = event
+    {
+        return (*request_id != 0).then_some(LinkFrame::PinResult {
+            request_id: *request_id,
+            outcome: waygate_protocol::link::PinOutcome::Unavailable,
+        });
+    }
     if let LinkEvent::Backend(LinkFrame::PlayerPush { request_id, .. }) = event {
         return Some(LinkFrame::PlayerPushResult {
             request_id: *request_id,
@@ -730,6 +742,7 @@ fn take_frame(shared: &LinkShared, frame: LinkFrame) -> Incoming {
         LinkFrame::Kick { .. }
         | LinkFrame::Bind { .. }
         | LinkFrame::Pin { .. }
+        | LinkFrame::Unpin { .. }
         | LinkFrame::ChannelJoin { .. }
         | LinkFrame::ChannelLeave { .. } => Incoming::Event(LinkEvent::Backend(frame)),
         LinkFrame::Refuse {
@@ -1086,6 +1099,7 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
             nonce: Some(edge_nonce),
             features: LINK_FEATURE_FORWARD_DONE
                 | LINK_FEATURE_HELD_ANSWERS
+                | LINK_FEATURE_PIN_RESULT
                 | if shared.events.interest.is_some() {
                     LINK_FEATURE_CHANNEL_INTEREST
                 } else {

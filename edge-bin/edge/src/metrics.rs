@@ -51,6 +51,13 @@ pub struct CodeLabel {
     pub code: String,
 }
 
+/// Label: the kind of key a backend pinned (PIN).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PinKindLabel {
+    /// `player` or `room`.
+    pub kind: String,
+}
+
 /// Label: what became of a backend's push to a player (PLAYER_PUSH).
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabel {
@@ -129,6 +136,10 @@ pub struct EdgeMetrics {
     pub pins_applied: Counter,
     /// Backend PINs refused (unknown instance, not pinnable, too many pins).
     pub pins_refused: Counter,
+    /// Backend pins removed: by UNPIN, or dropped with their instance from the route table.
+    pub pins_removed: Counter,
+    /// Keys pinned by backends on this edge's router, by kind (at most 100,000 of each).
+    pub pinned_keys: Family<PinKindLabel, Gauge>,
     /// Backend BINDs refused (a service the route table does not have).
     pub binds_refused: Counter,
     /// `forwarded`'s counter per routed instance, found without building a label.
@@ -536,6 +547,8 @@ impl EdgeMetrics {
             forwarded_by_target: Mutex::new(HashMap::new()),
             pins_applied: Counter::default(),
             pins_refused: Counter::default(),
+            pins_removed: Counter::default(),
+            pinned_keys: Family::default(),
             binds_refused: Counter::default(),
             backend_up: Family::default(),
             link_forward_credits: Family::default(),
@@ -659,6 +672,16 @@ impl EdgeMetrics {
             "pins_refused",
             "Backend PIN frames refused (instance not in the table for that key, or too many pins)",
             m.pins_refused.clone(),
+        );
+        registry.register(
+            "pins_removed",
+            "Backend pins removed: by UNPIN, or dropped because their instance left the route table",
+            m.pins_removed.clone(),
+        );
+        registry.register(
+            "pinned_keys",
+            "Keys pinned by backends on this edge's router, by kind (PIN; at most 100,000 of each kind, refused beyond)",
+            m.pinned_keys.clone(),
         );
         registry.register(
             "binds_refused",

@@ -34,6 +34,10 @@ pub const LINK_FEATURE_HELD_ANSWERS: u64 = 2;
 /// edges that have it. A channel's first members on an edge are answered (and shown their
 /// JOINED) only once every such backend acked its notice.
 pub const LINK_FEATURE_CHANNEL_INTEREST: u64 = 4;
+/// Link feature bit (§9.3, §9.5): the edge answers a PIN or UNPIN that carries a request id
+/// with PIN_RESULT (what became of it). A backend sends UNPIN, and PIN's request id, only on
+/// a link whose LINK_HELLO has it.
+pub const LINK_FEATURE_PIN_RESULT: u64 = 8;
 /// Default maximum link frame size.
 pub const DEFAULT_MAX_LINK_FRAME: usize = 1024 * 1024;
 /// Longest id, service name, key or attribute on the link.
@@ -109,6 +113,82 @@ impl PlayerPushOutcome {
         Self::Unreachable,
         Self::Unknown,
     ];
+}
+
+/// What became of a PIN or UNPIN that asked for an answer (PROTOCOL.md §9.5): the `outcome`
+/// byte of PIN_RESULT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+#[non_exhaustive]
+pub enum PinOutcome {
+    /// PIN: the key is pinned to the instance on this edge.
+    Pinned = 0,
+    /// UNPIN: the key's pin was removed.
+    Unpinned = 1,
+    /// UNPIN: the key had no pin of that kind on this edge (never pinned, removed already,
+    /// or dropped when its instance left the route table).
+    NotPinned = 2,
+    /// PIN: the edge has no route table yet.
+    NoTable = 3,
+    /// PIN: the instance is not in a service of that key kind in the edge's route table.
+    UnknownInstance = 4,
+    /// PIN: the edge holds as many pinned keys of that kind as it may (100,000).
+    Full = 5,
+    /// Not carried out: this link cannot take pins (an edge library embedded without a
+    /// router), or the edge failed to.
+    Unavailable = 6,
+}
+
+impl PinOutcome {
+    /// The outcome of an `outcome` byte, if it is one.
+    pub fn from_u8(b: u8) -> Option<Self> {
+        Some(match b {
+            0 => Self::Pinned,
+            1 => Self::Unpinned,
+            2 => Self::NotPinned,
+            3 => Self::NoTable,
+            4 => Self::UnknownInstance,
+            5 => Self::Full,
+            6 => Self::Unavailable,
+            _ => return None,
+        })
+    }
+
+    /// Its name in metrics and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pinned => "pinned",
+            Self::Unpinned => "unpinned",
+            Self::NotPinned => "not_pinned",
+            Self::NoTable => "no_table",
+            Self::UnknownInstance => "unknown_instance",
+            Self::Full => "full",
+            Self::Unavailable => "unavailable",
+        }
+    }
+
+    /// Whether the request was carried out (`pinned`, `unpinned`; `not_pinned` is an
+    /// UNPIN with nothing to remove).
+    pub fn is_done(self) -> bool {
+        matches!(self, Self::Pinned | Self::Unpinned)
+    }
+
+    /// Every outcome, in byte order.
+    pub const ALL: [Self; 7] = [
+        Self::Pinned,
+        Self::Unpinned,
+        Self::NotPinned,
+        Self::NoTable,
+        Self::UnknownInstance,
+        Self::Full,
+        Self::Unavailable,
+    ];
+}
+
+impl std::fmt::Display for PinOutcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// One frame of the backend link protocol.
@@ -271,6 +351,26 @@ pub enum LinkFrame {
         key: String,
         /// The instance that holds it.
         instance_id: String,
+        /// Names the request in its PIN_RESULT (with [`LINK_FEATURE_PIN_RESULT`]); 0 (sent
+        /// as nothing: the field is absent) = no answer wanted.
+        request_id: u64,
+    },
+    /// 0x5B backend -> edge (with [`LINK_FEATURE_PIN_RESULT`]): forget the pin of `key`
+    /// (the room ended); answered by PIN_RESULT when `request_id` is not 0.
+    Unpin {
+        /// Names the request in its PIN_RESULT (0 = no answer wanted).
+        request_id: u64,
+        /// Player or room.
+        kind: PinKind,
+        /// The key.
+        key: String,
+    },
+    /// 0x5C edge -> backend: what became of a PIN or UNPIN with a request id.
+    PinResult {
+        /// The request's id.
+        request_id: u64,
+        /// What became of it.
+        outcome: PinOutcome,
     },
     /// 0x4C either way: the receiver may send `credits` more FORWARD (edge) or PUSH
     /// (backend) frames.
@@ -443,6 +543,8 @@ impl LinkFrame {
             Self::ChannelInterestAck { .. } => 0x58,
             Self::PlayerPush { .. } => 0x59,
             Self::PlayerPushResult { .. } => 0x5A,
+            Self::Unpin { .. } => 0x5B,
+            Self::PinResult { .. } => 0x5C,
         }
     }
 
@@ -456,7 +558,9 @@ impl LinkFrame {
             Self::Kick { message, .. } if over(message, MAX_REASON_LEN) => Some("message"),
             Self::Close { message, .. } if over(message, MAX_REASON_LEN) => Some("message"),
             Self::Bind { service, .. } if over(service, MAX_NAME_LEN) => Some("service"),
-            Self::Bind { key, .. } | Self::Pin { key, .. } if over(key, MAX_NAME_LEN) => {
+            Self::Bind { key, .. } | Self::Pin { key, .. } | Self::Unpin { key, .. }
+                if over(key, MAX_NAME_LEN) =>
+            {
                 Some("key")
             }
             Self::Pin { instance_id, .. } if over(instance_id, MAX_NAME_LEN) => Some("instance_id"),
@@ -584,8 +688,15 @@ impl LinkFrame {
                 key,
             } => varint_len(*handle) + str_len(service) + str_len(key),
             Self::Pin {
-                key, instance_id, ..
-            } => 1 + str_len(key) + str_len(instance_id),
+                key,
+                instance_id,
+                request_id,
+                ..
+            } => 1 + str_len(key) + str_len(instance_id) + features_len(*request_id),
+            Self::Unpin {
+                request_id, key, ..
+            } => varint_len(*request_id) + 1 + str_len(key),
+            Self::PinResult { request_id, .. } => varint_len(*request_id) + 1,
             Self::Credit { credits } => varint_len((*credits).into()),
             Self::Ping { timestamp } | Self::Pong { timestamp } => varint_len(*timestamp),
             Self::Close { message, .. } => 2 + str_len(message),
@@ -791,10 +902,30 @@ impl LinkFrame {
                 kind,
                 key,
                 instance_id,
+                request_id,
             } => {
                 out.put_u8(*kind as u8);
                 put_str(out, key);
                 put_str(out, instance_id);
+                // Trailing and optional (§1.1): absent when 0, so an edge that predates it
+                // reads the PIN it knows.
+                put_features(out, *request_id);
+            }
+            Self::Unpin {
+                request_id,
+                kind,
+                key,
+            } => {
+                put_varint(out, *request_id);
+                out.put_u8(*kind as u8);
+                put_str(out, key);
+            }
+            Self::PinResult {
+                request_id,
+                outcome,
+            } => {
+                put_varint(out, *request_id);
+                out.put_u8(*outcome as u8);
             }
             Self::Credit { credits } => put_varint(out, (*credits).into()),
             Self::Ping { timestamp } | Self::Pong { timestamp } => put_varint(out, *timestamp),
@@ -1023,18 +1154,27 @@ impl LinkFrame {
                 key: get_str(&mut r, "key", MAX_NAME_LEN)?,
             },
             0x4B => Self::Pin {
-                kind: match r.u8("kind")? {
-                    0 => PinKind::Player,
-                    1 => PinKind::Room,
-                    _ => {
-                        return Err(FrameError::Malformed {
-                            field: "kind",
-                            what: "unknown pin kind",
-                        })
-                    }
-                },
+                kind: get_pin_kind(&mut r)?,
                 key: get_str(&mut r, "key", MAX_NAME_LEN)?,
                 instance_id: get_str(&mut r, "instance_id", MAX_NAME_LEN)?,
+                // Absent from a backend that predates it: no answer wanted.
+                request_id: if r.remaining() == 0 {
+                    0
+                } else {
+                    r.varint("request_id")?
+                },
+            },
+            0x5B => Self::Unpin {
+                request_id: r.varint("request_id")?,
+                kind: get_pin_kind(&mut r)?,
+                key: get_str(&mut r, "key", MAX_NAME_LEN)?,
+            },
+            0x5C => Self::PinResult {
+                request_id: r.varint("request_id")?,
+                outcome: PinOutcome::from_u8(r.u8("outcome")?).ok_or(FrameError::Malformed {
+                    field: "outcome",
+                    what: "unknown pin outcome",
+                })?,
             },
             0x4C => Self::Credit {
                 credits: r.varint_u32("credits")?,
@@ -1135,7 +1275,19 @@ impl LinkFrame {
     }
 }
 
-/// Bytes of an optional trailing `features` varint (none when 0).
+/// The `kind` byte of PIN and UNPIN.
+fn get_pin_kind(r: &mut Reader) -> Result<PinKind, FrameError> {
+    match r.u8("kind")? {
+        0 => Ok(PinKind::Player),
+        1 => Ok(PinKind::Room),
+        _ => Err(FrameError::Malformed {
+            field: "kind",
+            what: "unknown pin kind",
+        }),
+    }
+}
+
+/// Bytes of an optional trailing varint (`features`, PIN's `request_id`; none when 0).
 fn features_len(features: u64) -> usize {
     if features == 0 {
         0
@@ -1144,7 +1296,7 @@ fn features_len(features: u64) -> usize {
     }
 }
 
-/// Writes an optional trailing `features` varint (nothing when 0).
+/// Writes an optional trailing varint (`features`, PIN's `request_id`; nothing when 0).
 fn put_features(out: &mut impl BufMut, features: u64) {
     if features != 0 {
         put_varint(out, features);
@@ -1343,11 +1495,33 @@ mod tests {
                 service,
                 key,
             }),
-            (any::<bool>(), name(), name()).prop_map(|(room, key, instance_id)| LinkFrame::Pin {
-                kind: if room { PinKind::Room } else { PinKind::Player },
-                key,
-                instance_id,
+            (
+                any::<bool>(),
+                name(),
+                name(),
+                prop_oneof![Just(0u64), any::<u64>()]
+            )
+                .prop_map(|(room, key, instance_id, request_id)| LinkFrame::Pin {
+                    kind: if room { PinKind::Room } else { PinKind::Player },
+                    key,
+                    instance_id,
+                    request_id,
+                }),
+            (any::<u64>(), any::<bool>(), name()).prop_map(|(request_id, room, key)| {
+                LinkFrame::Unpin {
+                    request_id,
+                    kind: if room { PinKind::Room } else { PinKind::Player },
+                    key,
+                }
             }),
+            (
+                any::<u64>(),
+                proptest::sample::select(PinOutcome::ALL.to_vec())
+            )
+                .prop_map(|(request_id, outcome)| LinkFrame::PinResult {
+                    request_id,
+                    outcome,
+                }),
             any::<u32>().prop_map(|credits| LinkFrame::Credit { credits }),
             any::<u64>().prop_map(|timestamp| LinkFrame::Ping { timestamp }),
             any::<u64>().prop_map(|timestamp| LinkFrame::Pong { timestamp }),
@@ -1454,10 +1628,16 @@ mod tests {
                 service,
                 key,
             }),
-            ("[a-z]{0,300}", "[a-z]{0,300}").prop_map(|(key, instance_id)| LinkFrame::Pin {
+            ("[a-z]{0,300}", "[a-z]{0,300}", any::<u64>()).prop_map(|(key, instance_id, request_id)| LinkFrame::Pin {
                 kind: PinKind::Room,
                 key,
                 instance_id,
+                request_id,
+            }),
+            "[a-z]{0,300}".prop_map(|key| LinkFrame::Unpin {
+                request_id: 3,
+                kind: PinKind::Player,
+                key,
             }),
             "[a-z]{0,300}".prop_map(|channel| LinkFrame::ChannelJoin {
                 request_id: 1,
@@ -1501,6 +1681,40 @@ mod tests {
             let codec = LinkCodec::new(256);
             let mut buf = BytesMut::from(&bytes[..]);
             while let Ok(Some(_)) = codec.decode(&mut buf) {}
+        }
+    }
+
+    /// PIN's request id is trailing and optional: a PIN without it (from a backend that
+    /// predates it) reads as request id 0, and one with 0 is sent without it, byte for byte
+    /// the PIN an older edge knows.
+    #[test]
+    fn a_pin_without_a_request_id_is_the_old_pin() {
+        let old = LinkFrame::Pin {
+            kind: PinKind::Room,
+            key: "harbour".into(),
+            instance_id: "r1".into(),
+            request_id: 0,
+        };
+        let mut bytes = BytesMut::new();
+        old.encode(&mut bytes);
+        assert_eq!(&bytes[..], b"\x4b\x01\x07harbour\x02r1");
+        assert_eq!(old.encoded_len(), bytes.len());
+        assert_eq!(LinkFrame::decode(bytes.freeze()), Ok(old));
+        let asked = LinkFrame::Pin {
+            kind: PinKind::Player,
+            key: "p".into(),
+            instance_id: "p1".into(),
+            request_id: 300,
+        };
+        let mut bytes = BytesMut::new();
+        asked.encode(&mut bytes);
+        assert_eq!(&bytes[..], b"\x4b\x00\x01p\x02p1\xac\x02");
+        assert_eq!(LinkFrame::decode(bytes.freeze()), Ok(asked));
+        for b in 0..=u8::MAX {
+            assert_eq!(
+                PinOutcome::from_u8(b).map(|o| o as u8),
+                (usize::from(b) < PinOutcome::ALL.len()).then_some(b)
+            );
         }
     }
 

@@ -1,4 +1,4 @@
-//! Backend -> client: every link event (PUSH, KICK, REFUSE, BIND, PIN, link up/down) is
+//! Backend -> client: every link event (PUSH, KICK, REFUSE, BIND, PIN, UNPIN, link up/down) is
 //! carried out on the link's own task without waiting ([`EdgeLinkSink`]); only a stale-epoch
 //! refusal goes through one async loop, which refreshes the table and routes it again.
 
@@ -7,8 +7,8 @@ use std::sync::{Arc, Weak};
 
 use tokio::sync::mpsc;
 use waygate_protocol::frame::{ErrorReport, SessionId};
-use waygate_protocol::link::LinkFrame;
-use waygate_routing::KeyKind;
+use waygate_protocol::link::{LinkFrame, PinKind, PinOutcome};
+use waygate_routing::{KeyKind, PlacementError};
 use waygate_session::driver::{DeliverError, Delivered, Downstream, OutboundItem};
 use waygate_transport::{CloseCode, TrafficClass};
 
@@ -86,6 +86,72 @@ impl Shared {
             });
     }
 
+    /// A backend's PIN or UNPIN (PROTOCOL.md §9.5), carried out on the router at once; its
+    /// PIN_RESULT when the backend asked for one (a request id other than 0).
+    pub(super) fn pin_request(&self, frame: LinkFrame) -> Option<LinkFrame> {
+        let (request_id, outcome) = match frame {
+            LinkFrame::Pin {
+                kind,
+                key,
+                instance_id,
+                request_id,
+            } => (request_id, self.pin(kind, &key, &instance_id)),
+            LinkFrame::Unpin {
+                request_id,
+                kind,
+                key,
+            } => (request_id, self.unpin(kind, &key)),
+            _ => return None,
+        };
+        (request_id != 0).then_some(LinkFrame::PinResult {
+            request_id,
+            outcome,
+        })
+    }
+
+    /// PIN: `key` on `instance_id` from now on (counted, a refusal logged).
+    fn pin(&self, kind: PinKind, key: &str, instance_id: &str) -> PinOutcome {
+        let kind = key_kind(kind);
+        let pinned = match self.router.lock() {
+            Ok(mut router) => router.pin(kind, key, instance_id),
+            Err(_) => return PinOutcome::Unavailable,
+        };
+        match pinned {
+            Ok(()) => {
+                self.metrics.pins_applied.inc();
+                tracing::debug!(%kind, %key, %instance_id, "backend PIN applied");
+                PinOutcome::Pinned
+            }
+            Err(e) => {
+                self.metrics.pins_refused.inc();
+                tracing::warn!(%kind, %key, %instance_id, error = %e, "backend PIN refused");
+                match e {
+                    PlacementError::NoTable => PinOutcome::NoTable,
+                    PlacementError::UnknownInstance { .. } => PinOutcome::UnknownInstance,
+                    PlacementError::Full => PinOutcome::Full,
+                    // Not refusals of `pin` for the kinds a PIN carries (player, room).
+                    _ => PinOutcome::Unavailable,
+                }
+            }
+        }
+    }
+
+    /// UNPIN: forget the pin of `key` (counted when there was one).
+    fn unpin(&self, kind: PinKind, key: &str) -> PinOutcome {
+        let kind = key_kind(kind);
+        let removed = match self.router.lock() {
+            Ok(mut router) => router.unpin(kind, key),
+            Err(_) => return PinOutcome::Unavailable,
+        };
+        if removed {
+            self.metrics.pins_removed.inc();
+            tracing::debug!(%kind, %key, "backend UNPIN applied");
+            PinOutcome::Unpinned
+        } else {
+            PinOutcome::NotPinned
+        }
+    }
+
     /// Answers a client's refused message with ERROR, in order with its pushes, never
     /// waiting (a full queue makes the session report a gap; see `registry.report_error`).
     pub(super) fn report_error(
@@ -123,12 +189,24 @@ impl LinkEventSink for EdgeLinkSink {
         if let LinkEvent::Backend(frame @ LinkFrame::PlayerPush { .. }) = event {
             return shared.player_push(frame, later);
         }
+        if let LinkEvent::Backend(frame @ (LinkFrame::Pin { .. } | LinkFrame::Unpin { .. })) = event
+        {
+            return shared.pin_request(frame);
+        }
         if let Some(LinkEvent::Refuse { refusal, .. }) = handle_now(&shared, event) {
             // The link gives stale-epoch refusals to the async loop; should one arrive here,
             // the client still gets its answer.
             shared.answer_refusal(&refusal);
         }
         None
+    }
+}
+
+/// The router's key kind of a PIN's kind.
+fn key_kind(kind: PinKind) -> KeyKind {
+    match kind {
+        PinKind::Player => KeyKind::Player,
+        PinKind::Room => KeyKind::Room,
     }
 }
 
@@ -215,29 +293,10 @@ fn handle_now(shared: &Arc<Shared>, event: LinkEvent) -> Option<LinkEvent> {
             };
             shared.release_keys(released);
         }
-        LinkEvent::Backend(LinkFrame::Pin {
-            kind,
-            key,
-            instance_id,
-        }) => {
-            let kind = match kind {
-                waygate_protocol::link::PinKind::Player => KeyKind::Player,
-                waygate_protocol::link::PinKind::Room => KeyKind::Room,
-            };
-            let pinned = match shared.router.lock() {
-                Ok(mut router) => router.pin(kind, &key, &instance_id),
-                Err(_) => return None,
-            };
-            match pinned {
-                Ok(()) => {
-                    shared.metrics.pins_applied.inc();
-                    tracing::debug!(%kind, %key, %instance_id, "backend PIN applied");
-                }
-                Err(e) => {
-                    shared.metrics.pins_refused.inc();
-                    tracing::warn!(%kind, %key, %instance_id, error = %e, "backend PIN refused");
-                }
-            }
+        LinkEvent::Backend(frame @ (LinkFrame::Pin { .. } | LinkFrame::Unpin { .. })) => {
+            // Without a fast sink only those that want no answer come here (the link
+            // answers the others `unavailable`): nothing to send back.
+            let _ = shared.pin_request(frame);
         }
         LinkEvent::Backend(other) => {
             // The link passes only the frames above and the channel requests, which the

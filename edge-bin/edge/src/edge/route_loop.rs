@@ -35,6 +35,10 @@ pub(super) fn apply_latest(shared: &Shared) {
                 .unwrap_or(0);
             let moved = report.queued_migrations as f64 / bound.max(1) as f64;
             shared.metrics.route_keys_moved_ratio.set(moved.min(1.0));
+            shared
+                .metrics
+                .pins_removed
+                .inc_by(report.pins_dropped as u64);
             tracing::info!(epoch = table.epoch, ?report, "route table applied");
         }
         Err(e) => tracing::warn!(error = %e, "route table refused"),
@@ -165,7 +169,8 @@ pub(super) async fn route_loop(shared: Weak<Shared>) {
 
 impl Shared {
     /// Gauges of the route plane (O1), once a second: sessions per backend instance (counted
-    /// by the session table as sessions open and close on links) and binding moves in flight.
+    /// by the session table as sessions open and close on links), binding moves in flight,
+    /// bound and pinned keys.
     fn publish_backend_sessions(&self) {
         let known: Vec<SocketAddr> = self
             .links
@@ -187,6 +192,13 @@ impl Shared {
             self.metrics.migrations_pending.set(pending);
             let bound = i64::try_from(router.bindings().len()).unwrap_or(i64::MAX);
             self.metrics.route_bindings.set(bound);
+            let (players, rooms) = router.pinned();
+            for (kind, n) in [("player", players), ("room", rooms)] {
+                self.metrics
+                    .pinned_keys
+                    .get_or_create(&crate::metrics::PinKindLabel { kind: kind.into() })
+                    .set(i64::try_from(n).unwrap_or(i64::MAX));
+            }
         }
     }
 }
