@@ -858,6 +858,55 @@ async fn a_credit_before_the_answer_closes_the_link_and_loses_nothing() {
     link.shutdown().await;
 }
 
+/// Silent-drop audit: an ANSWER_PUSH from a backend that does not answer (no FORWARD_DONE
+/// feature), or for a best-effort message (no client seq), was held for an answer that
+/// never comes, then dropped with the message's CREDIT: no push, no counter. Such a frame
+/// is a push at once now.
+#[tokio::test]
+async fn an_answer_push_no_answer_will_release_is_a_push_at_once() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let rogue = tokio::spawn(async move {
+        let (_hello, mut io) = raw_backend_link(&listener, "no-answers", 0).await;
+        if !until_forward(&mut io.rx).await {
+            return;
+        }
+        io.tx
+            .send(LinkFrame::AnswerPush {
+                handle: 8,
+                client_seq: 1,
+                msg_id: ECHO_REPLY,
+                class: TrafficClass::Normal,
+                payload: Bytes::from_static(b"reply"),
+            })
+            .await
+            .unwrap();
+        io.tx.send(LinkFrame::Credit { credits: 1 }).await.unwrap();
+        while next_frame(&mut io.rx).await.is_some() {}
+    });
+    let (tx, mut rx) = mpsc::channel(64);
+    let (link, _task) = LinkClient::spawn(addr, fast_config(), Arc::new(AtomicU64::new(1)), tx);
+    wait_up(&mut rx).await;
+    forward_echo(&link, &meta(8, "hugo"), 1, Bytes::new());
+    loop {
+        match next_event(&mut rx).await {
+            LinkEvent::Backend(LinkFrame::Push {
+                handle: 8, payload, ..
+            }) => {
+                assert_eq!(payload, Bytes::from_static(b"reply"));
+                break;
+            }
+            LinkEvent::Answer { pushes, .. } => {
+                assert_eq!(pushes.len(), 1);
+                break;
+            }
+            _ => {}
+        }
+    }
+    link.shutdown().await;
+    let _ = tokio::time::timeout(Duration::from_secs(10), rogue).await;
+}
+
 /// Regression (2026-12-04, second stop): a refused message stayed unanswered in the
 /// link's in-flight queue until CREDIT covered it, so a link lost before that credit
 /// refused it a second time (`unavailable`): two ERRORs for one client seq.

@@ -1057,6 +1057,22 @@ impl Task {
                 self.durable = Some(Box::new(snapshot));
                 true
             }
+            Err(crate::store::StoreError::Fenced) => {
+                // A newer claim of the session exists (it was restored on another edge, or
+                // its player logged in again): this copy is stale. Ended now, as the kick
+                // notice would (a notice can be lost, then the sweep takes up to
+                // `reassert_ms`): meanwhile it took pushes its client, elsewhere, never
+                // sees (silent-drop audit).
+                let kicked = self
+                    .edge
+                    .registry
+                    .kick_superseded(&snapshot.session_id, snapshot.fencing);
+                tracing::info!(
+                    ?kicked,
+                    "write-through fenced: a newer owner exists; this copy ends"
+                );
+                false
+            }
             Err(e) => {
                 tracing::debug!(error = %e, "write-through failed");
                 false

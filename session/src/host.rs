@@ -122,6 +122,17 @@ impl OutboundItem {
         }
     }
 
+    /// An answer to one of the client's sequenced messages (FORWARD_DONE, or an ERROR with
+    /// a client seq): the one way its message is ever answered, so never dropped, and at
+    /// most one per message in flight.
+    fn answers_sequenced(&self) -> bool {
+        match self {
+            Self::Answered(_) => true,
+            Self::Error(e) => e.client_seq != 0,
+            _ => false,
+        }
+    }
+
     /// Bytes it occupies in the queue's byte bound.
     fn len(&self) -> usize {
         match self {
@@ -373,6 +384,11 @@ struct SessionEntry {
     established: bool,
     queue: OutboundQueue<OutboundItem>,
     lost: u64,
+    /// Answers to the client's sequenced messages (FORWARD_DONE, ERROR) that found the
+    /// queue full, taken after it in the next turn. Never dropped: a lost answer left its
+    /// message unanswered for good (the client's resend of it is a duplicate of a message
+    /// in flight). Bounded by the client's messages in flight (the upstream window).
+    answers_over: Vec<OutboundItem>,
     /// A resume waiting for this session's hand-over: the requester.
     handing_to: Option<ConnTaskId>,
     /// Told to end (kicked or lost a race): no more hand-overs or player lookups.
@@ -661,6 +677,7 @@ impl SessionHost {
         if let Some(e) = self.sessions.get_mut(&id) {
             if e.holder == conn && e.established {
                 work.items.extend(e.queue.drain_in_order().map(|p| p.item));
+                work.items.append(&mut e.answers_over);
                 work.lost = std::mem::take(&mut e.lost);
             }
         }
@@ -714,6 +731,7 @@ impl SessionHost {
                 established: false,
                 queue: OutboundQueue::new(outbound),
                 lost: 0,
+                answers_over: Vec::new(),
                 handing_to: None,
                 ending: false,
                 superseded: false,
@@ -1177,6 +1195,13 @@ impl SessionHost {
             PushOutcome::Refused { .. } if class == TrafficClass::BestEffort => {
                 self.stats.shed += 1;
                 Err(PushError::Shed)
+            }
+            PushOutcome::Refused { item } | PushOutcome::SlowConsumer { item }
+                if item.answers_sequenced() =>
+            {
+                // Kept: its message would otherwise stay unanswered for good.
+                e.answers_over.push(item);
+                Ok(())
             }
             PushOutcome::Refused { .. } | PushOutcome::SlowConsumer { .. } => {
                 e.lost += 1;
@@ -1693,6 +1718,54 @@ mod tests {
             host.queue_item(&[9; 16], OutboundItem::Answered(1)),
             Err(PushError::NotFound)
         );
+    }
+
+    /// Silent-drop audit: a FORWARD_DONE or an ERROR for a client message that found the
+    /// session's queue full was dropped (counted as a lost push): the message stayed in
+    /// flight for good, and the client's resend of it after the resume was taken for a
+    /// duplicate. Answers are never dropped now: they come after the queue in the next
+    /// turn, and nothing counts as lost for them.
+    #[test]
+    fn an_answer_that_finds_the_queue_full_is_kept() {
+        let mut host = SessionHost::new(SessionHost::outbound_for_capacity(8));
+        host.open(1);
+        host.established(1, [1; 16], "p".into(), 1);
+        let reply = |n: u8| {
+            OutboundItem::Message(Downstream {
+                class: TrafficClass::Critical,
+                msg_id: 7,
+                payload: Bytes::from(vec![n]),
+            })
+        };
+        let mut queued = Vec::new();
+        for n in 0..=255u8 {
+            if host.queue_item(&[1; 16], reply(n)) == Ok(()) {
+                queued.push(reply(n));
+            } else {
+                break;
+            }
+        }
+        assert_eq!(
+            host.queue_item(&[1; 16], reply(0)),
+            Err(PushError::QueueFull),
+            "the queue is full"
+        );
+        let refused = ErrorReport {
+            code: CloseCode::Busy,
+            msg_id: 9,
+            client_seq: 5,
+            retry_after_ms: 0,
+        };
+        assert_eq!(host.queue_item(&[1; 16], OutboundItem::Answered(4)), Ok(()));
+        assert_eq!(
+            host.queue_item(&[1; 16], OutboundItem::Error(refused.clone())),
+            Ok(())
+        );
+        let work = host.take_work(1);
+        assert_eq!(work.lost, 2, "only the two pushes refused above");
+        queued.extend([OutboundItem::Answered(4), OutboundItem::Error(refused)]);
+        assert_eq!(work.items, queued);
+        assert!(host.take_work(1).items.is_empty());
     }
 
     /// The player's limiter outlives its sessions while it is drained (a new login gets the

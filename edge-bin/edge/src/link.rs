@@ -649,6 +649,12 @@ fn take_frame(shared: &LinkShared, frame: LinkFrame) -> Incoming {
                 msg_id,
                 payload,
             };
+            // Only a sequenced message on a link whose backend answers (FORWARD_DONE) ever
+            // gets the answer that releases held pushes: anything else is a push at once
+            // (held, it was dropped with the message's CREDIT, silently).
+            if client_seq == 0 || !shared.answers.load(Ordering::Acquire) {
+                return Incoming::Event(plain_push(handle, push));
+            }
             let Ok(mut q) = shared.inflight.lock() else {
                 return Incoming::Event(plain_push(handle, push));
             };
