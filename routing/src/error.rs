@@ -133,6 +133,16 @@ pub enum RoutingError {
         reason: &'static str,
     },
 
+    /// An epoch so large no later table could be newer (above [`crate::MAX_EPOCH`]):
+    /// applied, it would freeze routing, every later table refused as stale.
+    #[error("route table epoch {epoch} is above the largest allowed ({max})")]
+    EpochTooLarge {
+        /// The table's epoch.
+        epoch: u64,
+        /// The largest allowed.
+        max: u64,
+    },
+
     // ---- epochs ----------------------------------------------------------------------------
     /// A table whose epoch is not newer than the current one.
     #[error("stale route table: epoch {offered} is not newer than current epoch {current}")]

@@ -75,5 +75,6 @@ pub use router::{
     Router, RouterConfig, StaleEpochAction, TargetInstance, TickReport, MAX_DYNAMIC_PINS,
 };
 pub use table::{
-    Assignments, Canary, InstanceSpec, InstanceState, KeyKind, RouteTable, ServiceSpec, TableFormat,
+    Assignments, Canary, InstanceSpec, InstanceState, KeyKind, RouteTable, ServiceSpec,
+    TableFormat, MAX_EPOCH,
 };

@@ -10,6 +10,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::RoutingError;
 
+/// The largest epoch a table may carry (`i64::MAX`: etcd revisions and every source's
+/// epochs stay far below). Above it no later table could be newer, and routing would
+/// freeze on the first one applied ([`RoutingError::EpochTooLarge`]).
+pub const MAX_EPOCH: u64 = i64::MAX as u64;
+
 /// A complete route table as published by the control plane.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -244,6 +249,12 @@ impl RouteTable {
     /// Checks every invariant; the first violation found (in a deterministic order) is
     /// returned.
     pub fn validate(&self) -> Result<(), RoutingError> {
+        if self.epoch > MAX_EPOCH {
+            return Err(RoutingError::EpochTooLarge {
+                epoch: self.epoch,
+                max: MAX_EPOCH,
+            });
+        }
         let mut services: HashMap<&str, &ServiceSpec> = HashMap::new();
         let mut instances: HashMap<&str, &str> = HashMap::new();
         let mut ranges: Vec<(u32, u32, &str)> = Vec::new();

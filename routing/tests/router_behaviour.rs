@@ -277,6 +277,23 @@ fn removed_room_is_reported_lost_through_the_planner() {
 }
 
 #[test]
+fn an_epoch_no_later_table_could_follow_is_refused() {
+    // Panic audit: a table with epoch u64::MAX (a hostile or broken etcd value) was
+    // applied, then every later table was refused as stale: routing froze until restart.
+    let t0 = Instant::now();
+    let mut r = router(base_table(5), t0);
+    for epoch in [u64::MAX, waygate_routing::MAX_EPOCH + 1] {
+        match r.apply_table(base_table(epoch), t0) {
+            Err(RoutingError::EpochTooLarge { epoch: e, .. }) => assert_eq!(e, epoch),
+            other => panic!("expected EpochTooLarge, got {other:?}"),
+        }
+    }
+    assert_eq!(r.epoch(), Some(5));
+    r.apply_table(base_table(waygate_routing::MAX_EPOCH), t0)
+        .expect("the largest allowed");
+}
+
+#[test]
 fn stale_epochs_are_refused_and_backend_staleness_resolves() {
     let t0 = Instant::now();
     let mut r = router(base_table(5), t0);

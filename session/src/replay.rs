@@ -307,7 +307,43 @@ impl ReplayBuffer {
 
     /// Highest seq assigned so far (0 before the first).
     pub fn highest_sent(&self) -> u64 {
-        self.next_seq - 1
+        self.next_seq.saturating_sub(1)
+    }
+
+    /// Whether the buffer holds what a buffer always holds (a record read from a store may
+    /// not: corrupt, or written by something else): seqs in range, every seq above both the
+    /// ack and the last eviction up to the highest sent, the byte count theirs, within its
+    /// limits. A restore of a buffer that does not would overflow its seqs or byte count.
+    pub fn check(&self) -> Result<(), ReplayMismatch> {
+        let bytes: usize = self.entries.iter().map(|e| e.payload.len()).sum();
+        let mismatch = ReplayMismatch {
+            entries: self.entries.len(),
+            bytes,
+        };
+        // Seqs far below the top, so `+ 1` never overflows anywhere.
+        const TOP: u64 = u64::MAX / 2;
+        if self.next_seq == 0
+            || self.next_seq > TOP
+            || self.acked >= self.next_seq
+            || self.evicted_through >= self.next_seq
+            || bytes != self.bytes
+            || self.limits.max_messages == 0
+            || self.limits.max_bytes == 0
+        {
+            return Err(mismatch);
+        }
+        let first = self.acked.max(self.evicted_through) + 1;
+        let exact = self.entries.len() as u64 == self.next_seq - first
+            && self
+                .entries
+                .iter()
+                .zip(first..)
+                .all(|(e, seq)| e.seq == seq);
+        if exact {
+            Ok(())
+        } else {
+            Err(mismatch)
+        }
     }
 
     /// Highest cumulative ack received.
@@ -434,8 +470,43 @@ mod tests {
                     }
                     proptest::prop_assert!(bare.attach_entries(detached.into_iter().rev()).is_ok());
                     proptest::prop_assert_eq!(&bare, later);
+                    proptest::prop_assert!(later.check().is_ok(), "a real buffer checks");
                 }
             }
+        }
+    }
+
+    /// Panic audit: a record read from a store with counters no buffer could have (next
+    /// seq 0 or at the top of the range, an ack beyond it, a byte count not its entries')
+    /// overflowed seqs or byte counts on restore. `check` refuses it before.
+    #[test]
+    fn counters_no_buffer_could_have_are_refused() {
+        let mut r = ReplayBuffer::new(ReplayLimits::default());
+        r.push(TrafficClass::Normal, 1, Bytes::from_static(b"abc"));
+        assert!(r.check().is_ok());
+        let good = r.counters();
+        for bad in [
+            ReplayCounters {
+                next_seq: 0,
+                ..good
+            },
+            ReplayCounters {
+                next_seq: u64::MAX,
+                ..good
+            },
+            ReplayCounters {
+                acked: u64::MAX,
+                ..good
+            },
+            ReplayCounters {
+                evicted_through: 2,
+                ..good
+            },
+            ReplayCounters { bytes: 1, ..good },
+        ] {
+            let mut corrupt = r.clone();
+            corrupt.set_counters(bad);
+            assert!(corrupt.check().is_err(), "{bad:?}");
         }
     }
 

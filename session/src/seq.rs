@@ -52,6 +52,18 @@ impl RecvWindow {
         self.above.len()
     }
 
+    /// Whether the window is one a receiver could have built (a record read from a store
+    /// may not be): the cumulative ack far below the top of the range, and every seq held
+    /// above it within the window.
+    pub fn is_consistent(&self) -> bool {
+        self.cumulative <= u64::MAX / 2
+            && self.above.first().is_none_or(|&s| s > self.cumulative + 1)
+            && self
+                .above
+                .last()
+                .is_none_or(|&s| s <= self.cumulative + DEFAULT_RECV_WINDOW)
+    }
+
     /// Whether `seq` was received.
     pub fn contains(&self, seq: u64) -> bool {
         seq <= self.cumulative || self.above.contains(&seq)
@@ -76,20 +88,28 @@ impl RecvWindow {
         if seq <= self.cumulative || !self.above.insert(seq) {
             return Received::Duplicate;
         }
-        while self.above.remove(&(self.cumulative + 1)) {
-            self.cumulative += 1;
-        }
+        self.advance();
         Received::New
     }
 
     /// Declares everything up to `base` received (after a gap: the server skipped seqs).
+    /// Any `base` a peer sends is taken without overflow (one at `u64::MAX` makes every
+    /// later seq a duplicate: the peer's fault, never a panic).
     pub fn skip_to(&mut self, base: u64) {
         if base > self.cumulative {
             self.cumulative = base;
-            self.above = self.above.split_off(&(base + 1));
-            while self.above.remove(&(self.cumulative + 1)) {
-                self.cumulative += 1;
+            self.above.retain(|&seq| seq > base);
+            self.advance();
+        }
+    }
+
+    /// Moves the cumulative ack over the seqs held just above it.
+    fn advance(&mut self) {
+        while let Some(next) = self.cumulative.checked_add(1) {
+            if !self.above.remove(&next) {
+                break;
             }
+            self.cumulative = next;
         }
     }
 }
@@ -210,6 +230,31 @@ mod tests {
         w.skip_to(4);
         assert_eq!(w.cumulative(), 5);
         assert_eq!(w.pending_above(), 0);
+    }
+
+    /// Panic audit: a WELCOME whose `server_seq_base` is at the top of the range (a
+    /// hostile edge) overflowed `base + 1` (a panic in debug builds, the client's task
+    /// gone); seqs near the top the same. Taken without overflow now.
+    #[test]
+    fn seqs_at_the_top_of_the_range_never_overflow() {
+        let mut w = RecvWindow::new();
+        w.skip_to(u64::MAX);
+        assert_eq!(w.cumulative(), u64::MAX);
+        assert_eq!(w.receive(u64::MAX), Received::Duplicate);
+        let mut w = RecvWindow::starting_at(u64::MAX - 2);
+        assert_eq!(w.receive(u64::MAX), Received::New);
+        assert_eq!(w.receive(u64::MAX - 1), Received::New);
+        assert_eq!(w.cumulative(), u64::MAX);
+        let mut w = RecvWindow::starting_at(u64::MAX - 3);
+        assert_eq!(w.receive(u64::MAX), Received::New);
+        w.skip_to(u64::MAX - 1);
+        assert_eq!(w.cumulative(), u64::MAX);
+        assert_eq!(w.pending_above(), 0);
+        assert!(!w.is_consistent(), "not a window a store may hand back");
+        let mut w = RecvWindow::starting_at(10);
+        assert!(w.is_consistent());
+        w.receive(12);
+        assert!(w.is_consistent());
     }
 
     #[test]

@@ -1244,7 +1244,7 @@ where
             read_queue: config.forward_credits as usize + 1024,
             on_credit: Some(Arc::new(move |n| {
                 synced.synced.store(true, Ordering::Release);
-                credit_sink.add_permits(n as usize)
+                grant_credit(&credit_sink, n)
             })),
             on_frame: Some(answer_hook(answers.clone(), edge_channels.clone())),
         },
@@ -1521,7 +1521,7 @@ where
                     worker.tell(SessionJob::Closed(code));
                 }
             }
-            LinkFrame::Credit { credits } => link.push_credit.add_permits(credits as usize),
+            LinkFrame::Credit { credits } => grant_credit(&link.push_credit, credits),
             _ => {
                 let _ = io
                     .tx
@@ -1883,10 +1883,33 @@ impl CreditReturn {
     }
 }
 
+/// Adds `credits` an edge granted to `semaphore`, up to what a semaphore can hold: an edge
+/// that grants without bound (billions of credits) must not panic the link's reader
+/// (`Semaphore::add_permits` panics past `MAX_PERMITS`), which would drop every session on
+/// the link.
+fn grant_credit(semaphore: &tokio::sync::Semaphore, credits: u32) {
+    let room = tokio::sync::Semaphore::MAX_PERMITS.saturating_sub(semaphore.available_permits());
+    semaphore.add_permits((credits as usize).min(room));
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{message_publish_id, CreditReturn, EdgeChannels, MAX_EDGE_CHANNELS};
+    use super::{grant_credit, message_publish_id, CreditReturn, EdgeChannels, MAX_EDGE_CHANNELS};
     use proptest::prelude::*;
+
+    /// Panic audit: an edge granting credit without bound panicked the link's reader once
+    /// the semaphore's total passed `MAX_PERMITS` (every session on the link dropped). The
+    /// grant now stops at what a semaphore holds.
+    #[test]
+    fn credit_granted_without_bound_stops_at_what_a_semaphore_holds() {
+        let credit = tokio::sync::Semaphore::new(tokio::sync::Semaphore::MAX_PERMITS - 10);
+        grant_credit(&credit, u32::MAX);
+        grant_credit(&credit, u32::MAX);
+        assert_eq!(
+            credit.available_permits(),
+            tokio::sync::Semaphore::MAX_PERMITS
+        );
+    }
 
     /// Regression (bounds audit): the channels an edge link told were kept without a bound
     /// (notices are taken on the reader, before the handshake completes too). Past

@@ -694,7 +694,7 @@ impl ClusterConfig {
         for url in redis_urls.clone().chain(&self.redis_sentinels) {
             if redis_target(url)?
                 .1
-                .is_some_and(waygate_link::is_placeholder_secret)
+                .is_some_and(|p| waygate_link::is_placeholder_secret(&p))
             {
                 return Err(placeholder("cluster.redis_url"));
             }
@@ -757,7 +757,7 @@ impl ClusterConfig {
 }
 
 /// Whether a Redis URL's server is on loopback (or a Unix socket), and its password.
-fn redis_target(url: &str) -> Result<(bool, Option<&str>), ConfigError> {
+fn redis_target(url: &str) -> Result<(bool, Option<String>), ConfigError> {
     use redis::{ConnectionAddr, IntoConnectionInfo};
     let info = url
         .into_connection_info()
@@ -771,17 +771,11 @@ fn redis_target(url: &str) -> Result<(bool, Option<&str>), ConfigError> {
         }
         _ => true,
     };
-    // The password as it appears in the URL (what the placeholder check compares).
     let password = info
         .redis_settings()
         .password()
-        .map(|_| {
-            url.split_once("://")
-                .and_then(|(_, rest)| rest.split_once('@'))
-                .and_then(|(userinfo, _)| userinfo.rsplit_once(':'))
-                .map_or("", |(_, p)| p)
-        })
-        .filter(|p| !p.is_empty());
+        .filter(|p| !p.is_empty())
+        .map(str::to_owned);
     Ok((local, password))
 }
 
@@ -1030,6 +1024,30 @@ impl EdgeConfig {
                 key: "channels",
                 message,
             })?;
+        // Durations a clock must be able to add (a year: far beyond any sensible value).
+        const YEAR_SECS: u64 = 365 * 24 * 3600;
+        for (key, secs) in [
+            ("session.linger_secs", self.session.linger_secs),
+            (
+                "channels.dedup_window_secs",
+                self.channels.dedup_window_secs,
+            ),
+        ] {
+            if secs > YEAR_SECS {
+                return Err(ConfigError::Invalid {
+                    key,
+                    message: format!("must be at most {YEAR_SECS} s (a year)"),
+                });
+            }
+        }
+        if self.links.heartbeat_ms < 100 {
+            // A link is declared dead after three missed heartbeats: 0 killed every link
+            // at once while its writer spun on PINGs.
+            return Err(ConfigError::Invalid {
+                key: "links.heartbeat_ms",
+                message: "must be at least 100 ms".into(),
+            });
+        }
         if self.channels.dedup_window_secs < self.session.linger_secs {
             // A client resends what the edge had not acknowledged when it resumes, up to
             // the linger after its link dropped; a backend publishes it again with the same
@@ -1046,7 +1064,7 @@ impl EdgeConfig {
         for (kind, policy) in &self.channels.kinds {
             // A publication is one DATA frame: its body plus the event header must fit.
             let header = waygate_protocol::channel::MAX_EVENT_OVERHEAD;
-            if policy.max_body + header > self.limits.max_frame_size {
+            if policy.max_body.saturating_add(header) > self.limits.max_frame_size {
                 return Err(ConfigError::Invalid {
                     key: "channels.kinds",
                     message: format!(

@@ -145,7 +145,7 @@ impl Governor {
         let memory = if config.memory_budget_mb == 0 {
             u64::MAX
         } else {
-            config.memory_budget_mb * 1024 * 1024
+            config.memory_budget_mb.saturating_mul(1024 * 1024)
         };
         Self {
             governor: Mutex::new(OverloadGovernor::new(

@@ -331,7 +331,10 @@ impl Composer {
                 return Ok(None);
             }
         }
-        let floor = self.published.as_ref().map_or(0, |p| p.epoch + 1);
+        let floor = self
+            .published
+            .as_ref()
+            .map_or(0, |p| p.epoch.saturating_add(1));
         t.epoch = floor
             .max(u64::try_from(self.revision).unwrap_or(0))
             .max(base.epoch);

@@ -244,6 +244,9 @@ impl RetrySlots {
 
     /// The hint for a refusal at `now` whose bucket has a token after `wait`.
     pub fn hint(&mut self, now: Instant, wait: Duration) -> Duration {
+        // A wait beyond the spread (a bucket that never refills: `Duration::MAX`) is the
+        // spread's end: `now + wait` would overflow the clock.
+        let wait = wait.min(MAX_RETRY_SPREAD);
         let earliest = now + wait;
         let slot = match self.next {
             Some(next) if next > earliest => next,
@@ -251,9 +254,7 @@ impl RetrySlots {
         };
         let last = now + MAX_RETRY_SPREAD;
         self.next = Some((slot + self.interval).min(last));
-        slot.min(last)
-            .saturating_duration_since(now)
-            .max(wait.min(MAX_RETRY_SPREAD))
+        slot.min(last).saturating_duration_since(now).max(wait)
     }
 }
 
@@ -461,6 +462,17 @@ mod tests {
 
     fn v4(last: u8) -> IpAddr {
         IpAddr::V4(Ipv4Addr::new(10, 0, 0, last))
+    }
+
+    /// Panic audit: a refusal by a bucket that never refills (zero rate: the wait is
+    /// `Duration::MAX`) overflowed `now + wait` in the shared accept path. The hint is the
+    /// spread's end.
+    #[test]
+    fn a_wait_that_never_ends_hints_the_end_of_the_spread() {
+        let mut slots = RetrySlots::new(Rate::per_second(0));
+        let now = Instant::now();
+        assert_eq!(slots.hint(now, Duration::MAX), MAX_RETRY_SPREAD);
+        assert_eq!(slots.hint(now, Duration::MAX), MAX_RETRY_SPREAD);
     }
 
     fn config() -> AdmissionConfig {

@@ -47,7 +47,8 @@ impl StreamCodec {
     /// sizing reads; 1 when even the length prefix is incomplete).
     pub fn bytes_needed(&self, buf: &[u8]) -> usize {
         match peek_varint(buf) {
-            Ok((len, prefix)) => (prefix as u64 + len)
+            Ok((len, prefix)) => (prefix as u64)
+                .saturating_add(len)
                 .saturating_sub(buf.len() as u64)
                 .min(self.max_frame_size as u64 + 10) as usize,
             Err(_) => 1,

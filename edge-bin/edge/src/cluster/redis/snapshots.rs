@@ -218,6 +218,14 @@ fn decode_record(fields: Vec<(Vec<u8>, Vec<u8>)>) -> Result<Snapshot, String> {
         Some((b'{', _)) => serde_json::from_slice(&data).map_err(|e| e.to_string())?,
         _ => ciborium::from_reader(&data[..]).map_err(|e| e.to_string())?,
     };
+    // Whatever the layout, a restore relies on the replay buffer's and the window's
+    // invariants (a corrupt or foreign record overflowed their seqs: panic audit).
+    s.replay
+        .check()
+        .map_err(|e| format!("replay buffer: {e}"))?;
+    if !s.upstream.is_consistent() {
+        return Err("upstream window inconsistent".into());
+    }
     s.push_ids = push_ids;
     Ok(s)
 }
