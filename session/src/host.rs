@@ -898,12 +898,23 @@ impl SessionHost {
                 self.answer(r, HostAnswer::HandOver(Some(TakeOutcome::Taken(s))));
                 HandedOver::Delivered
             }
-            (None, TakeOutcome::Taken(s)) => {
+            (None, TakeOutcome::Taken(mut s)) => {
                 // Nobody to take it: the session lives on in the store only, once the old
                 // holder has written it there (the entry goes when that connection closes;
                 // meanwhile a resume is busy, never served the store's older copy).
                 self.stats.orphaned += 1;
                 if let Some(e) = self.sessions.get_mut(&session_id) {
+                    // Messages queued after the holder took its snapshot (or lost to a full
+                    // queue) are not in it: the stored copy declares them lost, so its
+                    // restore reports a gap (silent-drop audit: it was `Restored`).
+                    let missing = e.lost
+                        + e.queue
+                            .drain_in_order()
+                            .filter(|p| matches!(p.item, OutboundItem::Message(_)))
+                            .count() as u64;
+                    e.lost = 0;
+                    e.answers_over.clear();
+                    s.replay.declare_lost(missing);
                     e.storing = true;
                     let player = e.player.clone();
                     if self.players.get(&player) == Some(&session_id) {
@@ -1626,13 +1637,28 @@ mod tests {
         assert_eq!(host.take_work(1).commands.len(), 1);
         // The requester's client went away after the holder took the request.
         host.close(2);
+        // A push queued after the holder took its snapshot is not in it: the stored copy
+        // declares it lost (silent-drop audit: restored without a gap before).
+        let late = Downstream {
+            class: TrafficClass::Normal,
+            msg_id: 2,
+            payload: bytes::Bytes::from_static(b"late"),
+        };
+        assert_eq!(host.push(&[1; 16], late), Ok(()));
         let snapshot = crate::testkit::store_contract::snapshot(1, "p", 3);
-        assert!(host
+        let sent = snapshot.replay.highest_sent();
+        let stored = host
             .reply(
                 1,
-                Reply::HandedOver([1; 16], TakeOutcome::Taken(Box::new(snapshot)))
+                Reply::HandedOver([1; 16], TakeOutcome::Taken(Box::new(snapshot))),
             )
-            .is_some());
+            .expect("orphaned: back for the store");
+        assert_eq!(stored.replay.highest_sent(), sent + 1);
+        assert_eq!(
+            stored.replay.evicted_through(),
+            sent + 1,
+            "a gap on restore"
+        );
         host.open(3);
         assert_eq!(
             host.request_hand_over(3, [1; 16], attempt.clone(), t0),
