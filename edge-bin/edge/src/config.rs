@@ -1380,6 +1380,21 @@ mod tests {
         c.validate().expect("plain KCP, explicitly");
     }
 
+    /// Panic audit: durations a clock adds, and the link heartbeat, are bounded at load
+    /// (a huge linger or dedup window overflowed `Instant`; heartbeat 0 killed every link).
+    #[test]
+    fn durations_and_the_link_heartbeat_are_bounded() {
+        let mut c = EdgeConfig::default();
+        c.session.linger_secs = 400 * 24 * 3600;
+        c.channels.dedup_window_secs = c.session.linger_secs;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("session.linger_secs"), "{err}");
+        c = EdgeConfig::default();
+        c.links.heartbeat_ms = 0;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("links.heartbeat_ms"), "{err}");
+    }
+
     #[test]
     fn an_etcd_password_comes_from_its_file_and_is_never_a_placeholder() {
         let dir = tempfile::tempdir().unwrap();
