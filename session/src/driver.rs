@@ -1027,6 +1027,23 @@ impl Task {
             .await;
     }
 
+    /// A write of `snapshot` was fenced: a newer claim of the session exists (it was
+    /// restored on another edge, or its player logged in again), so this copy is stale and
+    /// ends now, as the kick notice would end it (a notice can be lost; then the ownership
+    /// sweep takes up to `reassert_ms`). Meanwhile it took pushes its client, elsewhere,
+    /// never sees (silent-drop audit). A copy claimed here again since is kept.
+    fn end_stale_copy(&self, snapshot: &crate::store::Snapshot, write: &str) {
+        let kicked = self
+            .edge
+            .registry
+            .kick_superseded(&snapshot.session_id, snapshot.fencing);
+        tracing::info!(
+            ?kicked,
+            write,
+            "fenced: a newer owner holds the session; this copy ends"
+        );
+    }
+
     /// The write of [`Self::write_through`]: whether the store holds the session's state now.
     async fn write_snapshot(&mut self) -> bool {
         let Some(wt) = self.edge.write_through.clone() else {
@@ -1058,19 +1075,7 @@ impl Task {
                 true
             }
             Err(crate::store::StoreError::Fenced) => {
-                // A newer claim of the session exists (it was restored on another edge, or
-                // its player logged in again): this copy is stale. Ended now, as the kick
-                // notice would (a notice can be lost, then the sweep takes up to
-                // `reassert_ms`): meanwhile it took pushes its client, elsewhere, never
-                // sees (silent-drop audit).
-                let kicked = self
-                    .edge
-                    .registry
-                    .kick_superseded(&snapshot.session_id, snapshot.fencing);
-                tracing::info!(
-                    ?kicked,
-                    "write-through fenced: a newer owner exists; this copy ends"
-                );
+                self.end_stale_copy(&snapshot, "write-through");
                 false
             }
             Err(e) => {
@@ -1361,9 +1366,9 @@ impl Task {
                         Ok(()) => {}
                         // The session was claimed elsewhere since (it moved on): fencing
                         // kept this stale copy out of the store, as it should.
-                        Err(crate::store::StoreError::Fenced) => tracing::info!(
-                            "stale copy not persisted: a newer owner holds the session"
-                        ),
+                        Err(crate::store::StoreError::Fenced) => {
+                            self.end_stale_copy(&snapshot, "persist on detach");
+                        }
                         Err(e) => {
                             tracing::warn!(error = %e, "could not persist a session snapshot")
                         }

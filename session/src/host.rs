@@ -745,7 +745,7 @@ impl SessionHost {
         entry.ending = false;
         entry.superseded = false;
         entry.storing = false;
-        let pending = !entry.queue.is_empty() || entry.lost > 0;
+        let pending = !entry.queue.is_empty() || !entry.answers_over.is_empty() || entry.lost > 0;
         let previous = std::mem::replace(&mut entry.holder, conn);
         if previous != conn {
             // Restored from the store while a superseded copy of it still ends here (its
@@ -1191,13 +1191,25 @@ impl SessionHost {
     }
 
     fn queue(&mut self, session_id: &SessionId, item: OutboundItem) -> Result<(), PushError> {
+        // A session being stored (handed over to nobody) takes nothing more: its snapshot
+        // is written already (what was queued after it is declared lost there).
         let e = self
             .sessions
             .get_mut(session_id)
+            .filter(|e| !e.storing)
             .ok_or(PushError::NotFound)?;
         let (class, len) = (item.class(), item.len());
         let holder = e.holder;
-        let result = match e.queue.push(class, item, len, None) {
+        // While answers wait beside a full queue nothing overtakes them: later answers
+        // join them, anything else is refused as by the full queue.
+        let outcome = if e.answers_over.is_empty() {
+            e.queue.push(class, item, len, None)
+        } else if class == TrafficClass::BestEffort {
+            PushOutcome::Refused { item }
+        } else {
+            PushOutcome::SlowConsumer { item }
+        };
+        let result = match outcome {
             PushOutcome::Queued | PushOutcome::Coalesced => Ok(()),
             PushOutcome::DroppedBestEffort { evicted } => {
                 self.stats.shed += evicted as u64;
@@ -1787,8 +1799,20 @@ mod tests {
             host.queue_item(&[1; 16], OutboundItem::Error(refused.clone())),
             Ok(())
         );
+        // Nothing overtakes the answers waiting beside the full queue (a small item that
+        // would fit the queue's bytes is refused as by the full queue).
+        assert_eq!(
+            host.queue_item(
+                &[1; 16],
+                OutboundItem::RoutingKey {
+                    service: "s".into(),
+                    key: "k".into()
+                }
+            ),
+            Err(PushError::QueueFull)
+        );
         let work = host.take_work(1);
-        assert_eq!(work.lost, 2, "only the two pushes refused above");
+        assert_eq!(work.lost, 3, "the two pushes and the key refused above");
         queued.extend([OutboundItem::Answered(4), OutboundItem::Error(refused)]);
         assert_eq!(work.items, queued);
         assert!(host.take_work(1).items.is_empty());

@@ -286,11 +286,8 @@ impl ReplayBuffer {
     ) -> Result<(), ReplayMismatch> {
         let mut entries: Vec<ReplayEntry> = entries.into_iter().collect();
         entries.sort_unstable_by_key(|e| e.seq);
-        let first = self.acked.max(self.evicted_through) + 1;
-        let exact = entries.len() as u64 == self.next_seq.saturating_sub(first)
-            && entries.iter().zip(first..).all(|(e, seq)| e.seq == seq);
         let bytes: usize = entries.iter().map(|e| e.payload.len()).sum();
-        if !self.entries.is_empty() || !exact || bytes != self.bytes {
+        if !self.entries.is_empty() || !self.holds_exactly(&entries) || bytes != self.bytes {
             return Err(ReplayMismatch {
                 entries: entries.len(),
                 bytes,
@@ -312,8 +309,8 @@ impl ReplayBuffer {
 
     /// Whether the buffer holds what a buffer always holds (a record read from a store may
     /// not: corrupt, or written by something else): seqs in range, every seq above both the
-    /// ack and the last eviction up to the highest sent, the byte count theirs, within its
-    /// limits. A restore of a buffer that does not would overflow its seqs or byte count.
+    /// ack and the last eviction up to the highest sent, the byte count theirs, limits
+    /// not zero. A restore of a buffer that does not would overflow its seqs or byte count.
     pub fn check(&self) -> Result<(), ReplayMismatch> {
         let bytes: usize = self.entries.iter().map(|e| e.payload.len()).sum();
         let mismatch = ReplayMismatch {
@@ -332,18 +329,28 @@ impl ReplayBuffer {
         {
             return Err(mismatch);
         }
-        let first = self.acked.max(self.evicted_through) + 1;
-        let exact = self.entries.len() as u64 == self.next_seq - first
-            && self
-                .entries
-                .iter()
-                .zip(first..)
-                .all(|(e, seq)| e.seq == seq);
-        if exact {
+        if self.holds_exactly(&self.entries) {
             Ok(())
         } else {
             Err(mismatch)
         }
+    }
+
+    /// Whether `entries` (in seq order) are exactly what the counters say a buffer holds:
+    /// every seq above both the ack and the last eviction up to the highest sent. Any
+    /// counters (a record read from a store) are taken without overflow.
+    fn holds_exactly<'a>(&self, entries: impl IntoIterator<Item = &'a ReplayEntry>) -> bool {
+        let Some(first) = self.acked.max(self.evicted_through).checked_add(1) else {
+            return false;
+        };
+        let mut count = 0u64;
+        for (e, seq) in entries.into_iter().zip(first..) {
+            if e.seq != seq {
+                return false;
+            }
+            count += 1;
+        }
+        count == self.next_seq.saturating_sub(first)
     }
 
     /// Highest cumulative ack received.
@@ -507,6 +514,10 @@ mod tests {
             let mut corrupt = r.clone();
             corrupt.set_counters(bad);
             assert!(corrupt.check().is_err(), "{bad:?}");
+            // The way a store reads it back: counters first, then the entries attached
+            // (review: `attach_entries` overflowed on such counters before `check` ran).
+            let entries = corrupt.detach_entries();
+            let _ = corrupt.attach_entries(entries);
         }
     }
 

@@ -616,6 +616,10 @@ pub struct ClusterConfig {
     /// Password for the primary the sentinels name (`requirepass`); empty: no AUTH. The
     /// sentinels' own credentials go in their URLs.
     pub redis_sentinel_master_password: String,
+    /// PEM certificates `rediss://` servers must chain to (a private CA); unset: the
+    /// system's trusted roots. TLS is chosen by the URL scheme (`rediss://`, single Redis
+    /// or Redis Cluster).
+    pub redis_tls_ca_file: Option<PathBuf>,
     /// Redis key and channel prefix.
     pub redis_prefix: String,
     /// Write every session's snapshot through to Redis before the client sees new state
@@ -646,6 +650,7 @@ impl Default for ClusterConfig {
             redis_sentinel_master: "mymaster".into(),
             redis_sentinel_master_username: String::new(),
             redis_sentinel_master_password: String::new(),
+            redis_tls_ca_file: None,
             redis_prefix: "waygate".into(),
             write_through: true,
             quiesce_ms: 300,
@@ -660,13 +665,26 @@ impl ClusterConfig {
     pub fn etcd_credentials(
         &self,
     ) -> Result<Option<waygate_routing_etcd::EtcdCredentials>, ConfigError> {
+        self.etcd_credentials_with(
+            std::env::var(waygate_routing_etcd::ETCD_PASSWORD_ENV)
+                .ok()
+                .as_deref(),
+        )
+    }
+
+    /// [`etcd_credentials`](Self::etcd_credentials) with the environment's password given.
+    fn etcd_credentials_with(
+        &self,
+        env_password: Option<&str>,
+    ) -> Result<Option<waygate_routing_etcd::EtcdCredentials>, ConfigError> {
         let invalid = |message: String| ConfigError::Invalid {
             key: "cluster.etcd_password_file",
             message,
         };
-        let credentials = waygate_routing_etcd::EtcdCredentials::load(
+        let credentials = waygate_routing_etcd::EtcdCredentials::load_with(
             &self.etcd_username,
             self.etcd_password_file.as_deref(),
+            env_password,
         )
         .map_err(|e| invalid(e.to_string()))?;
         if credentials
@@ -680,23 +698,61 @@ impl ClusterConfig {
         Ok(credentials)
     }
 
+    /// The PEM of `redis_tls_ca_file`, read now (`None` when unset).
+    pub fn redis_tls_roots(&self) -> Result<Option<Vec<u8>>, ConfigError> {
+        self.redis_tls_ca_file
+            .as_deref()
+            .map(|path| {
+                std::fs::read(path).map_err(|e| ConfigError::Invalid {
+                    key: "cluster.redis_tls_ca_file",
+                    message: format!("{}: {e}", path.display()),
+                })
+            })
+            .transpose()
+    }
+
+    /// Redis URLs beyond loopback that are not TLS (`redis://`): their traffic (snapshots
+    /// with what resume proofs are checked against, the AUTH password) crosses the network
+    /// in clear. The edge warns of them at start.
+    pub fn plaintext_redis_beyond_loopback(&self) -> Vec<String> {
+        std::iter::once(&self.redis_url)
+            .filter(|u| !u.is_empty())
+            .chain(&self.redis_cluster)
+            .chain(&self.redis_sentinels)
+            .filter(|url| {
+                !url.starts_with("rediss://")
+                    && redis_target("cluster", url).is_ok_and(|(local, _)| !local)
+            })
+            .map(|url| redact_redis_url(url))
+            .collect()
+    }
+
     /// Refuses etcd or Redis beyond loopback without authentication (unless
     /// `insecure_no_auth`), and Redis passwords left at the deploy kit's placeholder.
     fn check_authentication(&self) -> Result<(), ConfigError> {
         let closed_network = "Only on a closed network: cluster.insecure_no_auth = true";
-        let redis_urls = std::iter::once(&self.redis_url)
-            .filter(|u| !u.is_empty())
-            .chain(&self.redis_cluster);
+        // Every Redis URL with the key it comes from.
+        let redis_urls = std::iter::once(("cluster.redis_url", &self.redis_url))
+            .filter(|(_, u)| !u.is_empty())
+            .chain(
+                self.redis_cluster
+                    .iter()
+                    .map(|u| ("cluster.redis_cluster", u)),
+            );
+        let sentinels = self
+            .redis_sentinels
+            .iter()
+            .map(|u| ("cluster.redis_sentinels", u));
         let placeholder = |key| ConfigError::Invalid {
             key,
             message: "a Redis password is still the deploy kit's placeholder".into(),
         };
-        for url in redis_urls.clone().chain(&self.redis_sentinels) {
-            if redis_target(url)?
+        for (key, url) in redis_urls.clone().chain(sentinels.clone()) {
+            if redis_target(key, url)?
                 .1
                 .is_some_and(|p| waygate_link::is_placeholder_secret(&p))
             {
-                return Err(placeholder("cluster.redis_url"));
+                return Err(placeholder(key));
             }
         }
         if waygate_link::is_placeholder_secret(&self.redis_sentinel_master_password) {
@@ -705,11 +761,11 @@ impl ClusterConfig {
         if self.insecure_no_auth {
             return Ok(());
         }
-        for url in redis_urls {
-            let (local, password) = redis_target(url)?;
+        for (key, url) in redis_urls {
+            let (local, password) = redis_target(key, url)?;
             if !local && password.is_none() {
                 return Err(ConfigError::Invalid {
-                    key: "cluster.redis_url",
+                    key,
                     message: format!(
                         "Redis at {} is beyond loopback and has no password: anyone reaching \
                          it could read the sessions' resume keys and take players' sessions \
@@ -721,8 +777,8 @@ impl ClusterConfig {
             }
         }
         if self.redis_sentinel_master_password.is_empty() {
-            for url in &self.redis_sentinels {
-                if !redis_target(url)?.0 {
+            for (key, url) in sentinels {
+                if !redis_target(key, url)?.0 {
                     return Err(ConfigError::Invalid {
                         key: "cluster.redis_sentinel_master_password",
                         message: format!(
@@ -735,11 +791,7 @@ impl ClusterConfig {
             }
         }
         if self.etcd_username.trim().is_empty() {
-            if let Some(open) = self
-                .etcd_endpoints
-                .iter()
-                .find(|e| !host_is_loopback(etcd_host(e)))
-            {
+            if let Some(open) = self.etcd_endpoints.iter().find(|e| !etcd_on_loopback(e)) {
                 return Err(ConfigError::Invalid {
                     key: "cluster.etcd_username",
                     message: format!(
@@ -756,13 +808,14 @@ impl ClusterConfig {
     }
 }
 
-/// Whether a Redis URL's server is on loopback (or a Unix socket), and its password.
-fn redis_target(url: &str) -> Result<(bool, Option<String>), ConfigError> {
+/// Whether a Redis URL's server is on loopback (or a Unix socket), and its password; an
+/// unreadable URL is an error naming `key`.
+fn redis_target(key: &'static str, url: &str) -> Result<(bool, Option<String>), ConfigError> {
     use redis::{ConnectionAddr, IntoConnectionInfo};
     let info = url
         .into_connection_info()
         .map_err(|e| ConfigError::Invalid {
-            key: "cluster.redis_url",
+            key,
             message: format!("{}: {e}", redact_redis_url(url)),
         })?;
     let local = match info.addr() {
@@ -782,23 +835,31 @@ fn redis_target(url: &str) -> Result<(bool, Option<String>), ConfigError> {
 /// A Redis URL without its password, for messages.
 fn redact_redis_url(url: &str) -> String {
     match url.split_once("://").and_then(|(scheme, rest)| {
-        rest.split_once('@')
-            .map(|(_, host)| format!("{scheme}://***@{host}"))
+        // The authority ends at the first `/`; its user info at its last `@`.
+        let authority = rest.split('/').next().unwrap_or(rest);
+        authority
+            .rsplit_once('@')
+            .map(|(_, host)| format!("{scheme}://***@{host}{}", &rest[authority.len()..]))
     }) {
         Some(redacted) => redacted,
         None => url.to_owned(),
     }
 }
 
-/// The host of an etcd endpoint (`http://host:port`, `host:port`, `[v6]:port`).
-fn etcd_host(endpoint: &str) -> &str {
-    let rest = endpoint.split_once("://").map_or(endpoint, |(_, r)| r);
-    let authority = rest.split('/').next().unwrap_or(rest);
-    match authority.find(']') {
-        Some(end) => &authority[..=end],
-        None => authority
-            .rsplit_once(':')
-            .map_or(authority, |(host, _)| host),
+/// Whether an etcd endpoint (`http://host:port`, `host:port`, `[v6]:port`) is on this
+/// machine's loopback, read as the etcd client reads it (`http::Uri`): an endpoint with
+/// user info (`http://localhost@10.0.0.5`) or one that does not parse is not.
+fn etcd_on_loopback(endpoint: &str) -> bool {
+    let uri = if endpoint.contains("://") {
+        endpoint.parse::<axum::http::Uri>()
+    } else {
+        format!("http://{endpoint}").parse::<axum::http::Uri>()
+    };
+    match uri {
+        Ok(uri) => uri
+            .authority()
+            .is_some_and(|a| !a.as_str().contains('@') && host_is_loopback(a.host())),
+        Err(_) => false,
     }
 }
 
@@ -809,7 +870,7 @@ fn host_is_loopback(host: &str) -> bool {
     host.eq_ignore_ascii_case("localhost")
         || host
             .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
+            .is_ok_and(|ip| ip.to_canonical().is_loopback())
 }
 
 /// The whole edge configuration.
@@ -940,6 +1001,12 @@ impl EdgeConfig {
 
     /// The first enabled client listener bound beyond loopback, as `kind (addr)`.
     pub fn exposed_listener(&self) -> Option<String> {
+        self.exposed_among(&["tcp", "tls", "ws", "wss", "quic", "kcp"])
+            .map(|(kind, c)| format!("{kind} ({})", c.addr))
+    }
+
+    /// The first enabled listener of `kinds` bound beyond loopback, with its kind.
+    pub fn exposed_among(&self, kinds: &[&str]) -> Option<(&'static str, &ListenerConfig)> {
         let l = &self.listeners;
         [
             ("tcp", &l.tcp),
@@ -950,8 +1017,7 @@ impl EdgeConfig {
             ("kcp", &l.kcp),
         ]
         .into_iter()
-        .find(|(_, c)| c.enabled && !c.addr.ip().is_loopback())
-        .map(|(kind, c)| format!("{kind} ({})", c.addr))
+        .find(|(kind, c)| kinds.contains(kind) && c.enabled && !c.addr.ip().is_loopback())
     }
 
     /// Checks ranges and consistency.
@@ -1341,6 +1407,7 @@ mod tests {
         ];
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("10.0.0.4"), "{err}");
+        assert!(err.contains("cluster.redis_cluster"), "{err}");
         c.cluster.redis_cluster.clear();
         c.cluster.redis_sentinels = vec!["redis://sentinel-1:26379".into()];
         let err = c.validate().unwrap_err().to_string();
@@ -1359,6 +1426,35 @@ mod tests {
         c.cluster.redis_sentinel_master_password = String::new();
         c.cluster.insecure_no_auth = true;
         c.validate().expect("explicitly insecure");
+    }
+
+    /// Review: endpoints are judged as the clients read them (user info before `@` is not
+    /// the host), and a password never reaches a message.
+    #[test]
+    fn loopback_is_judged_as_the_clients_read_the_url() {
+        for local in [
+            "http://127.0.0.1:2379",
+            "http://localhost:2379",
+            "[::1]:2379",
+            "http://[::ffff:127.0.0.1]:2379",
+            "127.0.0.1:2379",
+        ] {
+            assert!(etcd_on_loopback(local), "{local}");
+        }
+        for remote in [
+            "http://10.0.0.5:2379",
+            "http://localhost:2379@10.0.0.5",
+            "http://[::1]@10.0.0.5:2379",
+            "etcd:2379",
+            "not a url",
+        ] {
+            assert!(!etcd_on_loopback(remote), "{remote}");
+        }
+        assert_eq!(
+            redact_redis_url("redis://:p@ss@host:6379/0"),
+            "redis://***@host:6379/0"
+        );
+        assert_eq!(redact_redis_url("redis://host:6379"), "redis://host:6379");
     }
 
     /// A JWT edge has no keys to open KCP connect tokens with: a KCP listener that requires
@@ -1400,21 +1496,28 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("etcd-password");
         let mut c = ClusterConfig::default();
-        assert_eq!(c.etcd_credentials().unwrap(), None, "no user, no sign-in");
+        assert_eq!(
+            c.etcd_credentials_with(None).unwrap(),
+            None,
+            "no user, no sign-in"
+        );
         c.etcd_username = "edge".into();
-        let err = c.etcd_credentials().unwrap_err().to_string();
+        let err = c.etcd_credentials_with(None).unwrap_err().to_string();
         assert!(err.contains("no password"), "{err}");
         c.etcd_password_file = Some(file.clone());
         std::fs::write(&file, "replace-with-the-etcd-password\n").unwrap();
-        let err = c.etcd_credentials().unwrap_err().to_string();
+        let err = c.etcd_credentials_with(None).unwrap_err().to_string();
         assert!(err.contains("placeholder"), "{err}");
         std::fs::write(&file, "the-password\nignored\n").unwrap();
-        let credentials = c.etcd_credentials().unwrap().unwrap();
+        let credentials = c.etcd_credentials_with(None).unwrap().unwrap();
         assert_eq!(
             (credentials.user.as_str(), credentials.password.as_str()),
             ("edge", "the-password")
         );
         assert!(!format!("{credentials:?}").contains("the-password"));
+        // The environment's password wins over the file.
+        let from_env = c.etcd_credentials_with(Some("from-env")).unwrap().unwrap();
+        assert_eq!(from_env.password, "from-env");
     }
 
     #[test]

@@ -380,6 +380,16 @@ struct LinkShared {
     reset: Mutex<Option<Arc<tokio::sync::Notify>>>,
 }
 
+impl LinkShared {
+    /// Whether a forward of `client_seq` waits for its answer (FORWARD_DONE, REFUSE) on
+    /// this link: a sequenced message on a link whose backend answers (§9.6). Only such a
+    /// forward holds ANSWER_PUSH frames and acknowledges its message once answered;
+    /// best-effort messages (client seq 0) are never acknowledged.
+    fn awaits_answer(&self, client_seq: u64) -> bool {
+        client_seq != 0 && self.answers.load(Ordering::Acquire)
+    }
+}
+
 /// The edge's link to one backend address.
 #[derive(Debug, Clone)]
 pub struct LinkClient {
@@ -531,13 +541,11 @@ impl LinkClient {
                 answer_bytes: 0,
             });
             // Best-effort messages (client seq 0) are never acknowledged.
-            Ok(
-                if client_seq != 0 && self.shared.answers.load(Ordering::Acquire) {
-                    Delivered::AwaitingAnswer
-                } else {
-                    Delivered::Answered
-                },
-            )
+            Ok(if self.shared.awaits_answer(client_seq) {
+                Delivered::AwaitingAnswer
+            } else {
+                Delivered::Answered
+            })
         });
         if result.is_err() {
             self.shared.credit.fetch_add(1, Ordering::AcqRel);
@@ -652,7 +660,7 @@ fn take_frame(shared: &LinkShared, frame: LinkFrame) -> Incoming {
             // Only a sequenced message on a link whose backend answers (FORWARD_DONE) ever
             // gets the answer that releases held pushes: anything else is a push at once
             // (held, it was dropped with the message's CREDIT, silently).
-            if client_seq == 0 || !shared.answers.load(Ordering::Acquire) {
+            if !shared.awaits_answer(client_seq) {
                 return Incoming::Event(plain_push(handle, push));
             }
             let Ok(mut q) = shared.inflight.lock() else {
@@ -707,17 +715,16 @@ fn take_frame(shared: &LinkShared, frame: LinkFrame) -> Incoming {
             }
         }
         LinkFrame::Credit { credits } => {
-            let answers = shared.answers.load(Ordering::Acquire);
             if let Ok(mut q) = shared.inflight.lock() {
                 let n = (credits as usize).min(q.len());
                 // CREDIT before the answer it covers breaks §9.6's order: taking it would
                 // drop the message's held pushes and leave it unacknowledged for good. The
                 // link closes instead; its unanswered messages are refused `unavailable`,
                 // after their held pushes, like on any link loss.
-                let early = answers
-                    && q.iter()
-                        .take(n)
-                        .any(|h| !h.answered && h.message.client_seq != 0);
+                let early = q
+                    .iter()
+                    .take(n)
+                    .any(|h| !h.answered && shared.awaits_answer(h.message.client_seq));
                 if early {
                     return Incoming::Violation(
                         frame,

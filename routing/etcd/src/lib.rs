@@ -159,12 +159,25 @@ impl EtcdCredentials {
     /// first line of `password_file`. An empty `user` is no authentication (`None`); a user
     /// without a password, or a file that cannot be read, is an error naming its source.
     pub fn load(user: &str, password_file: Option<&Path>) -> Result<Option<Self>, EtcdError> {
+        Self::load_with(
+            user,
+            password_file,
+            std::env::var(ETCD_PASSWORD_ENV).ok().as_deref(),
+        )
+    }
+
+    /// [`load`](Self::load) with the environment's password given (`None`: not set).
+    pub fn load_with(
+        user: &str,
+        password_file: Option<&Path>,
+        env_password: Option<&str>,
+    ) -> Result<Option<Self>, EtcdError> {
         let user = user.trim();
         if user.is_empty() {
             return Ok(None);
         }
-        let password = match std::env::var(ETCD_PASSWORD_ENV) {
-            Ok(v) if !v.trim().is_empty() => v.trim().to_owned(),
+        let password = match env_password {
+            Some(v) if !v.trim().is_empty() => v.trim().to_owned(),
             _ => {
                 let Some(path) = password_file else {
                     return Err(EtcdError::Config(format!(
@@ -203,22 +216,86 @@ impl std::fmt::Debug for Etcd {
 }
 
 /// Client options of the source, the registry and the login service: connect timeout and
-/// keep-alive from the request timeout, the user when one is configured.
+/// keep-alive from the request timeout; a user's token is renewed when etcd refuses it
+/// (it expires: after its TTL, and at every etcd restart with etcd's default tokens).
 fn connect_options(cfg: &EtcdSourceConfig) -> ConnectOptions {
-    let options = ConnectOptions::new()
+    ConnectOptions::new()
         .with_connect_timeout(cfg.request_timeout)
         .with_keep_alive(cfg.request_timeout, cfg.request_timeout)
-        .with_keep_alive_while_idle(true);
-    match &cfg.credentials {
-        Some(c) => options.with_user(c.user.clone(), c.password.clone()),
-        None => options,
+        .with_keep_alive_while_idle(true)
+        .with_auto_token_refresh(true)
+}
+
+/// A client of `cfg.endpoints` with [`connect_options`], signed in as `cfg.credentials`.
+/// Connected lazily: etcd may be down. A user signs in at once when etcd answers (a wrong
+/// user or password is an error here); while etcd cannot be reached the client starts
+/// without a token and a task signs it in as soon as etcd answers (every clone of the
+/// client shares the token), so an edge starts on its persisted table with etcd down.
+pub async fn connect_client(cfg: &EtcdSourceConfig) -> Result<Client, EtcdError> {
+    let options = connect_options(cfg);
+    let Some(c) = &cfg.credentials else {
+        return Ok(Client::connect(&cfg.endpoints, Some(options)).await?);
+    };
+    let signed_in = options
+        .clone()
+        .with_user(c.user.clone(), c.password.clone());
+    match Client::connect(&cfg.endpoints, Some(signed_in)).await {
+        Ok(client) => Ok(client),
+        Err(e) if unreachable(&e) => {
+            tracing::warn!(error = %e, "etcd unreachable: signing in once it answers");
+            let client = Client::connect(&cfg.endpoints, Some(options)).await?;
+            tokio::spawn(sign_in_when_reachable(
+                client.clone(),
+                c.clone(),
+                cfg.backoff_min,
+                cfg.backoff_max,
+            ));
+            Ok(client)
+        }
+        Err(e) => Err(e.into()),
     }
 }
 
-/// A client of `cfg.endpoints` with [`connect_options`] (lazily connected: etcd may be
-/// down; a wrong user or password fails here when etcd is up).
-pub async fn connect_client(cfg: &EtcdSourceConfig) -> Result<Client, EtcdError> {
-    Ok(Client::connect(&cfg.endpoints, Some(connect_options(cfg))).await?)
+/// Whether `e` says etcd could not be reached (rather than refusing the user).
+fn unreachable(e: &etcd_client::Error) -> bool {
+    use tonic::Code;
+    match e {
+        etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
+        etcd_client::Error::GRpcStatus(s) => matches!(
+            s.code(),
+            Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown
+        ),
+        _ => false,
+    }
+}
+
+/// Signs `client` in as `user` once etcd answers, retrying with backoff while it cannot be
+/// reached; ends when signed in, or when etcd refuses the user (logged: every call of the
+/// client then fails, as a wrong password at start would have).
+async fn sign_in_when_reachable(
+    mut client: Client,
+    user: EtcdCredentials,
+    backoff_min: Duration,
+    backoff_max: Duration,
+) {
+    let mut wait = backoff_min;
+    loop {
+        tokio::time::sleep(wait).await;
+        match client
+            .update_user(Some((user.user.clone(), user.password.clone())))
+            .await
+        {
+            Ok(()) => {
+                tracing::info!(user = %user.user, "signed in to etcd");
+                return;
+            }
+            Err(e) if unreachable(&e) => wait = (wait * 2).min(backoff_max),
+            Err(e) => {
+                tracing::error!(user = %user.user, error = %e, "etcd refused the user");
+                return;
+            }
+        }
+    }
 }
 
 /// `f` bounded by `d` ([`EtcdError::Timeout`] naming `what` when exceeded).

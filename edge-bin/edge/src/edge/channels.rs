@@ -751,7 +751,9 @@ async fn join_from_log(
     since: ChannelPosition,
     answer: Option<(u64, Option<mpsc::Sender<LinkFrame>>)>,
 ) {
-    let logged = read_logged(log.as_ref(), read.is_some(), &channel, since).await;
+    let (logged, read) = read_logged(log, read, &channel, since).await;
+    // The slot stays with results only (their memory is what it bounds from here on).
+    let read = read.filter(|_| logged.as_ref().is_ok_and(|l| !l.is_empty()));
     let weak = shared;
     let Some(shared) = weak.upgrade() else {
         return;
@@ -824,31 +826,49 @@ async fn read_slot(
     }
 }
 
-/// What `log` holds for `channel` after `since`, within [`LOG_READ_DEADLINE`]; without a
-/// read slot (`has_slot` false: none came free within [`RESTORED_READ_WAIT`]) nothing is
-/// read and the log counts as unavailable.
+/// What `log` holds for `channel` after `since`, within [`LOG_READ_DEADLINE`], and the
+/// read's slot back when the read ended in time. The read runs in a task that holds the slot
+/// until the read really ends (a file log's read on a blocking thread goes on after the
+/// deadline): the [`LOG_READS`] bound counts every read in flight, answered or not. Without
+/// a slot (none came free within [`RESTORED_READ_WAIT`]) nothing is read and the log counts
+/// as unavailable.
 async fn read_logged(
-    log: &dyn crate::announcements::AnnouncementLog,
-    has_slot: bool,
+    log: Arc<dyn crate::announcements::AnnouncementLog>,
+    slot: Option<tokio::sync::OwnedSemaphorePermit>,
     channel: &str,
     since: ChannelPosition,
-) -> Result<Vec<AnnouncementRecord>, crate::announcements::AnnouncementLogError> {
+) -> (
+    Result<Vec<AnnouncementRecord>, crate::announcements::AnnouncementLogError>,
+    Option<tokio::sync::OwnedSemaphorePermit>,
+) {
     use crate::announcements::AnnouncementLogError;
-    if !has_slot {
-        return Err(AnnouncementLogError::Unavailable(format!(
-            "no read of the log free within {RESTORED_READ_WAIT:?}"
-        )));
-    }
-    match tokio::time::timeout(
-        LOG_READ_DEADLINE,
-        log.after(channel, since, LOGGED_READ_LIMIT),
-    )
-    .await
-    {
-        Ok(read) => read,
-        Err(_) => Err(AnnouncementLogError::Unavailable(format!(
-            "no answer within {LOG_READ_DEADLINE:?}"
-        ))),
+    let Some(slot) = slot else {
+        return (
+            Err(AnnouncementLogError::Unavailable(format!(
+                "no read of the log free within {RESTORED_READ_WAIT:?}"
+            ))),
+            None,
+        );
+    };
+    let channel = channel.to_owned();
+    let read = tokio::spawn(async move {
+        let logged = log.after(&channel, since, LOGGED_READ_LIMIT).await;
+        (logged, slot)
+    });
+    match tokio::time::timeout(LOG_READ_DEADLINE, read).await {
+        Ok(Ok((logged, slot))) => (logged, Some(slot)),
+        Ok(Err(e)) => (
+            Err(AnnouncementLogError::Unavailable(format!(
+                "the read failed: {e}"
+            ))),
+            None,
+        ),
+        Err(_) => (
+            Err(AnnouncementLogError::Unavailable(format!(
+                "no answer within {LOG_READ_DEADLINE:?}"
+            ))),
+            None,
+        ),
     }
 }
 
@@ -1185,9 +1205,16 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_log_read_that_never_answers_ends_at_its_deadline() {
         let start = tokio::time::Instant::now();
-        let read = tokio::time::timeout(
+        let reads = Arc::new(tokio::sync::Semaphore::new(1));
+        let slot = reads.clone().try_acquire_owned().ok();
+        let (read, slot) = tokio::time::timeout(
             Duration::from_secs(600),
-            read_logged(&HungLog, true, "system:all", ChannelPosition::default()),
+            read_logged(
+                Arc::new(HungLog),
+                slot,
+                "system:all",
+                ChannelPosition::default(),
+            ),
         )
         .await
         .expect("the read ends by itself");
@@ -1195,9 +1222,18 @@ mod tests {
             matches!(read, Err(AnnouncementLogError::Unavailable(_))),
             "{read:?}"
         );
+        assert!(slot.is_none());
         assert_eq!(start.elapsed(), LOG_READ_DEADLINE);
+        // The read goes on, and keeps its slot: the bound counts every read in flight.
+        assert_eq!(reads.available_permits(), 0);
         // Without a read slot nothing is read at all.
-        let read = read_logged(&HungLog, false, "system:all", ChannelPosition::default()).await;
+        let (read, _) = read_logged(
+            Arc::new(HungLog),
+            None,
+            "system:all",
+            ChannelPosition::default(),
+        )
+        .await;
         assert!(matches!(read, Err(AnnouncementLogError::Unavailable(_))));
     }
 

@@ -203,6 +203,7 @@ impl Edge {
                 // it is back; live sessions are unaffected).
                 let rc = RedisConfig {
                     prefix: config.cluster.redis_prefix.clone(),
+                    tls_root_pem: config.cluster.redis_tls_roots()?,
                     ..RedisConfig::with_servers(servers)
                 };
                 Some(RedisStores::lazy(rc).map_err(|e| EdgeError::Cluster(e.to_string()))?)
@@ -526,12 +527,10 @@ impl std::ops::DerefMut for StartTasks {
 
 /// Warns of settings that are fine for a demo on loopback and weak beyond it, but that an
 /// operator may have chosen: the generated development certificate (new at every start,
-/// its CA known to no client) and plain KCP sessions (`kcp.packet_auth = "optional"`).
+/// its CA known to no client), Redis without TLS, and plain KCP sessions
+/// (`kcp.packet_auth = "optional"`).
 fn warn_of_loopback_only_settings(config: &EdgeConfig) {
-    let l = &config.listeners;
-    let exposed_tls = [("tls", &l.tls), ("wss", &l.wss), ("quic", &l.quic)]
-        .into_iter()
-        .find(|(_, c)| c.enabled && !c.addr.ip().is_loopback());
+    let exposed_tls = config.exposed_among(&["tls", "wss", "quic"]);
     if let (Some((kind, listener)), None) = (exposed_tls, &config.tls.cert) {
         tracing::warn!(
             listener = kind,
@@ -540,12 +539,17 @@ fn warn_of_loopback_only_settings(config: &EdgeConfig) {
              start, trusted by no client unless given tls.dev_ca_out): set tls.cert and tls.key"
         );
     }
-    if l.kcp.enabled
-        && !l.kcp.addr.ip().is_loopback()
-        && !config.kcp.packet_auth.required_at(l.kcp.addr)
-    {
+    for redis in config.cluster.plaintext_redis_beyond_loopback() {
         tracing::warn!(
-            addr = %l.kcp.addr,
+            %redis,
+            "Redis beyond loopback without TLS: session snapshots and the AUTH password cross \
+             the network in clear. Use rediss:// (cluster.redis_tls_ca_file for a private CA)"
+        );
+    }
+    let kcp = config.exposed_among(&["kcp"]);
+    if let Some((_, kcp)) = kcp.filter(|(_, c)| !config.kcp.packet_auth.required_at(c.addr)) {
+        tracing::warn!(
+            addr = %kcp.addr,
             "kcp.packet_auth = \"optional\" beyond loopback: KCP sessions without a connect \
              token are plain (datagrams neither authenticated nor encrypted)"
         );

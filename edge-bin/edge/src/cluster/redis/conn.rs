@@ -114,7 +114,7 @@ impl SentinelLink {
             .map(|url| {
                 SentinelClient::build(
                     vec![url.clone()],
-                    master.to_owned(),
+                    master,
                     primary.clone(),
                     SentinelServerType::Master,
                 )
@@ -272,8 +272,18 @@ pub(super) fn ms(d: Duration) -> u64 {
 
 impl Conn {
     pub(super) fn new(config: RedisConfig) -> Result<Self, RedisError> {
+        let certs = || redis::TlsCertificates {
+            client_tls: None,
+            root_cert: config.tls_root_pem.clone(),
+        };
         let open = |url: &str| {
-            redis::Client::open(url).map_err(|e| RedisError::Invalid(format!("redis url: {e}")))
+            if config.tls_root_pem.is_some() && url.starts_with("rediss://") {
+                // Verified against the configured roots, not the system's.
+                redis::Client::build_with_tls(url, certs())
+            } else {
+                redis::Client::open(url)
+            }
+            .map_err(|e| RedisError::Invalid(format!("redis url: {e}")))
         };
         let (pubsub, link) = match &config.servers {
             RedisServers::Single(url) => {
@@ -299,10 +309,15 @@ impl Conn {
                     .collect::<Result<Vec<_>, _>>()?;
                 // Retries follow MOVED/ASK and ride out a failover; the op timeout bounds
                 // the whole call either way.
-                let client = redis::cluster::ClusterClientBuilder::new(nodes.clone())
+                let mut builder = redis::cluster::ClusterClientBuilder::new(nodes.clone())
                     .retries(4)
                     .min_retry_wait(50)
-                    .max_retry_wait(500)
+                    .max_retry_wait(500);
+                if config.tls_root_pem.is_some() && nodes.iter().any(|n| n.starts_with("rediss://"))
+                {
+                    builder = builder.certs(certs());
+                }
+                let client = builder
                     .build()
                     .map_err(|e| RedisError::Invalid(format!("redis cluster: {e}")))?;
                 let cc = redis::cluster::ClusterConfig::new()

@@ -205,6 +205,9 @@ pub struct RedisConfig {
     pub presence_ttl: Duration,
     /// How long [`RedisPresence::push_batch`] waits for the target edge's answer.
     pub push_timeout: Duration,
+    /// PEM certificates `rediss://` servers must chain to (a private CA); `None`: the
+    /// system's trusted roots. Only with `rediss://` URLs (single Redis, Redis Cluster).
+    pub tls_root_pem: Option<Vec<u8>>,
 }
 
 impl RedisConfig {
@@ -229,6 +232,7 @@ impl RedisConfig {
             fence_ttl: Some(Duration::from_secs(30 * 24 * 3600)),
             presence_ttl: Duration::from_secs(60),
             push_timeout: Duration::from_secs(1),
+            tls_root_pem: None,
         }
     }
 }
