@@ -15,6 +15,9 @@ use std::time::{Duration, Instant};
 pub struct RedisServer {
     port: u16,
     child: Option<Child>,
+    /// Its working directory: a replica's full sync writes an RDB file there (it wrote
+    /// `dump.rdb` into the test's directory, which is the repository).
+    dir: tempfile::TempDir,
 }
 
 fn binary() -> String {
@@ -45,7 +48,11 @@ fn ping(port: u16) -> bool {
 impl RedisServer {
     /// A server on `port` that is not running yet ([`RedisServer::start_with`]).
     pub fn unstarted(port: u16) -> Self {
-        Self { port, child: None }
+        Self {
+            port,
+            child: None,
+            dir: tempfile::tempdir().expect("a temp dir"),
+        }
     }
 
     /// Starts it with extra arguments; false when it exited (port taken?) or never
@@ -62,10 +69,7 @@ impl RedisServer {
     /// Starts redis-server on a free port and waits until it answers PING.
     pub fn start() -> Self {
         for _ in 0..5 {
-            let mut s = Self {
-                port: free_port(),
-                child: None,
-            };
+            let mut s = Self::unstarted(free_port());
             if s.try_start() {
                 return s;
             }
@@ -94,6 +98,8 @@ impl RedisServer {
             .args(["--port", &self.port.to_string()])
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .args(["--daemonize", "no", "--logfile", ""])
+            .arg("--dir")
+            .arg(self.dir.path())
             .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
