@@ -14,68 +14,18 @@
 mod common;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::time::timeout;
-use waygate_backend::{BackendError, BackendSession, Incoming, Refusal, Service};
+use waygate_backend::{BackendError, BackendSession};
 use waygate_client::{ChannelPosition, ChannelUpdate, Client, ClientOptions, Event};
 use waygate_transport::endpoint::{ConnectOptions, Endpoint};
 use waygate_transport::tls::ClientTls;
 use waygate_transport::{CloseCode, TrafficClass, TransportKind};
 
-/// Keeps each player's latest session, so the test can join and publish through it, and
-/// how each player's sessions ended or detached.
-#[derive(Default)]
-struct Sessions(
-    Mutex<HashMap<String, BackendSession>>,
-    Mutex<Vec<(String, &'static str, CloseCode)>>,
-);
-
-#[async_trait]
-impl Service for Sessions {
-    async fn session_open(&self, session: &BackendSession) {
-        self.0
-            .lock()
-            .unwrap()
-            .insert(session.player_id().to_owned(), session.clone());
-    }
-
-    async fn message(&self, _session: &BackendSession, _msg: Incoming) -> Result<(), Refusal> {
-        Ok(())
-    }
-
-    async fn session_detached(&self, session: &BackendSession, _linger: Duration) {
-        let player = session.player_id().to_owned();
-        self.1
-            .lock()
-            .unwrap()
-            .push((player, "detached", CloseCode::Normal));
-    }
-
-    async fn session_closed(&self, session: &BackendSession, code: CloseCode) {
-        let player = session.player_id().to_owned();
-        self.1.lock().unwrap().push((player, "closed", code));
-    }
-}
-
-impl Sessions {
-    fn get(&self, player: &str) -> Option<BackendSession> {
-        self.0.lock().unwrap().get(player).cloned()
-    }
-
-    /// How `player`'s session ended or detached, when it did.
-    fn end_of(&self, player: &str) -> Option<(&'static str, CloseCode)> {
-        self.1
-            .lock()
-            .unwrap()
-            .iter()
-            .find(|(p, ..)| p == player)
-            .map(|(_, what, code)| (*what, *code))
-    }
-}
+use common::keeper::SessionKeeper as Sessions;
 
 struct Setup {
     edge: waygate_edge::edge::Edge,

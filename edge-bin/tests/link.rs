@@ -797,6 +797,21 @@ async fn a_forward_done_for_a_message_the_link_does_not_hold_is_ignored() {
     let _ = tokio::time::timeout(Duration::from_secs(10), rogue).await;
 }
 
+/// A backend's ANSWER_PUSH `reply` for (`handle`, client seq 1), then the CREDIT that
+/// covers the message, without its FORWARD_DONE.
+async fn answer_push_then_credit(tx: &mpsc::Sender<LinkFrame>, handle: u64) {
+    tx.send(LinkFrame::AnswerPush {
+        handle,
+        client_seq: 1,
+        msg_id: ECHO_REPLY,
+        class: TrafficClass::Normal,
+        payload: Bytes::from_static(b"reply"),
+    })
+    .await
+    .unwrap();
+    tx.send(LinkFrame::Credit { credits: 1 }).await.unwrap();
+}
+
 /// Regression (2026-12-04, second stop): a CREDIT covering a message before its answer
 /// (against §9.6's order) dropped the pushes held for it with a warning and left the
 /// message unacknowledged for good: the client never saw its reply nor an error. The link
@@ -812,18 +827,7 @@ async fn a_credit_before_the_answer_closes_the_link_and_loses_nothing() {
         if !until_forward(&mut io.rx).await {
             return None;
         }
-        io.tx
-            .send(LinkFrame::AnswerPush {
-                handle: 7,
-                client_seq: 1,
-                msg_id: ECHO_REPLY,
-                class: TrafficClass::Normal,
-                payload: Bytes::from_static(b"reply"),
-            })
-            .await
-            .unwrap();
-        // The credit for it, without its FORWARD_DONE.
-        io.tx.send(LinkFrame::Credit { credits: 1 }).await.unwrap();
+        answer_push_then_credit(&io.tx, 7).await;
         // The edge closes the link (its LINK_CLOSE ends the reader, which keeps it).
         while next_frame(&mut io.rx).await.is_some() {}
         Some(())
@@ -871,17 +875,7 @@ async fn an_answer_push_no_answer_will_release_is_a_push_at_once() {
         if !until_forward(&mut io.rx).await {
             return;
         }
-        io.tx
-            .send(LinkFrame::AnswerPush {
-                handle: 8,
-                client_seq: 1,
-                msg_id: ECHO_REPLY,
-                class: TrafficClass::Normal,
-                payload: Bytes::from_static(b"reply"),
-            })
-            .await
-            .unwrap();
-        io.tx.send(LinkFrame::Credit { credits: 1 }).await.unwrap();
+        answer_push_then_credit(&io.tx, 8).await;
         while next_frame(&mut io.rx).await.is_some() {}
     });
     let (tx, mut rx) = mpsc::channel(64);
@@ -1681,37 +1675,6 @@ async fn a_session_open_a_full_write_queue_refused_is_sent_again() {
     assert!(opened_b, "SESSION_OPEN of b came before its FORWARD");
 }
 
-/// Keeps each player's latest session, so a test can act through it.
-#[derive(Default)]
-struct Keeper(std::sync::Mutex<std::collections::HashMap<String, BackendSession>>);
-
-#[async_trait]
-impl Service for Keeper {
-    async fn session_open(&self, session: &BackendSession) {
-        self.0
-            .lock()
-            .unwrap()
-            .insert(session.player_id().to_owned(), session.clone());
-    }
-
-    async fn message(&self, _session: &BackendSession, _msg: Incoming) -> Result<(), Refusal> {
-        Ok(())
-    }
-}
-
-impl Keeper {
-    /// `player`'s session, once it reached the backend (at most 10 s).
-    async fn session(&self, player: &str) -> BackendSession {
-        for _ in 0..500 {
-            if let Some(s) = self.0.lock().unwrap().get(player).cloned() {
-                return s;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        panic!("{player}'s session never reached the backend");
-    }
-}
-
 /// A route table over one backend at `addr`: player service (p1), room service (r1, and r2
 /// when `with_r2`, at the same address).
 fn pin_table(addr: SocketAddr, epoch: u64, with_r2: bool) -> String {
@@ -1751,7 +1714,7 @@ async fn expect_metric(edge: &waygate_edge::edge::Edge, line: &str) {
 /// pins of an instance the route table loses are dropped when the edge applies that table.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pins_are_confirmed_refused_removed_and_dropped_with_their_instance() {
-    let keeper = Arc::new(Keeper::default());
+    let keeper = Arc::new(common::keeper::SessionKeeper::default());
     let backend = Backend::bind(
         "127.0.0.1:0".parse().unwrap(),
         BackendConfig::new("b1"),
@@ -1825,7 +1788,7 @@ async fn pins_are_confirmed_refused_removed_and_dropped_with_their_instance() {
 /// link can answer a PIN: it is answered `unavailable`, never left without an answer.
 #[tokio::test]
 async fn a_pin_on_a_link_without_a_sink_is_answered_unavailable() {
-    let keeper = Arc::new(Keeper::default());
+    let keeper = Arc::new(common::keeper::SessionKeeper::default());
     let (_backend, link, _rx) = linked(keeper.clone()).await;
     let m = meta(1, "ann");
     forward_echo(&link, &m, 1, Bytes::new());
@@ -1845,7 +1808,7 @@ async fn a_pin_on_a_link_without_a_sink_is_answered_unavailable() {
 /// before anything is sent (an unknown frame would close that edge's link).
 #[tokio::test]
 async fn an_edge_without_pin_results_gets_the_old_pin_and_no_unpin() {
-    let keeper = Arc::new(Keeper::default());
+    let keeper = Arc::new(common::keeper::SessionKeeper::default());
     let backend = Backend::bind(
         "127.0.0.1:0".parse().unwrap(),
         BackendConfig::new("b1"),

@@ -11,6 +11,7 @@
 
 pub mod cluster;
 pub mod failover;
+pub mod keeper;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

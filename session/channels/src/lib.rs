@@ -628,10 +628,10 @@ struct DeferredJoin {
     leave_after: bool,
 }
 
-/// The most bytes the publication event of `body` on `channel` takes (its kind, the
-/// name with its length, epoch and offset as varints of at most 10 bytes each, the body).
+/// The most bytes the publication event of `body` on `channel` takes, counted against
+/// `pending_budget_bytes` before its position is known.
 fn publication_len_bound(channel: &str, body: usize) -> u64 {
-    (1 + 2 + channel.len() + 10 + 10 + body) as u64
+    ChannelEvent::max_encoded_len(channel.len(), body) as u64
 }
 
 /// Splits a channel name into its kind, after checking it.

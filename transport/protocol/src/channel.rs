@@ -101,11 +101,26 @@ pub struct ChannelEvent {
 impl ChannelEvent {
     /// Exact number of bytes [`ChannelEvent::encode`] writes.
     pub fn encoded_len(&self) -> usize {
-        1 + varint_len(self.channel.len() as u64)
-            + self.channel.len()
-            + varint_len(self.position.epoch)
-            + varint_len(self.position.offset)
-            + self.body.len()
+        Self::len_at(self.channel.len(), self.position, self.body.len())
+    }
+
+    /// The most bytes an event on a channel named in `channel_len` bytes with a body of
+    /// `body_len` bytes takes, whatever its position (epoch and offset at their largest):
+    /// what a publication will take before its position is known.
+    pub fn max_encoded_len(channel_len: usize, body_len: usize) -> usize {
+        let top = ChannelPosition {
+            epoch: u64::MAX,
+            offset: u64::MAX,
+        };
+        Self::len_at(channel_len, top, body_len)
+    }
+
+    fn len_at(channel_len: usize, position: ChannelPosition, body_len: usize) -> usize {
+        1 + varint_len(channel_len as u64)
+            + channel_len
+            + varint_len(position.epoch)
+            + varint_len(position.offset)
+            + body_len
     }
 
     /// Appends the event's bytes.
