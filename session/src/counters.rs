@@ -76,6 +76,9 @@ named_counters! {
     upstream_delivered,
     /// Upstream duplicates dropped (client resends).
     upstream_duplicates,
+    /// Best-effort upstream messages dropped while a hard migration held upstream (sequenced
+    /// ones are kept by the client and resent to its next edge; best-effort ones are not).
+    upstream_best_effort_dropped,
     /// Downstream messages sent live.
     downstream_sent,
     /// Downstream messages replayed after a restore.

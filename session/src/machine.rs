@@ -1424,8 +1424,13 @@ impl SessionMachine {
                 };
                 if self.quiesced {
                     // Hard migration in progress: neither received nor acked, so the
-                    // client keeps it and resends it to the edge it moves to.
-                    SessionCounters::bump(&self.counters.upstream_duplicates);
+                    // client keeps a sequenced message and resends it to the edge it moves
+                    // to; a best-effort one is dropped (PROTOCOL.md §3.9: it may be lost).
+                    SessionCounters::bump(if d.class.is_sequenced() {
+                        &self.counters.upstream_duplicates
+                    } else {
+                        &self.counters.upstream_best_effort_dropped
+                    });
                     return Ok(());
                 }
                 if d.class.is_sequenced() {
