@@ -1708,12 +1708,8 @@ async fn expect_metric(edge: &waygate_edge::edge::Edge, line: &str) {
     panic!("no `{line}` in /metrics:\n{last}");
 }
 
-/// PIN and UNPIN are answered (PIN_RESULT, PROTOCOL.md §9.5) by a real edge over real
-/// sockets: a pin to an instance the edge's table does not have is refused with its reason
-/// (it used to be `Ok` while the edge dropped it), an unpin removes the pin once, and the
-/// pins of an instance the route table loses are dropped when the edge applies that table.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pins_are_confirmed_refused_removed_and_dropped_with_their_instance() {
+/// Backend `b1` on a free loopback port, keeping its sessions.
+async fn keeper_backend() -> (Arc<common::keeper::SessionKeeper>, Backend) {
     let keeper = Arc::new(common::keeper::SessionKeeper::default());
     let backend = Backend::bind(
         "127.0.0.1:0".parse().unwrap(),
@@ -1722,6 +1718,16 @@ async fn pins_are_confirmed_refused_removed_and_dropped_with_their_instance() {
     )
     .await
     .unwrap();
+    (keeper, backend)
+}
+
+/// PIN and UNPIN are answered (PIN_RESULT, PROTOCOL.md §9.5) by a real edge over real
+/// sockets: a pin to an instance the edge's table does not have is refused with its reason
+/// (it used to be `Ok` while the edge dropped it), an unpin removes the pin once, and the
+/// pins of an instance the route table loses are dropped when the edge applies that table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pins_are_confirmed_refused_removed_and_dropped_with_their_instance() {
+    let (keeper, backend) = keeper_backend().await;
     let addr = backend.local_addr();
     let dir = tempfile::tempdir().unwrap();
     let routes = dir.path().join("routes.toml");
@@ -1808,14 +1814,7 @@ async fn a_pin_on_a_link_without_a_sink_is_answered_unavailable() {
 /// before anything is sent (an unknown frame would close that edge's link).
 #[tokio::test]
 async fn an_edge_without_pin_results_gets_the_old_pin_and_no_unpin() {
-    let keeper = Arc::new(common::keeper::SessionKeeper::default());
-    let backend = Backend::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        BackendConfig::new("b1"),
-        keeper.clone(),
-    )
-    .await
-    .unwrap();
+    let (keeper, backend) = keeper_backend().await;
     let mut io = raw_edge_link(backend.local_addr(), "old-edge").await;
     assert!(matches!(
         next_frame(&mut io.rx).await,
