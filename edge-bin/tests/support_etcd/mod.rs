@@ -17,6 +17,8 @@ pub struct EtcdServer {
     peer_port: u16,
     dir: tempfile::TempDir,
     child: Option<Child>,
+    /// Extra command-line arguments, on every (re)start.
+    extra: Vec<String>,
 }
 
 fn free_port() -> u16 {
@@ -47,6 +49,11 @@ fn find_etcd() -> PathBuf {
 impl EtcdServer {
     /// Starts etcd and waits until it answers `/health`.
     pub fn start() -> Self {
+        Self::start_with_args(&[])
+    }
+
+    /// [`EtcdServer::start`] with extra command-line arguments (kept for restarts).
+    pub fn start_with_args(extra: &[&str]) -> Self {
         let bin = find_etcd();
         let mut s = Self {
             bin,
@@ -54,6 +61,7 @@ impl EtcdServer {
             peer_port: free_port(),
             dir: tempfile::tempdir().expect("temp dir"),
             child: None,
+            extra: extra.iter().map(|a| (*a).to_owned()).collect(),
         };
         s.spawn();
         s
@@ -96,6 +104,7 @@ impl EtcdServer {
             ])
             .args(["--initial-cluster", &format!("t={peer}")])
             .args(["--log-level", "warn", "--logger", "zap"])
+            .args(&self.extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
