@@ -338,3 +338,77 @@ async fn redis_down_new_logins_end_unavailable_within_a_second_live_sessions_sta
         .iter()
         .any(|x| matches!(x, ClientEvent::Disconnected { .. })));
 }
+
+/// Silent-drop audit: a session copy superseded by a newer claim (here: the player claimed
+/// again on the same edge, so no kick notice is published — as when a notice is lost) kept
+/// taking pushes its client would never see until the ownership sweep, its write-through
+/// refused `Fenced` and only counted. The first fenced write now ends the copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_whose_write_through_is_fenced_ends_at_once() {
+    let server = RedisServer::start();
+    let stores = RedisStores::connect(&server.url()).await.expect("connect");
+    let config = SessionConfig {
+        linger: Duration::from_secs(30),
+        ..SessionConfig::default()
+    };
+    // No kick subscription: the copy can only learn of the newer claim by writing.
+    let (mut e, _sink) = echo_edge("edge-1", config);
+    e.snapshots = stores.snapshots.clone();
+    e.ownership = stores.ownership.clone();
+    e.write_through = Some(waygate_session::write_through::WriteThrough::start(
+        stores.snapshots.clone(),
+        Duration::from_secs(30),
+        Duration::from_secs(1),
+    ));
+    let edge1 = Arc::new(e);
+    let (server_end, mut conn) = mem_pair();
+    let task = edge1.spawn(Box::new(server_end));
+    let mut c = client("p");
+    let mut events = Vec::new();
+    c.connect(Instant::now()).expect("hello");
+    exchange(
+        &mut c,
+        &mut conn,
+        &mut events,
+        Duration::from_secs(2),
+        |e| !welcomes(e).is_empty(),
+    )
+    .await;
+    let sid = edge1.registry.session_of("p").expect("registered");
+    // A newer claim of the player the copy is not told of.
+    stores
+        .ownership
+        .claim("p", &sid, "edge-1")
+        .await
+        .expect("claim");
+    edge1
+        .registry
+        .push(
+            &sid,
+            Downstream {
+                class: TrafficClass::Normal,
+                msg_id: 1,
+                payload: Bytes::from_static(b"after the newer claim"),
+            },
+        )
+        .expect("push");
+    let end = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            // Keep the client reading so the session's turns go on.
+            exchange(
+                &mut c,
+                &mut conn,
+                &mut events,
+                Duration::from_millis(100),
+                |_| false,
+            )
+            .await;
+            if task.is_finished() {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(end.is_ok(), "the fenced copy still runs after 5 s");
+    assert_eq!(task.await.expect("join"), EndReason::Kicked);
+}
