@@ -252,7 +252,14 @@ impl Connection for QuicConnection {
             })?;
         if frame.class() == TrafficClass::BestEffort && !frame.is_control() {
             if let Some(max) = self.conn.max_datagram_size() {
-                if len <= max && self.conn.send_datagram(frame.to_bytes()).is_ok() {
+                // Only while quinn's datagram buffer has room: past it quinn would discard
+                // older unsent datagrams to make room, without a word (silent-drop audit).
+                // The frame takes the best-effort stream instead, bounded by the caller's
+                // send deadline like every stream write.
+                if len <= max
+                    && self.conn.datagram_send_buffer_space() >= len
+                    && self.conn.send_datagram(frame.to_bytes()).is_ok()
+                {
                     return Ok(());
                 }
             }

@@ -195,6 +195,61 @@ async fn best_effort_travels_as_datagrams_and_classes_do_not_block_each_other() 
     assert!(best_effort > 0, "datagrams arrive on loopback");
 }
 
+/// Silent-drop audit: a burst of best-effort frames larger than quinn's datagram send
+/// buffer lost the older queued datagrams (quinn discards them to make room, and nothing
+/// counted them). A frame that finds the buffer full takes the best-effort stream: every
+/// one of the burst arrives (loopback, a receiver that keeps reading).
+#[tokio::test]
+async fn a_best_effort_burst_past_the_datagram_buffer_loses_nothing() {
+    const BURST: usize = 300;
+    let (mut listener, addr, tls) = quic_listener();
+    let (count_tx, count_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let mut conn = listener.accept().await.unwrap();
+        conn.handshake_done();
+        let mut best_effort = 0;
+        let _ = tokio::time::timeout(Duration::from_secs(10), async {
+            while best_effort < BURST {
+                match conn.recv().await {
+                    Ok(Frame::Data(d)) if d.class == TrafficClass::BestEffort => best_effort += 1,
+                    Ok(_) => {}
+                    Err(_) => break,
+                }
+            }
+        })
+        .await;
+        let _ = count_tx.send(best_effort);
+    });
+    // A client whose datagram buffers hold about four of the burst's frames.
+    let small_buffers = QuicConfig {
+        datagram_buffer: 1024,
+        ..QuicConfig::default()
+    };
+    let mut conn = connect_quic(addr, "localhost", &tls, &small_buffers, &config())
+        .await
+        .unwrap();
+    conn.send(&Frame::Ping { timestamp: 1 }).await.unwrap();
+    for i in 0..BURST {
+        conn.send(&Frame::Data(Data {
+            class: TrafficClass::BestEffort,
+            msg_id: 9,
+            seq: 0,
+            ack: None,
+            payload: Bytes::from(vec![i as u8; 200]),
+        }))
+        .await
+        .unwrap();
+    }
+    let received = tokio::time::timeout(Duration::from_secs(15), count_rx)
+        .await
+        .expect("the server reports")
+        .unwrap();
+    assert_eq!(
+        received, BURST,
+        "best-effort frames discarded by the sender"
+    );
+}
+
 #[tokio::test]
 async fn close_reaches_the_peer_with_its_code() {
     let (listener, addr, tls) = quic_listener();
