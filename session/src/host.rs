@@ -52,6 +52,11 @@ pub type ConnTaskId = u64;
 /// the kicked session's bindings.
 pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// Items other than messages a session keeps beside its full outbound queue (answers are
+/// at most one per client message in flight, 4,096; keys, memberships and receipts fill
+/// the rest): past it they are lost like messages, and the session reports the gap.
+const MAX_KEPT_OVER: usize = 8_192;
+
 /// Commands queued for one connection before [`MailboxError::Full`].
 pub const MAILBOX_CAPACITY: usize = 32;
 
@@ -122,15 +127,12 @@ impl OutboundItem {
         }
     }
 
-    /// An answer to one of the client's sequenced messages (FORWARD_DONE, or an ERROR with
-    /// a client seq): the one way its message is ever answered, so never dropped, and at
-    /// most one per message in flight.
-    fn answers_sequenced(&self) -> bool {
-        match self {
-            Self::Answered(_) => true,
-            Self::Error(e) => e.client_seq != 0,
-            _ => false,
-        }
+    /// Whether a full queue keeps it beside itself rather than dropping it: every item but
+    /// a message. An answer (FORWARD_DONE, ERROR) is the one way its message is ever
+    /// answered; a routing key or a membership is the session's state after a move; a
+    /// receipt answers its pusher. Each is small, and [`MAX_KEPT_OVER`] bounds them.
+    fn kept_when_full(&self) -> bool {
+        !matches!(self, Self::Message(_))
     }
 
     /// Bytes it occupies in the queue's byte bound.
@@ -384,11 +386,12 @@ struct SessionEntry {
     established: bool,
     queue: OutboundQueue<OutboundItem>,
     lost: u64,
-    /// Answers to the client's sequenced messages (FORWARD_DONE, ERROR) that found the
-    /// queue full, taken after it in the next turn. Never dropped: a lost answer left its
-    /// message unanswered for good (the client's resend of it is a duplicate of a message
-    /// in flight). Bounded by the client's messages in flight (the upstream window).
-    answers_over: Vec<OutboundItem>,
+    /// Items other than messages (answers, routing keys, memberships, receipts) that found
+    /// the queue full, taken after it in the next turn, at most [`MAX_KEPT_OVER`]. Before,
+    /// they were dropped: a lost answer left its message unanswered for good (the client's
+    /// resend of it is a duplicate of a message in flight), a lost key or membership was
+    /// missing from the snapshot after a move.
+    kept_over: Vec<OutboundItem>,
     /// A resume waiting for this session's hand-over: the requester.
     handing_to: Option<ConnTaskId>,
     /// Told to end (kicked or lost a race): no more hand-overs or player lookups.
@@ -677,7 +680,7 @@ impl SessionHost {
         if let Some(e) = self.sessions.get_mut(&id) {
             if e.holder == conn && e.established {
                 work.items.extend(e.queue.drain_in_order().map(|p| p.item));
-                work.items.append(&mut e.answers_over);
+                work.items.append(&mut e.kept_over);
                 work.lost = std::mem::take(&mut e.lost);
             }
         }
@@ -731,7 +734,7 @@ impl SessionHost {
                 established: false,
                 queue: OutboundQueue::new(outbound),
                 lost: 0,
-                answers_over: Vec::new(),
+                kept_over: Vec::new(),
                 handing_to: None,
                 ending: false,
                 superseded: false,
@@ -745,7 +748,7 @@ impl SessionHost {
         entry.ending = false;
         entry.superseded = false;
         entry.storing = false;
-        let pending = !entry.queue.is_empty() || !entry.answers_over.is_empty() || entry.lost > 0;
+        let pending = !entry.queue.is_empty() || !entry.kept_over.is_empty() || entry.lost > 0;
         let previous = std::mem::replace(&mut entry.holder, conn);
         if previous != conn {
             // Restored from the store while a superseded copy of it still ends here (its
@@ -913,7 +916,7 @@ impl SessionHost {
                             .filter(|p| matches!(p.item, OutboundItem::Message(_)))
                             .count() as u64;
                     e.lost = 0;
-                    e.answers_over.clear();
+                    e.kept_over.clear();
                     s.replay.declare_lost(missing);
                     e.storing = true;
                     let player = e.player.clone();
@@ -1200,9 +1203,9 @@ impl SessionHost {
             .ok_or(PushError::NotFound)?;
         let (class, len) = (item.class(), item.len());
         let holder = e.holder;
-        // While answers wait beside a full queue nothing overtakes them: later answers
-        // join them, anything else is refused as by the full queue.
-        let outcome = if e.answers_over.is_empty() {
+        // While items wait beside a full queue nothing overtakes them: later ones join
+        // them, messages are refused as by the full queue.
+        let outcome = if e.kept_over.is_empty() {
             e.queue.push(class, item, len, None)
         } else if class == TrafficClass::BestEffort {
             PushOutcome::Refused { item }
@@ -1220,10 +1223,9 @@ impl SessionHost {
                 Err(PushError::Shed)
             }
             PushOutcome::Refused { item } | PushOutcome::SlowConsumer { item }
-                if item.answers_sequenced() =>
+                if item.kept_when_full() && e.kept_over.len() < MAX_KEPT_OVER =>
             {
-                // Kept: its message would otherwise stay unanswered for good.
-                e.answers_over.push(item);
+                e.kept_over.push(item);
                 Ok(())
             }
             PushOutcome::Refused { .. } | PushOutcome::SlowConsumer { .. } => {
@@ -1799,21 +1801,20 @@ mod tests {
             host.queue_item(&[1; 16], OutboundItem::Error(refused.clone())),
             Ok(())
         );
-        // Nothing overtakes the answers waiting beside the full queue (a small item that
-        // would fit the queue's bytes is refused as by the full queue).
+        // A routing key is kept too (the session's state after a move), behind them; a
+        // message is refused as by the full queue (nothing overtakes what waits).
+        let key = OutboundItem::RoutingKey {
+            service: "s".into(),
+            key: "k".into(),
+        };
+        assert_eq!(host.queue_item(&[1; 16], key.clone()), Ok(()));
         assert_eq!(
-            host.queue_item(
-                &[1; 16],
-                OutboundItem::RoutingKey {
-                    service: "s".into(),
-                    key: "k".into()
-                }
-            ),
+            host.queue_item(&[1; 16], reply(9)),
             Err(PushError::QueueFull)
         );
         let work = host.take_work(1);
-        assert_eq!(work.lost, 3, "the two pushes and the key refused above");
-        queued.extend([OutboundItem::Answered(4), OutboundItem::Error(refused)]);
+        assert_eq!(work.lost, 3, "the three messages refused above");
+        queued.extend([OutboundItem::Answered(4), OutboundItem::Error(refused), key]);
         assert_eq!(work.items, queued);
         assert!(host.take_work(1).items.is_empty());
     }
