@@ -1005,6 +1005,43 @@ impl EdgeConfig {
             .map(|(kind, c)| format!("{kind} ({})", c.addr))
     }
 
+    /// Settings that are fine for a demo on loopback and weak beyond it, but that an
+    /// operator may have chosen (warned of at start, not refused): the generated
+    /// development certificate (a new CA at every start, known to no client), Redis without
+    /// TLS, and plain KCP sessions (`kcp.packet_auth = "optional"`).
+    pub fn loopback_only_warnings(&self) -> Vec<String> {
+        let mut warnings = Vec::new();
+        if let (Some((kind, listener)), None) =
+            (self.exposed_among(&["tls", "wss", "quic"]), &self.tls.cert)
+        {
+            warnings.push(format!(
+                "the {kind} listener ({}) is beyond loopback with the development TLS \
+                 certificate generated at start (a new CA at every start, trusted by no client \
+                 unless given tls.dev_ca_out): set tls.cert and tls.key",
+                listener.addr
+            ));
+        }
+        for redis in self.cluster.plaintext_redis_beyond_loopback() {
+            warnings.push(format!(
+                "Redis at {redis} is beyond loopback without TLS: session snapshots and the \
+                 AUTH password cross the network in clear. Use rediss:// \
+                 (cluster.redis_tls_ca_file for a private CA)"
+            ));
+        }
+        if let Some((_, kcp)) = self
+            .exposed_among(&["kcp"])
+            .filter(|(_, c)| !self.kcp.packet_auth.required_at(c.addr))
+        {
+            warnings.push(format!(
+                "the kcp listener ({}) is beyond loopback with kcp.packet_auth = \"optional\": \
+                 KCP sessions without a connect token are plain (datagrams neither \
+                 authenticated nor encrypted)",
+                kcp.addr
+            ));
+        }
+        warnings
+    }
+
     /// The first enabled listener of `kinds` bound beyond loopback, with its kind.
     pub fn exposed_among(&self, kinds: &[&str]) -> Option<(&'static str, &ListenerConfig)> {
         let l = &self.listeners;
@@ -1455,6 +1492,29 @@ mod tests {
             "redis://***@host:6379/0"
         );
         assert_eq!(redact_redis_url("redis://host:6379"), "redis://host:6379");
+    }
+
+    /// What a loopback demo may do and an exposed edge should not is warned of at start,
+    /// each naming its setting; on loopback, nothing.
+    #[test]
+    fn settings_weak_beyond_loopback_are_warned_of() {
+        let mut c = EdgeConfig::default();
+        c.cluster.redis_url = "redis://127.0.0.1:6379".into();
+        assert!(c.loopback_only_warnings().is_empty());
+        c.listeners.quic.addr = "0.0.0.0:7444".parse().unwrap();
+        c.listeners.kcp.addr = "0.0.0.0:7100".parse().unwrap();
+        c.kcp.packet_auth = waygate_transport::kcp::config::PacketAuth::Optional;
+        c.cluster.redis_url = "redis://:pw-for-the-test@10.0.0.3:6379".into();
+        let warnings = c.loopback_only_warnings().join("\n");
+        for named in ["tls.cert", "rediss://", "10.0.0.3", "kcp.packet_auth"] {
+            assert!(warnings.contains(named), "{named}: {warnings}");
+        }
+        assert!(!warnings.contains("pw-for-the-test"), "{warnings}");
+        c.tls.cert = Some("/etc/waygate/edge.crt".into());
+        c.tls.key = Some("/etc/waygate/edge.key".into());
+        c.cluster.redis_url = "rediss://:pw-for-the-test@10.0.0.3:6379".into();
+        c.kcp.packet_auth = waygate_transport::kcp::config::PacketAuth::Auto;
+        assert!(c.loopback_only_warnings().is_empty());
     }
 
     /// A JWT edge has no keys to open KCP connect tokens with: a KCP listener that requires

@@ -68,7 +68,9 @@ impl Edge {
                 );
             }
         }
-        warn_of_loopback_only_settings(&config);
+        for warning in config.loopback_only_warnings() {
+            tracing::warn!("{warning}");
+        }
         let l = &config.limits;
         let admission = Arc::new(EdgeAdmission::new(
             &config.backpressure,
@@ -522,36 +524,5 @@ impl std::ops::Deref for StartTasks {
 impl std::ops::DerefMut for StartTasks {
     fn deref_mut(&mut self) -> &mut Self::Target {
         &mut self.0
-    }
-}
-
-/// Warns of settings that are fine for a demo on loopback and weak beyond it, but that an
-/// operator may have chosen: the generated development certificate (new at every start,
-/// its CA known to no client), Redis without TLS, and plain KCP sessions
-/// (`kcp.packet_auth = "optional"`).
-fn warn_of_loopback_only_settings(config: &EdgeConfig) {
-    let exposed_tls = config.exposed_among(&["tls", "wss", "quic"]);
-    if let (Some((kind, listener)), None) = (exposed_tls, &config.tls.cert) {
-        tracing::warn!(
-            listener = kind,
-            addr = %listener.addr,
-            "the TLS certificate is a development one generated at start (a new CA at every \
-             start, trusted by no client unless given tls.dev_ca_out): set tls.cert and tls.key"
-        );
-    }
-    for redis in config.cluster.plaintext_redis_beyond_loopback() {
-        tracing::warn!(
-            %redis,
-            "Redis beyond loopback without TLS: session snapshots and the AUTH password cross \
-             the network in clear. Use rediss:// (cluster.redis_tls_ca_file for a private CA)"
-        );
-    }
-    let kcp = config.exposed_among(&["kcp"]);
-    if let Some((_, kcp)) = kcp.filter(|(_, c)| !config.kcp.packet_auth.required_at(c.addr)) {
-        tracing::warn!(
-            addr = %kcp.addr,
-            "kcp.packet_auth = \"optional\" beyond loopback: KCP sessions without a connect \
-             token are plain (datagrams neither authenticated nor encrypted)"
-        );
     }
 }
