@@ -63,7 +63,26 @@ async fn exchange(
     waygate_session::testkit::drive_client(c, conn, events, within, want).await;
 }
 
-use waygate_session::testkit::welcomes;
+use waygate_session::testkit::{log_in, welcomes};
+
+/// Pushes `payload` (msg id `msg_id`, class normal) to session `sid` on `edge`.
+fn push(
+    edge: &SessionLayer,
+    sid: &waygate_protocol::frame::SessionId,
+    msg_id: u32,
+    payload: &'static [u8],
+) {
+    edge.registry
+        .push(
+            sid,
+            Downstream {
+                class: TrafficClass::Normal,
+                msg_id,
+                payload: Bytes::from_static(payload),
+            },
+        )
+        .expect("push");
+}
 
 fn payloads(events: &[ClientEvent]) -> Vec<Bytes> {
     events
@@ -84,19 +103,8 @@ async fn resume_on_another_edge_from_redis_and_the_old_copy_is_kicked() {
     let edge2 = edge("edge-2", &s2);
     tokio::time::sleep(Duration::from_millis(200)).await; // kick subscriptions up
 
-    let (server_end, mut conn) = mem_pair();
-    let task1 = edge1.spawn(Box::new(server_end));
-    let mut c = client("p");
-    let mut events = Vec::new();
-    c.connect(Instant::now()).expect("hello");
-    exchange(
-        &mut c,
-        &mut conn,
-        &mut events,
-        Duration::from_secs(2),
-        |e| !welcomes(e).is_empty(),
-    )
-    .await;
+    let (task1, mut c, conn, mut events) =
+        log_in(&edge1, client("p"), Duration::from_secs(2)).await;
     assert_eq!(welcomes(&events), vec![WelcomeOutcome::NewSession]);
     let sid = edge1.registry.session_of("p").expect("registered");
     let first = s1.ownership.owner("p").await.expect("owner").expect("some");
@@ -105,17 +113,7 @@ async fn resume_on_another_edge_from_redis_and_the_old_copy_is_kicked() {
     drop(conn);
     c.handle_link_down(Instant::now(), CloseCode::GoingAway);
     tokio::time::sleep(Duration::from_millis(100)).await;
-    edge1
-        .registry
-        .push(
-            &sid,
-            Downstream {
-                class: TrafficClass::Normal,
-                msg_id: 1,
-                payload: Bytes::from_static(b"while away"),
-            },
-        )
-        .expect("push");
+    push(&edge1, &sid, 1, b"while away");
     // The detached session's snapshot reaches Redis (written on detach, then updated).
     let deadline = Instant::now() + Duration::from_secs(2);
     while s2.snapshots.get(&sid).await.expect("get").is_none() {
@@ -162,17 +160,7 @@ async fn resume_on_another_edge_from_redis_and_the_old_copy_is_kicked() {
     let owner = s1.ownership.owner("p").await.expect("owner").expect("some");
     assert_eq!(owner.edge, "edge-2");
     // The session works on edge 2.
-    edge2
-        .registry
-        .push(
-            &sid,
-            Downstream {
-                class: TrafficClass::Normal,
-                msg_id: 2,
-                payload: Bytes::from_static(b"on edge 2"),
-            },
-        )
-        .expect("push");
+    push(&edge2, &sid, 2, b"on edge 2");
     exchange(
         &mut c,
         &mut conn2,
@@ -314,17 +302,7 @@ async fn redis_down_new_logins_end_unavailable_within_a_second_live_sessions_sta
     eprintln!("login with Redis down: {code:?}, retry-after {retry_after:?}, after {took:?}");
 
     // The live session is untouched: messages still flow both ways.
-    edge1
-        .registry
-        .push(
-            &live_sid,
-            Downstream {
-                class: TrafficClass::Normal,
-                msg_id: 5,
-                payload: Bytes::from_static(b"still here"),
-            },
-        )
-        .expect("push");
+    push(&edge1, &live_sid, 5, b"still here");
     exchange(
         &mut a,
         &mut a_conn,
@@ -361,19 +339,8 @@ async fn a_copy_whose_write_through_is_fenced_ends_at_once() {
         Duration::from_secs(1),
     ));
     let edge1 = Arc::new(e);
-    let (server_end, mut conn) = mem_pair();
-    let task = edge1.spawn(Box::new(server_end));
-    let mut c = client("p");
-    let mut events = Vec::new();
-    c.connect(Instant::now()).expect("hello");
-    exchange(
-        &mut c,
-        &mut conn,
-        &mut events,
-        Duration::from_secs(2),
-        |e| !welcomes(e).is_empty(),
-    )
-    .await;
+    let (task, mut c, mut conn, mut events) =
+        log_in(&edge1, client("p"), Duration::from_secs(2)).await;
     let sid = edge1.registry.session_of("p").expect("registered");
     // A newer claim of the player the copy is not told of.
     stores
@@ -381,17 +348,7 @@ async fn a_copy_whose_write_through_is_fenced_ends_at_once() {
         .claim("p", &sid, "edge-1")
         .await
         .expect("claim");
-    edge1
-        .registry
-        .push(
-            &sid,
-            Downstream {
-                class: TrafficClass::Normal,
-                msg_id: 1,
-                payload: Bytes::from_static(b"after the newer claim"),
-            },
-        )
-        .expect("push");
+    push(&edge1, &sid, 1, b"after the newer claim");
     let end = tokio::time::timeout(Duration::from_secs(5), async {
         loop {
             // Keep the client reading so the session's turns go on.

@@ -56,6 +56,35 @@ pub async fn drive_client(
     }
 }
 
+/// A client logged in on an edge over an in-memory link ([`log_in`]): the session's task,
+/// the client, its end of the link and its events so far (the WELCOME included).
+pub type LoggedIn = (
+    tokio::task::JoinHandle<crate::machine::EndReason>,
+    ClientSession,
+    waygate_transport::mem::MemConnection,
+    Vec<ClientEvent>,
+);
+
+/// Connects `client` to `edge` over an in-memory link and drives it until its first
+/// WELCOME (or `within` passes).
+pub async fn log_in(
+    edge: &Arc<SessionLayer>,
+    mut client: ClientSession,
+    within: Duration,
+) -> LoggedIn {
+    let (server_end, mut conn) = waygate_transport::mem::mem_pair();
+    let task = edge.spawn(Box::new(server_end));
+    let mut events = Vec::new();
+    client
+        .connect(Instant::now())
+        .expect("a fresh client sends its HELLO");
+    drive_client(&mut client, &mut conn, &mut events, within, |e| {
+        !welcomes(e).is_empty()
+    })
+    .await;
+    (task, client, conn, events)
+}
+
 /// The WELCOME outcomes among `events`, in order.
 pub fn welcomes(events: &[ClientEvent]) -> Vec<WelcomeOutcome> {
     events

@@ -52,13 +52,7 @@ async fn logged_in(
     MemConn,
     Vec<ClientEvent>,
 ) {
-    let (server_end, mut conn) = mem_pair();
-    let task = edge.spawn(Box::new(server_end));
-    let mut c = client();
-    let mut events = Vec::new();
-    c.connect(Instant::now()).expect("hello");
-    exchange(&mut c, &mut conn, &mut events, |e| !welcomes(e).is_empty()).await;
-    (task, c, conn, events)
+    waygate_session::testkit::log_in(edge, client(), Duration::from_secs(1)).await
 }
 
 /// A session layer with write-through to `store` (linger 60 s).

@@ -715,34 +715,39 @@ impl ClusterConfig {
     /// with what resume proofs are checked against, the AUTH password) crosses the network
     /// in clear. The edge warns of them at start.
     pub fn plaintext_redis_beyond_loopback(&self) -> Vec<String> {
-        std::iter::once(&self.redis_url)
-            .filter(|u| !u.is_empty())
-            .chain(&self.redis_cluster)
-            .chain(&self.redis_sentinels)
-            .filter(|url| {
+        self.redis_urls()
+            .chain(self.redis_sentinel_urls())
+            .filter(|(key, url)| {
                 !url.starts_with("rediss://")
-                    && redis_target("cluster", url).is_ok_and(|(local, _)| !local)
+                    && redis_target(key, url).is_ok_and(|(local, _)| !local)
             })
-            .map(|url| redact_redis_url(url))
+            .map(|(_, url)| redact_redis_url(url))
             .collect()
+    }
+
+    /// The Redis URLs the edge stores in (`redis_url`, `redis_cluster`), each with its key.
+    fn redis_urls(&self) -> impl Iterator<Item = (&'static str, &String)> + Clone {
+        std::iter::once(("cluster.redis_url", &self.redis_url))
+            .filter(|(_, u)| !u.is_empty())
+            .chain(
+                self.redis_cluster
+                    .iter()
+                    .map(|u| ("cluster.redis_cluster", u)),
+            )
+    }
+
+    /// The Redis Sentinel URLs, each with its key.
+    fn redis_sentinel_urls(&self) -> impl Iterator<Item = (&'static str, &String)> + Clone {
+        self.redis_sentinels
+            .iter()
+            .map(|u| ("cluster.redis_sentinels", u))
     }
 
     /// Refuses etcd or Redis beyond loopback without authentication (unless
     /// `insecure_no_auth`), and Redis passwords left at the deploy kit's placeholder.
     fn check_authentication(&self) -> Result<(), ConfigError> {
         let closed_network = "Only on a closed network: cluster.insecure_no_auth = true";
-        // Every Redis URL with the key it comes from.
-        let redis_urls = std::iter::once(("cluster.redis_url", &self.redis_url))
-            .filter(|(_, u)| !u.is_empty())
-            .chain(
-                self.redis_cluster
-                    .iter()
-                    .map(|u| ("cluster.redis_cluster", u)),
-            );
-        let sentinels = self
-            .redis_sentinels
-            .iter()
-            .map(|u| ("cluster.redis_sentinels", u));
+        let (redis_urls, sentinels) = (self.redis_urls(), self.redis_sentinel_urls());
         let placeholder = |key| ConfigError::Invalid {
             key,
             message: "a Redis password is still the deploy kit's placeholder".into(),
