@@ -1614,36 +1614,53 @@ async fn a_session_open_a_full_write_queue_refused_is_sent_again() {
     let (hello, mut io) = raw_backend_link_with_credits(&listener, "slow", 0, 1_000_000).await;
     assert!(matches!(hello, Some(LinkFrame::Hello { .. })));
     wait_up(&mut rx).await;
-    let (a, b) = (meta(1, "a"), meta(2, "b"));
+    let a = meta(1, "a");
     let big = Bytes::from(vec![1u8; 60_000]);
-    let mut full = false;
-    for seq in 1..=100_000u64 {
-        if let Err(e) = link.forward(&a, ECHO, 1, seq, TrafficClass::Normal, big.clone()) {
-            assert!(matches!(e, ForwardError::Busy { .. }), "{e:?}");
-            full = true;
-            break;
+    let mut a_seq = 0u64;
+    // Fill the write queue, then offer a new session's first message. The writer may free a
+    // slot in between (the kernel took one more frame), letting that message in: then that
+    // session is set aside and the queue filled again for the next one (a CI run on a
+    // loaded machine met this).
+    let mut refused_b = None;
+    for attempt in 0..100u64 {
+        let mut full = false;
+        for _ in 0..100_000 {
+            a_seq += 1;
+            if let Err(e) = link.forward(&a, ECHO, 1, a_seq, TrafficClass::Normal, big.clone()) {
+                assert!(matches!(e, ForwardError::Busy { .. }), "{e:?}");
+                full = true;
+                break;
+            }
+        }
+        assert!(full, "the write queue filled");
+        let b = meta(2 + attempt, &format!("b{attempt}"));
+        match link.forward(
+            &b,
+            ECHO,
+            1,
+            1,
+            TrafficClass::Normal,
+            Bytes::from_static(b"b1"),
+        ) {
+            Err(ForwardError::Busy { .. }) => {
+                refused_b = Some(b);
+                break;
+            }
+            Ok(_) => {}
+            Err(e) => panic!("{e:?}"),
         }
     }
-    assert!(full, "the write queue filled");
-    let refused = link.forward(
-        &b,
-        ECHO,
-        1,
-        1,
-        TrafficClass::Normal,
-        Bytes::from_static(b"b1"),
-    );
-    assert!(
-        matches!(refused, Err(ForwardError::Busy { .. })),
-        "{refused:?}"
-    );
+    let b = refused_b.expect("a session's first message refused by the full write queue");
+    let b_handle = b.handle;
     // The backend reads again; b's message is forwarded again once there is room.
     let reader = tokio::spawn(async move {
         let mut opened_b = false;
         loop {
             match next_frame(&mut io.rx).await {
-                Some(LinkFrame::SessionOpen { handle: 2, .. }) => opened_b = true,
-                Some(LinkFrame::Forward { handle: 2, .. }) => return opened_b,
+                Some(LinkFrame::SessionOpen { handle, .. }) if handle == b_handle => {
+                    opened_b = true
+                }
+                Some(LinkFrame::Forward { handle, .. }) if handle == b_handle => return opened_b,
                 Some(_) => {}
                 None => panic!("the link ended"),
             }
