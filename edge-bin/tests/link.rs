@@ -1856,3 +1856,186 @@ async fn an_edge_without_pin_results_gets_the_old_pin_and_no_unpin() {
         })
     );
 }
+
+/// Records the payloads of the messages it handles, in order; one whose payload is `slow`
+/// holds its session until `release` gets a permit.
+struct Recorder {
+    seen: std::sync::Mutex<Vec<String>>,
+    slow_started: tokio::sync::Notify,
+    release: tokio::sync::Semaphore,
+}
+
+impl Default for Recorder {
+    fn default() -> Self {
+        Self {
+            seen: Default::default(),
+            slow_started: Default::default(),
+            release: tokio::sync::Semaphore::new(0),
+        }
+    }
+}
+
+impl Recorder {
+    fn seen(&self) -> Vec<String> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+#[async_trait]
+impl Service for Recorder {
+    async fn message(&self, _s: &BackendSession, m: Incoming) -> Result<(), Refusal> {
+        if &m.payload[..] == b"slow" {
+            self.slow_started.notify_one();
+            let _ = self.release.acquire().await;
+        }
+        self.seen
+            .lock()
+            .unwrap()
+            .push(String::from_utf8_lossy(&m.payload).into_owned());
+        Ok(())
+    }
+}
+
+/// The player service on instance x (at `x`), and from epoch 2 on y (x disabled: its
+/// players move; its link stays).
+fn moving_table(x: SocketAddr, y: SocketAddr, epoch: u64) -> String {
+    let x_state = if epoch >= 2 { "disabled" } else { "active" };
+    format!(
+        "epoch = {epoch}\nupdated_at = 0\n\
+         [[services]]\nname = \"player\"\nmessages = [[1000, 1999]]\nkey = \"player\"\n\
+         [[services.instances]]\nid = \"x\"\naddress = \"{x}\"\nstate = \"{x_state}\"\n\
+         [[services.instances]]\nid = \"y\"\naddress = \"{y}\"\nstate = \"{}\"\n",
+        if epoch >= 2 { "active" } else { "disabled" }
+    )
+}
+
+/// Two real backends x and y behind a real edge, and a client whose message `a` waits on x
+/// behind a slow one (under epoch 1) while the table moves the player to y (epoch 2, which
+/// x knows too: it will refuse `a` as stale). Returns once the move is applied, with `b`
+/// sent after it.
+struct RouteChange {
+    x_service: Arc<Recorder>,
+    y_service: Arc<Recorder>,
+    b_seq: u64,
+    client: waygate_client::Client,
+    edge: waygate_edge::edge::Edge,
+    _backends: (Backend, Backend),
+    _dir: tempfile::TempDir,
+}
+
+impl RouteChange {
+    async fn start() -> Self {
+        let x_service = Arc::new(Recorder::default());
+        let y_service = Arc::new(Recorder::default());
+        let bind = |id: &str, service: Arc<Recorder>| {
+            Backend::bind(
+                "127.0.0.1:0".parse().unwrap(),
+                BackendConfig::new(id),
+                service,
+            )
+        };
+        let x = bind("x", x_service.clone()).await.unwrap();
+        let y = bind("y", y_service.clone()).await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let routes = dir.path().join("routes.toml");
+        std::fs::write(&routes, moving_table(x.local_addr(), y.local_addr(), 1)).unwrap();
+        let mut config = waygate_edge::config::EdgeConfig::default();
+        config.use_ephemeral_ports();
+        config.routing.table = Some(routes.clone());
+        config.routing.poll_ms = 100;
+        let edge = waygate_edge::edge::Edge::start(config).await.unwrap();
+        let endpoint = waygate_transport::endpoint::Endpoint::new(
+            waygate_transport::TransportKind::Tcp,
+            edge.addrs[&waygate_transport::TransportKind::Tcp],
+        );
+        let client = waygate_client::Client::start(waygate_client::ClientOptions::new(
+            vec![endpoint],
+            common::token("mover"),
+        ));
+        let send = |body: &'static [u8]| {
+            client.send(TrafficClass::Critical, 1000, Bytes::from_static(body))
+        };
+        send(b"slow").await.unwrap();
+        tokio::time::timeout(Duration::from_secs(10), x_service.slow_started.notified())
+            .await
+            .expect("x handles the slow message");
+        send(b"a").await.unwrap();
+        expect_metric(
+            &edge,
+            "waygate_forwarded_total{service=\"player\",instance=\"x\"} 2",
+        )
+        .await;
+        x.set_epoch(2);
+        y.set_epoch(2);
+        common::write_atomically(&routes, &moving_table(x.local_addr(), y.local_addr(), 2));
+        expect_metric(&edge, "waygate_route_epoch 2").await;
+        expect_metric(&edge, "waygate_migrations_total 1").await;
+        let b_seq = send(b"b").await.unwrap().unwrap();
+        Self {
+            x_service,
+            y_service,
+            b_seq,
+            client,
+            edge,
+            _backends: (x, y),
+            _dir: dir,
+        }
+    }
+
+    /// What y handled once it handled `n` messages (at most 10 s).
+    async fn y_seen(&self, n: usize) -> Vec<String> {
+        let mut seen = Vec::new();
+        for _ in 0..100 {
+            seen = self.y_service.seen();
+            if seen.len() >= n {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        seen
+    }
+}
+
+/// PROTOCOL.md §9.5, found by the silent-drop audit and left documented until now: a
+/// message forwarded under the newer route table reached the new instance before an older
+/// one, refused `stale_epoch` by the old instance, was routed there again. Now `b` waits
+/// until `a` is answered or routed again: y gets `a`, then `b` (it used to get `b` first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_after_a_route_change_does_not_overtake_one_routed_again() {
+    let run = RouteChange::start().await;
+    // Time for `b` to overtake, were it sent at once.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    run.x_service.release.add_permits(1);
+    assert_eq!(
+        run.y_seen(2).await,
+        ["a", "b"],
+        "y got them in the order the client sent them"
+    );
+    assert_eq!(run.x_service.seen(), ["slow"]);
+    expect_metric(&run.edge, "waygate_stale_epoch_reroutes_total 1").await;
+    expect_metric(&run.edge, "waygate_forwards_held_total 1").await;
+    expect_metric(&run.edge, "waygate_forwards_hold_expired_total 0").await;
+}
+
+/// The wait is bounded: while x holds `a` past 2 s, `b` is refused `busy` (an ERROR the
+/// client gets for it), never sent ahead of `a`; `a` still reaches y once x lets go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_held_past_the_bound_is_refused_busy() {
+    let mut run = RouteChange::start().await;
+    let b_seq = run.b_seq;
+    let ev = common::wait_for(
+        &mut run.client,
+        Duration::from_secs(10),
+        |e| matches!(e, waygate_client::Event::Error(r) if r.client_seq == b_seq),
+    )
+    .await;
+    match ev {
+        waygate_client::Event::Error(r) => assert_eq!(r.code, CloseCode::Busy),
+        other => panic!("unexpected {other:?}"),
+    }
+    expect_metric(&run.edge, "waygate_forwards_hold_expired_total 1").await;
+    run.x_service.release.add_permits(1);
+    assert_eq!(run.y_seen(1).await, ["a"]);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(run.y_service.seen(), ["a"], "b was refused, not sent");
+}

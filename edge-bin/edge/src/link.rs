@@ -446,6 +446,13 @@ impl LinkClient {
         self.shared.up.load(Ordering::Acquire)
     }
 
+    /// Whether a forward of `client_seq` on this link is answered (FORWARD_DONE or REFUSE)
+    /// once its backend is done with it: a sequenced message, on a live connection whose
+    /// backend answers (PROTOCOL.md §9.6).
+    pub fn awaits_answer(&self, client_seq: u64) -> bool {
+        self.shared.awaits_answer(client_seq)
+    }
+
     /// FORWARD credit left.
     pub fn credit(&self) -> u64 {
         self.shared.credit.load(Ordering::Relaxed)

@@ -157,6 +157,11 @@ pub struct EdgeMetrics {
     pub route_staleness_seconds: Gauge<f64, AtomicU64>,
     /// Messages re-routed after a backend reported a stale epoch.
     pub stale_epoch_reroutes: Counter,
+    /// Client messages that waited for the session's older messages to their service
+    /// (forwarded under an older route table or to another instance) to be answered.
+    pub forwards_held: Counter,
+    /// Of those, the ones refused `busy` after waiting the bound (2 s).
+    pub forwards_hold_expired: Counter,
     /// Players moved to another instance by migrations.
     pub migrations: Counter,
     /// 1 while the edge drains.
@@ -555,6 +560,8 @@ impl EdgeMetrics {
             route_epoch: Gauge::default(),
             route_staleness_seconds: Gauge::default(),
             stale_epoch_reroutes: Counter::default(),
+            forwards_held: Counter::default(),
+            forwards_hold_expired: Counter::default(),
             migrations: Counter::default(),
             draining: Gauge::default(),
             overload_level: Gauge::default(),
@@ -692,6 +699,16 @@ impl EdgeMetrics {
             "stale_epoch_reroutes",
             "Messages re-routed after a stale-epoch refusal",
             m.stale_epoch_reroutes.clone(),
+        );
+        registry.register(
+            "forwards_held",
+            "Client messages that waited for older messages of their session to the same service to be answered (route change, moved binding)",
+            m.forwards_held.clone(),
+        );
+        registry.register(
+            "forwards_hold_expired",
+            "Client messages refused busy after waiting 2 s for older messages of their session",
+            m.forwards_hold_expired.clone(),
         );
         registry.register(
             "migrations",

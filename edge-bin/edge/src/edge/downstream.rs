@@ -12,6 +12,7 @@ use waygate_routing::{KeyKind, PlacementError};
 use waygate_session::driver::{DeliverError, Delivered, Downstream, OutboundItem};
 use waygate_transport::{CloseCode, TrafficClass};
 
+use super::upstream::{Forwarded, Forwarding};
 use super::{apply_latest, SessionEntry, Shared};
 use crate::link::{AnswerEnd, InFlight, LinkEvent, LinkEventSink, LinkRefusal};
 use crate::metrics::BackendLabel;
@@ -31,6 +32,15 @@ impl Shared {
         let registry = &self.session_layer().registry;
         if let Err(e) = registry.answered(session_id, client_seq) {
             tracing::debug!(client_seq, error = %e, "answer not queued for its session");
+        }
+        self.wake_behind(session_id, client_seq);
+    }
+
+    /// A forward answered or refused for good: the session's message waiting behind it
+    /// (PROTOCOL.md §9.5) may go.
+    fn wake_behind(&self, session_id: &SessionId, client_seq: u64) {
+        if let Some(wake) = self.settle_forward(session_id, client_seq) {
+            wake.notify_one();
         }
     }
 
@@ -59,6 +69,11 @@ impl Shared {
             pushes.iter().for_each(|p| self.count_push(p.class, false));
             return;
         };
+        let settles = match &end {
+            AnswerEnd::Done(client_seq) => Some(*client_seq),
+            AnswerEnd::Refused(r) => Some(r.client_seq),
+            AnswerEnd::Released => None,
+        };
         let end = match end {
             AnswerEnd::Done(client_seq) => Some(OutboundItem::Answered(client_seq)),
             AnswerEnd::Refused(r) => Some(OutboundItem::Error(ErrorReport {
@@ -84,6 +99,9 @@ impl Shared {
                     }
                 }
             });
+        if let Some(client_seq) = settles {
+            self.wake_behind(&sid, client_seq);
+        }
     }
 
     /// A backend's PIN or UNPIN (PROTOCOL.md §9.5), carried out on the router at once; its
@@ -167,6 +185,7 @@ impl Shared {
         {
             tracing::debug!(%code, msg_id, error = %e, "refusal not queued for its session");
         }
+        self.wake_behind(session_id, client_seq);
     }
 }
 
@@ -360,11 +379,26 @@ pub(super) async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver
                 ..
             } = m;
             let outcome = result.and_then(|entry| {
-                shared.route_and_forward(&entry, msg_id, client_seq, class, payload)
+                shared.route_and_forward(
+                    &entry,
+                    msg_id,
+                    client_seq,
+                    class,
+                    payload,
+                    Forwarding::Rerouted,
+                )
             });
             match outcome {
-                Ok(Delivered::AwaitingAnswer) => {}
-                Ok(Delivered::Answered) => shared.answered(&sid, client_seq),
+                Ok(Forwarded::Sent(Delivered::AwaitingAnswer)) => {}
+                Ok(Forwarded::Sent(Delivered::Answered)) => shared.answered(&sid, client_seq),
+                // A re-routed message is never told to wait; were it, the client is answered.
+                Ok(Forwarded::Wait { .. }) => shared.report_error(
+                    &sid,
+                    CloseCode::Busy,
+                    msg_id,
+                    client_seq,
+                    shared.config.links.busy_retry_after_ms,
+                ),
                 Err(e) => shared.report_error(&sid, e.code, msg_id, client_seq, e.retry_after_ms),
             }
             continue;

@@ -58,6 +58,7 @@ mod admin;
 mod channels;
 mod cluster;
 mod downstream;
+mod forward_order;
 mod links;
 mod overload_loop;
 mod player_push;

@@ -7,8 +7,12 @@ use std::sync::Arc;
 
 use waygate_protocol::frame::SessionId;
 
+use super::forward_order::{Admission, ForwardOrder, ForwardTarget};
 use super::Shared;
 use crate::link::SessionMeta;
+
+/// Wakes a session's message waiting for its older forwards to be answered.
+pub(super) type ForwardWake = Arc<tokio::sync::Notify>;
 
 /// Per-session state the edge keeps beside the session layer. Cloned for every upstream
 /// message (the lock is not held while routing), so its parts are shared: a clone is three
@@ -34,6 +38,16 @@ pub(super) struct Sessions {
     /// here is in any more is released from the router (its binding stayed for good, one
     /// per room ever played on this edge).
     key_holders: HashMap<(String, String), u32>,
+    /// Sessions with answered forwards not yet answered (PROTOCOL.md §9.5): the order rule,
+    /// and the wake-up of the message waiting on it. An entry lives only while it tracks
+    /// something or someone waits.
+    forwards: HashMap<SessionId, SessionForwards>,
+}
+
+#[derive(Debug, Default)]
+struct SessionForwards {
+    order: ForwardOrder,
+    wake: Option<ForwardWake>,
 }
 
 /// A BIND key (service, key) that no session here holds any more.
@@ -117,11 +131,59 @@ impl Sessions {
         released
     }
 
+    /// A new message of the session about to be forwarded to `to` (tracked from now on),
+    /// or the wake-up to wait on.
+    pub(super) fn admit_forward(
+        &mut self,
+        session_id: &SessionId,
+        client_seq: u64,
+        to: &ForwardTarget,
+    ) -> Result<(), ForwardWake> {
+        let f = self.forwards.entry(*session_id).or_default();
+        match f.order.admit(client_seq, to) {
+            Admission::Forward => Ok(()),
+            Admission::Wait => Err(f.wake.get_or_insert_with(Default::default).clone()),
+        }
+    }
+
+    /// A refused message of the session routed again to `to`; the wake-up of a message
+    /// that may go now.
+    pub(super) fn rerouted_forward(
+        &mut self,
+        session_id: &SessionId,
+        client_seq: u64,
+        to: &ForwardTarget,
+    ) -> Option<ForwardWake> {
+        let f = self.forwards.entry(*session_id).or_default();
+        f.order.rerouted(client_seq, to);
+        f.wake.clone()
+    }
+
+    /// A forward of the session answered (or refused, or not sent after all); the wake-up
+    /// of a message that may go now.
+    pub(super) fn settle_forward(
+        &mut self,
+        session_id: &SessionId,
+        client_seq: u64,
+    ) -> Option<ForwardWake> {
+        let f = self.forwards.get_mut(session_id)?;
+        if !f.order.settled(client_seq) {
+            return None;
+        }
+        if f.order.is_empty() {
+            return self.forwards.remove(session_id).and_then(|f| f.wake);
+        }
+        f.wake.clone()
+    }
+
     /// Removes the session's entry; with it, the keys no session here holds any more.
     pub(super) fn remove(
         &mut self,
         session_id: &SessionId,
     ) -> Option<(SessionEntry, Vec<ReleasedKey>)> {
+        if let Some(wake) = self.forwards.remove(session_id).and_then(|f| f.wake) {
+            wake.notify_one();
+        }
         let entry = self.by_id.remove(session_id)?;
         self.by_handle.remove(&entry.meta.handle);
         for addr in entry.links.iter() {

@@ -12,9 +12,37 @@ use waygate_session::driver::{DeliverError, Delivered, SessionEvent, UpstreamSin
 use waygate_session::machine::Upstream;
 use waygate_transport::CloseCode;
 
+use super::forward_order::ForwardTarget;
+use super::table::ForwardWake;
 use super::{SessionEntry, Shared};
 use crate::link::{ForwardError, LinkClient};
 use crate::metrics::{CodeLabel, EdgeMetrics};
+use waygate_protocol::frame::SessionId;
+
+/// How long a client's message waits for the session's older messages to its service
+/// (PROTOCOL.md §9.5) before it is refused `busy`.
+pub(super) const ORDER_HOLD_MAX: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Which message is forwarded: a client's, which keeps its place behind the session's
+/// older messages to the same service (it may have to wait), or one refused `stale_epoch`
+/// and routed again, which never waits (every later one waits for it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Forwarding {
+    New,
+    Rerouted,
+}
+
+/// What became of a message offered to [`Shared::route_and_forward`].
+pub(super) enum Forwarded {
+    /// On the backend's link.
+    Sent(Delivered),
+    /// Not sent: an older message of the session to its service is unanswered (§9.5).
+    /// Offer it again when woken.
+    Wait {
+        wake: ForwardWake,
+        payload: bytes::Bytes,
+    },
+}
 
 impl Shared {
     /// Routes and forwards one upstream message.
@@ -25,19 +53,9 @@ impl Shared {
         client_seq: u64,
         class: waygate_transport::TrafficClass,
         payload: bytes::Bytes,
-    ) -> Result<Delivered, DeliverError> {
-        let refuse = |code: CloseCode, retry_after_ms: u32| {
-            self.metrics
-                .upstream_refused
-                .get_or_create(&CodeLabel {
-                    code: code.as_str().into(),
-                })
-                .inc();
-            DeliverError {
-                code,
-                retry_after_ms,
-            }
-        };
+        forwarding: Forwarding,
+    ) -> Result<Forwarded, DeliverError> {
+        let refuse = |code, retry_after_ms| self.refused(code, retry_after_ms);
         let started = std::time::Instant::now();
         let decision = {
             let mut router = self
@@ -81,14 +99,70 @@ impl Shared {
                 .map_err(|_| refuse(CloseCode::Unavailable, 1000))?,
         };
         let link = self.link(addr);
-        match link.forward(
-            &entry.meta,
-            msg_id,
-            decision.epoch,
-            client_seq,
-            class,
-            payload,
-        ) {
+        let sid = &entry.meta.session_id;
+        // The order rule (§9.5) tracks what will be answered; any instance of a round-robin
+        // service takes any message, so there is no order between them to keep.
+        let tracked = decision.reason != RouteReason::RoundRobin && link.awaits_answer(client_seq);
+        let to = ForwardTarget {
+            service: target.service.clone(),
+            instance: addr,
+            epoch: decision.epoch,
+        };
+        let forward = |payload| {
+            link.forward(
+                &entry.meta,
+                msg_id,
+                decision.epoch,
+                client_seq,
+                class,
+                payload,
+            )
+        };
+        let (sent, wake) = match forwarding {
+            Forwarding::New if tracked => {
+                let admitted = self
+                    .entries
+                    .lock()
+                    .map_err(|_| refuse(CloseCode::Internal, 0))?
+                    .admit_forward(sid, client_seq, &to);
+                if let Err(wake) = admitted {
+                    return Ok(Forwarded::Wait { wake, payload });
+                }
+                // Tracked before it is sent: its answer can never come first.
+                let sent = forward(payload);
+                let settled = !matches!(sent, Ok(Delivered::AwaitingAnswer));
+                (
+                    sent,
+                    settled
+                        .then(|| self.settle_forward(sid, client_seq))
+                        .flatten(),
+                )
+            }
+            Forwarding::New => (forward(payload), None),
+            Forwarding::Rerouted => {
+                // Moved and sent under one lock: a message waiting for it (woken by any
+                // other answer meanwhile) cannot see it moved and go first.
+                let mut e = self
+                    .entries
+                    .lock()
+                    .map_err(|_| refuse(CloseCode::Internal, 0))?;
+                let mut wake = if tracked {
+                    e.rerouted_forward(sid, client_seq, &to)
+                } else {
+                    e.settle_forward(sid, client_seq)
+                };
+                let sent = forward(payload);
+                if tracked && !matches!(sent, Ok(Delivered::AwaitingAnswer)) {
+                    wake = e.settle_forward(sid, client_seq).or(wake);
+                }
+                (sent, wake)
+            }
+        };
+        // After the send: a message woken now is queued behind this one.
+        if let Some(wake) = wake {
+            wake.notify_one();
+        }
+        match sent {
             Ok(delivered) => {
                 // A placement another edge could not recompute (least loaded, pinned by a
                 // backend or assigned) travels in the session's snapshot (R3, S7).
@@ -98,27 +172,55 @@ impl Shared {
                         RouteReason::LeastLoaded | RouteReason::Pinned | RouteReason::RoomAssigned
                     )
                 {
-                    self.session_layer().registry.bind(
-                        &entry.meta.session_id,
-                        &target.service,
-                        &target.instance_id,
-                    );
+                    self.session_layer()
+                        .registry
+                        .bind(sid, &target.service, &target.instance_id);
                 }
                 // Recorded under the table's lock whatever this message's copy of the entry
                 // says: a migration may have closed the session on this link since the copy
                 // was taken, and the forward just opened it there again (`ensure_open`);
                 // left out, its end would never close it there.
                 if let Ok(mut e) = self.entries.lock() {
-                    e.add_link(&entry.meta.session_id, addr);
+                    e.add_link(sid, addr);
                 }
                 self.metrics.forwarded_to(target).inc();
-                Ok(delivered)
+                Ok(Forwarded::Sent(delivered))
             }
             Err(ForwardError::Unavailable) => Err(refuse(CloseCode::Unavailable, 1000)),
             Err(ForwardError::Busy { retry_after_ms }) => {
                 Err(refuse(CloseCode::Busy, retry_after_ms))
             }
         }
+    }
+
+    /// A client's message refused by the edge (counted by code).
+    fn refused(&self, code: CloseCode, retry_after_ms: u32) -> DeliverError {
+        self.metrics
+            .upstream_refused
+            .get_or_create(&CodeLabel {
+                code: code.as_str().into(),
+            })
+            .inc();
+        DeliverError {
+            code,
+            retry_after_ms,
+        }
+    }
+
+    /// A tracked forward of the session is answered, refused or was not sent: the
+    /// wake-up of a message waiting behind it, if one may go now.
+    pub(super) fn settle_forward(
+        &self,
+        session_id: &SessionId,
+        client_seq: u64,
+    ) -> Option<ForwardWake> {
+        if client_seq == 0 {
+            return None;
+        }
+        self.entries
+            .lock()
+            .ok()?
+            .settle_forward(session_id, client_seq)
     }
 
     pub(super) async fn close_on_links(
@@ -170,14 +272,44 @@ impl UpstreamSink for EdgeUpstream {
             code: CloseCode::GoingAway,
             retry_after_ms: 0,
         })?;
-        let entry = shared.entry(&message.session_id, &message.player_id);
-        shared.route_and_forward(
-            &entry,
-            message.msg_id,
-            message.seq,
-            message.class,
-            message.payload,
-        )
+        let (msg_id, seq, class) = (message.msg_id, message.seq, message.class);
+        let mut payload = message.payload;
+        let mut hold_until = None;
+        loop {
+            let entry = shared.entry(&message.session_id, &message.player_id);
+            let (wake, back) = match shared.route_and_forward(
+                &entry,
+                msg_id,
+                seq,
+                class,
+                payload,
+                Forwarding::New,
+            )? {
+                Forwarded::Sent(delivered) => return Ok(delivered),
+                Forwarded::Wait { wake, payload } => (wake, payload),
+            };
+            payload = back;
+            // Behind an older message of the session to the same service (§9.5): this task
+            // is the session's, so its later messages wait too, in order.
+            let until = *hold_until.get_or_insert_with(|| {
+                shared.metrics.forwards_held.inc();
+                tokio::time::Instant::now() + ORDER_HOLD_MAX
+            });
+            if tokio::time::timeout_at(until, wake.notified())
+                .await
+                .is_err()
+            {
+                shared.metrics.forwards_hold_expired.inc();
+                tracing::debug!(
+                    msg_id,
+                    seq,
+                    "older messages of the session unanswered: refused busy"
+                );
+                return Err(
+                    shared.refused(CloseCode::Busy, shared.config.links.busy_retry_after_ms)
+                );
+            }
+        }
     }
 
     async fn session_event(&self, event: SessionEvent) {
