@@ -122,7 +122,7 @@ enum Command {
         #[arg(long, default_value = "/waygate")]
         etcd_prefix: String,
         #[command(flatten)]
-        etcd_user: EtcdUserArgs,
+        etcd_access: EtcdAccessArgs,
         /// Services this instance serves (the demo game: player and room).
         #[arg(long, value_delimiter = ',', default_value = "player,room")]
         services: Vec<String>,
@@ -159,7 +159,7 @@ enum Command {
         #[arg(long, default_value = "/waygate")]
         etcd_prefix: String,
         #[command(flatten)]
-        etcd_user: EtcdUserArgs,
+        etcd_access: EtcdAccessArgs,
         /// Address to serve on.
         #[arg(long, default_value = "127.0.0.1:9200")]
         addr: SocketAddr,
@@ -394,12 +394,12 @@ fn main() -> std::process::ExitCode {
             Command::Login {
                 etcd,
                 etcd_prefix,
-                etcd_user,
+                etcd_access,
                 addr,
             } => {
                 let mut source =
                     waygate_edge::cluster::etcd::EtcdSourceConfig::new(etcd.clone(), "");
-                source.credentials = etcd_user.credentials()?;
+                source.access = etcd_access.access()?;
                 let client = waygate_edge::cluster::etcd::connect_client(&source)
                     .await
                     .map_err(|e| format!("etcd {etcd:?}: {e}"))?;
@@ -417,7 +417,7 @@ fn main() -> std::process::ExitCode {
                 epoch,
                 etcd,
                 etcd_prefix,
-                etcd_user,
+                etcd_access,
                 services,
                 advertise,
                 link_secret_file,
@@ -445,7 +445,7 @@ fn main() -> std::process::ExitCode {
                     let etcd = EtcdPlace {
                         endpoints: &etcd,
                         prefix: &etcd_prefix,
-                        credentials: etcd_user.credentials()?,
+                        access: etcd_access.access()?,
                     };
                     register_backend(&backend, &id, &address, etcd, &services).await?;
                 }
@@ -554,9 +554,10 @@ async fn admin_post(
     Ok((status, body))
 }
 
-/// The etcd user a backend or the login service signs in as (etcd's authentication).
+/// How a backend or the login service reaches etcd: the user it signs in as (etcd's
+/// authentication) and TLS for `https://` endpoints.
 #[derive(Debug, clap::Args)]
-struct EtcdUserArgs {
+struct EtcdAccessArgs {
     /// The etcd user to sign in as (etcd with authentication enabled); its password comes
     /// from `--etcd-password-file` or `WAYGATE_ETCD_PASSWORD`.
     #[arg(long, default_value = "")]
@@ -564,23 +565,40 @@ struct EtcdUserArgs {
     /// A file whose first line is the etcd user's password.
     #[arg(long, requires = "etcd_user")]
     etcd_password_file: Option<std::path::PathBuf>,
+    /// PEM certificates `https://` etcd endpoints must chain to (default: the system's
+    /// trusted roots).
+    #[arg(long)]
+    etcd_ca_file: Option<std::path::PathBuf>,
+    /// PEM client certificate presented to etcd (`--client-cert-auth`), with
+    /// `--etcd-key-file`.
+    #[arg(long, requires = "etcd_key_file")]
+    etcd_cert_file: Option<std::path::PathBuf>,
+    /// PEM private key of `--etcd-cert-file`.
+    #[arg(long, requires = "etcd_cert_file")]
+    etcd_key_file: Option<std::path::PathBuf>,
 }
 
-impl EtcdUserArgs {
-    fn credentials(&self) -> Result<Option<waygate_edge::cluster::etcd::EtcdCredentials>, String> {
-        waygate_edge::cluster::etcd::EtcdCredentials::load(
-            &self.etcd_user,
-            self.etcd_password_file.as_deref(),
+impl EtcdAccessArgs {
+    fn access(&self) -> Result<waygate_edge::cluster::etcd::EtcdAccess, String> {
+        use waygate_edge::cluster::etcd::{EtcdAccess, EtcdCredentials, EtcdTls};
+        let credentials =
+            EtcdCredentials::load(&self.etcd_user, self.etcd_password_file.as_deref())
+                .map_err(|e| e.to_string())?;
+        let tls = EtcdTls::load(
+            self.etcd_ca_file.as_deref(),
+            self.etcd_cert_file.as_deref(),
+            self.etcd_key_file.as_deref(),
         )
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?;
+        Ok(EtcdAccess { credentials, tls })
     }
 }
 
-/// Where a backend registers: etcd's endpoints, key prefix and user.
+/// Where a backend registers: etcd's endpoints, key prefix, user and TLS.
 struct EtcdPlace<'a> {
     endpoints: &'a [String],
     prefix: &'a str,
-    credentials: Option<waygate_edge::cluster::etcd::EtcdCredentials>,
+    access: waygate_edge::cluster::etcd::EtcdAccess,
 }
 
 /// Registers a backend instance in etcd under a lease for each service and keeps its load
@@ -594,7 +612,7 @@ async fn register_backend(
 ) -> Result<(), String> {
     use waygate_edge::cluster::etcd::EtcdRegistry;
     let registry = Arc::new(
-        EtcdRegistry::connect(etcd.endpoints, etcd.prefix, etcd.credentials)
+        EtcdRegistry::connect(etcd.endpoints, etcd.prefix, etcd.access)
             .await
             .map_err(|e| format!("etcd {:?}: {e}", etcd.endpoints))?,
     );

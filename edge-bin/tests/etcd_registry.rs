@@ -33,7 +33,7 @@ fn edge(id: &str, state: InstanceState, capacity: Option<u32>, sessions: u32) ->
 async fn login_picks_the_least_loaded_enabled_edge_under_its_cap() {
     let etcd = EtcdServer::start();
     let reg = Arc::new(
-        EtcdRegistry::connect(&etcd.endpoints(), PREFIX, None)
+        EtcdRegistry::connect(&etcd.endpoints(), PREFIX, Default::default())
             .await
             .unwrap(),
     );
@@ -152,7 +152,7 @@ async fn http_get_edge(client: &etcd_client::Client) -> (u16, Vec<u8>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn instance_registry_trait_registers_reports_and_revokes() {
     let etcd = EtcdServer::start();
-    let reg = EtcdRegistry::connect(&etcd.endpoints(), PREFIX, None)
+    let reg = EtcdRegistry::connect(&etcd.endpoints(), PREFIX, Default::default())
         .await
         .unwrap();
     let mut c = reg.client().clone();

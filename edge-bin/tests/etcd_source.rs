@@ -12,7 +12,7 @@ use etcd_client::{Client, CompactionOptions, GetOptions};
 use support_etcd::EtcdServer;
 use tokio::sync::watch;
 use waygate_edge::cluster::etcd::{
-    Composer, EtcdRegistry, EtcdRouteSource, EtcdSourceConfig, Load,
+    Composer, EtcdAccess, EtcdRegistry, EtcdRouteSource, EtcdSourceConfig, EtcdTls, Load,
 };
 use waygate_routing::source::{RouteSource, SourceUpdate, TableOrigin};
 use waygate_routing::{
@@ -633,7 +633,7 @@ async fn with_authentication(etcd: &EtcdServer) -> waygate_edge::cluster::etcd::
 async fn an_expired_etcd_token_is_renewed() {
     let etcd = EtcdServer::start_with_args(&["--auth-token-ttl", "1"]);
     let edge_user = with_authentication(&etcd).await;
-    let reg = EtcdRegistry::connect(&etcd.endpoints(), PREFIX, Some(edge_user))
+    let reg = EtcdRegistry::connect(&etcd.endpoints(), PREFIX, EtcdAccess::signed_in(edge_user))
         .await
         .unwrap();
     reg.register_instance("game", &inst("g7", 7007), Duration::from_secs(30))
@@ -658,7 +658,7 @@ async fn an_etcd_with_authentication_serves_its_user_and_no_one_else() {
 
     // The source with the user lists the table; the registry with it registers.
     let mut signed_in = cfg(&etcd, Duration::from_millis(500));
-    signed_in.credentials = Some(edge_user.clone());
+    signed_in.access.credentials = Some(edge_user.clone());
     let src = EtcdRouteSource::open(signed_in).await.unwrap();
     let _task = src.spawn();
     let mut rx = src.watch();
@@ -669,9 +669,13 @@ async fn an_etcd_with_authentication_serves_its_user_and_no_one_else() {
         |u| has(u, "g1"),
     )
     .await;
-    let reg = EtcdRegistry::connect(&etcd.endpoints(), PREFIX, Some(edge_user.clone()))
-        .await
-        .unwrap();
+    let reg = EtcdRegistry::connect(
+        &etcd.endpoints(),
+        PREFIX,
+        EtcdAccess::signed_in(edge_user.clone()),
+    )
+    .await
+    .unwrap();
     reg.register_instance("game", &inst("g7", 7007), Duration::from_secs(3))
         .await
         .unwrap();
@@ -709,7 +713,7 @@ async fn an_etcd_with_authentication_serves_its_user_and_no_one_else() {
     );
     // A wrong password is refused when connecting.
     let mut wrong = cfg(&etcd, Duration::from_millis(500));
-    wrong.credentials = Some(EtcdCredentials {
+    wrong.access.credentials = Some(EtcdCredentials {
         user: "edge".into(),
         password: "not-the-password".into(),
     });
@@ -744,7 +748,7 @@ async fn an_etcd_with_authentication_serves_its_user_and_no_one_else() {
     // down) and signs in once etcd is back.
     etcd.stop();
     let mut late = cfg(&etcd, Duration::from_millis(500));
-    late.credentials = Some(edge_user);
+    late.access.credentials = Some(edge_user);
     let late = EtcdRouteSource::open(late)
         .await
         .expect("opens with etcd down");
@@ -758,4 +762,104 @@ async fn an_etcd_with_authentication_serves_its_user_and_no_one_else() {
         |u| has(u, "g9"),
     )
     .await;
+}
+
+/// Whether a source opened with `cfg` publishes a table within 2 s (a source that cannot
+/// even open publishes none).
+async fn reads_a_table(cfg: EtcdSourceConfig) -> bool {
+    let Ok(src) = EtcdRouteSource::open(cfg).await else {
+        return false;
+    };
+    let _task = src.spawn();
+    let mut rx = src.watch();
+    let read = tokio::time::timeout(Duration::from_secs(2), rx.wait_for(|u| u.table.is_some()))
+        .await
+        .is_ok();
+    read
+}
+
+/// TLS to etcd (issue 18: the edge spoke to etcd in clear, its etcd password included). A
+/// real etcd serving `https://` with a certificate of a private CA and requiring client
+/// certificates: the source with the CA and a client certificate reads the table, and so
+/// does an edge started from its config (`cluster.etcd_tls_*`); without the client
+/// certificate, or trusting only the system's roots, nothing is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_etcd_over_tls_is_verified_and_given_the_client_certificate() {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let dir = tempfile::tempdir().unwrap();
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_key = KeyPair::generate().unwrap();
+    let ca_pem = ca.self_signed(&ca_key).unwrap().pem();
+    let issuer = Issuer::new(ca, ca_key);
+    let path = |name: &str| dir.path().join(name);
+    let leaf = |names: Vec<String>, name: &str| {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(names)
+            .unwrap()
+            .signed_by(&key, &issuer)
+            .unwrap();
+        std::fs::write(path(&format!("{name}.pem")), cert.pem()).unwrap();
+        std::fs::write(path(&format!("{name}.key")), key.serialize_pem()).unwrap();
+    };
+    std::fs::write(path("ca.pem"), &ca_pem).unwrap();
+    leaf(vec!["localhost".into(), "127.0.0.1".into()], "etcd");
+    leaf(vec!["edge".into()], "edge");
+    let etcd = EtcdServer::start_tls(&path("etcd.pem"), &path("etcd.key"), Some(&path("ca.pem")));
+    let trusted = EtcdTls::load(
+        Some(&path("ca.pem")),
+        Some(&path("edge.pem")),
+        Some(&path("edge.key")),
+    )
+    .unwrap();
+    let with = |tls: EtcdTls| {
+        let mut c = cfg(&etcd, Duration::from_millis(500));
+        c.access.tls = tls;
+        c
+    };
+    let writer = EtcdRegistry::connect(
+        &etcd.endpoints(),
+        PREFIX,
+        EtcdAccess {
+            credentials: None,
+            tls: trusted.clone(),
+        },
+    )
+    .await
+    .unwrap();
+    put(writer.client(), "table", BASE).await;
+
+    assert!(
+        reads_a_table(with(trusted.clone())).await,
+        "CA and client certificate"
+    );
+    let no_client_cert = EtcdTls {
+        identity: None,
+        ..trusted.clone()
+    };
+    assert!(
+        !reads_a_table(with(no_client_cert)).await,
+        "etcd requires a client certificate"
+    );
+    let system_roots = EtcdTls {
+        ca_pem: None,
+        ..trusted
+    };
+    assert!(
+        !reads_a_table(with(system_roots)).await,
+        "a certificate of an unknown CA was accepted"
+    );
+
+    // The edge, from its configuration.
+    let mut config = waygate_edge::config::EdgeConfig::default();
+    config.use_ephemeral_ports();
+    config.cluster.etcd_endpoints = etcd.endpoints();
+    config.cluster.etcd_prefix = PREFIX.into();
+    config.cluster.etcd_tls_ca_file = Some(path("ca.pem"));
+    config.cluster.etcd_tls_cert_file = Some(path("edge.pem"));
+    config.cluster.etcd_tls_key_file = Some(path("edge.key"));
+    let edge = waygate_edge::edge::Edge::start(config)
+        .await
+        .expect("the edge reads its table over TLS");
+    drop(edge);
 }

@@ -27,7 +27,7 @@ use waygate_routing::InstanceState;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waygate_login_answers_the_least_loaded_edge_from_etcd() {
     let etcd = EtcdServer::start();
-    let registry = EtcdRegistry::connect(&etcd.endpoints(), "/waygate", None)
+    let registry = EtcdRegistry::connect(&etcd.endpoints(), "/waygate", Default::default())
         .await
         .unwrap();
     for (id, sessions) in [("edge-busy", 900), ("edge-calm", 20), ("edge-full", 5)] {
@@ -144,7 +144,7 @@ async fn a_game_server_on_the_backend_sdk_registers_itself_and_gets_players() {
         .unwrap(),
     );
     let registry = std::sync::Arc::new(
-        EtcdRegistry::connect(&etcd.endpoints(), "/waygate", None)
+        EtcdRegistry::connect(&etcd.endpoints(), "/waygate", Default::default())
             .await
             .unwrap(),
     );

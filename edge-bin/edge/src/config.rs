@@ -585,6 +585,15 @@ pub struct ClusterConfig {
     /// A file whose first line is that user's password. Also from the environment variable
     /// `WAYGATE_ETCD_PASSWORD`.
     pub etcd_password_file: Option<PathBuf>,
+    /// PEM certificates `https://` etcd endpoints must chain to (a private CA); unset: the
+    /// system's trusted roots. TLS is chosen by the endpoints' scheme (all `https://`, or
+    /// none).
+    pub etcd_tls_ca_file: Option<PathBuf>,
+    /// PEM certificate the edge presents to etcd (etcd's `--client-cert-auth`), with
+    /// `etcd_tls_key_file`; unset: none.
+    pub etcd_tls_cert_file: Option<PathBuf>,
+    /// PEM private key of `etcd_tls_cert_file`.
+    pub etcd_tls_key_file: Option<PathBuf>,
     /// Use an etcd endpoint or a Redis server beyond loopback without authentication (only on
     /// a closed network). By default the edge refuses to start that way: anyone reaching
     /// Redis could read the sessions' resume keys and take over players' sessions, anyone
@@ -638,6 +647,9 @@ impl Default for ClusterConfig {
             etcd_endpoints: Vec::new(),
             etcd_username: String::new(),
             etcd_password_file: None,
+            etcd_tls_ca_file: None,
+            etcd_tls_cert_file: None,
+            etcd_tls_key_file: None,
             insecure_no_auth: false,
             etcd_prefix: "/waygate".into(),
             damping_ms: 10_000,
@@ -696,6 +708,67 @@ impl ClusterConfig {
             ));
         }
         Ok(credentials)
+    }
+
+    /// How the edge reaches etcd: its user (`etcd_credentials`) and TLS (`etcd_tls_*`,
+    /// read now) for `https://` endpoints.
+    pub fn etcd_access(&self) -> Result<waygate_routing_etcd::EtcdAccess, ConfigError> {
+        let tls = waygate_routing_etcd::EtcdTls::load(
+            self.etcd_tls_ca_file.as_deref(),
+            self.etcd_tls_cert_file.as_deref(),
+            self.etcd_tls_key_file.as_deref(),
+        )
+        .map_err(|e| ConfigError::Invalid {
+            key: "cluster.etcd_tls_ca_file",
+            message: e.to_string(),
+        })?;
+        Ok(waygate_routing_etcd::EtcdAccess {
+            credentials: self.etcd_credentials()?,
+            tls,
+        })
+    }
+
+    /// The etcd endpoints' TLS settings agree: all `https://` or none, certificates only
+    /// with `https://`, a client certificate with its key.
+    fn check_etcd_tls(&self) -> Result<(), ConfigError> {
+        let tls = waygate_routing_etcd::endpoints_use_tls(&self.etcd_endpoints).map_err(|e| {
+            ConfigError::Invalid {
+                key: "cluster.etcd_endpoints",
+                message: e.to_string(),
+            }
+        })?;
+        let files = [
+            ("cluster.etcd_tls_ca_file", &self.etcd_tls_ca_file),
+            ("cluster.etcd_tls_cert_file", &self.etcd_tls_cert_file),
+            ("cluster.etcd_tls_key_file", &self.etcd_tls_key_file),
+        ];
+        if let Some((key, _)) = files.iter().find(|(_, f)| f.is_some()).filter(|_| !tls) {
+            return Err(ConfigError::Invalid {
+                key,
+                message: "etcd TLS settings need https:// etcd endpoints".into(),
+            });
+        }
+        if self.etcd_tls_cert_file.is_some() != self.etcd_tls_key_file.is_some() {
+            return Err(ConfigError::Invalid {
+                key: "cluster.etcd_tls_key_file",
+                message: "a client certificate needs both etcd_tls_cert_file and \
+                          etcd_tls_key_file"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// etcd endpoints beyond loopback that are not TLS (`http://`): the route table, the
+    /// registrations and the etcd password cross the network in clear. The edge warns of
+    /// them at start.
+    pub fn plaintext_etcd_beyond_loopback(&self) -> Vec<String> {
+        self.etcd_endpoints
+            .iter()
+            .filter(|e| !e.trim().to_ascii_lowercase().starts_with("https://"))
+            .filter(|e| !etcd_on_loopback(e))
+            .cloned()
+            .collect()
     }
 
     /// The PEM of `redis_tls_ca_file`, read now (`None` when unset).
@@ -1026,6 +1099,13 @@ impl EdgeConfig {
                 listener.addr
             ));
         }
+        for etcd in self.cluster.plaintext_etcd_beyond_loopback() {
+            warnings.push(format!(
+                "etcd at {etcd} is beyond loopback without TLS: the route table, the \
+                 registrations and the etcd password cross the network in clear. Use \
+                 https:// endpoints (cluster.etcd_tls_ca_file for a private CA)"
+            ));
+        }
         for redis in self.cluster.plaintext_redis_beyond_loopback() {
             warnings.push(format!(
                 "Redis at {redis} is beyond loopback without TLS: session snapshots and the \
@@ -1282,6 +1362,7 @@ impl EdgeConfig {
             }
         }
         self.cluster.check_authentication()?;
+        self.cluster.check_etcd_tls()?;
         if !(self.routing.migration_rate > 0.0 && self.routing.migration_rate.is_finite()) {
             return Err(ConfigError::Invalid {
                 key: "routing.migration_rate",
@@ -1505,13 +1586,22 @@ mod tests {
     fn settings_weak_beyond_loopback_are_warned_of() {
         let mut c = EdgeConfig::default();
         c.cluster.redis_url = "redis://127.0.0.1:6379".into();
+        c.cluster.etcd_endpoints = vec!["http://127.0.0.1:2379".into()];
         assert!(c.loopback_only_warnings().is_empty());
+        c.cluster.etcd_endpoints = vec!["http://10.0.0.4:2379".into()];
         c.listeners.quic.addr = "0.0.0.0:7444".parse().unwrap();
         c.listeners.kcp.addr = "0.0.0.0:7100".parse().unwrap();
         c.kcp.packet_auth = waygate_transport::kcp::config::PacketAuth::Optional;
         c.cluster.redis_url = "redis://:pw-for-the-test@10.0.0.3:6379".into();
         let warnings = c.loopback_only_warnings().join("\n");
-        for named in ["tls.cert", "rediss://", "10.0.0.3", "kcp.packet_auth"] {
+        for named in [
+            "tls.cert",
+            "rediss://",
+            "10.0.0.3",
+            "kcp.packet_auth",
+            "10.0.0.4",
+            "https://",
+        ] {
             assert!(warnings.contains(named), "{named}: {warnings}");
         }
         assert!(!warnings.contains("pw-for-the-test"), "{warnings}");
@@ -1519,7 +1609,33 @@ mod tests {
         c.tls.key = Some("/etc/waygate/edge.key".into());
         c.cluster.redis_url = "rediss://:pw-for-the-test@10.0.0.3:6379".into();
         c.kcp.packet_auth = waygate_transport::kcp::config::PacketAuth::Auto;
+        c.cluster.etcd_endpoints = vec!["https://10.0.0.4:2379".into()];
         assert!(c.loopback_only_warnings().is_empty());
+    }
+
+    /// TLS to etcd is chosen by the endpoints' scheme: all `https://` or none; certificates
+    /// without `https://` endpoints, or a client certificate without its key, are refused
+    /// by name.
+    #[test]
+    fn etcd_tls_settings_must_agree_with_the_endpoints() {
+        let refused = |c: &ClusterConfig| match c.check_etcd_tls() {
+            Err(ConfigError::Invalid { key, .. }) => key,
+            other => panic!("{other:?}"),
+        };
+        let mut c = ClusterConfig {
+            etcd_endpoints: vec!["https://a:2379".into(), "http://b:2379".into()],
+            ..ClusterConfig::default()
+        };
+        assert_eq!(refused(&c), "cluster.etcd_endpoints");
+        c.etcd_endpoints = vec!["http://a:2379".into()];
+        c.etcd_tls_ca_file = Some("/etc/waygate/etcd-ca.pem".into());
+        assert_eq!(refused(&c), "cluster.etcd_tls_ca_file");
+        c.etcd_endpoints = vec!["https://a:2379".into(), "HTTPS://b:2379".into()];
+        assert!(c.check_etcd_tls().is_ok());
+        c.etcd_tls_cert_file = Some("/etc/waygate/etcd-client.pem".into());
+        assert_eq!(refused(&c), "cluster.etcd_tls_key_file");
+        c.etcd_tls_key_file = Some("/etc/waygate/etcd-client.key".into());
+        assert!(c.check_etcd_tls().is_ok());
     }
 
     /// A JWT edge has no keys to open KCP connect tokens with: a KCP listener that requires

@@ -19,6 +19,9 @@ pub struct EtcdServer {
     child: Option<Child>,
     /// Extra command-line arguments, on every (re)start.
     extra: Vec<String>,
+    /// `https` when clients speak TLS (then `/health` is read from the plain metrics port).
+    scheme: &'static str,
+    metrics_port: u16,
 }
 
 fn free_port() -> u16 {
@@ -62,14 +65,54 @@ impl EtcdServer {
             dir: tempfile::tempdir().expect("temp dir"),
             child: None,
             extra: extra.iter().map(|a| (*a).to_owned()).collect(),
+            scheme: "http",
+            metrics_port: free_port(),
         };
         s.spawn();
         s
     }
 
-    /// `http://127.0.0.1:PORT`.
+    /// etcd serving its clients over TLS with the PEM `cert` and `key` (the name in `cert`
+    /// must be `localhost` or 127.0.0.1); with `client_ca`, it also requires a client
+    /// certificate issued by it (`--client-cert-auth`).
+    pub fn start_tls(
+        cert: &std::path::Path,
+        key: &std::path::Path,
+        client_ca: Option<&std::path::Path>,
+    ) -> Self {
+        let mut extra = vec![
+            "--cert-file".to_owned(),
+            cert.display().to_string(),
+            "--key-file".to_owned(),
+            key.display().to_string(),
+        ];
+        if let Some(ca) = client_ca {
+            extra.extend([
+                "--client-cert-auth".to_owned(),
+                "--trusted-ca-file".to_owned(),
+                ca.display().to_string(),
+            ]);
+        }
+        let mut s = Self {
+            bin: find_etcd(),
+            client_port: free_port(),
+            peer_port: free_port(),
+            dir: tempfile::tempdir().expect("temp dir"),
+            child: None,
+            extra,
+            scheme: "https",
+            metrics_port: free_port(),
+        };
+        s.spawn();
+        s
+    }
+
+    /// `http://127.0.0.1:PORT` (`https://localhost:PORT` with TLS).
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        match self.scheme {
+            "https" => format!("https://localhost:{}", self.client_port),
+            _ => format!("http://127.0.0.1:{}", self.client_port),
+        }
     }
 
     /// The endpoints list for clients.
@@ -84,7 +127,8 @@ impl EtcdServer {
 
     fn spawn(&mut self) {
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let client = self.endpoint();
+        let client = format!("{}://127.0.0.1:{}", self.scheme, self.client_port);
+        let metrics = format!("http://127.0.0.1:{}", self.metrics_port);
         let log = std::fs::File::create(self.dir.path().join("etcd.log")).expect("etcd log file");
         let child = Command::new(&self.bin)
             .args(["--name", "t"])
@@ -103,6 +147,7 @@ impl EtcdServer {
                 &peer,
             ])
             .args(["--initial-cluster", &format!("t={peer}")])
+            .args(["--listen-metrics-urls", &metrics])
             .args(["--log-level", "warn", "--logger", "zap"])
             .args(&self.extra)
             .stdin(Stdio::null())
@@ -116,7 +161,7 @@ impl EtcdServer {
 
     fn healthy(&self) -> bool {
         let Ok(mut s) = TcpStream::connect_timeout(
-            &([127, 0, 0, 1], self.client_port).into(),
+            &([127, 0, 0, 1], self.metrics_port).into(),
             Duration::from_millis(200),
         ) else {
             return false;

@@ -205,6 +205,94 @@ impl EtcdCredentials {
     }
 }
 
+/// How a client reaches etcd beyond its endpoints: the user it signs in as, and TLS for
+/// `https://` endpoints.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EtcdAccess {
+    /// The etcd user to sign in as; `None`: etcd without authentication.
+    pub credentials: Option<EtcdCredentials>,
+    /// Certificates for `https://` endpoints (unused with `http://` ones).
+    pub tls: EtcdTls,
+}
+
+impl EtcdAccess {
+    /// Signed in as `credentials`, TLS with the system's roots (for `https://` endpoints).
+    #[must_use]
+    pub fn signed_in(credentials: EtcdCredentials) -> Self {
+        Self {
+            credentials: Some(credentials),
+            tls: EtcdTls::default(),
+        }
+    }
+}
+
+/// TLS to etcd (`https://` endpoints): the roots etcd's server certificate must chain to,
+/// and the certificate the client presents when etcd asks for one (`--client-cert-auth`).
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct EtcdTls {
+    /// PEM certificates of the CA etcd's certificate must chain to; `None`: the system's
+    /// trusted roots.
+    pub ca_pem: Option<Vec<u8>>,
+    /// PEM certificate chain and PEM private key presented to etcd; `None`: none.
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for EtcdTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdTls")
+            .field("ca_pem", &self.ca_pem.as_ref().map(Vec::len))
+            .field("identity", &self.identity.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+impl EtcdTls {
+    /// Reads the CA file and the client certificate and key files (both or neither); an
+    /// unreadable file is an error naming it.
+    pub fn load(
+        ca_file: Option<&Path>,
+        cert_file: Option<&Path>,
+        key_file: Option<&Path>,
+    ) -> Result<Self, EtcdError> {
+        let read = |path: &Path| {
+            std::fs::read(path)
+                .map_err(|e| EtcdError::Config(format!("etcd TLS file {}: {e}", path.display())))
+        };
+        let identity = match (cert_file, key_file) {
+            (Some(cert), Some(key)) => Some((read(cert)?, read(key)?)),
+            (None, None) => None,
+            _ => {
+                return Err(EtcdError::Config(
+                    "an etcd client certificate needs both its certificate and its key file".into(),
+                ))
+            }
+        };
+        Ok(Self {
+            ca_pem: ca_file.map(read).transpose()?,
+            identity,
+        })
+    }
+
+    /// Whether anything was set (a CA or a client certificate).
+    #[must_use]
+    pub fn is_set(&self) -> bool {
+        self.ca_pem.is_some() || self.identity.is_some()
+    }
+}
+
+/// Whether `endpoints` use TLS: all `https://` (true) or all not (false); a mix is refused
+/// (the client would speak TLS to some members and not to others).
+pub fn endpoints_use_tls(endpoints: &[String]) -> Result<bool, EtcdError> {
+    let https = |e: &String| e.trim().to_ascii_lowercase().starts_with("https://");
+    match endpoints.iter().filter(|e| https(e)).count() {
+        0 => Ok(false),
+        n if n == endpoints.len() => Ok(true),
+        _ => Err(EtcdError::Config(format!(
+            "etcd endpoints mix https:// and plain ones: {endpoints:?}"
+        ))),
+    }
+}
+
 /// The etcd client with a `Debug` impl (the client has none).
 #[derive(Clone)]
 struct Etcd(Client);
@@ -218,22 +306,42 @@ impl std::fmt::Debug for Etcd {
 /// Client options of the source, the registry and the login service: connect timeout and
 /// keep-alive from the request timeout; a user's token is renewed when etcd refuses it
 /// (it expires: after its TTL, and at every etcd restart with etcd's default tokens).
-fn connect_options(cfg: &EtcdSourceConfig) -> ConnectOptions {
-    ConnectOptions::new()
+/// With `https://` endpoints, TLS verified against `cfg.access.tls`'s CA (else the system's
+/// roots), presenting its client certificate if it has one.
+fn connect_options(cfg: &EtcdSourceConfig) -> Result<ConnectOptions, EtcdError> {
+    let options = ConnectOptions::new()
         .with_connect_timeout(cfg.request_timeout)
         .with_keep_alive(cfg.request_timeout, cfg.request_timeout)
         .with_keep_alive_while_idle(true)
-        .with_auto_token_refresh(true)
+        .with_auto_token_refresh(true);
+    let tls = &cfg.access.tls;
+    if !endpoints_use_tls(&cfg.endpoints)? {
+        if tls.is_set() {
+            return Err(EtcdError::Config(
+                "etcd TLS certificates are set but the endpoints are not https://".into(),
+            ));
+        }
+        return Ok(options);
+    }
+    use etcd_client::{Certificate, Identity, TlsOptions};
+    let mut options_tls = match &tls.ca_pem {
+        Some(pem) => TlsOptions::new().ca_certificate(Certificate::from_pem(pem)),
+        None => TlsOptions::new().with_native_roots(),
+    };
+    if let Some((cert, key)) = &tls.identity {
+        options_tls = options_tls.identity(Identity::from_pem(cert, key));
+    }
+    Ok(options.with_tls(options_tls))
 }
 
-/// A client of `cfg.endpoints` with [`connect_options`], signed in as `cfg.credentials`.
+/// A client of `cfg.endpoints` with [`connect_options`], signed in as `cfg.access`'s user.
 /// Connected lazily: etcd may be down. A user signs in at once when etcd answers (a wrong
 /// user or password is an error here); while etcd cannot be reached the client starts
 /// without a token and a task signs it in as soon as etcd answers (every clone of the
 /// client shares the token), so an edge starts on its persisted table with etcd down.
 pub async fn connect_client(cfg: &EtcdSourceConfig) -> Result<Client, EtcdError> {
-    let options = connect_options(cfg);
-    let Some(c) = &cfg.credentials else {
+    let options = connect_options(cfg)?;
+    let Some(c) = &cfg.access.credentials else {
         return Ok(Client::connect(&cfg.endpoints, Some(options)).await?);
     };
     let signed_in = options

@@ -14,7 +14,7 @@ use tokio::sync::watch;
 use waygate_routing::source::{InstanceRegistry, LeaseId};
 use waygate_routing::{InstanceSpec, InstanceState, LoadReport, RoutingError};
 
-use crate::{connect_client, timed, Etcd, EtcdCredentials, EtcdError, EtcdSourceConfig, Keys};
+use crate::{connect_client, timed, Etcd, EtcdAccess, EtcdError, EtcdSourceConfig, Keys};
 
 // ---- records ------------------------------------------------------------------------------
 
@@ -174,15 +174,15 @@ impl EtcdRegistry {
         }
     }
 
-    /// Connects to `endpoints` (lazily: etcd may be down) as `credentials` (`None`: etcd
-    /// without authentication) and writes under `prefix`.
+    /// Connects to `endpoints` (lazily: etcd may be down) with `access` (user, TLS; the
+    /// default: no user, and the system's roots for `https://`) and writes under `prefix`.
     pub async fn connect(
         endpoints: &[String],
         prefix: &str,
-        credentials: Option<EtcdCredentials>,
+        access: EtcdAccess,
     ) -> Result<Self, EtcdError> {
         let mut cfg = EtcdSourceConfig::new(endpoints.to_vec(), prefix);
-        cfg.credentials = credentials;
+        cfg.access = access;
         Ok(Self::new(connect_client(&cfg).await?, prefix))
     }
 

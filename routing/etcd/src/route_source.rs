@@ -20,8 +20,8 @@ use waygate_routing::source::{
 use waygate_routing::{InstanceState, RouteTable, RoutingError, TableFormat};
 
 use crate::{
-    connect_client, timed, EdgeInfo, Etcd, EtcdCredentials, EtcdError, EtcdKey, InstanceRecord,
-    Keys, Load,
+    connect_client, timed, EdgeInfo, Etcd, EtcdAccess, EtcdError, EtcdKey, InstanceRecord, Keys,
+    Load,
 };
 
 // ---- records ------------------------------------------------------------------------------
@@ -366,8 +366,8 @@ pub struct EtcdSourceConfig {
     pub backoff_min: Duration,
     /// Largest reconnect delay.
     pub backoff_max: Duration,
-    /// The etcd user to sign in as; `None`: etcd without authentication.
-    pub credentials: Option<EtcdCredentials>,
+    /// The etcd user to sign in as, and TLS for `https://` endpoints.
+    pub access: EtcdAccess,
 }
 
 impl EtcdSourceConfig {
@@ -383,7 +383,7 @@ impl EtcdSourceConfig {
             progress_interval: Duration::from_secs(1),
             backoff_min: Duration::from_millis(100),
             backoff_max: Duration::from_secs(5),
-            credentials: None,
+            access: EtcdAccess::default(),
         }
     }
 }
@@ -427,18 +427,18 @@ pub struct EtcdSourceStats {
 
 impl EtcdRouteSource {
     /// Wiring hook for the edge: [`EtcdSourceConfig::new`] with `persist`, `damping` and
-    /// `credentials`, then [`EtcdRouteSource::open`].
+    /// `access` (user, TLS), then [`EtcdRouteSource::open`].
     pub async fn connect(
         endpoints: Vec<String>,
         prefix: String,
         persist: Option<PathBuf>,
         damping: Duration,
-        credentials: Option<EtcdCredentials>,
+        access: EtcdAccess,
     ) -> Result<Arc<Self>, EtcdError> {
         let mut cfg = EtcdSourceConfig::new(endpoints, prefix);
         cfg.persist_path = persist;
         cfg.damping = damping;
-        cfg.credentials = credentials;
+        cfg.access = access;
         Self::open(cfg).await.map(Arc::new)
     }
 

@@ -124,7 +124,7 @@ impl Edge {
                     c.etcd_prefix.clone(),
                     config.routing.persist.clone(),
                     Duration::from_millis(c.damping_ms),
-                    c.etcd_credentials()?,
+                    c.etcd_access()?,
                 )
                 .await
                 .map_err(|e| EdgeError::Cluster(e.to_string()))?;
