@@ -417,10 +417,17 @@ impl SessionRegistry {
         self.command(session_id, HostCommand::Close(code))
     }
 
-    /// Records a backend binding for a session (kept across reconnects).
+    /// Records a placement for a session (service -> instance; kept across reconnects and
+    /// in its snapshot), queued like a routing key: never dropped for a full mailbox or a
+    /// full queue. False when the session is not held here.
     pub fn bind(&self, session_id: &SessionId, service: &str, instance: &str) -> bool {
-        let bind = HostCommand::Bind(service.to_owned(), instance.to_owned());
-        self.command(session_id, bind)
+        match self.host(|h| h.bind_placement(session_id, service, instance)) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::debug!(%service, %instance, error = %e, "placement not recorded");
+                false
+            }
+        }
     }
 
     /// Drops a session's connection without a CLOSE (as a network failure would); the

@@ -85,6 +85,17 @@ pub enum OutboundItem {
         /// Key.
         key: String,
     },
+    /// A placement the edge chose for the session that another edge could not recompute
+    /// (least loaded, pinned, assigned: service -> instance), for its snapshot. A queue
+    /// item, not a mailbox command: a full mailbox dropped it, and with the router's
+    /// binding already made nothing ever sent it again (the session was placed afresh
+    /// after a move).
+    Placement {
+        /// Service.
+        service: String,
+        /// Instance id.
+        instance: String,
+    },
     /// An ERROR for one of the client's messages.
     Error(ErrorReport),
     /// One of the client's messages (its client seq) was processed by its backend
@@ -120,6 +131,7 @@ impl OutboundItem {
         match self {
             Self::Message(m) => m.class,
             Self::RoutingKey { .. }
+            | Self::Placement { .. }
             | Self::Membership { .. }
             | Self::Error(_)
             | Self::Answered(_)
@@ -140,6 +152,7 @@ impl OutboundItem {
         match self {
             Self::Message(m) => m.payload.len() + 16,
             Self::RoutingKey { service, key } => service.len() + key.len() + 16,
+            Self::Placement { service, instance } => service.len() + instance.len() + 16,
             Self::Membership { channel, .. } => channel.len() + 32,
             Self::Error(_) => 32,
             Self::Answered(_) | Self::Receipt { .. } => 16,
@@ -190,8 +203,6 @@ pub enum Command {
     HandOver(ResumeAttempt),
     /// End the session from the server side.
     Close(CloseCode),
-    /// Record a backend binding (service -> instance).
-    Bind(String, String),
     /// Soft migration: MIGRATE to `target` within the deadline.
     Migrate(String, Duration),
     /// Hard migration step 1: stop taking upstream DATA.
@@ -1161,6 +1172,21 @@ impl SessionHost {
         self.queue(session_id, item)
     }
 
+    /// Records a placement the edge chose for a session (service -> instance) in its
+    /// snapshot, in order with its pushes; kept beside a full queue like a routing key.
+    pub fn bind_placement(
+        &mut self,
+        session_id: &SessionId,
+        service: &str,
+        instance: &str,
+    ) -> Result<(), PushError> {
+        let item = OutboundItem::Placement {
+            service: service.to_owned(),
+            instance: instance.to_owned(),
+        };
+        self.queue(session_id, item)
+    }
+
     /// Queues an ERROR for one of the client's messages (in order with the pushes).
     pub fn report_error(
         &mut self,
@@ -1390,6 +1416,7 @@ pub fn apply_work(
                 .send_downstream(now, msg.class, msg.msg_id, msg.payload)
                 .map(|_| ()),
             OutboundItem::RoutingKey { service, key } => machine.bind_key(&service, &key),
+            OutboundItem::Placement { service, instance } => machine.bind(&service, &instance),
             OutboundItem::Membership { channel, joined } => {
                 machine.track_membership(&channel, joined)
             }
@@ -1427,9 +1454,6 @@ pub fn apply_work(
             }
             Command::Close(code) => {
                 let _ = machine.close_session(now, code);
-            }
-            Command::Bind(service, instance) => {
-                let _ = machine.bind(&service, &instance);
             }
             Command::Migrate(target, deadline) => {
                 let _ = machine.migrate(&target, deadline);
@@ -1758,6 +1782,47 @@ mod tests {
             host.queue_item(&[9; 16], OutboundItem::Answered(1)),
             Err(PushError::NotFound)
         );
+    }
+
+    #[test]
+    fn a_placement_is_kept_with_a_full_mailbox_and_a_full_queue() {
+        // A placement (least loaded, pinned, assigned) went through the holder's mailbox:
+        // with 32 commands waiting it was dropped, and as the router's binding was made
+        // already nothing sent it again: after a move the session was placed afresh. It is
+        // a queue item now, taken with the mailbox full and kept beside a full queue.
+        let mut host = SessionHost::new(SessionHost::outbound_for_capacity(8));
+        host.open(1);
+        host.established(1, [1; 16], "p".into(), 1);
+        for _ in 0..MAILBOX_CAPACITY {
+            assert_eq!(host.command(&[1; 16], Command::Quiesce), Ok(()));
+        }
+        assert_eq!(
+            host.command(&[1; 16], Command::Quiesce),
+            Err(MailboxError::Full),
+            "the mailbox is full"
+        );
+        let message = || {
+            OutboundItem::Message(Downstream {
+                class: TrafficClass::Critical,
+                msg_id: 7,
+                payload: Bytes::from_static(b"m"),
+            })
+        };
+        let mut queued = 0;
+        while host.queue_item(&[1; 16], message()).is_ok() {
+            queued += 1;
+            assert!(queued < 10_000, "the queue never fills");
+        }
+        assert_eq!(host.bind_placement(&[1; 16], "world", "w-1"), Ok(()));
+        let work = host.take_work(1);
+        assert_eq!(
+            work.items.last(),
+            Some(&OutboundItem::Placement {
+                service: "world".into(),
+                instance: "w-1".into()
+            })
+        );
+        assert_eq!(work.items.len(), queued + 1);
     }
 
     /// Silent-drop audit: a FORWARD_DONE or an ERROR for a client message that found the
