@@ -2,7 +2,8 @@
 //! session's traffic. Redis: a real edge on a real redis-server with write-through on; a
 //! live session echoes through the whole freeze; a new login meanwhile is refused with
 //! `unavailable` and a retry-after promptly (never left waiting); after SIGCONT everything
-//! works again without a restart. etcd: see the second test.
+//! works again without a restart. etcd: see the second test. And a kick notice missed while
+//! the edge's subscription was being made again: the sweep it owes comes within seconds.
 
 #![allow(
     clippy::unwrap_used,
@@ -214,4 +215,68 @@ async fn a_sigstopped_etcd_blocks_no_session_and_the_edge_registers_again() {
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     assert_eq!(common::echo(&mut live, "after").await, Ok("b1".into()));
+}
+
+/// Kick notices are at most once (Redis pub/sub): one published while the edge's kick
+/// subscription was being made again went nowhere, and the copy taken over on another edge
+/// lived on — its client connected, able to send as the player — until the next
+/// ownership re-assert sweep (`cluster.reassert_ms`: 30 s by default, 600 s here). Now a
+/// subscription that comes back (or a queue that dropped notices) makes the sweep due at
+/// once: the copy is kicked within seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_whose_kick_notice_was_missed_is_kicked_within_seconds() {
+    let redis = support_redis::RedisServer::start();
+    let url = redis.url();
+    let (edge, _b, _d) = common::demo_edge(move |c| {
+        c.cluster.redis_url = url;
+        c.cluster.reassert_ms = 600_000;
+    })
+    .await;
+    let tcp = edge.addrs[&TransportKind::Tcp];
+    let mut taken = Client::start(ClientOptions::new(
+        vec![Endpoint::new(TransportKind::Tcp, tcp)],
+        common::token("taken"),
+    ));
+    assert_eq!(common::echo(&mut taken, "before").await, Ok("b1".into()));
+    let stores = waygate_edge::cluster::redis::RedisStores::connect(&redis.url())
+        .await
+        .expect("connect");
+    let admin = redis::Client::open(redis.url()).expect("url");
+    let mut admin = admin
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect");
+    // The edge's subscription is cut; the takeover's notice is published before it is
+    // made again (it retries after 50 ms at the earliest).
+    let _: redis::Value = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("pubsub")
+        .query_async(&mut admin)
+        .await
+        .expect("CLIENT KILL");
+    use waygate_session::store::OwnershipRegistry;
+    let grant = stores
+        .ownership
+        .claim("taken", &[7; 16], "edge-2")
+        .await
+        .expect("claim");
+    assert!(grant.previous.is_some(), "edge-1's session was the owner");
+    let t = Instant::now();
+    let code = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match taken.next_event().await {
+                Some(waygate_client::Event::Closed { code }) => return Some(code),
+                Some(_) => {}
+                None => return None,
+            }
+        }
+    })
+    .await
+    .expect("the superseded copy still runs 20 s after the takeover");
+    eprintln!(
+        "superseded copy closed {:?} after the takeover",
+        t.elapsed()
+    );
+    assert_eq!(code, Some(CloseCode::Kicked));
 }
