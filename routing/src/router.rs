@@ -151,6 +151,9 @@ impl TargetInstance {
 pub struct RouteTarget {
     /// Where the message goes.
     pub target: Arc<TargetInstance>,
+    /// The service the message id names (the canary may serve it from another:
+    /// `target.service`).
+    pub requested: Arc<str>,
     /// Epoch of the table in force when deciding.
     pub epoch: u64,
     /// How it was decided.
@@ -256,6 +259,8 @@ pub struct TickReport {
 
 #[derive(Debug, Clone)]
 struct CompiledService {
+    /// The service's name, shared by the decisions that name it as requested.
+    name: Arc<str>,
     kind: KeyKind,
     /// Each instance as routing decisions name it (same order as the table's).
     targets: Vec<Arc<TargetInstance>>,
@@ -512,6 +517,7 @@ impl Router {
                 .and_then(|c| c.by_name.get(&s.name).map(|&i| c.services[i].rr_next))
                 .unwrap_or(0);
             services.push(CompiledService {
+                name: Arc::from(s.name.as_str()),
                 kind: s.key,
                 targets: s
                     .instances
@@ -712,6 +718,7 @@ impl Router {
         let table = Arc::clone(&c.table);
         let req_name = table.services[requested].name.as_str();
         let kind = c.services[requested].kind;
+        let requested_name = Arc::clone(&c.services[requested].name);
         let key = match kind {
             KeyKind::Player | KeyKind::LeastLoaded | KeyKind::RoundRobin => Some(req.player),
             KeyKind::Room => req.room,
@@ -743,6 +750,7 @@ impl Router {
                 });
                 return Ok(RouteTarget {
                     target,
+                    requested: requested_name,
                     epoch: table.epoch,
                     reason: RouteReason::Bound,
                     canary: b.canary,
@@ -762,6 +770,7 @@ impl Router {
         };
         let decision = RouteTarget {
             target,
+            requested: requested_name,
             epoch: table.epoch,
             reason,
             canary,

@@ -363,6 +363,14 @@ fn canary_share_within_tolerance_and_sticky() {
     // Both paths keep working side by side, and membership is sticky for bound players.
     let d = r.route(1000, &RouteRequest::player(&ps[0])).expect("route");
     assert_eq!(d.reason, RouteReason::Bound);
+    // The decision names the service the message id asked for, canary or not (the edge
+    // keeps a session's messages to it in order across a canary change).
+    for p in &ps[..200] {
+        let t = r
+            .route_target(1000, &RouteRequest::player(p))
+            .expect("route");
+        assert_eq!(&*t.requested, "player", "canary {}", t.canary);
+    }
 }
 
 #[test]

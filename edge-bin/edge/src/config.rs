@@ -713,18 +713,26 @@ impl ClusterConfig {
     /// How the edge reaches etcd: its user (`etcd_credentials`) and TLS (`etcd_tls_*`,
     /// read now) for `https://` endpoints.
     pub fn etcd_access(&self) -> Result<waygate_routing_etcd::EtcdAccess, ConfigError> {
-        let tls = waygate_routing_etcd::EtcdTls::load(
-            self.etcd_tls_ca_file.as_deref(),
-            self.etcd_tls_cert_file.as_deref(),
-            self.etcd_tls_key_file.as_deref(),
-        )
-        .map_err(|e| ConfigError::Invalid {
-            key: "cluster.etcd_tls_ca_file",
-            message: e.to_string(),
-        })?;
+        let read = |key: &'static str, path: &Option<PathBuf>| {
+            path.as_deref()
+                .map(|p| {
+                    std::fs::read(p).map_err(|e| ConfigError::Invalid {
+                        key,
+                        message: format!("{}: {e}", p.display()),
+                    })
+                })
+                .transpose()
+        };
+        let ca_pem = read("cluster.etcd_tls_ca_file", &self.etcd_tls_ca_file)?;
+        let cert = read("cluster.etcd_tls_cert_file", &self.etcd_tls_cert_file)?;
+        let key = read("cluster.etcd_tls_key_file", &self.etcd_tls_key_file)?;
         Ok(waygate_routing_etcd::EtcdAccess {
             credentials: self.etcd_credentials()?,
-            tls,
+            // Both or neither: `check_etcd_tls`.
+            tls: waygate_routing_etcd::EtcdTls {
+                ca_pem,
+                identity: cert.zip(key),
+            },
         })
     }
 
@@ -765,7 +773,7 @@ impl ClusterConfig {
     pub fn plaintext_etcd_beyond_loopback(&self) -> Vec<String> {
         self.etcd_endpoints
             .iter()
-            .filter(|e| !e.trim().to_ascii_lowercase().starts_with("https://"))
+            .filter(|e| !waygate_routing_etcd::is_https_endpoint(e))
             .filter(|e| !etcd_on_loopback(e))
             .cloned()
             .collect()
@@ -1630,7 +1638,10 @@ mod tests {
         c.etcd_endpoints = vec!["http://a:2379".into()];
         c.etcd_tls_ca_file = Some("/etc/waygate/etcd-ca.pem".into());
         assert_eq!(refused(&c), "cluster.etcd_tls_ca_file");
+        // The etcd client takes only `https://` as TLS (case-sensitive): a mix for it.
         c.etcd_endpoints = vec!["https://a:2379".into(), "HTTPS://b:2379".into()];
+        assert_eq!(refused(&c), "cluster.etcd_endpoints");
+        c.etcd_endpoints = vec!["https://a:2379".into(), "https://b:2379".into()];
         assert!(c.check_etcd_tls().is_ok());
         c.etcd_tls_cert_file = Some("/etc/waygate/etcd-client.pem".into());
         assert_eq!(refused(&c), "cluster.etcd_tls_key_file");

@@ -280,15 +280,22 @@ impl EtcdTls {
     }
 }
 
+/// Whether the etcd client speaks TLS to `endpoint`: it starts with `https://`, exactly
+/// as the client matches it (case-sensitive, nothing before it).
+#[must_use]
+pub fn is_https_endpoint(endpoint: &str) -> bool {
+    endpoint.starts_with("https://")
+}
+
 /// Whether `endpoints` use TLS: all `https://` (true) or all not (false); a mix is refused
 /// (the client would speak TLS to some members and not to others).
 pub fn endpoints_use_tls(endpoints: &[String]) -> Result<bool, EtcdError> {
-    let https = |e: &String| e.trim().to_ascii_lowercase().starts_with("https://");
-    match endpoints.iter().filter(|e| https(e)).count() {
+    match endpoints.iter().filter(|e| is_https_endpoint(e)).count() {
         0 => Ok(false),
         n if n == endpoints.len() => Ok(true),
         _ => Err(EtcdError::Config(format!(
-            "etcd endpoints mix https:// and plain ones: {endpoints:?}"
+            "etcd endpoints mix https:// and other ones (the scheme is case-sensitive): \
+             {endpoints:?}"
         ))),
     }
 }

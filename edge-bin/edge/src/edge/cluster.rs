@@ -122,7 +122,8 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
         return tasks;
     };
     // Takeovers on other edges kick our (older) sessions.
-    let (mut kicks, kicks_up) = redis.ownership.subscribe_kicks_with_status(&edge_id);
+    let kick_subscription = redis.ownership.kick_subscription(&edge_id);
+    let (mut kicks, missed) = (kick_subscription.notices, kick_subscription.missed);
     let weak = Arc::downgrade(shared);
     tasks.push(tokio::spawn(async move {
         while let Some(k) = kicks.recv().await {
@@ -157,14 +158,13 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
     // Re-assert ownership and presence every `reassert_ms`, and at once after Redis was
     // unreachable (it may have lost records; kicks published meanwhile were missed). Kick
     // notices can also be missed with Redis up: published while the subscription was
-    // being re-made, or dropped when its queue was full. Either makes the next sweep due
-    // within a second (at most one such sweep per `MISSED_KICK_SWEEP_GAP`), so a copy taken
-    // over elsewhere ends then, not up to `reassert_ms` later.
+    // being made again, or dropped when its queue was full (`KickSubscription::missed`
+    // rises). That makes the next sweep due within a second (at most one such sweep per
+    // `MISSED_KICK_SWEEP_GAP`), so a copy taken over elsewhere ends then, not up to
+    // `reassert_ms` later.
     const MISSED_KICK_SWEEP_GAP: Duration = Duration::from_secs(5);
     let weak = Arc::downgrade(shared);
     let every = Duration::from_millis(c.reassert_ms);
-    let dropped = redis.pubsub_dropped();
-    let mut kicks_up = kicks_up;
     tasks.push(tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -174,11 +174,7 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
         loop {
             tick.tick().await;
             let Some(shared) = weak.upgrade() else { return };
-            let subscribed = kicks_up
-                .has_changed()
-                .unwrap_or(false)
-                .then(|| *kicks_up.borrow_and_update());
-            missed_kicks.observe(subscribed, dropped.get());
+            missed_kicks.observe(*missed.borrow());
             let probe = redis.presence.lookup(&edge_id).await;
             if probe.is_err() {
                 if !was_down {
@@ -194,7 +190,6 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
             if missed {
                 tracing::info!("kick notices may have been missed; ownership re-assert now");
             }
-            missed_kicks.pending = false;
             let live = shared.owned_sessions();
             let mut superseded = 0usize;
             let mut ok = true;
@@ -235,6 +230,8 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
                     );
                 }
                 was_down = false;
+                // Owed until a sweep went through (a failed one is retried within seconds).
+                missed_kicks.pending = false;
                 last_sweep = Instant::now();
             }
         }
@@ -242,32 +239,23 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
     tasks
 }
 
-/// Whether kick notices may have been missed since the last sweep: the kick subscription
-/// came back after being down (notices published meanwhile went nowhere), or a
-/// subscription's queue dropped notices.
+/// Whether a sweep is owed because kick notices may have been missed
+/// (`KickSubscription::missed` rose since it was last looked at).
 #[derive(Debug, Default)]
 struct MissedKicks {
-    /// The subscription has been up once (its first subscription misses nothing).
-    was_up: bool,
-    /// Notices dropped as last seen.
-    dropped: u64,
-    /// A sweep is owed.
+    /// The count as last seen.
+    seen: u64,
+    /// A sweep is owed (cleared once one went through).
     pending: bool,
 }
 
 impl MissedKicks {
-    /// `subscribed`: the subscription's state if it changed since the last look; `dropped`:
-    /// the dropped-notices counter now.
-    fn observe(&mut self, subscribed: Option<bool>, dropped: u64) {
-        if subscribed == Some(true) {
-            // Up again after being down (a change to `true` after it was up once).
-            self.pending |= self.was_up;
-            self.was_up = true;
-        }
-        if dropped > self.dropped {
+    /// The subscription's missed count now.
+    fn observe(&mut self, missed: u64) {
+        if missed > self.seen {
             self.pending = true;
         }
-        self.dropped = dropped;
+        self.seen = missed;
     }
 }
 
@@ -276,20 +264,14 @@ mod tests {
     use super::MissedKicks;
 
     #[test]
-    fn a_resubscription_or_dropped_notices_owe_a_sweep() {
+    fn a_rise_of_the_missed_count_owes_a_sweep() {
         let mut m = MissedKicks::default();
-        m.observe(Some(true), 0);
-        assert!(!m.pending, "the first subscription misses nothing");
-        m.observe(None, 0);
-        m.observe(Some(false), 0);
-        assert!(!m.pending, "down: the sweep comes once it is up again");
-        m.observe(Some(true), 0);
-        assert!(m.pending, "up again: notices published meanwhile were lost");
+        m.observe(0);
+        assert!(!m.pending, "nothing missed");
+        m.observe(2);
+        assert!(m.pending, "notices may have been missed");
         m.pending = false;
-        m.observe(None, 3);
-        assert!(m.pending, "dropped notices");
-        m.pending = false;
-        m.observe(None, 3);
-        assert!(!m.pending);
+        m.observe(2);
+        assert!(!m.pending, "the same count owes nothing more");
     }
 }

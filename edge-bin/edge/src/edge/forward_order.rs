@@ -11,10 +11,12 @@
 //! again to where it goes. Messages to one instance under one epoch are pipelined as
 //! before: the backend handles a session's messages one at a time, in order.
 //!
-//! Only answered forwards are tracked (a sequenced message on a link whose backend sends
-//! FORWARD_DONE): nothing would say when any other one is done. Round-robin services are
-//! not tracked either (any instance takes any message: there is no order between them to
-//! keep). What waits, and for how long, is the shell's business.
+//! Services are named as the message id names them (the canary may serve one from another
+//! service). Every sequenced message is checked; only answered forwards are tracked (a
+//! sequenced message on a link whose backend sends FORWARD_DONE): nothing would say when
+//! any other one is done. Round-robin services are not tracked either (any instance takes
+//! any message: there is no order between them to keep). What waits, and for how long, is
+//! the shell's business.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -54,18 +56,25 @@ impl ForwardOrder {
     /// A new message (`client_seq` > 0) about to be forwarded to `to`: forwarded now and
     /// tracked, or told to wait. Admitting a message already tracked moves it.
     pub(super) fn admit(&mut self, client_seq: u64, to: &ForwardTarget) -> Admission {
+        if self.check(client_seq, to) == Admission::Wait || !self.track(client_seq, to) {
+            return Admission::Wait;
+        }
+        Admission::Forward
+    }
+
+    /// What [`admit`](Self::admit) says of a message that will not be tracked (nothing will
+    /// answer it): it still waits behind the unanswered ones, it is not recorded.
+    pub(super) fn check(&self, client_seq: u64, to: &ForwardTarget) -> Admission {
         let behind = self.unanswered.iter().any(|(seq, t)| {
             *seq != client_seq
                 && t.service == to.service
                 && (t.epoch < to.epoch || t.instance != to.instance)
         });
         if behind {
-            return Admission::Wait;
+            Admission::Wait
+        } else {
+            Admission::Forward
         }
-        if !self.track(client_seq, to) {
-            return Admission::Wait;
-        }
-        Admission::Forward
     }
 
     /// A refused message routed again to `to`: it never waits (every message that could
@@ -163,6 +172,17 @@ mod tests {
         assert!(o.settled(1));
         assert_eq!(o.admit(2, &to("player", 2, 5)), Admission::Forward);
         assert!(!o.settled(1), "settled once");
+    }
+
+    #[test]
+    fn an_untracked_message_waits_too_and_is_not_recorded() {
+        let mut o = ForwardOrder::default();
+        assert_eq!(o.admit(1, &to("player", 1, 1)), Admission::Forward);
+        // To a backend that does not answer, under the newer table: it waits all the same.
+        assert_eq!(o.check(2, &to("player", 2, 2)), Admission::Wait);
+        assert!(o.settled(1));
+        assert_eq!(o.check(2, &to("player", 2, 2)), Admission::Forward);
+        assert!(o.is_empty(), "nothing recorded for it");
     }
 
     #[test]

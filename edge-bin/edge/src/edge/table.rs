@@ -131,16 +131,31 @@ impl Sessions {
         released
     }
 
-    /// A new message of the session about to be forwarded to `to` (tracked from now on),
-    /// or the wake-up to wait on.
+    /// A new message of the session about to be forwarded to `to` (tracked from now on when
+    /// `track`: it will be answered), or the wake-up to wait on. A session this table no
+    /// longer holds tracks nothing.
     pub(super) fn admit_forward(
         &mut self,
         session_id: &SessionId,
         client_seq: u64,
         to: &ForwardTarget,
+        track: bool,
     ) -> Result<(), ForwardWake> {
-        let f = self.forwards.entry(*session_id).or_default();
-        match f.order.admit(client_seq, to) {
+        if !self.by_id.contains_key(session_id) {
+            return Ok(());
+        }
+        let f = match (self.forwards.get_mut(session_id), track) {
+            (Some(f), _) => f,
+            // Nothing unanswered to wait for, nothing to track.
+            (None, false) => return Ok(()),
+            (None, true) => self.forwards.entry(*session_id).or_default(),
+        };
+        let admission = if track {
+            f.order.admit(client_seq, to)
+        } else {
+            f.order.check(client_seq, to)
+        };
+        match admission {
             Admission::Forward => Ok(()),
             Admission::Wait => Err(f.wake.get_or_insert_with(Default::default).clone()),
         }
@@ -154,6 +169,9 @@ impl Sessions {
         client_seq: u64,
         to: &ForwardTarget,
     ) -> Option<ForwardWake> {
+        if !self.by_id.contains_key(session_id) {
+            return None;
+        }
         let f = self.forwards.entry(*session_id).or_default();
         f.order.rerouted(client_seq, to);
         f.wake.clone()

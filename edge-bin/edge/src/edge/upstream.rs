@@ -100,11 +100,13 @@ impl Shared {
         };
         let link = self.link(addr);
         let sid = &entry.meta.session_id;
-        // The order rule (§9.5) tracks what will be answered; any instance of a round-robin
-        // service takes any message, so there is no order between them to keep.
+        // The order rule (§9.5), by the service the message id names (the canary may serve
+        // it from another): every sequenced message waits behind the session's unanswered
+        // older ones; only those that will be answered are tracked (any instance of a
+        // round-robin service takes any message: nothing behind them to keep in order).
         let tracked = decision.reason != RouteReason::RoundRobin && link.awaits_answer(client_seq);
         let to = ForwardTarget {
-            service: target.service.clone(),
+            service: decision.requested.clone(),
             instance: addr,
             epoch: decision.epoch,
         };
@@ -119,18 +121,19 @@ impl Shared {
             )
         };
         let (sent, wake) = match forwarding {
-            Forwarding::New if tracked => {
+            Forwarding::New if client_seq == 0 => (forward(payload), None),
+            Forwarding::New => {
                 let admitted = self
                     .entries
                     .lock()
                     .map_err(|_| refuse(CloseCode::Internal, 0))?
-                    .admit_forward(sid, client_seq, &to);
+                    .admit_forward(sid, client_seq, &to, tracked);
                 if let Err(wake) = admitted {
                     return Ok(Forwarded::Wait { wake, payload });
                 }
                 // Tracked before it is sent: its answer can never come first.
                 let sent = forward(payload);
-                let settled = !matches!(sent, Ok(Delivered::AwaitingAnswer));
+                let settled = tracked && !matches!(sent, Ok(Delivered::AwaitingAnswer));
                 (
                     sent,
                     settled
@@ -138,7 +141,6 @@ impl Shared {
                         .flatten(),
                 )
             }
-            Forwarding::New => (forward(payload), None),
             Forwarding::Rerouted => {
                 // Moved and sent under one lock: a message waiting for it (woken by any
                 // other answer meanwhile) cannot see it moved and go first.

@@ -503,11 +503,14 @@ pub(super) const SUBSCRIPTION_QUEUE: usize = 4096;
 
 /// Keeps a pub/sub subscription to `channel` up (reconnecting with backoff) and calls
 /// `on_msg` for every message, one at a time, through a queue of [`SUBSCRIPTION_QUEUE`].
-/// `up` tracks whether the subscription is live. Never returns.
+/// `up` tracks whether the subscription is live; `missed` counts the times messages may
+/// have been missed (subscribed again after the first time: what was published meanwhile
+/// went nowhere; or a message dropped by the full queue). Never returns.
 pub(super) async fn subscribe_loop<F, Fut>(
     conn: Conn,
     channel: String,
     up: Option<watch::Sender<bool>>,
+    missed: Option<watch::Sender<u64>>,
     on_msg: F,
 ) where
     F: Fn(redis::Msg) -> Fut,
@@ -527,6 +530,12 @@ pub(super) async fn subscribe_loop<F, Fut>(
         };
         let mut dropped_here = 0u64;
         let mut backoff = Duration::from_millis(50);
+        let mut subscribed_before = false;
+        let count_missed = || {
+            if let Some(m) = &missed {
+                m.send_modify(|n| *n += 1);
+            }
+        };
         // On a cluster, a seed that fails gives its turn to the next one.
         for turn in 0usize.. {
             let subscribed = tokio::time::timeout(conn.config.op_timeout, async {
@@ -542,6 +551,10 @@ pub(super) async fn subscribe_loop<F, Fut>(
             match subscribed {
                 Ok(Ok(mut ps)) => {
                     backoff = Duration::from_millis(50);
+                    if subscribed_before {
+                        count_missed();
+                    }
+                    subscribed_before = true;
                     set_up(true);
                     tracing::debug!(%channel, "redis subscription up");
                     let mut stream = ps.on_message();
@@ -558,6 +571,7 @@ pub(super) async fn subscribe_loop<F, Fut>(
                                 }
                                 dropped_here += 1;
                                 conn.pubsub_dropped.inc();
+                                count_missed();
                             }
                             Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => return,
                         }

@@ -121,7 +121,7 @@ mod snapshots;
 
 pub use announcements::RedisAnnouncementLog;
 use conn::Conn;
-pub use ownership::{KickNotice, Reassert, RedisOwnership};
+pub use ownership::{KickNotice, KickSubscription, Reassert, RedisOwnership};
 pub use presence::{Presence, RedisPresence};
 pub use push::{DeliveryResult, PushDelivery, PushHandler, PushMessage, PushServer};
 pub use snapshots::RedisSnapshotStore;

@@ -212,13 +212,24 @@ impl RedisOwnership {
         &self,
         edge_id: &str,
     ) -> (mpsc::Receiver<KickNotice>, watch::Receiver<bool>) {
+        let s = self.kick_subscription(edge_id);
+        (s.notices, s.up)
+    }
+
+    /// Like [`subscribe_kicks`](Self::subscribe_kicks), with the subscription's state:
+    /// whether it is up, and a count that rises whenever notices may have been missed (the
+    /// subscription was made again after its first time, so what was published meanwhile
+    /// went nowhere, or its full queue dropped notices). A rise means: re-assert ownership
+    /// now ([`RedisOwnership::reassert`]) rather than at the next periodic sweep.
+    pub fn kick_subscription(&self, edge_id: &str) -> KickSubscription {
         let (tx, rx) = mpsc::channel(4096);
         let (up_tx, up_rx) = watch::channel(false);
+        let (missed_tx, missed_rx) = watch::channel(0u64);
         let channel = self.conn.edge_channel(edge_id, "kick");
         let conn = self.conn.clone();
         tokio::spawn(async move {
             let sink = tx.clone();
-            let run = subscribe_loop(conn, channel, Some(up_tx), move |msg| {
+            let run = subscribe_loop(conn, channel, Some(up_tx), Some(missed_tx), move |msg| {
                 let tx = sink.clone();
                 async move {
                     // A full channel waits (the subscription's queue fills meanwhile,
@@ -238,8 +249,24 @@ impl RedisOwnership {
                 _ = tx.closed() => {}
             }
         });
-        (rx, up_rx)
+        KickSubscription {
+            notices: rx,
+            up: up_rx,
+            missed: missed_rx,
+        }
     }
+}
+
+/// A subscription to an edge's takeover notices ([`RedisOwnership::kick_subscription`]).
+#[derive(Debug)]
+pub struct KickSubscription {
+    /// The notices, in the order published.
+    pub notices: mpsc::Receiver<KickNotice>,
+    /// Whether the subscription is up.
+    pub up: watch::Receiver<bool>,
+    /// Rises whenever notices may have been missed (made again after its first time, or
+    /// notices dropped by its full queue).
+    pub missed: watch::Receiver<u64>,
 }
 
 #[async_trait]

@@ -268,6 +268,7 @@ impl RedisPresence {
                     self.conn.clone(),
                     channel.clone(),
                     Some(up_tx),
+                    None,
                     move |msg| {
                         let pending = pending.clone();
                         async move {
@@ -439,6 +440,7 @@ impl RedisPresence {
             self.conn.clone(),
             channel,
             Some(up_tx),
+            None,
             move |msg| {
                 let (handler, conn) = (handler.clone(), conn.clone());
                 async move {
