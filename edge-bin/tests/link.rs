@@ -1863,6 +1863,8 @@ struct Recorder {
     seen: std::sync::Mutex<Vec<String>>,
     slow_started: tokio::sync::Notify,
     release: tokio::sync::Semaphore,
+    /// The latest session opened here.
+    session: std::sync::Mutex<Option<BackendSession>>,
 }
 
 impl Default for Recorder {
@@ -1871,6 +1873,7 @@ impl Default for Recorder {
             seen: Default::default(),
             slow_started: Default::default(),
             release: tokio::sync::Semaphore::new(0),
+            session: Default::default(),
         }
     }
 }
@@ -1879,10 +1882,22 @@ impl Recorder {
     fn seen(&self) -> Vec<String> {
         self.seen.lock().unwrap().clone()
     }
+
+    fn session(&self) -> BackendSession {
+        self.session
+            .lock()
+            .unwrap()
+            .clone()
+            .expect("a session opened here")
+    }
 }
 
 #[async_trait]
 impl Service for Recorder {
+    async fn session_open(&self, session: &BackendSession) {
+        *self.session.lock().unwrap() = Some(session.clone());
+    }
+
     async fn message(&self, _s: &BackendSession, m: Incoming) -> Result<(), Refusal> {
         if &m.payload[..] == b"slow" {
             self.slow_started.notify_one();
@@ -1999,12 +2014,32 @@ impl RouteChange {
 /// PROTOCOL.md §9.5, found by the silent-drop audit and left documented until now: a
 /// message forwarded under the newer route table reached the new instance before an older
 /// one, refused `stale_epoch` by the old instance, was routed there again. Now `b` waits
-/// until `a` is answered or routed again: y gets `a`, then `b` (it used to get `b` first).
+/// until `a` is answered or routed again: y gets `a`, then `b` (it used to get `b` first);
+/// and the session's pushes keep reaching the client while `b` waits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_after_a_route_change_does_not_overtake_one_routed_again() {
-    let run = RouteChange::start().await;
+    let mut run = RouteChange::start().await;
     // Time for `b` to overtake, were it sent at once.
     tokio::time::sleep(Duration::from_millis(300)).await;
+    // While `b` waits, the session goes on: a push reaches the client (review: the wait
+    // used to block the session's task, its pushes included, for up to 2 s).
+    let outcome = run
+        .x_service
+        .session()
+        .push_to_player(
+            "mover",
+            7001,
+            TrafficClass::Critical,
+            Bytes::from_static(b"meanwhile"),
+        )
+        .await;
+    assert!(outcome.is_ok(), "{outcome:?}");
+    let ev = common::wait_for(&mut run.client, Duration::from_secs(1), |e| {
+        matches!(e, waygate_client::Event::Message { payload, .. } if &payload[..] == b"meanwhile")
+    })
+    .await;
+    assert!(matches!(ev, waygate_client::Event::Message { .. }));
+    assert!(run.y_service.seen().is_empty(), "b is still waiting");
     run.x_service.release.add_permits(1);
     assert_eq!(
         run.y_seen(2).await,

@@ -28,7 +28,7 @@ impl Shared {
 
     /// A backend processed a client's message (FORWARD_DONE): it is acknowledged to the
     /// client after the pushes its handler sent, never waiting.
-    fn answered(&self, session_id: &SessionId, client_seq: u64) {
+    pub(super) fn answered(&self, session_id: &SessionId, client_seq: u64) {
         let registry = &self.session_layer().registry;
         if let Err(e) = registry.answered(session_id, client_seq) {
             tracing::debug!(client_seq, error = %e, "answer not queued for its session");

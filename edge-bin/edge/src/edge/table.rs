@@ -7,6 +7,8 @@ use std::sync::Arc;
 
 use waygate_protocol::frame::SessionId;
 
+use waygate_session::machine::Upstream;
+
 use super::forward_order::{Admission, ForwardOrder, ForwardTarget};
 use super::Shared;
 use crate::link::SessionMeta;
@@ -48,6 +50,33 @@ pub(super) struct Sessions {
 struct SessionForwards {
     order: ForwardOrder,
     wake: Option<ForwardWake>,
+    /// The session's messages waiting their turn (the first waits on the rule, the others
+    /// behind it), oldest first; a task of their own forwards them (`forward_held`), so
+    /// the session's task goes on.
+    held: std::collections::VecDeque<Upstream>,
+    /// That task runs: a new message of the session joins `held`.
+    holding: bool,
+}
+
+impl SessionForwards {
+    /// Whether nothing is kept here any more.
+    fn is_idle(&self) -> bool {
+        self.order.is_empty() && !self.holding && self.held.is_empty()
+    }
+}
+
+/// Messages one session may have waiting behind the order rule; one more is refused
+/// `busy` at once.
+pub(super) const MAX_HELD: usize = 1024;
+
+/// What became of a message offered to [`Sessions::hold_behind`].
+pub(super) enum Held {
+    /// Nothing of the session waits: route it now.
+    Free(Upstream),
+    /// It waits behind the session's waiting messages.
+    Queued,
+    /// [`MAX_HELD`] wait already: refuse it.
+    Full,
 }
 
 /// A BIND key (service, key) that no session here holds any more.
@@ -188,10 +217,60 @@ impl Sessions {
         if !f.order.settled(client_seq) {
             return None;
         }
-        if f.order.is_empty() {
-            return self.forwards.remove(session_id).and_then(|f| f.wake);
+        let wake = f.wake.clone();
+        if f.is_idle() {
+            self.forwards.remove(session_id);
         }
-        f.wake.clone()
+        wake
+    }
+
+    /// A new message of the session: in line behind its waiting messages if any wait.
+    pub(super) fn hold_behind(&mut self, message: Upstream) -> Held {
+        match self.forwards.get_mut(&message.session_id) {
+            Some(f) if f.holding => {
+                if f.held.len() >= MAX_HELD {
+                    return Held::Full;
+                }
+                f.held.push_back(message);
+                Held::Queued
+            }
+            _ => Held::Free(message),
+        }
+    }
+
+    /// `message` waits on the rule (`admit_forward` said so): the session's messages wait
+    /// behind it from now on. True when the caller must start the task that forwards them
+    /// (none runs yet).
+    pub(super) fn start_holding(&mut self, message: Upstream) -> bool {
+        if !self.by_id.contains_key(&message.session_id) {
+            return false;
+        }
+        let f = self.forwards.entry(message.session_id).or_default();
+        f.held.push_front(message);
+        !std::mem::replace(&mut f.holding, true)
+    }
+
+    /// The session's next waiting message, for its task to forward; `None` when none waits
+    /// (the session's messages are routed at once again) or the session is gone.
+    pub(super) fn next_held(&mut self, session_id: &SessionId) -> Option<(Upstream, SessionEntry)> {
+        let entry = self.by_id.get(session_id).cloned();
+        let f = self.forwards.get_mut(session_id)?;
+        let next = f.held.pop_front().zip(entry);
+        if next.is_none() {
+            f.held.clear();
+            f.holding = false;
+            if f.is_idle() {
+                self.forwards.remove(session_id);
+            }
+        }
+        next
+    }
+
+    /// A message `next_held` gave that must wait again: first in line.
+    pub(super) fn hold_again(&mut self, message: Upstream) {
+        if let Some(f) = self.forwards.get_mut(&message.session_id) {
+            f.held.push_front(message);
+        }
     }
 
     /// Removes the session's entry; with it, the keys no session here holds any more.

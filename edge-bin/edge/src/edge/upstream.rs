@@ -13,7 +13,7 @@ use waygate_session::machine::Upstream;
 use waygate_transport::CloseCode;
 
 use super::forward_order::ForwardTarget;
-use super::table::ForwardWake;
+use super::table::{ForwardWake, Held};
 use super::{SessionEntry, Shared};
 use crate::link::{ForwardError, LinkClient};
 use crate::metrics::{CodeLabel, EdgeMetrics};
@@ -38,10 +38,7 @@ pub(super) enum Forwarded {
     Sent(Delivered),
     /// Not sent: an older message of the session to its service is unanswered (§9.5).
     /// Offer it again when woken.
-    Wait {
-        wake: ForwardWake,
-        payload: bytes::Bytes,
-    },
+    Wait { wake: ForwardWake },
 }
 
 impl Shared {
@@ -129,7 +126,7 @@ impl Shared {
                     .map_err(|_| refuse(CloseCode::Internal, 0))?
                     .admit_forward(sid, client_seq, &to, tracked);
                 if let Err(wake) = admitted {
-                    return Ok(Forwarded::Wait { wake, payload });
+                    return Ok(Forwarded::Wait { wake });
                 }
                 // Tracked before it is sent: its answer can never come first.
                 let sent = forward(payload);
@@ -274,42 +271,51 @@ impl UpstreamSink for EdgeUpstream {
             code: CloseCode::GoingAway,
             retry_after_ms: 0,
         })?;
-        let (msg_id, seq, class) = (message.msg_id, message.seq, message.class);
-        let mut payload = message.payload;
-        let mut hold_until = None;
-        loop {
-            let entry = shared.entry(&message.session_id, &message.player_id);
-            let (wake, back) = match shared.route_and_forward(
-                &entry,
-                msg_id,
-                seq,
-                class,
-                payload,
-                Forwarding::New,
-            )? {
-                Forwarded::Sent(delivered) => return Ok(delivered),
-                Forwarded::Wait { wake, payload } => (wake, payload),
-            };
-            payload = back;
-            // Behind an older message of the session to the same service (§9.5): this task
-            // is the session's, so its later messages wait too, in order.
-            let until = *hold_until.get_or_insert_with(|| {
+        // The session's entry, and its place behind the session's messages waiting on the
+        // order rule (§9.5) if any wait: one lock.
+        let (entry, held) = {
+            let mut e = shared
+                .entries
+                .lock()
+                .map_err(|_| shared.refused(CloseCode::Internal, 0))?;
+            let entry = e.open(
+                &message.session_id,
+                &message.player_id,
+                &shared.config.edge_id,
+            );
+            (entry, e.hold_behind(message))
+        };
+        let message = match held {
+            Held::Free(m) => m,
+            Held::Queued => {
                 shared.metrics.forwards_held.inc();
-                tokio::time::Instant::now() + ORDER_HOLD_MAX
-            });
-            if tokio::time::timeout_at(until, wake.notified())
-                .await
-                .is_err()
-            {
-                shared.metrics.forwards_hold_expired.inc();
-                tracing::debug!(
-                    msg_id,
-                    seq,
-                    "older messages of the session unanswered: refused busy"
-                );
-                return Err(
-                    shared.refused(CloseCode::Busy, shared.config.links.busy_retry_after_ms)
-                );
+                // Answered once forwarded and answered, or refused: by `forward_held`.
+                return Ok(Delivered::AwaitingAnswer);
+            }
+            Held::Full => {
+                return Err(shared.refused(CloseCode::Busy, shared.config.links.busy_retry_after_ms))
+            }
+        };
+        let (msg_id, seq, class) = (message.msg_id, message.seq, message.class);
+        let payload = message.payload.clone();
+        match shared.route_and_forward(&entry, msg_id, seq, class, payload, Forwarding::New)? {
+            Forwarded::Sent(delivered) => Ok(delivered),
+            Forwarded::Wait { wake } => {
+                // An older message of the session to the same service is unanswered
+                // (§9.5): this one, and the session's later ones behind it, wait on a task
+                // of their own; the session's task goes on (its pushes keep flowing).
+                shared.metrics.forwards_held.inc();
+                let session_id = message.session_id;
+                let start = shared
+                    .entries
+                    .lock()
+                    .map(|mut e| e.start_holding(message))
+                    .unwrap_or(false);
+                if start {
+                    tokio::spawn(forward_held(Arc::downgrade(&shared), session_id, wake));
+                }
+                // Answered once forwarded and answered, or refused: by `forward_held`.
+                Ok(Delivered::AwaitingAnswer)
             }
         }
     }
@@ -518,5 +524,58 @@ impl UpstreamSink for EdgeUpstream {
             }
             _ => {}
         }
+    }
+}
+
+/// Forwards a session's messages that wait on the order rule (§9.5), in order and off the
+/// session's task: each once the rule lets it go, or refused `busy` once it has waited
+/// [`ORDER_HOLD_MAX`] (then the next one's turn). Ends when none waits, or with the
+/// session or the edge. Holds no reference to the edge while it waits.
+async fn forward_held(edge: Weak<Shared>, session_id: SessionId, first: ForwardWake) {
+    let mut wake = Some(first);
+    let mut until = tokio::time::Instant::now() + ORDER_HOLD_MAX;
+    loop {
+        let waited = match wake.take() {
+            Some(w) => tokio::time::timeout_at(until, w.notified()).await.is_ok(),
+            None => true,
+        };
+        let Some(shared) = edge.upgrade() else { return };
+        let next = shared
+            .entries
+            .lock()
+            .ok()
+            .and_then(|mut e| e.next_held(&session_id));
+        let Some((m, entry)) = next else { return };
+        if !waited {
+            shared.metrics.forwards_hold_expired.inc();
+            tracing::debug!(
+                msg_id = m.msg_id,
+                seq = m.seq,
+                "older messages of the session unanswered for 2 s: refused busy"
+            );
+            let e = shared.refused(CloseCode::Busy, shared.config.links.busy_retry_after_ms);
+            shared.report_error(&session_id, e.code, m.msg_id, m.seq, e.retry_after_ms);
+            until = tokio::time::Instant::now() + ORDER_HOLD_MAX;
+            continue;
+        }
+        let payload = m.payload.clone();
+        match shared.route_and_forward(&entry, m.msg_id, m.seq, m.class, payload, Forwarding::New) {
+            Ok(Forwarded::Sent(Delivered::AwaitingAnswer)) => {}
+            Ok(Forwarded::Sent(Delivered::Answered)) => {
+                if m.seq != 0 {
+                    shared.answered(&session_id, m.seq);
+                }
+            }
+            Ok(Forwarded::Wait { wake: w }) => {
+                // Still behind an unanswered one: first in line again, same deadline.
+                if let Ok(mut e) = shared.entries.lock() {
+                    e.hold_again(m);
+                }
+                wake = Some(w);
+                continue;
+            }
+            Err(e) => shared.report_error(&session_id, e.code, m.msg_id, m.seq, e.retry_after_ms),
+        }
+        until = tokio::time::Instant::now() + ORDER_HOLD_MAX;
     }
 }
