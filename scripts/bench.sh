@@ -5,7 +5,7 @@
 #   scripts/bench.sh build            # release build of the waygate binary
 #   scripts/bench.sh w1|w2|w2push|w3|w4|w5|w6|w7 [extra waygate bench options]
 #   scripts/bench.sh all              # every workload, then the criterion suite
-#   scripts/bench.sh criterion        # sans-IO hot paths (codec, route, session, backpressure)
+#   scripts/bench.sh criterion        # sans-IO hot paths (codec, route, session, backpressure, channels)
 #   scripts/bench.sh perf             # perf profile of the edge under W2-like TCP echo load
 #
 # Every workload runs the targets interleaved (A B A B ...) and reports medians and ratios
@@ -44,6 +44,7 @@ criterion() {
   cargo bench -p waygate-routing --bench route -- "${CRIT[@]}"
   cargo bench -p waygate-transport --bench backpressure -- "${CRIT[@]}"
   cargo bench -p waygate-session --bench machine -- "${CRIT[@]}"
+  cargo bench -p waygate-channels --bench hub -- "${CRIT[@]}"
 }
 
 # Edge + bench backend started by hand (pinned), 500 sessions x 20 msg/s over TCP from

@@ -20,7 +20,7 @@
 //! publications, or grow without bound (channels, members, pending items, history and dedup
 //! ids are all capped by [`ChannelsConfig`]).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -536,6 +536,11 @@ impl Channel {
         ticket
     }
 
+    /// When its oldest kept publication was published.
+    fn history_front(&self) -> Option<Instant> {
+        self.history.front().map(|s| s.at)
+    }
+
     /// Drops what is past the kind's history length and TTL; returns the bytes freed.
     fn trim_history(&mut self, now: Instant) -> u64 {
         let ttl = Duration::from_millis(self.policy.history_ttl_ms);
@@ -587,6 +592,21 @@ impl Channel {
 }
 
 /// The channels of one edge. See the crate docs.
+/// Keeps `fronts` (each channel's oldest kept publication) right for `ch`, whose history
+/// just changed; `before`: its oldest publication's time before the change.
+fn refront(fronts: &mut BTreeSet<(Instant, Arc<str>)>, ch: &Channel, before: Option<Instant>) {
+    let after = ch.history_front();
+    if before == after {
+        return;
+    }
+    if let Some(at) = before {
+        fronts.remove(&(at, ch.name.clone()));
+    }
+    if let Some(at) = after {
+        fronts.insert((at, ch.name.clone()));
+    }
+}
+
 #[derive(Debug)]
 pub struct ChannelHub {
     config: ChannelsConfig,
@@ -603,6 +623,9 @@ pub struct ChannelHub {
     held: usize,
     /// Bytes of the publications in every channel's history (`history_budget_bytes`).
     history_bytes: u64,
+    /// Each channel's oldest kept publication: (when, channel), oldest first, so the
+    /// budget's "oldest of any channel" is found without a scan of every channel.
+    history_fronts: BTreeSet<(Instant, Arc<str>)>,
     /// Bytes of the publications waiting in every channel's queue
     /// (`pending_budget_bytes`).
     pending_bytes: u64,
@@ -669,6 +692,7 @@ impl ChannelHub {
             announcement_log: false,
             held: 0,
             history_bytes: 0,
+            history_fronts: BTreeSet::new(),
             pending_bytes: 0,
             dedup_order: VecDeque::new(),
             interest: interest::Interest::default(),
@@ -791,7 +815,9 @@ impl ChannelHub {
                 ch.pending_direct -= before - ch.pending.len();
             }
             if let Some(i) = ch.history.iter().position(|s| s.offset == position.offset) {
+                let before = ch.history_front();
                 self.history_bytes -= ch.history.remove(i).map_or(0, |s| s.event.len() as u64);
+                refront(&mut self.history_fronts, ch, before);
             }
             ch.recent.retain(|_, (p, _)| *p != position);
         }
@@ -963,6 +989,7 @@ impl ChannelHub {
         if recoverable {
             ch.last_offset += 1;
             if ch.policy.history_len > 0 {
+                let before = ch.history_front();
                 self.history_bytes += event.len() as u64;
                 ch.history.push_back(Stored {
                     offset: ch.last_offset,
@@ -971,6 +998,7 @@ impl ChannelHub {
                     event: event.clone(),
                 });
                 self.history_bytes -= ch.trim_history(now);
+                refront(&mut self.history_fronts, ch, before);
             }
         }
         self.pending_bytes += event.len() as u64;
@@ -1015,19 +1043,19 @@ impl ChannelHub {
                 .filter(|ch| ch.history.len() > 1)
                 .map(|ch| ch.name.clone());
             let victim = own.or_else(|| {
-                self.channels
-                    .values()
-                    .filter(|ch| &*ch.name != publishing)
-                    .filter_map(|ch| ch.history.front().map(|s| (s.at, ch.name.clone())))
-                    .min_by_key(|(at, _)| *at)
-                    .map(|(_, name)| name)
+                self.history_fronts
+                    .iter()
+                    .find(|(_, name)| &**name != publishing)
+                    .map(|(_, name)| name.clone())
             });
-            let Some(stored) = victim
-                .and_then(|name| self.channels.get_mut(&name))
-                .and_then(|ch| ch.history.pop_front())
-            else {
+            let Some(ch) = victim.and_then(|name| self.channels.get_mut(&name)) else {
                 return;
             };
+            let before = ch.history_front();
+            let Some(stored) = ch.history.pop_front() else {
+                return;
+            };
+            refront(&mut self.history_fronts, ch, before);
             self.history_bytes -= stored.event.len() as u64;
             self.stats.history_evicted += 1;
         }
@@ -1105,7 +1133,9 @@ impl ChannelHub {
             .channels
             .get_mut(channel)
             .ok_or(ChannelError::InvalidName)?;
+        let before = ch.history_front();
         self.history_bytes -= ch.trim_history(now);
+        refront(&mut self.history_fronts, ch, before);
         if let Some(m) = ch.members.get_mut(&session) {
             m.leaving_at = None;
             return Ok((ch.position(), JoinOutcome::AlreadyMember));
@@ -1418,7 +1448,9 @@ impl ChannelHub {
     pub fn sweep(&mut self, now: Instant) -> usize {
         let idle = Duration::from_millis(self.config.idle_reclaim_ms);
         for ch in self.channels.values_mut() {
+            let before = ch.history_front();
             self.history_bytes -= ch.trim_history(now);
+            refront(&mut self.history_fronts, ch, before);
             ch.trim_departed(now);
         }
         self.expire_publish_ids(now);
@@ -1429,7 +1461,11 @@ impl ChannelHub {
             .map(|ch| ch.name.clone())
             .collect();
         for name in &idle_names {
-            self.channels.remove(name);
+            if let Some(ch) = self.channels.remove(name) {
+                if let Some(at) = ch.history_front() {
+                    self.history_fronts.remove(&(at, ch.name.clone()));
+                }
+            }
             self.interest.changed(name);
         }
         let dropped = idle_names.len();
@@ -1514,6 +1550,14 @@ impl ChannelHub {
                     PendingItem::Direct { .. } => 0,
                 })
                 .sum::<u64>();
+        }
+        let fronts: BTreeSet<(Instant, Arc<str>)> = self
+            .channels
+            .values()
+            .filter_map(|ch| ch.history_front().map(|at| (at, ch.name.clone())))
+            .collect();
+        if fronts != self.history_fronts {
+            return Err("the index of each channel's oldest kept publication drifted".into());
         }
         if history != self.history_bytes || pending != self.pending_bytes {
             return Err(format!(
