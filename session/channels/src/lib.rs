@@ -591,7 +591,6 @@ impl Channel {
     }
 }
 
-/// The channels of one edge. See the crate docs.
 /// Keeps `fronts` (each channel's oldest kept publication) right for `ch`, whose history
 /// just changed; `before`: its oldest publication's time before the change.
 fn refront(fronts: &mut BTreeSet<(Instant, Arc<str>)>, ch: &Channel, before: Option<Instant>) {
@@ -607,6 +606,7 @@ fn refront(fronts: &mut BTreeSet<(Instant, Arc<str>)>, ch: &Channel, before: Opt
     }
 }
 
+/// The channels of one edge. See the crate docs.
 #[derive(Debug)]
 pub struct ChannelHub {
     config: ChannelsConfig,
