@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used, missing_docs)]
 
 mod support_etcd;
+mod support_pki;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -785,27 +786,11 @@ async fn reads_a_table(cfg: EtcdSourceConfig) -> bool {
 /// certificate, or trusting only the system's roots, nothing is read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_etcd_over_tls_is_verified_and_given_the_client_certificate() {
-    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
-    let dir = tempfile::tempdir().unwrap();
-    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca_key = KeyPair::generate().unwrap();
-    let ca_pem = ca.self_signed(&ca_key).unwrap().pem();
-    let issuer = Issuer::new(ca, ca_key);
-    let path = |name: &str| dir.path().join(name);
-    let leaf = |names: Vec<String>, name: &str| {
-        let key = KeyPair::generate().unwrap();
-        let cert = CertificateParams::new(names)
-            .unwrap()
-            .signed_by(&key, &issuer)
-            .unwrap();
-        std::fs::write(path(&format!("{name}.pem")), cert.pem()).unwrap();
-        std::fs::write(path(&format!("{name}.key")), key.serialize_pem()).unwrap();
-    };
-    std::fs::write(path("ca.pem"), &ca_pem).unwrap();
-    leaf(vec!["localhost".into(), "127.0.0.1".into()], "etcd");
-    leaf(vec!["edge".into()], "edge");
-    let etcd = EtcdServer::start_tls(&path("etcd.pem"), &path("etcd.key"), Some(&path("ca.pem")));
+    let ca = support_pki::TestCa::new();
+    let path = |name: &str| ca.path(name);
+    let (etcd_cert, etcd_key) = ca.issue(&["localhost", "127.0.0.1"], "etcd");
+    ca.issue(&["edge"], "edge");
+    let etcd = EtcdServer::start_tls(&etcd_cert, &etcd_key, Some(&path("ca.pem")));
     let trusted = EtcdTls::load(
         Some(&path("ca.pem")),
         Some(&path("edge.pem")),

@@ -1692,6 +1692,36 @@ async fn a_session_open_a_full_write_queue_refused_is_sent_again() {
     assert!(opened_b, "SESSION_OPEN of b came before its FORWARD");
 }
 
+/// An in-process edge routing by the table file `table` (polled every 100 ms), and a TCP
+/// client of `player` on it; keep the directory (which holds the file) as long as the edge.
+async fn edge_on_routes(
+    table: &str,
+    player: &str,
+) -> (
+    waygate_edge::edge::Edge,
+    waygate_client::Client,
+    tempfile::TempDir,
+    std::path::PathBuf,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let routes = dir.path().join("routes.toml");
+    std::fs::write(&routes, table).unwrap();
+    let mut config = waygate_edge::config::EdgeConfig::default();
+    config.use_ephemeral_ports();
+    config.routing.table = Some(routes.clone());
+    config.routing.poll_ms = 100;
+    let edge = waygate_edge::edge::Edge::start(config).await.unwrap();
+    let endpoint = waygate_transport::endpoint::Endpoint::new(
+        waygate_transport::TransportKind::Tcp,
+        edge.addrs[&waygate_transport::TransportKind::Tcp],
+    );
+    let client = waygate_client::Client::start(waygate_client::ClientOptions::new(
+        vec![endpoint],
+        common::token(player),
+    ));
+    (edge, client, dir, routes)
+}
+
 /// A route table over one backend at `addr`: player service (p1), room service (r1, and r2
 /// when `with_r2`, at the same address).
 fn pin_table(addr: SocketAddr, epoch: u64, with_r2: bool) -> String {
@@ -1746,22 +1776,7 @@ async fn keeper_backend() -> (Arc<common::keeper::SessionKeeper>, Backend) {
 async fn pins_are_confirmed_refused_removed_and_dropped_with_their_instance() {
     let (keeper, backend) = keeper_backend().await;
     let addr = backend.local_addr();
-    let dir = tempfile::tempdir().unwrap();
-    let routes = dir.path().join("routes.toml");
-    std::fs::write(&routes, pin_table(addr, 1, true)).unwrap();
-    let mut config = waygate_edge::config::EdgeConfig::default();
-    config.use_ephemeral_ports();
-    config.routing.table = Some(routes.clone());
-    config.routing.poll_ms = 100;
-    let edge = waygate_edge::edge::Edge::start(config).await.unwrap();
-    let endpoint = waygate_transport::endpoint::Endpoint::new(
-        waygate_transport::TransportKind::Tcp,
-        edge.addrs[&waygate_transport::TransportKind::Tcp],
-    );
-    let client = waygate_client::Client::start(waygate_client::ClientOptions::new(
-        vec![endpoint],
-        common::token("pinner"),
-    ));
+    let (edge, client, _dir, routes) = edge_on_routes(&pin_table(addr, 1, true), "pinner").await;
     // SESSION_OPEN reaches the backend with the session's first upstream message.
     client
         .send(TrafficClass::Normal, 1000, Bytes::from_static(b"hi"))
@@ -1951,22 +1966,8 @@ impl RouteChange {
         };
         let x = bind("x", x_service.clone()).await.unwrap();
         let y = bind("y", y_service.clone()).await.unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        let routes = dir.path().join("routes.toml");
-        std::fs::write(&routes, moving_table(x.local_addr(), y.local_addr(), 1)).unwrap();
-        let mut config = waygate_edge::config::EdgeConfig::default();
-        config.use_ephemeral_ports();
-        config.routing.table = Some(routes.clone());
-        config.routing.poll_ms = 100;
-        let edge = waygate_edge::edge::Edge::start(config).await.unwrap();
-        let endpoint = waygate_transport::endpoint::Endpoint::new(
-            waygate_transport::TransportKind::Tcp,
-            edge.addrs[&waygate_transport::TransportKind::Tcp],
-        );
-        let client = waygate_client::Client::start(waygate_client::ClientOptions::new(
-            vec![endpoint],
-            common::token("mover"),
-        ));
+        let (edge, client, dir, routes) =
+            edge_on_routes(&moving_table(x.local_addr(), y.local_addr(), 1), "mover").await;
         let send = |body: &'static [u8]| {
             client.send(TrafficClass::Critical, 1000, Bytes::from_static(body))
         };

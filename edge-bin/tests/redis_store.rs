@@ -3,6 +3,7 @@
 //! under takeover, single-use resume tokens under a race of two edges, and one owner per
 //! player when two edges log the same player in at once (1,000 trials).
 
+mod support_pki;
 mod support_redis;
 
 use std::sync::Arc;
@@ -733,22 +734,10 @@ async fn a_withdrawn_announcement_is_never_read_back_from_redis() {
 /// roots) the connection is refused and nothing is written.
 #[tokio::test]
 async fn redis_over_tls_is_verified_against_the_configured_ca() {
-    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
-    let dir = tempfile::tempdir().unwrap();
-    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca_key = KeyPair::generate().unwrap();
-    let ca_pem = ca.self_signed(&ca_key).unwrap().pem();
-    let issuer = Issuer::new(ca, ca_key);
-    let leaf_key = KeyPair::generate().unwrap();
-    let leaf = CertificateParams::new(vec!["localhost".to_owned()])
-        .unwrap()
-        .signed_by(&leaf_key, &issuer)
-        .unwrap();
-    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
-    std::fs::write(path("ca.pem"), &ca_pem).unwrap();
-    std::fs::write(path("redis.pem"), leaf.pem()).unwrap();
-    std::fs::write(path("redis.key"), leaf_key.serialize_pem()).unwrap();
+    let ca = support_pki::TestCa::new();
+    let ca_pem = ca.pem.clone();
+    ca.issue(&["localhost"], "redis");
+    let path = |name: &str| ca.path(name).to_str().unwrap().to_owned();
     let tls_port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
