@@ -279,4 +279,12 @@ async fn a_copy_whose_kick_notice_was_missed_is_kicked_within_seconds() {
         t.elapsed()
     );
     assert_eq!(code, Some(CloseCode::Kicked));
+    // The sweep owed for the missed notice ran (600 s before the periodic one).
+    let (_, metrics) = common::http(edge.admin_addr.unwrap(), "GET", "/metrics").await;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("waygate_ownership_sweeps_total{reason=\"missed_kicks\"}")),
+        "{metrics}"
+    );
 }

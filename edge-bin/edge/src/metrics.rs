@@ -51,6 +51,14 @@ pub struct CodeLabel {
     pub code: String,
 }
 
+/// Label: why the edge re-asserted its sessions' ownership in Redis.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SweepLabel {
+    /// `periodic` (every `cluster.reassert_ms`), `redis_back` (Redis answered again after
+    /// failing), `missed_kicks` (kick notices may have been missed).
+    pub reason: String,
+}
+
 /// Label: the kind of key a backend pinned (PIN).
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PinKindLabel {
@@ -160,6 +168,8 @@ pub struct EdgeMetrics {
     /// Client messages that waited for the session's older messages to their service
     /// (forwarded under an older route table or to another instance) to be answered.
     pub forwards_held: Counter,
+    /// Ownership re-assert sweeps that went through, by reason.
+    pub ownership_sweeps: Family<SweepLabel, Counter>,
     /// Of those, the ones refused `busy` after waiting the bound (2 s).
     pub forwards_hold_expired: Counter,
     /// Players moved to another instance by migrations.
@@ -561,6 +571,7 @@ impl EdgeMetrics {
             route_staleness_seconds: Gauge::default(),
             stale_epoch_reroutes: Counter::default(),
             forwards_held: Counter::default(),
+            ownership_sweeps: Family::default(),
             forwards_hold_expired: Counter::default(),
             migrations: Counter::default(),
             draining: Gauge::default(),
@@ -699,6 +710,11 @@ impl EdgeMetrics {
             "stale_epoch_reroutes",
             "Messages re-routed after a stale-epoch refusal",
             m.stale_epoch_reroutes.clone(),
+        );
+        registry.register(
+            "ownership_sweeps",
+            "Ownership re-assert sweeps that went through, by reason (periodic, redis_back, missed_kicks)",
+            m.ownership_sweeps.clone(),
         );
         registry.register(
             "forwards_held",

@@ -187,6 +187,13 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
             if !was_down && !missed && last_sweep.elapsed() < every {
                 continue;
             }
+            let reason = if was_down {
+                "redis_back"
+            } else if missed {
+                "missed_kicks"
+            } else {
+                "periodic"
+            };
             if missed {
                 tracing::info!("kick notices may have been missed; ownership re-assert now");
             }
@@ -233,6 +240,13 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
                 // Owed until a sweep went through (a failed one is retried within seconds).
                 missed_kicks.pending = false;
                 last_sweep = Instant::now();
+                shared
+                    .metrics
+                    .ownership_sweeps
+                    .get_or_create(&crate::metrics::SweepLabel {
+                        reason: reason.into(),
+                    })
+                    .inc();
             }
         }
     }));
