@@ -399,7 +399,7 @@ fn main() -> std::process::ExitCode {
             } => {
                 let mut source =
                     waygate_edge::cluster::etcd::EtcdSourceConfig::new(etcd.clone(), "");
-                source.access = etcd_access.access()?;
+                source.access = etcd_access.access(&etcd)?;
                 let client = waygate_edge::cluster::etcd::connect_client(&source)
                     .await
                     .map_err(|e| format!("etcd {etcd:?}: {e}"))?;
@@ -445,7 +445,7 @@ fn main() -> std::process::ExitCode {
                     let etcd = EtcdPlace {
                         endpoints: &etcd,
                         prefix: &etcd_prefix,
-                        access: etcd_access.access()?,
+                        access: etcd_access.access(&etcd)?,
                     };
                     register_backend(&backend, &id, &address, etcd, &services).await?;
                 }
@@ -579,8 +579,19 @@ struct EtcdAccessArgs {
 }
 
 impl EtcdAccessArgs {
-    fn access(&self) -> Result<waygate_edge::cluster::etcd::EtcdAccess, String> {
+    /// The user and TLS for `endpoints`; warns of plaintext ones beyond loopback.
+    fn access(
+        &self,
+        endpoints: &[String],
+    ) -> Result<waygate_edge::cluster::etcd::EtcdAccess, String> {
         use waygate_edge::cluster::etcd::{EtcdAccess, EtcdCredentials, EtcdTls};
+        for etcd in waygate_edge::config::plaintext_etcd_beyond_loopback(endpoints) {
+            tracing::warn!(
+                %etcd,
+                "etcd beyond loopback without TLS: what this process sends it, the etcd \
+                 password included, crosses the network in clear; use https:// (--etcd-ca-file)"
+            );
+        }
         let credentials =
             EtcdCredentials::load(&self.etcd_user, self.etcd_password_file.as_deref())
                 .map_err(|e| e.to_string())?;

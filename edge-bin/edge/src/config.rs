@@ -771,12 +771,7 @@ impl ClusterConfig {
     /// registrations and the etcd password cross the network in clear. The edge warns of
     /// them at start.
     pub fn plaintext_etcd_beyond_loopback(&self) -> Vec<String> {
-        self.etcd_endpoints
-            .iter()
-            .filter(|e| !waygate_routing_etcd::is_https_endpoint(e))
-            .filter(|e| !etcd_on_loopback(e))
-            .cloned()
-            .collect()
+        plaintext_etcd_beyond_loopback(&self.etcd_endpoints)
     }
 
     /// The PEM of `redis_tls_ca_file`, read now (`None` when unset).
@@ -892,6 +887,18 @@ impl ClusterConfig {
         }
         Ok(())
     }
+}
+
+/// The etcd `endpoints` beyond loopback that are not TLS (`http://`, or no scheme): what
+/// crosses the network to them, the etcd password included, is in clear. The edge, `waygate
+/// backend` and `waygate login` warn of them at start.
+pub fn plaintext_etcd_beyond_loopback(endpoints: &[String]) -> Vec<String> {
+    endpoints
+        .iter()
+        .filter(|e| !waygate_routing_etcd::is_https_endpoint(e))
+        .filter(|e| !etcd_on_loopback(e))
+        .cloned()
+        .collect()
 }
 
 /// Whether a Redis URL's server is on loopback (or a Unix socket), and its password; an
