@@ -2041,15 +2041,20 @@ async fn a_message_after_a_route_change_does_not_overtake_one_routed_again() {
     .await;
     assert!(matches!(ev, waygate_client::Event::Message { .. }));
     assert!(run.y_service.seen().is_empty(), "b is still waiting");
+    // A later best-effort message waits behind `b` too.
+    run.client
+        .send(TrafficClass::BestEffort, 1000, Bytes::from_static(b"c"))
+        .await
+        .unwrap();
     run.x_service.release.add_permits(1);
     assert_eq!(
-        run.y_seen(2).await,
-        ["a", "b"],
+        run.y_seen(3).await,
+        ["a", "b", "c"],
         "y got them in the order the client sent them"
     );
     assert_eq!(run.x_service.seen(), ["slow"]);
     expect_metric(&run.edge, "waygate_stale_epoch_reroutes_total 1").await;
-    expect_metric(&run.edge, "waygate_forwards_held_total 1").await;
+    expect_metric(&run.edge, "waygate_forwards_held_total 2").await;
     expect_metric(&run.edge, "waygate_forwards_hold_expired_total 0").await;
 }
 

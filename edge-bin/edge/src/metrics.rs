@@ -165,13 +165,14 @@ pub struct EdgeMetrics {
     pub route_staleness_seconds: Gauge<f64, AtomicU64>,
     /// Messages re-routed after a backend reported a stale epoch.
     pub stale_epoch_reroutes: Counter,
-    /// Client messages that waited for the session's older messages to their service
-    /// (forwarded under an older route table or to another instance) to be answered.
+    /// Client messages that waited in their session's held line (PROTOCOL.md §9.5): behind
+    /// an older message to their service that may still be routed again or still runs on
+    /// another instance, or behind such a waiting message.
     pub forwards_held: Counter,
+    /// Of those, the ones refused `busy` after waiting the bound (2 s since they arrived).
+    pub forwards_hold_expired: Counter,
     /// Ownership re-assert sweeps that went through, by reason.
     pub ownership_sweeps: Family<SweepLabel, Counter>,
-    /// Of those, the ones refused `busy` after waiting the bound (2 s).
-    pub forwards_hold_expired: Counter,
     /// Players moved to another instance by migrations.
     pub migrations: Counter,
     /// 1 while the edge drains.
@@ -718,7 +719,7 @@ impl EdgeMetrics {
         );
         registry.register(
             "forwards_held",
-            "Client messages that waited for older messages of their session to the same service to be answered (route change, moved binding)",
+            "Client messages that waited in their session's held line: behind an unanswered older message to their service (route change, moved binding), or behind such a waiting message",
             m.forwards_held.clone(),
         );
         registry.register(

@@ -53,9 +53,20 @@ struct SessionForwards {
     /// The session's messages waiting their turn (the first waits on the rule, the others
     /// behind it), oldest first; a task of their own forwards them (`forward_held`), so
     /// the session's task goes on.
-    held: std::collections::VecDeque<Upstream>,
+    held: std::collections::VecDeque<HeldMessage>,
+    /// Payload bytes in `held` (at most [`MAX_HELD_BYTES`]).
+    held_bytes: usize,
     /// That task runs: a new message of the session joins `held`.
     holding: bool,
+}
+
+/// A message in a session's held line, with when it arrived (it is refused `busy` once it
+/// has waited [`ORDER_HOLD_MAX`](super::upstream::ORDER_HOLD_MAX) since then and still may
+/// not go).
+#[derive(Debug)]
+pub(super) struct HeldMessage {
+    pub(super) message: Upstream,
+    pub(super) arrived: tokio::time::Instant,
 }
 
 impl SessionForwards {
@@ -68,6 +79,21 @@ impl SessionForwards {
 /// Messages one session may have waiting behind the order rule; one more is refused
 /// `busy` at once.
 pub(super) const MAX_HELD: usize = 1024;
+
+/// Payload bytes one session may have waiting behind the order rule; a message that would
+/// pass them is refused `busy` at once (the line keeps whole messages the client already
+/// sent: without it a session's line could hold 1,024 full frames).
+pub(super) const MAX_HELD_BYTES: usize = 256 * 1024;
+
+/// What the order rule says of a message about to be forwarded ([`Sessions::admit_forward`]).
+pub(super) enum Admitted {
+    /// Forward it.
+    Go,
+    /// Wait for the wake-up.
+    Wait(ForwardWake),
+    /// The session ended here: send nothing.
+    Gone,
+}
 
 /// What became of a message offered to [`Sessions::hold_behind`].
 pub(super) enum Held {
@@ -162,21 +188,21 @@ impl Sessions {
 
     /// A new message of the session about to be forwarded to `to` (tracked from now on when
     /// `track`: it will be answered), or the wake-up to wait on. A session this table no
-    /// longer holds tracks nothing.
+    /// longer holds is gone: nothing is sent for it (it would open it again on the link).
     pub(super) fn admit_forward(
         &mut self,
         session_id: &SessionId,
         client_seq: u64,
         to: &ForwardTarget,
         track: bool,
-    ) -> Result<(), ForwardWake> {
+    ) -> Admitted {
         if !self.by_id.contains_key(session_id) {
-            return Ok(());
+            return Admitted::Gone;
         }
         let f = match (self.forwards.get_mut(session_id), track) {
             (Some(f), _) => f,
             // Nothing unanswered to wait for, nothing to track.
-            (None, false) => return Ok(()),
+            (None, false) => return Admitted::Go,
             (None, true) => self.forwards.entry(*session_id).or_default(),
         };
         let admission = if track {
@@ -185,8 +211,8 @@ impl Sessions {
             f.order.check(client_seq, to)
         };
         match admission {
-            Admission::Forward => Ok(()),
-            Admission::Wait => Err(f.wake.get_or_insert_with(Default::default).clone()),
+            Admission::Forward => Admitted::Go,
+            Admission::Wait => Admitted::Wait(f.wake.get_or_insert_with(Default::default).clone()),
         }
     }
 
@@ -225,52 +251,87 @@ impl Sessions {
     }
 
     /// A new message of the session: in line behind its waiting messages if any wait.
-    pub(super) fn hold_behind(&mut self, message: Upstream) -> Held {
+    pub(super) fn hold_behind(&mut self, message: Upstream, now: tokio::time::Instant) -> Held {
         match self.forwards.get_mut(&message.session_id) {
             Some(f) if f.holding => {
-                if f.held.len() >= MAX_HELD {
+                let bytes = message.payload.len();
+                if f.held.len() >= MAX_HELD || f.held_bytes + bytes > MAX_HELD_BYTES {
                     return Held::Full;
                 }
-                f.held.push_back(message);
+                f.held_bytes += bytes;
+                f.held.push_back(HeldMessage {
+                    message,
+                    arrived: now,
+                });
                 Held::Queued
             }
             _ => Held::Free(message),
         }
     }
 
-    /// `message` waits on the rule (`admit_forward` said so): the session's messages wait
-    /// behind it from now on. True when the caller must start the task that forwards them
-    /// (none runs yet).
-    pub(super) fn start_holding(&mut self, message: Upstream) -> bool {
+    /// `message` (arrived at `now`) waits on the rule (`admit_forward` said so): the
+    /// session's messages wait behind it from now on. True when the caller must start the
+    /// task that forwards them (none runs yet); false when the session is gone.
+    pub(super) fn start_holding(&mut self, message: Upstream, now: tokio::time::Instant) -> bool {
         if !self.by_id.contains_key(&message.session_id) {
             return false;
         }
         let f = self.forwards.entry(message.session_id).or_default();
-        f.held.push_front(message);
-        !std::mem::replace(&mut f.holding, true)
+        f.held_bytes += message.payload.len();
+        let held = HeldMessage {
+            message,
+            arrived: now,
+        };
+        if f.holding {
+            // A line with its task already: in line behind it (never ahead of older ones).
+            f.held.push_back(held);
+            return false;
+        }
+        f.held.push_front(held);
+        f.holding = true;
+        true
     }
 
     /// The session's next waiting message, for its task to forward; `None` when none waits
     /// (the session's messages are routed at once again) or the session is gone.
-    pub(super) fn next_held(&mut self, session_id: &SessionId) -> Option<(Upstream, SessionEntry)> {
+    pub(super) fn next_held(
+        &mut self,
+        session_id: &SessionId,
+    ) -> Option<(HeldMessage, SessionEntry)> {
         let entry = self.by_id.get(session_id).cloned();
         let f = self.forwards.get_mut(session_id)?;
-        let next = f.held.pop_front().zip(entry);
+        let next = f.held.pop_front();
+        if let Some(h) = &next {
+            f.held_bytes = f.held_bytes.saturating_sub(h.message.payload.len());
+        }
+        let next = next.zip(entry);
         if next.is_none() {
-            f.held.clear();
-            f.holding = false;
-            if f.is_idle() {
-                self.forwards.remove(session_id);
-            }
+            self.stop_holding(session_id);
         }
         next
     }
 
     /// A message `next_held` gave that must wait again: first in line.
-    pub(super) fn hold_again(&mut self, message: Upstream) {
-        if let Some(f) = self.forwards.get_mut(&message.session_id) {
-            f.held.push_front(message);
+    pub(super) fn hold_again(&mut self, held: HeldMessage) {
+        if let Some(f) = self.forwards.get_mut(&held.message.session_id) {
+            f.held_bytes += held.message.payload.len();
+            f.held.push_front(held);
         }
+    }
+
+    /// Ends the session's held line (its task ends); what still waits in it is returned,
+    /// for the caller to answer.
+    pub(super) fn stop_holding(&mut self, session_id: &SessionId) -> Vec<Upstream> {
+        let Some(f) = self.forwards.get_mut(session_id) else {
+            return Vec::new();
+        };
+        f.holding = false;
+        f.held_bytes = 0;
+        let left = f.held.drain(..).map(|h| h.message).collect();
+        if f.is_idle() {
+            self.forwards.remove(session_id);
+        }
+        left
     }
 
     /// Removes the session's entry; with it, the keys no session here holds any more.
@@ -392,6 +453,75 @@ impl Shared {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    fn upstream(sid: SessionId, seq: u64, bytes: usize) -> Upstream {
+        Upstream {
+            session_id: sid,
+            player_id: "p".into(),
+            class: waygate_transport::TrafficClass::Normal,
+            msg_id: 1000,
+            seq,
+            payload: bytes::Bytes::from(vec![0u8; bytes]),
+        }
+    }
+
+    /// The held line keeps the client's order (a second `start_holding` joins behind), is
+    /// bounded in messages and bytes, ends when empty, and a session that ended holds
+    /// nothing and admits nothing.
+    #[test]
+    fn the_held_line_keeps_order_and_its_bounds() {
+        let now = tokio::time::Instant::now();
+        let mut t = Sessions::default();
+        let sid = [1; 16];
+        t.open(&sid, "p", "e");
+        assert!(
+            t.start_holding(upstream(sid, 1, 10), now),
+            "starts its task"
+        );
+        assert!(matches!(
+            t.hold_behind(upstream(sid, 2, 10), now),
+            Held::Queued
+        ));
+        assert!(
+            !t.start_holding(upstream(sid, 3, 10), now),
+            "a task runs already"
+        );
+        assert!(matches!(
+            t.hold_behind(upstream(sid, 4, MAX_HELD_BYTES), now),
+            Held::Full
+        ));
+        let seqs: Vec<u64> = std::iter::from_fn(|| t.next_held(&sid))
+            .map(|(h, _)| h.message.seq)
+            .collect();
+        assert_eq!(seqs, [1, 2, 3]);
+        assert!(
+            matches!(t.hold_behind(upstream(sid, 5, 10), now), Held::Free(_)),
+            "the line ended"
+        );
+        for seq in 10..10 + MAX_HELD as u64 {
+            let queued = if seq == 10 {
+                t.start_holding(upstream(sid, seq, 0), now)
+            } else {
+                matches!(t.hold_behind(upstream(sid, seq, 0), now), Held::Queued)
+            };
+            assert!(queued, "{seq}");
+        }
+        assert!(matches!(
+            t.hold_behind(upstream(sid, 9_999, 0), now),
+            Held::Full
+        ));
+        t.remove(&sid);
+        assert!(t.next_held(&sid).is_none());
+        let to = ForwardTarget {
+            service: "player".into(),
+            instance: "127.0.0.1:1".parse().unwrap(),
+            epoch: 1,
+        };
+        assert!(matches!(
+            t.admit_forward(&sid, 1, &to, true),
+            Admitted::Gone
+        ));
+    }
 
     #[derive(Debug, Clone)]
     enum Op {

@@ -13,7 +13,7 @@ use waygate_session::machine::Upstream;
 use waygate_transport::CloseCode;
 
 use super::forward_order::ForwardTarget;
-use super::table::{ForwardWake, Held};
+use super::table::{Admitted, ForwardWake, Held};
 use super::{SessionEntry, Shared};
 use crate::link::{ForwardError, LinkClient};
 use crate::metrics::{CodeLabel, EdgeMetrics};
@@ -125,8 +125,12 @@ impl Shared {
                     .lock()
                     .map_err(|_| refuse(CloseCode::Internal, 0))?
                     .admit_forward(sid, client_seq, &to, tracked);
-                if let Err(wake) = admitted {
-                    return Ok(Forwarded::Wait { wake });
+                match admitted {
+                    Admitted::Go => {}
+                    Admitted::Wait(wake) => return Ok(Forwarded::Wait { wake }),
+                    // Ended meanwhile (a held message): sent, it would open the session
+                    // again on the link, for good.
+                    Admitted::Gone => return Err(refuse(CloseCode::GoingAway, 0)),
                 }
                 // Tracked before it is sent: its answer can never come first.
                 let sent = forward(payload);
@@ -283,7 +287,7 @@ impl UpstreamSink for EdgeUpstream {
                 &message.player_id,
                 &shared.config.edge_id,
             );
-            (entry, e.hold_behind(message))
+            (entry, e.hold_behind(message, tokio::time::Instant::now()))
         };
         let message = match held {
             Held::Free(m) => m,
@@ -309,7 +313,7 @@ impl UpstreamSink for EdgeUpstream {
                 let start = shared
                     .entries
                     .lock()
-                    .map(|mut e| e.start_holding(message))
+                    .map(|mut e| e.start_holding(message, tokio::time::Instant::now()))
                     .unwrap_or(false);
                 if start {
                     tokio::spawn(forward_held(Arc::downgrade(&shared), session_id, wake));
@@ -529,33 +533,48 @@ impl UpstreamSink for EdgeUpstream {
 
 /// Forwards a session's messages that wait on the order rule (§9.5), in order and off the
 /// session's task: each once the rule lets it go, or refused `busy` once it has waited
-/// [`ORDER_HOLD_MAX`] (then the next one's turn). Ends when none waits, or with the
-/// session or the edge. Holds no reference to the edge while it waits.
+/// [`ORDER_HOLD_MAX`] since it arrived and still may not go (then the next one's turn).
+/// Ends when none waits, or with the session or the edge (what still waits is then
+/// answered `unavailable`, also if the task panics). Holds no reference to the edge while
+/// it waits.
 async fn forward_held(edge: Weak<Shared>, session_id: SessionId, first: ForwardWake) {
+    let mut line = HeldLine {
+        edge: edge.clone(),
+        session_id,
+        armed: true,
+    };
     let mut wake = Some(first);
-    let mut until = tokio::time::Instant::now() + ORDER_HOLD_MAX;
     loop {
-        let waited = match wake.take() {
-            Some(w) => tokio::time::timeout_at(until, w.notified()).await.is_ok(),
-            None => true,
-        };
         let Some(shared) = edge.upgrade() else { return };
-        let next = shared
-            .entries
-            .lock()
-            .ok()
-            .and_then(|mut e| e.next_held(&session_id));
-        let Some((m, entry)) = next else { return };
-        if !waited {
-            shared.metrics.forwards_hold_expired.inc();
-            tracing::debug!(
-                msg_id = m.msg_id,
-                seq = m.seq,
-                "older messages of the session unanswered for 2 s: refused busy"
-            );
-            let e = shared.refused(CloseCode::Busy, shared.config.links.busy_retry_after_ms);
-            shared.report_error(&session_id, e.code, m.msg_id, m.seq, e.retry_after_ms);
-            until = tokio::time::Instant::now() + ORDER_HOLD_MAX;
+        let next = match shared.entries.lock() {
+            Ok(mut e) => e.next_held(&session_id),
+            Err(_) => return,
+        };
+        let Some((held, entry)) = next else {
+            // The line ended in `next_held` (a new one may start at once: not ours).
+            line.armed = false;
+            return;
+        };
+        let m = &held.message;
+        let until = held.arrived + ORDER_HOLD_MAX;
+        if let Some(w) = wake.take() {
+            // Waiting holds no reference to the edge.
+            drop(shared);
+            let expired = tokio::time::timeout_at(until, w.notified()).await.is_err();
+            let Some(shared) = edge.upgrade() else { return };
+            if expired {
+                shared.metrics.forwards_hold_expired.inc();
+                tracing::debug!(
+                    msg_id = m.msg_id,
+                    seq = m.seq,
+                    "older messages of the session unanswered for 2 s: refused busy"
+                );
+                let e = shared.refused(CloseCode::Busy, shared.config.links.busy_retry_after_ms);
+                shared.report_error(&session_id, e.code, m.msg_id, m.seq, e.retry_after_ms);
+            } else if let Ok(mut e) = shared.entries.lock() {
+                // Woken: offered again, first in line.
+                e.hold_again(held);
+            }
             continue;
         }
         let payload = m.payload.clone();
@@ -567,15 +586,54 @@ async fn forward_held(edge: Weak<Shared>, session_id: SessionId, first: ForwardW
                 }
             }
             Ok(Forwarded::Wait { wake: w }) => {
-                // Still behind an unanswered one: first in line again, same deadline.
+                // Still behind an unanswered one: first in line again, until its deadline.
+                if tokio::time::Instant::now() >= until {
+                    shared.metrics.forwards_hold_expired.inc();
+                    let e =
+                        shared.refused(CloseCode::Busy, shared.config.links.busy_retry_after_ms);
+                    shared.report_error(&session_id, e.code, m.msg_id, m.seq, e.retry_after_ms);
+                    continue;
+                }
                 if let Ok(mut e) = shared.entries.lock() {
-                    e.hold_again(m);
+                    e.hold_again(held);
                 }
                 wake = Some(w);
-                continue;
             }
             Err(e) => shared.report_error(&session_id, e.code, m.msg_id, m.seq, e.retry_after_ms),
         }
-        until = tokio::time::Instant::now() + ORDER_HOLD_MAX;
+    }
+}
+
+/// A session's held line while its task runs: however the task ends (the edge gone, a
+/// panic), the line stops and what still waits in it is answered `unavailable`, so the
+/// session's later messages are routed again and none stays unanswered.
+struct HeldLine {
+    edge: Weak<Shared>,
+    session_id: SessionId,
+    /// Cleared when the line ended normally.
+    armed: bool,
+}
+
+impl Drop for HeldLine {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let Some(shared) = self.edge.upgrade() else {
+            return;
+        };
+        let left = match shared.entries.lock() {
+            Ok(mut e) => e.stop_holding(&self.session_id),
+            Err(poisoned) => poisoned.into_inner().stop_holding(&self.session_id),
+        };
+        for m in left {
+            shared.report_error(
+                &self.session_id,
+                CloseCode::Unavailable,
+                m.msg_id,
+                m.seq,
+                1000,
+            );
+        }
     }
 }
