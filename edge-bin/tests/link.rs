@@ -2080,3 +2080,36 @@ async fn a_message_held_past_the_bound_is_refused_busy() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(run.y_service.seen(), ["a"], "b was refused, not sent");
 }
+
+/// The held line belongs to the session, not its connection: while `b` waits in it, the
+/// client's connection drops and the client resumes on the same edge; y still gets `a`,
+/// then `b`, and the client is refused nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_held_line_goes_on_through_a_resume_on_the_same_edge() {
+    let mut run = RouteChange::start().await;
+    let registry = run.edge.registry();
+    let sid = registry.session_of("mover").expect("the session");
+    assert!(
+        registry.drop_link(&sid),
+        "the drop reaches the session's task"
+    );
+    let ev = common::wait_for(&mut run.client, Duration::from_secs(10), |e| {
+        matches!(e, waygate_client::Event::Connected { outcome, .. } if *outcome == waygate_protocol::frame::WelcomeOutcome::Restored)
+    })
+    .await;
+    assert!(matches!(ev, waygate_client::Event::Connected { .. }));
+    assert!(run.y_service.seen().is_empty(), "b is still waiting");
+    run.x_service.release.add_permits(1);
+    assert_eq!(run.y_seen(2).await, ["a", "b"]);
+    let refused = tokio::time::timeout(Duration::from_secs(1), async {
+        loop {
+            match run.client.next_event().await {
+                Some(waygate_client::Event::Error(r)) => return Some(r),
+                Some(_) => {}
+                None => return None,
+            }
+        }
+    })
+    .await;
+    assert!(!matches!(refused, Ok(Some(_))), "refused: {refused:?}");
+}
