@@ -713,19 +713,9 @@ impl ClusterConfig {
     /// How the edge reaches etcd: its user (`etcd_credentials`) and TLS (`etcd_tls_*`,
     /// read now) for `https://` endpoints.
     pub fn etcd_access(&self) -> Result<waygate_routing_etcd::EtcdAccess, ConfigError> {
-        let read = |key: &'static str, path: &Option<PathBuf>| {
-            path.as_deref()
-                .map(|p| {
-                    std::fs::read(p).map_err(|e| ConfigError::Invalid {
-                        key,
-                        message: format!("{}: {e}", p.display()),
-                    })
-                })
-                .transpose()
-        };
-        let ca_pem = read("cluster.etcd_tls_ca_file", &self.etcd_tls_ca_file)?;
-        let cert = read("cluster.etcd_tls_cert_file", &self.etcd_tls_cert_file)?;
-        let key = read("cluster.etcd_tls_key_file", &self.etcd_tls_key_file)?;
+        let ca_pem = read_file("cluster.etcd_tls_ca_file", &self.etcd_tls_ca_file)?;
+        let cert = read_file("cluster.etcd_tls_cert_file", &self.etcd_tls_cert_file)?;
+        let key = read_file("cluster.etcd_tls_key_file", &self.etcd_tls_key_file)?;
         Ok(waygate_routing_etcd::EtcdAccess {
             credentials: self.etcd_credentials()?,
             // Both or neither: `check_etcd_tls`.
@@ -767,24 +757,9 @@ impl ClusterConfig {
         Ok(())
     }
 
-    /// etcd endpoints beyond loopback that are not TLS (`http://`): the route table, the
-    /// registrations and the etcd password cross the network in clear. The edge warns of
-    /// them at start.
-    pub fn plaintext_etcd_beyond_loopback(&self) -> Vec<String> {
-        plaintext_etcd_beyond_loopback(&self.etcd_endpoints)
-    }
-
     /// The PEM of `redis_tls_ca_file`, read now (`None` when unset).
     pub fn redis_tls_roots(&self) -> Result<Option<Vec<u8>>, ConfigError> {
-        self.redis_tls_ca_file
-            .as_deref()
-            .map(|path| {
-                std::fs::read(path).map_err(|e| ConfigError::Invalid {
-                    key: "cluster.redis_tls_ca_file",
-                    message: format!("{}: {e}", path.display()),
-                })
-            })
-            .transpose()
+        read_file("cluster.redis_tls_ca_file", &self.redis_tls_ca_file)
     }
 
     /// Redis URLs beyond loopback that are not TLS (`redis://`): their traffic (snapshots
@@ -887,6 +862,19 @@ impl ClusterConfig {
         }
         Ok(())
     }
+}
+
+/// The contents of the file a setting names (`None` when unset); an unreadable one is an
+/// error naming the setting and the file.
+fn read_file(key: &'static str, path: &Option<PathBuf>) -> Result<Option<Vec<u8>>, ConfigError> {
+    path.as_deref()
+        .map(|p| {
+            std::fs::read(p).map_err(|e| ConfigError::Invalid {
+                key,
+                message: format!("{}: {e}", p.display()),
+            })
+        })
+        .transpose()
 }
 
 /// The etcd `endpoints` beyond loopback that are not TLS (`http://`, or no scheme): what
@@ -1114,7 +1102,7 @@ impl EdgeConfig {
                 listener.addr
             ));
         }
-        for etcd in self.cluster.plaintext_etcd_beyond_loopback() {
+        for etcd in plaintext_etcd_beyond_loopback(&self.cluster.etcd_endpoints) {
             warnings.push(format!(
                 "etcd at {etcd} is beyond loopback without TLS: the route table, the \
                  registrations and the etcd password cross the network in clear. Use \

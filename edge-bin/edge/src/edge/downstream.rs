@@ -69,20 +69,21 @@ impl Shared {
             pushes.iter().for_each(|p| self.count_push(p.class, false));
             return;
         };
-        let settles = match &end {
-            AnswerEnd::Done(client_seq) => Some(*client_seq),
-            AnswerEnd::Refused(r) => Some(r.client_seq),
-            AnswerEnd::Released => None,
-        };
-        let end = match end {
-            AnswerEnd::Done(client_seq) => Some(OutboundItem::Answered(client_seq)),
-            AnswerEnd::Refused(r) => Some(OutboundItem::Error(ErrorReport {
-                code: r.code,
-                msg_id: r.msg_id,
-                client_seq: r.client_seq,
-                retry_after_ms: r.retry_after_ms,
-            })),
-            AnswerEnd::Released => None,
+        // The item that ends them, and the message it answers.
+        let (end, settles) = match end {
+            AnswerEnd::Done(client_seq) => {
+                (Some(OutboundItem::Answered(client_seq)), Some(client_seq))
+            }
+            AnswerEnd::Refused(r) => (
+                Some(OutboundItem::Error(ErrorReport {
+                    code: r.code,
+                    msg_id: r.msg_id,
+                    client_seq: r.client_seq,
+                    retry_after_ms: r.retry_after_ms,
+                })),
+                Some(r.client_seq),
+            ),
+            AnswerEnd::Released => (None, None),
         };
         let items = pushes
             .into_iter()

@@ -54,8 +54,6 @@ struct SessionForwards {
     /// behind it), oldest first; a task of their own forwards them (`forward_held`), so
     /// the session's task goes on.
     held: std::collections::VecDeque<HeldMessage>,
-    /// Payload bytes in `held` (at most [`MAX_HELD_BYTES`]).
-    held_bytes: usize,
     /// That task runs: a new message of the session joins `held`.
     holding: bool,
 }
@@ -70,6 +68,12 @@ pub(super) struct HeldMessage {
 }
 
 impl SessionForwards {
+    /// Payload bytes waiting in `held` (at most [`MAX_HELD_BYTES`]; summed when a message
+    /// joins a line, which exists only while a route change holds one back).
+    fn held_bytes(&self) -> usize {
+        self.held.iter().map(|h| h.message.payload.len()).sum()
+    }
+
     /// Whether nothing is kept here any more.
     fn is_idle(&self) -> bool {
         self.order.is_empty() && !self.holding && self.held.is_empty()
@@ -255,10 +259,9 @@ impl Sessions {
         match self.forwards.get_mut(&message.session_id) {
             Some(f) if f.holding => {
                 let bytes = message.payload.len();
-                if f.held.len() >= MAX_HELD || f.held_bytes + bytes > MAX_HELD_BYTES {
+                if f.held.len() >= MAX_HELD || f.held_bytes() + bytes > MAX_HELD_BYTES {
                     return Held::Full;
                 }
-                f.held_bytes += bytes;
                 f.held.push_back(HeldMessage {
                     message,
                     arrived: now,
@@ -277,7 +280,6 @@ impl Sessions {
             return false;
         }
         let f = self.forwards.entry(message.session_id).or_default();
-        f.held_bytes += message.payload.len();
         let held = HeldMessage {
             message,
             arrived: now,
@@ -300,23 +302,11 @@ impl Sessions {
     ) -> Option<(HeldMessage, SessionEntry)> {
         let entry = self.by_id.get(session_id).cloned();
         let f = self.forwards.get_mut(session_id)?;
-        let next = f.held.pop_front();
-        if let Some(h) = &next {
-            f.held_bytes = f.held_bytes.saturating_sub(h.message.payload.len());
-        }
-        let next = next.zip(entry);
+        let next = f.held.pop_front().zip(entry);
         if next.is_none() {
             self.stop_holding(session_id);
         }
         next
-    }
-
-    /// A message `next_held` gave that must wait again: first in line.
-    pub(super) fn hold_again(&mut self, held: HeldMessage) {
-        if let Some(f) = self.forwards.get_mut(&held.message.session_id) {
-            f.held_bytes += held.message.payload.len();
-            f.held.push_front(held);
-        }
     }
 
     /// Ends the session's held line (its task ends); what still waits in it is returned,
@@ -326,7 +316,6 @@ impl Sessions {
             return Vec::new();
         };
         f.holding = false;
-        f.held_bytes = 0;
         let left = f.held.drain(..).map(|h| h.message).collect();
         if f.is_idle() {
             self.forwards.remove(session_id);

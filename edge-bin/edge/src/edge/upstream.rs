@@ -304,7 +304,7 @@ impl UpstreamSink for EdgeUpstream {
         let payload = message.payload.clone();
         match shared.route_and_forward(&entry, msg_id, seq, class, payload, Forwarding::New)? {
             Forwarded::Sent(delivered) => Ok(delivered),
-            Forwarded::Wait { wake } => {
+            Forwarded::Wait { .. } => {
                 // An older message of the session to the same service is unanswered
                 // (§9.5): this one, and the session's later ones behind it, wait on a task
                 // of their own; the session's task goes on (its pushes keep flowing).
@@ -316,7 +316,7 @@ impl UpstreamSink for EdgeUpstream {
                     .map(|mut e| e.start_holding(message, tokio::time::Instant::now()))
                     .unwrap_or(false);
                 if start {
-                    tokio::spawn(forward_held(Arc::downgrade(&shared), session_id, wake));
+                    tokio::spawn(forward_held(Arc::downgrade(&shared), session_id));
                 }
                 // Answered once forwarded and answered, or refused: by `forward_held`.
                 Ok(Delivered::AwaitingAnswer)
@@ -534,16 +534,16 @@ impl UpstreamSink for EdgeUpstream {
 /// Forwards a session's messages that wait on the order rule (§9.5), in order and off the
 /// session's task: each once the rule lets it go, or refused `busy` once it has waited
 /// [`ORDER_HOLD_MAX`] since it arrived and still may not go (then the next one's turn).
-/// Ends when none waits, or with the session or the edge (what still waits is then
-/// answered `unavailable`, also if the task panics). Holds no reference to the edge while
-/// it waits.
-async fn forward_held(edge: Weak<Shared>, session_id: SessionId, first: ForwardWake) {
+/// Ends when none waits, or with the session or the edge (what still waits, and the one in
+/// hand, are then answered `unavailable`, also if the task panics). Holds no reference to
+/// the edge while it waits.
+async fn forward_held(edge: Weak<Shared>, session_id: SessionId) {
     let mut line = HeldLine {
         edge: edge.clone(),
         session_id,
         armed: true,
+        in_hand: None,
     };
-    let mut wake = Some(first);
     loop {
         let Some(shared) = edge.upgrade() else { return };
         let next = match shared.entries.lock() {
@@ -555,14 +555,41 @@ async fn forward_held(edge: Weak<Shared>, session_id: SessionId, first: ForwardW
             line.armed = false;
             return;
         };
-        let m = &held.message;
+        drop(shared);
+        let m = held.message;
+        line.in_hand = Some((m.msg_id, m.seq));
         let until = held.arrived + ORDER_HOLD_MAX;
-        if let Some(w) = wake.take() {
-            // Waiting holds no reference to the edge.
-            drop(shared);
-            let expired = tokio::time::timeout_at(until, w.notified()).await.is_err();
+        loop {
             let Some(shared) = edge.upgrade() else { return };
-            if expired {
+            let payload = m.payload.clone();
+            let wake = match shared.route_and_forward(
+                &entry,
+                m.msg_id,
+                m.seq,
+                m.class,
+                payload,
+                Forwarding::New,
+            ) {
+                Ok(Forwarded::Sent(Delivered::AwaitingAnswer)) => break,
+                Ok(Forwarded::Sent(Delivered::Answered)) => {
+                    if m.seq != 0 {
+                        shared.answered(&session_id, m.seq);
+                    }
+                    break;
+                }
+                Err(e) => {
+                    shared.report_error(&session_id, e.code, m.msg_id, m.seq, e.retry_after_ms);
+                    break;
+                }
+                Ok(Forwarded::Wait { wake }) => wake,
+            };
+            drop(shared);
+            // Still behind an unanswered one: woken by an answer, or refused at its deadline.
+            if tokio::time::timeout_at(until, wake.notified())
+                .await
+                .is_err()
+            {
+                let Some(shared) = edge.upgrade() else { return };
                 shared.metrics.forwards_hold_expired.inc();
                 tracing::debug!(
                     msg_id = m.msg_id,
@@ -571,47 +598,24 @@ async fn forward_held(edge: Weak<Shared>, session_id: SessionId, first: ForwardW
                 );
                 let e = shared.refused(CloseCode::Busy, shared.config.links.busy_retry_after_ms);
                 shared.report_error(&session_id, e.code, m.msg_id, m.seq, e.retry_after_ms);
-            } else if let Ok(mut e) = shared.entries.lock() {
-                // Woken: offered again, first in line.
-                e.hold_again(held);
+                break;
             }
-            continue;
         }
-        let payload = m.payload.clone();
-        match shared.route_and_forward(&entry, m.msg_id, m.seq, m.class, payload, Forwarding::New) {
-            Ok(Forwarded::Sent(Delivered::AwaitingAnswer)) => {}
-            Ok(Forwarded::Sent(Delivered::Answered)) => {
-                if m.seq != 0 {
-                    shared.answered(&session_id, m.seq);
-                }
-            }
-            Ok(Forwarded::Wait { wake: w }) => {
-                // Still behind an unanswered one: first in line again, until its deadline.
-                if tokio::time::Instant::now() >= until {
-                    shared.metrics.forwards_hold_expired.inc();
-                    let e =
-                        shared.refused(CloseCode::Busy, shared.config.links.busy_retry_after_ms);
-                    shared.report_error(&session_id, e.code, m.msg_id, m.seq, e.retry_after_ms);
-                    continue;
-                }
-                if let Ok(mut e) = shared.entries.lock() {
-                    e.hold_again(held);
-                }
-                wake = Some(w);
-            }
-            Err(e) => shared.report_error(&session_id, e.code, m.msg_id, m.seq, e.retry_after_ms),
-        }
+        line.in_hand = None;
     }
 }
 
 /// A session's held line while its task runs: however the task ends (the edge gone, a
-/// panic), the line stops and what still waits in it is answered `unavailable`, so the
-/// session's later messages are routed again and none stays unanswered.
+/// panic), the line stops and what still waits in it, with the message in hand, is answered
+/// `unavailable`, so the session's later messages are routed again and none stays
+/// unanswered.
 struct HeldLine {
     edge: Weak<Shared>,
     session_id: SessionId,
     /// Cleared when the line ended normally.
     armed: bool,
+    /// The message being forwarded (msg_id, client seq), out of the line.
+    in_hand: Option<(u32, u64)>,
 }
 
 impl Drop for HeldLine {
@@ -626,14 +630,9 @@ impl Drop for HeldLine {
             Ok(mut e) => e.stop_holding(&self.session_id),
             Err(poisoned) => poisoned.into_inner().stop_holding(&self.session_id),
         };
-        for m in left {
-            shared.report_error(
-                &self.session_id,
-                CloseCode::Unavailable,
-                m.msg_id,
-                m.seq,
-                1000,
-            );
+        let left = left.into_iter().map(|m| (m.msg_id, m.seq));
+        for (msg_id, seq) in self.in_hand.take().into_iter().chain(left) {
+            shared.report_error(&self.session_id, CloseCode::Unavailable, msg_id, seq, 1000);
         }
     }
 }
