@@ -4,6 +4,8 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
+#[path = "support_redis/mod.rs"]
+mod support_redis;
 
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
@@ -1873,8 +1875,9 @@ async fn an_edge_without_pin_results_gets_the_old_pin_and_no_unpin() {
 }
 
 /// Records the payloads of the messages it handles, in order; one whose payload is `slow`
-/// holds its session until `release` gets a permit.
+/// (by default `b"slow"`) holds its session until `release` gets a permit.
 struct Recorder {
+    slow: &'static [u8],
     seen: std::sync::Mutex<Vec<String>>,
     slow_started: tokio::sync::Notify,
     release: tokio::sync::Semaphore,
@@ -1885,6 +1888,7 @@ struct Recorder {
 impl Default for Recorder {
     fn default() -> Self {
         Self {
+            slow: b"slow",
             seen: Default::default(),
             slow_started: Default::default(),
             release: tokio::sync::Semaphore::new(0),
@@ -1914,7 +1918,7 @@ impl Service for Recorder {
     }
 
     async fn message(&self, _s: &BackendSession, m: Incoming) -> Result<(), Refusal> {
-        if &m.payload[..] == b"slow" {
+        if &m.payload[..] == self.slow {
             self.slow_started.notify_one();
             let _ = self.release.acquire().await;
         }
@@ -2112,4 +2116,108 @@ async fn the_held_line_goes_on_through_a_resume_on_the_same_edge() {
     })
     .await;
     assert!(!matches!(refused, Ok(Some(_))), "refused: {refused:?}");
+}
+
+/// Hard migration during a hold (PROTOCOL.md §9.5, S8; found by the last stop's review):
+/// while `b` waits on edge A behind `a` (refused `stale_epoch` by x), A is drained and the
+/// client moves to edge B (Redis). A forwards nothing of the session any more once it is
+/// quiesced: `a`, routed again meanwhile, and `b` are withdrawn, unacknowledged, and the
+/// client resends both to B, so y handles each once. Before, A sent `a` to y during the
+/// quiesce, y answered it after the client had left, and the client's resend through B
+/// made y handle `a` twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_line_is_withdrawn_when_its_session_moves_to_another_edge() {
+    let redis = support_redis::RedisServer::start();
+    let x_service = Arc::new(Recorder::default());
+    // y holds every `a` until released: an answer that comes after the client left.
+    let y_service = Arc::new(Recorder {
+        slow: b"a",
+        ..Recorder::default()
+    });
+    let bind = |id: &str, service: Arc<Recorder>| {
+        Backend::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            BackendConfig::new(id),
+            service,
+        )
+    };
+    let x = bind("x", x_service.clone()).await.unwrap();
+    let y = bind("y", y_service.clone()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let routes = dir.path().join("routes.toml");
+    std::fs::write(&routes, moving_table(x.local_addr(), y.local_addr(), 1)).unwrap();
+    let start = |id: &str, drain_target: String| {
+        let mut config = waygate_edge::config::EdgeConfig::default();
+        config.use_ephemeral_ports();
+        config.edge_id = id.into();
+        config.routing.table = Some(routes.clone());
+        config.routing.poll_ms = 100;
+        config.cluster.redis_url = redis.url();
+        config.drain.target = drain_target;
+        // Time enough for x's refusal of `a` to reach A within the quiesce.
+        config.cluster.quiesce_ms = 1_500;
+        waygate_edge::edge::Edge::start(config)
+    };
+    let edge_b = start("edge-b", String::new()).await.unwrap();
+    let b_addr = edge_b.addrs[&waygate_transport::TransportKind::Tcp];
+    let edge_a = start("edge-a", format!("tcp://{b_addr}")).await.unwrap();
+    let mut options = waygate_client::ClientOptions::new(
+        vec![waygate_transport::endpoint::Endpoint::new(
+            waygate_transport::TransportKind::Tcp,
+            edge_a.addrs[&waygate_transport::TransportKind::Tcp],
+        )],
+        common::token("mover"),
+    );
+    // Nothing answers `b` for longer than the 1 s liveness rule (PROTOCOL.md §7.5): the
+    // client is to move by MIGRATE, not give A up and be refused `draining` there.
+    options.session.liveness = Duration::from_secs(30);
+    let mut client = waygate_client::Client::start(options);
+    let send =
+        |body: &'static [u8]| client.send(TrafficClass::Critical, 1000, Bytes::from_static(body));
+    send(b"slow").await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), x_service.slow_started.notified())
+        .await
+        .expect("x handles the slow message");
+    send(b"a").await.unwrap();
+    expect_metric(
+        &edge_a,
+        "waygate_forwarded_total{service=\"player\",instance=\"x\"} 2",
+    )
+    .await;
+    x.set_epoch(2);
+    y.set_epoch(2);
+    common::write_atomically(&routes, &moving_table(x.local_addr(), y.local_addr(), 2));
+    expect_metric(&edge_a, "waygate_route_epoch 2").await;
+    expect_metric(&edge_b, "waygate_route_epoch 2").await;
+    send(b"b").await.unwrap();
+    expect_metric(&edge_a, "waygate_forwards_held_total 1").await;
+    // The drain quiesces the session (`b`, waiting, is withdrawn), waits `quiesce_ms` and
+    // sends MIGRATE; meanwhile x refuses `a` as stale and A routes it again.
+    let admin = edge_a.admin();
+    let drain = tokio::spawn(async move { admin.drain().await });
+    expect_metric(&edge_a, "waygate_forwards_withdrawn_total 1").await;
+    x_service.release.add_permits(1);
+    expect_metric(&edge_a, "waygate_stale_epoch_reroutes_total 1").await;
+    let ev = common::wait_for(&mut client, Duration::from_secs(10), |e| {
+        matches!(e, waygate_client::Event::Connected { outcome, .. } if *outcome == waygate_protocol::frame::WelcomeOutcome::Restored)
+    })
+    .await;
+    assert!(matches!(ev, waygate_client::Event::Connected { .. }));
+    drain.await.unwrap();
+    // Every `a` y was given may finish now.
+    y_service.release.add_permits(2);
+    let mut seen = Vec::new();
+    for _ in 0..100 {
+        seen = y_service.seen();
+        if seen.len() >= 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Time for a second copy to arrive, were one on its way.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(seen, ["a", "b"]);
+    assert_eq!(y_service.seen(), ["a", "b"], "each handled once");
+    assert_eq!(x_service.seen(), ["slow"]);
+    expect_metric(&edge_a, "waygate_forwards_withdrawn_total 2").await;
 }

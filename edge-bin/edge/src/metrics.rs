@@ -171,6 +171,9 @@ pub struct EdgeMetrics {
     pub forwards_held: Counter,
     /// Of those, the ones refused `busy` after waiting the bound (2 s since they arrived).
     pub forwards_hold_expired: Counter,
+    /// Client messages of sessions quiesced for a hard migration, not forwarded here (the
+    /// client resends them to the edge it moves to).
+    pub forwards_withdrawn: Counter,
     /// Ownership re-assert sweeps that went through, by reason.
     pub ownership_sweeps: Family<SweepLabel, Counter>,
     /// Players moved to another instance by migrations.
@@ -574,6 +577,7 @@ impl EdgeMetrics {
             forwards_held: Counter::default(),
             ownership_sweeps: Family::default(),
             forwards_hold_expired: Counter::default(),
+            forwards_withdrawn: Counter::default(),
             migrations: Counter::default(),
             draining: Gauge::default(),
             overload_level: Gauge::default(),
@@ -726,6 +730,11 @@ impl EdgeMetrics {
             "forwards_hold_expired",
             "Client messages refused busy after waiting 2 s for older messages of their session",
             m.forwards_hold_expired.clone(),
+        );
+        registry.register(
+            "forwards_withdrawn",
+            "Client messages of sessions moving to another edge (hard migration) not forwarded here: unacknowledged, their client resends them there",
+            m.forwards_withdrawn.clone(),
         );
         registry.register(
             "migrations",

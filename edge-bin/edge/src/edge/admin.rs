@@ -164,6 +164,14 @@ impl Shared {
         if self.redis.is_some() {
             for sid in ids {
                 registry.quiesce(sid);
+                // Nothing of it is forwarded here any more: what waits in its held line
+                // (§9.5) is withdrawn, neither sent nor answered (the client resends it
+                // after the move), so it reaches its backend once, from the next edge.
+                let withdrawn = match self.entries.lock() {
+                    Ok(mut e) => e.start_moving(sid).len(),
+                    Err(_) => 0,
+                };
+                self.metrics.forwards_withdrawn.inc_by(withdrawn as u64);
             }
             tokio::time::sleep(Duration::from_millis(self.config.cluster.quiesce_ms)).await;
         }

@@ -390,7 +390,8 @@ pub(super) async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver
                 )
             });
             match outcome {
-                Ok(Forwarded::Sent(Delivered::AwaitingAnswer)) => {}
+                // Withdrawn: the session moves; its client resends it to the next edge.
+                Ok(Forwarded::Sent(Delivered::AwaitingAnswer) | Forwarded::Withdrawn) => {}
                 Ok(Forwarded::Sent(Delivered::Answered)) => shared.answered(&sid, client_seq),
                 // A re-routed message is never told to wait; were it, the client is answered.
                 Ok(Forwarded::Wait { .. }) => shared.report_error(

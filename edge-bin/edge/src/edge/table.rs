@@ -44,6 +44,9 @@ pub(super) struct Sessions {
     /// and the wake-up of the message waiting on it. An entry lives only while it tracks
     /// something or someone waits.
     forwards: HashMap<SessionId, SessionForwards>,
+    /// Sessions quiesced for a hard migration (S8): none of their messages is forwarded
+    /// here any more (the client resends what is unanswered to the edge it moves to).
+    moving: HashSet<SessionId>,
 }
 
 #[derive(Debug, Default)]
@@ -95,8 +98,19 @@ pub(super) enum Admitted {
     Go,
     /// Wait for the wake-up.
     Wait(ForwardWake),
-    /// The session ended here: send nothing.
+    /// Send nothing.
+    Stopped(Stopped),
+}
+
+/// Why no message of a session is forwarded any more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Stopped {
+    /// The session ended here: sent, a message would open it again on the link, for good.
     Gone,
+    /// The session moves to another edge (hard migration, S8): a message not forwarded yet
+    /// is withdrawn, neither sent nor answered (so not acknowledged): its client resends it
+    /// there, where it is forwarded once.
+    Moving,
 }
 
 /// What became of a message offered to [`Sessions::hold_behind`].
@@ -166,6 +180,34 @@ impl Sessions {
 
     /// Records the session's BIND keys (service -> key; a service's previous key is
     /// replaced). Returns the keys no session here holds any more.
+    /// Whether, and why, no message of the session is forwarded any more.
+    fn stopped(&self, session_id: &SessionId) -> Option<Stopped> {
+        if !self.by_id.contains_key(session_id) {
+            Some(Stopped::Gone)
+        } else if self.moving.contains(session_id) {
+            Some(Stopped::Moving)
+        } else {
+            None
+        }
+    }
+
+    /// The session was quiesced for a hard migration: from now on none of its messages is
+    /// forwarded here. What waits in its held line is withdrawn at once (returned: the
+    /// client resends those messages to the edge it moves to); the message its line's task
+    /// holds is withdrawn when that task wakes, which this does.
+    pub(super) fn start_moving(&mut self, session_id: &SessionId) -> Vec<Upstream> {
+        if !self.by_id.contains_key(session_id) || !self.moving.insert(*session_id) {
+            return Vec::new();
+        }
+        let Some(f) = self.forwards.get_mut(session_id) else {
+            return Vec::new();
+        };
+        if let Some(wake) = &f.wake {
+            wake.notify_one();
+        }
+        f.held.drain(..).map(|h| h.message).collect()
+    }
+
     pub(super) fn set_keys(
         &mut self,
         session_id: &SessionId,
@@ -191,8 +233,8 @@ impl Sessions {
     }
 
     /// A new message of the session about to be forwarded to `to` (tracked from now on when
-    /// `track`: it will be answered), or the wake-up to wait on. A session this table no
-    /// longer holds is gone: nothing is sent for it (it would open it again on the link).
+    /// `track`: it will be answered), or the wake-up to wait on; nothing is sent for a
+    /// session that ended or moves ([`Stopped`]).
     pub(super) fn admit_forward(
         &mut self,
         session_id: &SessionId,
@@ -200,8 +242,8 @@ impl Sessions {
         to: &ForwardTarget,
         track: bool,
     ) -> Admitted {
-        if !self.by_id.contains_key(session_id) {
-            return Admitted::Gone;
+        if let Some(stopped) = self.stopped(session_id) {
+            return Admitted::Stopped(stopped);
         }
         let f = match (self.forwards.get_mut(session_id), track) {
             (Some(f), _) => f,
@@ -220,20 +262,25 @@ impl Sessions {
         }
     }
 
-    /// A refused message of the session routed again to `to`; the wake-up of a message
-    /// that may go now.
+    /// A refused message of the session about to be routed again to `to` (tracked there
+    /// when `track`); the wake-up of a message that may go now. Nothing is sent for a
+    /// session that ended or moves ([`Stopped`]).
     pub(super) fn rerouted_forward(
         &mut self,
         session_id: &SessionId,
         client_seq: u64,
         to: &ForwardTarget,
-    ) -> Option<ForwardWake> {
-        if !self.by_id.contains_key(session_id) {
-            return None;
+        track: bool,
+    ) -> Result<Option<ForwardWake>, Stopped> {
+        if let Some(stopped) = self.stopped(session_id) {
+            return Err(stopped);
+        }
+        if !track {
+            return Ok(self.settle_forward(session_id, client_seq));
         }
         let f = self.forwards.entry(*session_id).or_default();
         f.order.rerouted(client_seq, to);
-        f.wake.clone()
+        Ok(f.wake.clone())
     }
 
     /// A forward of the session answered (or refused, or not sent after all); the wake-up
@@ -331,6 +378,7 @@ impl Sessions {
         if let Some(wake) = self.forwards.remove(session_id).and_then(|f| f.wake) {
             wake.notify_one();
         }
+        self.moving.remove(session_id);
         let entry = self.by_id.remove(session_id)?;
         self.by_handle.remove(&entry.meta.handle);
         for addr in entry.links.iter() {
@@ -508,8 +556,80 @@ mod tests {
         };
         assert!(matches!(
             t.admit_forward(&sid, 1, &to, true),
-            Admitted::Gone
+            Admitted::Stopped(Stopped::Gone)
         ));
+    }
+
+    fn target(epoch: u64) -> ForwardTarget {
+        ForwardTarget {
+            service: "player".into(),
+            instance: "127.0.0.1:1".parse().unwrap(),
+            epoch,
+        }
+    }
+
+    /// A message refused `stale_epoch` and routed again after its session ended here is not
+    /// sent (it would open the session on the new instance again, for good): before, the
+    /// re-route checked nothing and forwarded it.
+    #[test]
+    fn a_message_routed_again_after_its_session_ended_is_not_sent() {
+        let mut t = Sessions::default();
+        let sid = [2; 16];
+        t.open(&sid, "p", "e");
+        assert!(matches!(
+            t.admit_forward(&sid, 1, &target(1), true),
+            Admitted::Go
+        ));
+        t.remove(&sid);
+        for track in [true, false] {
+            assert_eq!(
+                t.rerouted_forward(&sid, 1, &target(2), track).err(),
+                Some(Stopped::Gone)
+            );
+        }
+        assert!(t.forwards.is_empty(), "nothing kept for it");
+    }
+
+    /// Quiesced for a hard migration, a session forwards nothing more here: its held line
+    /// is withdrawn (handed back, the message in hand woken to be withdrawn too), a new
+    /// message and a re-routed one are not sent; its end forgets it.
+    #[test]
+    fn a_moving_session_forwards_nothing_more() {
+        let now = tokio::time::Instant::now();
+        let mut t = Sessions::default();
+        let sid = [3; 16];
+        t.open(&sid, "p", "e");
+        assert!(matches!(
+            t.admit_forward(&sid, 1, &target(1), true),
+            Admitted::Go
+        ));
+        let Admitted::Wait(wake) = t.admit_forward(&sid, 2, &target(2), true) else {
+            panic!("2 waits for 1 (another epoch)");
+        };
+        assert!(t.start_holding(upstream(sid, 2, 10), now));
+        let (in_hand, _) = t.next_held(&sid).expect("2 in the task's hand");
+        assert_eq!(in_hand.message.seq, 2);
+        assert!(matches!(
+            t.hold_behind(upstream(sid, 3, 10), now),
+            Held::Queued
+        ));
+        let withdrawn: Vec<u64> = t.start_moving(&sid).iter().map(|m| m.seq).collect();
+        assert_eq!(withdrawn, [3]);
+        assert!(
+            futures_util::FutureExt::now_or_never(wake.notified()).is_some(),
+            "the task holding 2 is woken"
+        );
+        assert!(matches!(
+            t.admit_forward(&sid, 2, &target(2), true),
+            Admitted::Stopped(Stopped::Moving)
+        ));
+        assert_eq!(
+            t.rerouted_forward(&sid, 1, &target(2), true).err(),
+            Some(Stopped::Moving)
+        );
+        assert!(t.start_moving(&sid).is_empty(), "once");
+        t.remove(&sid);
+        assert!(t.moving.is_empty(), "forgotten with the session");
     }
 
     #[derive(Debug, Clone)]

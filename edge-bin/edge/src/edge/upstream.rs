@@ -13,7 +13,7 @@ use waygate_session::machine::Upstream;
 use waygate_transport::CloseCode;
 
 use super::forward_order::ForwardTarget;
-use super::table::{Admitted, ForwardWake, Held};
+use super::table::{Admitted, ForwardWake, Held, Stopped};
 use super::{SessionEntry, Shared};
 use crate::link::{ForwardError, LinkClient};
 use crate::metrics::{CodeLabel, EdgeMetrics};
@@ -39,6 +39,9 @@ pub(super) enum Forwarded {
     /// Not sent: an older message of the session to its service is unanswered (§9.5).
     /// Offer it again when woken.
     Wait { wake: ForwardWake },
+    /// Not sent and not to be answered here: the session moves to another edge (hard
+    /// migration), where its client resends it.
+    Withdrawn,
 }
 
 impl Shared {
@@ -128,9 +131,7 @@ impl Shared {
                 match admitted {
                     Admitted::Go => {}
                     Admitted::Wait(wake) => return Ok(Forwarded::Wait { wake }),
-                    // Ended meanwhile (a held message): sent, it would open the session
-                    // again on the link, for good.
-                    Admitted::Gone => return Err(refuse(CloseCode::GoingAway, 0)),
+                    Admitted::Stopped(stopped) => return self.not_sent(stopped),
                 }
                 // Tracked before it is sent: its answer can never come first.
                 let sent = forward(payload);
@@ -149,10 +150,9 @@ impl Shared {
                     .entries
                     .lock()
                     .map_err(|_| refuse(CloseCode::Internal, 0))?;
-                let mut wake = if tracked {
-                    e.rerouted_forward(sid, client_seq, &to)
-                } else {
-                    e.settle_forward(sid, client_seq)
+                let mut wake = match e.rerouted_forward(sid, client_seq, &to, tracked) {
+                    Ok(wake) => wake,
+                    Err(stopped) => return self.not_sent(stopped),
                 };
                 let sent = forward(payload);
                 if tracked && !matches!(sent, Ok(Delivered::AwaitingAnswer)) {
@@ -192,6 +192,18 @@ impl Shared {
             Err(ForwardError::Unavailable) => Err(refuse(CloseCode::Unavailable, 1000)),
             Err(ForwardError::Busy { retry_after_ms }) => {
                 Err(refuse(CloseCode::Busy, retry_after_ms))
+            }
+        }
+    }
+
+    /// A message of a session that ended (refused `going_away`: nobody gets it) or moves
+    /// (withdrawn, counted) is not sent (PROTOCOL.md §9.5).
+    fn not_sent(&self, stopped: Stopped) -> Result<Forwarded, DeliverError> {
+        match stopped {
+            Stopped::Gone => Err(self.refused(CloseCode::GoingAway, 0)),
+            Stopped::Moving => {
+                self.metrics.forwards_withdrawn.inc();
+                Ok(Forwarded::Withdrawn)
             }
         }
     }
@@ -304,6 +316,8 @@ impl UpstreamSink for EdgeUpstream {
         let payload = message.payload.clone();
         match shared.route_and_forward(&entry, msg_id, seq, class, payload, Forwarding::New)? {
             Forwarded::Sent(delivered) => Ok(delivered),
+            // Unanswered here: the client resends it to the edge the session moves to.
+            Forwarded::Withdrawn => Ok(Delivered::AwaitingAnswer),
             Forwarded::Wait { .. } => {
                 // An older message of the session to the same service is unanswered
                 // (§9.5): this one, and the session's later ones behind it, wait on a task
@@ -570,7 +584,7 @@ async fn forward_held(edge: Weak<Shared>, session_id: SessionId) {
                 payload,
                 Forwarding::New,
             ) {
-                Ok(Forwarded::Sent(Delivered::AwaitingAnswer)) => break,
+                Ok(Forwarded::Sent(Delivered::AwaitingAnswer) | Forwarded::Withdrawn) => break,
                 Ok(Forwarded::Sent(Delivered::Answered)) => {
                     if m.seq != 0 {
                         shared.answered(&session_id, m.seq);
