@@ -2063,17 +2063,22 @@ async fn a_message_after_a_route_change_does_not_overtake_one_routed_again() {
 }
 
 /// The wait is bounded: while x holds `a` past 2 s, `b` is refused `busy` (an ERROR the
-/// client gets for it), never sent ahead of `a`; `a` still reaches y once x lets go.
+/// client gets for it), never sent ahead of `a`; `a` still reaches y once x lets go. The
+/// client keeps its link all along (the edge's answer keep-alive ACKs, PROTOCOL.md §7.5:
+/// before them, the client called the link dead after 1 s without a frame and resumed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_held_past_the_bound_is_refused_busy() {
     let mut run = RouteChange::start().await;
     let b_seq = run.b_seq;
-    let ev = common::wait_for(
-        &mut run.client,
-        Duration::from_secs(10),
-        |e| matches!(e, waygate_client::Event::Error(r) if r.client_seq == b_seq),
-    )
+    let mut link_lost = Vec::new();
+    let ev = common::wait_for(&mut run.client, Duration::from_secs(10), |e| {
+        if let waygate_client::Event::Disconnected { code } = e {
+            link_lost.push(*code);
+        }
+        matches!(e, waygate_client::Event::Error(r) if r.client_seq == b_seq)
+    })
     .await;
+    assert_eq!(link_lost, [], "the client kept its link");
     match ev {
         waygate_client::Event::Error(r) => assert_eq!(r.code, CloseCode::Busy),
         other => panic!("unexpected {other:?}"),
@@ -2161,17 +2166,13 @@ async fn a_held_line_is_withdrawn_when_its_session_moves_to_another_edge() {
     let edge_b = start("edge-b", String::new()).await.unwrap();
     let b_addr = edge_b.addrs[&waygate_transport::TransportKind::Tcp];
     let edge_a = start("edge-a", format!("tcp://{b_addr}")).await.unwrap();
-    let mut options = waygate_client::ClientOptions::new(
+    let mut client = waygate_client::Client::start(waygate_client::ClientOptions::new(
         vec![waygate_transport::endpoint::Endpoint::new(
             waygate_transport::TransportKind::Tcp,
             edge_a.addrs[&waygate_transport::TransportKind::Tcp],
         )],
         common::token("mover"),
-    );
-    // Nothing answers `b` for longer than the 1 s liveness rule (PROTOCOL.md §7.5): the
-    // client is to move by MIGRATE, not give A up and be refused `draining` there.
-    options.session.liveness = Duration::from_secs(30);
-    let mut client = waygate_client::Client::start(options);
+    ));
     let send =
         |body: &'static [u8]| client.send(TrafficClass::Critical, 1000, Bytes::from_static(body));
     send(b"slow").await.unwrap();

@@ -89,6 +89,10 @@ named_counters! {
     best_effort_dropped,
     /// Standalone ACK frames sent.
     acks_sent,
+    /// Of those, ACKs sent only because a client's message had waited for its answer for
+    /// the answer keep-alive (500 ms) with nothing else sent: they keep the client's liveness
+    /// rule from calling a live link dead behind a slow backend.
+    answer_keepalives,
     /// Frames that violated the protocol.
     protocol_errors,
     /// Frames held back by the per-connection inbound limiter: the connection was not read

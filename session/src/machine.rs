@@ -73,6 +73,11 @@ pub struct SessionConfig {
     pub replay: ReplayLimits,
     /// When to acknowledge upstream messages.
     pub ack: AckPolicy,
+    /// While a client's message waits for its answer, an ACK at least this often (its
+    /// value may not move): a client judges its link dead after 1 s without a frame while
+    /// something is unacknowledged (PROTOCOL.md §7.5), and a backend may take longer than
+    /// that to answer.
+    pub answer_keepalive: Duration,
 }
 
 impl Default for SessionConfig {
@@ -85,6 +90,7 @@ impl Default for SessionConfig {
             max_frame_size: waygate_protocol::wire::DEFAULT_MAX_FRAME_SIZE as u32,
             replay: ReplayLimits::default(),
             ack: AckPolicy::default(),
+            answer_keepalive: Duration::from_millis(500),
         }
     }
 }
@@ -721,6 +727,9 @@ pub struct SessionMachine {
     idle_check: Option<Instant>,
     linger_deadline: Option<Instant>,
     up_ack: AckState,
+    /// When the next ACK is owed because a client's message is still unanswered
+    /// ([`SessionConfig::answer_keepalive`]); `None` while nothing waits for its answer.
+    answer_keepalive: Option<Instant>,
     actions: VecDeque<Action>,
     /// Set by [`SessionMachine::quiesce`]: sequenced upstream DATA is no longer taken.
     quiesced: bool,
@@ -763,6 +772,7 @@ impl SessionMachine {
             idle_check: None,
             linger_deadline: None,
             up_ack: AckState::default(),
+            answer_keepalive: None,
             actions: VecDeque::new(),
             quiesced: false,
         }
@@ -830,10 +840,14 @@ impl SessionMachine {
             | State::Authenticating
             | State::Authenticated
             | State::Restoring => self.handshake_deadline,
-            State::Active => match (self.idle_check, self.up_ack.deadline()) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            },
+            State::Active => [
+                self.idle_check,
+                self.up_ack.deadline(),
+                self.answer_keepalive,
+            ]
+            .into_iter()
+            .flatten()
+            .min(),
             State::Detached => self.linger_deadline,
             _ => None,
         }
@@ -1401,6 +1415,7 @@ impl SessionMachine {
         };
         SessionCounters::bump(counter);
         self.up_ack.reset(cum);
+        self.rearm_answer_keepalive(now);
         self.handshake_deadline = None;
         self.last_rx = Some(now);
         self.idle_check = Some(now + self.config.idle_timeout);
@@ -1462,8 +1477,10 @@ impl SessionMachine {
                 SessionCounters::bump(&self.counters.upstream_delivered);
                 if d.class.is_sequenced() {
                     // An ACK within the ack delay even if this message is not answered by
-                    // then (carrying what is): clients judge the link alive by it (§7.5).
+                    // then (carrying what is), and then every `answer_keepalive` until it
+                    // is: clients judge the link alive by them (§7.5).
                     self.up_ack.on_receive_unanswered(now, &self.config.ack);
+                    self.rearm_answer_keepalive(now);
                 }
                 Ok(())
             }
@@ -1505,6 +1522,16 @@ impl SessionMachine {
         if self.up_ack.on_receive(now, &self.config.ack) {
             self.send_standalone_ack();
         }
+    }
+
+    /// Something was just sent or owed to the client (an ACK within the ack delay of a
+    /// message or an answer, a WELCOME): the answer keep-alive is due
+    /// [`SessionConfig::answer_keepalive`] from `now` while a client's message waits for
+    /// its answer, and off when none does. Whether one waits.
+    fn rearm_answer_keepalive(&mut self, now: Instant) -> bool {
+        let waiting = self.core.as_ref().is_some_and(|c| !c.awaiting.is_empty());
+        self.answer_keepalive = waiting.then(|| now + self.config.answer_keepalive);
+        waiting
     }
 
     fn send_standalone_ack(&mut self) {
@@ -1582,6 +1609,15 @@ impl SessionMachine {
                 self.abort_handshake(CloseCode::HandshakeTimeout, "handshake timed out");
             }
             State::Active => {
+                // Fired: armed again while a message waits (off otherwise); its ACK unless
+                // one is due anyway.
+                if self.answer_keepalive.is_some_and(|d| now >= d)
+                    && self.rearm_answer_keepalive(now)
+                    && !self.up_ack.due(now, &self.config.ack)
+                {
+                    SessionCounters::bump(&self.counters.answer_keepalives);
+                    self.send_standalone_ack();
+                }
                 if self.up_ack.due(now, &self.config.ack) {
                     self.send_standalone_ack();
                 }
@@ -1701,8 +1737,12 @@ impl SessionMachine {
         let Some(core) = self.core.as_mut() else {
             return Err(self.misuse("upstream answer"));
         };
-        if core.answer(client_seq) && active && self.up_ack.on_answer(now, &self.config.ack) {
-            self.send_standalone_ack();
+        let answered = core.answer(client_seq);
+        if answered && active {
+            if self.up_ack.on_answer(now, &self.config.ack) {
+                self.send_standalone_ack();
+            }
+            self.rearm_answer_keepalive(now);
         }
         Ok(())
     }
@@ -1756,8 +1796,11 @@ impl SessionMachine {
                 // The ERROR answers it: acknowledged after the ERROR (same batch).
                 let answered = core.answer(client_seq);
                 self.actions.push_back(Action::Send(Frame::Error(report)));
-                if answered && self.up_ack.on_answer(now, &self.config.ack) {
-                    self.send_standalone_ack();
+                if answered {
+                    if self.up_ack.on_answer(now, &self.config.ack) {
+                        self.send_standalone_ack();
+                    }
+                    self.rearm_answer_keepalive(now);
                 }
                 Ok(())
             }

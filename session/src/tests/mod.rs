@@ -1841,3 +1841,65 @@ fn a_resume_is_never_served_a_stale_copy_while_the_live_session_is_held_here() {
     // The resume the stuck holder could not answer was refused for now, not served.
     assert_eq!(rejected(&p, c), vec![CloseCode::Unavailable]);
 }
+
+/// A backend slower than the client's 1 s liveness rule (PROTOCOL.md §7.5) does not make
+/// the client call a live link dead: while its message waits for the answer, the edge sends
+/// an ACK every `answer_keepalive` (its value unmoved), and none once it is answered.
+/// Before, the edge sent one ACK after the ack delay and nothing more, and the client
+/// dropped the link 1 s later and resumed (seen behind a held message in `tests/link.rs`).
+#[test]
+fn a_slow_answer_keeps_the_client_link_alive_with_acks() {
+    let mut p = Pair::new(SessionConfig::default());
+    p.edge.backend_answers = true;
+    let c = login(&mut p, "alice");
+    let sid = p.session(c);
+    send_up(&mut p, c, 1, "slow");
+    p.drive(c);
+    assert_eq!(p.edge.delivered.len(), 1);
+    let acks_before = p
+        .edge
+        .counters
+        .acks_sent
+        .load(std::sync::atomic::Ordering::Relaxed);
+    for _ in 0..30 {
+        p.advance(Duration::from_millis(100));
+    }
+    assert_eq!(
+        p.peers[c].client.state(),
+        ClientState::Active,
+        "3 s without an answer, the link lives"
+    );
+    assert_eq!(welcomed(&p, c), vec![WelcomeOutcome::NewSession]);
+    let keepalives = p
+        .edge
+        .counters
+        .answer_keepalives
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        (5..=6).contains(&keepalives),
+        "{keepalives} keep-alive ACKs in 3 s"
+    );
+    assert_eq!(p.peers[c].client.unacked_len(), 1, "still unanswered");
+    let now = p.now;
+    p.edge.forward_done(&sid, now, 1);
+    p.drive(c);
+    p.advance(Duration::from_millis(50));
+    assert_eq!(p.peers[c].client.unacked_len(), 0);
+    let acks = p
+        .edge
+        .counters
+        .acks_sent
+        .load(std::sync::atomic::Ordering::Relaxed);
+    for _ in 0..30 {
+        p.advance(Duration::from_millis(100));
+    }
+    assert_eq!(
+        p.edge
+            .counters
+            .acks_sent
+            .load(std::sync::atomic::Ordering::Relaxed),
+        acks,
+        "nothing waits: no keep-alive"
+    );
+    assert!(acks > acks_before);
+}
