@@ -12,6 +12,8 @@
 )]
 
 mod common;
+#[path = "support_pki/mod.rs"]
+mod support_pki;
 mod support_redis;
 
 use std::time::Duration;
@@ -73,6 +75,48 @@ async fn the_stores_authenticate_to_a_primary_that_requires_a_password() {
             RedisStores::connect_with(RedisConfig::with_servers(servers(&redis, password))).await;
         assert!(refused.is_err(), "connected with {password:?}");
     }
+}
+
+/// TLS through Sentinel (scale-out issue; before, the primary the sentinels named was
+/// reached in clear whatever their URLs' scheme, and `rediss://` sentinels were checked
+/// against the system's roots only): servers and sentinels on TLS ports, the sentinels
+/// announcing the primary's. With `redis_tls_ca_file`'s CA the stores work through
+/// `rediss://` sentinels and the primary over verified TLS; with the system's roots
+/// nothing connects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_primary_that_tls_sentinels_name_is_reached_over_verified_tls() {
+    let ca = support_pki::TestCa::new();
+    let (cert, key) = ca.issue(&["localhost", "127.0.0.1"], "redis");
+    let redis = RedisSentinels::start_tls(&support_redis::sentinel::TlsFiles {
+        cert,
+        key,
+        ca: ca.path("ca.pem"),
+    });
+    assert!(redis.urls().iter().all(|u| u.starts_with("rediss://")));
+    let config = |roots: Option<Vec<u8>>| RedisConfig {
+        op_timeout: Duration::from_secs(2),
+        tls_root_pem: roots,
+        ..RedisConfig::with_servers(servers(&redis, None))
+    };
+    let s = RedisStores::connect_with(config(Some(ca.pem.clone().into_bytes())))
+        .await
+        .expect("connects through TLS sentinels");
+    snapshot_store_semantics(s.snapshots.as_ref()).await;
+    ownership_semantics(s.ownership.as_ref()).await;
+    let untrusted = match RedisStores::connect_with(config(None)).await {
+        Ok(stores) => {
+            waygate_session::store::SnapshotStore::get(stores.snapshots.as_ref(), &[7; 16])
+                .await
+                .map(|_| ())
+        }
+        Err(e) => Err(waygate_session::store::StoreError::Unavailable(
+            e.to_string(),
+        )),
+    };
+    assert!(
+        untrusted.is_err(),
+        "a certificate of an unknown CA was accepted"
+    );
 }
 
 /// How the primary fails.

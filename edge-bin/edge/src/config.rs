@@ -617,6 +617,8 @@ pub struct ClusterConfig {
     pub redis_cluster: Vec<String>,
     /// Redis Sentinel URLs (`redis://host:26379`), instead of `redis_url`: the edge asks
     /// them where the primary of `redis_sentinel_master` is, and again after a failover.
+    /// `rediss://` sentinels (all or none) are reached over TLS, and so is the primary
+    /// they name (its certificate must name the address they announce).
     pub redis_sentinels: Vec<String>,
     /// The master name the sentinels monitor (with `redis_sentinels`).
     pub redis_sentinel_master: String,
@@ -626,8 +628,8 @@ pub struct ClusterConfig {
     /// sentinels' own credentials go in their URLs.
     pub redis_sentinel_master_password: String,
     /// PEM certificates `rediss://` servers must chain to (a private CA); unset: the
-    /// system's trusted roots. TLS is chosen by the URL scheme (`rediss://`, single Redis
-    /// or Redis Cluster).
+    /// system's trusted roots. TLS is chosen by the URL scheme (`rediss://`: single Redis,
+    /// Redis Cluster, or sentinels with the primary they name).
     pub redis_tls_ca_file: Option<PathBuf>,
     /// Redis key and channel prefix.
     pub redis_prefix: String,
@@ -751,6 +753,26 @@ impl ClusterConfig {
                 key: "cluster.etcd_tls_key_file",
                 message: "a client certificate needs both etcd_tls_cert_file and \
                           etcd_tls_key_file"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The sentinels are all `rediss://` or none: the primary they name is reached over
+    /// TLS with them, so a mix would leave it unclear (and one sentinel in clear could
+    /// name a primary to an eavesdropper).
+    fn check_sentinel_tls(&self) -> Result<(), ConfigError> {
+        let tls = self
+            .redis_sentinels
+            .iter()
+            .filter(|u| u.starts_with("rediss://"))
+            .count();
+        if tls != 0 && tls != self.redis_sentinels.len() {
+            return Err(ConfigError::Invalid {
+                key: "cluster.redis_sentinels",
+                message: "mixed redis:// and rediss:// sentinels: all use TLS (and with \
+                          them the primary they name) or none"
                     .into(),
             });
         }
@@ -1366,6 +1388,7 @@ impl EdgeConfig {
         }
         self.cluster.check_authentication()?;
         self.cluster.check_etcd_tls()?;
+        self.cluster.check_sentinel_tls()?;
         if !(self.routing.migration_rate > 0.0 && self.routing.migration_rate.is_finite()) {
             return Err(ConfigError::Invalid {
                 key: "routing.migration_rate",
@@ -1642,6 +1665,24 @@ mod tests {
         assert_eq!(refused(&c), "cluster.etcd_tls_key_file");
         c.etcd_tls_key_file = Some("/etc/waygate/etcd-client.key".into());
         assert!(c.check_etcd_tls().is_ok());
+    }
+
+    /// Sentinels are all `rediss://` or none (the primary they name follows them); a mix
+    /// is refused by name.
+    #[test]
+    fn sentinels_use_tls_all_or_none() {
+        let mut c = ClusterConfig {
+            redis_sentinels: vec!["rediss://a:26379".into(), "redis://b:26379".into()],
+            ..ClusterConfig::default()
+        };
+        match c.check_sentinel_tls() {
+            Err(ConfigError::Invalid { key, .. }) => assert_eq!(key, "cluster.redis_sentinels"),
+            other => panic!("{other:?}"),
+        }
+        c.redis_sentinels = vec!["rediss://a:26379".into(), "rediss://b:26379".into()];
+        assert!(c.check_sentinel_tls().is_ok());
+        c.redis_sentinels = vec!["redis://a:26379".into()];
+        assert!(c.check_sentinel_tls().is_ok());
     }
 
     /// A JWT edge has no keys to open KCP connect tokens with: a KCP listener that requires

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
 
 /// A CA whose certificate is `ca.pem` in its directory.
 pub struct TestCa {
@@ -20,6 +20,10 @@ impl TestCa {
         let dir = tempfile::tempdir().expect("temp dir");
         let mut ca = CertificateParams::new(Vec::<String>::new()).expect("params");
         ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        // Names of its own: a leaf with the issuer's subject looks self-issued to OpenSSL
+        // (redis-server and its sentinels as TLS clients refuse it).
+        ca.distinguished_name
+            .push(DnType::CommonName, "waygate test CA");
         let key = KeyPair::generate().expect("key");
         let pem = ca.self_signed(&key).expect("self-signed").pem();
         std::fs::write(dir.path().join("ca.pem"), &pem).expect("write ca.pem");
@@ -39,11 +43,11 @@ impl TestCa {
     /// `NAME.pem` and `NAME.key`; returns their paths.
     pub fn issue(&self, names: &[&str], name: &str) -> (PathBuf, PathBuf) {
         let key = KeyPair::generate().expect("key");
-        let cert =
+        let mut params =
             CertificateParams::new(names.iter().map(|n| (*n).to_owned()).collect::<Vec<_>>())
-                .expect("params")
-                .signed_by(&key, &self.issuer)
-                .expect("signed");
+                .expect("params");
+        params.distinguished_name.push(DnType::CommonName, name);
+        let cert = params.signed_by(&key, &self.issuer).expect("signed");
         let (cert_path, key_path) = (
             self.path(&format!("{name}.pem")),
             self.path(&format!("{name}.key")),

@@ -11,9 +11,42 @@ use super::{free_port, RedisServer};
 /// The master name the sentinels monitor.
 pub const MASTER: &str = "mymaster";
 
+/// TLS for the servers and sentinels ([`RedisSentinels::start_tls`]): a certificate that
+/// names 127.0.0.1 (the address the sentinels announce), its key, and the CA.
+pub struct TlsFiles {
+    pub cert: std::path::PathBuf,
+    pub key: std::path::PathBuf,
+    pub ca: std::path::PathBuf,
+}
+
+impl TlsFiles {
+    /// The redis-server arguments of a TLS port (replication over TLS too; clients need no
+    /// certificate).
+    fn server_args(&self, tls_port: u16) -> Vec<String> {
+        let path = |p: &std::path::Path| p.display().to_string();
+        vec![
+            "--tls-port".into(),
+            tls_port.to_string(),
+            "--tls-cert-file".into(),
+            path(&self.cert),
+            "--tls-key-file".into(),
+            path(&self.key),
+            "--tls-ca-cert-file".into(),
+            path(&self.ca),
+            "--tls-auth-clients".into(),
+            "no".into(),
+            "--tls-replication".into(),
+            "yes".into(),
+        ]
+    }
+}
+
 /// One sentinel process (killed on drop).
 pub struct SentinelProcess {
+    /// Its plain port (the harness's own checks use it).
     pub port: u16,
+    /// Its TLS port, when the harness runs TLS (the URLs name it).
+    pub tls_port: Option<u16>,
     child: Option<Child>,
     /// Frozen by [`SentinelProcess::pause`] (the harness's waits skip it).
     paused: std::cell::Cell<bool>,
@@ -61,13 +94,30 @@ pub struct RedisSentinels {
     _dir: tempfile::TempDir,
 }
 
-fn start_sentinel(dir: &std::path::Path, primary: u16) -> Option<SentinelProcess> {
+/// A sentinel monitoring the primary at `primary` (its TLS port with `tls`: the sentinel
+/// then talks TLS to the servers and serves TLS too).
+fn start_sentinel(
+    dir: &std::path::Path,
+    primary: u16,
+    tls: Option<&TlsFiles>,
+) -> Option<SentinelProcess> {
     let port = free_port();
+    let tls_port = tls.map(|_| free_port());
     let conf = dir.join(format!("sentinel-{port}.conf"));
+    let tls_conf = match (tls, tls_port) {
+        (Some(t), Some(tls_port)) => format!(
+            "tls-port {tls_port}\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\n\
+             tls-auth-clients no\ntls-replication yes\n",
+            t.cert.display(),
+            t.key.display(),
+            t.ca.display()
+        ),
+        _ => String::new(),
+    };
     std::fs::write(
         &conf,
         format!(
-            "port {port}\nbind 127.0.0.1\ndaemonize no\nlogfile \"\"\ndir {dir}\n\
+            "port {port}\nbind 127.0.0.1\ndaemonize no\nlogfile \"\"\ndir {dir}\n{tls_conf}\
              sentinel monitor {MASTER} 127.0.0.1 {primary} 2\n\
              sentinel down-after-milliseconds {MASTER} 1000\n\
              sentinel failover-timeout {MASTER} 5000\n\
@@ -93,6 +143,7 @@ fn start_sentinel(dir: &std::path::Path, primary: u16) -> Option<SentinelProcess
         if super::ping(port) {
             return Some(SentinelProcess {
                 port,
+                tls_port,
                 child: Some(child),
                 paused: std::cell::Cell::new(false),
             });
@@ -128,20 +179,41 @@ impl RedisSentinels {
     /// (`requirepass`, and `masterauth` for their replication) and the sentinels use it
     /// (`auth-pass`).
     pub fn start_with_password(password: Option<&str>) -> Self {
+        Self::start_with(password, None)
+    }
+
+    /// As [`RedisSentinels::start`], every server and sentinel also on a TLS port: the
+    /// servers replicate over TLS and the sentinels monitor them over TLS, so the primary
+    /// they announce is its TLS port ([`RedisSentinels::urls`] are `rediss://`).
+    pub fn start_tls(tls: &TlsFiles) -> Self {
+        Self::start_with(None, Some(tls))
+    }
+
+    fn start_with(password: Option<&str>, tls: Option<&TlsFiles>) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let no_delay = ["--repl-diskless-sync-delay".to_owned(), "0".to_owned()];
-        let primary = RedisServer::start_with_args(&no_delay);
+        let with_tls = |mut args: Vec<String>| -> (Vec<String>, Option<u16>) {
+            let Some(t) = tls else { return (args, None) };
+            let port = free_port();
+            args.extend(t.server_args(port));
+            (args, Some(port))
+        };
+        let (primary_args, primary_tls) = with_tls(no_delay.to_vec());
+        let primary = RedisServer::start_with_args(&primary_args);
+        // What the replica and the sentinels connect to.
+        let primary_port = primary_tls.unwrap_or_else(|| primary.port());
         let mut replica_args = no_delay.to_vec();
         replica_args.extend([
             "--replicaof".into(),
             "127.0.0.1".into(),
-            primary.port().to_string(),
+            primary_port.to_string(),
         ]);
+        let (replica_args, _) = with_tls(replica_args);
         let replica = RedisServer::start_with_args(&replica_args);
         let sentinels = (0..3)
             .map(|_| {
                 (0..5)
-                    .find_map(|_| start_sentinel(dir.path(), primary.port()))
+                    .find_map(|_| start_sentinel(dir.path(), primary_port, tls))
                     .expect("a sentinel started on one of 5 ports")
             })
             .collect();
@@ -183,11 +255,14 @@ impl RedisSentinels {
         }
     }
 
-    /// The sentinels' URLs.
+    /// The sentinels' URLs (`rediss://` to their TLS ports when they have them).
     pub fn urls(&self) -> Vec<String> {
         self.sentinels
             .iter()
-            .map(|s| format!("redis://127.0.0.1:{}", s.port))
+            .map(|s| match s.tls_port {
+                Some(p) => format!("rediss://127.0.0.1:{p}"),
+                None => format!("redis://127.0.0.1:{}", s.port),
+            })
             .collect()
     }
 

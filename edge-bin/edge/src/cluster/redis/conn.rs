@@ -96,29 +96,49 @@ struct SentinelInner {
 }
 
 impl SentinelLink {
+    /// Sentinels named by `rediss://` URLs are reached over TLS, and so is the primary
+    /// they name (all or none: the configuration refuses a mix), both verified against
+    /// `certs` when given (else the system's roots); the primary's certificate must name
+    /// the address the sentinels announce (an IP address unless they announce host names).
     fn new(
         sentinels: &[String],
         master: &str,
         auth: Option<&super::SentinelPrimaryAuth>,
+        certs: Option<redis::TlsCertificates>,
         op_timeout: Duration,
     ) -> redis::RedisResult<Self> {
-        let primary = auth.map(|a| {
-            let mut info = redis::RedisConnectionInfo::default().set_password(a.password.clone());
-            if let Some(user) = &a.username {
-                info = info.set_username(user.clone());
-            }
-            redis::sentinel::SentinelNodeConnectionInfo::default().set_redis_connection_info(info)
-        });
+        let tls = sentinels.iter().any(|u| u.starts_with("rediss://"));
         let clients = sentinels
             .iter()
             .map(|url| {
-                SentinelClient::build(
-                    vec![url.clone()],
+                let sentinel = redis::IntoConnectionInfo::into_connection_info(url.as_str())?;
+                let mut builder = redis::sentinel::SentinelClientBuilder::new(
+                    [sentinel.addr().clone()],
                     master,
-                    primary.clone(),
                     SentinelServerType::Master,
-                )
-                .map(tokio::sync::Mutex::new)
+                )?;
+                let own = sentinel.redis_settings();
+                if let Some(user) = own.username() {
+                    builder = builder.set_client_to_sentinel_username(user);
+                }
+                if let Some(password) = own.password() {
+                    builder = builder.set_client_to_sentinel_password(password);
+                }
+                if let Some(a) = auth {
+                    builder = builder.set_client_to_redis_password(&a.password);
+                    if let Some(user) = &a.username {
+                        builder = builder.set_client_to_redis_username(user);
+                    }
+                }
+                if tls {
+                    builder = builder.set_client_to_redis_tls_mode(redis::TlsMode::Secure);
+                    if let Some(certs) = &certs {
+                        builder = builder
+                            .set_client_to_sentinel_certificates(certs.clone())
+                            .set_client_to_redis_certificates(certs.clone());
+                    }
+                }
+                builder.build().map(tokio::sync::Mutex::new)
             })
             .collect::<redis::RedisResult<Vec<_>>>()?;
         Ok(Self {
@@ -338,9 +358,15 @@ impl Conn {
                         "redis sentinel needs sentinel URLs and a master name".into(),
                     ));
                 }
-                let link =
-                    SentinelLink::new(sentinels, master, primary_auth.as_ref(), config.op_timeout)
-                        .map_err(|e| RedisError::Invalid(format!("redis sentinel: {e}")))?;
+                let roots = config.tls_root_pem.is_some().then(certs);
+                let link = SentinelLink::new(
+                    sentinels,
+                    master,
+                    primary_auth.as_ref(),
+                    roots,
+                    config.op_timeout,
+                )
+                .map_err(|e| RedisError::Invalid(format!("redis sentinel: {e}")))?;
                 (Vec::new(), Link::Sentinel(link))
             }
         };

@@ -85,7 +85,8 @@
 //! the next call ask the sentinels (all at once: the first answer wins); calls that certainly did not run are retried on the
 //! new primary within the op timeout). Subscriptions connect to the primary of the moment.
 //! Credentials for the primary ([`SentinelPrimaryAuth`]) are given apart from the
-//! sentinels' own (in their URLs).
+//! sentinels' own (in their URLs). `rediss://` sentinels mean TLS to them and to the primary
+//! they name, verified against [`RedisConfig::tls_root_pem`] (else the system's roots).
 //!
 //! # Where things are
 //!
