@@ -1136,13 +1136,19 @@ pub async fn run_cluster(
     let mut procs = Vec::new();
     let mut edge_addrs: Vec<BTreeMap<String, SocketAddr>> = Vec::new();
     let mut ca_bundle = String::new();
+    // The edges share a secret that seals the resume keys they store in Redis, as a
+    // deployment beyond loopback must (cluster.redis_resume_key_file).
+    let resume_key = dir.join("redis-resume-key");
+    let secret: [u8; 32] = rand::random();
+    let secret: String = secret.iter().map(|b| format!("{b:02x}")).collect();
+    std::fs::write(&resume_key, secret).map_err(|e| e.to_string())?;
     for i in 0..edges {
         let ca = dir.join(format!("ca-{i}.pem"));
         let config = dir.join(format!("edge-{i}.toml"));
         std::fs::write(
             &config,
             format!(
-                "edge_id = \"edge-{i}\"\n[tls]\ndev_ca_out = {ca:?}\n[routing]\ntable = {routes:?}\n[session]\nheartbeat_ms = {heartbeat_ms}\n[cluster]\nredis_url = \"redis://127.0.0.1:{redis_port}/\"\n"
+                "edge_id = \"edge-{i}\"\n[tls]\ndev_ca_out = {ca:?}\n[routing]\ntable = {routes:?}\n[session]\nheartbeat_ms = {heartbeat_ms}\n[cluster]\nredis_url = \"redis://127.0.0.1:{redis_port}/\"\nredis_resume_key_file = {resume_key:?}\n"
             ),
         )
         .map_err(|e| e.to_string())?;

@@ -139,12 +139,22 @@ fn the_kubernetes_manifests_match_the_config_they_embed() {
     std::fs::write(&link_secret, "a-long-enough-link-secret-for-the-test\n").unwrap();
     let etcd_password = dir.path().join("etcd-password");
     std::fs::write(&etcd_password, "an-etcd-password-for-the-test\n").unwrap();
+    let resume_key = dir.path().join("redis-resume-key");
+    std::fs::write(
+        &resume_key,
+        "a-secret-every-edge-shares-for-the-test-0123456789\n",
+    )
+    .unwrap();
     let placeholder = embedded_config(&manifest)
         .replace("/etc/waygate/admin-token", token.to_str().unwrap())
         .replace("/etc/waygate/link-secret", link_secret.to_str().unwrap())
         .replace(
             "/etc/waygate/etcd-password",
             etcd_password.to_str().unwrap(),
+        )
+        .replace(
+            "/etc/waygate/redis-resume-key",
+            resume_key.to_str().unwrap(),
         );
     assert!(!placeholder.is_empty(), "edge.toml block found");
     // As shipped, the key and the Redis password are placeholders anyone can read here:
@@ -165,13 +175,21 @@ fn the_kubernetes_manifests_match_the_config_they_embed() {
         "{err}"
     );
     let text = own_key.replace("replace-with-the-redis-password", "a-redis-password");
-    // etcd and Redis are beyond loopback: without their credentials the edge refuses too.
+    // etcd and Redis are beyond loopback: without their credentials, or without the
+    // edges' resume-key secret, the edge refuses too.
     for (open, key) in [
         (
             text.replace("etcd_username = \"waygate\"", ""),
             "cluster.etcd_username",
         ),
         (text.replace(":a-redis-password@", ""), "cluster.redis_url"),
+        (
+            text.replace(
+                &format!("redis_resume_key_file = {:?}", resume_key.to_str().unwrap()),
+                "",
+            ),
+            "cluster.redis_resume_key_file",
+        ),
     ] {
         std::fs::write(&placeholder_path, open).unwrap();
         let err = EdgeConfig::load(&placeholder_path).unwrap_err().to_string();
@@ -205,6 +223,10 @@ fn the_kubernetes_manifests_match_the_config_they_embed() {
     assert!(
         config.links.secret().unwrap().is_some(),
         "the secret file is read"
+    );
+    assert!(
+        config.cluster.redis_resume_key().unwrap().is_some(),
+        "the resume-key secret file is read"
     );
     assert_eq!(
         config

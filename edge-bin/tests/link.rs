@@ -2159,8 +2159,9 @@ async fn a_held_line_is_withdrawn_when_its_session_moves_to_another_edge() {
         config.routing.poll_ms = 100;
         config.cluster.redis_url = redis.url();
         config.drain.target = drain_target;
-        // Time enough for x's refusal of `a` to reach A within the quiesce.
-        config.cluster.quiesce_ms = 1_500;
+        // Time enough for x's refusal of `a` to reach A within the quiesce, even on a
+        // slow machine (the answer keep-alive holds the client meanwhile).
+        config.cluster.quiesce_ms = 3_000;
         waygate_edge::edge::Edge::start(config)
     };
     let edge_b = start("edge-b", String::new()).await.unwrap();

@@ -781,3 +781,102 @@ async fn redis_over_tls_is_verified_against_the_configured_ca() {
         "a certificate of an unknown CA was accepted"
     );
 }
+
+/// Resume keys at rest (secure-by-default audit: a Redis reader with the password had every
+/// lingering session's resume keys, in fields `h`, `p` and inside `d`, and could make a
+/// resume proof and take the session over). With the edges' shared secret
+/// (`cluster.redis_resume_key_file`) the record holds neither key, in hex or raw; the
+/// stores still behave as before (the generic checks), an edge with the same secret
+/// resumes the session, one without it or with another gets an error (never a match), and
+/// a record written before the secret was set is still resumed.
+#[tokio::test]
+async fn resume_keys_are_stored_sealed_with_the_edges_secret() {
+    use waygate_edge::cluster::redis::ResumeKeySeal;
+    let server = RedisServer::start();
+    let with = |seal: Option<&[u8]>| RedisConfig {
+        resume_key_seal: seal.map(|s| std::sync::Arc::new(ResumeKeySeal::new(s))),
+        ..RedisConfig::new(server.url())
+    };
+    let secret: &[u8] = b"a secret every edge of the deployment shares, 32+ bytes";
+    let sealed = RedisStores::connect_with(with(Some(secret))).await.unwrap();
+    snapshot_store_semantics(sealed.snapshots.as_ref()).await;
+    snapshot_store_write_through_semantics(sealed.snapshots.as_ref()).await;
+
+    let snap = snapshot(9, "sealed", 1);
+    let sid = snap.session_id;
+    let (current, previous) = (snap.resume_hash, snap.prev_resume_hash.unwrap());
+    sealed
+        .snapshots
+        .put(&snap, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let key = format!("waygate:{{{}}}:snap:{}", hex(&sid[..4]), hex(&sid));
+    let mut raw = raw_connection(&server).await;
+    let record: Vec<(Vec<u8>, Vec<u8>)> = redis::cmd("HGETALL")
+        .arg(&key)
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert!(!record.is_empty(), "the record is under {key}");
+    for k in [current, previous] {
+        let (in_hex, raw_bytes) = (hex(&k.0).into_bytes(), k.0.to_vec());
+        for (field, value) in &record {
+            for needle in [&in_hex, &raw_bytes] {
+                assert!(
+                    !value.windows(needle.len()).any(|w| w == &needle[..]),
+                    "field {} holds a resume key",
+                    String::from_utf8_lossy(field)
+                );
+            }
+        }
+    }
+    let keys = sealed.snapshots.resume_keys(&sid).await.unwrap().unwrap();
+    assert_eq!((keys.current, keys.previous), (current, Some(previous)));
+    // Without the secret, or with another: its keys are an error, and a take never matches.
+    for other in [
+        None,
+        Some(&b"the secret of another deployment, 32+ bytes"[..]),
+    ] {
+        let stranger = RedisStores::connect_with(with(other)).await.unwrap();
+        assert!(stranger.snapshots.resume_keys(&sid).await.is_err());
+        assert!(!matches!(
+            stranger.snapshots.take(&sid, &current).await,
+            Ok(TakeOutcome::Taken(_))
+        ));
+    }
+    match sealed.snapshots.take(&sid, &previous).await.unwrap() {
+        TakeOutcome::Taken(s) => {
+            assert_eq!(s.resume_hash, current);
+            assert_eq!(s.prev_resume_hash, Some(previous));
+            assert_eq!(*s, snap, "restored whole");
+        }
+        other => panic!("{other:?}"),
+    }
+    // A record an edge wrote before the secret was set is resumed by one that has it.
+    let plain = RedisStores::connect_with(with(None)).await.unwrap();
+    let old = snapshot(10, "sealed", 2);
+    plain
+        .snapshots
+        .put(&old, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let keys = sealed
+        .snapshots
+        .resume_keys(&old.session_id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(keys.current, old.resume_hash);
+    assert!(matches!(
+        sealed
+            .snapshots
+            .take(&old.session_id, &old.resume_hash)
+            .await
+            .unwrap(),
+        TakeOutcome::Taken(_)
+    ));
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

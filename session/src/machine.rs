@@ -727,9 +727,14 @@ pub struct SessionMachine {
     idle_check: Option<Instant>,
     linger_deadline: Option<Instant>,
     up_ack: AckState,
-    /// When the next ACK is owed because a client's message is still unanswered
-    /// ([`SessionConfig::answer_keepalive`]); `None` while nothing waits for its answer.
+    /// When the answer keep-alive is checked next ([`SessionConfig::answer_keepalive`]):
+    /// set when a client's message starts waiting for its answer and moved only when it
+    /// fires (to `answer_activity + answer_keepalive`), like `idle_check`, so the messages
+    /// and answers in between do not move the session's timer; `None` while none waits.
     answer_keepalive: Option<Instant>,
+    /// The last client message taken or answered (each owes the client a frame within the
+    /// ack delay), or the last keep-alive ACK.
+    answer_activity: Option<Instant>,
     actions: VecDeque<Action>,
     /// Set by [`SessionMachine::quiesce`]: sequenced upstream DATA is no longer taken.
     quiesced: bool,
@@ -773,6 +778,7 @@ impl SessionMachine {
             linger_deadline: None,
             up_ack: AckState::default(),
             answer_keepalive: None,
+            answer_activity: None,
             actions: VecDeque::new(),
             quiesced: false,
         }
@@ -1415,7 +1421,8 @@ impl SessionMachine {
         };
         SessionCounters::bump(counter);
         self.up_ack.reset(cum);
-        self.rearm_answer_keepalive(now);
+        self.answer_keepalive = None;
+        self.answer_activity(now);
         self.handshake_deadline = None;
         self.last_rx = Some(now);
         self.idle_check = Some(now + self.config.idle_timeout);
@@ -1480,7 +1487,7 @@ impl SessionMachine {
                     // then (carrying what is), and then every `answer_keepalive` until it
                     // is: clients judge the link alive by them (§7.5).
                     self.up_ack.on_receive_unanswered(now, &self.config.ack);
-                    self.rearm_answer_keepalive(now);
+                    self.answer_activity(now);
                 }
                 Ok(())
             }
@@ -1525,13 +1532,40 @@ impl SessionMachine {
     }
 
     /// Something was just sent or owed to the client (an ACK within the ack delay of a
-    /// message or an answer, a WELCOME): the answer keep-alive is due
-    /// [`SessionConfig::answer_keepalive`] from `now` while a client's message waits for
-    /// its answer, and off when none does. Whether one waits.
-    fn rearm_answer_keepalive(&mut self, now: Instant) -> bool {
+    /// message or an answer, a WELCOME): the answer keep-alive counts from `now`, armed
+    /// while a client's message waits for its answer and off when none does.
+    fn answer_activity(&mut self, now: Instant) {
+        self.answer_activity = Some(now);
         let waiting = self.core.as_ref().is_some_and(|c| !c.awaiting.is_empty());
-        self.answer_keepalive = waiting.then(|| now + self.config.answer_keepalive);
-        waiting
+        if !waiting {
+            self.answer_keepalive = None;
+        } else if self.answer_keepalive.is_none() {
+            self.answer_keepalive = Some(now + self.config.answer_keepalive);
+        }
+    }
+
+    /// The answer keep-alive fired: whether an ACK is owed now (a message still waits and
+    /// nothing was owed the client for the interval); the check is moved to when one
+    /// could be owed next, or off when none waits.
+    fn answer_keepalive_due(&mut self, now: Instant) -> bool {
+        let waiting = self.core.as_ref().is_some_and(|c| !c.awaiting.is_empty());
+        let quiet_since = self.answer_activity.unwrap_or(now);
+        let due = waiting && now >= quiet_since + self.config.answer_keepalive;
+        if due {
+            self.answer_activity = Some(now);
+        }
+        let from = self.answer_activity.unwrap_or(now);
+        self.answer_keepalive = waiting.then(|| from + self.config.answer_keepalive);
+        due
+    }
+
+    /// A client's message was answered (FORWARD_DONE or an ERROR): acknowledged within the
+    /// ack delay, or at once past the count.
+    fn on_answered(&mut self, now: Instant) {
+        if self.up_ack.on_answer(now, &self.config.ack) {
+            self.send_standalone_ack();
+        }
+        self.answer_activity(now);
     }
 
     fn send_standalone_ack(&mut self) {
@@ -1612,7 +1646,7 @@ impl SessionMachine {
                 // Fired: armed again while a message waits (off otherwise); its ACK unless
                 // one is due anyway.
                 if self.answer_keepalive.is_some_and(|d| now >= d)
-                    && self.rearm_answer_keepalive(now)
+                    && self.answer_keepalive_due(now)
                     && !self.up_ack.due(now, &self.config.ack)
                 {
                     SessionCounters::bump(&self.counters.answer_keepalives);
@@ -1737,12 +1771,8 @@ impl SessionMachine {
         let Some(core) = self.core.as_mut() else {
             return Err(self.misuse("upstream answer"));
         };
-        let answered = core.answer(client_seq);
-        if answered && active {
-            if self.up_ack.on_answer(now, &self.config.ack) {
-                self.send_standalone_ack();
-            }
-            self.rearm_answer_keepalive(now);
+        if core.answer(client_seq) && active {
+            self.on_answered(now);
         }
         Ok(())
     }
@@ -1797,10 +1827,7 @@ impl SessionMachine {
                 let answered = core.answer(client_seq);
                 self.actions.push_back(Action::Send(Frame::Error(report)));
                 if answered {
-                    if self.up_ack.on_answer(now, &self.config.ack) {
-                        self.send_standalone_ack();
-                    }
-                    self.rearm_answer_keepalive(now);
+                    self.on_answered(now);
                 }
                 Ok(())
             }

@@ -361,6 +361,13 @@ impl AuthConfig {
     }
 }
 
+/// The environment variable holding the edges' shared resume-key secret
+/// (`cluster.redis_resume_key_file`).
+pub const REDIS_RESUME_KEY_ENV: &str = "WAYGATE_REDIS_RESUME_KEY";
+
+/// The shortest resume-key secret accepted, bytes.
+pub const MIN_REDIS_RESUME_KEY_LEN: usize = 32;
+
 /// The development key id and secret of the embedded default (`waygate token` uses them).
 pub const DEV_KEY_ID: u32 = 1;
 /// See [`DEV_KEY_ID`].
@@ -631,6 +638,11 @@ pub struct ClusterConfig {
     /// system's trusted roots. TLS is chosen by the URL scheme (`rediss://`: single Redis,
     /// Redis Cluster, or sentinels with the primary they name).
     pub redis_tls_ca_file: Option<PathBuf>,
+    /// A secret every edge of the deployment shares (first line, at least 32 bytes; or env
+    /// `WAYGATE_REDIS_RESUME_KEY`): the resume keys in Redis snapshots are stored sealed
+    /// with it, so a Redis reader cannot take sessions over. Required when Redis is beyond
+    /// loopback (unless `insecure_no_auth`).
+    pub redis_resume_key_file: Option<PathBuf>,
     /// Redis key and channel prefix.
     pub redis_prefix: String,
     /// Write every session's snapshot through to Redis before the client sees new state
@@ -665,6 +677,7 @@ impl Default for ClusterConfig {
             redis_sentinel_master_username: String::new(),
             redis_sentinel_master_password: String::new(),
             redis_tls_ca_file: None,
+            redis_resume_key_file: None,
             redis_prefix: "waygate".into(),
             write_through: true,
             quiesce_ms: 300,
@@ -766,7 +779,7 @@ impl ClusterConfig {
         let tls = self
             .redis_sentinels
             .iter()
-            .filter(|u| u.starts_with("rediss://"))
+            .filter(|u| crate::cluster::redis::url_uses_tls(u))
             .count();
         if tls != 0 && tls != self.redis_sentinels.len() {
             return Err(ConfigError::Invalid {
@@ -777,6 +790,21 @@ impl ClusterConfig {
             });
         }
         Ok(())
+    }
+
+    /// The edges' shared resume-key secret: [`REDIS_RESUME_KEY_ENV`] when set, else the
+    /// first line of `redis_resume_key_file`, else none.
+    pub fn redis_resume_key(&self) -> Result<Option<std::sync::Arc<[u8]>>, ConfigError> {
+        waygate_link::load_secret(
+            "Redis resume-key secret",
+            REDIS_RESUME_KEY_ENV,
+            self.redis_resume_key_file.as_deref(),
+            MIN_REDIS_RESUME_KEY_LEN,
+        )
+        .map_err(|message| ConfigError::Invalid {
+            key: "cluster.redis_resume_key_file",
+            message,
+        })
     }
 
     /// The PEM of `redis_tls_ca_file`, read now (`None` when unset).
@@ -791,7 +819,7 @@ impl ClusterConfig {
         self.redis_urls()
             .chain(self.redis_sentinel_urls())
             .filter(|(key, url)| {
-                !url.starts_with("rediss://")
+                !crate::cluster::redis::url_uses_tls(url)
                     && redis_target(key, url).is_ok_and(|(local, _)| !local)
             })
             .map(|(_, url)| redact_redis_url(url))
@@ -821,6 +849,7 @@ impl ClusterConfig {
     fn check_authentication(&self) -> Result<(), ConfigError> {
         let closed_network = "Only on a closed network: cluster.insecure_no_auth = true";
         let (redis_urls, sentinels) = (self.redis_urls(), self.redis_sentinel_urls());
+        let redis_urls_all = redis_urls.clone().chain(sentinels.clone());
         let placeholder = |key| ConfigError::Invalid {
             key,
             message: "a Redis password is still the deploy kit's placeholder".into(),
@@ -853,6 +882,23 @@ impl ClusterConfig {
                     ),
                 });
             }
+        }
+        let resume_key = self.redis_resume_key()?;
+        let beyond = redis_urls_all
+            .clone()
+            .find(|(key, url)| redis_target(key, url).is_ok_and(|(local, _)| !local));
+        if let (Some((key, url)), None) = (beyond, &resume_key) {
+            return Err(ConfigError::Invalid {
+                key: "cluster.redis_resume_key_file",
+                message: format!(
+                    "Redis ({key} {}) is beyond loopback and the edges share no resume-key \
+                     secret: anyone who can read Redis could take sessions over with the \
+                     resume keys in their snapshots. Give every edge the same secret \
+                     (cluster.redis_resume_key_file, or WAYGATE_REDIS_RESUME_KEY; e.g. \
+                     `openssl rand -hex 32`). {closed_network}",
+                    redact_redis_url(url)
+                ),
+            });
         }
         if self.redis_sentinel_master_password.is_empty() {
             for (key, url) in sentinels {
@@ -1541,7 +1587,25 @@ mod tests {
         assert!(err.contains("cluster.redis_url"), "{err}");
         assert!(err.contains("redis://:PASSWORD@"), "{err}");
         c.cluster.redis_url = "redis://:s3cret-password@10.0.0.3:6379/0".into();
-        c.validate().expect("with a password");
+        // A password is not enough: the resume keys in snapshots need the edges' secret.
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("cluster.redis_resume_key_file"), "{err}");
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("redis-resume-key");
+        c.cluster.redis_resume_key_file = Some(key.clone());
+        for (secret, refused) in [
+            ("too-short-a-secret\n", "at least 32 bytes"),
+            (
+                "replace-with-a-long-random-secret-all-edges-share\n",
+                "placeholder",
+            ),
+        ] {
+            std::fs::write(&key, secret).unwrap();
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains(refused), "{err}");
+        }
+        std::fs::write(&key, "a-secret-every-edge-shares-0123456789abcdef\n").unwrap();
+        c.validate().expect("with a password and the edges' secret");
         c.cluster.redis_url = "redis://:replace-with-the-redis-password@redis:6379".into();
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("placeholder"), "{err}");
@@ -1679,7 +1743,10 @@ mod tests {
             Err(ConfigError::Invalid { key, .. }) => assert_eq!(key, "cluster.redis_sentinels"),
             other => panic!("{other:?}"),
         }
-        c.redis_sentinels = vec!["rediss://a:26379".into(), "rediss://b:26379".into()];
+        // As redis parses them: `valkeys://` and any case are TLS too.
+        c.redis_sentinels = vec!["VALKEYS://a:26379".into(), "redis://b:26379".into()];
+        assert!(c.check_sentinel_tls().is_err());
+        c.redis_sentinels = vec!["rediss://a:26379".into(), "valkeys://b:26379".into()];
         assert!(c.check_sentinel_tls().is_ok());
         c.redis_sentinels = vec!["redis://a:26379".into()];
         assert!(c.check_sentinel_tls().is_ok());

@@ -39,27 +39,43 @@ pub const LINK_SECRET_ENV: &str = "WAYGATE_LINK_SECRET";
 pub fn load_link_secret(
     file: Option<&std::path::Path>,
 ) -> Result<Option<std::sync::Arc<[u8]>>, String> {
-    use waygate_protocol::link_auth::MIN_LINK_SECRET_LEN;
-    let (secret, source) = match std::env::var(LINK_SECRET_ENV) {
-        Ok(v) if !v.trim().is_empty() => (v.trim().to_owned(), LINK_SECRET_ENV.to_owned()),
+    load_secret(
+        "link secret",
+        LINK_SECRET_ENV,
+        file,
+        waygate_protocol::link_auth::MIN_LINK_SECRET_LEN,
+    )
+}
+
+/// A shared secret (`what`, for errors): the environment variable `env` when set and not
+/// empty, else the first line of `file`, else none. One shorter than `min_len` bytes, the
+/// deploy kit's placeholder, or a file that cannot be read is an error naming its source.
+pub fn load_secret(
+    what: &str,
+    env: &str,
+    file: Option<&std::path::Path>,
+    min_len: usize,
+) -> Result<Option<std::sync::Arc<[u8]>>, String> {
+    let (secret, source) = match std::env::var(env) {
+        Ok(v) if !v.trim().is_empty() => (v.trim().to_owned(), env.to_owned()),
         _ => {
             let Some(path) = file else {
                 return Ok(None);
             };
             let text = std::fs::read_to_string(path)
-                .map_err(|e| format!("link secret file {}: {e}", path.display()))?;
+                .map_err(|e| format!("{what} file {}: {e}", path.display()))?;
             let line = text.lines().next().unwrap_or_default().trim().to_owned();
             (line, path.display().to_string())
         }
     };
-    if secret.len() < MIN_LINK_SECRET_LEN {
+    if secret.len() < min_len {
         return Err(format!(
-            "the link secret from {source} must be at least {MIN_LINK_SECRET_LEN} bytes"
+            "the {what} from {source} must be at least {min_len} bytes"
         ));
     }
     if is_placeholder_secret(&secret) {
         return Err(format!(
-            "the link secret from {source} is the deploy kit's placeholder: put a random \
+            "the {what} from {source} is the deploy kit's placeholder: put a random \
              secret there (e.g. `openssl rand -hex 32`)"
         ));
     }

@@ -38,9 +38,15 @@ pub struct Proc {
 
 impl Proc {
     pub async fn spawn(args: &[&str]) -> Proc {
+        Self::spawn_with_env(args, &[]).await
+    }
+
+    /// As [`Proc::spawn`], with environment variables.
+    pub async fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> Proc {
         let mut child = Command::new(BIN)
             .args(args)
             .env("RUST_LOG", "warn")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .kill_on_drop(true)
@@ -158,7 +164,16 @@ impl EdgeProc {
             redis,
         ];
         args.extend_from_slice(extra_args);
-        let proc = Proc::spawn(&args).await;
+        // The edges of a test share a resume-key secret, as a deployment does: their
+        // snapshots hold the resume keys sealed.
+        let proc = Proc::spawn_with_env(
+            &args,
+            &[(
+                "WAYGATE_REDIS_RESUME_KEY",
+                "the-test-cluster-resume-key-secret-0123456789",
+            )],
+        )
+        .await;
         let tls = ClientTls::from_ca_file(&ca).unwrap();
         EdgeProc {
             proc,

@@ -1875,10 +1875,7 @@ fn a_slow_answer_keeps_the_client_link_alive_with_acks() {
         .counters
         .answer_keepalives
         .load(std::sync::atomic::Ordering::Relaxed);
-    assert!(
-        (5..=6).contains(&keepalives),
-        "{keepalives} keep-alive ACKs in 3 s"
-    );
+    assert_eq!(keepalives, 6, "one keep-alive ACK per 500 ms for 3 s");
     assert_eq!(p.peers[c].client.unacked_len(), 1, "still unanswered");
     let now = p.now;
     p.edge.forward_done(&sid, now, 1);
@@ -1901,5 +1898,5 @@ fn a_slow_answer_keeps_the_client_link_alive_with_acks() {
         acks,
         "nothing waits: no keep-alive"
     );
-    assert!(acks > acks_before);
+    assert!(acks >= acks_before + 6);
 }

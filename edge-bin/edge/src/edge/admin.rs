@@ -163,15 +163,20 @@ impl Shared {
         let registry = self.session_layer().registry.clone();
         if self.redis.is_some() {
             for sid in ids {
-                registry.quiesce(sid);
-                // Nothing of it is forwarded here any more: what waits in its held line
-                // (§9.5) is withdrawn, neither sent nor answered (the client resends it
-                // after the move), so it reaches its backend once, from the next edge.
+                // Quiesced (the command reached the session's mailbox), nothing of it is
+                // forwarded here any more: what waits in its held line (§9.5) is
+                // withdrawn, neither sent nor answered (the client resends its sequenced
+                // messages after the move; best-effort ones may be lost, §3.9), so each
+                // reaches its backend once, from the next edge.
+                if !registry.quiesce(sid) {
+                    continue;
+                }
                 let withdrawn = match self.entries.lock() {
-                    Ok(mut e) => e.start_moving(sid).len(),
-                    Err(_) => 0,
+                    Ok(mut e) => e.start_moving(sid),
+                    Err(_) => Vec::new(),
                 };
-                self.metrics.forwards_withdrawn.inc_by(withdrawn as u64);
+                let resent = withdrawn.iter().filter(|m| m.seq != 0).count();
+                self.metrics.forwards_withdrawn.inc_by(resent as u64);
             }
             tokio::time::sleep(Duration::from_millis(self.config.cluster.quiesce_ms)).await;
         }

@@ -178,8 +178,6 @@ impl Sessions {
         }
     }
 
-    /// Records the session's BIND keys (service -> key; a service's previous key is
-    /// replaced). Returns the keys no session here holds any more.
     /// Whether, and why, no message of the session is forwarded any more.
     fn stopped(&self, session_id: &SessionId) -> Option<Stopped> {
         if !self.by_id.contains_key(session_id) {
@@ -208,6 +206,8 @@ impl Sessions {
         f.held.drain(..).map(|h| h.message).collect()
     }
 
+    /// Records the session's BIND keys (service -> key; a service's previous key is
+    /// replaced). Returns the keys no session here holds any more.
     pub(super) fn set_keys(
         &mut self,
         session_id: &SessionId,

@@ -107,7 +107,9 @@ impl SentinelLink {
         certs: Option<redis::TlsCertificates>,
         op_timeout: Duration,
     ) -> redis::RedisResult<Self> {
-        let tls = sentinels.iter().any(|u| u.starts_with("rediss://"));
+        // The primary is reached as the sentinels are: TLS (verified, or not when their
+        // URLs say `#insecure`) or in clear; the configuration refuses a mix.
+        let primary_tls = sentinels.iter().find_map(|url| tls_of(url).ok().flatten());
         let clients = sentinels
             .iter()
             .map(|url| {
@@ -130,8 +132,8 @@ impl SentinelLink {
                         builder = builder.set_client_to_redis_username(user);
                     }
                 }
-                if tls {
-                    builder = builder.set_client_to_redis_tls_mode(redis::TlsMode::Secure);
+                if let Some(mode) = primary_tls {
+                    builder = builder.set_client_to_redis_tls_mode(mode);
                     if let Some(certs) = &certs {
                         builder = builder
                             .set_client_to_sentinel_certificates(certs.clone())
@@ -242,6 +244,20 @@ impl SentinelLink {
             }
         }
     }
+}
+
+/// How a Redis URL is reached, as redis parses it (`rediss://`, `valkeys://`, any case):
+/// TLS, verified or (`#insecure`) not, or `None` in clear.
+pub(super) fn tls_of(url: &str) -> redis::RedisResult<Option<redis::TlsMode>> {
+    let info = redis::IntoConnectionInfo::into_connection_info(url)?;
+    Ok(match info.addr() {
+        redis::ConnectionAddr::TcpTls { insecure, .. } => Some(if *insecure {
+            redis::TlsMode::Insecure
+        } else {
+            redis::TlsMode::Secure
+        }),
+        _ => None,
+    })
 }
 
 /// The error says the connection is gone or its node is not the primary any more.

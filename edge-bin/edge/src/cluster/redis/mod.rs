@@ -118,6 +118,7 @@ mod conn;
 mod ownership;
 mod presence;
 mod push;
+mod seal;
 mod snapshots;
 
 pub use announcements::RedisAnnouncementLog;
@@ -125,6 +126,13 @@ use conn::Conn;
 pub use ownership::{KickNotice, KickSubscription, Reassert, RedisOwnership};
 pub use presence::{Presence, RedisPresence};
 pub use push::{DeliveryResult, PushDelivery, PushHandler, PushMessage, PushServer};
+pub use seal::ResumeKeySeal;
+
+/// Whether redis reaches `url` over TLS (`rediss://`, `valkeys://`, in any case; `#insecure`
+/// included); false for a URL it cannot parse.
+pub fn url_uses_tls(url: &str) -> bool {
+    conn::tls_of(url).is_ok_and(|t| t.is_some())
+}
 pub use snapshots::RedisSnapshotStore;
 
 /// Which Redis deployment the backends talk to.
@@ -184,7 +192,7 @@ impl RedisServers {
 }
 
 /// Settings of the Redis backends.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct RedisConfig {
     /// The server(s).
     pub servers: RedisServers,
@@ -207,8 +215,12 @@ pub struct RedisConfig {
     /// How long [`RedisPresence::push_batch`] waits for the target edge's answer.
     pub push_timeout: Duration,
     /// PEM certificates `rediss://` servers must chain to (a private CA); `None`: the
-    /// system's trusted roots. Only with `rediss://` URLs (single Redis, Redis Cluster).
+    /// system's trusted roots. Only with `rediss://` URLs (single Redis, Redis Cluster,
+    /// sentinels).
     pub tls_root_pem: Option<Vec<u8>>,
+    /// The edges' shared key for the resume keys in snapshots: with it they are stored only
+    /// sealed and as match tags ([`ResumeKeySeal`]); `None`: in clear.
+    pub resume_key_seal: Option<Arc<ResumeKeySeal>>,
 }
 
 impl RedisConfig {
@@ -234,6 +246,7 @@ impl RedisConfig {
             presence_ttl: Duration::from_secs(60),
             push_timeout: Duration::from_secs(1),
             tls_root_pem: None,
+            resume_key_seal: None,
         }
     }
 }

@@ -4,7 +4,9 @@
 //! hash and delete in one script).
 //!
 //! A snapshot is one Redis hash: the resume keys (`h`, `p`, `n`) and fencing token (`f`)
-//! as fields of their own, the snapshot without its replay entries and counters (`d`,
+//! as fields of their own (with the edges' shared key, `cluster.redis_resume_key_file`,
+//! `h` and `p` are match tags and the keys themselves are only in `k` and `q`, sealed, and
+//! not in `d`: [`ResumeKeySeal`](super::ResumeKeySeal)), the snapshot without its replay entries and counters (`d`,
 //! postcard), the replay counters and upstream window (`c`), each replay entry in a field
 //! `e<seq>`, the range of seqs those fields hold (`r`), and the ids of the session's last
 //! pushes (`u`, postcard, when it has any). The write-through writes a delta when it can
@@ -89,12 +91,15 @@ redis.call('HSET', KEYS[2], 'r', ARGV[4], 'c', ARGV[6])
     expire_with_the_snapshot!()
 );
 
-/// KEYS: snap. ARGV: hash hex. Returns {0} not found, {2} mismatch, {1, the record's
-/// fields and values} taken (padded to two elements).
+/// KEYS: snap. ARGV: the resume key as the record stores it (its match tag with a shared
+/// key, else hex), and optionally its other form (hex: a record written before the key
+/// was set). Returns {0} not found, {2} mismatch, {1, the record's fields and values}
+/// taken (padded to two elements).
 const TAKE_LUA: &str = r#"
 local v = redis.call('HMGET', KEYS[1], 'h', 'p', 'd')
 if not v[3] then return {0, false} end
-if v[1] == ARGV[1] or (v[2] and v[2] ~= '' and v[2] == ARGV[1]) then
+local function is(x) return x and x ~= '' and (x == ARGV[1] or x == ARGV[2]) end
+if is(v[1]) or is(v[2]) then
   local all = redis.call('HGETALL', KEYS[1])
   redis.call('DEL', KEYS[1])
   return {1, all}
@@ -128,8 +133,14 @@ struct PutArgs {
 /// Field `d`: the snapshot without its replay entries and without the counters that move
 /// with every message (those are field `c`), so a delta re-sends it only when something
 /// else changed (bindings, channels, pending errors...).
-fn encode_header(snapshot: &Snapshot) -> Result<Vec<u8>, RedisError> {
+/// Sealed resume keys (`sealed`) are not in it: they are zeroed there, and taken from
+/// fields `k` and `q` when the record is read.
+fn encode_header(snapshot: &Snapshot, sealed: bool) -> Result<Vec<u8>, RedisError> {
     let mut bare = snapshot.clone();
+    if sealed {
+        bare.resume_hash = ResumeHash([0; 32]);
+        bare.prev_resume_hash = bare.prev_resume_hash.map(|_| ResumeHash([0; 32]));
+    }
     bare.replay.detach_entries();
     bare.replay.set_counters(ReplayCounters::default());
     bare.upstream = RecvWindow::new();
@@ -152,6 +163,9 @@ fn encode_entry(entry: &ReplayEntry) -> Result<(Vec<u8>, Vec<u8>), RedisError> {
 
 /// Field `u`: the ids of the session's last pushes ([`Snapshot::push_ids`]).
 const PUSH_IDS_FIELD: &[u8] = b"u";
+/// Fields `k` and `q`: the current and previous resume keys, sealed (with a shared key).
+const SEALED_KEY_FIELD: &[u8] = b"k";
+const SEALED_PREV_FIELD: &[u8] = b"q";
 
 fn encode_push_ids(snapshot: &Snapshot) -> Result<Vec<u8>, RedisError> {
     postcard::to_allocvec(&snapshot.push_ids)
@@ -284,6 +298,18 @@ impl RedisSnapshotStore {
         Self { conn }
     }
 
+    /// A sealed resume key of the session, opened with the edges' shared key.
+    fn open_key(&self, session_id: &SessionId, sealed: &str) -> Result<ResumeHash, RedisError> {
+        match &self.conn.config.resume_key_seal {
+            Some(seal) => seal.open(session_id, sealed),
+            None => Err(RedisError::Corrupt(format!(
+                "snapshot {}: its resume keys are sealed and this edge has no \
+                 cluster.redis_resume_key_file (edges must share it)",
+                hex_id(session_id)
+            ))),
+        }
+    }
+
     /// A store alone (see [`RedisStores`](super::RedisStores) for all three sharing a connection).
     pub fn lazy(config: RedisConfig) -> Result<Self, RedisError> {
         Ok(Self {
@@ -341,6 +367,7 @@ impl RedisSnapshotStore {
             c.session_key("snap", &snapshot.session_id),
             c.player_key("owner", &snapshot.player_id),
         ];
+        let seal = c.config.resume_key_seal.as_deref();
         let base = since.filter(|b| {
             b.session_id == snapshot.session_id
                 && b.player_id == snapshot.player_id
@@ -351,8 +378,8 @@ impl RedisSnapshotStore {
         });
         if let Some(base) = base {
             let delta = snapshot.replay.delta_since(&base.replay);
-            let header = encode_header(snapshot)?;
-            let changed = header != encode_header(base)?;
+            let header = encode_header(snapshot, seal.is_some())?;
+            let changed = header != encode_header(base, seal.is_some())?;
             let mut args = Vec::with_capacity(7 + delta.dropped.len() + 2 * delta.added.len());
             args.extend([
                 snapshot.fencing.to_string().into_bytes(),
@@ -377,16 +404,21 @@ impl RedisSnapshotStore {
                 delta: true,
             });
         }
-        let mut args = Vec::with_capacity(8 + 2 * snapshot.replay.len());
+        let sid = &snapshot.session_id;
+        let stored = |key: &ResumeHash| match seal {
+            Some(seal) => seal.match_tag(sid, key),
+            None => hex_id(&key.0),
+        };
+        let mut args = Vec::with_capacity(12 + 2 * snapshot.replay.len());
         args.extend([
             snapshot.fencing.to_string().into_bytes(),
             ms(ttl).to_string().into_bytes(),
-            hex_id(&snapshot.resume_hash.0).into_bytes(),
+            stored(&snapshot.resume_hash).into_bytes(),
             snapshot
                 .prev_resume_hash
-                .map_or(String::new(), |h| hex_id(&h.0))
+                .map_or(String::new(), |h| stored(&h))
                 .into_bytes(),
-            encode_header(snapshot)?,
+            encode_header(snapshot, seal.is_some())?,
             snapshot.last_resume_nonce.to_string().into_bytes(),
             entry_range(snapshot),
             encode_counters(snapshot)?,
@@ -397,6 +429,18 @@ impl RedisSnapshotStore {
         }
         if !snapshot.push_ids.is_empty() {
             args.extend([PUSH_IDS_FIELD.to_vec(), encode_push_ids(snapshot)?]);
+        }
+        if let Some(seal) = seal {
+            args.extend([
+                SEALED_KEY_FIELD.to_vec(),
+                seal.seal(sid, &snapshot.resume_hash)?.into_bytes(),
+            ]);
+            if let Some(prev) = &snapshot.prev_resume_hash {
+                args.extend([
+                    SEALED_PREV_FIELD.to_vec(),
+                    seal.seal(sid, prev)?.into_bytes(),
+                ]);
+            }
         }
         Ok(PutArgs {
             keys,
@@ -494,11 +538,24 @@ impl RedisSnapshotStore {
     }
 
     fn decode(
+        &self,
         session_id: &SessionId,
         fields: Vec<(Vec<u8>, Vec<u8>)>,
     ) -> Result<Snapshot, RedisError> {
-        let s: Snapshot = decode_record(fields)
+        let sealed = |name: &[u8]| {
+            fields
+                .iter()
+                .find(|(f, _)| f == name)
+                .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+        };
+        let (key, prev) = (sealed(SEALED_KEY_FIELD), sealed(SEALED_PREV_FIELD));
+        let mut s: Snapshot = decode_record(fields)
             .map_err(|e| RedisError::Corrupt(format!("snapshot {}: {e}", hex_id(session_id))))?;
+        if let Some(key) = key {
+            let open = |text: &str| self.open_key(session_id, text);
+            s.resume_hash = open(&key)?;
+            s.prev_resume_hash = prev.as_deref().map(open).transpose()?;
+        }
         if s.session_id != *session_id {
             return Err(RedisError::Corrupt(format!(
                 "snapshot under {} holds {}",
@@ -537,7 +594,7 @@ impl SnapshotStore for RedisSnapshotStore {
         if flat.is_empty() {
             return Ok(None);
         }
-        Ok(Some(Self::decode(session_id, pairs(flat))?))
+        Ok(Some(self.decode(session_id, pairs(flat))?))
     }
 
     async fn take(
@@ -547,16 +604,21 @@ impl SnapshotStore for RedisSnapshotStore {
     ) -> Result<TakeOutcome, StoreError> {
         let c = &self.conn;
         let mut inv = scripts().take.prepare_invoke();
-        inv.key(c.session_key("snap", session_id))
-            .arg(hex_id(&resume_hash.0));
+        inv.key(c.session_key("snap", session_id));
+        match &c.config.resume_key_seal {
+            // A record written before the key was set holds the key in hex.
+            Some(seal) => inv
+                .arg(seal.match_tag(session_id, resume_hash))
+                .arg(hex_id(&resume_hash.0)),
+            None => inv.arg(hex_id(&resume_hash.0)),
+        };
         let (code, fields): (u8, Option<Vec<Vec<u8>>>) = c
             .run(|mut m| async move { inv.invoke_async(&mut m).await })
             .await?;
         match (code, fields) {
-            (1, Some(f)) => Ok(TakeOutcome::Taken(Box::new(Self::decode(
-                session_id,
-                pairs(f),
-            )?))),
+            (1, Some(f)) => Ok(TakeOutcome::Taken(Box::new(
+                self.decode(session_id, pairs(f))?,
+            ))),
             (2, _) => Ok(TakeOutcome::Mismatch),
             (0, _) => Ok(TakeOutcome::NotFound),
             (other, _) => Err(RedisError::Corrupt(format!("take answered {other}")).into()),
@@ -564,10 +626,18 @@ impl SnapshotStore for RedisSnapshotStore {
     }
 
     /// One HMGET of the key fields: the snapshot's data (up to its replay buffer) is read
-    /// only when the proof holds and it is taken.
+    /// only when the proof holds and it is taken. Sealed keys are opened (a record written
+    /// before the edges had a shared key holds them in hex).
     async fn resume_keys(&self, session_id: &SessionId) -> Result<Option<ResumeKeys>, StoreError> {
         let key = self.conn.session_key("snap", session_id);
-        let (h, p, n): (Option<String>, Option<String>, Option<u64>) = self
+        type Fields = (
+            Option<String>,
+            Option<String>,
+            Option<u64>,
+            Option<String>,
+            Option<String>,
+        );
+        let (h, p, n, k, q): Fields = self
             .conn
             .run(|mut m| async move {
                 redis::cmd("HMGET")
@@ -575,6 +645,8 @@ impl SnapshotStore for RedisSnapshotStore {
                     .arg("h")
                     .arg("p")
                     .arg("n")
+                    .arg(SEALED_KEY_FIELD)
+                    .arg(SEALED_PREV_FIELD)
                     .query_async(&mut m)
                     .await
             })
@@ -582,6 +654,13 @@ impl SnapshotStore for RedisSnapshotStore {
         let Some(h) = h else {
             return Ok(None);
         };
+        if let Some(k) = k {
+            return Ok(Some(ResumeKeys {
+                current: self.open_key(session_id, &k)?,
+                previous: q.map(|q| self.open_key(session_id, &q)).transpose()?,
+                last_nonce: n.unwrap_or(0),
+            }));
+        }
         let parse = |hex: &str| {
             unhex32(hex).ok_or_else(|| {
                 StoreError::from(RedisError::Corrupt(format!(
