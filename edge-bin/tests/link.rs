@@ -1957,40 +1957,65 @@ struct RouteChange {
     _dir: tempfile::TempDir,
 }
 
+/// Backends x and y (bound on free loopback ports), recording what they handle; y's
+/// recorder holds every message whose payload is `y_slow`.
+async fn x_and_y(y_slow: &'static [u8]) -> (Arc<Recorder>, Arc<Recorder>, Backend, Backend) {
+    let x_service = Arc::new(Recorder::default());
+    let y_service = Arc::new(Recorder {
+        slow: y_slow,
+        ..Recorder::default()
+    });
+    let bind = |id: &str, service: Arc<Recorder>| {
+        Backend::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            BackendConfig::new(id),
+            service,
+        )
+    };
+    let x = bind("x", x_service.clone()).await.unwrap();
+    let y = bind("y", y_service.clone()).await.unwrap();
+    (x_service, y_service, x, y)
+}
+
+/// The route change every held-line test starts with: through `edges[0]`, `slow` reaches x
+/// (which holds it) and `a` waits behind it there; the table moves the player to y (epoch
+/// 2, which x and y know too: x will refuse `a` as stale) and every edge in `edges`
+/// applies it; then `b` is sent. Returns `b`'s client seq.
+async fn move_the_player(
+    client: &waygate_client::Client,
+    x_service: &Recorder,
+    (x, y): (&Backend, &Backend),
+    routes: &std::path::Path,
+    edges: &[&waygate_edge::edge::Edge],
+) -> u64 {
+    let send =
+        |body: &'static [u8]| client.send(TrafficClass::Critical, 1000, Bytes::from_static(body));
+    send(b"slow").await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), x_service.slow_started.notified())
+        .await
+        .expect("x handles the slow message");
+    send(b"a").await.unwrap();
+    expect_metric(
+        edges[0],
+        "waygate_forwarded_total{service=\"player\",instance=\"x\"} 2",
+    )
+    .await;
+    x.set_epoch(2);
+    y.set_epoch(2);
+    common::write_atomically(routes, &moving_table(x.local_addr(), y.local_addr(), 2));
+    for edge in edges {
+        expect_metric(edge, "waygate_route_epoch 2").await;
+    }
+    expect_metric(edges[0], "waygate_migrations_total 1").await;
+    send(b"b").await.unwrap().unwrap()
+}
+
 impl RouteChange {
     async fn start() -> Self {
-        let x_service = Arc::new(Recorder::default());
-        let y_service = Arc::new(Recorder::default());
-        let bind = |id: &str, service: Arc<Recorder>| {
-            Backend::bind(
-                "127.0.0.1:0".parse().unwrap(),
-                BackendConfig::new(id),
-                service,
-            )
-        };
-        let x = bind("x", x_service.clone()).await.unwrap();
-        let y = bind("y", y_service.clone()).await.unwrap();
+        let (x_service, y_service, x, y) = x_and_y(b"slow").await;
         let (edge, client, dir, routes) =
             edge_on_routes(&moving_table(x.local_addr(), y.local_addr(), 1), "mover").await;
-        let send = |body: &'static [u8]| {
-            client.send(TrafficClass::Critical, 1000, Bytes::from_static(body))
-        };
-        send(b"slow").await.unwrap();
-        tokio::time::timeout(Duration::from_secs(10), x_service.slow_started.notified())
-            .await
-            .expect("x handles the slow message");
-        send(b"a").await.unwrap();
-        expect_metric(
-            &edge,
-            "waygate_forwarded_total{service=\"player\",instance=\"x\"} 2",
-        )
-        .await;
-        x.set_epoch(2);
-        y.set_epoch(2);
-        common::write_atomically(&routes, &moving_table(x.local_addr(), y.local_addr(), 2));
-        expect_metric(&edge, "waygate_route_epoch 2").await;
-        expect_metric(&edge, "waygate_migrations_total 1").await;
-        let b_seq = send(b"b").await.unwrap().unwrap();
+        let b_seq = move_the_player(&client, &x_service, (&x, &y), &routes, &[&edge]).await;
         Self {
             x_service,
             y_service,
@@ -2133,21 +2158,8 @@ async fn the_held_line_goes_on_through_a_resume_on_the_same_edge() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_line_is_withdrawn_when_its_session_moves_to_another_edge() {
     let redis = support_redis::RedisServer::start();
-    let x_service = Arc::new(Recorder::default());
     // y holds every `a` until released: an answer that comes after the client left.
-    let y_service = Arc::new(Recorder {
-        slow: b"a",
-        ..Recorder::default()
-    });
-    let bind = |id: &str, service: Arc<Recorder>| {
-        Backend::bind(
-            "127.0.0.1:0".parse().unwrap(),
-            BackendConfig::new(id),
-            service,
-        )
-    };
-    let x = bind("x", x_service.clone()).await.unwrap();
-    let y = bind("y", y_service.clone()).await.unwrap();
+    let (x_service, y_service, x, y) = x_and_y(b"a").await;
     let dir = tempfile::tempdir().unwrap();
     let routes = dir.path().join("routes.toml");
     std::fs::write(&routes, moving_table(x.local_addr(), y.local_addr(), 1)).unwrap();
@@ -2174,24 +2186,7 @@ async fn a_held_line_is_withdrawn_when_its_session_moves_to_another_edge() {
         )],
         common::token("mover"),
     ));
-    let send =
-        |body: &'static [u8]| client.send(TrafficClass::Critical, 1000, Bytes::from_static(body));
-    send(b"slow").await.unwrap();
-    tokio::time::timeout(Duration::from_secs(10), x_service.slow_started.notified())
-        .await
-        .expect("x handles the slow message");
-    send(b"a").await.unwrap();
-    expect_metric(
-        &edge_a,
-        "waygate_forwarded_total{service=\"player\",instance=\"x\"} 2",
-    )
-    .await;
-    x.set_epoch(2);
-    y.set_epoch(2);
-    common::write_atomically(&routes, &moving_table(x.local_addr(), y.local_addr(), 2));
-    expect_metric(&edge_a, "waygate_route_epoch 2").await;
-    expect_metric(&edge_b, "waygate_route_epoch 2").await;
-    send(b"b").await.unwrap();
+    move_the_player(&client, &x_service, (&x, &y), &routes, &[&edge_a, &edge_b]).await;
     expect_metric(&edge_a, "waygate_forwards_held_total 1").await;
     // The drain quiesces the session (`b`, waiting, is withdrawn), waits `quiesce_ms` and
     // sends MIGRATE; meanwhile x refuses `a` as stale and A routes it again.

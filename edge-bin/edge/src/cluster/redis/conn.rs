@@ -120,6 +120,7 @@ impl SentinelLink {
                     SentinelServerType::Master,
                 )?;
                 let own = sentinel.redis_settings();
+                builder = builder.set_client_to_sentinel_protocol(own.protocol());
                 if let Some(user) = own.username() {
                     builder = builder.set_client_to_sentinel_username(user);
                 }
