@@ -149,6 +149,9 @@ impl AdminApi for EdgeAdmin {
     }
 }
 
+/// Times a drain offers MIGRATE to a session before giving up on it (100 ms apart).
+const MIGRATE_ATTEMPTS: usize = 5;
+
 impl Shared {
     /// Moves `ids` to `target` for a drain; returns how many were told. With Redis, a hard
     /// migration (S8): hold upstream, let replies in flight land here and be written
@@ -180,8 +183,19 @@ impl Shared {
             }
             tokio::time::sleep(Duration::from_millis(self.config.cluster.quiesce_ms)).await;
         }
-        ids.iter()
-            .filter(|sid| registry.migrate(sid, target, deadline))
-            .count()
+        // A session whose mailbox is full (or that ended) is not told at once: tried again
+        // a few times, so a quiesced session is not left on this edge, its withdrawn
+        // messages unanswered, until the drain's deadline.
+        let mut left: Vec<_> = ids.to_vec();
+        for attempt in 0..MIGRATE_ATTEMPTS {
+            if attempt > 0 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            left.retain(|sid| !registry.migrate(sid, target, deadline));
+            if left.is_empty() {
+                break;
+            }
+        }
+        ids.len() - left.len()
     }
 }
