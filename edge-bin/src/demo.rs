@@ -1142,6 +1142,11 @@ pub async fn run_cluster(
     let secret: [u8; 32] = rand::random();
     let secret: String = secret.iter().map(|b| format!("{b:02x}")).collect();
     std::fs::write(&resume_key, secret).map_err(|e| e.to_string())?;
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(&resume_key, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| e.to_string())?;
+    }
     for i in 0..edges {
         let ca = dir.join(format!("ca-{i}.pem"));
         let config = dir.join(format!("edge-{i}.toml"));

@@ -785,10 +785,13 @@ async fn redis_over_tls_is_verified_against_the_configured_ca() {
 /// Resume keys at rest (secure-by-default audit: a Redis reader with the password had every
 /// lingering session's resume keys, in fields `h`, `p` and inside `d`, and could make a
 /// resume proof and take the session over). With the edges' shared secret
-/// (`cluster.redis_resume_key_file`) the record holds neither key, in hex or raw; the
-/// stores still behave as before (the generic checks), an edge with the same secret
-/// resumes the session, one without it or with another gets an error (never a match), and
-/// a record written before the secret was set is still resumed.
+/// (`cluster.redis_resume_key_file`) no record holds either key, in hex or raw, after a
+/// whole write or a delta; no command the edge sends carries one (watched with MONITOR: a
+/// take used to send the key in hex beside its match tag, review); the stores still behave
+/// as before (the generic checks); an edge with the same secret resumes the session, one
+/// without it or with another gets an error (never a match); and a record holding its keys
+/// in clear (an edge without the secret, or a writer of Redis) is not restorable by an
+/// edge with the secret.
 #[tokio::test]
 async fn resume_keys_are_stored_sealed_with_the_edges_secret() {
     use waygate_edge::cluster::redis::ResumeKeySeal;
@@ -802,6 +805,14 @@ async fn resume_keys_are_stored_sealed_with_the_edges_secret() {
     snapshot_store_semantics(sealed.snapshots.as_ref()).await;
     snapshot_store_write_through_semantics(sealed.snapshots.as_ref()).await;
 
+    // Everything the edge sends Redis from here on, as MONITOR shows it.
+    let mut monitor = std::process::Command::new("redis-cli")
+        .args(["-p", &server.port().to_string(), "monitor"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("redis-cli monitor");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
     let snap = snapshot(9, "sealed", 1);
     let sid = snap.session_id;
     let (current, previous) = (snap.resume_hash, snap.prev_resume_hash.unwrap());
@@ -810,6 +821,21 @@ async fn resume_keys_are_stored_sealed_with_the_edges_secret() {
         .put(&snap, Duration::from_secs(60))
         .await
         .unwrap();
+    // A delta on top (a new replay entry), as the write-through makes.
+    let mut next = snap.clone();
+    next.replay
+        .push(TrafficClass::Normal, 8, bytes::Bytes::from_static(b"more"));
+    let delta = SnapshotWrite {
+        snapshot: next.clone(),
+        since: Some(Box::new(snap.clone())),
+    };
+    assert_eq!(
+        sealed
+            .snapshots
+            .put_many(&[delta], Duration::from_secs(60))
+            .await,
+        vec![Ok(())]
+    );
     let key = format!("waygate:{{{}}}:snap:{}", hex(&sid[..4]), hex(&sid));
     let mut raw = raw_connection(&server).await;
     let record: Vec<(Vec<u8>, Vec<u8>)> = redis::cmd("HGETALL")
@@ -818,20 +844,55 @@ async fn resume_keys_are_stored_sealed_with_the_edges_secret() {
         .await
         .unwrap();
     assert!(!record.is_empty(), "the record is under {key}");
-    for k in [current, previous] {
-        let (in_hex, raw_bytes) = (hex(&k.0).into_bytes(), k.0.to_vec());
-        for (field, value) in &record {
-            for needle in [&in_hex, &raw_bytes] {
-                assert!(
-                    !value.windows(needle.len()).any(|w| w == &needle[..]),
-                    "field {} holds a resume key",
-                    String::from_utf8_lossy(field)
-                );
-            }
-        }
+    let holds_a_key = |bytes: &[u8]| {
+        [current, previous].iter().any(|k| {
+            let (in_hex, raw_bytes) = (hex(&k.0).into_bytes(), k.0.to_vec());
+            [in_hex, raw_bytes]
+                .iter()
+                .any(|needle| bytes.windows(needle.len()).any(|w| w == &needle[..]))
+        })
+    };
+    for (field, value) in &record {
+        assert!(
+            !holds_a_key(value),
+            "field {} holds a resume key",
+            String::from_utf8_lossy(field)
+        );
     }
     let keys = sealed.snapshots.resume_keys(&sid).await.unwrap().unwrap();
     assert_eq!((keys.current, keys.previous), (current, Some(previous)));
+    match sealed.snapshots.take(&sid, &previous).await.unwrap() {
+        TakeOutcome::Taken(s) => {
+            assert_eq!(s.resume_hash, current);
+            assert_eq!(s.prev_resume_hash, Some(previous));
+            assert_eq!(*s, next, "restored whole");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Written again for the strangers below (whose commands MONITOR is not to judge).
+    sealed
+        .snapshots
+        .put(&snap, Duration::from_secs(60))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _ = monitor.kill();
+    let mut seen = Vec::new();
+    std::io::Read::read_to_end(monitor.stdout.as_mut().unwrap(), &mut seen).unwrap();
+    let _ = monitor.wait();
+    assert!(
+        String::from_utf8_lossy(&seen).contains("EVALSHA"),
+        "MONITOR saw the edge's commands"
+    );
+    let carried: Vec<String> = String::from_utf8_lossy(&seen)
+        .lines()
+        .filter(|l| holds_a_key(l.as_bytes()))
+        .map(|l| l.chars().take(300).collect())
+        .collect();
+    assert!(
+        carried.is_empty(),
+        "commands carried a resume key: {carried:?}"
+    );
     // Without the secret, or with another: its keys are an error, and a take never matches.
     for other in [
         None,
@@ -844,15 +905,8 @@ async fn resume_keys_are_stored_sealed_with_the_edges_secret() {
             Ok(TakeOutcome::Taken(_))
         ));
     }
-    match sealed.snapshots.take(&sid, &previous).await.unwrap() {
-        TakeOutcome::Taken(s) => {
-            assert_eq!(s.resume_hash, current);
-            assert_eq!(s.prev_resume_hash, Some(previous));
-            assert_eq!(*s, snap, "restored whole");
-        }
-        other => panic!("{other:?}"),
-    }
-    // A record an edge wrote before the secret was set is resumed by one that has it.
+
+    // A record holding its keys in clear is not restorable by an edge with the secret.
     let plain = RedisStores::connect_with(with(None)).await.unwrap();
     let old = snapshot(10, "sealed", 2);
     plain
@@ -860,21 +914,17 @@ async fn resume_keys_are_stored_sealed_with_the_edges_secret() {
         .put(&old, Duration::from_secs(60))
         .await
         .unwrap();
-    let keys = sealed
-        .snapshots
-        .resume_keys(&old.session_id)
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(keys.current, old.resume_hash);
-    assert!(matches!(
+    assert_eq!(
+        sealed.snapshots.resume_keys(&old.session_id).await,
+        Ok(None)
+    );
+    assert_eq!(
         sealed
             .snapshots
             .take(&old.session_id, &old.resume_hash)
-            .await
-            .unwrap(),
-        TakeOutcome::Taken(_)
-    ));
+            .await,
+        Ok(TakeOutcome::Mismatch)
+    );
 }
 
 fn hex(bytes: &[u8]) -> String {

@@ -1270,12 +1270,13 @@ impl Task {
                         }
                         if let Some(prev) = plan.previous {
                             // A lingering snapshot of the kicked session must not be
-                            // resumable any more; its bindings pass to us.
-                            if let Ok(Some(s)) = edge.snapshots.get(&prev).await {
-                                let _ = edge.snapshots.delete(&prev, None).await;
-                                if inherited.is_none() {
-                                    inherited = Some(s.bindings);
-                                }
+                            // resumable any more (deleted even when it cannot be read,
+                            // e.g. sealed with a secret this edge lacks); its bindings
+                            // pass to us.
+                            let stored = edge.snapshots.get(&prev).await;
+                            let _ = edge.snapshots.delete(&prev, None).await;
+                            if let (Ok(Some(s)), None) = (stored, &inherited) {
+                                inherited = Some(s.bindings);
                             }
                             tracing::info!(
                                 player = %player_id,

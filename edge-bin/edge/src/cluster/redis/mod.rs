@@ -59,7 +59,7 @@
 //! |---|---|---|---|
 //! | `P:{T}:fence:<player>` | string | fencing counter | [`RedisConfig::fence_ttl`] |
 //! | `P:{T}:owner:<player>` | string | `<fencing> <session hex> <edge>` | live: owner TTL; detached: linger |
-//! | `P:{T}:snap:<session hex>` | hash | `f` fencing, `h`/`p` resume hashes (hex), `n` nonce, `d` JSON | linger |
+//! | `P:{T}:snap:<session hex>` | hash | `f` fencing, `h`/`p` resume keys (hex, or match tags with the edges' secret), `k`/`q` the keys sealed (with the secret), `n` nonce, `d` the rest (postcard), `c` counters, `r` entry range, `e<seq>` replay entries, `u` push ids (see `snapshots`) | linger |
 //! | `P:{T}:presence:<player>` | string | `<session hex> <edge>` | presence TTL |
 //!
 //! Channels: `P:edge:<edge>:kick`, `P:edge:<edge>:push`, `P:reply:<random>` (classic

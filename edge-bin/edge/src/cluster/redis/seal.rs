@@ -8,9 +8,12 @@
 //! - a **match tag** per resume key, HMAC-SHA256 under a key derived from the shared one,
 //!   over the session id and the resume key: what the take script compares (the edge
 //!   computes it from the key a proof was checked with), useless for making a proof;
-//! - the resume key **sealed** with ChaCha20-Poly1305 under a second derived key (random
-//!   nonce, the session id as associated data, so a sealed key moved to another session's
-//!   record does not open), which only an edge holding the shared key opens.
+//! - the resume key **sealed** with ChaCha20-Poly1305 under a key of the session's own,
+//!   derived from a second key derived from the shared one (HMAC over the session id; a
+//!   random nonce, the session id as associated data too), which only an edge holding the
+//!   shared key opens. A key per session keeps the random nonces of a busy fleet far from
+//!   colliding under one key, and a sealed key moved to another session's record does not
+//!   open.
 //!
 //! Both from ring; nothing here is a primitive of its own.
 
@@ -34,7 +37,8 @@ const NONCE_LEN: usize = 12;
 /// nothing of it.
 pub struct ResumeKeySeal {
     matcher: hmac::Key,
-    sealer: aead::LessSafeKey,
+    /// What each session's sealing key is derived from.
+    sealer: hmac::Key,
     rng: SystemRandom,
 }
 
@@ -48,15 +52,20 @@ impl ResumeKeySeal {
     /// Both keys derived from `secret` (HMAC-SHA256 of a label each).
     pub fn new(secret: &[u8]) -> Self {
         let root = hmac::Key::new(hmac::HMAC_SHA256, secret);
-        let matcher = hmac::Key::new(hmac::HMAC_SHA256, hmac::sign(&root, MATCH_LABEL).as_ref());
-        let derived = hmac::sign(&root, SEAL_LABEL);
-        let unbound = aead::UnboundKey::new(&aead::CHACHA20_POLY1305, derived.as_ref())
-            .unwrap_or_else(|_| unreachable!("HMAC-SHA256 output is a 32-byte key"));
+        let derive = |label| hmac::Key::new(hmac::HMAC_SHA256, hmac::sign(&root, label).as_ref());
         Self {
-            matcher,
-            sealer: aead::LessSafeKey::new(unbound),
+            matcher: derive(MATCH_LABEL),
+            sealer: derive(SEAL_LABEL),
             rng: SystemRandom::new(),
         }
+    }
+
+    /// The sealing key of `session_id`'s resume keys.
+    fn session_key(&self, session_id: &SessionId) -> aead::LessSafeKey {
+        let derived = hmac::sign(&self.sealer, session_id);
+        let unbound = aead::UnboundKey::new(&aead::CHACHA20_POLY1305, derived.as_ref())
+            .unwrap_or_else(|_| unreachable!("HMAC-SHA256 output is a 32-byte key"));
+        aead::LessSafeKey::new(unbound)
     }
 
     /// The match tag of `key` for `session_id`: what the store compares a key with.
@@ -74,7 +83,7 @@ impl ResumeKeySeal {
             .fill(&mut nonce)
             .map_err(|_| RedisError::Invalid("no randomness for a nonce".into()))?;
         let mut sealed = key.0.to_vec();
-        self.sealer
+        self.session_key(session_id)
             .seal_in_place_append_tag(
                 aead::Nonce::assume_unique_for_key(nonce),
                 aead::Aad::from(&session_id[..]),
@@ -108,8 +117,8 @@ impl ResumeKeySeal {
         let (nonce, rest) = bytes.split_at(NONCE_LEN);
         let nonce = aead::Nonce::try_assume_unique_for_key(nonce).map_err(|_| corrupt())?;
         let mut rest = rest.to_vec();
-        let plain = self
-            .sealer
+        let sealer = self.session_key(session_id);
+        let plain = sealer
             .open_in_place(nonce, aead::Aad::from(&session_id[..]), &mut rest)
             .map_err(|_| corrupt())?;
         let key: [u8; 32] = plain.try_into().map_err(|_| corrupt())?;

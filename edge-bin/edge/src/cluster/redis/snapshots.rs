@@ -91,15 +91,13 @@ redis.call('HSET', KEYS[2], 'r', ARGV[4], 'c', ARGV[6])
     expire_with_the_snapshot!()
 );
 
-/// KEYS: snap. ARGV: the resume key as the record stores it (its match tag with a shared
-/// key, else hex), and optionally its other form (hex: a record written before the key
-/// was set). Returns {0} not found, {2} mismatch, {1, the record's fields and values}
-/// taken (padded to two elements).
+/// KEYS: snap. ARGV: the resume key as the record stores it (its match tag with the edges'
+/// secret, else hex). Returns {0} not found, {2} mismatch, {1, the record's fields and
+/// values} taken (padded to two elements).
 const TAKE_LUA: &str = r#"
 local v = redis.call('HMGET', KEYS[1], 'h', 'p', 'd')
 if not v[3] then return {0, false} end
-local function is(x) return x and x ~= '' and (x == ARGV[1] or x == ARGV[2]) end
-if is(v[1]) or is(v[2]) then
+if v[1] == ARGV[1] or (v[2] and v[2] ~= '' and v[2] == ARGV[1]) then
   local all = redis.call('HGETALL', KEYS[1])
   redis.call('DEL', KEYS[1])
   return {1, all}
@@ -604,14 +602,13 @@ impl SnapshotStore for RedisSnapshotStore {
     ) -> Result<TakeOutcome, StoreError> {
         let c = &self.conn;
         let mut inv = scripts().take.prepare_invoke();
-        inv.key(c.session_key("snap", session_id));
-        match &c.config.resume_key_seal {
-            // A record written before the key was set holds the key in hex.
-            Some(seal) => inv
-                .arg(seal.match_tag(session_id, resume_hash))
-                .arg(hex_id(&resume_hash.0)),
-            None => inv.arg(hex_id(&resume_hash.0)),
-        };
+        // Only the match tag goes to Redis when the edges share a secret: the key itself
+        // would show in MONITOR, the slow log, or on the wire.
+        inv.key(c.session_key("snap", session_id))
+            .arg(match &c.config.resume_key_seal {
+                Some(seal) => seal.match_tag(session_id, resume_hash),
+                None => hex_id(&resume_hash.0),
+            });
         let (code, fields): (u8, Option<Vec<Vec<u8>>>) = c
             .run(|mut m| async move { inv.invoke_async(&mut m).await })
             .await?;
@@ -626,8 +623,10 @@ impl SnapshotStore for RedisSnapshotStore {
     }
 
     /// One HMGET of the key fields: the snapshot's data (up to its replay buffer) is read
-    /// only when the proof holds and it is taken. Sealed keys are opened (a record written
-    /// before the edges had a shared key holds them in hex).
+    /// only when the proof holds and it is taken. Sealed keys are opened; with the edges'
+    /// secret, a record holding its keys in clear (written by an edge without the secret,
+    /// or by anyone else who can write to Redis) is not restorable: its keys are not
+    /// trusted.
     async fn resume_keys(&self, session_id: &SessionId) -> Result<Option<ResumeKeys>, StoreError> {
         let key = self.conn.session_key("snap", session_id);
         type Fields = (
@@ -654,12 +653,23 @@ impl SnapshotStore for RedisSnapshotStore {
         let Some(h) = h else {
             return Ok(None);
         };
-        if let Some(k) = k {
-            return Ok(Some(ResumeKeys {
-                current: self.open_key(session_id, &k)?,
-                previous: q.map(|q| self.open_key(session_id, &q)).transpose()?,
-                last_nonce: n.unwrap_or(0),
-            }));
+        match (k, self.conn.config.resume_key_seal.is_some()) {
+            (Some(k), _) => {
+                return Ok(Some(ResumeKeys {
+                    current: self.open_key(session_id, &k)?,
+                    previous: q.map(|q| self.open_key(session_id, &q)).transpose()?,
+                    last_nonce: n.unwrap_or(0),
+                }))
+            }
+            (None, true) => {
+                tracing::info!(
+                    session = %hex_id(session_id),
+                    "snapshot with resume keys in clear: not restorable by an edge with the \
+                     edges' secret (written before it was set?)"
+                );
+                return Ok(None);
+            }
+            (None, false) => {}
         }
         let parse = |hex: &str| {
             unhex32(hex).ok_or_else(|| {
