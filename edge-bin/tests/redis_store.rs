@@ -3,6 +3,7 @@
 //! under takeover, single-use resume tokens under a race of two edges, and one owner per
 //! player when two edges log the same player in at once (1,000 trials).
 
+mod common;
 mod support_pki;
 mod support_redis;
 
@@ -925,6 +926,54 @@ async fn resume_keys_are_stored_sealed_with_the_edges_secret() {
             .await,
         Ok(TakeOutcome::Mismatch)
     );
+}
+
+/// Edges compare their resume-key secrets by fingerprint in Redis: the first with one sets
+/// it; the same secret agrees, another differs, none while the others seal is told so. An
+/// edge started with another secret than the deployment's says so in its metrics (and logs
+/// an error): its sessions and theirs would not resume on each other.
+#[tokio::test]
+async fn edges_compare_their_resume_key_secrets() {
+    use waygate_edge::cluster::redis::{ResumeKeyCheck, ResumeKeySeal};
+    let server = RedisServer::start();
+    let with = |seal: Option<&[u8]>| RedisConfig {
+        resume_key_seal: seal.map(|s| std::sync::Arc::new(ResumeKeySeal::new(s))),
+        ..RedisConfig::new(server.url())
+    };
+    let ours: &[u8] = b"the deployment's secret, long enough: 0123456789";
+    let check = |seal| async move {
+        RedisStores::connect_with(with(seal))
+            .await
+            .unwrap()
+            .check_resume_key()
+            .await
+            .unwrap()
+    };
+    assert_eq!(check(None).await, ResumeKeyCheck::NoSecret);
+    assert_eq!(check(Some(ours)).await, ResumeKeyCheck::Agreed, "the first");
+    assert_eq!(check(Some(ours)).await, ResumeKeyCheck::Agreed);
+    let theirs: &[u8] = b"another deployment's secret, long enough: 98765";
+    assert_eq!(check(Some(theirs)).await, ResumeKeyCheck::Differs);
+    assert_eq!(check(None).await, ResumeKeyCheck::SealedElsewhere);
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("redis-resume-key");
+    std::fs::write(&file, theirs).unwrap();
+    let mut config = waygate_edge::config::EdgeConfig::default();
+    config.use_ephemeral_ports();
+    config.cluster.redis_url = server.url();
+    config.cluster.redis_resume_key_file = Some(file);
+    let edge = waygate_edge::edge::Edge::start(config).await.unwrap();
+    let admin = edge.admin_addr.unwrap();
+    let mut last = String::new();
+    for _ in 0..100 {
+        last = common::http(admin, "GET", "/metrics").await.1;
+        if last.lines().any(|l| l == "waygate_resume_key_mismatch 1") {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("no mismatch in /metrics:\n{last}");
 }
 
 fn hex(bytes: &[u8]) -> String {

@@ -180,6 +180,9 @@ pub struct EdgeMetrics {
     pub migrations: Counter,
     /// 1 while the edge drains.
     pub draining: Gauge,
+    /// 1 when this edge's resume-key secret is not the deployment's (or it has none while
+    /// the others seal).
+    pub resume_key_mismatch: Gauge,
     /// Overload level 0..=3 (B5).
     pub overload_level: Gauge,
     /// The event loop's sustained lag (the least of a second's timer ticks), seconds: one
@@ -580,6 +583,7 @@ impl EdgeMetrics {
             forwards_withdrawn: Counter::default(),
             migrations: Counter::default(),
             draining: Gauge::default(),
+            resume_key_mismatch: Gauge::default(),
             overload_level: Gauge::default(),
             event_loop_lag_seconds: Gauge::default(),
             admission_refused: Counter::default(),
@@ -730,6 +734,11 @@ impl EdgeMetrics {
             "forwards_hold_expired",
             "Client messages refused busy after waiting 2 s for older messages of their session",
             m.forwards_hold_expired.clone(),
+        );
+        registry.register(
+            "resume_key_mismatch",
+            "1 when this edge's cluster.redis_resume_key_file is not the one the other edges seal resume keys with (or it has none while they seal): sessions do not resume between them",
+            m.resume_key_mismatch.clone(),
         );
         registry.register(
             "forwards_withdrawn",

@@ -121,6 +121,37 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
     let Some(redis) = shared.redis.clone() else {
         return tasks;
     };
+    // Do the edges share the resume-key secret? Checked once Redis answers (every 2 s
+    // until then); a mismatch is an error in the log and `waygate_resume_key_mismatch`.
+    let (stores, weak) = (redis.clone(), Arc::downgrade(shared));
+    tasks.push(tokio::spawn(async move {
+        use crate::cluster::redis::ResumeKeyCheck;
+        let found = loop {
+            match stores.check_resume_key().await {
+                Ok(found) => break found,
+                Err(_) => tokio::time::sleep(Duration::from_secs(2)).await,
+            }
+        };
+        let Some(shared) = weak.upgrade() else { return };
+        let mismatch = match found {
+            ResumeKeyCheck::Agreed | ResumeKeyCheck::NoSecret => false,
+            ResumeKeyCheck::Differs => {
+                tracing::error!(
+                    "cluster.redis_resume_key_file differs from the one the other edges seal \
+                     resume keys with: sessions do not resume between this edge and them"
+                );
+                true
+            }
+            ResumeKeyCheck::SealedElsewhere => {
+                tracing::error!(
+                    "the other edges seal resume keys (cluster.redis_resume_key_file) and this \
+                     one has no secret: their sessions do not resume here"
+                );
+                true
+            }
+        };
+        shared.metrics.resume_key_mismatch.set(i64::from(mismatch));
+    }));
     // Takeovers on other edges kick our (older) sessions.
     let kick_subscription = redis.ownership.kick_subscription(&edge_id);
     let (mut kicks, missed) = (kick_subscription.notices, kick_subscription.missed);

@@ -293,6 +293,19 @@ impl From<RedisError> for StoreError {
     }
 }
 
+/// What [`RedisStores::check_resume_key`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResumeKeyCheck {
+    /// This edge has the deployment's secret (or is the first with one).
+    Agreed,
+    /// Another secret than the deployment's: neither side resumes the other's sessions.
+    Differs,
+    /// No secret here, while the deployment seals: sealed sessions cannot resume here.
+    SealedElsewhere,
+    /// No secret anywhere yet.
+    NoSecret,
+}
+
 /// The three Redis backends of one edge, sharing one connection.
 #[derive(Debug, Clone)]
 pub struct RedisStores {
@@ -329,6 +342,44 @@ impl RedisStores {
             ownership: Arc::new(RedisOwnership::from_conn(conn.clone())),
             presence: Arc::new(RedisPresence::from_conn(conn.clone())),
             announcements: Arc::new(RedisAnnouncementLog::from_conn(conn)),
+        })
+    }
+
+    /// Compares this edge's resume-key secret with the deployment's, by fingerprint
+    /// ([`ResumeKeySeal::fingerprint`], key `P:resume-key`, set by the first edge with a
+    /// secret): edges with different secrets cannot resume each other's sessions, and one
+    /// without cannot resume sealed sessions.
+    pub async fn check_resume_key(&self) -> Result<ResumeKeyCheck, RedisError> {
+        let conn = &self.ownership.conn;
+        let key = format!("{}:resume-key", conn.config.prefix);
+        let ours = conn
+            .config
+            .resume_key_seal
+            .as_ref()
+            .map(|s| s.fingerprint().to_owned());
+        if let Some(fp) = &ours {
+            // SET NX, then GET (SET NX GET needs Redis 7).
+            let (key, fp) = (key.clone(), fp.clone());
+            conn.run(|mut c| async move {
+                redis::cmd("SET")
+                    .arg(key)
+                    .arg(fp)
+                    .arg("NX")
+                    .query_async::<Option<String>>(&mut c)
+                    .await
+            })
+            .await?;
+        }
+        let stored: Option<String> = conn
+            .run(|mut c| async move { redis::cmd("GET").arg(key).query_async(&mut c).await })
+            .await?;
+        Ok(match (ours, stored) {
+            (None, None) => ResumeKeyCheck::NoSecret,
+            (None, Some(_)) => ResumeKeyCheck::SealedElsewhere,
+            (Some(a), Some(b)) if a == b => ResumeKeyCheck::Agreed,
+            // Gone again meanwhile (flushed): nothing to disagree with.
+            (Some(_), None) => ResumeKeyCheck::Agreed,
+            (Some(_), Some(_)) => ResumeKeyCheck::Differs,
         })
     }
 

@@ -30,6 +30,7 @@ const MATCH_PREFIX: &str = "m1:";
 /// What a sealed resume key starts with.
 const SEALED_PREFIX: &str = "s1:";
 const MATCH_LABEL: &[u8] = b"waygate redis resume key match v1";
+const FINGERPRINT_LABEL: &[u8] = b"waygate redis resume key fingerprint v1";
 const SEAL_LABEL: &[u8] = b"waygate redis resume key seal v1";
 const NONCE_LEN: usize = 12;
 
@@ -37,6 +38,8 @@ const NONCE_LEN: usize = 12;
 /// nothing of it.
 pub struct ResumeKeySeal {
     matcher: hmac::Key,
+    /// Names the secret without revealing it (edges compare theirs in Redis).
+    fingerprint: String,
     /// What each session's sealing key is derived from.
     sealer: hmac::Key,
     rng: SystemRandom,
@@ -53,11 +56,19 @@ impl ResumeKeySeal {
     pub fn new(secret: &[u8]) -> Self {
         let root = hmac::Key::new(hmac::HMAC_SHA256, secret);
         let derive = |label| hmac::Key::new(hmac::HMAC_SHA256, hmac::sign(&root, label).as_ref());
+        let fingerprint = hex_id(&hmac::sign(&root, FINGERPRINT_LABEL).as_ref()[..16]);
         Self {
             matcher: derive(MATCH_LABEL),
             sealer: derive(SEAL_LABEL),
+            fingerprint,
             rng: SystemRandom::new(),
         }
+    }
+
+    /// A name of the secret (16 bytes of an HMAC of it, hex) that the edges of a deployment
+    /// compare in Redis: equal for the same secret, and nothing about it otherwise.
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
     }
 
     /// The sealing key of `session_id`'s resume keys.
