@@ -1422,7 +1422,7 @@ impl SessionMachine {
         SessionCounters::bump(counter);
         self.up_ack.reset(cum);
         self.answer_keepalive = None;
-        self.answer_activity(now);
+        self.note_answer_activity(now);
         self.handshake_deadline = None;
         self.last_rx = Some(now);
         self.idle_check = Some(now + self.config.idle_timeout);
@@ -1487,7 +1487,7 @@ impl SessionMachine {
                     // then (carrying what is), and then every `answer_keepalive` until it
                     // is: clients judge the link alive by them (§7.5).
                     self.up_ack.on_receive_unanswered(now, &self.config.ack);
-                    self.answer_activity(now);
+                    self.note_answer_activity(now);
                 }
                 Ok(())
             }
@@ -1534,7 +1534,7 @@ impl SessionMachine {
     /// Something was just sent or owed to the client (an ACK within the ack delay of a
     /// message or an answer, a WELCOME): the answer keep-alive counts from `now`, armed
     /// while a client's message waits for its answer and off when none does.
-    fn answer_activity(&mut self, now: Instant) {
+    fn note_answer_activity(&mut self, now: Instant) {
         self.answer_activity = Some(now);
         let waiting = self.core.as_ref().is_some_and(|c| !c.awaiting.is_empty());
         if !waiting {
@@ -1565,7 +1565,7 @@ impl SessionMachine {
         if self.up_ack.on_answer(now, &self.config.ack) {
             self.send_standalone_ack();
         }
-        self.answer_activity(now);
+        self.note_answer_activity(now);
     }
 
     fn send_standalone_ack(&mut self) {

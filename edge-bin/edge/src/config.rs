@@ -854,7 +854,7 @@ impl ClusterConfig {
             key,
             message: "a Redis password is still the deploy kit's placeholder".into(),
         };
-        for (key, url) in redis_urls.clone().chain(sentinels.clone()) {
+        for (key, url) in redis_urls_all.clone() {
             if redis_target(key, url)?
                 .1
                 .is_some_and(|p| waygate_link::is_placeholder_secret(&p))

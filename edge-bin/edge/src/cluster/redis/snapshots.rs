@@ -4,10 +4,10 @@
 //! hash and delete in one script).
 //!
 //! A snapshot is one Redis hash: the resume keys (`h`, `p`, `n`) and fencing token (`f`)
-//! as fields of their own (with the edges' shared key, `cluster.redis_resume_key_file`,
+//! as fields of their own (with the edges' shared secret, `cluster.redis_resume_key_file`,
 //! `h` and `p` are match tags and the keys themselves are only in `k` and `q`, sealed, and
-//! not in `d`: [`ResumeKeySeal`](super::ResumeKeySeal)), the snapshot without its replay entries and counters (`d`,
-//! postcard), the replay counters and upstream window (`c`), each replay entry in a field
+//! not in `d`: [`ResumeKeySeal`](super::ResumeKeySeal)), the snapshot without its replay
+//! entries and counters (`d`, postcard), the replay counters and upstream window (`c`), each replay entry in a field
 //! `e<seq>`, the range of seqs those fields hold (`r`), and the ids of the session's last
 //! pushes (`u`, postcard, when it has any). The write-through writes a delta when it can
 //! ([`SnapshotWrite::since`]): `c`, `d` and `u` only if they changed, the entries added and
@@ -653,23 +653,20 @@ impl SnapshotStore for RedisSnapshotStore {
         let Some(h) = h else {
             return Ok(None);
         };
-        match (k, self.conn.config.resume_key_seal.is_some()) {
-            (Some(k), _) => {
-                return Ok(Some(ResumeKeys {
-                    current: self.open_key(session_id, &k)?,
-                    previous: q.map(|q| self.open_key(session_id, &q)).transpose()?,
-                    last_nonce: n.unwrap_or(0),
-                }))
-            }
-            (None, true) => {
-                tracing::info!(
-                    session = %hex_id(session_id),
-                    "snapshot with resume keys in clear: not restorable by an edge with the \
-                     edges' secret (written before it was set?)"
-                );
-                return Ok(None);
-            }
-            (None, false) => {}
+        if let Some(k) = k {
+            return Ok(Some(ResumeKeys {
+                current: self.open_key(session_id, &k)?,
+                previous: q.map(|q| self.open_key(session_id, &q)).transpose()?,
+                last_nonce: n.unwrap_or(0),
+            }));
+        }
+        if self.conn.config.resume_key_seal.is_some() {
+            tracing::info!(
+                session = %hex_id(session_id),
+                "snapshot with resume keys in clear: not restorable by an edge with the \
+                 edges' secret (written before it was set?)"
+            );
+            return Ok(None);
         }
         let parse = |hex: &str| {
             unhex32(hex).ok_or_else(|| {
