@@ -806,13 +806,37 @@ async fn resume_keys_are_stored_sealed_with_the_edges_secret() {
     snapshot_store_semantics(sealed.snapshots.as_ref()).await;
     snapshot_store_write_through_semantics(sealed.snapshots.as_ref()).await;
 
-    // Everything the edge sends Redis from here on, as MONITOR shows it.
+    // Everything the edge sends Redis from here on, as MONITOR shows it (read on a thread
+    // of its own; watching once redis-cli says OK).
     let mut monitor = std::process::Command::new("redis-cli")
         .args(["-p", &server.port().to_string(), "monitor"])
         .stdout(std::process::Stdio::piped())
         .spawn()
         .expect("redis-cli monitor");
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let lines = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let out = monitor.stdout.take().unwrap();
+    let reader = {
+        let lines = lines.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufRead::lines(std::io::BufReader::new(out)) {
+                let Ok(line) = line else { return };
+                lines.lock().unwrap().push(line);
+            }
+        })
+    };
+    let seen_line = |what: &'static str| {
+        let lines = lines.clone();
+        async move {
+            for _ in 0..100 {
+                if lines.lock().unwrap().iter().any(|l| l.contains(what)) {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            panic!("MONITOR never showed {what}");
+        }
+    };
+    seen_line("OK").await;
 
     let snap = snapshot(9, "sealed", 1);
     let sid = snap.session_id;
@@ -876,17 +900,23 @@ async fn resume_keys_are_stored_sealed_with_the_edges_secret() {
         .put(&snap, Duration::from_secs(60))
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // A marker after the last command watched: once MONITOR shows it, it showed them all.
+    let _: String = redis::cmd("ECHO")
+        .arg("end-of-watch")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    seen_line("end-of-watch").await;
     let _ = monitor.kill();
-    let mut seen = Vec::new();
-    std::io::Read::read_to_end(monitor.stdout.as_mut().unwrap(), &mut seen).unwrap();
     let _ = monitor.wait();
+    let _ = reader.join();
+    let seen = lines.lock().unwrap().clone();
     assert!(
-        String::from_utf8_lossy(&seen).contains("EVALSHA"),
+        seen.iter().any(|l| l.contains("EVALSHA")),
         "MONITOR saw the edge's commands"
     );
-    let carried: Vec<String> = String::from_utf8_lossy(&seen)
-        .lines()
+    let carried: Vec<String> = seen
+        .iter()
         .filter(|l| holds_a_key(l.as_bytes()))
         .map(|l| l.chars().take(300).collect())
         .collect();
