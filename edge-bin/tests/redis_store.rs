@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use support_redis::RedisServer;
-use waygate_edge::cluster::redis::{KickNotice, Reassert, RedisConfig, RedisStores};
+use waygate_edge::cluster::redis::{KickNotice, Reassert, RedisConfig, RedisStores, ResumeKeySeal};
 use waygate_session::resume::ResumeHash;
 use waygate_session::store::{
     MemoryOwnership, MemorySnapshotStore, OwnershipRegistry, SnapshotStore, SnapshotWrite,
@@ -795,12 +795,8 @@ async fn redis_over_tls_is_verified_against_the_configured_ca() {
 /// edge with the secret.
 #[tokio::test]
 async fn resume_keys_are_stored_sealed_with_the_edges_secret() {
-    use waygate_edge::cluster::redis::ResumeKeySeal;
     let server = RedisServer::start();
-    let with = |seal: Option<&[u8]>| RedisConfig {
-        resume_key_seal: seal.map(|s| std::sync::Arc::new(ResumeKeySeal::new(s))),
-        ..RedisConfig::new(server.url())
-    };
+    let with = |seal| sealing_config(&server, seal);
     let secret: &[u8] = b"a secret every edge of the deployment shares, 32+ bytes";
     let sealed = RedisStores::connect_with(with(Some(secret))).await.unwrap();
     snapshot_store_semantics(sealed.snapshots.as_ref()).await;
@@ -964,12 +960,9 @@ async fn resume_keys_are_stored_sealed_with_the_edges_secret() {
 /// an error): its sessions and theirs would not resume on each other.
 #[tokio::test]
 async fn edges_compare_their_resume_key_secrets() {
-    use waygate_edge::cluster::redis::{ResumeKeyCheck, ResumeKeySeal};
+    use waygate_edge::cluster::redis::ResumeKeyCheck;
     let server = RedisServer::start();
-    let with = |seal: Option<&[u8]>| RedisConfig {
-        resume_key_seal: seal.map(|s| std::sync::Arc::new(ResumeKeySeal::new(s))),
-        ..RedisConfig::new(server.url())
-    };
+    let with = |seal| sealing_config(&server, seal);
     let ours: &[u8] = b"the deployment's secret, long enough: 0123456789";
     let check = |seal| async move {
         RedisStores::connect_with(with(seal))
@@ -1004,6 +997,14 @@ async fn edges_compare_their_resume_key_secrets() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     panic!("no mismatch in /metrics:\n{last}");
+}
+
+/// The defaults for `server`, sealing resume keys with `seal` when given.
+fn sealing_config(server: &RedisServer, seal: Option<&[u8]>) -> RedisConfig {
+    RedisConfig {
+        resume_key_seal: seal.map(|s| Arc::new(ResumeKeySeal::new(s))),
+        ..RedisConfig::new(server.url())
+    }
 }
 
 fn hex(bytes: &[u8]) -> String {

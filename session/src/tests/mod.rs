@@ -8,7 +8,7 @@ mod props;
 use std::time::Duration;
 
 use bytes::Bytes;
-use waygate_protocol::frame::{Hello, ResumeRequest, WelcomeOutcome};
+use waygate_protocol::frame::{Hello, ResumeRequest, SessionId, WelcomeOutcome};
 use waygate_protocol::wire::PROTOCOL_VERSION;
 use waygate_transport::{CloseCode, Frame, TrafficClass};
 
@@ -1713,6 +1713,19 @@ fn a_resume_the_store_could_not_answer_is_refused_and_claims_nothing() {
     );
 }
 
+/// Alice logged in on an edge whose backend answers only when told (`forward_done`,
+/// `refuse`), with `n` messages sent and delivered: (the pair, her peer, her session).
+fn awaiting_answers(n: usize, tag: &str) -> (Pair, usize, SessionId) {
+    let mut p = Pair::new(SessionConfig::default());
+    p.edge.backend_answers = true;
+    let c = login(&mut p, "alice");
+    let sid = p.session(c);
+    send_up(&mut p, c, n, tag);
+    p.drive(c);
+    assert_eq!(p.edge.delivered.len(), n);
+    (p, c, sid)
+}
+
 /// PROTOCOL.md §9.6: with a backend that answers (FORWARD_DONE), a client's message is
 /// acknowledged only once answered, and the ack rides on the reply queued before the
 /// answer; a store copy counts only answered messages (so after the edge dies the client
@@ -1720,13 +1733,7 @@ fn a_resume_the_store_could_not_answer_is_refused_and_claims_nothing() {
 /// for the answer instead of delivering the resent message twice; an ERROR answers too.
 #[test]
 fn a_message_is_acknowledged_only_once_its_backend_answered_it() {
-    let mut p = Pair::new(SessionConfig::default());
-    p.edge.backend_answers = true;
-    let c = login(&mut p, "alice");
-    let sid = p.session(c);
-    send_up(&mut p, c, 2, "u");
-    p.drive(c);
-    assert_eq!(p.edge.delivered.len(), 2);
+    let (mut p, c, sid) = awaiting_answers(2, "u");
     p.advance(Duration::from_millis(50)); // well past the ack delay
     assert_eq!(
         p.peers[c].client.unacked_len(),
@@ -1849,13 +1856,7 @@ fn a_resume_is_never_served_a_stale_copy_while_the_live_session_is_held_here() {
 /// dropped the link 1 s later and resumed (seen behind a held message in `tests/link.rs`).
 #[test]
 fn a_slow_answer_keeps_the_client_link_alive_with_acks() {
-    let mut p = Pair::new(SessionConfig::default());
-    p.edge.backend_answers = true;
-    let c = login(&mut p, "alice");
-    let sid = p.session(c);
-    send_up(&mut p, c, 1, "slow");
-    p.drive(c);
-    assert_eq!(p.edge.delivered.len(), 1);
+    let (mut p, c, sid) = awaiting_answers(1, "slow");
     let acks_before = p
         .edge
         .counters

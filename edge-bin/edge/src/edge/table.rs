@@ -549,13 +549,8 @@ mod tests {
         ));
         t.remove(&sid);
         assert!(t.next_held(&sid).is_none());
-        let to = ForwardTarget {
-            service: "player".into(),
-            instance: "127.0.0.1:1".parse().unwrap(),
-            epoch: 1,
-        };
         assert!(matches!(
-            t.admit_forward(&sid, 1, &to, true),
+            t.admit_forward(&sid, 1, &target(1), true),
             Admitted::Stopped(Stopped::Gone)
         ));
     }

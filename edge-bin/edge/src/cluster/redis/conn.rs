@@ -314,7 +314,7 @@ impl Conn {
             root_cert: config.tls_root_pem.clone(),
         };
         let open = |url: &str| {
-            if config.tls_root_pem.is_some() && url.starts_with("rediss://") {
+            if config.tls_root_pem.is_some() && super::url_uses_tls(url) {
                 // Verified against the configured roots, not the system's.
                 redis::Client::build_with_tls(url, certs())
             } else {
@@ -350,8 +350,7 @@ impl Conn {
                     .retries(4)
                     .min_retry_wait(50)
                     .max_retry_wait(500);
-                if config.tls_root_pem.is_some() && nodes.iter().any(|n| n.starts_with("rediss://"))
-                {
+                if config.tls_root_pem.is_some() && nodes.iter().any(|n| super::url_uses_tls(n)) {
                     builder = builder.certs(certs());
                 }
                 let client = builder
