@@ -625,6 +625,12 @@ struct Task {
 /// one commit covers them; see `Task::take_ready`).
 const MAX_READY_FRAMES: usize = 64;
 
+/// How long a session restored here waits for its previous copy's end to finish
+/// ([`EstablishOutcome::PreviousEnding`]: the store and ownership calls, each bounded by its
+/// deadline, and the edge's end of the session), and how often it looks.
+const PREVIOUS_END_WAIT: Duration = Duration::from_secs(10);
+const PREVIOUS_END_POLL: Duration = Duration::from_millis(10);
+
 enum Event {
     Frame(Result<waygate_transport::Frame, CloseCode>),
     /// The held frame's tokens are back.
@@ -1298,14 +1304,38 @@ impl Task {
                 outcome,
             } => {
                 let pushes = self.machine.push_ids();
-                let outcome_here = edge.registry.host(|h| {
+                let register = |h: &mut SessionHost| {
                     let outcome = h.established(self.id, session_id, player_id.clone(), fencing);
-                    h.restored_pushes(&session_id, pushes);
+                    if outcome != EstablishOutcome::PreviousEnding {
+                        h.restored_pushes(&session_id, pushes);
+                    }
                     outcome
-                });
-                if outcome_here == EstablishOutcome::LostRace {
-                    tracing::info!(player = %player_id, "a newer local login holds the player; kicked");
-                    let _ = self.machine.kick(now());
+                };
+                let mut outcome_here = edge.registry.host(register);
+                let waiting_since = tokio::time::Instant::now();
+                while outcome_here == EstablishOutcome::PreviousEnding
+                    && waiting_since.elapsed() < PREVIOUS_END_WAIT
+                {
+                    // Restored here while this session's previous copy cleans up after
+                    // its end (it took the store's copy before that clean-up deleted it):
+                    // registered once that copy's connection has closed.
+                    tokio::time::sleep(PREVIOUS_END_POLL).await;
+                    outcome_here = edge.registry.host(register);
+                }
+                match outcome_here {
+                    EstablishOutcome::LostRace => {
+                        tracing::info!(player = %player_id, "a newer local login holds the player; kicked");
+                        let _ = self.machine.kick(now());
+                    }
+                    EstablishOutcome::PreviousEnding => {
+                        tracing::warn!(
+                            session = %hex_id(&session_id),
+                            "the session's previous copy here did not finish its end within {:?}; kicked",
+                            PREVIOUS_END_WAIT
+                        );
+                        let _ = self.machine.kick(now());
+                    }
+                    EstablishOutcome::Registered => {}
                 }
                 let span = tracing::Span::current();
                 span.record("session", tracing::field::display(hex_id(&session_id)));
@@ -1397,25 +1427,22 @@ impl Task {
                 reason,
                 channels_acked,
             }) => {
-                if self.held_elsewhere(&session_id) {
+                if !edge.registry.host(|h| h.end_started(&session_id, self.id)) {
                     // A stale copy (restored elsewhere while this task was stuck) ends: the
                     // session itself lives on there, with its ownership, store copy and
                     // router entry.
                     tracing::info!(session = %hex_id(&session_id), "stale copy of a session ended");
                     return;
                 }
+                // From here a copy restored on this edge waits until this connection has
+                // closed (`EstablishOutcome::PreviousEnding`): none of what follows can undo
+                // its state (router entry, channel memberships, presence).
                 let released = edge
                     .ownership
                     .release(&player_id, &session_id, fencing)
                     .await
                     .unwrap_or(false);
                 let _ = edge.snapshots.delete(&session_id, Some(fencing)).await;
-                if self.held_elsewhere(&session_id) {
-                    // Restored on another connection of this edge during the awaits above:
-                    // the router entry and channel memberships are that copy's now.
-                    tracing::info!(session = %hex_id(&session_id), "ended copy restored meanwhile");
-                    return;
-                }
                 edge.upstream
                     .session_event(SessionEvent::Ended {
                         session_id,

@@ -356,6 +356,11 @@ pub enum EstablishOutcome {
     Registered,
     /// The player has a newer local session (higher fencing): this one must end KICKED.
     LostRace,
+    /// Nothing registered: the session's previous copy here is cleaning up after its end
+    /// ([`SessionHost::end_started`]: releasing the player, deleting the store's copy,
+    /// closing it on the backend links). Ask again once that connection has closed; this
+    /// copy registered meanwhile would have that clean-up undo its own state.
+    PreviousEnding,
 }
 
 /// How [`SessionHost::kick_superseded`] went.
@@ -418,6 +423,9 @@ struct SessionEntry {
     /// The ids of the pushes its stored copy held when it was restored here
     /// ([`SessionHost::restored_pushes`]): a copy of one is not queued again.
     restored_push_ids: Vec<u64>,
+    /// Its holder is cleaning up after the session's end ([`SessionHost::end_started`]):
+    /// another copy of it is not registered until that connection closes.
+    ended: bool,
 }
 
 /// A player's inbound limiter and how many of its sessions are held here.
@@ -724,6 +732,13 @@ impl SessionHost {
         player: Arc<str>,
         fencing: u64,
     ) -> EstablishOutcome {
+        if self
+            .sessions
+            .get(&session_id)
+            .is_some_and(|e| e.ended && e.holder != conn)
+        {
+            return EstablishOutcome::PreviousEnding;
+        }
         if let Some(&other) = self.players.get(&player) {
             if other != session_id {
                 let other_fencing = self.sessions.get(&other).map_or(0, |e| e.fencing);
@@ -751,6 +766,7 @@ impl SessionHost {
                 superseded: false,
                 storing: false,
                 restored_push_ids: Vec::new(),
+                ended: false,
             })
         });
         entry.player = player.clone();
@@ -788,6 +804,30 @@ impl SessionHost {
         if let Some(e) = self.sessions.get_mut(session_id) {
             e.restored_push_ids = ids.to_vec();
         }
+    }
+
+    /// `conn`'s copy of `session_id` ended and starts cleaning up after it (releasing the
+    /// player, deleting the store's copy, the edge's end of it): true unless another
+    /// connection holds the session (`conn`'s copy is stale: the session lives on there, and
+    /// none of that clean-up may touch it). From now on the session is ending (a resume is
+    /// answered that it ended, a push finds no session) and a copy restored here meanwhile
+    /// (from the store, having taken it before the clean-up deleted it) waits for the clean-up
+    /// to finish ([`EstablishOutcome::PreviousEnding`]) instead of having its state undone by
+    /// it.
+    pub fn end_started(&mut self, session_id: &SessionId, conn: ConnTaskId) -> bool {
+        let Some(e) = self.sessions.get_mut(session_id) else {
+            return true;
+        };
+        if e.holder != conn {
+            return false;
+        }
+        e.ending = true;
+        e.ended = true;
+        let player = e.player.clone();
+        if self.players.get(&player) == Some(session_id) {
+            self.players.remove(&player);
+        }
+        true
     }
 
     /// Tells a session's holder to end (kick). False when not held here or already ending.
@@ -1717,6 +1757,48 @@ mod tests {
         );
         assert_eq!(host.len(), 0);
         host.check_invariants().unwrap();
+    }
+
+    /// A session restored here from the store while its previous copy cleans up after the
+    /// session's end (the linger expired as the resume came: the restore took the store's
+    /// copy before the clean-up deleted it) is registered only once that copy's connection
+    /// has closed. Before, it was registered at once, and the clean-up that followed (the
+    /// edge's end of the session: its router entry, channel memberships and presence, the
+    /// backends told it closed) undid the live copy's state.
+    #[test]
+    fn a_copy_restored_while_the_previous_one_ends_waits_for_that_end() {
+        let mut host = SessionHost::new(SessionHost::outbound_for_capacity(8));
+        let player: Arc<str> = "p".into();
+        host.open(1);
+        host.established(1, [1; 16], player.clone(), 3);
+        assert!(host.end_started(&[1; 16], 1));
+        assert!(host.is_ending(&[1; 16]));
+        assert_eq!(host.session_of(&player), None, "no push finds it");
+        // A resume asking now is told the session ended.
+        host.open(2);
+        let attempt = ResumeAttempt::proving(&[9; 16], &[1; 16], 1);
+        assert_eq!(
+            host.request_hand_over(2, [1; 16], attempt, Instant::now()),
+            HandOverStart::Ended
+        );
+        // One that took the store's copy already waits for the clean-up.
+        host.open(3);
+        assert_eq!(
+            host.established(3, [1; 16], player.clone(), 4),
+            EstablishOutcome::PreviousEnding
+        );
+        assert_eq!(host.holder_of(&[1; 16]), Some(1));
+        host.close(1);
+        assert_eq!(
+            host.established(3, [1; 16], player.clone(), 4),
+            EstablishOutcome::Registered
+        );
+        assert_eq!(host.holder_of(&[1; 16]), Some(3));
+        assert_eq!(host.session_of(&player), Some([1; 16]));
+        // The old copy's end, had it come only now, is a stale copy's: it cleans up nothing.
+        assert!(!host.end_started(&[1; 16], 1));
+        assert!(!host.is_ending(&[1; 16]));
+        host.check_invariants().expect("invariants");
     }
 
     /// A resume of a session whose copy here was superseded by a newer claim of the same

@@ -59,6 +59,9 @@ pub(crate) struct Edge {
     pub(crate) linked: HashSet<usize>,
     /// Stalled connections woken meanwhile.
     stalled_wakes: HashSet<usize>,
+    /// Sessions restored while their previous copy cleaned up after its end
+    /// ([`EstablishOutcome::PreviousEnding`]): registered again once that copy has closed.
+    registering: Vec<(usize, SessionId, Arc<str>, u64)>,
     /// Work a connection took while waiting for an answer, not yet done.
     backlogs: HashMap<usize, crate::host::Work>,
     /// Answers to requests, by the connection that asked.
@@ -95,6 +98,7 @@ impl Edge {
             stalled: HashSet::new(),
             closed: HashSet::new(),
             stalled_wakes: HashSet::new(),
+            registering: Vec::new(),
             linked: HashSet::new(),
             backlogs: HashMap::new(),
             answers: HashMap::new(),
@@ -158,11 +162,40 @@ impl Edge {
                     progressed = true;
                 }
             }
+            for (j, session_id, player_id, fencing) in std::mem::take(&mut self.registering) {
+                progressed |= self.register(j, session_id, player_id, fencing, now);
+            }
             if !progressed {
                 break;
             }
         }
         self.host.check_invariants().expect("host invariants");
+    }
+
+    /// Registers `j`'s established session as the driver does; false when it has to wait
+    /// for the previous copy's end (kept in `registering`).
+    fn register(
+        &mut self,
+        j: usize,
+        session_id: SessionId,
+        player_id: Arc<str>,
+        fencing: u64,
+        now: Instant,
+    ) -> bool {
+        match self
+            .host
+            .established(j as ConnTaskId, session_id, player_id.clone(), fencing)
+        {
+            EstablishOutcome::PreviousEnding => {
+                self.registering.push((j, session_id, player_id, fencing));
+                false
+            }
+            EstablishOutcome::LostRace => {
+                let _ = self.machines[j].kick(now);
+                true
+            }
+            EstablishOutcome::Registered => true,
+        }
     }
 
     fn work(&mut self, j: usize, now: Instant) {
@@ -384,12 +417,7 @@ impl Edge {
                     fencing,
                     ..
                 } => {
-                    let outcome =
-                        self.host
-                            .established(i as ConnTaskId, session_id, player_id, fencing);
-                    if outcome == EstablishOutcome::LostRace {
-                        let _ = self.machines[i].kick(now);
-                    }
+                    self.register(i, session_id, player_id, fencing, now);
                 }
                 Action::Bind(_) | Action::RoutingKeys(_) | Action::Channels(_) => {}
                 Action::Deliver(u) => {
@@ -397,6 +425,10 @@ impl Edge {
                         let _ = self.machines[i].answer_upstream(now, u.seq);
                     }
                     self.delivered.push(u);
+                }
+                Action::Ended(end) if !self.host.end_started(&end.session_id, i as ConnTaskId) => {
+                    // A stale copy: the session lives on in another connection.
+                    self.ended.push(end);
                 }
                 Action::Ended(end) => {
                     if let Some(e) = self.owners.get_mut(end.player_id.as_ref()) {
