@@ -796,7 +796,7 @@ async fn redis_over_tls_is_verified_against_the_configured_ca() {
 #[tokio::test]
 async fn resume_keys_are_stored_sealed_with_the_edges_secret() {
     let server = RedisServer::start();
-    let with = |seal| sealing_config(&server, seal);
+    let with = |seal: Option<&[u8]>| sealing_config(&server, seal.map(ResumeKeySeal::new));
     let secret: &[u8] = b"a secret every edge of the deployment shares, 32+ bytes";
     let sealed = RedisStores::connect_with(with(Some(secret))).await.unwrap();
     snapshot_store_semantics(sealed.snapshots.as_ref()).await;
@@ -954,31 +954,88 @@ async fn resume_keys_are_stored_sealed_with_the_edges_secret() {
     );
 }
 
-/// Edges compare their resume-key secrets by fingerprint in Redis: the first with one sets
-/// it; the same secret agrees, another differs, none while the others seal is told so. An
-/// edge started with another secret than the deployment's says so in its metrics (and logs
-/// an error): its sessions and theirs would not resume on each other.
+/// Edges announce their resume-key secrets by fingerprint in Redis and compare them with
+/// the others': the same secret agrees, another differs, none while the others seal is told
+/// so; an announcement older than the freshness window is an edge gone, and counts no
+/// more. An edge started with another secret than the deployment's says so in its metrics
+/// (and logs an error): its sessions and theirs would not resume on each other.
 #[tokio::test]
 async fn edges_compare_their_resume_key_secrets() {
     use waygate_edge::cluster::redis::ResumeKeyCheck;
     let server = RedisServer::start();
-    let with = |seal| sealing_config(&server, seal);
     let ours: &[u8] = b"the deployment's secret, long enough: 0123456789";
-    let check = |seal| async move {
-        RedisStores::connect_with(with(seal))
-            .await
-            .unwrap()
-            .check_resume_key()
-            .await
-            .unwrap()
-    };
-    assert_eq!(check(None).await, ResumeKeyCheck::NoSecret);
-    assert_eq!(check(Some(ours)).await, ResumeKeyCheck::Agreed, "the first");
-    assert_eq!(check(Some(ours)).await, ResumeKeyCheck::Agreed);
     let theirs: &[u8] = b"another deployment's secret, long enough: 98765";
-    assert_eq!(check(Some(theirs)).await, ResumeKeyCheck::Differs);
-    assert_eq!(check(None).await, ResumeKeyCheck::SealedElsewhere);
+    let fresh = Duration::from_secs(30);
+    let check = |edge: &'static str, seal: Option<ResumeKeySeal>, fresh: Duration| {
+        let config = sealing_config(&server, seal);
+        async move {
+            RedisStores::connect_with(config)
+                .await
+                .unwrap()
+                .check_resume_key(edge, fresh)
+                .await
+                .unwrap()
+        }
+    };
+    let seal = |s: &[u8]| Some(ResumeKeySeal::new(s));
+    assert_eq!(check("a", None, fresh).await, ResumeKeyCheck::NoSecret);
+    assert_eq!(check("b", seal(ours), fresh).await, ResumeKeyCheck::Agreed);
+    assert_eq!(check("c", seal(ours), fresh).await, ResumeKeyCheck::Agreed);
+    assert_eq!(
+        check("d", seal(theirs), fresh).await,
+        ResumeKeyCheck::Differs
+    );
+    assert_eq!(
+        check("a", None, fresh).await,
+        ResumeKeyCheck::SealedElsewhere
+    );
+    // An edge in the middle of a rotation to `theirs` (sealing with it, accepting ours)
+    // reads both kinds; those sealing with ours alone do not read its records.
+    let step2 = || Some(ResumeKeySeal::rotating(theirs, ours));
+    assert_eq!(
+        check("d", step2(), fresh).await,
+        ResumeKeyCheck::Differs,
+        "b, c"
+    );
+    let step1 = || Some(ResumeKeySeal::rotating(ours, theirs));
+    assert_eq!(check("b", step1(), fresh).await, ResumeKeyCheck::Agreed);
+    assert_eq!(check("c", step1(), fresh).await, ResumeKeyCheck::Agreed);
+    assert_eq!(
+        check("d", step2(), fresh).await,
+        ResumeKeyCheck::Agreed,
+        "step 1 and 2"
+    );
+    // Announcements older than the window are of edges gone: "d" alone has announced in
+    // the last moment, so an edge sealing with ours alone agrees with nobody but itself.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    check("d", step2(), fresh).await;
+    let short = Duration::from_millis(200);
+    assert_eq!(
+        check("e", seal(ours), short).await,
+        ResumeKeyCheck::Differs,
+        "d is fresh"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        check("e", seal(ours), short).await,
+        ResumeKeyCheck::Agreed,
+        "d is gone"
+    );
+    let mut raw = raw_connection(&server).await;
+    let left: Vec<String> = redis::cmd("HKEYS")
+        .arg("waygate:resume-keys")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(
+        left,
+        vec!["e".to_owned()],
+        "the stale announcements were dropped"
+    );
 
+    // "e" (ours alone) announces again (the short window also made the hash expire soon):
+    // an edge started with `theirs` alone differs.
+    assert_eq!(check("e", seal(ours), fresh).await, ResumeKeyCheck::Agreed);
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("redis-resume-key");
     std::fs::write(&file, theirs).unwrap();
@@ -999,10 +1056,96 @@ async fn edges_compare_their_resume_key_secrets() {
     panic!("no mismatch in /metrics:\n{last}");
 }
 
+/// Rotating the resume-key secret loses no session: at each step, an edge restores what
+/// the edges of the step before and after it wrote (records are taken with the tags of both
+/// secrets, sealed keys opened with either); an edge past the rotation does not read what
+/// was sealed with the old secret alone (why step 3 waits for the linger time).
+#[tokio::test]
+async fn a_rotation_of_the_resume_key_secret_keeps_every_session_resumable() {
+    let server = RedisServer::start();
+    let (old, new): (&[u8], &[u8]) = (
+        b"the old secret of these edges, long enough: 0123",
+        b"the new secret of these edges, long enough: 4567",
+    );
+    let edge = |seal: ResumeKeySeal| {
+        let config = sealing_config(&server, Some(seal));
+        async move { RedisStores::connect_with(config).await.unwrap() }
+    };
+    let steps = [
+        edge(ResumeKeySeal::new(old)).await,
+        edge(ResumeKeySeal::rotating(old, new)).await,
+        edge(ResumeKeySeal::rotating(new, old)).await,
+        edge(ResumeKeySeal::new(new)).await,
+    ];
+    let mut n = 0u8;
+    for (writer, reader) in [(0, 1), (1, 0), (1, 2), (2, 1), (2, 3), (3, 2), (0, 2)] {
+        n += 1;
+        let mut snap = snapshot(n, "rotating", 3);
+        snap.prev_resume_hash = Some(ResumeHash([n; 32]));
+        steps[writer]
+            .snapshots
+            .put(&snap, Duration::from_secs(60))
+            .await
+            .unwrap();
+        let keys = steps[reader]
+            .snapshots
+            .resume_keys(&snap.session_id)
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("step {reader} reads step {writer}'s record"));
+        assert_eq!(
+            (keys.current, keys.previous),
+            (snap.resume_hash, snap.prev_resume_hash)
+        );
+        for key in [snap.resume_hash, ResumeHash([n; 32])] {
+            // The previous key takes it too (a resume racing a key rotation, §7.3.1); put
+            // back for the second take.
+            match steps[reader]
+                .snapshots
+                .take(&snap.session_id, &key)
+                .await
+                .unwrap()
+            {
+                TakeOutcome::Taken(s) => {
+                    assert_eq!(*s, snap, "step {reader} takes step {writer}'s")
+                }
+                other => panic!("step {reader} on step {writer}'s record: {other:?}"),
+            }
+            steps[writer]
+                .snapshots
+                .put(&snap, Duration::from_secs(60))
+                .await
+                .unwrap();
+        }
+    }
+    // Past the rotation, the old secret's records are not restorable (and the reverse).
+    for (writer, reader) in [(0, 3), (3, 0)] {
+        n += 1;
+        let snap = snapshot(n, "rotating", 3);
+        steps[writer]
+            .snapshots
+            .put(&snap, Duration::from_secs(60))
+            .await
+            .unwrap();
+        assert!(steps[reader]
+            .snapshots
+            .resume_keys(&snap.session_id)
+            .await
+            .is_err());
+        assert_eq!(
+            steps[reader]
+                .snapshots
+                .take(&snap.session_id, &snap.resume_hash)
+                .await,
+            Ok(TakeOutcome::Mismatch)
+        );
+    }
+}
+
 /// The defaults for `server`, sealing resume keys with `seal` when given.
-fn sealing_config(server: &RedisServer, seal: Option<&[u8]>) -> RedisConfig {
+fn sealing_config(server: &RedisServer, seal: Option<ResumeKeySeal>) -> RedisConfig {
     RedisConfig {
-        resume_key_seal: seal.map(|s| Arc::new(ResumeKeySeal::new(s))),
+        resume_key_seal: seal.map(Arc::new),
         ..RedisConfig::new(server.url())
     }
 }

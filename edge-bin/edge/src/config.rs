@@ -365,6 +365,10 @@ impl AuthConfig {
 /// (`cluster.redis_resume_key_file`).
 pub const REDIS_RESUME_KEY_ENV: &str = "WAYGATE_REDIS_RESUME_KEY";
 
+/// The environment variable holding a second resume-key secret the edge also reads during
+/// a rotation (`cluster.redis_resume_key_accepted_file`).
+pub const REDIS_RESUME_KEY_ACCEPTED_ENV: &str = "WAYGATE_REDIS_RESUME_KEY_ACCEPTED";
+
 /// The shortest resume-key secret accepted, bytes.
 pub const MIN_REDIS_RESUME_KEY_LEN: usize = 32;
 
@@ -643,6 +647,12 @@ pub struct ClusterConfig {
     /// with it, so a Redis reader cannot take sessions over. Required when Redis is beyond
     /// loopback (unless `insecure_no_auth`).
     pub redis_resume_key_file: Option<PathBuf>,
+    /// During a rotation of that secret, a second one whose sealed keys this edge also
+    /// reads (first line, at least 32 bytes; or env `WAYGATE_REDIS_RESUME_KEY_ACCEPTED`).
+    /// Steps, each rolled out to every edge: accept the new secret (sealing with the old);
+    /// seal with the new one and accept the old; after the linger time, drop the old. Only
+    /// with `redis_resume_key_file`.
+    pub redis_resume_key_accepted_file: Option<PathBuf>,
     /// Redis key and channel prefix.
     pub redis_prefix: String,
     /// Write every session's snapshot through to Redis before the client sees new state
@@ -678,6 +688,7 @@ impl Default for ClusterConfig {
             redis_sentinel_master_password: String::new(),
             redis_tls_ca_file: None,
             redis_resume_key_file: None,
+            redis_resume_key_accepted_file: None,
             redis_prefix: "waygate".into(),
             write_through: true,
             quiesce_ms: 300,
@@ -807,6 +818,56 @@ impl ClusterConfig {
         })
     }
 
+    /// The second secret read during a rotation: [`REDIS_RESUME_KEY_ACCEPTED_ENV`] when set,
+    /// else the first line of `redis_resume_key_accepted_file`, else none. An error without
+    /// a sealing secret, or when it is the sealing secret.
+    pub fn redis_resume_key_accepted(&self) -> Result<Option<std::sync::Arc<[u8]>>, ConfigError> {
+        let invalid = |message: String| ConfigError::Invalid {
+            key: "cluster.redis_resume_key_accepted_file",
+            message,
+        };
+        let Some(accepted) = waygate_link::load_secret(
+            "Redis resume-key secret accepted during a rotation",
+            REDIS_RESUME_KEY_ACCEPTED_ENV,
+            self.redis_resume_key_accepted_file.as_deref(),
+            MIN_REDIS_RESUME_KEY_LEN,
+        )
+        .map_err(invalid)?
+        else {
+            return Ok(None);
+        };
+        match self.redis_resume_key()? {
+            None => Err(invalid(
+                "an accepted resume-key secret is for a rotation of the sealing one: set \
+                 cluster.redis_resume_key_file (or WAYGATE_REDIS_RESUME_KEY) too"
+                    .into(),
+            )),
+            Some(sealing) if sealing == accepted => Err(invalid(
+                "the accepted resume-key secret is the sealing one (cluster.redis_resume_key_file): \
+                 during a rotation one of them is the new secret, the other the old"
+                    .into(),
+            )),
+            Some(_) => Ok(Some(accepted)),
+        }
+    }
+
+    /// The resume-key seal of this edge's Redis records: the sealing secret, with the
+    /// accepted one during a rotation (`None` without a secret).
+    pub fn redis_resume_key_seal(
+        &self,
+    ) -> Result<Option<crate::cluster::redis::ResumeKeySeal>, ConfigError> {
+        use crate::cluster::redis::ResumeKeySeal;
+        Ok(
+            match (self.redis_resume_key()?, self.redis_resume_key_accepted()?) {
+                (Some(sealing), Some(accepted)) => {
+                    Some(ResumeKeySeal::rotating(&sealing, &accepted))
+                }
+                (Some(sealing), None) => Some(ResumeKeySeal::new(&sealing)),
+                (None, _) => None,
+            },
+        )
+    }
+
     /// The PEM of `redis_tls_ca_file`, read now (`None` when unset).
     pub fn redis_tls_roots(&self) -> Result<Option<Vec<u8>>, ConfigError> {
         read_file("cluster.redis_tls_ca_file", &self.redis_tls_ca_file)
@@ -884,6 +945,7 @@ impl ClusterConfig {
             }
         }
         let resume_key = self.redis_resume_key()?;
+        self.redis_resume_key_accepted()?;
         let beyond = redis_urls_all
             .clone()
             .find(|(key, url)| redis_target(key, url).is_ok_and(|(local, _)| !local));
@@ -1606,6 +1668,33 @@ mod tests {
         }
         std::fs::write(&key, "a-secret-every-edge-shares-0123456789abcdef\n").unwrap();
         c.validate().expect("with a password and the edges' secret");
+        // A rotation's second secret: a different one, and only beside the sealing one.
+        let accepted = dir.path().join("redis-resume-key-old");
+        c.cluster.redis_resume_key_accepted_file = Some(accepted.clone());
+        std::fs::write(&accepted, "a-secret-every-edge-shares-0123456789abcdef\n").unwrap();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("redis_resume_key_accepted_file") && err.contains("is the sealing one"),
+            "{err}"
+        );
+        std::fs::write(&accepted, "the-old-secret-every-edge-shared-0123456789\n").unwrap();
+        c.validate().expect("rotating");
+        assert!(c
+            .cluster
+            .redis_resume_key_seal()
+            .unwrap()
+            .unwrap()
+            .accepted_fingerprint()
+            .is_some());
+        c.cluster.redis_resume_key_file = None;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("redis_resume_key_accepted_file")
+                && err.contains("set cluster.redis_resume_key_file"),
+            "{err}"
+        );
+        c.cluster.redis_resume_key_file = Some(key.clone());
+        c.cluster.redis_resume_key_accepted_file = None;
         c.cluster.redis_url = "redis://:replace-with-the-redis-password@redis:6379".into();
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("placeholder"), "{err}");

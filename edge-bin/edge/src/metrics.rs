@@ -737,7 +737,7 @@ impl EdgeMetrics {
         );
         registry.register(
             "resume_key_mismatch",
-            "1 when this edge's cluster.redis_resume_key_file is not the one the other edges seal resume keys with (or it has none while they seal): sessions do not resume between them",
+            "1 when another edge seals resume keys with a secret this edge does not read, or does not read this edge's (cluster.redis_resume_key_file, redis_resume_key_accepted_file), or this edge has none while others seal: sessions do not resume between them. Checked every 10 s",
             m.resume_key_mismatch.clone(),
         );
         registry.register(

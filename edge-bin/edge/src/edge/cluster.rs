@@ -14,6 +14,10 @@ use super::Shared;
 use crate::cluster::etcd::{EdgeInfo, Load};
 use crate::cluster::redis::{DeliveryResult, PushDelivery, PushMessage, Reassert};
 
+/// How often an edge announces its resume-key secrets in Redis and compares them with the
+/// other edges' (an announcement older than three of these is of an edge gone).
+const RESUME_KEY_CHECK: Duration = Duration::from_secs(10);
+
 impl Shared {
     /// The address clients use to reach this edge (etcd registration, MIGRATE target).
     pub(super) fn advertise(&self) -> String {
@@ -121,36 +125,48 @@ pub(super) async fn start_cluster_tasks(shared: &Arc<Shared>) -> Vec<tokio::task
     let Some(redis) = shared.redis.clone() else {
         return tasks;
     };
-    // Do the edges share the resume-key secret? Checked once Redis answers (every 2 s
-    // until then); a mismatch is an error in the log and `waygate_resume_key_mismatch`.
+    // Do the edges read each other's sealed resume keys? Announced and compared every
+    // `RESUME_KEY_CHECK` (every 2 s until Redis answers); a mismatch is an error in the log
+    // (once per change) and `waygate_resume_key_mismatch`, which falls back to 0 once the
+    // edges agree again (a rotation's steps rolled out).
     let (stores, weak) = (redis.clone(), Arc::downgrade(shared));
+    let edge = edge_id.clone();
     tasks.push(tokio::spawn(async move {
         use crate::cluster::redis::ResumeKeyCheck;
-        let found = loop {
-            match stores.check_resume_key().await {
-                Ok(found) => break found,
-                Err(_) => tokio::time::sleep(Duration::from_secs(2)).await,
+        let mut last = None;
+        loop {
+            let found = match stores.check_resume_key(&edge, RESUME_KEY_CHECK * 3).await {
+                Ok(found) => found,
+                Err(e) => {
+                    tracing::debug!(error = %e, "resume-key secrets not compared yet");
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                    continue;
+                }
+            };
+            let Some(shared) = weak.upgrade() else { return };
+            let mismatch = !matches!(found, ResumeKeyCheck::Agreed | ResumeKeyCheck::NoSecret);
+            if last != Some(found) {
+                match found {
+                    ResumeKeyCheck::Differs => tracing::error!(
+                        "another edge seals resume keys with a secret this edge does not read, \
+                         or does not read this edge's (cluster.redis_resume_key_file and \
+                         redis_resume_key_accepted_file): sessions do not resume between them"
+                    ),
+                    ResumeKeyCheck::SealedElsewhere => tracing::error!(
+                        "the other edges seal resume keys (cluster.redis_resume_key_file) and \
+                         this one has no secret: their sessions do not resume here"
+                    ),
+                    _ if last.is_some() => {
+                        tracing::info!("the edges read each other's resume keys again")
+                    }
+                    _ => {}
+                }
+                last = Some(found);
             }
-        };
-        let Some(shared) = weak.upgrade() else { return };
-        let mismatch = match found {
-            ResumeKeyCheck::Agreed | ResumeKeyCheck::NoSecret => false,
-            ResumeKeyCheck::Differs => {
-                tracing::error!(
-                    "cluster.redis_resume_key_file differs from the one the other edges seal \
-                     resume keys with: sessions do not resume between this edge and them"
-                );
-                true
-            }
-            ResumeKeyCheck::SealedElsewhere => {
-                tracing::error!(
-                    "the other edges seal resume keys (cluster.redis_resume_key_file) and this \
-                     one has no secret: their sessions do not resume here"
-                );
-                true
-            }
-        };
-        shared.metrics.resume_key_mismatch.set(i64::from(mismatch));
+            shared.metrics.resume_key_mismatch.set(i64::from(mismatch));
+            drop(shared);
+            tokio::time::sleep(RESUME_KEY_CHECK).await;
+        }
     }));
     // Takeovers on other edges kick our (older) sessions.
     let kick_subscription = redis.ownership.kick_subscription(&edge_id);

@@ -22,9 +22,7 @@ use super::{
 };
 use crate::admin::AdminApi;
 use crate::cluster::etcd::{EtcdRegistry, EtcdRouteSource};
-use crate::cluster::redis::{
-    RedisConfig, RedisServers, RedisStores, ResumeKeySeal, SentinelPrimaryAuth,
-};
+use crate::cluster::redis::{RedisConfig, RedisServers, RedisStores, SentinelPrimaryAuth};
 use crate::config::EdgeConfig;
 use crate::link::LinkClient;
 use crate::listeners::bind_all;
@@ -208,10 +206,7 @@ impl Edge {
                 let rc = RedisConfig {
                     prefix: config.cluster.redis_prefix.clone(),
                     tls_root_pem: config.cluster.redis_tls_roots()?,
-                    resume_key_seal: config
-                        .cluster
-                        .redis_resume_key()?
-                        .map(|k| Arc::new(ResumeKeySeal::new(&k))),
+                    resume_key_seal: config.cluster.redis_resume_key_seal()?.map(Arc::new),
                     ..RedisConfig::with_servers(servers)
                 };
                 Some(RedisStores::lazy(rc).map_err(|e| EdgeError::Cluster(e.to_string()))?)

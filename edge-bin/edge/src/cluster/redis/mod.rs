@@ -61,6 +61,7 @@
 //! | `P:{T}:owner:<player>` | string | `<fencing> <session hex> <edge>` | live: owner TTL; detached: linger |
 //! | `P:{T}:snap:<session hex>` | hash | `f` fencing, `h`/`p` resume keys (hex, or match tags with the edges' secret), `k`/`q` the keys sealed (with the secret), `n` nonce, `d` the rest (postcard), `c` counters, `r` entry range, `e<seq>` replay entries, `u` push ids (see `snapshots`) | linger |
 //! | `P:{T}:presence:<player>` | string | `<session hex> <edge>` | presence TTL |
+//! | `P:resume-keys` | hash | edge id -> `<Redis ms> <sealing fingerprint or -> <accepted fingerprint or ->` ([`EdgeSecrets`], [`RedisStores::check_resume_key`]; an entry older than 30 s is dropped) | 100 s after the last edge's announcement |
 //!
 //! Channels: `P:edge:<edge>:kick`, `P:edge:<edge>:push`, `P:reply:<random>` (classic
 //! pub/sub; on a cluster it reaches subscribers on every node).
@@ -296,15 +297,109 @@ impl From<RedisError> for StoreError {
 /// What [`RedisStores::check_resume_key`] found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ResumeKeyCheck {
-    /// This edge has the deployment's secret (or is the first with one).
+    /// This edge reads what every other edge seals, and they read what it seals (or it is
+    /// the only edge with a secret).
     Agreed,
-    /// Another secret than the deployment's: neither side resumes the other's sessions.
+    /// Some edge seals with a secret this one does not read, or does not read this one's:
+    /// sessions do not resume between them.
     Differs,
-    /// No secret here, while the deployment seals: sealed sessions cannot resume here.
+    /// No secret here, while other edges seal: their sessions cannot resume here.
     SealedElsewhere,
-    /// No secret anywhere yet.
+    /// No secret anywhere.
     NoSecret,
 }
+
+/// The resume-key secrets an edge announces in Redis, by fingerprint
+/// ([`ResumeKeySeal::fingerprint`]): the one it seals with, and one it also reads during a
+/// rotation.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EdgeSecrets {
+    /// The sealing secret's fingerprint (`None`: keys in clear).
+    pub sealing: Option<String>,
+    /// The accepted secret's.
+    pub accepted: Option<String>,
+}
+
+impl EdgeSecrets {
+    /// What `seal` announces.
+    pub fn of(seal: Option<&ResumeKeySeal>) -> Self {
+        Self {
+            sealing: seal.map(|s| s.fingerprint().to_owned()),
+            accepted: seal.and_then(|s| s.accepted_fingerprint().map(str::to_owned)),
+        }
+    }
+
+    /// Whether this edge opens what one sealing with `fingerprint` writes.
+    fn reads(&self, fingerprint: &str) -> bool {
+        [&self.sealing, &self.accepted]
+            .into_iter()
+            .any(|f| f.as_deref() == Some(fingerprint))
+    }
+
+    /// The announcement's text: `<sealing or -> <accepted or ->`.
+    fn encode(&self) -> String {
+        let show = |f: &Option<String>| f.clone().unwrap_or_else(|| "-".into());
+        format!("{} {}", show(&self.sealing), show(&self.accepted))
+    }
+
+    /// Reads [`EdgeSecrets::encode`]'s text (after the time stamp); `None` if it is not one.
+    fn decode(text: &str) -> Option<Self> {
+        let mut words = text.split(' ');
+        let mut next = || match words.next()? {
+            "-" => Some(None),
+            f if f.len() == 32 && f.bytes().all(|b| b.is_ascii_hexdigit()) => {
+                Some(Some(f.to_owned()))
+            }
+            _ => None,
+        };
+        let (sealing, accepted) = (next()?, next()?);
+        words.next().is_none().then_some(Self { sealing, accepted })
+    }
+
+    /// How this edge stands with the other edges announcing `others`. Edges without a secret
+    /// are told so by their own check ([`ResumeKeyCheck::SealedElsewhere`]).
+    pub fn compare<'a>(&self, others: impl IntoIterator<Item = &'a EdgeSecrets>) -> ResumeKeyCheck {
+        let mut sealed_elsewhere = false;
+        for other in others {
+            let Some(theirs) = &other.sealing else {
+                continue;
+            };
+            sealed_elsewhere = true;
+            if let Some(ours) = &self.sealing {
+                if !self.reads(theirs) || !other.reads(ours) {
+                    return ResumeKeyCheck::Differs;
+                }
+            }
+        }
+        match (&self.sealing, sealed_elsewhere) {
+            (Some(_), _) => ResumeKeyCheck::Agreed,
+            (None, true) => ResumeKeyCheck::SealedElsewhere,
+            (None, false) => ResumeKeyCheck::NoSecret,
+        }
+    }
+}
+
+/// KEYS: the announcements (a hash: edge id -> "<ms> <sealing> <accepted>"). ARGV: this
+/// edge's id, its announcement (without the time), the age in ms after which an
+/// announcement is forgotten (its edge is gone), the hash's expiry in ms. Records this
+/// edge's at Redis's clock, drops the stale ones and returns the others' (time stripped).
+const ANNOUNCE_SECRETS_LUA: &str = r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('HSET', KEYS[1], ARGV[1], now .. ' ' .. ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+local all = redis.call('HGETALL', KEYS[1])
+local others = {}
+for i = 1, #all, 2 do
+  local at, rest = string.match(all[i + 1], '^(%d+) (.*)$')
+  if not at or now - tonumber(at) > tonumber(ARGV[3]) then
+    redis.call('HDEL', KEYS[1], all[i])
+  elseif all[i] ~= ARGV[1] then
+    table.insert(others, rest)
+  end
+end
+return others
+"#;
 
 /// The three Redis backends of one edge, sharing one connection.
 #[derive(Debug, Clone)]
@@ -345,47 +440,103 @@ impl RedisStores {
         })
     }
 
-    /// Compares this edge's resume-key secret with the deployment's, by fingerprint
-    /// ([`ResumeKeySeal::fingerprint`], key `P:resume-key`, set by the first edge with a
-    /// secret): edges with different secrets cannot resume each other's sessions, and one
-    /// without cannot resume sealed sessions.
-    pub async fn check_resume_key(&self) -> Result<ResumeKeyCheck, RedisError> {
+    /// Announces this edge's resume-key secrets (by fingerprint, [`EdgeSecrets`]) as
+    /// `edge_id` in the hash `P:resume-keys`, and compares them with those the other edges
+    /// announced within `fresh` (older announcements are of edges gone, and are dropped):
+    /// edges that cannot open each other's sealed keys cannot resume each other's sessions.
+    /// The edge repeats it while it runs, so a rotation's steps show as they roll out.
+    pub async fn check_resume_key(
+        &self,
+        edge_id: &str,
+        fresh: Duration,
+    ) -> Result<ResumeKeyCheck, RedisError> {
+        static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
         let conn = &self.ownership.conn;
-        let key = format!("{}:resume-key", conn.config.prefix);
-        let ours = conn
-            .config
-            .resume_key_seal
-            .as_ref()
-            .map(|s| s.fingerprint().to_owned());
-        if let Some(fp) = &ours {
-            // SET NX, then GET (SET NX GET needs Redis 7).
-            let (key, fp) = (key.clone(), fp.clone());
-            conn.run(|mut c| async move {
-                redis::cmd("SET")
-                    .arg(key)
-                    .arg(fp)
-                    .arg("NX")
-                    .query_async::<Option<String>>(&mut c)
-                    .await
-            })
+        let ours = EdgeSecrets::of(conn.config.resume_key_seal.as_deref());
+        let mut inv = SCRIPT
+            .get_or_init(|| redis::Script::new(ANNOUNCE_SECRETS_LUA))
+            .prepare_invoke();
+        inv.key(format!("{}:resume-keys", conn.config.prefix))
+            .arg(edge_id)
+            .arg(ours.encode())
+            .arg(conn::ms(fresh))
+            .arg(conn::ms(fresh * 10));
+        let others: Vec<String> = conn
+            .run(|mut c| async move { inv.invoke_async(&mut c).await })
             .await?;
-        }
-        let stored: Option<String> = conn
-            .run(|mut c| async move { redis::cmd("GET").arg(key).query_async(&mut c).await })
-            .await?;
-        Ok(match (ours, stored) {
-            (None, None) => ResumeKeyCheck::NoSecret,
-            (None, Some(_)) => ResumeKeyCheck::SealedElsewhere,
-            (Some(a), Some(b)) if a == b => ResumeKeyCheck::Agreed,
-            // Gone again meanwhile (flushed): nothing to disagree with.
-            (Some(_), None) => ResumeKeyCheck::Agreed,
-            (Some(_), Some(_)) => ResumeKeyCheck::Differs,
-        })
+        let others: Vec<EdgeSecrets> = others
+            .iter()
+            .filter_map(|text| EdgeSecrets::decode(text))
+            .collect();
+        Ok(ours.compare(&others))
     }
 
     /// Notices dropped because a subscription's queue was full (kicks, cross-edge push
     /// requests and their replies): the counter behind `waygate_redis_pubsub_dropped_total`.
     pub fn pubsub_dropped(&self) -> prometheus_client::metrics::counter::Counter {
         self.ownership.conn.pubsub_dropped.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn edge(sealing: Option<&str>, accepted: Option<&str>) -> EdgeSecrets {
+        let fp = |c: &str| c.repeat(32);
+        EdgeSecrets {
+            sealing: sealing.map(fp),
+            accepted: accepted.map(fp),
+        }
+    }
+
+    /// Edges agree when each reads what the other seals: the same secret, or the steps of a
+    /// rotation side by side (accept the new / seal the new and accept the old / the new
+    /// only); they differ when one cannot read the other's; an edge without a secret is told
+    /// when others seal.
+    #[test]
+    fn edges_agree_when_each_reads_what_the_other_seals() {
+        let old = edge(Some("a"), None);
+        let step1 = edge(Some("a"), Some("b"));
+        let step2 = edge(Some("b"), Some("a"));
+        let new = edge(Some("b"), None);
+        let clear = edge(None, None);
+        for (ours, others, want) in [
+            (&old, vec![&old], ResumeKeyCheck::Agreed),
+            (&old, vec![&step1], ResumeKeyCheck::Agreed),
+            (&step1, vec![&old, &step2], ResumeKeyCheck::Agreed),
+            (&step2, vec![&step1, &new], ResumeKeyCheck::Agreed),
+            (&new, vec![&step2], ResumeKeyCheck::Agreed),
+            (&old, vec![&step2], ResumeKeyCheck::Differs),
+            (&step1, vec![&new], ResumeKeyCheck::Differs),
+            (&new, vec![&old], ResumeKeyCheck::Differs),
+            (&new, vec![&step2, &step1], ResumeKeyCheck::Differs),
+            (&old, vec![], ResumeKeyCheck::Agreed),
+            (&old, vec![&clear], ResumeKeyCheck::Agreed),
+            (&clear, vec![&clear], ResumeKeyCheck::NoSecret),
+            (&clear, vec![], ResumeKeyCheck::NoSecret),
+            (&clear, vec![&clear, &new], ResumeKeyCheck::SealedElsewhere),
+        ] {
+            assert_eq!(
+                ours.compare(others.iter().copied()),
+                want,
+                "{ours:?} {others:?}"
+            );
+        }
+    }
+
+    /// An announcement reads back as written; anything else is ignored, not trusted.
+    #[test]
+    fn announcements_read_back_and_junk_is_ignored() {
+        for secrets in [
+            edge(Some("a"), Some("b")),
+            edge(Some("c"), None),
+            edge(None, None),
+        ] {
+            assert_eq!(EdgeSecrets::decode(&secrets.encode()), Some(secrets));
+        }
+        for junk in ["", "-", "abc -", "- - ", &"g".repeat(32), "x y z"] {
+            assert_eq!(EdgeSecrets::decode(junk), None, "{junk:?}");
+        }
     }
 }

@@ -34,41 +34,25 @@ const FINGERPRINT_LABEL: &[u8] = b"waygate redis resume key fingerprint v1";
 const SEAL_LABEL: &[u8] = b"waygate redis resume key seal v1";
 const NONCE_LEN: usize = 12;
 
-/// The edges' shared key for resume keys at rest (see the module docs). Its `Debug` shows
-/// nothing of it.
-pub struct ResumeKeySeal {
+/// The keys derived from one secret.
+struct SecretKeys {
     matcher: hmac::Key,
     /// Names the secret without revealing it (edges compare theirs in Redis).
     fingerprint: String,
     /// What each session's sealing key is derived from.
     sealer: hmac::Key,
-    rng: SystemRandom,
 }
 
-impl std::fmt::Debug for ResumeKeySeal {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("ResumeKeySeal(<redacted>)")
-    }
-}
-
-impl ResumeKeySeal {
+impl SecretKeys {
     /// Both keys derived from `secret` (HMAC-SHA256 of a label each).
-    pub fn new(secret: &[u8]) -> Self {
+    fn new(secret: &[u8]) -> Self {
         let root = hmac::Key::new(hmac::HMAC_SHA256, secret);
         let derive = |label| hmac::Key::new(hmac::HMAC_SHA256, hmac::sign(&root, label).as_ref());
-        let fingerprint = hex_id(&hmac::sign(&root, FINGERPRINT_LABEL).as_ref()[..16]);
         Self {
             matcher: derive(MATCH_LABEL),
             sealer: derive(SEAL_LABEL),
-            fingerprint,
-            rng: SystemRandom::new(),
+            fingerprint: hex_id(&hmac::sign(&root, FINGERPRINT_LABEL).as_ref()[..16]),
         }
-    }
-
-    /// A name of the secret (16 bytes of an HMAC of it, hex) that the edges of a deployment
-    /// compare in Redis: equal for the same secret, and nothing about it otherwise.
-    pub fn fingerprint(&self) -> &str {
-        &self.fingerprint
     }
 
     /// The sealing key of `session_id`'s resume keys.
@@ -79,12 +63,90 @@ impl ResumeKeySeal {
         aead::LessSafeKey::new(unbound)
     }
 
-    /// The match tag of `key` for `session_id`: what the store compares a key with.
-    pub fn match_tag(&self, session_id: &SessionId, key: &ResumeHash) -> String {
+    fn match_tag(&self, session_id: &SessionId, key: &ResumeHash) -> String {
         let mut ctx = hmac::Context::with_key(&self.matcher);
         ctx.update(session_id);
         ctx.update(&key.0);
         format!("{MATCH_PREFIX}{}", hex_id(ctx.sign().as_ref()))
+    }
+
+    /// The 32 bytes `sealed` (nonce, then ciphertext and tag) holds for `session_id`.
+    fn open(&self, session_id: &SessionId, sealed: &[u8]) -> Option<[u8; 32]> {
+        let (nonce, rest) = sealed.split_at_checked(NONCE_LEN)?;
+        let nonce = aead::Nonce::try_assume_unique_for_key(nonce).ok()?;
+        let mut rest = rest.to_vec();
+        let plain = self
+            .session_key(session_id)
+            .open_in_place(nonce, aead::Aad::from(&session_id[..]), &mut rest)
+            .ok()?;
+        plain.try_into().ok()
+    }
+}
+
+/// The edges' shared key for resume keys at rest (see the module docs), and during a
+/// rotation a second secret whose records it also reads (`accepted`). Its `Debug` shows
+/// nothing of them.
+///
+/// Rotating the secret without a session failing to resume, edge by edge at each step:
+/// (1) every edge accepts the new secret and still seals with the old one; (2) every edge
+/// seals with the new one and accepts the old; (3) once no record sealed with the old one
+/// is left (the linger time after step 2), the old one goes. At every moment each edge
+/// reads what any other writes.
+pub struct ResumeKeySeal {
+    current: SecretKeys,
+    accepted: Option<SecretKeys>,
+    rng: SystemRandom,
+}
+
+impl std::fmt::Debug for ResumeKeySeal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ResumeKeySeal(<redacted>)")
+    }
+}
+
+impl ResumeKeySeal {
+    /// Sealing and matching with `secret` only.
+    pub fn new(secret: &[u8]) -> Self {
+        Self {
+            current: SecretKeys::new(secret),
+            accepted: None,
+            rng: SystemRandom::new(),
+        }
+    }
+
+    /// Sealing with `secret`, and also reading what was sealed with `accepted` (a rotation,
+    /// see the type's docs).
+    pub fn rotating(secret: &[u8], accepted: &[u8]) -> Self {
+        Self {
+            accepted: Some(SecretKeys::new(accepted)),
+            ..Self::new(secret)
+        }
+    }
+
+    /// A name of the sealing secret (16 bytes of an HMAC of it, hex) that the edges of a
+    /// deployment compare in Redis: equal for the same secret, and nothing about it
+    /// otherwise.
+    pub fn fingerprint(&self) -> &str {
+        &self.current.fingerprint
+    }
+
+    /// The name of the accepted secret, during a rotation.
+    pub fn accepted_fingerprint(&self) -> Option<&str> {
+        self.accepted.as_ref().map(|a| a.fingerprint.as_str())
+    }
+
+    /// The match tag of `key` for `session_id`: what the store compares a key with.
+    pub fn match_tag(&self, session_id: &SessionId, key: &ResumeHash) -> String {
+        self.current.match_tag(session_id, key)
+    }
+
+    /// Every tag a record holding `key` for `session_id` may carry: the sealing secret's,
+    /// then the accepted one's.
+    pub fn match_tags(&self, session_id: &SessionId, key: &ResumeHash) -> Vec<String> {
+        std::iter::once(&self.current)
+            .chain(&self.accepted)
+            .map(|s| s.match_tag(session_id, key))
+            .collect()
     }
 
     /// `key` sealed for `session_id`.
@@ -94,7 +156,8 @@ impl ResumeKeySeal {
             .fill(&mut nonce)
             .map_err(|_| RedisError::Invalid("no randomness for a nonce".into()))?;
         let mut sealed = key.0.to_vec();
-        self.session_key(session_id)
+        self.current
+            .session_key(session_id)
             .seal_in_place_append_tag(
                 aead::Nonce::assume_unique_for_key(nonce),
                 aead::Aad::from(&session_id[..]),
@@ -108,32 +171,25 @@ impl ResumeKeySeal {
         ))
     }
 
-    /// Opens what [`ResumeKeySeal::seal`] made for `session_id`; an error if it was made
-    /// with another key, for another session, or altered.
+    /// Opens what [`ResumeKeySeal::seal`] made for `session_id`, with the sealing secret or
+    /// the accepted one; an error if it was made with another key, for another session, or
+    /// altered.
     pub fn open(&self, session_id: &SessionId, sealed: &str) -> Result<ResumeHash, RedisError> {
-        let corrupt = || {
-            RedisError::Corrupt(format!(
-                "snapshot {}: a sealed resume key that does not open with this edge's \
-                 cluster.redis_resume_key_file (edges must share it)",
-                hex_id(session_id)
-            ))
-        };
-        let bytes = sealed
-            .strip_prefix(SEALED_PREFIX)
-            .and_then(unhex)
-            .ok_or_else(corrupt)?;
-        if bytes.len() < NONCE_LEN {
-            return Err(corrupt());
-        }
-        let (nonce, rest) = bytes.split_at(NONCE_LEN);
-        let nonce = aead::Nonce::try_assume_unique_for_key(nonce).map_err(|_| corrupt())?;
-        let mut rest = rest.to_vec();
-        let sealer = self.session_key(session_id);
-        let plain = sealer
-            .open_in_place(nonce, aead::Aad::from(&session_id[..]), &mut rest)
-            .map_err(|_| corrupt())?;
-        let key: [u8; 32] = plain.try_into().map_err(|_| corrupt())?;
-        Ok(ResumeHash(key))
+        let bytes = sealed.strip_prefix(SEALED_PREFIX).and_then(unhex);
+        bytes
+            .and_then(|b| {
+                std::iter::once(&self.current)
+                    .chain(&self.accepted)
+                    .find_map(|s| s.open(session_id, &b))
+            })
+            .map(ResumeHash)
+            .ok_or_else(|| {
+                RedisError::Corrupt(format!(
+                    "snapshot {}: a sealed resume key that does not open with this edge's \
+                     cluster.redis_resume_key_file (edges must share it)",
+                    hex_id(session_id)
+                ))
+            })
     }
 }
 
@@ -185,6 +241,36 @@ mod tests {
             prop_assert_ne!(&tag, &seal.match_tag(&other, &key));
             prop_assert_ne!(&tag, &stranger.match_tag(&sid, &key));
             prop_assert_ne!(seal.seal(&sid, &key).unwrap(), sealed, "a fresh nonce each time");
+        }
+
+        /// During a rotation an edge reads what either secret sealed, and a take carries the
+        /// tags of both; it seals with its sealing secret only. A third secret still opens
+        /// nothing.
+        #[test]
+        fn a_rotating_edge_reads_both_secrets_and_seals_with_one(
+            key in any::<[u8; 32]>(),
+            sid in any::<[u8; 16]>(),
+        ) {
+            let (old, new): (&[u8], &[u8]) =
+                (b"the old secret of the edges, long enough", b"the new secret of the edges, long enough");
+            let key = ResumeHash(key);
+            let (before, after) = (ResumeKeySeal::new(old), ResumeKeySeal::new(new));
+            for (seal, accepted) in [(old, new), (new, old)] {
+                let rotating = ResumeKeySeal::rotating(seal, accepted);
+                for other in [&before, &after] {
+                    prop_assert_eq!(rotating.open(&sid, &other.seal(&sid, &key).unwrap()).unwrap(), key);
+                    prop_assert!(rotating.match_tags(&sid, &key).contains(&other.match_tag(&sid, &key)));
+                }
+                let sealer = ResumeKeySeal::new(seal);
+                prop_assert_eq!(sealer.open(&sid, &rotating.seal(&sid, &key).unwrap()).unwrap(), key);
+                prop_assert_eq!(rotating.match_tag(&sid, &key), sealer.match_tag(&sid, &key));
+                prop_assert_eq!(rotating.fingerprint(), sealer.fingerprint());
+                let accepting = ResumeKeySeal::new(accepted);
+                prop_assert_eq!(rotating.accepted_fingerprint(), Some(accepting.fingerprint()));
+                let stranger = ResumeKeySeal::new(b"a third secret, of nobody here, long enough");
+                prop_assert!(rotating.open(&sid, &stranger.seal(&sid, &key).unwrap()).is_err());
+                prop_assert!(!rotating.match_tags(&sid, &key).contains(&stranger.match_tag(&sid, &key)));
+            }
         }
     }
 }

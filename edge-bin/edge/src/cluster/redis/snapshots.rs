@@ -91,16 +91,18 @@ redis.call('HSET', KEYS[2], 'r', ARGV[4], 'c', ARGV[6])
     expire_with_the_snapshot!()
 );
 
-/// KEYS: snap. ARGV: the resume key as the record stores it (its match tag with the edges'
-/// secret, else hex). Returns {0} not found, {2} mismatch, {1, the record's fields and
-/// values} taken (padded to two elements).
+/// KEYS: snap. ARGV: the resume key as the record may store it (its match tags with the
+/// edges' secrets, the sealing one's first, else hex). Returns {0} not found, {2} mismatch,
+/// {1, the record's fields and values} taken (padded to two elements).
 const TAKE_LUA: &str = r#"
 local v = redis.call('HMGET', KEYS[1], 'h', 'p', 'd')
 if not v[3] then return {0, false} end
-if v[1] == ARGV[1] or (v[2] and v[2] ~= '' and v[2] == ARGV[1]) then
-  local all = redis.call('HGETALL', KEYS[1])
-  redis.call('DEL', KEYS[1])
-  return {1, all}
+for i = 1, #ARGV do
+  if v[1] == ARGV[i] or (v[2] and v[2] ~= '' and v[2] == ARGV[i]) then
+    local all = redis.call('HGETALL', KEYS[1])
+    redis.call('DEL', KEYS[1])
+    return {1, all}
+  end
 end
 return {2, false}
 "#;
@@ -602,12 +604,12 @@ impl SnapshotStore for RedisSnapshotStore {
     ) -> Result<TakeOutcome, StoreError> {
         let c = &self.conn;
         let mut inv = scripts().take.prepare_invoke();
-        // Only the match tag goes to Redis when the edges share a secret: the key itself
-        // would show in MONITOR, the slow log, or on the wire.
+        // Only match tags go to Redis when the edges share a secret (both secrets' during a
+        // rotation): the key itself would show in MONITOR, the slow log, or on the wire.
         inv.key(c.session_key("snap", session_id))
             .arg(match &c.config.resume_key_seal {
-                Some(seal) => seal.match_tag(session_id, resume_hash),
-                None => hex_id(&resume_hash.0),
+                Some(seal) => seal.match_tags(session_id, resume_hash),
+                None => vec![hex_id(&resume_hash.0)],
             });
         let (code, fields): (u8, Option<Vec<Vec<u8>>>) = c
             .run(|mut m| async move { inv.invoke_async(&mut m).await })
