@@ -36,7 +36,7 @@ fn meta(handle: u64, player: &str) -> std::sync::Arc<SessionMeta> {
         session_id: [handle as u8; 16],
         player_id: player.into(),
         fencing: 1,
-        attrs: vec![("transport".into(), "tcp".into())],
+        attrs: std::sync::Arc::new([("transport".into(), "tcp".into())]),
     })
 }
 

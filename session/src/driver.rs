@@ -458,7 +458,7 @@ pub struct SessionLayer {
     /// This edge's id (ownership records, presence).
     pub edge_id: String,
     /// Session-layer settings.
-    pub config: SessionConfig,
+    pub config: Arc<SessionConfig>,
     /// Token verification.
     pub authenticator: Arc<dyn Authenticator>,
     /// Lingering snapshots (hot or warm tier).
@@ -522,7 +522,7 @@ impl SessionLayer {
     ) -> Self {
         Self {
             edge_id: edge_id.into(),
-            config,
+            config: Arc::new(config),
             authenticator,
             snapshots: Arc::new(crate::store::MemorySnapshotStore::new()),
             ownership: Arc::new(crate::store::MemoryOwnership::new()),
@@ -603,14 +603,11 @@ struct Task {
     /// connection is not read meanwhile, so nothing later overtakes it (B2).
     held: Option<Box<(waygate_transport::Frame, tokio::time::Instant)>>,
     transport: waygate_transport::TransportKind,
-    started: tokio::time::Instant,
     /// Last snapshot written by write-through (skip identical writes); boxed, as only
     /// sessions with write-through have one.
     durable: Option<Box<Snapshot>>,
-    /// Setup phase timings, reported with `Established`.
-    phases: SetupPhases,
-    /// Whether the first frame arrived (the HELLO phase ends there).
-    heard: bool,
+    /// The set-up's timings until the session is established (then reported and gone).
+    setup: Option<Box<SetupClock>>,
     /// A snapshot this connection handed over after its requester gave up: back to the
     /// store, so a later resume finds it.
     orphaned: Option<Box<Snapshot>>,
@@ -619,6 +616,16 @@ struct Task {
     unsaved: bool,
     /// Receipts of pushes that entered the machine, reported after the next write-through.
     receipts: Vec<u64>,
+}
+
+/// A session's set-up timings (O1), kept until it is established: boxed and then dropped,
+/// as an established session has no use for them (performance issue, W4).
+#[derive(Debug)]
+struct SetupClock {
+    started: tokio::time::Instant,
+    phases: SetupPhases,
+    /// Whether the first frame arrived (the HELLO phase ends there).
+    heard: bool,
 }
 
 /// Most frames a session takes in one turn beyond the one that woke it (write-through:
@@ -633,10 +640,9 @@ const PREVIOUS_END_POLL: Duration = Duration::from_millis(10);
 
 enum Event {
     Frame(Result<waygate_transport::Frame, CloseCode>),
-    /// The held frame's tokens are back.
-    Release,
     /// The host has work for this connection.
     Work,
+    /// The machine's deadline, or the held frame's release (its tokens are back).
     Timer,
 }
 
@@ -672,13 +678,15 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
         inbound: None,
         held: None,
         transport: conn_kind,
-        started: tokio::time::Instant::now(),
         durable: None,
-        phases: SetupPhases {
-            transport: accepted_at.elapsed(),
-            ..SetupPhases::default()
-        },
-        heard: false,
+        setup: Some(Box::new(SetupClock {
+            started: tokio::time::Instant::now(),
+            phases: SetupPhases {
+                transport: accepted_at.elapsed(),
+                ..SetupPhases::default()
+            },
+            heard: false,
+        })),
         orphaned: None,
         unsaved: false,
         receipts: Vec::new(),
@@ -693,7 +701,7 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
     // move per frame: see `SessionMachine::poll_timeout`).
     let timer = tokio::time::sleep_until(tokio::time::Instant::now());
     tokio::pin!(timer);
-    let mut armed: Option<std::time::Instant> = None;
+    let mut armed: Option<tokio::time::Instant> = None;
     loop {
         if t.machine.has_actions() || t.orphaned.is_some() {
             // Boxed: the state of sending and of the rare actions lives only while they
@@ -713,46 +721,53 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
         if t.machine.state().is_terminal() {
             break;
         }
-        let deadline = t.machine.poll_timeout();
-        if deadline != armed {
-            if let Some(d) = deadline {
-                timer.as_mut().reset(tokio::time::Instant::from_std(d));
-            }
-            armed = deadline;
-        }
         if t.conn.is_none() {
             t.held = None;
         }
+        // The machine's deadline and a held frame's release share the one timer (a second
+        // one would sit in every idle session's task: performance issue, W4).
+        let machine_deadline = t.machine.poll_timeout().map(tokio::time::Instant::from_std);
         let held_until = t.held.as_ref().map(|held| held.1);
-        let release = async {
-            match held_until {
-                Some(at) => tokio::time::sleep_until(at).await,
-                None => std::future::pending().await,
-            }
+        let deadline = match (machine_deadline, held_until) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         };
+        if deadline != armed {
+            if let Some(d) = deadline {
+                timer.as_mut().reset(d);
+            }
+            armed = deadline;
+        }
         let wake = t.wake.clone();
-        let event = tokio::select! {
-            r = recv(&mut t.conn), if held_until.is_none() => Event::Frame(r),
-            _ = release => Event::Release,
-            _ = wake.notified() => Event::Work,
-            _ = &mut timer, if armed.is_some() => Event::Timer,
-        };
-        match event {
-            Event::Frame(Ok(frame)) => t.inbound_frame(frame).await,
-            Event::Release => {
-                if let Some(held) = t.held.take() {
-                    t.inbound_frame(held.0).await;
+        // (A block: the event is gone before the awaits below, so the task is not sized
+        // to keep a frame beside them.)
+        {
+            let event = tokio::select! {
+                r = recv(&mut t.conn), if held_until.is_none() => Event::Frame(r),
+                _ = wake.notified() => Event::Work,
+                _ = &mut timer, if armed.is_some() => Event::Timer,
+            };
+            match event {
+                Event::Frame(Ok(frame)) => t.inbound_frame(frame),
+                Event::Frame(Err(code)) => {
+                    t.conn = None;
+                    let _ = t.machine.handle_link_down(now(), code);
                 }
-            }
-            Event::Frame(Err(code)) => {
-                t.conn = None;
-                let _ = t.machine.handle_link_down(now(), code);
-            }
-            Event::Work => t.take_work(),
-            Event::Timer => {
-                // Fired: the next deadline re-arms it, even if equal to this one.
-                armed = None;
-                t.machine.handle_timeout(now());
+                Event::Work => t.take_work(),
+                Event::Timer => {
+                    // Fired: the next deadline re-arms it, even if equal to this one.
+                    armed = None;
+                    let fired = tokio::time::Instant::now();
+                    if held_until.is_some_and(|at| at <= fired) {
+                        // The held frame's tokens are back.
+                        if let Some(held) = t.held.take() {
+                            t.inbound_frame(held.0);
+                        }
+                    }
+                    if machine_deadline.is_some_and(|at| at <= fired) {
+                        t.machine.handle_timeout(now());
+                    }
+                }
             }
         }
         if t.edge.write_through.is_some() {
@@ -786,10 +801,10 @@ impl Task {
     /// tokens return, so the client is slowed by its transport's flow control and nothing
     /// is dropped or reordered; only a frame that can never pass (larger than the byte
     /// burst, which config validation rules out) closes the connection as `rate_limited`.
-    async fn inbound_frame(&mut self, frame: waygate_transport::Frame) {
-        if !self.heard {
-            self.heard = true;
-            self.phases.hello = self.started.elapsed();
+    fn inbound_frame(&mut self, frame: waygate_transport::Frame) {
+        if let Some(setup) = self.setup.as_mut().filter(|s| !s.heard) {
+            setup.heard = true;
+            setup.phases.hello = setup.started.elapsed();
         }
         let now_t = tokio::time::Instant::now();
         // Once the session is ACTIVE its player's limiter (in the host, kept across
@@ -822,8 +837,12 @@ impl Task {
                     SessionCounters::bump(&self.edge.counters.rate_limited);
                     tracing::info!("closing a connection whose frame exceeds the byte burst");
                     if let Some(mut conn) = self.conn.take() {
-                        conn.close(CloseCode::RateLimited, "frame over the inbound byte burst")
-                            .await;
+                        // Closed on a task of its own: this path is rare, and an await here
+                        // would size every session's task for it (performance issue, W4).
+                        tokio::spawn(async move {
+                            conn.close(CloseCode::RateLimited, "frame over the inbound byte burst")
+                                .await;
+                        });
                     }
                     let _ = self.machine.handle_link_down(now(), CloseCode::RateLimited);
                     return;
@@ -865,7 +884,7 @@ impl Task {
                 () = std::future::ready(()) => None,
             };
             match ready {
-                Some(Ok(frame)) => self.inbound_frame(frame).await,
+                Some(Ok(frame)) => self.inbound_frame(frame),
                 Some(Err(code)) => {
                     self.conn = None;
                     let _ = self.machine.handle_link_down(now(), code);
@@ -1019,6 +1038,13 @@ impl Task {
         self.edge
             .registry
             .host(|h| h.held_elsewhere(session_id, self.id))
+    }
+
+    /// Adds to a set-up phase's time (nothing once the session is established).
+    fn phase(&mut self, add: impl FnOnce(&mut SetupPhases)) {
+        if let Some(setup) = self.setup.as_mut() {
+            add(&mut setup.phases);
+        }
     }
 
     /// Writes the session's snapshot to the store unless identical to the last one written,
@@ -1197,7 +1223,7 @@ impl Task {
                     .authenticator
                     .authenticate(&token, (edge.unix_now)())
                     .await;
-                self.phases.auth += t0.elapsed();
+                self.phase(|p| p.auth += t0.elapsed());
                 let _ = self.machine.handle_auth_result(now(), result);
             }
             Action::CheckAllowed { player_id } => {
@@ -1206,7 +1232,7 @@ impl Task {
                     .authenticator
                     .still_allowed(&player_id, (edge.unix_now)())
                     .await;
-                self.phases.auth += t0.elapsed();
+                self.phase(|p| p.auth += t0.elapsed());
                 let _ = self.machine.handle_allowed(now(), result);
             }
             Action::TakeSnapshot {
@@ -1228,7 +1254,7 @@ impl Task {
                 // store.
                 let result = match resume_from_store(start, answer) {
                     ResumeFromStore::Busy => {
-                        self.phases.restore += t0.elapsed();
+                        self.phase(|p| p.restore += t0.elapsed());
                         let _ = self.machine.handle_hand_over_busy(now());
                         return;
                     }
@@ -1242,7 +1268,7 @@ impl Task {
                         Ok(outcome)
                     }
                 };
-                self.phases.restore += t0.elapsed();
+                self.phase(|p| p.restore += t0.elapsed());
                 let _ = self.machine.handle_snapshot(now(), result);
             }
             Action::PutBack(snapshot) => {
@@ -1294,7 +1320,7 @@ impl Task {
                         Ok((grant, inherited))
                     }
                 };
-                self.phases.claim += t0.elapsed();
+                self.phase(|p| p.claim += t0.elapsed());
                 let _ = self.machine.handle_claimed(now(), result);
             }
             Action::Established {
@@ -1303,6 +1329,7 @@ impl Task {
                 fencing,
                 outcome,
             } => {
+                let setup = self.setup.take();
                 let pushes = self.machine.push_ids();
                 let register = |h: &mut SessionHost| {
                     let outcome = h.established(self.id, session_id, player_id.clone(), fencing);
@@ -1356,8 +1383,10 @@ impl Task {
                         fencing,
                         outcome,
                         transport: self.transport,
-                        setup: self.started.elapsed(),
-                        phases: self.phases,
+                        setup: setup
+                            .as_ref()
+                            .map_or(Duration::ZERO, |s| s.started.elapsed()),
+                        phases: setup.map_or_else(SetupPhases::default, |s| s.phases),
                     })
                     .await;
             }

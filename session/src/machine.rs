@@ -713,7 +713,8 @@ impl std::ops::DerefMut for PendingSlot {
 
 /// The server side of one session on one connection. See the module docs.
 pub struct SessionMachine {
-    config: SessionConfig,
+    /// Shared by every session of the edge (one allocation, not one per session).
+    config: Arc<SessionConfig>,
     counters: Arc<SessionCounters>,
     rng: Box<dyn SessionRng>,
     state: State,
@@ -760,12 +761,12 @@ fn err_unexpected(state: State, frame: &Frame) -> SessionError {
 impl SessionMachine {
     /// A machine in DISCONNECTED.
     pub fn new(
-        config: SessionConfig,
+        config: impl Into<Arc<SessionConfig>>,
         counters: Arc<SessionCounters>,
         rng: Box<dyn SessionRng>,
     ) -> Self {
         Self {
-            config,
+            config: config.into(),
             counters,
             rng,
             state: State::Disconnected,

@@ -229,7 +229,7 @@ async fn bad_token_over_the_driver_is_rejected_with_its_code() {
 async fn resume_on_another_edge_from_the_shared_store() {
     let (edge1, sink1) = edge();
     let (edge2, _sink2) = {
-        let (mut e, sink) = echo_edge("edge-2", edge1.config.clone());
+        let (mut e, sink) = echo_edge("edge-2", (*edge1.config).clone());
         e.unix_now = Arc::new(|| UNIX);
         // The warm tier: both edges share the snapshot store and the ownership registry.
         e.snapshots = edge1.snapshots.clone();

@@ -247,7 +247,7 @@ impl<S: AsyncRead + AsyncWrite + ReadReady + Unpin + Send + Sync + 'static> Conn
                 Ok(None) => {
                     if let Err(e) = self.fill().await {
                         if matches!(e, TransportError::Violation(_)) {
-                            self.close(e.close_code(), "stream ended inside a frame")
+                            Box::pin(self.close(e.close_code(), "stream ended inside a frame"))
                                 .await;
                         }
                         return Err(e);
@@ -256,7 +256,9 @@ impl<S: AsyncRead + AsyncWrite + ReadReady + Unpin + Send + Sync + 'static> Conn
                 Err(e) => {
                     let code = e.close_code();
                     tracing::debug!(conn = %self.info.id, error = %e, "closing after invalid frame");
-                    self.close(code, "invalid frame").await;
+                    // Boxed, as the close above: this future is alive in every idle
+                    // connection, sized for its largest await (performance issue, W4).
+                    Box::pin(self.close(code, "invalid frame")).await;
                     return Err(e);
                 }
             }

@@ -154,6 +154,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Connection for WsConnec
     }
 
     async fn recv(&mut self) -> Result<Frame, TransportError> {
+        // The rare closing paths are boxed: this future is alive in every idle connection,
+        // sized for its largest await (performance issue, W4).
         loop {
             if self.closed {
                 return Err(TransportError::Closed);
@@ -179,17 +181,21 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Connection for WsConnec
                     match decode_message(bytes, limit) {
                         Ok(Frame::Close { code, .. }) => {
                             self.closed = true;
-                            let _ = tokio::time::timeout(CLOSE_FLUSH, self.ws.close(None)).await;
+                            let _ =
+                                Box::pin(tokio::time::timeout(CLOSE_FLUSH, self.ws.close(None)))
+                                    .await;
                             return Err(TransportError::ClosedByPeer { code });
                         }
                         Ok(frame) => return Ok(frame),
-                        Err(e) => return Err(self.fail(e.into(), "invalid frame").await),
+                        Err(e) => return Err(Box::pin(self.fail(e.into(), "invalid frame")).await),
                     }
                 }
                 Some(Ok(Message::Text(_))) => {
                     let err = TransportError::Violation("text message");
-                    self.close(CloseCode::TextMessage, "only binary messages carry frames")
-                        .await;
+                    Box::pin(
+                        self.close(CloseCode::TextMessage, "only binary messages carry frames"),
+                    )
+                    .await;
                     return Err(err);
                 }
                 Some(Ok(Message::Close(_))) => {
@@ -205,19 +211,19 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Connection for WsConnec
                         len: self.max_frame_size as u64 + 1,
                         max: self.max_frame_size,
                     });
-                    return Err(self
-                        .fail(err, "message exceeds the maximum frame size")
-                        .await);
+                    return Err(
+                        Box::pin(self.fail(err, "message exceeds the maximum frame size")).await,
+                    );
                 }
                 Some(Err(WsError::Utf8(_))) => {
                     // A text message that is not even UTF-8: WebSocket's own answer is 1007
                     // (RFC 6455 7.4.1), after the waygate CLOSE for a text message.
                     let err = TransportError::Violation("text message with invalid UTF-8");
-                    self.close_as(
+                    Box::pin(self.close_as(
                         CloseCode::TextMessage,
                         WsCloseCode::Invalid,
                         "invalid UTF-8 in a text message",
-                    )
+                    ))
                     .await;
                     return Err(err);
                 }
@@ -226,7 +232,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Connection for WsConnec
                 {
                     tracing::debug!(conn = %self.info.id, error = %p, "websocket protocol error");
                     let err = TransportError::Violation("websocket protocol error");
-                    return Err(self.fail(err, "websocket protocol error").await);
+                    return Err(Box::pin(self.fail(err, "websocket protocol error")).await);
                 }
                 Some(Err(e)) => {
                     self.closed = true;

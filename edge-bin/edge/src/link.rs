@@ -82,7 +82,7 @@ pub struct SessionMeta {
     /// Ownership fencing token.
     pub fencing: u64,
     /// Attributes for the backend.
-    pub attrs: Vec<(String, String)>,
+    pub attrs: Arc<[(String, String)]>,
 }
 
 /// Something a backend sent, or a change of the link.
@@ -893,7 +893,7 @@ fn open_frame(meta: &SessionMeta) -> LinkFrame {
         session_id: meta.session_id,
         player_id: meta.player_id.clone(),
         fencing: meta.fencing,
-        attrs: meta.attrs.clone(),
+        attrs: meta.attrs.to_vec(),
     }
 }
 

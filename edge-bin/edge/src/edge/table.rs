@@ -47,6 +47,19 @@ pub(super) struct Sessions {
     /// Sessions quiesced for a hard migration (S8): none of their messages is forwarded
     /// here any more (the client resends what is unanswered to the edge it moves to).
     moving: HashSet<SessionId>,
+    /// What every new entry starts with, shared (made by the first `open`).
+    blank: Option<BlankEntry>,
+}
+
+/// The parts every new session's entry starts with, one allocation each for the whole
+/// edge rather than per session (performance issue, W4): the attributes sent with
+/// SESSION_OPEN (the edge's id), and empty key and link sets, which a session's first
+/// write to them copies (`Arc::make_mut`).
+#[derive(Debug, Clone)]
+struct BlankEntry {
+    attrs: Arc<[(String, String)]>,
+    keys: Arc<HashMap<String, String>>,
+    links: Arc<HashSet<SocketAddr>>,
 }
 
 #[derive(Debug, Default)]
@@ -139,16 +152,24 @@ impl Sessions {
         }
         self.next_handle += 1;
         let handle = self.next_handle;
+        let blank = match &self.blank {
+            Some(b) if b.attrs.first().is_some_and(|(_, id)| id == edge_id) => b,
+            _ => self.blank.insert(BlankEntry {
+                attrs: Arc::new([("edge".into(), edge_id.to_string())]),
+                keys: Arc::default(),
+                links: Arc::default(),
+            }),
+        };
         let entry = SessionEntry {
             meta: Arc::new(SessionMeta {
                 handle,
                 session_id: *session_id,
                 player_id: player.to_string(),
                 fencing: 0,
-                attrs: vec![("edge".into(), edge_id.to_string())],
+                attrs: blank.attrs.clone(),
             }),
-            keys: Arc::new(HashMap::new()),
-            links: Arc::new(HashSet::new()),
+            keys: blank.keys.clone(),
+            links: blank.links.clone(),
         };
         self.by_handle.insert(handle, *session_id);
         self.by_id.insert(*session_id, entry.clone());
