@@ -594,8 +594,9 @@ struct Task {
     id: ConnTaskId,
     /// Woken by the host when there is work for this connection.
     wake: Arc<Notify>,
-    /// Work taken from the host and not yet done (taken while waiting for an answer).
-    backlog: Work,
+    /// Work taken from the host and not yet done (taken while waiting for an answer);
+    /// boxed, and only while there is some (performance issue, W4).
+    backlog: Option<Box<Work>>,
     /// This connection's own inbound limiter, until its player's limiter in the host
     /// governs (then freed: an established session does not carry it).
     inbound: Option<Box<waygate_backpressure::InboundLimiter>>,
@@ -674,7 +675,7 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
         conn: Some(conn),
         id,
         wake,
-        backlog: Work::default(),
+        backlog: None,
         inbound: None,
         held: None,
         transport: conn_kind,
@@ -714,7 +715,7 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
             // So are pushes whose pusher waits for a receipt and that nothing showed yet.
             Box::pin(t.write_through()).await;
         }
-        if !t.backlog.is_empty() {
+        if t.backlog.is_some() {
             t.do_work();
             continue;
         }
@@ -912,9 +913,16 @@ impl Task {
         let registry = self.edge.registry.clone();
         let mut work = Work::default();
         registry.host(|h| h.take_work_into(self.id, &mut work));
-        if !work.is_empty() {
+        if work.is_empty() {
+            return;
+        }
+        if self.backlog.is_some() {
             self.stash(work);
             self.do_work();
+        } else {
+            // Nothing waits before it: done as taken (no backlog box to fill and empty).
+            work.answer = None;
+            self.do_work_on(work);
         }
     }
 
@@ -927,16 +935,25 @@ impl Task {
             answer,
             receipts: _,
         } = work;
-        self.backlog.items.extend(items);
-        self.backlog.lost += lost;
-        self.backlog.commands.extend(commands);
+        if !items.is_empty() || lost > 0 || !commands.is_empty() {
+            let backlog = self.backlog.get_or_insert_with(Box::default);
+            backlog.items.extend(items);
+            backlog.lost += lost;
+            backlog.commands.extend(commands);
+        }
         answer
     }
 
     /// Does the backlog ([`apply_work`]: items, then losses, then commands) and feeds the
     /// machine's replies back to the host.
     fn do_work(&mut self) {
-        let mut work = std::mem::take(&mut self.backlog);
+        if let Some(work) = self.backlog.take() {
+            self.do_work_on(*work);
+        }
+    }
+
+    /// Does `work` as [`Task::do_work`] does the backlog; what is left of it is the backlog.
+    fn do_work_on(&mut self, mut work: Work) {
         let mut replies = Vec::new();
         let lost = apply_work(&mut self.machine, &mut work, now(), &mut replies);
         self.receipts.append(&mut work.receipts);
@@ -966,8 +983,8 @@ impl Task {
             }
         }
         if !work.is_empty() {
-            // Kept only while it holds work: an idle session keeps no buffers.
-            self.backlog = work;
+            // Kept only while it holds work: an idle session keeps no buffers, nor the box.
+            self.backlog = Some(Box::new(work));
         }
     }
 

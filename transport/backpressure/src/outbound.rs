@@ -158,8 +158,9 @@ pub struct OutboundQueue<T> {
     config: OutboundConfig,
     classes: [VecDeque<Entry<T>>; 3],
     class_bytes: [usize; 3],
-    /// Best-effort key -> seq of the queued entry with that key.
-    keys: HashMap<u64, u64>,
+    /// Best-effort key -> seq of the queued entry with that key (made by the first keyed
+    /// push: most sessions never have one, performance issue W4).
+    keys: Option<Box<HashMap<u64, u64>>>,
     next_seq: u64,
     messages: usize,
     bytes: usize,
@@ -206,7 +207,7 @@ impl<T> OutboundQueue<T> {
         Self {
             classes: [VecDeque::new(), VecDeque::new(), VecDeque::new()],
             class_bytes: [0; 3],
-            keys: HashMap::new(),
+            keys: None,
             next_seq: 0,
             messages: 0,
             bytes: 0,
@@ -325,7 +326,7 @@ impl<T> OutboundQueue<T> {
         let seq = self.next_seq;
         self.next_seq += 1;
         if let Some(k) = key {
-            self.keys.insert(k, seq);
+            self.keys.get_or_insert_with(Box::default).insert(k, seq);
         }
         self.classes[class].push_back(Entry {
             item,
@@ -365,7 +366,7 @@ impl<T> OutboundQueue<T> {
     fn push_best_effort(&mut self, item: T, len: usize, key: Option<u64>) -> PushOutcome<T> {
         let mut coalesced = false;
         if let Some(k) = key {
-            if let Some(&seq) = self.keys.get(&k) {
+            if let Some(&seq) = self.keys.as_ref().and_then(|keys| keys.get(&k)) {
                 if let Ok(idx) = self.classes[BEST].binary_search_by_key(&seq, |e| e.seq) {
                     let old_len = self.classes[BEST][idx].len;
                     let (_, max_b) = self.limits(BEST);
@@ -412,9 +413,9 @@ impl<T> OutboundQueue<T> {
         self.class_bytes[class] -= entry.len;
         self.messages -= 1;
         self.bytes -= entry.len;
-        if let Some(k) = entry.key {
-            if self.keys.get(&k) == Some(&entry.seq) {
-                self.keys.remove(&k);
+        if let (Some(k), Some(keys)) = (entry.key, self.keys.as_mut()) {
+            if keys.get(&k) == Some(&entry.seq) {
+                keys.remove(&k);
             }
         }
     }
