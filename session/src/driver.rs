@@ -780,9 +780,9 @@ async fn run_session_inner(edge: Arc<SessionLayer>, conn: BoxConnection) -> EndR
     if let Some(conn) = t.conn.as_mut() {
         conn.close(CloseCode::Normal, "").await;
     }
-    // Whatever this connection still holds ends with it; a session it handed over is the
-    // new holder's already.
-    t.edge.registry.close_conn(t.id);
+    // Whatever this connection still holds ends with it (`Drop for Task`, which also runs
+    // if the task panics or is aborted); a session it handed over is the new holder's
+    // already.
     t.machine
         .end_reason()
         .cloned()
@@ -793,6 +793,14 @@ async fn recv(conn: &mut Option<BoxConnection>) -> Result<waygate_transport::Fra
     match conn {
         Some(c) => c.recv().await.map_err(|e| e.close_code()),
         None => std::future::pending().await,
+    }
+}
+
+impl Drop for Task {
+    fn drop(&mut self) {
+        // An entry left behind would hold its session for good (a restore of an ending
+        // one would wait on it, `EstablishOutcome::PreviousEnding`).
+        self.edge.registry.close_conn(self.id);
     }
 }
 
@@ -840,10 +848,16 @@ impl Task {
                     if let Some(mut conn) = self.conn.take() {
                         // Closed on a task of its own: this path is rare, and an await here
                         // would size every session's task for it (performance issue, W4).
-                        tokio::spawn(async move {
-                            conn.close(CloseCode::RateLimited, "frame over the inbound byte burst")
+                        tokio::spawn(
+                            async move {
+                                conn.close(
+                                    CloseCode::RateLimited,
+                                    "frame over the inbound byte burst",
+                                )
                                 .await;
-                        });
+                            }
+                            .instrument(tracing::Span::current()),
+                        );
                     }
                     let _ = self.machine.handle_link_down(now(), CloseCode::RateLimited);
                     return;
@@ -1366,20 +1380,24 @@ impl Task {
                     tokio::time::sleep(PREVIOUS_END_POLL).await;
                     outcome_here = edge.registry.host(register);
                 }
-                match outcome_here {
-                    EstablishOutcome::LostRace => {
-                        tracing::info!(player = %player_id, "a newer local login holds the player; kicked");
-                        let _ = self.machine.kick(now());
-                    }
-                    EstablishOutcome::PreviousEnding => {
-                        tracing::warn!(
-                            session = %hex_id(&session_id),
-                            "the session's previous copy here did not finish its end within {:?}; kicked",
-                            PREVIOUS_END_WAIT
-                        );
-                        let _ = self.machine.kick(now());
-                    }
-                    EstablishOutcome::Registered => {}
+                if outcome_here == EstablishOutcome::PreviousEnding {
+                    // That copy is stuck: registered over it, as before the rule (it is told
+                    // to close; its clean-up, if it ever runs, may undo part of this copy's
+                    // state).
+                    tracing::warn!(
+                        session = %hex_id(&session_id),
+                        "the session's previous copy here did not finish its end within {:?}; \
+                         registered over it",
+                        PREVIOUS_END_WAIT
+                    );
+                    outcome_here = edge.registry.host(|h| {
+                        h.abandon_end(&session_id);
+                        register(h)
+                    });
+                }
+                if outcome_here == EstablishOutcome::LostRace {
+                    tracing::info!(player = %player_id, "a newer local login holds the player; kicked");
+                    let _ = self.machine.kick(now());
                 }
                 let span = tracing::Span::current();
                 span.record("session", tracing::field::display(hex_id(&session_id)));

@@ -260,8 +260,9 @@ pub enum HandOverStart {
     /// lingering holder sequences replies it never persists), so the resume is refused
     /// with a retry-after, never served from the store.
     Busy,
-    /// The session was told to end because another session replaced it (a newer login took
-    /// the player over): it must not be resumed, not even from a copy in the store.
+    /// The session ended here, or was told to end because another session replaced it (a
+    /// newer login took the player over): it must not be resumed, not even from a copy in
+    /// the store.
     Ended,
     /// The holder was asked; the answer comes as [`HostAnswer::HandOver`] in [`Work`].
     Pending,
@@ -410,7 +411,8 @@ struct SessionEntry {
     kept_over: Vec<OutboundItem>,
     /// A resume waiting for this session's hand-over: the requester.
     handing_to: Option<ConnTaskId>,
-    /// Told to end (kicked or lost a race): no more hand-overs or player lookups.
+    /// Told to end (kicked or lost a race), or its end is being cleaned up
+    /// ([`SessionHost::end_started`]): no more hand-overs or player lookups.
     ending: bool,
     /// Ending because a newer claim of this same session superseded it (it lives on
     /// elsewhere, [`SessionHost::kick_superseded`]), not because another session replaced it.
@@ -423,8 +425,9 @@ struct SessionEntry {
     /// The ids of the pushes its stored copy held when it was restored here
     /// ([`SessionHost::restored_pushes`]): a copy of one is not queued again.
     restored_push_ids: Vec<u64>,
-    /// Its holder is cleaning up after the session's end ([`SessionHost::end_started`]):
-    /// another copy of it is not registered until that connection closes.
+    /// Its holder is cleaning up after the session's end ([`SessionHost::end_started`], or
+    /// it answered a kick): another copy of it is not registered until that connection
+    /// closes, and nothing more is queued for it.
     ended: bool,
 }
 
@@ -830,6 +833,17 @@ impl SessionHost {
         true
     }
 
+    /// A copy restored here waited too long for the previous copy's end
+    /// ([`EstablishOutcome::PreviousEnding`]): that copy is taken as stuck, and the next
+    /// [`established`](Self::established) registers over it (and tells it to close), as
+    /// before the rule; its clean-up, if it ever runs, may then undo part of the live
+    /// copy's state. Logged by the driver.
+    pub fn abandon_end(&mut self, session_id: &SessionId) {
+        if let Some(e) = self.sessions.get_mut(session_id) {
+            e.ended = false;
+        }
+    }
+
     /// Tells a session's holder to end (kick). False when not held here or already ending.
     fn end_session(&mut self, id: &SessionId) -> bool {
         let Some(e) = self.sessions.get_mut(id) else {
@@ -1072,12 +1086,16 @@ impl SessionHost {
         session_id: SessionId,
         bindings: Option<BTreeMap<String, String>>,
     ) {
-        if self
+        if let Some(e) = self
             .sessions
-            .get(&session_id)
-            .is_some_and(|e| e.holder == holder)
+            .get_mut(&session_id)
+            .filter(|e| e.holder == holder)
         {
-            self.remove_session(&session_id);
+            // Kept, ending, until its connection closes (`close`): its end's clean-up runs
+            // after this, and a copy restored here meanwhile must wait for it
+            // ([`EstablishOutcome::PreviousEnding`]).
+            e.ending = true;
+            e.ended = true;
         }
         let waiter = self.conns.iter().find_map(|(c, s)| {
             s.waiting
@@ -1150,7 +1168,7 @@ impl SessionHost {
         let e = self
             .sessions
             .get_mut(session_id)
-            .filter(|e| !e.storing)
+            .filter(|e| !e.storing && !e.ended)
             .ok_or(PushError::NotFound)?;
         if message.class == TrafficClass::BestEffort && e.queue.is_congested() {
             self.stats.shed += 1;
@@ -1261,11 +1279,12 @@ impl SessionHost {
 
     fn queue(&mut self, session_id: &SessionId, item: OutboundItem) -> Result<(), PushError> {
         // A session being stored (handed over to nobody) takes nothing more: its snapshot
-        // is written already (what was queued after it is declared lost there).
+        // is written already (what was queued after it is declared lost there). Nor does
+        // one whose end is being cleaned up: what it took would go with it unsaid.
         let e = self
             .sessions
             .get_mut(session_id)
-            .filter(|e| !e.storing)
+            .filter(|e| !e.storing && !e.ended)
             .ok_or(PushError::NotFound)?;
         let (class, len) = (item.class(), item.len());
         let holder = e.holder;
@@ -1774,6 +1793,16 @@ mod tests {
         assert!(host.end_started(&[1; 16], 1));
         assert!(host.is_ending(&[1; 16]));
         assert_eq!(host.session_of(&player), None, "no push finds it");
+        let message = || Downstream {
+            class: TrafficClass::Normal,
+            msg_id: 1,
+            payload: bytes::Bytes::from_static(b"x"),
+        };
+        assert_eq!(
+            host.push(&[1; 16], message()),
+            Err(PushError::NotFound),
+            "nor by its id: it would go with the session unsaid"
+        );
         // A resume asking now is told the session ended.
         host.open(2);
         let attempt = ResumeAttempt::proving(&[9; 16], &[1; 16], 1);
@@ -1798,6 +1827,43 @@ mod tests {
         // The old copy's end, had it come only now, is a stale copy's: it cleans up nothing.
         assert!(!host.end_started(&[1; 16], 1));
         assert!(!host.is_ending(&[1; 16]));
+        assert_eq!(host.push(&[1; 16], message()), Ok(()));
+        host.check_invariants().expect("invariants");
+
+        // A copy that answered a kick (superseded: the session moved away and came back
+        // here) stays, ending, until its connection closes: its end's clean-up runs after
+        // the answer, so a copy restored here meanwhile waits too. Before, the answer
+        // removed the entry and the restore registered at once.
+        let mut host = SessionHost::new(SessionHost::outbound_for_capacity(8));
+        host.open(1);
+        host.established(1, [2; 16], player.clone(), 3);
+        assert_eq!(host.kick_superseded(&[2; 16], 3), SupersededKick::Kicked);
+        host.kicked(1, [2; 16], None);
+        assert_eq!(host.holder_of(&[2; 16]), Some(1));
+        assert!(host.end_started(&[2; 16], 1), "its end cleans up");
+        host.open(2);
+        assert_eq!(
+            host.established(2, [2; 16], player.clone(), 5),
+            EstablishOutcome::PreviousEnding
+        );
+        host.close(1);
+        assert_eq!(
+            host.established(2, [2; 16], player.clone(), 5),
+            EstablishOutcome::Registered
+        );
+        // A previous copy stuck in its end is registered over once the wait is given up.
+        host.open(3);
+        host.end_started(&[2; 16], 2);
+        assert_eq!(
+            host.established(3, [2; 16], player.clone(), 6),
+            EstablishOutcome::PreviousEnding
+        );
+        host.abandon_end(&[2; 16]);
+        assert_eq!(
+            host.established(3, [2; 16], player.clone(), 6),
+            EstablishOutcome::Registered
+        );
+        assert_eq!(host.holder_of(&[2; 16]), Some(3));
         host.check_invariants().expect("invariants");
     }
 

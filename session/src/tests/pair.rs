@@ -163,7 +163,9 @@ impl Edge {
                 }
             }
             for (j, session_id, player_id, fencing) in std::mem::take(&mut self.registering) {
-                progressed |= self.register(j, session_id, player_id, fencing, now);
+                if !self.machines[j].state().is_terminal() {
+                    progressed |= self.register(j, session_id, player_id, fencing, now);
+                }
             }
             if !progressed {
                 break;

@@ -61,7 +61,7 @@
 //! | `P:{T}:owner:<player>` | string | `<fencing> <session hex> <edge>` | live: owner TTL; detached: linger |
 //! | `P:{T}:snap:<session hex>` | hash | `f` fencing, `h`/`p` resume keys (hex, or match tags with the edges' secret), `k`/`q` the keys sealed (with the secret), `n` nonce, `d` the rest (postcard), `c` counters, `r` entry range, `e<seq>` replay entries, `u` push ids (see `snapshots`) | linger |
 //! | `P:{T}:presence:<player>` | string | `<session hex> <edge>` | presence TTL |
-//! | `P:resume-keys` | hash | edge id -> `<Redis ms> <sealing fingerprint or -> <accepted fingerprint or ->` ([`EdgeSecrets`], [`RedisStores::check_resume_key`]; an entry older than 30 s is dropped) | 100 s after the last edge's announcement |
+//! | `P:resume-keys` | hash | edge id -> `<Redis ms> <sealing fingerprint or -> <accepted fingerprint or ->` ([`EdgeSecrets`], [`RedisStores::check_resume_key`]; an entry older than 30 s is dropped) | 300 s after the last announcement |
 //!
 //! Channels: `P:edge:<edge>:kick`, `P:edge:<edge>:push`, `P:reply:<random>` (classic
 //! pub/sub; on a cluster it reaches subscribers on every node).

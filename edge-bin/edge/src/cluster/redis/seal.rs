@@ -143,10 +143,14 @@ impl ResumeKeySeal {
     /// Every tag a record holding `key` for `session_id` may carry: the sealing secret's,
     /// then the accepted one's.
     pub fn match_tags(&self, session_id: &SessionId, key: &ResumeHash) -> Vec<String> {
-        std::iter::once(&self.current)
-            .chain(&self.accepted)
+        self.secrets()
             .map(|s| s.match_tag(session_id, key))
             .collect()
+    }
+
+    /// The sealing secret's keys, then the accepted one's.
+    fn secrets(&self) -> impl Iterator<Item = &SecretKeys> {
+        std::iter::once(&self.current).chain(&self.accepted)
     }
 
     /// `key` sealed for `session_id`.
@@ -177,11 +181,7 @@ impl ResumeKeySeal {
     pub fn open(&self, session_id: &SessionId, sealed: &str) -> Result<ResumeHash, RedisError> {
         let bytes = sealed.strip_prefix(SEALED_PREFIX).and_then(unhex);
         bytes
-            .and_then(|b| {
-                std::iter::once(&self.current)
-                    .chain(&self.accepted)
-                    .find_map(|s| s.open(session_id, &b))
-            })
+            .and_then(|b| self.secrets().find_map(|s| s.open(session_id, &b)))
             .map(ResumeHash)
             .ok_or_else(|| {
                 RedisError::Corrupt(format!(
