@@ -820,8 +820,12 @@ impl ClusterConfig {
 
     /// The second secret read during a rotation: [`REDIS_RESUME_KEY_ACCEPTED_ENV`] when set,
     /// else the first line of `redis_resume_key_accepted_file`, else none. An error without
-    /// a sealing secret, or when it is the sealing secret.
-    pub fn redis_resume_key_accepted(&self) -> Result<Option<std::sync::Arc<[u8]>>, ConfigError> {
+    /// a sealing secret (`sealing`, as [`redis_resume_key`](Self::redis_resume_key) read
+    /// it), or when it is the sealing secret.
+    fn redis_resume_key_accepted(
+        &self,
+        sealing: Option<&[u8]>,
+    ) -> Result<Option<std::sync::Arc<[u8]>>, ConfigError> {
         let invalid = |message: String| ConfigError::Invalid {
             key: "cluster.redis_resume_key_accepted_file",
             message,
@@ -836,13 +840,13 @@ impl ClusterConfig {
         else {
             return Ok(None);
         };
-        match self.redis_resume_key()? {
+        match sealing {
             None => Err(invalid(
                 "an accepted resume-key secret is for a rotation of the sealing one: set \
                  cluster.redis_resume_key_file (or WAYGATE_REDIS_RESUME_KEY) too"
                     .into(),
             )),
-            Some(sealing) if sealing == accepted => Err(invalid(
+            Some(sealing) if sealing == &accepted[..] => Err(invalid(
                 "the accepted resume-key secret is the sealing one (cluster.redis_resume_key_file): \
                  during a rotation one of them is the new secret, the other the old"
                     .into(),
@@ -852,17 +856,21 @@ impl ClusterConfig {
     }
 
     /// The resume-key seal of this edge's Redis records: the sealing secret, with the
-    /// accepted one during a rotation (`None` without a secret).
+    /// accepted one during a rotation (`None` without a secret). Each secret is read once.
     pub fn redis_resume_key_seal(
         &self,
     ) -> Result<Option<crate::cluster::redis::ResumeKeySeal>, ConfigError> {
         use crate::cluster::redis::ResumeKeySeal;
+        let sealing = self.redis_resume_key()?;
         Ok(
-            match (self.redis_resume_key()?, self.redis_resume_key_accepted()?) {
+            match (
+                sealing.as_deref(),
+                self.redis_resume_key_accepted(sealing.as_deref())?,
+            ) {
                 (Some(sealing), Some(accepted)) => {
-                    Some(ResumeKeySeal::rotating(&sealing, &accepted))
+                    Some(ResumeKeySeal::rotating(sealing, &accepted))
                 }
-                (Some(sealing), None) => Some(ResumeKeySeal::new(&sealing)),
+                (Some(sealing), None) => Some(ResumeKeySeal::new(sealing)),
                 (None, _) => None,
             },
         )
@@ -944,8 +952,7 @@ impl ClusterConfig {
                 });
             }
         }
-        let resume_key = self.redis_resume_key()?;
-        self.redis_resume_key_accepted()?;
+        let resume_key = self.redis_resume_key_seal()?;
         let beyond = redis_urls_all
             .clone()
             .find(|(key, url)| redis_target(key, url).is_ok_and(|(local, _)| !local));
