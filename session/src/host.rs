@@ -429,6 +429,10 @@ struct SessionEntry {
     /// it answered a kick): another copy of it is not registered until that connection
     /// closes, and nothing more is queued for it.
     ended: bool,
+    /// A copy of it restored on this connection waits for that
+    /// ([`EstablishOutcome::PreviousEnding`]): a resume asking meanwhile is busy, not told
+    /// the session ended.
+    restoring: Option<ConnTaskId>,
 }
 
 /// A player's inbound limiter and how many of its sessions are held here.
@@ -735,11 +739,12 @@ impl SessionHost {
         player: Arc<str>,
         fencing: u64,
     ) -> EstablishOutcome {
-        if self
+        if let Some(e) = self
             .sessions
-            .get(&session_id)
-            .is_some_and(|e| e.ended && e.holder != conn)
+            .get_mut(&session_id)
+            .filter(|e| e.ended && e.holder != conn)
         {
+            e.restoring = Some(conn);
             return EstablishOutcome::PreviousEnding;
         }
         if let Some(&other) = self.players.get(&player) {
@@ -770,6 +775,7 @@ impl SessionHost {
                 storing: false,
                 restored_push_ids: Vec::new(),
                 ended: false,
+                restoring: None,
             })
         });
         entry.player = player.clone();
@@ -778,6 +784,7 @@ impl SessionHost {
         entry.ending = false;
         entry.superseded = false;
         entry.storing = false;
+        entry.restoring = None;
         let pending = !entry.queue.is_empty() || !entry.kept_over.is_empty() || entry.lost > 0;
         let previous = std::mem::replace(&mut entry.holder, conn);
         if previous != conn {
@@ -879,6 +886,11 @@ impl SessionHost {
         let Some(e) = self.sessions.get_mut(&session_id) else {
             return HandOverStart::NotLocal;
         };
+        if e.restoring.is_some_and(|r| r != conn) {
+            // Restored on another connection, which waits for this copy's end to finish:
+            // the session lives on there in a moment.
+            return HandOverStart::Busy;
+        }
         if e.ending {
             // A copy superseded by a newer claim of the session: the newer owner's snapshot
             // is in the store (this copy's own writes were refused by fencing).
@@ -1807,16 +1819,22 @@ mod tests {
         host.open(2);
         let attempt = ResumeAttempt::proving(&[9; 16], &[1; 16], 1);
         assert_eq!(
-            host.request_hand_over(2, [1; 16], attempt, Instant::now()),
+            host.request_hand_over(2, [1; 16], attempt.clone(), Instant::now()),
             HandOverStart::Ended
         );
-        // One that took the store's copy already waits for the clean-up.
+        // One that took the store's copy already waits for the clean-up; a resume asking
+        // meanwhile is busy (the session lives on there in a moment), not told it ended.
         host.open(3);
         assert_eq!(
             host.established(3, [1; 16], player.clone(), 4),
             EstablishOutcome::PreviousEnding
         );
         assert_eq!(host.holder_of(&[1; 16]), Some(1));
+        host.open(4);
+        assert_eq!(
+            host.request_hand_over(4, [1; 16], attempt.clone(), Instant::now()),
+            HandOverStart::Busy
+        );
         host.close(1);
         assert_eq!(
             host.established(3, [1; 16], player.clone(), 4),
@@ -1864,6 +1882,17 @@ mod tests {
             EstablishOutcome::Registered
         );
         assert_eq!(host.holder_of(&[2; 16]), Some(3));
+        // Registered: a resume of it is a hand-over again, not busy for the wait that was.
+        host.open(4);
+        assert_eq!(
+            host.request_hand_over(
+                4,
+                [2; 16],
+                ResumeAttempt::proving(&[9; 16], &[2; 16], 1),
+                Instant::now()
+            ),
+            HandOverStart::Pending
+        );
         host.check_invariants().expect("invariants");
     }
 
