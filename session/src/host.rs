@@ -594,11 +594,16 @@ impl SessionHost {
         }
     }
 
+    /// `player` no longer finds session `id` here (a newer session of it keeps its name).
+    fn unname(&mut self, player: &str, id: &SessionId) {
+        if self.players.get(player) == Some(id) {
+            self.players.remove(player);
+        }
+    }
+
     fn remove_session(&mut self, id: &SessionId) {
         if let Some(e) = self.sessions.remove(id) {
-            if self.players.get(&e.player) == Some(id) {
-                self.players.remove(&e.player);
-            }
+            self.unname(&e.player, id);
             if let Some(p) = self.limiters.get_mut(&e.player) {
                 p.held = p.held.saturating_sub(1);
                 // A drained limiter outlives the player's last session (a new login must not
@@ -834,9 +839,7 @@ impl SessionHost {
         e.ending = true;
         e.ended = true;
         let player = e.player.clone();
-        if self.players.get(&player) == Some(session_id) {
-            self.players.remove(&player);
-        }
+        self.unname(&player, session_id);
         true
     }
 
@@ -861,9 +864,7 @@ impl SessionHost {
         }
         e.ending = true;
         let (holder, player) = (e.holder, e.player.clone());
-        if self.players.get(&player) == Some(id) {
-            self.players.remove(&player);
-        }
+        self.unname(&player, id);
         // A kick is never refused for a full mailbox: it replaces what is queued that the
         // ending session would no longer act on.
         if let Some(slot) = self.conns.get_mut(&holder) {
@@ -997,9 +998,7 @@ impl SessionHost {
                     s.replay.declare_lost(missing);
                     e.storing = true;
                     let player = e.player.clone();
-                    if self.players.get(&player) == Some(&session_id) {
-                        self.players.remove(&player);
-                    }
+                    self.unname(&player, &session_id);
                 }
                 HandedOver::Orphaned(s)
             }

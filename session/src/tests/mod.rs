@@ -55,6 +55,14 @@ fn expired_of(p: &Pair, c: usize) -> Vec<(u32, u64, Duration)> {
         .collect()
 }
 
+/// One of the edge's session counters, now.
+fn counted(
+    p: &Pair,
+    pick: impl Fn(&crate::counters::SessionCounters) -> &std::sync::atomic::AtomicU64,
+) -> u64 {
+    pick(&p.edge.counters).load(std::sync::atomic::Ordering::Relaxed)
+}
+
 fn login(p: &mut Pair, player: &str) -> usize {
     let c = p.add_client(token_for(player));
     p.connect(c);
@@ -657,13 +665,7 @@ fn replayed_resume_token_is_rejected_and_the_session_untouched() {
         welcome_outcome(&frames),
         Some(WelcomeOutcome::RestoreFailedNewSession)
     );
-    assert_eq!(
-        p.edge
-            .counters
-            .restore_failed_new_session
-            .load(std::sync::atomic::Ordering::Relaxed),
-        1
-    );
+    assert_eq!(counted(&p, |c| &c.restore_failed_new_session), 1);
 }
 
 #[test]
@@ -1376,13 +1378,7 @@ fn second_login_kicks_the_first_and_takes_over_bindings() {
         p.edge.store.is_empty(),
         "kicked snapshot no longer resumable"
     );
-    assert_eq!(
-        p.edge
-            .counters
-            .kicked
-            .load(std::sync::atomic::Ordering::Relaxed),
-        2
-    );
+    assert_eq!(counted(&p, |c| &c.kicked), 2);
 }
 
 #[test]
@@ -1857,11 +1853,7 @@ fn a_resume_is_never_served_a_stale_copy_while_the_live_session_is_held_here() {
 #[test]
 fn a_slow_answer_keeps_the_client_link_alive_with_acks() {
     let (mut p, c, sid) = awaiting_answers(1, "slow");
-    let acks_before = p
-        .edge
-        .counters
-        .acks_sent
-        .load(std::sync::atomic::Ordering::Relaxed);
+    let acks_before = counted(&p, |c| &c.acks_sent);
     for _ in 0..30 {
         p.advance(Duration::from_millis(100));
     }
@@ -1871,11 +1863,7 @@ fn a_slow_answer_keeps_the_client_link_alive_with_acks() {
         "3 s without an answer, the link lives"
     );
     assert_eq!(welcomed(&p, c), vec![WelcomeOutcome::NewSession]);
-    let keepalives = p
-        .edge
-        .counters
-        .answer_keepalives
-        .load(std::sync::atomic::Ordering::Relaxed);
+    let keepalives = counted(&p, |c| &c.answer_keepalives);
     assert_eq!(keepalives, 6, "one keep-alive ACK per 500 ms for 3 s");
     assert_eq!(p.peers[c].client.unacked_len(), 1, "still unanswered");
     let now = p.now;
@@ -1883,19 +1871,12 @@ fn a_slow_answer_keeps_the_client_link_alive_with_acks() {
     p.drive(c);
     p.advance(Duration::from_millis(50));
     assert_eq!(p.peers[c].client.unacked_len(), 0);
-    let acks = p
-        .edge
-        .counters
-        .acks_sent
-        .load(std::sync::atomic::Ordering::Relaxed);
+    let acks = counted(&p, |c| &c.acks_sent);
     for _ in 0..30 {
         p.advance(Duration::from_millis(100));
     }
     assert_eq!(
-        p.edge
-            .counters
-            .acks_sent
-            .load(std::sync::atomic::Ordering::Relaxed),
+        counted(&p, |c| &c.acks_sent),
         acks,
         "nothing waits: no keep-alive"
     );

@@ -584,18 +584,24 @@ mod tests {
         }
     }
 
-    /// A message refused `stale_epoch` and routed again after its session ended here is not
-    /// sent (it would open the session on the new instance again, for good): before, the
-    /// re-route checked nothing and forwarded it.
-    #[test]
-    fn a_message_routed_again_after_its_session_ended_is_not_sent() {
+    /// A table holding session `sid` with its message 1 forwarded (and not yet answered).
+    fn forwarding(sid: SessionId) -> Sessions {
         let mut t = Sessions::default();
-        let sid = [2; 16];
         t.open(&sid, "p", "e");
         assert!(matches!(
             t.admit_forward(&sid, 1, &target(1), true),
             Admitted::Go
         ));
+        t
+    }
+
+    /// A message refused `stale_epoch` and routed again after its session ended here is not
+    /// sent (it would open the session on the new instance again, for good): before, the
+    /// re-route checked nothing and forwarded it.
+    #[test]
+    fn a_message_routed_again_after_its_session_ended_is_not_sent() {
+        let sid = [2; 16];
+        let mut t = forwarding(sid);
         t.remove(&sid);
         for track in [true, false] {
             assert_eq!(
@@ -612,13 +618,8 @@ mod tests {
     #[test]
     fn a_moving_session_forwards_nothing_more() {
         let now = tokio::time::Instant::now();
-        let mut t = Sessions::default();
         let sid = [3; 16];
-        t.open(&sid, "p", "e");
-        assert!(matches!(
-            t.admit_forward(&sid, 1, &target(1), true),
-            Admitted::Go
-        ));
+        let mut t = forwarding(sid);
         let Admitted::Wait(wake) = t.admit_forward(&sid, 2, &target(2), true) else {
             panic!("2 waits for 1 (another epoch)");
         };
