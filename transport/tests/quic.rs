@@ -77,6 +77,21 @@ async fn quic_100_connections_1000_frames_each() {
     .await;
 }
 
+/// The kernel's receive buffer (`rb` of `ss -m`) of the UDP socket bound at `port`.
+fn udp_receive_buffer(port: u16) -> Option<u64> {
+    let out = std::process::Command::new("ss")
+        .args(["-uamnH"])
+        .arg(format!("sport = :{port}"))
+        .output()
+        .expect("ss runs (iproute2; scripts/test.sh installs it)");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let skmem = text.split("skmem:(").nth(1)?.split(')').next()?;
+    skmem
+        .split(',')
+        .find_map(|f| f.strip_prefix("rb"))
+        .and_then(|v| v.parse().ok())
+}
+
 /// Connections sharing a client socket are separate connections: each gets its own frames,
 /// and closing one leaves the others on that socket working.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -101,6 +116,15 @@ async fn connections_on_shared_client_sockets_stay_apart() {
     let locals: std::collections::BTreeSet<SocketAddr> =
         conns.iter().map(|c| c.info().local).collect();
     assert_eq!(locals.len(), 3, "{locals:?}");
+    // Each shared socket has the receive buffer a listener's socket gets: with the default
+    // one, the kernel dropped handshake bursts (W6: a connect in 3,000 timed out).
+    let listener_like = waygate_transport::udp::bind_udp("127.0.0.1:0".parse().unwrap()).unwrap();
+    let wanted = socket2::SockRef::from(&listener_like)
+        .recv_buffer_size()
+        .unwrap() as u64;
+    for local in &locals {
+        assert_eq!(udp_receive_buffer(local.port()), Some(wanted), "{local}");
+    }
     conns[0].close(CloseCode::Normal, "done").await;
     for (i, conn) in conns.iter_mut().enumerate().skip(1) {
         let ping = Frame::Ping {
