@@ -41,8 +41,9 @@ thread_local! {
 /// and the connection's receive future are sized for what an idle session awaits.
 const WS_BOUND: f64 = 7.0 * 1024.0;
 /// Edge heap of an idle QUIC session after one echo (a regression guard: quinn holds most;
-/// 46.0 KB measured).
-const QUIC_BOUND: f64 = 46.8 * 1024.0;
+/// 46.0 KB measured while quinn kept a 10-packet send buffer per connection for segmentation
+/// offload, 35.2 KB since it is off by default).
+const QUIC_BOUND: f64 = 35.5 * 1024.0;
 /// Bound of a WebSocket connection whose upgrade has not arrived: 48.5 KiB before its
 /// handshake future was boxed (held twice, sized for wss), 12.6 KiB after (tungstenite's
 /// handshake buffers are 8 KiB of it).
