@@ -301,7 +301,8 @@ struct Session {
     /// Bytes of messages the reader can still take (`inbound_queue_bytes`).
     credit_bytes: usize,
     send_blocked: bool,
-    /// The earliest live timer entry of this session.
+    /// The session's one live timer entry: its next deadline (other heap entries of the
+    /// session are stale).
     scheduled: Option<Instant>,
     /// An ACK is owed for a delivered message and waits (at most until then) for a send
     /// to carry it.
@@ -553,7 +554,20 @@ impl KcpEndpoint {
     }
 
     /// When [`KcpEndpoint::handle_timeout`] must be called next (`None`: nothing scheduled).
-    pub fn poll_timeout(&self) -> Option<Instant> {
+    ///
+    /// Entries a session no longer waits for (its deadline moved, or it ended) are dropped
+    /// here rather than woken for: a driver sleeping until one would wake for nothing.
+    pub fn poll_timeout(&mut self) -> Option<Instant> {
+        while let Some(&Reverse((t, key))) = self.timers.peek() {
+            if self
+                .sessions
+                .get(&key)
+                .is_some_and(|s| s.scheduled == Some(t))
+            {
+                break;
+            }
+            self.timers.pop();
+        }
         let session = self.timers.peek().map(|Reverse((t, _))| *t);
         let handshake = self.client.as_ref().and_then(|c| match c.state {
             Handshake::Done => None,
@@ -1168,9 +1182,12 @@ impl KcpEndpoint {
             }
             State::Closing { deadline, .. } => consider(deadline),
         }
-        if let Some(next) = next {
-            if s.scheduled.is_none_or(|t| next < t) {
-                s.scheduled = Some(next);
+        // The session's deadline is exactly `next`, later ones included: an ACK that left
+        // with a reply, or a send acknowledged, must not leave the driver a wake-up for
+        // nothing (W5: two per PING/PONG exchange); the superseded entry goes stale.
+        if s.scheduled != next {
+            s.scheduled = next;
+            if let Some(next) = next {
                 self.timers.push(Reverse((next, key)));
             }
         }

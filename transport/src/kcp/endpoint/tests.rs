@@ -160,7 +160,7 @@ impl Net {
             .collect()
     }
 
-    fn next_time(&self) -> Option<Instant> {
+    fn next_time(&mut self) -> Option<Instant> {
         let mut next = self.in_flight.iter().map(|p| p.at).min();
         let mut consider = |t: Option<Instant>| {
             if let Some(t) = t {
@@ -168,7 +168,7 @@ impl Net {
             }
         };
         consider(self.server.poll_timeout());
-        for (_, ep) in &self.clients {
+        for (_, ep) in &mut self.clients {
             consider(ep.poll_timeout());
         }
         next
@@ -890,6 +890,60 @@ fn the_ack_of_a_message_rides_with_its_reply_or_leaves_after_the_delay() {
     let mark = net.client_sends(0, ckey, 1);
     net.run_until(|n| !n.server_messages(skey).is_empty());
     assert_eq!(net.replies_since(mark).len(), 1, "ACK at once");
+}
+
+/// A PING answered at once leaves the server no wake-up before its idle deadline: not at the
+/// ACK delay (the ACK left with the reply), and not at the engine's resend check once the
+/// client acknowledged the reply (W5: those two wake-ups per PING/PONG exchange did nothing
+/// and were a third of an idle KCP edge's CPU).
+#[test]
+fn an_answered_ping_leaves_no_wake_up_before_the_idle_deadline() {
+    let (mut net, ckey, skey) = pair();
+    net.settle(Duration::from_millis(500));
+    let delay = Duration::from_millis(KcpConfig::fast().ack_delay_ms);
+    net.client_sends(0, ckey, 1);
+    net.run_until(|n| !n.server_messages(skey).is_empty());
+    let delivered_at = net.now;
+    net.server
+        .send(delivered_at, skey, &frame_bytes(2, 50))
+        .expect("reply");
+    net.collect();
+    let next = net
+        .server
+        .poll_timeout()
+        .expect("a resend check while unacknowledged");
+    assert!(
+        next > delivered_at + delay,
+        "a wake-up {:?} after the delivery, for an ACK already sent",
+        next - delivered_at
+    );
+    // The reply and the client's ACK of it arrive at once (a fast network).
+    for _ in 0..2 {
+        net.collect();
+        let now = net.now;
+        for p in std::mem::take(&mut net.in_flight) {
+            if p.to == net.server_addr {
+                net.server.handle_datagram(now, p.from, &p.payload);
+            } else if let Some((_, ep)) = net.clients.iter_mut().find(|(a, _)| *a == p.to) {
+                ep.handle_datagram(now, p.from, &p.payload);
+            }
+        }
+    }
+    net.collect();
+    assert_eq!(net.client_messages(0, ckey).len(), 1, "the reply arrived");
+    let server_session = net.server.sessions.get(&skey).expect("session");
+    assert_eq!(
+        server_session.kcp.wait_snd(),
+        0,
+        "the reply is acknowledged"
+    );
+    let now = net.now;
+    let next = net.server.poll_timeout().expect("idle deadline");
+    assert!(
+        next >= now + IDLE - Duration::from_secs(1),
+        "the server wakes in {:?}",
+        next - now
+    );
 }
 
 #[test]
