@@ -192,13 +192,7 @@ impl Net {
             self.in_flight = later;
             due
         };
-        for p in due {
-            if p.to == self.server_addr {
-                self.server.handle_datagram(now, p.from, &p.payload);
-            } else if let Some((_, ep)) = self.clients.iter_mut().find(|(a, _)| *a == p.to) {
-                ep.handle_datagram(now, p.from, &p.payload);
-            }
-        }
+        self.deliver(now, due);
         if self.server.poll_timeout().is_some_and(|t| t <= now) {
             self.server.handle_timeout(now);
         }
@@ -209,6 +203,17 @@ impl Net {
         }
         self.collect();
         true
+    }
+
+    /// Hands `packets` to their endpoints at `now`.
+    fn deliver(&mut self, now: Instant, packets: Vec<Packet>) {
+        for p in packets {
+            if p.to == self.server_addr {
+                self.server.handle_datagram(now, p.from, &p.payload);
+            } else if let Some((_, ep)) = self.clients.iter_mut().find(|(a, _)| *a == p.to) {
+                ep.handle_datagram(now, p.from, &p.payload);
+            }
+        }
     }
 
     /// Steps until `done` holds (bounded by steps and virtual time).
@@ -920,14 +925,8 @@ fn an_answered_ping_leaves_no_wake_up_before_the_idle_deadline() {
     // The reply and the client's ACK of it arrive at once (a fast network).
     for _ in 0..2 {
         net.collect();
-        let now = net.now;
-        for p in std::mem::take(&mut net.in_flight) {
-            if p.to == net.server_addr {
-                net.server.handle_datagram(now, p.from, &p.payload);
-            } else if let Some((_, ep)) = net.clients.iter_mut().find(|(a, _)| *a == p.to) {
-                ep.handle_datagram(now, p.from, &p.payload);
-            }
-        }
+        let in_flight = std::mem::take(&mut net.in_flight);
+        net.deliver(net.now, in_flight);
     }
     net.collect();
     assert_eq!(net.client_messages(0, ckey).len(), 1, "the reply arrived");
@@ -937,11 +936,15 @@ fn an_answered_ping_leaves_no_wake_up_before_the_idle_deadline() {
         0,
         "the reply is acknowledged"
     );
-    let now = net.now;
-    let next = net.server.poll_timeout().expect("idle deadline");
+    assert_idle_deadline_next(net.now, net.server.poll_timeout(), "server");
+}
+
+/// The next deadline is the idle timeout's, ~`IDLE` from `now`.
+fn assert_idle_deadline_next(now: Instant, next: Option<Instant>, who: &str) {
+    let next = next.expect("idle deadline");
     assert!(
         next >= now + IDLE - Duration::from_secs(1),
-        "the server wakes in {:?}",
+        "{who} wakes in {:?}",
         next - now
     );
 }
@@ -958,18 +961,8 @@ fn an_idle_session_schedules_no_timer_work() {
     net.settle(Duration::from_millis(500));
     // Everything acked: the only deadline left is the idle timeout, ~30 s away.
     let now = net.now;
-    let next = net.server.poll_timeout().expect("idle deadline");
-    assert!(
-        next >= now + IDLE - Duration::from_secs(1),
-        "server wakes in {:?}",
-        next - now
-    );
-    let next = net.clients[0].1.poll_timeout().expect("idle deadline");
-    assert!(
-        next >= now + IDLE - Duration::from_secs(1),
-        "client wakes in {:?}",
-        next - now
-    );
+    assert_idle_deadline_next(now, net.server.poll_timeout(), "server");
+    assert_idle_deadline_next(now, net.clients[0].1.poll_timeout(), "client");
 
     // Without an idle timeout: nothing at all.
     let conn = ConnConfig {
