@@ -636,8 +636,10 @@ pub async fn connect_quic(
     connect_quic_on(&endpoint, addr, host, tls, quic, config).await
 }
 
-/// Connection ids of 8 random bytes. quinn's default generator puts 3 random bytes in its
-/// 8 (the rest is a keyed hash, to drop stray packets cheaply), so an endpoint with tens of
+/// Connection ids of 8 random bytes, for the listeners and the shared client sockets (a
+/// single client connection's endpoint keeps quinn's default: the ids that matter here are
+/// those of the side that sends the Retry). quinn's default generator puts 3 random bytes
+/// in its 8 (the rest is a keyed hash, to drop stray packets cheaply), so an endpoint with tens of
 /// thousands of live ids hands out one already in use about once in a thousand: the
 /// source id of a Retry that collides routes the client's next Initials to the connection
 /// holding that id, which discards them, and the connect hangs until its timeout (W6: 1 to
@@ -738,6 +740,9 @@ impl QuicClientSockets {
         quic: &QuicConfig,
         config: &ConnConfig,
     ) -> Result<BoxConnection, TransportError> {
+        // An IPv4-mapped address goes over an IPv4 socket: the shared sockets are bound
+        // v6-only (`bind_udp`).
+        let addr = SocketAddr::new(addr.ip().to_canonical(), addr.port());
         let endpoint = self.pick(addr)?;
         connect_quic_on(&endpoint, addr, host, tls, quic, config).await
     }

@@ -559,11 +559,7 @@ impl KcpEndpoint {
     /// here rather than woken for: a driver sleeping until one would wake for nothing.
     pub fn poll_timeout(&mut self) -> Option<Instant> {
         while let Some(&Reverse((t, key))) = self.timers.peek() {
-            if self
-                .sessions
-                .get(&key)
-                .is_some_and(|s| s.scheduled == Some(t))
-            {
+            if self.is_live_timer(t, key) {
                 break;
             }
             self.timers.pop();
@@ -1201,6 +1197,14 @@ impl KcpEndpoint {
         }
     }
 
+    /// Whether the heap entry (`t`, `key`) is its session's live deadline (a session has one;
+    /// entries it superseded, and those of ended sessions, are stale).
+    fn is_live_timer(&self, t: Instant, key: ConvKey) -> bool {
+        self.sessions
+            .get(&key)
+            .is_some_and(|s| s.scheduled == Some(t))
+    }
+
     /// Timers due at `now` fire.
     pub fn handle_timeout(&mut self, now: Instant) {
         self.client_timer(now);
@@ -1214,13 +1218,12 @@ impl KcpEndpoint {
                 break;
             }
             self.timers.pop();
-            let Some(s) = self.sessions.get_mut(&key) else {
-                continue;
-            };
-            if s.scheduled != Some(t) {
+            if !self.is_live_timer(t, key) {
                 continue; // stale
             }
-            s.scheduled = None;
+            if let Some(s) = self.sessions.get_mut(&key) {
+                s.scheduled = None;
+            }
             self.service(now, key);
         }
     }

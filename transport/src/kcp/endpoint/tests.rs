@@ -981,11 +981,54 @@ fn an_idle_session_schedules_no_timer_work() {
     net.settle(Duration::from_millis(500));
     assert_eq!(net.server.poll_timeout(), None);
     assert_eq!(net.clients[0].1.poll_timeout(), None);
+}
+
+/// Superseded timer entries below a live one stay bounded: a busy session's exchanges leave
+/// stale entries under a quiet session's earlier deadline, and the heap is rebuilt past
+/// 4 entries per session plus 1,024; the quiet session's deadline survives it.
+#[test]
+fn stale_timer_entries_stay_bounded_under_a_live_deadline() {
+    let (mut net, _quiet_ckey, quiet_skey) = pair();
+    net.add_client(KcpConfig::fast(), conn_cfg());
+    let (busy_ckey, busy_skey) = net.connect(1);
+    net.settle(Duration::from_millis(500));
+    let quiet_deadline = {
+        let s = net.server.sessions.get(&quiet_skey).expect("quiet session");
+        s.last_rx + IDLE
+    };
+    let mut most = 0;
+    for i in 0..1_500u64 {
+        let now = net.now;
+        net.clients[1]
+            .1
+            .send(now, busy_ckey, &frame_bytes(i, 20))
+            .expect("send");
+        net.run_until(|n| !n.server_messages(busy_skey).is_empty());
+        net.server_events.clear();
+        let now = net.now;
+        net.server.consumed(now, busy_skey, 1, 20);
+        net.server
+            .send(now, busy_skey, &frame_bytes(i, 20))
+            .expect("reply");
+        net.run_until(|n| !n.client_messages(1, busy_ckey).is_empty());
+        net.client_events[1].clear();
+        let now = net.now;
+        net.clients[1].1.consumed(now, busy_ckey, 1, 20);
+        most = most.max(net.server.timers.len());
+    }
+    assert!(net.now < quiet_deadline, "the quiet session is still live");
     assert!(
-        net.server.timers.len() <= 16,
-        "stale timer entries: {}",
-        net.server.timers.len()
+        most <= 4 * net.server.sessions.len() + 1_025,
+        "timer heap reached {most} entries for {} sessions",
+        net.server.sessions.len()
     );
+    assert!(
+        most > 100,
+        "stale entries did pile up ({most}): the bound was exercised"
+    );
+    // Once the busy session's last reply is acknowledged, the quiet one's deadline is next.
+    net.settle(Duration::from_millis(500));
+    assert_eq!(net.server.poll_timeout(), Some(quiet_deadline));
 }
 
 /// An idle session gives its engine's output buffer back (issue 17, W4: ~4.2 KiB of an
