@@ -84,7 +84,7 @@ pub struct QuicConfig {
     /// Hand the kernel up to 10 packets of a connection in one send (UDP segmentation
     /// offload). quinn then keeps a send buffer of 10 packets (~13 KiB) for the connection's
     /// whole life; game traffic seldom has more than one packet ready at a time, so it is off
-    /// by default (W4: a third of an idle QUIC session's memory).
+    /// by default (W4: a quarter of an idle QUIC session's heap).
     pub segmentation_offload: bool,
 }
 

@@ -1198,7 +1198,8 @@ impl KcpEndpoint {
     }
 
     /// Whether the heap entry (`t`, `key`) is its session's live deadline (a session has one;
-    /// entries it superseded, and those of ended sessions, are stale).
+    /// entries it superseded, and those of ended sessions, are stale; `handle_timeout` makes
+    /// the same test as it takes the entry).
     fn is_live_timer(&self, t: Instant, key: ConvKey) -> bool {
         self.sessions
             .get(&key)
@@ -1218,11 +1219,9 @@ impl KcpEndpoint {
                 break;
             }
             self.timers.pop();
-            if !self.is_live_timer(t, key) {
-                continue; // stale
-            }
-            if let Some(s) = self.sessions.get_mut(&key) {
-                s.scheduled = None;
+            match self.sessions.get_mut(&key) {
+                Some(s) if s.scheduled == Some(t) => s.scheduled = None,
+                _ => continue, // stale
             }
             self.service(now, key);
         }

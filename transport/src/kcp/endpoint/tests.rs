@@ -899,8 +899,8 @@ fn the_ack_of_a_message_rides_with_its_reply_or_leaves_after_the_delay() {
 
 /// A PING answered at once leaves the server no wake-up before its idle deadline: not at the
 /// ACK delay (the ACK left with the reply), and not at the engine's resend check once the
-/// client acknowledged the reply (W5: those two wake-ups per PING/PONG exchange did nothing
-/// and were a third of an idle KCP edge's CPU).
+/// client acknowledged the reply (W5: those two wake-ups per PING/PONG exchange did nothing;
+/// without them an idle KCP edge spends ~12% less CPU).
 #[test]
 fn an_answered_ping_leaves_no_wake_up_before_the_idle_deadline() {
     let (mut net, ckey, skey) = pair();
