@@ -575,6 +575,166 @@ async fn a_redis_that_came_back_empty_costs_a_group_commit_a_few_round_trips() {
     assert!(reads <= 25, "{reads} reads for one group commit");
 }
 
+/// On one Redis a group commit's deltas are one script call for all of them, its
+/// arguments packed (scale-out issue, item 2): before, each session's delta was a call of
+/// its own with its three keys and a dozen arguments (~300 bytes beside a 64 B entry; the
+/// W2 bench measured 485 bytes into Redis per echo). Each delta still gets its own answer:
+/// a session fenced by a newer claim is refused, one whose stored record is gone is
+/// written whole, and the owner record of a session that owns its player expires with the
+/// snapshot, as when each was a call of its own.
+#[tokio::test]
+async fn a_group_commit_on_one_redis_sends_its_deltas_in_one_packed_call() {
+    const N: u8 = 50;
+    let server = RedisServer::start();
+    let s = stores(&server).await;
+    let mut c = raw_connection(&server).await;
+    let ttl = Duration::from_secs(60);
+    let mut snaps = Vec::new();
+    for i in 0..N {
+        let p = format!("group-{i}");
+        let g = s
+            .ownership
+            .claim(&p, &session_id_of(&p, i), "e1")
+            .await
+            .expect("claim");
+        snaps.push(snapshot(i, &p, g.fencing));
+    }
+    let whole: Vec<SnapshotWrite> = snaps.iter().cloned().map(SnapshotWrite::whole).collect();
+    assert!(s
+        .snapshots
+        .put_many(&whole, ttl)
+        .await
+        .iter()
+        .all(Result::is_ok));
+    // Player 7 claimed by a newer session since; session 13's record is gone; player 0's
+    // owner record made persistent, so the write's expiry shows.
+    s.ownership
+        .claim("group-7", &session_id_of("group-7", 200), "e2")
+        .await
+        .expect("newer claim");
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut c)
+        .await
+        .expect("keys");
+    let hex13: String = snaps[13]
+        .session_id
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let snap13 = keys
+        .iter()
+        .find(|k| k.ends_with(&hex13))
+        .expect("session 13's key");
+    let owner0 = keys
+        .iter()
+        .find(|k| k.contains(":owner:") && k.ends_with(":group-0"))
+        .expect("player 0's owner record");
+    let _: () = redis::cmd("DEL")
+        .arg(snap13)
+        .query_async(&mut c)
+        .await
+        .expect("del");
+    let _: () = redis::cmd("PERSIST")
+        .arg(owner0)
+        .query_async(&mut c)
+        .await
+        .expect("persist");
+    let deltas: Vec<SnapshotWrite> = snaps
+        .iter()
+        .map(|since| {
+            let mut now = since.clone();
+            now.replay
+                .push(TrafficClass::Normal, 9, Bytes::from(vec![0x5a; 64]));
+            SnapshotWrite {
+                snapshot: now,
+                since: Some(Box::new(since.clone())),
+            }
+        })
+        .collect();
+    // The scripts are loaded already: the whole writes above, and one delta.
+    let warm = [deltas[1].clone()];
+    assert_eq!(s.snapshots.put_many(&warm, ttl).await, vec![Ok(())]);
+    let mut deltas = deltas;
+    deltas[1] = SnapshotWrite {
+        snapshot: deltas[1].snapshot.clone(),
+        since: Some(Box::new(deltas[1].snapshot.clone())),
+    };
+    let calls = |info: &str, cmd: &str| -> u64 {
+        info.lines()
+            .find_map(|l| l.strip_prefix(&format!("cmdstat_{cmd}:calls=")))
+            .and_then(|v| v.split(',').next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    let stats = |c: &mut redis::aio::MultiplexedConnection| {
+        let mut c = c.clone();
+        async move {
+            let info: String = redis::cmd("INFO")
+                .arg("commandstats")
+                .query_async(&mut c)
+                .await
+                .expect("info");
+            info
+        }
+    };
+    let before_info = stats(&mut c).await;
+    let results = s.snapshots.put_many(&deltas, ttl).await;
+    let after_info = stats(&mut c).await;
+    for (i, r) in results.iter().enumerate() {
+        if i == 7 {
+            assert_eq!(r, &Err(StoreError::Fenced), "write {i}");
+        } else {
+            assert_eq!(r, &Ok(()), "write {i}");
+            assert_eq!(
+                s.snapshots.get(&deltas[i].snapshot.session_id).await,
+                Ok(Some(deltas[i].snapshot.clone())),
+                "write {i}"
+            );
+        }
+    }
+    let owner_ttl: i64 = redis::cmd("PTTL")
+        .arg(owner0)
+        .query_async(&mut c)
+        .await
+        .expect("pttl");
+    assert!(
+        owner_ttl > 0 && owner_ttl <= 60_000,
+        "player 0's owner record expires with its snapshot: pttl {owner_ttl}"
+    );
+    // One EVALSHA for the 50 deltas; session 13 again, whole (EVAL, as every write made
+    // whole after its base was found missing).
+    assert_eq!(
+        calls(&after_info, "evalsha") - calls(&before_info, "evalsha"),
+        1
+    );
+    assert_eq!(calls(&after_info, "eval") - calls(&before_info, "eval"), 1);
+    // What a group commit of 64 B messages costs Redis now: the next message of each.
+    let next: Vec<SnapshotWrite> = deltas
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != 7)
+        .map(|(_, w)| {
+            let mut now = w.snapshot.clone();
+            now.replay
+                .push(TrafficClass::Normal, 10, Bytes::from(vec![0xa5; 64]));
+            SnapshotWrite {
+                snapshot: now,
+                since: Some(Box::new(w.snapshot.clone())),
+            }
+        })
+        .collect();
+    let before = redis_input_bytes(&mut c).await;
+    let results = s.snapshots.put_many(&next, ttl).await;
+    let bytes = redis_input_bytes(&mut c).await - before;
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    let per_delta = bytes / next.len() as u64;
+    eprintln!(
+        "{} deltas of one 64 B entry: {bytes} bytes into Redis (and one INFO), {per_delta} per delta",
+        next.len()
+    );
+    assert!(per_delta < 160, "{per_delta} bytes per 64 B delta");
+}
+
 /// Write-through cost is bounded by what changed (scale-out issue, item 2): a session whose
 /// client holds 200 unacknowledged messages of 1 KiB costs one whole write of them, and
 /// then each new message costs Redis its own bytes plus the session's header, not the

@@ -21,7 +21,9 @@ use async_trait::async_trait;
 use redis::{AsyncCommands as _, Script};
 use waygate_protocol::frame::SessionId;
 use waygate_session::replay::{ReplayCounters, ReplayEntry};
-use waygate_session::resume::{hex_id, player_store_tag, session_store_tag, ResumeHash};
+use waygate_session::resume::{
+    hex_id, player_store_tag, session_store_tag, ResumeHash, STORE_TAG_LEN,
+};
 use waygate_session::seq::RecvWindow;
 use waygate_session::store::{
     ResumeKeys, Snapshot, SnapshotStore, SnapshotWrite, StoreError, TakeOutcome,
@@ -30,19 +32,37 @@ use waygate_session::store::{
 use super::conn::{ms, Conn};
 use super::{RedisConfig, RedisError};
 
-/// The end of both write scripts (KEYS: fence, snap, owner; ARGV[1] fencing, ARGV[2] ttl
-/// ms): the snapshot expires after the linger time, and so does the player's owner record
-/// if this session owns it (the owner record starts with "<fencing> <session hex> ", the
-/// session hex ends the snapshot's key). Returns 1 (written).
-macro_rules! expire_with_the_snapshot {
+/// Lua shared by the write scripts. `expire_with_the_snapshot`: the snapshot expires after
+/// the linger time, and so does the player's owner record if this session owns it (the
+/// owner record starts with "<fencing> <session hex> ", the session hex ends the
+/// snapshot's key). `apply_delta`: PUT_DELTA's check and writes for one session (see
+/// PUT_DELTA_LUA), answering 1 (applied), 0 (fenced) or 2 (base missing).
+macro_rules! write_functions {
     () => {
-        r#"redis.call('PEXPIRE', KEYS[2], ARGV[2])
-local owner = ARGV[1] .. ' ' .. string.match(KEYS[2], '[^:]*$') .. ' '
-local cur = redis.call('GET', KEYS[3])
-if cur and string.sub(cur, 1, #owner) == owner then
-  redis.call('PEXPIRE', KEYS[3], ARGV[2])
+        r#"
+local function expire_with_the_snapshot(snap, owner, fencing, ttl)
+  redis.call('PEXPIRE', snap, ttl)
+  local o = fencing .. ' ' .. string.match(snap, '[^:]*$') .. ' '
+  local cur = redis.call('GET', owner)
+  if cur and string.sub(cur, 1, #o) == o then
+    redis.call('PEXPIRE', owner, ttl)
+  end
 end
-return 1
+local function apply_delta(fence, snap, owner, fencing, ttl, from, to, data, counters, dropped, added)
+  local f = tonumber(fencing)
+  local c = redis.call('GET', fence)
+  if c and tonumber(c) > f then return 0 end
+  local v = redis.call('HMGET', snap, 'f', 'r')
+  if not v[1] then return 2 end
+  if tonumber(v[1]) > f then return 0 end
+  if tonumber(v[1]) ~= f or v[2] ~= from then return 2 end
+  for i = 1, #dropped do redis.call('HDEL', snap, dropped[i]) end
+  for i = 1, #added, 2 do redis.call('HSET', snap, added[i], added[i + 1]) end
+  if data ~= '' then redis.call('HSET', snap, 'd', data) end
+  redis.call('HSET', snap, 'r', to, 'c', counters)
+  expire_with_the_snapshot(snap, owner, fencing, ttl)
+  return 1
+end
 "#
     };
 }
@@ -52,9 +72,9 @@ return 1
 /// entries (and `u`).
 /// Replaces the whole record. Returns 1 (written) or 0 (fenced: the player or the stored
 /// snapshot is newer). A written snapshot's session, if it owns the player, gets its owner
-/// record's expiry set to the snapshot's (the linger time starts now): the owner record
-/// starts with "<fencing> <session hex> ", the session hex ends the snapshot's key.
+/// record's expiry set to the snapshot's (the linger time starts now).
 const PUT_LUA: &str = concat!(
+    write_functions!(),
     r#"
 local f = tonumber(ARGV[1])
 local c = redis.call('GET', KEYS[1])
@@ -64,8 +84,9 @@ if sf and tonumber(sf) > f then return 0 end
 redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[2], 'f', ARGV[1], 'h', ARGV[3], 'p', ARGV[4], 'n', ARGV[6], 'd', ARGV[5], 'r', ARGV[7], 'c', ARGV[8])
 for i = 9, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
-"#,
-    expire_with_the_snapshot!()
+expire_with_the_snapshot(KEYS[2], KEYS[3], ARGV[1], ARGV[2])
+return 1
+"#
 );
 
 /// KEYS: fence, snap, owner. ARGV: fencing, ttl ms, the entry range the delta starts from,
@@ -74,21 +95,41 @@ for i = 9, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
 /// changed). Returns 1 (applied), 0 (fenced) or 2 (the stored record is not the one the
 /// delta starts from: write it whole). The owner record's expiry as in PUT.
 const PUT_DELTA_LUA: &str = concat!(
+    write_functions!(),
     r#"
-local f = tonumber(ARGV[1])
-local c = redis.call('GET', KEYS[1])
-if c and tonumber(c) > f then return 0 end
-local v = redis.call('HMGET', KEYS[2], 'f', 'r')
-if not v[1] then return 2 end
-if tonumber(v[1]) > f then return 0 end
-if tonumber(v[1]) ~= f or v[2] ~= ARGV[3] then return 2 end
 local k = tonumber(ARGV[7])
-for i = 8, 7 + k do redis.call('HDEL', KEYS[2], ARGV[i]) end
-for i = 8 + k, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
-if ARGV[5] ~= '' then redis.call('HSET', KEYS[2], 'd', ARGV[5]) end
-redis.call('HSET', KEYS[2], 'r', ARGV[4], 'c', ARGV[6])
-"#,
-    expire_with_the_snapshot!()
+local dropped, added = {}, {}
+for i = 8, 7 + k do dropped[#dropped + 1] = ARGV[i] end
+for i = 8 + k, #ARGV do added[#added + 1] = ARGV[i] end
+return apply_delta(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], dropped, added)
+"#
+);
+
+/// PUT_DELTA for many sessions in one call, on one Redis (not a cluster: the keys are
+/// named here, from the session ids, not declared). ARGV: ttl ms, the key prefix, the
+/// store tag's length in bytes, then the deltas packed by [`pack_deltas`]. Returns one
+/// answer per delta, in order, as PUT_DELTA's.
+const PUT_DELTAS_LUA: &str = concat!(
+    write_functions!(),
+    r#"
+local ttl, prefix, tag, b = ARGV[1], ARGV[2], 2 * tonumber(ARGV[3]), ARGV[4]
+local n, pos = struct.unpack('>I2', b)
+local out = {}
+for s = 1, n do
+  local sid, player, fencing, from, to, data, counters, k, m
+  sid, player, fencing, from, to, pos = struct.unpack('>I1c0I2c0I1c0I1c0I1c0', b, pos)
+  data, counters, k, pos = struct.unpack('>I4c0I4c0I4', b, pos)
+  local dropped, added = {}, {}
+  for i = 1, k do dropped[i], pos = struct.unpack('>I1c0', b, pos) end
+  m, pos = struct.unpack('>I4', b, pos)
+  for i = 1, 2 * m, 2 do added[i], added[i + 1], pos = struct.unpack('>I1c0I4c0', b, pos) end
+  local hex = string.format(string.rep('%02x', #sid), string.byte(sid, 1, #sid))
+  local slot = prefix .. ':{' .. string.sub(hex, 1, tag) .. '}:'
+  out[s] = apply_delta(slot .. 'fence:' .. player, slot .. 'snap:' .. hex, slot .. 'owner:' .. player,
+    fencing, ttl, from, to, data, counters, dropped, added)
+end
+return out
+"#
 );
 
 /// KEYS: snap. ARGV: the resume key as the record may store it (its match tags with the
@@ -128,6 +169,78 @@ struct PutArgs {
     args: Vec<Vec<u8>>,
     /// A delta (PUT_DELTA) rather than a whole record (PUT).
     delta: bool,
+}
+
+impl PutArgs {
+    /// A delta's parts, in PUT_DELTA's ARGV order: fencing, the range it starts from, the
+    /// new range, data, counters, the dropped entry fields, the added field and value
+    /// pairs (`None` for a whole record).
+    #[allow(clippy::type_complexity)]
+    fn delta_parts(&self) -> Option<([&[u8]; 5], &[Vec<u8>], &[Vec<u8>])> {
+        if !self.delta {
+            return None;
+        }
+        let a = &self.args;
+        let k: usize = std::str::from_utf8(a.get(6)?).ok()?.parse().ok()?;
+        let dropped = a.get(7..7 + k)?;
+        let added = a.get(7 + k..)?;
+        Some(([&a[0], &a[2], &a[3], &a[4], &a[5]], dropped, added))
+    }
+}
+
+/// At most this many deltas in one PUT_DELTAS call (a bound on the time one script holds
+/// Redis).
+const DELTAS_PER_CALL: usize = 256;
+
+/// Packs deltas for PUT_DELTAS: their count (u16), then for each the session id and player
+/// id, fencing, the two ranges, data, counters, the dropped fields and the added pairs,
+/// every string after its length (u8, u16 for the player id, u32 for data, counters and
+/// entry values, as the script reads them).
+fn pack_deltas<'a>(
+    deltas: impl ExactSizeIterator<Item = (&'a Snapshot, &'a PutArgs)>,
+) -> Result<Vec<u8>, RedisError> {
+    fn put(out: &mut Vec<u8>, width: usize, s: &[u8]) -> Result<(), RedisError> {
+        let max = if width == 4 {
+            u32::MAX as usize
+        } else {
+            (1usize << (8 * width)) - 1
+        };
+        if s.len() > max {
+            return Err(RedisError::Invalid(format!(
+                "a delta's field of {} bytes does not fit its length ({width} bytes)",
+                s.len()
+            )));
+        }
+        out.extend_from_slice(&(s.len() as u64).to_be_bytes()[8 - width..]);
+        out.extend_from_slice(s);
+        Ok(())
+    }
+    let n = u16::try_from(deltas.len())
+        .map_err(|_| RedisError::Invalid("too many deltas for one call".into()))?;
+    let mut out = Vec::new();
+    out.extend_from_slice(&n.to_be_bytes());
+    for (snapshot, args) in deltas {
+        let Some(([fencing, from, to, data, counters], dropped, added)) = args.delta_parts() else {
+            return Err(RedisError::Invalid("a whole record is not a delta".into()));
+        };
+        put(&mut out, 1, &snapshot.session_id)?;
+        put(&mut out, 2, snapshot.player_id.as_bytes())?;
+        for short in [fencing, from, to] {
+            put(&mut out, 1, short)?;
+        }
+        put(&mut out, 4, data)?;
+        put(&mut out, 4, counters)?;
+        out.extend_from_slice(&(dropped.len() as u32).to_be_bytes());
+        for field in dropped {
+            put(&mut out, 1, field)?;
+        }
+        out.extend_from_slice(&((added.len() / 2) as u32).to_be_bytes());
+        for pair in added.chunks(2) {
+            put(&mut out, 1, &pair[0])?;
+            put(&mut out, 4, pair.get(1).map_or(&[][..], |v| v))?;
+        }
+    }
+    Ok(out)
 }
 
 /// Field `d`: the snapshot without its replay entries and without the counters that move
@@ -276,6 +389,7 @@ pub struct RedisSnapshotStore {
 struct Scripts {
     put: Script,
     put_delta: Script,
+    put_deltas: Script,
     take: Script,
     delete: Script,
 }
@@ -285,6 +399,7 @@ fn scripts() -> &'static Scripts {
     S.get_or_init(|| Scripts {
         put: Script::new(PUT_LUA),
         put_delta: Script::new(PUT_DELTA_LUA),
+        put_deltas: Script::new(PUT_DELTAS_LUA),
         take: Script::new(TAKE_LUA),
         delete: Script::new(DELETE_LUA),
     })
@@ -449,18 +564,26 @@ impl RedisSnapshotStore {
         })
     }
 
-    /// Makes many writes in one round trip (one pipeline of the PUT and PUT_DELTA scripts,
-    /// one per hash tag on a cluster): the write-through's group commit. One result per
-    /// write. A delta whose base Redis no longer holds is made again whole, and a script
-    /// Redis lost (restarted, failed over) is sent again as its text (EVAL, which loads
-    /// it): both in one more pipeline for the whole group, never one round trip per write,
-    /// so a Redis that comes back empty costs a group three round trips at most, each
-    /// bounded by the op timeout.
+    /// Makes many writes in one round trip (one pipeline of script calls, one pipeline per
+    /// hash tag on a cluster): the write-through's group commit. One result per write. On
+    /// one Redis the deltas go in PUT_DELTAS calls of many sessions each (packed: the
+    /// keys named in the script, no per-session command), whole records and every write on
+    /// a cluster in a PUT or PUT_DELTA call each. A delta whose base Redis no longer holds
+    /// is made again whole, and a script Redis lost (restarted, failed over) is sent again
+    /// as its text (EVAL, which loads it): both in one more pipeline for the whole group,
+    /// never one round trip per write, so a Redis that comes back empty costs a group three
+    /// round trips at most, each bounded by the op timeout.
     pub async fn put_many_fenced(
         &self,
         writes: &[SnapshotWrite],
         ttl: Duration,
     ) -> Vec<Result<(), RedisError>> {
+        /// One command of a round: a write on its own, or deltas in one PUT_DELTAS call
+        /// (indices into the round, and the deltas packed).
+        enum Call {
+            One(usize),
+            Deltas(Vec<usize>, Vec<u8>),
+        }
         let mut results: Vec<Result<(), RedisError>> = Vec::with_capacity(writes.len());
         // (write index, its script call, sent as the script's text)
         let mut round: Vec<(usize, PutArgs, bool)> = Vec::with_capacity(writes.len());
@@ -473,28 +596,72 @@ impl RedisSnapshotStore {
                 Err(e) => results.push(Err(e)),
             }
         }
+        let ttl_arg = ms(ttl).to_string();
+        let tag_len = STORE_TAG_LEN.to_string();
         // EVALSHA; then EVAL for lost scripts and whole writes for lost bases (also lost
         // scripts' deltas whose base is gone); a third round never needs a fourth.
         for _ in 0..3 {
             if round.is_empty() {
                 break;
             }
+            let mut calls = Vec::new();
+            {
+                let mut deltas: [Vec<usize>; 2] = [Vec::new(), Vec::new()];
+                for (r, (_, p, text)) in round.iter().enumerate() {
+                    if p.delta && !self.conn.is_cluster() {
+                        deltas[usize::from(*text)].push(r);
+                    } else {
+                        calls.push(Call::One(r));
+                    }
+                }
+                for chunk in deltas.iter().flat_map(|d| d.chunks(DELTAS_PER_CALL)) {
+                    let members = chunk
+                        .iter()
+                        .map(|&r| (&writes[round[r].0].snapshot, &round[r].1));
+                    match pack_deltas(members) {
+                        Ok(blob) => calls.push(Call::Deltas(chunk.to_vec(), blob)),
+                        Err(e) => {
+                            for &r in chunk {
+                                results[round[r].0] = Err(e.clone());
+                            }
+                        }
+                    }
+                }
+            }
             let replies = self
                 .conn
                 .pipeline_each(
-                    &round,
-                    |(_, p, _)| p.keys[1].clone(),
-                    |pipe, (_, p, text)| {
-                        let cmd = match (text, p.delta) {
-                            (false, delta) => pipe.cmd("EVALSHA").arg(if delta {
-                                scripts().put_delta.get_hash()
+                    &calls,
+                    |call| match call {
+                        Call::One(r) => round[*r].1.keys[1].clone(),
+                        Call::Deltas(..) => String::new(), // one Redis only
+                    },
+                    |pipe, call| match call {
+                        Call::Deltas(members, blob) => {
+                            let cmd = if members.first().is_some_and(|&r| round[r].2) {
+                                pipe.cmd("EVAL").arg(PUT_DELTAS_LUA)
                             } else {
-                                scripts().put.get_hash()
-                            }),
-                            (true, true) => pipe.cmd("EVAL").arg(PUT_DELTA_LUA),
-                            (true, false) => pipe.cmd("EVAL").arg(PUT_LUA),
-                        };
-                        cmd.arg(p.keys.len()).arg(&p.keys[..]).arg(&p.args[..]);
+                                pipe.cmd("EVALSHA").arg(scripts().put_deltas.get_hash())
+                            };
+                            cmd.arg(0)
+                                .arg(&ttl_arg)
+                                .arg(&self.conn.config.prefix)
+                                .arg(&tag_len)
+                                .arg(&blob[..]);
+                        }
+                        Call::One(r) => {
+                            let (_, p, text) = &round[*r];
+                            let cmd = match (text, p.delta) {
+                                (false, delta) => pipe.cmd("EVALSHA").arg(if delta {
+                                    scripts().put_delta.get_hash()
+                                } else {
+                                    scripts().put.get_hash()
+                                }),
+                                (true, true) => pipe.cmd("EVAL").arg(PUT_DELTA_LUA),
+                                (true, false) => pipe.cmd("EVAL").arg(PUT_LUA),
+                            };
+                            cmd.arg(p.keys.len()).arg(&p.keys[..]).arg(&p.args[..]);
+                        }
                     },
                 )
                 .await;
@@ -507,9 +674,40 @@ impl RedisSnapshotStore {
                     return results;
                 }
             };
+            // Each write's answer in the round: its script's number, or what Redis refused.
+            let mut answers: Vec<Option<Result<u8, redis::RedisError>>> =
+                std::iter::repeat_with(|| None).take(round.len()).collect();
+            for (call, reply) in calls.iter().zip(replies) {
+                match call {
+                    Call::One(r) => {
+                        answers[*r] =
+                            Some(reply.and_then(|v| Ok(redis::from_redis_value::<u8>(v)?)));
+                    }
+                    Call::Deltas(members, _) => {
+                        let each = reply.and_then(|v| Ok(redis::from_redis_value::<Vec<i64>>(v)?));
+                        for (j, &r) in members.iter().enumerate() {
+                            answers[r] = Some(match &each {
+                                Ok(codes) => codes
+                                    .get(j)
+                                    .map(|&c| u8::try_from(c).unwrap_or(u8::MAX))
+                                    .ok_or_else(|| {
+                                        redis::RedisError::from((
+                                            redis::ErrorKind::Parse,
+                                            "PUT_DELTAS answered fewer writes than it was given",
+                                        ))
+                                    }),
+                                Err(e) => Err(e.clone()),
+                            });
+                        }
+                    }
+                }
+            }
             let mut again = Vec::new();
-            for ((i, put, text), reply) in round.into_iter().zip(replies) {
-                match reply.and_then(|v| Ok(redis::from_redis_value::<u8>(v)?)) {
+            for ((i, put, text), answer) in round.into_iter().zip(answers) {
+                let Some(answer) = answer else {
+                    continue; // not sent: its result is set already (it could not be packed)
+                };
+                match answer {
                     Err(e)
                         if !text
                             && e.kind()
