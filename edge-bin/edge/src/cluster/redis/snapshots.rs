@@ -9,11 +9,14 @@
 //! not in `d`: [`ResumeKeySeal`](super::ResumeKeySeal)), the snapshot without its replay
 //! entries and counters (`d`, postcard), the replay counters and upstream window (`c`), each replay entry in a field
 //! `e<seq>`, the range of seqs those fields hold (`r`), and the ids of the session's last
-//! pushes (`u`, postcard, when it has any). The write-through writes a delta when it can
+//! pushes (`u`, postcard, when it has any) and the player id (`l`). The write-through writes a delta when it can
 //! ([`SnapshotWrite::since`]): `c`, `d` and `u` only if they changed, the entries added and
 //! the names of those dropped, applied only if the stored range is still the one the delta
 //! starts from (else the write is made whole). So one message costs
 //! Redis its own bytes plus the session's small header, never the whole replay buffer.
+//! On one Redis a group commit's deltas go in one PUT_DELTAS call, packed (the keys named
+//! in the script); on a cluster each is a PUT_DELTA call of its own (keys declared, one
+//! slot each).
 
 use std::time::Duration;
 
@@ -69,7 +72,7 @@ end
 
 /// KEYS: fence, snap, owner. ARGV: fencing, ttl ms, hash hex, prev hash hex or '', data,
 /// last resume nonce, entry range, counters, then field and value pairs of the replay
-/// entries (and `u`).
+/// entries (and `u`, `l`, and the sealed keys `k` and `q`).
 /// Replaces the whole record. Returns 1 (written) or 0 (fenced: the player or the stored
 /// snapshot is newer). A written snapshot's session, if it owns the player, gets its owner
 /// record's expiry set to the snapshot's (the linger time starts now).
@@ -106,9 +109,11 @@ return apply_delta(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 );
 
 /// PUT_DELTA for many sessions in one call, on one Redis (not a cluster: the keys are
-/// named here, from the session ids, not declared). ARGV: ttl ms, the key prefix, the
-/// store tag's length in bytes, then the deltas packed by [`pack_deltas`]. Returns one
-/// answer per delta, in order, as PUT_DELTA's.
+/// named here, from the session ids and the player id the record holds in `l`, not
+/// declared). ARGV: ttl ms, the key prefix, the store tag's length in bytes, then the
+/// deltas packed by [`pack_deltas`]. Returns one answer per delta, in order, as
+/// PUT_DELTA's (a record without `l`, written by an older edge, is a missing base: the
+/// edge writes it whole).
 const PUT_DELTAS_LUA: &str = concat!(
     write_functions!(),
     r#"
@@ -116,8 +121,8 @@ local ttl, prefix, tag, b = ARGV[1], ARGV[2], 2 * tonumber(ARGV[3]), ARGV[4]
 local n, pos = struct.unpack('>I2', b)
 local out = {}
 for s = 1, n do
-  local sid, player, fencing, from, to, data, counters, k, m
-  sid, player, fencing, from, to, pos = struct.unpack('>I1c0I2c0I1c0I1c0I1c0', b, pos)
+  local sid, fencing, from, to, data, counters, k, m
+  sid, fencing, from, to, pos = struct.unpack('>I1c0I1c0I1c0I1c0', b, pos)
   data, counters, k, pos = struct.unpack('>I4c0I4c0I4', b, pos)
   local dropped, added = {}, {}
   for i = 1, k do dropped[i], pos = struct.unpack('>I1c0', b, pos) end
@@ -125,8 +130,14 @@ for s = 1, n do
   for i = 1, 2 * m, 2 do added[i], added[i + 1], pos = struct.unpack('>I1c0I4c0', b, pos) end
   local hex = string.format(string.rep('%02x', #sid), string.byte(sid, 1, #sid))
   local slot = prefix .. ':{' .. string.sub(hex, 1, tag) .. '}:'
-  out[s] = apply_delta(slot .. 'fence:' .. player, slot .. 'snap:' .. hex, slot .. 'owner:' .. player,
-    fencing, ttl, from, to, data, counters, dropped, added)
+  local snap = slot .. 'snap:' .. hex
+  local player = redis.call('HGET', snap, 'l')
+  if player then
+    out[s] = apply_delta(slot .. 'fence:' .. player, snap, slot .. 'owner:' .. player,
+      fencing, ttl, from, to, data, counters, dropped, added)
+  else
+    out[s] = 2
+  end
 end
 return out
 "#
@@ -192,10 +203,10 @@ impl PutArgs {
 /// Redis).
 const DELTAS_PER_CALL: usize = 256;
 
-/// Packs deltas for PUT_DELTAS: their count (u16), then for each the session id and player
-/// id, fencing, the two ranges, data, counters, the dropped fields and the added pairs,
-/// every string after its length (u8, u16 for the player id, u32 for data, counters and
-/// entry values, as the script reads them).
+/// Packs deltas for PUT_DELTAS: their count (u16), then for each the session id, fencing,
+/// the two ranges, data, counters, the dropped fields and the added pairs, every string
+/// after its length (u8; u32 for data, counters and entry values, as the script reads
+/// them).
 fn pack_deltas<'a>(
     deltas: impl ExactSizeIterator<Item = (&'a Snapshot, &'a PutArgs)>,
 ) -> Result<Vec<u8>, RedisError> {
@@ -224,7 +235,6 @@ fn pack_deltas<'a>(
             return Err(RedisError::Invalid("a whole record is not a delta".into()));
         };
         put(&mut out, 1, &snapshot.session_id)?;
-        put(&mut out, 2, snapshot.player_id.as_bytes())?;
         for short in [fencing, from, to] {
             put(&mut out, 1, short)?;
         }
@@ -276,6 +286,9 @@ fn encode_entry(entry: &ReplayEntry) -> Result<(Vec<u8>, Vec<u8>), RedisError> {
 
 /// Field `u`: the ids of the session's last pushes ([`Snapshot::push_ids`]).
 const PUSH_IDS_FIELD: &[u8] = b"u";
+/// Field `l`: the player id (in `d` too), so PUT_DELTAS names the player's records without
+/// being sent it. Not `e...`: those are replay entries.
+const PLAYER_FIELD: &[u8] = b"l";
 /// Fields `k` and `q`: the current and previous resume keys, sealed (with a shared key).
 const SEALED_KEY_FIELD: &[u8] = b"k";
 const SEALED_PREV_FIELD: &[u8] = b"q";
@@ -545,6 +558,10 @@ impl RedisSnapshotStore {
         if !snapshot.push_ids.is_empty() {
             args.extend([PUSH_IDS_FIELD.to_vec(), encode_push_ids(snapshot)?]);
         }
+        args.extend([
+            PLAYER_FIELD.to_vec(),
+            snapshot.player_id.as_bytes().to_vec(),
+        ]);
         if let Some(seal) = seal {
             args.extend([
                 SEALED_KEY_FIELD.to_vec(),
