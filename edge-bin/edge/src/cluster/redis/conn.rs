@@ -507,7 +507,7 @@ impl Conn {
 
 /// The part of `key` Redis Cluster hashes: the text between the first `{` and the next
 /// `}` when it is not empty, else the whole key.
-fn hash_tag(key: &str) -> &str {
+pub(super) fn hash_tag(key: &str) -> &str {
     key.split_once('{')
         .and_then(|(_, rest)| rest.split_once('}'))
         .map(|(tag, _)| tag)

@@ -14,9 +14,8 @@
 //! the names of those dropped, applied only if the stored range is still the one the delta
 //! starts from (else the write is made whole). So one message costs
 //! Redis its own bytes plus the session's small header, never the whole replay buffer.
-//! On one Redis a group commit's deltas go in one PUT_DELTAS call, packed (the keys named
-//! in the script); on a cluster each is a PUT_DELTA call of its own (keys declared, one
-//! slot each).
+//! A group commit's deltas go in PUT_DELTAS calls, packed, the keys named in the script: on
+//! one Redis one call for the group, on a cluster one per hash tag (slot).
 
 use std::time::Duration;
 
@@ -24,22 +23,22 @@ use async_trait::async_trait;
 use redis::{AsyncCommands as _, Script};
 use waygate_protocol::frame::SessionId;
 use waygate_session::replay::{ReplayCounters, ReplayEntry};
-use waygate_session::resume::{
-    hex_id, player_store_tag, session_store_tag, ResumeHash, STORE_TAG_LEN,
-};
+use waygate_session::resume::{hex_id, player_store_tag, session_store_tag, ResumeHash};
 use waygate_session::seq::RecvWindow;
 use waygate_session::store::{
     ResumeKeys, Snapshot, SnapshotStore, SnapshotWrite, StoreError, TakeOutcome,
 };
 
-use super::conn::{ms, Conn};
+use super::conn::{hash_tag, ms, Conn};
 use super::{RedisConfig, RedisError};
 
 /// Lua shared by the write scripts. `expire_with_the_snapshot`: the snapshot expires after
 /// the linger time, and so does the player's owner record if this session owns it (the
 /// owner record starts with "<fencing> <session hex> ", the session hex ends the
-/// snapshot's key). `apply_delta`: PUT_DELTA's check and writes for one session (see
-/// PUT_DELTA_LUA), answering 1 (applied), 0 (fenced) or 2 (base missing).
+/// snapshot's key). `apply_delta`: one delta of PUT_DELTAS, answering 1 (applied), 0
+/// (fenced: the player or the stored snapshot is newer) or 2 (the stored record is not the
+/// one the delta starts from: write it whole). It drops the entries named, adds the new
+/// ones, replaces `c` (and `d` unless it is ''), and sets the expiries as PUT does.
 macro_rules! write_functions {
     () => {
         r#"
@@ -92,32 +91,19 @@ return 1
 "#
 );
 
-/// KEYS: fence, snap, owner. ARGV: fencing, ttl ms, the entry range the delta starts from,
-/// the new entry range, data ('' = unchanged), counters, the number k of dropped entry
-/// fields, those k fields, then field and value pairs of the added entries (and `u` if it
-/// changed). Returns 1 (applied), 0 (fenced) or 2 (the stored record is not the one the
-/// delta starts from: write it whole). The owner record's expiry as in PUT.
-const PUT_DELTA_LUA: &str = concat!(
-    write_functions!(),
-    r#"
-local k = tonumber(ARGV[7])
-local dropped, added = {}, {}
-for i = 8, 7 + k do dropped[#dropped + 1] = ARGV[i] end
-for i = 8 + k, #ARGV do added[#added + 1] = ARGV[i] end
-return apply_delta(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], dropped, added)
-"#
-);
-
-/// PUT_DELTA for many sessions in one call, on one Redis (not a cluster: the keys are
-/// named here, from the session ids and the player id the record holds in `l`, not
-/// declared). ARGV: ttl ms, the key prefix, the store tag's length in bytes, then the
-/// deltas packed by [`pack_deltas`]. Returns one answer per delta, in order, as
-/// PUT_DELTA's (a record without `l`, written by an older edge, is a missing base: the
-/// edge writes it whole).
+/// The deltas of one or many sessions in one call. KEYS[1]: the first delta's snapshot key,
+/// for routing only (a cluster sends the call to that key's node; every delta of a call has
+/// its hash tag there, so its keys are in that slot). The script names each session's
+/// keys itself, from its session id and the player id the record holds in `l` (a record
+/// without it, written by an older edge, counts as a missing base) and the key prefix and
+/// store tag length KEYS[1] shows. ARGV: ttl ms, the deltas packed by [`pack_deltas`]. Returns
+/// one answer per delta, in order (see `apply_delta`).
 const PUT_DELTAS_LUA: &str = concat!(
     write_functions!(),
     r#"
-local ttl, prefix, tag, b = ARGV[1], ARGV[2], 2 * tonumber(ARGV[3]), ARGV[4]
+local ttl, b = ARGV[1], ARGV[2]
+local prefix, first_tag = string.match(KEYS[1], '^(.*):{(%x+)}:snap:%x+$')
+local tag = #first_tag
 local n, pos = struct.unpack('>I2', b)
 local out = {}
 for s = 1, n do
@@ -174,29 +160,41 @@ return 0
 /// edge before 0.2.1 wrote, a CBOR map the whole snapshot of 0.2.1.)
 const LAYOUT_POSTCARD: u8 = 2;
 
-/// A PUT or PUT_DELTA invocation's KEYS and ARGV.
-struct PutArgs {
-    keys: [String; 3],
-    args: Vec<Vec<u8>>,
-    /// A delta (PUT_DELTA) rather than a whole record (PUT).
-    delta: bool,
+/// What one write sends: a whole record (PUT's KEYS and ARGV) or a delta (packed, with
+/// others of its slot, into a PUT_DELTAS call).
+enum PutArgs {
+    Whole {
+        keys: [String; 3],
+        args: Vec<Vec<u8>>,
+    },
+    Delta(DeltaArgs),
 }
 
 impl PutArgs {
-    /// A delta's parts, in PUT_DELTA's ARGV order: fencing, the range it starts from, the
-    /// new range, data, counters, the dropped entry fields, the added field and value
-    /// pairs (`None` for a whole record).
-    #[allow(clippy::type_complexity)]
-    fn delta_parts(&self) -> Option<([&[u8]; 5], &[Vec<u8>], &[Vec<u8>])> {
-        if !self.delta {
-            return None;
+    /// The key whose hash tag (slot) the write goes to: the snapshot's.
+    fn slot_key(&self) -> &str {
+        match self {
+            Self::Whole { keys, .. } => &keys[1],
+            Self::Delta(d) => &d.snap_key,
         }
-        let a = &self.args;
-        let k: usize = std::str::from_utf8(a.get(6)?).ok()?.parse().ok()?;
-        let dropped = a.get(7..7 + k)?;
-        let added = a.get(7 + k..)?;
-        Some(([&a[0], &a[2], &a[3], &a[4], &a[5]], dropped, added))
     }
+}
+
+/// One session's delta as PUT_DELTAS takes it (see [`pack_deltas`]).
+struct DeltaArgs {
+    /// Its snapshot's key (where the call goes; the script names it again).
+    snap_key: String,
+    session_id: SessionId,
+    fencing: Vec<u8>,
+    /// The entry range the delta starts from, and the record's after it (`r`).
+    from: Vec<u8>,
+    to: Vec<u8>,
+    /// Field `d` if it changed, else empty.
+    data: Vec<u8>,
+    counters: Vec<u8>,
+    /// Entry fields dropped, and field and value pairs added (entries, and `u`).
+    dropped: Vec<Vec<u8>>,
+    added: Vec<(Vec<u8>, Vec<u8>)>,
 }
 
 /// At most this many deltas in one PUT_DELTAS call (a bound on the time one script holds
@@ -208,7 +206,7 @@ const DELTAS_PER_CALL: usize = 256;
 /// after its length (u8; u32 for data, counters and entry values, as the script reads
 /// them).
 fn pack_deltas<'a>(
-    deltas: impl ExactSizeIterator<Item = (&'a Snapshot, &'a PutArgs)>,
+    deltas: impl ExactSizeIterator<Item = &'a DeltaArgs>,
 ) -> Result<Vec<u8>, RedisError> {
     fn put(out: &mut Vec<u8>, width: usize, s: &[u8]) -> Result<(), RedisError> {
         let max = if width == 4 {
@@ -230,24 +228,24 @@ fn pack_deltas<'a>(
         .map_err(|_| RedisError::Invalid("too many deltas for one call".into()))?;
     let mut out = Vec::new();
     out.extend_from_slice(&n.to_be_bytes());
-    for (snapshot, args) in deltas {
-        let Some(([fencing, from, to, data, counters], dropped, added)) = args.delta_parts() else {
-            return Err(RedisError::Invalid("a whole record is not a delta".into()));
-        };
-        put(&mut out, 1, &snapshot.session_id)?;
-        for short in [fencing, from, to] {
+    for d in deltas {
+        put(&mut out, 1, &d.session_id)?;
+        for short in [&d.fencing, &d.from, &d.to] {
             put(&mut out, 1, short)?;
         }
-        put(&mut out, 4, data)?;
-        put(&mut out, 4, counters)?;
-        out.extend_from_slice(&(dropped.len() as u32).to_be_bytes());
-        for field in dropped {
+        put(&mut out, 4, &d.data)?;
+        put(&mut out, 4, &d.counters)?;
+        let count = |n: usize| {
+            u32::try_from(n).map_err(|_| RedisError::Invalid("a delta too large".into()))
+        };
+        out.extend_from_slice(&count(d.dropped.len())?.to_be_bytes());
+        for field in &d.dropped {
             put(&mut out, 1, field)?;
         }
-        out.extend_from_slice(&((added.len() / 2) as u32).to_be_bytes());
-        for pair in added.chunks(2) {
-            put(&mut out, 1, &pair[0])?;
-            put(&mut out, 4, pair.get(1).map_or(&[][..], |v| v))?;
+        out.extend_from_slice(&count(d.added.len())?.to_be_bytes());
+        for (field, value) in &d.added {
+            put(&mut out, 1, field)?;
+            put(&mut out, 4, value)?;
         }
     }
     Ok(out)
@@ -380,6 +378,19 @@ fn pairs(flat: Vec<Vec<u8>>) -> Vec<(Vec<u8>, Vec<u8>)> {
     out
 }
 
+/// The scripts touch the player's fence and owner records and the session's snapshot: one
+/// slot only if the session id carries the player's store tag (as minted).
+fn check_store_tag(snapshot: &Snapshot) -> Result<(), RedisError> {
+    if session_store_tag(&snapshot.session_id) != player_store_tag(&snapshot.player_id) {
+        return Err(RedisError::Invalid(format!(
+            "session {} does not carry the store tag of player {:?}",
+            hex_id(&snapshot.session_id),
+            snapshot.player_id
+        )));
+    }
+    Ok(())
+}
+
 fn put_outcome(n: u8) -> Result<(), RedisError> {
     if n == 1 {
         Ok(())
@@ -401,7 +412,6 @@ pub struct RedisSnapshotStore {
 /// The snapshot scripts (hashed once; loaded into Redis on first use).
 struct Scripts {
     put: Script,
-    put_delta: Script,
     put_deltas: Script,
     take: Script,
     delete: Script,
@@ -411,14 +421,13 @@ fn scripts() -> &'static Scripts {
     static S: std::sync::OnceLock<Scripts> = std::sync::OnceLock::new();
     S.get_or_init(|| Scripts {
         put: Script::new(PUT_LUA),
-        put_delta: Script::new(PUT_DELTA_LUA),
         put_deltas: Script::new(PUT_DELTAS_LUA),
         take: Script::new(TAKE_LUA),
         delete: Script::new(DELETE_LUA),
     })
 }
 
-/// What the PUT_DELTA script answers when the stored record is not the delta's base.
+/// What PUT_DELTAS answers for a delta whose base is not the stored record.
 const DELTA_BASE_MISSING: u8 = 2;
 
 impl RedisSnapshotStore {
@@ -447,30 +456,22 @@ impl RedisSnapshotStore {
 
     /// Writes `snapshot` whole unless it is fenced; see [`SnapshotStore::put`].
     pub async fn put_fenced(&self, snapshot: &Snapshot, ttl: Duration) -> Result<(), RedisError> {
-        let put = self.put_args(snapshot, None, ttl)?;
-        put_outcome(self.invoke(&put).await?)
-    }
-
-    /// Runs one PUT or PUT_DELTA on its own (loading the script if Redis lost it).
-    async fn invoke(&self, put: &PutArgs) -> Result<u8, RedisError> {
-        let script = if put.delta {
-            &scripts().put_delta
-        } else {
-            &scripts().put
-        };
-        let mut inv = script.prepare_invoke();
-        for k in &put.keys {
+        let (keys, args) = self.whole_args(snapshot, ttl)?;
+        let mut inv = scripts().put.prepare_invoke();
+        for k in &keys {
             inv.key(k);
         }
-        for a in &put.args {
+        for a in &args {
             inv.arg(a);
         }
-        self.conn
-            .run(|mut m| async move { inv.invoke_async(&mut m).await })
-            .await
+        put_outcome(
+            self.conn
+                .run(|mut m| async move { inv.invoke_async::<u8>(&mut m).await })
+                .await?,
+        )
     }
 
-    /// The keys and arguments that write `snapshot`: a delta from `since` when that is an
+    /// What writes `snapshot`: a delta from `since` when that is an
     /// earlier write of the same session with the same fencing token and resume keys (only
     /// the replay entries and the rest of the snapshot can change in a delta), else the
     /// whole record.
@@ -480,22 +481,7 @@ impl RedisSnapshotStore {
         since: Option<&Snapshot>,
         ttl: Duration,
     ) -> Result<PutArgs, RedisError> {
-        let c = &self.conn;
-        // The script touches the player's fence and owner records and the snapshot: one
-        // slot only if the session id carries the player's store tag (as minted).
-        if session_store_tag(&snapshot.session_id) != player_store_tag(&snapshot.player_id) {
-            return Err(RedisError::Invalid(format!(
-                "session {} does not carry the store tag of player {:?}",
-                hex_id(&snapshot.session_id),
-                snapshot.player_id
-            )));
-        }
-        let keys = [
-            c.player_key("fence", &snapshot.player_id),
-            c.session_key("snap", &snapshot.session_id),
-            c.player_key("owner", &snapshot.player_id),
-        ];
-        let seal = c.config.resume_key_seal.as_deref();
+        let seal = self.conn.config.resume_key_seal.as_deref();
         let base = since.filter(|b| {
             b.session_id == snapshot.session_id
                 && b.player_id == snapshot.player_id
@@ -504,34 +490,48 @@ impl RedisSnapshotStore {
                 && b.prev_resume_hash == snapshot.prev_resume_hash
                 && b.last_resume_nonce == snapshot.last_resume_nonce
         });
-        if let Some(base) = base {
-            let delta = snapshot.replay.delta_since(&base.replay);
-            let header = encode_header(snapshot, seal.is_some())?;
-            let changed = header != encode_header(base, seal.is_some())?;
-            let mut args = Vec::with_capacity(7 + delta.dropped.len() + 2 * delta.added.len());
-            args.extend([
-                snapshot.fencing.to_string().into_bytes(),
-                ms(ttl).to_string().into_bytes(),
-                entry_range(base),
-                entry_range(snapshot),
-                if changed { header } else { Vec::new() },
-                encode_counters(snapshot)?,
-                delta.dropped.len().to_string().into_bytes(),
-            ]);
-            args.extend(delta.dropped.iter().map(|&seq| entry_field(seq)));
-            for e in delta.added {
-                let (field, value) = encode_entry(e)?;
-                args.extend([field, value]);
-            }
-            if snapshot.push_ids != base.push_ids {
-                args.extend([PUSH_IDS_FIELD.to_vec(), encode_push_ids(snapshot)?]);
-            }
-            return Ok(PutArgs {
-                keys,
-                args,
-                delta: true,
-            });
+        let Some(base) = base else {
+            let (keys, args) = self.whole_args(snapshot, ttl)?;
+            return Ok(PutArgs::Whole { keys, args });
+        };
+        check_store_tag(snapshot)?;
+        let delta = snapshot.replay.delta_since(&base.replay);
+        let header = encode_header(snapshot, seal.is_some())?;
+        let changed = header != encode_header(base, seal.is_some())?;
+        let mut added = Vec::with_capacity(delta.added.len() + 1);
+        for e in delta.added {
+            added.push(encode_entry(e)?);
         }
+        if snapshot.push_ids != base.push_ids {
+            added.push((PUSH_IDS_FIELD.to_vec(), encode_push_ids(snapshot)?));
+        }
+        Ok(PutArgs::Delta(DeltaArgs {
+            snap_key: self.conn.session_key("snap", &snapshot.session_id),
+            session_id: snapshot.session_id,
+            fencing: snapshot.fencing.to_string().into_bytes(),
+            from: entry_range(base),
+            to: entry_range(snapshot),
+            data: if changed { header } else { Vec::new() },
+            counters: encode_counters(snapshot)?,
+            dropped: delta.dropped.iter().map(|&seq| entry_field(seq)).collect(),
+            added,
+        }))
+    }
+
+    /// PUT's keys and arguments for `snapshot` whole.
+    fn whole_args(
+        &self,
+        snapshot: &Snapshot,
+        ttl: Duration,
+    ) -> Result<([String; 3], Vec<Vec<u8>>), RedisError> {
+        check_store_tag(snapshot)?;
+        let c = &self.conn;
+        let keys = [
+            c.player_key("fence", &snapshot.player_id),
+            c.session_key("snap", &snapshot.session_id),
+            c.player_key("owner", &snapshot.player_id),
+        ];
+        let seal = c.config.resume_key_seal.as_deref();
         let sid = &snapshot.session_id;
         let stored = |key: &ResumeHash| match seal {
             Some(seal) => seal.match_tag(sid, key),
@@ -574,18 +574,14 @@ impl RedisSnapshotStore {
                 ]);
             }
         }
-        Ok(PutArgs {
-            keys,
-            args,
-            delta: false,
-        })
+        Ok((keys, args))
     }
 
     /// Makes many writes in one round trip (one pipeline of script calls, one pipeline per
-    /// hash tag on a cluster): the write-through's group commit. One result per write. On
-    /// one Redis the deltas go in PUT_DELTAS calls of many sessions each (packed: the
-    /// keys named in the script, no per-session command), whole records and every write on
-    /// a cluster in a PUT or PUT_DELTA call each. A delta whose base Redis no longer holds
+    /// hash tag on a cluster): the write-through's group commit. One result per write. The
+    /// deltas go in PUT_DELTAS calls, packed (the keys named in the script, no command per
+    /// session): on one Redis up to 256 sessions a call, on a cluster one call per hash tag
+    /// (a slot); a whole record is a PUT call of its own. A delta whose base Redis no longer holds
     /// is made again whole, and a script Redis lost (restarted, failed over) is sent again
     /// as its text (EVAL, which loads it): both in one more pipeline for the whole group,
     /// never one round trip per write, so a Redis that comes back empty costs a group three
@@ -614,7 +610,6 @@ impl RedisSnapshotStore {
             }
         }
         let ttl_arg = ms(ttl).to_string();
-        let tag_len = STORE_TAG_LEN.to_string();
         // EVALSHA; then EVAL for lost scripts and whole writes for lost bases (also lost
         // scripts' deltas whose base is gone); a third round never needs a fourth.
         for _ in 0..3 {
@@ -623,19 +618,29 @@ impl RedisSnapshotStore {
             }
             let mut calls = Vec::new();
             {
-                let mut deltas: [Vec<usize>; 2] = [Vec::new(), Vec::new()];
+                // Deltas by (sent as text, hash tag on a cluster), in the round's order.
+                let mut groups: Vec<((bool, &str), Vec<usize>)> = Vec::new();
                 for (r, (_, p, text)) in round.iter().enumerate() {
-                    if p.delta && !self.conn.is_cluster() {
-                        deltas[usize::from(*text)].push(r);
-                    } else {
+                    let PutArgs::Delta(d) = p else {
                         calls.push(Call::One(r));
+                        continue;
+                    };
+                    let tag = if self.conn.is_cluster() {
+                        hash_tag(&d.snap_key)
+                    } else {
+                        ""
+                    };
+                    match groups.iter_mut().find(|(g, _)| *g == (*text, tag)) {
+                        Some((_, members)) => members.push(r),
+                        None => groups.push(((*text, tag), vec![r])),
                     }
                 }
-                for chunk in deltas.iter().flat_map(|d| d.chunks(DELTAS_PER_CALL)) {
-                    let members = chunk
-                        .iter()
-                        .map(|&r| (&writes[round[r].0].snapshot, &round[r].1));
-                    match pack_deltas(members) {
+                for chunk in groups.iter().flat_map(|(_, m)| m.chunks(DELTAS_PER_CALL)) {
+                    let members = chunk.iter().filter_map(|&r| match &round[r].1 {
+                        PutArgs::Delta(d) => Some(d),
+                        PutArgs::Whole { .. } => None,
+                    });
+                    match pack_deltas(members.collect::<Vec<_>>().into_iter()) {
                         Ok(blob) => calls.push(Call::Deltas(chunk.to_vec(), blob)),
                         Err(e) => {
                             for &r in chunk {
@@ -650,34 +655,34 @@ impl RedisSnapshotStore {
                 .pipeline_each(
                     &calls,
                     |call| match call {
-                        Call::One(r) => round[*r].1.keys[1].clone(),
-                        Call::Deltas(..) => String::new(), // one Redis only
+                        Call::One(r) => round[*r].1.slot_key().to_owned(),
+                        Call::Deltas(members, _) => members
+                            .first()
+                            .map_or(String::new(), |&r| round[r].1.slot_key().to_owned()),
                     },
                     |pipe, call| match call {
                         Call::Deltas(members, blob) => {
-                            let cmd = if members.first().is_some_and(|&r| round[r].2) {
+                            let first = members.first().map(|&r| &round[r]);
+                            let cmd = if first.is_some_and(|(_, _, text)| *text) {
                                 pipe.cmd("EVAL").arg(PUT_DELTAS_LUA)
                             } else {
                                 pipe.cmd("EVALSHA").arg(scripts().put_deltas.get_hash())
                             };
-                            cmd.arg(0)
+                            // The first delta's key: where a cluster sends the call.
+                            cmd.arg(1)
+                                .arg(first.map_or("", |(_, p, _)| p.slot_key()))
                                 .arg(&ttl_arg)
-                                .arg(&self.conn.config.prefix)
-                                .arg(&tag_len)
                                 .arg(&blob[..]);
                         }
                         Call::One(r) => {
-                            let (_, p, text) = &round[*r];
-                            let cmd = match (text, p.delta) {
-                                (false, delta) => pipe.cmd("EVALSHA").arg(if delta {
-                                    scripts().put_delta.get_hash()
+                            if let (_, PutArgs::Whole { keys, args }, text) = &round[*r] {
+                                let cmd = if *text {
+                                    pipe.cmd("EVAL").arg(PUT_LUA)
                                 } else {
-                                    scripts().put.get_hash()
-                                }),
-                                (true, true) => pipe.cmd("EVAL").arg(PUT_DELTA_LUA),
-                                (true, false) => pipe.cmd("EVAL").arg(PUT_LUA),
-                            };
-                            cmd.arg(p.keys.len()).arg(&p.keys[..]).arg(&p.args[..]);
+                                    pipe.cmd("EVALSHA").arg(scripts().put.get_hash())
+                                };
+                                cmd.arg(keys.len()).arg(&keys[..]).arg(&args[..]);
+                            }
                         }
                     },
                 )
@@ -732,7 +737,7 @@ impl RedisSnapshotStore {
                     {
                         again.push((i, put, true));
                     }
-                    Ok(DELTA_BASE_MISSING) if put.delta => {
+                    Ok(DELTA_BASE_MISSING) if matches!(put, PutArgs::Delta(_)) => {
                         match self.put_args(&writes[i].snapshot, None, ttl) {
                             Ok(whole) => again.push((i, whole, true)),
                             Err(e) => results[i] = Err(e),
