@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 
 use crate::conn::{BoxConnection, ConnConfig, TransportKind};
 use crate::error::TransportError;
-use crate::kcp::{connect_kcp, KcpConfig};
+use crate::kcp::{connect_kcp_from, KcpConfig};
 #[cfg(feature = "quic")]
 use crate::quic::{connect_quic, QuicClientSockets, QuicConfig};
 use crate::tcp::{connect_tcp, connect_tls};
@@ -161,6 +161,8 @@ pub struct ConnectOptions {
     pub quic_sockets: Option<QuicClientSockets>,
     /// KCP settings.
     pub kcp: KcpConfig,
+    /// The address KCP client sockets bind to (`None`: the unspecified address).
+    pub kcp_local_ip: Option<std::net::IpAddr>,
 }
 
 /// Connects to `endpoint`: each address it resolves to in turn, until one connects (the
@@ -246,7 +248,9 @@ async fn connect_addr(
                 None => connect_quic(addr, host, tls, &options.quic, &options.conn).await,
             }
         }
-        TransportKind::Kcp => connect_kcp(addr, &options.kcp, &options.conn).await,
+        TransportKind::Kcp => {
+            connect_kcp_from(options.kcp_local_ip, addr, &options.kcp, &options.conn).await
+        }
         #[cfg(not(all(feature = "ws", feature = "quic")))]
         kind => {
             Err(TransportError::Config(format!(

@@ -175,6 +175,11 @@ pub struct BenchArgs {
     /// their heartbeat traffic.
     #[arg(long)]
     pub heartbeat_ms: Option<u64>,
+    /// The loopback address the KCP client sockets bind to (default: the kernel picks).
+    /// One address has ~28,000 ephemeral ports: W9's generators take one each
+    /// (`scripts/w9.sh`).
+    #[arg(long)]
+    pub kcp_source_ip: Option<std::net::IpAddr>,
     /// Pid of the edge given with --edge (for CPU and RSS).
     #[arg(long)]
     pub edge_pid: Option<u32>,
@@ -847,6 +852,7 @@ pub async fn run(args: BenchArgs) -> Result<(), String> {
                             // ~2 MB of receive buffers per client socket: 10,000 QUIC
                             // sessions on one socket each would not fit (W4, W5).
                             quic_sockets: Some(QuicClientSockets::new(QUIC_SESSIONS_PER_SOCKET)),
+                            kcp_local_ip: args.kcp_source_ip,
                             conn: ConnConfig {
                                 idle_timeout: ConnConfig::default()
                                     .idle_timeout

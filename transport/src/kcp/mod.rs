@@ -254,11 +254,24 @@ pub fn connect_kcp(
     kcp: &KcpConfig,
     conn: &ConnConfig,
 ) -> impl std::future::Future<Output = Result<BoxConnection, TransportError>> + Send + 'static {
+    connect_kcp_from(None, addr, kcp, conn)
+}
+
+/// [`connect_kcp`] from a socket bound to `local_ip` (`None`: the unspecified address, the
+/// kernel picks). A load generator spreads its sockets over several loopback addresses so
+/// they are not bounded by one address's ephemeral ports (~28,000 by default).
+pub fn connect_kcp_from(
+    local_ip: Option<std::net::IpAddr>,
+    addr: SocketAddr,
+    kcp: &KcpConfig,
+    conn: &ConnConfig,
+) -> impl std::future::Future<Output = Result<BoxConnection, TransportError>> + Send + 'static {
     let (kcp, conn) = (kcp.clone(), conn.clone());
-    async move { connect_owned(addr, kcp, conn).await }
+    async move { connect_owned(local_ip, addr, kcp, conn).await }
 }
 
 async fn connect_owned(
+    local_ip: Option<std::net::IpAddr>,
     addr: SocketAddr,
     kcp: KcpConfig,
     conn: ConnConfig,
@@ -266,10 +279,10 @@ async fn connect_owned(
     let params = conn_params(&kcp, &conn);
     let ep = KcpEndpoint::client(kcp, &conn, Instant::now(), fresh_rng(), addr)?
         .with_credentials(conn.kcp_credentials.clone());
-    let bind: SocketAddr = if addr.is_ipv4() {
-        (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
-    } else {
-        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    let bind: SocketAddr = match local_ip {
+        Some(ip) => (ip, 0).into(),
+        None if addr.is_ipv4() => (std::net::Ipv4Addr::UNSPECIFIED, 0).into(),
+        None => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
     };
     let socket = UdpSocket::bind(bind).await?;
     // A connected socket: the kernel drops datagrams from any other source.
