@@ -526,3 +526,27 @@ async fn kcp_peer_closed_takes_no_frame_and_sees_the_close() {
     )
     .await;
 }
+
+/// A client socket bound to a loopback address of its own (`connect_kcp_from`; the W9 load
+/// generators use one address each, as one address has only ~28,000 ephemeral ports): the
+/// listener sees the connection from that address, and frames flow.
+#[tokio::test]
+async fn kcp_connect_from_a_chosen_loopback_address() {
+    let mut l = listener(KcpConfig::fast()).await;
+    let addr = l.local_addr();
+    let source: std::net::IpAddr = "127.0.0.2".parse().unwrap();
+    let connect = kcp::connect_kcp_from(Some(source), addr, &KcpConfig::fast(), &conn_config());
+    let (client, server) = tokio::time::timeout(LIMIT, async { tokio::join!(connect, l.accept()) })
+        .await
+        .unwrap();
+    let mut client = client.unwrap();
+    let mut server = server.unwrap();
+    assert_eq!(server.info().peer.ip(), source);
+    assert_eq!(client.info().local.ip(), source);
+    client.send(&data(1, 32)).await.unwrap();
+    let got = tokio::time::timeout(LIMIT, server.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(got, data(1, 32));
+}
