@@ -15,8 +15,8 @@ use support_redis::RedisServer;
 use waygate_edge::cluster::redis::{KickNotice, Reassert, RedisConfig, RedisStores, ResumeKeySeal};
 use waygate_session::resume::ResumeHash;
 use waygate_session::store::{
-    MemoryOwnership, MemorySnapshotStore, OwnershipRegistry, SnapshotStore, SnapshotWrite,
-    StoreError, TakeOutcome,
+    MemoryOwnership, MemorySnapshotStore, OwnershipRegistry, Snapshot, SnapshotStore,
+    SnapshotWrite, StoreError, TakeOutcome,
 };
 use waygate_transport::TrafficClass;
 
@@ -506,20 +506,12 @@ async fn redis_reads(c: &mut redis::aio::MultiplexedConnection) -> u64 {
     redis_stat(c, "total_reads_processed").await
 }
 
-/// Regression (CI: every session of an edge called its link dead around a Redis restart):
-/// a Redis that comes back empty (no scripts, no records) costs a group commit of deltas a
-/// few round trips, not two per session. Before the fix each write whose script was lost
-/// was sent again alone, and each delta whose base was gone was written whole alone: a
-/// group of 50 cost ~100 sequential round trips while every session in it held its output.
-#[tokio::test]
-async fn a_redis_that_came_back_empty_costs_a_group_commit_a_few_round_trips() {
-    let server = RedisServer::start();
-    let s = stores(&server).await;
-    let mut c = raw_connection(&server).await;
-    let ttl = Duration::from_secs(60);
+/// `n` players `prefix-<i>`, each claimed on edge e1, and their sessions' snapshots
+/// written whole.
+async fn written_sessions(s: &RedisStores, prefix: &str, n: u8, ttl: Duration) -> Vec<Snapshot> {
     let mut snaps = Vec::new();
-    for i in 0..50u8 {
-        let p = format!("back-{i}");
+    for i in 0..n {
+        let p = format!("{prefix}-{i}");
         let g = s
             .ownership
             .claim(&p, &session_id_of(&p, i), "e1")
@@ -534,6 +526,40 @@ async fn a_redis_that_came_back_empty_costs_a_group_commit_a_few_round_trips() {
         .await
         .iter()
         .all(Result::is_ok));
+    snaps
+}
+
+/// A delta write of each snapshot: it with one more replay entry (`msg_id`, `payload`).
+fn one_entry_more(snaps: &[Snapshot], msg_id: u32, payload: &[u8]) -> Vec<SnapshotWrite> {
+    snaps
+        .iter()
+        .map(|since| {
+            let mut now = since.clone();
+            now.replay.push(
+                TrafficClass::Normal,
+                msg_id,
+                Bytes::copy_from_slice(payload),
+            );
+            SnapshotWrite {
+                snapshot: now,
+                since: Some(Box::new(since.clone())),
+            }
+        })
+        .collect()
+}
+
+/// Regression (CI: every session of an edge called its link dead around a Redis restart):
+/// a Redis that comes back empty (no scripts, no records) costs a group commit of deltas a
+/// few round trips, not two per session. Before the fix each write whose script was lost
+/// was sent again alone, and each delta whose base was gone was written whole alone: a
+/// group of 50 cost ~100 sequential round trips while every session in it held its output.
+#[tokio::test]
+async fn a_redis_that_came_back_empty_costs_a_group_commit_a_few_round_trips() {
+    let server = RedisServer::start();
+    let s = stores(&server).await;
+    let mut c = raw_connection(&server).await;
+    let ttl = Duration::from_secs(60);
+    let snaps = written_sessions(&s, "back", 50, ttl).await;
     // The restart: records and scripts gone.
     let _: () = redis::cmd("FLUSHALL")
         .query_async(&mut c)
@@ -544,21 +570,7 @@ async fn a_redis_that_came_back_empty_costs_a_group_commit_a_few_round_trips() {
         .query_async(&mut c)
         .await
         .expect("flush");
-    let deltas: Vec<SnapshotWrite> = snaps
-        .iter()
-        .map(|since| {
-            let mut now = since.clone();
-            now.replay.push(
-                TrafficClass::Normal,
-                7,
-                Bytes::from_static(b"after the restart"),
-            );
-            SnapshotWrite {
-                snapshot: now,
-                since: Some(Box::new(since.clone())),
-            }
-        })
-        .collect();
+    let deltas = one_entry_more(&snaps, 7, b"after the restart");
     let before = redis_reads(&mut c).await;
     let results = s.snapshots.put_many(&deltas, ttl).await;
     let reads = redis_reads(&mut c).await - before;
@@ -589,23 +601,7 @@ async fn a_group_commit_on_one_redis_sends_its_deltas_in_one_packed_call() {
     let s = stores(&server).await;
     let mut c = raw_connection(&server).await;
     let ttl = Duration::from_secs(60);
-    let mut snaps = Vec::new();
-    for i in 0..N {
-        let p = format!("group-{i}");
-        let g = s
-            .ownership
-            .claim(&p, &session_id_of(&p, i), "e1")
-            .await
-            .expect("claim");
-        snaps.push(snapshot(i, &p, g.fencing));
-    }
-    let whole: Vec<SnapshotWrite> = snaps.iter().cloned().map(SnapshotWrite::whole).collect();
-    assert!(s
-        .snapshots
-        .put_many(&whole, ttl)
-        .await
-        .iter()
-        .all(Result::is_ok));
+    let snaps = written_sessions(&s, "group", N, ttl).await;
     // Player 7 claimed by a newer session since; session 13's record is gone; player 0's
     // owner record made persistent, so the write's expiry shows.
     s.ownership
@@ -656,18 +652,7 @@ async fn a_group_commit_on_one_redis_sends_its_deltas_in_one_packed_call() {
         .query_async(&mut c)
         .await
         .expect("persist");
-    let deltas: Vec<SnapshotWrite> = snaps
-        .iter()
-        .map(|since| {
-            let mut now = since.clone();
-            now.replay
-                .push(TrafficClass::Normal, 9, Bytes::from(vec![0x5a; 64]));
-            SnapshotWrite {
-                snapshot: now,
-                since: Some(Box::new(since.clone())),
-            }
-        })
-        .collect();
+    let deltas = one_entry_more(&snaps, 9, &[0x5a; 64]);
     // The scripts are loaded already: the whole writes above, and one delta.
     let warm = [deltas[1].clone()];
     assert_eq!(s.snapshots.put_many(&warm, ttl).await, vec![Ok(())]);
@@ -725,20 +710,13 @@ async fn a_group_commit_on_one_redis_sends_its_deltas_in_one_packed_call() {
     );
     assert_eq!(calls(&after_info, "eval") - calls(&before_info, "eval"), 2);
     // What a group commit of 64 B messages costs Redis now: the next message of each.
-    let next: Vec<SnapshotWrite> = deltas
-        .iter()
+    let written: Vec<Snapshot> = deltas
+        .into_iter()
         .enumerate()
         .filter(|&(i, _)| i != 7)
-        .map(|(_, w)| {
-            let mut now = w.snapshot.clone();
-            now.replay
-                .push(TrafficClass::Normal, 10, Bytes::from(vec![0xa5; 64]));
-            SnapshotWrite {
-                snapshot: now,
-                since: Some(Box::new(w.snapshot.clone())),
-            }
-        })
+        .map(|(_, w)| w.snapshot)
         .collect();
+    let next = one_entry_more(&written, 10, &[0xa5; 64]);
     let before = redis_input_bytes(&mut c).await;
     let results = s.snapshots.put_many(&next, ttl).await;
     let bytes = redis_input_bytes(&mut c).await - before;
