@@ -31,13 +31,15 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# A port free for TCP (backend, admin) or UDP (kcp, quic) now; bound by the edge a moment later.
 free_port() {
-  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+  python3 -c "import socket, sys; s = socket.socket(type=socket.SOCK_$1); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"
 }
-backend_port=$(free_port)
-admin_port=$(free_port)
-kcp_port=$(free_port)
-quic_port=$(free_port)
+backend_port=$(free_port STREAM)
+admin_port=$(free_port STREAM)
+kcp_port=$(free_port DGRAM)
+quic_port=$(free_port DGRAM)
+[ $(( (KCP + PER - 1) / PER )) -le 250 ] || { echo "at most 250 KCP generators (127.0.0.2-251)" >&2; exit 2; }
 
 "$bin" bench --role backend --listen "127.0.0.1:$backend_port" --push-rate 0 --payload 64 \
   > "$dir/backend.log" 2>&1 &
@@ -91,10 +93,15 @@ sleep 0.5
 "$bin" run --config "$dir/edge.toml" > "$dir/edge.out" 2> "$dir/edge.log" &
 edge=$!
 pids+=($edge)
+up=
 for _ in $(seq 1 100); do
-  [ -s "$dir/ca.pem" ] && curl -sf "http://127.0.0.1:$admin_port/metrics" > /dev/null && break
+  if [ -s "$dir/ca.pem" ] && curl -sf "http://127.0.0.1:$admin_port/metrics" > /dev/null; then
+    up=1
+    break
+  fi
   sleep 0.1
 done
+[ -n "$up" ] || { echo "the edge did not come up in 10 s:" >&2; tail -5 "$dir/edge.log" >&2; exit 1; }
 live() {
   curl -sf "http://127.0.0.1:$admin_port/metrics" | awk '/^waygate_sessions_live /{print $2}'
 }
@@ -155,7 +162,8 @@ sleep "$WINDOW"
 t1=$(cpu_ticks)
 u1=$(udp_in)
 rss1=$(rss_kib)
-got=$(live)
+got=$(live || echo 0)
+[ "${got:-0}" -gt 0 ] || { echo "the edge holds no session at the end" >&2; exit 1; }
 awk -v t0="$t0" -v t1="$t1" -v hz="$hz" -v w="$WINDOW" -v r0="$rss0" -v r1="$rss1" \
     -v n="$got" -v k="$KCP" -v q="$QUIC" -v u0="$u0" -v u1="$u1" 'BEGIN {
   cpu = (t1 - t0) / hz / w * 100

@@ -613,11 +613,7 @@ async fn a_group_commit_on_one_redis_sends_its_deltas_in_one_packed_call() {
         .query_async(&mut c)
         .await
         .expect("keys");
-    let hex13: String = snaps[13]
-        .session_id
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let hex13 = waygate_session::resume::hex_id(&snaps[13].session_id);
     let snap13 = keys
         .iter()
         .find(|k| k.ends_with(&hex13))
@@ -632,11 +628,7 @@ async fn a_group_commit_on_one_redis_sends_its_deltas_in_one_packed_call() {
         .await
         .expect("del");
     // Session 21's record as an edge before PUT_DELTAS wrote it: no player id in `l`.
-    let hex21: String = snaps[21]
-        .session_id
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let hex21 = waygate_session::resume::hex_id(&snaps[21].session_id);
     let snap21 = keys
         .iter()
         .find(|k| k.ends_with(&hex21))
@@ -684,6 +676,11 @@ async fn a_group_commit_on_one_redis_sends_its_deltas_in_one_packed_call() {
     for (i, r) in results.iter().enumerate() {
         if i == 7 {
             assert_eq!(r, &Err(StoreError::Fenced), "write {i}");
+            assert_eq!(
+                s.snapshots.get(&snaps[7].session_id).await,
+                Ok(Some(snaps[7].clone())),
+                "a fenced delta leaves the record as it was"
+            );
         } else {
             assert_eq!(r, &Ok(()), "write {i}");
             assert_eq!(

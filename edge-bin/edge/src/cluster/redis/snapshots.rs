@@ -91,19 +91,26 @@ return 1
 "#
 );
 
-/// The deltas of one or many sessions in one call. KEYS[1]: the first delta's snapshot key,
-/// for routing only (a cluster sends the call to that key's node; every delta of a call has
-/// its hash tag there, so its keys are in that slot). The script names each session's
-/// keys itself, from its session id and the player id the record holds in `l` (a record
-/// without it, written by an older edge, counts as a missing base) and the key prefix and
-/// store tag length KEYS[1] shows. ARGV: ttl ms, the deltas packed by [`pack_deltas`]. Returns
-/// one answer per delta, in order (see `apply_delta`).
+/// The deltas of one or many sessions in one call. On one Redis, KEYS is the first delta's
+/// snapshot key alone and the script names each session's keys itself, from its session
+/// id and the player id the record holds in `l` (a record without it, written by an older
+/// edge, counts as a missing base), with the key prefix and store tag length that key
+/// shows. On a cluster, where a call holds the deltas of one hash tag (one slot), KEYS are
+/// every delta's fence, snapshot and owner keys in turn: declared, so a slot being moved
+/// redirects the call before it runs. ARGV: ttl ms, the deltas packed by [`pack_deltas`].
+/// Returns one answer per delta, in order (see `apply_delta`; 3: Redis refused one of its
+/// commands — its earlier writes may stand, so the edge writes that session whole next).
 const PUT_DELTAS_LUA: &str = concat!(
     write_functions!(),
     r#"
 local ttl, b = ARGV[1], ARGV[2]
-local prefix, first_tag = string.match(KEYS[1], '^(.*):{(%x+)}:snap:%x+$')
-local tag = #first_tag
+local declared = #KEYS > 1
+local prefix, tag
+if not declared then
+  local first_tag
+  prefix, first_tag = string.match(KEYS[1], '^(.*):{(%x+)}:snap:%x+$')
+  tag = #first_tag
+end
 local n, pos = struct.unpack('>I2', b)
 local out = {}
 for s = 1, n do
@@ -114,13 +121,22 @@ for s = 1, n do
   for i = 1, k do dropped[i], pos = struct.unpack('>I1c0', b, pos) end
   m, pos = struct.unpack('>I4', b, pos)
   for i = 1, 2 * m, 2 do added[i], added[i + 1], pos = struct.unpack('>I1c0I4c0', b, pos) end
-  local hex = string.format(string.rep('%02x', #sid), string.byte(sid, 1, #sid))
-  local slot = prefix .. ':{' .. string.sub(hex, 1, tag) .. '}:'
-  local snap = slot .. 'snap:' .. hex
-  local player = redis.call('HGET', snap, 'l')
-  if player then
-    out[s] = apply_delta(slot .. 'fence:' .. player, snap, slot .. 'owner:' .. player,
-      fencing, ttl, from, to, data, counters, dropped, added)
+  local fence, snap, owner
+  if declared then
+    fence, snap, owner = KEYS[3 * s - 2], KEYS[3 * s - 1], KEYS[3 * s]
+  else
+    local hex = string.format(string.rep('%02x', #sid), string.byte(sid, 1, #sid))
+    local slot = prefix .. ':{' .. string.sub(hex, 1, tag) .. '}:'
+    snap = slot .. 'snap:' .. hex
+    local player = redis.call('HGET', snap, 'l')
+    if player then
+      fence, owner = slot .. 'fence:' .. player, slot .. 'owner:' .. player
+    end
+  end
+  if fence then
+    local ok, r = pcall(apply_delta, fence, snap, owner, fencing, ttl, from, to, data,
+      counters, dropped, added)
+    out[s] = ok and r or 3
   else
     out[s] = 2
   end
@@ -175,15 +191,16 @@ impl PutArgs {
     fn slot_key(&self) -> &str {
         match self {
             Self::Whole { keys, .. } => &keys[1],
-            Self::Delta(d) => &d.snap_key,
+            Self::Delta(d) => &d.keys[1],
         }
     }
 }
 
 /// One session's delta as PUT_DELTAS takes it (see [`pack_deltas`]).
 struct DeltaArgs {
-    /// Its snapshot's key (where the call goes; the script names it again).
-    snap_key: String,
+    /// Its fence, snapshot and owner keys (the snapshot's routes the call; on one Redis
+    /// the script names the others itself).
+    keys: [String; 3],
     session_id: SessionId,
     fencing: Vec<u8>,
     /// The entry range the delta starts from, and the record's after it (`r`).
@@ -392,10 +409,15 @@ fn check_store_tag(snapshot: &Snapshot) -> Result<(), RedisError> {
 }
 
 fn put_outcome(n: u8) -> Result<(), RedisError> {
-    if n == 1 {
-        Ok(())
-    } else {
-        Err(RedisError::Fenced)
+    match n {
+        1 => Ok(()),
+        0 => Err(RedisError::Fenced),
+        3 => Err(RedisError::Corrupt(
+            "Redis refused a command of the delta (a record of another type?)".into(),
+        )),
+        other => Err(RedisError::Corrupt(format!(
+            "a write script answered {other}"
+        ))),
     }
 }
 
@@ -506,7 +528,7 @@ impl RedisSnapshotStore {
             added.push((PUSH_IDS_FIELD.to_vec(), encode_push_ids(snapshot)?));
         }
         Ok(PutArgs::Delta(DeltaArgs {
-            snap_key: self.conn.session_key("snap", &snapshot.session_id),
+            keys: self.keys(snapshot),
             session_id: snapshot.session_id,
             fencing: snapshot.fencing.to_string().into_bytes(),
             from: entry_range(base),
@@ -518,6 +540,16 @@ impl RedisSnapshotStore {
         }))
     }
 
+    /// The player's fence, the session's snapshot and the player's owner record.
+    fn keys(&self, snapshot: &Snapshot) -> [String; 3] {
+        let c = &self.conn;
+        [
+            c.player_key("fence", &snapshot.player_id),
+            c.session_key("snap", &snapshot.session_id),
+            c.player_key("owner", &snapshot.player_id),
+        ]
+    }
+
     /// PUT's keys and arguments for `snapshot` whole.
     fn whole_args(
         &self,
@@ -526,11 +558,7 @@ impl RedisSnapshotStore {
     ) -> Result<([String; 3], Vec<Vec<u8>>), RedisError> {
         check_store_tag(snapshot)?;
         let c = &self.conn;
-        let keys = [
-            c.player_key("fence", &snapshot.player_id),
-            c.session_key("snap", &snapshot.session_id),
-            c.player_key("owner", &snapshot.player_id),
-        ];
+        let keys = self.keys(snapshot);
         let seal = c.config.resume_key_seal.as_deref();
         let sid = &snapshot.session_id;
         let stored = |key: &ResumeHash| match seal {
@@ -593,8 +621,8 @@ impl RedisSnapshotStore {
     ) -> Vec<Result<(), RedisError>> {
         /// One command of a round: a write on its own, or deltas in one PUT_DELTAS call
         /// (indices into the round, and the deltas packed).
-        enum Call {
-            One(usize),
+        enum Call<'a> {
+            Whole(usize, &'a [String; 3], &'a [Vec<u8>]),
             Deltas(Vec<usize>, Vec<u8>),
         }
         let mut results: Vec<Result<(), RedisError>> = Vec::with_capacity(writes.len());
@@ -621,12 +649,15 @@ impl RedisSnapshotStore {
                 // Deltas by (sent as text, hash tag on a cluster), in the round's order.
                 let mut groups: Vec<((bool, &str), Vec<usize>)> = Vec::new();
                 for (r, (_, p, text)) in round.iter().enumerate() {
-                    let PutArgs::Delta(d) = p else {
-                        calls.push(Call::One(r));
-                        continue;
+                    let d = match p {
+                        PutArgs::Whole { keys, args } => {
+                            calls.push(Call::Whole(r, keys, args));
+                            continue;
+                        }
+                        PutArgs::Delta(d) => d,
                     };
                     let tag = if self.conn.is_cluster() {
-                        hash_tag(&d.snap_key)
+                        hash_tag(&d.keys[1])
                     } else {
                         ""
                     };
@@ -655,7 +686,7 @@ impl RedisSnapshotStore {
                 .pipeline_each(
                     &calls,
                     |call| match call {
-                        Call::One(r) => round[*r].1.slot_key().to_owned(),
+                        Call::Whole(_, keys, _) => keys[1].clone(),
                         Call::Deltas(members, _) => members
                             .first()
                             .map_or(String::new(), |&r| round[r].1.slot_key().to_owned()),
@@ -668,21 +699,27 @@ impl RedisSnapshotStore {
                             } else {
                                 pipe.cmd("EVALSHA").arg(scripts().put_deltas.get_hash())
                             };
-                            // The first delta's key: where a cluster sends the call.
-                            cmd.arg(1)
-                                .arg(first.map_or("", |(_, p, _)| p.slot_key()))
-                                .arg(&ttl_arg)
-                                .arg(&blob[..]);
-                        }
-                        Call::One(r) => {
-                            if let (_, PutArgs::Whole { keys, args }, text) = &round[*r] {
-                                let cmd = if *text {
-                                    pipe.cmd("EVAL").arg(PUT_LUA)
-                                } else {
-                                    pipe.cmd("EVALSHA").arg(scripts().put.get_hash())
-                                };
-                                cmd.arg(keys.len()).arg(&keys[..]).arg(&args[..]);
+                            if self.conn.is_cluster() {
+                                // Every key declared: one slot (one hash tag per call).
+                                cmd.arg(3 * members.len());
+                                for &r in members {
+                                    if let PutArgs::Delta(d) = &round[r].1 {
+                                        cmd.arg(&d.keys[..]);
+                                    }
+                                }
+                            } else {
+                                // The first snapshot key: the prefix, for the script.
+                                cmd.arg(1).arg(first.map_or("", |(_, p, _)| p.slot_key()));
                             }
+                            cmd.arg(&ttl_arg).arg(&blob[..]);
+                        }
+                        Call::Whole(r, keys, args) => {
+                            let cmd = if round[*r].2 {
+                                pipe.cmd("EVAL").arg(PUT_LUA)
+                            } else {
+                                pipe.cmd("EVALSHA").arg(scripts().put.get_hash())
+                            };
+                            cmd.arg(keys.len()).arg(&keys[..]).arg(&args[..]);
                         }
                     },
                 )
@@ -701,7 +738,7 @@ impl RedisSnapshotStore {
                 std::iter::repeat_with(|| None).take(round.len()).collect();
             for (call, reply) in calls.iter().zip(replies) {
                 match call {
-                    Call::One(r) => {
+                    Call::Whole(r, ..) => {
                         answers[*r] =
                             Some(reply.and_then(|v| Ok(redis::from_redis_value::<u8>(v)?)));
                     }
