@@ -639,6 +639,19 @@ async fn a_group_commit_on_one_redis_sends_its_deltas_in_one_packed_call() {
         .query_async(&mut c)
         .await
         .expect("hdel");
+    // Session 33's key holds something else than a record: Redis refuses the delta's
+    // commands, and only that delta fails.
+    let hex33 = waygate_session::resume::hex_id(&snaps[33].session_id);
+    let snap33 = keys
+        .iter()
+        .find(|k| k.ends_with(&hex33))
+        .expect("session 33's key");
+    let _: () = redis::cmd("SET")
+        .arg(snap33)
+        .arg("not a hash")
+        .query_async(&mut c)
+        .await
+        .expect("set");
     let _: () = redis::cmd("PERSIST")
         .arg(owner0)
         .query_async(&mut c)
@@ -674,7 +687,9 @@ async fn a_group_commit_on_one_redis_sends_its_deltas_in_one_packed_call() {
     let results = s.snapshots.put_many(&deltas, ttl).await;
     let after_info = stats(&mut c).await;
     for (i, r) in results.iter().enumerate() {
-        if i == 7 {
+        if i == 33 {
+            assert!(matches!(r, Err(StoreError::Corrupt(_))), "write {i}: {r:?}");
+        } else if i == 7 {
             assert_eq!(r, &Err(StoreError::Fenced), "write {i}");
             assert_eq!(
                 s.snapshots.get(&snaps[7].session_id).await,
@@ -710,7 +725,7 @@ async fn a_group_commit_on_one_redis_sends_its_deltas_in_one_packed_call() {
     let written: Vec<Snapshot> = deltas
         .into_iter()
         .enumerate()
-        .filter(|&(i, _)| i != 7)
+        .filter(|&(i, _)| i != 7 && i != 33)
         .map(|(_, w)| w.snapshot)
         .collect();
     let next = one_entry_more(&written, 10, &[0xa5; 64]);

@@ -35,7 +35,8 @@ use super::{RedisConfig, RedisError};
 /// Lua shared by the write scripts. `expire_with_the_snapshot`: the snapshot expires after
 /// the linger time, and so does the player's owner record if this session owns it (the
 /// owner record starts with "<fencing> <session hex> ", the session hex ends the
-/// snapshot's key). `apply_delta`: one delta of PUT_DELTAS, answering 1 (applied), 0
+/// snapshot's key). `apply_delta`: one delta of PUT_DELTAS, given the stored record's
+/// fencing token and entry range (`f`, `r`, read by the caller), answering 1 (applied), 0
 /// (fenced: the player or the stored snapshot is newer) or 2 (the stored record is not the
 /// one the delta starts from: write it whole). It drops the entries named, adds the new
 /// ones, replaces `c` (and `d` unless it is ''), and sets the expiries as PUT does.
@@ -50,14 +51,13 @@ local function expire_with_the_snapshot(snap, owner, fencing, ttl)
     redis.call('PEXPIRE', owner, ttl)
   end
 end
-local function apply_delta(fence, snap, owner, fencing, ttl, from, to, data, counters, dropped, added)
+local function apply_delta(fence, snap, owner, stored_f, stored_r, fencing, ttl, from, to, data, counters, dropped, added)
   local f = tonumber(fencing)
   local c = redis.call('GET', fence)
   if c and tonumber(c) > f then return 0 end
-  local v = redis.call('HMGET', snap, 'f', 'r')
-  if not v[1] then return 2 end
-  if tonumber(v[1]) > f then return 0 end
-  if tonumber(v[1]) ~= f or v[2] ~= from then return 2 end
+  if not stored_f then return 2 end
+  if tonumber(stored_f) > f then return 0 end
+  if tonumber(stored_f) ~= f or stored_r ~= from then return 2 end
   for i = 1, #dropped do redis.call('HDEL', snap, dropped[i]) end
   for i = 1, #added, 2 do redis.call('HSET', snap, added[i], added[i + 1]) end
   if data ~= '' then redis.call('HSET', snap, 'd', data) end
@@ -121,25 +121,23 @@ for s = 1, n do
   for i = 1, k do dropped[i], pos = struct.unpack('>I1c0', b, pos) end
   m, pos = struct.unpack('>I4', b, pos)
   for i = 1, 2 * m, 2 do added[i], added[i + 1], pos = struct.unpack('>I1c0I4c0', b, pos) end
-  local fence, snap, owner
-  if declared then
-    fence, snap, owner = KEYS[3 * s - 2], KEYS[3 * s - 1], KEYS[3 * s]
-  else
+  local function one()
+    if declared then
+      local snap = KEYS[3 * s - 1]
+      local v = redis.call('HMGET', snap, 'f', 'r')
+      return apply_delta(KEYS[3 * s - 2], snap, KEYS[3 * s], v[1], v[2], fencing, ttl,
+        from, to, data, counters, dropped, added)
+    end
     local hex = string.format(string.rep('%02x', #sid), string.byte(sid, 1, #sid))
     local slot = prefix .. ':{' .. string.sub(hex, 1, tag) .. '}:'
-    snap = slot .. 'snap:' .. hex
-    local player = redis.call('HGET', snap, 'l')
-    if player then
-      fence, owner = slot .. 'fence:' .. player, slot .. 'owner:' .. player
-    end
+    local snap = slot .. 'snap:' .. hex
+    local v = redis.call('HMGET', snap, 'f', 'r', 'l')
+    if not v[3] then return 2 end
+    return apply_delta(slot .. 'fence:' .. v[3], snap, slot .. 'owner:' .. v[3], v[1], v[2],
+      fencing, ttl, from, to, data, counters, dropped, added)
   end
-  if fence then
-    local ok, r = pcall(apply_delta, fence, snap, owner, fencing, ttl, from, to, data,
-      counters, dropped, added)
-    out[s] = ok and r or 3
-  else
-    out[s] = 2
-  end
+  local ok, r = pcall(one)
+  out[s] = ok and r or 3
 end
 return out
 "#
@@ -215,8 +213,8 @@ struct DeltaArgs {
 }
 
 /// At most this many deltas in one PUT_DELTAS call (a bound on the time one script holds
-/// Redis).
-const DELTAS_PER_CALL: usize = 256;
+/// Redis): a whole group commit.
+const DELTAS_PER_CALL: usize = waygate_session::write_through::MAX_GROUP;
 
 /// Packs deltas for PUT_DELTAS: their count (u16), then for each the session id, fencing,
 /// the two ranges, data, counters, the dropped fields and the added pairs, every string
