@@ -613,45 +613,31 @@ async fn a_group_commit_on_one_redis_sends_its_deltas_in_one_packed_call() {
         .query_async(&mut c)
         .await
         .expect("keys");
-    let hex13 = waygate_session::resume::hex_id(&snaps[13].session_id);
-    let snap13 = keys
-        .iter()
-        .find(|k| k.ends_with(&hex13))
-        .expect("session 13's key");
+    let snap_key = |i: usize| {
+        let hex = waygate_session::resume::hex_id(&snaps[i].session_id);
+        keys.iter()
+            .find(|k| k.ends_with(&hex))
+            .expect("the session's key")
+            .clone()
+    };
     let owner0 = keys
         .iter()
         .find(|k| k.contains(":owner:") && k.ends_with(":group-0"))
         .expect("player 0's owner record");
-    let _: () = redis::cmd("DEL")
-        .arg(snap13)
-        .query_async(&mut c)
-        .await
-        .expect("del");
-    // Session 21's record as an edge before PUT_DELTAS wrote it: no player id in `l`.
-    let hex21 = waygate_session::resume::hex_id(&snaps[21].session_id);
-    let snap21 = keys
-        .iter()
-        .find(|k| k.ends_with(&hex21))
-        .expect("session 21's key");
-    let _: () = redis::cmd("HDEL")
-        .arg(snap21)
+    // Session 13's record gone; session 21's as an edge before PUT_DELTAS wrote it (no
+    // player id in `l`); session 33's key holding something else than a record (Redis
+    // refuses the delta's commands, and only that delta fails).
+    let mut setup = redis::pipe();
+    setup
+        .cmd("DEL")
+        .arg(snap_key(13))
+        .cmd("HDEL")
+        .arg(snap_key(21))
         .arg("l")
-        .query_async(&mut c)
-        .await
-        .expect("hdel");
-    // Session 33's key holds something else than a record: Redis refuses the delta's
-    // commands, and only that delta fails.
-    let hex33 = waygate_session::resume::hex_id(&snaps[33].session_id);
-    let snap33 = keys
-        .iter()
-        .find(|k| k.ends_with(&hex33))
-        .expect("session 33's key");
-    let _: () = redis::cmd("SET")
-        .arg(snap33)
-        .arg("not a hash")
-        .query_async(&mut c)
-        .await
-        .expect("set");
+        .cmd("SET")
+        .arg(snap_key(33))
+        .arg("not a hash");
+    let _: () = setup.query_async(&mut c).await.expect("setup");
     let _: () = redis::cmd("PERSIST")
         .arg(owner0)
         .query_async(&mut c)
