@@ -184,16 +184,6 @@ enum PutArgs {
     Delta(DeltaArgs),
 }
 
-impl PutArgs {
-    /// The key whose hash tag (slot) the write goes to: the snapshot's.
-    fn slot_key(&self) -> &str {
-        match self {
-            Self::Whole { keys, .. } => &keys[1],
-            Self::Delta(d) => &d.keys[1],
-        }
-    }
-}
-
 /// One session's delta as PUT_DELTAS takes it (see [`pack_deltas`]).
 struct DeltaArgs {
     /// Its fence, snapshot and owner keys (the snapshot's routes the call; on one Redis
@@ -410,7 +400,7 @@ fn put_outcome(n: u8) -> Result<(), RedisError> {
     match n {
         1 => Ok(()),
         0 => Err(RedisError::Fenced),
-        3 => Err(RedisError::Corrupt(
+        DELTA_REFUSED => Err(RedisError::Corrupt(
             "Redis refused a command of the delta (a record of another type?)".into(),
         )),
         other => Err(RedisError::Corrupt(format!(
@@ -449,6 +439,8 @@ fn scripts() -> &'static Scripts {
 
 /// What PUT_DELTAS answers for a delta whose base is not the stored record.
 const DELTA_BASE_MISSING: u8 = 2;
+/// What PUT_DELTAS answers for a delta one of whose commands Redis refused (its `pcall`).
+const DELTA_REFUSED: u8 = 3;
 
 impl RedisSnapshotStore {
     pub(super) fn from_conn(conn: Conn) -> Self {
@@ -617,12 +609,14 @@ impl RedisSnapshotStore {
         writes: &[SnapshotWrite],
         ttl: Duration,
     ) -> Vec<Result<(), RedisError>> {
-        /// One command of a round: a write on its own, or deltas in one PUT_DELTAS call
-        /// (indices into the round, and the deltas packed).
+        /// One command of a round: a whole record on its own, or deltas of one hash tag in
+        /// one PUT_DELTAS call (with their indices into the round, and packed). Each with
+        /// whether it goes as the script's text.
         enum Call<'a> {
-            Whole(usize, &'a [String; 3], &'a [Vec<u8>]),
-            Deltas(Vec<usize>, Vec<u8>),
+            Whole(usize, &'a [String; 3], &'a [Vec<u8>], bool),
+            Deltas(Vec<(usize, &'a DeltaArgs)>, Vec<u8>, bool),
         }
+        let cluster = self.conn.is_cluster();
         let mut results: Vec<Result<(), RedisError>> = Vec::with_capacity(writes.len());
         // (write index, its script call, sent as the script's text)
         let mut round: Vec<(usize, PutArgs, bool)> = Vec::with_capacity(writes.len());
@@ -643,36 +637,27 @@ impl RedisSnapshotStore {
                 break;
             }
             let mut calls = Vec::new();
-            {
-                // Deltas by (sent as text, hash tag on a cluster), in the round's order.
-                let mut groups: Vec<((bool, &str), Vec<usize>)> = Vec::new();
-                for (r, (_, p, text)) in round.iter().enumerate() {
-                    let d = match p {
-                        PutArgs::Whole { keys, args } => {
-                            calls.push(Call::Whole(r, keys, args));
-                            continue;
+            // Deltas by (sent as text, hash tag on a cluster), in the round's order.
+            type Members<'a> = Vec<(usize, &'a DeltaArgs)>;
+            let mut groups: Vec<((bool, &str), Members<'_>)> = Vec::new();
+            for (r, (_, p, text)) in round.iter().enumerate() {
+                match p {
+                    PutArgs::Whole { keys, args } => calls.push(Call::Whole(r, keys, args, *text)),
+                    PutArgs::Delta(d) => {
+                        let group = (*text, if cluster { hash_tag(&d.keys[1]) } else { "" });
+                        match groups.iter_mut().find(|(g, _)| *g == group) {
+                            Some((_, members)) => members.push((r, d)),
+                            None => groups.push((group, vec![(r, d)])),
                         }
-                        PutArgs::Delta(d) => d,
-                    };
-                    let tag = if self.conn.is_cluster() {
-                        hash_tag(&d.keys[1])
-                    } else {
-                        ""
-                    };
-                    match groups.iter_mut().find(|(g, _)| *g == (*text, tag)) {
-                        Some((_, members)) => members.push(r),
-                        None => groups.push(((*text, tag), vec![r])),
                     }
                 }
-                for chunk in groups.iter().flat_map(|(_, m)| m.chunks(DELTAS_PER_CALL)) {
-                    let members = chunk.iter().filter_map(|&r| match &round[r].1 {
-                        PutArgs::Delta(d) => Some(d),
-                        PutArgs::Whole { .. } => None,
-                    });
-                    match pack_deltas(members.collect::<Vec<_>>().into_iter()) {
-                        Ok(blob) => calls.push(Call::Deltas(chunk.to_vec(), blob)),
+            }
+            for ((text, _), members) in &groups {
+                for chunk in members.chunks(DELTAS_PER_CALL) {
+                    match pack_deltas(chunk.iter().map(|&(_, d)| d)) {
+                        Ok(blob) => calls.push(Call::Deltas(chunk.to_vec(), blob, *text)),
                         Err(e) => {
-                            for &r in chunk {
+                            for &(r, _) in chunk {
                                 results[round[r].0] = Err(e.clone());
                             }
                         }
@@ -684,35 +669,33 @@ impl RedisSnapshotStore {
                 .pipeline_each(
                     &calls,
                     |call| match call {
-                        Call::Whole(_, keys, _) => keys[1].clone(),
-                        Call::Deltas(members, _) => members
+                        Call::Whole(_, keys, ..) => keys[1].clone(),
+                        Call::Deltas(members, ..) => members
                             .first()
-                            .map_or(String::new(), |&r| round[r].1.slot_key().to_owned()),
+                            .map_or(String::new(), |(_, d)| d.keys[1].clone()),
                     },
                     |pipe, call| match call {
-                        Call::Deltas(members, blob) => {
-                            let first = members.first().map(|&r| &round[r]);
-                            let cmd = if first.is_some_and(|(_, _, text)| *text) {
+                        Call::Deltas(members, blob, text) => {
+                            let cmd = if *text {
                                 pipe.cmd("EVAL").arg(PUT_DELTAS_LUA)
                             } else {
                                 pipe.cmd("EVALSHA").arg(scripts().put_deltas.get_hash())
                             };
-                            if self.conn.is_cluster() {
+                            if cluster {
                                 // Every key declared: one slot (one hash tag per call).
                                 cmd.arg(3 * members.len());
-                                for &r in members {
-                                    if let PutArgs::Delta(d) = &round[r].1 {
-                                        cmd.arg(&d.keys[..]);
-                                    }
+                                for (_, d) in members {
+                                    cmd.arg(&d.keys[..]);
                                 }
                             } else {
                                 // The first snapshot key: the prefix, for the script.
-                                cmd.arg(1).arg(first.map_or("", |(_, p, _)| p.slot_key()));
+                                cmd.arg(1)
+                                    .arg(members.first().map_or("", |(_, d)| &d.keys[1]));
                             }
                             cmd.arg(&ttl_arg).arg(&blob[..]);
                         }
-                        Call::Whole(r, keys, args) => {
-                            let cmd = if round[*r].2 {
+                        Call::Whole(_, keys, args, text) => {
+                            let cmd = if *text {
                                 pipe.cmd("EVAL").arg(PUT_LUA)
                             } else {
                                 pipe.cmd("EVALSHA").arg(scripts().put.get_hash())
@@ -740,9 +723,9 @@ impl RedisSnapshotStore {
                         answers[*r] =
                             Some(reply.and_then(|v| Ok(redis::from_redis_value::<u8>(v)?)));
                     }
-                    Call::Deltas(members, _) => {
+                    Call::Deltas(members, ..) => {
                         let each = reply.and_then(|v| Ok(redis::from_redis_value::<Vec<i64>>(v)?));
-                        for (j, &r) in members.iter().enumerate() {
+                        for (j, &(r, _)) in members.iter().enumerate() {
                             answers[r] = Some(match &each {
                                 Ok(codes) => codes
                                     .get(j)
