@@ -54,7 +54,7 @@ async fn the_dev_key_beyond_loopback_refuses_to_start_and_says_how_to_fix_it() {
 
 /// A JWT edge has no keys to open KCP connect tokens with: `waygate run` with a KCP listener
 /// that requires sealed sessions refuses to start, naming the setting (it would refuse
-/// every CONNECT), before anything is bound.
+/// every CONNECT), and is never ready.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_jwt_edge_whose_kcp_listener_requires_sealed_sessions_refuses_to_start() {
     let dir = tempfile::tempdir().unwrap();
