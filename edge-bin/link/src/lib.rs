@@ -227,6 +227,14 @@ async fn write_loop<W: AsyncWrite + Unpin>(
         if codec.encode(&first, &mut buf).is_err() {
             tracing::warn!("link frame too large; dropped");
         }
+        // Let the tasks that are ready run first, so their frames join this write: woken
+        // for one session's frame, the writer would otherwise write it alone while the
+        // other sessions' tasks queue theirs behind it (W3, 50 sessions: one `sendto` per
+        // FORWARD; with the yield ~0.28, 11% less CPU per message on the edge). Alone on
+        // the link (W1) it costs one poll of the runtime's driver per write.
+        if !closing && rx.is_empty() {
+            tokio::task::yield_now().await;
+        }
         // Coalesce what is already queued into one write.
         while buf.len() < 64 * 1024 && !closing {
             match rx.try_recv() {
@@ -442,6 +450,121 @@ mod tests {
         })
         .await;
         assert!(closed.is_ok(), "the socket stayed open");
+    }
+
+    /// A TCP stream that counts the writes that moved bytes.
+    struct CountingStream {
+        inner: tokio::net::TcpStream,
+        writes: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl AsyncRead for CountingStream {
+        fn poll_read(
+            self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+            buf: &mut tokio::io::ReadBuf<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::pin::Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+        }
+    }
+
+    impl AsyncWrite for CountingStream {
+        fn poll_write(
+            self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+            buf: &[u8],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            let this = self.get_mut();
+            let wrote = std::pin::Pin::new(&mut this.inner).poll_write(cx, buf);
+            if matches!(wrote, std::task::Poll::Ready(Ok(n)) if n > 0) {
+                this.writes
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+            wrote
+        }
+
+        fn poll_flush(
+            self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::pin::Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+        }
+
+        fn poll_shutdown(
+            self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::pin::Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+        }
+    }
+
+    /// Frames queued by tasks that became ready while the writer was being woken for an
+    /// earlier frame leave with it in one write (issue 17, W3: the edge made one `sendto`
+    /// per FORWARD, 2.0 per echo with the client's; 1.28 after, and 11% less CPU per
+    /// message). Before the writer let the ready tasks run first: two writes here.
+    #[tokio::test]
+    async fn frames_of_tasks_ready_together_share_one_write() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (ours, theirs) = tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        let writes = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let heartbeat = Duration::from_secs(5);
+        let io = spawn_link_io(
+            CountingStream {
+                inner: ours.unwrap(),
+                writes: writes.clone(),
+            },
+            DEFAULT_TEST_FRAME,
+            heartbeat,
+            LinkIoOptions::default(),
+        );
+        let mut peer = spawn_link_io(
+            theirs.unwrap().0,
+            DEFAULT_TEST_FRAME,
+            heartbeat,
+            LinkIoOptions::default(),
+        );
+        let go = Arc::new(tokio::sync::Notify::new());
+        let mut senders = Vec::new();
+        for credits in 1..=9 {
+            let (tx, go) = (io.tx.clone(), go.clone());
+            let waiting = go.notified_owned();
+            senders.push(tokio::spawn(async move {
+                waiting.await;
+                tx.send(LinkFrame::Credit { credits }).await.unwrap();
+            }));
+        }
+        // The writer is woken for this frame before the nine senders are (a current-thread
+        // runtime runs them in that order).
+        io.tx
+            .send(LinkFrame::Credit { credits: 100 })
+            .await
+            .unwrap();
+        go.notify_waiters();
+        let mut got = Vec::new();
+        for _ in 0..10 {
+            let frame = tokio::time::timeout(Duration::from_secs(5), peer.rx.recv())
+                .await
+                .expect("the frames arrive")
+                .expect("link up");
+            got.push(frame);
+        }
+        let credits: Vec<u32> = got
+            .iter()
+            .map(|f| match f {
+                LinkFrame::Credit { credits } => *credits,
+                other => panic!("unexpected frame {other:?}"),
+            })
+            .collect();
+        assert_eq!(credits, [100, 1, 2, 3, 4, 5, 6, 7, 8, 9]);
+        assert_eq!(
+            writes.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "one write for the ten frames"
+        );
+        for s in senders {
+            s.await.unwrap();
+        }
     }
 
     const DEFAULT_TEST_FRAME: usize = 64 * 1024;
