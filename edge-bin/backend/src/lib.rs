@@ -48,14 +48,18 @@ pub use waygate_link::{load_link_secret, LINK_SECRET_ENV};
 pub struct BackendConfig {
     /// This instance's id (must match the route table).
     pub instance_id: String,
-    /// FORWARD frames an edge may have in flight to this instance.
+    /// FORWARD frames an edge may have in flight to this instance. Default 1,024: at
+    /// 20,000 messages/s that is 51 ms of work, so a backend that is not behind but was
+    /// held up for a few milliseconds (a shared core) does not make the edge refuse its
+    /// clients `busy` (W2 at 1,000 x 20/s: 0.5–5% `busy` with 256, none with 1,024;
+    /// BENCHMARKS.md, W2).
     pub forward_credits: u32,
     /// Messages one session may have waiting or running; more are refused `busy` (retry
     /// after [`SESSION_BUSY_RETRY_MS`]) at once, so a session whose handler waits (a
     /// publish to a slow edge, a database) gets an answer, not a growing delay. Default:
-    /// the link's FORWARD credit (256), since a client legitimately sends bursts (a resume
-    /// resends everything unacknowledged, up to its send buffer); lower it for handlers
-    /// that may wait long.
+    /// 256, a quarter of the link's FORWARD credit, since a client legitimately sends
+    /// bursts (a resume resends everything unacknowledged, up to its send buffer); lower
+    /// it for handlers that may wait long.
     pub session_queue: u32,
     /// How long one call into the game's [`Service`] may run (`None`: no bound). A message
     /// whose handler runs past it is cancelled and refused `internal`, as one that panics,
@@ -85,7 +89,7 @@ impl BackendConfig {
     pub fn new(instance_id: impl Into<String>) -> Self {
         Self {
             instance_id: instance_id.into(),
-            forward_credits: 256,
+            forward_credits: 1024,
             session_queue: 256,
             handler_timeout: Some(Duration::from_secs(30)),
             heartbeat: Duration::from_secs(2),
