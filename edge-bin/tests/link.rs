@@ -659,7 +659,7 @@ async fn a_processed_forward_is_answered_after_its_pushes_and_not_refused_when_t
         next_event(&mut rx).await,
         LinkEvent::Backend(LinkFrame::Push { handle: 9, .. })
     ));
-    // Two forwards are far below the backend's credit return (a quarter of 256): both are
+    // Two forwards are far below the backend's credit return (a quarter of its 1,024): both are
     // still held when the backend dies. Only the unanswered one comes back refused.
     drop(backend);
     let mut refused = Vec::new();

@@ -231,7 +231,9 @@ async fn write_loop<W: AsyncWrite + Unpin>(
         // for one session's frame, the writer would otherwise write it alone while the
         // other sessions' tasks queue theirs behind it (W3, 50 sessions: one `sendto` per
         // FORWARD; with the yield ~0.28, 11% less CPU per message on the edge). Alone on
-        // the link (W1) it costs one poll of the runtime's driver per write.
+        // the link (W1) it costs one poll of the runtime's driver per write; on a busy
+        // worker the write waits until that worker has run what is ready (tokio runs a
+        // yielded task when it has nothing else, or after at most 61 polls): bounded.
         if !closing && rx.is_empty() {
             tokio::task::yield_now().await;
         }
@@ -534,8 +536,8 @@ mod tests {
                 tx.send(LinkFrame::Credit { credits }).await.unwrap();
             }));
         }
-        // The writer is woken for this frame before the nine senders are (a current-thread
-        // runtime runs them in that order).
+        // The writer task was spawned before the nine senders, so the current-thread
+        // runtime polls it first: it finds this frame with nothing behind it.
         io.tx
             .send(LinkFrame::Credit { credits: 100 })
             .await

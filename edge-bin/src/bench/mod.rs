@@ -193,7 +193,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Bench backend: FORWARD credits it grants the edge (the backend library's default is
-    /// 256).
+    /// 1,024).
     #[arg(long)]
     pub forward_credits: Option<u32>,
     /// Child roles: address to listen on.
