@@ -232,6 +232,9 @@ fn main() -> std::process::ExitCode {
         "info"
     };
     waygate::logging::init(default, cli.log_format, std::io::stderr);
+    if let Command::Bench(args) = &cli.command {
+        waygate::bench::pin_driver(args);
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -762,7 +762,24 @@ fn kind(s: &str) -> Option<TransportKind> {
     TransportKind::ALL.into_iter().find(|k| k.as_str() == s)
 }
 
-/// Runs `waygate bench` with `args`.
+/// Pins the driver (the load generator: all its threads) to CPU 0, beside the backends,
+/// unless `--no-pin`. Call it before the driver's runtime exists: the runtime then sizes
+/// itself to that one CPU (one worker thread). Pinned after the runtime was built, the load
+/// generator ran two worker threads time-sharing CPU 0 with the backend, and W1 over QUIC
+/// measured that as a 1–2 ms p99 through the edge (BENCHMARKS.md, W1).
+pub fn pin_driver(args: &BenchArgs) {
+    if matches!(args.role, Role::Driver) && !args.no_pin {
+        let pinned = std::process::Command::new("taskset")
+            .args(["-a", "-p", "-c", "0", &std::process::id().to_string()])
+            .stdout(std::process::Stdio::null())
+            .status();
+        if !pinned.is_ok_and(|s| s.success()) {
+            eprintln!("waygate bench: could not pin the load generator to CPU 0 (taskset)");
+        }
+    }
+}
+
+/// Runs `waygate bench` with `args` (the driver pinned first: [`pin_driver`]).
 pub async fn run(args: BenchArgs) -> Result<(), String> {
     match args.role {
         Role::Echo => {
@@ -795,13 +812,6 @@ pub async fn run(args: BenchArgs) -> Result<(), String> {
         forward_credits: args.forward_credits,
         heartbeat_ms: args.heartbeat_ms,
     };
-    if env.pin {
-        // The load generator (all its threads) on CPU 0, beside the backends.
-        let _ = std::process::Command::new("taskset")
-            .args(["-a", "-p", "-c", "0", &std::process::id().to_string()])
-            .stdout(std::process::Stdio::null())
-            .status();
-    }
     let mut runs: Vec<Run> = Vec::new();
     let plans = plans(&args);
     for plan in &plans {
