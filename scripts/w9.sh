@@ -109,6 +109,8 @@ rss_kib() { awk '/^VmRSS/{print $2}' "/proc/$edge/status"; }
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$edge/stat"; }
 # UDP datagrams received on this host (a KCP heartbeat is three: PING, PONG, its ACK).
 udp_in() { awk '/^Udp:/ && $2 ~ /^[0-9]+$/ {print $2}' /proc/net/snmp; }
+# ... and those dropped because a socket's receive buffer was full (a receiver behind).
+udp_dropped() { awk '/^Udp:/ && $2 ~ /^[0-9]+$/ {print $6}' /proc/net/snmp; }
 rss0=$(rss_kib)
 echo "edge pid $edge, RSS before any session: $rss0 KiB"
 
@@ -158,17 +160,20 @@ sleep 12
 hz=$(getconf CLK_TCK)
 t0=$(cpu_ticks)
 u0=$(udp_in)
+d0=$(udp_dropped)
 sleep "$WINDOW"
 t1=$(cpu_ticks)
 u1=$(udp_in)
+d1=$(udp_dropped)
 rss1=$(rss_kib)
 got=$(live || echo 0)
 [ "${got:-0}" -gt 0 ] || { echo "the edge holds no session at the end" >&2; exit 1; }
 awk -v t0="$t0" -v t1="$t1" -v hz="$hz" -v w="$WINDOW" -v r0="$rss0" -v r1="$rss1" \
-    -v n="$got" -v k="$KCP" -v q="$QUIC" -v u0="$u0" -v u1="$u1" 'BEGIN {
+    -v n="$got" -v k="$KCP" -v q="$QUIC" -v u0="$u0" -v u1="$u1" -v d0="$d0" -v d1="$d1" 'BEGIN {
   cpu = (t1 - t0) / hz / w * 100
   printf "W9: %d sessions live (%d KCP + %d QUIC asked)\n", n, k, q
   printf "  edge RSS %.0f MiB (%.0f MiB before any session; %.2f KiB per session)  target <= 1024 MiB\n", r1 / 1024, r0 / 1024, (r1 - r0) / n
   printf "  edge idle CPU %.1f%% of one core over %d s                              target <= 10%%\n", cpu, w
   printf "  UDP datagrams received on the host: %.0f/s (KCP heartbeats every 10 s: ~%.0f/s expected)\n", (u1 - u0) / w, k * 3 / 10
+  printf "  UDP datagrams dropped on the host, receive buffer full: %.0f/s\n", (d1 - d0) / w
 }'
