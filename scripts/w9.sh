@@ -107,10 +107,9 @@ live() {
 }
 rss_kib() { awk '/^VmRSS/{print $2}' "/proc/$edge/status"; }
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$edge/stat"; }
-# UDP datagrams received on this host (a KCP heartbeat is three: PING, PONG, its ACK).
-udp_in() { awk '/^Udp:/ && $2 ~ /^[0-9]+$/ {print $2}' /proc/net/snmp; }
-# ... and those dropped because a socket's receive buffer was full (a receiver behind).
-udp_dropped() { awk '/^Udp:/ && $2 ~ /^[0-9]+$/ {print $6}' /proc/net/snmp; }
+# UDP datagrams received on this host (a KCP heartbeat is three: PING, PONG, its ACK), and
+# those dropped because a socket's receive buffer was full (a receiver behind): one read.
+udp_counts() { awk '/^Udp:/ && $2 ~ /^[0-9]+$/ {print $2, $6}' /proc/net/snmp; }
 rss0=$(rss_kib)
 echo "edge pid $edge, RSS before any session: $rss0 KiB"
 
@@ -159,12 +158,10 @@ echo "$want sessions live after $(( $(date +%s) - start )) s; settling one heart
 sleep 12
 hz=$(getconf CLK_TCK)
 t0=$(cpu_ticks)
-u0=$(udp_in)
-d0=$(udp_dropped)
+read -r u0 d0 < <(udp_counts)
 sleep "$WINDOW"
 t1=$(cpu_ticks)
-u1=$(udp_in)
-d1=$(udp_dropped)
+read -r u1 d1 < <(udp_counts)
 rss1=$(rss_kib)
 got=$(live || echo 0)
 [ "${got:-0}" -gt 0 ] || { echo "the edge holds no session at the end" >&2; exit 1; }
