@@ -22,7 +22,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use redis::{AsyncCommands as _, Script};
 use waygate_protocol::frame::SessionId;
-use waygate_session::replay::{ReplayCounters, ReplayEntry};
+use waygate_protocol::varint::put_varint;
+use waygate_session::replay::{ReplayBuffer, ReplayCounters, ReplayEntry};
 use waygate_session::resume::{hex_id, player_store_tag, session_store_tag, ResumeHash};
 use waygate_session::seq::RecvWindow;
 use waygate_session::store::{
@@ -35,11 +36,15 @@ use super::{RedisConfig, RedisError};
 /// Lua shared by the write scripts. `expire_with_the_snapshot`: the snapshot expires after
 /// the linger time, and so does the player's owner record if this session owns it (the
 /// owner record starts with "<fencing> <session hex> ", the session hex ends the
-/// snapshot's key). `apply_delta`: one delta of PUT_DELTAS, given the stored record's
-/// fencing token and entry range (`f`, `r`, read by the caller), answering 1 (applied), 0
-/// (fenced: the player or the stored snapshot is newer) or 2 (the stored record is not the
-/// one the delta starts from: write it whole). It drops the entries named, adds the new
-/// ones, replaces `c` (and `d` unless it is ''), and sets the expiries as PUT does.
+/// snapshot's key). `apply_delta`: one delta of PUT_DELTAS (a table, see PUT_DELTAS),
+/// given the stored record's fencing token and entry range (`f`, `r`, read by the caller),
+/// answering 1 (applied), 0 (fenced: the player or the stored snapshot is newer) or 2 (the
+/// stored record is not the one the delta starts from: write it whole). It drops the entries
+/// of the range it starts from that the new range does not hold, adds those of the new
+/// range the old one did not hold (their values in seq order, as [`span_delta`] says),
+/// sets the other fields given, replaces `c` (and `d` unless it is ''), and sets the
+/// expiries as PUT does. Seqs are formatted with `%d` (exact below 2^53; a Lua number
+/// concatenated as is would print 1e+15).
 macro_rules! write_functions {
     () => {
         r#"
@@ -51,18 +56,40 @@ local function expire_with_the_snapshot(snap, owner, fencing, ttl)
     redis.call('PEXPIRE', owner, ttl)
   end
 end
-local function apply_delta(fence, snap, owner, stored_f, stored_r, fencing, ttl, from, to, data, counters, dropped, added)
-  local f = tonumber(fencing)
+local function fmt(n) return string.format('%d', n) end
+local function span(first, count)
+  if count == 0 then return '' end
+  return fmt(first) .. '-' .. fmt(first + count - 1)
+end
+-- Calls each(seq) for the seqs of [a, b] outside [c, d], increasing.
+local function minus(a, b, c, d, each)
+  if d < c then
+    for s = a, b do each(s) end
+    return
+  end
+  for s = a, math.min(b, c - 1) do each(s) end
+  for s = math.max(a, d + 1), b do each(s) end
+end
+local function apply_delta(fence, snap, owner, stored_f, stored_r, d, ttl)
   local c = redis.call('GET', fence)
-  if c and tonumber(c) > f then return 0 end
+  if c and tonumber(c) > d.f then return 0 end
   if not stored_f then return 2 end
-  if tonumber(stored_f) > f then return 0 end
-  if tonumber(stored_f) ~= f or stored_r ~= from then return 2 end
-  for i = 1, #dropped do redis.call('HDEL', snap, dropped[i]) end
-  for i = 1, #added, 2 do redis.call('HSET', snap, added[i], added[i + 1]) end
-  if data ~= '' then redis.call('HSET', snap, 'd', data) end
-  redis.call('HSET', snap, 'r', to, 'c', counters)
-  expire_with_the_snapshot(snap, owner, fencing, ttl)
+  if tonumber(stored_f) > d.f then return 0 end
+  if tonumber(stored_f) ~= d.f or stored_r ~= span(d.ff, d.fc) then return 2 end
+  local fl, tl = d.ff + d.fc - 1, d.tf + d.tc - 1
+  local n = 0
+  minus(d.tf, tl, d.ff, fl, function() n = n + 1 end)
+  if n ~= #d.values then error('the delta holds ' .. #d.values .. ' entries for ' .. n .. ' new seqs') end
+  minus(d.ff, fl, d.tf, tl, function(s) redis.call('HDEL', snap, 'e' .. fmt(s)) end)
+  local i = 0
+  minus(d.tf, tl, d.ff, fl, function(s)
+    i = i + 1
+    redis.call('HSET', snap, 'e' .. fmt(s), d.values[i])
+  end)
+  for j = 1, #d.fields, 2 do redis.call('HSET', snap, d.fields[j], d.fields[j + 1]) end
+  if d.data ~= '' then redis.call('HSET', snap, 'd', d.data) end
+  redis.call('HSET', snap, 'r', span(d.tf, d.tc), 'c', d.counters)
+  expire_with_the_snapshot(snap, owner, fmt(d.f), ttl)
   return 1
 end
 "#
@@ -99,7 +126,8 @@ return 1
 /// every delta's fence, snapshot and owner keys in turn: declared, so a slot being moved
 /// redirects the call before it runs. ARGV: ttl ms, the deltas packed by [`pack_deltas`].
 /// Returns one answer per delta, in order (see `apply_delta`; 3: Redis refused one of its
-/// commands — its earlier writes may stand, so the edge writes that session whole next).
+/// commands, or the delta was inconsistent — its earlier writes may stand, so the edge
+/// writes that session whole next).
 const PUT_DELTAS_LUA: &str = concat!(
     write_functions!(),
     r#"
@@ -111,30 +139,48 @@ if not declared then
   prefix, first_tag = string.match(KEYS[1], '^(.*):{(%x+)}:snap:%x+$')
   tag = #first_tag
 end
-local n, pos = struct.unpack('>I2', b)
+local pos = 1
+local function varint()
+  local v, m = 0, 1
+  for _ = 1, 8 do
+    local x = string.byte(b, pos)
+    if not x then error('packed deltas: truncated') end
+    pos = pos + 1
+    if x < 128 then return v + x * m end
+    v = v + (x - 128) * m
+    m = m * 128
+  end
+  error('packed deltas: a varint over 56 bits')
+end
+local function bytes(n)
+  if pos + n - 1 > #b then error('packed deltas: truncated') end
+  local s = string.sub(b, pos, pos + n - 1)
+  pos = pos + n
+  return s
+end
+local function str() return bytes(varint()) end
+local n = varint()
 local out = {}
 for s = 1, n do
-  local sid, fencing, from, to, data, counters, k, m
-  sid, fencing, from, to, pos = struct.unpack('>I1c0I1c0I1c0I1c0', b, pos)
-  data, counters, k, pos = struct.unpack('>I4c0I4c0I4', b, pos)
-  local dropped, added = {}, {}
-  for i = 1, k do dropped[i], pos = struct.unpack('>I1c0', b, pos) end
-  m, pos = struct.unpack('>I4', b, pos)
-  for i = 1, 2 * m, 2 do added[i], added[i + 1], pos = struct.unpack('>I1c0I4c0', b, pos) end
+  local d = {}
+  local sid = bytes(16)
+  d.f, d.ff, d.fc, d.tf, d.tc = varint(), varint(), varint(), varint(), varint()
+  d.data, d.counters = str(), str()
+  d.fields, d.values = {}, {}
+  for i = 1, 2 * varint() do d.fields[i] = str() end
+  for i = 1, varint() do d.values[i] = str() end
   local function one()
     if declared then
       local snap = KEYS[3 * s - 1]
       local v = redis.call('HMGET', snap, 'f', 'r')
-      return apply_delta(KEYS[3 * s - 2], snap, KEYS[3 * s], v[1], v[2], fencing, ttl,
-        from, to, data, counters, dropped, added)
+      return apply_delta(KEYS[3 * s - 2], snap, KEYS[3 * s], v[1], v[2], d, ttl)
     end
     local hex = string.format(string.rep('%02x', #sid), string.byte(sid, 1, #sid))
     local slot = prefix .. ':{' .. string.sub(hex, 1, tag) .. '}:'
     local snap = slot .. 'snap:' .. hex
     local v = redis.call('HMGET', snap, 'f', 'r', 'l')
     if not v[3] then return 2 end
-    return apply_delta(slot .. 'fence:' .. v[3], snap, slot .. 'owner:' .. v[3], v[1], v[2],
-      fencing, ttl, from, to, data, counters, dropped, added)
+    return apply_delta(slot .. 'fence:' .. v[3], snap, slot .. 'owner:' .. v[3], v[1], v[2], d, ttl)
   end
   local ok, r = pcall(one)
   out[s] = ok and r or 3
@@ -190,67 +236,123 @@ struct DeltaArgs {
     /// the script names the others itself).
     keys: [String; 3],
     session_id: SessionId,
-    fencing: Vec<u8>,
-    /// The entry range the delta starts from, and the record's after it (`r`).
-    from: Vec<u8>,
-    to: Vec<u8>,
+    fencing: u64,
+    /// The entry range the delta starts from, and the record's after it (`r`), as
+    /// [`EntrySpan`]s: which entries it drops and adds follows from them ([`span_delta`]).
+    from: EntrySpan,
+    to: EntrySpan,
     /// Field `d` if it changed, else empty.
     data: Vec<u8>,
     counters: Vec<u8>,
-    /// Entry fields dropped, and field and value pairs added (entries, and `u`).
-    dropped: Vec<Vec<u8>>,
-    added: Vec<(Vec<u8>, Vec<u8>)>,
+    /// Other fields set (`u`), as field and value pairs.
+    fields: Vec<(&'static [u8], Vec<u8>)>,
+    /// The values of the entries added, in seq order.
+    values: Vec<Vec<u8>>,
+}
+
+/// The seqs of the replay entries a record holds, which are contiguous (field `r`):
+/// the first and how many.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct EntrySpan {
+    first: u64,
+    count: u64,
+}
+
+impl EntrySpan {
+    fn of(replay: &ReplayBuffer) -> Self {
+        let mut entries = replay.entries();
+        match (entries.next(), entries.next_back()) {
+            (Some(first), last) => Self {
+                first: first.seq,
+                count: last.map_or(1, |l| l.seq - first.seq + 1),
+            },
+            _ => Self { first: 0, count: 0 },
+        }
+    }
+
+    /// Its seqs (empty when it holds none).
+    fn seqs(self) -> std::ops::Range<u64> {
+        self.first..self.first + self.count
+    }
+}
+
+/// The seqs a delta from `from` to `to` drops (held before, not after) and adds (held
+/// after, not before), each increasing: what PUT_DELTAS' `minus` derives, so a delta
+/// names no entry. A replay buffer holds contiguous seqs ([`ReplayBuffer::delta_since`]
+/// relies on it too), so each is at most two runs.
+///
+/// [`ReplayBuffer::delta_since`]: waygate_session::replay::ReplayBuffer::delta_since
+fn span_delta(
+    from: EntrySpan,
+    to: EntrySpan,
+) -> (impl Iterator<Item = u64>, impl Iterator<Item = u64>) {
+    let minus = |a: EntrySpan, b: EntrySpan| {
+        let other = b.seqs();
+        a.seqs().filter(move |s| !other.contains(s))
+    };
+    (minus(from, to), minus(to, from))
 }
 
 /// At most this many deltas in one PUT_DELTAS call (a bound on the time one script holds
 /// Redis): a whole group commit.
 const DELTAS_PER_CALL: usize = waygate_session::write_through::MAX_GROUP;
 
-/// Packs deltas for PUT_DELTAS: their count (u16), then for each the session id, fencing,
-/// the two ranges, data, counters, the dropped fields and the added pairs, every string
-/// after its length (u8; u32 for data, counters and entry values, as the script reads
-/// them).
+/// Packs deltas for PUT_DELTAS: their count, then for each the session id (16 bytes), the
+/// fencing token, the two entry spans (first seq and count each), data, counters, the
+/// number of other fields and their field and value pairs, the number of entries added and
+/// their values. Every number is a varint (LEB128) and every string follows its length as
+/// one: a 64 B reply costs its own bytes and ~40 of the session's. The script reads
+/// numbers as Lua's doubles, so each must stay below 2^53 (fencing tokens are microseconds
+/// of the Unix clock, ~2^51 now; seqs count messages).
 fn pack_deltas<'a>(
     deltas: impl ExactSizeIterator<Item = &'a DeltaArgs>,
 ) -> Result<Vec<u8>, RedisError> {
-    fn put(out: &mut Vec<u8>, width: usize, s: &[u8]) -> Result<(), RedisError> {
-        let max = if width == 4 {
-            u32::MAX as usize
-        } else {
-            (1usize << (8 * width)) - 1
-        };
-        if s.len() > max {
+    const EXACT_IN_LUA: u64 = 1 << 53;
+    fn num(out: &mut Vec<u8>, n: u64) -> Result<(), RedisError> {
+        if n >= EXACT_IN_LUA {
             return Err(RedisError::Invalid(format!(
-                "a delta's field of {} bytes does not fit its length ({width} bytes)",
-                s.len()
+                "a delta's number {n} is not exact in Redis' Lua (2^53 or more)"
             )));
         }
-        out.extend_from_slice(&(s.len() as u64).to_be_bytes()[8 - width..]);
+        put_varint(out, n);
+        Ok(())
+    }
+    fn string(out: &mut Vec<u8>, s: &[u8]) -> Result<(), RedisError> {
+        num(out, s.len() as u64)?;
         out.extend_from_slice(s);
         Ok(())
     }
-    let n = u16::try_from(deltas.len())
-        .map_err(|_| RedisError::Invalid("too many deltas for one call".into()))?;
     let mut out = Vec::new();
-    out.extend_from_slice(&n.to_be_bytes());
+    num(&mut out, deltas.len() as u64)?;
     for d in deltas {
-        put(&mut out, 1, &d.session_id)?;
-        for short in [&d.fencing, &d.from, &d.to] {
-            put(&mut out, 1, short)?;
+        out.extend_from_slice(&d.session_id);
+        for n in [
+            d.fencing,
+            d.from.first,
+            d.from.count,
+            d.to.first,
+            d.to.count,
+        ] {
+            num(&mut out, n)?;
         }
-        put(&mut out, 4, &d.data)?;
-        put(&mut out, 4, &d.counters)?;
-        let count = |n: usize| {
-            u32::try_from(n).map_err(|_| RedisError::Invalid("a delta too large".into()))
-        };
-        out.extend_from_slice(&count(d.dropped.len())?.to_be_bytes());
-        for field in &d.dropped {
-            put(&mut out, 1, field)?;
+        // The script computes each span's last seq too.
+        for span in [d.from, d.to] {
+            if span.first.saturating_add(span.count) >= EXACT_IN_LUA {
+                return Err(RedisError::Invalid(format!(
+                    "a delta's entry span {span:?} is not exact in Redis' Lua"
+                )));
+            }
         }
-        out.extend_from_slice(&count(d.added.len())?.to_be_bytes());
-        for (field, value) in &d.added {
-            put(&mut out, 1, field)?;
-            put(&mut out, 4, value)?;
+        string(&mut out, &d.data)?;
+        string(&mut out, &d.counters)?;
+        num(&mut out, d.fields.len() as u64)?;
+        for (field, value) in &d.fields {
+            string(&mut out, field)?;
+            string(&mut out, value)?;
+        }
+        num(&mut out, d.values.len() as u64)?;
+        for value in &d.values {
+            string(&mut out, value)?;
         }
     }
     Ok(out)
@@ -305,15 +407,14 @@ fn entry_field(seq: u64) -> Vec<u8> {
     format!("e{seq}").into_bytes()
 }
 
-/// Field `r`: the seqs of the entry fields a record holds.
+/// Field `r`: the seqs of the entry fields a record holds, `first-last` (PUT_DELTAS' `span`
+/// writes the same).
 fn entry_range(snapshot: &Snapshot) -> Vec<u8> {
-    let mut entries = snapshot.replay.entries();
-    match (entries.next(), entries.next_back()) {
-        (Some(first), Some(last)) => format!("{}-{}", first.seq, last.seq),
-        (Some(only), None) => format!("{0}-{0}", only.seq),
-        _ => String::new(),
+    let span = EntrySpan::of(&snapshot.replay);
+    if span.count == 0 {
+        return Vec::new();
     }
-    .into_bytes()
+    format!("{}-{}", span.first, span.first + span.count - 1).into_bytes()
 }
 
 /// Reads a stored record (its fields and values): the current layout, or the whole
@@ -508,25 +609,42 @@ impl RedisSnapshotStore {
         };
         check_store_tag(snapshot)?;
         let delta = snapshot.replay.delta_since(&base.replay);
+        let (from, to) = (EntrySpan::of(&base.replay), EntrySpan::of(&snapshot.replay));
+        // The script derives the entries from the spans: a delta they do not describe
+        // (never, while replay buffers hold contiguous seqs) is written whole.
+        let (dropped, added) = span_delta(from, to);
+        if !delta.dropped.iter().copied().eq(dropped)
+            || !delta.added.iter().map(|e| e.seq).eq(added)
+        {
+            tracing::warn!(
+                session = %hex_id(&snapshot.session_id),
+                ?from,
+                ?to,
+                "a replay delta its entry spans do not describe: written whole"
+            );
+            let (keys, args) = self.whole_args(snapshot, ttl)?;
+            return Ok(PutArgs::Whole { keys, args });
+        }
         let header = encode_header(snapshot, seal.is_some())?;
         let changed = header != encode_header(base, seal.is_some())?;
-        let mut added = Vec::with_capacity(delta.added.len() + 1);
+        let mut values = Vec::with_capacity(delta.added.len());
         for e in delta.added {
-            added.push(encode_entry(e)?);
+            values.push(encode_entry(e)?.1);
         }
+        let mut fields = Vec::new();
         if snapshot.push_ids != base.push_ids {
-            added.push((PUSH_IDS_FIELD.to_vec(), encode_push_ids(snapshot)?));
+            fields.push((PUSH_IDS_FIELD, encode_push_ids(snapshot)?));
         }
         Ok(PutArgs::Delta(DeltaArgs {
             keys: self.keys(snapshot),
             session_id: snapshot.session_id,
-            fencing: snapshot.fencing.to_string().into_bytes(),
-            from: entry_range(base),
-            to: entry_range(snapshot),
+            fencing: snapshot.fencing,
+            from,
+            to,
             data: if changed { header } else { Vec::new() },
             counters: encode_counters(snapshot)?,
-            dropped: delta.dropped.iter().map(|&seq| entry_field(seq)).collect(),
-            added,
+            fields,
+            values,
         }))
     }
 
@@ -952,4 +1070,66 @@ fn unhex32(hex: &str) -> Option<[u8; 32]> {
         *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
     }
     Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use proptest::prelude::*;
+    use waygate_session::replay::ReplayLimits;
+    use waygate_transport::TrafficClass;
+
+    /// What a replay buffer goes through between two writes.
+    #[derive(Debug, Clone)]
+    enum Change {
+        Push(u8),
+        Ack(u16),
+        Lose(u8),
+    }
+
+    fn change() -> impl Strategy<Value = Change> {
+        prop_oneof![
+            (0u8..40).prop_map(Change::Push),
+            any::<u16>().prop_map(Change::Ack),
+            (0u8..5).prop_map(Change::Lose),
+        ]
+    }
+
+    proptest! {
+        /// The entries PUT_DELTAS derives from two entry spans are the ones
+        /// `delta_since` names, whatever the buffer went through (pushes past its limit,
+        /// acks, declared losses) between the writes.
+        #[test]
+        fn span_delta_names_what_delta_since_names(
+            writes in prop::collection::vec(prop::collection::vec(change(), 0..6), 1..12)
+        ) {
+            let limits = ReplayLimits { max_messages: 32, max_bytes: 1 << 20 };
+            let mut buf = ReplayBuffer::new(limits);
+            for changes in writes {
+                let before = buf.clone();
+                for c in changes {
+                    match c {
+                        Change::Push(n) => {
+                            for _ in 0..n {
+                                buf.push(TrafficClass::Normal, 1, Bytes::from_static(b"x"));
+                            }
+                        }
+                        Change::Ack(k) => {
+                            let ack = u64::from(k) % (buf.highest_sent() + 1);
+                            buf.ack(ack).expect("an ack of a sent seq");
+                        }
+                        Change::Lose(n) => buf.declare_lost(u64::from(n)),
+                    }
+                }
+                let delta = buf.delta_since(&before);
+                let (dropped, added) = span_delta(EntrySpan::of(&before), EntrySpan::of(&buf));
+                prop_assert_eq!(delta.dropped.clone(), dropped.collect::<Vec<_>>());
+                prop_assert_eq!(
+                    delta.added.iter().map(|e| e.seq).collect::<Vec<_>>(),
+                    added.collect::<Vec<_>>()
+                );
+            }
+        }
+    }
 }
