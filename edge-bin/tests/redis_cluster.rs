@@ -25,7 +25,7 @@ use common::failover::{new_logins_welcomed, LiveSessions};
 use support_redis::cluster::RedisCluster;
 use waygate_edge::cluster::redis::{DeliveryResult, PushMessage, RedisConfig, RedisStores};
 use waygate_session::resume::{hex_id, player_store_tag};
-use waygate_session::store::{MemoryOwnership, OwnershipRegistry as _};
+use waygate_session::store::{MemoryOwnership, OwnershipRegistry as _, SnapshotStore as _};
 use waygate_session::testkit::store_contract::{
     ownership_semantics, session_id_of, snapshot_store_semantics,
     snapshot_store_write_through_semantics,
@@ -63,6 +63,40 @@ fn replica_get(port: u16, key: &str) -> Option<String> {
     text.lines().nth(1).map(str::to_owned)
 }
 
+/// What a group commit of 64 B messages costs a cluster (scale-out issue, item 2): the
+/// deltas of one hash tag go in one PUT_DELTAS call with every key declared, and here
+/// (as in a game) each player is a tag of its own, so each delta is a call with its three
+/// keys. Measured, and bounded so a regression to whole writes (~600 B each) shows; on one
+/// Redis the same delta costs ~111 B (`redis_store.rs`).
+async fn deltas_cost_the_cluster_their_calls(cluster: &RedisCluster, s: &RedisStores) {
+    use common::write_through::{one_entry_more, written_sessions};
+    let ttl = Duration::from_secs(60);
+    let snaps = written_sessions(s, "bytes", 48, ttl).await;
+    // The first deltas load the script on every master.
+    let warm = one_entry_more(&snaps, 9, &[0x5a; 64]);
+    assert!(s
+        .snapshots
+        .put_many(&warm, ttl)
+        .await
+        .iter()
+        .all(Result::is_ok));
+    let written: Vec<_> = warm.into_iter().map(|w| w.snapshot).collect();
+    let next = one_entry_more(&written, 10, &[0xa5; 64]);
+    let before = cluster.masters_input_bytes();
+    let results = s.snapshots.put_many(&next, ttl).await;
+    let bytes = cluster.masters_input_bytes() - before;
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    let per_delta = bytes / next.len() as u64;
+    eprintln!(
+        "{} deltas of one 64 B entry on the cluster: {bytes} bytes into its masters, {per_delta} per delta",
+        next.len()
+    );
+    assert!(
+        per_delta < 400,
+        "{per_delta} bytes per 64 B delta on a cluster"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_stores_work_on_a_redis_cluster_as_on_one_redis() {
     ownership_semantics(&MemoryOwnership::new()).await;
@@ -71,6 +105,7 @@ async fn the_stores_work_on_a_redis_cluster_as_on_one_redis() {
     snapshot_store_semantics(s.snapshots.as_ref()).await;
     snapshot_store_write_through_semantics(s.snapshots.as_ref()).await;
     ownership_semantics(s.ownership.as_ref()).await;
+    deltas_cost_the_cluster_their_calls(&cluster, &s).await;
 
     // Presence of 300 players: one pipeline per slot, read back with one (split) MGET; the
     // players' records are spread over all three masters.

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::write_through::{one_entry_more, written_sessions};
 use support_redis::RedisServer;
 use waygate_edge::cluster::redis::{KickNotice, Reassert, RedisConfig, RedisStores, ResumeKeySeal};
 use waygate_session::resume::ResumeHash;
@@ -504,48 +505,6 @@ async fn redis_input_bytes(c: &mut redis::aio::MultiplexedConnection) -> u64 {
 
 async fn redis_reads(c: &mut redis::aio::MultiplexedConnection) -> u64 {
     redis_stat(c, "total_reads_processed").await
-}
-
-/// `n` players `prefix-<i>`, each claimed on edge e1, and their sessions' snapshots
-/// written whole.
-async fn written_sessions(s: &RedisStores, prefix: &str, n: u8, ttl: Duration) -> Vec<Snapshot> {
-    let mut snaps = Vec::new();
-    for i in 0..n {
-        let p = format!("{prefix}-{i}");
-        let g = s
-            .ownership
-            .claim(&p, &session_id_of(&p, i), "e1")
-            .await
-            .expect("claim");
-        snaps.push(snapshot(i, &p, g.fencing));
-    }
-    let whole: Vec<SnapshotWrite> = snaps.iter().cloned().map(SnapshotWrite::whole).collect();
-    assert!(s
-        .snapshots
-        .put_many(&whole, ttl)
-        .await
-        .iter()
-        .all(Result::is_ok));
-    snaps
-}
-
-/// A delta write of each snapshot: it with one more replay entry (`msg_id`, `payload`).
-fn one_entry_more(snaps: &[Snapshot], msg_id: u32, payload: &[u8]) -> Vec<SnapshotWrite> {
-    snaps
-        .iter()
-        .map(|since| {
-            let mut now = since.clone();
-            now.replay.push(
-                TrafficClass::Normal,
-                msg_id,
-                Bytes::copy_from_slice(payload),
-            );
-            SnapshotWrite {
-                snapshot: now,
-                since: Some(Box::new(since.clone())),
-            }
-        })
-        .collect()
 }
 
 /// Regression (CI: every session of an edge called its link dead around a Redis restart):

@@ -12,6 +12,7 @@
 pub mod cluster;
 pub mod failover;
 pub mod keeper;
+pub mod write_through;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

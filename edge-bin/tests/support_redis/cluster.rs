@@ -181,6 +181,22 @@ impl RedisCluster {
         }
     }
 
+    /// Bytes the running masters have read from their clients (`total_net_input_bytes`,
+    /// summed): what writes cost the cluster, besides a replica's acknowledgements.
+    pub fn masters_input_bytes(&self) -> u64 {
+        self.nodes
+            .iter()
+            .filter(|n| n.server.is_running())
+            .filter_map(|n| port_cli(n.server.port(), &["info"]))
+            .filter(|info| info.contains("role:master"))
+            .filter_map(|info| {
+                info.lines()
+                    .find_map(|l| l.strip_prefix("total_net_input_bytes:"))
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+            })
+            .sum()
+    }
+
     /// Seed URLs of every node (`redis://127.0.0.1:PORT`).
     pub fn urls(&self) -> Vec<String> {
         self.nodes
