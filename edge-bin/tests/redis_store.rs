@@ -499,6 +499,23 @@ async fn redis_stat(c: &mut redis::aio::MultiplexedConnection, name: &str) -> u6
         .expect(name)
 }
 
+/// Redis' `INFO commandstats`, read with [`calls`].
+async fn command_stats(c: &mut redis::aio::MultiplexedConnection) -> String {
+    redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(c)
+        .await
+        .expect("info")
+}
+
+/// How many times `cmd` (lower case) ran, in an `INFO commandstats` text.
+fn calls(info: &str, cmd: &str) -> u64 {
+    info.lines()
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{cmd}:calls=")))
+        .and_then(|v| v.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
 async fn redis_input_bytes(c: &mut redis::aio::MultiplexedConnection) -> u64 {
     redis_stat(c, "total_net_input_bytes").await
 }
@@ -611,26 +628,9 @@ async fn a_group_commit_on_one_redis_sends_its_deltas_in_one_packed_call() {
         snapshot: deltas[1].snapshot.clone(),
         since: Some(Box::new(deltas[1].snapshot.clone())),
     };
-    let calls = |info: &str, cmd: &str| -> u64 {
-        info.lines()
-            .find_map(|l| l.strip_prefix(&format!("cmdstat_{cmd}:calls=")))
-            .and_then(|v| v.split(',').next()?.parse().ok())
-            .unwrap_or(0)
-    };
-    let stats = |c: &mut redis::aio::MultiplexedConnection| {
-        let mut c = c.clone();
-        async move {
-            let info: String = redis::cmd("INFO")
-                .arg("commandstats")
-                .query_async(&mut c)
-                .await
-                .expect("info");
-            info
-        }
-    };
-    let before_info = stats(&mut c).await;
+    let before_info = command_stats(&mut c).await;
     let results = s.snapshots.put_many(&deltas, ttl).await;
-    let after_info = stats(&mut c).await;
+    let after_info = command_stats(&mut c).await;
     for (i, r) in results.iter().enumerate() {
         if i == 33 {
             assert!(matches!(r, Err(StoreError::Corrupt(_))), "write {i}: {r:?}");
@@ -756,20 +756,10 @@ async fn every_replay_change_goes_as_a_delta_and_reads_back_equal() {
             }),
         ),
     ];
-    let calls = |info: &str, cmd: &str| -> u64 {
-        info.lines()
-            .find_map(|l| l.strip_prefix(&format!("cmdstat_{cmd}:calls=")))
-            .and_then(|v| v.split(',').next()?.parse().ok())
-            .unwrap_or(0)
-    };
     for (what, step) in &steps {
         let since = snap.clone();
         step(&mut snap);
-        let before: String = redis::cmd("INFO")
-            .arg("commandstats")
-            .query_async(&mut c)
-            .await
-            .expect("info");
+        let before = command_stats(&mut c).await;
         let write = SnapshotWrite {
             snapshot: snap.clone(),
             since: Some(Box::new(since)),
@@ -779,11 +769,7 @@ async fn every_replay_change_goes_as_a_delta_and_reads_back_equal() {
             vec![Ok(())],
             "{what}"
         );
-        let after: String = redis::cmd("INFO")
-            .arg("commandstats")
-            .query_async(&mut c)
-            .await
-            .expect("info");
+        let after = command_stats(&mut c).await;
         assert_eq!(
             (
                 calls(&after, "hmget") - calls(&before, "hmget"),
