@@ -783,6 +783,28 @@ async fn every_replay_change_goes_as_a_delta_and_reads_back_equal() {
             Ok(Some(snap.clone())),
             "{what}"
         );
+        // An entry's value holds its seq, so the read above would not see a value stored
+        // under another entry's name: the names themselves.
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg("*:snap:*")
+            .query_async(&mut c)
+            .await
+            .expect("keys");
+        let [key] = &keys[..] else {
+            panic!("one snapshot record: {keys:?}")
+        };
+        let fields: Vec<String> = redis::cmd("HKEYS")
+            .arg(key)
+            .query_async(&mut c)
+            .await
+            .expect("hkeys");
+        let mut named: Vec<u64> = fields
+            .iter()
+            .filter_map(|f| f.strip_prefix('e')?.parse().ok())
+            .collect();
+        named.sort_unstable();
+        let held: Vec<u64> = snap.replay.entries().map(|e| e.seq).collect();
+        assert_eq!(named, held, "{what}: the entry fields");
     }
     assert!(
         snap.replay.evicted_through() > 13,

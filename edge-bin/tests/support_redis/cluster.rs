@@ -182,7 +182,8 @@ impl RedisCluster {
     }
 
     /// Bytes the running masters have read from their clients (`total_net_input_bytes`,
-    /// summed): what writes cost the cluster, besides a replica's acknowledgements.
+    /// summed): what writes cost the cluster, plus a little noise (the replicas'
+    /// once-a-second acknowledgements, and the `INFO` commands this sends).
     pub fn masters_input_bytes(&self) -> u64 {
         self.nodes
             .iter()

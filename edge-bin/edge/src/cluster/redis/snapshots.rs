@@ -9,11 +9,13 @@
 //! not in `d`: [`ResumeKeySeal`](super::ResumeKeySeal)), the snapshot without its replay
 //! entries and counters (`d`, postcard), the replay counters and upstream window (`c`), each replay entry in a field
 //! `e<seq>`, the range of seqs those fields hold (`r`), and the ids of the session's last
-//! pushes (`u`, postcard, when it has any) and the player id (`l`). The write-through writes a delta when it can
-//! ([`SnapshotWrite::since`]): `c`, `d` and `u` only if they changed, the entries added and
-//! the names of those dropped, applied only if the stored range is still the one the delta
-//! starts from (else the write is made whole). So one message costs
-//! Redis its own bytes plus the session's small header, never the whole replay buffer.
+//! pushes (`u`, postcard, when it has any) and the player id (`l`). The write-through
+//! writes a delta when it can ([`SnapshotWrite::since`]): the entries added and `c`, and
+//! `d` and `u` only if they changed, with the entry ranges before and after (which entries
+//! to drop and to add follows from them: no entry is named), applied only if the stored
+//! range is still the one the delta starts from (else the write is made whole). So one
+//! message costs Redis its own bytes plus the session's small header, never the whole
+//! replay buffer.
 //! A group commit's deltas go in PUT_DELTAS calls, packed, the keys named in the script: on
 //! one Redis one call for the group, on a cluster one per hash tag (slot).
 
@@ -159,16 +161,23 @@ local function bytes(n)
   return s
 end
 local function str() return bytes(varint()) end
-local n = varint()
-local out = {}
-for s = 1, n do
+-- Every delta is read before any is applied: a blob that does not end where the last
+-- delta does (the edge and the script disagree on the format) changes nothing.
+local deltas = {}
+for s = 1, varint() do
   local d = {}
-  local sid = bytes(16)
+  d.sid = bytes(16)
   d.f, d.ff, d.fc, d.tf, d.tc = varint(), varint(), varint(), varint(), varint()
   d.data, d.counters = str(), str()
   d.fields, d.values = {}, {}
   for i = 1, 2 * varint() do d.fields[i] = str() end
   for i = 1, varint() do d.values[i] = str() end
+  deltas[s] = d
+end
+if pos ~= #b + 1 then error('packed deltas: ' .. (#b + 1 - pos) .. ' bytes after the last delta') end
+local out = {}
+for s, d in ipairs(deltas) do
+  local sid = d.sid
   local function one()
     if declared then
       local snap = KEYS[3 * s - 1]
@@ -293,6 +302,10 @@ fn span_delta(
     (minus(from, to), minus(to, from))
 }
 
+/// Numbers PUT_DELTAS reads exactly (Lua's are doubles): a delta whose fencing token or entry
+/// seqs reach it is written whole ([`RedisSnapshotStore::put_args`]).
+const EXACT_IN_LUA: u64 = 1 << 53;
+
 /// At most this many deltas in one PUT_DELTAS call (a bound on the time one script holds
 /// Redis): a whole group commit.
 const DELTAS_PER_CALL: usize = waygate_session::write_through::MAX_GROUP;
@@ -307,7 +320,6 @@ const DELTAS_PER_CALL: usize = waygate_session::write_through::MAX_GROUP;
 fn pack_deltas<'a>(
     deltas: impl ExactSizeIterator<Item = &'a DeltaArgs>,
 ) -> Result<Vec<u8>, RedisError> {
-    const EXACT_IN_LUA: u64 = 1 << 53;
     fn num(out: &mut Vec<u8>, n: u64) -> Result<(), RedisError> {
         if n >= EXACT_IN_LUA {
             return Err(RedisError::Invalid(format!(
@@ -502,7 +514,9 @@ fn put_outcome(n: u8) -> Result<(), RedisError> {
         1 => Ok(()),
         0 => Err(RedisError::Fenced),
         DELTA_REFUSED => Err(RedisError::Corrupt(
-            "Redis refused a command of the delta (a record of another type?)".into(),
+            "Redis refused a command of the delta (a record of another type?), or the delta \
+             did not hold one value per entry its ranges add"
+                .into(),
         )),
         other => Err(RedisError::Corrupt(format!(
             "a write script answered {other}"
@@ -610,6 +624,18 @@ impl RedisSnapshotStore {
         check_store_tag(snapshot)?;
         let delta = snapshot.replay.delta_since(&base.replay);
         let (from, to) = (EntrySpan::of(&base.replay), EntrySpan::of(&snapshot.replay));
+        let exact = |n: u64| n < EXACT_IN_LUA;
+        if ![
+            snapshot.fencing,
+            from.first.saturating_add(from.count),
+            to.first.saturating_add(to.count),
+        ]
+        .into_iter()
+        .all(exact)
+        {
+            let (keys, args) = self.whole_args(snapshot, ttl)?;
+            return Ok(PutArgs::Whole { keys, args });
+        }
         // The script derives the entries from the spans: a delta they do not describe
         // (never, while replay buffers hold contiguous seqs) is written whole.
         let (dropped, added) = span_delta(from, to);
