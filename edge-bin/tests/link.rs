@@ -864,6 +864,67 @@ async fn a_credit_before_the_answer_closes_the_link_and_loses_nothing() {
     link.shutdown().await;
 }
 
+/// Regression (2026-12-05, a review of PROTOCOL.md against the code): the edge took a
+/// backend's PUSH of any msg id, so a backend written from the document could push
+/// `0xFFFFFF01` and its clients would read a channel event the edge never made (only the
+/// Rust SDK refused it before sending). Now such a PUSH is an invalid frame: the edge closes
+/// the link and nothing of it reaches a session; a push of the answer id (0xFFFFFF02) and
+/// of ordinary ids before it still arrive.
+#[tokio::test]
+async fn a_backend_cannot_push_the_edges_reserved_msg_ids() {
+    use waygate_protocol::channel::CHANNEL_EVENT_MSG_ID;
+    use waygate_protocol::request::ANSWER_MSG_ID;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let rogue = tokio::spawn(async move {
+        let (_hello, mut io) = raw_backend_link(&listener, "rogue", 0).await;
+        for (msg_id, body) in [
+            (ECHO_REPLY, &b"before"[..]),
+            (ANSWER_MSG_ID, b"an answer"),
+            (CHANNEL_EVENT_MSG_ID, b"a forged channel event"),
+            (ECHO_REPLY, b"after"),
+        ] {
+            let push = LinkFrame::Push {
+                handle: 7,
+                msg_id,
+                class: TrafficClass::Normal,
+                payload: Bytes::from_static(body),
+            };
+            if io.tx.send(push).await.is_err() {
+                break;
+            }
+        }
+        // The edge closes the link (its LINK_CLOSE ends the reader).
+        while next_frame(&mut io.rx).await.is_some() {}
+    });
+    let (tx, mut rx) = mpsc::channel(64);
+    let (link, _task) = LinkClient::spawn(addr, fast_config(), Arc::new(AtomicU64::new(1)), tx);
+    wait_up(&mut rx).await;
+    let mut pushed = Vec::new();
+    loop {
+        let event = next_event(&mut rx).await;
+        if matches!(event, LinkEvent::Down { .. }) {
+            break;
+        }
+        if let Some((7, msg_id, body)) = first_push(&event) {
+            pushed.push((msg_id, body));
+        }
+    }
+    assert_eq!(
+        pushed,
+        vec![
+            (ECHO_REPLY, Bytes::from_static(b"before")),
+            (ANSWER_MSG_ID, Bytes::from_static(b"an answer")),
+        ],
+        "the pushes before the forged one, and nothing after it"
+    );
+    tokio::time::timeout(Duration::from_secs(10), rogue)
+        .await
+        .expect("the edge closed the rogue backend's link")
+        .unwrap();
+    link.shutdown().await;
+}
+
 /// Silent-drop audit: an ANSWER_PUSH from a backend that does not answer (no FORWARD_DONE
 /// feature), or for a best-effort message (no client seq), was held for an answer that
 /// never comes, then dropped with the message's CREDIT: no push, no counter. Such a frame

@@ -9,12 +9,13 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-use crate::channel::{ChannelPosition, MAX_CHANNEL_NAME_LEN};
+use crate::channel::{ChannelPosition, MAX_CHANNEL_NAME_LEN, RESERVED_MSG_IDS_START};
 use crate::codec::StreamCodec;
 use crate::error::FrameError;
 use crate::frame::{SessionId, MAX_REASON_LEN};
 pub use crate::link_auth::{LinkNonce, LinkProof, LinkWelcomeAuth, LINK_NONCE_LEN, LINK_PROOF_LEN};
 use crate::reader::Reader;
+use crate::request::ANSWER_MSG_ID;
 use crate::varint::{put_varint, varint_len};
 use crate::wire::{CloseCode, TrafficClass, ID_LEN};
 
@@ -504,6 +505,20 @@ fn get_str(r: &mut Reader, field: &'static str, max: usize) -> Result<String, Fr
         field,
         what: "not UTF-8",
     })
+}
+
+/// The msg id of a PUSH, ANSWER_PUSH or PLAYER_PUSH: never one of the ids the edge keeps
+/// for itself downstream (from [`RESERVED_MSG_IDS_START`] up: channel events, §12.2),
+/// except [`ANSWER_MSG_ID`], which a backend pushes to answer a request (§13).
+fn get_pushed_msg_id(r: &mut Reader) -> Result<u32, FrameError> {
+    let msg_id = r.varint_u32("msg_id")?;
+    if msg_id >= RESERVED_MSG_IDS_START && msg_id != ANSWER_MSG_ID {
+        return Err(FrameError::Malformed {
+            field: "msg_id",
+            what: "reserved for the edge's own messages (0xFFFFFF00 and up; only the answer id 0xFFFFFF02 may be pushed)",
+        });
+    }
+    Ok(msg_id)
 }
 
 fn get_class(r: &mut Reader) -> Result<TrafficClass, FrameError> {
@@ -1067,7 +1082,7 @@ impl LinkFrame {
             0x56 => Self::AnswerPush {
                 handle: r.varint("handle")?,
                 client_seq: r.varint("client_seq")?,
-                msg_id: r.varint_u32("msg_id")?,
+                msg_id: get_pushed_msg_id(&mut r)?,
                 class: get_class(&mut r)?,
                 payload: r.rest(),
             },
@@ -1131,7 +1146,7 @@ impl LinkFrame {
             },
             0x47 => Self::Push {
                 handle: r.varint("handle")?,
-                msg_id: r.varint_u32("msg_id")?,
+                msg_id: get_pushed_msg_id(&mut r)?,
                 class: get_class(&mut r)?,
                 payload: r.rest(),
             },
@@ -1257,7 +1272,7 @@ impl LinkFrame {
             0x59 => Self::PlayerPush {
                 request_id: r.varint("request_id")?,
                 player: get_str(&mut r, "player", MAX_NAME_LEN)?,
-                msg_id: r.varint_u32("msg_id")?,
+                msg_id: get_pushed_msg_id(&mut r)?,
                 class: get_class(&mut r)?,
                 payload: r.rest(),
             },
@@ -1343,9 +1358,70 @@ impl LinkCodec {
 
 #[cfg(test)]
 mod tests {
+    /// Regression (2026-12-05): the edge took a backend's PUSH of any msg id, so a backend
+    /// written from PROTOCOL.md could push `0xFFFFFF01` and its clients would read a
+    /// channel event the edge never made. Every push kind refuses the edge's reserved ids
+    /// but the answer id, and still takes the ids below them.
+    #[test]
+    fn pushes_of_the_edges_reserved_msg_ids_do_not_decode() {
+        let encoded = |f: &LinkFrame| {
+            let mut b = BytesMut::new();
+            f.encode(&mut b);
+            b.freeze()
+        };
+        let pushes = |msg_id: u32| {
+            [
+                LinkFrame::Push {
+                    handle: 1,
+                    msg_id,
+                    class: TrafficClass::Normal,
+                    payload: Bytes::from_static(b"x"),
+                },
+                LinkFrame::AnswerPush {
+                    handle: 1,
+                    client_seq: 2,
+                    msg_id,
+                    class: TrafficClass::Critical,
+                    payload: Bytes::from_static(b"x"),
+                },
+                LinkFrame::PlayerPush {
+                    request_id: 3,
+                    player: "p".into(),
+                    msg_id,
+                    class: TrafficClass::Normal,
+                    payload: Bytes::from_static(b"x"),
+                },
+            ]
+        };
+        for msg_id in [0, RESERVED_MSG_IDS_START - 1, ANSWER_MSG_ID] {
+            for f in pushes(msg_id) {
+                assert_eq!(LinkFrame::decode(encoded(&f)), Ok(f), "msg id {msg_id:#x}");
+            }
+        }
+        for msg_id in [RESERVED_MSG_IDS_START, 0xFFFF_FF01, 0xFFFF_FF03, u32::MAX] {
+            for f in pushes(msg_id) {
+                assert!(
+                    matches!(
+                        LinkFrame::decode(encoded(&f)),
+                        Err(FrameError::Malformed {
+                            field: "msg_id",
+                            ..
+                        })
+                    ),
+                    "msg id {msg_id:#x}: {f:?}"
+                );
+            }
+        }
+    }
+
     use super::*;
     use crate::frame::tests::arb_class;
     use proptest::prelude::*;
+
+    /// A msg id a backend may push: below the edge's reserved ids, or the answer id.
+    fn pushed_msg_id() -> impl Strategy<Value = u32> {
+        prop_oneof![0..RESERVED_MSG_IDS_START, Just(ANSWER_MSG_ID)]
+    }
 
     fn name() -> impl Strategy<Value = String> {
         "[a-z0-9:_-]{0,24}"
@@ -1444,7 +1520,7 @@ mod tests {
             (
                 any::<u64>(),
                 any::<u64>(),
-                any::<u32>(),
+                pushed_msg_id(),
                 arb_class(),
                 payload()
             )
@@ -1457,7 +1533,7 @@ mod tests {
                         payload,
                     }
                 }),
-            (any::<u64>(), any::<u32>(), arb_class(), payload()).prop_map(
+            (any::<u64>(), pushed_msg_id(), arb_class(), payload()).prop_map(
                 |(handle, msg_id, class, payload)| LinkFrame::Push {
                     handle,
                     msg_id,
@@ -1582,15 +1658,22 @@ mod tests {
                 }
             }),
             any::<u64>().prop_map(|seq| LinkFrame::ChannelInterestAck { seq }),
-            (any::<u64>(), name(), any::<u32>(), arb_class(), payload()).prop_map(
-                |(request_id, player, msg_id, class, payload)| LinkFrame::PlayerPush {
-                    request_id,
-                    player,
-                    msg_id,
-                    class,
-                    payload,
-                }
-            ),
+            (
+                any::<u64>(),
+                name(),
+                pushed_msg_id(),
+                arb_class(),
+                payload()
+            )
+                .prop_map(|(request_id, player, msg_id, class, payload)| {
+                    LinkFrame::PlayerPush {
+                        request_id,
+                        player,
+                        msg_id,
+                        class,
+                        payload,
+                    }
+                }),
             (
                 any::<u64>(),
                 proptest::sample::select(PlayerPushOutcome::ALL.to_vec())
