@@ -256,6 +256,22 @@ async fn an_edge_with_audiences_refuses_tokens_for_others() {
             f => panic!("{other:?}: {f:?}"),
         }
     }
+    // Regression (2026-12-05, a review of PROTOCOL.md against the code): the REJECT quoted
+    // the token's audience whole, so a long one made a REJECT over the 1,024-byte message
+    // field that no client could decode (§1.3: the edge's own messages are at most 200
+    // characters, as its CLOSE already was).
+    let long: &'static str = Box::leak("a".repeat(2_000).into_boxed_str());
+    match common::raw_hello(tcp, mint(Some(long)).await).await {
+        Frame::Reject(r) => {
+            assert_eq!(r.code, CloseCode::AuthRejected);
+            assert!(
+                r.message.chars().count() <= 200,
+                "{} characters",
+                r.message.chars().count()
+            );
+        }
+        f => panic!("a long audience: {f:?}"),
+    }
 }
 
 /// Hardening issue ("keys reload without a restart"): with `auth.keys_file` the edge re-reads

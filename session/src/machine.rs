@@ -36,7 +36,7 @@ use waygate_protocol::channel::{
 };
 use waygate_protocol::frame::{
     Data, ErrorReport, Hello, Migrate, Reject, ResumeRequest, ResumeToken, SessionId, Welcome,
-    WelcomeOutcome,
+    WelcomeOutcome, CLOSE_MESSAGE_MAX_CHARS,
 };
 use waygate_protocol::wire::{FrameType, PROTOCOL_VERSION};
 use waygate_transport::{CloseCode, Frame, TrafficClass};
@@ -983,6 +983,10 @@ impl SessionMachine {
             _ => SessionCounters::bump(&self.counters.rejected_other),
         }
         let retry_after_ms = u32::try_from(retry_after.as_millis()).unwrap_or(u32::MAX);
+        // The edge's own messages are cut like a CLOSE's (§1.3), so the REJECT fits its
+        // 1,024-byte field whatever the token it quotes, and the CLOSE after it carries the
+        // same message.
+        let message: String = message.chars().take(CLOSE_MESSAGE_MAX_CHARS).collect();
         self.actions.push_back(Action::Send(Frame::Reject(Reject {
             code,
             retry_after_ms,
