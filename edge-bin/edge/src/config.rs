@@ -2002,4 +2002,60 @@ mod example_file {
         let config = EdgeConfig::load(path).expect("examples/edge.toml loads");
         assert_eq!(config, EdgeConfig::default());
     }
+
+    /// Every key the configuration has is in the example, set or in a comment (`key =` or
+    /// `# key =`) under its section's header (2026-12-05: six `[kcp]` keys were only in
+    /// the code, while the file and PROTOCOL.md §10 said it documents every key).
+    #[test]
+    fn examples_edge_toml_documents_every_key() {
+        fn paths(prefix: &str, table: &toml::Table, out: &mut Vec<String>) {
+            for (k, v) in table {
+                match v {
+                    toml::Value::Table(t) => paths(&format!("{prefix}{k}."), t, out),
+                    _ => out.push(format!("{prefix}{k}")),
+                }
+            }
+        }
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../examples/edge.toml"
+        ))
+        .expect("examples/edge.toml");
+        // The example's keys, as `section.key`, set or commented out.
+        let mut documented = std::collections::BTreeSet::new();
+        let mut section = String::new();
+        let is_name = |s: &str| {
+            !s.is_empty()
+                && s.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
+        };
+        for line in text.lines() {
+            let line = line.trim_start_matches(['#', ' ']);
+            let header = line
+                .split('#')
+                .next()
+                .map(str::trim_end)
+                .filter(|h| h.starts_with('[') && h.ends_with(']'))
+                .map(|h| h.trim_matches(['[', ']']))
+                .filter(|h| is_name(h));
+            if let Some(h) = header {
+                // An array of tables or a map is documented by its header.
+                documented.insert(h.to_owned());
+                section = format!("{h}.");
+            } else if let Some((key, _)) = line.split_once('=') {
+                let key = key.trim_end();
+                if is_name(key) {
+                    documented.insert(format!("{section}{key}"));
+                }
+            }
+        }
+        let defaults = toml::Table::try_from(EdgeConfig::default()).expect("defaults serialize");
+        let mut all = Vec::new();
+        paths("", &defaults, &mut all);
+        let missing: Vec<&String> = all.iter().filter(|p| !documented.contains(*p)).collect();
+        assert!(
+            missing.is_empty(),
+            "keys not in examples/edge.toml: {missing:?}"
+        );
+    }
 }
