@@ -878,6 +878,10 @@ async fn a_backend_cannot_push_the_edges_reserved_msg_ids() {
     let addr = listener.local_addr().unwrap();
     let rogue = tokio::spawn(async move {
         let (_hello, mut io) = raw_backend_link(&listener, "rogue", 0).await;
+        // Pushes address a session the link carries: wait for its SESSION_OPEN and FORWARD.
+        if !until_forward(&mut io.rx).await {
+            return;
+        }
         for (msg_id, body) in [
             (ECHO_REPLY, &b"before"[..]),
             (ANSWER_MSG_ID, b"an answer"),
@@ -900,6 +904,7 @@ async fn a_backend_cannot_push_the_edges_reserved_msg_ids() {
     let (tx, mut rx) = mpsc::channel(64);
     let (link, _task) = LinkClient::spawn(addr, fast_config(), Arc::new(AtomicU64::new(1)), tx);
     wait_up(&mut rx).await;
+    forward_echo(&link, &meta(7, "gina"), 1, Bytes::new());
     let mut pushed = Vec::new();
     loop {
         let event = next_event(&mut rx).await;
@@ -923,6 +928,162 @@ async fn a_backend_cannot_push_the_edges_reserved_msg_ids() {
         .expect("the edge closed the rogue backend's link")
         .unwrap();
     link.shutdown().await;
+}
+
+/// Regression (2026-12-05, an audit of what backends can reach): frames naming a session
+/// by its handle were applied to any session of the edge, so a backend could push to, kick
+/// or join to a channel sessions it was never given (handles are a counter), and a REFUSE
+/// of a message its link did not hold told that message's client it was refused while a
+/// reply might still come. Now a frame for a session the link does not carry is not
+/// applied (a channel join is answered `member_offline`), and such a REFUSE is ignored,
+/// as FORWARD_DONE already was.
+#[tokio::test]
+async fn a_backend_reaches_only_the_sessions_and_messages_its_link_carries() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let rogue = tokio::spawn(async move {
+        let (_hello, mut io) = raw_backend_link(&listener, "rogue", 0).await;
+        if !until_forward(&mut io.rx).await {
+            return None;
+        }
+        let normal = TrafficClass::Normal;
+        for frame in [
+            LinkFrame::Push {
+                handle: 8,
+                msg_id: ECHO_REPLY,
+                class: normal,
+                payload: Bytes::from_static(b"to a session of another link"),
+            },
+            LinkFrame::Kick {
+                handle: 8,
+                code: CloseCode::AuthRejected,
+                message: "not yours".into(),
+            },
+            LinkFrame::Refuse {
+                handle: 7,
+                msg_id: ECHO,
+                client_seq: 99,
+                code: CloseCode::Busy,
+                retry_after_ms: 0,
+                epoch: 1,
+            },
+            LinkFrame::ChannelJoin {
+                request_id: 5,
+                handle: 8,
+                channel: "guild:1".into(),
+                since: None,
+            },
+            LinkFrame::Push {
+                handle: 7,
+                msg_id: ECHO_REPLY,
+                class: normal,
+                payload: Bytes::from_static(b"to its own session"),
+            },
+        ] {
+            io.tx.send(frame).await.ok()?;
+        }
+        // The join's answer; then the rogue hangs up.
+        loop {
+            match next_frame(&mut io.rx).await? {
+                LinkFrame::ChannelResult {
+                    request_id, code, ..
+                } => return Some((request_id, code)),
+                _ => continue,
+            }
+        }
+    });
+    let (tx, mut rx) = mpsc::channel(64);
+    let (link, _task) = LinkClient::spawn(addr, fast_config(), Arc::new(AtomicU64::new(1)), tx);
+    wait_up(&mut rx).await;
+    forward_echo(&link, &meta(7, "gina"), 1, Bytes::new());
+    let mut applied = Vec::new();
+    loop {
+        match next_event(&mut rx).await {
+            LinkEvent::Down { .. } => break,
+            LinkEvent::Backend(LinkFrame::Push {
+                handle, payload, ..
+            }) => applied.push(format!("push {handle} {payload:?}")),
+            LinkEvent::Backend(other) => applied.push(format!("{other:?}")),
+            // The held message is refused `unavailable` when the rogue hangs up, as on any
+            // link loss; the REFUSE of seq 99 must not show.
+            LinkEvent::Refuse { refusal, .. } => {
+                applied.push(format!("refuse {} {}", refusal.client_seq, refusal.code))
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(
+        applied,
+        vec![
+            format!("push 7 {:?}", Bytes::from_static(b"to its own session")),
+            format!("refuse 1 {}", CloseCode::Unavailable),
+        ],
+        "only the push to the link's own session, and the link loss's refusal"
+    );
+    let answered = tokio::time::timeout(Duration::from_secs(10), rogue)
+        .await
+        .expect("the rogue ended")
+        .unwrap();
+    assert_eq!(answered, Some((5, CloseCode::MemberOffline)));
+    link.shutdown().await;
+}
+
+/// Regression (2026-12-05, the same audit): the edge held a message's ANSWER_PUSH frames up
+/// to 64 KiB of payload, so empty ones (a few bytes on the wire each) piled up without
+/// bound until the answer. Each held push now counts 64 bytes besides its payload: 1,100
+/// empty pushes are released once 1,024 are held, before the answer.
+#[tokio::test]
+async fn held_answer_pushes_are_bounded_in_number_too() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let rogue = tokio::spawn(async move {
+        let features = LINK_FEATURE_FORWARD_DONE | LINK_FEATURE_HELD_ANSWERS;
+        let (_hello, mut io) = raw_backend_link(&listener, "rogue", features).await;
+        if !until_forward(&mut io.rx).await {
+            return;
+        }
+        for _ in 0..1_100 {
+            let push = LinkFrame::AnswerPush {
+                handle: 7,
+                client_seq: 1,
+                msg_id: ECHO_REPLY,
+                class: TrafficClass::Normal,
+                payload: Bytes::new(),
+            };
+            if io.tx.send(push).await.is_err() {
+                return;
+            }
+        }
+        let done = LinkFrame::ForwardDone {
+            handle: 7,
+            client_seq: 1,
+        };
+        if io.tx.send(done).await.is_err() {
+            return;
+        }
+        while next_frame(&mut io.rx).await.is_some() {}
+    });
+    let (tx, mut rx) = mpsc::channel(64);
+    let (link, _task) = LinkClient::spawn(addr, fast_config(), Arc::new(AtomicU64::new(1)), tx);
+    wait_up(&mut rx).await;
+    forward_echo(&link, &meta(7, "gina"), 1, Bytes::new());
+    let mut batches = Vec::new();
+    loop {
+        match next_event(&mut rx).await {
+            LinkEvent::Answer { pushes, end, .. } => {
+                let done = matches!(end, AnswerEnd::Done(1));
+                batches.push((pushes.len(), done));
+                if done {
+                    break;
+                }
+            }
+            LinkEvent::Down { .. } => panic!("the link went down: {batches:?}"),
+            _ => {}
+        }
+    }
+    assert_eq!(batches, vec![(1_025, false), (75, true)]);
+    link.shutdown().await;
+    rogue.abort();
 }
 
 /// Silent-drop audit: an ANSWER_PUSH from a backend that does not answer (no FORWARD_DONE

@@ -641,11 +641,16 @@ impl SessionCore {
             channels: s.channels,
             leaving: BTreeMap::new(),
             channels_acked: s.channels_acked,
-            errors: s
-                .pending_errors
-                .into_iter()
-                .map(|e| (e, ErrorDelivery::Waiting))
-                .collect(),
+            // At most the last MAX_PENDING_ERRORS, whatever a store handed back (a corrupt
+            // or foreign record would otherwise have them all re-sent after WELCOME).
+            errors: {
+                let mut errors = s.pending_errors;
+                errors.drain(..errors.len().saturating_sub(MAX_PENDING_ERRORS));
+                errors
+                    .into_iter()
+                    .map(|e| (e, ErrorDelivery::Waiting))
+                    .collect()
+            },
             // At most the last MAX_PUSH_IDS, whatever a store handed back.
             push_ids: {
                 let mut ids = s.push_ids;

@@ -15,6 +15,7 @@ use waygate_transport::{CloseCode, Frame, TrafficClass};
 use crate::client::{ClientConfig, ClientError, ClientEvent, ClientState};
 use crate::machine::{
     Action, EndReason, SessionConfig, SessionCore, SessionError, SessionMachine, State,
+    MAX_PENDING_ERRORS,
 };
 use crate::replay::ReplayLimits;
 use crate::seq::AckPolicy;
@@ -900,6 +901,52 @@ fn routing_keys_and_channel_memberships_travel_with_the_session() {
     }
     assert_eq!(fresh.push_ids().len(), crate::store::MAX_PUSH_IDS);
     assert_eq!(fresh.push_ids()[0], 100);
+}
+
+/// Regression (2026-12-05, an audit of what stores hand back): a restored session kept every
+/// pending ERROR its snapshot held, so a corrupt or foreign record with thousands had them
+/// all re-sent after WELCOME and kept over the cap for good. A restore keeps the last
+/// `MAX_PENDING_ERRORS`, as it keeps the last push ids.
+#[test]
+fn a_restore_keeps_at_most_the_cap_of_pending_errors() {
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "alice");
+    let mut snap = p.server(c).checkpoint().expect("snapshot");
+    snap.pending_errors = (0..MAX_PENDING_ERRORS as u64 + 300)
+        .map(|i| crate::store::PendingError {
+            code: 402,
+            msg_id: 7,
+            client_seq: i + 1,
+            retry_after_ms: 0,
+        })
+        .collect();
+    let (sid, tok) = p.peers[c].client.session().expect("s");
+    let mut fresh = SessionMachine::new(
+        SessionConfig::default(),
+        std::sync::Arc::new(crate::SessionCounters::new()),
+        Box::new(crate::SeededRng::new(7)),
+    );
+    fresh.handle_link_up(p.now).expect("up");
+    fresh
+        .handle_frame(
+            p.now,
+            Frame::Hello(Hello {
+                version: PROTOCOL_VERSION,
+                token: Bytes::new(),
+                resume: Some(ResumeRequest::proving(sid, &tok, 0, FORGED_NONCE)),
+            }),
+        )
+        .expect("hello");
+    let Some(Action::TakeSnapshot { .. }) = fresh.poll_action() else {
+        panic!("expected TakeSnapshot");
+    };
+    fresh
+        .handle_snapshot(p.now, Ok(TakeOutcome::Taken(Box::new(snap))))
+        .expect("snapshot");
+    assert_eq!(
+        fresh.core().map(SessionCore::errors_kept),
+        Some(MAX_PENDING_ERRORS)
+    );
 }
 
 /// A backend's join or leave reaches the session's snapshot when the edge takes it
