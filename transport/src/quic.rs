@@ -12,6 +12,7 @@
 //! the DATA that follows it even when they travel on different streams.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -146,6 +147,9 @@ pub struct QuicConnection {
     reader: tokio::task::JoinHandle<()>,
     codec: StreamCodec,
     pre_auth: PreAuth,
+    /// The largest frame the reader takes now: the pre-auth limit until WELCOME, so a
+    /// frame above it is refused from its length prefix, before its bytes are buffered.
+    read_limit: Arc<AtomicUsize>,
     buf: BytesMut,
     idle: IdleTimer,
     closed: bool,
@@ -182,9 +186,19 @@ impl QuicConnection {
         info: ConnInfo,
         control: (SendStream, RecvStream),
         config: &ConnConfig,
+        pre_auth: PreAuth,
     ) -> Self {
         let (tx, rx) = mpsc::channel(RX_QUEUE);
-        let reader = tokio::spawn(read_all(conn.clone(), control.1, config.max_frame_size, tx));
+        let read_limit = Arc::new(AtomicUsize::new(
+            pre_auth.frame_limit(config.max_frame_size),
+        ));
+        let reader = tokio::spawn(read_all(
+            conn.clone(),
+            control.1,
+            config.max_frame_size,
+            read_limit.clone(),
+            tx,
+        ));
         Self {
             conn,
             info,
@@ -194,7 +208,8 @@ impl QuicConnection {
             rx,
             reader,
             codec: StreamCodec::new(config.max_frame_size),
-            pre_auth: PreAuth::none(),
+            pre_auth,
+            read_limit,
             buf: BytesMut::new(),
             idle: IdleTimer::new(config.idle_timeout),
             closed: false,
@@ -346,6 +361,8 @@ impl Connection for QuicConnection {
 
     fn handshake_done(&mut self) {
         self.pre_auth.done();
+        self.read_limit
+            .store(self.codec.max_frame_size(), Ordering::Release);
     }
 }
 
@@ -393,9 +410,10 @@ async fn read_all(
     conn: quinn::Connection,
     control: RecvStream,
     max_frame_size: usize,
+    read_limit: Arc<AtomicUsize>,
     tx: mpsc::Sender<ReadAhead>,
 ) {
-    let codec = StreamCodec::new(max_frame_size);
+    let limit = || read_limit.load(Ordering::Acquire);
     let budget = RX_QUEUE_BYTES.max(2 * max_frame_size);
     let mut tx = ReadAheadSender {
         tx,
@@ -440,7 +458,7 @@ async fn read_all(
                             }
                         }
                         while !done {
-                            let item = match codec.decode(&mut s.buf) {
+                            let item = match StreamCodec::new(limit()).decode(&mut s.buf) {
                                 Ok(Some(frame)) => Ok(frame),
                                 Ok(None) => break,
                                 Err(e) => Err(e.into()),
@@ -470,7 +488,7 @@ async fn read_all(
             },
             datagram = conn.read_datagram(), if started => match datagram {
                 Ok(bytes) => {
-                    let item = decode_message(bytes, max_frame_size).map_err(TransportError::from);
+                    let item = decode_message(bytes, limit()).map_err(TransportError::from);
                     let stop = item.is_err();
                     if tx.send(item).await.is_err() || stop {
                         return;
@@ -609,8 +627,13 @@ pub fn listen(
                         local,
                         accepted_at,
                     };
-                    let mut conn = QuicConnection::new(conn, info, (send, recv), &config);
-                    conn.pre_auth = PreAuth::accepted(permit);
+                    let conn = QuicConnection::new(
+                        conn,
+                        info,
+                        (send, recv),
+                        &config,
+                        PreAuth::accepted(permit),
+                    );
                     Ok(Box::new(conn) as BoxConnection)
                 });
             }
@@ -785,6 +808,7 @@ async fn connect_quic_on(
         info,
         (send, recv),
         config,
+        PreAuth::none(),
     )))
 }
 
