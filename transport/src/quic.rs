@@ -12,7 +12,6 @@
 //! the DATA that follows it even when they travel on different streams.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -147,9 +146,6 @@ pub struct QuicConnection {
     reader: tokio::task::JoinHandle<()>,
     codec: StreamCodec,
     pre_auth: PreAuth,
-    /// The largest frame the reader takes now: the pre-auth limit until WELCOME, so a
-    /// frame above it is refused from its length prefix, before its bytes are buffered.
-    read_limit: Arc<AtomicUsize>,
     buf: BytesMut,
     idle: IdleTimer,
     closed: bool,
@@ -186,19 +182,9 @@ impl QuicConnection {
         info: ConnInfo,
         control: (SendStream, RecvStream),
         config: &ConnConfig,
-        pre_auth: PreAuth,
     ) -> Self {
         let (tx, rx) = mpsc::channel(RX_QUEUE);
-        let read_limit = Arc::new(AtomicUsize::new(
-            pre_auth.frame_limit(config.max_frame_size),
-        ));
-        let reader = tokio::spawn(read_all(
-            conn.clone(),
-            control.1,
-            config.max_frame_size,
-            read_limit.clone(),
-            tx,
-        ));
+        let reader = tokio::spawn(read_all(conn.clone(), control.1, config.max_frame_size, tx));
         Self {
             conn,
             info,
@@ -208,8 +194,7 @@ impl QuicConnection {
             rx,
             reader,
             codec: StreamCodec::new(config.max_frame_size),
-            pre_auth,
-            read_limit,
+            pre_auth: PreAuth::none(),
             buf: BytesMut::new(),
             idle: IdleTimer::new(config.idle_timeout),
             closed: false,
@@ -361,8 +346,6 @@ impl Connection for QuicConnection {
 
     fn handshake_done(&mut self) {
         self.pre_auth.done();
-        self.read_limit
-            .store(self.codec.max_frame_size(), Ordering::Release);
     }
 }
 
@@ -410,10 +393,9 @@ async fn read_all(
     conn: quinn::Connection,
     control: RecvStream,
     max_frame_size: usize,
-    read_limit: Arc<AtomicUsize>,
     tx: mpsc::Sender<ReadAhead>,
 ) {
-    let limit = || read_limit.load(Ordering::Acquire);
+    let codec = StreamCodec::new(max_frame_size);
     let budget = RX_QUEUE_BYTES.max(2 * max_frame_size);
     let mut tx = ReadAheadSender {
         tx,
@@ -458,7 +440,7 @@ async fn read_all(
                             }
                         }
                         while !done {
-                            let item = match StreamCodec::new(limit()).decode(&mut s.buf) {
+                            let item = match codec.decode(&mut s.buf) {
                                 Ok(Some(frame)) => Ok(frame),
                                 Ok(None) => break,
                                 Err(e) => Err(e.into()),
@@ -488,7 +470,7 @@ async fn read_all(
             },
             datagram = conn.read_datagram(), if started => match datagram {
                 Ok(bytes) => {
-                    let item = decode_message(bytes, limit()).map_err(TransportError::from);
+                    let item = decode_message(bytes, max_frame_size).map_err(TransportError::from);
                     let stop = item.is_err();
                     if tx.send(item).await.is_err() || stop {
                         return;
@@ -627,13 +609,8 @@ pub fn listen(
                         local,
                         accepted_at,
                     };
-                    let conn = QuicConnection::new(
-                        conn,
-                        info,
-                        (send, recv),
-                        &config,
-                        PreAuth::accepted(permit),
-                    );
+                    let mut conn = QuicConnection::new(conn, info, (send, recv), &config);
+                    conn.pre_auth = PreAuth::accepted(permit);
                     Ok(Box::new(conn) as BoxConnection)
                 });
             }
@@ -808,7 +785,6 @@ async fn connect_quic_on(
         info,
         (send, recv),
         config,
-        PreAuth::none(),
     )))
 }
 

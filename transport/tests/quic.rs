@@ -340,32 +340,6 @@ async fn bad_input_closes_only_that_connection() {
     good.await.expect("control group");
 }
 
-/// Regression (2026-12-05, an audit of what unauthenticated peers can make the edge hold):
-/// before WELCOME a frame may be at most 8,192 bytes, but the QUIC reader took frames up to
-/// the configured maximum and checked them afterwards, so a peer that never authenticates
-/// could make the edge buffer 64 KiB (1 MiB as configured at most) per connection, waiting
-/// for a frame it never finishes. Now the length prefix alone is refused, as on TCP.
-#[tokio::test]
-async fn before_welcome_a_frame_over_the_pre_auth_limit_is_refused_from_its_length() {
-    let (mut listener, addr, tls) = quic_listener();
-    let server = tokio::spawn(async move {
-        // A session before its WELCOME: no handshake_done.
-        let mut conn = listener.accept().await.unwrap();
-        let got = tokio::time::timeout(Duration::from_secs(20), conn.recv()).await;
-        (got, listener)
-    });
-    let mut bytes = vec![waygate_transport::quic::STREAM_CONTROL];
-    waygate_protocol::varint::put_varint(&mut bytes, 9_000);
-    bytes.extend_from_slice(&[4; 16]);
-    let code = raw_control_stream(addr, &tls, &bytes).await;
-    assert_eq!(code, Some(CloseCode::FrameTooLarge));
-    let (got, _listener) = server.await.unwrap();
-    assert!(
-        matches!(got, Ok(Err(_))),
-        "the server's recv failed on the prefix: {got:?}"
-    );
-}
-
 /// The listener's connection ids are 8 random bytes: a short-header datagram naming an
 /// unknown 8-byte id draws a stateless reset smaller than itself (RFC 9000 §10.3). quinn's
 /// default generator (3 random bytes and a keyed hash) rejects such an id as not its own and
