@@ -1028,6 +1028,79 @@ async fn a_backend_reaches_only_the_sessions_and_messages_its_link_carries() {
     link.shutdown().await;
 }
 
+/// Regression (2026-12-05, a review of the change above): when a session's binding moves,
+/// the edge closes it on the old instance's link (SESSION_CLOSE `going_away`) while that
+/// instance may still be handling one of its messages, which it finishes (§9.5). The rule
+/// "a frame for a session the link does not carry is not applied" dropped that message's
+/// reply (ANSWER_PUSH) while its FORWARD_DONE still acknowledged it: the client would have
+/// lost a reply. A session closed on a link is still carried while a message of it waits
+/// for its answer there.
+#[tokio::test]
+async fn a_reply_crossing_the_sessions_close_on_its_link_is_delivered() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let rogue = tokio::spawn(async move {
+        let features = LINK_FEATURE_FORWARD_DONE | LINK_FEATURE_HELD_ANSWERS;
+        let (_hello, mut io) = raw_backend_link(&listener, "old", features).await;
+        if !until_forward(&mut io.rx).await {
+            return;
+        }
+        // The close crosses the handler's work: its reply and answer come after it.
+        loop {
+            match next_frame(&mut io.rx).await {
+                Some(LinkFrame::SessionClose { handle: 7, .. }) => break,
+                Some(_) => continue,
+                None => return,
+            }
+        }
+        let reply = LinkFrame::AnswerPush {
+            handle: 7,
+            client_seq: 1,
+            msg_id: ECHO_REPLY,
+            class: TrafficClass::Normal,
+            payload: Bytes::from_static(b"reply"),
+        };
+        let done = LinkFrame::ForwardDone {
+            handle: 7,
+            client_seq: 1,
+        };
+        for frame in [reply, done] {
+            if io.tx.send(frame).await.is_err() {
+                return;
+            }
+        }
+        while next_frame(&mut io.rx).await.is_some() {}
+    });
+    let (tx, mut rx) = mpsc::channel(64);
+    let (link, _task) = LinkClient::spawn(addr, fast_config(), Arc::new(AtomicU64::new(1)), tx);
+    wait_up(&mut rx).await;
+    forward_echo(&link, &meta(7, "gina"), 1, Bytes::new());
+    link.session_event(LinkFrame::SessionClose {
+        handle: 7,
+        code: CloseCode::GoingAway,
+    })
+    .await;
+    let answered = loop {
+        match next_event(&mut rx).await {
+            LinkEvent::Answer {
+                handle: 7,
+                pushes,
+                end,
+            } => break (pushes, end),
+            LinkEvent::Backend(LinkFrame::ForwardDone { .. }) => {
+                panic!("acknowledged without its reply")
+            }
+            LinkEvent::Down { .. } => panic!("the link went down"),
+            _ => {}
+        }
+    };
+    assert_eq!(answered.0.len(), 1);
+    assert_eq!(answered.0[0].payload, Bytes::from_static(b"reply"));
+    assert!(matches!(answered.1, AnswerEnd::Done(1)));
+    link.shutdown().await;
+    rogue.abort();
+}
+
 /// Regression (2026-12-05, the same audit): the edge held a message's ANSWER_PUSH frames up
 /// to 64 KiB of payload, so empty ones (a few bytes on the wire each) piled up without
 /// bound until the answer. Each held push now counts 64 bytes besides its payload: 1,100

@@ -680,15 +680,23 @@ fn addressed_handle(frame: &LinkFrame) -> Option<u64> {
 
 /// Applies a CREDIT, counts a PUSH, finds the held message of a REFUSE. A frame addressing
 /// a session this link does not carry (PROTOCOL.md §9.1: handles are named by the link's
-/// own SESSION_OPEN) reaches no session: a push, kick or bind is dropped (logged), a
-/// channel join or leave is answered `member_offline`.
+/// own SESSION_OPEN; a session closed on the link since is still carried while a message
+/// of it waits for its answer here, which the backend finishes: §9.5) reaches no session:
+/// a push, kick or bind is dropped (logged), a channel join or leave is answered
+/// `member_offline`.
 fn take_frame(shared: &LinkShared, frame: LinkFrame) -> Incoming {
     if let Some(handle) = addressed_handle(&frame) {
-        let carried = shared
+        let open = shared
             .open
             .lock()
             .map(|open| open.contains_key(&handle))
             .unwrap_or(false);
+        let carried = open
+            || shared
+                .inflight
+                .lock()
+                .map(|q| q.iter().any(|h| !h.answered && h.message.handle == handle))
+                .unwrap_or(false);
         if !carried {
             if matches!(frame, LinkFrame::Push { .. } | LinkFrame::AnswerPush { .. }) {
                 // Its PUSH credit is returned as for any push taken.
