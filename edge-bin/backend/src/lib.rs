@@ -1759,7 +1759,10 @@ async fn session_worker(
                         work.service.message(&session, incoming),
                     )
                     .await;
-                    session.inner.answering.store(0, Ordering::Release);
+                    // `answering` stays set until the answer is queued (below): a push
+                    // another task makes meanwhile still goes as ANSWER_PUSH, so it cannot
+                    // be shown before the handler's held pushes (after the answer the edge
+                    // takes an ANSWER_PUSH as a PUSH, in order).
                     // A handler that panicked or ran past its deadline refuses its message
                     // `internal`: the client is answered, the credit returns and the
                     // session's worker goes on.
@@ -1792,6 +1795,7 @@ async fn session_worker(
                     // it holds unanswered with ERROR `unavailable` (PROTOCOL.md §9.3).
                     let _ = work.tx.send(answer).await;
                 }
+                session.inner.answering.store(0, Ordering::Release);
                 queued.fetch_sub(1, Ordering::AcqRel);
                 work.completed(id).await;
             }
