@@ -1001,6 +1001,12 @@ impl SessionHost {
                     e.lost = 0;
                     e.kept_over.clear();
                     s.replay.declare_lost(missing);
+                    // The answers of the messages it awaited (queued, or still to come) go
+                    // nowhere now: the stored copy awaits nothing, so the client's resends
+                    // are delivered again (at least once towards backends, as from a copy
+                    // another edge stored; PROTOCOL.md §9.6). Kept, a resend was taken for
+                    // a duplicate of a message whose answer never comes.
+                    s.awaiting.clear();
                     e.storing = true;
                     let player = e.player.clone();
                     self.unname(&player, &session_id);
@@ -1758,7 +1764,9 @@ mod tests {
             payload: bytes::Bytes::from_static(b"late"),
         };
         assert_eq!(host.push(&[1; 16], late), Ok(()));
-        let snapshot = crate::testkit::store_contract::snapshot(1, "p", 3);
+        let mut snapshot = crate::testkit::store_contract::snapshot(1, "p", 3);
+        // Client seq 5 was delivered and its answer not queued yet.
+        snapshot.awaiting.insert(5);
         let sent = snapshot.replay.highest_sent();
         let stored = host
             .reply(
@@ -1772,6 +1780,10 @@ mod tests {
             sent + 1,
             "a gap on restore"
         );
+        // Regression (2026-12-05, a silent-loss audit): the stored copy kept `awaiting`
+        // (the memory store keeps it), so after the restore the client's resend of seq 5
+        // was taken for a duplicate of a message whose answer went nowhere: never answered.
+        assert!(stored.awaiting.is_empty(), "{:?}", stored.awaiting);
         host.open(3);
         assert_eq!(
             host.request_hand_over(3, [1; 16], attempt.clone(), t0),
