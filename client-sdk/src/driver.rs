@@ -8,7 +8,9 @@ use bytes::Bytes;
 use rand::RngExt;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
-use waygate_protocol::channel::{ChannelEvent, ChannelPosition, CHANNEL_EVENT_MSG_ID};
+use waygate_protocol::channel::{
+    ChannelEvent, ChannelPosition, CHANNEL_EVENT_MSG_ID, RESERVED_MSG_IDS_START,
+};
 use waygate_protocol::frame::{ErrorReport, SessionId, WelcomeOutcome};
 
 use crate::channels::ChannelTracker;
@@ -816,6 +818,11 @@ async fn run(
                 for (p, e) in d.requests.expire(now) {
                     d.finish_request(p, Err(e));
                 }
+                if d.pending.len() >= EVENT_BACKLOG {
+                    // Reading is held (the application does not take its events): the
+                    // link's answers may be waiting unread, so it is not judged meanwhile.
+                    d.session.not_reading(now);
+                }
                 d.session.handle_timeout(now);
                 // The liveness rule found the link dead (nothing heard while waiting for an
                 // answer): drop it and resume at once, as for any lost link.
@@ -1295,6 +1302,12 @@ impl Driver {
                         Some(u) => Event::Channel(u),
                         None => continue,
                     }
+                }
+                // Another id of the edge's own range (PROTOCOL.md §3.4): a later version's,
+                // acknowledged like any DATA (the session did) and not a message.
+                ClientEvent::Message { msg_id, .. } if msg_id >= RESERVED_MSG_IDS_START => {
+                    tracing::debug!(msg_id, "DATA of a reserved msg id ignored");
+                    continue;
                 }
                 ClientEvent::Message {
                     class,

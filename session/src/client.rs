@@ -257,6 +257,9 @@ pub struct ClientSession {
     /// Since when the liveness rule has not fired on the current link (set at WELCOME and
     /// at each step down of the backoff).
     calm_since: Option<Instant>,
+    /// A WELCOME was ever taken: a later new session replaces one (its messages are void),
+    /// never the first (whose messages queued before it go out).
+    had_session: bool,
 }
 
 impl ClientSession {
@@ -283,6 +286,7 @@ impl ClientSession {
             rtt: RttStats::default(),
             liveness_backoff: 0,
             calm_since: None,
+            had_session: false,
         }
     }
 
@@ -428,6 +432,16 @@ impl ClientSession {
             .into_iter()
             .flatten()
             .min()
+    }
+
+    /// The caller is not reading the link now (its own backlog of events is full): what
+    /// may be waiting on the link cannot count against it, so the liveness rule's wait
+    /// starts again from `now` (PROTOCOL.md §7.5: the SDKs read what is waiting before they
+    /// call a link dead). Call it each time a timer fires while reading is held.
+    pub fn not_reading(&mut self, now: Instant) {
+        if self.waiting_since.is_some() {
+            self.waiting_since = Some(now);
+        }
     }
 
     /// Timers: delayed ack, heartbeat, and liveness (a dead link goes down here: the
@@ -644,7 +658,10 @@ impl ClientSession {
         };
         match (self.state, frame) {
             (ClientState::Handshaking, Frame::Welcome(w)) => {
-                let first = self.session.is_none() && self.down.cumulative() == 0;
+                // Not "no session now": a session forgotten after REJECT 300 (or by
+                // `forget_session`) that never received server DATA is still replaced.
+                let first = !self.had_session;
+                self.had_session = true;
                 if self.session.map(|(id, _)| id) != Some(w.session_id) {
                     // Nonces count per session.
                     self.resume_nonce = 0;

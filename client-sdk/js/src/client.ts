@@ -17,6 +17,7 @@
 import { type ChannelPosition, ChannelTracker, type ChannelUpdate } from "./channels.js";
 import {
   CHANNEL_EVENT_MSG_ID,
+  RESERVED_MSG_IDS_START,
   CloseCode,
   DEFAULT_MAX_FRAME_SIZE,
   type Frame,
@@ -427,6 +428,8 @@ export class WaygateClient {
   private heartbeatMs = 10_000;
   private idleTimeoutMs = 30_000;
   private maxFrameSize = DEFAULT_MAX_FRAME_SIZE;
+  /** The last WELCOME's max frame size (what the edge may send). */
+  private serverMaxFrameSize = DEFAULT_MAX_FRAME_SIZE;
 
   // Downstream: cumulative C and the seqs received above it (§7.4.1); ack state (§7.4.2).
   private cum = 0n;
@@ -1282,7 +1285,7 @@ export class WaygateClient {
     this.lastRx = now();
     let frame: Frame;
     try {
-      frame = decodeFrame(data, Math.max(this.maxFrameSize, DEFAULT_MAX_FRAME_SIZE));
+      frame = decodeFrame(data, Math.max(this.serverMaxFrameSize, DEFAULT_MAX_FRAME_SIZE));
     } catch (e) {
       this.violation(e);
       return;
@@ -1385,7 +1388,10 @@ export class WaygateClient {
     this.calmSince = now();
     this.heartbeatMs = w.heartbeatIntervalMs;
     this.idleTimeoutMs = w.idleTimeoutMs;
-    this.maxFrameSize = w.maxFrameSize > 0 ? w.maxFrameSize : DEFAULT_MAX_FRAME_SIZE;
+    // §10.2: what this client sends is refused above the smaller of its own limit and the
+    // WELCOME's; what it receives may be as large as the WELCOME says.
+    this.serverMaxFrameSize = w.maxFrameSize > 0 ? w.maxFrameSize : DEFAULT_MAX_FRAME_SIZE;
+    this.maxFrameSize = Math.min(this.serverMaxFrameSize, DEFAULT_MAX_FRAME_SIZE);
     let discarded = 0;
     let expired: { msgId: number; seq: bigint; ageMs: number }[] = [];
     // Requests that end with this WELCOME (expired, or voided by a new session).
@@ -1579,6 +1585,9 @@ export class WaygateClient {
       if (update !== null) this.emit("channel", update);
       return;
     }
+    // §3.4: another id of the edge's own range (a later version's) is acknowledged like any
+    // DATA (done above) and is not a message.
+    if (d.msgId >= RESERVED_MSG_IDS_START) return;
     this.emit("message", { msgId: d.msgId, cls: d.cls, seq: d.seq, payload: d.payload });
   }
 

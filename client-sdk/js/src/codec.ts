@@ -545,6 +545,8 @@ export function decodeFrame(input: ArrayBuffer | Uint8Array, maxFrameSize = DEFA
  * `0xFFFFFF00` up belong to the edge: backends cannot push them.
  */
 export const CHANNEL_EVENT_MSG_ID = 0xffffff01;
+/** The first of the edge's own downstream msg ids (§3.4). */
+export const RESERVED_MSG_IDS_START = 0xffffff00;
 /** Longest channel name, in bytes (§12.1). */
 export const MAX_CHANNEL_NAME_LEN = 256;
 /** Epochs are below 2^53 (§12.1): exact in a `number`. */

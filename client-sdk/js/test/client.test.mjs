@@ -588,6 +588,29 @@ test("send limits: unacked buffer and max frame size", async () => {
   assert.deepEqual(closes, [{ type: "close", code: 0, message: "client closed" }]);
 });
 
+test("a WELCOME above the SDK's own 65,536 does not raise what it sends; what it receives may be that large (§10.2)", async () => {
+  // Regression (2026-12-05): the JS SDK took the WELCOME's max frame size alone for its sends.
+  const ctx = setup();
+  const { ws } = await connect(ctx, 0, { maxFrameSize: 1_047_552 });
+  assert.throws(() => ctx.client.send(1, new Uint8Array(65_536)), /max frame size 65536/);
+  ctx.client.send(1, new Uint8Array(65_000));
+  ws.deliver(data(1, 5, "x".repeat(100_000)));
+  assert.equal(ctx.named("message").at(-1).payload.length, 100_000);
+  ctx.client.close();
+});
+
+test("DATA of another reserved msg id is acknowledged and not a message (§3.4)", async () => {
+  // Regression (2026-12-05): ids from 0xFFFFFF00 up other than channel events and answers
+  // reached the application as messages.
+  const ctx = setup();
+  const { ws } = await connect(ctx);
+  ws.take();
+  ws.deliver(data(1, 0xffffff07));
+  ws.deliver(data(2, 7));
+  assert.deepEqual(ctx.named("message").map((m) => [m.msgId, m.seq]), [[7, 2n]]);
+  ctx.client.close();
+});
+
 test("liveness: a sequenced message unanswered for livenessMs means a dead link; the client resumes", async () => {
   const ctx = setup({ livenessMs: 120 });
   const { ws } = await connect(ctx, 0, { heartbeatIntervalMs: 10_000, idleTimeoutMs: 30_000 });

@@ -185,6 +185,49 @@ fn ping_pong_and_idle_timeout_detaches() {
 /// frame received means a dead link (an edge killed without a word, a UDP path gone): the
 /// client goes Disconnected at once instead of waiting for an idle timeout. Any frame in
 /// time keeps it up.
+/// Regression (2026-12-05, a review of the SDKs against PROTOCOL.md §7.5): the SDK stops
+/// reading its link while its event backlog is full (the application does not take its
+/// events), but the liveness rule went on judging the link, so a healthy one was called
+/// dead a second after the next send. While reading is held (`not_reading`) the wait
+/// starts again; once reading resumes, silence is judged as before.
+#[test]
+fn the_liveness_rule_waits_while_the_client_is_not_reading() {
+    use crate::client::{ClientConfig, ClientSession};
+    use waygate_protocol::frame::Welcome;
+    let t0 = std::time::Instant::now();
+    let mut client = ClientSession::new(token_for("alice"), ClientConfig::default());
+    client.connect(t0).expect("connect");
+    client
+        .handle_frame(
+            t0,
+            Frame::Welcome(Welcome {
+                session_id: [1; 16],
+                resume_token: [2; 16],
+                outcome: WelcomeOutcome::NewSession,
+                heartbeat_interval_ms: 10_000,
+                idle_timeout_ms: 30_000,
+                max_frame_size: 65_536,
+                server_seq_base: 0,
+                client_seq_ack: 0,
+            }),
+        )
+        .expect("welcome");
+    client
+        .send(t0, TrafficClass::Normal, 7, Bytes::from_static(b"x"))
+        .expect("send");
+    let ms = Duration::from_millis;
+    for held in [900, 1_800, 2_700] {
+        client.not_reading(t0 + ms(held));
+        client.handle_timeout(t0 + ms(held));
+        assert_eq!(client.state(), ClientState::Active, "held at {held} ms");
+    }
+    // Reading again: one second after the last hold with nothing heard, dead.
+    client.handle_timeout(t0 + ms(3_699));
+    assert_eq!(client.state(), ClientState::Active);
+    client.handle_timeout(t0 + ms(3_700));
+    assert_eq!(client.state(), ClientState::Disconnected);
+}
+
 #[test]
 fn a_client_declares_a_silent_link_dead_after_its_liveness_timeout() {
     use crate::client::{ClientConfig, ClientSession};
@@ -628,6 +671,69 @@ fn welcome_outcome(frames: &[Frame]) -> Option<WelcomeOutcome> {
         Frame::Welcome(w) => Some(w.outcome),
         _ => None,
     })
+}
+
+/// Regression (2026-12-05, a review of the SDKs against PROTOCOL.md §7.4.4): the client
+/// took a new session for its first one whenever it held no session and had received no
+/// server DATA, so after a REJECT 300 (which forgets the session) a session that had only
+/// sent messages was not replaced: the next new session resent the old messages with their
+/// old seqs. A new session after any earlier one now starts both directions at seq 1 and
+/// drops what was buffered for the old one.
+#[test]
+fn a_new_session_after_a_rejected_resume_drops_the_old_sessions_messages() {
+    use waygate_protocol::frame::{Reject, Welcome};
+    let t0 = std::time::Instant::now();
+    let welcome = |id: u8| {
+        Frame::Welcome(Welcome {
+            session_id: [id; 16],
+            resume_token: [id; 16],
+            outcome: WelcomeOutcome::NewSession,
+            heartbeat_interval_ms: 10_000,
+            idle_timeout_ms: 30_000,
+            max_frame_size: 65_536,
+            server_seq_base: 0,
+            client_seq_ack: 0,
+        })
+    };
+    let sent_data = |c: &mut crate::client::ClientSession| -> Vec<u64> {
+        std::iter::from_fn(|| c.poll_transmit())
+            .filter_map(|f| match f {
+                Frame::Data(d) => Some(d.seq),
+                _ => None,
+            })
+            .collect()
+    };
+    let mut c = crate::client::ClientSession::new(token_for("alice"), ClientConfig::default());
+    c.connect(t0).expect("connect");
+    c.handle_frame(t0, welcome(1)).expect("welcome");
+    for _ in 0..2 {
+        c.send(t0, TrafficClass::Normal, 1000, Bytes::from_static(b"old"))
+            .expect("send");
+    }
+    assert_eq!(sent_data(&mut c), [1, 2]);
+    c.handle_link_down(t0, CloseCode::GoingAway);
+    c.connect(t0).expect("reconnect");
+    c.handle_frame(
+        t0,
+        Frame::Reject(Reject {
+            code: CloseCode::ResumeRejected,
+            retry_after_ms: 0,
+            message: String::new(),
+        }),
+    )
+    .expect("reject");
+    c.connect(t0).expect("login again");
+    let _ = sent_data(&mut c);
+    c.handle_frame(t0, welcome(2)).expect("welcome");
+    assert_eq!(
+        sent_data(&mut c),
+        Vec::<u64>::new(),
+        "the old messages are void"
+    );
+    assert_eq!(c.unacked_len(), 0);
+    c.send(t0, TrafficClass::Normal, 1000, Bytes::from_static(b"new"))
+        .expect("send");
+    assert_eq!(sent_data(&mut c), [1], "seqs restart at 1");
 }
 
 #[test]
