@@ -625,7 +625,15 @@ impl SessionCore {
         }
     }
 
-    fn from_snapshot(s: Snapshot) -> Self {
+    fn from_snapshot(mut s: Snapshot) -> Self {
+        // At most the last MAX_PENDING_ERRORS, whatever a store handed back (a corrupt or
+        // foreign record would otherwise have them all re-sent after WELCOME); the ones
+        // dropped are a declared gap, as when `record_error` drops a waiting one.
+        let excess = s.pending_errors.len().saturating_sub(MAX_PENDING_ERRORS);
+        if excess > 0 {
+            s.pending_errors.drain(..excess);
+            s.replay.declare_lost(excess as u64);
+        }
         Self {
             id: s.session_id,
             player_id: s.player_id.into(),
@@ -641,16 +649,11 @@ impl SessionCore {
             channels: s.channels,
             leaving: BTreeMap::new(),
             channels_acked: s.channels_acked,
-            // At most the last MAX_PENDING_ERRORS, whatever a store handed back (a corrupt
-            // or foreign record would otherwise have them all re-sent after WELCOME).
-            errors: {
-                let mut errors = s.pending_errors;
-                errors.drain(..errors.len().saturating_sub(MAX_PENDING_ERRORS));
-                errors
-                    .into_iter()
-                    .map(|e| (e, ErrorDelivery::Waiting))
-                    .collect()
-            },
+            errors: s
+                .pending_errors
+                .into_iter()
+                .map(|e| (e, ErrorDelivery::Waiting))
+                .collect(),
             // At most the last MAX_PUSH_IDS, whatever a store handed back.
             push_ids: {
                 let mut ids = s.push_ids;

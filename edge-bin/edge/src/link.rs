@@ -146,14 +146,15 @@ pub enum AnswerEnd {
 /// Bytes of ANSWER_PUSH payloads the edge holds for one forwarded message; past them the
 /// held pushes are released without waiting for the answer (PROTOCOL.md §9.6). Each held
 /// push counts [`HELD_PUSH_OVERHEAD`] bytes besides its payload, so empty ones are bounded
-/// too (at most 1,024).
+/// too (at most 512: fewer than the default 1,024 PUSH credits, whose return for held
+/// pushes waits for their release).
 pub const HELD_ANSWER_MAX_BYTES: usize = 64 * 1024;
 
 /// What one held ANSWER_PUSH counts against [`HELD_ANSWER_MAX_BYTES`] besides its payload:
-/// about what the edge keeps for it.
-pub const HELD_PUSH_OVERHEAD: usize = 64;
+/// somewhat more than what the edge keeps for it.
+pub const HELD_PUSH_OVERHEAD: usize = 128;
 
-/// The CHANNEL_RESULT for a session that is not on this edge, or not on this link.
+/// The CHANNEL_RESULT for a session that is not on this edge.
 pub(crate) fn member_offline(request_id: u64) -> LinkFrame {
     LinkFrame::ChannelResult {
         request_id,
@@ -660,62 +661,10 @@ enum Incoming {
     /// Allowed, but breaks the link's rules here (nothing of it was applied): the link
     /// closes with `protocol_error`.
     Violation(LinkFrame, &'static str),
-    /// Answered here, at once, with this frame (a request about a session the link does not
-    /// carry).
-    Answer(LinkFrame),
 }
 
-/// The session handle a backend frame addresses, for the frames that address one.
-fn addressed_handle(frame: &LinkFrame) -> Option<u64> {
-    match frame {
-        LinkFrame::Push { handle, .. }
-        | LinkFrame::AnswerPush { handle, .. }
-        | LinkFrame::Kick { handle, .. }
-        | LinkFrame::Bind { handle, .. }
-        | LinkFrame::ChannelJoin { handle, .. }
-        | LinkFrame::ChannelLeave { handle, .. } => Some(*handle),
-        _ => None,
-    }
-}
-
-/// Applies a CREDIT, counts a PUSH, finds the held message of a REFUSE. A frame addressing
-/// a session this link does not carry (PROTOCOL.md §9.1: handles are named by the link's
-/// own SESSION_OPEN; a session closed on the link since is still carried while a message
-/// of it waits for its answer here, which the backend finishes: §9.5) reaches no session:
-/// a push, kick or bind is dropped (logged), a channel join or leave is answered
-/// `member_offline`.
+/// Applies a CREDIT, counts a PUSH, finds the held message of a REFUSE.
 fn take_frame(shared: &LinkShared, frame: LinkFrame) -> Incoming {
-    if let Some(handle) = addressed_handle(&frame) {
-        let open = shared
-            .open
-            .lock()
-            .map(|open| open.contains_key(&handle))
-            .unwrap_or(false);
-        let carried = open
-            || shared
-                .inflight
-                .lock()
-                .map(|q| q.iter().any(|h| !h.answered && h.message.handle == handle))
-                .unwrap_or(false);
-        if !carried {
-            if matches!(frame, LinkFrame::Push { .. } | LinkFrame::AnswerPush { .. }) {
-                // Its PUSH credit is returned as for any push taken.
-                shared.pushes.fetch_add(1, Ordering::AcqRel);
-            }
-            tracing::debug!(
-                addr = %shared.addr,
-                handle,
-                "a frame for a session this link does not carry: not applied"
-            );
-            return match frame {
-                LinkFrame::ChannelJoin { request_id, .. }
-                | LinkFrame::ChannelLeave { request_id, .. } => {
-                    Incoming::Answer(member_offline(request_id))
-                }
-                _ => Incoming::Done,
-            };
-        }
-    }
     match frame {
         LinkFrame::Push { .. } => {
             shared.pushes.fetch_add(1, Ordering::AcqRel);
@@ -863,18 +812,6 @@ fn take_frame(shared: &LinkShared, frame: LinkFrame) -> Incoming {
                         })
                 })
                 .unwrap_or_default();
-            if message.is_none() {
-                // As for FORWARD_DONE: a refusal of a message this link does not hold
-                // unanswered (another link's, or one answered already) would tell the
-                // client a message was refused while its reply may still come.
-                tracing::debug!(
-                    addr = %shared.addr,
-                    handle,
-                    client_seq,
-                    "REFUSE for a message this link does not hold: ignored"
-                );
-                return Incoming::Done;
-            }
             let refusal = LinkRefusal {
                 handle,
                 msg_id,
@@ -956,7 +893,6 @@ fn take_now(
     }
     match take_frame(shared, frame) {
         Incoming::Done => FrameHandled::Taken,
-        Incoming::Answer(frame) => FrameHandled::Reply(vec![frame]),
         Incoming::Unexpected(other) | Incoming::Violation(other, _) => FrameHandled::Queue(other),
         Incoming::Event(event) => {
             let answer = fast.handle(event, &|| shared.tx.lock().ok().and_then(|g| g.clone()));
@@ -1346,14 +1282,6 @@ async fn connect_once(shared: &Arc<LinkShared>) -> Result<(), &'static str> {
         };
         let event = match take_frame(shared, frame) {
             Incoming::Done => continue,
-            Incoming::Answer(frame) => {
-                match send_bounded(&io.tx, frame).await {
-                    Ok(()) => {}
-                    Err(NOT_READING) => return Err(NOT_READING),
-                    Err(_) => break,
-                }
-                continue;
-            }
             Incoming::Event(event) => event,
             Incoming::Unexpected(other) => {
                 tracing::warn!(addr = %shared.addr, frame = ?other, "unexpected frame from backend");

@@ -1012,7 +1012,8 @@ fn routing_keys_and_channel_memberships_travel_with_the_session() {
 /// Regression (2026-12-05, an audit of what stores hand back): a restored session kept every
 /// pending ERROR its snapshot held, so a corrupt or foreign record with thousands had them
 /// all re-sent after WELCOME and kept over the cap for good. A restore keeps the last
-/// `MAX_PENDING_ERRORS`, as it keeps the last push ids.
+/// `MAX_PENDING_ERRORS`, as it keeps the last push ids, and declares the dropped ones a gap
+/// (their messages were acknowledged: the ERROR was their only answer).
 #[test]
 fn a_restore_keeps_at_most_the_cap_of_pending_errors() {
     let mut p = Pair::new(SessionConfig::default());
@@ -1053,6 +1054,14 @@ fn a_restore_keeps_at_most_the_cap_of_pending_errors() {
         fresh.core().map(SessionCore::errors_kept),
         Some(MAX_PENDING_ERRORS)
     );
+    // The dropped ones are a declared gap: the resume reports it.
+    let core = fresh.core().expect("core");
+    assert_eq!(
+        core.replay().evicted_through(),
+        core.replay().highest_sent(),
+        "a gap"
+    );
+    assert!(core.replay().highest_sent() >= 300);
 }
 
 /// A backend's join or leave reaches the session's snapshot when the edge takes it
