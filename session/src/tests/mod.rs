@@ -904,6 +904,36 @@ fn show_channel_event(
         .expect("queued");
 }
 
+/// A new machine restoring client `c`'s session from `snap` (a resume-only HELLO proving
+/// the client's resume token; the store answers with `snap`): where a restore on another
+/// connection or edge starts.
+fn restoring_from(p: &Pair, c: usize, snap: crate::store::Snapshot) -> SessionMachine {
+    let (sid, tok) = p.peers[c].client.session().expect("s");
+    let mut fresh = SessionMachine::new(
+        SessionConfig::default(),
+        std::sync::Arc::new(crate::SessionCounters::new()),
+        Box::new(crate::SeededRng::new(7)),
+    );
+    fresh.handle_link_up(p.now).expect("up");
+    fresh
+        .handle_frame(
+            p.now,
+            Frame::Hello(Hello {
+                version: PROTOCOL_VERSION,
+                token: Bytes::new(),
+                resume: Some(ResumeRequest::proving(sid, &tok, 0, FORGED_NONCE)),
+            }),
+        )
+        .expect("hello");
+    let Some(Action::TakeSnapshot { .. }) = fresh.poll_action() else {
+        panic!("expected TakeSnapshot");
+    };
+    fresh
+        .handle_snapshot(p.now, Ok(TakeOutcome::Taken(Box::new(snap))))
+        .expect("snapshot");
+    fresh
+}
+
 /// Routing keys a backend bound (BIND) are part of the session: in its snapshot, and
 /// announced (`RoutingKeys`) when a restore re-establishes it, wherever that happens.
 #[test]
@@ -942,29 +972,7 @@ fn routing_keys_and_channel_memberships_travel_with_the_session() {
     .into();
     assert_eq!(snap.channels, expected_channels);
     // A new machine restoring from that snapshot announces the keys before WELCOME.
-    let (sid, tok) = p.peers[c].client.session().expect("s");
-    let mut fresh = SessionMachine::new(
-        SessionConfig::default(),
-        std::sync::Arc::new(crate::SessionCounters::new()),
-        Box::new(crate::SeededRng::new(7)),
-    );
-    fresh.handle_link_up(p.now).expect("up");
-    fresh
-        .handle_frame(
-            p.now,
-            Frame::Hello(Hello {
-                version: PROTOCOL_VERSION,
-                token: Bytes::new(),
-                resume: Some(ResumeRequest::proving(sid, &tok, 0, FORGED_NONCE)),
-            }),
-        )
-        .expect("hello");
-    let Some(Action::TakeSnapshot { .. }) = fresh.poll_action() else {
-        panic!("expected TakeSnapshot");
-    };
-    fresh
-        .handle_snapshot(p.now, Ok(TakeOutcome::Taken(Box::new(snap))))
-        .expect("snapshot");
+    let mut fresh = restoring_from(&p, c, snap);
     // A resume without an auth token: the player is checked first (bans), then claimed.
     let Some(Action::CheckAllowed { player_id }) = fresh.poll_action() else {
         panic!("expected CheckAllowed");
@@ -1027,29 +1035,7 @@ fn a_restore_keeps_at_most_the_cap_of_pending_errors() {
             retry_after_ms: 0,
         })
         .collect();
-    let (sid, tok) = p.peers[c].client.session().expect("s");
-    let mut fresh = SessionMachine::new(
-        SessionConfig::default(),
-        std::sync::Arc::new(crate::SessionCounters::new()),
-        Box::new(crate::SeededRng::new(7)),
-    );
-    fresh.handle_link_up(p.now).expect("up");
-    fresh
-        .handle_frame(
-            p.now,
-            Frame::Hello(Hello {
-                version: PROTOCOL_VERSION,
-                token: Bytes::new(),
-                resume: Some(ResumeRequest::proving(sid, &tok, 0, FORGED_NONCE)),
-            }),
-        )
-        .expect("hello");
-    let Some(Action::TakeSnapshot { .. }) = fresh.poll_action() else {
-        panic!("expected TakeSnapshot");
-    };
-    fresh
-        .handle_snapshot(p.now, Ok(TakeOutcome::Taken(Box::new(snap))))
-        .expect("snapshot");
+    let mut fresh = restoring_from(&p, c, snap);
     assert_eq!(
         fresh.core().map(SessionCore::errors_kept),
         Some(MAX_PENDING_ERRORS)
