@@ -1035,7 +1035,7 @@ fn a_restore_keeps_at_most_the_cap_of_pending_errors() {
             retry_after_ms: 0,
         })
         .collect();
-    let mut fresh = restoring_from(&p, c, snap);
+    let fresh = restoring_from(&p, c, snap);
     assert_eq!(
         fresh.core().map(SessionCore::errors_kept),
         Some(MAX_PENDING_ERRORS)
