@@ -864,6 +864,41 @@ async fn a_credit_before_the_answer_closes_the_link_and_loses_nothing() {
     link.shutdown().await;
 }
 
+/// What a hand-made backend does on its end of the link (borrowed: the link lives as long
+/// as the whole `LinkIo`, which a future capturing only its fields would drop).
+type BackendScript =
+    Box<dyn for<'a> FnOnce(&'a mut waygate_link::LinkIo) -> BoxFuture<'a, ()> + Send>;
+type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+
+/// A hand-made backend (LINK_WELCOME `features`) on a fresh listener, and an edge's link to
+/// it that forwards session 7 ("gina") one ECHO (client seq 1): `script` runs on the
+/// backend's end once that FORWARD arrived. The edge's link, its events, and the backend's
+/// task (false when the link ended before the FORWARD).
+async fn edge_and_scripted_backend(
+    features: u64,
+    script: BackendScript,
+) -> (
+    LinkClient,
+    mpsc::Receiver<LinkEvent>,
+    tokio::task::JoinHandle<bool>,
+) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let backend = tokio::spawn(async move {
+        let (_hello, mut io) = raw_backend_link(&listener, "scripted", features).await;
+        if !until_forward(&mut io.rx).await {
+            return false;
+        }
+        script(&mut io).await;
+        true
+    });
+    let (tx, mut rx) = mpsc::channel(64);
+    let (link, _task) = LinkClient::spawn(addr, fast_config(), Arc::new(AtomicU64::new(1)), tx);
+    wait_up(&mut rx).await;
+    forward_echo(&link, &meta(7, "gina"), 1, Bytes::new());
+    (link, rx, backend)
+}
+
 /// Regression (2026-12-05, a review of PROTOCOL.md against the code): the edge took a
 /// backend's PUSH of any msg id, so a backend written from the document could push
 /// `0xFFFFFF01` and its clients would read a channel event the edge never made (only the
@@ -874,37 +909,32 @@ async fn a_credit_before_the_answer_closes_the_link_and_loses_nothing() {
 async fn a_backend_cannot_push_the_edges_reserved_msg_ids() {
     use waygate_protocol::channel::CHANNEL_EVENT_MSG_ID;
     use waygate_protocol::request::ANSWER_MSG_ID;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let rogue = tokio::spawn(async move {
-        let (_hello, mut io) = raw_backend_link(&listener, "rogue", 0).await;
-        // Pushes address a session the link carries: wait for its SESSION_OPEN and FORWARD.
-        if !until_forward(&mut io.rx).await {
-            return;
-        }
-        for (msg_id, body) in [
-            (ECHO_REPLY, &b"before"[..]),
-            (ANSWER_MSG_ID, b"an answer"),
-            (CHANNEL_EVENT_MSG_ID, b"a forged channel event"),
-            (ECHO_REPLY, b"after"),
-        ] {
-            let push = LinkFrame::Push {
-                handle: 7,
-                msg_id,
-                class: TrafficClass::Normal,
-                payload: Bytes::from_static(body),
-            };
-            if io.tx.send(push).await.is_err() {
-                break;
-            }
-        }
-        // The edge closes the link (its LINK_CLOSE ends the reader).
-        while next_frame(&mut io.rx).await.is_some() {}
-    });
-    let (tx, mut rx) = mpsc::channel(64);
-    let (link, _task) = LinkClient::spawn(addr, fast_config(), Arc::new(AtomicU64::new(1)), tx);
-    wait_up(&mut rx).await;
-    forward_echo(&link, &meta(7, "gina"), 1, Bytes::new());
+    let (link, mut rx, rogue) = edge_and_scripted_backend(
+        0,
+        Box::new(|io| {
+            Box::pin(async move {
+                for (msg_id, body) in [
+                    (ECHO_REPLY, &b"before"[..]),
+                    (ANSWER_MSG_ID, b"an answer"),
+                    (CHANNEL_EVENT_MSG_ID, b"a forged channel event"),
+                    (ECHO_REPLY, b"after"),
+                ] {
+                    let push = LinkFrame::Push {
+                        handle: 7,
+                        msg_id,
+                        class: TrafficClass::Normal,
+                        payload: Bytes::from_static(body),
+                    };
+                    if io.tx.send(push).await.is_err() {
+                        break;
+                    }
+                }
+                // The edge closes the link (its LINK_CLOSE ends the reader).
+                while next_frame(&mut io.rx).await.is_some() {}
+            })
+        }),
+    )
+    .await;
     let mut pushed = Vec::new();
     loop {
         let event = next_event(&mut rx).await;
@@ -938,44 +968,40 @@ async fn a_backend_cannot_push_the_edges_reserved_msg_ids() {
 /// was withdrawn).
 #[tokio::test]
 async fn a_reply_crossing_the_sessions_close_on_its_link_is_delivered() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let rogue = tokio::spawn(async move {
-        let features = LINK_FEATURE_FORWARD_DONE | LINK_FEATURE_HELD_ANSWERS;
-        let (_hello, mut io) = raw_backend_link(&listener, "old", features).await;
-        if !until_forward(&mut io.rx).await {
-            return;
-        }
-        // The close crosses the handler's work: its reply and answer come after it.
-        loop {
-            match next_frame(&mut io.rx).await {
-                Some(LinkFrame::SessionClose { handle: 7, .. }) => break,
-                Some(_) => continue,
-                None => return,
-            }
-        }
-        let reply = LinkFrame::AnswerPush {
-            handle: 7,
-            client_seq: 1,
-            msg_id: ECHO_REPLY,
-            class: TrafficClass::Normal,
-            payload: Bytes::from_static(b"reply"),
-        };
-        let done = LinkFrame::ForwardDone {
-            handle: 7,
-            client_seq: 1,
-        };
-        for frame in [reply, done] {
-            if io.tx.send(frame).await.is_err() {
-                return;
-            }
-        }
-        while next_frame(&mut io.rx).await.is_some() {}
-    });
-    let (tx, mut rx) = mpsc::channel(64);
-    let (link, _task) = LinkClient::spawn(addr, fast_config(), Arc::new(AtomicU64::new(1)), tx);
-    wait_up(&mut rx).await;
-    forward_echo(&link, &meta(7, "gina"), 1, Bytes::new());
+    let features = LINK_FEATURE_FORWARD_DONE | LINK_FEATURE_HELD_ANSWERS;
+    let (link, mut rx, rogue) = edge_and_scripted_backend(
+        features,
+        Box::new(|io| {
+            Box::pin(async move {
+                // The close crosses the handler's work: its reply and answer come after it.
+                loop {
+                    match next_frame(&mut io.rx).await {
+                        Some(LinkFrame::SessionClose { handle: 7, .. }) => break,
+                        Some(_) => continue,
+                        None => return,
+                    }
+                }
+                let reply = LinkFrame::AnswerPush {
+                    handle: 7,
+                    client_seq: 1,
+                    msg_id: ECHO_REPLY,
+                    class: TrafficClass::Normal,
+                    payload: Bytes::from_static(b"reply"),
+                };
+                let done = LinkFrame::ForwardDone {
+                    handle: 7,
+                    client_seq: 1,
+                };
+                for frame in [reply, done] {
+                    if io.tx.send(frame).await.is_err() {
+                        return;
+                    }
+                }
+                while next_frame(&mut io.rx).await.is_some() {}
+            })
+        }),
+    )
+    .await;
     link.session_event(LinkFrame::SessionClose {
         handle: 7,
         code: CloseCode::GoingAway,
@@ -1009,39 +1035,35 @@ async fn a_reply_crossing_the_sessions_close_on_its_link_is_delivered() {
 /// 1,024 PUSH credits, which come back with each release).
 #[tokio::test]
 async fn held_answer_pushes_are_bounded_in_number_too() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let rogue = tokio::spawn(async move {
-        let features = LINK_FEATURE_FORWARD_DONE | LINK_FEATURE_HELD_ANSWERS;
-        let (_hello, mut io) = raw_backend_link(&listener, "rogue", features).await;
-        if !until_forward(&mut io.rx).await {
-            return;
-        }
-        for _ in 0..1_100 {
-            let push = LinkFrame::AnswerPush {
-                handle: 7,
-                client_seq: 1,
-                msg_id: ECHO_REPLY,
-                class: TrafficClass::Normal,
-                payload: Bytes::new(),
-            };
-            if io.tx.send(push).await.is_err() {
-                return;
-            }
-        }
-        let done = LinkFrame::ForwardDone {
-            handle: 7,
-            client_seq: 1,
-        };
-        if io.tx.send(done).await.is_err() {
-            return;
-        }
-        while next_frame(&mut io.rx).await.is_some() {}
-    });
-    let (tx, mut rx) = mpsc::channel(64);
-    let (link, _task) = LinkClient::spawn(addr, fast_config(), Arc::new(AtomicU64::new(1)), tx);
-    wait_up(&mut rx).await;
-    forward_echo(&link, &meta(7, "gina"), 1, Bytes::new());
+    let features = LINK_FEATURE_FORWARD_DONE | LINK_FEATURE_HELD_ANSWERS;
+    let (link, mut rx, rogue) = edge_and_scripted_backend(
+        features,
+        Box::new(|io| {
+            Box::pin(async move {
+                for _ in 0..1_100 {
+                    let push = LinkFrame::AnswerPush {
+                        handle: 7,
+                        client_seq: 1,
+                        msg_id: ECHO_REPLY,
+                        class: TrafficClass::Normal,
+                        payload: Bytes::new(),
+                    };
+                    if io.tx.send(push).await.is_err() {
+                        return;
+                    }
+                }
+                let done = LinkFrame::ForwardDone {
+                    handle: 7,
+                    client_seq: 1,
+                };
+                if io.tx.send(done).await.is_err() {
+                    return;
+                }
+                while next_frame(&mut io.rx).await.is_some() {}
+            })
+        }),
+    )
+    .await;
     let mut batches = Vec::new();
     loop {
         match next_event(&mut rx).await {
