@@ -185,6 +185,21 @@ fn ping_pong_and_idle_timeout_detaches() {
 /// frame received means a dead link (an edge killed without a word, a UDP path gone): the
 /// client goes Disconnected at once instead of waiting for an idle timeout. Any frame in
 /// time keeps it up.
+/// A WELCOME from the edge as a client's tests receive it: session `session` (its resume
+/// token the next byte value), `outcome`, the default heartbeat, idle timeout and frame size.
+fn welcome_frame(session: u8, outcome: WelcomeOutcome) -> Frame {
+    Frame::Welcome(waygate_protocol::frame::Welcome {
+        session_id: [session; 16],
+        resume_token: [session.wrapping_add(1); 16],
+        outcome,
+        heartbeat_interval_ms: 10_000,
+        idle_timeout_ms: 30_000,
+        max_frame_size: 65_536,
+        server_seq_base: 0,
+        client_seq_ack: 0,
+    })
+}
+
 /// Regression (2026-12-05, a review of the SDKs against PROTOCOL.md §7.5): the SDK stops
 /// reading its link while its event backlog is full (the application does not take its
 /// events), but the liveness rule went on judging the link, so a healthy one was called
@@ -193,24 +208,11 @@ fn ping_pong_and_idle_timeout_detaches() {
 #[test]
 fn the_liveness_rule_waits_while_the_client_is_not_reading() {
     use crate::client::{ClientConfig, ClientSession};
-    use waygate_protocol::frame::Welcome;
     let t0 = std::time::Instant::now();
     let mut client = ClientSession::new(token_for("alice"), ClientConfig::default());
     client.connect(t0).expect("connect");
     client
-        .handle_frame(
-            t0,
-            Frame::Welcome(Welcome {
-                session_id: [1; 16],
-                resume_token: [2; 16],
-                outcome: WelcomeOutcome::NewSession,
-                heartbeat_interval_ms: 10_000,
-                idle_timeout_ms: 30_000,
-                max_frame_size: 65_536,
-                server_seq_base: 0,
-                client_seq_ack: 0,
-            }),
-        )
+        .handle_frame(t0, welcome_frame(1, WelcomeOutcome::NewSession))
         .expect("welcome");
     client
         .send(t0, TrafficClass::Normal, 7, Bytes::from_static(b"x"))
@@ -231,18 +233,8 @@ fn the_liveness_rule_waits_while_the_client_is_not_reading() {
 #[test]
 fn a_client_declares_a_silent_link_dead_after_its_liveness_timeout() {
     use crate::client::{ClientConfig, ClientSession};
-    use waygate_protocol::frame::Welcome;
     let t0 = std::time::Instant::now();
-    let welcome = Frame::Welcome(Welcome {
-        session_id: [1; 16],
-        resume_token: [2; 16],
-        outcome: WelcomeOutcome::NewSession,
-        heartbeat_interval_ms: 10_000,
-        idle_timeout_ms: 30_000,
-        max_frame_size: 65_536,
-        server_seq_base: 0,
-        client_seq_ack: 0,
-    });
+    let welcome = welcome_frame(1, WelcomeOutcome::NewSession);
     let mut client = ClientSession::new(token_for("alice"), ClientConfig::default());
     client.connect(t0).expect("connect");
     client.handle_frame(t0, welcome).expect("welcome");
@@ -282,19 +274,7 @@ fn a_client_declares_a_silent_link_dead_after_its_liveness_timeout() {
 #[test]
 fn the_liveness_timeout_backs_off_after_links_it_called_dead_and_calms_down() {
     use crate::client::{ClientConfig, ClientSession, LIVENESS_CALM};
-    use waygate_protocol::frame::Welcome;
-    let welcome = |outcome| {
-        Frame::Welcome(Welcome {
-            session_id: [1; 16],
-            resume_token: [2; 16],
-            outcome,
-            heartbeat_interval_ms: 10_000,
-            idle_timeout_ms: 30_000,
-            max_frame_size: 65_536,
-            server_seq_base: 0,
-            client_seq_ack: 0,
-        })
-    };
+    let welcome = |outcome| welcome_frame(1, outcome);
     let mut now = std::time::Instant::now();
     let mut client = ClientSession::new(token_for("alice"), ClientConfig::default());
     client.connect(now).expect("connect");
@@ -681,20 +661,9 @@ fn welcome_outcome(frames: &[Frame]) -> Option<WelcomeOutcome> {
 /// drops what was buffered for the old one.
 #[test]
 fn a_new_session_after_a_rejected_resume_drops_the_old_sessions_messages() {
-    use waygate_protocol::frame::{Reject, Welcome};
+    use waygate_protocol::frame::Reject;
     let t0 = std::time::Instant::now();
-    let welcome = |id: u8| {
-        Frame::Welcome(Welcome {
-            session_id: [id; 16],
-            resume_token: [id; 16],
-            outcome: WelcomeOutcome::NewSession,
-            heartbeat_interval_ms: 10_000,
-            idle_timeout_ms: 30_000,
-            max_frame_size: 65_536,
-            server_seq_base: 0,
-            client_seq_ack: 0,
-        })
-    };
+    let welcome = |id: u8| welcome_frame(id, WelcomeOutcome::NewSession);
     let sent_data = |c: &mut crate::client::ClientSession| -> Vec<u64> {
         std::iter::from_fn(|| c.poll_transmit())
             .filter_map(|f| match f {
