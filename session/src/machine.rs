@@ -35,8 +35,8 @@ use waygate_protocol::channel::{
     ChannelEvent, ChannelEventKind, ChannelPosition, CHANNEL_EVENT_MSG_ID,
 };
 use waygate_protocol::frame::{
-    Data, ErrorReport, Hello, Migrate, Reject, ResumeRequest, ResumeToken, SessionId, Welcome,
-    WelcomeOutcome, CLOSE_MESSAGE_MAX_CHARS,
+    edge_message, Data, ErrorReport, Hello, Migrate, Reject, ResumeRequest, ResumeToken, SessionId,
+    Welcome, WelcomeOutcome,
 };
 use waygate_protocol::wire::{FrameType, PROTOCOL_VERSION};
 use waygate_transport::{CloseCode, Frame, TrafficClass};
@@ -994,7 +994,7 @@ impl SessionMachine {
         // The edge's own messages are cut like a CLOSE's (§1.3), so the REJECT fits its
         // 1,024-byte field whatever the token it quotes, and the CLOSE after it carries the
         // same message.
-        let message: String = message.chars().take(CLOSE_MESSAGE_MAX_CHARS).collect();
+        let message = edge_message(&message);
         self.actions.push_back(Action::Send(Frame::Reject(Reject {
             code,
             retry_after_ms,

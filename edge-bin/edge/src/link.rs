@@ -14,7 +14,6 @@ use bytes::Bytes;
 use rand::RngExt;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
-use waygate_protocol::channel::ChannelPosition;
 use waygate_protocol::frame::SessionId;
 use waygate_protocol::link::{
     LinkFrame, DEFAULT_MAX_LINK_FRAME, LINK_FEATURE_CHANNEL_INTEREST, LINK_FEATURE_FORWARD_DONE,
@@ -153,17 +152,6 @@ pub const HELD_ANSWER_MAX_BYTES: usize = 64 * 1024;
 /// What one held ANSWER_PUSH counts against [`HELD_ANSWER_MAX_BYTES`] besides its payload:
 /// somewhat more than what the edge keeps for it.
 pub const HELD_PUSH_OVERHEAD: usize = 128;
-
-/// The CHANNEL_RESULT for a session that is not on this edge.
-pub(crate) fn member_offline(request_id: u64) -> LinkFrame {
-    LinkFrame::ChannelResult {
-        request_id,
-        code: CloseCode::MemberOffline,
-        retry_after_ms: 0,
-        position: ChannelPosition::default(),
-        duplicate: false,
-    }
-}
 
 /// A REFUSE as the edge handles it: the frame's fields, or a message lost with its link.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -347,7 +335,7 @@ struct Held {
     answered: bool,
     /// ANSWER_PUSH frames for it, held until its answer.
     answer: Vec<Downstream>,
-    /// Their payload bytes (at most [`HELD_ANSWER_MAX_BYTES`]).
+    /// Their payload bytes plus [`HELD_PUSH_OVERHEAD`] each (at most [`HELD_ANSWER_MAX_BYTES`]).
     answer_bytes: usize,
 }
 

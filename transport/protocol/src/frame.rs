@@ -228,16 +228,22 @@ const DATA_CLASS_MASK: u8 = 0b0000_0011;
 const DATA_HAS_ACK: u8 = 0b0000_0100;
 const DATA_RESERVED: u8 = !(DATA_CLASS_MASK | DATA_HAS_ACK);
 
-/// The longest CLOSE message the edge itself writes, in characters (PROTOCOL.md limits
-/// table: "the edge's own messages are at most 200 characters").
+/// The longest CLOSE or REJECT message the edge itself writes, in characters (PROTOCOL.md
+/// limits table: "the edge's own messages are at most 200 characters").
 pub const CLOSE_MESSAGE_MAX_CHARS: usize = 200;
+
+/// `message` cut to [`CLOSE_MESSAGE_MAX_CHARS`] characters: what the edge's CLOSE and REJECT
+/// carry, whatever text (a token's fields, a backend's reason) went into it.
+pub fn edge_message(message: &str) -> String {
+    message.chars().take(CLOSE_MESSAGE_MAX_CHARS).collect()
+}
 
 impl Frame {
     /// A CLOSE frame with `message` cut to [`CLOSE_MESSAGE_MAX_CHARS`] characters.
     pub fn close(code: CloseCode, message: &str) -> Self {
         Self::Close {
             code,
-            message: message.chars().take(CLOSE_MESSAGE_MAX_CHARS).collect(),
+            message: edge_message(message),
         }
     }
 

@@ -29,7 +29,7 @@ use waygate_session::driver::{Downstream, PushError};
 use waygate_transport::{CloseCode, TrafficClass};
 
 use super::{now_std, Shared};
-use crate::link::{member_offline, ChannelInterestSink};
+use crate::link::ChannelInterestSink;
 use crate::metrics::{ChannelClassLabels, ChannelLabels};
 
 /// The links' side of channel interest (PROTOCOL.md §12.6): whom to wake when notices are
@@ -149,6 +149,17 @@ pub(super) fn answer_later(reply: Option<mpsc::Sender<LinkFrame>>, answer: LinkF
             });
         }
         Err(TrySendError::Closed(_)) => gone(),
+    }
+}
+
+/// The CHANNEL_RESULT for a session that is not on this edge.
+fn member_offline(request_id: u64) -> LinkFrame {
+    LinkFrame::ChannelResult {
+        request_id,
+        code: CloseCode::MemberOffline,
+        retry_after_ms: 0,
+        position: ChannelPosition::default(),
+        duplicate: false,
     }
 }
 

@@ -279,9 +279,14 @@ impl EntrySpan {
         }
     }
 
+    /// The seq after its last (its first when it holds none).
+    fn end(self) -> u64 {
+        self.first.saturating_add(self.count)
+    }
+
     /// Its seqs (empty when it holds none).
     fn seqs(self) -> std::ops::Range<u64> {
-        self.first..self.first + self.count
+        self.first..self.end()
     }
 }
 
@@ -316,7 +321,8 @@ const DELTAS_PER_CALL: usize = waygate_session::write_through::MAX_GROUP;
 /// their values. Every number is a varint (LEB128) and every string follows its length as
 /// one: a 64 B reply costs its own bytes and ~40 of the session's. The script reads
 /// numbers as Lua's doubles, so each must stay below 2^53 (fencing tokens are microseconds
-/// of the Unix clock, ~2^51 now; seqs count messages).
+/// of the Unix clock, ~2^51 now; seqs count messages; `put_args` writes whole a delta
+/// whose span ends reach it, since the script adds first and count).
 fn pack_deltas<'a>(
     deltas: impl ExactSizeIterator<Item = &'a DeltaArgs>,
 ) -> Result<Vec<u8>, RedisError> {
@@ -346,14 +352,6 @@ fn pack_deltas<'a>(
             d.to.count,
         ] {
             num(&mut out, n)?;
-        }
-        // The script computes each span's last seq too.
-        for span in [d.from, d.to] {
-            if span.first.saturating_add(span.count) >= EXACT_IN_LUA {
-                return Err(RedisError::Invalid(format!(
-                    "a delta's entry span {span:?} is not exact in Redis' Lua"
-                )));
-            }
         }
         string(&mut out, &d.data)?;
         string(&mut out, &d.counters)?;
@@ -426,7 +424,7 @@ fn entry_range(snapshot: &Snapshot) -> Vec<u8> {
     if span.count == 0 {
         return Vec::new();
     }
-    format!("{}-{}", span.first, span.first + span.count - 1).into_bytes()
+    format!("{}-{}", span.first, span.end() - 1).into_bytes()
 }
 
 /// Reads a stored record (its fields and values): the current layout, or the whole
@@ -624,30 +622,24 @@ impl RedisSnapshotStore {
         check_store_tag(snapshot)?;
         let delta = snapshot.replay.delta_since(&base.replay);
         let (from, to) = (EntrySpan::of(&base.replay), EntrySpan::of(&snapshot.replay));
-        let exact = |n: u64| n < EXACT_IN_LUA;
-        if ![
-            snapshot.fencing,
-            from.first.saturating_add(from.count),
-            to.first.saturating_add(to.count),
-        ]
-        .into_iter()
-        .all(exact)
-        {
-            let (keys, args) = self.whole_args(snapshot, ttl)?;
-            return Ok(PutArgs::Whole { keys, args });
-        }
-        // The script derives the entries from the spans: a delta they do not describe
-        // (never, while replay buffers hold contiguous seqs) is written whole.
+        // The script reads numbers as Lua doubles, and derives the entries from the spans:
+        // a delta with a number it cannot hold exactly, or one the spans do not describe
+        // (never, while replay buffers hold contiguous seqs), is written whole.
+        let exact = [snapshot.fencing, from.end(), to.end()]
+            .into_iter()
+            .all(|n| n < EXACT_IN_LUA);
         let (dropped, added) = span_delta(from, to);
-        if !delta.dropped.iter().copied().eq(dropped)
-            || !delta.added.iter().map(|e| e.seq).eq(added)
-        {
+        let described = delta.dropped.iter().copied().eq(dropped)
+            && delta.added.iter().map(|e| e.seq).eq(added);
+        if !described {
             tracing::warn!(
                 session = %hex_id(&snapshot.session_id),
                 ?from,
                 ?to,
                 "a replay delta its entry spans do not describe: written whole"
             );
+        }
+        if !(exact && described) {
             let (keys, args) = self.whole_args(snapshot, ttl)?;
             return Ok(PutArgs::Whole { keys, args });
         }
