@@ -172,7 +172,9 @@ pub enum Event {
     /// Publications already shown are dropped; [`Client::channel_positions`] has the last
     /// position of each channel.
     Channel(crate::channels::ChannelUpdate),
-    /// Terminal: kicked by another login, session expired, or closed locally. No
+    /// Terminal: the session ended on the server (kicked by another login, an operator or
+    /// a backend — with the backend's own code —, banned, expired: any CLOSE code after
+    /// WELCOME but those that keep the session, PROTOCOL.md §7.8), or closed locally. No
     /// reconnect follows.
     Closed {
         /// Why.
@@ -1040,16 +1042,29 @@ impl Driver {
                 }
                 Err(e) => tracing::debug!(error = %e, "frame refused by the client session"),
             },
+            // The server's CLOSE (or the code its QUIC close or KCP RESET carries): after
+            // WELCOME, its code says whether the session lingers (PROTOCOL.md §7.8).
+            Err(TransportError::ClosedByPeer { code }) => {
+                let welcomed = self.session.state() == ClientState::Active;
+                self.session
+                    .handle_peer_close(Instant::now().into_std(), code);
+                self.after_link_down(code, welcomed);
+            }
             Err(e) => self.link_down(e.close_code()),
         }
     }
 
     fn link_down(&mut self, code: CloseCode) {
         let welcomed = self.session.state() == ClientState::Active;
-        tracing::debug!(?code, welcomed, "link down (transport)");
-        self.conn = None;
         self.session
             .handle_link_down(Instant::now().into_std(), code);
+        self.after_link_down(code, welcomed);
+    }
+
+    /// What follows the link's end whatever ended it: a reconnect's timing.
+    fn after_link_down(&mut self, code: CloseCode, welcomed: bool) {
+        tracing::debug!(?code, welcomed, "link down (transport)");
+        self.conn = None;
         if welcomed {
             // A session that was up reconnects at once (resume quickly).
             self.next_connect = Instant::now();

@@ -250,6 +250,61 @@ async fn kicked_is_terminal_without_a_reconnect_loop() {
     assert!(echo_ok(&mut second).await, "the new login keeps working");
 }
 
+/// Regression (2026-12-05): a backend's KICK with a code of its own ("game over" as
+/// `normal`, or an application code) reached the client as that code, which the SDK read
+/// as a lost link: it resumed, was refused, and — holding a valid token — logged in again,
+/// so a kicked player came straight back. Now the code after WELCOME says whether the
+/// session lingers (PROTOCOL.md §7.8): the client ends for good, with no new connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_s_kick_ends_the_client_whatever_its_code() {
+    let sessions = std::sync::Arc::new(common::keeper::SessionKeeper::default());
+    let (edge, _backend, _dir) = common::edge_over(sessions.clone(), |_| {}).await;
+    for (i, (given, seen)) in [
+        (CloseCode::Normal, CloseCode::Kicked),
+        (CloseCode::Unknown(4_003), CloseCode::Unknown(4_003)),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let player = format!("kicked-{i}");
+        let mut client = Client::start(tcp_options(&edge, &player));
+        client
+            .send(TrafficClass::Normal, 1000, Bytes::from_static(b"hello"))
+            .await
+            .unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let session = loop {
+            if let Some(s) = sessions.get(&player) {
+                break s;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no session reached the backend"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        session.kick(given, "game over").await.unwrap();
+        let mut connects = 0;
+        let end = loop {
+            match tokio::time::timeout(Duration::from_secs(10), client.next_event())
+                .await
+                .expect("an event within 10 s")
+            {
+                Some(Event::Closed { code }) => break code,
+                Some(Event::Connected { .. }) => connects += 1,
+                Some(_) => {}
+                None => panic!("ended without Closed"),
+            }
+        };
+        assert_eq!(end, seen, "{given:?} reaches the client as {seen:?}");
+        assert_eq!(connects, 1, "{given:?}: no connection after the kick");
+        let after = tokio::time::timeout(Duration::from_secs(5), client.next_event())
+            .await
+            .expect("the client task ends");
+        assert_eq!(after, None, "{given:?}: nothing after Closed");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_jitter_spreads_the_reconnects_of_200_clients() {
     // A server that accepts and immediately closes: every attempt fails before WELCOME.

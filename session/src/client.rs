@@ -623,19 +623,41 @@ impl ClientSession {
         }
     }
 
-    /// The link dropped. The session is kept (reconnect with `connect`) unless `code` says
-    /// it is over (kicked, expired, resume rejected).
+    /// The link dropped (its transport ended, or the server's CLOSE before WELCOME). The
+    /// session is kept (reconnect with `connect`) unless `code` is `kicked` or
+    /// `session_expired` (a transport's own close code, PROTOCOL.md §7.8).
     pub fn handle_link_down(&mut self, _now: Instant, code: CloseCode) {
         if self.state == ClientState::Closed {
             return;
         }
-        self.state = match code {
-            CloseCode::Kicked | CloseCode::SessionExpired => {
-                self.session = None;
-                ClientState::Closed
+        match code {
+            CloseCode::Kicked | CloseCode::SessionExpired => self.end_session(code),
+            _ => {
+                self.state = ClientState::Disconnected;
+                self.transmit.clear();
+                self.waiting_since = None;
+                self.events.push_back(ClientEvent::Disconnected { code });
             }
-            _ => ClientState::Disconnected,
-        };
+        }
+    }
+
+    /// The server closed the link with `code`: its CLOSE frame, or the code QUIC's
+    /// application close or KCP's RESET carries (the same code). After WELCOME the code
+    /// alone says whether the session lingers (PROTOCOL.md §7.8): any code but those that
+    /// keep it means the session ended, and nothing is resumed.
+    pub fn handle_peer_close(&mut self, now: Instant, code: CloseCode) {
+        if self.state == ClientState::Active && !code.keeps_session() {
+            self.end_session(code);
+        } else {
+            self.handle_link_down(now, code);
+        }
+    }
+
+    /// The session ended on the server's side (kicked, expired, banned, a backend's KICK):
+    /// nothing is resumed; the state is terminal.
+    fn end_session(&mut self, code: CloseCode) {
+        self.session = None;
+        self.state = ClientState::Closed;
         self.transmit.clear();
         self.waiting_since = None;
         self.events.push_back(ClientEvent::Disconnected { code });
@@ -815,7 +837,7 @@ impl ClientSession {
                 Ok(())
             }
             (_, Frame::Close { code, .. }) => {
-                self.handle_link_down(now, code);
+                self.handle_peer_close(now, code);
                 Ok(())
             }
             (state, f) => Err(unexpected(state, &f)),

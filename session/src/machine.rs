@@ -2094,15 +2094,18 @@ impl SessionMachine {
         self.end_session(State::Closed, EndReason::LoggedOut);
     }
 
-    /// Ends the session for good from the server side (admin, logout, shutdown without
-    /// migration): closes the connection with `code` and releases the session.
+    /// Ends the session for good from the server side (an operator's kick or ban, a
+    /// backend's KICK): closes the connection with `code` — or `kicked` when a client would
+    /// read `code` as a session kept for a resume ([`CloseCode::ending_session`], PROTOCOL.md
+    /// §7.8) — and releases the session. The end reason keeps `code` as given (the
+    /// backend's SESSION_CLOSE carries it).
     pub fn close_session(&mut self, _now: Instant, code: CloseCode) -> Result<(), SessionError> {
         if !matches!(self.state, State::Active | State::Detached) {
             return Err(self.misuse("close session"));
         }
         if self.state == State::Active {
             self.actions.push_back(Action::Close {
-                code,
+                code: code.ending_session(),
                 message: "session closed by server".into(),
             });
         }

@@ -29,6 +29,7 @@ import {
   type TrafficClass,
   WelcomeOutcome,
   base64UrlDecode,
+  closeKeepsSession,
   codeClass,
   codeLabel,
   decodeFrame,
@@ -1545,7 +1546,9 @@ export class WaygateClient {
   }
 
   private onClose(code: number, message: string): void {
-    if (code === CloseCode.kicked || code === CloseCode.session_expired) {
+    // After WELCOME the code alone says whether the session lingers (§7.8).
+    const ended = this._state === "active" ? !closeKeepsSession(code) : false;
+    if (ended || code === CloseCode.kicked || code === CloseCode.session_expired) {
       this.endSession(code, message || codeLabel(code));
       return;
     }

@@ -109,6 +109,31 @@ export function codeClass(code: number): "general" | "protocol" | "auth" | "sess
   return "server";
 }
 
+/**
+ * Whether a CLOSE with this code, received after WELCOME, leaves the session lingering for a
+ * resume (§7.8). Any other code there, known or not (kicked, a ban, a backend's own KICK
+ * code), means the session ended: do not reconnect on your own.
+ */
+export function closeKeepsSession(code: number): boolean {
+  return KEEPING_CLOSES.has(code);
+}
+
+const KEEPING_CLOSES = new Set<number>([
+  CloseCode.normal,
+  CloseCode.going_away,
+  CloseCode.protocol_error,
+  CloseCode.frame_too_large,
+  CloseCode.idle_timeout,
+  CloseCode.unexpected_frame,
+  CloseCode.text_message,
+  CloseCode.slow_consumer,
+  CloseCode.overloaded,
+  CloseCode.rate_limited,
+  CloseCode.unavailable,
+  CloseCode.draining,
+  CloseCode.internal,
+]);
+
 /** 16 raw bytes (session ids, resume tokens). */
 export type Id = Uint8Array;
 

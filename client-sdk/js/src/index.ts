@@ -55,6 +55,7 @@ export {
   WelcomeOutcome,
   Writer,
   base64UrlDecode,
+  closeKeepsSession,
   codeClass,
   codeLabel,
   decodeChannelEvent,

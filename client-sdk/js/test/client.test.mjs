@@ -9,6 +9,7 @@ import {
   ChannelTracker,
   ClockSync,
   CloseCode,
+  closeKeepsSession,
   RequestError,
   WaygateClient,
   decodeAnswer,
@@ -342,6 +343,31 @@ test("kicked: terminal, no reconnect, send refused", async () => {
   assert.equal(ctx.WS.all.length, 1);
   assert.equal(ctx.client.state, "closed");
   assert.throws(() => ctx.client.send(1000, "x"), /closed/);
+});
+
+// Regression (2026-12-05): a backend's KICK with its own code (PROTOCOL.md §7.8) was read as
+// a lost link: the client resumed, was refused, and logged in again.
+test("a CLOSE after WELCOME with a code that does not keep the session is terminal", async () => {
+  for (const code of [4003, CloseCode.auth_rejected]) {
+    const ctx = setup();
+    const { ws } = await connect(ctx);
+    ws.deliver({ type: "close", code, message: "banned" });
+    assert.equal(ctx.named("closed").length, 1, `${code} ends the client`);
+    assert.equal(ctx.named("disconnected")[0].willReconnect, false);
+    assert.equal(ctx.named("kicked").length, 0);
+    await sleep(20);
+    assert.equal(ctx.WS.all.length, 1, `${code}: no reconnect`);
+    assert.equal(ctx.client.state, "closed");
+  }
+  // The edge's lingering closes keep it: the client resumes.
+  const ctx = setup();
+  const { ws } = await connect(ctx);
+  ws.deliver({ type: "close", code: CloseCode.slow_consumer, message: "too slow" });
+  assert.equal(ctx.named("closed").length, 0);
+  await sleep(20);
+  assert.equal(ctx.WS.all.length, 2, "slow_consumer: reconnected");
+  assert.ok(closeKeepsSession(CloseCode.slow_consumer) && !closeKeepsSession(CloseCode.kicked));
+  ctx.client.close();
 });
 
 test("kicked as a WebSocket status 4301 without CLOSE frame is terminal too", async () => {

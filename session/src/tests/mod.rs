@@ -1652,6 +1652,77 @@ fn close_session_by_server_and_soft_migrate() {
     assert_eq!(p.edge.ended.len(), 1);
 }
 
+/// Regression (2026-12-05, a review of the SDKs against PROTOCOL.md): a backend's KICK with
+/// a code of its own (say `normal`, "game over") reached the client as that code, which the
+/// client read as a link lost: it resumed, was refused (`resume_rejected`) and, holding a
+/// valid token, logged in again — a kicked or banned player came straight back. After
+/// WELCOME the CLOSE code alone says whether the session lingers (§7.8): a server-side end
+/// with a code that reads as "kept" is sent as `kicked`, any other code ends the session on
+/// the client too, and the edge's lingering closes (here `slow_consumer`) still resume.
+#[test]
+fn a_server_side_end_is_final_for_the_client_whatever_its_code() {
+    for (given, sent) in [
+        (CloseCode::Normal, CloseCode::Kicked),
+        (CloseCode::GoingAway, CloseCode::Kicked),
+        (CloseCode::AuthRejected, CloseCode::AuthRejected),
+        (CloseCode::Unknown(4_003), CloseCode::Unknown(4_003)),
+    ] {
+        let mut p = Pair::new(SessionConfig::default());
+        let c = login(&mut p, "alice");
+        let m = p.peers[c].conn.expect("conn");
+        p.edge.machines[m]
+            .close_session(p.now, given)
+            .expect("close");
+        p.drive(c);
+        assert!(
+            p.edge.closes.contains(&(m, sent)),
+            "{given:?} sent as {sent:?}"
+        );
+        assert_eq!(
+            p.edge.machines[m].end_reason(),
+            Some(&EndReason::ClosedByServer(given)),
+            "the backend's SESSION_CLOSE keeps its code"
+        );
+        assert!(p.peers[c]
+            .events
+            .contains(&ClientEvent::Disconnected { code: sent }));
+        assert_eq!(
+            p.peers[c].client.state(),
+            ClientState::Closed,
+            "{given:?}: the client ends too"
+        );
+        assert!(
+            p.peers[c].client.connect(p.now).is_err(),
+            "{given:?}: nothing to reconnect"
+        );
+    }
+    // The edge's own lingering closes keep the session for the client.
+    let t0 = std::time::Instant::now();
+    for code in [
+        CloseCode::SlowConsumer,
+        CloseCode::Normal,
+        CloseCode::IdleTimeout,
+    ] {
+        let mut client = crate::client::ClientSession::new(
+            token_for("alice"),
+            crate::client::ClientConfig::default(),
+        );
+        client.connect(t0).expect("connect");
+        client
+            .handle_frame(t0, welcome_frame(1, WelcomeOutcome::NewSession))
+            .expect("welcome");
+        client
+            .handle_frame(t0, Frame::close(code, "x"))
+            .expect("close");
+        assert_eq!(
+            client.state(),
+            ClientState::Disconnected,
+            "{code:?} keeps it"
+        );
+        client.connect(t0).expect("resumes");
+    }
+}
+
 #[test]
 fn best_effort_is_never_sequenced_or_replayed() {
     let mut p = Pair::new(SessionConfig::default());

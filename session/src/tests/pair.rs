@@ -712,8 +712,9 @@ impl Pair {
             } else {
                 let p = &mut self.peers[c];
                 match frame {
-                    Frame::Close { code, .. } => {
-                        p.client.handle_link_down(now, code);
+                    f @ Frame::Close { .. } => {
+                        // Through the client's own handling of CLOSE (PROTOCOL.md §7.8).
+                        let _ = p.client.handle_frame(now, f);
                         p.to_client.clear();
                         p.to_server.clear();
                     }

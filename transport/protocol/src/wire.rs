@@ -162,6 +162,46 @@ macro_rules! close_codes {
     };
 }
 
+impl CloseCode {
+    /// Whether a CLOSE with this code, sent by the edge after WELCOME, leaves the session
+    /// lingering for a resume (PROTOCOL.md §7.8): the codes the edge closes a live
+    /// connection with while keeping its session. Every other code after WELCOME means the
+    /// session ended (a newer login, an operator's kick or ban, a backend's KICK, the
+    /// client's logout): the client must not reconnect on its own.
+    pub fn keeps_session(self) -> bool {
+        matches!(
+            self,
+            Self::Normal
+                | Self::GoingAway
+                | Self::ProtocolError
+                | Self::FrameTooLarge
+                | Self::IdleTimeout
+                | Self::UnexpectedFrame
+                | Self::TextMessage
+                | Self::SlowConsumer
+                | Self::Overloaded
+                | Self::RateLimited
+                | Self::Unavailable
+                | Self::Draining
+                | Self::Internal
+        )
+    }
+
+    /// The code a session ended from the server side is closed with: its own, unless a
+    /// client would read that as a session kept for a resume ([`keeps_session`]); then
+    /// `kicked` (a backend that KICKs with `normal`, say, still ends the session for the
+    /// client too).
+    ///
+    /// [`keeps_session`]: CloseCode::keeps_session
+    pub fn ending_session(self) -> Self {
+        if self.keeps_session() {
+            Self::Kicked
+        } else {
+            self
+        }
+    }
+}
+
 close_codes! {
     /// Orderly close, nothing wrong.
     Normal = 0, "normal";
@@ -250,6 +290,32 @@ mod tests {
             assert_eq!(CloseCode::from_u16(code.to_u16()), *code);
         }
         assert_eq!(CloseCode::from_u16(9999), CloseCode::Unknown(9999));
+    }
+
+    /// The codes a CLOSE after WELCOME keeps the session with are the ones PROTOCOL.md §7.8
+    /// lists (clients are written from that list), and a server-side end never uses one.
+    #[test]
+    fn protocol_md_lists_the_codes_that_keep_a_session() {
+        let doc = include_str!("../../../PROTOCOL.md");
+        let start = doc
+            .find("only with these codes:")
+            .expect("PROTOCOL.md §7.8 lists the codes that keep a session");
+        let list = &doc[start..];
+        let list = &list[..list.find("With any other code").expect("the list's end")];
+        let listed: Vec<&str> = list.split('`').skip(1).step_by(2).collect();
+        let keeping: Vec<&str> = CloseCode::KNOWN
+            .iter()
+            .filter(|c| c.keeps_session())
+            .map(|c| c.as_str())
+            .collect();
+        assert_eq!(listed, keeping);
+        for code in CloseCode::KNOWN
+            .iter()
+            .copied()
+            .chain([CloseCode::Unknown(4_003)])
+        {
+            assert!(!code.ending_session().keeps_session(), "{code}");
+        }
     }
 
     #[test]
