@@ -992,14 +992,12 @@ impl Driver {
         self.pending.push_back(event);
     }
 
+    /// Every endpoint refused before HELLO (KCP BUSY): the session core decides whether
+    /// that ends the client (an auth refusal without a session, as a REJECT would); its
+    /// event, queued behind those before it, backs off or ends the client.
     fn refused(&mut self, code: CloseCode, retry_after_ms: u32) {
-        self.failures = self.failures.saturating_add(1);
-        self.schedule_backoff(retry_after_ms);
-        // Queued behind the events before it: the worker never waits for the application.
-        self.queue(Event::Rejected {
-            code,
-            retry_after_ms,
-        });
+        self.session
+            .handle_refused(Instant::now().into_std(), code, retry_after_ms);
     }
 
     /// Takes every frame the connection already holds, without waiting (at most

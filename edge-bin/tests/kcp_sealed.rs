@@ -306,3 +306,39 @@ async fn a_listener_requiring_sealed_sessions_refuses_plain_connects() {
     assert!(echo(&mut c, "sealed").await);
     assert_eq!(r.unforwarded(), 0, "the relay lost nothing itself");
 }
+
+/// Regression (2026-12-05, a review of the SDKs against PROTOCOL.md §8.2.4): a KCP BUSY
+/// with an auth code was retried for ever, where the same refusal as a REJECT after HELLO
+/// ends the client. A client with no session whose every endpoint refuses its login that
+/// way now ends with that code (`Closed`, no further attempt); with a session it keeps
+/// trying (a sealed listener checks the token before the resume), which
+/// `sdk_client::a_sealed_kcp_session_resumes_over_tcp_after_its_token_expired` covers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_auth_refusal_in_busy_ends_a_client_without_a_session() {
+    let (edge, _b, _d) = common::demo_edge(|c| c.kcp.packet_auth = PacketAuth::Required).await;
+    let kcp = edge.addrs[&TransportKind::Kcp];
+    // No session key: a plain CONNECT, which this listener refuses with BUSY 205.
+    let mut c = Client::start(ClientOptions::new(
+        vec![Endpoint::new(TransportKind::Kcp, kcp)],
+        common::token("plain"),
+    ));
+    let mut rejected = 0;
+    let end = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match c.next_event().await {
+                Some(Event::Closed { code }) => return code,
+                Some(Event::Rejected { .. }) => rejected += 1,
+                Some(_) => {}
+                None => panic!("ended without Closed"),
+            }
+        }
+    })
+    .await
+    .expect("the client ends within 10 s");
+    assert_eq!(end, CloseCode::AuthRejected);
+    assert_eq!(rejected, 0, "not retried");
+    let after = tokio::time::timeout(Duration::from_secs(5), c.next_event())
+        .await
+        .expect("the client task ends");
+    assert!(after.is_none());
+}

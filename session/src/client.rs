@@ -641,6 +641,70 @@ impl ClientSession {
         }
     }
 
+    /// The server refused the connection before any HELLO (KCP's BUSY, PROTOCOL.md §8.2.6),
+    /// on every endpoint tried. Without a session this reads as a REJECT with the same code,
+    /// so an auth refusal (a sealed CONNECT's token refused, a plain CONNECT to a listener
+    /// that requires sealing) ends the client as it would after HELLO instead of being
+    /// retried for ever. With a session it never ends it: a sealed listener checks the
+    /// token before the resume could be, so the client keeps trying (dropping an expired
+    /// token as after REJECT) until `set_token` gives a fresh one or its give-up time runs
+    /// out. Ignored while a link is up.
+    pub fn handle_refused(&mut self, _now: Instant, code: CloseCode, retry_after_ms: u32) {
+        if !matches!(
+            self.state,
+            ClientState::Disconnected | ClientState::Handshaking
+        ) {
+            return;
+        }
+        if self.session.is_none() {
+            self.rejected(code, retry_after_ms);
+            return;
+        }
+        if code == CloseCode::AuthExpired {
+            self.token = Bytes::new();
+        }
+        self.state = ClientState::Disconnected;
+        self.transmit.clear();
+        self.events.push_back(ClientEvent::Rejected {
+            code,
+            retry_after_ms,
+            terminal: false,
+        });
+    }
+
+    /// A REJECT (or a refusal before HELLO) with `code`: terminal for auth and version
+    /// refusals, except an expired token while the session can still be resumed.
+    fn rejected(&mut self, code: CloseCode, retry_after_ms: u32) {
+        if code == CloseCode::ResumeRejected {
+            self.session = None;
+        }
+        // An expired auth token never ends a session that can still be resumed: the token
+        // is dropped and the next HELLO resumes with the resume token alone (PROTOCOL.md
+        // §7.1.1; `set_token` gives a fresh one for a new login).
+        let expired_but_resumable = code == CloseCode::AuthExpired && self.session.is_some();
+        if expired_but_resumable {
+            self.token = Bytes::new();
+        }
+        let terminal = !expired_but_resumable
+            && matches!(
+                code,
+                CloseCode::AuthMalformed
+                    | CloseCode::AuthBadSignature
+                    | CloseCode::AuthExpired
+                    | CloseCode::AuthUnknownKey
+                    | CloseCode::AuthUnsupportedVersion
+                    | CloseCode::AuthRejected
+                    | CloseCode::UnsupportedVersion
+            );
+        self.state = ClientState::Disconnected;
+        self.transmit.clear();
+        self.events.push_back(ClientEvent::Rejected {
+            code,
+            retry_after_ms,
+            terminal,
+        });
+    }
+
     /// The server closed the link with `code`: its CLOSE frame, or the code QUIC's
     /// application close or KCP's RESET carries (the same code). After WELCOME the code
     /// alone says whether the session lingers (PROTOCOL.md §7.8): any code but those that
@@ -740,35 +804,7 @@ impl ClientSession {
                 Ok(())
             }
             (ClientState::Handshaking, Frame::Reject(r)) => {
-                if r.code == CloseCode::ResumeRejected {
-                    self.session = None;
-                }
-                // An expired auth token never ends a session that can still be resumed:
-                // the token is dropped and the next HELLO resumes with the resume token
-                // alone (PROTOCOL.md §7.1.1; `set_token` gives a fresh one for a new login).
-                let expired_but_resumable =
-                    r.code == CloseCode::AuthExpired && self.session.is_some();
-                if expired_but_resumable {
-                    self.token = Bytes::new();
-                }
-                let terminal = !expired_but_resumable
-                    && matches!(
-                        r.code,
-                        CloseCode::AuthMalformed
-                            | CloseCode::AuthBadSignature
-                            | CloseCode::AuthExpired
-                            | CloseCode::AuthUnknownKey
-                            | CloseCode::AuthUnsupportedVersion
-                            | CloseCode::AuthRejected
-                            | CloseCode::UnsupportedVersion
-                    );
-                self.state = ClientState::Disconnected;
-                self.transmit.clear();
-                self.events.push_back(ClientEvent::Rejected {
-                    code: r.code,
-                    retry_after_ms: r.retry_after_ms,
-                    terminal,
-                });
+                self.rejected(r.code, r.retry_after_ms);
                 Ok(())
             }
             (ClientState::Active, Frame::Data(d)) => {

@@ -1723,6 +1723,39 @@ fn a_server_side_end_is_final_for_the_client_whatever_its_code() {
     }
 }
 
+/// A refusal before HELLO (KCP BUSY, PROTOCOL.md §8.3.1 rule 5) reads as a REJECT for a
+/// client with no session (an auth code ends it), never ends one with a session.
+#[test]
+fn a_refusal_before_hello_ends_only_a_client_without_a_session() {
+    use crate::client::{ClientConfig, ClientSession};
+    let t0 = std::time::Instant::now();
+    let rejected = |c: &mut ClientSession| loop {
+        match c.poll_event() {
+            Some(ClientEvent::Rejected { terminal, .. }) => break terminal,
+            Some(_) => {}
+            None => panic!("no Rejected event"),
+        }
+    };
+    let mut fresh = ClientSession::new(token_for("alice"), ClientConfig::default());
+    fresh.handle_refused(t0, CloseCode::Overloaded, 100);
+    assert!(!rejected(&mut fresh), "a load refusal is retried");
+    fresh.handle_refused(t0, CloseCode::AuthRejected, 0);
+    assert!(rejected(&mut fresh), "an auth refusal ends a login");
+    let mut resuming = ClientSession::new(token_for("alice"), ClientConfig::default());
+    resuming.connect(t0).expect("connect");
+    resuming
+        .handle_frame(t0, welcome_frame(1, WelcomeOutcome::NewSession))
+        .expect("welcome");
+    resuming.handle_link_down(t0, CloseCode::GoingAway);
+    resuming.handle_refused(t0, CloseCode::AuthExpired, 0);
+    assert!(
+        !rejected(&mut resuming),
+        "a session is never ended by a refusal"
+    );
+    assert!(resuming.token().is_empty(), "the expired token is dropped");
+    assert!(resuming.session().is_some());
+}
+
 #[test]
 fn best_effort_is_never_sequenced_or_replayed() {
     let mut p = Pair::new(SessionConfig::default());
