@@ -852,7 +852,10 @@ async fn run(
 
 enum ConnectOutcome {
     Up(BoxConnection, String),
-    Refused(CloseCode, u32),
+    /// Refused before HELLO (KCP BUSY): the code, the retry-after hint, and whether every
+    /// endpoint tried answered with a refusal (none failed for another reason, which might
+    /// have taken the connection).
+    Refused(CloseCode, u32, bool),
     Failed,
 }
 
@@ -871,6 +874,7 @@ async fn connect_round(
 ) -> (ConnectOutcome, Vec<(String, String)>) {
     let mut failures = Vec::new();
     let mut auth_refusal = None;
+    let mut only_refusals = true;
     for endpoint in list {
         let limit = if endpoint.kind.is_udp() {
             udp_timeout
@@ -892,15 +896,29 @@ async fn connect_round(
             Ok(Err(TransportError::Refused {
                 code,
                 retry_after_ms,
-            })) => return (ConnectOutcome::Refused(code, retry_after_ms), failures),
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => format!("no connection within {} ms", limit.as_millis()),
+            })) => {
+                return (
+                    ConnectOutcome::Refused(code, retry_after_ms, true),
+                    failures,
+                )
+            }
+            Ok(Err(e)) => {
+                only_refusals = false;
+                e.to_string()
+            }
+            Err(_) => {
+                only_refusals = false;
+                format!("no connection within {} ms", limit.as_millis())
+            }
         };
         tracing::debug!(%endpoint, %reason, "connect failed; trying the next endpoint");
         failures.push((endpoint.to_string(), reason));
     }
     match auth_refusal {
-        Some((code, retry_after_ms)) => (ConnectOutcome::Refused(code, retry_after_ms), failures),
+        Some((code, retry_after_ms)) => (
+            ConnectOutcome::Refused(code, retry_after_ms, only_refusals),
+            failures,
+        ),
         None => (ConnectOutcome::Failed, failures),
     }
 }
@@ -952,7 +970,14 @@ impl Driver {
                 self.migrate_to = None;
                 let _ = self.session.connect(Instant::now().into_std());
             }
-            ConnectOutcome::Refused(code, retry_after_ms) => self.refused(code, retry_after_ms),
+            ConnectOutcome::Refused(code, retry_after_ms, conclusive) => {
+                self.session.handle_refused(
+                    Instant::now().into_std(),
+                    code,
+                    retry_after_ms,
+                    conclusive,
+                );
+            }
             ConnectOutcome::Failed => {
                 self.failures = self.failures.saturating_add(1);
                 self.schedule_backoff(0);
@@ -990,14 +1015,6 @@ impl Driver {
             self.pending.push_back(Event::EventsDropped { count });
         }
         self.pending.push_back(event);
-    }
-
-    /// Every endpoint refused before HELLO (KCP BUSY): the session core decides whether
-    /// that ends the client (an auth refusal without a session, as a REJECT would); its
-    /// event, queued behind those before it, backs off or ends the client.
-    fn refused(&mut self, code: CloseCode, retry_after_ms: u32) {
-        self.session
-            .handle_refused(Instant::now().into_std(), code, retry_after_ms);
     }
 
     /// Takes every frame the connection already holds, without waiting (at most
@@ -1040,15 +1057,22 @@ impl Driver {
                 }
                 Err(e) => tracing::debug!(error = %e, "frame refused by the client session"),
             },
-            // The server's CLOSE (or the code its QUIC close or KCP RESET carries): after
-            // WELCOME, its code says whether the session lingers (PROTOCOL.md §7.8).
-            Err(TransportError::ClosedByPeer { code }) => {
+            Err(e) => self.link_failed(&e),
+        }
+    }
+
+    /// The link failed with `e`, found by a read or a write. The server's CLOSE (or the
+    /// code its QUIC close or KCP RESET carries) says by its code, after WELCOME, whether
+    /// the session lingers (PROTOCOL.md §7.8); any other failure keeps it.
+    fn link_failed(&mut self, e: &TransportError) {
+        match e {
+            TransportError::ClosedByPeer { code } => {
                 let welcomed = self.session.state() == ClientState::Active;
                 self.session
-                    .handle_peer_close(Instant::now().into_std(), code);
-                self.after_link_down(code, welcomed);
+                    .handle_peer_close(Instant::now().into_std(), *code);
+                self.after_link_down(*code, welcomed);
             }
-            Err(e) => self.link_down(e.close_code()),
+            e => self.link_down(e.close_code()),
         }
     }
 
@@ -1088,7 +1112,7 @@ impl Driver {
         }
         match tokio::time::timeout(SEND_DEADLINE, conn.send_batch(&frames)).await {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => self.link_down(e.close_code()),
+            Ok(Err(e)) => self.link_failed(&e),
             Err(_) => {
                 // A link that takes no more (a transport's flow control never reopening)
                 // must not freeze the client: every command waits behind this write.

@@ -641,22 +641,29 @@ impl ClientSession {
         }
     }
 
-    /// The server refused the connection before any HELLO (KCP's BUSY, PROTOCOL.md §8.2.6),
-    /// on every endpoint tried. Without a session this reads as a REJECT with the same code,
-    /// so an auth refusal (a sealed CONNECT's token refused, a plain CONNECT to a listener
-    /// that requires sealing) ends the client as it would after HELLO instead of being
-    /// retried for ever. With a session it never ends it: a sealed listener checks the
-    /// token before the resume could be, so the client keeps trying (dropping an expired
-    /// token as after REJECT) until `set_token` gives a fresh one or its give-up time runs
-    /// out. Ignored while a link is up.
-    pub fn handle_refused(&mut self, _now: Instant, code: CloseCode, retry_after_ms: u32) {
+    /// The server refused the connection before any HELLO (KCP's BUSY, PROTOCOL.md §8.2.6).
+    /// `conclusive`: every endpoint tried answered with a refusal (none failed for a reason
+    /// that might pass). Then, without a session, this reads as a REJECT with the same
+    /// code, so an auth refusal (a sealed CONNECT's token refused, a plain CONNECT to a
+    /// listener that requires sealing) ends the client as it would after HELLO instead of
+    /// being retried for ever. With a session it never ends it: a sealed listener checks
+    /// the token before the resume could be, so the client keeps trying (dropping an
+    /// expired token as after REJECT) until `set_token` gives a fresh one or its give-up
+    /// time runs out. Ignored while a link is up.
+    pub fn handle_refused(
+        &mut self,
+        _now: Instant,
+        code: CloseCode,
+        retry_after_ms: u32,
+        conclusive: bool,
+    ) {
         if !matches!(
             self.state,
             ClientState::Disconnected | ClientState::Handshaking
         ) {
             return;
         }
-        if self.session.is_none() {
+        if self.session.is_none() && conclusive {
             self.rejected(code, retry_after_ms);
             return;
         }

@@ -1737,9 +1737,14 @@ fn a_refusal_before_hello_ends_only_a_client_without_a_session() {
         }
     };
     let mut fresh = ClientSession::new(token_for("alice"), ClientConfig::default());
-    fresh.handle_refused(t0, CloseCode::Overloaded, 100);
+    fresh.handle_refused(t0, CloseCode::Overloaded, 100, true);
     assert!(!rejected(&mut fresh), "a load refusal is retried");
-    fresh.handle_refused(t0, CloseCode::AuthRejected, 0);
+    fresh.handle_refused(t0, CloseCode::AuthRejected, 0, false);
+    assert!(
+        !rejected(&mut fresh),
+        "not while another endpoint failed for another reason"
+    );
+    fresh.handle_refused(t0, CloseCode::AuthRejected, 0, true);
     assert!(rejected(&mut fresh), "an auth refusal ends a login");
     let mut resuming = ClientSession::new(token_for("alice"), ClientConfig::default());
     resuming.connect(t0).expect("connect");
@@ -1747,7 +1752,7 @@ fn a_refusal_before_hello_ends_only_a_client_without_a_session() {
         .handle_frame(t0, welcome_frame(1, WelcomeOutcome::NewSession))
         .expect("welcome");
     resuming.handle_link_down(t0, CloseCode::GoingAway);
-    resuming.handle_refused(t0, CloseCode::AuthExpired, 0);
+    resuming.handle_refused(t0, CloseCode::AuthExpired, 0, true);
     assert!(
         !rejected(&mut resuming),
         "a session is never ended by a refusal"
