@@ -56,6 +56,10 @@ pub enum Target {
     /// compared with `edge`, and its Redis cost per echo (snapshot writes, group commits,
     /// commands and bytes into Redis) read in the window.
     EdgeRedis,
+    /// The same with write-through to a Redis Cluster the bench starts (3 masters, 3
+    /// replicas: `redis-server --cluster-enabled yes`, joined by `redis-cli --cluster
+    /// create`); its cost per echo is the masters' (commands and bytes they read, summed).
+    EdgeRedisCluster,
 }
 
 impl Target {
@@ -65,8 +69,22 @@ impl Target {
             Self::Direct => "direct",
             Self::Haproxy => "haproxy",
             Self::EdgeRedis => "edge-redis",
+            Self::EdgeRedisCluster => "edge-redis-cluster",
         }
     }
+
+    /// The edge writing through to Redis (compared with the edge without it).
+    fn writes_through(self) -> bool {
+        matches!(self, Self::EdgeRedis | Self::EdgeRedisCluster)
+    }
+}
+
+/// What an edge target writes through to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WriteThrough {
+    Off,
+    OneRedis,
+    RedisCluster,
 }
 
 /// Preset workloads of issue 8.
@@ -435,8 +453,9 @@ struct Sut {
     tls: Option<ClientTls>,
     /// The edge's admin server (its /metrics are read in the window).
     admin: Option<SocketAddr>,
-    /// The Redis the edge writes through to.
-    redis_port: Option<u16>,
+    /// The Redis nodes the edge writes through to (one, or a cluster's six; the masters'
+    /// counters are read).
+    redis_ports: Vec<u16>,
 }
 
 fn listeners_of(v: &serde_json::Value) -> BTreeMap<String, SocketAddr> {
@@ -517,39 +536,111 @@ impl Env {
             addrs: listeners_of(&ready),
             tls: ca(&ca_path),
             admin: None,
-            redis_port: None,
+            redis_ports: Vec::new(),
         };
         Ok((p, sut))
     }
 
-    fn edge(&self, plan: &Plan, redis: bool) -> Result<(Vec<Proc>, Sut), String> {
+    /// A `redis-server` on a free loopback port, on CPU 0 beside the backend, with no
+    /// persistence, and `extra` arguments (cluster mode); its process and port.
+    fn redis_server(&self, name: &str, extra: &[String]) -> Result<(Proc, u16), String> {
+        let port = procs::free_port()?;
+        let mut args = vec![
+            "--port".into(),
+            port.to_string(),
+            "--bind".into(),
+            "127.0.0.1".into(),
+            "--save".into(),
+            String::new(),
+            "--appendonly".into(),
+            "no".into(),
+        ];
+        args.extend_from_slice(extra);
+        let r = procs::spawn_quiet(
+            "redis-server",
+            procs::pinned(
+                self.cpu(0),
+                &procs::which("redis-server").ok_or("redis-server is not on the PATH")?,
+                &args,
+            ),
+            &self.dir.join(format!("{name}.log")),
+            Duration::from_millis(300),
+        )?;
+        Ok((r, port))
+    }
+
+    /// A Redis Cluster of 3 masters and 3 replicas (as the test suite's), once every node
+    /// reports `cluster_state:ok`: its processes and ports.
+    fn redis_cluster(&self, n: u32) -> Result<(Vec<Proc>, Vec<u16>), String> {
+        let (mut nodes, mut ports) = (Vec::new(), Vec::new());
+        for i in 0..6 {
+            let bus = procs::free_port()?;
+            // A directory of its own, empty: a node reads its cluster view (`nodes.conf`)
+            // and a replica's synced data (`dump.rdb`) from it, and what an earlier
+            // repetition's cluster left there would make it join that one.
+            let home = self.dir.join(format!("cluster{n}-node{i}"));
+            let _ = std::fs::remove_dir_all(&home);
+            std::fs::create_dir_all(&home).map_err(|e| format!("{}: {e}", home.display()))?;
+            let conf = home.join("nodes.conf");
+            let (p, port) = self.redis_server(
+                &format!("cluster{n}-redis{i}"),
+                &[
+                    "--cluster-enabled".into(),
+                    "yes".into(),
+                    "--cluster-config-file".into(),
+                    conf.display().to_string(),
+                    "--cluster-port".into(),
+                    bus.to_string(),
+                    "--dir".into(),
+                    home.display().to_string(),
+                ],
+            )?;
+            nodes.push(p);
+            ports.push(port);
+        }
+        let cli = procs::which("redis-cli").ok_or("redis-cli is not on the PATH")?;
+        let mut create = std::process::Command::new(cli);
+        create.args(["--cluster", "create"]);
+        create.args(ports.iter().map(|p| format!("127.0.0.1:{p}")));
+        create.args(["--cluster-replicas", "1", "--cluster-yes"]);
+        let out = create
+            .stdin(std::process::Stdio::null())
+            .output()
+            .map_err(|e| format!("redis-cli --cluster create: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "redis-cli --cluster create: {}",
+                String::from_utf8_lossy(&out.stdout)
+            ));
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !ports
+            .iter()
+            .all(|p| redis_info(*p, "cluster info").contains("cluster_state:ok"))
+        {
+            if std::time::Instant::now() > deadline {
+                return Err("the bench's Redis Cluster was not ok within 30 s".into());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Ok((nodes, ports))
+    }
+
+    fn edge(&self, plan: &Plan, redis: WriteThrough) -> Result<(Vec<Proc>, Sut), String> {
         let n = self.next();
         let mut procs_ = Vec::new();
-        let redis_port = if redis {
-            let port = procs::free_port()?;
-            let r = procs::spawn_quiet(
-                "redis-server",
-                procs::pinned(
-                    self.cpu(0),
-                    &procs::which("redis-server").ok_or("redis-server is not on the PATH")?,
-                    &[
-                        "--port".into(),
-                        port.to_string(),
-                        "--bind".into(),
-                        "127.0.0.1".into(),
-                        "--save".into(),
-                        String::new(),
-                        "--appendonly".into(),
-                        "no".into(),
-                    ],
-                ),
-                &self.dir.join(format!("redis{n}.log")),
-                Duration::from_millis(300),
-            )?;
-            procs_.push(r);
-            Some(port)
-        } else {
-            None
+        let redis_ports = match redis {
+            WriteThrough::Off => Vec::new(),
+            WriteThrough::OneRedis => {
+                let (r, port) = self.redis_server(&format!("redis{n}"), &[])?;
+                procs_.push(r);
+                vec![port]
+            }
+            WriteThrough::RedisCluster => {
+                let (nodes, ports) = self.redis_cluster(n)?;
+                procs_.extend(nodes);
+                ports
+            }
         };
         let extra: Vec<String> = self
             .forward_credits
@@ -588,9 +679,21 @@ impl Env {
                  [backpressure]\naccept_per_sec = 1000000\naccept_burst = 100000\naccept_per_source_per_sec = 1000000\n\
                  accept_per_source_burst = 100000\nmax_handshakes = 100000\ninbound_msgs_per_sec = 10000000\n\
                  inbound_msg_burst = 10000000\ninbound_bytes_per_sec = 10000000000\ninbound_byte_burst = 10000000000\nmax_sessions = 1000000\n\
-                 [channels.kinds.world]\npublish_rate = 1000000\npublish_burst = 1000000\n{}",
+                 [channels.kinds.world]\npublish_rate = 1000000\npublish_burst = 1000000\n{}{}",
                 routes.display(),
                 ca_path.display(),
+                if redis == WriteThrough::RedisCluster {
+                    format!(
+                        "[cluster]\nredis_cluster = [{}]\n",
+                        redis_ports
+                            .iter()
+                            .map(|p| format!("\"redis://127.0.0.1:{p}/\""))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                } else {
+                    String::new()
+                },
                 self.heartbeat_ms.map_or(String::new(), |ms| format!(
                     "[session]\nheartbeat_ms = {ms}\n[limits]\nidle_timeout_ms = {}\n",
                     ms.saturating_mul(3)
@@ -604,7 +707,7 @@ impl Env {
             config.display().to_string(),
             "--ephemeral-ports".into(),
         ];
-        if let Some(port) = redis_port {
+        if let (WriteThrough::OneRedis, Some(port)) = (redis, redis_ports.first()) {
             args.extend(["--redis".into(), format!("redis://127.0.0.1:{port}/")]);
         }
         let (edge, ready) = procs::spawn_ready(
@@ -620,7 +723,7 @@ impl Env {
                 .get("admin")
                 .and_then(|a| a.as_str())
                 .and_then(|a| a.parse().ok()),
-            redis_port,
+            redis_ports,
         };
         procs_.extend([backend, edge]);
         Ok((procs_, sut))
@@ -636,7 +739,7 @@ impl Env {
             addrs: BTreeMap::from([("tcp".to_string(), SocketAddr::from(([127, 0, 0, 1], port)))]),
             tls: None,
             admin: None,
-            redis_port: None,
+            redis_ports: Vec::new(),
         };
         Ok((vec![echo, h], sut))
     }
@@ -663,7 +766,7 @@ impl Env {
                     addrs: BTreeMap::from([(e.kind.as_str().to_string(), addr)]),
                     tls: args.ca.as_deref().and_then(ca),
                     admin: None,
-                    redis_port: None,
+                    redis_ports: Vec::new(),
                 },
             );
             return Ok(Targets {
@@ -673,8 +776,9 @@ impl Env {
         }
         for t in &plan.targets {
             let (p, s) = match t {
-                Target::Edge => self.edge(plan, false)?,
-                Target::EdgeRedis => self.edge(plan, true)?,
+                Target::Edge => self.edge(plan, WriteThrough::Off)?,
+                Target::EdgeRedis => self.edge(plan, WriteThrough::OneRedis)?,
+                Target::EdgeRedisCluster => self.edge(plan, WriteThrough::RedisCluster)?,
                 Target::Direct => {
                     let (p, s) = self.echo(plan, 1)?;
                     (vec![p], s)
@@ -694,49 +798,35 @@ impl Env {
 }
 
 /// The counters an edge-redis run reads at the window's start and end: the edge's
-/// write-through series (its admin /metrics) and Redis' own (`INFO stats`). Plain TCP, a
-/// few hundred microseconds, outside the measured processes.
-fn counters(admin: Option<SocketAddr>, redis: Option<u16>) -> BTreeMap<String, u64> {
+/// write-through series (its admin /metrics) and Redis' own (`INFO`: of the one Redis, or
+/// summed over a cluster's masters). Plain TCP, a few hundred microseconds, outside the
+/// measured processes.
+fn counters(admin: Option<SocketAddr>, redis: &[u16]) -> BTreeMap<String, u64> {
     use std::io::{Read as _, Write as _};
-    let fetch = |addr: SocketAddr, request: &[u8]| -> String {
-        let mut text = String::new();
-        if let Ok(mut s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
-            let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-            if s.write_all(request).is_ok() {
-                let mut buf = Vec::new();
-                // INFO ends with a blank line; /metrics with the connection (HTTP/1.0).
-                let mut chunk = [0u8; 16 * 1024];
-                while let Ok(n) = s.read(&mut chunk) {
-                    if n == 0 {
-                        break;
-                    }
-                    buf.extend_from_slice(&chunk[..n]);
-                    if request.starts_with(b"INFO") && buf.ends_with(b"\r\n\r\n") {
-                        break;
-                    }
-                }
-                text = String::from_utf8_lossy(&buf).into_owned();
-            }
-        }
-        text
-    };
     let mut out = BTreeMap::new();
-    let mut read = |text: &str, sep: char, names: &[(&str, &str)]| {
+    let mut add = |text: &str, sep: char, names: &[(&str, &str)]| {
         for line in text.lines() {
             for (name, key) in names {
                 if let Some(v) = line.strip_prefix(name).and_then(|r| r.strip_prefix(sep)) {
                     if let Ok(v) = v.trim().parse::<f64>() {
-                        out.insert((*key).to_string(), v as u64);
+                        *out.entry((*key).to_string()).or_insert(0) += v as u64;
                     }
                 }
             }
         }
     };
     if let Some(a) = admin {
-        let get = format!("GET /metrics HTTP/1.0\r\nHost: {a}\r\n\r\n");
-        let m = fetch(a, get.as_bytes());
-        read(
-            &m,
+        let mut text = String::new();
+        if let Ok(mut s) = std::net::TcpStream::connect_timeout(&a, Duration::from_secs(2)) {
+            let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+            let get = format!("GET /metrics HTTP/1.0\r\nHost: {a}\r\n\r\n");
+            if s.write_all(get.as_bytes()).is_ok() {
+                // HTTP/1.0: the body ends with the connection.
+                let _ = s.read_to_string(&mut text);
+            }
+        }
+        add(
+            &text,
             ' ',
             &[
                 ("waygate_write_through_writes_total", "snapshot_writes"),
@@ -744,9 +834,13 @@ fn counters(admin: Option<SocketAddr>, redis: Option<u16>) -> BTreeMap<String, u
             ],
         );
     }
-    if let Some(port) = redis {
-        let info = fetch(SocketAddr::from(([127, 0, 0, 1], port)), b"INFO stats\r\n");
-        read(
+    for port in redis {
+        let info = redis_info(*port, "INFO");
+        // A cluster's replicas read what their masters replicate: only masters count.
+        if redis.len() > 1 && !info.contains("role:master") {
+            continue;
+        }
+        add(
             &info,
             ':',
             &[
@@ -756,6 +850,42 @@ fn counters(admin: Option<SocketAddr>, redis: Option<u16>) -> BTreeMap<String, u
         );
     }
     out
+}
+
+/// The bulk-string reply of an inline Redis `command` (`INFO`, `CLUSTER INFO`) on a
+/// loopback port; empty when the node does not answer within 2 s.
+fn redis_info(port: u16, command: &str) -> String {
+    use std::io::{Read as _, Write as _};
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let Ok(mut s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)) else {
+        return String::new();
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    if s.write_all(format!("{command}\r\n").as_bytes()).is_err() {
+        return String::new();
+    }
+    // `$<length>\r\n<length bytes>\r\n`: read until the whole reply is in.
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 16 * 1024];
+    loop {
+        let want = buf.iter().position(|b| *b == b'\n').and_then(|eol| {
+            let len: usize = std::str::from_utf8(buf.get(1..eol)?)
+                .ok()?
+                .trim()
+                .parse()
+                .ok()?;
+            Some((eol + 1, len))
+        });
+        if let Some((from, len)) = want {
+            if buf.len() >= from + len {
+                return String::from_utf8_lossy(&buf[from..from + len]).into_owned();
+            }
+        }
+        match s.read(&mut chunk) {
+            Ok(0) | Err(_) => return String::new(),
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
 }
 
 fn kind(s: &str) -> Option<TransportKind> {
@@ -886,9 +1016,10 @@ pub async fn run(args: BenchArgs) -> Result<(), String> {
                             target.as_str()
                         ),
                         sut_pid: sut.pid,
-                        counters: (sut.admin.is_some() || sut.redis_port.is_some()).then(|| {
-                            let (admin, redis) = (sut.admin, sut.redis_port);
-                            std::sync::Arc::new(move || counters(admin, redis)) as load::SutCounters
+                        counters: (sut.admin.is_some() || !sut.redis_ports.is_empty()).then(|| {
+                            let (admin, redis) = (sut.admin, sut.redis_ports.clone());
+                            std::sync::Arc::new(move || counters(admin, &redis))
+                                as load::SutCounters
                         }),
                     };
                     let load_avg = procs::loadavg();
@@ -1122,10 +1253,11 @@ fn summarize(runs: &[Run]) -> Vec<Row> {
             vs_haproxy: (target != Target::Haproxy)
                 .then(|| compare(&mine, &haproxy))
                 .flatten(),
-            vs_edge: (target == Target::EdgeRedis)
+            vs_edge: target
+                .writes_through()
                 .then(|| compare(&mine, &sel(Target::Edge)))
                 .flatten(),
-            redis_per_echo: (target == Target::EdgeRedis).then(|| {
+            redis_per_echo: target.writes_through().then(|| {
                 let mut per = BTreeMap::new();
                 // Per echo round trip; in a setup run (no echoes), per session set up.
                 let unit = |r: &LoadResult| {
