@@ -741,6 +741,36 @@ namespace Waygate
             }
         }
 
+        /// <summary>Replaces the connect token and the session key handed out beside it (32 bytes, or null for plain KCP from now on), both copied: sealed KCP checks the token before any resume, so a KCP-only client reconnects after its token expired only with a fresh token and its key (PROTOCOL.md §8.2.4). InvalidState before Connect().</summary>
+        public WaygateResult SetCredentials(byte[] token, byte[] sessionKey)
+        {
+            if (sessionKey != null && sessionKey.Length != 32) return WaygateResult.InvalidArgument;
+            int len = token == null ? 0 : token.Length;
+            GCHandle pin = default(GCHandle);
+            GCHandle keyPin = default(GCHandle);
+            try
+            {
+                IntPtr ptr = IntPtr.Zero;
+                if (len > 0)
+                {
+                    pin = GCHandle.Alloc(token, GCHandleType.Pinned);
+                    ptr = pin.AddrOfPinnedObject();
+                }
+                IntPtr key = IntPtr.Zero;
+                if (sessionKey != null)
+                {
+                    keyPin = GCHandle.Alloc(sessionKey, GCHandleType.Pinned);
+                    key = keyPin.AddrOfPinnedObject();
+                }
+                return Call(h => Native.waygate_client_set_credentials(h, ptr, (UIntPtr)(uint)len, key));
+            }
+            finally
+            {
+                if (pin.IsAllocated) pin.Free();
+                if (keyPin.IsAllocated) keyPin.Free();
+            }
+        }
+
         /// <summary>Closes the session: a Closed event follows, then Poll returns false with IsClosed set. The edge keeps the session lingering (PROTOCOL.md §7.5); Logout() ends it.</summary>
         public WaygateResult Close()
         {
@@ -1004,6 +1034,8 @@ namespace Waygate
 
         [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
         public static extern WaygateResult waygate_client_set_token(IntPtr client, IntPtr token, UIntPtr token_len);
+        [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
+        public static extern WaygateResult waygate_client_set_credentials(IntPtr client, IntPtr token, UIntPtr token_len, IntPtr session_key);
 
         [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
         public static extern WaygateResult waygate_client_close(IntPtr client);

@@ -212,6 +212,7 @@ enum Cmd {
     Pause(oneshot::Sender<()>),
     Prefer(usize),
     SetToken(Bytes),
+    SetCredentials(Bytes, Option<[u8; 32]>),
     /// Send CLOSE with this code (`normal`, or `logout`) and end; answered with whether a
     /// link was up to carry it.
     Close(CloseCode, Option<oneshot::Sender<bool>>),
@@ -519,6 +520,19 @@ impl Client {
         self.command(Cmd::SetToken(token)).await
     }
 
+    /// Replaces the connect token and the session key handed out beside it
+    /// ([`ClientOptions::session_key`]; `None`: plain KCP sessions from now on). Sealed KCP
+    /// needs both to match: a listener that requires sealing checks the token in its
+    /// CONNECT before any resume (PROTOCOL.md §8.2.4), so a KCP-only client whose token
+    /// expired reconnects only with a fresh token and its key. Used from the next connect.
+    pub async fn set_credentials(
+        &self,
+        token: Bytes,
+        session_key: Option<[u8; 32]>,
+    ) -> Result<(), SdkError> {
+        self.command(Cmd::SetCredentials(token, session_key)).await
+    }
+
     /// Reconnects now: drops the current link even if it looks alive (an app back from
     /// the background often holds a socket the OS never reported dead), forgets the backoff
     /// and connects at once; the session resumes. Lifecycle hook for mobile and browsers.
@@ -780,6 +794,10 @@ async fn run(
                 }
                 Some(Cmd::Prefer(i)) => d.preferred = i.min(d.options.endpoints.len().saturating_sub(1)),
                 Some(Cmd::SetToken(token)) => d.session.set_token(token),
+                Some(Cmd::SetCredentials(token, session_key)) => {
+                    d.session.set_token(token);
+                    d.options.session_key = session_key;
+                }
                 cmd @ (Some(Cmd::Close(..)) | None) => {
                     let (code, answer) = match cmd {
                         Some(Cmd::Close(code, answer)) => (code, answer),

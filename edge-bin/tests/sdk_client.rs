@@ -1257,6 +1257,78 @@ async fn a_sealed_kcp_session_resumes_over_tcp_after_its_token_expired() {
     assert!(echo_ok(&mut client).await, "the restored session works");
 }
 
+/// A client whose only endpoint is a listener that requires sealed KCP: once its token has
+/// expired, no CONNECT of its can pass (the token is checked before any resume, PROTOCOL.md
+/// §8.2.4), and `set_token` alone cannot help (the sealing key must match the token).
+/// `set_credentials` gives a fresh token with its key, and the session resumes over KCP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fresh_credentials_resume_a_sealed_kcp_session_after_its_token_expired() {
+    let (edge, _backend, _dir) = common::demo_edge(|c| {
+        c.auth.leeway_secs = 0;
+        c.kcp.packet_auth = waygate_transport::kcp::config::PacketAuth::Required;
+    })
+    .await;
+    let mint = |key: &[u8; 32], lifetime: u64| {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        waygate_session::auth::mint_connect_token(
+            waygate_edge::config::DEV_KEY_ID,
+            waygate_edge::config::DEV_KEY_SECRET.as_bytes(),
+            &waygate_session::auth::TokenClaims {
+                player_id: "sealed-renewed".into(),
+                issuer: "test".into(),
+                issued_at: now,
+                expires_at: now + lifetime,
+                extensions: Vec::new(),
+            },
+            key,
+            rand::random(),
+        )
+        .unwrap()
+    };
+    let first_key: [u8; 32] = rand::random();
+    let mut options = ClientOptions::new(
+        vec![Endpoint::new(
+            TransportKind::Kcp,
+            edge.addrs[&TransportKind::Kcp],
+        )],
+        mint(&first_key, 1),
+    );
+    options.session_key = Some(first_key);
+    let mut client = Client::start(options);
+    async fn connected(client: &mut Client) -> waygate_protocol::frame::WelcomeOutcome {
+        let next = async {
+            loop {
+                match client.next_event().await.expect("client running") {
+                    Event::Connected { outcome, .. } => return outcome,
+                    Event::Closed { code } => panic!("ended for good: {code}"),
+                    _ => {}
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(20), next)
+            .await
+            .expect("connected within 20 s")
+    }
+    connected(&mut client).await;
+    assert!(echo_ok(&mut client).await, "first echo");
+    // The token runs out; the login service hands out a new one with a new key.
+    tokio::time::sleep(Duration::from_millis(2_200)).await;
+    let second_key: [u8; 32] = rand::random();
+    client
+        .set_credentials(mint(&second_key, 3_600), Some(second_key))
+        .await
+        .expect("client running");
+    client.drop_link().await.expect("client running");
+    assert_eq!(
+        connected(&mut client).await,
+        waygate_protocol::frame::WelcomeOutcome::Restored
+    );
+    assert!(echo_ok(&mut client).await, "the restored session works");
+}
+
 /// Regression (2026-12-04, second stop, an audit of the client SDK): a logout while the
 /// handshake was still going was answered `NotConnected` (the session lingers out) but the
 /// SDK sent CLOSE `logout` anyway, which an edge whose WELCOME was on its way takes as the

@@ -692,17 +692,10 @@ impl ClientSession {
         if expired_but_resumable {
             self.token = Bytes::new();
         }
+        // Every 2xx is an auth refusal, a code this build does not know included
+        // (PROTOCOL.md §1.1: unknown codes are treated like their class).
         let terminal = !expired_but_resumable
-            && matches!(
-                code,
-                CloseCode::AuthMalformed
-                    | CloseCode::AuthBadSignature
-                    | CloseCode::AuthExpired
-                    | CloseCode::AuthUnknownKey
-                    | CloseCode::AuthUnsupportedVersion
-                    | CloseCode::AuthRejected
-                    | CloseCode::UnsupportedVersion
-            );
+            && (code.to_u16() / 100 == 2 || code == CloseCode::UnsupportedVersion);
         self.state = ClientState::Disconnected;
         self.transmit.clear();
         self.events.push_back(ClientEvent::Rejected {

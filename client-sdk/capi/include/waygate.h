@@ -718,6 +718,26 @@ enum waygate_result waygate_client_set_token(struct waygate_client *client,
                                              size_t token_len);
 
 /**
+ * Replaces the connect token and the session key handed out beside it (the options'
+ * `session_key`): sealed KCP needs both to match, and a listener that requires sealing
+ * checks the token in its CONNECT before any resume (PROTOCOL.md §8.2.4), so a client
+ * whose only endpoints are sealed KCP reconnects after its token expired only with a fresh
+ * token and its key. `session_key`: 32 bytes, or NULL for plain KCP sessions from now on.
+ * Used from the next connect; the bytes are copied. `WAYGATE_INVALID_STATE` before
+ * `waygate_client_connect`, `WAYGATE_CLOSED` once the client has ended.
+ *
+ * # Safety
+ *
+ * `client` is NULL or a live handle used by no other thread during the call; `token` is
+ * NULL (with `token_len` 0) or readable for `token_len` bytes; `session_key` is NULL or
+ * readable for 32 bytes; the calling thread is not running a tokio runtime.
+ */
+enum waygate_result waygate_client_set_credentials(struct waygate_client *client,
+                                                   const uint8_t *token,
+                                                   size_t token_len,
+                                                   const uint8_t *session_key);
+
+/**
  * Sends CLOSE (normal) and ends the client: a `WAYGATE_EVENT_CLOSED` event follows, then
  * polls return `WAYGATE_CLOSED`. The edge keeps the session for its linger (PROTOCOL.md
  * §7.5), so the player can come back to it; `waygate_client_logout` ends it instead.

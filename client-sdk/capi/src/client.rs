@@ -664,6 +664,62 @@ pub unsafe extern "C" fn waygate_client_set_token(
     })
 }
 
+/// Replaces the connect token and the session key handed out beside it (the options'
+/// `session_key`): sealed KCP needs both to match, and a listener that requires sealing
+/// checks the token in its CONNECT before any resume (PROTOCOL.md §8.2.4), so a client
+/// whose only endpoints are sealed KCP reconnects after its token expired only with a fresh
+/// token and its key. `session_key`: 32 bytes, or NULL for plain KCP sessions from now on.
+/// Used from the next connect; the bytes are copied. `WAYGATE_INVALID_STATE` before
+/// `waygate_client_connect`, `WAYGATE_CLOSED` once the client has ended.
+///
+/// # Safety
+///
+/// `client` is NULL or a live handle used by no other thread during the call; `token` is
+/// NULL (with `token_len` 0) or readable for `token_len` bytes; `session_key` is NULL or
+/// readable for 32 bytes; the calling thread is not running a tokio runtime.
+#[no_mangle]
+pub unsafe extern "C" fn waygate_client_set_credentials(
+    client: *mut waygate_client,
+    token: *const u8,
+    token_len: usize,
+    session_key: *const u8,
+) -> waygate_result {
+    ffi_body!(WAYGATE_PANIC => {
+        non_null!(client, WAYGATE_INVALID_ARGUMENT);
+        if token.is_null() && token_len > 0 {
+            set_last_error("token is NULL");
+            return WAYGATE_INVALID_ARGUMENT;
+        }
+        let bytes = if token_len == 0 {
+            bytes::Bytes::new()
+        } else {
+            // SAFETY: not NULL; the caller promises `token_len` readable bytes.
+            bytes::Bytes::copy_from_slice(unsafe { std::slice::from_raw_parts(token, token_len) })
+        };
+        let key = (!session_key.is_null()).then(|| {
+            let mut key = [0u8; 32];
+            // SAFETY: not NULL; the caller promises 32 readable bytes.
+            key.copy_from_slice(unsafe { std::slice::from_raw_parts(session_key, 32) });
+            key
+        });
+        // SAFETY: not NULL; the caller promises a live handle used only by this thread.
+        let h = unsafe { handle(client) };
+        if let Err(code) = h.running() {
+            return code;
+        }
+        match h.client.as_ref() {
+            Some(c) => match h.rt.block_on(c.set_credentials(bytes, key)) {
+                Ok(()) => WAYGATE_OK,
+                Err(_) => WAYGATE_CLOSED,
+            },
+            None => {
+                set_last_error("set_credentials before waygate_client_connect");
+                WAYGATE_INVALID_STATE
+            }
+        }
+    })
+}
+
 /// Sends CLOSE (normal) and ends the client: a `WAYGATE_EVENT_CLOSED` event follows, then
 /// polls return `WAYGATE_CLOSED`. The edge keeps the session for its linger (PROTOCOL.md
 /// §7.5), so the player can come back to it; `waygate_client_logout` ends it instead.

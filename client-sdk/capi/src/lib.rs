@@ -81,9 +81,9 @@ pub use client::{
     waygate_client_close, waygate_client_connect, waygate_client_drop_link, waygate_client_free,
     waygate_client_logout, waygate_client_new, waygate_client_pause, waygate_client_poll_event,
     waygate_client_reconnect_now, waygate_client_request, waygate_client_send,
-    waygate_client_set_token, waygate_client_state, waygate_client_stats,
-    waygate_client_sync_clock, waygate_client_tick, waygate_client_wait_event, waygate_state,
-    waygate_state_str, waygate_stats,
+    waygate_client_set_credentials, waygate_client_set_token, waygate_client_state,
+    waygate_client_stats, waygate_client_sync_clock, waygate_client_tick,
+    waygate_client_wait_event, waygate_state, waygate_state_str, waygate_stats,
 };
 pub use error::{waygate_last_error, waygate_version};
 pub use event::{

@@ -606,6 +606,25 @@ fn channel_events_through_the_c_functions() {
         unsafe { waygate_client_set_token(h.0, std::ptr::null(), 4) },
         WAYGATE_INVALID_ARGUMENT
     );
+    // So are a token with its session key (sealed KCP), and one with no key.
+    let key = [7u8; 32];
+    // SAFETY: live handle; `fresh` readable for its length, `key` for 32 bytes.
+    assert_eq!(
+        unsafe { waygate_client_set_credentials(h.0, fresh.as_ptr(), fresh.len(), key.as_ptr()) },
+        WAYGATE_OK
+    );
+    // SAFETY: live handle; `fresh` readable for its length; no key.
+    assert_eq!(
+        unsafe {
+            waygate_client_set_credentials(h.0, fresh.as_ptr(), fresh.len(), std::ptr::null())
+        },
+        WAYGATE_OK
+    );
+    // SAFETY: live handle; NULL with a length is refused before any read.
+    assert_eq!(
+        unsafe { waygate_client_set_credentials(h.0, std::ptr::null(), 4, key.as_ptr()) },
+        WAYGATE_INVALID_ARGUMENT
+    );
     // A refused request is an ERROR with the edge's code.
     send(&h, 1200, b"nosuch:1").unwrap();
     let refused = wait_for(&h, WAYGATE_EVENT_ERROR);

@@ -1746,6 +1746,12 @@ fn a_refusal_before_hello_ends_only_a_client_without_a_session() {
     );
     fresh.handle_refused(t0, CloseCode::AuthRejected, 0, true);
     assert!(rejected(&mut fresh), "an auth refusal ends a login");
+    let mut unknown = ClientSession::new(token_for("alice"), ClientConfig::default());
+    unknown.handle_refused(t0, CloseCode::Unknown(299), 0, true);
+    assert!(
+        rejected(&mut unknown),
+        "an auth code this build does not know is an auth refusal (§1.1)"
+    );
     let mut resuming = ClientSession::new(token_for("alice"), ClientConfig::default());
     resuming.connect(t0).expect("connect");
     resuming
