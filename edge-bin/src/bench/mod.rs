@@ -864,21 +864,23 @@ fn redis_info(port: u16, command: &str) -> String {
     if s.write_all(format!("{command}\r\n").as_bytes()).is_err() {
         return String::new();
     }
-    // `$<length>\r\n<length bytes>\r\n`: read until the whole reply is in.
+    // `$<length>\r\n<length bytes>\r\n`: read until the whole reply is in. Anything else
+    // (an error reply, a nil, more than 1 MiB) reads as nothing.
     let mut buf = Vec::new();
     let mut chunk = [0u8; 16 * 1024];
     loop {
-        let want = buf.iter().position(|b| *b == b'\n').and_then(|eol| {
-            let len: usize = std::str::from_utf8(buf.get(1..eol)?)
-                .ok()?
-                .trim()
-                .parse()
-                .ok()?;
-            Some((eol + 1, len))
-        });
-        if let Some((from, len)) = want {
-            if buf.len() >= from + len {
-                return String::from_utf8_lossy(&buf[from..from + len]).into_owned();
+        if let Some(eol) = buf.iter().position(|b| *b == b'\n') {
+            let len = buf
+                .get(1..eol)
+                .filter(|_| buf.first() == Some(&b'$'))
+                .and_then(|l| std::str::from_utf8(l).ok())
+                .and_then(|l| l.trim().parse::<usize>().ok())
+                .filter(|len| *len <= 1 << 20);
+            let Some(len) = len else {
+                return String::new();
+            };
+            if buf.len() >= eol + 1 + len {
+                return String::from_utf8_lossy(&buf[eol + 1..eol + 1 + len]).into_owned();
             }
         }
         match s.read(&mut chunk) {
@@ -1364,4 +1366,46 @@ fn table(rows: &[Row]) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redis_info;
+    use std::io::{Read as _, Write as _};
+
+    /// A one-shot server on loopback answering the first command with `reply`.
+    fn answering(reply: &'static [u8]) -> u16 {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = l.local_addr().expect("addr").port();
+        std::thread::spawn(move || {
+            if let Ok((mut s, _)) = l.accept() {
+                let mut b = [0u8; 64];
+                let _ = s.read(&mut b);
+                // In two writes: the reader must wait for the whole bulk string.
+                let (a, rest) = reply.split_at(reply.len() / 2);
+                let _ = s.write_all(a);
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                let _ = s.write_all(rest);
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+        });
+        port
+    }
+
+    #[test]
+    fn redis_info_reads_a_whole_bulk_reply_and_nothing_else() {
+        let text = "# Replication\r\nrole:master\r\n\r\n# Stats\r\ntotal_net_input_bytes:7\r\n";
+        let reply: &'static [u8] = Box::leak(
+            format!("${}\r\n{text}\r\n", text.len())
+                .into_bytes()
+                .into_boxed_slice(),
+        );
+        assert_eq!(redis_info(answering(reply), "INFO"), text);
+        assert_eq!(
+            redis_info(answering(b"-ERR unknown command\r\n"), "NOPE"),
+            ""
+        );
+        assert_eq!(redis_info(answering(b"$-1\r\n"), "INFO"), "");
+        assert_eq!(redis_info(answering(b"$99999999\r\n"), "INFO"), "");
+    }
 }
