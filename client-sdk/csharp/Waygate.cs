@@ -720,7 +720,7 @@ namespace Waygate
             return Call(h => Native.waygate_client_pause(h));
         }
 
-        /// <summary>Replaces the auth token for the next login (copied). InvalidState before Connect().</summary>
+        /// <summary>Replaces the auth token for the next login (copied). InvalidState before Connect(). With a session key (sealed KCP), whose key must match the token, use SetCredentials.</summary>
         public WaygateResult SetToken(byte[] token)
         {
             int len = token == null ? 0 : token.Length;
@@ -744,7 +744,7 @@ namespace Waygate
         /// <summary>Replaces the connect token and the session key handed out beside it (32 bytes, or null for plain KCP from now on), both copied: sealed KCP checks the token before any resume, so a KCP-only client reconnects after its token expired only with a fresh token and its key (PROTOCOL.md §8.2.4). InvalidState before Connect().</summary>
         public WaygateResult SetCredentials(byte[] token, byte[] sessionKey)
         {
-            if (sessionKey != null && sessionKey.Length != 32) return WaygateResult.InvalidArgument;
+            if (sessionKey != null && sessionKey.Length != 32) throw new ArgumentException("sessionKey must be 32 bytes", "sessionKey");
             int len = token == null ? 0 : token.Length;
             GCHandle pin = default(GCHandle);
             GCHandle keyPin = default(GCHandle);

@@ -515,7 +515,9 @@ impl Client {
 
     /// Replaces the auth token (refreshed from the login service): used by the next HELLO.
     /// An expired token never ends a session that can still be resumed (the SDK resumes
-    /// with the resume token alone); a fresh one is needed only for a new login.
+    /// with the resume token alone); a fresh one is needed only for a new login. With a
+    /// `session_key` (sealed KCP), whose key must match the token, use
+    /// [`set_credentials`](Self::set_credentials) instead.
     pub async fn set_token(&self, token: Bytes) -> Result<(), SdkError> {
         self.command(Cmd::SetToken(token)).await
     }
@@ -713,11 +715,9 @@ async fn run(
         if !d.paused && d.conn.is_none() && connecting.is_none() && Instant::now() >= d.next_connect
         {
             let mut connect = d.options.connect.clone();
+            let token = d.session.token_for_attempt();
             connect.conn.kcp_credentials = d.options.session_key.map(|session_key| {
-                waygate_transport::kcp::seal::KcpCredentials {
-                    token: d.session.token().clone(),
-                    session_key,
-                }
+                waygate_transport::kcp::seal::KcpCredentials { token, session_key }
             });
             connecting = Some(Box::pin(connect_round(
                 d.order(),

@@ -231,6 +231,11 @@ impl RttStats {
 pub struct ClientSession {
     config: ClientConfig,
     token: Bytes,
+    /// Bumped by every `set_token`; `attempt_token` is its value when the current attempt
+    /// took the token: a refusal of that attempt drops the token only if no fresh one has
+    /// been set since.
+    token_epoch: u64,
+    attempt_token: u64,
     state: ClientState,
     session: Option<(SessionId, ResumeToken)>,
     /// The nonce of the last resume attempt for the current session (PROTOCOL.md §7.3.1).
@@ -268,6 +273,8 @@ impl ClientSession {
         Self {
             config,
             token,
+            token_epoch: 0,
+            attempt_token: 0,
             state: ClientState::Disconnected,
             session: None,
             resume_nonce: 0,
@@ -333,6 +340,23 @@ impl ClientSession {
     /// Replaces the auth token (e.g. refreshed from the login service).
     pub fn set_token(&mut self, token: Bytes) {
         self.token = token;
+        self.token_epoch += 1;
+    }
+
+    /// The token an attempt that starts now sends before HELLO (a sealed KCP CONNECT's):
+    /// a refusal of that attempt ([`handle_refused`](Self::handle_refused)) drops this
+    /// token, never one set after it.
+    pub fn token_for_attempt(&mut self) -> Bytes {
+        self.attempt_token = self.token_epoch;
+        self.token.clone()
+    }
+
+    /// Drops the token an attempt was refused for (resume alone next), unless a fresh one
+    /// was set since that attempt took it.
+    fn drop_refused_token(&mut self) {
+        if self.attempt_token == self.token_epoch {
+            self.token = Bytes::new();
+        }
     }
 
     /// Forgets the session: the next `connect` logs in fresh.
@@ -369,6 +393,7 @@ impl ClientSession {
             }
             None => None,
         };
+        self.attempt_token = self.token_epoch;
         self.push(
             now,
             Frame::Hello(Hello {
@@ -667,8 +692,8 @@ impl ClientSession {
             self.rejected(code, retry_after_ms);
             return;
         }
-        if code == CloseCode::AuthExpired {
-            self.token = Bytes::new();
+        if self.session.is_some() && Self::token_refusal_resumable(code) {
+            self.drop_refused_token();
         }
         self.state = ClientState::Disconnected;
         self.transmit.clear();
@@ -679,23 +704,30 @@ impl ClientSession {
         });
     }
 
+    /// Whether a refusal with `code` is of the token alone, which a resume without it may
+    /// pass: every auth code but `auth_rejected` (a ban).
+    fn token_refusal_resumable(code: CloseCode) -> bool {
+        code.to_u16() / 100 == 2 && code != CloseCode::AuthRejected
+    }
+
     /// A REJECT (or a refusal before HELLO) with `code`: terminal for auth and version
-    /// refusals, except an expired token while the session can still be resumed.
+    /// refusals, except a refused token while the session can still be resumed.
     fn rejected(&mut self, code: CloseCode, retry_after_ms: u32) {
         if code == CloseCode::ResumeRejected {
             self.session = None;
         }
-        // An expired auth token never ends a session that can still be resumed: the token
-        // is dropped and the next HELLO resumes with the resume token alone (PROTOCOL.md
-        // §7.1.1; `set_token` gives a fresh one for a new login).
-        let expired_but_resumable = code == CloseCode::AuthExpired && self.session.is_some();
-        if expired_but_resumable {
-            self.token = Bytes::new();
+        // A refused token (expired, or signed with a key since rotated) never ends a session
+        // that can still be resumed: the token is dropped and the next HELLO resumes with
+        // the resume token alone (PROTOCOL.md §7.1.1; `set_token` gives a fresh one for a
+        // new login). A ban (`auth_rejected`) ends it: the edge checks bans on a resume too.
+        let resumable = self.session.is_some() && Self::token_refusal_resumable(code);
+        if resumable {
+            self.drop_refused_token();
         }
         // Every 2xx is an auth refusal, a code this build does not know included
         // (PROTOCOL.md §1.1: unknown codes are treated like their class).
-        let terminal = !expired_but_resumable
-            && (code.to_u16() / 100 == 2 || code == CloseCode::UnsupportedVersion);
+        let terminal =
+            !resumable && (code.to_u16() / 100 == 2 || code == CloseCode::UnsupportedVersion);
         self.state = ClientState::Disconnected;
         self.transmit.clear();
         self.events.push_back(ClientEvent::Rejected {

@@ -703,7 +703,9 @@ enum waygate_result waygate_client_reconnect_now(struct waygate_client *client);
 /**
  * Replaces the auth token (refreshed from the login service) for the next HELLO. An
  * expired token never ends a session that can still be resumed (the client resumes with
- * its resume token alone); a fresh one is needed for a new login. The bytes are copied.
+ * its resume token alone); a fresh one is needed for a new login. With a `session_key`
+ * (sealed KCP), whose key must match the token, use `waygate_client_set_credentials`
+ * instead. The bytes are copied.
  * `WAYGATE_INVALID_STATE` before `waygate_client_connect`, `WAYGATE_CLOSED` once the
  * client has ended.
  *

@@ -420,6 +420,9 @@ export class WaygateClient {
   private connects = 0;
   /** The auth token expired: resume with the resume part alone (§7.1.1). */
   private resumeOnly = false;
+  /** Bumped by `setToken`; `helloTokenEpoch` is its value when the last HELLO went out. */
+  private tokenEpoch = 0;
+  private helloTokenEpoch = 0;
   /** The socket is open but its HELLO not yet sent (the resume proof is computed): nothing else goes out. */
   private helloPending = false;
   /** The "cannot resume without crypto.subtle" warning was logged. */
@@ -625,6 +628,7 @@ export class WaygateClient {
   setToken(token: Uint8Array | string): void {
     this.token = typeof token === "string" ? base64UrlDecode(token) : token;
     this.resumeOnly = false;
+    this.tokenEpoch++;
   }
 
   /**
@@ -998,6 +1002,7 @@ export class WaygateClient {
     }
     if (gen !== this.gen) return;
     this.helloPending = false;
+    this.helloTokenEpoch = this.tokenEpoch;
     this.transmit({
       type: "hello",
       version: PROTOCOL_VERSION,
@@ -1522,9 +1527,11 @@ export class WaygateClient {
 
   private onReject(code: number, retryAfterMs: number, message: string): void {
     this.emit("error", { kind: "rejected", code, label: codeLabel(code), retryAfterMs, message });
-    if (code === CloseCode.auth_expired && this.session !== null && !this.resumeOnly) {
-      // §7.1.1: a client whose token has expired resumes with the resume part alone.
-      this.resumeOnly = true;
+    if (codeClass(code) === "auth" && code !== CloseCode.auth_rejected && this.session !== null && !this.resumeOnly) {
+      // §7.1.1: a client whose token was refused (expired, or signed with a key since
+      // rotated; not a ban) resumes with the resume part alone — unless the application
+      // set a fresh token since that HELLO went out, which the next one carries.
+      if (this.helloTokenEpoch === this.tokenEpoch) this.resumeOnly = true;
       this.attemptFailed(code, `rejected: ${message || codeLabel(code)}`, retryAfterMs, true);
       return;
     }

@@ -426,6 +426,33 @@ test("expired auth token: resume with the resume part alone; resume_rejected the
   assert.equal(ctx.named("closed")[0].code, CloseCode.resume_rejected);
 });
 
+// Review (2026-12-05): a token refused for a rotated key (203) ended a session that a
+// resume alone would keep; and a token set while a HELLO was in flight was dropped with
+// the refused one.
+test("a refused token (not a ban) resumes alone; a token set meanwhile is kept", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx);
+  ws.drop();
+  await sleep(5);
+  let w = ctx.WS.all.at(-1);
+  await w.open();
+  w.take();
+  w.deliver({ type: "reject", code: CloseCode.auth_unknown_key, retryAfterMs: 0, message: "" });
+  assert.equal(ctx.named("closed").length, 0, "203 with a session is not terminal");
+  await sleep(10);
+  w = ctx.WS.all.at(-1);
+  await w.open();
+  assert.equal(w.take()[0].token.length, 0, "resume alone");
+  // A fresh token set while this HELLO waits for its answer: the refusal keeps it.
+  ctx.client.setToken(new Uint8Array([9, 9, 9]));
+  w.deliver({ type: "reject", code: CloseCode.auth_expired, retryAfterMs: 0, message: "" });
+  await sleep(10);
+  w = ctx.WS.all.at(-1);
+  await w.open();
+  assert.deepEqual([...w.take()[0].token], [9, 9, 9], "the fresh token goes out");
+  ctx.client.close();
+});
+
 test("resume nonces count 1, 2, ... per session and restart with a new session id", async () => {
   const ctx = setup();
   const { ws } = await connect(ctx, 0, { sessionId: id(1), resumeToken: id(2) });

@@ -593,6 +593,10 @@ impl Env {
                     bus.to_string(),
                     "--dir".into(),
                     home.display().to_string(),
+                    // A replica's first sync starts at once (not after Redis' 5 s wait),
+                    // so it is over before the measured window.
+                    "--repl-diskless-sync-delay".into(),
+                    "0".into(),
                 ],
             )?;
             nodes.push(p);
@@ -603,23 +607,48 @@ impl Env {
         create.args(["--cluster", "create"]);
         create.args(ports.iter().map(|p| format!("127.0.0.1:{p}")));
         create.args(["--cluster-replicas", "1", "--cluster-yes"]);
-        let out = create
+        let log = self.dir.join(format!("cluster{n}-create.log"));
+        let out = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+        let err = out.try_clone().map_err(|e| e.to_string())?;
+        let mut child = create
             .stdin(std::process::Stdio::null())
-            .output()
+            .stdout(out)
+            .stderr(err)
+            .spawn()
             .map_err(|e| format!("redis-cli --cluster create: {e}"))?;
-        if !out.status.success() {
+        // redis-cli waits for the nodes to agree with no limit of its own.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(status) = child.try_wait().map_err(|e| e.to_string())? {
+                break status;
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!(
+                    "redis-cli --cluster create did not finish within 30 s (see {})",
+                    log.display()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        if !status.success() {
             return Err(format!(
-                "redis-cli --cluster create: {}",
-                String::from_utf8_lossy(&out.stdout)
+                "redis-cli --cluster create failed (see {})",
+                log.display()
             ));
         }
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while !ports
-            .iter()
-            .all(|p| redis_info(*p, "cluster info").contains("cluster_state:ok"))
-        {
+        // Every node agrees, and every replica has finished its first sync.
+        let ready = |p: &u16| {
+            let replication = redis_info(*p, "INFO replication");
+            redis_info(*p, "cluster info").contains("cluster_state:ok")
+                && (replication.contains("role:master")
+                    || (replication.contains("master_link_status:up")
+                        && replication.contains("master_sync_in_progress:0")))
+        };
+        while !ports.iter().all(ready) {
             if std::time::Instant::now() > deadline {
-                return Err("the bench's Redis Cluster was not ok within 30 s".into());
+                return Err("the bench's Redis Cluster was not ready within 30 s".into());
             }
             std::thread::sleep(Duration::from_millis(100));
         }

@@ -1767,6 +1767,62 @@ fn a_refusal_before_hello_ends_only_a_client_without_a_session() {
     assert!(resuming.session().is_some());
 }
 
+/// Review (2026-12-05): a token refused for a key since rotated (203) ended a session a
+/// resume alone keeps (§7.1.1), and a token set while an attempt was in flight was dropped
+/// with the refused one (then a sealed CONNECT went out with the new key and no token).
+#[test]
+fn a_refused_token_is_dropped_only_if_no_fresh_one_came_since() {
+    use crate::client::{ClientConfig, ClientSession};
+    let t0 = std::time::Instant::now();
+    let reject = |code| {
+        Frame::Reject(waygate_protocol::frame::Reject {
+            code,
+            retry_after_ms: 0,
+            message: String::new(),
+        })
+    };
+    let terminal = |c: &mut ClientSession| loop {
+        match c.poll_event() {
+            Some(ClientEvent::Rejected { terminal, .. }) => break terminal,
+            Some(_) => {}
+            None => panic!("no Rejected event"),
+        }
+    };
+    let mut client = ClientSession::new(token_for("alice"), ClientConfig::default());
+    client.connect(t0).expect("connect");
+    client
+        .handle_frame(t0, welcome_frame(1, WelcomeOutcome::NewSession))
+        .expect("welcome");
+    client.handle_link_down(t0, CloseCode::GoingAway);
+    client.connect(t0).expect("resume");
+    client
+        .handle_frame(t0, reject(CloseCode::AuthUnknownKey))
+        .expect("reject");
+    assert!(!terminal(&mut client), "203 with a session resumes alone");
+    assert!(client.token().is_empty());
+    // A fresh token arrives while the next attempt is out; that attempt's refusal keeps it.
+    client.connect(t0).expect("resume");
+    client.set_token(Bytes::from_static(b"fresh"));
+    client
+        .handle_frame(t0, reject(CloseCode::AuthExpired))
+        .expect("reject");
+    assert!(!terminal(&mut client));
+    assert_eq!(client.token(), &Bytes::from_static(b"fresh"));
+    // The same for a refusal before HELLO (KCP BUSY) of an attempt that took the token.
+    let taken = client.token_for_attempt();
+    client.set_token(Bytes::from_static(b"fresher"));
+    client.handle_refused(t0, CloseCode::AuthExpired, 0, true);
+    assert!(!terminal(&mut client));
+    assert_eq!(taken, Bytes::from_static(b"fresh"));
+    assert_eq!(client.token(), &Bytes::from_static(b"fresher"));
+    // A ban ends it.
+    client.connect(t0).expect("resume");
+    client
+        .handle_frame(t0, reject(CloseCode::AuthRejected))
+        .expect("reject");
+    assert!(terminal(&mut client), "205 ends the session");
+}
+
 #[test]
 fn best_effort_is_never_sequenced_or_replayed() {
     let mut p = Pair::new(SessionConfig::default());
