@@ -1082,13 +1082,26 @@ impl ChannelHub {
         self.join_with_logged(now, session, player, channel, since, &[])
     }
 
-    /// Whether a join from `since` would need the announcement log: the position is of
-    /// another epoch than the channel's here (another edge's, or before this edge
-    /// restarted), so only the log can still hold the announcements after it.
-    pub fn needs_logged(&self, channel: &str, since: Option<ChannelPosition>) -> bool {
+    /// Whether a join of `session` from `since` would need the announcement log: the
+    /// position is of another epoch than the channel's here (another edge's, or before this
+    /// edge restarted), so only the log can still hold the announcements after it. Never
+    /// for a session already a member: its join ignores `since` (PROTOCOL.md §12.3).
+    pub fn needs_logged(
+        &self,
+        session: SessionId,
+        channel: &str,
+        since: Option<ChannelPosition>,
+    ) -> bool {
         let Some(since) = since else {
             return false;
         };
+        if self
+            .channels
+            .get(channel)
+            .is_some_and(|ch| ch.members.contains_key(&session))
+        {
+            return false;
+        }
         // A name or kind the join will refuse reads nothing (the join answers the refusal).
         let known_kind = channel_kind(channel).is_ok_and(|k| self.config.kinds.contains_key(k));
         known_kind
@@ -1145,7 +1158,8 @@ impl ChannelHub {
         }
         // A returning member of a kind with backlog recovers from where it left. (Its
         // departed entry goes only once the join is taken: a join refused `queue_full`
-        // below is retried, and must recover then too.)
+        // below is retried, and must recover then too. It goes with any join taken, with
+        // a `since` too: the memory is used once, PROTOCOL.md §12.4.)
         let from_backlog = since.is_none() && ch.policy.backlog;
         let since = match since {
             Some(p) => Some(p),
@@ -1198,9 +1212,7 @@ impl ChannelHub {
         if ch.pending_direct + direct.len() > ch.policy.direct_cap() {
             return Err(ChannelError::QueueFull);
         }
-        if from_backlog {
-            ch.departed.remove(player);
-        }
+        ch.departed.remove(player);
         let joined = ch.next_ticket + direct.len() as u64;
         for (class, event) in direct {
             ch.enqueue(PendingItem::Direct {

@@ -399,17 +399,20 @@ fn a_position_of_another_epoch_recovers_the_logged_announcements_before_history_
     };
     let mut hub = ChannelHub::new(small_config(), 6);
     hub.set_announcement_log(true);
-    assert!(hub.needs_logged("room:a", Some(since)));
-    assert!(!hub.needs_logged("room:a", None));
+    assert!(hub.needs_logged(sid(1), "room:a", Some(since)));
+    assert!(!hub.needs_logged(sid(1), "room:a", None));
     // A kind the join would refuse, or an invalid name, reads nothing (bounds audit: each
     // such join from a backend cost a read of the log).
-    assert!(!hub.needs_logged("nosuch:a", Some(since)));
-    assert!(!hub.needs_logged("bad name", Some(since)));
+    assert!(!hub.needs_logged(sid(1), "nosuch:a", Some(since)));
+    assert!(!hub.needs_logged(sid(1), "bad name", Some(since)));
     let (live, o) = hub
         .join_with_logged(now, sid(1), &player(1), "room:a", Some(since), &log)
         .unwrap();
     assert_eq!(o, JoinOutcome::HistoryLost);
-    assert!(!hub.needs_logged("room:a", Some(live)), "its own epoch");
+    assert!(
+        !hub.needs_logged(sid(1), "room:a", Some(live)),
+        "its own epoch"
+    );
     let got = drain(&mut hub);
     let kinds: Vec<_> = got
         .iter()
@@ -441,7 +444,7 @@ fn a_leave_taken_while_a_join_reads_the_log_follows_the_join() {
         epoch: 99,
         offset: 2,
     };
-    assert!(hub.needs_logged("room:a", Some(since)));
+    assert!(hub.needs_logged(sid(1), "room:a", Some(since)));
     hub.deferred_join_started(sid(1), "room:a");
     assert_eq!(hub.leave(now, sid(1), "room:a"), Ok(true), "taken");
     assert_eq!(hub.members("room:a"), 0, "not carried out before the join");
@@ -787,6 +790,50 @@ fn a_departed_member_of_a_kind_with_backlog_recovers_from_its_acknowledged_posit
         .unwrap();
     assert_eq!(o, JoinOutcome::Joined, "expired with the history TTL");
     hub.check_invariants().unwrap();
+}
+
+/// Regression (2026-12-05, an audit of PROTOCOL.md §12 against the code): the backlog
+/// memory went only with a join *without* `since`, so after a join with `since`, a LEAVE
+/// and a later join without it, the edge sent again what followed the old departure: the
+/// SDKs, which forget a channel's position at LEFT, showed those publications twice. The
+/// memory is used once, by the next join taken (§12.4).
+#[test]
+fn the_backlog_memory_goes_with_any_join_taken() {
+    let now = Instant::now();
+    let mut hub = ChannelHub::new(small_config(), 8);
+    let epoch = guild_member_departed(&mut hub, now, now, 1);
+    // The next session joins with its own position (offset 3): that position wins.
+    let since = ChannelPosition { epoch, offset: 3 };
+    let (_, o) = hub
+        .join(now, sid(9), &player(1), "guild:g", Some(since))
+        .unwrap();
+    assert_eq!(o, JoinOutcome::Recovered { publications: 0 });
+    drain(&mut hub);
+    assert_eq!(hub.leave(now, sid(9), "guild:g"), Ok(true));
+    drain(&mut hub);
+    let (_, o) = hub.join(now, sid(9), &player(1), "guild:g", None).unwrap();
+    assert_eq!(o, JoinOutcome::Joined, "not offsets 2 and 3 again");
+    hub.check_invariants().unwrap();
+}
+
+/// Regression (same audit): a JOIN from a session already a member ignores its `since`
+/// (§12.3), but with an announcement log and a `since` of another epoch the edge read the
+/// log first (which could answer `unavailable` or take 2 s) for a join that changes nothing.
+#[test]
+fn a_member_s_join_never_reads_the_log() {
+    let now = Instant::now();
+    let mut hub = ChannelHub::new(small_config(), 6);
+    hub.set_announcement_log(true);
+    hub.join(now, sid(1), &player(1), "room:a", None).unwrap();
+    let other_epoch = ChannelPosition {
+        epoch: hub.position("room:a").unwrap().epoch + 1,
+        offset: 2,
+    };
+    assert!(hub.needs_logged(sid(2), "room:a", Some(other_epoch)));
+    assert!(
+        !hub.needs_logged(sid(1), "room:a", Some(other_epoch)),
+        "already a member"
+    );
 }
 
 /// A returning member's join refused `queue_full` keeps its backlog position: the retry

@@ -278,7 +278,7 @@ impl Shared {
                 };
                 if let Some(since) = since {
                     let mut hub = self.hub();
-                    if hub.needs_logged(&channel, Some(since)) {
+                    if hub.needs_logged(sid, &channel, Some(since)) {
                         // Answered once the log was read.
                         let answer = Some((request_id, later()));
                         self.join_from_log(&mut hub, sid, channel, since, answer);
@@ -542,7 +542,7 @@ impl Shared {
         {
             let mut hub = self.hub();
             for (name, position) in channels {
-                if hub.needs_logged(&name, Some(position)) {
+                if hub.needs_logged(session_id, &name, Some(position)) {
                     // Another epoch's position: what the log holds after it comes first.
                     self.join_from_log(&mut hub, session_id, name, position, None);
                     continue;
