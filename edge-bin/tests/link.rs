@@ -2437,3 +2437,55 @@ async fn a_held_line_is_withdrawn_when_its_session_moves_to_another_edge() {
     assert_eq!(x_service.seen(), ["slow"]);
     expect_metric(&edge_a, "waygate_forwards_withdrawn_total 2").await;
 }
+
+/// A backend that refuses every message `stale_epoch` with the epoch it knows, which is not
+/// newer than the edge's; counts the messages it saw.
+#[derive(Default)]
+struct StaleRefuser(std::sync::atomic::AtomicUsize);
+
+#[async_trait]
+impl Service for StaleRefuser {
+    async fn message(&self, _session: &BackendSession, _msg: Incoming) -> Result<(), Refusal> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Err(Refusal {
+            code: CloseCode::StaleEpoch,
+            retry_after_ms: 0,
+        })
+    }
+}
+
+/// Regression (2026-12-05, an audit of PROTOCOL.md §9 against the code): a `stale_epoch`
+/// REFUSE whose epoch is not newer than the one the message was forwarded with was routed
+/// again, to the same instance, which refused it again: the message went back and forth
+/// without end and its client was never answered. Such a refusal is no reason to route
+/// again: it reaches the client as ERROR 406 (§9.5).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_refused_stale_again_after_its_reroute_is_answered() {
+    let service = Arc::new(StaleRefuser::default());
+    let (edge, _backend, _dir) = common::edge_over(service.clone(), |_| {}).await;
+    let mut client = waygate_client::Client::start(waygate_client::ClientOptions::new(
+        vec![waygate_transport::endpoint::Endpoint::new(
+            waygate_transport::TransportKind::Tcp,
+            edge.addrs[&waygate_transport::TransportKind::Tcp],
+        )],
+        common::token("stale"),
+    ));
+    client
+        .send(TrafficClass::Normal, 1000, Bytes::from_static(b"x"))
+        .await
+        .unwrap();
+    let ev = common::wait_for(&mut client, Duration::from_secs(5), |e| {
+        matches!(e, waygate_client::Event::Error(_))
+    })
+    .await;
+    match ev {
+        waygate_client::Event::Error(e) => assert_eq!(e.code, CloseCode::StaleEpoch),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        service.0.load(std::sync::atomic::Ordering::Relaxed),
+        1,
+        "forwarded once, not routed again"
+    );
+    expect_metric(&edge, "waygate_stale_epoch_reroutes_total 0").await;
+}

@@ -324,6 +324,9 @@ pub struct InFlight {
     pub class: TrafficClass,
     /// Body.
     pub payload: Bytes,
+    /// The route epoch its FORWARD carried: a `stale_epoch` REFUSE whose epoch is not newer
+    /// is no reason to route it again (PROTOCOL.md §9.5).
+    pub epoch: u64,
 }
 
 /// A forward in the link's in-flight queue.
@@ -549,6 +552,7 @@ impl LinkClient {
                     client_seq,
                     class,
                     payload,
+                    epoch,
                 },
                 answered: false,
                 answer: Vec::new(),

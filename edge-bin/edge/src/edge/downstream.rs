@@ -370,6 +370,19 @@ pub(super) async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver
         let Some(sid) = shared.session_of_handle(refusal.handle) else {
             continue;
         };
+        // A backend that is not ahead of the epoch the message was forwarded with: routing
+        // it again would reach the same instance, which would refuse it again without end
+        // (a backend's bug). Its client gets the refusal (ERROR 406), as when the re-route
+        // is impossible.
+        if refusal.epoch <= m.epoch {
+            tracing::warn!(
+                backend_epoch = refusal.epoch,
+                forwarded_epoch = m.epoch,
+                "stale_epoch refusal from a backend not ahead of the forward: passed to the client"
+            );
+            shared.answer_refusal(&refusal);
+            continue;
+        }
         if let Some(result) = reroute(&shared, sid, refusal.epoch).await {
             shared.metrics.stale_epoch_reroutes.inc();
             let InFlight {
