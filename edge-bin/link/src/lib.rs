@@ -155,7 +155,14 @@ pub enum LinkEnd {
     Dead,
     /// The peer sent an invalid frame.
     Invalid,
+    /// The peer stopped reading: an answer given at once ([`FrameHandled::Reply`]) found no
+    /// room in the write queue for [`REPLY_WAIT`] (the link is reset, PROTOCOL.md §9.3).
+    NotReading,
 }
+
+/// How long the reader waits for room in the write queue for an answer it gives at once
+/// before it gives up on a peer that does not read (PROTOCOL.md §9.3).
+pub const REPLY_WAIT: Duration = Duration::from_secs(5);
 
 /// Starts the reader and writer tasks over `stream`.
 pub fn spawn_link_io<S>(
@@ -320,8 +327,13 @@ async fn read_loop<R: AsyncRead + Unpin>(
                             };
                             for answer in answers {
                                 tokio::select! {
-                                    sent = out.send(answer) => if sent.is_err() {
-                                        return LinkEnd::Closed(CloseCode::Normal);
+                                    sent = tokio::time::timeout(REPLY_WAIT, out.send(answer)) => match sent {
+                                        Ok(Ok(())) => {}
+                                        Ok(Err(_)) => return LinkEnd::Closed(CloseCode::Normal),
+                                        Err(_) => {
+                                            tracing::warn!("the peer has not read its link for 5 s: link reset");
+                                            return LinkEnd::NotReading;
+                                        }
                                     },
                                     _ = alive.changed() => return LinkEnd::Closed(CloseCode::Normal),
                                 }
@@ -415,6 +427,51 @@ mod tests {
             ]
         );
         drop(hooked.tx);
+    }
+
+    /// Regression (2026-12-05, an audit of PROTOCOL.md §9.3 against the code): an answer the
+    /// reader gives at once (the edge's CREDIT, CHANNEL_RESULT, PIN_RESULT...) waited
+    /// without a bound for room in the write queue, so a peer that kept sending but stopped
+    /// reading stalled the reader, and the link, for ever (the document says: reset after
+    /// 5 s). Now the reader gives up after [`REPLY_WAIT`]: the link ends (`NotReading`).
+    #[tokio::test]
+    async fn a_peer_that_stops_reading_ends_the_link_after_the_reply_wait() {
+        use tokio::io::AsyncWriteExt as _;
+        let (a, mut b) = tokio::io::duplex(16 * 1024);
+        let hook: OnFrame = Arc::new(|_| {
+            FrameHandled::Reply(vec![LinkFrame::Push {
+                handle: 1,
+                msg_id: 7,
+                class: waygate_protocol::wire::TrafficClass::Normal,
+                payload: bytes::Bytes::from(vec![0u8; 4 * 1024]),
+            }])
+        });
+        let mut hooked = spawn_link_io(
+            a,
+            DEFAULT_TEST_FRAME,
+            Duration::from_secs(60),
+            LinkIoOptions {
+                on_frame: Some(hook),
+                ..LinkIoOptions::default()
+            },
+        );
+        // The peer asks and asks, and never reads an answer.
+        let writer = tokio::spawn(async move {
+            let codec = LinkCodec::new(DEFAULT_TEST_FRAME);
+            let mut out = BytesMut::new();
+            for credits in 0..100_000u32 {
+                out.clear();
+                codec
+                    .encode(&LinkFrame::Credit { credits }, &mut out)
+                    .unwrap();
+                if b.write_all(&out).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let ended = tokio::time::timeout(Duration::from_secs(30), hooked.rx.recv()).await;
+        assert_eq!(ended, Ok(None), "the link ended within the reply wait");
+        writer.abort();
     }
 
     /// Regression (2026-12-04, second stop): a write to a peer that stopped reading held the
