@@ -62,6 +62,19 @@ pub enum TransportError {
 }
 
 impl TransportError {
+    /// The peer's transport-level close (a QUIC application close, a KCP RESET) with
+    /// `code`, as a connection's reader reports it. `logout` ends a session only in a CLOSE
+    /// frame (PROTOCOL.md §3.8, §7.5): a transport close carrying it reads as `going_away`,
+    /// so an off-path RESET(2) forged against a plain KCP session, or a QUIC close racing
+    /// ahead of its CLOSE frame, never logs a player out.
+    pub fn transport_close(code: CloseCode) -> Self {
+        let code = match code {
+            CloseCode::Logout => CloseCode::GoingAway,
+            other => other,
+        };
+        Self::ClosedByPeer { code }
+    }
+
     /// The code to close the connection with after this error.
     pub fn close_code(&self) -> CloseCode {
         match self {

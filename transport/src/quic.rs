@@ -165,11 +165,9 @@ fn quic_err(e: impl std::fmt::Display) -> TransportError {
 
 fn conn_err(e: quinn::ConnectionError) -> TransportError {
     match e {
-        quinn::ConnectionError::ApplicationClosed(close) => TransportError::ClosedByPeer {
-            code: CloseCode::from_u16(
-                u16::try_from(close.error_code.into_inner()).unwrap_or(u16::MAX),
-            ),
-        },
+        quinn::ConnectionError::ApplicationClosed(close) => TransportError::transport_close(
+            CloseCode::from_u16(u16::try_from(close.error_code.into_inner()).unwrap_or(u16::MAX)),
+        ),
         quinn::ConnectionError::TimedOut => TransportError::IdleTimeout(Duration::ZERO),
         quinn::ConnectionError::LocallyClosed => TransportError::Closed,
         other => quic_err(other),

@@ -550,3 +550,37 @@ async fn kcp_connect_from_a_chosen_loopback_address() {
         .unwrap();
     assert_eq!(got, data(1, 32));
 }
+
+/// Review (2026-12-05, PROTOCOL.md §3.8/§7.5 against the code): a RESET with code 2
+/// `logout` reached the session as the client's logout, so anyone who could send a datagram
+/// from the client's address with its conv (a plain session's RESET carries no proof) ended
+/// the player's session for good instead of dropping the link. Only a CLOSE frame logs
+/// out: a transport close with code 2 reads as `going_away`.
+#[tokio::test]
+async fn a_reset_with_the_logout_code_reads_as_going_away() {
+    let mut l = listener(KcpConfig::fast()).await;
+    let addr = l.local_addr();
+    let (mut raw, accepted) = tokio::join!(RawClient::connect(addr), l.accept());
+    let mut server = accepted.expect("accept");
+    raw.send(&data(1, 10)).await;
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(5), server.recv())
+            .await
+            .expect("frame in time")
+            .expect("frame"),
+        data(1, 10)
+    );
+    let reset = Control::Reset {
+        conv: raw.kcp.conv(),
+        code: CloseCode::Logout,
+    }
+    .encode();
+    raw.socket.send(&reset).await.expect("reset");
+    let end = tokio::time::timeout(Duration::from_secs(5), server.recv())
+        .await
+        .expect("the session ends in time");
+    match end {
+        Err(TransportError::ClosedByPeer { code }) => assert_eq!(code, CloseCode::GoingAway),
+        other => panic!("{other:?}"),
+    }
+}

@@ -9,7 +9,7 @@ use crate::error::FrameError;
 use crate::reader::Reader;
 use crate::resume_proof::{ResumeProof, RESUME_PROOF_LEN};
 use crate::varint::{put_varint, varint_len};
-use crate::wire::{CloseCode, FrameType, TrafficClass, ID_LEN};
+use crate::wire::{CloseCode, FrameType, TrafficClass, ID_LEN, PROTOCOL_VERSION};
 
 /// Longest human-readable message in REJECT and CLOSE.
 pub const MAX_REASON_LEN: usize = 1024;
@@ -408,6 +408,17 @@ impl Frame {
         Ok(match frame_type {
             FrameType::Hello => {
                 let version = r.u8("version")?;
+                if version != PROTOCOL_VERSION {
+                    // Only the type and version bytes are stable across versions (PROTOCOL.md
+                    // §1.1): a HELLO of another version is not read further, so its sender
+                    // gets REJECT `unsupported_version`, never a `protocol_error` for a
+                    // layout this version does not know.
+                    return Ok(Frame::Hello(Hello {
+                        version,
+                        token: Bytes::new(),
+                        resume: None,
+                    }));
+                }
                 let flags = r.u8("flags")?;
                 if flags & !1 != 0 {
                     return Err(malformed("flags", "reserved HELLO flag set"));
@@ -542,7 +553,7 @@ pub(crate) mod tests {
         let payload = proptest::collection::vec(any::<u8>(), 0..300).prop_map(Bytes::from);
         prop_oneof![
             (
-                any::<u8>(),
+                Just(PROTOCOL_VERSION),
                 proptest::collection::vec(any::<u8>(), 0..64),
                 proptest::option::of((
                     any::<[u8; 16]>(),
@@ -689,6 +700,22 @@ pub(crate) mod tests {
             Err(FrameError::UnknownType(0x7f))
         );
         assert_eq!(Frame::decode(Bytes::new()), Err(FrameError::Empty));
+    }
+
+    /// Review (2026-12-05, PROTOCOL.md §1.1 against the code): a HELLO of a newer version
+    /// was read with this version's rules, so one using a flag this version reserves got
+    /// `protocol_error` instead of the promised REJECT `unsupported_version`.
+    #[test]
+    fn a_hello_of_another_version_is_read_no_further_than_its_version() {
+        let newer = Bytes::from_static(&[FrameType::Hello as u8, 2, 0xFF, 0xFF, 0xFF]);
+        assert_eq!(
+            Frame::decode(newer),
+            Ok(Frame::Hello(Hello {
+                version: 2,
+                token: Bytes::new(),
+                resume: None,
+            }))
+        );
     }
 
     #[test]

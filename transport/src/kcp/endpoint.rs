@@ -95,7 +95,7 @@ impl CloseReason {
     pub fn to_error(self) -> TransportError {
         match self {
             Self::Local | Self::Shutdown => TransportError::Closed,
-            Self::Reset(code) => TransportError::ClosedByPeer { code },
+            Self::Reset(code) => TransportError::transport_close(code),
             Self::IdleTimeout(d) => TransportError::IdleTimeout(d),
             Self::FrameTooLarge { len, max } => waygate_protocol::FrameError::TooLarge {
                 len: len as u64,
