@@ -1020,6 +1020,13 @@ impl SessionMachine {
         }
         self.last_rx = Some(now);
         if let Frame::Ping { timestamp } = frame {
+            // After WELCOME a PING, like any frame, proves the client holds the new resume
+            // token (PROTOCOL.md §7.3.3): the previous one is spent.
+            if self.state == State::Active {
+                if let Some(core) = self.core.as_mut() {
+                    core.prev_resume_hash = None;
+                }
+            }
             self.actions
                 .push_back(Action::Send(Frame::Pong { timestamp }));
             return Ok(());

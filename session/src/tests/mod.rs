@@ -1868,6 +1868,37 @@ fn lost_welcome_keeps_the_presented_token_valid_until_confirmed() {
     assert_eq!(p.server(c).core().expect("core").id(), &sid);
 }
 
+/// Review (2026-12-05, PROTOCOL.md §7.3.3 against the code): any frame after WELCOME
+/// spends the previous resume token, but a PING was answered before that rule ran, so a
+/// client whose only frame after a resume was a PING left its old token usable.
+#[test]
+fn a_ping_after_welcome_spends_the_previous_resume_token() {
+    use crate::machine::ResumeAttempt;
+    use crate::store::TakeOutcome;
+    let mut p = Pair::new(SessionConfig::default());
+    let c = login(&mut p, "alice");
+    let (sid, old_token) = p.peers[c].client.session().expect("session");
+    p.cut(c);
+    p.connect(c);
+    // Only the HELLO reaches the edge: the machine restores the session and sends WELCOME
+    // with a new token; the client has sent nothing since.
+    p.step(c, 1);
+    let m = p.peers[c].conn.expect("conn");
+    assert_eq!(p.edge.machines[m].state(), State::Active);
+    let now = p.now;
+    p.edge.machines[m]
+        .handle_frame(now, Frame::Ping { timestamp: 1 })
+        .expect("ping");
+    let replayed = ResumeAttempt::proving(&old_token, &sid, 1_000);
+    let outcome = p.edge.machines[m]
+        .hand_over(now, &replayed)
+        .expect("hand over");
+    assert!(
+        matches!(outcome, TakeOutcome::Mismatch),
+        "the old token is spent: {outcome:?}"
+    );
+}
+
 /// Drives one machine by hand up to its ownership claim (the store will fail it).
 fn machine_at_claim(p: &mut Pair, resume: Option<ResumeRequest>) -> usize {
     let m = p.edge.new_machine(p.now);
