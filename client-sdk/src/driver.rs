@@ -1060,15 +1060,20 @@ impl Driver {
         match frame {
             Ok(frame) => match self.session.handle_frame(Instant::now().into_std(), frame) {
                 Ok(()) => {}
-                // A server seq of 0 or beyond the window: the edge broke §7.4.1, and the
-                // DATA cannot be taken; the rule is CLOSE `protocol_error` and a resume,
-                // after which the edge replays from what this client acknowledged.
-                Err(e @ ClientError::SeqOutOfWindow(_)) => {
+                // A server seq of 0 or beyond the window, or an ack of a seq never sent:
+                // the edge broke §7.4, and the frame cannot be taken; the rule is CLOSE
+                // `protocol_error` and a resume, after which the edge replays from what
+                // this client acknowledged.
+                Err(e @ (ClientError::SeqOutOfWindow(_) | ClientError::AckBeyondSent(_))) => {
                     tracing::warn!(error = %e, "the edge broke the protocol: link closed");
+                    let why = if matches!(e, ClientError::AckBeyondSent(_)) {
+                        "ack beyond the highest seq sent"
+                    } else {
+                        "server seq out of window"
+                    };
                     if let Some(mut c) = self.conn.take() {
                         tokio::spawn(async move {
-                            c.close(CloseCode::ProtocolError, "server seq out of window")
-                                .await;
+                            c.close(CloseCode::ProtocolError, why).await;
                         });
                     }
                     self.link_down(CloseCode::ProtocolError);

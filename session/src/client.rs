@@ -155,6 +155,10 @@ pub enum ClientError {
     /// A downstream seq of 0 or too far ahead.
     #[error("server seq {0} out of window")]
     SeqOutOfWindow(u64),
+    /// The server acknowledged a seq this client never sent (PROTOCOL.md §7.4.2): a
+    /// protocol error, answered like [`ClientError::SeqOutOfWindow`].
+    #[error("ack {0} beyond the highest seq sent")]
+    AckBeyondSent(u64),
     /// The unacked upstream buffer is full.
     #[error("upstream send buffer full ({0} unacked messages)")]
     SendBufferFull(usize),
@@ -642,6 +646,15 @@ impl ClientSession {
         }
     }
 
+    /// An ack from DATA or ACK: refused beyond the highest seq this client assigned.
+    fn checked_ack(&mut self, ack: u64) -> Result<(), ClientError> {
+        if ack >= self.next_up_seq {
+            return Err(ClientError::AckBeyondSent(ack));
+        }
+        self.on_ack(ack);
+        Ok(())
+    }
+
     fn on_ack(&mut self, ack: u64) {
         while self.unacked.front().is_some_and(|u| u.seq <= ack) {
             self.unacked.pop_front();
@@ -841,7 +854,7 @@ impl ClientSession {
             }
             (ClientState::Active, Frame::Data(d)) => {
                 if let Some(ack) = d.ack {
-                    self.on_ack(ack);
+                    self.checked_ack(ack)?;
                 }
                 if d.class.is_sequenced() {
                     match self.down.receive(d.seq) {
@@ -867,10 +880,7 @@ impl ClientSession {
                 });
                 Ok(())
             }
-            (ClientState::Active, Frame::Ack { ack }) => {
-                self.on_ack(ack);
-                Ok(())
-            }
+            (ClientState::Active, Frame::Ack { ack }) => self.checked_ack(ack),
             (ClientState::Active | ClientState::Handshaking, Frame::Ping { timestamp }) => {
                 self.push(now, Frame::Pong { timestamp });
                 Ok(())

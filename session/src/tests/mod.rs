@@ -1899,6 +1899,27 @@ fn a_ping_after_welcome_spends_the_previous_resume_token() {
     );
 }
 
+/// Review (2026-12-05, PROTOCOL.md §7.4.2 against the code): the Rust client core took an
+/// ack of a seq it never sent (the JS SDK refused it): it is a protocol error.
+#[test]
+fn an_ack_beyond_what_the_client_sent_is_refused() {
+    use crate::client::{ClientConfig, ClientError, ClientSession};
+    let t0 = std::time::Instant::now();
+    let mut client = ClientSession::new(token_for("alice"), ClientConfig::default());
+    client.connect(t0).expect("connect");
+    client
+        .handle_frame(t0, welcome_frame(1, WelcomeOutcome::NewSession))
+        .expect("welcome");
+    client
+        .send(t0, TrafficClass::Normal, 7, Bytes::from_static(b"x"))
+        .expect("send");
+    assert_eq!(client.handle_frame(t0, Frame::Ack { ack: 1 }), Ok(()));
+    assert_eq!(
+        client.handle_frame(t0, Frame::Ack { ack: 2 }),
+        Err(ClientError::AckBeyondSent(2))
+    );
+}
+
 /// Drives one machine by hand up to its ownership claim (the store will fail it).
 fn machine_at_claim(p: &mut Pair, resume: Option<ResumeRequest>) -> usize {
     let m = p.edge.new_machine(p.now);
