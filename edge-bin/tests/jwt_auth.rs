@@ -173,3 +173,35 @@ async fn an_edge_verifies_jwts_from_a_jwks_file_and_follows_its_rotation() {
         "retired key: {f:?}"
     );
 }
+
+/// Regression (2026-12-05, an audit of examples/edge.toml against the code): with no
+/// `auth.jwt.audiences` configured the document says a token must carry no audience, but
+/// the edge skipped the audience check, so a JWT minted for another service (naming it in
+/// `aud`) logged a player in. Now it is refused `auth_rejected`; one without `aud` passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_configured_audiences_a_token_naming_one_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let ed = ed_key();
+    let jwks_path = dir.path().join("jwks.json");
+    std::fs::write(&jwks_path, jwks(&[("ed1", &ed)], false)).unwrap();
+    let (edge, _backend, _routes) = common::demo_edge(|config| {
+        config.auth.kind = AuthKind::Jwt;
+        config.auth.jwt.jwks_file = Some(jwks_path.clone());
+        config.auth.issuers = vec!["login.example".into()];
+    })
+    .await;
+    let tcp = edge.addrs[&TransportKind::Tcp];
+    let later = now() + 600;
+    let f = common::raw_hello(
+        tcp,
+        ed_token("ed1", &ed, &claims("aud-p", "another-service", later)),
+    )
+    .await;
+    assert_eq!(reject_code(&f), Some(CloseCode::AuthRejected), "{f:?}");
+    let mut no_aud = claims("aud-q", "", later);
+    if let Some(m) = no_aud.as_object_mut() {
+        m.remove("aud");
+    }
+    let f = common::raw_hello(tcp, ed_token("ed1", &ed, &no_aud)).await;
+    assert!(matches!(f, Frame::Welcome(_)), "{f:?}");
+}

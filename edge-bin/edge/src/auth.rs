@@ -200,9 +200,9 @@ impl Authenticator for JwtAuthenticator {
         } else {
             validation.set_issuer(&self.settings.issuers);
         }
-        if self.settings.audiences.is_empty() {
-            validation.validate_aud = false;
-        } else {
+        // No audiences configured: a token must carry none (one minted for another
+        // service names it; the JWT library refuses an `aud` when none is expected).
+        if !self.settings.audiences.is_empty() {
             validation.set_audience(&self.settings.audiences);
         }
         let data = jsonwebtoken::decode::<serde_json::Map<String, serde_json::Value>>(
