@@ -77,7 +77,9 @@ pub enum ClientState {
     Handshaking,
     /// WELCOME received.
     Active,
-    /// The server ended the session for good (kicked, expired); do not reconnect.
+    /// The session ended for good (kicked, expired, banned, a backend's KICK: any CLOSE
+    /// after WELCOME whose code does not keep the session, PROTOCOL.md §7.8; or a terminal
+    /// refusal); do not reconnect.
     Closed,
 }
 
@@ -102,14 +104,17 @@ pub enum ClientEvent {
         /// Body.
         payload: Bytes,
     },
-    /// The server refused the HELLO.
+    /// The server refused the HELLO, or the connection before it (KCP BUSY:
+    /// [`ClientSession::handle_refused`]).
     Rejected {
         /// Why.
         code: CloseCode,
         /// Retry hint in milliseconds.
         retry_after_ms: u32,
         /// Nothing can log in or resume any more (a refused token with no session to
-        /// resume, an unsupported version): stop. Otherwise connect again after the hint.
+        /// resume, a ban (`auth_rejected`) even with one, an unsupported version; a BUSY
+        /// auth refusal from every endpoint with no session): stop. Otherwise connect again
+        /// after the hint.
         terminal: bool,
     },
     /// The link dropped (the session may still be resumed unless the code says otherwise).
@@ -685,9 +690,10 @@ impl ClientSession {
     /// code, so an auth refusal (a sealed CONNECT's token refused, a plain CONNECT to a
     /// listener that requires sealing) ends the client as it would after HELLO instead of
     /// being retried for ever. With a session it never ends it: a sealed listener checks
-    /// the token before the resume could be, so the client keeps trying (dropping an
-    /// expired token as after REJECT) until `set_token` gives a fresh one or its give-up
-    /// time runs out. Ignored while a link is up.
+    /// the token before the resume could be, so the client keeps trying (dropping a token
+    /// refused with any auth code but 205, unless a fresh one was set since the attempt took
+    /// it) until a fresh token — for sealed KCP with its key, the SDK's `set_credentials` —
+    /// is set or its give-up time runs out. Ignored while a link is up.
     pub fn handle_refused(
         &mut self,
         _now: Instant,

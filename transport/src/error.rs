@@ -21,7 +21,9 @@ pub enum TransportError {
     /// The peer closed the connection, with its code when it sent one.
     #[error("connection closed by peer: {code}")]
     ClosedByPeer {
-        /// The code the peer sent, or `Normal` for a clean EOF without one.
+        /// The code the peer sent, or `Normal` for a clean EOF without one (a QUIC
+        /// application close or KCP RESET carrying `logout` reads as `going_away`:
+        /// [`TransportError::transport_close`]).
         code: CloseCode,
     },
     /// The connection was closed locally earlier.
@@ -36,11 +38,12 @@ pub enum TransportError {
     /// The handshake failed (TLS alert, bad upgrade request, refused cookie...).
     #[error("handshake failed: {0}")]
     Handshake(String),
-    /// The server refused the connection for now (KCP BUSY): over a cap or rate, or
-    /// draining. Retry after the hint.
+    /// The server refused the connection (KCP BUSY): over a cap or rate, or draining —
+    /// retry after the hint — or a 2xx auth code (a sealed CONNECT's token refused), which
+    /// ends a client without a session when every endpoint refused (PROTOCOL.md §8.3.1).
     #[error("refused by server: {code}, retry after {retry_after_ms} ms")]
     Refused {
-        /// Why (usually `Overloaded`).
+        /// Why (`Overloaded`, or an auth code).
         code: CloseCode,
         /// The server's retry-after hint in ms (0 = none).
         retry_after_ms: u32,

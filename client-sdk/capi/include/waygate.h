@@ -91,7 +91,8 @@ typedef enum waygate_result {
    */
   WAYGATE_INVALID_STATE = 3,
   /**
-   * The client has ended (closed locally, kicked, expired, token refused): no more
+   * The client has ended (closed locally, kicked, banned, expired, token refused, a
+   * backend's KICK): no more
    * events will come and nothing can be sent.
    */
   WAYGATE_CLOSED = 4,
@@ -160,13 +161,16 @@ typedef enum waygate_event_kind {
    */
   WAYGATE_EVENT_ERROR = 9,
   /**
-   * Terminal: another login of the same player took over. `code`, `text`. No
-   * reconnect follows; the next poll returns `WAYGATE_CLOSED`.
+   * Terminal: another login of the same player took over, an operator kicked it, or a
+   * backend's KICK whose own code would keep the session (PROTOCOL.md §7.8). `code`,
+   * `text`. No reconnect follows; the next poll returns `WAYGATE_CLOSED`.
    */
   WAYGATE_EVENT_KICKED = 10,
   /**
-   * Terminal: closed locally, session expired, or the token was refused. `code`,
-   * `text`. No reconnect follows; the next poll returns `WAYGATE_CLOSED`.
+   * Terminal: closed locally, session expired, the token was refused, or the server
+   * ended the session with another code (a ban, a backend's KICK with its own code:
+   * PROTOCOL.md §7.8). `code`, `text`. No reconnect follows; the next poll returns
+   * `WAYGATE_CLOSED`.
    */
   WAYGATE_EVENT_CLOSED = 11,
   /**

@@ -33,11 +33,14 @@ pub enum waygate_event_kind {
     /// One sent message was not delivered (busy, unavailable, no route...). `code`,
     /// `text`, `msg_id`, `seq` (the client seq of that message), `retry_after_ms`.
     WAYGATE_EVENT_ERROR = 9,
-    /// Terminal: another login of the same player took over. `code`, `text`. No
-    /// reconnect follows; the next poll returns `WAYGATE_CLOSED`.
-    WAYGATE_EVENT_KICKED = 10,
-    /// Terminal: closed locally, session expired, or the token was refused. `code`,
+    /// Terminal: another login of the same player took over, an operator kicked it, or a
+    /// backend's KICK whose own code would keep the session (PROTOCOL.md §7.8). `code`,
     /// `text`. No reconnect follows; the next poll returns `WAYGATE_CLOSED`.
+    WAYGATE_EVENT_KICKED = 10,
+    /// Terminal: closed locally, session expired, the token was refused, or the server
+    /// ended the session with another code (a ban, a backend's KICK with its own code:
+    /// PROTOCOL.md §7.8). `code`, `text`. No reconnect follows; the next poll returns
+    /// `WAYGATE_CLOSED`.
     WAYGATE_EVENT_CLOSED = 11,
     /// A channel publication (PROTOCOL.md §12). `text`: the channel; `channel_epoch`,
     /// `channel_offset` (0 for best-effort); `payload`, `payload_len`: its body. In offset

@@ -15,7 +15,8 @@ pub enum waygate_result {
     WAYGATE_INVALID_ARGUMENT = 2,
     /// Not valid now: sending or polling before `waygate_client_connect`, connecting twice.
     WAYGATE_INVALID_STATE = 3,
-    /// The client has ended (closed locally, kicked, expired, token refused): no more
+    /// The client has ended (closed locally, kicked, banned, expired, token refused, a
+    /// backend's KICK): no more
     /// events will come and nothing can be sent.
     WAYGATE_CLOSED = 4,
     /// The buffer of sent-but-unacked messages is full: keep polling (acks free it) and

@@ -1,7 +1,9 @@
 //! The I/O shell of one backend link, shared by both ends: a reader task and a writer task
 //! over a byte stream, moving [`LinkFrame`]s through bounded channels. It answers LINK_PING
 //! itself, sends LINK_PING when it has written nothing for the heartbeat interval, and ends
-//! the link after three intervals without receiving anything. Nothing else is decided here.
+//! the link after three intervals without receiving anything, or when an answer it gives at
+//! once finds no room in the write queue for [`REPLY_WAIT`] (5 s). Nothing else is decided
+//! here.
 //!
 //! # waygate-link
 //!
@@ -97,8 +99,9 @@ pub type OnCredit = std::sync::Arc<dyn Fn(u32) + Send + Sync>;
 pub enum FrameHandled {
     /// Carried out; nothing more to do.
     Taken,
-    /// Carried out; write these frames back to the peer, in order (the reader waits for
-    /// room in the write queue, so none is lost).
+    /// Carried out; write these frames back to the peer, in order (the reader waits at
+    /// most [`REPLY_WAIT`] for room in the write queue, then ends the link:
+    /// [`LinkEnd::NotReading`]).
     Reply(Vec<LinkFrame>),
     /// Not handled here: queue it for the owner (`LinkIo::rx`), in order.
     Queue(LinkFrame),

@@ -1188,9 +1188,9 @@ struct Row {
     vs_direct: Option<Compare>,
     /// The same against HAProxy.
     vs_haproxy: Option<Compare>,
-    /// edge-redis: the same against the edge without Redis.
+    /// edge-redis, edge-redis-cluster: the same against the edge without Redis.
     vs_edge: Option<Compare>,
-    /// edge-redis: the medians of its window counters per echo round trip (per session set
+    /// edge-redis, edge-redis-cluster: the medians of its window counters per echo round trip (per session set
     /// up in a setup run): snapshot writes, group commits, Redis commands and bytes.
     redis_per_echo: Option<BTreeMap<String, f64>>,
 }

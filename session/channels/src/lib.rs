@@ -69,7 +69,8 @@ pub struct KindPolicy {
     pub queue_best_effort: usize,
     /// Offline members get a backlog: when a member's session ends, the edge remembers the
     /// last position its client acknowledged, and a later join of the same player without
-    /// a position recovers from there (PROTOCOL.md §12.4).
+    /// a position recovers from there; the memory is used once, by the next join taken
+    /// (PROTOCOL.md §12.4).
     pub backlog: bool,
 }
 

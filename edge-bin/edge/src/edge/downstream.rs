@@ -353,7 +353,8 @@ fn handle_now(shared: &Arc<Shared>, event: LinkEvent) -> Option<LinkEvent> {
 }
 
 /// The async part of link events: a stale-epoch refusal refreshes the table if the backend
-/// is ahead and routes the held message again. Everything else was handled on the link's
+/// is ahead and routes the held message again — only when the backend's epoch is above the
+/// one its FORWARD carried; otherwise its client gets ERROR 406. Everything else was handled on the link's
 /// task ([`EdgeLinkSink`]); an event arriving here anyway is handled the same way.
 pub(super) async fn link_event_loop(shared: Weak<Shared>, mut rx: mpsc::Receiver<LinkEvent>) {
     while let Some(event) = rx.recv().await {
