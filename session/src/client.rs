@@ -707,20 +707,8 @@ impl ClientSession {
         ) {
             return;
         }
-        if self.session.is_none() && conclusive {
-            self.rejected(code, retry_after_ms);
-            return;
-        }
-        if self.session.is_some() && Self::token_refusal_resumable(code) {
-            self.drop_refused_token();
-        }
-        self.state = ClientState::Disconnected;
-        self.transmit.clear();
-        self.events.push_back(ClientEvent::Rejected {
-            code,
-            retry_after_ms,
-            terminal: false,
-        });
+        let may_end = self.session.is_none() && conclusive;
+        self.rejected(code, retry_after_ms, may_end);
     }
 
     /// Whether a refusal with `code` is of the token alone, which a resume without it may
@@ -731,7 +719,9 @@ impl ClientSession {
 
     /// A REJECT (or a refusal before HELLO) with `code`: terminal for auth and version
     /// refusals, except a refused token while the session can still be resumed.
-    fn rejected(&mut self, code: CloseCode, retry_after_ms: u32) {
+    /// `may_end`: the refusal may end the client (a REJECT; a refusal before HELLO only
+    /// as [`handle_refused`](Self::handle_refused) says).
+    fn rejected(&mut self, code: CloseCode, retry_after_ms: u32, may_end: bool) {
         if code == CloseCode::ResumeRejected {
             self.session = None;
         }
@@ -745,8 +735,9 @@ impl ClientSession {
         }
         // Every 2xx is an auth refusal, a code this build does not know included
         // (PROTOCOL.md §1.1: unknown codes are treated like their class).
-        let terminal =
-            !resumable && (code.to_u16() / 100 == 2 || code == CloseCode::UnsupportedVersion);
+        let terminal = may_end
+            && !resumable
+            && (code.to_u16() / 100 == 2 || code == CloseCode::UnsupportedVersion);
         self.state = ClientState::Disconnected;
         self.transmit.clear();
         self.events.push_back(ClientEvent::Rejected {
@@ -855,7 +846,7 @@ impl ClientSession {
                 Ok(())
             }
             (ClientState::Handshaking, Frame::Reject(r)) => {
-                self.rejected(r.code, r.retry_after_ms);
+                self.rejected(r.code, r.retry_after_ms, true);
                 Ok(())
             }
             (ClientState::Active, Frame::Data(d)) => {

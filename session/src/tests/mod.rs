@@ -200,6 +200,20 @@ fn welcome_frame(session: u8, outcome: WelcomeOutcome) -> Frame {
     })
 }
 
+/// A client of alice past its first WELCOME ([`welcome_frame`] 1, a new session) at `now`:
+/// the client tests' starting point.
+fn welcomed_client(now: std::time::Instant) -> crate::client::ClientSession {
+    let mut client = crate::client::ClientSession::new(
+        token_for("alice"),
+        crate::client::ClientConfig::default(),
+    );
+    client.connect(now).expect("connect");
+    client
+        .handle_frame(now, welcome_frame(1, WelcomeOutcome::NewSession))
+        .expect("welcome");
+    client
+}
+
 /// Regression (2026-12-05, a review of the SDKs against PROTOCOL.md §7.5): the SDK stops
 /// reading its link while its event backlog is full (the application does not take its
 /// events), but the liveness rule went on judging the link, so a healthy one was called
@@ -207,13 +221,8 @@ fn welcome_frame(session: u8, outcome: WelcomeOutcome) -> Frame {
 /// starts again; once reading resumes, silence is judged as before.
 #[test]
 fn the_liveness_rule_waits_while_the_client_is_not_reading() {
-    use crate::client::{ClientConfig, ClientSession};
     let t0 = std::time::Instant::now();
-    let mut client = ClientSession::new(token_for("alice"), ClientConfig::default());
-    client.connect(t0).expect("connect");
-    client
-        .handle_frame(t0, welcome_frame(1, WelcomeOutcome::NewSession))
-        .expect("welcome");
+    let mut client = welcomed_client(t0);
     client
         .send(t0, TrafficClass::Normal, 7, Bytes::from_static(b"x"))
         .expect("send");
@@ -232,12 +241,8 @@ fn the_liveness_rule_waits_while_the_client_is_not_reading() {
 
 #[test]
 fn a_client_declares_a_silent_link_dead_after_its_liveness_timeout() {
-    use crate::client::{ClientConfig, ClientSession};
     let t0 = std::time::Instant::now();
-    let welcome = welcome_frame(1, WelcomeOutcome::NewSession);
-    let mut client = ClientSession::new(token_for("alice"), ClientConfig::default());
-    client.connect(t0).expect("connect");
-    client.handle_frame(t0, welcome).expect("welcome");
+    let mut client = welcomed_client(t0);
     while client.poll_transmit().is_some() {}
     let sent = t0 + Duration::from_millis(100);
     client
@@ -273,14 +278,10 @@ fn a_client_declares_a_silent_link_dead_after_its_liveness_timeout() {
 /// link on which it did not fire halves it again. The first silence is still found in 1 s.
 #[test]
 fn the_liveness_timeout_backs_off_after_links_it_called_dead_and_calms_down() {
-    use crate::client::{ClientConfig, ClientSession, LIVENESS_CALM};
+    use crate::client::LIVENESS_CALM;
     let welcome = |outcome| welcome_frame(1, outcome);
     let mut now = std::time::Instant::now();
-    let mut client = ClientSession::new(token_for("alice"), ClientConfig::default());
-    client.connect(now).expect("connect");
-    client
-        .handle_frame(now, welcome(WelcomeOutcome::NewSession))
-        .expect("welcome");
+    let mut client = welcomed_client(now);
     client
         .send(now, TrafficClass::Normal, 7, Bytes::from_static(b"x"))
         .expect("send");
@@ -1703,14 +1704,7 @@ fn a_server_side_end_is_final_for_the_client_whatever_its_code() {
         CloseCode::Normal,
         CloseCode::IdleTimeout,
     ] {
-        let mut client = crate::client::ClientSession::new(
-            token_for("alice"),
-            crate::client::ClientConfig::default(),
-        );
-        client.connect(t0).expect("connect");
-        client
-            .handle_frame(t0, welcome_frame(1, WelcomeOutcome::NewSession))
-            .expect("welcome");
+        let mut client = welcomed_client(t0);
         client
             .handle_frame(t0, Frame::close(code, "x"))
             .expect("close");
@@ -1752,11 +1746,7 @@ fn a_refusal_before_hello_ends_only_a_client_without_a_session() {
         rejected(&mut unknown),
         "an auth code this build does not know is an auth refusal (§1.1)"
     );
-    let mut resuming = ClientSession::new(token_for("alice"), ClientConfig::default());
-    resuming.connect(t0).expect("connect");
-    resuming
-        .handle_frame(t0, welcome_frame(1, WelcomeOutcome::NewSession))
-        .expect("welcome");
+    let mut resuming = welcomed_client(t0);
     resuming.handle_link_down(t0, CloseCode::GoingAway);
     resuming.handle_refused(t0, CloseCode::AuthExpired, 0, true);
     assert!(
@@ -1772,7 +1762,7 @@ fn a_refusal_before_hello_ends_only_a_client_without_a_session() {
 /// with the refused one (then a sealed CONNECT went out with the new key and no token).
 #[test]
 fn a_refused_token_is_dropped_only_if_no_fresh_one_came_since() {
-    use crate::client::{ClientConfig, ClientSession};
+    use crate::client::ClientSession;
     let t0 = std::time::Instant::now();
     let reject = |code| {
         Frame::Reject(waygate_protocol::frame::Reject {
@@ -1788,11 +1778,7 @@ fn a_refused_token_is_dropped_only_if_no_fresh_one_came_since() {
             None => panic!("no Rejected event"),
         }
     };
-    let mut client = ClientSession::new(token_for("alice"), ClientConfig::default());
-    client.connect(t0).expect("connect");
-    client
-        .handle_frame(t0, welcome_frame(1, WelcomeOutcome::NewSession))
-        .expect("welcome");
+    let mut client = welcomed_client(t0);
     client.handle_link_down(t0, CloseCode::GoingAway);
     client.connect(t0).expect("resume");
     client
@@ -1903,13 +1889,9 @@ fn a_ping_after_welcome_spends_the_previous_resume_token() {
 /// ack of a seq it never sent (the JS SDK refused it): it is a protocol error.
 #[test]
 fn an_ack_beyond_what_the_client_sent_is_refused() {
-    use crate::client::{ClientConfig, ClientError, ClientSession};
+    use crate::client::ClientError;
     let t0 = std::time::Instant::now();
-    let mut client = ClientSession::new(token_for("alice"), ClientConfig::default());
-    client.connect(t0).expect("connect");
-    client
-        .handle_frame(t0, welcome_frame(1, WelcomeOutcome::NewSession))
-        .expect("welcome");
+    let mut client = welcomed_client(t0);
     client
         .send(t0, TrafficClass::Normal, 7, Bytes::from_static(b"x"))
         .expect("send");
