@@ -723,21 +723,9 @@ namespace Waygate
         /// <summary>Replaces the auth token for the next login (copied). InvalidState before Connect(). With a session key (sealed KCP), whose key must match the token, use SetCredentials.</summary>
         public WaygateResult SetToken(byte[] token)
         {
-            int len = token == null ? 0 : token.Length;
-            GCHandle pin = default(GCHandle);
-            try
+            using (var t = new PinnedBytes(token))
             {
-                IntPtr ptr = IntPtr.Zero;
-                if (len > 0)
-                {
-                    pin = GCHandle.Alloc(token, GCHandleType.Pinned);
-                    ptr = pin.AddrOfPinnedObject();
-                }
-                return Call(h => Native.waygate_client_set_token(h, ptr, (UIntPtr)(uint)len));
-            }
-            finally
-            {
-                if (pin.IsAllocated) pin.Free();
+                return Call(h => Native.waygate_client_set_token(h, t.Ptr, t.Len));
             }
         }
 
@@ -745,29 +733,31 @@ namespace Waygate
         public WaygateResult SetCredentials(byte[] token, byte[] sessionKey)
         {
             if (sessionKey != null && sessionKey.Length != 32) throw new ArgumentException("sessionKey must be 32 bytes", "sessionKey");
-            int len = token == null ? 0 : token.Length;
-            GCHandle pin = default(GCHandle);
-            GCHandle keyPin = default(GCHandle);
-            try
+            using (var t = new PinnedBytes(token))
+            using (var k = new PinnedBytes(sessionKey))
             {
-                IntPtr ptr = IntPtr.Zero;
-                if (len > 0)
-                {
-                    pin = GCHandle.Alloc(token, GCHandleType.Pinned);
-                    ptr = pin.AddrOfPinnedObject();
-                }
-                IntPtr key = IntPtr.Zero;
-                if (sessionKey != null)
-                {
-                    keyPin = GCHandle.Alloc(sessionKey, GCHandleType.Pinned);
-                    key = keyPin.AddrOfPinnedObject();
-                }
-                return Call(h => Native.waygate_client_set_credentials(h, ptr, (UIntPtr)(uint)len, key));
+                return Call(h => Native.waygate_client_set_credentials(h, t.Ptr, t.Len, k.Ptr));
             }
-            finally
+        }
+
+        /// <summary>A byte array pinned for one native call (NULL and length 0 when null or empty).</summary>
+        private struct PinnedBytes : IDisposable
+        {
+            private GCHandle pin;
+            public readonly IntPtr Ptr;
+            public readonly UIntPtr Len;
+
+            public PinnedBytes(byte[] bytes)
+            {
+                int len = bytes == null ? 0 : bytes.Length;
+                pin = len > 0 ? GCHandle.Alloc(bytes, GCHandleType.Pinned) : default(GCHandle);
+                Ptr = len > 0 ? pin.AddrOfPinnedObject() : IntPtr.Zero;
+                Len = (UIntPtr)(uint)len;
+            }
+
+            public void Dispose()
             {
                 if (pin.IsAllocated) pin.Free();
-                if (keyPin.IsAllocated) keyPin.Free();
             }
         }
 

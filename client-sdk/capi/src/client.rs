@@ -636,33 +636,8 @@ pub unsafe extern "C" fn waygate_client_set_token(
     token_len: usize,
 ) -> waygate_result {
     ffi_body!(WAYGATE_PANIC => {
-        non_null!(client, WAYGATE_INVALID_ARGUMENT);
-        if token.is_null() && token_len > 0 {
-            set_last_error("token is NULL");
-            return WAYGATE_INVALID_ARGUMENT;
-        }
-        let bytes = if token_len == 0 {
-            bytes::Bytes::new()
-        } else {
-            // SAFETY: not NULL; the caller promises `token_len` readable bytes.
-            bytes::Bytes::copy_from_slice(unsafe { std::slice::from_raw_parts(token, token_len) })
-        };
-        // SAFETY: not NULL; the caller promises a live handle used only by this thread.
-        let h = unsafe { handle(client) };
-        if let Err(code) = h.running() {
-            return code;
-        }
-        match h.client.as_ref() {
-            Some(c) => match h.rt.block_on(c.set_token(bytes)) {
-                Ok(()) => WAYGATE_OK,
-                Err(_) => WAYGATE_CLOSED,
-            },
-            // Not connected yet: the token given to `waygate_client_new` is used.
-            None => {
-                set_last_error("set_token before waygate_client_connect");
-                WAYGATE_INVALID_STATE
-            }
-        }
+        // SAFETY: the caller's promises, passed on.
+        unsafe { replace_credentials(client, token, token_len, None) }
     })
 }
 
@@ -687,39 +662,58 @@ pub unsafe extern "C" fn waygate_client_set_credentials(
     session_key: *const u8,
 ) -> waygate_result {
     ffi_body!(WAYGATE_PANIC => {
-        non_null!(client, WAYGATE_INVALID_ARGUMENT);
-        if token.is_null() && token_len > 0 {
-            set_last_error("token is NULL");
-            return WAYGATE_INVALID_ARGUMENT;
-        }
-        let bytes = if token_len == 0 {
-            bytes::Bytes::new()
-        } else {
-            // SAFETY: not NULL; the caller promises `token_len` readable bytes.
-            bytes::Bytes::copy_from_slice(unsafe { std::slice::from_raw_parts(token, token_len) })
-        };
         let key = (!session_key.is_null()).then(|| {
             let mut key = [0u8; 32];
             // SAFETY: not NULL; the caller promises 32 readable bytes.
             key.copy_from_slice(unsafe { std::slice::from_raw_parts(session_key, 32) });
             key
         });
-        // SAFETY: not NULL; the caller promises a live handle used only by this thread.
-        let h = unsafe { handle(client) };
-        if let Err(code) = h.running() {
-            return code;
-        }
-        match h.client.as_ref() {
-            Some(c) => match h.rt.block_on(c.set_credentials(bytes, key)) {
-                Ok(()) => WAYGATE_OK,
-                Err(_) => WAYGATE_CLOSED,
-            },
-            None => {
-                set_last_error("set_credentials before waygate_client_connect");
-                WAYGATE_INVALID_STATE
-            }
-        }
+        // SAFETY: the caller's promises, passed on.
+        unsafe { replace_credentials(client, token, token_len, Some(key)) }
     })
+}
+
+/// `waygate_client_set_token` (`key` None: the session key stays) and
+/// `waygate_client_set_credentials` (`key` Some: the key too).
+///
+/// # Safety
+///
+/// As `waygate_client_set_token`.
+unsafe fn replace_credentials(
+    client: *mut waygate_client,
+    token: *const u8,
+    token_len: usize,
+    key: Option<Option<[u8; 32]>>,
+) -> waygate_result {
+    non_null!(client, WAYGATE_INVALID_ARGUMENT);
+    if token.is_null() && token_len > 0 {
+        set_last_error("token is NULL");
+        return WAYGATE_INVALID_ARGUMENT;
+    }
+    let bytes = if token_len == 0 {
+        bytes::Bytes::new()
+    } else {
+        // SAFETY: not NULL; the caller promises `token_len` readable bytes.
+        bytes::Bytes::copy_from_slice(unsafe { std::slice::from_raw_parts(token, token_len) })
+    };
+    // SAFETY: not NULL; the caller promises a live handle used only by this thread.
+    let h = unsafe { handle(client) };
+    if let Err(code) = h.running() {
+        return code;
+    }
+    let Some(c) = h.client.as_ref() else {
+        // Not connected yet: the token given to `waygate_client_new` is used.
+        set_last_error("credentials set before waygate_client_connect");
+        return WAYGATE_INVALID_STATE;
+    };
+    let done = match key {
+        None => h.rt.block_on(c.set_token(bytes)),
+        Some(key) => h.rt.block_on(c.set_credentials(bytes, key)),
+    };
+    match done {
+        Ok(()) => WAYGATE_OK,
+        Err(_) => WAYGATE_CLOSED,
+    }
 }
 
 /// Sends CLOSE (normal) and ends the client: a `WAYGATE_EVENT_CLOSED` event follows, then
