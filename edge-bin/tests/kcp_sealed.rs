@@ -22,31 +22,13 @@ use bytes::Bytes;
 use tokio::net::UdpSocket;
 use waygate_backend::demo::{ECHO, ECHO_REPLY};
 use waygate_client::{Client, ClientOptions, Event};
-use waygate_session::auth::TokenClaims;
 use waygate_transport::endpoint::Endpoint;
 use waygate_transport::kcp::config::PacketAuth;
 use waygate_transport::kcp::cookie::Control;
 use waygate_transport::{CloseCode, TrafficClass, TransportKind};
 
 fn connect_token(player: &str, session_key: &[u8; 32]) -> Bytes {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    waygate_session::auth::mint_connect_token(
-        waygate_edge::config::DEV_KEY_ID,
-        waygate_edge::config::DEV_KEY_SECRET.as_bytes(),
-        &TokenClaims {
-            player_id: player.into(),
-            issuer: "test".into(),
-            issued_at: now,
-            expires_at: now + 3600,
-            extensions: Vec::new(),
-        },
-        session_key,
-        rand::random(),
-    )
-    .unwrap()
+    common::connect_token_for_secs(player, session_key, 3600)
 }
 
 /// A UDP relay: the client talks to `addr`, the relay to the edge from one socket of its

@@ -1202,24 +1202,7 @@ async fn a_sealed_kcp_session_resumes_over_tcp_after_its_token_expired() {
     })
     .await;
     let key: [u8; 32] = rand::random();
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    let token = waygate_session::auth::mint_connect_token(
-        waygate_edge::config::DEV_KEY_ID,
-        waygate_edge::config::DEV_KEY_SECRET.as_bytes(),
-        &waygate_session::auth::TokenClaims {
-            player_id: "sealed-short".into(),
-            issuer: "test".into(),
-            issued_at: now,
-            expires_at: now + 1,
-            extensions: Vec::new(),
-        },
-        &key,
-        rand::random(),
-    )
-    .unwrap();
+    let token = common::connect_token_for_secs("sealed-short", &key, 1);
     let mut options = ClientOptions::new(
         vec![
             Endpoint::new(TransportKind::Kcp, edge.addrs[&TransportKind::Kcp]),
@@ -1269,24 +1252,7 @@ async fn fresh_credentials_resume_a_sealed_kcp_session_after_its_token_expired()
     })
     .await;
     let mint = |key: &[u8; 32], lifetime: u64| {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_secs();
-        waygate_session::auth::mint_connect_token(
-            waygate_edge::config::DEV_KEY_ID,
-            waygate_edge::config::DEV_KEY_SECRET.as_bytes(),
-            &waygate_session::auth::TokenClaims {
-                player_id: "sealed-renewed".into(),
-                issuer: "test".into(),
-                issued_at: now,
-                expires_at: now + lifetime,
-                extensions: Vec::new(),
-            },
-            key,
-            rand::random(),
-        )
-        .unwrap()
+        common::connect_token_for_secs("sealed-renewed", key, lifetime)
     };
     let first_key: [u8; 32] = rand::random();
     let mut options = ClientOptions::new(

@@ -246,6 +246,29 @@ pub fn token_for_secs(player: &str, ttl: u64) -> Bytes {
     .unwrap()
 }
 
+/// A development-key connect token (format version 2, PROTOCOL.md §7.2.2) for `player`
+/// sealing KCP with `session_key`, valid for `ttl` seconds from now.
+pub fn connect_token_for_secs(player: &str, session_key: &[u8; 32], ttl: u64) -> Bytes {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    waygate_session::auth::mint_connect_token(
+        DEV_KEY_ID,
+        DEV_KEY_SECRET.as_bytes(),
+        &TokenClaims {
+            player_id: player.into(),
+            issuer: "test".into(),
+            issued_at: now,
+            expires_at: now + ttl,
+            extensions: Vec::new(),
+        },
+        session_key,
+        rand::random(),
+    )
+    .unwrap()
+}
+
 /// A minimal HTTP/1.1 request to the admin server; returns (status, body).
 pub async fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
