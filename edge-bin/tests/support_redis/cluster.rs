@@ -198,6 +198,60 @@ impl RedisCluster {
             .sum()
     }
 
+    /// Calls of `command` (lower case, e.g. `evalsha`) the running masters have served
+    /// (`INFO commandstats`, summed).
+    pub fn masters_calls(&self, command: &str) -> u64 {
+        let prefix = format!("cmdstat_{command}:calls=");
+        self.nodes
+            .iter()
+            .filter(|n| n.server.is_running())
+            .filter_map(|n| port_cli(n.server.port(), &["info", "all"]))
+            .filter(|info| info.contains("role:master"))
+            .filter_map(|info| {
+                info.lines()
+                    .find_map(|l| l.strip_prefix(prefix.as_str()))
+                    .and_then(|v| v.split(',').next())
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+            })
+            .sum()
+    }
+
+    /// Moves `slot`, with its keys, to the master on `to` (as `redis-cli --cluster
+    /// reshard` does: IMPORTING / MIGRATING, MIGRATE, then SETSLOT NODE on every master),
+    /// and waits until every node agrees.
+    pub fn move_slot(&self, slot: u16, to: u16) {
+        let (from, _) = self.serving(slot);
+        assert_ne!(from, to, "slot {slot} is on {to} already");
+        let text = port_cli(from, &["cluster", "nodes"]).expect("nodes");
+        let lines = parse_nodes(&text);
+        let id = |port: u16| {
+            lines
+                .iter()
+                .find(|l| l.port == port)
+                .expect("a node on that port")
+                .id
+                .clone()
+        };
+        let (from_id, to_id, s) = (id(from), id(to), slot.to_string());
+        port_cli(to, &["cluster", "setslot", &s, "importing", &from_id]).expect("importing");
+        port_cli(from, &["cluster", "setslot", &s, "migrating", &to_id]).expect("migrating");
+        for _ in 0..1_000 {
+            let keys = port_cli(from, &["cluster", "getkeysinslot", &s, "100"]).expect("keys");
+            let keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
+            if keys.is_empty() {
+                break;
+            }
+            let port = to.to_string();
+            let mut args = vec!["migrate", "127.0.0.1", &port, "", "0", "5000", "keys"];
+            args.extend(keys);
+            port_cli(from, &args).expect("migrate");
+        }
+        for l in lines.iter().filter(|l| l.master && !l.failed) {
+            port_cli(l.port, &["cluster", "setslot", &s, "node", &to_id]).expect("setslot node");
+        }
+        self.wait_master(slot, to, Duration::from_secs(10));
+    }
+
     /// Seed URLs of every node (`redis://127.0.0.1:PORT`).
     pub fn urls(&self) -> Vec<String> {
         self.nodes

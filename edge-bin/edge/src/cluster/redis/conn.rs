@@ -293,6 +293,94 @@ pub(super) struct Conn {
     pub(super) config: Arc<RedisConfig>,
     /// Notices dropped because a subscription's queue was full (`SUBSCRIPTION_QUEUE`).
     pub(super) pubsub_dropped: Counter,
+    /// On a cluster: which master serves each slot, as last read (see [`Conn::node_groups`]).
+    slot_owners: Arc<Mutex<SlotOwnersState>>,
+}
+
+/// The masters of a Redis Cluster's slots as `CLUSTER SLOTS` last told them: which keys one
+/// script call may name itself (a script without flags may touch keys of any slots the node
+/// it runs on serves). Only a grouping: a command of the script on a key the node does not
+/// serve fails, so a stale map costs a retry, never a wrong write.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct SlotOwners {
+    /// (first slot, last slot, master index), by first slot.
+    ranges: Vec<(u16, u16, usize)>,
+}
+
+/// How many slots a Redis Cluster has.
+const CLUSTER_SLOTS: u16 = 16_384;
+
+/// How long a slot map is used before it is read again (slots move only when an operator
+/// reshards; a failover moves a master's slots together, so grouping stays right).
+const SLOT_OWNERS_MAX_AGE: Duration = Duration::from_secs(10);
+
+#[derive(Default)]
+struct SlotOwnersState {
+    owners: Option<Arc<SlotOwners>>,
+    /// When `owners` was read (None: read again at the next use).
+    read_at: Option<std::time::Instant>,
+    reading: bool,
+}
+
+impl SlotOwners {
+    /// From a `CLUSTER SLOTS` reply: `[first, last, [master ip, port, ...], replicas...]`
+    /// per range. None if it is not one.
+    pub(super) fn from_reply(reply: &redis::Value) -> Option<Self> {
+        use redis::Value;
+        let Value::Array(ranges) = reply else {
+            return None;
+        };
+        let int = |v: &Value| match v {
+            Value::Int(n) => u16::try_from(*n).ok().filter(|n| *n < CLUSTER_SLOTS),
+            _ => None,
+        };
+        let text = |v: &Value| match v {
+            Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+            Value::SimpleString(s) => Some(s.clone()),
+            _ => None,
+        };
+        let mut masters: Vec<String> = Vec::new();
+        let mut out = Vec::with_capacity(ranges.len());
+        for range in ranges {
+            let Value::Array(r) = range else {
+                return None;
+            };
+            let (first, last) = (int(r.first()?)?, int(r.get(1)?)?);
+            let Value::Array(master) = r.get(2)? else {
+                return None;
+            };
+            let port = match master.get(1)? {
+                Value::Int(p) => *p,
+                _ => return None,
+            };
+            let name = format!("{}:{port}", text(master.first()?)?);
+            let index = match masters.iter().position(|m| *m == name) {
+                Some(i) => i,
+                None => {
+                    masters.push(name);
+                    masters.len() - 1
+                }
+            };
+            if first > last {
+                return None;
+            }
+            out.push((first, last, index));
+        }
+        out.sort_unstable();
+        Some(Self { ranges: out })
+    }
+
+    /// The index of the master serving `slot`, if the map has it.
+    pub(super) fn master_of(&self, slot: u16) -> Option<usize> {
+        let i = self.ranges.partition_point(|&(first, ..)| first <= slot);
+        let &(_, last, master) = self.ranges.get(i.checked_sub(1)?)?;
+        (slot <= last).then_some(master)
+    }
+}
+
+/// The slot Redis Cluster gives `key`: CRC16 (XMODEM) of its hash tag, modulo 16,384.
+pub(super) fn key_slot(key: &str) -> u16 {
+    crc16::State::<crc16::XMODEM>::calculate(hash_tag(key).as_bytes()) % CLUSTER_SLOTS
 }
 
 impl std::fmt::Debug for Conn {
@@ -391,6 +479,7 @@ impl Conn {
             link,
             config: Arc::new(config),
             pubsub_dropped: Counter::default(),
+            slot_owners: Arc::default(),
         })
     }
 
@@ -398,6 +487,59 @@ impl Conn {
     /// counts only the receiving node's subscribers).
     pub(super) fn is_cluster(&self) -> bool {
         matches!(self.link, Link::Cluster(_))
+    }
+
+    /// On a cluster, the slot map by which calls may group the keys of many slots of one
+    /// master; None elsewhere, or until the map was read (then group by hash tag). Reads
+    /// the map in the background when it has none, or one older than
+    /// [`SLOT_OWNERS_MAX_AGE`], or one marked stale.
+    pub(super) fn node_groups(&self) -> Option<Arc<SlotOwners>> {
+        let Link::Cluster(cluster) = &self.link else {
+            return None;
+        };
+        let mut state = self.slot_owners.lock().unwrap_or_else(|e| e.into_inner());
+        let fresh = state
+            .read_at
+            .is_some_and(|at| at.elapsed() < SLOT_OWNERS_MAX_AGE);
+        if !fresh && !state.reading {
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                state.reading = true;
+                let (mut cluster, shared, bound) = (
+                    cluster.clone(),
+                    self.slot_owners.clone(),
+                    self.config.op_timeout,
+                );
+                runtime.spawn(async move {
+                    let ask = cluster.route_command(
+                        redis::cmd("CLUSTER").arg("SLOTS").clone(),
+                        redis::cluster_routing::RoutingInfo::SingleNode(
+                            redis::cluster_routing::SingleNodeRoutingInfo::Random,
+                        ),
+                    );
+                    let owners = match tokio::time::timeout(bound, ask).await {
+                        Ok(Ok(reply)) => SlotOwners::from_reply(&reply),
+                        _ => None,
+                    };
+                    let mut state = shared.lock().unwrap_or_else(|e| e.into_inner());
+                    state.reading = false;
+                    if let Some(owners) = owners {
+                        state.owners = Some(Arc::new(owners));
+                        state.read_at = Some(std::time::Instant::now());
+                    } else {
+                        tracing::debug!("redis cluster: the slot map could not be read");
+                    }
+                });
+            }
+        }
+        state.owners.clone()
+    }
+
+    /// A call grouped by [`Conn::node_groups`] failed, or found a key its node does not
+    /// serve: read the slot map again before the next grouping (meanwhile the old one is
+    /// still used: a failover moves a master's slots together, so it stays right).
+    pub(super) fn node_group_failed(&self) {
+        let mut state = self.slot_owners.lock().unwrap_or_else(|e| e.into_inner());
+        state.read_at = None;
     }
 
     /// Runs `f` on a clone of the managed connection, bounded by the op timeout.
@@ -422,28 +564,51 @@ impl Conn {
         key_of: impl Fn(&T) -> String,
         each: impl Fn(&mut redis::Pipeline, &T),
     ) -> Result<Vec<redis::RedisResult<redis::Value>>, RedisError> {
-        let mut groups: HashMap<String, (Vec<usize>, redis::Pipeline)> = HashMap::new();
+        // By hash tag on a cluster: (a key of the tag, the items, their pipeline).
+        let mut groups: HashMap<String, (String, Vec<usize>, redis::Pipeline)> = HashMap::new();
         for (i, item) in items.iter().enumerate() {
-            let group = if self.is_cluster() {
-                hash_tag(&key_of(item)).to_owned()
+            let key = if self.is_cluster() {
+                key_of(item)
             } else {
                 String::new()
             };
-            let (indices, pipe) = groups.entry(group).or_insert_with(|| {
+            let (_, indices, pipe) = groups.entry(hash_tag(&key).to_owned()).or_insert_with(|| {
                 let mut p = redis::pipe();
                 p.ignore_errors();
-                (Vec::new(), p)
+                (key, Vec::new(), p)
             });
             indices.push(i);
             each(pipe, item);
         }
         let link = self.link.clone();
         let all =
-            futures_util::future::try_join_all(groups.into_values().map(|(indices, pipe)| {
+            futures_util::future::try_join_all(groups.into_values().map(|(key, indices, pipe)| {
                 let mut link = link.clone();
                 async move {
-                    let replies: Vec<redis::RedisResult<redis::Value>> =
-                        pipe.query_async(&mut link).await?;
+                    let replies: Vec<redis::RedisResult<redis::Value>> = match &mut link {
+                        // To the master of the key's slot, whatever the commands declare
+                        // (a script that names its keys itself declares none).
+                        Link::Cluster(cluster) => {
+                            use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
+                            let n = pipe.len();
+                            let route = Route::with_key(&key, SlotAddr::Master);
+                            cluster
+                                .route_pipeline(
+                                    pipe,
+                                    0,
+                                    n,
+                                    SingleNodeRoutingInfo::SpecificNode(route),
+                                )
+                                .await?
+                                .into_iter()
+                                .map(|v| match v {
+                                    redis::Value::ServerError(e) => Err(e.into()),
+                                    v => Ok(v),
+                                })
+                                .collect()
+                        }
+                        link => pipe.query_async(link).await?,
+                    };
                     Ok::<_, redis::RedisError>((indices, replies))
                 }
             }));
@@ -642,6 +807,68 @@ mod tests {
         assert_eq!(hash_tag("w:{}:x"), "w:{}:x");
         assert_eq!(hash_tag("plain"), "plain");
         assert_eq!(hash_tag("a{b}{c}"), "b");
+    }
+
+    #[test]
+    fn slots_are_computed_as_redis_cluster_does() {
+        // Values from Redis' cluster specification and `CLUSTER KEYSLOT`.
+        assert_eq!(key_slot("foo"), 12_182);
+        assert_eq!(key_slot("{foo}bar"), 12_182);
+        assert_eq!(key_slot("123456789"), 0x31c3);
+    }
+
+    #[test]
+    fn a_slot_map_is_read_from_cluster_slots() {
+        use redis::Value;
+        let node = |port: i64| {
+            Value::Array(vec![
+                Value::BulkString(b"127.0.0.1".to_vec()),
+                Value::Int(port),
+                Value::BulkString(b"id".to_vec()),
+            ])
+        };
+        let range = |first: i64, last: i64, port: i64| {
+            Value::Array(vec![
+                Value::Int(first),
+                Value::Int(last),
+                node(port),
+                node(port + 3),
+            ])
+        };
+        let reply = Value::Array(vec![
+            range(10_923, 16_383, 7002),
+            range(0, 5_460, 7000),
+            range(5_461, 10_922, 7001),
+        ]);
+        let owners = SlotOwners::from_reply(&reply).expect("a slot map");
+        let at = |slot| owners.master_of(slot);
+        assert_eq!(at(0), at(5_460));
+        assert_eq!(at(100), at(0));
+        assert_ne!(at(5_460), at(5_461));
+        assert_eq!(at(5_461), at(10_922));
+        assert_ne!(at(10_922), at(10_923));
+        assert_eq!(at(16_383), at(10_923));
+        assert!(at(0).is_some() && at(16_384).is_none());
+        let gap = Value::Array(vec![range(0, 99, 7000), range(200, 300, 7001)]);
+        let owners = SlotOwners::from_reply(&gap).expect("a slot map");
+        assert_eq!(owners.master_of(150), None);
+        assert_eq!(owners.master_of(99), owners.master_of(0));
+        for bad in [
+            Value::Nil,
+            Value::Array(vec![Value::Int(1)]),
+            Value::Array(vec![Value::Array(vec![
+                Value::Int(5),
+                Value::Int(4),
+                node(7000),
+            ])]),
+            Value::Array(vec![Value::Array(vec![
+                Value::Int(0),
+                Value::Int(16_384),
+                node(7000),
+            ])]),
+        ] {
+            assert_eq!(SlotOwners::from_reply(&bad), None, "{bad:?}");
+        }
     }
 
     #[test]

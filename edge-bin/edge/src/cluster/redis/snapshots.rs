@@ -32,7 +32,7 @@ use waygate_session::store::{
     ResumeKeys, Snapshot, SnapshotStore, SnapshotWrite, StoreError, TakeOutcome,
 };
 
-use super::conn::{hash_tag, ms, Conn};
+use super::conn::{hash_tag, key_slot, ms, Conn};
 use super::{RedisConfig, RedisError};
 
 /// Lua shared by the write scripts. `expire_with_the_snapshot`: the snapshot expires after
@@ -120,25 +120,16 @@ return 1
 "#
 );
 
-/// The deltas of one or many sessions in one call. On one Redis, KEYS is the first delta's
-/// snapshot key alone and the script names each session's keys itself, from its session
-/// id and the player id the record holds in `l` (a record without it, written by an older
-/// edge, counts as a missing base), with the key prefix and store tag length that key
-/// shows. On a cluster, where a call holds the deltas of one hash tag (one slot), KEYS are
-/// every delta's fence, snapshot and owner keys in turn: declared, so a slot being moved
-/// redirects the call before it runs. ARGV: ttl ms, the deltas packed by [`pack_deltas`].
-/// Returns one answer per delta, in order (see `apply_delta`; 3: Redis refused one of its
-/// commands, or the delta was inconsistent — its earlier writes may stand, so the edge
-/// writes that session whole next).
-const PUT_DELTAS_LUA: &str = concat!(
-    write_functions!(),
-    r#"
+/// PUT_DELTAS' body (after the shared functions).
+macro_rules! put_deltas_body {
+    () => {
+        r#"
 local ttl, b = ARGV[1], ARGV[2]
 local declared = #KEYS > 1
 local prefix, tag
 if not declared then
   local first_tag
-  prefix, first_tag = string.match(KEYS[1], '^(.*):{(%x+)}:snap:%x+$')
+  prefix, first_tag = string.match(KEYS[1] or ARGV[3], '^(.*):{(%x+)}:snap:%x+$')
   tag = #first_tag
 end
 local pos = 1
@@ -196,7 +187,24 @@ for s, d in ipairs(deltas) do
 end
 return out
 "#
-);
+    };
+}
+
+/// The deltas of one or many sessions in one call. Either the script names each session's
+/// keys itself, from its session id and the player id the record holds in `l` (a record
+/// without it, written by an older edge, counts as a missing base), with the key prefix and
+/// store tag length a sample snapshot key shows: on one Redis, KEYS is that key alone; on a
+/// cluster, for the deltas of one master's slots, KEYS is empty and the key is ARGV[3]
+/// (nothing declared, so the call is not redirected and never runs after `ASKING`: a key
+/// the node does not serve, or a key of a slot being moved that is not here, fails the
+/// command that reads it — that delta answers 3 — and is never read as absent). Or, on a
+/// cluster for the deltas of one hash tag, KEYS are every delta's fence, snapshot and owner
+/// keys in turn: declared, so a slot being moved redirects the call before it runs.
+/// ARGV: ttl ms, the deltas packed by [`pack_deltas`][, the sample key].
+/// Returns one answer per delta, in order (see `apply_delta`; 3: Redis refused one of its
+/// commands, or the delta was inconsistent — its earlier writes may stand, so the edge
+/// writes that session whole next).
+const PUT_DELTAS_LUA: &str = concat!(write_functions!(), put_deltas_body!());
 
 /// KEYS: snap. ARGV: the resume key as the record may store it (its match tags with the
 /// edges' secrets, the sealing one's first, else hex). Returns {0} not found, {2} mismatch,
@@ -750,37 +758,60 @@ impl RedisSnapshotStore {
         /// whether it goes as the script's text.
         enum Call<'a> {
             Whole(usize, &'a [String; 3], &'a [Vec<u8>], bool),
-            Deltas(Vec<(usize, &'a DeltaArgs)>, Vec<u8>, bool),
+            /// With whether it holds a master's slots (keys named in the script).
+            Deltas(Vec<(usize, &'a DeltaArgs)>, Vec<u8>, bool, bool),
+        }
+        /// Which deltas share a call: all (one Redis), a cluster master's, a hash tag's.
+        #[derive(PartialEq, Eq)]
+        enum Group<'a> {
+            All,
+            Master(usize),
+            Tag(&'a str),
         }
         let cluster = self.conn.is_cluster();
         let mut results: Vec<Result<(), RedisError>> = Vec::with_capacity(writes.len());
-        // (write index, its script call, sent as the script's text)
-        let mut round: Vec<(usize, PutArgs, bool)> = Vec::with_capacity(writes.len());
+        // (write index, its script call, sent as the script's text, by hash tag)
+        let mut round: Vec<(usize, PutArgs, bool, bool)> = Vec::with_capacity(writes.len());
         for (i, w) in writes.iter().enumerate() {
             match self.put_args(&w.snapshot, w.since.as_deref(), ttl) {
                 Ok(p) => {
                     results.push(Ok(()));
-                    round.push((i, p, false));
+                    round.push((i, p, false, false));
                 }
                 Err(e) => results.push(Err(e)),
             }
         }
         let ttl_arg = ms(ttl).to_string();
         // EVALSHA; then EVAL for lost scripts and whole writes for lost bases (also lost
-        // scripts' deltas whose base is gone); a third round never needs a fourth.
-        for _ in 0..3 {
+        // scripts' deltas whose base is gone); on a cluster a call for a master's slots
+        // that failed (a slot moved) goes again by hash tag first: four rounds at most.
+        for _ in 0..4 {
             if round.is_empty() {
                 break;
             }
+            let masters = if cluster {
+                self.conn.node_groups()
+            } else {
+                None
+            };
             let mut calls = Vec::new();
-            // Deltas by (sent as text, hash tag on a cluster), in the round's order.
+            // Deltas by (sent as text, group), in the round's order.
             type Members<'a> = Vec<(usize, &'a DeltaArgs)>;
-            let mut groups: Vec<((bool, &str), Members<'_>)> = Vec::new();
-            for (r, (_, p, text)) in round.iter().enumerate() {
+            let mut groups: Vec<((bool, Group<'_>), Members<'_>)> = Vec::new();
+            for (r, (_, p, text, by_tag)) in round.iter().enumerate() {
                 match p {
                     PutArgs::Whole { keys, args } => calls.push(Call::Whole(r, keys, args, *text)),
                     PutArgs::Delta(d) => {
-                        let group = (*text, if cluster { hash_tag(&d.keys[1]) } else { "" });
+                        let master = masters
+                            .as_ref()
+                            .filter(|_| !by_tag)
+                            .and_then(|m| m.master_of(key_slot(&d.keys[1])));
+                        let group = match (cluster, master) {
+                            (false, _) => Group::All,
+                            (true, Some(m)) => Group::Master(m),
+                            (true, None) => Group::Tag(hash_tag(&d.keys[1])),
+                        };
+                        let group = (*text, group);
                         match groups.iter_mut().find(|(g, _)| *g == group) {
                             Some((_, members)) => members.push((r, d)),
                             None => groups.push((group, vec![(r, d)])),
@@ -788,10 +819,11 @@ impl RedisSnapshotStore {
                     }
                 }
             }
-            for ((text, _), members) in &groups {
+            for ((text, group), members) in &groups {
+                let cross = matches!(group, Group::Master(_));
                 for chunk in members.chunks(DELTAS_PER_CALL) {
                     match pack_deltas(chunk.iter().map(|&(_, d)| d)) {
-                        Ok(blob) => calls.push(Call::Deltas(chunk.to_vec(), blob, *text)),
+                        Ok(blob) => calls.push(Call::Deltas(chunk.to_vec(), blob, *text, cross)),
                         Err(e) => {
                             for &(r, _) in chunk {
                                 results[round[r].0] = Err(e.clone());
@@ -811,12 +843,19 @@ impl RedisSnapshotStore {
                             .map_or(String::new(), |(_, d)| d.keys[1].clone()),
                     },
                     |pipe, call| match call {
-                        Call::Deltas(members, blob, text) => {
+                        Call::Deltas(members, blob, text, cross) => {
                             let cmd = if *text {
                                 pipe.cmd("EVAL").arg(PUT_DELTAS_LUA)
                             } else {
                                 pipe.cmd("EVALSHA").arg(scripts().put_deltas.get_hash())
                             };
+                            let sample = members.first().map_or("", |(_, d)| &d.keys[1]);
+                            if *cross {
+                                // Nothing declared (the script names the keys): sent to the
+                                // master of the sample's slot (`pipeline_each` routes by it).
+                                cmd.arg(0).arg(&ttl_arg).arg(&blob[..]).arg(sample);
+                                return;
+                            }
                             if cluster {
                                 // Every key declared: one slot (one hash tag per call).
                                 cmd.arg(3 * members.len());
@@ -825,8 +864,7 @@ impl RedisSnapshotStore {
                                 }
                             } else {
                                 // The first snapshot key: the prefix, for the script.
-                                cmd.arg(1)
-                                    .arg(members.first().map_or("", |(_, d)| &d.keys[1]));
+                                cmd.arg(1).arg(sample);
                             }
                             cmd.arg(&ttl_arg).arg(&blob[..]);
                         }
@@ -844,7 +882,7 @@ impl RedisSnapshotStore {
             let replies = match replies {
                 Ok(r) => r,
                 Err(e) => {
-                    for (i, _, _) in &round {
+                    for (i, ..) in &round {
                         results[*i] = Err(e.clone());
                     }
                     return results;
@@ -853,14 +891,28 @@ impl RedisSnapshotStore {
             // Each write's answer in the round: its script's number, or what Redis refused.
             let mut answers: Vec<Option<Result<u8, redis::RedisError>>> =
                 std::iter::repeat_with(|| None).take(round.len()).collect();
+            // Writes whose call held a master's slots: (its call failed, so it goes again
+            // by hash tag; it was in such a call).
+            let mut by_master = vec![(false, false); round.len()];
             for (call, reply) in calls.iter().zip(replies) {
                 match call {
                     Call::Whole(r, ..) => {
                         answers[*r] =
                             Some(reply.and_then(|v| Ok(redis::from_redis_value::<u8>(v)?)));
                     }
-                    Call::Deltas(members, ..) => {
+                    Call::Deltas(members, _, _, cross) => {
                         let each = reply.and_then(|v| Ok(redis::from_redis_value::<Vec<i64>>(v)?));
+                        let failed = *cross
+                            && each.as_ref().is_err_and(|e| {
+                                e.kind()
+                                    != redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
+                            });
+                        if failed {
+                            self.conn.node_group_failed();
+                        }
+                        for &(r, _) in members {
+                            by_master[r] = (failed, *cross);
+                        }
                         for (j, &(r, _)) in members.iter().enumerate() {
                             answers[r] = Some(match &each {
                                 Ok(codes) => codes
@@ -879,21 +931,37 @@ impl RedisSnapshotStore {
                 }
             }
             let mut again = Vec::new();
-            for ((i, put, text), answer) in round.into_iter().zip(answers) {
+            for (((i, put, text, was_by_tag), answer), (retag, by_master)) in
+                round.into_iter().zip(answers).zip(by_master)
+            {
                 let Some(answer) = answer else {
                     continue; // not sent: its result is set already (it could not be packed)
                 };
                 match answer {
+                    // The master's call failed as a whole (the node is gone, or the answer
+                    // was lost: a delta that did land then finds its base moved on and is
+                    // written whole).
+                    Err(_) if retag => again.push((i, put, text, true)),
+                    // A key the node does not serve (a slot moved since the map was read):
+                    // the session is written whole, by hash tag (its delta may have been
+                    // applied in part).
+                    Ok(DELTA_REFUSED) if by_master => {
+                        self.conn.node_group_failed();
+                        match self.put_args(&writes[i].snapshot, None, ttl) {
+                            Ok(whole) => again.push((i, whole, true, true)),
+                            Err(e) => results[i] = Err(e),
+                        }
+                    }
                     Err(e)
                         if !text
                             && e.kind()
                                 == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
                     {
-                        again.push((i, put, true));
+                        again.push((i, put, true, was_by_tag));
                     }
                     Ok(DELTA_BASE_MISSING) if matches!(put, PutArgs::Delta(_)) => {
                         match self.put_args(&writes[i].snapshot, None, ttl) {
-                            Ok(whole) => again.push((i, whole, true)),
+                            Ok(whole) => again.push((i, whole, true, was_by_tag)),
                             Err(e) => results[i] = Err(e),
                         }
                     }
@@ -903,9 +971,9 @@ impl RedisSnapshotStore {
             }
             round = again;
         }
-        for (i, _, _) in round {
+        for (i, ..) in round {
             results[i] = Err(RedisError::Corrupt(
-                "a write still needed another round after three".into(),
+                "a write still needed another round after four".into(),
             ));
         }
         results
