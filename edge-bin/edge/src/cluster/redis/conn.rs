@@ -555,7 +555,9 @@ impl Conn {
     }
 
     /// Runs the one command `each` adds for every item: as one pipeline on one Redis, as one
-    /// pipeline per hash tag (one slot each; concurrently) on a cluster. The whole is
+    /// pipeline per hash tag of `key_of` (concurrently) on a cluster, sent to the master of
+    /// that key's slot whatever the commands declare (so a script call that names its keys
+    /// itself goes where its keys are). The whole is
     /// bounded by the op timeout; the answer has one result per item, in order (a command
     /// Redis refused is an `Err` in its place, the others stand).
     pub(super) async fn pipeline_each<T>(

@@ -17,7 +17,8 @@
 //! message costs Redis its own bytes plus the session's small header, never the whole
 //! replay buffer.
 //! A group commit's deltas go in PUT_DELTAS calls, packed, the keys named in the script: on
-//! one Redis one call for the group, on a cluster one per hash tag (slot).
+//! one Redis one call for the group, on a cluster one per master (by the slot map the
+//! connection keeps; one per hash tag, keys declared, until it has one or when a slot moved).
 
 use std::time::Duration;
 
@@ -740,10 +741,12 @@ impl RedisSnapshotStore {
     }
 
     /// Makes many writes in one round trip (one pipeline of script calls, one pipeline per
-    /// hash tag on a cluster): the write-through's group commit. One result per write. The
-    /// deltas go in PUT_DELTAS calls, packed (the keys named in the script, no command per
-    /// session): on one Redis up to 256 sessions a call, on a cluster one call per hash tag
-    /// (a slot); a whole record is a PUT call of its own. A delta whose base Redis no longer holds
+    /// master or hash tag on a cluster): the write-through's group commit. One result per
+    /// write. The deltas go in PUT_DELTAS calls, packed (the keys named in the script, no
+    /// command per session): up to 256 sessions a call, on one Redis the group's, on a
+    /// cluster one master's (with the slot map; else, or after the master's call failed or
+    /// met a key its node does not serve, one hash tag's, keys declared, or the session
+    /// whole); a whole record is a PUT call of its own. A delta whose base Redis no longer holds
     /// is made again whole, and a script Redis lost (restarted, failed over) is sent again
     /// as its text (EVAL, which loads it): both in one more pipeline for the whole group,
     /// never one round trip per write, so a Redis that comes back empty costs a group three
@@ -753,7 +756,7 @@ impl RedisSnapshotStore {
         writes: &[SnapshotWrite],
         ttl: Duration,
     ) -> Vec<Result<(), RedisError>> {
-        /// One command of a round: a whole record on its own, or deltas of one hash tag in
+        /// One command of a round: a whole record on its own, or deltas of one group in
         /// one PUT_DELTAS call (with their indices into the round, and packed). Each with
         /// whether it goes as the script's text.
         enum Call<'a> {
