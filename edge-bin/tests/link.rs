@@ -15,7 +15,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::sync::mpsc;
-use waygate_backend::demo::{DemoService, CHANNEL_JOIN, ECHO, ECHO_REPLY, JOIN_ROOM, WHISPER};
+use waygate_backend::demo::{
+    DemoService, CHANNEL_JOIN, ECHO, ECHO_REPLY, JOIN_ROOM, ROOM_EVENT, ROOM_SAY, WHISPER,
+};
 use waygate_backend::{
     Backend, BackendConfig, BackendError, BackendSession, Incoming, PinKind, PinOutcome, Refusal,
     Service,
@@ -351,6 +353,97 @@ async fn big_forward_credit_and_small_push_credit_do_not_deadlock() {
 
 /// The backend SDK counts its load (what `waygate backend --etcd` reports): sessions open
 /// over the link and messages handled; a closed link takes its sessions off.
+/// Regression (2026-12-05): the demo's room instance ended a session's room membership
+/// whenever an edge told it the session closed there, also an edge the session had left: a
+/// session that resumed on another edge and spoke there again (as PROTOCOL.md §11.4 asks)
+/// lost its membership when the old edge's close came in later, and got no more ROOM_EVENTs.
+/// Now only the close of the opening that is the member ends it.
+#[tokio::test]
+async fn a_room_member_that_moved_edges_stays_one_when_its_old_edge_closes_it() {
+    let demo = Arc::new(DemoService::new());
+    let backend = Backend::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        BackendConfig::new("r1"),
+        demo.clone(),
+    )
+    .await
+    .unwrap();
+    let edge = |id: &str| {
+        let (tx, rx) = mpsc::channel(64);
+        let config = LinkConfig {
+            edge_id: id.into(),
+            ..fast_config()
+        };
+        let (link, _task) = LinkClient::spawn(
+            backend.local_addr(),
+            config,
+            Arc::new(AtomicU64::new(1)),
+            tx,
+        );
+        (link, rx)
+    };
+    let (a, mut a_rx) = edge("edge-a");
+    let (b, mut b_rx) = edge("edge-b");
+    wait_up(&mut a_rx).await;
+    wait_up(&mut b_rx).await;
+    let say = |link: &LinkClient, m: &Arc<SessionMeta>, seq: u64, text: &'static str| {
+        link.forward(
+            m,
+            ROOM_SAY,
+            1,
+            seq,
+            TrafficClass::Normal,
+            Bytes::from_static(text.as_bytes()),
+        )
+        .unwrap();
+    };
+    // The ROOM_EVENT that reaches `handle` on a link, with `text` in it.
+    async fn event_for(rx: &mut mpsc::Receiver<LinkEvent>, handle: u64, text: &str) {
+        loop {
+            let event = next_event(rx).await;
+            if let Some((h, ROOM_EVENT, body)) = first_push(&event) {
+                if h == handle && String::from_utf8_lossy(&body).ends_with(text) {
+                    return;
+                }
+            }
+        }
+    }
+    // ann speaks in the lobby through edge a, then resumes on edge b and speaks there.
+    let ann = meta(1, "ann");
+    say(&a, &ann, 1, "lobby|hi");
+    event_for(&mut a_rx, 1, "|ann|hi").await;
+    say(&b, &ann, 2, "lobby|back");
+    event_for(&mut b_rx, 1, "|ann|back").await;
+    assert_eq!(demo.room_members("lobby"), 1);
+    // Edge a learns the session left and closes its copy.
+    a.session_event(LinkFrame::SessionClose {
+        handle: 1,
+        code: CloseCode::GoingAway,
+    })
+    .await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while backend.load().sessions() != 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the close was not taken"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Its handler runs on the session's worker right after: give it time to.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        demo.room_members("lobby"),
+        1,
+        "ann is still a member through edge b"
+    );
+    // bob speaks in the lobby: ann hears it on edge b.
+    let bob = meta(2, "bob");
+    say(&b, &bob, 1, "lobby|yo");
+    event_for(&mut b_rx, 1, "|bob|yo").await;
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
 #[tokio::test]
 async fn the_backend_counts_its_sessions_and_messages() {
     let backend = demo_backend("127.0.0.1:0".parse().unwrap(), "b1").await;

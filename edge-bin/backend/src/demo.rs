@@ -271,6 +271,14 @@ impl DemoService {
             .unwrap_or_else(|_| Err(whisper_refusal(None)))
     }
 
+    /// Number of sessions that are members of `room` on this instance.
+    pub fn room_members(&self, room: &str) -> usize {
+        self.rooms
+            .lock()
+            .map(|r| r.get(room).map_or(0, |r| r.members.len()))
+            .unwrap_or(0)
+    }
+
     /// Number of messages said in `room` on this instance.
     pub fn room_counter(&self, room: &str) -> u64 {
         self.rooms
@@ -432,13 +440,24 @@ impl Service for DemoService {
         }
     }
 
+    /// Ends the session's room membership if it is this opening's: after a resume on
+    /// another edge and a ROOM_SAY there, the member is the new edge's opening, and the old
+    /// edge's close (which may come later) leaves it a member.
     async fn session_closed(&self, session: &BackendSession, _code: CloseCode) {
         let sid = *session.session_id();
-        let room = self.room_of.lock().ok().and_then(|mut m| m.remove(&sid));
-        if let (Some(room), Ok(mut rooms)) = (room, self.rooms.lock()) {
-            if let Some(r) = rooms.get_mut(&room) {
-                r.members.remove(&sid);
-            }
+        let (Ok(mut rooms), Ok(mut room_of)) = (self.rooms.lock(), self.room_of.lock()) else {
+            return;
+        };
+        let Some(room) = room_of.get(&sid) else {
+            return;
+        };
+        let Some(r) = rooms.get_mut(room) else {
+            room_of.remove(&sid);
+            return;
+        };
+        if r.members.get(&sid).is_none_or(|m| m.same_opening(session)) {
+            r.members.remove(&sid);
+            room_of.remove(&sid);
         }
     }
 }

@@ -643,6 +643,14 @@ impl BackendSession {
         self.inner.fencing
     }
 
+    /// Whether `other` is this very opening of the session: the same edge link's SESSION_OPEN
+    /// (a session resumed on another edge, or opened again after its link reconnected, is
+    /// another opening with the same session id). A service that keeps sessions can tell
+    /// with it whether a `session_closed` is about the opening it holds.
+    pub fn same_opening(&self, other: &BackendSession) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
     /// The edge this session is connected through.
     pub fn edge_id(&self) -> &str {
         &self.inner.link.edge_id
