@@ -84,6 +84,40 @@ fn parse_nodes(text: &str) -> Vec<NodeLine> {
         .collect()
 }
 
+/// A slot being moved between two masters ([`RedisCluster::begin_slot_move`]).
+pub struct SlotMove {
+    slot: String,
+    from: u16,
+    to: u16,
+    from_id: String,
+    to_id: String,
+    masters: Vec<u16>,
+}
+
+impl SlotMove {
+    /// MIGRATEs `keys` (of the slot) to the importing master.
+    pub fn migrate(&self, keys: &[&str]) {
+        let port = self.to.to_string();
+        let mut args = vec!["migrate", "127.0.0.1", &port, "", "0", "5000", "keys"];
+        args.extend(keys);
+        port_cli(self.from, &args).expect("migrate");
+    }
+
+    /// MIGRATEs every key the slot has left on its old master.
+    fn migrate_all(&self) {
+        for _ in 0..100 {
+            let keys = port_cli(self.from, &["cluster", "getkeysinslot", &self.slot, "100"])
+                .expect("keys");
+            let keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
+            if keys.is_empty() {
+                return;
+            }
+            self.migrate(&keys);
+        }
+        panic!("slot {}: keys left after 100 migrations", self.slot);
+    }
+}
+
 impl RedisCluster {
     /// Starts 6 nodes (3 masters, 3 replicas; node timeout 1 s, replicas always eligible
     /// for failover) and waits until every node reports `cluster_state:ok`.
@@ -220,6 +254,14 @@ impl RedisCluster {
     /// reshard` does: IMPORTING / MIGRATING, MIGRATE, then SETSLOT NODE on every master),
     /// and waits until every node agrees.
     pub fn move_slot(&self, slot: u16, to: u16) {
+        let moving = self.begin_slot_move(slot, to);
+        moving.migrate_all();
+        self.finish_slot_move(&moving);
+    }
+
+    /// Starts moving `slot` to the master on `to`: the slot is MIGRATING on its master and
+    /// IMPORTING on `to`, no key moved yet.
+    pub fn begin_slot_move(&self, slot: u16, to: u16) -> SlotMove {
         let (from, _) = self.serving(slot);
         assert_ne!(from, to, "slot {slot} is on {to} already");
         let text = port_cli(from, &["cluster", "nodes"]).expect("nodes");
@@ -232,24 +274,37 @@ impl RedisCluster {
                 .id
                 .clone()
         };
-        let (from_id, to_id, s) = (id(from), id(to), slot.to_string());
-        port_cli(to, &["cluster", "setslot", &s, "importing", &from_id]).expect("importing");
-        port_cli(from, &["cluster", "setslot", &s, "migrating", &to_id]).expect("migrating");
-        for _ in 0..1_000 {
-            let keys = port_cli(from, &["cluster", "getkeysinslot", &s, "100"]).expect("keys");
-            let keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
-            if keys.is_empty() {
-                break;
-            }
-            let port = to.to_string();
-            let mut args = vec!["migrate", "127.0.0.1", &port, "", "0", "5000", "keys"];
-            args.extend(keys);
-            port_cli(from, &args).expect("migrate");
+        let moving = SlotMove {
+            slot: slot.to_string(),
+            from,
+            to,
+            from_id: id(from),
+            to_id: id(to),
+            masters: lines
+                .iter()
+                .filter(|l| l.master && !l.failed)
+                .map(|l| l.port)
+                .collect(),
+        };
+        let s = &moving.slot;
+        port_cli(to, &["cluster", "setslot", s, "importing", &moving.from_id]).expect("importing");
+        port_cli(from, &["cluster", "setslot", s, "migrating", &moving.to_id]).expect("migrating");
+        moving
+    }
+
+    /// Ends a slot move begun with [`RedisCluster::begin_slot_move`]: the keys left move,
+    /// every master is told the slot's new node, and every node agrees.
+    pub fn finish_slot_move(&self, moving: &SlotMove) {
+        moving.migrate_all();
+        for &port in &moving.masters {
+            port_cli(
+                port,
+                &["cluster", "setslot", &moving.slot, "node", &moving.to_id],
+            )
+            .expect("setslot node");
         }
-        for l in lines.iter().filter(|l| l.master && !l.failed) {
-            port_cli(l.port, &["cluster", "setslot", &s, "node", &to_id]).expect("setslot node");
-        }
-        self.wait_master(slot, to, Duration::from_secs(10));
+        let slot = moving.slot.parse().expect("a slot");
+        self.wait_master(slot, moving.to, Duration::from_secs(10));
     }
 
     /// Seed URLs of every node (`redis://127.0.0.1:PORT`).

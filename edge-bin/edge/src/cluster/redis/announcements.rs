@@ -87,7 +87,7 @@ impl RedisAnnouncementLog {
             .conn
             .pipeline_each(
                 records,
-                |r| self.key(&r.channel, r.position.epoch),
+                |r| (self.key(&r.channel, r.position.epoch), false),
                 |pipe, r| {
                     let cmd = pipe
                         .cmd("EVAL")

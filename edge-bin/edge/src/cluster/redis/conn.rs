@@ -314,12 +314,29 @@ const CLUSTER_SLOTS: u16 = 16_384;
 /// reshards; a failover moves a master's slots together, so grouping stays right).
 const SLOT_OWNERS_MAX_AGE: Duration = Duration::from_secs(10);
 
+/// After a failed read of the slot map, the next one waits this long.
+const SLOT_OWNERS_RETRY: Duration = Duration::from_secs(1);
+
 #[derive(Default)]
 struct SlotOwnersState {
     owners: Option<Arc<SlotOwners>>,
     /// When `owners` was read (None: read again at the next use).
     read_at: Option<std::time::Instant>,
+    /// A read is out (reset by its guard, also if its task is dropped).
     reading: bool,
+    /// No read before this (the last one failed).
+    not_before: Option<std::time::Instant>,
+    /// Bumped when a grouped call failed: a read that started before it is not fresh.
+    generation: u64,
+}
+
+/// Ends a slot map read: whatever happens to its task, the next use may read again.
+struct SlotOwnersRead(Arc<Mutex<SlotOwnersState>>);
+
+impl Drop for SlotOwnersRead {
+    fn drop(&mut self) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).reading = false;
+    }
 }
 
 impl SlotOwners {
@@ -349,11 +366,14 @@ impl SlotOwners {
             let Value::Array(master) = r.get(2)? else {
                 return None;
             };
-            let port = match master.get(1)? {
-                Value::Int(p) => *p,
-                _ => return None,
+            // A master is named by its node id (an endpoint may be "?" or NULL).
+            let name = match master.get(2).and_then(text) {
+                Some(id) if !id.is_empty() => id,
+                _ => match (master.first().and_then(text), master.get(1)) {
+                    (Some(host), Some(Value::Int(port))) => format!("{host}:{port}"),
+                    _ => return None,
+                },
             };
-            let name = format!("{}:{port}", text(master.first()?)?);
             let index = match masters.iter().position(|m| *m == name) {
                 Some(i) => i,
                 None => {
@@ -498,17 +518,17 @@ impl Conn {
             return None;
         };
         let mut state = self.slot_owners.lock().unwrap_or_else(|e| e.into_inner());
+        let now = std::time::Instant::now();
         let fresh = state
             .read_at
-            .is_some_and(|at| at.elapsed() < SLOT_OWNERS_MAX_AGE);
-        if !fresh && !state.reading {
+            .is_some_and(|at| now.duration_since(at) < SLOT_OWNERS_MAX_AGE);
+        let waiting = state.not_before.is_some_and(|at| now < at);
+        if !fresh && !waiting && !state.reading {
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 state.reading = true;
-                let (mut cluster, shared, bound) = (
-                    cluster.clone(),
-                    self.slot_owners.clone(),
-                    self.config.op_timeout,
-                );
+                let guard = SlotOwnersRead(self.slot_owners.clone());
+                let (mut cluster, bound, generation) =
+                    (cluster.clone(), self.config.op_timeout, state.generation);
                 runtime.spawn(async move {
                     let ask = cluster.route_command(
                         redis::cmd("CLUSTER").arg("SLOTS").clone(),
@@ -520,13 +540,16 @@ impl Conn {
                         Ok(Ok(reply)) => SlotOwners::from_reply(&reply),
                         _ => None,
                     };
-                    let mut state = shared.lock().unwrap_or_else(|e| e.into_inner());
-                    state.reading = false;
+                    let mut state = guard.0.lock().unwrap_or_else(|e| e.into_inner());
+                    let now = std::time::Instant::now();
                     if let Some(owners) = owners {
                         state.owners = Some(Arc::new(owners));
-                        state.read_at = Some(std::time::Instant::now());
+                        // Fresh only if no grouped call failed while it was read.
+                        state.read_at = (state.generation == generation).then_some(now);
+                        state.not_before = None;
                     } else {
                         tracing::debug!("redis cluster: the slot map could not be read");
+                        state.not_before = Some(now + SLOT_OWNERS_RETRY);
                     }
                 });
             }
@@ -540,6 +563,7 @@ impl Conn {
     pub(super) fn node_group_failed(&self) {
         let mut state = self.slot_owners.lock().unwrap_or_else(|e| e.into_inner());
         state.read_at = None;
+        state.generation = state.generation.wrapping_add(1);
     }
 
     /// Runs `f` on a clone of the managed connection, bounded by the op timeout.
@@ -554,40 +578,51 @@ impl Conn {
         }
     }
 
-    /// Runs the one command `each` adds for every item: as one pipeline on one Redis, as one
-    /// pipeline per hash tag of `key_of` (concurrently) on a cluster, sent to the master of
-    /// that key's slot whatever the commands declare (so a script call that names its keys
-    /// itself goes where its keys are). The whole is
-    /// bounded by the op timeout; the answer has one result per item, in order (a command
-    /// Redis refused is an `Err` in its place, the others stand).
+    /// Runs the one command `each` adds for every item: as one pipeline on one Redis; on a
+    /// cluster as one pipeline per hash tag of the key `key_of` gives (concurrently), or a
+    /// pipeline of its own for an item it marks alone, each sent to the master of its key's
+    /// slot whatever the commands declare (so a script call that names its keys itself goes
+    /// where its keys are). The whole is bounded by the op timeout; the answer has one
+    /// result per item, in order (a command Redis refused, or every command of a pipeline
+    /// that failed as a whole, is an `Err` in its place; the others stand).
     pub(super) async fn pipeline_each<T>(
         &self,
         items: &[T],
-        key_of: impl Fn(&T) -> String,
+        key_of: impl Fn(&T) -> (String, bool),
         each: impl Fn(&mut redis::Pipeline, &T),
     ) -> Result<Vec<redis::RedisResult<redis::Value>>, RedisError> {
-        // By hash tag on a cluster: (a key of the tag, the items, their pipeline).
-        let mut groups: HashMap<String, (String, Vec<usize>, redis::Pipeline)> = HashMap::new();
+        // (a key of the group, the items, their pipeline); by hash tag on a cluster.
+        let mut groups: Vec<(String, Vec<usize>, redis::Pipeline)> = Vec::new();
+        let mut by_tag: HashMap<String, usize> = HashMap::new();
         for (i, item) in items.iter().enumerate() {
-            let key = if self.is_cluster() {
+            let (key, alone) = if self.is_cluster() {
                 key_of(item)
             } else {
-                String::new()
+                (String::new(), false)
             };
-            let (_, indices, pipe) = groups.entry(hash_tag(&key).to_owned()).or_insert_with(|| {
-                let mut p = redis::pipe();
-                p.ignore_errors();
-                (key, Vec::new(), p)
-            });
+            let group = match (alone, by_tag.get(hash_tag(&key))) {
+                (false, Some(&g)) => g,
+                _ => {
+                    if !alone {
+                        by_tag.insert(hash_tag(&key).to_owned(), groups.len());
+                    }
+                    let mut p = redis::pipe();
+                    p.ignore_errors();
+                    groups.push((key, Vec::new(), p));
+                    groups.len() - 1
+                }
+            };
+            let (_, indices, pipe) = &mut groups[group];
             indices.push(i);
             each(pipe, item);
         }
         let link = self.link.clone();
-        let all =
-            futures_util::future::try_join_all(groups.into_values().map(|(key, indices, pipe)| {
-                let mut link = link.clone();
-                async move {
-                    let replies: Vec<redis::RedisResult<redis::Value>> = match &mut link {
+        let all = futures_util::future::join_all(groups.into_iter().map(|(key, indices, pipe)| {
+            let mut link = link.clone();
+            async move {
+                debug_assert!(!pipe.is_transaction(), "pipeline_each sends no transaction");
+                let replies: redis::RedisResult<Vec<redis::RedisResult<redis::Value>>> =
+                    match &mut link {
                         // To the master of the key's slot, whatever the commands declare
                         // (a script that names its keys itself declares none).
                         Link::Cluster(cluster) => {
@@ -601,33 +636,39 @@ impl Conn {
                                     n,
                                     SingleNodeRoutingInfo::SpecificNode(route),
                                 )
-                                .await?
-                                .into_iter()
-                                .map(|v| match v {
-                                    redis::Value::ServerError(e) => Err(e.into()),
-                                    v => Ok(v),
+                                .await
+                                .map(|values| {
+                                    values
+                                        .into_iter()
+                                        .map(|v| match v {
+                                            redis::Value::ServerError(e) => Err(e.into()),
+                                            v => Ok(v),
+                                        })
+                                        .collect()
                                 })
-                                .collect()
                         }
-                        link => pipe.query_async(link).await?,
+                        link => pipe.query_async(link).await,
                     };
-                    Ok::<_, redis::RedisError>((indices, replies))
-                }
-            }));
-        let done = match tokio::time::timeout(self.config.op_timeout, all).await {
-            Ok(r) => r.map_err(RedisError::from)?,
-            Err(_) => return Err(RedisError::Timeout),
+                (indices, replies)
+            }
+        }));
+        let Ok(done) = tokio::time::timeout(self.config.op_timeout, all).await else {
+            return Err(RedisError::Timeout);
         };
         let mut out: Vec<Option<redis::RedisResult<redis::Value>>> =
             std::iter::repeat_with(|| None).take(items.len()).collect();
         for (indices, replies) in done {
-            if replies.len() != indices.len() {
-                return Err(RedisError::Corrupt(format!(
-                    "{} replies to a pipeline of {}",
-                    replies.len(),
-                    indices.len()
-                )));
-            }
+            let replies = match replies {
+                Ok(r) if r.len() == indices.len() => r,
+                Ok(r) => {
+                    return Err(RedisError::Corrupt(format!(
+                        "{} replies to a pipeline of {}",
+                        r.len(),
+                        indices.len()
+                    )))
+                }
+                Err(e) => vec![Err(e); indices.len()],
+            };
             for (i, r) in indices.into_iter().zip(replies) {
                 out[i] = Some(r);
             }
@@ -826,7 +867,7 @@ mod tests {
             Value::Array(vec![
                 Value::BulkString(b"127.0.0.1".to_vec()),
                 Value::Int(port),
-                Value::BulkString(b"id".to_vec()),
+                Value::BulkString(format!("id-{port}").into_bytes()),
             ])
         };
         let range = |first: i64, last: i64, port: i64| {
@@ -851,6 +892,26 @@ mod tests {
         assert_ne!(at(10_922), at(10_923));
         assert_eq!(at(16_383), at(10_923));
         assert!(at(0).is_some() && at(16_384).is_none());
+        // Masters are told apart by node id, whatever their endpoint says.
+        let unknown = |first: i64, last: i64, id: &[u8]| {
+            Value::Array(vec![
+                Value::Int(first),
+                Value::Int(last),
+                Value::Array(vec![
+                    Value::Nil,
+                    Value::Int(7000),
+                    Value::BulkString(id.to_vec()),
+                ]),
+            ])
+        };
+        let owners = SlotOwners::from_reply(&Value::Array(vec![
+            unknown(0, 99, b"a"),
+            unknown(100, 199, b"b"),
+            unknown(200, 299, b"a"),
+        ]))
+        .expect("a slot map");
+        assert_ne!(owners.master_of(0), owners.master_of(100));
+        assert_eq!(owners.master_of(0), owners.master_of(250));
         let gap = Value::Array(vec![range(0, 99, 7000), range(200, 300, 7001)]);
         let owners = SlotOwners::from_reply(&gap).expect("a slot map");
         assert_eq!(owners.master_of(150), None);

@@ -106,13 +106,17 @@ impl RedisPresence {
         let key = |(player, _): &(String, SessionId)| self.conn.player_key("presence", player);
         let replies = self
             .conn
-            .pipeline_each(entries, key, |pipe, entry| {
-                pipe.cmd("SET")
-                    .arg(key(entry))
-                    .arg(format!("{} {edge}", hex_id(&entry.1)))
-                    .arg("PX")
-                    .arg(ttl);
-            })
+            .pipeline_each(
+                entries,
+                |e| (key(e), false),
+                |pipe, entry| {
+                    pipe.cmd("SET")
+                        .arg(key(entry))
+                        .arg(format!("{} {edge}", hex_id(&entry.1)))
+                        .arg("PX")
+                        .arg(ttl);
+                },
+            )
             .await?;
         replies
             .into_iter()

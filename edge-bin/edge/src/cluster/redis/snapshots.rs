@@ -42,7 +42,8 @@ use super::{RedisConfig, RedisError};
 /// snapshot's key). `apply_delta`: one delta of PUT_DELTAS (a table, see PUT_DELTAS),
 /// given the stored record's fencing token and entry range (`f`, `r`, read by the caller),
 /// answering 1 (applied), 0 (fenced: the player or the stored snapshot is newer) or 2 (the
-/// stored record is not the one the delta starts from: write it whole). It drops the entries
+/// stored record is not the one the delta starts from, or — `fence_required`, for keys the
+/// call did not declare — the player has no fence: write it whole). It drops the entries
 /// of the range it starts from that the new range does not hold, adds those of the new
 /// range the old one did not hold (their values in seq order, as [`span_delta`] says),
 /// sets the other fields given, replaces `c` (and `d` unless it is ''), and sets the
@@ -73,8 +74,9 @@ local function minus(a, b, c, d, each)
   for s = a, math.min(b, c - 1) do each(s) end
   for s = math.max(a, d + 1), b do each(s) end
 end
-local function apply_delta(fence, snap, owner, stored_f, stored_r, d, ttl)
+local function apply_delta(fence, snap, owner, stored_f, stored_r, d, ttl, fence_required)
   local c = redis.call('GET', fence)
+  if not c and fence_required then return 2 end
   if c and tonumber(c) > d.f then return 0 end
   if not stored_f then return 2 end
   if tonumber(stored_f) > d.f then return 0 end
@@ -174,14 +176,17 @@ for s, d in ipairs(deltas) do
     if declared then
       local snap = KEYS[3 * s - 1]
       local v = redis.call('HMGET', snap, 'f', 'r')
-      return apply_delta(KEYS[3 * s - 2], snap, KEYS[3 * s], v[1], v[2], d, ttl)
+      return apply_delta(KEYS[3 * s - 2], snap, KEYS[3 * s], v[1], v[2], d, ttl, false)
     end
     local hex = string.format(string.rep('%02x', #sid), string.byte(sid, 1, #sid))
     local slot = prefix .. ':{' .. string.sub(hex, 1, tag) .. '}:'
     local snap = slot .. 'snap:' .. hex
     local v = redis.call('HMGET', snap, 'f', 'r', 'l')
     if not v[3] then return 2 end
-    return apply_delta(slot .. 'fence:' .. v[3], snap, slot .. 'owner:' .. v[3], v[1], v[2], d, ttl)
+    -- Keys named here are not declared: one read as absent (a slot being imported, were
+    -- the call ever run after ASKING) must not pass the fencing check, so a missing fence
+    -- makes the write whole (declared keys, redirected properly).
+    return apply_delta(slot .. 'fence:' .. v[3], snap, slot .. 'owner:' .. v[3], v[1], v[2], d, ttl, true)
   end
   local ok, r = pcall(one)
   out[s] = ok and r or 3
@@ -750,7 +755,8 @@ impl RedisSnapshotStore {
     /// is made again whole, and a script Redis lost (restarted, failed over) is sent again
     /// as its text (EVAL, which loads it): both in one more pipeline for the whole group,
     /// never one round trip per write, so a Redis that comes back empty costs a group three
-    /// round trips at most, each bounded by the op timeout.
+    /// round trips at most (four on a cluster when a master's call failed first: it goes
+    /// again by hash tag), each bounded by the op timeout.
     pub async fn put_many_fenced(
         &self,
         writes: &[SnapshotWrite],
@@ -839,11 +845,17 @@ impl RedisSnapshotStore {
                 .conn
                 .pipeline_each(
                     &calls,
+                    // A master's call goes alone: were the other commands of a shared
+                    // pipeline redirected by ASK, the client would send the whole pipeline
+                    // again after ASKING.
                     |call| match call {
-                        Call::Whole(_, keys, ..) => keys[1].clone(),
-                        Call::Deltas(members, ..) => members
-                            .first()
-                            .map_or(String::new(), |(_, d)| d.keys[1].clone()),
+                        Call::Whole(_, keys, ..) => (keys[1].clone(), false),
+                        Call::Deltas(members, _, _, cross) => (
+                            members
+                                .first()
+                                .map_or(String::new(), |(_, d)| d.keys[1].clone()),
+                            *cross,
+                        ),
                     },
                     |pipe, call| match call {
                         Call::Deltas(members, blob, text, cross) => {
