@@ -1010,7 +1010,8 @@ impl Driver {
             .saturating_mul(1u32 << self.failures.min(16))
             .min(self.options.backoff_max);
         let jitter = rand::rng().random_range(0..=cap.as_millis() as u64);
-        let delay = Duration::from_millis(jitter.max(u64::from(at_least_ms)));
+        // The hint plus the jitter: clients refused together must not come back together.
+        let delay = Duration::from_millis(u64::from(at_least_ms) + jitter);
         self.next_connect = Instant::now() + delay;
     }
 

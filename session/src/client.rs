@@ -34,7 +34,8 @@ pub const LIVENESS_CALM: Duration = Duration::from_secs(30);
 pub struct ClientConfig {
     /// When to acknowledge downstream messages.
     pub ack: AckPolicy,
-    /// Most unacked upstream messages kept for resending; beyond it `send` refuses.
+    /// Most unacked upstream messages kept for resending; beyond it `send` refuses. At most
+    /// 4,096, the edge's window (a larger value counts as 4,096).
     pub max_unacked: usize,
     /// A connection is dead when something has been outstanding this long with no frame
     /// received: a sequenced message (the edge acks within its ack delay, 20 ms by default)
@@ -542,7 +543,12 @@ impl ClientSession {
             );
             return Ok(Some(0));
         }
-        if self.unacked.len() >= self.config.max_unacked {
+        // Never beyond the edge's window (PROTOCOL.md §7.4.1): a seq past it closes the link.
+        let most = self
+            .config
+            .max_unacked
+            .min(usize::try_from(crate::seq::DEFAULT_RECV_WINDOW).unwrap_or(usize::MAX));
+        if self.unacked.len() >= most {
             return Err(ClientError::SendBufferFull(self.unacked.len()));
         }
         let seq = self.next_up_seq;

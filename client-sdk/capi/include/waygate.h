@@ -348,7 +348,7 @@ typedef struct waygate_options {
   uint32_t backoff_max_ms;
   /**
    * Most sent-but-unacked messages kept for resending; beyond it `waygate_client_send`
-   * returns `WAYGATE_BUFFER_FULL` (default 4096).
+   * returns `WAYGATE_BUFFER_FULL` (default and most 4096, the edge's window).
    */
   uint32_t max_unacked;
   /**

@@ -62,7 +62,7 @@ pub struct waygate_options {
     /// Largest reconnect delay (default 5000 ms).
     pub backoff_max_ms: u32,
     /// Most sent-but-unacked messages kept for resending; beyond it `waygate_client_send`
-    /// returns `WAYGATE_BUFFER_FULL` (default 4096).
+    /// returns `WAYGATE_BUFFER_FULL` (default and most 4096, the edge's window).
     pub max_unacked: u32,
     /// The 32-byte session key the login service handed out beside a connect token (`token`
     /// of format version 2, PROTOCOL.md §7.2.2): KCP sessions are then sealed with it (every

@@ -20,6 +20,7 @@ import {
   RESERVED_MSG_IDS_START,
   CloseCode,
   DEFAULT_MAX_FRAME_SIZE,
+  MAX_TOKEN_LEN,
   type Frame,
   type Id,
   PROTOCOL_VERSION,
@@ -101,7 +102,7 @@ export interface ClientOptions {
   ackDelayMs?: number;
   /** ...or at once when this many messages are unacknowledged. Default 16. */
   ackEvery?: number;
-  /** Most unacked sequenced upstream messages kept for resending; beyond it `send` throws. Default 4096. */
+  /** Most unacked sequenced upstream messages kept for resending; beyond it `send` throws. Default and most 4096 (the edge's window). */
   maxUnacked?: number;
   /**
    * A connection is dead when a sequenced message or a PING has been outstanding this long
@@ -398,6 +399,15 @@ function codeFromWsStatus(status: number): number | null {
  * A waygate session over WebSocket. Create it, subscribe with `on`, call `connect()`, then
  * `send()`; it reconnects and resumes by itself until `close()` or a terminal event.
  */
+/** An auth token as bytes; a `RangeError` if no HELLO can carry it (§1: at most 4,096 bytes). */
+function checkedToken(token: Uint8Array | string): Uint8Array {
+  const bytes = typeof token === "string" ? base64UrlDecode(token) : token;
+  if (bytes.length > MAX_TOKEN_LEN) {
+    throw new RangeError(`auth token of ${bytes.length} bytes: at most ${MAX_TOKEN_LEN} fit a HELLO`);
+  }
+  return bytes;
+}
+
 export class WaygateClient {
   private readonly urls: string[];
   private token: Uint8Array;
@@ -487,7 +497,7 @@ export class WaygateClient {
     for (const u of this.urls) {
       if (!/^wss?:\/\//i.test(u)) throw new TypeError(`not a ws:// or wss:// URL: ${u}`);
     }
-    this.token = typeof options.token === "string" ? base64UrlDecode(options.token) : options.token;
+    this.token = checkedToken(options.token);
     const WS = options.WebSocket ?? (globalThis as { WebSocket?: WebSocketConstructor }).WebSocket;
     if (!WS) throw new TypeError("no WebSocket implementation: pass options.WebSocket");
     this.WS = WS;
@@ -497,7 +507,8 @@ export class WaygateClient {
       handshakeTimeoutMs: options.handshakeTimeoutMs ?? 10_000,
       ackDelayMs: options.ackDelayMs ?? 20,
       ackEvery: options.ackEvery ?? 16,
-      maxUnacked: options.maxUnacked ?? 4096,
+      // Never beyond the edge's window (§7.4.1): a seq past it closes the link.
+      maxUnacked: Math.min(options.maxUnacked ?? 4096, 4096),
       livenessMs: options.livenessMs ?? 1000,
       maxOfflineAgeMs: options.maxOfflineAgeMs ?? 0,
       lifecycleHooks: options.lifecycleHooks ?? true,
@@ -582,7 +593,9 @@ export class WaygateClient {
     if (this._state !== "waiting") {
       const wasActive = this._state === "active";
       const ws = this.ws;
-      if (ws && ws.readyState === WS_OPEN) {
+      // Before WELCOME a client sends nothing but PING (§7.1): a CLOSE there could spend a
+      // resume token whose WELCOME this client will never read.
+      if (wasActive && ws && ws.readyState === WS_OPEN) {
         this.transmit({ type: "close", code: CloseCode.going_away, message: "reconnecting" });
       }
       this.dropSocket(1000, "reconnecting");
@@ -607,7 +620,7 @@ export class WaygateClient {
     this.clearGiveUp();
     const wasActive = this._state === "active";
     const ws = this.ws;
-    if (ws && ws.readyState === WS_OPEN) {
+    if (wasActive && ws && ws.readyState === WS_OPEN) {
       this.transmit({ type: "close", code: CloseCode.going_away, message: "paused" });
     }
     this.dropSocket(1000, "paused");
@@ -624,9 +637,12 @@ export class WaygateClient {
     });
   }
 
-  /** Replaces the auth token (e.g. refreshed from the login service). */
+  /**
+   * Replaces the auth token (e.g. refreshed from the login service). Throws `RangeError`
+   * for a token over {@link MAX_TOKEN_LEN} bytes (no HELLO can carry it, §1).
+   */
   setToken(token: Uint8Array | string): void {
-    this.token = typeof token === "string" ? base64UrlDecode(token) : token;
+    this.token = checkedToken(token);
     this.resumeOnly = false;
     this.tokenEpoch++;
   }
@@ -954,7 +970,9 @@ export class WaygateClient {
     this.ws = ws;
     this.handshakeTimer = setTimeout(() => {
       if (gen !== this.gen) return;
-      this.failLink(CloseCode.handshake_timeout, "no WELCOME within the handshake timeout");
+      // No CLOSE: before WELCOME only PING goes out (§7.1), and a CLOSE crossing a resume's
+      // WELCOME would spend the resume token this client still holds.
+      this.failLink(CloseCode.handshake_timeout, "no WELCOME within the handshake timeout", false);
     }, this.opts.handshakeTimeoutMs);
     ws.onopen = () => {
       if (gen !== this.gen) return;
@@ -1064,10 +1082,13 @@ export class WaygateClient {
     }
   }
 
-  /** Ends the link with our own CLOSE(code), then reconnects. */
-  private failLink(code: number, reason: string): void {
+  /**
+   * Ends the link with our own CLOSE(code) (unless `tellEdge` is false: a handshake that
+   * timed out sends none, §7.1), then reconnects.
+   */
+  private failLink(code: number, reason: string, tellEdge = true): void {
     const wasActive = this._state === "active";
-    if (this.ws && this.ws.readyState === WS_OPEN) this.transmit({ type: "close", code, message: reason.slice(0, 200) });
+    if (tellEdge && this.ws && this.ws.readyState === WS_OPEN) this.transmit({ type: "close", code, message: reason.slice(0, 200) });
     this.dropSocket(code < 1000 ? 4000 + code : 1000, reason.slice(0, 100));
     if (wasActive) {
       this.failures = 0;
@@ -1079,7 +1100,7 @@ export class WaygateClient {
 
   /**
    * An attempt failed before WELCOME: `connectFailed` (unless it was a REJECT, already
-   * reported as an `error`), then the next URL, exponential backoff, at least `retryAfterMs`.
+   * reported as an `error`), then the next URL, exponential backoff: `retryAfterMs` plus the jitter.
    */
   private attemptFailed(code: number | null, reason: string, retryAfterMs: number, rejected = false): void {
     this.dropSocket(1000, "attempt failed");
@@ -1100,7 +1121,8 @@ export class WaygateClient {
     }
     const cap = Math.min(this.opts.backoffMaxMs, this.opts.backoffMinMs * 2 ** Math.min(this.failures, 16));
     const jitter = Math.floor(this.opts.random() * (cap + 1));
-    this.scheduleReconnect(Math.max(jitter, retryAfterMs), { code, reason, wasActive: false });
+    // The hint plus the jitter: clients refused together must not all come back together.
+    this.scheduleReconnect(retryAfterMs + jitter, { code, reason, wasActive: false });
   }
 
   /** Reports the lost link and reconnects after `delayMs` (or leaves that to the caller: `noTimer`). */

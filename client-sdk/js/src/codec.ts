@@ -88,6 +88,10 @@ export const CloseCode = {
   no_route: 404,
   draining: 405,
   stale_epoch: 406,
+  queue_full: 407,
+  unknown_channel_kind: 408,
+  member_offline: 409,
+  channel_limit: 410,
   internal: 500,
 } as const;
 

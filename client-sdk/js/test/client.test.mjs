@@ -214,6 +214,19 @@ test("REJECT retry-after is honoured; the next attempt goes to the next URL", as
   ctx.client.close();
 });
 
+// Regression (2026-12-05, the same audit): the wait after a REJECT was max(jitter,
+// retry-after), so every client refused with a 1,000 ms hint came back at that very
+// instant. It is now the hint plus the jitter (§5).
+test("a REJECT's retry-after gets the jitter on top", async () => {
+  const ctx = setup({ random: () => 0.5, backoffMinMs: 100, backoffMaxMs: 100 });
+  ctx.client.connect();
+  const ws = ctx.WS.all.at(-1);
+  await ws.open();
+  ws.deliver({ type: "reject", code: CloseCode.draining, retryAfterMs: 1000, message: "" });
+  assert.deepEqual(ctx.named("disconnected").map((e) => e.retryInMs), [1050]);
+  ctx.client.close();
+});
+
 test("exponential backoff with full jitter: caps double up to the maximum", async () => {
   const ctx = setup({ random: () => 0.999999, backoffMinMs: 2, backoffMaxMs: 16 });
   ctx.client.connect();
@@ -296,7 +309,8 @@ test("connectFailed: no WELCOME within the handshake timeout is one failed attem
     ]);
     assert.equal(ctx.WS.all.length, 1, "backing off");
     assert.deepEqual(ctx.named("disconnected").map((e) => [e.code, e.wasActive, e.retryInMs >= 1000]), [[CloseCode.handshake_timeout, false, true]]);
-    if (opened) assert.deepEqual(ws.take().at(-1), { type: "close", code: CloseCode.handshake_timeout, message: "no WELCOME within the handshake timeout" });
+    // Before WELCOME only PING goes out (§7.1): no CLOSE, the socket alone is closed.
+    if (opened) assert.deepEqual(ws.take().map((f) => f.type), ["hello"]);
     assert.equal(ws.closed.code, 4000 + CloseCode.handshake_timeout);
     ctx.client.close();
   }
@@ -893,6 +907,49 @@ test("pause: the link closes with going_away, no socket (nor give-up) until reco
     ["while-paused"],
   );
   ctx.client.close();
+});
+
+// Regression (2026-12-05, an audit against PROTOCOL.md §7.1): reconnectNow, pause and the
+// handshake timeout sent CLOSE on a socket still waiting for WELCOME. The edge, whose
+// WELCOME of a resume was on its way, took that CLOSE as the first frame after WELCOME and
+// spent the resume token the client still held: its next resume got REJECT 300, a new
+// session, and its unacknowledged messages were lost.
+test("before WELCOME, reconnectNow and pause close the socket without a CLOSE frame", async () => {
+  for (const act of ["reconnectNow", "pause"]) {
+    const ctx = setup();
+    const { ws } = await connect(ctx);
+    ws.take();
+    ws.deliver(data(1));
+    ws.drop(); // the link drops; the client resumes on a new socket
+    await sleep(20);
+    const ws2 = ctx.WS.all.at(-1);
+    assert.notEqual(ws2, ws);
+    await ws2.open();
+    assert.deepEqual(ws2.take().map((f) => f.type), ["hello"], "a resume HELLO, unanswered");
+    ctx.client[act]();
+    assert.deepEqual(ws2.take(), [], `${act}: nothing sent before WELCOME`);
+    assert.ok(ws2.closed, `${act}: the socket is closed`);
+    ctx.client.close();
+  }
+});
+
+// Regression (2026-12-05, the same audit): a token over 4,096 bytes threw inside the
+// asynchronous HELLO (an unhandled rejection in Node; in a browser, "no WELCOME" retries for
+// ever). It is refused where it is given.
+test("an auth token no HELLO can carry is refused by the constructor and setToken", () => {
+  const big = new Uint8Array(4097);
+  assert.throws(() => setup({ token: big }), RangeError);
+  const ctx = setup({ token: new Uint8Array(4096) });
+  assert.throws(() => ctx.client.setToken(big), RangeError);
+  ctx.client.setToken(new Uint8Array(16));
+  ctx.client.close();
+});
+
+test("the channel codes 407-410 have their names (§4)", () => {
+  assert.deepEqual(
+    [407, 408, 409, 410].map((c) => Object.entries(CloseCode).find(([, v]) => v === c)?.[0]),
+    ["queue_full", "unknown_channel_kind", "member_offline", "channel_limit"],
+  );
 });
 
 test("reconnectNow while backing off forgets the backoff; no-op before connect()", async () => {
