@@ -596,6 +596,10 @@ struct Driver {
     migrate_to: Option<Endpoint>,
     next_connect: Instant,
     failures: u32,
+    /// When the last WELCOME came, and how many links in a row died within [`QUICK_LOSS`]
+    /// of theirs (each such loss backs the reconnect off).
+    welcomed_at: Instant,
+    quick_losses: u32,
     events: mpsc::Sender<Event>,
     /// Events not yet taken by the application. The worker never waits for the
     /// application: it hands these over as the channel has room, and stops reading the
@@ -650,6 +654,10 @@ const SEND_DEADLINE: Duration = Duration::from_secs(5);
 /// Most frames read without waiting before the timers run.
 const READY_BATCH: usize = 256;
 
+/// A link that dies within this long of its WELCOME backs the next reconnect off (PROTOCOL.md
+/// §5: a client must not spin against an edge that closes every link it resumes).
+const QUICK_LOSS: Duration = Duration::from_secs(1);
+
 async fn run(
     options: ClientOptions,
     mut cmds: mpsc::Receiver<Cmd>,
@@ -668,6 +676,8 @@ async fn run(
         migrate_to: None,
         next_connect: Instant::now(),
         failures: 0,
+        welcomed_at: Instant::now(),
+        quick_losses: 0,
         events,
         pending: std::collections::VecDeque::new(),
         dropped: 0,
@@ -1004,10 +1014,16 @@ impl Driver {
     }
 
     fn schedule_backoff(&mut self, at_least_ms: u32) {
+        self.schedule_backoff_after(self.failures, at_least_ms);
+    }
+
+    /// The next connect after `failures` failures: the hint, plus a full jitter under a
+    /// cap that doubles per failure.
+    fn schedule_backoff_after(&mut self, failures: u32, at_least_ms: u32) {
         let cap = self
             .options
             .backoff_min
-            .saturating_mul(1u32 << self.failures.min(16))
+            .saturating_mul(1u32 << failures.min(16))
             .min(self.options.backoff_max);
         let jitter = rand::rng().random_range(0..=cap.as_millis() as u64);
         // The hint plus the jitter: clients refused together must not come back together.
@@ -1111,9 +1127,16 @@ impl Driver {
     fn after_link_down(&mut self, code: CloseCode, welcomed: bool) {
         tracing::debug!(?code, welcomed, "link down (transport)");
         self.conn = None;
-        if welcomed {
+        if welcomed && self.welcomed_at.elapsed() >= QUICK_LOSS {
             // A session that was up reconnects at once (resume quickly).
+            self.quick_losses = 0;
             self.next_connect = Instant::now();
+        } else if welcomed {
+            // Dead within QUICK_LOSS of its WELCOME (and so the ones before it): something
+            // the edge does to every link at once (a message it closes on, resent on each
+            // resume). Back off as after failed attempts, so the client does not spin.
+            self.quick_losses = self.quick_losses.saturating_add(1);
+            self.schedule_backoff_after(self.quick_losses - 1, 0);
         } else {
             // Dropped before WELCOME: a failure like a refused connect, so a server that
             // accepts and closes cannot make the client spin (full-jitter backoff).
@@ -1315,6 +1338,7 @@ impl Driver {
                     outcome,
                 } => {
                     self.failures = 0;
+                    self.welcomed_at = Instant::now();
                     self.down_since = None;
                     if outcome == WelcomeOutcome::RestoreFailedNewSession
                         || (outcome == WelcomeOutcome::NewSession && self.had_session)

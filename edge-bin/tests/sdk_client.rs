@@ -194,6 +194,49 @@ async fn rejecting_server(
     (addr, rx)
 }
 
+/// Regression (2026-12-05, an audit of the SDKs against PROTOCOL.md): a link that had its
+/// WELCOME reconnected at once when it died, so an edge that closes every link right after
+/// its WELCOME (a message it refuses, resent on each resume) had the client spin: hundreds of
+/// connections a second. Links that die within 1 s of their WELCOME now back off like failed
+/// attempts (100 ms doubling, full jitter).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn links_that_die_right_after_their_welcome_back_off() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, mut arrivals) = tokio::sync::mpsc::unbounded_channel();
+    let server = tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            let _ = tx.send(());
+            let mut hello = [0u8; 4096];
+            let _ = tokio::io::AsyncReadExt::read(&mut sock, &mut hello).await;
+            let mut out = bytes::BytesMut::new();
+            waygate_protocol::codec::StreamCodec::new(65536)
+                .encode(&new_session_welcome(7, 8), &mut out)
+                .unwrap();
+            let _ = sock.write_all(&out).await;
+            let _ = sock.shutdown().await;
+        }
+    });
+    let client = Client::start(ClientOptions::new(
+        vec![Endpoint::new(TransportKind::Tcp, addr)],
+        token("spinning"),
+    ));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut connections = 0;
+    while arrivals.try_recv().is_ok() {
+        connections += 1;
+    }
+    assert!(
+        (2..=20).contains(&connections),
+        "{connections} connections in 1.5 s to an edge that closes each link after WELCOME"
+    );
+    drop(client);
+    server.abort();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_after_is_honoured() {
     let (addr, mut arrivals) = rejecting_server(700).await;

@@ -428,6 +428,10 @@ export class WaygateClient {
   private migrateTo: string | null = null;
   private failures = 0;
   private connects = 0;
+  /** When the last WELCOME came (ms, `now()`), and how many links in a row died within
+   * {@link QUICK_LOSS_MS} of theirs (each such loss backs off). */
+  private welcomedAt = 0;
+  private quickLosses = 0;
   /** The auth token expired: resume with the resume part alone (§7.1.1). */
   private resumeOnly = false;
   /** Bumped by `setToken`; `helloTokenEpoch` is its value when the last HELLO went out. */
@@ -1074,12 +1078,28 @@ export class WaygateClient {
       return;
     }
     if (wasActive) {
-      // The first reconnect after a working link is immediate; failures then back off.
-      this.failures = 0;
-      this.scheduleReconnect(0, { code, reason, wasActive: true });
+      this.reconnectAfterActive(code, reason);
     } else {
       this.attemptFailed(code, reason, 0);
     }
+  }
+
+  /**
+   * A link that had its WELCOME ended: reconnect at once, unless it (and the ones before
+   * it) died within {@link QUICK_LOSS_MS} of their WELCOME — something the edge does to
+   * every link at once (a message it closes on, resent on each resume) — then back off as
+   * after failed attempts, so the client does not spin.
+   */
+  private reconnectAfterActive(code: number | null, reason: string): void {
+    this.failures = 0;
+    if (now() - this.welcomedAt >= QUICK_LOSS_MS) {
+      this.quickLosses = 0;
+      this.scheduleReconnect(0, { code, reason, wasActive: true });
+      return;
+    }
+    this.quickLosses++;
+    const cap = Math.min(this.opts.backoffMaxMs, this.opts.backoffMinMs * 2 ** Math.min(this.quickLosses - 1, 16));
+    this.scheduleReconnect(Math.floor(this.opts.random() * (cap + 1)), { code, reason, wasActive: true });
   }
 
   /**
@@ -1091,8 +1111,7 @@ export class WaygateClient {
     if (tellEdge && this.ws && this.ws.readyState === WS_OPEN) this.transmit({ type: "close", code, message: reason.slice(0, 200) });
     this.dropSocket(code < 1000 ? 4000 + code : 1000, reason.slice(0, 100));
     if (wasActive) {
-      this.failures = 0;
-      this.scheduleReconnect(0, { code, reason, wasActive: true });
+      this.reconnectAfterActive(code, reason);
     } else {
       this.attemptFailed(code, reason, 0);
     }
@@ -1456,6 +1475,7 @@ export class WaygateClient {
     }
     this._state = "active";
     this.failures = 0;
+    this.welcomedAt = now();
     this.connects++;
     this.migrateTo = null;
     this.clearGiveUp();
@@ -1696,6 +1716,9 @@ export class WaygateClient {
     }, period);
   }
 }
+
+/** A link that dies within this long of its WELCOME backs the next reconnect off. */
+const QUICK_LOSS_MS = 1000;
 
 function now(): number {
   return typeof performance !== "undefined" ? performance.now() : Date.now();

@@ -227,6 +227,28 @@ test("a REJECT's retry-after gets the jitter on top", async () => {
   ctx.client.close();
 });
 
+// Regression (2026-12-05, the same audit): every link that had a WELCOME reconnected at
+// once when it died, so an edge closing each link right after WELCOME (a message it refuses,
+// resent on every resume) had the client spin. Links that die within 1 s of their WELCOME
+// now back off like failed attempts; one that lived longer reconnects at once again.
+test("links that die right after their WELCOME back off; a link that lived resets it", async () => {
+  const ctx = setup({ random: () => 0.999, backoffMinMs: 10, backoffMaxMs: 80 });
+  let { ws } = await connect(ctx);
+  for (let i = 0; i < 5; i++) {
+    ws.drop();
+    await sleep(100); // past the largest backoff (80 ms)
+    ws = ctx.WS.all.at(-1);
+    await ws.open();
+    ws.take();
+    ws.deliver(welcome(1, { serverSeqBase: 0n }));
+  }
+  assert.deepEqual(ctx.named("disconnected").map((e) => e.retryInMs), [10, 20, 40, 80, 80]);
+  await sleep(1050); // this link lives past 1 s
+  ws.drop();
+  assert.equal(ctx.named("disconnected").at(-1).retryInMs, 0, "at once after a link that lived");
+  ctx.client.close();
+});
+
 test("exponential backoff with full jitter: caps double up to the maximum", async () => {
   const ctx = setup({ random: () => 0.999999, backoffMinMs: 2, backoffMaxMs: 16 });
   ctx.client.connect();
