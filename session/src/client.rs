@@ -424,12 +424,17 @@ impl ClientSession {
     }
 
     fn push(&mut self, now: Instant, frame: Frame) {
-        self.last_tx = Some(now);
         let expects_answer = match &frame {
             Frame::Data(d) => d.seq > 0,
             Frame::Ping { .. } => true,
             _ => false,
         };
+        if expects_answer {
+            // The heartbeat counts only frames the edge answers: a client sending nothing
+            // but best-effort DATA and ACKs still PINGs, or it would never learn its link
+            // died (PROTOCOL.md §7.5).
+            self.last_tx = Some(now);
+        }
         if expects_answer && self.state == ClientState::Active && self.waiting_since.is_none() {
             self.waiting_since = Some(now);
         }
@@ -802,6 +807,8 @@ impl ClientSession {
                 }
                 self.session = Some((w.session_id, w.resume_token));
                 self.heartbeat = Some(Duration::from_millis(w.heartbeat_interval_ms.into()));
+                // The heartbeat interval runs from the WELCOME.
+                self.last_tx = Some(now);
                 self.server_max_frame = usize::try_from(w.max_frame_size).unwrap_or(usize::MAX);
                 // Events of this WELCOME (expiries) follow the Welcomed event.
                 let welcome_events_at = self.events.len();

@@ -1269,10 +1269,12 @@ export class WaygateClient {
     if (!ws || ws.readyState !== WS_OPEN) return false;
     if (this.helloPending && f.type !== "hello") return false; // HELLO is the first frame (§7.1).
     ws.send(encodeFrame(f));
-    this.lastTx = now();
     const expectsAnswer = (f.type === "data" && f.seq > 0n) || f.type === "ping";
+    // The heartbeat counts only frames the edge answers (§7.5): a client sending nothing but
+    // best-effort DATA and ACKs still PINGs, or it would never learn its link died.
+    if (expectsAnswer) this.lastTx = now();
     if (expectsAnswer && this._state === "active" && this.waitingSince === null) {
-      this.waitingSince = this.lastTx;
+      this.waitingSince = now();
     }
     return true;
   }
@@ -1434,6 +1436,7 @@ export class WaygateClient {
     this.session = { id: w.sessionId, token: w.resumeToken, nonce };
     this.calmSince = now();
     this.heartbeatMs = w.heartbeatIntervalMs;
+    this.lastTx = now(); // the heartbeat interval runs from the WELCOME
     this.idleTimeoutMs = w.idleTimeoutMs;
     // §10.2: what this client sends is refused above the smaller of its own limit and the
     // WELCOME's; what it receives may be as large as the WELCOME says.

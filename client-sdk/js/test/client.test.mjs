@@ -635,6 +635,23 @@ test("PING answered with PONG; idle heartbeat PING; PONG gives an RTT sample", a
   ctx.client.close();
 });
 
+// Regression (2026-12-05, an audit against PROTOCOL.md §7.5): any frame sent reset the
+// heartbeat, so a client streaming best-effort DATA never PINGed and a dead link was
+// noticed only by the idle timeout.
+test("a client sending only best-effort DATA still PINGs every heartbeat interval", async () => {
+  const ctx = setup();
+  const { ws } = await connect(ctx, 0, { heartbeatIntervalMs: 60 });
+  ws.take();
+  for (let i = 0; i < 15; i++) {
+    ctx.client.send(1000, "input", "bestEffort");
+    await sleep(10);
+  }
+  const sent = ws.take();
+  assert.ok(sent.filter((f) => f.type === "data").length >= 10);
+  assert.ok(sent.some((f) => f.type === "ping"), "a PING among best-effort DATA");
+  ctx.client.close();
+});
+
 test("nothing received within idle_timeout: the client gives up on the link and resumes", async () => {
   const ctx = setup();
   const { ws } = await connect(ctx, 0, { heartbeatIntervalMs: 1000, idleTimeoutMs: 80 });

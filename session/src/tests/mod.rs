@@ -214,6 +214,44 @@ fn welcomed_client(now: std::time::Instant) -> crate::client::ClientSession {
     client
 }
 
+/// Regression (2026-12-05, an audit of the SDKs against PROTOCOL.md §7.5): the heartbeat
+/// counted every frame sent, so a client sending only best-effort DATA (a game streaming
+/// inputs) never sent PING, had nothing outstanding, and a link that went dead was noticed
+/// only by the idle timeout (30 s), not by the liveness rule (~1 s). Only frames the edge
+/// answers (PING, sequenced DATA) count now.
+#[test]
+fn a_client_sending_only_best_effort_still_pings() {
+    let t0 = std::time::Instant::now();
+    let mut client = welcomed_client(t0);
+    while client.poll_transmit().is_some() {}
+    let mut pings = 0;
+    for step in 1..=300u64 {
+        // 30 s of best-effort DATA every 100 ms.
+        let now = t0 + Duration::from_millis(100 * step);
+        client
+            .send(
+                now,
+                TrafficClass::BestEffort,
+                7,
+                Bytes::from_static(b"input"),
+            )
+            .expect("send");
+        if client.poll_timeout().is_some_and(|t| t <= now) {
+            client.handle_timeout(now);
+        }
+        while let Some(f) = client.poll_transmit() {
+            if matches!(f, Frame::Ping { .. }) {
+                pings += 1;
+                // The edge answers.
+                client
+                    .handle_frame(now, Frame::Pong { timestamp: 0 })
+                    .expect("pong");
+            }
+        }
+    }
+    assert!(pings >= 2, "{pings} PINGs in 30 s of best-effort DATA");
+}
+
 /// Regression (2026-12-05, a review of the SDKs against PROTOCOL.md §7.5): the SDK stops
 /// reading its link while its event backlog is full (the application does not take its
 /// events), but the liveness rule went on judging the link, so a healthy one was called
