@@ -123,12 +123,7 @@ async fn deltas_cost_the_cluster_their_calls(cluster: &RedisCluster, s: &RedisSt
     // A slot moves to another master: the edge's map still has the old one.
     let moved = written[0].player_id.clone();
     let slot = cluster.slot(&player_key("owner", &moved));
-    let (from, _) = cluster.serving(slot);
-    let to = [0, 8_000, 16_000]
-        .into_iter()
-        .map(|s| cluster.serving(s).0)
-        .find(|&p| p != from)
-        .expect("another master");
+    let to = cluster.another_master(slot);
     cluster.move_slot(slot, to);
     let evals = cluster.masters_calls("eval");
     let (next, calls, _) = commit(&written, 50).await;
@@ -158,13 +153,7 @@ async fn deltas_cost_the_cluster_their_calls(cluster: &RedisCluster, s: &RedisSt
         .await
         .expect("claim on another edge");
     let slot = cluster.slot(&player_key("fence", &player));
-    let (from, _) = cluster.serving(slot);
-    let to = [0, 8_000, 16_000]
-        .into_iter()
-        .map(|s| cluster.serving(s).0)
-        .find(|&p| p != from)
-        .expect("another master");
-    let moving = cluster.begin_slot_move(slot, to);
+    let moving = cluster.begin_slot_move(slot, cluster.another_master(slot));
     moving.migrate(&[&player_key("fence", &player)]);
     let after = one_entry_more(&next, 60, &[0x3c; 64]);
     let results = s.snapshots.put_many(&after, ttl).await;

@@ -250,6 +250,17 @@ impl RedisCluster {
             .sum()
     }
 
+    /// The port of a master that does not serve `slot` (the three masters split the slots
+    /// in thirds).
+    pub fn another_master(&self, slot: u16) -> u16 {
+        let (from, _) = self.serving(slot);
+        [0, 8_000, 16_000]
+            .into_iter()
+            .map(|s| self.serving(s).0)
+            .find(|&p| p != from)
+            .expect("another master")
+    }
+
     /// Moves `slot`, with its keys, to the master on `to` (as `redis-cli --cluster
     /// reshard` does: IMPORTING / MIGRATING, MIGRATE, then SETSLOT NODE on every master),
     /// and waits until every node agrees.
