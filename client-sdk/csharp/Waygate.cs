@@ -372,7 +372,7 @@ namespace Waygate
         public uint BackoffMinMs;
         /// <summary>Largest reconnect delay (default 5000 ms).</summary>
         public uint BackoffMaxMs;
-        /// <summary>Most sent-but-unacked messages kept for resending (default 4096).</summary>
+        /// <summary>Most sent-but-unacked messages kept for resending (default and most 4096, the edge's window).</summary>
         public uint MaxUnacked;
         /// <summary>The 32-byte session key handed out beside a connect token (null: plain KCP).</summary>
         public byte[] SessionKey;

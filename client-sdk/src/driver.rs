@@ -779,6 +779,7 @@ async fn run(
                 Some(Cmd::DropLink) => {
                     if d.conn.take().is_some() {
                         d.session.handle_link_down(Instant::now().into_std(), CloseCode::GoingAway);
+                        d.link_ended();
                         d.next_connect = Instant::now();
                     }
                 }
@@ -788,6 +789,7 @@ async fn run(
                     }
                     d.paused = false;
                     d.failures = 0;
+                    d.quick_losses = 0;
                     d.next_connect = Instant::now();
                 }
                 Some(Cmd::Pause(done)) => {
@@ -858,6 +860,7 @@ async fn run(
                 // answer): drop it and resume at once, as for any lost link.
                 if d.conn.is_some() && d.session.state() == ClientState::Disconnected {
                     d.conn = None;
+                    d.link_ended();
                     d.next_connect = Instant::now();
                     // The endpoint that went silent is tried last: a dead edge or a blocked
                     // UDP path would only cost the next attempt its timeout.
@@ -1025,8 +1028,13 @@ impl Driver {
             .backoff_min
             .saturating_mul(1u32 << failures.min(16))
             .min(self.options.backoff_max);
-        let jitter = rand::rng().random_range(0..=cap.as_millis() as u64);
-        // The hint plus the jitter: clients refused together must not come back together.
+        // The hint plus the jitter (clients refused together must not come back together),
+        // the jitter at most half the hint when there is one.
+        let mut cap = cap.as_millis() as u64;
+        if at_least_ms > 0 {
+            cap = cap.min(u64::from(at_least_ms / 2).max(1));
+        }
+        let jitter = rand::rng().random_range(0..=cap);
         let delay = Duration::from_millis(u64::from(at_least_ms) + jitter);
         self.next_connect = Instant::now() + delay;
     }
@@ -1121,6 +1129,14 @@ impl Driver {
         self.session
             .handle_link_down(Instant::now().into_std(), code);
         self.after_link_down(code, welcomed);
+    }
+
+    /// A link that had its WELCOME ended on a path that reconnects at once (MIGRATE, a drill,
+    /// the liveness rule): one that lived past [`QUICK_LOSS`] ends a run of quick losses.
+    fn link_ended(&mut self) {
+        if self.welcomed_at.elapsed() >= QUICK_LOSS {
+            self.quick_losses = 0;
+        }
     }
 
     /// What follows the link's end whatever ended it: a reconnect's timing.
@@ -1435,6 +1451,7 @@ impl Driver {
                 }
                 ClientEvent::Migrate { target, .. } => {
                     self.migrate_to = Endpoint::parse(&target).ok();
+                    self.link_ended();
                     if let Some(mut c) = self.conn.take() {
                         c.close(CloseCode::GoingAway, "migrating").await;
                         self.session

@@ -4,7 +4,8 @@
 //! server seqs it received (cumulative + dedup), acknowledges them (piggybacked on its own
 //! DATA, or a standalone ACK after a delay or N messages), keeps every sequenced message it
 //! sent until the server acks it, and after a restore resends those above WELCOME's
-//! `client_seq_ack`. It sends PING every heartbeat interval while idle.
+//! `client_seq_ack`. It sends PING every heartbeat interval without a PING or sequenced
+//! DATA sent (frames the edge answers; best-effort DATA and ACKs do not count).
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};

@@ -395,10 +395,6 @@ function codeFromWsStatus(status: number): number | null {
   return null;
 }
 
-/**
- * A waygate session over WebSocket. Create it, subscribe with `on`, call `connect()`, then
- * `send()`; it reconnects and resumes by itself until `close()` or a terminal event.
- */
 /** An auth token as bytes; a `RangeError` if no HELLO can carry it (§1: at most 4,096 bytes). */
 function checkedToken(token: Uint8Array | string): Uint8Array {
   const bytes = typeof token === "string" ? base64UrlDecode(token) : token;
@@ -408,6 +404,10 @@ function checkedToken(token: Uint8Array | string): Uint8Array {
   return bytes;
 }
 
+/**
+ * A waygate session over WebSocket. Create it, subscribe with `on`, call `connect()`, then
+ * `send()`; it reconnects and resumes by itself until `close()` or a terminal event.
+ */
 export class WaygateClient {
   private readonly urls: string[];
   private token: Uint8Array;
@@ -594,6 +594,7 @@ export class WaygateClient {
     }
     this.clearReconnect();
     this.failures = 0;
+    this.quickLosses = 0;
     if (this._state !== "waiting") {
       const wasActive = this._state === "active";
       const ws = this.ws;
@@ -1139,8 +1140,10 @@ export class WaygateClient {
       return;
     }
     const cap = Math.min(this.opts.backoffMaxMs, this.opts.backoffMinMs * 2 ** Math.min(this.failures, 16));
-    const jitter = Math.floor(this.opts.random() * (cap + 1));
-    // The hint plus the jitter: clients refused together must not all come back together.
+    // The hint plus the jitter (clients refused together must not all come back together),
+    // the jitter at most half the hint when there is one.
+    const jitterCap = retryAfterMs > 0 ? Math.min(cap, Math.max(1, Math.floor(retryAfterMs / 2))) : cap;
+    const jitter = Math.floor(this.opts.random() * (jitterCap + 1));
     this.scheduleReconnect(retryAfterMs + jitter, { code, reason, wasActive: false });
   }
 
@@ -1362,7 +1365,9 @@ export class WaygateClient {
     const code = e instanceof ProtocolError ? e.code : CloseCode.protocol_error;
     const message = e instanceof Error ? e.message : String(e);
     this.emit("error", { kind: "protocol", code, message });
-    if (this._state !== "closed") this.failLink(code, message);
+    // Before WELCOME no CLOSE (§7.1: only PING): the frame that failed may have been a
+    // resume's WELCOME, and a CLOSE would spend the resume token this client still holds.
+    if (this._state !== "closed") this.failLink(code, message, this._state === "active");
   }
 
   private onFrame(f: Frame): void {
@@ -1659,6 +1664,7 @@ export class WaygateClient {
     this.transmit({ type: "close", code: CloseCode.going_away, message: "migrating" });
     this.dropSocket(1000, "migrating");
     this.failures = 0;
+    if (now() - this.welcomedAt >= QUICK_LOSS_MS) this.quickLosses = 0;
     this.scheduleReconnect(0, { code: CloseCode.going_away, reason: `migrating to ${target || "any edge"}`, wasActive: true });
   }
 

@@ -223,6 +223,7 @@ test("a REJECT's retry-after gets the jitter on top", async () => {
   const ws = ctx.WS.all.at(-1);
   await ws.open();
   ws.deliver({ type: "reject", code: CloseCode.draining, retryAfterMs: 1000, message: "" });
+  // The jitter: at most the backoff cap, and at most half the hint.
   assert.deepEqual(ctx.named("disconnected").map((e) => e.retryInMs), [1050]);
   ctx.client.close();
 });
@@ -246,6 +247,13 @@ test("links that die right after their WELCOME back off; a link that lived reset
   await sleep(1050); // this link lives past 1 s
   ws.drop();
   assert.equal(ctx.named("disconnected").at(-1).retryInMs, 0, "at once after a link that lived");
+  await sleep(20);
+  ws = ctx.WS.all.at(-1);
+  await ws.open();
+  ws.take();
+  ws.deliver(welcome(1, { serverSeqBase: 0n }));
+  ws.drop(); // a quick loss again: the backoff starts over
+  assert.equal(ctx.named("disconnected").at(-1).retryInMs, 10);
   ctx.client.close();
 });
 
@@ -598,8 +606,9 @@ test("protocol violations close with the right code and reconnect", async () => 
   await sleep(5);
   ws = ctx.WS.all.at(-1);
   await ws.open();
-  ws.deliver(data(1)); // DATA before WELCOME
-  assert.equal(ws.take().at(-1).code, CloseCode.unexpected_frame);
+  ws.deliver(data(1)); // DATA before WELCOME: no CLOSE before WELCOME (§7.1), the socket closes
+  assert.deepEqual(ws.take().map((f) => f.type), ["hello"]);
+  assert.equal(ws.closed.code, 4000 + CloseCode.unexpected_frame);
   await sleep(5);
   ws = ctx.WS.all.at(-1);
   await ws.open();
@@ -639,7 +648,8 @@ test("PING answered with PONG; idle heartbeat PING; PONG gives an RTT sample", a
 // heartbeat, so a client streaming best-effort DATA never PINGed and a dead link was
 // noticed only by the idle timeout.
 test("a client sending only best-effort DATA still PINGs every heartbeat interval", async () => {
-  const ctx = setup();
+  // A long liveness timeout: an unanswered PING must not end the link on a slow machine.
+  const ctx = setup({ livenessMs: 60_000 });
   const { ws } = await connect(ctx, 0, { heartbeatIntervalMs: 60 });
   ws.take();
   for (let i = 0; i < 15; i++) {
