@@ -1131,21 +1131,22 @@ impl Driver {
         self.after_link_down(code, welcomed);
     }
 
-    /// A link that had its WELCOME ended on a path that reconnects at once (MIGRATE, a drill,
-    /// the liveness rule): one that lived past [`QUICK_LOSS`] ends a run of quick losses.
-    fn link_ended(&mut self) {
-        if self.welcomed_at.elapsed() >= QUICK_LOSS {
-            self.quick_losses = 0;
+    /// A link that had its WELCOME ended: whether it died within [`QUICK_LOSS`] of it. One
+    /// that lived longer ends a run of quick losses.
+    fn link_ended(&mut self) -> bool {
+        if self.welcomed_at.elapsed() < QUICK_LOSS {
+            return true;
         }
+        self.quick_losses = 0;
+        false
     }
 
     /// What follows the link's end whatever ended it: a reconnect's timing.
     fn after_link_down(&mut self, code: CloseCode, welcomed: bool) {
         tracing::debug!(?code, welcomed, "link down (transport)");
         self.conn = None;
-        if welcomed && self.welcomed_at.elapsed() >= QUICK_LOSS {
+        if welcomed && !self.link_ended() {
             // A session that was up reconnects at once (resume quickly).
-            self.quick_losses = 0;
             self.next_connect = Instant::now();
         } else if welcomed {
             // Dead within QUICK_LOSS of its WELCOME (and so the ones before it): something

@@ -598,9 +598,7 @@ export class WaygateClient {
     if (this._state !== "waiting") {
       const wasActive = this._state === "active";
       const ws = this.ws;
-      // Before WELCOME a client sends nothing but PING (§7.1): a CLOSE there could spend a
-      // resume token whose WELCOME this client will never read.
-      if (wasActive && ws && ws.readyState === WS_OPEN) {
+      if (ws && ws.readyState === WS_OPEN) {
         this.transmit({ type: "close", code: CloseCode.going_away, message: "reconnecting" });
       }
       this.dropSocket(1000, "reconnecting");
@@ -625,7 +623,7 @@ export class WaygateClient {
     this.clearGiveUp();
     const wasActive = this._state === "active";
     const ws = this.ws;
-    if (wasActive && ws && ws.readyState === WS_OPEN) {
+    if (ws && ws.readyState === WS_OPEN) {
       this.transmit({ type: "close", code: CloseCode.going_away, message: "paused" });
     }
     this.dropSocket(1000, "paused");
@@ -801,7 +799,7 @@ export class WaygateClient {
       // A logout before the WELCOME returns false (the session lingers out): an edge whose
       // WELCOME is on its way must not end the session on a CLOSE(logout).
       const sent = code === CloseCode.logout && !live ? CloseCode.normal : code;
-      this.transmit({ type: "close", code: sent, message: reason.slice(0, 200) });
+      this.transmit({ type: "close", code: sent, message: reason.slice(0, 200) }, true);
     }
     this.dropSocket(1000, "closed");
     this.terminate(code, reason);
@@ -975,9 +973,7 @@ export class WaygateClient {
     this.ws = ws;
     this.handshakeTimer = setTimeout(() => {
       if (gen !== this.gen) return;
-      // No CLOSE: before WELCOME only PING goes out (§7.1), and a CLOSE crossing a resume's
-      // WELCOME would spend the resume token this client still holds.
-      this.failLink(CloseCode.handshake_timeout, "no WELCOME within the handshake timeout", false);
+      this.failLink(CloseCode.handshake_timeout, "no WELCOME within the handshake timeout");
     }, this.opts.handshakeTimeoutMs);
     ws.onopen = () => {
       if (gen !== this.gen) return;
@@ -1093,23 +1089,34 @@ export class WaygateClient {
    */
   private reconnectAfterActive(code: number | null, reason: string): void {
     this.failures = 0;
-    if (now() - this.welcomedAt >= QUICK_LOSS_MS) {
-      this.quickLosses = 0;
+    if (!this.linkEnded()) {
       this.scheduleReconnect(0, { code, reason, wasActive: true });
       return;
     }
     this.quickLosses++;
-    const cap = Math.min(this.opts.backoffMaxMs, this.opts.backoffMinMs * 2 ** Math.min(this.quickLosses - 1, 16));
+    const cap = this.backoffCap(this.quickLosses - 1);
     this.scheduleReconnect(Math.floor(this.opts.random() * (cap + 1)), { code, reason, wasActive: true });
   }
 
   /**
-   * Ends the link with our own CLOSE(code) (unless `tellEdge` is false: a handshake that
-   * timed out sends none, §7.1), then reconnects.
+   * A link that had its WELCOME ended: whether it died within {@link QUICK_LOSS_MS} of it.
+   * One that lived longer ends a run of quick losses.
    */
-  private failLink(code: number, reason: string, tellEdge = true): void {
+  private linkEnded(): boolean {
+    if (now() - this.welcomedAt < QUICK_LOSS_MS) return true;
+    this.quickLosses = 0;
+    return false;
+  }
+
+  /** The reconnect delay's cap after `failures` failures: doubling up to the maximum. */
+  private backoffCap(failures: number): number {
+    return Math.min(this.opts.backoffMaxMs, this.opts.backoffMinMs * 2 ** Math.min(failures, 16));
+  }
+
+  /** Ends the link with our own CLOSE(code) (after WELCOME: see `transmit`), then reconnects. */
+  private failLink(code: number, reason: string): void {
     const wasActive = this._state === "active";
-    if (tellEdge && this.ws && this.ws.readyState === WS_OPEN) this.transmit({ type: "close", code, message: reason.slice(0, 200) });
+    if (this.ws && this.ws.readyState === WS_OPEN) this.transmit({ type: "close", code, message: reason.slice(0, 200) });
     this.dropSocket(code < 1000 ? 4000 + code : 1000, reason.slice(0, 100));
     if (wasActive) {
       this.reconnectAfterActive(code, reason);
@@ -1139,7 +1146,7 @@ export class WaygateClient {
       this.terminate(CloseCode.unavailable, `${this.failures} connect attempts failed: giving up`);
       return;
     }
-    const cap = Math.min(this.opts.backoffMaxMs, this.opts.backoffMinMs * 2 ** Math.min(this.failures, 16));
+    const cap = this.backoffCap(this.failures);
     // The hint plus the jitter (clients refused together must not all come back together),
     // the jitter at most half the hint when there is one.
     const jitterCap = retryAfterMs > 0 ? Math.min(cap, Math.max(1, Math.floor(retryAfterMs / 2))) : cap;
@@ -1266,11 +1273,18 @@ export class WaygateClient {
   // -------------------------------------------------------------------------------------
   // Sending
 
-  /** Sends a frame on the current link; false when there is none open (nothing sent). */
-  private transmit(f: Frame): boolean {
+  /**
+   * Sends a frame on the current link; false when there is none open, or the frame may not
+   * go yet (nothing sent). `ending`: the last CLOSE of a client that ends, which may go
+   * before WELCOME (the client will not resume).
+   */
+  private transmit(f: Frame, ending = false): boolean {
     const ws = this.ws;
     if (!ws || ws.readyState !== WS_OPEN) return false;
     if (this.helloPending && f.type !== "hello") return false; // HELLO is the first frame (§7.1).
+    // Before WELCOME nothing but HELLO and PING (§7.1): a CLOSE crossing a resume's WELCOME
+    // would spend the resume token this client still holds.
+    if (this._state !== "active" && f.type !== "hello" && f.type !== "ping" && !ending) return false;
     ws.send(encodeFrame(f));
     const expectsAnswer = (f.type === "data" && f.seq > 0n) || f.type === "ping";
     // The heartbeat counts only frames the edge answers (§7.5): a client sending nothing but
@@ -1365,9 +1379,7 @@ export class WaygateClient {
     const code = e instanceof ProtocolError ? e.code : CloseCode.protocol_error;
     const message = e instanceof Error ? e.message : String(e);
     this.emit("error", { kind: "protocol", code, message });
-    // Before WELCOME no CLOSE (§7.1: only PING): the frame that failed may have been a
-    // resume's WELCOME, and a CLOSE would spend the resume token this client still holds.
-    if (this._state !== "closed") this.failLink(code, message, this._state === "active");
+    if (this._state !== "closed") this.failLink(code, message);
   }
 
   private onFrame(f: Frame): void {
@@ -1664,7 +1676,7 @@ export class WaygateClient {
     this.transmit({ type: "close", code: CloseCode.going_away, message: "migrating" });
     this.dropSocket(1000, "migrating");
     this.failures = 0;
-    if (now() - this.welcomedAt >= QUICK_LOSS_MS) this.quickLosses = 0;
+    this.linkEnded();
     this.scheduleReconnect(0, { code: CloseCode.going_away, reason: `migrating to ${target || "any edge"}`, wasActive: true });
   }
 

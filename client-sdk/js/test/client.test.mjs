@@ -52,6 +52,16 @@ async function assertResume(resume, { sessionId, token, lastServerSeq, nonce }) 
 /** Whether `needle` occurs in `bytes`. */
 const contains = (bytes, needle) => Buffer.from(bytes).indexOf(Buffer.from(needle)) !== -1;
 
+/** Drops `ws` as a network failure would, and opens the socket the client resumes on. */
+async function dropAndReopen(ctx, ws) {
+  ws.drop();
+  await sleep(5);
+  const next = ctx.WS.all.at(-1);
+  assert.notEqual(next, ws, "reconnected");
+  await next.open();
+  return next;
+}
+
 /** Connects and answers HELLO with WELCOME(outcome). */
 async function connect(ctx, outcome = 0, opts = {}) {
   ctx.client.connect();
@@ -453,10 +463,7 @@ test("MIGRATE: CLOSE going_away, reconnect to the target with the new resume tok
 test("expired auth token: resume with the resume part alone; resume_rejected then ends", async () => {
   const ctx = setup();
   const { ws } = await connect(ctx);
-  ws.drop();
-  await sleep(5);
-  let w = ctx.WS.all.at(-1);
-  await w.open();
+  let w = await dropAndReopen(ctx, ws);
   assert.equal(w.take()[0].resume.nonce, 1n);
   w.deliver({ type: "reject", code: CloseCode.auth_expired, retryAfterMs: 0, message: "" });
   await sleep(10);
@@ -476,10 +483,7 @@ test("expired auth token: resume with the resume part alone; resume_rejected the
 test("a refused token (not a ban) resumes alone; a token set meanwhile is kept", async () => {
   const ctx = setup();
   const { ws } = await connect(ctx);
-  ws.drop();
-  await sleep(5);
-  let w = ctx.WS.all.at(-1);
-  await w.open();
+  let w = await dropAndReopen(ctx, ws);
   w.take();
   w.deliver({ type: "reject", code: CloseCode.auth_unknown_key, retryAfterMs: 0, message: "" });
   assert.equal(ctx.named("closed").length, 0, "203 with a session is not terminal");
@@ -500,10 +504,7 @@ test("a refused token (not a ban) resumes alone; a token set meanwhile is kept",
 test("resume nonces count 1, 2, ... per session and restart with a new session id", async () => {
   const ctx = setup();
   const { ws } = await connect(ctx, 0, { sessionId: id(1), resumeToken: id(2) });
-  ws.drop();
-  await sleep(5);
-  let w = ctx.WS.all.at(-1);
-  await w.open();
+  let w = await dropAndReopen(ctx, ws);
   await assertResume(w.take()[0].resume, { sessionId: id(1), token: id(2), lastServerSeq: 0n, nonce: 1n });
   // Refused by the edge (e.g. resume_rejected): a new session with another id.
   w.deliver(welcome(3, { sessionId: id(9), resumeToken: id(4) }));
@@ -969,11 +970,7 @@ test("before WELCOME, reconnectNow and pause close the socket without a CLOSE fr
     const { ws } = await connect(ctx);
     ws.take();
     ws.deliver(data(1));
-    ws.drop(); // the link drops; the client resumes on a new socket
-    await sleep(20);
-    const ws2 = ctx.WS.all.at(-1);
-    assert.notEqual(ws2, ws);
-    await ws2.open();
+    const ws2 = await dropAndReopen(ctx, ws); // the link drops; the client resumes
     assert.deepEqual(ws2.take().map((f) => f.type), ["hello"], "a resume HELLO, unanswered");
     ctx.client[act]();
     assert.deepEqual(ws2.take(), [], `${act}: nothing sent before WELCOME`);

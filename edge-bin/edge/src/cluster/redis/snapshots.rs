@@ -791,6 +791,12 @@ impl RedisSnapshotStore {
             }
         }
         let ttl_arg = ms(ttl).to_string();
+        // The slot map, read once per commit (a failed call marks it stale for the next).
+        let masters = if cluster {
+            self.conn.node_groups()
+        } else {
+            None
+        };
         // EVALSHA; then EVAL for lost scripts and whole writes for lost bases (also lost
         // scripts' deltas whose base is gone); on a cluster a call for a master's slots
         // that failed (a slot moved) goes again by hash tag first: four rounds at most.
@@ -798,11 +804,6 @@ impl RedisSnapshotStore {
             if round.is_empty() {
                 break;
             }
-            let masters = if cluster {
-                self.conn.node_groups()
-            } else {
-                None
-            };
             let mut calls = Vec::new();
             // Deltas by (sent as text, group), in the round's order.
             type Members<'a> = Vec<(usize, &'a DeltaArgs)>;
